@@ -1,0 +1,120 @@
+"""Page ids, a free list and per-page refcounts (pure Python: no torch).
+
+The allocator knows nothing about tensors: a page id is an index into the
+pool's page dimension, and the same id addresses that page in every layer.
+
+Shape follows vLLM v1's ``BlockPool``: pages start in a FIFO free queue
+(lowest ids first), ``allocate`` pops from the front and takes one reference,
+``decref`` returns a page to the back of the queue when its last reference
+goes. Refcounts exist from day one so that forks can share committed pages.
+
+Every operation either fully succeeds or raises and changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Sequence
+
+from ardiff_modules.errors import AllocatorError, CapacityError
+
+
+class PageAllocator:
+    """Free list and refcounts over ``num_pages`` page ids ``0 .. num_pages - 1``."""
+
+    def __init__(self, num_pages: int) -> None:
+        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
+            raise AllocatorError(f"PageAllocator.num_pages: expected an int >= 1, got {num_pages!r}")
+        self.num_pages = num_pages
+        self._refcounts = [0] * num_pages
+        # NOTE: a deque, not a set: allocation order is deterministic (tests pin exact ids).
+        self._free: deque[int] = deque(range(num_pages))
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def refcount(self, page: int) -> int:
+        self._check_ids((page,))
+        return self._refcounts[page]
+
+    def free_pages(self) -> tuple[int, ...]:
+        """Free page ids in allocation order."""
+        return tuple(self._free)
+
+    def used_pages(self) -> tuple[int, ...]:
+        return tuple(p for p, rc in enumerate(self._refcounts) if rc > 0)
+
+    # ------------------------------------------------------------------ mutation
+    def allocate(self, count: int) -> list[int]:
+        """Take ``count`` free pages, each with refcount 1.
+
+        Raises :class:`CapacityError` (nothing allocated) when fewer are free.
+        """
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise AllocatorError(f"allocate: expected a page count >= 0, got {count!r}")
+        if count > len(self._free):
+            raise CapacityError(
+                f"KV pool out of pages: needed {count} free pages, only {len(self._free)} of "
+                f"{self.num_pages} are free",
+                needed=count,
+                free=len(self._free),
+            )
+        pages = [self._free.popleft() for _ in range(count)]
+        for page in pages:
+            self._refcounts[page] = 1
+        return pages
+
+    def incref(self, pages: Iterable[int]) -> None:
+        """Add one reference to each page (sharing); every page must be in use."""
+        pages = tuple(pages)
+        self._check_ids(pages)
+        for page in pages:
+            if self._refcounts[page] == 0:
+                raise AllocatorError(f"incref: page {page} is free; expected a page in use (refcount >= 1)")
+        for page in pages:
+            self._refcounts[page] += 1
+
+    def decref(self, pages: Iterable[int]) -> list[int]:
+        """Drop one reference from each page; return the pages that became free.
+
+        A page may appear several times (one reference dropped per occurrence).
+        Validated before anything changes: dropping more references than a
+        page has raises :class:`AllocatorError` and changes nothing.
+        """
+        pages = tuple(pages)
+        self._check_ids(pages)
+        drops: dict[int, int] = {}
+        for page in pages:
+            drops[page] = drops.get(page, 0) + 1
+        for page, n in drops.items():
+            if n > self._refcounts[page]:
+                raise AllocatorError(
+                    f"decref: page {page} has refcount {self._refcounts[page]}, cannot drop {n} reference(s)"
+                )
+        freed = []
+        for page in pages:
+            self._refcounts[page] -= 1
+            if self._refcounts[page] == 0:
+                self._free.append(page)
+                freed.append(page)
+        return freed
+
+    # ------------------------------------------------------------------ checks
+    def _check_ids(self, pages: Sequence[int]) -> None:
+        for page in pages:
+            if isinstance(page, bool) or not isinstance(page, int) or not 0 <= page < self.num_pages:
+                raise AllocatorError(f"expected a page id in [0, {self.num_pages}), got {page!r}")
+
+    def check_invariants(self) -> None:
+        """Internal consistency: free pages have refcount 0, used ones >= 1, no duplicates."""
+        free = set(self._free)
+        assert len(free) == len(self._free), "duplicate page in the free queue"
+        for page, rc in enumerate(self._refcounts):
+            assert rc >= 0, f"page {page} has negative refcount {rc}"
+            assert (rc == 0) == (page in free), f"page {page}: refcount {rc} but free={page in free}"

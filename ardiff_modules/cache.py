@@ -1,0 +1,280 @@
+"""``KVCache``: the pool, the allocator and the backend shared by every session.
+
+It opens sessions (:class:`~ardiff_modules.state.KVState`) and prepares
+forwards: one :meth:`KVCache.prepare_forward` call validates, allocates the
+pending chunks of every stream, builds the layout and the backend plan, and
+returns a :class:`~ardiff_modules.context.ForwardContext` whose layer contexts
+every attention layer of the model shares. All host work of a forward happens
+here, once.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ardiff_modules.allocator import PageAllocator
+from ardiff_modules.backends import AttentionBackend, resolve_backend
+from ardiff_modules.context import ForwardContext, LayerContext
+from ardiff_modules.errors import (
+    CapacityError,
+    PendingContextError,
+    SequenceLengthError,
+    SpecError,
+)
+from ardiff_modules.ops import PLANS
+from ardiff_modules.plan import ForwardLayout, StreamLayout
+from ardiff_modules.pool import KVPool, pages_for_budget
+from ardiff_modules.spec import KVCacheSpec
+from ardiff_modules.state import KVState, PendingForward
+from ardiff_modules.window import SinkWindowPolicy
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """Snapshot of pool usage."""
+
+    num_pages: int
+    pages_used: int
+    pages_free: int
+    bytes_per_page: int
+    pool_bytes: int
+    cross_attention_bytes: int
+    sessions: dict[str, dict[str, int]]  # session -> branch -> pages referenced
+
+
+class KVCache:
+    """Paged sink+window KV storage for any number of sessions.
+
+    Parameters
+    ----------
+    spec:
+        Geometry and policy.
+    num_pages, budget_bytes:
+        Pool size, as a page count or a byte budget (exactly one).
+    device:
+        Device of the pool.
+    backend:
+        ``"auto"`` (FlashInfer on CUDA when available, else reference),
+        ``"reference"``, ``"flashinfer"`` or an :class:`AttentionBackend` instance.
+    """
+
+    def __init__(
+        self,
+        spec: KVCacheSpec,
+        *,
+        num_pages: int | None = None,
+        budget_bytes: int | None = None,
+        device: torch.device | str = "cpu",
+        backend: str | AttentionBackend = "auto",
+    ) -> None:
+        if (num_pages is None) == (budget_bytes is None):
+            raise SpecError(
+                f"KVCache: expected exactly one of num_pages / budget_bytes, got num_pages={num_pages!r}, "
+                f"budget_bytes={budget_bytes!r}"
+            )
+        if num_pages is None:
+            num_pages = pages_for_budget(spec, budget_bytes)  # type: ignore[arg-type]
+        self.spec = spec
+        self.pool = KVPool(spec, num_pages, device)
+        self.allocator = PageAllocator(num_pages)
+        self.policy = SinkWindowPolicy(spec.sink_chunks, spec.window_chunks)
+        self.backend = resolve_backend(backend, self.pool.device, self.pool.dtype, spec.head_dim)
+        self._sessions: dict[str, KVState] = {}
+        self._forwards: dict[tuple[tuple[str, str], ...], ForwardContext] = {}
+        self._session_ids = itertools.count()
+
+    # ------------------------------------------------------------------ sessions
+    @property
+    def device(self) -> torch.device:
+        return self.pool.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.pool.dtype
+
+    @property
+    def sessions(self) -> dict[str, KVState]:
+        """Open sessions by id (a copy)."""
+        return dict(self._sessions)
+
+    def open_session(self, session_id: str | None = None) -> KVState:
+        """Open a session with every branch of the spec; no page is allocated until a branch runs."""
+        if session_id is None:
+            session_id = f"session-{next(self._session_ids)}"
+            while session_id in self._sessions:
+                session_id = f"session-{next(self._session_ids)}"
+        if session_id in self._sessions:
+            raise SpecError(f"open_session: expected a new session id, got {session_id!r} which is already open")
+        state = KVState(self, session_id)
+        self._sessions[session_id] = state
+        return state
+
+    def _forget_session(self, state: KVState) -> None:
+        """Called by ``KVState.close``: drop the session and its forward contexts."""
+        self._sessions.pop(state.session_id, None)
+        for key in [k for k in self._forwards if any(sid == state.session_id for sid, _ in k)]:
+            PLANS.unregister(self._forwards.pop(key).handle)
+
+    # ------------------------------------------------------------------ forwards
+    def prepare_forward(
+        self, streams: Sequence[tuple[KVState, str]], seq_len: int, commit_current: bool = False
+    ) -> ForwardContext:
+        """Prepare one forward over ``streams`` (``(session, branch)`` pairs, the batch order).
+
+        Allocates missing pending chunks (reusing those of earlier denoising
+        forwards), builds the plan once for all layers, and returns the forward
+        context. Raises before changing anything on: misaligned ``seq_len``,
+        unknown branch, closed session, duplicate stream, a committing forward
+        not yet committed, or too few free pages.
+        """
+        chunk = self.spec.chunk_size
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0 or seq_len % chunk:
+            raise SequenceLengthError(
+                f"seq_len: expected a positive multiple of chunk_size={chunk}, got {seq_len!r}"
+            )
+        if not streams:
+            raise SpecError("prepare_forward: expected at least one (session, branch) stream, got none")
+        num_chunks = seq_len // chunk
+        histories = []
+        keys = []
+        for state, branch in streams:
+            history = state._history(branch)  # raises on closed session / unknown branch
+            key = (state.session_id, branch)
+            if key in keys:
+                raise SpecError(f"prepare_forward: stream {key} appears twice; expected distinct streams")
+            pending = state._pending[branch]
+            if pending is not None and pending.commit_current:
+                raise PendingContextError(
+                    f"Branch {branch!r} of session {state.session_id!r} has a committing forward of "
+                    f"{pending.num_chunks} chunk(s) that was neither committed nor aborted; call "
+                    f"commit_paged_context({branch!r}) or abort({branch!r}) before preparing the next forward"
+                )
+            histories.append(history)
+            keys.append(key)
+        needed = sum(h.pages_needed(num_chunks) for h in histories)
+        if needed > self.allocator.num_free:
+            raise CapacityError(
+                f"KV pool out of pages: this forward needs {needed} more pages "
+                f"({num_chunks} pending chunk(s) x {self.spec.pages_per_chunk} pages for "
+                f"{len(histories)} stream(s), minus pages already pending), only "
+                f"{self.allocator.num_free} of {self.allocator.num_pages} are free",
+                needed=needed,
+                free=self.allocator.num_free,
+            )
+
+        # Grow pending chunks (cannot fail now), plan, and roll back if planning fails.
+        before = [h.pending for h in histories]
+        ctx = self._forward_context(tuple(keys))
+        try:
+            for h in histories:
+                if len(h.pending) < num_chunks:
+                    h.set_pending(num_chunks, self.allocator)
+            layout = ForwardLayout(
+                streams=tuple(
+                    StreamLayout(tuple(h.history_pages()), h.pending[:num_chunks], h.token_offset)
+                    for h in histories
+                ),
+                chunk_size=chunk,
+                page_size=self.spec.page_size,
+            )
+            plan = self.backend.plan(layout, self.pool.device, ctx.plan)
+            positions = layout.positions.to(self.pool.device, non_blocking=True)
+            cross = self._stack_cross(ctx, streams)
+        except BaseException:
+            for h, old in zip(histories, before):
+                grown = h.pending[len(old) :]
+                if grown:
+                    self.allocator.decref(p for c in grown for p in c)
+                h.pending = old
+            raise
+        for h in histories:
+            if len(h.pending) > num_chunks:
+                h.set_pending(num_chunks, self.allocator)  # reuse leaves no surplus behind
+        ctx.plan, ctx.layout, ctx.positions, ctx.commit_current = plan, layout, positions, bool(commit_current)
+        ctx.cross, ctx.cross_missing = cross
+        ctx._members = tuple(streams)
+        record = PendingForward(commit_current=bool(commit_current), num_chunks=num_chunks, context=ctx)
+        for state, branch in streams:
+            state._pending[branch] = record
+        return ctx
+
+    def _forward_context(self, key: tuple[tuple[str, str], ...]) -> ForwardContext:
+        """The persistent context of these streams (created on first use, then updated in place)."""
+        ctx = self._forwards.get(key)
+        if ctx is None:
+            ctx = ForwardContext(streams=key, handle=0, plan_id=torch.zeros((), dtype=torch.int64),
+                                 chunk_size=self.spec.chunk_size, _finish=_finish_forward)
+            ctx.handle = PLANS.register(ctx)
+            ctx.plan_id.fill_(ctx.handle)
+            ctx.layers = [
+                LayerContext(i, self.pool.k_pages(i), self.pool.v_pages(i), ctx) for i in range(self.spec.num_layers)
+            ]
+            self._forwards[key] = ctx
+        return ctx
+
+    def _stack_cross(
+        self, ctx: ForwardContext, streams: Sequence[tuple[KVState, str]]
+    ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, str]]:
+        """Per cache name, the streams' cross K/V stacked to ``[layers, streams, tokens, heads, dim]``.
+
+        Restacked only when a stream's cache was (re)populated; a single stream is a view.
+        """
+        cross: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        missing: dict[str, str] = {}
+        for name in self.spec.cross_attention_names:
+            entries = [state._cross_entry(branch, name) for state, branch in streams]
+            absent = [s for s, e in zip(streams, entries) if e is None]
+            if absent:
+                who = ", ".join(f"{st.session_id!r}/{b!r}" for st, b in absent)
+                missing[name] = (
+                    f"Cross-attention cache {name!r} was read before it was populated for {who}; "
+                    "call populate_cross_attention() first"
+                )
+                continue
+            stack_key = tuple(e.version for e in entries)
+            if ctx._stack_keys.get(name) == stack_key and name in ctx.cross:
+                cross[name] = ctx.cross[name]
+            elif len(entries) == 1:
+                cross[name] = (entries[0].k.unsqueeze(1), entries[0].v.unsqueeze(1))
+            else:
+                cross[name] = (
+                    torch.stack([e.k for e in entries], dim=1),
+                    torch.stack([e.v for e in entries], dim=1),
+                )
+            ctx._stack_keys[name] = stack_key
+        return cross, missing
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> CacheStats:
+        sessions = {
+            sid: {b: len(h.referenced_pages()) for b, h in state._branches.items()}
+            for sid, state in self._sessions.items()
+        }
+        cross_bytes = sum(state.cross_attention_bytes() for state in self._sessions.values())
+        return CacheStats(
+            num_pages=self.allocator.num_pages,
+            pages_used=self.allocator.num_used,
+            pages_free=self.allocator.num_free,
+            bytes_per_page=self.pool.bytes_per_page,
+            pool_bytes=self.pool.nbytes,
+            cross_attention_bytes=cross_bytes,
+            sessions=sessions,
+        )
+
+
+def _finish_forward(ctx: ForwardContext, success: bool) -> None:
+    """Commit (success) or abort every stream of ``ctx`` that still has this forward pending."""
+    for state, branch in ctx._members:
+        if state.is_closed:
+            continue
+        record = state._pending.get(branch)
+        if record is None or record.context is not ctx:
+            continue
+        if success:
+            state.commit_paged_context(branch)
+        else:
+            state.abort(branch)

@@ -1,0 +1,77 @@
+"""Exceptions raised by ``ardiff_modules``.
+
+Every user-reachable misuse raises one of these, with a message naming the
+expected and the actual value. Each also derives from the builtin exception a
+caller would naturally catch (``ValueError``, ``KeyError``, ``RuntimeError``),
+so code written against the seed's plain exceptions keeps working.
+
+This module is pure Python: the allocator imports it without torch.
+"""
+
+from __future__ import annotations
+
+
+class ARDiffError(Exception):
+    """Base class of every exception raised on purpose by this library."""
+
+
+class SpecError(ARDiffError, ValueError):
+    """A configuration value is invalid (names the field, expected and actual)."""
+
+
+class CapacityError(ARDiffError, RuntimeError):
+    """The pool has fewer free pages than an operation needs. Nothing was changed."""
+
+    def __init__(self, message: str, *, needed: int, free: int) -> None:
+        super().__init__(message)
+        self.needed = needed
+        self.free = free
+
+
+class AllocatorError(ARDiffError, RuntimeError):
+    """A page id or refcount operation is invalid (double free, unknown page)."""
+
+
+class SessionClosedError(ARDiffError, RuntimeError):
+    """An operation was attempted on a closed session."""
+
+
+class UnknownBranchError(ARDiffError, KeyError):
+    """A KV branch name is not one of the spec's branches."""
+
+    def __str__(self) -> str:  # KeyError would print the repr of the message
+        return str(self.args[0]) if self.args else ""
+
+
+class UnknownCacheError(ARDiffError, KeyError):
+    """A cross-attention cache name is not one of the spec's caches."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class CrossAttentionNotPopulatedError(ARDiffError, RuntimeError):
+    """A cross-attention cache was read before it was populated."""
+
+
+class PendingContextError(ARDiffError, RuntimeError):
+    """A committing forward's pending chunks were replaced before being committed."""
+
+
+class SequenceLengthError(ARDiffError, ValueError):
+    """``seq_len`` is not a positive multiple of ``chunk_size``."""
+
+
+class TensorMismatchError(ARDiffError, ValueError):
+    """A tensor has the wrong shape, dtype or device."""
+
+
+class BackendUnavailableError(ARDiffError, RuntimeError):
+    """The requested attention backend cannot run here (missing package, device, dtype)."""
+
+
+class PlanNotFoundError(ARDiffError, KeyError):
+    """A custom op was called with a plan handle that is not registered."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""

@@ -1,0 +1,87 @@
+"""``torch.library`` custom ops: the only place a layer's forward touches the KV cache.
+
+FlashInfer's ``wrapper.run()`` cannot be traced by dynamo, so the write-and-
+attend step is one opaque custom op with a fake (meta) implementation and
+explicit ``mutates_args``. Custom ops cannot take Python objects, so the plan
+is found through a *handle*: a CPU int64 scalar tensor (data, not a Python int,
+so a new forward, session or layer never specialises the compiled graph)
+resolved in the single :data:`PLANS` registry.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Protocol
+
+import torch
+
+from ardiff_modules.backends.base import AttentionPlan
+from ardiff_modules.errors import PlanNotFoundError
+
+
+class PlanHolder(Protocol):
+    """Anything registered in :data:`PLANS`: it exposes the current plan of its forward."""
+
+    plan: AttentionPlan | None
+
+
+class PlanRegistry:
+    """Maps plan handles to their holders (weakly: a dropped forward frees its entry)."""
+
+    def __init__(self) -> None:
+        self._holders: weakref.WeakValueDictionary[int, PlanHolder] = weakref.WeakValueDictionary()
+        self._ids = itertools.count(1)
+
+    def register(self, holder: PlanHolder) -> int:
+        handle = next(self._ids)
+        self._holders[handle] = holder
+        return handle
+
+    def unregister(self, handle: int) -> None:
+        self._holders.pop(handle, None)
+
+    def get(self, handle: int) -> AttentionPlan:
+        holder = self._holders.get(handle)
+        if holder is None:
+            raise PlanNotFoundError(
+                f"No attention plan is registered under handle {handle}: the forward context was "
+                "released (session closed or context dropped); call get_kv_caches()/prepare_forward() again"
+            )
+        if holder.plan is None:
+            raise PlanNotFoundError(f"Plan handle {handle} is registered but has no plan yet")
+        return holder.plan
+
+    def __len__(self) -> int:
+        return len(self._holders)
+
+
+#: The one registry of plans (explicit, documented; entries die with their forward contexts).
+PLANS = PlanRegistry()
+
+
+@torch.library.custom_op("ardiff_modules::chunk_attention", mutates_args=("k_cache", "v_cache"))
+def chunk_attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan_id: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Write ``k``/``v`` into the pending pages of ``k_cache``/``v_cache`` and attend.
+
+    ``q`` is ``[tokens, heads, head_dim]`` (streams flattened, stream-major), ``k``/``v``
+    ``[tokens, kv_heads, head_dim]``, the caches one layer's ``[pages, page_size, kv_heads,
+    head_dim]``; ``plan_id`` a CPU int64 scalar naming the forward's plan. Returns
+    ``[tokens, heads, head_dim_v]``.
+    """
+    # NOTE: plan_id lives on the CPU, so reading it is not a device sync.
+    plan = PLANS.get(int(plan_id))
+    return plan.run(q, k, v, k_cache, v_cache, scale)
+
+
+@chunk_attention_op.register_fake
+def _chunk_attention_fake(q, k, v, k_cache, v_cache, plan_id, scale):  # noqa: ANN001, ANN202
+    return q.new_empty((q.shape[0], q.shape[1], v.shape[2]))

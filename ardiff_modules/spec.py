@@ -1,0 +1,159 @@
+"""Frozen, validated configuration of a KV cache (pure Python, no torch).
+
+A :class:`KVCacheSpec` says how many layers and heads the model has, how video
+tokens are grouped into chunks and pages, how many chunks stay visible (sinks
+plus a sliding window), which KV branches a session has (e.g. CFG's
+``("cond", "uncond")``) and which named cross-attention caches it keeps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ardiff_modules.errors import SpecError, UnknownCacheError
+
+#: dtype names accepted by :class:`KVCacheSpec` (resolved to torch dtypes by the pool).
+SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def _require_int(owner: str, name: str, value: Any, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SpecError(f"{owner}.{name}: expected an int >= {minimum}, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise SpecError(f"{owner}.{name}: expected an int >= {minimum}, got {value}")
+
+
+def _require_names(owner: str, name: str, values: tuple[str, ...]) -> None:
+    if not values:
+        raise SpecError(f"{owner}.{name}: expected at least one name, got an empty tuple")
+    for value in values:
+        if not isinstance(value, str) or not value:
+            raise SpecError(f"{owner}.{name}: expected non-empty strings, got {value!r}")
+    if len(set(values)) != len(values):
+        raise SpecError(f"{owner}.{name}: expected unique names, got {values}")
+
+
+@dataclass(frozen=True)
+class CrossAttentionSpec:
+    """One named cross-attention cache (e.g. ``"text"``), stored per session and branch.
+
+    Parameters
+    ----------
+    name:
+        Cache name used by ``populate_cross_attention`` / ``get_cross_attention_kv``.
+    tokens:
+        Number of context tokens (e.g. 512 padded T5 tokens). K/V per layer are
+        ``[tokens, num_kv_heads, head_dim]``.
+    num_kv_heads, head_dim:
+        Own head count / head dim; ``None`` means the self-attention spec's.
+    """
+
+    name: str
+    tokens: int
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise SpecError(f"CrossAttentionSpec.name: expected a non-empty string, got {self.name!r}")
+        _require_int("CrossAttentionSpec", "tokens", self.tokens, minimum=1)
+        if self.num_kv_heads is not None:
+            _require_int("CrossAttentionSpec", "num_kv_heads", self.num_kv_heads, minimum=1)
+        if self.head_dim is not None:
+            _require_int("CrossAttentionSpec", "head_dim", self.head_dim, minimum=1)
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """Geometry and policy of a paged sink+window KV cache.
+
+    Parameters
+    ----------
+    num_layers:
+        Attention layers sharing the pool (one page id addresses a page in every layer).
+    num_kv_heads, head_dim:
+        K/V heads and head dim of self-attention.
+    chunk_size:
+        Tokens per autoregressive chunk (e.g. 3 latent frames x 1560 = 4680).
+    page_size:
+        Tokens per kernel page; must divide ``chunk_size``.
+    sink_chunks:
+        First committed chunks of a branch that are never evicted.
+    window_chunks:
+        Most recent committed non-sink chunks kept visible; ``None`` keeps all
+        (plain block-causal attention over the whole history, nothing evicted).
+    branches:
+        Names of the independent KV streams of a session, e.g. ``("cond", "uncond")``.
+    cross_attention:
+        Named cross-attention caches.
+    dtype:
+        Storage dtype name, one of :data:`SUPPORTED_DTYPES`.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    chunk_size: int
+    page_size: int
+    sink_chunks: int = 0
+    window_chunks: int | None = None
+    branches: tuple[str, ...] = ("main",)
+    cross_attention: tuple[CrossAttentionSpec, ...] = field(default_factory=tuple)
+    dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        owner = "KVCacheSpec"
+        for name in ("num_layers", "num_kv_heads", "head_dim", "chunk_size", "page_size"):
+            _require_int(owner, name, getattr(self, name), minimum=1)
+        _require_int(owner, "sink_chunks", self.sink_chunks, minimum=0)
+        if self.window_chunks is not None:
+            _require_int(owner, "window_chunks", self.window_chunks, minimum=0)
+        if self.chunk_size % self.page_size != 0:
+            raise SpecError(
+                f"{owner}.page_size: expected a divisor of chunk_size={self.chunk_size}, got {self.page_size} "
+                f"(remainder {self.chunk_size % self.page_size})"
+            )
+        # Accept lists for convenience; store tuples so the spec stays hashable.
+        object.__setattr__(self, "branches", tuple(self.branches))
+        object.__setattr__(self, "cross_attention", tuple(self.cross_attention))
+        _require_names(owner, "branches", self.branches)
+        for cross in self.cross_attention:
+            if not isinstance(cross, CrossAttentionSpec):
+                raise SpecError(f"{owner}.cross_attention: expected CrossAttentionSpec items, got {cross!r}")
+        cross_names = tuple(c.name for c in self.cross_attention)
+        if len(set(cross_names)) != len(cross_names):
+            raise SpecError(f"{owner}.cross_attention: expected unique cache names, got {cross_names}")
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise SpecError(f"{owner}.dtype: expected one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+
+    @property
+    def pages_per_chunk(self) -> int:
+        """Whole pages owned by one chunk."""
+        return self.chunk_size // self.page_size
+
+    @property
+    def max_resident_chunks(self) -> int | None:
+        """Committed chunks a branch keeps (sinks + window), ``None`` if unbounded."""
+        if self.window_chunks is None:
+            return None
+        return self.sink_chunks + self.window_chunks
+
+    @property
+    def cross_attention_names(self) -> tuple[str, ...]:
+        return tuple(c.name for c in self.cross_attention)
+
+    def cross_attention_spec(self, name: str) -> CrossAttentionSpec:
+        for cross in self.cross_attention:
+            if cross.name == name:
+                return cross
+        raise UnknownCacheError(
+            f"Unknown cross-attention cache {name!r}; expected one of {self.cross_attention_names}"
+        )
+
+    def pages_per_branch(self, pending_chunks: int = 1) -> int | None:
+        """Peak pages one branch holds: (sinks + window + pending) chunks; ``None`` if unbounded."""
+        resident = self.max_resident_chunks
+        if resident is None:
+            return None
+        return (resident + pending_chunks) * self.pages_per_chunk

@@ -1,0 +1,301 @@
+"""``KVState``: one session's branches, pending chunks and cross-attention caches.
+
+This is the seed's session-state API (``get_kv_caches`` /
+``commit_paged_context`` / ``populate_cross_attention`` / ``reset`` /
+``close`` ...), standalone, plus what users need and the seed lacks: batched
+multi-branch forwards, ``abort`` of a failed forward, absolute token offsets
+for RoPE, and pending pages reused across denoising forwards.
+
+Every method validates before it mutates: a raised exception leaves this
+session, every other session and the pool unchanged.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from ardiff_modules.context import ForwardContext, LayerContext
+from ardiff_modules.errors import (
+    CrossAttentionNotPopulatedError,
+    SequenceLengthError,
+    SessionClosedError,
+    SpecError,
+    TensorMismatchError,
+    UnknownBranchError,
+    UnknownCacheError,
+)
+from ardiff_modules.history import BranchHistory
+
+if TYPE_CHECKING:
+    from ardiff_modules.cache import KVCache
+
+_cross_versions = itertools.count(1)
+
+
+@dataclass(frozen=True, eq=False)
+class CrossEntry:
+    """One populated cross-attention cache of one branch: K and V ``[num_layers, tokens, heads, dim]``."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    version: int
+
+
+@dataclass(frozen=True, eq=False)
+class PendingForward:
+    """The forward last prepared for a branch, until it is committed or aborted."""
+
+    commit_current: bool
+    num_chunks: int
+    context: ForwardContext
+
+
+class KVState:
+    """KV state of one session: any number of branches (e.g. CFG's cond/uncond) and named cross caches.
+
+    Created by :meth:`KVCache.open_session`. Branches allocate lazily: a worker
+    that never runs a branch holds no page for it.
+    """
+
+    def __init__(self, cache: KVCache, session_id: str) -> None:
+        self.cache = cache
+        self.session_id = session_id
+        spec = cache.spec
+        self._branches: dict[str, BranchHistory] = {
+            b: BranchHistory(cache.policy, spec.pages_per_chunk, spec.chunk_size) for b in spec.branches
+        }
+        self._pending: dict[str, PendingForward | None] = dict.fromkeys(spec.branches)
+        self._cross: dict[tuple[str, str], CrossEntry] = {}  # (cache name, branch) -> entry
+        self._closed = False
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def kv_branch_names(self) -> tuple[str, ...]:
+        return tuple(self._branches)
+
+    @property
+    def num_layers(self) -> int:
+        return self.cache.spec.num_layers
+
+    @property
+    def is_closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SessionClosedError(f"Session {self.session_id!r} is closed; expected an open session")
+
+    def _history(self, branch: str) -> BranchHistory:
+        self._check_open()
+        try:
+            return self._branches[branch]
+        except KeyError:
+            raise UnknownBranchError(
+                f"Unknown KV branch {branch!r}; expected one of {self.kv_branch_names}"
+            ) from None
+
+    def token_offset(self, branch: str) -> int:
+        """Absolute position of the branch's next pending token (tokens ever committed, evicted included)."""
+        return self._history(branch).token_offset
+
+    def committed_chunks(self, branch: str) -> int:
+        """Chunks ever committed on ``branch``."""
+        return self._history(branch).committed_chunks
+
+    def visible_chunks(self, branch: str) -> tuple[tuple[int, ...], ...]:
+        """Page ids of each visible committed chunk (sinks then window), oldest first."""
+        return self._history(branch).resident_chunks
+
+    def pending_chunks(self, branch: str) -> tuple[tuple[int, ...], ...]:
+        """Page ids of each pending chunk of ``branch``."""
+        return self._history(branch).pending
+
+    def pages_in_use(self) -> int:
+        """References this session holds on pool pages (all branches)."""
+        return sum(len(h.referenced_pages()) for h in self._branches.values())
+
+    # ------------------------------------------------------------------ self-attention
+    def get_kv_caches(
+        self, kv_branch: str, seq_len: int | None = None, commit_current: bool = False
+    ) -> list[LayerContext]:
+        """Per-layer contexts for one forward of ``kv_branch`` over ``seq_len`` pending tokens (seed API)."""
+        if seq_len is None:
+            raise SequenceLengthError(
+                f"get_kv_caches: expected seq_len (a multiple of chunk_size={self.cache.spec.chunk_size}), got None"
+            )
+        return self.prepare_paged_context(kv_branch, seq_len, commit_current)
+
+    def prepare_paged_context(self, kv_branch: str, seq_len: int, commit_current: bool) -> list[LayerContext]:
+        """Same as :meth:`get_kv_caches` (the seed's name)."""
+        return self.prepare_forward((kv_branch,), seq_len, commit_current).layers
+
+    def prepare_forward(
+        self, branches: Sequence[str] | None = None, seq_len: int | None = None, commit_current: bool = False
+    ) -> ForwardContext:
+        """One forward over several branches of this session, batched in that order (e.g. CFG).
+
+        ``branches`` defaults to every branch of the spec. The result is a context
+        manager that commits on success and aborts on an exception.
+        """
+        self._check_open()
+        if isinstance(branches, str):
+            branches = (branches,)
+        names = self.kv_branch_names if branches is None else tuple(branches)
+        if seq_len is None:
+            raise SequenceLengthError(
+                f"prepare_forward: expected seq_len (a multiple of chunk_size={self.cache.spec.chunk_size}), got None"
+            )
+        return self.cache.prepare_forward([(self, b) for b in names], seq_len, commit_current)
+
+    def commit_paged_context(self, kv_branch: str) -> None:
+        """After a successful forward: a committing forward's pending chunks join history (no copy).
+
+        Chunks that leave the window are evicted (pages freed when unreferenced).
+        After a non-committing (denoising) forward this only closes the forward:
+        its pending pages stay reserved and the next forward of the chunk reuses them.
+        """
+        history = self._history(kv_branch)
+        record = self._pending[kv_branch]
+        if record is None:
+            return
+        if record.commit_current:
+            history.commit_pending(self.cache.allocator)
+        self._pending[kv_branch] = None
+
+    def abort(self, kv_branch: str | None = None) -> None:
+        """Drop the pending work of ``kv_branch`` (or of every branch); history stays exactly as before."""
+        names = self.kv_branch_names if kv_branch is None else (kv_branch,)
+        histories = [self._history(b) for b in names]
+        for branch, history in zip(names, histories):
+            history.drop_pending(self.cache.allocator)
+            self._pending[branch] = None
+
+    # ------------------------------------------------------------------ cross-attention
+    def _cross_key(self, kv_branch: str, cache_name: str) -> tuple[str, str]:
+        self._history(kv_branch)
+        if cache_name not in self.cache.spec.cross_attention_names:
+            raise UnknownCacheError(
+                f"Unknown cross-attention cache {cache_name!r}; expected one of {self.cache.spec.cross_attention_names}"
+            )
+        return cache_name, kv_branch
+
+    def _cross_entry(self, kv_branch: str, cache_name: str) -> CrossEntry | None:
+        return self._cross.get((cache_name, kv_branch))
+
+    def is_cross_attention_populated(self, kv_branch: str, cache_name: str) -> bool:
+        return self._cross_key(kv_branch, cache_name) in self._cross
+
+    def populate_cross_attention(
+        self,
+        kv_branch: str,
+        cache_name: str,
+        layer_kv: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    ) -> None:
+        """Publish one named cache for one branch after every layer was written.
+
+        ``layer_kv`` yields ``num_layers`` ``(k, v)`` pairs, each ``[tokens, heads, head_dim]``,
+        consumed once in layer order. If producing, validating or copying any layer fails,
+        the previous complete cache (if any) stays visible and nothing changes.
+        """
+        key = self._cross_key(kv_branch, cache_name)
+        spec = self.cache.spec
+        cross = spec.cross_attention_spec(cache_name)
+        shape = (cross.tokens, cross.num_kv_heads or spec.num_kv_heads, cross.head_dim or spec.head_dim)
+        device, dtype = self.cache.device, self.cache.dtype
+        k_all = torch.empty((spec.num_layers, *shape), dtype=dtype, device=device)
+        v_all = torch.empty_like(k_all)
+        count = 0
+        for layer, pair in enumerate(layer_kv):
+            if layer >= spec.num_layers:
+                raise TensorMismatchError(
+                    f"populate_cross_attention({cache_name!r}): expected {spec.num_layers} layers, got more"
+                )
+            k, v = pair
+            for label, t in (("k", k), ("v", v)):
+                if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
+                    got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                    raise TensorMismatchError(
+                        f"populate_cross_attention({cache_name!r}) layer {layer} {label}: expected shape "
+                        f"{shape} [tokens, heads, head_dim], got {got}"
+                    )
+                if t.device != device and not (t.device.type == device.type == "cpu"):
+                    raise TensorMismatchError(
+                        f"populate_cross_attention({cache_name!r}) layer {layer} {label}: expected device "
+                        f"{device}, got {t.device}"
+                    )
+                if not t.dtype.is_floating_point:
+                    raise TensorMismatchError(
+                        f"populate_cross_attention({cache_name!r}) layer {layer} {label}: expected a floating "
+                        f"dtype (stored as {dtype}), got {t.dtype}"
+                    )
+            k_all[layer].copy_(k)
+            v_all[layer].copy_(v)
+            count += 1
+        if count != spec.num_layers:
+            raise TensorMismatchError(
+                f"populate_cross_attention({cache_name!r}): expected {spec.num_layers} layers, got {count}"
+            )
+        self._cross[key] = CrossEntry(k_all, v_all, next(_cross_versions))
+
+    def get_cross_attention_kv(self, kv_branch: str, cache_name: str) -> list[dict[str, torch.Tensor]]:
+        """Every layer's ``{"k", "v"}`` (each ``[tokens, heads, head_dim]``) of a populated cache."""
+        key = self._cross_key(kv_branch, cache_name)
+        entry = self._cross.get(key)
+        if entry is None:
+            raise CrossAttentionNotPopulatedError(
+                f"Cross-attention cache {cache_name!r} for KV branch {kv_branch!r} of session "
+                f"{self.session_id!r} was read before it was populated"
+            )
+        return [{"k": entry.k[i], "v": entry.v[i]} for i in range(self.num_layers)]
+
+    def clear_cross_attention(self) -> None:
+        """Drop every named cross-attention cache (prompt switch); self-attention history is kept."""
+        self._check_open()
+        self._cross.clear()
+
+    def cross_attention_bytes(self) -> int:
+        return sum(e.k.numel() * e.k.element_size() * 2 for e in self._cross.values())
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Release every page and cache of this session (idempotent)."""
+        if self._closed:
+            return
+        for history in self._branches.values():
+            history.release(self.cache.allocator)
+        self._pending = dict.fromkeys(self._branches)
+        self._cross.clear()
+        self._closed = True
+        self.cache._forget_session(self)
+
+    def reset(self, *, keep_cross_attention: Collection[str] = ()) -> None:
+        """Release all self-attention pages and restart every branch at offset 0.
+
+        ``keep_cross_attention`` names cross caches that stay valid (e.g. the prompt
+        is unchanged across a model-internal window reset); all others are dropped.
+        A closed session is reopened.
+        """
+        if isinstance(keep_cross_attention, str):
+            keep_cross_attention = (keep_cross_attention,)
+        unknown = set(keep_cross_attention) - set(self.cache.spec.cross_attention_names)
+        if unknown:
+            raise UnknownCacheError(
+                f"Unknown cross-attention caches to keep: {sorted(unknown)}; expected names from "
+                f"{self.cache.spec.cross_attention_names}"
+            )
+        if self._closed and self.session_id in self.cache._sessions:
+            raise SpecError(
+                f"reset: session id {self.session_id!r} was reopened by another session; expected it to be free"
+            )
+        for history in self._branches.values():
+            history.release(self.cache.allocator)
+        self._pending = dict.fromkeys(self._branches)
+        self._cross = {k: e for k, e in self._cross.items() if k[0] in keep_cross_attention}
+        if self._closed:
+            self._closed = False
+            self.cache._sessions[self.session_id] = self
