@@ -9,11 +9,19 @@ Typical use::
     state = cache.open_session()
     with state.prepare_forward(("cond", "uncond"), seq_len=4680, commit_current=True) as fwd:
         out = model(x, fwd.layers)      # layers: ChunkSelfAttention / CachedCrossAttention
+
+NOTE: the torch-dependent names are imported lazily (PEP 562 ``__getattr__``) so that
+the pure-Python layers (``spec``, ``errors``, ``allocator``, ``window``, ``history``)
+import without torch, as DESIGN.md section 2 requires.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Pure Python (no torch): imported eagerly.
 from ardiff_modules.allocator import PageAllocator
-from ardiff_modules.cache import CacheStats, KVCache
-from ardiff_modules.context import ForwardContext, LayerContext
 from ardiff_modules.errors import (
     AllocatorError,
     ARDiffError,
@@ -29,21 +37,57 @@ from ardiff_modules.errors import (
     UnknownBranchError,
     UnknownCacheError,
 )
-from ardiff_modules.modules import (
-    CachedCrossAttention,
-    ChunkSelfAttention,
-    apply_rope,
-    cached_cross_attention,
-    chunk_attention,
-    populate_cross_attention,
-)
-from ardiff_modules.plan import ForwardLayout, StreamLayout
-from ardiff_modules.pool import KVPool
 from ardiff_modules.spec import CrossAttentionSpec, KVCacheSpec
-from ardiff_modules.state import KVState
 from ardiff_modules.window import SinkWindowPolicy
 
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+    from ardiff_modules.cache import CacheStats, KVCache
+    from ardiff_modules.context import ForwardContext, LayerContext
+    from ardiff_modules.modules import (
+        CachedCrossAttention,
+        ChunkSelfAttention,
+        apply_rope,
+        cached_cross_attention,
+        chunk_attention,
+        populate_cross_attention,
+    )
+    from ardiff_modules.plan import ForwardLayout, StreamLayout
+    from ardiff_modules.pool import KVPool
+    from ardiff_modules.state import KVState
+
 __version__ = "0.1.0"
+
+# Torch-dependent public names -> the module that defines them (imported on first access).
+_LAZY: dict[str, str] = {
+    "CacheStats": "ardiff_modules.cache",
+    "KVCache": "ardiff_modules.cache",
+    "ForwardContext": "ardiff_modules.context",
+    "LayerContext": "ardiff_modules.context",
+    "CachedCrossAttention": "ardiff_modules.modules",
+    "ChunkSelfAttention": "ardiff_modules.modules",
+    "apply_rope": "ardiff_modules.modules",
+    "cached_cross_attention": "ardiff_modules.modules",
+    "chunk_attention": "ardiff_modules.modules",
+    "populate_cross_attention": "ardiff_modules.modules",
+    "ForwardLayout": "ardiff_modules.plan",
+    "StreamLayout": "ardiff_modules.plan",
+    "KVPool": "ardiff_modules.pool",
+    "KVState": "ardiff_modules.state",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # cache: later lookups are plain module attributes
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "ARDiffError",

@@ -195,7 +195,8 @@ class KVCache:
             if len(h.pending) > num_chunks:
                 h.set_pending(num_chunks, self.allocator)  # reuse leaves no surplus behind
         ctx.plan, ctx.layout, ctx.positions, ctx.commit_current = plan, layout, positions, bool(commit_current)
-        ctx.cross, ctx.cross_missing = cross
+        ctx.set_cross(cross[0], cross[1])
+        ctx._stack_keys = cross[2]
         ctx._members = tuple(streams)
         record = PendingForward(commit_current=bool(commit_current), num_chunks=num_chunks, context=ctx)
         for state, branch in streams:
@@ -218,13 +219,14 @@ class KVCache:
 
     def _stack_cross(
         self, ctx: ForwardContext, streams: Sequence[tuple[KVState, str]]
-    ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, str]]:
+    ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, str], dict[str, tuple[int, ...]]]:
         """Per cache name, the streams' cross K/V stacked to ``[layers, streams, tokens, heads, dim]``.
 
         Restacked only when a stream's cache was (re)populated; a single stream is a view.
         """
         cross: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         missing: dict[str, str] = {}
+        keys: dict[str, tuple[int, ...]] = {}
         for name in self.spec.cross_attention_names:
             entries = [state._cross_entry(branch, name) for state, branch in streams]
             absent = [s for s, e in zip(streams, entries) if e is None]
@@ -245,8 +247,8 @@ class KVCache:
                     torch.stack([e.k for e in entries], dim=1),
                     torch.stack([e.v for e in entries], dim=1),
                 )
-            ctx._stack_keys[name] = stack_key
-        return cross, missing
+            keys[name] = stack_key
+        return cross, missing, keys
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> CacheStats:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import torch
 
@@ -38,12 +38,16 @@ class LayerContext:
         This layer's pages, ``[num_pages, page_size, num_kv_heads, head_dim]``.
     forward:
         The shared :class:`ForwardContext`.
+    cross:
+        Cache name -> this layer's ``(k, v)``, each ``[num_streams, tokens, heads, dim]`` (views of
+        the forward's stacked caches, so no layer index is needed at run time).
     """
 
     layer_index: int
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     forward: ForwardContext
+    cross: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @property
     def plan_id(self) -> torch.Tensor:
@@ -65,7 +69,10 @@ class LayerContext:
 
     def cross_kv(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's cross-attention K and V for cache ``name``, each ``[num_streams, tokens, heads, dim]``."""
-        return self.forward.cross_kv(name, self.layer_index)
+        pair = self.cross.get(name)
+        if pair is None:
+            self.forward.raise_missing_cross(name)
+        return pair
 
 
 @dataclass(eq=False)
@@ -122,13 +129,22 @@ class ForwardContext:
         """Absolute position of each stream's first current token."""
         return tuple(s.token_offset for s in self.layout.streams) if self.layout is not None else ()
 
-    def cross_kv(self, name: str, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        pair = self.cross.get(name)
-        if pair is None:
-            if name in self.cross_missing:
-                raise CrossAttentionNotPopulatedError(self.cross_missing[name])
-            raise UnknownCacheError(f"Unknown cross-attention cache {name!r}; expected one of {tuple(self.cross)}")
-        return pair[0][layer], pair[1][layer]
+    def raise_missing_cross(self, name: str) -> NoReturn:
+        if name in self.cross_missing:
+            raise CrossAttentionNotPopulatedError(self.cross_missing[name])
+        known = tuple(self.cross) + tuple(self.cross_missing)
+        raise UnknownCacheError(f"Unknown cross-attention cache {name!r}; expected one of {known}")
+
+    def set_cross(self, cross: dict[str, tuple[torch.Tensor, torch.Tensor]], missing: dict[str, str]) -> None:
+        """Publish stacked cross caches; per-layer views are rebuilt only for caches that changed."""
+        changed = [name for name in cross if self.cross.get(name) is not cross[name]]
+        for layer in self.layers:
+            for name in list(layer.cross):
+                if name not in cross:
+                    del layer.cross[name]
+            for name in changed:
+                layer.cross[name] = (cross[name][0][layer.layer_index], cross[name][1][layer.layer_index])
+        self.cross, self.cross_missing = cross, missing
 
     def to_dense(self) -> torch.Tensor:
         """The visibility mask of this forward, bool ``[num_streams, seq_len, max_keys]`` (see ``ForwardLayout``)."""

@@ -5,6 +5,7 @@ from ardiff_modules.modules.attention import (
     ChunkSelfAttention,
     populate_cross_attention,
 )
+from ardiff_modules.modules.rotary import RotaryEmbedding, VideoRotaryEmbedding
 from ardiff_modules.modules.functional import (
     Rope,
     apply_rope,
@@ -17,6 +18,8 @@ __all__ = [
     "CachedCrossAttention",
     "ChunkSelfAttention",
     "Rope",
+    "RotaryEmbedding",
+    "VideoRotaryEmbedding",
     "apply_rope",
     "cached_cross_attention",
     "chunk_attention",

@@ -1,0 +1,209 @@
+"""A tiny streaming DiT built from the library's modules, and an independent cache-free oracle.
+
+The oracle (:class:`NaiveStreaming`) reimplements the semantics of DESIGN.md
+section 1 with plain Python lists and dense tensors -- no pages, no plan, no
+window policy object: visibility is list slicing, the mask is built inline.
+It shares only the model's projection weights with the library path.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ardiff_modules import (
+    CachedCrossAttention,
+    ChunkSelfAttention,
+    CrossAttentionSpec,
+    KVCache,
+    KVCacheSpec,
+    populate_cross_attention,
+)
+from ardiff_modules.modules.rotary import RotaryEmbedding
+
+TEXT = "text"
+
+
+class TinyBlock(nn.Module):
+    def __init__(self, dim: int, heads: int, kv_heads: int, context_dim: int, qk_norm: str | None) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = ChunkSelfAttention(dim, heads, num_kv_heads=kv_heads, qk_norm=qk_norm)
+        self.norm2 = nn.LayerNorm(dim)
+        self.cross = CachedCrossAttention(dim, heads, TEXT, context_dim=context_dim, num_kv_heads=kv_heads)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, x, kv, rope):  # noqa: ANN001, ANN201
+        x = x + self.attn(self.norm1(x), kv, rope)
+        x = x + self.cross(self.norm2(x), kv)
+        return x + self.mlp(x)
+
+
+class TinyStreamingModel(nn.Module):
+    def __init__(
+        self, dim: int = 32, heads: int = 4, kv_heads: int = 4, layers: int = 3, context_dim: int = 24,
+        qk_norm: str | None = "head",
+    ) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(TinyBlock(dim, heads, kv_heads, context_dim, qk_norm) for _ in range(layers))
+        self.rope = RotaryEmbedding(dim // heads)
+        self.dim, self.heads, self.kv_heads, self.context_dim = dim, heads, kv_heads, context_dim
+
+    def forward(self, x, layers):  # noqa: ANN001, ANN201
+        for block, kv in zip(self.blocks, layers):
+            x = block(x, kv, self.rope)
+        return x
+
+    def spec(self, chunk_size, page_size, sink, window, branches=("cond", "uncond"), text_tokens=5):  # noqa: ANN001, ANN201
+        return KVCacheSpec(
+            num_layers=len(self.blocks), num_kv_heads=self.kv_heads, head_dim=self.dim // self.heads,
+            chunk_size=chunk_size, page_size=page_size, sink_chunks=sink, window_chunks=window,
+            branches=branches, cross_attention=(CrossAttentionSpec(TEXT, text_tokens),), dtype="float32",
+        )
+
+
+class LibraryStreaming:
+    """Drives the library: batched ``prepare_forward`` and the seed's per-branch API."""
+
+    def __init__(self, model: TinyStreamingModel, spec: KVCacheSpec, num_pages: int, fn=None) -> None:  # noqa: ANN001
+        self.model = model
+        self.fn = fn if fn is not None else model
+        self.cache = KVCache(spec, num_pages=num_pages, backend="reference")
+        self.state = self.cache.open_session("s0")
+
+    def forward(self, branches: Sequence[str], x: torch.Tensor, commit: bool) -> torch.Tensor:
+        if len(branches) == 1:  # the seed's API
+            layers = self.state.get_kv_caches(branches[0], x.shape[1], commit_current=commit)
+            out = self.fn(x, layers)
+            self.state.commit_paged_context(branches[0])
+            return out
+        with self.state.prepare_forward(branches, x.shape[1], commit_current=commit) as fwd:
+            return self.fn(x, fwd.layers)
+
+    def set_prompt(self, contexts: dict[str, torch.Tensor]) -> None:
+        self.state.clear_cross_attention()
+        for branch, context in contexts.items():
+            populate_cross_attention(self.state, branch, [b.cross for b in self.model.blocks], context)
+
+    def reset(self) -> None:
+        self.state.reset(keep_cross_attention=(TEXT,))
+
+
+class NaiveStreaming:
+    """Cache-free oracle: per branch, the per-layer K/V of every committed chunk in a plain list."""
+
+    def __init__(self, model: TinyStreamingModel, chunk_size: int, sink: int, window: int | None) -> None:
+        self.model, self.chunk, self.sink, self.window = model, chunk_size, sink, window
+        self.committed: dict[str, list[list[tuple[torch.Tensor, torch.Tensor]]]] = defaultdict(list)
+        self.text: dict[str, torch.Tensor] = {}
+
+    def visible(self, branch: str) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+        chunks = self.committed[branch]
+        sinks, rest = chunks[: self.sink], chunks[self.sink :]
+        if self.window is not None:
+            rest = rest[max(0, len(rest) - self.window) :] if self.window > 0 else []
+        return sinks + rest
+
+    def forward(self, branches: Sequence[str], x: torch.Tensor, commit: bool) -> torch.Tensor:
+        outs = []
+        for s, branch in enumerate(branches):
+            out, chunk_kv = self._stream(branch, x[s : s + 1])
+            outs.append(out)
+            if commit:
+                self.committed[branch].extend(chunk_kv)
+        return torch.cat(outs)
+
+    @torch.no_grad()
+    def _stream(self, branch: str, x: torch.Tensor):  # noqa: ANN202
+        n = x.shape[1]
+        n_chunks = n // self.chunk
+        start = len(self.committed[branch]) * self.chunk
+        positions = torch.arange(start, start + n)[None]
+        history = self.visible(branch)
+        hist_len = len(history) * self.chunk
+        q_chunk = torch.arange(n) // self.chunk
+        mask = torch.ones(n, hist_len + n, dtype=torch.bool)
+        mask[:, hist_len:] = q_chunk[None, :] <= q_chunk[:, None]
+        per_layer = []
+        h = x
+        for layer, block in enumerate(self.model.blocks):
+            a = block.attn
+            hn = block.norm1(h)
+            q = self.model.rope(a._split(a.to_q(hn), a.num_heads, a.norm_q), positions)
+            k = self.model.rope(a._split(a.to_k(hn), a.num_kv_heads, a.norm_k), positions)
+            v = a.to_v(hn).view(1, n, a.num_kv_heads, a.head_dim)
+            keys = torch.cat([c[layer][0] for c in history] + [k[0]])
+            values = torch.cat([c[layer][1] for c in history] + [v[0]])
+            o = F.scaled_dot_product_attention(
+                q.transpose(1, 2), keys[None].transpose(1, 2), values[None].transpose(1, 2),
+                attn_mask=mask, enable_gqa=a.num_heads != a.num_kv_heads,
+            ).transpose(1, 2)
+            h = h + a.to_out(o.reshape(1, n, -1))
+            c = block.cross
+            ck, cv = c.project_kv(self.text[branch])
+            qc = c.to_q(block.norm2(h)).view(1, n, c.num_heads, c.head_dim)
+            oc = F.scaled_dot_product_attention(
+                qc.transpose(1, 2), ck[None].transpose(1, 2), cv[None].transpose(1, 2),
+                enable_gqa=c.num_heads != c.num_kv_heads,
+            ).transpose(1, 2)
+            h = h + c.to_out(oc.reshape(1, n, -1))
+            h = h + block.mlp(h)
+            per_layer.append((k[0], v[0]))
+        chunk_kv = [
+            [(k[i * self.chunk : (i + 1) * self.chunk], v[i * self.chunk : (i + 1) * self.chunk]) for k, v in per_layer]
+            for i in range(n_chunks)
+        ]
+        return h, chunk_kv
+
+    def set_prompt(self, contexts: dict[str, torch.Tensor]) -> None:
+        self.text = dict(contexts)
+
+    def reset(self) -> None:
+        self.committed.clear()
+
+
+def rollout_events(
+    num_chunks: int, chunk_size: int, dim: int, context_dim: int, seed: int = 0, fixed_shape: bool = False
+) -> list[tuple]:
+    """A Self-Forcing-style schedule: 2 denoising forwards + 1 committing forward per step, CFG batched.
+
+    Includes multi-chunk forwards (1..4 chunks), single-branch forwards through the seed API,
+    a prompt switch and a reset. ``fixed_shape`` keeps every forward at one chunk of both branches.
+    """
+    g = torch.Generator().manual_seed(seed)
+    branches = ("cond", "uncond")
+    events: list[tuple] = [("prompt", {b: torch.randn(5, context_dim, generator=g) for b in branches})]
+    chunk_counts = [1, 1, 2, 1, 3, 1, 4, 1, 1, 2, 1, 1]
+    done = 0
+    step = 0
+    while done < num_chunks:
+        n = 1 if fixed_shape else chunk_counts[step % len(chunk_counts)]
+        rows = branches if fixed_shape or step % 5 != 4 else ("uncond",)
+        for denoise in range(2):
+            events.append(("forward", rows, torch.randn(len(rows), n * chunk_size, dim, generator=g), False))
+        events.append(("forward", rows, torch.randn(len(rows), n * chunk_size, dim, generator=g), True))
+        if step == 5:
+            events.append(("prompt", {b: torch.randn(5, context_dim, generator=g) for b in branches}))
+        if step == 9:
+            events.append(("reset",))
+        done += n
+        step += 1
+    return events
+
+
+def play(runner, events) -> list[torch.Tensor]:  # noqa: ANN001
+    outs = []
+    for event in events:
+        if event[0] == "prompt":
+            runner.set_prompt(event[1])
+        elif event[0] == "reset":
+            runner.reset()
+        else:
+            _, rows, x, commit = event
+            with torch.no_grad():
+                outs.append(runner.forward(rows, x, commit))
+    return outs
