@@ -70,6 +70,22 @@ class PageAllocator:
             self._refcounts[page] = 1
         return pages
 
+    def unallocate(self, pages: Sequence[int]) -> None:
+        """Undo the latest :meth:`allocate` of ``pages`` exactly (free-queue order included).
+
+        For rolling back a failed multi-step operation; every page must hold exactly
+        the one reference ``allocate`` gave it.
+        """
+        self._check_ids(pages)
+        for page in pages:
+            if self._refcounts[page] != 1:
+                raise AllocatorError(
+                    f"unallocate: page {page} has refcount {self._refcounts[page]}, expected 1 (freshly allocated)"
+                )
+        for page in reversed(pages):
+            self._refcounts[page] = 0
+            self._free.appendleft(page)
+
     def incref(self, pages: Iterable[int]) -> None:
         """Add one reference to each page (sharing); every page must be in use."""
         pages = tuple(pages)

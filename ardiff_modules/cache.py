@@ -17,14 +17,16 @@ from dataclasses import dataclass
 import torch
 
 from ardiff_modules.allocator import PageAllocator
-from ardiff_modules.backends import AttentionBackend, resolve_backend
+from ardiff_modules.backends import AttentionBackend, PlanRequest, resolve_backend
 from ardiff_modules.context import ForwardContext, LayerContext
 from ardiff_modules.errors import (
     CapacityError,
     PendingContextError,
     SequenceLengthError,
     SpecError,
+    TensorMismatchError,
 )
+from ardiff_modules.history import BranchHistory
 from ardiff_modules.ops import PLANS
 from ardiff_modules.plan import ForwardLayout, StreamLayout
 from ardiff_modules.pool import KVPool, pages_for_budget
@@ -84,7 +86,7 @@ class KVCache:
         self.policy = SinkWindowPolicy(spec.sink_chunks, spec.window_chunks)
         self.backend = resolve_backend(backend, self.pool.device, self.pool.dtype, spec.head_dim)
         self._sessions: dict[str, KVState] = {}
-        self._forwards: dict[tuple[tuple[str, str], ...], ForwardContext] = {}
+        self._forwards: dict[tuple[tuple[tuple[str, str], ...], int | None], ForwardContext] = {}
         self._session_ids = itertools.count()
 
     # ------------------------------------------------------------------ sessions
@@ -116,12 +118,18 @@ class KVCache:
     def _forget_session(self, state: KVState) -> None:
         """Called by ``KVState.close``: drop the session and its forward contexts."""
         self._sessions.pop(state.session_id, None)
-        for key in [k for k in self._forwards if any(sid == state.session_id for sid, _ in k)]:
+        for key in [k for k in self._forwards if any(sid == state.session_id for sid, _ in k[0])]:
             PLANS.unregister(self._forwards.pop(key).handle)
 
     # ------------------------------------------------------------------ forwards
     def prepare_forward(
-        self, streams: Sequence[tuple[KVState, str]], seq_len: int, commit_current: bool = False
+        self,
+        streams: Sequence[tuple[KVState, str]],
+        seq_len: int,
+        commit_current: bool = False,
+        *,
+        token_mask: torch.Tensor | None = None,
+        static: bool = False,
     ) -> ForwardContext:
         """Prepare one forward over ``streams`` (``(session, branch)`` pairs, the batch order).
 
@@ -129,7 +137,19 @@ class KVCache:
         forwards), builds the plan once for all layers, and returns the forward
         context. Raises before changing anything on: misaligned ``seq_len``,
         unknown branch, closed session, duplicate stream, a committing forward
-        not yet committed, or too few free pages.
+        not yet committed, too few free pages, or a bad ``token_mask``.
+
+        Parameters
+        ----------
+        token_mask:
+            Optional bool ``[num_streams, seq_len, max_keys]`` over the keys in the order of
+            :meth:`ForwardContext.to_dense` (visible history, then pending tokens), ANDed with
+            the visibility rule: the masked path for masks that are not chunk-structured.
+            ``max_keys`` is ``max_visible_keys(...)`` of this forward.
+        static:
+            Keep every device input of this forward in fixed buffers so that a CUDA graph
+            captured once replays correctly after re-planning (see :class:`CUDAGraphStep`).
+            Needs the FlashInfer backend and a bounded window.
         """
         chunk = self.spec.chunk_size
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0 or seq_len % chunk:
@@ -138,10 +158,19 @@ class KVCache:
             )
         if not streams:
             raise SpecError("prepare_forward: expected at least one (session, branch) stream, got none")
+        if static and self.spec.window_chunks is None:
+            raise SpecError(
+                "prepare_forward(static=True): expected a bounded window (window_chunks is not None) so the "
+                "fixed buffers can be sized, got window_chunks=None"
+            )
         num_chunks = seq_len // chunk
         histories = []
         keys = []
         for state, branch in streams:
+            if state.cache is not self:
+                raise SpecError(
+                    f"prepare_forward: expected sessions of this KVCache, got {state.session_id!r} of another"
+                )
             history = state._history(branch)  # raises on closed session / unknown branch
             key = (state.session_id, branch)
             if key in keys:
@@ -155,6 +184,14 @@ class KVCache:
                 )
             histories.append(history)
             keys.append(key)
+        if token_mask is not None:
+            expected = (len(histories), seq_len, self.max_visible_keys(histories, num_chunks))
+            if not isinstance(token_mask, torch.Tensor) or token_mask.dtype != torch.bool:
+                raise TensorMismatchError(f"token_mask: expected a torch.bool tensor, got {token_mask!r:.80}")
+            if tuple(token_mask.shape) != expected:
+                raise TensorMismatchError(
+                    f"token_mask: expected shape {expected} [streams, seq_len, max_keys], got {tuple(token_mask.shape)}"
+                )
         needed = sum(h.pages_needed(num_chunks) for h in histories)
         if needed > self.allocator.num_free:
             raise CapacityError(
@@ -166,9 +203,9 @@ class KVCache:
                 free=self.allocator.num_free,
             )
 
-        # Grow pending chunks (cannot fail now), plan, and roll back if planning fails.
+        # Grow pending chunks (cannot fail now), plan, and roll back exactly if planning fails.
         before = [h.pending for h in histories]
-        ctx = self._forward_context(tuple(keys))
+        ctx = self._forward_context(tuple(keys), seq_len if static else None)
         try:
             for h in histories:
                 if len(h.pending) < num_chunks:
@@ -181,14 +218,25 @@ class KVCache:
                 chunk_size=chunk,
                 page_size=self.spec.page_size,
             )
-            plan = self.backend.plan(layout, self.pool.device, ctx.plan)
-            positions = layout.positions.to(self.pool.device, non_blocking=True)
-            cross = self._stack_cross(ctx, streams)
+            request = PlanRequest(
+                layout=layout,
+                device=self.pool.device,
+                dtype=self.pool.dtype,
+                num_qo_heads=self.spec.query_heads,
+                num_kv_heads=self.spec.num_kv_heads,
+                head_dim=self.spec.head_dim,
+                token_mask=token_mask,
+                static=static,
+                max_pages=self._max_plan_pages(len(histories), num_chunks) if static else None,
+            )
+            plan = self.backend.plan(request, ctx.plan)
+            positions = _to_device(layout.positions, self.pool.device, ctx.positions if static else None)
+            cross = self._stack_cross(ctx, streams, static)
         except BaseException:
-            for h, old in zip(histories, before):
+            for h, old in reversed(list(zip(histories, before))):
                 grown = h.pending[len(old) :]
                 if grown:
-                    self.allocator.decref(p for c in grown for p in c)
+                    self.allocator.unallocate([p for c in grown for p in c])
                 h.pending = old
             raise
         for h in histories:
@@ -203,12 +251,28 @@ class KVCache:
             state._pending[branch] = record
         return ctx
 
-    def _forward_context(self, key: tuple[tuple[str, str], ...]) -> ForwardContext:
-        """The persistent context of these streams (created on first use, then updated in place)."""
+    def max_visible_keys(self, histories: Sequence[BranchHistory], num_chunks: int) -> int:
+        """Keys of the widest stream of a forward: visible history plus all pending tokens."""
+        return max(len(h.history_pages()) * self.spec.page_size for h in histories) + num_chunks * self.spec.chunk_size
+
+    def _max_plan_pages(self, num_streams: int, num_chunks: int) -> int:
+        """Upper bound of the page list of a structural plan (rows of one forward), for fixed buffers."""
+        resident = self.spec.max_resident_chunks
+        assert resident is not None
+        chunks = sum(resident + c for c in range(1, num_chunks + 1))
+        return num_streams * chunks * self.spec.pages_per_chunk
+
+    def _forward_context(self, streams: tuple[tuple[str, str], ...], static_len: int | None) -> ForwardContext:
+        """The persistent context of these streams (created on first use, then updated in place).
+
+        Static contexts (CUDA-graph replay) are separate per sequence length: their buffers are fixed.
+        """
+        key = (streams, static_len)
         ctx = self._forwards.get(key)
         if ctx is None:
-            ctx = ForwardContext(streams=key, handle=0, plan_id=torch.zeros((), dtype=torch.int64),
-                                 chunk_size=self.spec.chunk_size, _finish=_finish_forward)
+            ctx = ForwardContext(streams=streams, handle=0, plan_id=torch.zeros((), dtype=torch.int64),
+                                 chunk_size=self.spec.chunk_size, static=static_len is not None,
+                                 _finish=_finish_forward)
             ctx.handle = PLANS.register(ctx)
             ctx.plan_id.fill_(ctx.handle)
             ctx.layers = [
@@ -218,11 +282,12 @@ class KVCache:
         return ctx
 
     def _stack_cross(
-        self, ctx: ForwardContext, streams: Sequence[tuple[KVState, str]]
+        self, ctx: ForwardContext, streams: Sequence[tuple[KVState, str]], static: bool
     ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, str], dict[str, tuple[int, ...]]]:
         """Per cache name, the streams' cross K/V stacked to ``[layers, streams, tokens, heads, dim]``.
 
         Restacked only when a stream's cache was (re)populated; a single stream is a view.
+        Static contexts copy into buffers allocated once, so captured graphs read the new prompt.
         """
         cross: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         missing: dict[str, str] = {}
@@ -240,6 +305,16 @@ class KVCache:
             stack_key = tuple(e.version for e in entries)
             if ctx._stack_keys.get(name) == stack_key and name in ctx.cross:
                 cross[name] = ctx.cross[name]
+            elif static:
+                k_buf, v_buf = ctx.cross.get(name) or ctx._cross_buffers.get(name) or (None, None)
+                if k_buf is None:
+                    k_buf = torch.stack([e.k for e in entries], dim=1)
+                    v_buf = torch.stack([e.v for e in entries], dim=1)
+                    ctx._cross_buffers[name] = (k_buf, v_buf)
+                else:
+                    torch.stack([e.k for e in entries], dim=1, out=k_buf)
+                    torch.stack([e.v for e in entries], dim=1, out=v_buf)
+                cross[name] = (k_buf, v_buf)
             elif len(entries) == 1:
                 cross[name] = (entries[0].k.unsqueeze(1), entries[0].v.unsqueeze(1))
             else:
@@ -266,6 +341,18 @@ class KVCache:
             cross_attention_bytes=cross_bytes,
             sessions=sessions,
         )
+
+
+def _to_device(cpu: torch.Tensor, device: torch.device, out: torch.Tensor | None) -> torch.Tensor:
+    """Copy a host tensor to ``device`` without a sync (pinned staging); into ``out`` when given (fixed buffer)."""
+    if device.type == "cpu":
+        if out is not None and out.shape == cpu.shape:
+            return out.copy_(cpu)
+        return cpu
+    staged = cpu.pin_memory()
+    if out is not None and out.shape == cpu.shape and out.device == device:
+        return out.copy_(staged, non_blocking=True)
+    return staged.to(device, non_blocking=True)
 
 
 def _finish_forward(ctx: ForwardContext, success: bool) -> None:

@@ -108,7 +108,10 @@ class ForwardContext:
     cross: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     #: name -> reason a cache is unavailable to this forward.
     cross_missing: dict[str, str] = field(default_factory=dict)
+    #: Whether device inputs live in fixed buffers (CUDA-graph replay).
+    static: bool = False
     _stack_keys: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    _cross_buffers: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     _members: tuple[tuple[KVState, str], ...] = ()
     _finish: Callable[[ForwardContext, bool], None] | None = None
 

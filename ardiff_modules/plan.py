@@ -88,6 +88,15 @@ class ForwardLayout:
 
     # ------------------------------------------------------------------ writes
     @cached_property
+    def write_pages(self) -> torch.Tensor:
+        """int64 ``[num_streams * seq_len // page_size]``: the page of every ``page_size`` current tokens.
+
+        Current tokens, flat stream-major and reshaped to ``[-1, page_size, H, D]``, are written
+        page by page (``index_copy_`` along the page dim): pages never straddle chunks.
+        """
+        return torch.tensor([p for s in self.streams for chunk in s.pending_pages for p in chunk], dtype=torch.int64)
+
+    @cached_property
     def write_slots(self) -> torch.Tensor:
         """int64 ``[num_streams * seq_len]``: token slot of every current token, flat stream-major."""
         pages = torch.tensor(

@@ -70,6 +70,7 @@ class KVPool:
             dtype=self.dtype,
             device=self.device,
         )
+        self.device = self.kv.device  # "cuda" -> "cuda:0": comparisons with tensors' devices must match
 
     @classmethod
     def from_bytes(cls, spec: KVCacheSpec, budget_bytes: int, device: torch.device | str = "cpu") -> KVPool:

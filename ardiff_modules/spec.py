@@ -89,6 +89,9 @@ class KVCacheSpec:
         Named cross-attention caches.
     dtype:
         Storage dtype name, one of :data:`SUPPORTED_DTYPES`.
+    num_qo_heads:
+        Query heads of self-attention (a multiple of ``num_kv_heads``; GQA when larger).
+        Default ``num_kv_heads``. Kernel plans are built for it once per forward.
     """
 
     num_layers: int
@@ -101,6 +104,7 @@ class KVCacheSpec:
     branches: tuple[str, ...] = ("main",)
     cross_attention: tuple[CrossAttentionSpec, ...] = field(default_factory=tuple)
     dtype: str = "bfloat16"
+    num_qo_heads: int | None = None
 
     def __post_init__(self) -> None:
         owner = "KVCacheSpec"
@@ -114,9 +118,20 @@ class KVCacheSpec:
                 f"{owner}.page_size: expected a divisor of chunk_size={self.chunk_size}, got {self.page_size} "
                 f"(remainder {self.chunk_size % self.page_size})"
             )
-        # Accept lists for convenience; store tuples so the spec stays hashable.
-        object.__setattr__(self, "branches", tuple(self.branches))
-        object.__setattr__(self, "cross_attention", tuple(self.cross_attention))
+        # Accept lists (and one bare branch name) for convenience; store tuples so the spec stays hashable.
+        if isinstance(self.branches, str):
+            object.__setattr__(self, "branches", (self.branches,))
+        if isinstance(self.cross_attention, CrossAttentionSpec):
+            raise SpecError(
+                f"{owner}.cross_attention: expected a tuple of CrossAttentionSpec, got {self.cross_attention!r} "
+                "(a single spec: wrap it in a tuple)"
+            )
+        for name in ("branches", "cross_attention"):
+            value = getattr(self, name)
+            try:
+                object.__setattr__(self, name, tuple(value))
+            except TypeError:
+                raise SpecError(f"{owner}.{name}: expected a tuple, got {value!r}") from None
         _require_names(owner, "branches", self.branches)
         for cross in self.cross_attention:
             if not isinstance(cross, CrossAttentionSpec):
@@ -124,8 +139,20 @@ class KVCacheSpec:
         cross_names = tuple(c.name for c in self.cross_attention)
         if len(set(cross_names)) != len(cross_names):
             raise SpecError(f"{owner}.cross_attention: expected unique cache names, got {cross_names}")
+        if self.num_qo_heads is not None:
+            _require_int(owner, "num_qo_heads", self.num_qo_heads, minimum=1)
+            if self.num_qo_heads % self.num_kv_heads:
+                raise SpecError(
+                    f"{owner}.num_qo_heads: expected a multiple of num_kv_heads={self.num_kv_heads}, "
+                    f"got {self.num_qo_heads}"
+                )
         if self.dtype not in SUPPORTED_DTYPES:
             raise SpecError(f"{owner}.dtype: expected one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+
+    @property
+    def query_heads(self) -> int:
+        """Query heads of self-attention (``num_qo_heads`` or ``num_kv_heads``)."""
+        return self.num_qo_heads if self.num_qo_heads is not None else self.num_kv_heads
 
     @property
     def pages_per_chunk(self) -> int:

@@ -135,12 +135,19 @@ class KVState:
         return self.prepare_forward((kv_branch,), seq_len, commit_current).layers
 
     def prepare_forward(
-        self, branches: Sequence[str] | None = None, seq_len: int | None = None, commit_current: bool = False
+        self,
+        branches: Sequence[str] | None = None,
+        seq_len: int | None = None,
+        commit_current: bool = False,
+        *,
+        token_mask: torch.Tensor | None = None,
+        static: bool = False,
     ) -> ForwardContext:
         """One forward over several branches of this session, batched in that order (e.g. CFG).
 
         ``branches`` defaults to every branch of the spec. The result is a context
-        manager that commits on success and aborts on an exception.
+        manager that commits on success and aborts on an exception. ``token_mask`` and
+        ``static`` are as in :meth:`KVCache.prepare_forward`.
         """
         self._check_open()
         if isinstance(branches, str):
@@ -150,7 +157,9 @@ class KVState:
             raise SequenceLengthError(
                 f"prepare_forward: expected seq_len (a multiple of chunk_size={self.cache.spec.chunk_size}), got None"
             )
-        return self.cache.prepare_forward([(self, b) for b in names], seq_len, commit_current)
+        return self.cache.prepare_forward(
+            [(self, b) for b in names], seq_len, commit_current, token_mask=token_mask, static=static
+        )
 
     def commit_paged_context(self, kv_branch: str) -> None:
         """After a successful forward: a committing forward's pending chunks join history (no copy).
@@ -233,8 +242,8 @@ class KVState:
                         f"populate_cross_attention({cache_name!r}) layer {layer} {label}: expected a floating "
                         f"dtype (stored as {dtype}), got {t.dtype}"
                     )
-            k_all[layer].copy_(k)
-            v_all[layer].copy_(v)
+            k_all[layer].copy_(k.detach())  # a cache holds data, never an autograd graph
+            v_all[layer].copy_(v.detach())
             count += 1
         if count != spec.num_layers:
             raise TensorMismatchError(

@@ -12,7 +12,7 @@ import importlib.util
 
 import torch
 
-from ardiff_modules.backends.base import AttentionBackend, AttentionPlan
+from ardiff_modules.backends.base import AttentionBackend, AttentionPlan, PlanRequest
 from ardiff_modules.backends.reference import ReferenceBackend
 from ardiff_modules.errors import BackendUnavailableError
 
@@ -61,6 +61,7 @@ __all__ = [
     "AttentionBackend",
     "AttentionPlan",
     "BACKEND_NAMES",
+    "PlanRequest",
     "ReferenceBackend",
     "flashinfer_available",
     "resolve_backend",

@@ -3,10 +3,45 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 
 from ardiff_modules.plan import ForwardLayout
+
+
+@dataclass(frozen=True, eq=False)
+class PlanRequest:
+    """Everything a backend needs to plan one forward.
+
+    Attributes
+    ----------
+    layout:
+        Pages of every stream.
+    device, dtype:
+        The pool's device and dtype.
+    num_qo_heads, num_kv_heads, head_dim:
+        Attention geometry.
+    token_mask:
+        Optional user mask, bool ``[num_streams, seq_len, max_keys]`` in the key order of
+        ``layout.to_dense()`` (history keys, then pending keys), ANDed with the visibility
+        rule. Selects the masked path.
+    static:
+        Keep every device input in fixed buffers so a CUDA graph captured once can be
+        replayed after re-planning (FlashInfer only).
+    max_pages:
+        With ``static``: the most pages any plan of this forward will list (sizes the buffers).
+    """
+
+    layout: ForwardLayout
+    device: torch.device
+    dtype: torch.dtype
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    token_mask: torch.Tensor | None = None
+    static: bool = False
+    max_pages: int | None = None
 
 
 class AttentionPlan(ABC):
@@ -51,7 +86,5 @@ class AttentionBackend(ABC):
         """Raise :class:`~ardiff_modules.errors.BackendUnavailableError` if this backend cannot run."""
 
     @abstractmethod
-    def plan(
-        self, layout: ForwardLayout, device: torch.device, previous: AttentionPlan | None
-    ) -> AttentionPlan:
+    def plan(self, request: PlanRequest, previous: AttentionPlan | None) -> AttentionPlan:
         """Build the plan for one forward (host work; ``previous`` may be reused for its buffers)."""

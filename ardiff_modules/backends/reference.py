@@ -10,19 +10,23 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ardiff_modules.backends.base import AttentionBackend, AttentionPlan
-from ardiff_modules.plan import ForwardLayout
+from ardiff_modules.backends.base import AttentionBackend, AttentionPlan, PlanRequest
+from ardiff_modules.errors import BackendUnavailableError
 from ardiff_modules.pool import KVPool
 
 
 class ReferencePlan(AttentionPlan):
-    def __init__(self, layout: ForwardLayout, device: torch.device) -> None:
+    def __init__(self, request: PlanRequest) -> None:
+        layout, device = request.layout, request.device
         gather, mask = layout.dense_keys
         self.num_streams = layout.num_streams
         self.seq_len = layout.seq_len
-        self.write_slots = layout.write_slots.to(device, non_blocking=True)
+        self.write_pages = layout.write_pages.to(device, non_blocking=True)
         self.gather = gather.to(device, non_blocking=True)
-        self.mask = mask[:, None].to(device, non_blocking=True)  # [S, 1, n, K]: broadcast over heads
+        mask = mask.to(device, non_blocking=True)
+        if request.token_mask is not None:
+            mask = mask & request.token_mask.to(device)
+        self.mask = mask[:, None]  # [S, 1, n, K]: broadcast over heads
 
     def run(
         self,
@@ -33,10 +37,11 @@ class ReferencePlan(AttentionPlan):
         v_cache: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
+        page_shape = (-1, *k_cache.shape[1:])
+        k_cache.index_copy_(0, self.write_pages, k.reshape(page_shape))
+        v_cache.index_copy_(0, self.write_pages, v.reshape(page_shape))
         k_slots = KVPool.token_slots(k_cache)
         v_slots = KVPool.token_slots(v_cache)
-        k_slots.index_copy_(0, self.write_slots, k)
-        v_slots.index_copy_(0, self.write_slots, v)
         s, n = self.num_streams, self.seq_len
         keys = k_slots[self.gather].transpose(1, 2)  # [S, Hkv, K, D]
         values = v_slots[self.gather].transpose(1, 2)
@@ -55,5 +60,10 @@ class ReferenceBackend(AttentionBackend):
     def check_supported(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> None:
         return None
 
-    def plan(self, layout: ForwardLayout, device: torch.device, previous: AttentionPlan | None) -> ReferencePlan:
-        return ReferencePlan(layout, device)
+    def plan(self, request: PlanRequest, previous: AttentionPlan | None) -> ReferencePlan:
+        if request.static:
+            raise BackendUnavailableError(
+                "static plans (CUDA-graph replay) need the 'flashinfer' backend; the reference backend "
+                "re-sizes its gathered keys every forward"
+            )
+        return ReferencePlan(request)

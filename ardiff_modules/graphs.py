@@ -1,0 +1,92 @@
+"""Capture a whole model step (all layers) as one CUDA graph and replay it chunk after chunk.
+
+Constraints (all checked or documented):
+
+* the forward must be prepared with ``static=True`` (fixed buffers for the plan,
+  the write pages, the positions and the cross-attention caches), on the
+  FlashInfer backend, with a bounded window;
+* one graph per static forward context, i.e. per (streams, seq_len): a new
+  batch composition or chunk count captures a new graph;
+* ``plan()`` runs on the host before each replay (``prepare_forward`` does it),
+  never inside the capture; the first call warms up (loads kernels) on a side
+  stream before capturing;
+* inputs are copied into static tensors; outputs are cloned out of the graph's
+  static output unless ``clone_outputs=False``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ardiff_modules.context import ForwardContext, LayerContext
+from ardiff_modules.errors import SpecError, TensorMismatchError
+
+
+@dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    inputs: list[torch.Tensor]
+    output: torch.Tensor
+
+
+class CUDAGraphStep:
+    """Replays ``fn(*inputs, layers)`` from a CUDA graph captured on first use.
+
+    Example::
+
+        step = CUDAGraphStep(model)            # model(x, layers) -> out
+        with state.prepare_forward(branches, seq_len, commit_current=c, static=True) as fwd:
+            out = step(fwd, x)                 # capture on the first call, replay afterwards
+    """
+
+    def __init__(
+        self, fn: Callable[..., torch.Tensor], *, clone_outputs: bool = True, warmup_iters: int = 2
+    ) -> None:
+        self.fn = fn
+        self.clone_outputs = clone_outputs
+        self.warmup_iters = warmup_iters
+        self._captured: dict[int, _Captured] = {}
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._captured)
+
+    def __call__(self, forward: ForwardContext, *inputs: torch.Tensor) -> torch.Tensor:
+        if not forward.static:
+            raise SpecError("CUDAGraphStep: expected a forward prepared with static=True, got a dynamic one")
+        captured = self._captured.get(forward.handle)
+        if captured is None:
+            captured = self._capture(forward.layers, inputs)
+            self._captured[forward.handle] = captured
+        else:
+            if len(inputs) != len(captured.inputs):
+                raise TensorMismatchError(
+                    f"CUDAGraphStep: expected {len(captured.inputs)} inputs as captured, got {len(inputs)}"
+                )
+            for static, new in zip(captured.inputs, inputs):
+                if new.shape != static.shape or new.dtype != static.dtype:
+                    raise TensorMismatchError(
+                        f"CUDAGraphStep: expected input {tuple(static.shape)} {static.dtype} as captured, "
+                        f"got {tuple(new.shape)} {new.dtype}"
+                    )
+                static.copy_(new, non_blocking=True)
+        captured.graph.replay()
+        return captured.output.clone() if self.clone_outputs else captured.output
+
+    def _capture(self, layers: list[LayerContext], inputs: tuple[torch.Tensor, ...]) -> _Captured:
+        static_inputs = [t.clone() for t in inputs]
+        # Warm up on a side stream (kernel loading, autotuning, allocator pools), as PyTorch recommends.
+        # NOTE: warm-up writes this step's K/V into the pending pages; the replay rewrites them identically.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(self.warmup_iters):
+                self.fn(*static_inputs, layers)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            output = self.fn(*static_inputs, layers)
+        return _Captured(graph, static_inputs, output)

@@ -1,0 +1,189 @@
+"""FlashInfer backend on the GPU: equal to the reference oracle, masked == structural, compile, CUDA graphs.
+
+Run on the GPU machine: ``bash .gpu/run.sh python3 -m pytest -m gpu -q``. Skipped without CUDA/FlashInfer.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+import ardiff_modules as am
+from ardiff_modules.graphs import CUDAGraphStep
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or importlib.util.find_spec("flashinfer") is None,
+        reason="needs CUDA and flashinfer",
+    ),
+]
+
+HEAD_DIM = 128
+DTYPE = torch.bfloat16
+
+
+def _spec(chunk: int, page: int, sink: int, window: int | None, qo_heads: int = 4, kv_heads: int = 2) -> am.KVCacheSpec:
+    return am.KVCacheSpec(
+        num_layers=2, num_kv_heads=kv_heads, head_dim=HEAD_DIM, chunk_size=chunk, page_size=page,
+        sink_chunks=sink, window_chunks=window, branches=("cond", "uncond"), dtype="bfloat16",
+        num_qo_heads=qo_heads,
+    )
+
+
+def _pair(spec: am.KVCacheSpec, pages: int) -> tuple[am.KVCache, am.KVCache]:
+    return (
+        am.KVCache(spec, num_pages=pages, device="cuda", backend="reference"),
+        am.KVCache(spec, num_pages=pages, device="cuda", backend="flashinfer"),
+    )
+
+
+def _attend(fwd: am.ForwardContext, q, k, v) -> list[torch.Tensor]:  # noqa: ANN001
+    return [am.chunk_attention(q, k, v, layer) for layer in fwd.layers]
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> None:
+    torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("page", [8, 120, 240])
+@pytest.mark.parametrize("sink,window", [(1, 2), (0, 3), (2, 1)])
+def test_flashinfer_equals_reference_over_rollout(page: int, sink: int, window: int) -> None:
+    """Pending chunk counts 1..4, windows filling then evicting, 2 branches, 2 sessions batched in one launch."""
+    chunk = 240
+    spec = _spec(chunk, page, sink, window)
+    ref_cache, fi_cache = _pair(spec, pages=4 * (sink + window + 4) * spec.pages_per_chunk)
+    ref_states = [ref_cache.open_session(f"s{i}") for i in range(2)]
+    fi_states = [fi_cache.open_session(f"s{i}") for i in range(2)]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for step, n in enumerate([1, 2, 1, 3, 1, 4, 1, 1, 2]):
+        streams = 4 if step % 2 == 0 else 2  # 2 sessions x 2 branches, or one session's CFG pair
+        for commit in (False, True):
+            shape = (streams, n * chunk)
+            q = torch.randn(*shape, 4, HEAD_DIM, device="cuda", dtype=DTYPE, generator=g)
+            k = torch.randn(*shape, 2, HEAD_DIM, device="cuda", dtype=DTYPE, generator=g)
+            v = torch.randn(*shape, 2, HEAD_DIM, device="cuda", dtype=DTYPE, generator=g)
+            outs = []
+            for cache, states in ((ref_cache, ref_states), (fi_cache, fi_states)):
+                pairs = [(s, b) for s in states[: streams // 2] for b in ("cond", "uncond")]
+                with cache.prepare_forward(pairs, n * chunk, commit_current=commit) as fwd:
+                    outs.append(_attend(fwd, q, k, v))
+            for a, b in zip(*outs):
+                _close(b, a)
+    assert fi_states[0].committed_chunks("cond") == 16
+
+
+def test_masked_path_equals_structural_and_reference() -> None:
+    chunk, page = 240, 8
+    spec = _spec(chunk, page, 1, 2)
+    ref_cache, fi_cache = _pair(spec, pages=64 * spec.pages_per_chunk)
+    fi_masked = am.KVCache(spec, num_pages=64 * spec.pages_per_chunk, device="cuda", backend="flashinfer")
+    caches = (ref_cache, fi_cache, fi_masked)
+    states = [c.open_session() for c in caches]
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for step, n in enumerate([1, 1, 2, 1, 3, 1]):
+        q = torch.randn(2, n * chunk, 4, HEAD_DIM, device="cuda", dtype=DTYPE, generator=g)
+        k = torch.randn(2, n * chunk, 2, HEAD_DIM, device="cuda", dtype=DTYPE, generator=g)
+        v = torch.randn_like(k)
+        def keys() -> int:
+            return max(len(states[0].visible_chunks(b)) for b in ("cond", "uncond")) * chunk + n * chunk
+
+        all_true = torch.ones(2, n * chunk, keys(), dtype=torch.bool, device="cuda")
+        outs = {}
+        for name, cache, state, mask in (
+            ("ref", ref_cache, states[0], None),
+            ("fa3", fi_cache, states[1], None),
+            ("fa2-all-true", fi_masked, states[2], all_true),
+        ):
+            with cache.prepare_forward([(state, "cond"), (state, "uncond")], n * chunk, True, token_mask=mask) as f:
+                outs[name] = _attend(f, q, k, v)[0]
+        _close(outs["fa3"], outs["ref"])
+        _close(outs["fa2-all-true"], outs["fa3"])
+        # A non-structural mask: FA2 masked equals the reference with the same mask (no commit).
+        random_mask = torch.rand(2, n * chunk, keys(), device="cuda", generator=g) > 0.3
+        masked = []
+        for cache, state in ((ref_cache, states[0]), (fi_masked, states[2])):
+            fwd = cache.prepare_forward([(state, "cond"), (state, "uncond")], n * chunk, False, token_mask=random_mask)
+            masked.append(_attend(fwd, q, k, v)[0])
+            state.abort()
+        _close(masked[1], masked[0])
+
+
+def _model_and_spec(window: int = 2):  # noqa: ANN202
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from streaming_model import TinyStreamingModel
+
+    torch.manual_seed(0)
+    model = TinyStreamingModel(dim=512, heads=4, kv_heads=4, layers=3, context_dim=64).cuda().to(DTYPE).eval()
+    spec = am.KVCacheSpec(
+        num_layers=3, num_kv_heads=4, head_dim=HEAD_DIM, chunk_size=256, page_size=64, sink_chunks=1,
+        window_chunks=window, branches=("cond", "uncond"),
+        cross_attention=(am.CrossAttentionSpec("text", 16),), dtype="bfloat16",
+    )
+    return model, spec
+
+
+def _run_rollout(model, spec, step_fn, *, static: bool, chunks: int = 8, seed: int = 0):  # noqa: ANN001, ANN202
+    cache = am.KVCache(spec, num_pages=64, device="cuda", backend="flashinfer")
+    state = cache.open_session()
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    outs = []
+    for chunk in range(chunks):
+        if chunk in (0, 5):  # prompt switch at chunk 5
+            state.clear_cross_attention()
+            for b in spec.branches:
+                text = torch.randn(16, 64, device="cuda", dtype=DTYPE, generator=g)
+                am.populate_cross_attention(state, b, [blk.cross for blk in model.blocks], text)
+        for commit in (False, False, True):
+            x = torch.randn(2, spec.chunk_size, 512, device="cuda", dtype=DTYPE, generator=g)
+            with torch.no_grad(), state.prepare_forward(None, spec.chunk_size, commit, static=static) as fwd:
+                outs.append(step_fn(fwd, x))
+    return outs
+
+
+def test_compiled_fullgraph_and_cuda_graph_equal_eager_across_eviction() -> None:
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    model, spec = _model_and_spec()
+    eager = _run_rollout(model, spec, lambda fwd, x: model(x, fwd.layers), static=False)
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    comp = _run_rollout(model, spec, lambda fwd, x: compiled(x, fwd.layers), static=False)
+    assert counter.frame_count == 1
+    graph_step = CUDAGraphStep(model)
+    graphed = _run_rollout(model, spec, lambda fwd, x: graph_step(fwd, x), static=True)
+    assert graph_step.num_graphs == 1
+    for e, c, gr in zip(eager, comp, graphed):
+        _close(c, e)
+        _close(gr, e)
+
+
+def test_custom_scale_and_head_mismatch_error() -> None:
+    spec = _spec(240, 120, 0, 2)
+    ref_cache, fi_cache = _pair(spec, pages=32)
+    q = torch.randn(1, 240, 4, HEAD_DIM, device="cuda", dtype=DTYPE)
+    k = torch.randn(1, 240, 2, HEAD_DIM, device="cuda", dtype=DTYPE)
+    v = torch.randn_like(k)
+    outs = []
+    for cache in (ref_cache, fi_cache):
+        state = cache.open_session()
+        fwd = state.prepare_forward(("cond",), 240)
+        outs.append(am.chunk_attention(q, k, v, fwd.layers[0], scale=0.05))
+    _close(outs[1], outs[0])
+    with pytest.raises(am.TensorMismatchError, match="num_qo_heads=4"):
+        am.chunk_attention(torch.randn(1, 240, 2, HEAD_DIM, device="cuda", dtype=DTYPE), k, v, fwd.layers[0])
+
+
+def test_backend_selection() -> None:
+    spec = _spec(240, 120, 0, 2)
+    assert am.KVCache(spec, num_pages=8, device="cuda").backend.name == "flashinfer"
+    fp32 = am.KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=HEAD_DIM, chunk_size=8, page_size=8, dtype="float32")
+    assert am.KVCache(fp32, num_pages=8, device="cuda").backend.name == "reference"
+    with pytest.raises(am.BackendUnavailableError, match="dtype"):
+        am.KVCache(fp32, num_pages=8, device="cuda", backend="flashinfer")
