@@ -70,11 +70,53 @@ class PageAllocator:
             self._refcounts[page] = 1
         return pages
 
-    def unallocate(self, pages: Sequence[int]) -> None:
-        """Undo the latest :meth:`allocate` of ``pages`` exactly (free-queue order included).
+    def longest_free_run(self) -> int:
+        """Length of the longest run of consecutive free page ids."""
+        best = run = 0
+        previous = -2
+        for page in sorted(self._free):
+            run = run + 1 if page == previous + 1 else 1
+            best = max(best, run)
+            previous = page
+        return best
+
+    def allocate_contiguous(self, count: int) -> list[int]:
+        """Take ``count`` free pages with consecutive ids (the lowest such run), each with refcount 1.
+
+        Raises :class:`CapacityError` (nothing allocated) when no run is long enough,
+        including when enough pages are free but fragmented.
+        """
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise AllocatorError(f"allocate_contiguous: expected a page count >= 1, got {count!r}")
+        start = None
+        run = 0
+        previous = -2
+        for page in sorted(self._free):
+            run = run + 1 if page == previous + 1 else 1
+            previous = page
+            if run == count:
+                start = page - count + 1
+                break
+        if start is None:
+            raise CapacityError(
+                f"KV pool out of contiguous pages: needed {count} consecutive free pages, {len(self._free)} of "
+                f"{self.num_pages} are free but the longest free run is {self.longest_free_run()}",
+                needed=count,
+                free=len(self._free),
+            )
+        taken = set(range(start, start + count))
+        self._free = deque(p for p in self._free if p not in taken)
+        for page in taken:
+            self._refcounts[page] = 1
+        return list(range(start, start + count))
+
+    def unallocate(self, pages: Sequence[int], free_order: Sequence[int] | None = None) -> None:
+        """Undo the latest allocation of ``pages`` exactly (free-queue order included).
 
         For rolling back a failed multi-step operation; every page must hold exactly
-        the one reference ``allocate`` gave it.
+        the one reference the allocation gave it. ``free_order`` is the free queue as
+        it was before (:meth:`free_pages`), needed after :meth:`allocate_contiguous`;
+        without it the pages go back to the front, undoing :meth:`allocate`.
         """
         self._check_ids(pages)
         for page in pages:
@@ -82,9 +124,14 @@ class PageAllocator:
                 raise AllocatorError(
                     f"unallocate: page {page} has refcount {self._refcounts[page]}, expected 1 (freshly allocated)"
                 )
-        for page in reversed(pages):
+        if free_order is not None and set(free_order) != set(self._free) | set(pages):
+            raise AllocatorError("unallocate: free_order does not match the free pages plus the pages returned")
+        for page in pages:
             self._refcounts[page] = 0
-            self._free.appendleft(page)
+        if free_order is not None:
+            self._free = deque(free_order)
+        else:
+            self._free.extendleft(reversed(pages))
 
     def incref(self, pages: Iterable[int]) -> None:
         """Add one reference to each page (sharing); every page must be in use."""

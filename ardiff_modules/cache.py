@@ -62,6 +62,12 @@ class KVCache:
     backend:
         ``"auto"`` (FlashInfer on CUDA when available, else reference),
         ``"reference"``, ``"flashinfer"`` or an :class:`AttentionBackend` instance.
+    contiguous_extents:
+        Reserve for each branch, on its first forward, one run of consecutive pages holding
+        ``sinks + window + 1`` chunks, used as a ring: one-chunk forwards then see one
+        contiguous key range and run ragged (unpaged) FA3, the fastest kernel. Same peak
+        memory as plain paging once the window is full, reserved up front. ``None`` (default)
+        enables it when the backend is FlashInfer and the window is bounded.
     """
 
     def __init__(
@@ -72,6 +78,7 @@ class KVCache:
         budget_bytes: int | None = None,
         device: torch.device | str = "cpu",
         backend: str | AttentionBackend = "auto",
+        contiguous_extents: bool | None = None,
     ) -> None:
         if (num_pages is None) == (budget_bytes is None):
             raise SpecError(
@@ -85,6 +92,12 @@ class KVCache:
         self.allocator = PageAllocator(num_pages)
         self.policy = SinkWindowPolicy(spec.sink_chunks, spec.window_chunks)
         self.backend = resolve_backend(backend, self.pool.device, self.pool.dtype, spec.head_dim)
+        if contiguous_extents is None:
+            contiguous_extents = self.backend.name == "flashinfer" and spec.window_chunks is not None
+        if contiguous_extents and spec.window_chunks is None:
+            raise SpecError("contiguous_extents=True: expected a bounded window (window_chunks), got None")
+        #: Chunk slots of each branch's contiguous extent, or ``None`` for plain paging.
+        self.extent_chunks = spec.max_resident_chunks + 1 if contiguous_extents else None  # type: ignore[operator]
         self._sessions: dict[str, KVState] = {}
         self._forwards: dict[tuple[tuple[tuple[str, str], ...], int | None], ForwardContext] = {}
         self._session_ids = itertools.count()
@@ -203,10 +216,29 @@ class KVCache:
                 free=self.allocator.num_free,
             )
 
-        # Grow pending chunks (cannot fail now), plan, and roll back exactly if planning fails.
+        need_extent = [h for h in histories if h.needs_extent]
+        if need_extent:
+            extent_pages = len(need_extent) * self.extent_chunks * self.spec.pages_per_chunk  # type: ignore[operator]
+            if extent_pages > self.allocator.longest_free_run():
+                raise CapacityError(
+                    f"KV pool out of contiguous pages: {len(need_extent)} new branch extent(s) need {extent_pages} "
+                    f"consecutive pages, the longest free run is {self.allocator.longest_free_run()} "
+                    f"({self.allocator.num_free} free); size the pool larger or pass contiguous_extents=False",
+                    needed=extent_pages,
+                    free=self.allocator.num_free,
+                )
+
+        # Reserve extents, grow pending chunks (cannot fail now), plan; roll back exactly on failure.
         before = [h.pending for h in histories]
+        free_before = self.allocator.free_pages() if need_extent else None
         ctx = self._forward_context(tuple(keys), seq_len if static else None)
         try:
+            if need_extent:
+                # One run for all new branches of the forward: CFG pairs end up adjacent (one ragged launch).
+                run = self.allocator.allocate_contiguous(extent_pages)
+                step = self.extent_chunks * self.spec.pages_per_chunk  # type: ignore[operator]
+                for i, h in enumerate(need_extent):
+                    h.assign_extent(tuple(run[i * step : (i + 1) * step]))
             for h in histories:
                 if len(h.pending) < num_chunks:
                     h.set_pending(num_chunks, self.allocator)
@@ -233,11 +265,14 @@ class KVCache:
             positions = _to_device(layout.positions, self.pool.device, ctx.positions if static else None)
             cross = self._stack_cross(ctx, streams, static)
         except BaseException:
+            fresh: list[int] = []
             for h, old in reversed(list(zip(histories, before))):
-                grown = h.pending[len(old) :]
-                if grown:
-                    self.allocator.unallocate([p for c in grown for p in c])
-                h.pending = old
+                fresh = h.undo_grow(old, self.allocator) + fresh
+            for h in need_extent:
+                fresh += list(h.extent)
+                h.extent = ()
+            if fresh:
+                self.allocator.unallocate(fresh, free_order=free_before)
             raise
         for h in histories:
             if len(h.pending) > num_chunks:

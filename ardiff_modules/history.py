@@ -12,6 +12,19 @@ the :class:`~ardiff_modules.window.SinkWindowPolicy`::
 Committed pages are immutable, which is what makes sharing them by refcount
 (forks) safe. Methods validate first and mutate last, so a raised exception
 leaves the branch and the allocator unchanged.
+
+Contiguous extents (optional, ``extent_chunks``): the branch reserves one run
+of consecutive page ids holding ``sinks + window + 1`` chunk slots, used as a
+ring -- a new pending chunk takes the lowest free slot, which after the window
+fills is the slot of the chunk just evicted::
+
+    extent:  [ slot0 | slot1 | slot2 | slot3 ]      sink=1, window=2
+    chunk 0 -> slot0 (sink)   chunk 1 -> slot1   chunk 2 -> slot2   chunk 3 -> slot3
+    commit 3 evicts chunk 1;  chunk 4 -> slot1   (visible: slots 0..3, one range)
+
+so a one-chunk forward's visible keys are always one contiguous token range,
+attended without paging. The extent holds one reference on each of its pages
+(the reservation); resident and pending chunks inside it hold one more.
 """
 
 from __future__ import annotations
@@ -25,10 +38,15 @@ PageChunk = tuple[int, ...]
 class BranchHistory:
     """Resident committed chunks, pending chunks and the absolute token offset of one branch."""
 
-    def __init__(self, policy: SinkWindowPolicy, pages_per_chunk: int, chunk_size: int) -> None:
+    def __init__(
+        self, policy: SinkWindowPolicy, pages_per_chunk: int, chunk_size: int, extent_chunks: int | None = None
+    ) -> None:
         self.policy = policy
         self.pages_per_chunk = pages_per_chunk
         self.chunk_size = chunk_size
+        #: Chunk slots of the contiguous extent to reserve on first use (``None``: plain paging).
+        self.extent_chunks = extent_chunks
+        self.extent: tuple[int, ...] = ()
         self.sinks: tuple[PageChunk, ...] = ()
         self.window: tuple[PageChunk, ...] = ()
         self.pending: tuple[PageChunk, ...] = ()
@@ -53,12 +71,37 @@ class BranchHistory:
         return [page for chunk in self.pending for page in chunk]
 
     def referenced_pages(self) -> list[int]:
-        """Every page this branch holds a reference on (one entry per reference)."""
-        return self.history_pages() + self.pending_pages()
+        """Every page this branch holds a reference on (one entry per reference, extent reservation included)."""
+        return self.history_pages() + self.pending_pages() + list(self.extent)
+
+    @property
+    def needs_extent(self) -> bool:
+        """Whether the next pending allocation first reserves a contiguous extent."""
+        return self.extent_chunks is not None and not self.extent
+
+    def extent_slots(self) -> list[PageChunk]:
+        step = self.pages_per_chunk
+        return [tuple(self.extent[i : i + step]) for i in range(0, len(self.extent), step)]
+
+    def free_extent_slots(self) -> list[PageChunk]:
+        """Extent slots holding no resident or pending chunk of this branch, lowest first."""
+        used = set(self.sinks) | set(self.window) | set(self.pending)
+        return [slot for slot in self.extent_slots() if slot not in used]
 
     def pages_needed(self, num_chunks: int) -> int:
-        """Free pages that :meth:`set_pending` would have to allocate."""
-        return max(0, num_chunks - len(self.pending)) * self.pages_per_chunk
+        """Free pages :meth:`set_pending` would allocate (plus the extent if not yet reserved)."""
+        missing = max(0, num_chunks - len(self.pending))
+        if self.extent_chunks is None:
+            return missing * self.pages_per_chunk
+        if not self.extent:
+            return (self.extent_chunks + max(0, missing - self.extent_chunks)) * self.pages_per_chunk
+        return max(0, missing - len(self.free_extent_slots())) * self.pages_per_chunk
+
+    def assign_extent(self, pages: tuple[int, ...]) -> None:
+        """Take ownership of a freshly allocated contiguous extent (its one reference per page)."""
+        assert self.extent_chunks is not None and not self.extent
+        assert len(pages) == self.extent_chunks * self.pages_per_chunk
+        self.extent = pages
 
     # ------------------------------------------------------------------ mutation
     def set_pending(self, num_chunks: int, allocator: PageAllocator) -> None:
@@ -70,14 +113,28 @@ class BranchHistory:
         """
         have = len(self.pending)
         if num_chunks > have:
-            fresh = allocator.allocate((num_chunks - have) * self.pages_per_chunk)
+            slots = self.free_extent_slots()[: num_chunks - have]
+            fresh = allocator.allocate((num_chunks - have - len(slots)) * self.pages_per_chunk)
+            allocator.incref(p for slot in slots for p in slot)
             step = self.pages_per_chunk
-            new = tuple(tuple(fresh[i : i + step]) for i in range(0, len(fresh), step))
+            new = tuple(slots) + tuple(tuple(fresh[i : i + step]) for i in range(0, len(fresh), step))
             self.pending = self.pending + new
         elif num_chunks < have:
             surplus = self.pending[num_chunks:]
             allocator.decref(page for chunk in surplus for page in chunk)
             self.pending = self.pending[:num_chunks]
+
+    def undo_grow(self, old_pending: tuple[PageChunk, ...], allocator: PageAllocator) -> list[int]:
+        """Roll pending back to ``old_pending`` after a failed prepare; return the fresh pages to unallocate.
+
+        Extent slots only lose the reference :meth:`set_pending` added; freshly allocated
+        pages are returned (still referenced) so the caller can undo their allocation exactly.
+        """
+        grown = self.pending[len(old_pending) :]
+        in_extent = [c for c in grown if c in self.extent_slots()]
+        allocator.decref(p for c in in_extent for p in c)
+        self.pending = old_pending
+        return [p for c in grown if c not in in_extent for p in c]
 
     def commit_pending(self, allocator: PageAllocator) -> list[int]:
         """Turn pending chunks into history (no copy), evict per the policy; return freed pages."""
@@ -95,9 +152,10 @@ class BranchHistory:
         return freed
 
     def release(self, allocator: PageAllocator) -> list[int]:
-        """Drop every reference (history and pending) and start over at offset 0."""
+        """Drop every reference (history, pending, extent) and start over at offset 0."""
         freed = allocator.decref(self.referenced_pages())
         self.sinks = self.window = self.pending = ()
+        self.extent = ()
         self.committed_chunks = 0
         return freed
 

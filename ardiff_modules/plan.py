@@ -62,6 +62,22 @@ class StructuralRows:
 
 
 @dataclass(frozen=True)
+class RaggedRows:
+    """Rows whose visible keys are each one contiguous token range of the pool: unpaged (ragged) attention.
+
+    Row ``r`` attends to flat token slots ``kv_start + kv_indptr[r] : kv_start + kv_indptr[r+1]``.
+    Rows with no queries (``qo_indptr[r] == qo_indptr[r+1]``) only skip the gap between two
+    streams' ranges, so one launch covers streams whose ranges are not adjacent.
+    """
+
+    qo_indptr: torch.Tensor  # int32 [rows + 1]
+    kv_indptr: torch.Tensor  # int32 [rows + 1], relative to kv_start
+    kv_start: int
+    kv_end: int
+    gap_rows: int
+
+
+@dataclass(frozen=True)
 class ForwardLayout:
     """Pages of every stream of one forward; all streams have ``num_chunks`` pending chunks."""
 
@@ -128,6 +144,44 @@ class ForwardLayout:
             kv_page_indptr=torch.tensor(indptr, dtype=torch.int32),
             kv_page_indices=torch.tensor(indices, dtype=torch.int32),
             kv_last_page_len=torch.full((rows,), self.page_size, dtype=torch.int32),
+        )
+
+    @cached_property
+    def ragged_rows(self) -> RaggedRows | None:
+        """The forward as contiguous key ranges, or ``None`` when some row's pages are not one run.
+
+        Only one-chunk forwards qualify (block-causal rows of a multi-chunk forward overlap).
+        Streams must appear in increasing page order with disjoint ranges.
+        """
+        if self.num_chunks != 1:
+            return None
+        page = self.page_size
+        qo = [0]
+        kv: list[int] = []
+        gaps = 0
+        for stream in self.streams:
+            pages = sorted(stream.history_pages + stream.pending_pages[0])
+            first, last = pages[0], pages[-1]
+            if last - first + 1 != len(pages):
+                return None
+            start, end = first * page, (last + 1) * page
+            if not kv:
+                kv.append(start)
+            elif start < kv[-1]:
+                return None
+            elif start > kv[-1]:  # skip the gap with a query-less row
+                qo.append(qo[-1])
+                kv.append(start)
+                gaps += 1
+            qo.append(qo[-1] + self.chunk_size)
+            kv.append(end)
+        base = kv[0]
+        return RaggedRows(
+            qo_indptr=torch.tensor(qo, dtype=torch.int32),
+            kv_indptr=torch.tensor([x - base for x in kv], dtype=torch.int32),
+            kv_start=base,
+            kv_end=kv[-1],
+            gap_rows=gaps,
         )
 
     # ------------------------------------------------------------------ dense oracle

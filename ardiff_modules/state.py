@@ -67,7 +67,8 @@ class KVState:
         self.session_id = session_id
         spec = cache.spec
         self._branches: dict[str, BranchHistory] = {
-            b: BranchHistory(cache.policy, spec.pages_per_chunk, spec.chunk_size) for b in spec.branches
+            b: BranchHistory(cache.policy, spec.pages_per_chunk, spec.chunk_size, cache.extent_chunks)
+            for b in spec.branches
         }
         self._pending: dict[str, PendingForward | None] = dict.fromkeys(spec.branches)
         self._cross: dict[tuple[str, str], CrossEntry] = {}  # (cache name, branch) -> entry

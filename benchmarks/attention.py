@@ -2,8 +2,12 @@
 
 Per shape (one layer, bf16, head_dim 128, one pending chunk per stream, the window full):
 
-* ``library``          -- ``chunk_attention`` through the custom op: page writes + paged FA3 (structural plan)
+* ``library``          -- ``chunk_attention`` through the custom op (K/V append + attention), default
+                          layout: contiguous extents -> ragged FA3 over each stream's key range
 * ``library_attend``   -- the same plan's kernel alone (no write)
+* ``library_paged``    -- ``chunk_attention`` with plain paging (structural paged FA3), as used for
+                          multi-chunk forwards and shared pages
+* ``library_paged_attend`` -- that kernel alone
 * ``ragged_fa3``       -- FlashInfer ragged FA3 over the same visible keys held contiguous (the practical limit)
 * ``sdpa``             -- torch SDPA on contiguous K/V
 * ``flex``             -- compiled FlexAttention over the whole timeline with a sink+window block mask
@@ -52,25 +56,36 @@ def bench_shape(name: str, heads: int, chunk: int, sink: int, window: int, strea
         num_layers=1, num_kv_heads=heads, head_dim=D, chunk_size=chunk, page_size=page, sink_chunks=sink,
         window_chunks=window, branches=tuple(f"b{i}" for i in range(streams)), dtype="bfloat16",
     )
-    cache = am.KVCache(spec, num_pages=streams * (resident + 2) * spec.pages_per_chunk, device=dev, backend="flashinfer")
-    state = cache.open_session()
     g = torch.Generator(device=dev).manual_seed(0)
 
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, device=dev, dtype=DT, generator=g)
 
     q, k, v = rand(streams, chunk, heads, D), rand(streams, chunk, heads, D), rand(streams, chunk, heads, D)
-    for _ in range(resident + 2):  # fill the window and evict once
-        with state.prepare_forward(None, chunk, commit_current=True) as fwd:
-            am.chunk_attention(q, k, v, fwd.layers[0])
-    fwd = state.prepare_forward(None, chunk, commit_current=False)
-    layer = fwd.layers[0]
-    plan = fwd.plan
     qf = q.reshape(-1, heads, D)
-
     results: dict[str, float] = {}
-    results["library"] = cuda_time_ms(lambda: am.chunk_attention(q, k, v, layer))
-    results["library_attend"] = cuda_time_ms(lambda: plan.wrapper.run(qf, (layer.k_cache, layer.v_cache)))
+    modes = {}
+    for label, extents in (("library", True), ("library_paged", False)):
+        cache = am.KVCache(spec, num_pages=streams * (resident + 2) * spec.pages_per_chunk, device=dev,
+                           backend="flashinfer", contiguous_extents=extents)
+        state = cache.open_session()
+        for _ in range(resident + 2):  # fill the window and evict once
+            with state.prepare_forward(None, chunk, commit_current=True) as fwd:
+                am.chunk_attention(q, k, v, fwd.layers[0])
+        fwd = state.prepare_forward(None, chunk, commit_current=False)
+        layer = fwd.layers[0]
+        plan = fwd.plan
+        modes[label] = plan.mode
+        results[label] = cuda_time_ms(lambda: am.chunk_attention(q, k, v, layer))
+        if plan.mode == "ragged":
+            start, end = plan._kv_range
+            ks_, vs_ = (am.KVPool.token_slots(t)[start:end] for t in (layer.k_cache, layer.v_cache))
+            results[label + "_attend"] = cuda_time_ms(lambda: plan._ragged.run(qf, ks_, vs_))
+        else:
+            results[label + "_attend"] = cuda_time_ms(lambda: plan._paged.run(qf, (layer.k_cache, layer.v_cache)))
+        if extents:
+            state.abort()
+    # From here on: the plain-paged cache/state/forward.
 
     # Contiguous K/V holding exactly the visible keys of each stream.
     kc, vc = rand(streams * keys, heads, D), rand(streams * keys, heads, D)
@@ -171,6 +186,15 @@ def bench_shape(name: str, heads: int, chunk: int, sink: int, window: int, strea
             buf[:, -chunk:].copy_(new)
 
     writes["rolling_memmove"] = cuda_time_ms(rolling)
+    # Contiguous pending slots (contiguous extents): plain per-stream slice copies.
+    starts = [min(s.pending_pages[0][0] * page, kslots.shape[0] - chunk) for s in fwd.layout.streams]
+
+    def slice_copy() -> None:
+        for i, a in enumerate(starts):
+            kslots[a : a + chunk].copy_(k[i])
+            vslots[a : a + chunk].copy_(v[i])
+
+    writes["contiguous_slice_copy"] = cuda_time_ms(slice_copy)
     state.abort()
 
     limit = results["ragged_fa3"]
@@ -182,20 +206,23 @@ def bench_shape(name: str, heads: int, chunk: int, sink: int, window: int, strea
         "tflops": {k_: fl / (ms * 1e-3) / 1e12 for k_, ms in results.items() if k_ != "gather_only"},
         "ratio_vs_ragged_fa3": {k_: limit / ms for k_, ms in results.items() if k_ != "gather_only"},
         "kv_write_ms": writes,
-        "write_fraction_of_attention": writes["page_index_copy"] / results["library_attend"],
+        "write_fraction_of_attention": writes["flashinfer_append"] / results["library_attend"],
+        "modes": modes,
         "fa2_mask_plan_ms": masked_plan_ms,
     }
 
 
-def host_time(layers: int, iters: int = 30) -> dict:
+def host_time(layers: int, extents: bool, iters: int = 30) -> dict:
     """Host time of prepare_forward + commit (allocation, eviction, plan) at Wan shapes."""
     spec = am.KVCacheSpec(
         num_layers=layers, num_kv_heads=12, head_dim=D, chunk_size=4680, page_size=120, sink_chunks=1,
         window_chunks=6, branches=("cond", "uncond"), dtype="bfloat16",
     )
-    cache = am.KVCache(spec, num_pages=2 * 9 * spec.pages_per_chunk, device="cuda", backend="flashinfer")
+    cache = am.KVCache(spec, num_pages=2 * 9 * spec.pages_per_chunk, device="cuda", backend="flashinfer",
+                       contiguous_extents=extents)
     state = cache.open_session()
     times = []
+    modes = set()
     for i in range(iters):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -203,9 +230,29 @@ def host_time(layers: int, iters: int = 30) -> dict:
         t1 = time.perf_counter()
         fwd.commit()
         t2 = time.perf_counter()
+        modes.add(fwd.plan.mode)
         if i >= 5:
             times.append(((t1 - t0) + (t2 - t1)) * 1e3)
-    return {"layers": layers, "prepare_plus_commit_ms_median": statistics.median(times), "max_ms": max(times)}
+    return {"layers": layers, "prepare_plus_commit_ms_median": statistics.median(times), "max_ms": max(times),
+            "modes": sorted(modes)}
+
+
+def profile_host(path: Path) -> None:
+    """cProfile of prepare_forward + commit (30 layers, both layouts), to find host hot spots."""
+    import cProfile
+    import io
+    import pstats
+
+    out = io.StringIO()
+    for extents in (True, False):
+        profiler = cProfile.Profile()
+        profiler.enable()
+        host_time(30, extents, iters=60)
+        profiler.disable()
+        out.write(f"==== contiguous_extents={extents}\n")
+        pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(40)
+    path.write_text(out.getvalue())
+    print(f"wrote {path}")
 
 
 def plot(payload: dict, path: Path) -> None:
@@ -215,7 +262,8 @@ def plot(payload: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     shapes = list(payload["shapes"])
-    methods = ["ragged_fa3", "library_attend", "library", "gather_ragged", "sdpa", "flex", "fa2_mask"]
+    methods = ["ragged_fa3", "library", "library_attend", "library_paged", "library_paged_attend", "gather_ragged",
+               "sdpa", "flex", "fa2_mask"]
     fig, ax = plt.subplots(figsize=(10, 4.5))
     width = 0.8 / len(shapes)
     for i, shape in enumerate(shapes):
@@ -243,9 +291,11 @@ def main() -> None:
         print("  ms", {k: round(v, 4) for k, v in payload["shapes"][name]["attention_ms"].items()})
         print("  write ms", {k: round(v, 4) for k, v in payload["shapes"][name]["kv_write_ms"].items()})
     for layers in (1, 30):
-        payload["host"].append(host_time(layers))
+        for extents in (True, False):
+            payload["host"].append(host_time(layers, extents))
         print("host", payload["host"][-1])
     save_json(args.out / "attention.json", payload)
+    profile_host(args.out / "host_profile.txt")
     plot(payload, args.out / "attention.png")
 
 

@@ -33,10 +33,10 @@ def _spec(chunk: int, page: int, sink: int, window: int | None, qo_heads: int = 
     )
 
 
-def _pair(spec: am.KVCacheSpec, pages: int) -> tuple[am.KVCache, am.KVCache]:
+def _pair(spec: am.KVCacheSpec, pages: int, extents: bool | None = None) -> tuple[am.KVCache, am.KVCache]:
     return (
         am.KVCache(spec, num_pages=pages, device="cuda", backend="reference"),
-        am.KVCache(spec, num_pages=pages, device="cuda", backend="flashinfer"),
+        am.KVCache(spec, num_pages=pages, device="cuda", backend="flashinfer", contiguous_extents=extents),
     )
 
 
@@ -48,13 +48,25 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> None:
     torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
 
 
+def _close_model(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Whole-model outputs: bf16 rounding compounds over layers and fused kernels (inductor)."""
+    torch.testing.assert_close(a.float(), b.float(), atol=1e-1, rtol=5e-2)
+    assert (a.float() - b.float()).norm() <= 1e-2 * b.float().norm()
+
+
+@pytest.mark.parametrize("extents", [True, False], ids=["extents", "paged"])
 @pytest.mark.parametrize("page", [8, 120, 240])
 @pytest.mark.parametrize("sink,window", [(1, 2), (0, 3), (2, 1)])
-def test_flashinfer_equals_reference_over_rollout(page: int, sink: int, window: int) -> None:
-    """Pending chunk counts 1..4, windows filling then evicting, 2 branches, 2 sessions batched in one launch."""
+def test_flashinfer_equals_reference_over_rollout(page: int, sink: int, window: int, extents: bool) -> None:
+    """Pending chunk counts 1..4, windows filling then evicting, 2 branches, 2 sessions batched in one launch.
+
+    With contiguous extents, one-chunk forwards run ragged FA3 (gap rows while windows fill and
+    between sessions), multi-chunk forwards paged FA3; without, every forward is paged.
+    """
     chunk = 240
     spec = _spec(chunk, page, sink, window)
-    ref_cache, fi_cache = _pair(spec, pages=4 * (sink + window + 4) * spec.pages_per_chunk)
+    ref_cache, fi_cache = _pair(spec, pages=4 * (sink + window + 5) * spec.pages_per_chunk, extents=extents)
+    modes = set()
     ref_states = [ref_cache.open_session(f"s{i}") for i in range(2)]
     fi_states = [fi_cache.open_session(f"s{i}") for i in range(2)]
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -70,9 +82,13 @@ def test_flashinfer_equals_reference_over_rollout(page: int, sink: int, window: 
                 pairs = [(s, b) for s in states[: streams // 2] for b in ("cond", "uncond")]
                 with cache.prepare_forward(pairs, n * chunk, commit_current=commit) as fwd:
                     outs.append(_attend(fwd, q, k, v))
+                    if cache is fi_cache:
+                        modes.add(fwd.plan.mode)
             for a, b in zip(*outs):
                 _close(b, a)
     assert fi_states[0].committed_chunks("cond") == 16
+    # Without extents, plain allocation can still happen to give contiguous pages (then ragged runs too).
+    assert modes == {"ragged", "paged"} if extents else "paged" in modes
 
 
 def test_masked_path_equals_structural_and_reference() -> None:
@@ -159,9 +175,13 @@ def test_compiled_fullgraph_and_cuda_graph_equal_eager_across_eviction() -> None
     graph_step = CUDAGraphStep(model)
     graphed = _run_rollout(model, spec, lambda fwd, x: graph_step(fwd, x), static=True)
     assert graph_step.num_graphs == 1
+    for i, (e, c, gr) in enumerate(zip(eager, comp, graphed)):
+        rel_c = ((c.float() - e.float()).norm() / e.float().norm()).item()
+        rel_g = ((gr.float() - e.float()).norm() / e.float().norm()).item()
+        print(f"forward {i}: compiled rel err {rel_c:.2e}, cuda-graph rel err {rel_g:.2e}")
     for e, c, gr in zip(eager, comp, graphed):
-        _close(c, e)
-        _close(gr, e)
+        _close_model(c, e)
+        _close_model(gr, e)
 
 
 def test_custom_scale_and_head_mismatch_error() -> None:

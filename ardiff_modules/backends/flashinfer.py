@@ -43,45 +43,42 @@ def _pinned(t: torch.Tensor) -> torch.Tensor:
 
 
 class FlashInferPlan(AttentionPlan):
-    """One paged prefill wrapper re-planned every forward; reused across forwards of the same streams."""
+    """Kernel plans of one forward, re-planned in place for later forwards of the same streams.
+
+    Per forward, one of three kernels runs: ragged FA3 over one contiguous key range per
+    stream (contiguous extents, one pending chunk), paged FA3 with one request per
+    (stream, pending chunk) otherwise, or paged FA2 with a custom mask (``token_mask``).
+    Current K/V are written with FlashInfer's ``append_paged_kv_cache`` into the pending pages.
+    """
 
     def __init__(self, backend: FlashInferBackend, request: PlanRequest) -> None:
-        fi = _flashinfer()
+        self.backend = backend
         self.device = request.device
         self.masked = request.token_mask is not None
         self.static = request.static
         layout = request.layout
-        rows = layout.num_streams * layout.num_chunks
-        self.rows = rows
-        workspace = backend.workspace(request.device)
-        kernel = "fa2" if self.masked else backend.paged_backend
-        if self.static:
-            if self.masked:
-                raise BackendUnavailableError("static (CUDA-graph) plans with a token_mask are not supported")
-            i32 = dict(dtype=torch.int32, device=request.device)
-            assert request.max_pages is not None
-            self._qo_indptr = torch.zeros(rows + 1, **i32)
-            self._kv_indptr = torch.zeros(rows + 1, **i32)
-            self._kv_indices = torch.zeros(request.max_pages, **i32)
-            self._last_page_len = torch.zeros(rows, **i32)
-            self.wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(
-                workspace,
-                "NHD",
-                use_cuda_graph=True,
-                qo_indptr_buf=self._qo_indptr,
-                paged_kv_indptr_buf=self._kv_indptr,
-                paged_kv_indices_buf=self._kv_indices,
-                paged_kv_last_page_len_buf=self._last_page_len,
-                backend=kernel,
-            )
-            self.write_pages = torch.zeros(layout.write_pages.numel(), dtype=torch.int64, device=request.device)
-        else:
-            self.wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend=kernel)
-            self.write_pages = torch.empty(0, dtype=torch.int64, device=request.device)
-        self._planned = None  # CUDA event after the last plan's host->device copies
+        self.rows = layout.num_streams * layout.num_chunks
         self.num_qo_heads = request.num_qo_heads
         self.head_dim = request.head_dim
         self.page_size = layout.page_size
+        self._paged = None
+        self._ragged = None
+        self._events: dict[str, torch.cuda.Event] = {}
+        self._append_key: tuple[int, int] | None = None
+        self._ragged_key: tuple | None = None
+        self.mode = "paged"
+        if self.static:
+            if self.masked:
+                raise BackendUnavailableError("static (CUDA-graph) plans with a token_mask are not supported")
+            assert request.max_pages is not None
+            i32 = dict(dtype=torch.int32, device=request.device)
+            self._paged_bufs = dict(
+                qo_indptr_buf=torch.zeros(self.rows + 1, **i32),
+                paged_kv_indptr_buf=torch.zeros(self.rows + 1, **i32),
+                paged_kv_indices_buf=torch.zeros(request.max_pages, **i32),
+                paged_kv_last_page_len_buf=torch.zeros(self.rows, **i32),
+            )
+            self._write_pages = torch.zeros(layout.write_pages.numel(), **i32)
         self.update(request)
 
     def compatible(self, request: PlanRequest) -> bool:
@@ -94,41 +91,100 @@ class FlashInferPlan(AttentionPlan):
             and (not self.static or layout.num_streams * layout.num_chunks == self.rows)
         )
 
+    # ------------------------------------------------------------------ planning (host, once per forward)
+    def _wrapper(self, kind: str):  # noqa: ANN202
+        fi = _flashinfer()
+        workspace = self.backend.workspace(self.device)
+        if kind == "ragged":
+            if self._ragged is None:
+                self._ragged = fi.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD", backend="auto")
+            return self._ragged
+        if self._paged is None:
+            kernel = "fa2" if self.masked else self.backend.paged_backend
+            if self.static:
+                self._paged = fi.BatchPrefillWithPagedKVCacheWrapper(
+                    workspace, "NHD", use_cuda_graph=True, backend=kernel, **self._paged_bufs
+                )
+            else:
+                self._paged = fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend=kernel)
+        return self._paged
+
+    def _before_plan(self, kind: str) -> None:
+        # FlashInfer stages each plan through one pinned host buffer per wrapper: wait until the previous
+        # plan's copy has left it. Not a device sync: only that copy, issued a whole forward ago.
+        event = self._events.get(kind)
+        if event is not None:
+            event.synchronize()
+
+    def _after_plan(self, kind: str) -> None:
+        event = torch.cuda.Event()
+        event.record()
+        self._events[kind] = event
+
     def update(self, request: PlanRequest) -> None:
         """Re-plan for a new forward (host work, no device sync)."""
         layout = request.layout
+        self._plan_writes(layout)
+        ragged = None
+        if not self.static and not self.masked:
+            ragged = layout.ragged_rows
+            if ragged is not None and ragged.gap_rows and not self.backend.allow_gap_rows:
+                ragged = None
+        common = dict(causal=False, q_data_type=request.dtype, kv_data_type=request.dtype)
+        if ragged is not None:
+            key = (
+                tuple(ragged.qo_indptr.tolist()), tuple(ragged.kv_indptr.tolist()),
+                request.num_qo_heads, request.num_kv_heads, request.head_dim, request.dtype,
+            )
+            # NOTE: a ragged plan depends only on the row lengths. Once the windows are full they
+            # repeat every forward (each stream's range is its whole extent), so FlashInfer's
+            # plan() -- most of the host time of a forward -- is skipped in steady state.
+            if key != self._ragged_key:
+                wrapper = self._wrapper("ragged")
+                self._before_plan("ragged")
+                wrapper.plan(
+                    ragged.qo_indptr, ragged.kv_indptr, request.num_qo_heads, request.num_kv_heads,
+                    request.head_dim, **common,
+                )
+                self._after_plan("ragged")
+                self._ragged_key = key
+            self.mode = "ragged"
+            self._kv_range = (ragged.kv_start, ragged.kv_end)
+            return
+        self._ragged_key = None  # the paged wrapper may reuse the workspace: re-plan ragged next time
         rows = layout.structural_rows
-        if self._planned is not None:
-            # FlashInfer stages its plan through one pinned host buffer per wrapper: wait until the
-            # previous plan's copy has left it (not a device sync: only that copy, long done in practice).
-            self._planned.synchronize()
-        write_pages = _pinned(layout.write_pages)
-        if self.static:
-            self.write_pages.copy_(write_pages, non_blocking=True)
-        else:
-            self.write_pages = write_pages.to(self.device, non_blocking=True)
         indices = _pinned(rows.kv_page_indices).to(self.device, non_blocking=True)
         custom_mask = None
         if request.token_mask is not None:
             custom_mask = _row_masks(layout, request.token_mask.to(self.device))
-        self.wrapper.plan(
-            rows.qo_indptr,
-            rows.kv_page_indptr,
-            indices,
-            rows.kv_last_page_len,
-            request.num_qo_heads,
-            request.num_kv_heads,
-            request.head_dim,
-            layout.page_size,
-            custom_mask=custom_mask,
-            causal=False,
-            q_data_type=request.dtype,
-            kv_data_type=request.dtype,
-            non_blocking=True,
+        wrapper = self._wrapper("paged")
+        self._before_plan("paged")
+        wrapper.plan(
+            rows.qo_indptr, rows.kv_page_indptr, indices, rows.kv_last_page_len,
+            request.num_qo_heads, request.num_kv_heads, request.head_dim, layout.page_size,
+            custom_mask=custom_mask, non_blocking=True, **common,
         )
-        self._planned = torch.cuda.Event()
-        self._planned.record()
+        self._after_plan("paged")
+        self.mode = "masked" if self.masked else "paged"
 
+    def _plan_writes(self, layout) -> None:  # noqa: ANN001
+        """Metadata of ``append_paged_kv_cache``: each stream's pending pages as a page table."""
+        streams, tokens = layout.num_streams, layout.seq_len
+        pages_per_stream = tokens // layout.page_size
+        if self._append_key != (streams, tokens):  # constant for a given batch shape: built once
+            dev = self.device
+            self._append_batch = torch.arange(streams, dtype=torch.int32, device=dev).repeat_interleave(tokens)
+            self._append_pos = torch.arange(tokens, dtype=torch.int32, device=dev).repeat(streams)
+            self._append_indptr = torch.arange(streams + 1, dtype=torch.int32, device=dev) * pages_per_stream
+            self._append_last = torch.full((streams,), layout.page_size, dtype=torch.int32, device=dev)
+            self._append_key = (streams, tokens)
+        pages = _pinned(layout.write_pages.to(torch.int32))
+        if self.static:
+            self._write_pages.copy_(pages, non_blocking=True)
+        else:
+            self._write_pages = pages.to(self.device, non_blocking=True)
+
+    # ------------------------------------------------------------------ per layer
     def run(
         self,
         q: torch.Tensor,
@@ -143,12 +199,24 @@ class FlashInferPlan(AttentionPlan):
                 f"flashinfer plan was built for num_qo_heads={self.num_qo_heads} (KVCacheSpec.num_qo_heads), "
                 f"got q with {q.shape[1]} heads"
             )
-        page_shape = (-1, *k_cache.shape[1:])
-        k_cache.index_copy_(0, self.write_pages, k.reshape(page_shape))
-        v_cache.index_copy_(0, self.write_pages, v.reshape(page_shape))
+        # Compiled graphs may hand the op strided inputs; FlashInfer's kernels want dense rows.
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        fi = _flashinfer()
+        fi.append_paged_kv_cache(
+            k, v, self._append_batch, self._append_pos, (k_cache, v_cache),
+            self._write_pages, self._append_indptr, self._append_last,
+        )
         default = 1.0 / math.sqrt(self.head_dim)
-        q_scale = None if math.isclose(scale, default, rel_tol=1e-6) else scale / default
-        return self.wrapper.run(q, (k_cache, v_cache), q_scale=q_scale)
+        if not math.isclose(scale, default, rel_tol=1e-6):
+            # Plans use FlashInfer's default 1/sqrt(d); a custom scale folds into q (its q_scale
+            # argument means different things on different kernel paths).
+            q = q * (scale / default)
+        if self.mode == "ragged":
+            start, end = self._kv_range
+            k_slots = k_cache.view(-1, k_cache.shape[-2], k_cache.shape[-1])[start:end]
+            v_slots = v_cache.view(-1, v_cache.shape[-2], v_cache.shape[-1])[start:end]
+            return self._ragged.run(q, k_slots, v_slots)
+        return self._paged.run(q, (k_cache, v_cache))
 
 
 def _row_masks(layout, token_mask: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
@@ -170,15 +238,19 @@ class FlashInferBackend(AttentionBackend):
     Parameters
     ----------
     paged_backend:
-        FlashInfer kernel family for unmasked plans: ``"auto"`` (FA3 on sm90), ``"fa3"`` or ``"fa2"``.
+        FlashInfer kernel family for unmasked paged plans: ``"auto"`` (FA3 on sm90), ``"fa3"`` or ``"fa2"``.
+    allow_gap_rows:
+        Let one ragged launch cover streams whose key ranges are not adjacent.
     """
 
     name = "flashinfer"
 
-    def __init__(self, paged_backend: str = "auto") -> None:
+    def __init__(self, paged_backend: str = "auto", *, allow_gap_rows: bool = True) -> None:
         if paged_backend not in ("auto", "fa2", "fa3"):
             raise BackendUnavailableError(f"paged_backend: expected 'auto', 'fa2' or 'fa3', got {paged_backend!r}")
         self.paged_backend = paged_backend
+        #: Run ragged even when streams' key ranges are not adjacent (query-less rows skip the gaps).
+        self.allow_gap_rows = allow_gap_rows
         self._workspaces: dict[torch.device, torch.Tensor] = {}
 
     def check_supported(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> None:

@@ -45,7 +45,7 @@ class ReferencePlan(AttentionPlan):
         s, n = self.num_streams, self.seq_len
         keys = k_slots[self.gather].transpose(1, 2)  # [S, Hkv, K, D]
         values = v_slots[self.gather].transpose(1, 2)
-        queries = q.view(s, n, q.shape[1], q.shape[2]).transpose(1, 2)  # [S, H, n, D]
+        queries = q.reshape(s, n, q.shape[1], q.shape[2]).transpose(1, 2)  # [S, H, n, D]
         out = F.scaled_dot_product_attention(
             queries, keys, values, attn_mask=self.mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
         )
