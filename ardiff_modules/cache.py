@@ -311,7 +311,11 @@ class KVCache:
             ctx.handle = PLANS.register(ctx)
             ctx.plan_id.fill_(ctx.handle)
             ctx.layers = [
-                LayerContext(i, self.pool.k_pages(i), self.pool.v_pages(i), ctx) for i in range(self.spec.num_layers)
+                LayerContext(
+                    i, self.pool.k_pages(i), self.pool.v_pages(i), ctx,
+                    kv_pool=self.pool.kv, layer_id=torch.tensor(i, dtype=torch.int64),
+                )
+                for i in range(self.spec.num_layers)
             ]
             self._forwards[key] = ctx
         return ctx

@@ -48,6 +48,10 @@ class LayerContext:
     v_cache: torch.Tensor
     forward: ForwardContext
     cross: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    #: The whole pool ``[layers, 2, pages, page_size, heads, dim]`` the custom op mutates.
+    kv_pool: torch.Tensor | None = None
+    #: ``layer_index`` as a CPU int64 scalar: data for the op, so one graph serves all layers.
+    layer_id: torch.Tensor | None = None
 
     @property
     def plan_id(self) -> torch.Tensor:

@@ -60,28 +60,33 @@ class PlanRegistry:
 PLANS = PlanRegistry()
 
 
-@torch.library.custom_op("ardiff_modules::chunk_attention", mutates_args=("k_cache", "v_cache"))
+@torch.library.custom_op("ardiff_modules::chunk_attention", mutates_args=("kv_pool",))
 def chunk_attention_op(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    kv_pool: torch.Tensor,
+    layer: torch.Tensor,
     plan_id: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Write ``k``/``v`` into the pending pages of ``k_cache``/``v_cache`` and attend.
+    """Write ``k``/``v`` into the pending pages of layer ``layer`` of ``kv_pool`` and attend.
 
     ``q`` is ``[tokens, heads, head_dim]`` (streams flattened, stream-major), ``k``/``v``
-    ``[tokens, kv_heads, head_dim]``, the caches one layer's ``[pages, page_size, kv_heads,
-    head_dim]``; ``plan_id`` a CPU int64 scalar naming the forward's plan. Returns
+    ``[tokens, kv_heads, head_dim]``, ``kv_pool`` the whole pool ``[layers, 2, pages, page_size,
+    kv_heads, head_dim]``; ``layer`` and ``plan_id`` are CPU int64 scalars. Returns
     ``[tokens, heads, head_dim_v]``.
+
+    NOTE: the op mutates the one pool tensor, never per-layer views of it: several aliased
+    mutated inputs send torch.compile down its "synthetic base" path, which was measured to
+    corrupt the cache on CUDA. The layer index is data (a CPU tensor), so one graph serves
+    every layer and reading it is not a device sync.
     """
-    # NOTE: plan_id lives on the CPU, so reading it is not a device sync.
     plan = PLANS.get(int(plan_id))
-    return plan.run(q, k, v, k_cache, v_cache, scale)
+    index = int(layer)
+    return plan.run(q, k, v, kv_pool[index, 0], kv_pool[index, 1], scale)
 
 
 @chunk_attention_op.register_fake
-def _chunk_attention_fake(q, k, v, k_cache, v_cache, plan_id, scale):  # noqa: ANN001, ANN202
+def _chunk_attention_fake(q, k, v, kv_pool, layer, plan_id, scale):  # noqa: ANN001, ANN202
     return q.new_empty((q.shape[0], q.shape[1], v.shape[2]))

@@ -91,8 +91,8 @@ def chunk_attention(
         q.reshape(tokens, q.shape[2], head_dim),
         k.reshape(tokens, kv_heads, head_dim),
         v.reshape(tokens, kv_heads, head_dim),
-        kv.k_cache,
-        kv.v_cache,
+        kv.kv_pool,
+        kv.layer_id,
         kv.forward.plan_id,
         float(scale if scale is not None else head_dim**-0.5),
     )
