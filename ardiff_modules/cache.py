@@ -44,6 +44,7 @@ class CacheStats:
     pages_free: int
     bytes_per_page: int
     pool_bytes: int
+    bytes_used: int
     cross_attention_bytes: int
     sessions: dict[str, dict[str, int]]  # session -> branch -> pages referenced
 
@@ -205,7 +206,7 @@ class KVCache:
                 raise TensorMismatchError(
                     f"token_mask: expected shape {expected} [streams, seq_len, max_keys], got {tuple(token_mask.shape)}"
                 )
-        needed = sum(h.pages_needed(num_chunks) for h in histories)
+        needed = sum(h.pages_needed(num_chunks, self.allocator) for h in histories)
         if needed > self.allocator.num_free:
             raise CapacityError(
                 f"KV pool out of pages: this forward needs {needed} more pages "
@@ -364,6 +365,55 @@ class KVCache:
             keys[name] = stack_key
         return cross, missing, keys
 
+    # ------------------------------------------------------------------ admission
+    def pages_per_session(self, branches: int | None = None, pending_chunks: int = 1) -> int:
+        """Peak pages one session holds: per branch (sinks + window + pending) chunks, or its extent.
+
+        Raises :class:`SpecError` for an unbounded window (no peak exists).
+        """
+        resident = self.spec.max_resident_chunks
+        if resident is None:
+            raise SpecError("pages_per_session: expected a bounded window (window_chunks), got None")
+        branches = len(self.spec.branches) if branches is None else branches
+        chunks = resident + pending_chunks
+        if self.extent_chunks is not None:
+            chunks = max(chunks, self.extent_chunks)
+        return branches * chunks * self.spec.pages_per_chunk
+
+    def committed_growth(self) -> int:
+        """Pages open sessions may still take before reaching their peak (admitted, not yet used)."""
+        resident = self.spec.max_resident_chunks
+        if resident is None:
+            return 0
+        peak = self.pages_per_session(branches=1)
+        return sum(
+            max(0, peak - len(history.referenced_pages()))
+            for state in self._sessions.values()
+            for history in state._branches.values()
+        )
+
+    def sessions_that_fit(self, pending_chunks: int = 1) -> int:
+        """How many more sessions of this spec can run to their peak alongside the open ones."""
+        available = self.allocator.num_free - self.committed_growth()
+        return max(0, available // self.pages_per_session(pending_chunks=pending_chunks))
+
+    def can_admit(self, num_sessions: int = 1, pending_chunks: int = 1) -> bool:
+        """Whether ``num_sessions`` more sessions fit at their peak (see :meth:`sessions_that_fit`)."""
+        return self.sessions_that_fit(pending_chunks) >= num_sessions
+
+    def admit_session(self, session_id: str | None = None, pending_chunks: int = 1) -> KVState:
+        """Open a session only if it fits at its peak; raises :class:`CapacityError` before any change."""
+        if not self.can_admit(1, pending_chunks):
+            needed = self.pages_per_session(pending_chunks=pending_chunks)
+            free = self.allocator.num_free - self.committed_growth()
+            raise CapacityError(
+                f"admit_session: a session needs up to {needed} pages, only {max(free, 0)} are free and not "
+                f"promised to the {len(self._sessions)} open session(s)",
+                needed=needed,
+                free=max(free, 0),
+            )
+        return self.open_session(session_id)
+
     # ------------------------------------------------------------------ stats
     def stats(self) -> CacheStats:
         sessions = {
@@ -377,6 +427,7 @@ class KVCache:
             pages_free=self.allocator.num_free,
             bytes_per_page=self.pool.bytes_per_page,
             pool_bytes=self.pool.nbytes,
+            bytes_used=self.allocator.num_used * self.pool.bytes_per_page,
             cross_attention_bytes=cross_bytes,
             sessions=sessions,
         )

@@ -83,19 +83,29 @@ class BranchHistory:
         step = self.pages_per_chunk
         return [tuple(self.extent[i : i + step]) for i in range(0, len(self.extent), step)]
 
-    def free_extent_slots(self) -> list[PageChunk]:
-        """Extent slots holding no resident or pending chunk of this branch, lowest first."""
-        used = set(self.sinks) | set(self.window) | set(self.pending)
-        return [slot for slot in self.extent_slots() if slot not in used]
+    def free_extent_slots(self, allocator: PageAllocator) -> list[PageChunk]:
+        """Extent slots free for a new pending chunk, lowest first.
 
-    def pages_needed(self, num_chunks: int) -> int:
+        A slot is free when no chunk of this branch uses it and nobody else references its
+        pages (refcount 1: only the reservation). NOTE: an evicted chunk may still be visible
+        to a fork sharing it; committed pages are immutable, so its slot waits until that
+        fork lets go (meanwhile new chunks come from the general pool and run paged).
+        """
+        used = set(self.sinks) | set(self.window) | set(self.pending)
+        return [
+            slot
+            for slot in self.extent_slots()
+            if slot not in used and all(allocator.refcount(p) == 1 for p in slot)
+        ]
+
+    def pages_needed(self, num_chunks: int, allocator: PageAllocator) -> int:
         """Free pages :meth:`set_pending` would allocate (plus the extent if not yet reserved)."""
         missing = max(0, num_chunks - len(self.pending))
         if self.extent_chunks is None:
             return missing * self.pages_per_chunk
         if not self.extent:
             return (self.extent_chunks + max(0, missing - self.extent_chunks)) * self.pages_per_chunk
-        return max(0, missing - len(self.free_extent_slots())) * self.pages_per_chunk
+        return max(0, missing - len(self.free_extent_slots(allocator))) * self.pages_per_chunk
 
     def assign_extent(self, pages: tuple[int, ...]) -> None:
         """Take ownership of a freshly allocated contiguous extent (its one reference per page)."""
@@ -113,7 +123,7 @@ class BranchHistory:
         """
         have = len(self.pending)
         if num_chunks > have:
-            slots = self.free_extent_slots()[: num_chunks - have]
+            slots = self.free_extent_slots(allocator)[: num_chunks - have]
             fresh = allocator.allocate((num_chunks - have - len(slots)) * self.pages_per_chunk)
             allocator.incref(p for slot in slots for p in slot)
             step = self.pages_per_chunk
@@ -159,9 +169,15 @@ class BranchHistory:
         self.committed_chunks = 0
         return freed
 
-    def adopt(self, other: BranchHistory, allocator: PageAllocator) -> None:
-        """Share ``other``'s committed history by refcount (a fork): zero pages copied."""
-        allocator.incref(other.history_pages())
+    def adopt(self, other: BranchHistory, allocator: PageAllocator, *, sinks_only: bool = False) -> None:
+        """Share ``other``'s committed history by refcount (a fork): zero pages copied.
+
+        ``sinks_only`` shares just the sink chunks (e.g. sessions that start from the same
+        first frame): the branch then continues after them, with an empty window.
+        """
+        sinks = other.sinks
+        window = () if sinks_only else other.window
+        allocator.incref(p for chunk in sinks + window for p in chunk)
         self.release(allocator)
-        self.sinks, self.window = other.sinks, other.window
-        self.committed_chunks = other.committed_chunks
+        self.sinks, self.window = sinks, window
+        self.committed_chunks = len(sinks) if sinks_only else other.committed_chunks

@@ -271,6 +271,65 @@ class KVState:
     def cross_attention_bytes(self) -> int:
         return sum(e.k.numel() * e.k.element_size() * 2 for e in self._cross.values())
 
+    # ------------------------------------------------------------------ sharing
+    def fork(
+        self,
+        session_id: str | None = None,
+        *,
+        branches: Sequence[str] | None = None,
+        share_cross_attention: bool = True,
+    ) -> KVState:
+        """A new session sharing this one's committed history by refcount: zero bytes of KV copied.
+
+        Each forked branch starts from this session's resident chunks (sinks + window) and
+        absolute offset; the two sessions then diverge independently (committed pages are
+        immutable, so sharing them is safe). Pending work is not shared. ``branches`` limits
+        which branches are forked (the others start empty); cross-attention caches are shared
+        by reference unless ``share_cross_attention=False``.
+        """
+        self._check_open()
+        names = self.kv_branch_names if branches is None else tuple(branches)
+        for branch in names:
+            self._history(branch)
+        child = self.cache.open_session(session_id)
+        for branch in names:
+            child._branches[branch].adopt(self._branches[branch], self.cache.allocator)
+        if share_cross_attention:
+            child._cross = {k: e for k, e in self._cross.items() if k[1] in names}
+        return child
+
+    def share_sinks_from(self, other: KVState, kv_branch: str) -> None:
+        """Start ``kv_branch`` from ``other``'s sink chunks (same first frames), shared by refcount.
+
+        The branch must be empty (nothing committed or pending). It continues at the absolute
+        offset right after the sinks, with an empty window.
+        """
+        history = self._history(kv_branch)
+        source = other._history(kv_branch)
+        if other.cache is not self.cache:
+            raise SpecError("share_sinks_from: expected a session of the same KVCache, got one of another cache")
+        if history.committed_chunks or history.pending:
+            raise SpecError(
+                f"share_sinks_from: expected branch {kv_branch!r} to be empty, got {history.committed_chunks} "
+                f"committed and {len(history.pending)} pending chunk(s)"
+            )
+        history.adopt(source, self.cache.allocator, sinks_only=True)
+
+    def share_cross_attention_from(self, other: KVState, cache_name: str, kv_branch: str | None = None) -> None:
+        """Reuse ``other``'s populated cache ``cache_name`` (same prompt) by reference, for one or all branches."""
+        names = self.kv_branch_names if kv_branch is None else (kv_branch,)
+        entries = []
+        for branch in names:
+            key = self._cross_key(branch, cache_name)
+            entry = other._cross.get(other._cross_key(branch, cache_name))
+            if entry is None:
+                raise CrossAttentionNotPopulatedError(
+                    f"share_cross_attention_from: cache {cache_name!r} of branch {branch!r} of session "
+                    f"{other.session_id!r} was not populated"
+                )
+            entries.append((key, entry))
+        self._cross.update(entries)
+
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
         """Release every page and cache of this session (idempotent)."""
