@@ -1,17 +1,22 @@
-"""FlashInfer backend (CUDA): structural sink+window dispatch on paged FA3, masked FA2 fallback.
+"""FlashInfer backend (CUDA): ragged FA3 over contiguous extents, structural paged FA3, masked FA2.
 
-Structural plan (default): one FlashInfer request per (stream, pending chunk)
-whose page list is exactly its visible pages -- sinks + window + pending
-chunks ``0..c`` -- with ``causal=False``. No mask memory; FA3 on Hopper. Only
-the last page of a request could be partial, and since ``page_size`` divides
-``chunk_size`` none is.
+Three kernels, chosen per forward on the host:
 
-Masked plan: the same rows with a per-token custom mask (FA2), for masks that
-are not chunk-structured (``prepare_forward(token_mask=...)``).
+* ragged FA3 (the fastest): when every stream's visible pages form one run of consecutive
+  page ids -- what contiguous extents give one-chunk forwards -- each stream attends to one
+  contiguous token range of the pool, unpaged. Streams whose ranges are not adjacent are
+  separated by query-less rows, so one launch still covers them all;
+* structural paged FA3: one request per (stream, pending chunk) whose page list is exactly
+  its visible pages -- sinks + window + pending chunks ``0..c`` -- with ``causal=False``
+  (multi-chunk block-causal forwards, shared pages after forks). No mask memory; only the
+  last page of a request could be partial, and since ``page_size`` divides ``chunk_size``
+  none is;
+* masked FA2: the same rows with a per-token custom mask (``prepare_forward(token_mask=...)``)
+  for masks that are not chunk-structured.
 
-``plan()`` runs once per forward on the host with CPU int32 indptrs (device
-indptrs would force a sync inside FlashInfer); every layer's ``run()`` only
-writes its K/V pages and launches the kernel.
+``plan()`` runs once per forward on the host with CPU int32 indptrs (device indptrs would
+force a sync inside FlashInfer) and is skipped when a ragged plan's rows repeat; every
+layer's ``run()`` only appends its K/V and launches the kernel.
 """
 
 from __future__ import annotations
