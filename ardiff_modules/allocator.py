@@ -29,6 +29,8 @@ class PageAllocator:
         self._refcounts = [0] * num_pages
         # NOTE: a deque, not a set: allocation order is deterministic (tests pin exact ids).
         self._free: deque[int] = deque(range(num_pages))
+        #: High-water mark of pages in use (see :meth:`reset_peak`).
+        self.peak_used = 0
 
     # ------------------------------------------------------------------ queries
     @property
@@ -68,6 +70,7 @@ class PageAllocator:
         pages = [self._free.popleft() for _ in range(count)]
         for page in pages:
             self._refcounts[page] = 1
+        self.peak_used = max(self.peak_used, self.num_used)
         return pages
 
     def longest_free_run(self) -> int:
@@ -108,6 +111,7 @@ class PageAllocator:
         self._free = deque(p for p in self._free if p not in taken)
         for page in taken:
             self._refcounts[page] = 1
+        self.peak_used = max(self.peak_used, self.num_used)
         return list(range(start, start + count))
 
     def unallocate(self, pages: Sequence[int], free_order: Sequence[int] | None = None) -> None:
@@ -167,6 +171,10 @@ class PageAllocator:
                 self._free.append(page)
                 freed.append(page)
         return freed
+
+    def reset_peak(self) -> None:
+        """Restart the high-water mark from the pages in use now."""
+        self.peak_used = self.num_used
 
     # ------------------------------------------------------------------ checks
     def _check_ids(self, pages: Sequence[int]) -> None:

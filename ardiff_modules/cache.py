@@ -42,6 +42,7 @@ class CacheStats:
     num_pages: int
     pages_used: int
     pages_free: int
+    peak_pages_used: int
     bytes_per_page: int
     pool_bytes: int
     bytes_used: int
@@ -425,6 +426,7 @@ class KVCache:
             num_pages=self.allocator.num_pages,
             pages_used=self.allocator.num_used,
             pages_free=self.allocator.num_free,
+            peak_pages_used=self.allocator.peak_used,
             bytes_per_page=self.pool.bytes_per_page,
             pool_bytes=self.pool.nbytes,
             bytes_used=self.allocator.num_used * self.pool.bytes_per_page,

@@ -119,6 +119,7 @@ def test_admission_and_stats() -> None:
     stats = cache.stats()
     assert stats.pages_used == 2 * 2 and stats.sessions[sessions[0].session_id] == {"cond": 2, "uncond": 2}
     assert stats.bytes_used == stats.pages_used * stats.bytes_per_page
+    assert stats.peak_pages_used == 4
     for s in sessions:
         s.close()
     assert cache.sessions_that_fit() == 3

@@ -1,0 +1,423 @@
+"""A compact Wan2.1-style *causal* video DiT built from ``ardiff_modules`` layers.
+
+The architecture follows Wan2.1's ``WanModel`` (text-to-video) block for block, made causal the
+way Self-Forcing / CausVid make it causal: self-attention goes through the paged sink + window KV
+cache instead of attending to the whole clip.
+
+::
+
+    latents [S, F, C, H, W]                                     S = streams (CFG branches batched)
+      -> patch_embedding  Conv3d(C, dim, kernel=stride=(1, 2, 2))  -> tokens [S, F*h*w, dim]
+      -> blocks x L:
+           x = x + gate1 * SelfAttn(LN(x) * (1 + scale1) + shift1)     ChunkSelfAttention, qk_norm="full",
+                                                                       3-D RoPE at kv.positions
+           x = x + CrossAttn(LN_affine(x))                             CachedCrossAttention("text"), qk_norm="full"
+           x = x + gate2 * FFN(LN(x) * (1 + scale2) + shift2)          Linear -> GELU(tanh) -> Linear
+      -> head: LN(x) * (1 + scale) + shift -> Linear -> unpatchify     -> [S, F, C, H, W]
+
+    timestep [S] or [S, F] -> sinusoidal(freq_dim) -> time_embedding MLP -> e   [S, F, dim]
+                                                 -> time_projection      -> e0  [S, F, 6, dim]
+    (shift/scale/gate per block = block.modulation + e0, per frame, as Wan / Self-Forcing)
+
+Positions: RoPE uses ``LayerContext.positions`` (``kv.positions``), the *absolute* token positions of
+the current chunk, so frame ``p // (h * w)`` keeps counting across window eviction and restarts at 0
+after ``state.reset()``. Text conditioning is projected once per prompt: ``embed_text`` (Wan's
+``text_embedding`` MLP) followed by :func:`ardiff_modules.populate_cross_attention`, which runs each
+block's K/V projection and publishes the "text" cache of one branch for all layers at once.
+
+Weights
+-------
+**No weights are downloadable from here**: models are randomly initialised from a seed
+(:func:`build_model`), which is all the examples and tests need. To run a real checkpoint, build the
+model with the matching :class:`WanConfig` and load your own state dict::
+
+    model = build_model(WanConfig.preset("wan2.1-1.3b"), device="cuda")
+    model.load_state_dict(torch.load(path, map_location="cuda"))              # this module's layout
+    # or, for a checkpoint in Wan2.1's own key layout (q/k/v/o, self_attn, cross_attn):
+    model.load_state_dict(convert_wan_state_dict(torch.load(path, map_location="cuda"), model.config))
+
+Parameter names mirror Wan's (``patch_embedding``, ``text_embedding``, ``time_embedding``,
+``time_projection``, ``blocks.N.{norm3, ffn, modulation}``, ``head.{head, modulation}``); only the
+attention layers differ (``attn`` / ``cross`` with ``to_q`` / ``to_k`` / ``to_v`` / ``to_out``).
+:func:`convert_wan_state_dict` renames those and converts Wan's interleaved (complex) RoPE pairs to
+the rotate-half layout that :class:`~ardiff_modules.modules.rotary.VideoRotaryEmbedding` uses, by
+permuting the q/k projection rows inside each head (attention scores are unchanged). Checkpoints of
+Self-Forcing & co. wrap the same keys (e.g. a ``model.`` prefix): strip it first. Converting has been
+checked against a reference implementation of Wan's RoPE, not against released weights.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+from ardiff_modules import (
+    CachedCrossAttention,
+    ChunkSelfAttention,
+    CrossAttentionSpec,
+    KVCacheSpec,
+    LayerContext,
+    TensorMismatchError,
+)
+from ardiff_modules.modules.rotary import VideoRotaryEmbedding
+
+TEXT = "text"  #: name of the cross-attention cache
+BRANCHES = ("cond", "uncond")  #: CFG branches, batched in one forward
+
+
+# ---------------------------------------------------------------------------------------- config
+@dataclass(frozen=True)
+class WanConfig:
+    """Geometry of the causal DiT and of its KV cache.
+
+    ``latent_height`` / ``latent_width`` are the VAE latent size *before* patching; one latent frame
+    becomes ``(latent_height // 2) * (latent_width // 2)`` tokens with the default (1, 2, 2) patch.
+    """
+
+    name: str
+    num_layers: int
+    dim: int
+    num_heads: int
+    ffn_dim: int
+    latent_height: int
+    latent_width: int
+    text_tokens: int
+    text_dim: int
+    in_channels: int = 16
+    out_channels: int = 16
+    patch_size: tuple[int, int, int] = (1, 2, 2)
+    freq_dim: int = 256
+    frames_per_chunk: int = 3
+    sink_chunks: int = 1
+    window_chunks: int = 2
+    page_size: int | None = None  #: tokens per KV page; ``None`` = one latent frame
+    eps: float = 1e-6
+    rope_theta: float = 10000.0
+
+    def __post_init__(self) -> None:
+        if self.dim % self.num_heads:
+            raise ValueError(f"WanConfig.dim: expected a multiple of num_heads={self.num_heads}, got {self.dim}")
+        if self.patch_size[0] != 1:
+            raise ValueError(f"WanConfig.patch_size: expected a temporal patch of 1 (causal chunks), got {self.patch_size}")
+        if self.latent_height % self.patch_size[1] or self.latent_width % self.patch_size[2]:
+            raise ValueError(
+                f"WanConfig: latent {self.latent_height}x{self.latent_width} is not divisible by the patch "
+                f"{self.patch_size[1:]}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.num_heads
+
+    @property
+    def grid_height(self) -> int:
+        return self.latent_height // self.patch_size[1]
+
+    @property
+    def grid_width(self) -> int:
+        return self.latent_width // self.patch_size[2]
+
+    @property
+    def tokens_per_frame(self) -> int:
+        return self.grid_height * self.grid_width
+
+    @property
+    def chunk_size(self) -> int:
+        """Tokens per autoregressive chunk (``frames_per_chunk`` latent frames)."""
+        return self.frames_per_chunk * self.tokens_per_frame
+
+    @property
+    def kv_page_size(self) -> int:
+        return self.page_size if self.page_size is not None else self.tokens_per_frame
+
+    @classmethod
+    def preset(cls, name: str, **overrides: object) -> WanConfig:
+        """One of :data:`PRESETS` (``"tiny"``, ``"wan2.1-1.3b"``), optionally with fields overridden."""
+        try:
+            config = PRESETS[name]
+        except KeyError:
+            raise ValueError(f"WanConfig.preset: expected one of {sorted(PRESETS)}, got {name!r}") from None
+        return replace(config, **overrides) if overrides else config
+
+
+PRESETS: dict[str, WanConfig] = {
+    # CPU default: 16 tokens per frame (8x8 latent, 2x2 patches), 48-token chunks, a 2-chunk window.
+    "tiny": WanConfig(
+        name="tiny", num_layers=2, dim=64, num_heads=4, ffn_dim=256, latent_height=8, latent_width=8,
+        text_tokens=8, text_dim=32, freq_dim=64, sink_chunks=1, window_chunks=2,
+    ),
+    # Wan2.1-T2V-1.3B at 480x832: 60x104 latents -> 30x52 = 1560 tokens per latent frame, 4680 per chunk.
+    # Sink 1 + window 6 chunks = Self-Forcing's local_attn_size 21 frames with 3 frames per chunk
+    # (DESIGN.md section 1: window = 21 / 3 - 1 - 1). Pages of 120 tokens (39 per chunk).
+    "wan2.1-1.3b": WanConfig(
+        name="wan2.1-1.3b", num_layers=30, dim=1536, num_heads=12, ffn_dim=8960, latent_height=60,
+        latent_width=104, text_tokens=512, text_dim=4096, freq_dim=256, sink_chunks=1, window_chunks=6,
+        page_size=120,
+    ),
+}
+
+
+def default_dtype(device: torch.device | str) -> torch.dtype:
+    """float32 on CPU, bfloat16 on CUDA (the model and the KV pool use the same dtype)."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def make_kv_spec(config: WanConfig, device: torch.device | str = "cpu", branches: Sequence[str] = BRANCHES) -> KVCacheSpec:
+    """The :class:`KVCacheSpec` matching ``config``: one KV layer per block, a ``"text"`` cross cache."""
+    dtype = str(default_dtype(device)).removeprefix("torch.")
+    return KVCacheSpec(
+        num_layers=config.num_layers,
+        num_kv_heads=config.num_heads,
+        num_qo_heads=config.num_heads,
+        head_dim=config.head_dim,
+        chunk_size=config.chunk_size,
+        page_size=config.kv_page_size,
+        sink_chunks=config.sink_chunks,
+        window_chunks=config.window_chunks,
+        branches=tuple(branches),
+        cross_attention=(CrossAttentionSpec(TEXT, config.text_tokens),),
+        dtype=dtype,
+    )
+
+
+def kv_pool_pages(spec: KVCacheSpec, *, streams: int | None = None, pending_chunks: int = 1, slack_chunks: int = 1) -> int:
+    """Pages for one session: per branch (sinks + window + pending) chunks, plus ``slack_chunks`` spare chunks.
+
+    ``spec.pages_per_branch`` is the peak a branch holds once its window is full (or, with contiguous
+    extents on FlashInfer, what it reserves up front).
+    """
+    streams = len(spec.branches) if streams is None else streams
+    per_branch = spec.pages_per_branch(pending_chunks)
+    if per_branch is None:
+        raise ValueError("kv_pool_pages: expected a bounded window (window_chunks), got None")
+    return streams * per_branch + slack_chunks * spec.pages_per_chunk
+
+
+# ----------------------------------------------------------------------------------------- model
+def sinusoidal_embedding(dim: int, timesteps: torch.Tensor) -> torch.Tensor:
+    """Wan's 1-D sinusoidal embedding: ``[N]`` -> ``[N, dim]`` as ``cat(cos, sin)`` (float32)."""
+    half = dim // 2
+    freqs = torch.pow(10000.0, -torch.arange(half, device=timesteps.device, dtype=torch.float32) / half)
+    angles = timesteps.float()[:, None] * freqs[None]
+    return torch.cat((angles.cos(), angles.sin()), dim=-1)
+
+
+class WanCausalBlock(nn.Module):
+    """One Wan attention block with the library's cached attention layers."""
+
+    def __init__(self, config: WanConfig) -> None:
+        super().__init__()
+        dim, eps = config.dim, config.eps
+        self.norm1 = nn.LayerNorm(dim, eps=eps, elementwise_affine=False)
+        self.attn = ChunkSelfAttention(dim, config.num_heads, qk_norm="full", eps=eps)
+        self.norm3 = nn.LayerNorm(dim, eps=eps, elementwise_affine=True)  # Wan: cross_attn_norm=True
+        self.cross = CachedCrossAttention(dim, config.num_heads, TEXT, qk_norm="full", eps=eps)
+        self.norm2 = nn.LayerNorm(dim, eps=eps, elementwise_affine=False)
+        self.ffn = nn.Sequential(nn.Linear(dim, config.ffn_dim), nn.GELU(approximate="tanh"), nn.Linear(config.ffn_dim, dim))
+        self.modulation = nn.Parameter(torch.randn(1, 6, dim) / dim**0.5)
+
+    def forward(self, x: torch.Tensor, e0: torch.Tensor, kv: LayerContext, rope: nn.Module) -> torch.Tensor:
+        """``x`` ``[S, N, dim]``; ``e0`` ``[S, F, 6, dim]`` (per-frame modulation) -> ``[S, N, dim]``."""
+        s, n, d = x.shape
+        frames = e0.shape[1]
+        shift1, scale1, gate1, shift2, scale2, gate2 = (self.modulation[:, None] + e0).unbind(dim=2)  # [S, F, dim]
+
+        def modulate(h: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+            return (h.view(s, frames, -1, d) * (1 + scale[:, :, None]) + shift[:, :, None]).view(s, n, d)
+
+        def gated(h: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+            return (h.view(s, frames, -1, d) * gate[:, :, None]).view(s, n, d)
+
+        x = x + gated(self.attn(modulate(self.norm1(x), shift1, scale1), kv, rope), gate1)
+        x = x + self.cross(self.norm3(x), kv)
+        return x + gated(self.ffn(modulate(self.norm2(x), shift2, scale2)), gate2)
+
+
+class WanHead(nn.Module):
+    """Final modulated norm and projection to ``prod(patch) * out_channels`` per token."""
+
+    def __init__(self, config: WanConfig) -> None:
+        super().__init__()
+        dim = config.dim
+        self.norm = nn.LayerNorm(dim, eps=config.eps, elementwise_affine=False)
+        self.head = nn.Linear(dim, math.prod(config.patch_size) * config.out_channels)
+        self.modulation = nn.Parameter(torch.randn(1, 2, dim) / dim**0.5)
+
+    def forward(self, x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[S, N, dim]``, ``e`` ``[S, F, dim]`` -> ``[S, N, prod(patch) * C]``."""
+        s, n, d = x.shape
+        shift, scale = (self.modulation[:, None] + e[:, :, None]).unbind(dim=2)  # [S, F, dim]
+        h = self.norm(x).view(s, e.shape[1], -1, d) * (1 + scale[:, :, None]) + shift[:, :, None]
+        return self.head(h.view(s, n, d))
+
+
+class WanCausalDiT(nn.Module):
+    """Wan2.1-style causal video DiT over the paged KV cache.
+
+    ``forward(latents, timestep, layers)``:
+
+    latents:
+        ``[S, F, C, H, W]`` noisy latent frames of the current chunk(s), one row per stream
+        (e.g. CFG's ``("cond", "uncond")`` batched in one forward). ``F`` must be a multiple of
+        ``frames_per_chunk`` and ``S`` the number of streams of the forward context.
+    timestep:
+        ``[S]`` (one timestep per stream) or ``[S, F]`` (per frame, as Self-Forcing's diffusion
+        forcing); values in ``[0, 1000]``, a tensor (a Python float would specialise a compiled graph).
+    layers:
+        ``ForwardContext.layers`` of a ``prepare_forward`` over those streams, one per block.
+
+    Returns the flow prediction ``[S, F, C_out, H, W]`` (float, the model's dtype).
+    """
+
+    def __init__(self, config: WanConfig) -> None:
+        super().__init__()
+        self.config = config
+        dim = config.dim
+        self.patch_embedding = nn.Conv3d(config.in_channels, dim, kernel_size=config.patch_size, stride=config.patch_size)
+        self.text_embedding = nn.Sequential(nn.Linear(config.text_dim, dim), nn.GELU(approximate="tanh"), nn.Linear(dim, dim))
+        self.time_embedding = nn.Sequential(nn.Linear(config.freq_dim, dim), nn.SiLU(), nn.Linear(dim, dim))
+        self.time_projection = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim))
+        self.blocks = nn.ModuleList(WanCausalBlock(config) for _ in range(config.num_layers))
+        self.head = WanHead(config)
+        self.rope = VideoRotaryEmbedding(config.head_dim, config.grid_height, config.grid_width, theta=config.rope_theta)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Wan's initialisation, except the output head (Wan zeroes it; a random demo model then does nothing)."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+        nn.init.xavier_uniform_(self.patch_embedding.weight.flatten(1))
+        for seq in (self.text_embedding, self.time_embedding):
+            for module in seq:
+                if isinstance(module, nn.Linear):
+                    nn.init.normal_(module.weight, std=0.02)
+
+    # ---------------------------------------------------------------- conditioning
+    def embed_text(self, text: torch.Tensor) -> torch.Tensor:
+        """Text-encoder states ``[tokens, text_dim]`` -> cross-attention context ``[tokens, dim]``.
+
+        Publish it per branch with
+        ``populate_cross_attention(state, branch, [b.cross for b in model.blocks], model.embed_text(text))``.
+        """
+        if text.dim() != 2 or text.shape[-1] != self.config.text_dim:
+            raise TensorMismatchError(
+                f"embed_text: expected [tokens, {self.config.text_dim}], got {tuple(text.shape)}"
+            )
+        return self.text_embedding(text.to(self.patch_embedding.weight.dtype))
+
+    # ---------------------------------------------------------------- patches
+    def patchify(self, latents: torch.Tensor) -> torch.Tensor:
+        """``[S, F, C, H, W]`` -> tokens ``[S, F * h * w, dim]`` (frame-major, then row, column)."""
+        x = self.patch_embedding(latents.transpose(1, 2))  # [S, dim, F, h, w]
+        return x.flatten(2).transpose(1, 2)
+
+    def unpatchify(self, tokens: torch.Tensor, frames: int) -> torch.Tensor:
+        """``[S, F * h * w, ph * pw * C]`` -> ``[S, F, C, H, W]`` (Wan's channel order ``(p, q, r, c)``)."""
+        c = self.config
+        _, ph, pw = c.patch_size
+        s = tokens.shape[0]
+        u = tokens.view(s, frames, c.grid_height, c.grid_width, ph, pw, c.out_channels)
+        u = u.permute(0, 1, 6, 2, 4, 3, 5)  # [S, F, C, h, ph, w, pw]
+        return u.reshape(s, frames, c.out_channels, c.grid_height * ph, c.grid_width * pw)
+
+    # ---------------------------------------------------------------- forward
+    def forward(self, latents: torch.Tensor, timestep: torch.Tensor, layers: Sequence[LayerContext]) -> torch.Tensor:
+        c = self.config
+        if latents.dim() != 5 or tuple(latents.shape[2:]) != (c.in_channels, c.latent_height, c.latent_width):
+            raise TensorMismatchError(
+                f"WanCausalDiT latents: expected [streams, frames, {c.in_channels}, {c.latent_height}, "
+                f"{c.latent_width}], got {tuple(latents.shape)}"
+            )
+        if len(layers) != len(self.blocks):
+            raise TensorMismatchError(f"WanCausalDiT layers: expected {len(self.blocks)} layer contexts, got {len(layers)}")
+        s, frames = latents.shape[:2]
+        if timestep.dim() == 1 and timestep.shape[0] == s:
+            timestep = timestep[:, None].expand(s, frames)
+        if tuple(timestep.shape) != (s, frames):
+            raise TensorMismatchError(
+                f"WanCausalDiT timestep: expected [{s}] or [{s}, {frames}], got {tuple(timestep.shape)}"
+            )
+        dtype = self.patch_embedding.weight.dtype
+        x = self.patchify(latents.to(dtype))
+        t = sinusoidal_embedding(c.freq_dim, timestep.reshape(-1)).to(dtype)
+        e = self.time_embedding(t)  # [S*F, dim]
+        e0 = self.time_projection(e).view(s, frames, 6, c.dim)
+        e = e.view(s, frames, c.dim)
+        for block, kv in zip(self.blocks, layers):
+            x = block(x, e0, kv, self.rope)
+        return self.unpatchify(self.head(x, e), frames)
+
+
+def build_model(
+    config: WanConfig | str = "tiny",
+    *,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
+) -> WanCausalDiT:
+    """A randomly initialised :class:`WanCausalDiT` (deterministic for a seed), in eval mode.
+
+    Parameters are created directly on ``device`` and cast to ``dtype`` (default
+    :func:`default_dtype`: float32 on CPU, bfloat16 on CUDA, matching :func:`make_kv_spec`).
+    The global RNG is left untouched.
+    """
+    if isinstance(config, str):
+        config = WanConfig.preset(config)
+    device = torch.device(device)
+    dtype = dtype or default_dtype(device)
+    cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda), torch.device(device):
+        torch.manual_seed(seed)
+        model = WanCausalDiT(config)
+    return model.to(dtype).eval().requires_grad_(False)
+
+
+# ------------------------------------------------------------------------ Wan checkpoint layout
+def rope_pair_permutation(head_dim: int) -> torch.Tensor:
+    """Index map from Wan's interleaved RoPE pairs ``(2i, 2i+1)`` to rotate-half pairs ``(i, i + d/2)``.
+
+    ``new[:, j] = old[:, perm[j]]`` within each head.
+    """
+    half = head_dim // 2
+    perm = torch.empty(head_dim, dtype=torch.long)
+    perm[:half] = torch.arange(0, head_dim, 2)
+    perm[half:] = torch.arange(1, head_dim, 2)
+    return perm
+
+
+def convert_wan_state_dict(state_dict: Mapping[str, torch.Tensor], config: WanConfig) -> dict[str, torch.Tensor]:
+    """Map a Wan2.1 ``WanModel`` (t2v) state dict onto :class:`WanCausalDiT`.
+
+    Renames ``blocks.N.self_attn.{q,k,v,o}`` -> ``blocks.N.attn.{to_q,to_k,to_v,to_out}`` and
+    ``blocks.N.cross_attn.*`` -> ``blocks.N.cross.*``, and permutes the rows of the *self-attention*
+    q/k projections and their RMSNorm weights inside each head from Wan's interleaved RoPE layout to
+    rotate-half (``q . k`` is invariant under a common permutation, so scores are unchanged; cross
+    attention has no RoPE and is copied as is).
+    """
+    heads, head_dim = config.num_heads, config.head_dim
+    perm = rope_pair_permutation(head_dim)
+    index = (torch.arange(heads)[:, None] * head_dim + perm[None]).reshape(-1)
+    out: dict[str, torch.Tensor] = {}
+    renames = {"q": "to_q", "k": "to_k", "v": "to_v", "o": "to_out"}
+    for key, value in state_dict.items():
+        parts = key.split(".")
+        if len(parts) >= 4 and parts[0] == "blocks" and parts[2] in ("self_attn", "cross_attn"):
+            parts[2] = "attn" if parts[2] == "self_attn" else "cross"
+            parts[3] = renames.get(parts[3], parts[3])
+            if parts[2] == "attn" and parts[3] in ("to_q", "to_k", "norm_q", "norm_k"):
+                if value.shape[0] != heads * head_dim:
+                    raise TensorMismatchError(
+                        f"convert_wan_state_dict {key}: expected {heads * head_dim} rows "
+                        f"({heads} heads x {head_dim}), got {tuple(value.shape)}"
+                    )
+                value = value.index_select(0, index.to(value.device))
+        out[".".join(parts)] = value
+    return out

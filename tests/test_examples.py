@@ -1,0 +1,180 @@
+"""Smoke tests of the examples (CPU, tiny preset): the causal Wan DiT and the streaming generation script."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+sys.path.insert(0, str(EXAMPLES))
+
+import compiled_generation  # noqa: E402
+import streaming_generation  # noqa: E402
+from wan_causal_dit import (  # noqa: E402
+    BRANCHES,
+    WanConfig,
+    build_model,
+    convert_wan_state_dict,
+    kv_pool_pages,
+    make_kv_spec,
+    rope_pair_permutation,
+)
+
+from ardiff_modules import KVCache, TensorMismatchError, populate_cross_attention  # noqa: E402
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_presets_and_kv_spec() -> None:
+    tiny = WanConfig.preset("tiny")
+    assert (tiny.tokens_per_frame, tiny.chunk_size, tiny.kv_page_size) == (16, 48, 16)
+    wan = WanConfig.preset("wan2.1-1.3b")
+    assert (wan.head_dim, wan.tokens_per_frame, wan.chunk_size) == (128, 1560, 4680)
+    spec = make_kv_spec(wan, "cuda")
+    assert spec.dtype == "bfloat16" and spec.page_size == 120 and spec.pages_per_chunk == 39
+    assert (spec.sink_chunks, spec.window_chunks, spec.branches) == (1, 6, BRANCHES)
+    assert spec.cross_attention[0].name == "text" and spec.cross_attention[0].tokens == 512
+    assert kv_pool_pages(spec) == 2 * (1 + 6 + 1) * 39 + 39
+    assert make_kv_spec(tiny).dtype == "float32"
+
+
+def test_model_forward_is_seeded_and_validates_shapes() -> None:
+    config = WanConfig.preset("tiny")
+    model, again = build_model(config, seed=3), build_model(config, seed=3)
+    for (name, a), b in zip(model.state_dict().items(), again.state_dict().values()):
+        assert torch.equal(a, b), name
+    spec = make_kv_spec(config)
+    cache = KVCache(spec, num_pages=kv_pool_pages(spec))
+    state = cache.open_session()
+    for branch in BRANCHES:
+        text = model.embed_text(torch.randn(config.text_tokens, config.text_dim))
+        populate_cross_attention(state, branch, [b.cross for b in model.blocks], text)
+    x = torch.randn(2, config.frames_per_chunk, config.in_channels, config.latent_height, config.latent_width)
+    with torch.no_grad(), state.prepare_forward(BRANCHES, config.chunk_size, commit_current=False) as fwd:
+        out = model(x, torch.tensor([500.0, 500.0]), fwd.layers)
+        per_frame = model(x, torch.full((2, config.frames_per_chunk), 500.0), fwd.layers)
+        with pytest.raises(TensorMismatchError, match="timestep"):
+            model(x, torch.zeros(3), fwd.layers)
+        with pytest.raises(TensorMismatchError, match="latents"):
+            model(x[..., :4], torch.zeros(2), fwd.layers)
+    assert out.shape == x.shape and torch.isfinite(out).all()
+    torch.testing.assert_close(per_frame, out)
+    state.close()
+    assert cache.stats().pages_used == 0
+
+
+def _wan_rope_reference(x: torch.Tensor, start_frame: int, grid: tuple[int, int, int], theta: float = 10000.0) -> torch.Tensor:
+    """Wan2.1's ``rope_apply`` (complex, interleaved pairs) for one sample ``[seq, heads, head_dim]``."""
+    f, h, w = grid
+    d = x.shape[-1]
+    c = d // 2
+    split = [c - 2 * (c // 3), c // 3, c // 3]
+
+    def params(dim: int, n: int) -> torch.Tensor:
+        angles = torch.outer(torch.arange(n, dtype=torch.float64), 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+        return torch.polar(torch.ones_like(angles), angles)
+
+    ft = params(2 * split[0], start_frame + f)[start_frame:]
+    fh, fw = params(2 * split[1], h), params(2 * split[2], w)
+    freqs = torch.cat(
+        [ft.view(f, 1, 1, -1).expand(f, h, w, -1), fh.view(1, h, 1, -1).expand(f, h, w, -1),
+         fw.view(1, 1, w, -1).expand(f, h, w, -1)], dim=-1,
+    ).reshape(f * h * w, 1, -1)
+    xc = torch.view_as_complex(x.double().reshape(x.shape[0], x.shape[1], -1, 2))
+    return torch.view_as_real(xc * freqs).flatten(2)
+
+
+def test_convert_wan_state_dict_preserves_rope_attention_scores() -> None:
+    """Wan-layout q/k weights + Wan's complex RoPE give the same scores as converted weights + our RoPE."""
+    config = WanConfig.preset("tiny")
+    model = build_model(config, seed=1)
+    attn = model.blocks[0].attn
+    heads, head_dim = config.num_heads, config.head_dim
+    # A "Wan checkpoint": our tensors renamed back to Wan's keys (weights are arbitrary, the layout is Wan's).
+    wan_sd = {}
+    for key, value in model.state_dict().items():
+        key = key.replace(".attn.", ".self_attn.").replace(".cross.", ".cross_attn.")
+        for ours, theirs in (("to_q", "q"), ("to_k", "k"), ("to_v", "v"), ("to_out", "o")):
+            key = key.replace(f"_attn.{ours}.", f"_attn.{theirs}.")
+        wan_sd[key] = value.clone()
+    converted = convert_wan_state_dict(wan_sd, config)
+    fresh = build_model(config, seed=2)
+    fresh.load_state_dict(converted)  # strict: every key maps
+    assert torch.equal(fresh.blocks[1].cross.to_q.weight, model.blocks[1].cross.to_q.weight)  # no RoPE: untouched
+    assert not torch.equal(fresh.blocks[0].attn.to_q.weight, attn.to_q.weight)  # permuted
+
+    g = torch.Generator().manual_seed(0)
+    frames, start_frame = 2, 5
+    n = frames * config.tokens_per_frame
+    x = torch.randn(1, n, config.dim, generator=g)
+    grid = (frames, config.grid_height, config.grid_width)
+
+    def wan_qk(which: str) -> torch.Tensor:  # Wan: norm(linear(x)) in Wan's layout, then complex RoPE
+        w, b = wan_sd[f"blocks.0.self_attn.{which}.weight"], wan_sd[f"blocks.0.self_attn.{which}.bias"]
+        norm = torch.nn.functional.rms_norm(x @ w.T + b, (config.dim,), wan_sd[f"blocks.0.self_attn.norm_{which}.weight"], config.eps)
+        return _wan_rope_reference(norm[0].view(n, heads, head_dim), start_frame, grid)
+
+    new = fresh.blocks[0].attn
+    positions = torch.arange(start_frame * config.tokens_per_frame, start_frame * config.tokens_per_frame + n)[None]
+    q = fresh.rope(new._split(new.to_q(x), heads, new.norm_q), positions)[0].double()
+    k = fresh.rope(new._split(new.to_k(x), heads, new.norm_k), positions)[0].double()
+    expected = torch.einsum("qhd,khd->hqk", wan_qk("q"), wan_qk("k"))
+    torch.testing.assert_close(torch.einsum("qhd,khd->hqk", q, k), expected, atol=1e-4, rtol=1e-4)
+    assert sorted(rope_pair_permutation(8).tolist()) == list(range(8))
+
+
+def test_streaming_example_with_prompt_switch_and_reset(tmp_path: Path) -> None:
+    out = tmp_path / "nested" / "stream.png"
+    threads = torch.get_num_threads()
+    summary = streaming_generation.run(
+        ["--chunks", "6", "--steps", "2", "--switch-at", "2", "--reset-at", "5", "--out", str(out), "--no-progress"]
+    )
+    assert out.read_bytes()[:8] == PNG_MAGIC
+    import matplotlib.image
+
+    image = matplotlib.image.imread(out)
+    assert image.shape[0] == 64 and image.shape[1] > 6 * 3 * 64  # 18 frames of 8x8 upscaled to 64, plus bars
+    config = WanConfig.preset("tiny")
+    spec = make_kv_spec(config)
+    assert summary["forwards"] == 6 * (2 + 1)
+    assert summary["latent_shape"] == (18, config.in_channels, config.latent_height, config.latent_width)
+    assert len(summary["events"]) == 2
+    # After the reset before chunk 5, one chunk was committed on each branch.
+    assert summary["committed_chunks"] == {"cond": 1, "uncond": 1}
+    assert summary["token_offset"] == {"cond": config.chunk_size, "uncond": config.chunk_size}
+    # Window filled and evicted before the reset: peak = 2 branches x (sink + window + pending) chunks.
+    assert summary["peak_pages"] == 2 * spec.pages_per_branch(1) <= summary["num_pages"]
+    assert summary["pages_used"] == sum(summary["session_pages"].values())
+    assert summary["pages_used_after_close"] == 0
+    assert summary["pages_free_after_close"] == summary["num_pages"]
+    assert torch.get_num_threads() == threads  # the run's --threads default (1 for tiny) is undone
+
+
+def test_streaming_example_main_exit_status(tmp_path: Path) -> None:
+    out = tmp_path / "s.png"
+    assert streaming_generation.main(["--chunks", "2", "--steps", "1", "--out", str(out), "--no-progress"]) == 0
+    assert out.read_bytes()[:8] == PNG_MAGIC
+    with pytest.raises(SystemExit):
+        streaming_generation.parse_args(["--cuda-graph"])  # needs --device cuda
+
+
+@pytest.fixture
+def fresh_dynamo():  # noqa: ANN201
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_compiled_example_never_recompiles(tmp_path: Path, capsys: pytest.CaptureFixture[str], fresh_dynamo: None) -> None:
+    """The torch.compile'd script (inductor, fullgraph) compiles ONE frame over eviction, a prompt switch and a reset."""
+    out = tmp_path / "c.png"
+    status = compiled_generation.main(
+        ["--chunks", "6", "--steps", "2", "--switch-at", "3", "--reset-at", "5", "--out", str(out), "--no-progress"]
+    )
+    printed = capsys.readouterr().out
+    assert "compiled frames 1 (recompiles: 0)" in printed, printed
+    assert status == 0
+    assert out.read_bytes()[:8] == PNG_MAGIC
