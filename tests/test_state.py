@@ -931,8 +931,10 @@ def test_stats():
         num_pages=16,
         pages_used=0,
         pages_free=16,
+        peak_pages_used=0,
         bytes_per_page=BYTES_PER_PAGE,
         pool_bytes=16 * BYTES_PER_PAGE,
+        bytes_used=0,
         cross_attention_bytes=0,
         sessions={},
     )
@@ -945,6 +947,7 @@ def test_stats():
     populate(b, "uncond", "image")  # 2 layers x 2 tokens x 1 head x 8 dims x 4 bytes x (K, V) = 256
     stats = cache.stats()
     assert stats.pages_used == 8 and stats.pages_free == 8
+    assert stats.peak_pages_used == 8 and stats.bytes_used == 8 * BYTES_PER_PAGE
     assert stats.sessions == {"a": {"cond": 2, "uncond": 4}, "b": {"cond": 2, "uncond": 0}}
     assert stats.cross_attention_bytes == 384 + 256
     assert cache.pool.nbytes == stats.pool_bytes
