@@ -89,6 +89,11 @@ class ForwardContext:
             out = model(x, fwd.layers)
         # committed here; on an exception the pending chunks were dropped instead
 
+    NOTE: the context of a set of streams is one object reused by every forward of those
+    streams (so compiled models see stable inputs): after the next ``prepare_forward`` of the
+    same streams, this object -- its layers, positions, ``commit()`` / ``abort()`` -- describes
+    that newer forward.
+
     Attributes
     ----------
     streams:
