@@ -123,12 +123,16 @@ class PageAllocator:
         without it the pages go back to the front, undoing :meth:`allocate`.
         """
         self._check_ids(pages)
+        if len(set(pages)) != len(pages):
+            raise AllocatorError(f"unallocate: expected distinct page ids, got {list(pages)}")
         for page in pages:
             if self._refcounts[page] != 1:
                 raise AllocatorError(
                     f"unallocate: page {page} has refcount {self._refcounts[page]}, expected 1 (freshly allocated)"
                 )
-        if free_order is not None and set(free_order) != set(self._free) | set(pages):
+        if free_order is not None and (
+            len(free_order) != len(self._free) + len(pages) or set(free_order) != set(self._free) | set(pages)
+        ):
             raise AllocatorError("unallocate: free_order does not match the free pages plus the pages returned")
         for page in pages:
             self._refcounts[page] = 0

@@ -382,16 +382,14 @@ class KVCache:
         return branches * chunks * self.spec.pages_per_chunk
 
     def committed_growth(self) -> int:
-        """Pages open sessions may still take before reaching their peak (admitted, not yet used)."""
-        resident = self.spec.max_resident_chunks
-        if resident is None:
+        """Pages open sessions may still take before reaching their peak (admitted, not yet used).
+
+        NOTE: counted over the pool, not per branch: a page shared by forks is in use once, and
+        evicting it from one sharer frees nothing while another still holds it.
+        """
+        if self.spec.max_resident_chunks is None:
             return 0
-        peak = self.pages_per_session(branches=1)
-        return sum(
-            max(0, peak - len(history.referenced_pages()))
-            for state in self._sessions.values()
-            for history in state._branches.values()
-        )
+        return max(0, len(self._sessions) * self.pages_per_session() - self.allocator.num_used)
 
     def sessions_that_fit(self, pending_chunks: int = 1) -> int:
         """How many more sessions of this spec can run to their peak alongside the open ones."""

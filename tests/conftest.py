@@ -1,0 +1,77 @@
+"""Shared pytest configuration: hypothesis profiles and the ``gpu`` marker's skip rule.
+
+Hypothesis profiles (pick one with ``ARDIFF_HYPOTHESIS_PROFILE``, default ``ci``)::
+
+    ci    derandomized (same examples every run), modest example counts: the whole
+          property suite stays well under a minute on a 2-core CI runner.
+    long  randomized, many more examples and longer stateful runs: for a nightly or
+          a local soak, e.g. ``ARDIFF_HYPOTHESIS_PROFILE=long pytest tests/test_*_properties.py``.
+
+Tests marked ``gpu`` need CUDA and FlashInfer; where either is missing they are
+skipped with the reason (run them on the GPU machine with ``pytest -m gpu``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+PROFILE_ENV = "ARDIFF_HYPOTHESIS_PROFILE"
+
+settings.register_profile(
+    "ci",
+    derandomize=True,
+    max_examples=40,
+    stateful_step_count=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    print_blob=True,
+)
+settings.register_profile(
+    "long",
+    derandomize=False,
+    max_examples=1000,
+    stateful_step_count=120,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    print_blob=True,
+)
+
+_profile = os.environ.get(PROFILE_ENV, "ci")
+if _profile not in ("ci", "long"):
+    raise pytest.UsageError(f"{PROFILE_ENV}: expected 'ci' or 'long', got {_profile!r}")
+settings.load_profile(_profile)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Also declared in pyproject.toml; repeated here so the marker exists however pytest is invoked.
+    config.addinivalue_line("markers", "gpu: needs CUDA and FlashInfer (run on the GPU machine: pytest -m gpu)")
+
+
+def gpu_unavailable_reason() -> str | None:
+    """Why ``gpu`` tests cannot run here, or ``None`` when CUDA and FlashInfer are both available."""
+    import torch
+
+    missing = []
+    if not torch.cuda.is_available():
+        missing.append("CUDA is not available (torch.cuda.is_available() is False)")
+    if importlib.util.find_spec("flashinfer") is None:
+        missing.append("the flashinfer package is not installed (pip install 'ardiff_modules[flashinfer]')")
+    if not missing:
+        return None
+    return "gpu test skipped: " + "; ".join(missing)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu_items:
+        return
+    reason = gpu_unavailable_reason()
+    if reason is None:
+        return
+    skip = pytest.mark.skip(reason=reason)
+    for item in gpu_items:
+        item.add_marker(skip)
