@@ -127,3 +127,36 @@ def test_admission_and_stats() -> None:
                                           dtype="float32"), num_pages=4, backend="reference")
     with pytest.raises(am.SpecError, match="bounded window"):
         unbounded.can_admit()
+
+
+@pytest.mark.parametrize("extents", [False, True])
+def test_sessions_batched_in_one_forward_equal_each_session_alone(extents: bool) -> None:
+    """Several sessions (own branches, window positions, offsets) as rows of one plan == each run alone."""
+    torch.manual_seed(0)
+    model = TinyStreamingModel().eval()
+    spec = model.spec(CHUNK, 2, 1, 2)
+    g = torch.Generator().manual_seed(5)
+    prompts = [{b: torch.randn(5, model.context_dim, generator=g) for b in spec.branches} for _ in range(3)]
+    batched = am.KVCache(spec, num_pages=400, backend="reference", contiguous_extents=extents)
+    alone = am.KVCache(spec, num_pages=400, backend="reference", contiguous_extents=extents)
+    caches = {"batched": batched, "alone": alone}
+    states = {name: [c.open_session(f"s{i}") for i in range(3)] for name, c in caches.items()}
+    for name in caches:
+        for state, prompt in zip(states[name], prompts):
+            for branch, text in prompt.items():
+                am.populate_cross_attention(state, branch, [b.cross for b in model.blocks], text)
+    with torch.no_grad():
+        for step in range(7):
+            # Sessions start at different times: different window fill levels and absolute offsets.
+            active = [i for i in range(3) if step >= i]
+            x = torch.randn(2 * len(active), CHUNK, model.dim, generator=g)
+            streams = [(states["batched"][i], b) for i in active for b in spec.branches]
+            with batched.prepare_forward(streams, CHUNK, commit_current=step % 2 == 0) as fwd:
+                out = model(x, fwd.layers)
+            for row, i in enumerate(active):
+                state = states["alone"][i]
+                with state.prepare_forward(spec.branches, CHUNK, commit_current=step % 2 == 0) as fwd:
+                    expected = model(x[2 * row : 2 * row + 2], fwd.layers)
+                torch.testing.assert_close(out[2 * row : 2 * row + 2], expected, atol=2e-5, rtol=2e-5)
+    for name in caches:
+        assert [s.token_offset("cond") for s in states[name]] == [4 * CHUNK, 3 * CHUNK, 3 * CHUNK]
