@@ -1,0 +1,66 @@
+"""The visibility rule as pictures: chunk-level masks and a PNG renderer for docs.
+
+``chunk_visibility`` gives, for the pending chunks of one forward, which absolute chunks
+(committed ones, evicted included, then pending ones) each query chunk attends to -- the
+rule of DESIGN.md section 1 at chunk granularity. The token-level mask over the gathered
+keys of a real forward is ``ForwardContext.to_dense()``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ardiff_modules.window import SinkWindowPolicy
+
+
+def chunk_visibility(
+    num_committed: int, num_pending: int, sink_chunks: int, window_chunks: int | None
+) -> torch.Tensor:
+    """Bool ``[num_pending, num_committed + num_pending]``: query chunk ``c`` sees absolute chunk ``j``.
+
+    Columns ``0 .. num_committed - 1`` are committed chunks in commit order (evicted ones are
+    all-False columns); the last ``num_pending`` columns are the pending chunks (block-causal).
+    """
+    policy = SinkWindowPolicy(sink_chunks, window_chunks)
+    mask = torch.zeros(num_pending, num_committed + num_pending, dtype=torch.bool)
+    mask[:, policy.visible_indices(num_committed)] = True
+    pending = torch.arange(num_pending)
+    mask[:, num_committed:] = pending[None, :] <= pending[:, None]
+    return mask
+
+
+def chunk_visibility_name(sink_chunks: int, window_chunks: int | None) -> str:
+    """Readable name of a rule, e.g. ``sink1_window6`` (attention-gym style)."""
+    window = "all" if window_chunks is None else str(window_chunks)
+    return f"sink{sink_chunks}_window{window}"
+
+
+def render_chunk_mask(
+    path: str | Path, num_committed: int, num_pending: int, sink_chunks: int, window_chunks: int | None
+) -> Path:
+    """Save :func:`chunk_visibility` as a PNG (needs matplotlib); returns the path."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError("render_chunk_mask needs matplotlib: pip install 'ardiff_modules[examples]'") from exc
+    mask = chunk_visibility(num_committed, num_pending, sink_chunks, window_chunks)
+    total = mask.shape[1]
+    fig, ax = plt.subplots(figsize=(max(4.0, 0.45 * total), max(1.6, 0.45 * num_pending + 1.0)))
+    ax.imshow(mask.numpy(), cmap="Blues", vmin=0, vmax=1.4, aspect="equal")
+    ax.set_xticks(range(total), [str(j) if j < num_committed else f"p{j - num_committed}" for j in range(total)])
+    ax.set_yticks(range(num_pending), [f"p{c}" for c in range(num_pending)])
+    ax.axvline(num_committed - 0.5, color="k", lw=1)
+    ax.set_xlabel("key chunk (committed, then pending)")
+    ax.set_ylabel("query chunk")
+    ax.set_title(chunk_visibility_name(sink_chunks, window_chunks))
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
