@@ -43,9 +43,12 @@ from ardiff_modules.window import SinkWindowPolicy
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from ardiff_modules.cache import CacheStats, KVCache
     from ardiff_modules.context import ForwardContext, LayerContext
+    from ardiff_modules.graphs import CUDAGraphStep
     from ardiff_modules.modules import (
         CachedCrossAttention,
         ChunkSelfAttention,
+        RotaryEmbedding,
+        VideoRotaryEmbedding,
         apply_rope,
         cached_cross_attention,
         chunk_attention,
@@ -73,6 +76,9 @@ _LAZY: dict[str, str] = {
     "StreamLayout": "ardiff_modules.plan",
     "KVPool": "ardiff_modules.pool",
     "KVState": "ardiff_modules.state",
+    "RotaryEmbedding": "ardiff_modules.modules",
+    "VideoRotaryEmbedding": "ardiff_modules.modules",
+    "CUDAGraphStep": "ardiff_modules.graphs",
 }
 
 
@@ -93,6 +99,7 @@ __all__ = [
     "ARDiffError",
     "AllocatorError",
     "BackendUnavailableError",
+    "CUDAGraphStep",
     "CacheStats",
     "CachedCrossAttention",
     "CapacityError",
@@ -109,6 +116,7 @@ __all__ = [
     "PageAllocator",
     "PendingContextError",
     "PlanNotFoundError",
+    "RotaryEmbedding",
     "SequenceLengthError",
     "SessionClosedError",
     "SinkWindowPolicy",
@@ -117,6 +125,7 @@ __all__ = [
     "TensorMismatchError",
     "UnknownBranchError",
     "UnknownCacheError",
+    "VideoRotaryEmbedding",
     "apply_rope",
     "cached_cross_attention",
     "chunk_attention",
