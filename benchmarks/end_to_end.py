@@ -1,0 +1,687 @@
+"""End-to-end benchmark: a Wan2.1-1.3B-shaped causal DiT, one chunk step, this library vs rolling buffers.
+
+One **chunk step** = 4 denoising forwards (``commit_current=False``, timesteps 1000, 750, 500, 250)
++ 1 committing forward (timestep 0) of one chunk (3 latent frames = 4680 tokens at 480x832), at
+sink 1 + window 6 chunks, with classifier-free guidance on (cond + uncond batched in one forward,
+2 streams) and off (1 stream). The SAME model (``examples/wan_causal_dit.py``, random weights from
+one seed) runs under three attention variants:
+
+* ``library``       -- this library: ``ChunkSelfAttention`` over the paged pool (``KVCache``,
+                       ``backend="auto"``: FlashInfer on CUDA with contiguous extents -> ragged FA3,
+                       the reference SDPA backend on CPU), ``state.prepare_forward`` per forward.
+* ``rolling_sdpa``  -- what Self-Forcing / LongLive do: each block's ``attn`` is swapped for a wrapper
+                       that reuses the same projections / norms / RoPE but keeps, per layer, one
+                       contiguous K and V buffer ``[streams, (sink + window + 1) * chunk, heads, dim]``;
+                       before the first forward of a new chunk, once the buffer is full, the window is
+                       shifted left by one chunk with a memmove (``buf[:, s:-C].copy_(buf[:, s+C:].clone())``);
+                       every forward writes its K/V into the slot after the resident chunks and attends
+                       over the prefix ``buf[:, :resident * C + C]`` with ``F.scaled_dot_product_attention``.
+                       (The peers also call ``.item()`` on device indices each layer; this baseline
+                       keeps its indices on the host, which only favours it.)
+* ``rolling_flex``  -- the same buffers, attended with ``flex_attention`` (no mask: the prefix holds
+                       exactly the visible keys), compiled (``dynamic=False``) on CUDA, eager on CPU
+                       unless ``--flex-compile on`` (compiled flex on CPU costs seconds per key length).
+* ``library_compiled`` (``--compile``, off by default) -- ``torch.compile(model, fullgraph=True)`` over
+                       the library's contexts. An extra row: the baselines stay eager.
+
+Every variant gets identical inputs: seeded latents per chunk (the same latents for all forwards of
+a chunk: the sampler arithmetic between forwards is left out, it is negligible next to a forward),
+the same text embeddings (cond: seeded random, uncond: zeros), projected once per layer. Each variant
+warms up until its window is full and has evicted once (default ``sink + window + 2`` chunks), then
+times ``--chunks-timed`` chunk steps (CUDA events on CUDA, ``perf_counter`` on CPU; median reported).
+
+Checked: the outputs of the committing forwards of the timed chunk steps of every variant agree with
+the library's by relative error norm (<= 3e-2 in bf16 / fp16, <= 1e-4 in float32 on CPU, 1e-3 in
+float32 on CUDA); the exit status is 1 if not. Reported per variant and CFG setting: ms per chunk
+step, speedup vs ``rolling_sdpa`` (target for the library: >= 1.3x), latent frames/s
+(``frames_per_chunk / step seconds``; a Wan VAE decodes about 4 video frames per latent frame),
+peak allocated memory (``torch.cuda.max_memory_allocated`` delta over the variant's whole run:
+cache / buffers, warm-up, timed steps) and KV bytes: the library's peak pages in use x bytes per page
+(its pool is sized to exactly (sinks + window + pending) chunks per branch) vs the rolling buffers.
+
+    python benchmarks/end_to_end.py                                    # CUDA: wan2.1-1.3b, bf16
+    python benchmarks/end_to_end.py --preset tiny --device cpu --dtype float32 --out /tmp/e2e
+    python benchmarks/end_to_end.py --compile                          # + library_compiled row
+    python benchmarks/end_to_end.py --cfg on --variants library,rolling_sdpa   # a subset
+
+Writes ``OUT/end_to_end.json`` and ``OUT/end_to_end.png`` (bar chart; skipped if matplotlib is missing).
+A baseline that fails (compile error, out of memory) is recorded in the JSON with its traceback and
+the run goes on (exit status 1). Sizes at wan2.1-1.3b / bf16: weights 2.8 GB; KV per branch 8 chunks
+x 4680 tokens x 30 layers x 12 heads x 128 x K,V x 2 B = 6.9 GB (13.8 GB with CFG), held by one
+variant at a time. Compiled flex compiles one graph per key length during the warm-up (8 lengths per
+CFG setting), which is most of the run's wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import statistics
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+HERE = Path(__file__).resolve().parent
+for _path in (HERE, HERE.parent / "examples"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+from _timing import environment, save_json  # noqa: E402
+from wan_causal_dit import PRESETS, TEXT, WanConfig, build_model, kv_pool_pages, make_kv_spec  # noqa: E402
+
+import ardiff_modules as am  # noqa: E402
+from ardiff_modules.modules.functional import apply_rope  # noqa: E402
+from ardiff_modules.pool import bytes_per_page  # noqa: E402
+
+VARIANTS = ("library", "rolling_sdpa", "rolling_flex")
+BASELINE = "rolling_sdpa"
+TIMESTEPS = (1000.0, 750.0, 500.0, 250.0)  #: denoising forwards of a chunk step; then one at 0 (commit)
+TARGET_SPEEDUP = 1.3
+CFG_BRANCHES = {"cfg_on": ("cond", "uncond"), "cfg_off": ("cond",)}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="model geometry (default: wan2.1-1.3b on CUDA, tiny on CPU)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--chunks-timed", type=int, default=5, help="chunk steps timed per variant (median reported)")
+    p.add_argument("--warmup-chunks", type=int, default=None,
+                   help="chunk steps before timing (default sink + window + 2: window full and one eviction)")
+    p.add_argument("--cfg", choices=("both", "on", "off"), default="both", help="CFG settings to run")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"comma-separated subset of {VARIANTS} (library is always run: it is the reference)")
+    p.add_argument("--compile", action="store_true", help="also run library_compiled (torch.compile fullgraph)")
+    p.add_argument("--flex-compile", choices=("auto", "on", "off"), default="auto",
+                   help="compile flex_attention (auto: on CUDA only)")
+    p.add_argument("--backend", default="auto", help="the library's KVCache backend")
+    p.add_argument("--tolerance", type=float, default=None,
+                   help="max relative error norm vs the library "
+                   "(default 3e-2 half, 1e-4 float32 CPU, 1e-3 float32 CUDA)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads for this run (default: 1 for tiny on CPU, else torch's default)")
+    p.add_argument("--allow-big-cpu", action="store_true", help="allow a large preset on CPU")
+    p.add_argument("--out", type=Path, default=HERE / "results", help="folder for end_to_end.json / .png")
+    args = p.parse_args(argv)
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: CUDA is not available")
+    if args.preset is None:
+        args.preset = "wan2.1-1.3b" if args.device == "cuda" else "tiny"
+    if args.dtype is None:
+        args.dtype = "bfloat16" if args.device == "cuda" else "float32"
+    if args.preset != "tiny" and args.device == "cpu" and not args.allow_big_cpu:
+        p.error(f"--preset {args.preset} on CPU: expected --device cuda (or pass --allow-big-cpu)")
+    if args.chunks_timed < 1:
+        p.error(f"--chunks-timed: expected >= 1, got {args.chunks_timed}")
+    if args.warmup_chunks is not None and args.warmup_chunks < 0:
+        p.error(f"--warmup-chunks: expected >= 0, got {args.warmup_chunks}")
+    variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        p.error(f"--variants: expected names from {VARIANTS}, got {unknown}")
+    args.variants = ("library",) + tuple(v for v in variants if v != "library")
+    if args.compile:
+        args.variants += ("library_compiled",)
+    return args
+
+
+# --------------------------------------------------------------------------------- rolling baseline
+class RollingForward:
+    """The baseline's per-forward context: what the blocks read from ``kv.forward`` (``positions``)."""
+
+    def __init__(self, chunk_size: int, sink_chunks: int) -> None:
+        self.chunk_size = chunk_size
+        self.sink_tokens = sink_chunks * chunk_size
+        self.positions = torch.empty(0, dtype=torch.int64)  #: [streams, seq] absolute token positions
+        self.roll = False  #: shift the window left by one chunk before writing (first forward of a chunk)
+        self.slot = 0  #: chunk slot the current chunk's K/V go to
+
+
+class RollingLayer:
+    """One layer's contiguous K / V buffers and cross K / V (the ``LayerContext`` surface the blocks use)."""
+
+    def __init__(self, forward: RollingForward, k: torch.Tensor, v: torch.Tensor,
+                 cross: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.forward, self.k, self.v, self.cross = forward, k, v, cross
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.forward.positions
+
+    def cross_kv(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cross[name]
+
+    def write(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Roll if due, write the current chunk's K/V, return the visible prefix (Self-Forcing style)."""
+        f = self.forward
+        c, n = f.chunk_size, k.shape[1]
+        if f.roll:  # evict the oldest window chunk: memmove the rest of the window left by one chunk
+            keep = f.sink_tokens
+            for buf in (self.k, self.v):
+                buf[:, keep:-c].copy_(buf[:, keep + c :].clone())
+        start = f.slot * c
+        self.k[:, start : start + n].copy_(k)
+        self.v[:, start : start + n].copy_(v)
+        return self.k[:, : start + n], self.v[:, : start + n]
+
+
+class RollingKVCache:
+    """Per-layer contiguous buffers of ``sink + window + 1`` chunks for ``streams`` streams, rolled by memmove.
+
+    ``begin_forward`` / ``end_forward`` keep the bookkeeping on the host: the buffer holds ``filled``
+    committed chunks (sinks first, then the window oldest first); the current chunk goes to slot
+    ``filled``; when a new chunk starts with all ``sink + window + 1`` slots committed, the layers
+    roll during that forward.
+    """
+
+    def __init__(self, model: nn.Module, config: WanConfig, branches_text: Sequence[torch.Tensor],
+                 device: torch.device, dtype: torch.dtype) -> None:
+        c = config
+        self.chunk = c.chunk_size
+        self.slots = c.sink_chunks + c.window_chunks + 1
+        self.streams = len(branches_text)
+        self.forward = RollingForward(self.chunk, c.sink_chunks)
+        self.layers: list[RollingLayer] = []
+        shape = (self.streams, self.slots * self.chunk, c.num_heads, c.head_dim)
+        with torch.no_grad():
+            for block in model.blocks:
+                ks, vs = zip(*(block.cross.project_kv(t) for t in branches_text))  # once per layer, like populate
+                cross = {TEXT: (torch.stack(ks), torch.stack(vs))}
+                k = torch.zeros(shape, device=device, dtype=dtype)
+                v = torch.zeros(shape, device=device, dtype=dtype)
+                self.layers.append(RollingLayer(self.forward, k, v, cross))
+        self.filled = 0  #: committed chunks in the buffer
+        self.committed = 0  #: chunks ever committed (absolute positions)
+        self.in_chunk = False
+        self._arange = torch.arange(self.chunk, device=device, dtype=torch.int64)
+
+    def begin_forward(self) -> None:
+        f = self.forward
+        if not self.in_chunk:  # first forward of a new chunk
+            f.roll = self.filled == self.slots
+            if f.roll:
+                self.filled -= 1
+            f.positions = (self._arange + self.committed * self.chunk).expand(self.streams, self.chunk)
+            self.in_chunk = True
+        f.slot = self.filled
+
+    def end_forward(self, commit: bool) -> None:
+        self.forward.roll = False  # later forwards of this chunk overwrite its slot in place
+        if commit:
+            self.filled += 1
+            self.committed += 1
+            self.in_chunk = False
+
+    @property
+    def kv_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for layer in self.layers for t in (layer.k, layer.v))
+
+
+class RollingSelfAttention(nn.Module):
+    """Drop-in for a block's ``ChunkSelfAttention``: the same projections, norms and RoPE, a rolling buffer."""
+
+    def __init__(self, inner: am.ChunkSelfAttention, attend: Callable[..., torch.Tensor]) -> None:
+        super().__init__()
+        self.inner = inner
+        self.attend = attend
+
+    def forward(self, x: torch.Tensor, kv: RollingLayer, rope: Any = None) -> torch.Tensor:
+        a = self.inner
+        s, n, _ = x.shape
+        q = a._split(a.to_q(x), a.num_heads, a.norm_q)
+        k = a._split(a.to_k(x), a.num_kv_heads, a.norm_k)
+        v = a.to_v(x).view(s, n, a.num_kv_heads, a.head_dim)
+        positions = kv.forward.positions
+        q, k = apply_rope(q, positions, rope), apply_rope(k, positions, rope)
+        keys, values = kv.write(k, v)
+        out = self.attend(q, keys, values)  # [s, n, heads, dim]
+        return a.to_out(out.reshape(s, n, -1))
+
+
+def sdpa_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``[s, n, h, d]`` layouts (flash-attn's, as the peers use) through SDPA's ``[s, h, n, d]`` views."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=q.shape[2] != k.shape[2]
+    )
+    return out.transpose(1, 2)
+
+
+def make_flex_attend(compiled: bool) -> Callable[..., torch.Tensor]:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    fn = torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
+
+    def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        with warnings.catch_warnings():  # eager (CPU) flex warns that it is unfused: known, noted in the JSON
+            warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+            out = fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=q.shape[2] != k.shape[2])
+        return out.transpose(1, 2)
+
+    return flex_attend
+
+
+@contextlib.contextmanager
+def swapped_attention(model: nn.Module, attend: Callable[..., torch.Tensor]) -> Iterator[None]:
+    """Replace every block's ``attn`` by a :class:`RollingSelfAttention` around it; restore on exit."""
+    originals = [block.attn for block in model.blocks]
+    try:
+        for block, attn in zip(model.blocks, originals):
+            block.attn = RollingSelfAttention(attn, attend)
+        yield
+    finally:
+        for block, attn in zip(model.blocks, originals):
+            block.attn = attn
+
+
+# --------------------------------------------------------------------------------- runners
+class LibraryRunner:
+    """A ``KVCache`` sized to exactly (sinks + window + pending) chunks per branch, one session."""
+
+    def __init__(self, model: nn.Module, config: WanConfig, branches: tuple[str, ...], texts: Sequence[torch.Tensor],
+                 device: torch.device, dtype: torch.dtype, backend: str, step: Callable[..., torch.Tensor]) -> None:
+        spec = dataclasses.replace(make_kv_spec(config, device, branches), dtype=str(dtype).removeprefix("torch."))
+        self.spec, self.branches, self.step = spec, branches, step
+        self.cache = am.KVCache(spec, num_pages=kv_pool_pages(spec, slack_chunks=0), device=device, backend=backend)
+        self.state = self.cache.open_session()
+        crosses = [block.cross for block in model.blocks]
+        for branch, text in zip(branches, texts):
+            am.populate_cross_attention(self.state, branch, crosses, text)
+
+    @property
+    def backend(self) -> str:
+        return self.cache.backend.name
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, commit: bool) -> torch.Tensor:
+        with self.state.prepare_forward(self.branches, self.spec.chunk_size, commit_current=commit) as fwd:
+            return self.step(x, t, fwd.layers)
+
+    def kv_info(self) -> dict[str, Any]:
+        stats = self.cache.stats()
+        return {
+            "kv_peak_bytes": stats.peak_pages_used * stats.bytes_per_page,
+            "kv_allocated_bytes": stats.pool_bytes,
+            "peak_pages_used": stats.peak_pages_used,
+            "pool_pages": stats.num_pages,
+            "layout": "contiguous extents (ring)" if self.cache.extent_chunks is not None else "plain paging",
+        }
+
+    def close(self) -> None:
+        self.state.close()
+
+
+class RollingRunner:
+    def __init__(self, model: nn.Module, config: WanConfig, texts: Sequence[torch.Tensor], device: torch.device,
+                 dtype: torch.dtype) -> None:
+        self.model = model
+        self.cache = RollingKVCache(model, config, texts, device, dtype)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, commit: bool) -> torch.Tensor:
+        self.cache.begin_forward()
+        out = self.model(x, t, self.cache.layers)
+        self.cache.end_forward(commit)
+        return out
+
+    def kv_info(self) -> dict[str, Any]:
+        return {"kv_peak_bytes": self.cache.kv_bytes, "kv_allocated_bytes": self.cache.kv_bytes,
+                "layout": "contiguous per-layer buffer, memmove roll"}
+
+    def close(self) -> None:
+        self.cache.layers.clear()
+
+
+# --------------------------------------------------------------------------------- measurement
+def run_variant(name: str, make_runner: Callable[[], Any], latents: Sequence[torch.Tensor],
+                timesteps: Sequence[torch.Tensor], t_commit: torch.Tensor, warmup: int, timed: int,
+                device: torch.device) -> dict[str, Any]:
+    """Warm up, then time ``timed`` chunk steps; returns timings, memory and the timed commit outputs."""
+    cuda = device.type == "cuda"
+    gc.collect()
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    t_setup = time.perf_counter()
+    runner = make_runner()
+    setup_s = time.perf_counter() - t_setup
+    step_ms: list[float] = []
+    outputs: list[torch.Tensor] = []
+    t_warm = time.perf_counter()
+    warmup_s = 0.0
+    with torch.no_grad():
+        for k in range(warmup + timed):
+            x = latents[k]
+            is_timed = k >= warmup
+            if is_timed and k == warmup:
+                if cuda:
+                    torch.cuda.synchronize(device)
+                warmup_s = time.perf_counter() - t_warm
+            if is_timed:
+                if cuda:
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                else:
+                    t0 = time.perf_counter()
+            for t in timesteps:
+                runner.forward(x, t, False)
+            out = runner.forward(x, t_commit, True)
+            if is_timed:
+                if cuda:
+                    end.record()
+                    end.synchronize()
+                    step_ms.append(start.elapsed_time(end))
+                else:
+                    step_ms.append((time.perf_counter() - t0) * 1e3)
+                outputs.append(out.detach().float().cpu())
+    if cuda:
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - base
+    result: dict[str, Any] = {
+        "ms_per_chunk_step": statistics.median(step_ms),
+        "ms_per_chunk_step_all": step_ms,
+        "setup_s": setup_s,
+        "warmup_s": warmup_s,
+        "peak_memory_bytes": peak if cuda else None,
+        **runner.kv_info(),
+    }
+    if hasattr(runner, "backend"):
+        result["backend"] = runner.backend
+    runner.close()
+    del runner
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return {"result": result, "outputs": outputs}
+
+
+def _measure(name: str, args: argparse.Namespace, model: nn.Module, config: WanConfig, branches: tuple[str, ...],
+             branch_texts: Sequence[torch.Tensor], latents: Sequence[torch.Tensor], ts: Sequence[torch.Tensor],
+             t_commit: torch.Tensor, warmup: int, timed: int, device: torch.device, dtype: torch.dtype,
+             flex_compiled: bool) -> dict[str, Any]:
+    """One variant at one CFG setting (see :func:`run_variant`)."""
+    if name in ("library", "library_compiled"):
+        step: Callable[..., torch.Tensor] = model
+        if name == "library_compiled":
+            torch._dynamo.reset()
+            step = torch.compile(model, fullgraph=True, dynamic=False)
+
+        def make(step: Callable[..., torch.Tensor] = step) -> LibraryRunner:
+            return LibraryRunner(model, config, branches, branch_texts, device, dtype, args.backend, step)
+
+        return run_variant(name, make, latents, ts, t_commit, warmup, timed, device)
+    if name == "rolling_flex":
+        torch._dynamo.reset()
+        attend = make_flex_attend(flex_compiled)
+    else:
+        attend = sdpa_attend
+    with swapped_attention(model, attend):
+        return run_variant(
+            name, lambda: RollingRunner(model, config, branch_texts, device, dtype),
+            latents, ts, t_commit, warmup, timed, device,
+        )
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark per ``argv``; writes the JSON (+ PNG) and returns the payload."""
+    args = parse_args(argv)
+    threads = args.threads
+    if threads is None and args.preset == "tiny" and args.device == "cpu":
+        threads = 1
+    previous = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    limits = {}
+    for key in ("recompile_limit", "cache_size_limit"):  # compiled flex: one graph per key length (warm-up)
+        if hasattr(torch._dynamo.config, key):
+            limits[key] = getattr(torch._dynamo.config, key)
+            setattr(torch._dynamo.config, key, max(64, limits[key]))
+    try:
+        return _run(args)
+    finally:
+        torch.set_num_threads(previous)
+        for key, value in limits.items():
+            setattr(torch._dynamo.config, key, value)
+
+
+def _run(args: argparse.Namespace) -> dict[str, Any]:
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype]
+    cuda = device.type == "cuda"
+    config = WanConfig.preset(args.preset)
+    resident = config.sink_chunks + config.window_chunks
+    warmup = resident + 2 if args.warmup_chunks is None else args.warmup_chunks
+    timed = args.chunks_timed
+    flex_compiled = args.flex_compile == "on" or (args.flex_compile == "auto" and cuda)
+    tolerance = args.tolerance
+    if tolerance is None:
+        tolerance = 3e-2 if dtype in (torch.bfloat16, torch.float16) else (1e-3 if cuda else 1e-4)
+
+    model = build_model(config, seed=args.seed, device=device, dtype=dtype)
+    params = sum(p.numel() for p in model.parameters())
+    g = torch.Generator().manual_seed(args.seed + 1)
+    with torch.no_grad():
+        text_cond = model.embed_text(torch.randn(config.text_tokens, config.text_dim, generator=g).to(device))
+        text_uncond = model.embed_text(torch.zeros(config.text_tokens, config.text_dim, device=device))
+    texts = {"cond": text_cond, "uncond": text_uncond}
+    shape = (1, config.frames_per_chunk, config.in_channels, config.latent_height, config.latent_width)
+    base_latents = [torch.randn(shape, generator=g).to(device=device, dtype=dtype) for _ in range(warmup + timed)]
+
+    bpp_spec = dataclasses.replace(make_kv_spec(config, device, ("cond",)), dtype=args.dtype)
+    kv_target_per_branch = bpp_spec.pages_per_branch(1) * bytes_per_page(bpp_spec)
+
+    print(
+        f"model {config.name}: {params / 1e6:.1f}M params, {config.num_layers} layers, {config.num_heads} heads x "
+        f"{config.head_dim}, chunk {config.chunk_size} tokens ({config.frames_per_chunk} latent frames), sink "
+        f"{config.sink_chunks} + window {config.window_chunks} chunks; {dtype}, {device}; warm-up {warmup} chunk "
+        f"steps, {timed} timed; flex {'compiled' if flex_compiled else 'eager'}"
+    )
+    if warmup < resident + 1:
+        print(f"note: --warmup-chunks {warmup} < sink + window + 1 = {resident + 1}: "
+              "timed steps are not all steady state")
+
+    settings = ("cfg_on", "cfg_off") if args.cfg == "both" else (f"cfg_{args.cfg}",)
+    results: dict[str, Any] = {}
+    agree = True
+    for setting in settings:
+        branches = CFG_BRANCHES[setting]
+        streams = len(branches)
+        branch_texts = [texts[b] for b in branches]
+        latents = [x.expand(streams, *shape[1:]).contiguous() for x in base_latents]
+        ts = [torch.full((streams,), t, device=device) for t in TIMESTEPS]
+        t_commit = torch.zeros(streams, device=device)
+        variants: dict[str, Any] = {}
+        reference: list[torch.Tensor] | None = None
+        for name in args.variants:
+            try:
+                measured = _measure(name, args, model, config, branches, branch_texts, latents, ts, t_commit,
+                                    warmup, timed, device, dtype, flex_compiled)
+            except Exception as exc:  # a failing baseline (compile, OOM) is recorded; the library is the reference
+                if name == "library":
+                    raise
+                print(f"  {setting} {name}: FAILED {exc!r:.300}", flush=True)
+                variants[name] = {"error": f"{type(exc).__name__}: {exc}"[:2000], "agrees": False,
+                                  "traceback": traceback.format_exc()[-4000:]}
+                agree = False
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                continue
+            res = measured["result"]
+            if name == "library":
+                reference = measured["outputs"]
+            assert reference is not None
+            errs = [rel_err(o, r) for o, r in zip(measured["outputs"], reference)]
+            res["rel_err_vs_library"] = max(errs)
+            res["rel_err_vs_library_per_step"] = errs
+            res["agrees"] = res["rel_err_vs_library"] <= tolerance
+            agree &= res["agrees"]
+            res["latent_frames_per_s"] = config.frames_per_chunk / (res["ms_per_chunk_step"] / 1e3)
+            res["kv_peak_bytes_per_branch"] = res["kv_peak_bytes"] / streams
+            if name == "rolling_flex":
+                res["flex_compiled"] = flex_compiled
+                if not flex_compiled:
+                    res["note"] = "eager flex_attention (unfused: materialises the scores); compiled on CUDA"
+            if name == "library_compiled":
+                res["note"] = "torch.compile(model, fullgraph=True); the other rows are eager"
+            variants[name] = res
+            print(
+                f"  {setting} {name}: {res['ms_per_chunk_step']:.2f} ms per chunk step (setup {res['setup_s']:.1f} s, "
+                f"warm-up {res['warmup_s']:.1f} s), rel err vs library {res['rel_err_vs_library']:.1e}",
+                flush=True,
+            )
+        if "ms_per_chunk_step" in variants.get(BASELINE, {}):
+            for res in variants.values():
+                if "error" in res:
+                    continue
+                res["speedup_vs_rolling_sdpa"] = variants[BASELINE]["ms_per_chunk_step"] / res["ms_per_chunk_step"]
+        results[setting] = {"branches": list(branches), "streams": streams, "variants": variants}
+
+    library_speedups = {s: r["variants"]["library"].get("speedup_vs_rolling_sdpa") for s, r in results.items()}
+    kv_ok = {
+        s: r["variants"]["library"]["kv_peak_bytes_per_branch"] == kv_target_per_branch for s, r in results.items()
+    }
+    payload: dict[str, Any] = {
+        "env": environment(),
+        "config": {
+            "preset": config.name, "params": params, "num_layers": config.num_layers, "dim": config.dim,
+            "num_heads": config.num_heads, "head_dim": config.head_dim, "chunk_size": config.chunk_size,
+            "frames_per_chunk": config.frames_per_chunk, "page_size": config.kv_page_size,
+            "sink_chunks": config.sink_chunks, "window_chunks": config.window_chunks, "dtype": args.dtype,
+            "device": str(device), "backend_requested": args.backend, "timesteps": list(TIMESTEPS) + [0.0],
+            "forwards_per_chunk_step": len(TIMESTEPS) + 1, "warmup_chunks": warmup, "chunks_timed": timed,
+            "flex_compiled": flex_compiled, "tolerance": tolerance, "seed": args.seed,
+            "timing": "CUDA events per chunk step" if cuda else "time.perf_counter per chunk step",
+            "torch_threads": torch.get_num_threads(),
+        },
+        "results": results,
+        "targets": {
+            "library_speedup_vs_rolling_sdpa": TARGET_SPEEDUP,
+            "library_speedup": library_speedups,
+            "speedup_met": {s: (v is not None and v >= TARGET_SPEEDUP) for s, v in library_speedups.items()},
+            "kv_peak_bytes_per_branch_target": kv_target_per_branch,
+            "kv_peak_equals_target": kv_ok,
+        },
+        "agree": agree,
+    }
+
+    print_table(payload)
+    out = args.out
+    save_json(out / "end_to_end.json", payload)
+    png = plot(payload, out / "end_to_end.png")
+    payload["png"] = str(png) if png else None
+    return payload
+
+
+# --------------------------------------------------------------------------------- output
+def _mib(b: float | None) -> str:
+    return "-" if b is None else f"{b / 2**20:.1f}"
+
+
+def _rounded(d: dict[str, float | None]) -> dict[str, float | None]:
+    return {k: None if v is None else round(v, 2) for k, v in d.items()}
+
+
+def print_table(payload: dict[str, Any]) -> None:
+    head = (f"{'cfg':<8}{'variant':<18}{'ms/step':>10}{'vs sdpa':>9}{'latent fr/s':>13}{'peak MiB':>10}"
+            f"{'KV MiB':>10}{'rel err':>10}  ok")
+    print(head)
+    print("-" * len(head))
+    for setting, r in payload["results"].items():
+        for name, res in r["variants"].items():
+            if "error" in res:
+                print(f"{setting:<8}{name:<18}  FAILED: {res['error'][:80]}")
+                continue
+            speed = res.get("speedup_vs_rolling_sdpa")
+            print(
+                f"{setting:<8}{name:<18}{res['ms_per_chunk_step']:>10.2f}"
+                f"{('-' if speed is None else f'{speed:.2f}x'):>9}{res['latent_frames_per_s']:>13.2f}"
+                f"{_mib(res['peak_memory_bytes']):>10}{_mib(res['kv_peak_bytes']):>10}"
+                f"{res['rel_err_vs_library']:>10.1e}  {'yes' if res['agrees'] else 'NO'}"
+            )
+    t = payload["targets"]
+    print(
+        f"library speedup vs rolling_sdpa: {_rounded(t['library_speedup'])} "
+        f"(target >= {t['library_speedup_vs_rolling_sdpa']}); "
+        f"library KV peak per branch == (sinks + window + pending) chunks: {t['kv_peak_equals_target']} "
+        f"({_mib(t['kv_peak_bytes_per_branch_target'])} MiB); outputs agree: {payload['agree']}"
+    )
+
+
+def plot(payload: dict[str, Any], path: Path) -> Path | None:
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib not installed: no PNG")
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    settings = list(payload["results"])
+    names: list[str] = []
+    for r in payload["results"].values():
+        names += [n for n in r["variants"] if n not in names]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        xs, ms, labels = [], [], []
+        for j, setting in enumerate(settings):
+            res = payload["results"][setting]["variants"].get(name)
+            if res is None or "error" in res:
+                continue
+            xs.append(j + i * width)
+            ms.append(res["ms_per_chunk_step"])
+            speed = res.get("speedup_vs_rolling_sdpa")
+            ms_label = f"{ms[-1]:.0f}" if ms[-1] >= 100 else f"{ms[-1]:.3g}"
+            labels.append(ms_label + ("" if speed is None else f"\n{speed:.2f}x"))
+        bars = ax.bar(xs, ms, width, label=name)
+        ax.bar_label(bars, labels=labels, fontsize=7)
+    ticks = [f"CFG {s.removeprefix('cfg_')} ({payload['results'][s]['streams']} stream(s))" for s in settings]
+    ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(settings))], ticks)
+    cfg = payload["config"]
+    ax.set_ylabel("ms per chunk step (lower is better)")
+    ax.set_title(
+        f"{cfg['preset']}: one chunk step = 4 denoising + 1 commit forward; sink {cfg['sink_chunks']} + window "
+        f"{cfg['window_chunks']} chunks; {cfg['dtype']}, {payload['env'].get('gpu', cfg['device'])}\n"
+        "bar labels: ms, speedup vs rolling_sdpa",
+        fontsize=9,
+    )
+    ax.margins(y=0.15)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}")
+    return path
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; exit status 1 if a variant failed or its outputs disagree with the library's."""
+    payload = run(argv)
+    if not payload["agree"]:
+        print("ERROR: a variant failed or its outputs disagree with the library beyond the tolerance", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
