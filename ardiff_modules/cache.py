@@ -70,6 +70,10 @@ class KVCache:
         contiguous key range and run ragged (unpaged) FA3, the fastest kernel. Same peak
         memory as plain paging once the window is full, reserved up front. ``None`` (default)
         enables it when the backend is FlashInfer and the window is bounded.
+    max_forward_contexts:
+        Forward contexts (one per distinct batch of streams, each holding kernel plans and their
+        buffers) kept for reuse; beyond this the least recently used idle one is released, so
+        serving with ever-changing batch compositions does not grow memory.
     """
 
     def __init__(
@@ -81,6 +85,7 @@ class KVCache:
         device: torch.device | str = "cpu",
         backend: str | AttentionBackend = "auto",
         contiguous_extents: bool | None = None,
+        max_forward_contexts: int = 64,
     ) -> None:
         if (num_pages is None) == (budget_bytes is None):
             raise SpecError(
@@ -101,6 +106,10 @@ class KVCache:
         #: Chunk slots of each branch's contiguous extent, or ``None`` for plain paging.
         self.extent_chunks = spec.max_resident_chunks + 1 if contiguous_extents else None  # type: ignore[operator]
         self._sessions: dict[str, KVState] = {}
+        if isinstance(max_forward_contexts, bool) or not isinstance(max_forward_contexts, int) or max_forward_contexts < 1:
+            raise SpecError(f"max_forward_contexts: expected an int >= 1, got {max_forward_contexts!r}")
+        self.max_forward_contexts = max_forward_contexts
+        # Insertion order = recency (moved to the end on use): the front is the least recently used.
         self._forwards: dict[tuple[tuple[tuple[str, str], ...], int | None], ForwardContext] = {}
         self._session_ids = itertools.count()
 
@@ -305,8 +314,11 @@ class KVCache:
         Static contexts (CUDA-graph replay) are separate per sequence length: their buffers are fixed.
         """
         key = (streams, static_len)
-        ctx = self._forwards.get(key)
-        if ctx is None:
+        ctx = self._forwards.pop(key, None)
+        if ctx is not None:
+            self._forwards[key] = ctx  # most recently used
+        else:
+            self._evict_idle_contexts(self.max_forward_contexts - 1)
             ctx = ForwardContext(streams=streams, handle=0, plan_id=torch.zeros((), dtype=torch.int64),
                                  chunk_size=self.spec.chunk_size, static=static_len is not None,
                                  _finish=_finish_forward)
@@ -321,6 +333,21 @@ class KVCache:
             ]
             self._forwards[key] = ctx
         return ctx
+
+    def _evict_idle_contexts(self, keep: int) -> None:
+        """Release least recently used contexts until at most ``keep`` remain; a context some
+        branch still has pending (an uncommitted forward) is never released."""
+        pending = {
+            id(record.context)
+            for state in self._sessions.values()
+            for record in state._pending.values()
+            if record is not None
+        }
+        for key in list(self._forwards):
+            if len(self._forwards) <= keep:
+                break
+            if id(self._forwards[key]) not in pending:
+                PLANS.unregister(self._forwards.pop(key).handle)
 
     def _stack_cross(
         self, ctx: ForwardContext, streams: Sequence[tuple[KVState, str]], static: bool

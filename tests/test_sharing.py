@@ -160,3 +160,23 @@ def test_sessions_batched_in_one_forward_equal_each_session_alone(extents: bool)
                 torch.testing.assert_close(out[2 * row : 2 * row + 2], expected, atol=2e-5, rtol=2e-5)
     for name in caches:
         assert [s.token_offset("cond") for s in states[name]] == [4 * CHUNK, 3 * CHUNK, 3 * CHUNK]
+
+
+def test_forward_contexts_are_bounded_lru_and_pending_ones_survive() -> None:
+    spec = am.KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=4, chunk_size=4, page_size=4, sink_chunks=0,
+                          window_chunks=1, dtype="float32")
+    cache = am.KVCache(spec, num_pages=64, max_forward_contexts=2)
+    states = [cache.open_session(f"s{i}") for i in range(4)]
+    x = torch.randn(1, 4, 1, 4)
+    held = states[0].prepare_forward(None, 4, commit_current=True)  # pending: must survive eviction
+    for state in states[1:]:
+        with state.prepare_forward(None, 4, commit_current=True) as fwd:
+            am.chunk_attention(x, x, x, fwd.layers[0])
+    assert len(cache._forwards) <= 3 and held in cache._forwards.values()
+    am.chunk_attention(x, x, x, held.layers[0])  # still planned and registered
+    held.commit()
+    batched = cache.prepare_forward([(s, "main") for s in states], 4)
+    assert len(cache._forwards) <= 2
+    am.chunk_attention(x.repeat(4, 1, 1, 1), x.repeat(4, 1, 1, 1), x.repeat(4, 1, 1, 1), batched.layers[0])
+    with pytest.raises(am.SpecError, match="max_forward_contexts"):
+        am.KVCache(spec, num_pages=4, max_forward_contexts=0)
