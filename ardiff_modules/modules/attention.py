@@ -18,14 +18,25 @@ if TYPE_CHECKING:
 QKNorm = Literal["full", "head"] | None
 
 
-def _qk_norm(kind: QKNorm, num_heads: int, head_dim: int, eps: float) -> tuple[nn.Module, nn.Module]:
+def _qk_norm(kind: QKNorm, num_heads: int, head_dim: int, eps: float) -> nn.Module:
+    """The RMSNorm of Q or K: over all heads (``"full"``, Wan) or per head (``"head"``, SD3 / Qwen)."""
     if kind is None:
-        return nn.Identity(), nn.Identity()
-    if kind == "full":  # Wan-style: RMSNorm over all heads before the split
-        return nn.RMSNorm(num_heads * head_dim, eps=eps), nn.RMSNorm(num_heads * head_dim, eps=eps)
-    if kind == "head":  # per-head RMSNorm (SD3 / Qwen style)
-        return nn.RMSNorm(head_dim, eps=eps), nn.RMSNorm(head_dim, eps=eps)
+        return nn.Identity()
+    if kind == "full":
+        return nn.RMSNorm(num_heads * head_dim, eps=eps)
+    if kind == "head":
+        return nn.RMSNorm(head_dim, eps=eps)
     raise ValueError(f"qk_norm: expected None, 'full' or 'head', got {kind!r}")
+
+
+def _split_heads(t: torch.Tensor, heads: int, head_dim: int, kind: QKNorm, norm: nn.Module) -> torch.Tensor:
+    """``[..., heads * head_dim]`` -> ``[..., heads, head_dim]``, normalised before or after the split."""
+    if kind == "full":
+        t = norm(t)
+    t = t.view(*t.shape[:-1], heads, head_dim)
+    if kind == "head":
+        t = norm(t)
+    return t
 
 
 class ChunkSelfAttention(nn.Module):
@@ -71,17 +82,11 @@ class ChunkSelfAttention(nn.Module):
         self.to_k = nn.Linear(dim, self.num_kv_heads * self.head_dim, bias=bias)
         self.to_v = nn.Linear(dim, self.num_kv_heads * self.head_dim, bias=bias)
         self.to_out = nn.Linear(num_heads * self.head_dim, dim, bias=bias)
-        self.norm_q, _ = _qk_norm(qk_norm, num_heads, self.head_dim, eps)
-        self.norm_k, _ = _qk_norm(qk_norm, self.num_kv_heads, self.head_dim, eps)
+        self.norm_q = _qk_norm(qk_norm, num_heads, self.head_dim, eps)
+        self.norm_k = _qk_norm(qk_norm, self.num_kv_heads, self.head_dim, eps)
 
     def _split(self, t: torch.Tensor, heads: int, norm: nn.Module) -> torch.Tensor:
-        s, n, _ = t.shape
-        if self.qk_norm == "full":
-            t = norm(t)
-        t = t.view(s, n, heads, self.head_dim)
-        if self.qk_norm == "head":
-            t = norm(t)
-        return t
+        return _split_heads(t, heads, self.head_dim, self.qk_norm, norm)
 
     def forward(self, x: torch.Tensor, kv: LayerContext, rope: Rope | None = None) -> torch.Tensor:
         """``x`` ``[streams, seq_len, dim]`` -> ``[streams, seq_len, dim]``."""
@@ -127,8 +132,8 @@ class CachedCrossAttention(nn.Module):
         self.to_k = nn.Linear(context_dim, self.num_kv_heads * self.head_dim, bias=bias)
         self.to_v = nn.Linear(context_dim, self.num_kv_heads * self.head_dim, bias=bias)
         self.to_out = nn.Linear(num_heads * self.head_dim, dim, bias=bias)
-        self.norm_q, _ = _qk_norm(qk_norm, num_heads, self.head_dim, eps)
-        self.norm_k, _ = _qk_norm(qk_norm, self.num_kv_heads, self.head_dim, eps)
+        self.norm_q = _qk_norm(qk_norm, num_heads, self.head_dim, eps)
+        self.norm_k = _qk_norm(qk_norm, self.num_kv_heads, self.head_dim, eps)
 
     def project_kv(self, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``context`` ``[tokens, context_dim]`` -> ``(k, v)`` each ``[tokens, num_kv_heads, head_dim]``."""
@@ -136,24 +141,14 @@ class CachedCrossAttention(nn.Module):
             raise TensorMismatchError(
                 f"CachedCrossAttention.project_kv context: expected [tokens, context_dim], got {tuple(context.shape)}"
             )
-        k = self.to_k(context)
-        if self.qk_norm == "full":
-            k = self.norm_k(k)
-        k = k.view(context.shape[0], self.num_kv_heads, self.head_dim)
-        if self.qk_norm == "head":
-            k = self.norm_k(k)
+        k = _split_heads(self.to_k(context), self.num_kv_heads, self.head_dim, self.qk_norm, self.norm_k)
         v = self.to_v(context).view(context.shape[0], self.num_kv_heads, self.head_dim)
         return k, v
 
     def forward(self, x: torch.Tensor, kv: LayerContext) -> torch.Tensor:
         """``x`` ``[streams, seq_len, dim]`` -> ``[streams, seq_len, dim]``."""
         s, n, _ = x.shape
-        q = self.to_q(x)
-        if self.qk_norm == "full":
-            q = self.norm_q(q)
-        q = q.view(s, n, self.num_heads, self.head_dim)
-        if self.qk_norm == "head":
-            q = self.norm_q(q)
+        q = _split_heads(self.to_q(x), self.num_heads, self.head_dim, self.qk_norm, self.norm_q)
         out = cached_cross_attention(q, kv, self.cache_name)
         return self.to_out(out.reshape(s, n, -1))
 
