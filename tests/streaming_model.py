@@ -195,15 +195,19 @@ def rollout_events(
     return events
 
 
+def play_event(runner, event: tuple) -> torch.Tensor | None:  # noqa: ANN001
+    """Apply one rollout event; a forward returns its output."""
+    if event[0] == "prompt":
+        runner.set_prompt(event[1])
+    elif event[0] == "reset":
+        runner.reset()
+    else:
+        _, rows, x, commit = event
+        with torch.no_grad():
+            return runner.forward(rows, x, commit)
+    return None
+
+
 def play(runner, events) -> list[torch.Tensor]:  # noqa: ANN001
-    outs = []
-    for event in events:
-        if event[0] == "prompt":
-            runner.set_prompt(event[1])
-        elif event[0] == "reset":
-            runner.reset()
-        else:
-            _, rows, x, commit = event
-            with torch.no_grad():
-                outs.append(runner.forward(rows, x, commit))
-    return outs
+    outs = [play_event(runner, event) for event in events]
+    return [out for out in outs if out is not None]

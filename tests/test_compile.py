@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from streaming_model import LibraryStreaming, TinyStreamingModel, play, rollout_events
+from streaming_model import LibraryStreaming, TinyStreamingModel, play, play_event, rollout_events
 from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
 
 from ardiff_modules import populate_cross_attention
@@ -49,14 +49,7 @@ def test_no_recompiles_across_sessions_eviction_prompt_switch_reset_and_abort(dy
     events = rollout_events(14, CHUNK, model.dim, model.context_dim, fixed_shape=True, seed=1)
     for i, event in enumerate(events):
         for runner in runners:
-            if event[0] == "prompt":
-                runner.set_prompt(event[1])
-            elif event[0] == "reset":
-                runner.reset()
-            else:
-                _, rows, x, commit = event
-                with torch.no_grad():
-                    runner.forward(rows, x, commit)
+            play_event(runner, event)
         if i == 0:
             for branch in spec.branches:
                 populate_cross_attention(shared, branch, [b.cross for b in model.blocks], event[1][branch])
