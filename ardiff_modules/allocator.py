@@ -45,6 +45,13 @@ class PageAllocator:
         self._check_ids((page,))
         return self._refcounts[page]
 
+    def exclusive(self, pages: Sequence[int]) -> bool:
+        """Whether every page in ``pages`` has exactly one reference (hot path: range-checked in bulk)."""
+        if pages and (min(pages) < 0 or max(pages) >= self.num_pages):
+            self._check_ids(pages)  # raises, naming the bad id
+        refcounts = self._refcounts
+        return all(refcounts[p] == 1 for p in pages)
+
     def free_pages(self) -> tuple[int, ...]:
         """Free page ids in allocation order."""
         return tuple(self._free)

@@ -95,7 +95,7 @@ class BranchHistory:
         return [
             slot
             for slot in self.extent_slots()
-            if slot not in used and all(allocator.refcount(p) == 1 for p in slot)
+            if slot not in used and allocator.exclusive(slot)
         ]
 
     def pages_needed(self, num_chunks: int, allocator: PageAllocator) -> int:

@@ -400,3 +400,17 @@ def test_pure_python_layers_import_without_torch():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "OK"
+
+
+def test_exclusive_tracks_refcounts_and_rejects_bad_ids():
+    alloc = PageAllocator(4)
+    alloc.allocate(3)
+    assert alloc.exclusive([0, 1, 2]) and alloc.exclusive(())
+    alloc.incref([1])
+    assert not alloc.exclusive([0, 1]) and alloc.exclusive([0, 2])
+    assert not alloc.exclusive([3])  # free: refcount 0
+    before = snapshot(alloc)
+    for bad in ([4], [-1], [0, 9]):
+        with pytest.raises(AllocatorError, match=r"expected a page id in \[0, 4\)"):
+            alloc.exclusive(bad)
+    assert snapshot(alloc) == before

@@ -15,7 +15,8 @@ Three kernels, chosen per forward on the host:
   for masks that are not chunk-structured.
 
 ``plan()`` runs once per forward on the host with CPU int32 indptrs (device indptrs would
-force a sync inside FlashInfer) and is skipped when a ragged plan's rows repeat; every
+force a sync inside FlashInfer) and is skipped when the rows' lengths repeat (ragged: nothing
+to do; paged: the page table is refreshed in place); every
 layer's ``run()`` only appends its K/V and launches the kernel.
 """
 
@@ -71,6 +72,10 @@ class FlashInferPlan(AttentionPlan):
         self._events: dict[str, torch.cuda.Event] = {}
         self._append_key: tuple[int, int] | None = None
         self._ragged_key: tuple | None = None
+        self._paged_key: tuple | None = None
+        #: FlashInfer ``plan()`` calls made so far (forwards whose row lengths repeat skip it).
+        self.kernel_plans = 0
+        self._paged_indices: torch.Tensor | None = None
         self.mode = "paged"
         if self.static:
             if self.masked:
@@ -122,6 +127,7 @@ class FlashInferPlan(AttentionPlan):
             event.synchronize()
 
     def _after_plan(self, kind: str) -> None:
+        self.kernel_plans += 1
         event = torch.cuda.Event()
         event.record()
         self._events[kind] = event
@@ -153,16 +159,31 @@ class FlashInferPlan(AttentionPlan):
                 )
                 self._after_plan("ragged")
                 self._ragged_key = key
+                self._paged_key = None  # the ragged plan may reuse the workspace: re-plan paged next time
             self.mode = "ragged"
             self._kv_range = (ragged.kv_start, ragged.kv_end)
             return
         self._ragged_key = None  # the paged wrapper may reuse the workspace: re-plan ragged next time
         rows = layout.structural_rows
         indices = _pinned(rows.kv_page_indices).to(self.device, non_blocking=True)
+        wrapper = self._wrapper("paged")
+        key = None
+        if not self.masked:
+            key = (
+                tuple(rows.qo_indptr.tolist()), tuple(rows.kv_page_indptr.tolist()),
+                tuple(rows.kv_last_page_len.tolist()), request.num_qo_heads, request.num_kv_heads,
+                request.head_dim, request.dtype, layout.page_size,
+            )
+        if key is not None and key == self._paged_key:
+            # FlashInfer's schedule depends on the row lengths only; once the windows are full they
+            # repeat and only the page ids move, so refresh the page table the kernel reads in place
+            # (stream-ordered after the previous forward's launches) instead of calling plan().
+            self._paged_indices[: indices.numel()].copy_(indices, non_blocking=True)
+            self.mode = "paged"
+            return
         custom_mask = None
         if request.token_mask is not None:
             custom_mask = _row_masks(layout, request.token_mask.to(self.device))
-        wrapper = self._wrapper("paged")
         self._before_plan("paged")
         wrapper.plan(
             rows.qo_indptr, rows.kv_page_indptr, indices, rows.kv_last_page_len,
@@ -170,6 +191,11 @@ class FlashInferPlan(AttentionPlan):
             custom_mask=custom_mask, non_blocking=True, **common,
         )
         self._after_plan("paged")
+        # Skipping later plans is only sound while the wrapper reads a page table this plan owns:
+        # the static buffer, or (eager) the very tensor passed in.
+        self._paged_indices = self._paged_bufs["paged_kv_indices_buf"] if self.static else indices
+        owned = getattr(wrapper, "_paged_kv_indices_buf", None) is self._paged_indices
+        self._paged_key = key if owned else None
         self.mode = "masked" if self.masked else "paged"
 
     def _plan_writes(self, layout) -> None:  # noqa: ANN001
