@@ -21,16 +21,37 @@ def cuda_time_ms(fn: Callable[[], object], *, warmup: int = 5, iters: int = 15, 
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(inner):
+    return statistics.median(_sample_ms(fn, inner) for _ in range(iters))
+
+
+def _sample_ms(fn: Callable[[], object], inner: int) -> float:
+    """Milliseconds per call of ``inner`` back-to-back calls, between two CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(inner):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / inner
+
+
+def interleaved_ms(
+    fns: dict[str, Callable[[], object]], *, warmup: int = 5, rounds: int = 15, inner: int = 10
+) -> dict[str, float]:
+    """Median milliseconds per call of each function, sampled round-robin.
+
+    One sample of every function per round, so clock ramps and thermal drift hit all of them
+    alike; the ratios between entries are what the benchmarks report.
+    """
+    for fn in fns.values():
+        for _ in range(warmup):
             fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / inner)
-    return statistics.median(times)
+    torch.cuda.synchronize()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            samples[name].append(_sample_ms(fn, inner))
+    return {name: statistics.median(times) for name, times in samples.items()}
 
 
 def environment() -> dict[str, str]:

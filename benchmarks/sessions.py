@@ -44,7 +44,8 @@ def _spec(shape: dict, layers: int, dtype: str) -> am.KVCacheSpec:
 
 
 class Timer:
-    """Wall time of whole forwards (host + device), synchronised at both ends."""
+    """Wall time of whole forwards (host + device), synchronised at both ends; variants sampled
+    round-robin so drift hits them alike."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -53,17 +54,18 @@ class Timer:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 
-    def __call__(self, fn, iters: int) -> float:  # noqa: ANN001
-        fn()
-        self.sync()
-        times = []
-        for _ in range(iters):
-            self.sync()
-            t0 = time.perf_counter()
+    def __call__(self, fns: dict, iters: int) -> dict[str, float]:  # noqa: ANN001
+        for fn in fns.values():
             fn()
-            self.sync()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        samples: dict[str, list[float]] = {name: [] for name in fns}
+        for _ in range(iters):
+            for name, fn in fns.items():
+                self.sync()
+                t0 = time.perf_counter()
+                fn()
+                self.sync()
+                samples[name].append(time.perf_counter() - t0)
+        return {name: statistics.median(times) for name, times in samples.items()}
 
 
 def bench_sessions(shape_name: str, sessions: int, layers: int, device: torch.device, dtype: str, iters: int) -> dict:
@@ -97,8 +99,8 @@ def bench_sessions(shape_name: str, sessions: int, layers: int, device: torch.de
                 run(fwd, slice(2 * i, 2 * i + 2))
 
     timer = Timer(device)
-    t_batched = timer(batched, iters)
-    t_serial = timer(serial, iters)
+    times = timer({"batched": batched, "serial": serial}, iters)
+    t_batched, t_serial = times["batched"], times["serial"]
     tokens = 2 * sessions * spec.chunk_size
     modes = sorted({cache._forwards[k].plan.mode for k in cache._forwards} - {None}) if device.type == "cuda" else []
     result = {
@@ -141,6 +143,7 @@ def plot(payload: dict, path: Path) -> None:
         for r in rows:
             ax.annotate(f"{r['speedup']:.2f}x", (r["sessions"], r["batched_tokens_per_s"] / 1e6), fontsize=8)
         ax.set_xscale("log", base=2)
+        ax.set_ylim(bottom=0)  # differences of a few percent must look like it
         ax.set_xlabel("sessions (2 CFG streams each)")
         ax.set_ylabel("aggregate Mtokens/s")
         ax.set_title(name)
@@ -156,7 +159,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--sessions", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--layers", type=int, default=4, help="attention layers per forward")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--iters", type=int, default=25)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args(argv)
     device = torch.device(args.device)

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The GPU session's batches: each step logged to $OUT/<step>.log, results written under $OUT.
+#   bash .gpu/run.sh bash benchmarks/run_h200.sh tests attention sessions     (device run 1)
+#   bash .gpu/run.sh bash benchmarks/run_h200.sh end_to_end example           (device run 2)
+# A step that fails or overruns its time limit is reported and the next one still runs.
+set -u
+out=${OUT:-/tmp/ardiff-out}
+mkdir -p "$out"
+status=0
+step() {
+  local name=$1 limit=$2; shift 2
+  echo "=== $name (limit ${limit}s): $*"
+  local t0=$SECONDS
+  timeout "$limit" "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  echo "=== $name: rc=$rc in $((SECONDS - t0)) s"
+  tail -n 25 "$out/$name.log"
+  [ $rc -eq 0 ] || status=1
+}
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv
+for what in "$@"; do
+  case $what in
+    tests) step gpu_tests 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py -rs ;;
+    tests_plan_skip) step gpu_tests_plan_skip 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py \
+               -k plan_skipped -rs ;;
+    attention) step attention 200 python3 benchmarks/attention.py --out "$out" ;;
+    sessions) step sessions 150 python3 benchmarks/sessions.py --out "$out" ;;
+    end_to_end) step end_to_end 420 python3 benchmarks/end_to_end.py --out "$out" ;;
+    end_to_end_compiled) step end_to_end_compiled 420 python3 benchmarks/end_to_end.py --compile --cfg on \
+               --variants library,rolling_sdpa --out "$out/compiled" ;;
+    first_use) step first_use 200 python3 benchmarks/first_use.py ;;
+    example) step example 150 python3 examples/streaming_generation.py --preset wan2.1-1.3b --device cuda \
+               --chunks 10 --switch-at 6 --compile --no-progress --out /tmp/stream_wan.png ;;
+    example_graph) step example_graph 150 python3 examples/streaming_generation.py --preset wan2.1-1.3b \
+               --device cuda --chunks 10 --switch-at 6 --cuda-graph --no-progress --out /tmp/stream_wan_graph.png ;;
+    *) echo "unknown step $what"; status=1 ;;
+  esac
+done
+exit $status
