@@ -249,3 +249,44 @@ def test_paged_plan_skipped_when_row_lengths_repeat(extents: bool) -> None:
     assert all(p is plan for p in plans[-12:])  # one plan object re-planned in place
     # Windows fill within the first forwards; after that only page ids change.
     assert plan.kernel_plans < len(plans) // 2, (plan.kernel_plans, len(plans))
+
+
+def test_sessions_batched_in_one_launch_equal_each_session_alone() -> None:
+    """Three sessions at different window positions (filling, full, evicting) as rows of one FlashInfer
+    plan equal the same sessions run one at a time on FlashInfer (ragged one-chunk and paged two-chunk)."""
+    chunk, page = 240, 120
+    spec = _spec(chunk, page, 1, 2)
+    batched_cache, alone_cache = (
+        am.KVCache(spec, num_pages=3 * 16 * spec.pages_per_chunk, device="cuda", backend="flashinfer")
+        for _ in range(2)
+    )
+    names = ("s0", "s1", "s2")
+    batched = [batched_cache.open_session(n) for n in names]
+    alone = [alone_cache.open_session(n) for n in names]
+    g = torch.Generator(device="cuda").manual_seed(5)
+
+    def qkv(streams: int, seq: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q = torch.randn(streams, seq, 4, HEAD_DIM, device="cuda", dtype=DTYPE, generator=g)
+        k = torch.randn(streams, seq, 2, HEAD_DIM, device="cuda", dtype=DTYPE, generator=g)
+        return q, k, torch.randn_like(k)
+
+    for i in range(3):  # session i commits i + 1 chunks first: windows filling, full, evicting
+        for _ in range(i + 1):
+            q, k, v = qkv(2, chunk)
+            for state in (batched[i], alone[i]):
+                with state.prepare_forward(None, chunk, commit_current=True) as fwd:
+                    _attend(fwd, q, k, v)
+    modes = set()
+    for n, commit in ((1, False), (1, True), (2, False), (2, True), (1, True)):
+        q, k, v = qkv(6, n * chunk)
+        pairs = [(s, b) for s in batched for b in ("cond", "uncond")]
+        with batched_cache.prepare_forward(pairs, n * chunk, commit_current=commit) as fwd:
+            together = _attend(fwd, q, k, v)
+            modes.add(fwd.plan.mode)
+        for i, state in enumerate(alone):
+            rows = slice(2 * i, 2 * i + 2)
+            with state.prepare_forward(None, n * chunk, commit_current=commit) as fwd:
+                single = _attend(fwd, q[rows], k[rows], v[rows])
+            for a, b in zip(together, single):
+                _close(a[rows], b)
+    assert modes == {"ragged", "paged"}
