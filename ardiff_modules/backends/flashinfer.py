@@ -165,7 +165,7 @@ class FlashInferPlan(AttentionPlan):
             return
         self._ragged_key = None  # the paged wrapper may reuse the workspace: re-plan ragged next time
         rows = layout.structural_rows
-        indices = _pinned(rows.kv_page_indices).to(self.device, non_blocking=True)
+        host_indices = _pinned(rows.kv_page_indices)
         wrapper = self._wrapper("paged")
         key = None
         if not self.masked:
@@ -178,9 +178,10 @@ class FlashInferPlan(AttentionPlan):
             # FlashInfer's schedule depends on the row lengths only; once the windows are full they
             # repeat and only the page ids move, so refresh the page table the kernel reads in place
             # (stream-ordered after the previous forward's launches) instead of calling plan().
-            self._paged_indices[: indices.numel()].copy_(indices, non_blocking=True)
+            self._paged_indices[: host_indices.numel()].copy_(host_indices, non_blocking=True)
             self.mode = "paged"
             return
+        indices = host_indices.to(self.device, non_blocking=True)
         custom_mask = None
         if request.token_mask is not None:
             custom_mask = _row_masks(layout, request.token_mask.to(self.device))
