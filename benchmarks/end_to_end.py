@@ -80,7 +80,9 @@ for _path in (HERE, HERE.parent / "examples"):
         sys.path.insert(0, str(_path))
 
 from _timing import environment, save_json  # noqa: E402
-from wan_causal_dit import PRESETS, TEXT, WanConfig, build_model, kv_pool_pages, make_kv_spec  # noqa: E402
+from wan_causal_dit import (  # noqa: E402
+    PRESETS, TEXT, WanConfig, build_model, kv_pool_pages, make_kv_spec, torch_threads,
+)
 
 import ardiff_modules as am  # noqa: E402
 from ardiff_modules.modules.functional import apply_rope  # noqa: E402
@@ -466,21 +468,15 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run the benchmark per ``argv``; writes the JSON (+ PNG) and returns the payload."""
     args = parse_args(argv)
-    threads = args.threads
-    if threads is None and args.preset == "tiny" and args.device == "cpu":
-        threads = 1
-    previous = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
     limits = {}
     for key in ("recompile_limit", "cache_size_limit"):  # compiled flex: one graph per key length (warm-up)
         if hasattr(torch._dynamo.config, key):
             limits[key] = getattr(torch._dynamo.config, key)
             setattr(torch._dynamo.config, key, max(64, limits[key]))
     try:
-        return _run(args)
+        with torch_threads(args.threads, args.preset, args.device):
+            return _run(args)
     finally:
-        torch.set_num_threads(previous)
         for key, value in limits.items():
             setattr(torch._dynamo.config, key, value)
 

@@ -71,6 +71,7 @@ from wan_causal_dit import (  # noqa: E402
     default_dtype,
     kv_pool_pages,
     make_kv_spec,
+    torch_threads,
 )
 
 from ardiff_modules import KVCache, KVState, populate_cross_attention  # noqa: E402
@@ -213,16 +214,8 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
     The torch thread count is restored on return (``--threads`` applies to this run only).
     """
     args = parse_args(argv)
-    threads = args.threads
-    if threads is None and args.preset == "tiny" and args.device == "cpu":
-        threads = 1
-    previous_threads = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
-    try:
+    with torch_threads(args.threads, args.preset, args.device):
         return _generate(args)
-    finally:
-        torch.set_num_threads(previous_threads)
 
 
 def _generate(args: argparse.Namespace) -> dict[str, Any]:

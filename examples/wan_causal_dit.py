@@ -48,8 +48,9 @@ checked against a reference implementation of Wan's RoPE, not against released w
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -164,6 +165,23 @@ PRESETS: dict[str, WanConfig] = {
 def default_dtype(device: torch.device | str) -> torch.dtype:
     """float32 on CPU, bfloat16 on CUDA (the model and the KV pool use the same dtype)."""
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+@contextlib.contextmanager
+def torch_threads(requested: int | None, preset: str, device: str) -> Iterator[None]:
+    """Run with ``requested`` torch intra-op CPU threads, restoring the previous count on exit.
+
+    Default (``None``): 1 for the tiny preset on CPU, whose small ops only lose to threading
+    overhead; torch's own count otherwise.
+    """
+    threads = 1 if requested is None and preset == "tiny" and device == "cpu" else requested
+    previous = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def make_kv_spec(config: WanConfig, device: torch.device | str = "cpu", branches: Sequence[str] = BRANCHES) -> KVCacheSpec:

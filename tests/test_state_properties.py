@@ -351,6 +351,12 @@ class SessionStateMachine(RuleBasedStateMachine):
         assert len(ctx.layers) == NUM_LAYERS
         self.contexts = [c for c in self.contexts if c is not ctx][-4:] + [ctx]
 
+    def commit_branches(self, sm: SessionModel, branches: tuple[str, ...]) -> None:
+        """The seed API's ``commit_paged_context`` per branch, mirrored in the model."""
+        for b in branches:
+            sm.state.commit_paged_context(b)
+            self.model_commit(sm, b)
+
     def model_commit(self, sm: SessionModel, b: str) -> None:
         rec = sm.record[b]
         if rec is None:
@@ -493,9 +499,7 @@ class SessionStateMachine(RuleBasedStateMachine):
         streams = [(sm, b) for b in branches]
         ctx = self.prepare(streams, num_chunks, commit=False, run=run, via_cache=False)
         if ctx is not None and close_record:
-            for b in branches:
-                sm.state.commit_paged_context(b)  # closes the forward; pending pages stay reserved
-                self.model_commit(sm, b)
+            self.commit_branches(sm, branches)  # closes the forward; pending pages stay reserved
 
     @precondition(lambda self: self.open_sessions)
     @rule(
@@ -513,9 +517,7 @@ class SessionStateMachine(RuleBasedStateMachine):
         if ctx is None:
             return
         if how == "commit_paged_context":
-            for b in branches:
-                sm.state.commit_paged_context(b)
-                self.model_commit(sm, b)
+            self.commit_branches(sm, branches)
         elif how == "ctx.commit":
             ctx.commit()
             self.model_finish(ctx, True)
@@ -539,9 +541,7 @@ class SessionStateMachine(RuleBasedStateMachine):
                     return
             if self.prepare(streams, 1, commit=True, run=False, via_cache=False) is None:
                 return
-            for b in branches:
-                sm.state.commit_paged_context(b)
-                self.model_commit(sm, b)
+            self.commit_branches(sm, branches)
 
     @precondition(lambda self: len(self.open_sessions) >= 2)
     @rule(
