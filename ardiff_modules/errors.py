@@ -75,3 +75,23 @@ class PlanNotFoundError(ARDiffError, KeyError):
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
+
+
+class ForwardFinishedError(ARDiffError, RuntimeError):
+    """A finished forward's contexts were used (it was committed, aborted, superseded, reset or closed).
+
+    A forward's layer contexts may touch the pool only between ``prepare_forward`` and its
+    commit / abort; any later use would overwrite committed (possibly shared or reallocated) pages.
+    """
+
+
+class CacheClosedError(ARDiffError, RuntimeError):
+    """An operation was attempted on a closed :class:`KVCache`."""
+
+
+class NonFiniteKVError(ARDiffError, FloatingPointError):
+    """``check_finite=True``: a committing forward wrote NaN/Inf K/V; the forward was aborted instead."""
+
+
+class InferenceOnlyError(ARDiffError, RuntimeError):
+    """Backward through the paged attention op: it is inference-only (it writes the KV pool in place)."""
