@@ -11,27 +11,33 @@ here, once.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from types import TracebackType
 
 import torch
 
 from ardiff_modules.allocator import PageAllocator
-from ardiff_modules.backends import AttentionBackend, PlanRequest, resolve_backend
+from ardiff_modules.backends import AttentionBackend, AttentionPlan, PlanRequest, resolve_backend
 from ardiff_modules.context import ForwardContext, LayerContext
 from ardiff_modules.errors import (
+    CacheClosedError,
     CapacityError,
+    NonFiniteKVError,
     PendingContextError,
     SequenceLengthError,
     SpecError,
     TensorMismatchError,
 )
+from ardiff_modules.forward import ForwardTransaction, Status, deferred_interrupts
 from ardiff_modules.history import BranchHistory
 from ardiff_modules.ops import PLANS
 from ardiff_modules.plan import ForwardLayout, StreamLayout
 from ardiff_modules.pool import KVPool, pages_for_budget
 from ardiff_modules.spec import KVCacheSpec
-from ardiff_modules.state import KVState, PendingForward
+from ardiff_modules.state import KVState
 from ardiff_modules.window import SinkWindowPolicy
 
 
@@ -74,6 +80,15 @@ class KVCache:
         Forward contexts (one per distinct batch of streams, each holding kernel plans and their
         buffers) kept for reuse; beyond this the least recently used idle one is released, so
         serving with ever-changing batch compositions does not grow memory.
+    check_finite:
+        Before a committing forward's chunks join history, check their K/V (every layer) for
+        NaN/Inf; on any, abort the forward and raise :class:`NonFiniteKVError`. Costs one device
+        sync and a read of the pending pages per commit; off by default.
+
+    Thread safety: every host-side operation of the cache and its sessions (prepare, commit,
+    abort, open/close/reset/fork, populate, stats, admission) holds one re-entrant lock, so
+    threads may each drive their own sessions concurrently. Kernels take no lock. Two threads
+    driving the *same* session still race on what it means (which forward comes first).
     """
 
     def __init__(
@@ -86,7 +101,13 @@ class KVCache:
         backend: str | AttentionBackend = "auto",
         contiguous_extents: bool | None = None,
         max_forward_contexts: int = 64,
+        check_finite: bool = False,
     ) -> None:
+        if not isinstance(spec, KVCacheSpec):
+            raise SpecError(f"KVCache.spec: expected a KVCacheSpec, got {type(spec).__name__}")
+        for name, flag in (("contiguous_extents", contiguous_extents), ("check_finite", check_finite)):
+            if flag is not None and not isinstance(flag, bool):
+                raise SpecError(f"KVCache.{name}: expected a bool, got {flag!r}")
         if (num_pages is None) == (budget_bytes is None):
             raise SpecError(
                 f"KVCache: expected exactly one of num_pages / budget_bytes, got num_pages={num_pages!r}, "
@@ -109,9 +130,12 @@ class KVCache:
         if isinstance(max_forward_contexts, bool) or not isinstance(max_forward_contexts, int) or max_forward_contexts < 1:
             raise SpecError(f"max_forward_contexts: expected an int >= 1, got {max_forward_contexts!r}")
         self.max_forward_contexts = max_forward_contexts
-        # Insertion order = recency (moved to the end on use): the front is the least recently used.
-        self._forwards: dict[tuple[tuple[tuple[str, str], ...], int | None], ForwardContext] = {}
+        self.check_finite = check_finite
+        # Order = recency (moved to the end on use): the front is the least recently used.
+        self._forwards: OrderedDict[tuple[tuple[tuple[str, str], ...], int | None], ForwardContext] = OrderedDict()
         self._session_ids = itertools.count()
+        self._lock = threading.RLock()
+        self._closed = False
 
     # ------------------------------------------------------------------ sessions
     @property
@@ -123,27 +147,91 @@ class KVCache:
         return self.pool.dtype
 
     @property
+    def lock(self) -> threading.RLock:
+        """The re-entrant lock around all host bookkeeping of this cache and its sessions."""
+        return self._lock
+
+    @property
+    def is_closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise CacheClosedError(f"{what}: expected an open KVCache, got one that was closed")
+
+    @property
     def sessions(self) -> dict[str, KVState]:
         """Open sessions by id (a copy)."""
-        return dict(self._sessions)
+        with self._lock:
+            return dict(self._sessions)
+
+    @property
+    def num_forward_contexts(self) -> int:
+        """Forward contexts kept for reuse now (bounded by ``max_forward_contexts``)."""
+        return len(self._forwards)
+
+    def forward_contexts(self) -> tuple[ForwardContext, ...]:
+        """The forward contexts kept for reuse, least recently used first."""
+        with self._lock:
+            return tuple(self._forwards.values())
 
     def open_session(self, session_id: str | None = None) -> KVState:
         """Open a session with every branch of the spec; no page is allocated until a branch runs."""
-        if session_id is None:
-            session_id = f"session-{next(self._session_ids)}"
-            while session_id in self._sessions:
+        with self._lock:
+            self._check_open("open_session")
+            if session_id is not None and not isinstance(session_id, str):
+                raise SpecError(f"open_session: expected a str session id or None, got {session_id!r}")
+            if session_id is None:
                 session_id = f"session-{next(self._session_ids)}"
-        if session_id in self._sessions:
-            raise SpecError(f"open_session: expected a new session id, got {session_id!r} which is already open")
-        state = KVState(self, session_id)
-        self._sessions[session_id] = state
-        return state
+                while session_id in self._sessions:
+                    session_id = f"session-{next(self._session_ids)}"
+            if session_id in self._sessions:
+                raise SpecError(f"open_session: expected a new session id, got {session_id!r} which is already open")
+            state = KVState(self, session_id)
+            self._sessions[session_id] = state
+            return state
 
-    def _forget_session(self, state: KVState) -> None:
-        """Called by ``KVState.close``: drop the session and its forward contexts."""
-        self._sessions.pop(state.session_id, None)
-        for key in [k for k in self._forwards if any(sid == state.session_id for sid, _ in k[0])]:
-            PLANS.unregister(self._forwards.pop(key).handle)
+    def reopen_session(self, state: KVState) -> None:
+        """Called by ``KVState.reset`` of a closed session: register it again under its id."""
+        with self._lock:
+            self._check_open("reset")
+            if state.session_id in self._sessions and self._sessions[state.session_id] is not state:
+                raise SpecError(
+                    f"reset: session id {state.session_id!r} was reopened by another session; expected it to be free"
+                )
+            self._sessions[state.session_id] = state
+
+    def session_closed(self, state: KVState) -> None:
+        """Called by ``KVState.close``: drop the session and release its forward contexts."""
+        with self._lock:
+            if self._sessions.get(state.session_id) is state:
+                del self._sessions[state.session_id]
+            for key in [k for k in self._forwards if any(sid == state.session_id for sid, _ in k[0])]:
+                self._release_context(key)
+
+    def close(self) -> None:
+        """Close every session, release every forward context and the pool's memory. Idempotent.
+
+        Afterwards the cache refuses new sessions and forwards (:class:`CacheClosedError`);
+        contexts still held by the caller raise instead of touching the pool.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            for state in list(self._sessions.values()):
+                state.close()
+            for key in list(self._forwards):
+                self._release_context(key)
+            self._closed = True
+            self.pool.release()
+
+    def __enter__(self) -> KVCache:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
 
     # ------------------------------------------------------------------ forwards
     def prepare_forward(
@@ -163,59 +251,92 @@ class KVCache:
         unknown branch, closed session, duplicate stream, a committing forward
         not yet committed, too few free pages, or a bad ``token_mask``.
 
+        A denoising forward still open on one of ``streams`` is superseded (closed, its
+        pending pages kept for reuse) once this one is prepared; if planning itself fails
+        on a backend that re-plans in place, that forward is superseded too (its plan is
+        no longer trustworthy), and nothing else changes.
+
         Parameters
         ----------
         token_mask:
             Optional bool ``[num_streams, seq_len, max_keys]`` over the keys in the order of
             :meth:`ForwardContext.to_dense` (visible history, then pending tokens), ANDed with
             the visibility rule: the masked path for masks that are not chunk-structured.
-            ``max_keys`` is ``max_visible_keys(...)`` of this forward.
+            ``max_keys`` is ``max_visible_keys(...)`` of this forward. A query that sees no
+            key at all gets a zero output.
         static:
             Keep every device input of this forward in fixed buffers so that a CUDA graph
             captured once replays correctly after re-planning (see :class:`CUDAGraphStep`).
             Needs the FlashInfer backend and a bounded window.
         """
+        with self._lock:
+            self._check_open("prepare_forward")
+            members = self._validate_streams(streams)
+            num_chunks = self._validate_forward_args(seq_len, commit_current, static)
+            histories = [state.history(branch) for state, branch in members]
+            for (state, branch), history in zip(members, histories):
+                _check_no_open_commit(state, branch, history)
+            if token_mask is not None:
+                self._check_token_mask(token_mask, histories, seq_len, num_chunks)
+            need_extent = self._check_capacity(histories, num_chunks)
+            return self._reserve_and_plan(
+                members, histories, num_chunks, need_extent, bool(commit_current), token_mask, static
+            )
+
+    def _validate_streams(self, streams: Sequence[tuple[KVState, str]]) -> tuple[tuple[KVState, str], ...]:
+        if isinstance(streams, (set, frozenset, dict)) or not isinstance(streams, Iterable):
+            raise SpecError(
+                f"prepare_forward: expected an ordered sequence of (session, branch) pairs, got {type(streams).__name__}"
+            )
+        members = tuple(streams)  # a generator is consumed once: keep what it gave
+        if not members:
+            raise SpecError("prepare_forward: expected at least one (session, branch) stream, got none")
+        seen = set()
+        for item in members:
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], KVState)
+                    and isinstance(item[1], str)):
+                raise SpecError(f"prepare_forward: expected (KVState, branch name) pairs, got {item!r:.120}")
+            state, branch = item
+            if state.cache is not self:
+                raise SpecError(
+                    f"prepare_forward: expected sessions of this KVCache, got {state.session_id!r} of another"
+                )
+            state.history(branch)  # raises on closed session / unknown branch
+            key = (state.session_id, branch)
+            if key in seen:
+                raise SpecError(f"prepare_forward: stream {key} appears twice; expected distinct streams")
+            seen.add(key)
+        return members
+
+    def _validate_forward_args(self, seq_len: int, commit_current: bool, static: bool) -> int:
         chunk = self.spec.chunk_size
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0 or seq_len % chunk:
             raise SequenceLengthError(
                 f"seq_len: expected a positive multiple of chunk_size={chunk}, got {seq_len!r}"
             )
-        if not streams:
-            raise SpecError("prepare_forward: expected at least one (session, branch) stream, got none")
+        for name, value in (("commit_current", commit_current), ("static", static)):
+            if not isinstance(value, bool):
+                raise SpecError(f"prepare_forward.{name}: expected a bool, got {value!r} ({type(value).__name__})")
         if static and self.spec.window_chunks is None:
             raise SpecError(
                 "prepare_forward(static=True): expected a bounded window (window_chunks is not None) so the "
                 "fixed buffers can be sized, got window_chunks=None"
             )
-        num_chunks = seq_len // chunk
-        histories = []
-        keys = []
-        for state, branch in streams:
-            if state.cache is not self:
-                raise SpecError(
-                    f"prepare_forward: expected sessions of this KVCache, got {state.session_id!r} of another"
-                )
-            history = state._history(branch)  # raises on closed session / unknown branch
-            key = (state.session_id, branch)
-            if key in keys:
-                raise SpecError(f"prepare_forward: stream {key} appears twice; expected distinct streams")
-            pending = state._pending[branch]
-            if pending is not None and pending.commit_current:
-                raise PendingContextError(
-                    f"Branch {branch!r} of session {state.session_id!r} has a committing forward of "
-                    f"{pending.num_chunks} chunk(s) that was neither committed nor aborted; call "
-                    f"commit_paged_context({branch!r}) or abort({branch!r}) before preparing the next forward"
-                )
-            histories.append(history)
-            keys.append(key)
-        if token_mask is not None:
-            expected = (len(histories), seq_len, self.max_visible_keys(histories, num_chunks))
-            if not isinstance(token_mask, torch.Tensor) or token_mask.dtype != torch.bool:
-                raise TensorMismatchError(f"token_mask: expected a torch.bool tensor, got {token_mask!r:.80}")
-            if tuple(token_mask.shape) != expected:
-                raise TensorMismatchError(
-                    f"token_mask: expected shape {expected} [streams, seq_len, max_keys], got {tuple(token_mask.shape)}"
-                )
+        return seq_len // chunk
+
+    def _check_token_mask(
+        self, token_mask: torch.Tensor, histories: Sequence[BranchHistory], seq_len: int, num_chunks: int
+    ) -> None:
+        expected = (len(histories), seq_len, self.max_visible_keys(histories, num_chunks))
+        if not isinstance(token_mask, torch.Tensor) or token_mask.dtype != torch.bool:
+            raise TensorMismatchError(f"token_mask: expected a torch.bool tensor, got {token_mask!r:.80}")
+        if tuple(token_mask.shape) != expected:
+            raise TensorMismatchError(
+                f"token_mask: expected shape {expected} [streams, seq_len, max_keys], got {tuple(token_mask.shape)}"
+            )
+
+    def _check_capacity(self, histories: Sequence[BranchHistory], num_chunks: int) -> list[BranchHistory]:
+        """Raise :class:`CapacityError` unless the forward's pages fit; return the branches needing an extent."""
         needed = sum(h.pages_needed(num_chunks, self.allocator) for h in histories)
         if needed > self.allocator.num_free:
             raise CapacityError(
@@ -226,10 +347,9 @@ class KVCache:
                 needed=needed,
                 free=self.allocator.num_free,
             )
-
         need_extent = [h for h in histories if h.needs_extent]
         if need_extent:
-            extent_pages = len(need_extent) * self.extent_chunks * self.spec.pages_per_chunk  # type: ignore[operator]
+            extent_pages = len(need_extent) * self._extent_pages
             if extent_pages > self.allocator.longest_free_run():
                 raise CapacityError(
                     f"KV pool out of contiguous pages: {len(need_extent)} new branch extent(s) need {extent_pages} "
@@ -238,16 +358,35 @@ class KVCache:
                     needed=extent_pages,
                     free=self.allocator.num_free,
                 )
+        return need_extent
 
-        # Reserve extents, grow pending chunks (cannot fail now), plan; roll back exactly on failure.
+    @property
+    def _extent_pages(self) -> int:
+        return (self.extent_chunks or 0) * self.spec.pages_per_chunk
+
+    def _reserve_and_plan(
+        self,
+        members: tuple[tuple[KVState, str], ...],
+        histories: list[BranchHistory],
+        num_chunks: int,
+        need_extent: list[BranchHistory],
+        commit_current: bool,
+        token_mask: torch.Tensor | None,
+        static: bool,
+    ) -> ForwardContext:
+        """Reserve pages, plan, publish; on any failure roll the pages and the peak back exactly."""
+        seq_len = num_chunks * self.spec.chunk_size
+        key = (tuple((state.session_id, branch) for state, branch in members), seq_len if static else None)
+        ctx, is_new = self._lookup_context(key)
         before = [h.pending for h in histories]
         free_before = self.allocator.free_pages() if need_extent else None
-        ctx = self._forward_context(tuple(keys), seq_len if static else None)
+        peak_before = self.allocator.peak_used
+        planning = False
         try:
             if need_extent:
                 # One run for all new branches of the forward: CFG pairs end up adjacent (one ragged launch).
-                run = self.allocator.allocate_contiguous(extent_pages)
-                step = self.extent_chunks * self.spec.pages_per_chunk  # type: ignore[operator]
+                run = self.allocator.allocate_contiguous(len(need_extent) * self._extent_pages)
+                step = self._extent_pages
                 for i, h in enumerate(need_extent):
                     h.assign_extent(tuple(run[i * step : (i + 1) * step]))
             for h in histories:
@@ -258,44 +397,158 @@ class KVCache:
                     StreamLayout(tuple(h.history_pages()), h.pending[:num_chunks], h.token_offset)
                     for h in histories
                 ),
-                chunk_size=chunk,
+                chunk_size=self.spec.chunk_size,
                 page_size=self.spec.page_size,
             )
-            request = PlanRequest(
-                layout=layout,
-                device=self.pool.device,
-                dtype=self.pool.dtype,
-                num_qo_heads=self.spec.query_heads,
-                num_kv_heads=self.spec.num_kv_heads,
-                head_dim=self.spec.head_dim,
-                token_mask=token_mask,
-                static=static,
-                max_pages=self._max_plan_pages(len(histories), num_chunks) if static else None,
-            )
-            plan = self.backend.plan(request, ctx.plan)
+            planning = True
+            plan = self.backend.plan(self._plan_request(layout, token_mask, static, num_chunks), ctx.plan)
             positions = _to_device(layout.positions, self.pool.device, ctx.positions if static else None)
-            cross = self._stack_cross(ctx, streams, static)
+            cross = self._stack_cross(ctx, members, static)
         except BaseException:
-            fresh: list[int] = []
-            for h, old in reversed(list(zip(histories, before))):
-                fresh = h.undo_grow(old, self.allocator) + fresh
-            for h in need_extent:
-                fresh += list(h.extent)
-                h.extent = ()
-            if fresh:
-                self.allocator.unallocate(fresh, free_order=free_before)
+            self._rollback(histories, before, need_extent, free_before, peak_before)
+            if planning and ctx.plan is not None and getattr(self.backend, "replans_in_place", True):
+                # The previous plan may be half-updated: the forward that used it can never run again.
+                if ctx.transaction is not None and ctx.transaction.is_open:
+                    _close_transaction(ctx.transaction, "superseded", "a later prepare_forward failed while planning")
+                ctx.plan = None
+                ctx.plan_epoch += 1
             raise
         for h in histories:
             if len(h.pending) > num_chunks:
                 h.set_pending(num_chunks, self.allocator)  # reuse leaves no surplus behind
-        ctx.plan, ctx.layout, ctx.positions, ctx.commit_current = plan, layout, positions, bool(commit_current)
+        self._publish(ctx, is_new, key, members, histories, plan, layout, positions, cross, commit_current)
+        return ctx
+
+    def _plan_request(
+        self, layout: ForwardLayout, token_mask: torch.Tensor | None, static: bool, num_chunks: int
+    ) -> PlanRequest:
+        return PlanRequest(
+            layout=layout,
+            device=self.pool.device,
+            dtype=self.pool.dtype,
+            num_qo_heads=self.spec.query_heads,
+            num_kv_heads=self.spec.num_kv_heads,
+            head_dim=self.spec.head_dim,
+            token_mask=token_mask,
+            static=static,
+            max_pages=self._max_plan_pages(layout.num_streams, num_chunks) if static else None,
+        )
+
+    def _rollback(
+        self,
+        histories: list[BranchHistory],
+        before: list[tuple[tuple[int, ...], ...]],
+        need_extent: list[BranchHistory],
+        free_before: tuple[int, ...] | None,
+        peak_before: int,
+    ) -> None:
+        fresh: list[int] = []
+        for h, old in reversed(list(zip(histories, before))):
+            fresh = h.undo_grow(old, self.allocator) + fresh
+        for h in need_extent:
+            fresh += list(h.extent)
+            h.extent = ()
+        if fresh:
+            self.allocator.unallocate(fresh, free_order=free_before)
+        self.allocator.peak_used = peak_before
+
+    def _publish(
+        self,
+        ctx: ForwardContext,
+        is_new: bool,
+        key: tuple[tuple[tuple[str, str], ...], int | None],
+        members: tuple[tuple[KVState, str], ...],
+        histories: list[BranchHistory],
+        plan: AttentionPlan,
+        layout: ForwardLayout,
+        positions: torch.Tensor,
+        cross: tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, str], dict[str, tuple[int, ...]]],
+        commit_current: bool,
+    ) -> None:
+        """Install the new forward: supersede open denoising forwards of its streams, open its transaction."""
+        superseded = {id(h.forward): h.forward for h in histories if isinstance(h.forward, ForwardTransaction)}
+        if ctx.transaction is not None:
+            superseded[id(ctx.transaction)] = ctx.transaction
+        for old in superseded.values():
+            if old.is_open:
+                _close_transaction(old, "superseded", "a later forward of one of its streams was prepared")
+        if is_new:
+            ctx.handle = PLANS.register(ctx)
+            ctx.plan_id.fill_(ctx.handle)
+            self._forwards[key] = ctx
+            self._evict_idle_contexts(self.max_forward_contexts, protect=ctx)
+        if plan is not ctx.plan:
+            ctx.plan_epoch += 1
+        ctx.plan, ctx.layout, ctx.positions, ctx.commit_current = plan, layout, positions, commit_current
         ctx.set_cross(cross[0], cross[1])
         ctx._stack_keys = cross[2]
-        ctx._members = tuple(streams)
-        record = PendingForward(commit_current=bool(commit_current), num_chunks=num_chunks, context=ctx)
-        for state, branch in streams:
-            state._pending[branch] = record
-        return ctx
+        transaction = ForwardTransaction(
+            members=members, commit_current=commit_current, num_chunks=layout.num_chunks, context=ctx,
+            histories=tuple(histories),
+        )
+        for h in histories:
+            h.forward = transaction
+        ctx.transaction = transaction
+
+    def finish_forward(self, transaction: ForwardTransaction, success: bool) -> None:
+        """Commit (``success``) or abort every stream of ``transaction``, all or none. Idempotent.
+
+        A committing forward's new histories are computed first (may raise: nothing changed),
+        then applied with one allocator call and plain assignments under
+        :func:`~ardiff_modules.forward.deferred_interrupts`. With ``check_finite=True`` a
+        commit whose pending K/V hold NaN/Inf aborts instead and raises :class:`NonFiniteKVError`.
+        """
+        with self._lock:
+            if not transaction.is_open:
+                return
+            live = [h for h in transaction.histories if h.forward is transaction]
+            if not success:
+                self._abort_transaction(transaction, live, "aborted")
+                return
+            if not transaction.commit_current:
+                with deferred_interrupts():
+                    _close_transaction(transaction, "committed")
+                return
+            if self.check_finite:
+                self._abort_if_non_finite(transaction, live)
+            results = [h.plan_commit() for h in live]
+            evicted = [page for result in results for chunk in result.evicted for page in chunk]
+            with deferred_interrupts():
+                self.allocator.decref(evicted)
+                for h, result in zip(live, results):
+                    h.apply_commit(result)
+                _close_transaction(transaction, "committed")
+
+    def _abort_transaction(self, transaction: ForwardTransaction, live: list[BranchHistory], reason: str) -> None:
+        pages = [page for h in live for page in h.pending_pages()]
+        with deferred_interrupts():
+            self.allocator.decref(pages)
+            for h in live:
+                h.clear_pending()
+            _close_transaction(transaction, "aborted", reason)
+
+    def _abort_if_non_finite(self, transaction: ForwardTransaction, live: list[BranchHistory]) -> None:
+        """``check_finite``: one device sync per committing forward; abort and raise on NaN/Inf."""
+        bad = []
+        for (state, branch), h in zip(transaction.members, transaction.histories):
+            if h in live and h.pending:
+                pages = torch.tensor(h.pending_pages(), dtype=torch.int64, device=self.pool.device)
+                if not bool(torch.isfinite(self.pool.kv.index_select(2, pages)).all()):
+                    bad.append((state.session_id, branch))
+        if bad:
+            self._abort_transaction(transaction, live, "non-finite K/V")
+            raise NonFiniteKVError(
+                f"check_finite: expected finite K/V in the pending chunks of a committing forward, got NaN/Inf "
+                f"in stream(s) {bad}; the forward was aborted and history is unchanged"
+            )
+
+    def abort_forwards_of(self, state: KVState) -> None:
+        """Abort every open forward one of ``state``'s branches belongs to (all of their streams)."""
+        with self._lock:
+            for branch in state.kv_branch_names:
+                transaction = state.open_forward(branch)
+                if transaction is not None:
+                    self.finish_forward(transaction, False)
 
     def max_visible_keys(self, histories: Sequence[BranchHistory], num_chunks: int) -> int:
         """Keys of the widest stream of a forward: visible history plus all pending tokens."""
@@ -308,46 +561,42 @@ class KVCache:
         chunks = sum(resident + c for c in range(1, num_chunks + 1))
         return num_streams * chunks * self.spec.pages_per_chunk
 
-    def _forward_context(self, streams: tuple[tuple[str, str], ...], static_len: int | None) -> ForwardContext:
-        """The persistent context of these streams (created on first use, then updated in place).
+    def _lookup_context(
+        self, key: tuple[tuple[tuple[str, str], ...], int | None]
+    ) -> tuple[ForwardContext, bool]:
+        """The persistent context of these streams, or a new one (registered only once its forward is published).
 
         Static contexts (CUDA-graph replay) are separate per sequence length: their buffers are fixed.
         """
-        key = (streams, static_len)
-        ctx = self._forwards.pop(key, None)
+        ctx = self._forwards.get(key)
         if ctx is not None:
-            self._forwards[key] = ctx  # most recently used
-        else:
-            self._evict_idle_contexts(self.max_forward_contexts - 1)
-            ctx = ForwardContext(streams=streams, handle=0, plan_id=torch.zeros((), dtype=torch.int64),
-                                 chunk_size=self.spec.chunk_size, static=static_len is not None,
-                                 _finish=_finish_forward)
-            ctx.handle = PLANS.register(ctx)
-            ctx.plan_id.fill_(ctx.handle)
-            ctx.layers = [
-                LayerContext(
-                    i, self.pool.k_pages(i), self.pool.v_pages(i), ctx,
-                    kv_pool=self.pool.kv, layer_id=torch.tensor(i, dtype=torch.int64),
-                )
-                for i in range(self.spec.num_layers)
-            ]
-            self._forwards[key] = ctx
-        return ctx
+            self._forwards.move_to_end(key)  # most recently used
+            return ctx, False
+        ctx = ForwardContext(streams=key[0], handle=0, plan_id=torch.zeros((), dtype=torch.int64),
+                             chunk_size=self.spec.chunk_size, static=key[1] is not None, owner=self)
+        ctx.layers = [
+            LayerContext(
+                i, self.pool.k_pages(i), self.pool.v_pages(i), ctx,
+                kv_pool=self.pool.kv, layer_id=torch.tensor(i, dtype=torch.int64),
+            )
+            for i in range(self.spec.num_layers)
+        ]
+        return ctx, True
 
-    def _evict_idle_contexts(self, keep: int) -> None:
-        """Release least recently used contexts until at most ``keep`` remain; a context some
-        branch still has pending (an uncommitted forward) is never released."""
-        pending = {
-            id(record.context)
-            for state in self._sessions.values()
-            for record in state._pending.values()
-            if record is not None
-        }
+    def _evict_idle_contexts(self, keep: int, protect: ForwardContext | None = None) -> None:
+        """Release least recently used contexts until at most ``keep`` remain; a context whose
+        forward is still open (uncommitted) is never released, nor ``protect``."""
         for key in list(self._forwards):
             if len(self._forwards) <= keep:
                 break
-            if id(self._forwards[key]) not in pending:
-                PLANS.unregister(self._forwards.pop(key).handle)
+            ctx = self._forwards[key]
+            if ctx is not protect and not ctx.is_active:
+                self._release_context(key)
+
+    def _release_context(self, key: tuple[tuple[tuple[str, str], ...], int | None]) -> None:
+        ctx = self._forwards.pop(key)
+        PLANS.unregister(ctx.handle)
+        ctx.release()
 
     def _stack_cross(
         self, ctx: ForwardContext, streams: Sequence[tuple[KVState, str]], static: bool
@@ -402,6 +651,9 @@ class KVCache:
         resident = self.spec.max_resident_chunks
         if resident is None:
             raise SpecError("pages_per_session: expected a bounded window (window_chunks), got None")
+        _require_count("pages_per_session.pending_chunks", pending_chunks)
+        if branches is not None:
+            _require_count("pages_per_session.branches", branches)
         branches = len(self.spec.branches) if branches is None else branches
         chunks = resident + pending_chunks
         if self.extent_chunks is not None:
@@ -420,15 +672,23 @@ class KVCache:
 
     def sessions_that_fit(self, pending_chunks: int = 1) -> int:
         """How many more sessions of this spec can run to their peak alongside the open ones."""
-        available = self.allocator.num_free - self.committed_growth()
-        return max(0, available // self.pages_per_session(pending_chunks=pending_chunks))
+        with self._lock:
+            per_session = self.pages_per_session(pending_chunks=pending_chunks)
+            available = self.allocator.num_free - self.committed_growth()
+            return max(0, available // per_session)
 
     def can_admit(self, num_sessions: int = 1, pending_chunks: int = 1) -> bool:
         """Whether ``num_sessions`` more sessions fit at their peak (see :meth:`sessions_that_fit`)."""
+        _require_count("can_admit.num_sessions", num_sessions)
         return self.sessions_that_fit(pending_chunks) >= num_sessions
 
     def admit_session(self, session_id: str | None = None, pending_chunks: int = 1) -> KVState:
         """Open a session only if it fits at its peak; raises :class:`CapacityError` before any change."""
+        with self._lock:
+            return self._admit_session(session_id, pending_chunks)
+
+    def _admit_session(self, session_id: str | None, pending_chunks: int) -> KVState:
+        self._check_open("admit_session")
         if not self.can_admit(1, pending_chunks):
             needed = self.pages_per_session(pending_chunks=pending_chunks)
             free = self.allocator.num_free - self.committed_growth()
@@ -442,8 +702,13 @@ class KVCache:
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> CacheStats:
+        """A consistent snapshot of pool usage (taken under the cache lock)."""
+        with self._lock:
+            return self._stats()
+
+    def _stats(self) -> CacheStats:
         sessions = {
-            sid: {b: len(h.referenced_pages()) for b, h in state._branches.items()}
+            sid: {b: len(state.history(b).referenced_pages()) for b in state.kv_branch_names}
             for sid, state in self._sessions.items()
         }
         cross_bytes = sum(state.cross_attention_bytes() for state in self._sessions.values())
@@ -472,15 +737,25 @@ def _to_device(cpu: torch.Tensor, device: torch.device, out: torch.Tensor | None
     return staged.to(device, non_blocking=True)
 
 
-def _finish_forward(ctx: ForwardContext, success: bool) -> None:
-    """Commit (success) or abort every stream of ``ctx`` that still has this forward pending."""
-    for state, branch in ctx._members:
-        if state.is_closed:
-            continue
-        record = state._pending.get(branch)
-        if record is None or record.context is not ctx:
-            continue
-        if success:
-            state.commit_paged_context(branch)
-        else:
-            state.abort(branch)
+def _require_count(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise SpecError(f"{name}: expected an int >= 1, got {value!r}")
+
+
+def _check_no_open_commit(state: KVState, branch: str, history: BranchHistory) -> None:
+    """A committing forward must be committed or aborted before its streams run again."""
+    open_forward = history.forward
+    if isinstance(open_forward, ForwardTransaction) and open_forward.is_open and open_forward.commit_current:
+        raise PendingContextError(
+            f"Branch {branch!r} of session {state.session_id!r} has a committing forward of "
+            f"{open_forward.num_chunks} chunk(s) that was neither committed nor aborted; call "
+            f"commit_paged_context({branch!r}) or abort({branch!r}) before preparing the next forward"
+        )
+
+
+def _close_transaction(transaction: ForwardTransaction, status: Status, reason: str = "") -> None:
+    """Mark ``transaction`` finished and detach it from the branches it still holds."""
+    for h in transaction.histories:
+        if h.forward is transaction:
+            h.forward = None
+    transaction.close(status, reason)

@@ -11,19 +11,22 @@ every chunk (no recompiles).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import TYPE_CHECKING, NoReturn
+from typing import NoReturn, Protocol
 
 import torch
 
 from ardiff_modules.backends.base import AttentionPlan
-from ardiff_modules.errors import CrossAttentionNotPopulatedError, UnknownCacheError
+from ardiff_modules.errors import CrossAttentionNotPopulatedError, ForwardFinishedError, UnknownCacheError
+from ardiff_modules.forward import ForwardTransaction
 from ardiff_modules.plan import ForwardLayout
 
-if TYPE_CHECKING:
-    from ardiff_modules.state import KVState
+
+class TransactionOwner(Protocol):
+    """Who finishes a forward's transaction (the cache): commit (``success``) or abort all its streams."""
+
+    def finish_forward(self, transaction: ForwardTransaction, success: bool) -> None: ...
 
 
 @dataclass(eq=False)
@@ -92,7 +95,9 @@ class ForwardContext:
     NOTE: the context of a set of streams is one object reused by every forward of those
     streams (so compiled models see stable inputs): after the next ``prepare_forward`` of the
     same streams, this object -- its layers, positions, ``commit()`` / ``abort()`` -- describes
-    that newer forward.
+    that newer forward. Between a forward's finish (commit, abort, ``reset``/``close`` of a
+    member session) and the next ``prepare_forward`` its layers may not touch the pool: the
+    attention op raises :class:`~ardiff_modules.errors.ForwardFinishedError`.
 
     Attributes
     ----------
@@ -119,10 +124,17 @@ class ForwardContext:
     cross_missing: dict[str, str] = field(default_factory=dict)
     #: Whether device inputs live in fixed buffers (CUDA-graph replay).
     static: bool = False
+    #: Bumped whenever ``plan`` is replaced by a new object (captured CUDA graphs read its buffers).
+    plan_epoch: int = 0
+    #: The cache that finishes this context's transactions.
+    owner: TransactionOwner | None = None
+    #: The forward this context describes now (open until committed / aborted / superseded).
+    transaction: ForwardTransaction | None = None
+    #: Set when the cache dropped this context (LRU, session or cache closed): it never runs again.
+    released: bool = False
     _stack_keys: dict[str, tuple[int, ...]] = field(default_factory=dict)
     _cross_buffers: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    _members: tuple[tuple[KVState, str], ...] = ()
-    _finish: Callable[[ForwardContext, bool], None] | None = None
+    _entered: list[ForwardTransaction] = field(default_factory=list)
 
     @property
     def num_streams(self) -> int:
@@ -163,24 +175,53 @@ class ForwardContext:
         assert self.layout is not None
         return self.layout.to_dense()
 
+    # ------------------------------------------------------------------ lifetime
+    @property
+    def is_active(self) -> bool:
+        """Whether this context's forward is open: its layers may write and read the pool."""
+        return not self.released and self.transaction is not None and self.transaction.is_open
+
+    def check_usable(self, what: str = "chunk_attention") -> None:
+        """Raise :class:`ForwardFinishedError` unless this context's forward is open."""
+        if self.released:
+            raise ForwardFinishedError(
+                f"{what}: expected an open forward, got a context the cache released (its session or the "
+                "cache was closed, or it was the least recently used of too many); prepare a new forward"
+            )
+        if self.transaction is None:
+            raise ForwardFinishedError(f"{what}: expected an open forward, got a context with none prepared")
+        self.transaction.check_open(what)
+
+    def release(self) -> None:
+        """Called by the cache: this context never runs again (plan buffers freed)."""
+        self.released = True
+        self.plan = None
+
     # ------------------------------------------------------------------ commit / abort
     def commit(self) -> None:
-        """Commit every stream (``commit_paged_context`` for each)."""
-        assert self._finish is not None
-        self._finish(self, True)
+        """Commit every stream of this forward, all together (a denoising forward just closes).
+
+        Idempotent: a finished forward is left as it is.
+        """
+        self._finish(self.transaction, True)
 
     def abort(self) -> None:
-        """Drop every stream's pending work; history stays exactly as before."""
-        assert self._finish is not None
-        self._finish(self, False)
+        """Drop every stream's pending work; history stays exactly as before. Idempotent."""
+        self._finish(self.transaction, False)
+
+    def _finish(self, transaction: ForwardTransaction | None, success: bool) -> None:
+        if transaction is not None and transaction.is_open and self.owner is not None:
+            self.owner.finish_forward(transaction, success)
 
     def __enter__(self) -> ForwardContext:
+        if self.transaction is None:
+            raise ForwardFinishedError("ForwardContext: expected a prepared forward, got none")
+        self._entered.append(self.transaction)
         return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if exc_type is None:
-            self.commit()
-        else:
-            self.abort()
+        # Finish the forward this block entered -- not a later one prepared on the same context.
+        transaction = self._entered.pop() if self._entered else None
+        self._finish(transaction, exc_type is None)

@@ -11,17 +11,25 @@ Constraints (all checked or documented):
   never inside the capture; the first call warms up (loads kernels) on a side
   stream before capturing;
 * inputs are copied into static tensors; outputs are cloned out of the graph's
-  static output unless ``clone_outputs=False``.
+  static output unless ``clone_outputs=False``;
+* a replay is refused (:class:`~ardiff_modules.errors.ForwardFinishedError`) unless the
+  forward is open -- the same rule the custom op applies in eager and compiled runs, which a
+  replay would bypass -- and (:class:`~ardiff_modules.errors.CrossAttentionNotPopulatedError`)
+  when a cross-attention cache present at capture was cleared since (the graph would read
+  the old prompt's buffers);
+* graphs of contexts the cache released (LRU, session or cache closed) are dropped on the
+  next call, and a context whose plan object was rebuilt is captured again.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from ardiff_modules.context import ForwardContext, LayerContext
+from ardiff_modules.context import ForwardContext
 from ardiff_modules.errors import SpecError, TensorMismatchError
 
 
@@ -30,6 +38,10 @@ class _Captured:
     graph: torch.cuda.CUDAGraph
     inputs: list[torch.Tensor]
     output: torch.Tensor
+    #: ``ForwardContext.plan_epoch`` at capture: the plan buffers the graph reads.
+    plan_epoch: int
+    #: Cross-attention caches published at capture (their fixed buffers are baked in).
+    cross_names: frozenset[str]
 
 
 class CUDAGraphStep:
@@ -48,20 +60,38 @@ class CUDAGraphStep:
         self.fn = fn
         self.clone_outputs = clone_outputs
         self.warmup_iters = warmup_iters
-        self._captured: dict[int, _Captured] = {}
+        # Keyed weakly by context: a context dropped by everyone takes its graph with it.
+        self._captured: weakref.WeakKeyDictionary[ForwardContext, _Captured] = weakref.WeakKeyDictionary()
 
     @property
     def num_graphs(self) -> int:
+        self._drop_released()
         return len(self._captured)
 
+    def _drop_released(self) -> None:
+        for forward in [f for f in self._captured if f.released]:
+            del self._captured[forward]
+
+    def clear(self) -> None:
+        """Drop every captured graph (their memory pools go with them)."""
+        self._captured.clear()
+
     def __call__(self, forward: ForwardContext, *inputs: torch.Tensor) -> torch.Tensor:
-        if not forward.static:
+        if not isinstance(forward, ForwardContext) or not forward.static:
             raise SpecError("CUDAGraphStep: expected a forward prepared with static=True, got a dynamic one")
-        captured = self._captured.get(forward.handle)
+        self._drop_released()
+        forward.check_usable("CUDAGraphStep")
+        captured = self._captured.get(forward)
+        if captured is not None and captured.plan_epoch != forward.plan_epoch:
+            del self._captured[forward]  # the plan was rebuilt: its buffers moved
+            captured = None
         if captured is None:
-            captured = self._capture(forward.layers, inputs)
-            self._captured[forward.handle] = captured
+            captured = self._capture(forward, inputs)
+            self._captured[forward] = captured
         else:
+            for name in sorted(captured.cross_names):
+                if name not in forward.cross:
+                    forward.raise_missing_cross(name)
             if len(inputs) != len(captured.inputs):
                 raise TensorMismatchError(
                     f"CUDAGraphStep: expected {len(captured.inputs)} inputs as captured, got {len(inputs)}"
@@ -76,7 +106,8 @@ class CUDAGraphStep:
         captured.graph.replay()
         return captured.output.clone() if self.clone_outputs else captured.output
 
-    def _capture(self, layers: list[LayerContext], inputs: tuple[torch.Tensor, ...]) -> _Captured:
+    def _capture(self, forward: ForwardContext, inputs: tuple[torch.Tensor, ...]) -> _Captured:
+        layers = forward.layers
         static_inputs = [t.clone() for t in inputs]
         # Warm up on a side stream (kernel loading, autotuning, allocator pools), as PyTorch recommends.
         # NOTE: warm-up writes this step's K/V into the pending pages; the replay rewrites them identically.
@@ -89,4 +120,4 @@ class CUDAGraphStep:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             output = self.fn(*static_inputs, layers)
-        return _Captured(graph, static_inputs, output)
+        return _Captured(graph, static_inputs, output, forward.plan_epoch, frozenset(forward.cross))

@@ -30,7 +30,7 @@ attended without paging. The extent holds one reference on each of its pages
 from __future__ import annotations
 
 from ardiff_modules.allocator import PageAllocator
-from ardiff_modules.window import SinkWindowPolicy
+from ardiff_modules.window import CommitResult, SinkWindowPolicy
 
 PageChunk = tuple[int, ...]
 
@@ -52,6 +52,8 @@ class BranchHistory:
         self.pending: tuple[PageChunk, ...] = ()
         #: Chunks ever committed (evicted ones included): drives absolute positions.
         self.committed_chunks = 0
+        #: The open forward whose pending chunks these are (opaque here; see ``forward.py``).
+        self.forward: object | None = None
 
     # ------------------------------------------------------------------ queries
     @property
@@ -148,12 +150,27 @@ class BranchHistory:
 
     def commit_pending(self, allocator: PageAllocator) -> list[int]:
         """Turn pending chunks into history (no copy), evict per the policy; return freed pages."""
-        result = self.policy.commit(self.sinks, self.window, self.pending)
-        evicted_pages = [page for chunk in result.evicted for page in chunk]
-        freed = allocator.decref(evicted_pages)
+        result = self.plan_commit()
+        freed = allocator.decref(page for chunk in result.evicted for page in chunk)
+        self.apply_commit(result)
+        return freed
+
+    def plan_commit(self) -> CommitResult[PageChunk]:
+        """What committing the pending chunks would do (pure: nothing changes).
+
+        With :meth:`apply_commit`, lets a forward over several branches compute every
+        branch's commit first and apply them all with one allocator call (all or none).
+        """
+        return self.policy.commit(self.sinks, self.window, self.pending)
+
+    def apply_commit(self, result: CommitResult[PageChunk]) -> None:
+        """Adopt a :meth:`plan_commit` result; the caller drops the references of ``result.evicted``."""
         self.committed_chunks += len(self.pending)
         self.sinks, self.window, self.pending = result.sinks, result.window, ()
-        return freed
+
+    def clear_pending(self) -> None:
+        """Forget the pending chunks; the caller drops their references (see :meth:`drop_pending`)."""
+        self.pending = ()
 
     def drop_pending(self, allocator: PageAllocator) -> list[int]:
         """Release pending chunks; history is untouched."""
@@ -167,6 +184,7 @@ class BranchHistory:
         self.sinks = self.window = self.pending = ()
         self.extent = ()
         self.committed_chunks = 0
+        self.forward = None
         return freed
 
     def adopt(self, other: BranchHistory, allocator: PageAllocator, *, sinks_only: bool = False) -> None:

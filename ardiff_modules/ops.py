@@ -11,6 +11,7 @@ resolved in the single :data:`PLANS` registry.
 from __future__ import annotations
 
 import itertools
+import threading
 import weakref
 from typing import Protocol
 
@@ -25,6 +26,9 @@ class PlanHolder(Protocol):
 
     plan: AttentionPlan | None
 
+    def check_usable(self, what: str = ...) -> None:
+        """Raise unless the forward is open (a finished forward must not touch the pool)."""
+
 
 class PlanRegistry:
     """Maps plan handles to their holders (weakly: a dropped forward frees its entry)."""
@@ -32,22 +36,29 @@ class PlanRegistry:
     def __init__(self) -> None:
         self._holders: weakref.WeakValueDictionary[int, PlanHolder] = weakref.WeakValueDictionary()
         self._ids = itertools.count(1)
+        # Caches in several threads register and drop contexts concurrently.
+        self._lock = threading.Lock()
 
     def register(self, holder: PlanHolder) -> int:
-        handle = next(self._ids)
-        self._holders[handle] = holder
+        with self._lock:
+            handle = next(self._ids)
+            self._holders[handle] = holder
         return handle
 
     def unregister(self, handle: int) -> None:
-        self._holders.pop(handle, None)
+        with self._lock:
+            self._holders.pop(handle, None)
 
     def get(self, handle: int) -> AttentionPlan:
-        holder = self._holders.get(handle)
+        """The plan of an open forward; raises if the handle is unknown or its forward finished."""
+        with self._lock:
+            holder = self._holders.get(handle)
         if holder is None:
             raise PlanNotFoundError(
                 f"No attention plan is registered under handle {handle}: the forward context was "
                 "released (session closed or context dropped); call get_kv_caches()/prepare_forward() again"
             )
+        holder.check_usable("chunk_attention")
         if holder.plan is None:
             raise PlanNotFoundError(f"Plan handle {handle} is registered but has no plan yet")
         return holder.plan

@@ -13,13 +13,14 @@ session, every other session and the pool unchanged.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from ardiff_modules.context import ForwardContext, LayerContext
+from ardiff_modules.forward import ForwardTransaction
 from ardiff_modules.errors import (
     CrossAttentionNotPopulatedError,
     SequenceLengthError,
@@ -46,13 +47,20 @@ class CrossEntry:
     version: int
 
 
-@dataclass(frozen=True, eq=False)
-class PendingForward:
-    """The forward last prepared for a branch, until it is committed or aborted."""
-
-    commit_current: bool
-    num_chunks: int
-    context: ForwardContext
+def branch_names(owner: str, branches: Sequence[str] | str | None, default: tuple[str, ...]) -> tuple[str, ...]:
+    """Normalise a ``branches`` argument: one name, an ordered sequence of names, or ``None`` (all)."""
+    if branches is None:
+        return default
+    if isinstance(branches, str):
+        return (branches,)
+    if isinstance(branches, (set, frozenset, Mapping)) or not isinstance(branches, Sequence):
+        raise SpecError(
+            f"{owner}: expected branch names as an ordered sequence (tuple or list), got {type(branches).__name__}"
+        )
+    for name in branches:
+        if not isinstance(name, str):
+            raise SpecError(f"{owner}: expected branch names (str), got {name!r}")
+    return tuple(branches)
 
 
 class KVState:
@@ -70,7 +78,6 @@ class KVState:
             b: BranchHistory(cache.policy, spec.pages_per_chunk, spec.chunk_size, cache.extent_chunks)
             for b in spec.branches
         }
-        self._pending: dict[str, PendingForward | None] = dict.fromkeys(spec.branches)
         self._cross: dict[tuple[str, str], CrossEntry] = {}  # (cache name, branch) -> entry
         self._closed = False
 
@@ -91,7 +98,8 @@ class KVState:
         if self._closed:
             raise SessionClosedError(f"Session {self.session_id!r} is closed; expected an open session")
 
-    def _history(self, branch: str) -> BranchHistory:
+    def history(self, branch: str) -> BranchHistory:
+        """The pure bookkeeping of one branch (pages, offsets, its open forward); raises if unknown/closed."""
         self._check_open()
         try:
             return self._branches[branch]
@@ -102,19 +110,29 @@ class KVState:
 
     def token_offset(self, branch: str) -> int:
         """Absolute position of the branch's next pending token (tokens ever committed, evicted included)."""
-        return self._history(branch).token_offset
+        return self.history(branch).token_offset
 
     def committed_chunks(self, branch: str) -> int:
         """Chunks ever committed on ``branch``."""
-        return self._history(branch).committed_chunks
+        return self.history(branch).committed_chunks
 
     def visible_chunks(self, branch: str) -> tuple[tuple[int, ...], ...]:
         """Page ids of each visible committed chunk (sinks then window), oldest first."""
-        return self._history(branch).resident_chunks
+        return self.history(branch).resident_chunks
 
     def pending_chunks(self, branch: str) -> tuple[tuple[int, ...], ...]:
         """Page ids of each pending chunk of ``branch``."""
-        return self._history(branch).pending
+        return self.history(branch).pending
+
+    def open_forward(self, branch: str) -> ForwardTransaction | None:
+        """The open (not yet committed or aborted) forward ``branch`` belongs to, if any."""
+        forward = self.history(branch).forward
+        return forward if isinstance(forward, ForwardTransaction) and forward.is_open else None
+
+    @property
+    def _pending(self) -> dict[str, ForwardTransaction | None]:
+        """Branch -> its open forward (read-only view, kept for tests written against 0.1)."""
+        return {b: self.open_forward(b) for b in self._branches} if not self._closed else dict.fromkeys(self._branches)
 
     def pages_in_use(self) -> int:
         """References this session holds on pool pages (all branches)."""
@@ -151,9 +169,7 @@ class KVState:
         ``static`` are as in :meth:`KVCache.prepare_forward`.
         """
         self._check_open()
-        if isinstance(branches, str):
-            branches = (branches,)
-        names = self.kv_branch_names if branches is None else tuple(branches)
+        names = branch_names("prepare_forward", branches, self.kv_branch_names)
         if seq_len is None:
             raise SequenceLengthError(
                 f"prepare_forward: expected seq_len (a multiple of chunk_size={self.cache.spec.chunk_size}), got None"
@@ -168,26 +184,35 @@ class KVState:
         Chunks that leave the window are evicted (pages freed when unreferenced).
         After a non-committing (denoising) forward this only closes the forward:
         its pending pages stay reserved and the next forward of the chunk reuses them.
+
+        NOTE: a forward is one transaction: when ``kv_branch`` was prepared together with other
+        streams (a batched CFG forward, several sessions), they are all committed now, atomically.
         """
-        history = self._history(kv_branch)
-        record = self._pending[kv_branch]
-        if record is None:
-            return
-        if record.commit_current:
-            history.commit_pending(self.cache.allocator)
-        self._pending[kv_branch] = None
+        with self.cache.lock:
+            transaction = self.open_forward(kv_branch)
+            if transaction is not None:
+                self.cache.finish_forward(transaction, True)
 
     def abort(self, kv_branch: str | None = None) -> None:
-        """Drop the pending work of ``kv_branch`` (or of every branch); history stays exactly as before."""
-        names = self.kv_branch_names if kv_branch is None else (kv_branch,)
-        histories = [self._history(b) for b in names]
-        for branch, history in zip(names, histories):
-            history.drop_pending(self.cache.allocator)
-            self._pending[branch] = None
+        """Drop the pending work of ``kv_branch`` (or of every branch); history stays exactly as before.
+
+        The open forward the branch belongs to is aborted as a whole (every stream of it).
+        """
+        with self.cache.lock:
+            names = self.kv_branch_names if kv_branch is None else (kv_branch,)
+            histories = [self.history(b) for b in names]
+            for branch in names:
+                transaction = self.open_forward(branch)
+                if transaction is not None:
+                    self.cache.finish_forward(transaction, False)
+            # Pending pages kept by finished denoising forwards (reused by the next one).
+            self.cache.allocator.decref(p for h in histories for p in h.pending_pages())
+            for history in histories:
+                history.clear_pending()
 
     # ------------------------------------------------------------------ cross-attention
     def _cross_key(self, kv_branch: str, cache_name: str) -> tuple[str, str]:
-        self._history(kv_branch)
+        self.history(kv_branch)
         if cache_name not in self.cache.spec.cross_attention_names:
             raise UnknownCacheError(
                 f"Unknown cross-attention cache {cache_name!r}; expected one of {self.cache.spec.cross_attention_names}"
@@ -250,7 +275,9 @@ class KVState:
             raise TensorMismatchError(
                 f"populate_cross_attention({cache_name!r}): expected {spec.num_layers} layers, got {count}"
             )
-        self._cross[key] = CrossEntry(k_all, v_all, next(_cross_versions))
+        with self.cache.lock:
+            self._check_open()  # closed by another thread while the layers were produced
+            self._cross[key] = CrossEntry(k_all, v_all, next(_cross_versions))
 
     def get_cross_attention_kv(self, kv_branch: str, cache_name: str) -> list[dict[str, torch.Tensor]]:
         """Every layer's ``{"k", "v"}`` (each ``[tokens, heads, head_dim]``) of a populated cache."""
@@ -265,8 +292,9 @@ class KVState:
 
     def clear_cross_attention(self) -> None:
         """Drop every named cross-attention cache (prompt switch); self-attention history is kept."""
-        self._check_open()
-        self._cross.clear()
+        with self.cache.lock:
+            self._check_open()
+            self._cross.clear()
 
     def cross_attention_bytes(self) -> int:
         return sum(e.k.numel() * e.k.element_size() * 2 for e in self._cross.values())
@@ -287,16 +315,23 @@ class KVState:
         which branches are forked (the others start empty); cross-attention caches are shared
         by reference unless ``share_cross_attention=False``.
         """
-        self._check_open()
-        names = self.kv_branch_names if branches is None else tuple(branches)
-        for branch in names:
-            self._history(branch)
-        child = self.cache.open_session(session_id)
-        for branch in names:
-            child._branches[branch].adopt(self._branches[branch], self.cache.allocator)
-        if share_cross_attention:
-            child._cross = {k: e for k, e in self._cross.items() if k[1] in names}
-        return child
+        with self.cache.lock:
+            self._check_open()
+            names = branch_names("fork", branches, self.kv_branch_names)
+            for branch in names:
+                self.history(branch)
+            if not isinstance(share_cross_attention, bool):
+                raise SpecError(f"fork.share_cross_attention: expected a bool, got {share_cross_attention!r}")
+            child = self.cache.open_session(session_id)
+            for branch in names:
+                child.history(branch).adopt(self._branches[branch], self.cache.allocator)
+            if share_cross_attention:
+                child.adopt_cross_entries({k: e for k, e in self._cross.items() if k[1] in names})
+            return child
+
+    def adopt_cross_entries(self, entries: Mapping[tuple[str, str], CrossEntry]) -> None:
+        """Share populated cross caches ``(name, branch) -> entry`` by reference (fork, prompt sharing)."""
+        self._cross.update(entries)
 
     def share_sinks_from(self, other: KVState, kv_branch: str) -> None:
         """Start ``kv_branch`` from ``other``'s sink chunks (same first frames), shared by refcount.
@@ -304,50 +339,63 @@ class KVState:
         The branch must be empty (nothing committed or pending). It continues at the absolute
         offset right after the sinks, with an empty window.
         """
-        history = self._history(kv_branch)
-        source = other._history(kv_branch)
-        if other.cache is not self.cache:
+        if not isinstance(other, KVState) or other.cache is not self.cache:
             raise SpecError("share_sinks_from: expected a session of the same KVCache, got one of another cache")
-        if history.committed_chunks or history.pending:
-            raise SpecError(
-                f"share_sinks_from: expected branch {kv_branch!r} to be empty, got {history.committed_chunks} "
-                f"committed and {len(history.pending)} pending chunk(s)"
-            )
-        history.adopt(source, self.cache.allocator, sinks_only=True)
+        with self.cache.lock:
+            history = self.history(kv_branch)
+            source = other.history(kv_branch)
+            if history.committed_chunks or history.pending:
+                raise SpecError(
+                    f"share_sinks_from: expected branch {kv_branch!r} to be empty, got {history.committed_chunks} "
+                    f"committed and {len(history.pending)} pending chunk(s)"
+                )
+            history.adopt(source, self.cache.allocator, sinks_only=True)
 
     def share_cross_attention_from(self, other: KVState, cache_name: str, kv_branch: str | None = None) -> None:
         """Reuse ``other``'s populated cache ``cache_name`` (same prompt) by reference, for one or all branches."""
-        names = self.kv_branch_names if kv_branch is None else (kv_branch,)
-        entries = []
-        for branch in names:
-            key = self._cross_key(branch, cache_name)
-            entry = other._cross.get(other._cross_key(branch, cache_name))
-            if entry is None:
-                raise CrossAttentionNotPopulatedError(
-                    f"share_cross_attention_from: cache {cache_name!r} of branch {branch!r} of session "
-                    f"{other.session_id!r} was not populated"
-                )
-            entries.append((key, entry))
-        self._cross.update(entries)
+        if not isinstance(other, KVState) or other.cache is not self.cache:
+            # Another cache may store other token counts, dtypes or devices: copy through populate instead.
+            raise SpecError(
+                "share_cross_attention_from: expected a session of the same KVCache, got "
+                f"{type(other).__name__ if not isinstance(other, KVState) else 'a session of another cache'}"
+            )
+        with self.cache.lock:
+            names = self.kv_branch_names if kv_branch is None else (kv_branch,)
+            entries = []
+            for branch in names:
+                key = self._cross_key(branch, cache_name)
+                entry = other._cross.get(other._cross_key(branch, cache_name))
+                if entry is None:
+                    raise CrossAttentionNotPopulatedError(
+                        f"share_cross_attention_from: cache {cache_name!r} of branch {branch!r} of session "
+                        f"{other.session_id!r} was not populated"
+                    )
+                entries.append((key, entry))
+            self.adopt_cross_entries(dict(entries))
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
-        """Release every page and cache of this session (idempotent)."""
-        if self._closed:
-            return
-        for history in self._branches.values():
-            history.release(self.cache.allocator)
-        self._pending = dict.fromkeys(self._branches)
-        self._cross.clear()
-        self._closed = True
-        self.cache._forget_session(self)
+        """Release every page and cache of this session (idempotent).
+
+        Open forwards it belongs to are aborted as a whole (their other sessions' streams too).
+        """
+        with self.cache.lock:
+            if self._closed:
+                return
+            self.cache.abort_forwards_of(self)
+            for history in self._branches.values():
+                history.release(self.cache.allocator)
+            self._cross.clear()
+            self._closed = True
+            self.cache.session_closed(self)
 
     def reset(self, *, keep_cross_attention: Collection[str] = ()) -> None:
         """Release all self-attention pages and restart every branch at offset 0.
 
         ``keep_cross_attention`` names cross caches that stay valid (e.g. the prompt
         is unchanged across a model-internal window reset); all others are dropped.
-        A closed session is reopened.
+        Open forwards the session belongs to are aborted as a whole. A closed session
+        is reopened.
         """
         if isinstance(keep_cross_attention, str):
             keep_cross_attention = (keep_cross_attention,)
@@ -357,14 +405,12 @@ class KVState:
                 f"Unknown cross-attention caches to keep: {sorted(unknown)}; expected names from "
                 f"{self.cache.spec.cross_attention_names}"
             )
-        if self._closed and self.session_id in self.cache._sessions:
-            raise SpecError(
-                f"reset: session id {self.session_id!r} was reopened by another session; expected it to be free"
-            )
-        for history in self._branches.values():
-            history.release(self.cache.allocator)
-        self._pending = dict.fromkeys(self._branches)
-        self._cross = {k: e for k, e in self._cross.items() if k[0] in keep_cross_attention}
-        if self._closed:
+        with self.cache.lock:
+            if self._closed:
+                self.cache.reopen_session(self)  # raises (nothing changed) if the id was taken
+            else:
+                self.cache.abort_forwards_of(self)
+            for history in self._branches.values():
+                history.release(self.cache.allocator)
+            self._cross = {k: e for k, e in self._cross.items() if k[0] in keep_cross_attention}
             self._closed = False
-            self.cache._sessions[self.session_id] = self

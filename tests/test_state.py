@@ -17,6 +17,7 @@ from ardiff_modules import (
     CacheStats,
     CapacityError,
     CrossAttentionNotPopulatedError,
+    ForwardFinishedError,
     CrossAttentionSpec,
     ForwardContext,
     KVCache,
@@ -507,9 +508,10 @@ def test_context_manager_exit_skips_branches_committed_by_hand():
     cache = make_cache()
     state = cache.open_session("a")
     with state.prepare_forward(("cond", "uncond"), CHUNK, commit_current=True):
-        state.commit_paged_context("cond")
+        state.commit_paged_context("cond")  # issue 10: one forward commits all its streams together
         assert state.visible_chunks("cond") == ((0, 1),)
-        assert state.pending_chunks("uncond") == ((2, 3),)
+        assert state.visible_chunks("uncond") == ((2, 3),) and state.pending_chunks("uncond") == ()
+        state.commit_paged_context("uncond")  # the seed's per-branch loop: already committed, a no-op
     assert state.visible_chunks("cond") == ((0, 1),)
     assert state.visible_chunks("uncond") == ((2, 3),)
     assert state.committed_chunks("cond") == 1  # not committed twice
@@ -560,15 +562,12 @@ def test_batched_multi_branch_forward_and_per_branch_commit():
     assert fwd.token_offsets == (0, 4)
     assert fwd.layers[0].num_streams == 2
 
-    state.commit_paged_context("cond")
+    state.commit_paged_context("cond")  # commits the whole forward: cond and uncond together (issue 10)
     assert state.visible_chunks("cond") == ((2, 3),)
-    assert state.pending_chunks("uncond") == ((4, 5),)
-    # The uncond half is still pending: guarded; cond is free to go on.
-    with pytest.raises(PendingContextError):
-        state.prepare_forward(("uncond",), CHUNK)
-    state.prepare_forward(("cond",), CHUNK, commit_current=False)
-    assert state.pending_chunks("cond") == ((6, 7),)
-    state.commit_paged_context("uncond")
+    assert state.visible_chunks("uncond") == ((0, 1), (4, 5)) and state.pending_chunks("uncond") == ()
+    with pytest.raises(ForwardFinishedError):
+        fwd.layers[0].forward.check_usable()
+    state.commit_paged_context("uncond")  # the seed's per-branch loop: already committed, a no-op
     assert state.visible_chunks("uncond") == ((0, 1), (4, 5))
     assert state.token_offset("uncond") == 8 and state.token_offset("cond") == 4
 

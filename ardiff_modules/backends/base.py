@@ -80,6 +80,9 @@ class AttentionBackend(ABC):
     """Turns a :class:`ForwardLayout` into an :class:`AttentionPlan`."""
 
     name: str = "abstract"
+    #: Whether :meth:`plan` may update ``previous`` in place. If so, a ``plan()`` that raises leaves
+    #: ``previous`` untrustworthy: the cache then ends the forward that used it and plans afresh.
+    replans_in_place: bool = True
 
     @abstractmethod
     def check_supported(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> None:
@@ -87,4 +90,7 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def plan(self, request: PlanRequest, previous: AttentionPlan | None) -> AttentionPlan:
-        """Build the plan for one forward (host work; ``previous`` may be reused for its buffers)."""
+        """Build the plan for one forward (host work; ``previous`` may be reused for its buffers).
+
+        A query that sees no key at all (only possible with a ``token_mask``) must output zeros.
+        """

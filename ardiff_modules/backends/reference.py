@@ -23,9 +23,18 @@ class ReferencePlan(AttentionPlan):
         self.seq_len = layout.seq_len
         self.write_pages = layout.write_pages.to(device, non_blocking=True)
         self.gather = gather.to(device, non_blocking=True)
+        # NOTE: streams with fewer keys are padded with slot 0, which belongs to some other stream
+        # (or is free). A masked key still enters SDPA's matmul (0 * NaN = NaN), so padded keys
+        # and values are zeroed after the gather: another stream's NaN/Inf can never leak in.
+        lengths = torch.tensor([len(s.history_pages) + sum(map(len, s.pending_pages)) for s in layout.streams])
+        padded = torch.arange(gather.shape[1])[None, :] >= (lengths * layout.page_size)[:, None]
+        self.padding = padded[:, None, :, None].to(device) if bool(padded.any()) else None  # [S, 1, K, 1]
         mask = mask.to(device, non_blocking=True)
+        self.empty_rows = None
         if request.token_mask is not None:
             mask = mask & request.token_mask.to(device)
+            # A query that sees no key: SDPA gives NaN; the backends' contract is a zero output.
+            self.empty_rows = ~mask.any(dim=-1)[:, None, :, None]  # [S, 1, n, 1]
         self.mask = mask[:, None]  # [S, 1, n, K]: broadcast over heads
 
     def run(
@@ -45,10 +54,15 @@ class ReferencePlan(AttentionPlan):
         s, n = self.num_streams, self.seq_len
         keys = k_slots[self.gather].transpose(1, 2)  # [S, Hkv, K, D]
         values = v_slots[self.gather].transpose(1, 2)
+        if self.padding is not None:
+            keys = keys.masked_fill(self.padding, 0)
+            values = values.masked_fill(self.padding, 0)
         queries = q.reshape(s, n, q.shape[1], q.shape[2]).transpose(1, 2)  # [S, H, n, D]
         out = F.scaled_dot_product_attention(
             queries, keys, values, attn_mask=self.mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
         )
+        if self.empty_rows is not None:
+            out = out.masked_fill(self.empty_rows, 0)
         return out.transpose(1, 2).reshape(s * n, q.shape[1], v.shape[2])
 
 
@@ -56,6 +70,7 @@ class ReferenceBackend(AttentionBackend):
     """Gather + dense-mask SDPA. Correct everywhere, fast nowhere."""
 
     name = "reference"
+    replans_in_place = False  # every forward gets a new plan object
 
     def check_supported(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> None:
         return None

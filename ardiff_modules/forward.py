@@ -1,0 +1,117 @@
+"""One forward's transaction: its member streams, from prepare to commit or abort.
+
+A :class:`ForwardTransaction` is created by ``KVCache.prepare_forward`` once the
+pages are reserved and the plan is built, and is *open* until it finishes:
+
+    prepare ──> open ──┬── commit   (all streams: pending -> history, eviction)
+                       ├── abort    (all streams: pending dropped, history as before)
+                       └── supersede (a denoising forward replaced by the next forward
+                                      of one of its streams: pending kept for reuse)
+
+``reset()`` / ``close()`` of a member session abort it; a released context (LRU,
+``KVCache.close``) cannot be open. Only while it is open may the forward's layer
+contexts touch the pool: the custom op, and ``CUDAGraphStep`` before a replay,
+check :attr:`ForwardTransaction.is_open` and raise
+:class:`~ardiff_modules.errors.ForwardFinishedError` otherwise.
+
+NOTE: all streams of a forward finish together. Committing one branch of a batched
+CFG forward (the seed's per-branch ``commit_paged_context``) commits every stream of
+that forward, atomically: the new histories are computed first (pure, may raise),
+then applied with one allocator call and plain assignments, with SIGINT deferred
+(see :func:`deferred_interrupts`) so a Ctrl-C cannot split them.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from ardiff_modules.errors import ForwardFinishedError
+
+if TYPE_CHECKING:
+    from ardiff_modules.context import ForwardContext
+    from ardiff_modules.history import BranchHistory
+
+Status = Literal["open", "committed", "aborted", "superseded", "released"]
+
+
+@dataclass(eq=False)
+class ForwardTransaction:
+    """The forward last prepared over ``members`` (``(session, branch)`` pairs), until it finishes.
+
+    Attributes
+    ----------
+    members:
+        ``(session, branch)`` of each stream, in batch order.
+    commit_current:
+        Whether a successful finish turns the pending chunks into history.
+    num_chunks:
+        Pending chunks per stream.
+    context:
+        The (reused) forward context the layers read.
+    status:
+        ``"open"`` until the forward finishes; then how it finished.
+    """
+
+    members: tuple[tuple[Any, str], ...]
+    commit_current: bool
+    num_chunks: int
+    context: ForwardContext
+    status: Status = "open"
+    #: Why the forward finished, for error messages.
+    reason: str = ""
+    histories: tuple[BranchHistory, ...] = field(default=(), repr=False)
+
+    @property
+    def is_open(self) -> bool:
+        return self.status == "open"
+
+    def check_open(self, what: str) -> None:
+        """Raise :class:`ForwardFinishedError` unless this forward is open."""
+        if self.status != "open":
+            raise ForwardFinishedError(
+                f"{what}: expected an open forward, got one that was {self.status}"
+                f"{' (' + self.reason + ')' if self.reason else ''}; its contexts may no longer read or write "
+                "the KV pool. Call prepare_forward()/get_kv_caches() again for the next forward"
+            )
+
+    def close(self, status: Status, reason: str = "") -> None:
+        """Mark finished (bookkeeping only; the cache has already applied or dropped the pages)."""
+        self.status = status
+        self.reason = reason
+
+
+@contextmanager
+def deferred_interrupts() -> Iterator[None]:
+    """Hold SIGINT (``KeyboardInterrupt``) until the block ends, so a multi-step update is not split.
+
+    Only the main thread receives signals in Python, and only there can handlers change; in
+    any other thread this is a no-op. A Ctrl-C that arrives inside the block is re-raised
+    right after it, once the update is whole.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    try:
+        previous = signal.getsignal(signal.SIGINT)
+    except (ValueError, OSError):  # pragma: no cover - interpreters without signal support
+        yield
+        return
+    received: list[tuple[int, Any]] = []
+
+    def _hold(signum: int, frame: Any) -> None:
+        received.append((signum, frame))
+
+    signal.signal(signal.SIGINT, _hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if received and callable(previous):
+            previous(*received[0])
+        elif received and previous == signal.default_int_handler:  # pragma: no cover - handled above
+            raise KeyboardInterrupt
