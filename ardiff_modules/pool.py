@@ -9,36 +9,63 @@ paged kernels take as a ``(k_cache, v_cache)`` tuple.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from ardiff_modules.errors import SpecError
-from ardiff_modules.spec import KVCacheSpec
+from ardiff_modules.errors import BackendUnavailableError, SpecError, TensorMismatchError
+from ardiff_modules.spec import KVCacheSpec, _require_int
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def torch_dtype(name: str) -> torch.dtype:
     """Resolve a spec dtype name (``"bfloat16"`` ...) to a ``torch.dtype``."""
+    if not isinstance(name, str) or name not in _DTYPES:  # a list would be unhashable, a torch.dtype unnamed
+        raise SpecError(f"dtype: expected one of {tuple(_DTYPES)}, got {name!r}")
+    return _DTYPES[name]
+
+
+def _require_spec(owner: str, spec: Any) -> KVCacheSpec:
+    if not isinstance(spec, KVCacheSpec):
+        raise SpecError(f"{owner}.spec: expected a KVCacheSpec, got {spec!r:.80} ({type(spec).__name__})")
+    return spec
+
+
+def _resolve_device(owner: str, device: Any) -> torch.device:
+    """``device`` as a ``torch.device`` that exists here (checked before allocating anything)."""
     try:
-        return _DTYPES[name]
-    except KeyError:
-        raise SpecError(f"dtype: expected one of {tuple(_DTYPES)}, got {name!r}") from None
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise SpecError(
+            f"{owner}.device: expected a torch.device or a device string such as 'cpu' or 'cuda:0', got {device!r}"
+        ) from None
+    if resolved.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0 or (resolved.index is not None and resolved.index >= count):
+            raise BackendUnavailableError(
+                f"{owner}.device: expected an available device (this machine has {count} CUDA device(s)), "
+                f"got {device!r}"
+            )
+    return resolved
 
 
 def bytes_per_page(spec: KVCacheSpec) -> int:
     """Bytes one page costs across all layers, K and V."""
+    _require_spec("bytes_per_page", spec)
     itemsize = torch.empty((), dtype=torch_dtype(spec.dtype)).element_size()
     return spec.num_layers * 2 * spec.page_size * spec.num_kv_heads * spec.head_dim * itemsize
 
 
 def pages_for_budget(spec: KVCacheSpec, budget_bytes: int) -> int:
     """Whole pages that fit in ``budget_bytes``."""
-    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
-        raise SpecError(f"budget_bytes: expected a positive int, got {budget_bytes!r}")
+    _require_spec("pages_for_budget", spec)
+    _require_int("pages_for_budget", "budget_bytes", budget_bytes, minimum=1)
     pages = budget_bytes // bytes_per_page(spec)
     if pages < 1:
         raise SpecError(
-            f"budget_bytes: expected at least one page ({bytes_per_page(spec)} bytes), got {budget_bytes}"
+            f"pages_for_budget.budget_bytes: expected at least one page ({bytes_per_page(spec)} bytes), "
+            f"got {budget_bytes}"
         )
     return pages
 
@@ -57,11 +84,11 @@ class KVPool:
     """
 
     def __init__(self, spec: KVCacheSpec, num_pages: int, device: torch.device | str = "cpu") -> None:
-        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
-            raise SpecError(f"num_pages: expected an int >= 1, got {num_pages!r}")
+        _require_spec("KVPool", spec)
+        _require_int("KVPool", "num_pages", num_pages, minimum=1)
         self.spec = spec
         self.num_pages = num_pages
-        self.device = torch.device(device)
+        self.device = _resolve_device("KVPool", device)
         self.dtype = torch_dtype(spec.dtype)
         # NOTE: zero-filled, not empty: padded key slots read by masked kernels must
         # never hold NaN/Inf (0 * NaN is NaN even under a zero attention weight).
@@ -87,10 +114,13 @@ class KVPool:
 
     def k_pages(self, layer: int) -> torch.Tensor:
         """K pages of one layer, ``[num_pages, page_size, num_kv_heads, head_dim]`` (a view)."""
+        # No negative indexing: layer -1 would silently alias the last layer's pages.
+        _require_int("KVPool.k_pages", "layer", layer, minimum=0, below=self.spec.num_layers)
         return self.kv[layer, 0]
 
     def v_pages(self, layer: int) -> torch.Tensor:
         """V pages of one layer, ``[num_pages, page_size, num_kv_heads, head_dim]`` (a view)."""
+        _require_int("KVPool.v_pages", "layer", layer, minimum=0, below=self.spec.num_layers)
         return self.kv[layer, 1]
 
     @staticmethod
@@ -99,4 +129,19 @@ class KVPool:
 
         Slot ``page_id * page_size + offset`` holds token ``offset`` of page ``page_id``.
         """
+        # Must stay a view (writes through it land in the pool), so no reshape fallback.
+        if not isinstance(pages, torch.Tensor) or pages.dim() != 4 or not pages.is_contiguous():
+            got = (
+                f"{tuple(pages.shape)} (contiguous={pages.is_contiguous()})"
+                if isinstance(pages, torch.Tensor)
+                else type(pages).__name__
+            )
+            raise TensorMismatchError(
+                f"KVPool.token_slots pages: expected a contiguous [num_pages, page_size, heads, head_dim] tensor, "
+                f"got {got}"
+            )
         return pages.view(-1, pages.shape[-2], pages.shape[-1])
+
+    def release(self) -> None:
+        """Drop the K/V storage (``KVCache.close``); contexts still holding views keep theirs alive."""
+        self.kv = self.kv.new_empty((0, *self.kv.shape[1:]))

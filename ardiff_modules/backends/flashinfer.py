@@ -76,6 +76,7 @@ class FlashInferPlan(AttentionPlan):
         #: FlashInfer ``plan()`` calls made so far (forwards whose row lengths repeat skip it).
         self.kernel_plans = 0
         self._paged_indices: torch.Tensor | None = None
+        self._empty_rows: torch.Tensor | None = None
         self.mode = "paged"
         if self.static:
             if self.masked:
@@ -184,7 +185,10 @@ class FlashInferPlan(AttentionPlan):
         indices = host_indices.to(self.device, non_blocking=True)
         custom_mask = None
         if request.token_mask is not None:
-            custom_mask = _row_masks(layout, request.token_mask.to(self.device))
+            dense = layout.to_dense().to(self.device) & request.token_mask.to(self.device)
+            custom_mask = _row_masks(layout, dense)
+            # Queries that see no key get zeros (the backends' contract), whatever FA2 leaves there.
+            self._empty_rows = ~dense.any(dim=-1).reshape(-1, 1, 1)
         self._before_plan("paged")
         wrapper.plan(
             rows.qo_indptr, rows.kv_page_indptr, indices, rows.kv_last_page_len,
@@ -248,12 +252,14 @@ class FlashInferPlan(AttentionPlan):
             k_slots = k_cache.view(-1, k_cache.shape[-2], k_cache.shape[-1])[start:end]
             v_slots = v_cache.view(-1, v_cache.shape[-2], v_cache.shape[-1])[start:end]
             return self._ragged.run(q, k_slots, v_slots)
-        return self._paged.run(q, (k_cache, v_cache))
+        out = self._paged.run(q, (k_cache, v_cache))
+        if self.mode == "masked":
+            out = out.masked_fill(self._empty_rows, 0)
+        return out
 
 
-def _row_masks(layout, token_mask: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
-    """Flatten visibility & token mask per structural row: ``[chunk_size, kv_len_row]`` row-major, concatenated."""
-    dense = layout.to_dense().to(token_mask.device) & token_mask
+def _row_masks(layout, dense: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
+    """Flatten the combined mask per structural row: ``[chunk_size, kv_len_row]`` row-major, concatenated."""
     parts = []
     c = layout.chunk_size
     for s, stream in enumerate(layout.streams):

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ardiff_modules.context import LayerContext
-from ardiff_modules.errors import TensorMismatchError
+from ardiff_modules.errors import InferenceOnlyError, TensorMismatchError
 
 #: A RoPE hook: ``(t [streams, seq, heads, dim], positions [streams, seq]) -> t`` or a ``(cos, sin)`` pair.
 Rope = Union[Callable[[torch.Tensor, torch.Tensor], torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -17,6 +17,10 @@ Rope = Union[Callable[[torch.Tensor, torch.Tensor], torch.Tensor], tuple[torch.T
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """``[x1, x2] -> [-x2, x1]`` over the last dim (the GPT-NeoX / Llama convention)."""
+    # An odd last dim would chunk unevenly and silently return a wrong rotation.
+    if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[-1] % 2:
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise TensorMismatchError(f"rotate_half x: expected a tensor whose last dim is even, got {got}")
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
 
@@ -29,19 +33,68 @@ def apply_rope(t: torch.Tensor, positions: torch.Tensor, rope: Rope | None) -> t
     """
     if rope is None:
         return t
+    if not isinstance(t, torch.Tensor) or t.dim() != 4:
+        got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise TensorMismatchError(f"apply_rope t: expected shape (streams, seq_len, heads, head_dim), got {got}")
     if callable(rope):
-        return rope(t, positions)
+        out = rope(t, positions)
+        if not isinstance(out, torch.Tensor) or out.shape != t.shape:
+            got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise TensorMismatchError(
+                f"apply_rope: expected the rope hook to return t's shape {tuple(t.shape)}, got {got}"
+            )
+        return out
+    if not (
+        isinstance(rope, (tuple, list))
+        and len(rope) == 2
+        and isinstance(rope[0], torch.Tensor)
+        and isinstance(rope[1], torch.Tensor)
+    ):
+        from ardiff_modules.errors import SpecError  # error path only: keeps this module's imports as they are
+
+        raise SpecError(
+            f"apply_rope.rope: expected None, a callable (t, positions) -> t or a (cos, sin) pair of tensors, "
+            f"got {rope!r:.80} ({type(rope).__name__})"
+        )
     cos, sin = rope
+    if t.shape[-1] % 2:
+        raise TensorMismatchError(f"apply_rope t: expected an even head_dim for a (cos, sin) pair, got {t.shape[-1]}")
+    for label, r in (("cos", cos), ("sin", sin)):
+        # Broadcasting must not grow t: every dim of r is 1 or t's (right-aligned).
+        if r.dim() > t.dim() or any(a != 1 and a != b for a, b in zip(r.shape[::-1], t.shape[::-1])):
+            raise TensorMismatchError(
+                f"apply_rope {label}: expected a shape broadcastable to t's {tuple(t.shape)}, "
+                f"e.g. (streams, seq_len, 1, {t.shape[-1]}), got {tuple(r.shape)}"
+            )
+        if r.device != t.device:
+            raise TensorMismatchError(f"apply_rope {label}: expected device {t.device} (t's), got {r.device}")
     return (t.float() * cos + rotate_half(t.float()) * sin).to(t.dtype)
 
 
 def _check(name: str, t: torch.Tensor, shape: tuple[int, ...], like: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TensorMismatchError(f"chunk_attention {name}: expected a tensor of shape {shape}, got {type(t).__name__}")
     if tuple(t.shape) != shape:
         raise TensorMismatchError(f"chunk_attention {name}: expected shape {shape}, got {tuple(t.shape)}")
     if t.dtype != like.dtype:
         raise TensorMismatchError(f"chunk_attention {name}: expected dtype {like.dtype} (the KV pool's), got {t.dtype}")
     if t.device != like.device:
         raise TensorMismatchError(f"chunk_attention {name}: expected device {like.device}, got {t.device}")
+
+
+class _InferenceOnly(torch.autograd.Function):
+    """Identity whose backward raises :class:`InferenceOnlyError` (the paged op has no gradient)."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, out: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:  # noqa: ARG004
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, *grads: torch.Tensor) -> torch.Tensor:  # noqa: ARG004
+        raise InferenceOnlyError(
+            "chunk_attention: expected inference (torch.no_grad / inference_mode), got a backward pass; the "
+            "paged attention op writes K/V into the pool in place and has no gradient"
+        )
 
 
 def chunk_attention(
@@ -87,6 +140,10 @@ def chunk_attention(
     _check("k", k, (streams, seq_len, kv_heads, head_dim), pages)
     _check("v", v, (streams, seq_len, kv_heads, head_dim), pages)
     tokens = streams * seq_len
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    graph_inputs = (q, k, v)
+    if needs_grad:  # the op writes the pool in place and has no backward: make that failure explicit
+        q, k, v = q.detach(), k.detach(), v.detach()
     out = torch.ops.ardiff_modules.chunk_attention(
         q.reshape(tokens, q.shape[2], head_dim),
         k.reshape(tokens, kv_heads, head_dim),
@@ -96,6 +153,8 @@ def chunk_attention(
         kv.forward.plan_id,
         float(scale if scale is not None else head_dim**-0.5),
     )
+    if needs_grad:
+        out = _InferenceOnly.apply(out, *graph_inputs)
     return out.view(streams, seq_len, q.shape[2], head_dim)
 
 
@@ -106,6 +165,24 @@ def cached_cross_attention(
 
     Returns ``[streams, seq_len, num_heads, head_dim]``.
     """
+    if not hasattr(kv, "cross_kv"):  # duck-typed: benchmarks pass LayerContext look-alikes
+        from ardiff_modules.errors import SpecError  # error path only: keeps this module's imports as they are
+
+        raise SpecError(
+            f"cached_cross_attention.kv: expected a LayerContext (one entry of ForwardContext.layers, with "
+            f".cross_kv), got {type(kv).__name__}"
+        )
+    # `not 0 < scale < inf` also rejects NaN; scale 0 would silently attend uniformly.
+    if scale is not None and (
+        isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0.0 < scale < float("inf")
+    ):
+        from ardiff_modules.errors import SpecError
+
+        raise SpecError(f"cached_cross_attention.scale: expected None or a finite number > 0, got {scale!r}")
+    if not isinstance(q, torch.Tensor):
+        raise TensorMismatchError(
+            f"cached_cross_attention q: expected a [streams, seq_len, heads, head_dim] tensor, got {type(q).__name__}"
+        )
     k, v = kv.cross_kv(cache_name)  # [streams, tokens, kv_heads, head_dim]
     if q.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or q.shape[2] % k.shape[2]:
         raise TensorMismatchError(

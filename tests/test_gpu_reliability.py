@@ -1,0 +1,204 @@
+"""Issue 10 on the GPU: finished forwards, CUDA-graph hazards, cross-stream leaks, empty masked rows.
+
+Run on the GPU machine: ``bash .gpu/run.sh python3 -m pytest -m gpu -q``. Skipped without CUDA/FlashInfer.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ardiff_modules as am
+from ardiff_modules.backends.flashinfer import FlashInferPlan
+from ardiff_modules.graphs import CUDAGraphStep
+
+from test_gpu import DTYPE, HEAD_DIM, _close, _close_model, _model_and_spec, _spec, pytestmark  # noqa: F401
+
+
+def _qkv(streams: int, seq: int, g: torch.Generator, fill: float | None = None):  # noqa: ANN202
+    q = torch.randn(streams, seq, 4, HEAD_DIM, device="cuda", dtype=DTYPE, generator=g)
+    k = torch.randn(streams, seq, 2, HEAD_DIM, device="cuda", dtype=DTYPE, generator=g)
+    v = torch.randn(streams, seq, 2, HEAD_DIM, device="cuda", dtype=DTYPE, generator=g)
+    if fill is not None:
+        k.fill_(fill)
+        v.fill_(fill)
+    return q, k, v
+
+
+@pytest.mark.parametrize("seq_chunks", [1, 2], ids=["ragged", "paged"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_finished_forward_cannot_touch_the_pool(seq_chunks: int, compiled: bool) -> None:
+    chunk = 240
+    spec = _spec(chunk, 120, 1, 2)
+    cache = am.KVCache(spec, num_pages=64, device="cuda", backend="flashinfer")
+    state = cache.open_session()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    attend = torch.compile(am.chunk_attention, fullgraph=True) if compiled else am.chunk_attention
+    q, k, v = _qkv(2, seq_chunks * chunk, g)
+    with state.prepare_forward(None, seq_chunks * chunk, commit_current=True) as fwd:
+        attend(q, k, v, fwd.layers[0])
+        mode = fwd.plan.mode
+    assert mode == ("ragged" if seq_chunks == 1 else "paged")
+    torch.cuda.synchronize()
+    before = cache.pool.kv.clone()
+    with pytest.raises(am.ForwardFinishedError, match="committed"):
+        attend(q, k * 7, v * 7, fwd.layers[0])
+    torch.cuda.synchronize()
+    assert torch.equal(cache.pool.kv, before)
+    # abort() inside the block while the model keeps running: refused, nothing written.
+    with pytest.raises(am.ForwardFinishedError, match="aborted"):
+        with state.prepare_forward(None, seq_chunks * chunk, commit_current=True) as fwd:
+            fwd.abort()
+            attend(q, k * 3, v * 3, fwd.layers[1])
+    torch.cuda.synchronize()
+    assert torch.equal(cache.pool.kv, before)
+
+
+def test_graph_replay_refuses_finished_forward_and_cleared_prompt() -> None:
+    model, spec = _model_and_spec()
+    cache = am.KVCache(spec, num_pages=64, device="cuda", backend="flashinfer")
+    state = cache.open_session()
+    g = torch.Generator(device="cuda").manual_seed(1)
+
+    def populate() -> None:
+        for b in spec.branches:
+            text = torch.randn(16, 64, device="cuda", dtype=DTYPE, generator=g)
+            am.populate_cross_attention(state, b, [blk.cross for blk in model.blocks], text)
+
+    populate()
+    step = CUDAGraphStep(model)
+    x = torch.randn(2, spec.chunk_size, 512, device="cuda", dtype=DTYPE, generator=g)
+    with torch.no_grad():
+        with state.prepare_forward(None, spec.chunk_size, False, static=True) as fwd:
+            step(fwd, x)
+        torch.cuda.synchronize()
+        before = cache.pool.kv.clone()
+        with pytest.raises(am.ForwardFinishedError):
+            step(fwd, x)  # a replay would rewrite pages after the forward finished
+        torch.cuda.synchronize()
+        assert torch.equal(cache.pool.kv, before)
+        state.clear_cross_attention()  # prompt switch without re-populating: eager raises, so must a replay
+        with pytest.raises(am.CrossAttentionNotPopulatedError):
+            with state.prepare_forward(None, spec.chunk_size, False, static=True) as fwd:
+                step(fwd, x)
+        populate()
+        with state.prepare_forward(None, spec.chunk_size, True, static=True) as fwd:
+            replayed = step(fwd, x)
+            state.abort()  # redo the same forward eagerly for comparison
+        with state.prepare_forward(None, spec.chunk_size, True) as fwd:
+            eager = model(x, fwd.layers)
+    assert step.num_graphs == 1
+    _close_model(replayed, eager)
+
+
+def test_graphs_are_released_with_their_contexts() -> None:
+    model, spec = _model_and_spec()
+    cache = am.KVCache(spec, num_pages=256, device="cuda", backend="flashinfer", max_forward_contexts=2)
+    step = CUDAGraphStep(model)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    text = torch.randn(16, 64, device="cuda", dtype=DTYPE, generator=g)
+    counts = []
+    with torch.no_grad():
+        for i in range(6):  # churn: each session captures its own graph, then closes
+            state = cache.open_session(f"s{i}")
+            for b in spec.branches:
+                am.populate_cross_attention(state, b, [blk.cross for blk in model.blocks], text)
+            x = torch.randn(2, spec.chunk_size, 512, device="cuda", dtype=DTYPE, generator=g)
+            with state.prepare_forward(None, spec.chunk_size, True, static=True) as fwd:
+                step(fwd, x)
+            if i % 2:
+                state.close()
+            counts.append(step.num_graphs)
+    assert max(counts) <= 2 + 1, counts  # bounded by the context LRU, not by the stream's length
+    cache.close()
+    assert step.num_graphs == 0
+
+
+def test_failed_replan_ends_the_forward_and_recaptures(monkeypatch: pytest.MonkeyPatch) -> None:
+    model, spec = _model_and_spec()
+    cache = am.KVCache(spec, num_pages=64, device="cuda", backend="flashinfer")
+    state = cache.open_session()
+    g = torch.Generator(device="cuda").manual_seed(3)
+    for b in spec.branches:
+        text = torch.randn(16, 64, device="cuda", dtype=DTYPE, generator=g)
+        am.populate_cross_attention(state, b, [blk.cross for blk in model.blocks], text)
+    step = CUDAGraphStep(model)
+    x = torch.randn(2, spec.chunk_size, 512, device="cuda", dtype=DTYPE, generator=g)
+    with torch.no_grad():
+        old = state.prepare_forward(None, spec.chunk_size, False, static=True)
+        step(old, x)
+        original = FlashInferPlan.update
+
+        def half_update(self: FlashInferPlan, request) -> None:  # noqa: ANN001
+            self._plan_writes(request.layout)  # the write pages move, then planning fails
+            raise RuntimeError("injected plan failure")
+
+        monkeypatch.setattr(FlashInferPlan, "update", half_update)
+        with pytest.raises(RuntimeError, match="injected"):
+            state.prepare_forward(None, spec.chunk_size, False, static=True)
+        monkeypatch.setattr(FlashInferPlan, "update", original)
+        with pytest.raises(am.ForwardFinishedError, match="superseded"):
+            step(old, x)  # its plan is half-updated: never replayed
+        assert state.open_forward("cond") is None
+        with state.prepare_forward(None, spec.chunk_size, True, static=True) as fwd:
+            replayed = step(fwd, x)
+            state.abort()
+        with state.prepare_forward(None, spec.chunk_size, True) as fwd:
+            eager = model(x, fwd.layers)
+    assert step.num_graphs == 1
+    _close_model(replayed, eager)
+
+
+@pytest.mark.parametrize("mode", ["ragged", "paged", "masked"])
+def test_no_stream_reads_another_streams_nan(mode: str) -> None:
+    """Session A's pages (and every free page) hold NaN; session B batched beside A stays finite and exact."""
+    chunk = 240
+    spec = _spec(chunk, 120, 1, 2)
+    seq = (2 if mode == "paged" else 1) * chunk
+    outs = {}
+    for backend in ("reference", "flashinfer"):
+        cache = am.KVCache(spec, num_pages=96, device="cuda", backend=backend, contiguous_extents=mode != "paged")
+        cache.pool.kv.fill_(float("nan"))
+        a, b = cache.open_session("a"), cache.open_session("b")
+        g = torch.Generator(device="cuda").manual_seed(4)
+        for i in range(3):
+            qa, ka, va = _qkv(2, chunk, g, fill=float("nan"))
+            _, kb, vb = _qkv(2, chunk, g)
+            pairs = [(a, "cond"), (a, "uncond"), (b, "cond"), (b, "uncond")]
+            with cache.prepare_forward(pairs, chunk, True) as fwd:
+                am.chunk_attention(torch.cat([qa, qa]), torch.cat([ka, kb]), torch.cat([va, vb]), fwd.layers[0])
+        q, k, v = _qkv(2, seq, g)
+        mask = None
+        if mode == "masked":
+            keys = max(len(b.visible_chunks(x)) for x in spec.branches) * chunk + seq
+            mask = torch.ones(4, seq, keys, dtype=torch.bool, device="cuda")
+        _, ka, va = _qkv(2, seq, g, fill=float("inf"))
+        pairs = [(a, "cond"), (a, "uncond"), (b, "cond"), (b, "uncond")]
+        with cache.prepare_forward(pairs, seq, False, token_mask=mask) as fwd:
+            out = am.chunk_attention(torch.cat([q, q]), torch.cat([ka, k]), torch.cat([va, v]), fwd.layers[0])
+            if backend == "flashinfer":
+                assert fwd.plan.mode == mode
+        outs[backend] = out[2:]
+        assert torch.isfinite(out[2:]).all(), f"{backend}: session A's NaN/Inf reached session B"
+    _close(outs["flashinfer"], outs["reference"])
+
+
+def test_query_that_sees_no_key_outputs_zeros() -> None:
+    chunk = 240
+    spec = _spec(chunk, 120, 1, 2)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v = _qkv(2, chunk, g)
+    outs = []
+    for backend in ("reference", "flashinfer"):
+        cache = am.KVCache(spec, num_pages=64, device="cuda", backend=backend)
+        state = cache.open_session()
+        mask = torch.rand(2, chunk, chunk, device="cuda", generator=torch.Generator(device="cuda").manual_seed(6)) > 0.5
+        mask[:, :17] = False  # the first 17 queries of each stream see nothing
+        with state.prepare_forward(None, chunk, False, token_mask=mask) as fwd:
+            outs.append(am.chunk_attention(q, k, v, fwd.layers[0]))
+            if backend == "flashinfer":
+                assert fwd.plan.mode == "masked"
+    for out in outs:
+        assert torch.isfinite(out).all()
+        assert torch.count_nonzero(out[:, :17]) == 0
+    _close(outs[1], outs[0])
