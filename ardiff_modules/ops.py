@@ -101,3 +101,28 @@ def chunk_attention_op(
 @chunk_attention_op.register_fake
 def _chunk_attention_fake(q, k, v, kv_pool, layer, plan_id, scale):  # noqa: ANN001, ANN202
     return q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
+
+
+@torch.library.custom_op("ardiff_modules::chunk_attention_lse", mutates_args=("kv_pool",))
+def chunk_attention_lse_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_pool: torch.Tensor,
+    layer: torch.Tensor,
+    plan_id: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`chunk_attention_op` that also returns the float32 ``[tokens, heads]`` natural-log LSE.
+
+    A separate op (not a flag) so the common path's schema and output stay one tensor.
+    """
+    plan = PLANS.get(int(plan_id))
+    index = int(layer)
+    out, lse = plan.run(q, k, v, kv_pool[index, 0], kv_pool[index, 1], scale, return_lse=True)
+    return out, lse
+
+
+@chunk_attention_lse_op.register_fake
+def _chunk_attention_lse_fake(q, k, v, kv_pool, layer, plan_id, scale):  # noqa: ANN001, ANN202
+    return q.new_empty((q.shape[0], q.shape[1], v.shape[2])), q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32)

@@ -56,7 +56,8 @@ class AttentionPlan(ABC):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         scale: float,
-    ) -> torch.Tensor:
+        return_lse: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Write the current K/V into the pending pages, then attend.
 
         Parameters
@@ -69,10 +70,15 @@ class AttentionPlan(ABC):
             One layer's pages ``[num_pages, page_size, num_kv_heads, head_dim]``; mutated.
         scale:
             Softmax scale.
+        return_lse:
+            Also return each query's log-sum-exp over its visible keys.
 
         Returns
         -------
-        ``[num_streams * seq_len, num_heads, head_dim]``.
+        ``[num_streams * seq_len, num_heads, head_dim]``; with ``return_lse`` also the float32
+        ``[num_streams * seq_len, num_heads]`` natural-log LSE of the scaled logits
+        (``log sum_j exp(scale * q . k_j)``; ``-inf`` for a query that sees no key), what merging
+        partial attentions (sequence parallelism) needs.
         """
 
 

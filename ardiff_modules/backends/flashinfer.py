@@ -32,6 +32,7 @@ from ardiff_modules.errors import BackendUnavailableError, TensorMismatchError
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 WORKSPACE_BYTES = 128 << 20
+LN2 = math.log(2.0)
 
 
 def _flashinfer():  # noqa: ANN202
@@ -229,7 +230,8 @@ class FlashInferPlan(AttentionPlan):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         scale: float,
-    ) -> torch.Tensor:
+        return_lse: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if q.shape[1] != self.num_qo_heads:
             raise TensorMismatchError(
                 f"flashinfer plan was built for num_qo_heads={self.num_qo_heads} (KVCacheSpec.num_qo_heads), "
@@ -251,11 +253,19 @@ class FlashInferPlan(AttentionPlan):
             start, end = self._kv_range
             k_slots = k_cache.view(-1, k_cache.shape[-2], k_cache.shape[-1])[start:end]
             v_slots = v_cache.view(-1, v_cache.shape[-2], v_cache.shape[-1])[start:end]
-            return self._ragged.run(q, k_slots, v_slots)
-        out = self._paged.run(q, (k_cache, v_cache))
+            result = self._ragged.run(q, k_slots, v_slots, return_lse=return_lse)
+        else:
+            result = self._paged.run(q, (k_cache, v_cache), return_lse=return_lse)
+        out, lse = result if return_lse else (result, None)
         if self.mode == "masked":
             out = out.masked_fill(self._empty_rows, 0)
-        return out
+        if lse is None:
+            return out
+        # FlashInfer's kernels keep the LSE in base 2 (log2 of the sum of 2^(log2(e) * logit)).
+        lse = lse.float() * LN2
+        if self.mode == "masked":
+            lse = lse.masked_fill(self._empty_rows[:, :, 0], float("-inf"))
+        return out, lse
 
 
 def _row_masks(layout, dense: torch.Tensor) -> torch.Tensor:  # noqa: ANN001

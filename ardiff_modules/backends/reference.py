@@ -45,7 +45,8 @@ class ReferencePlan(AttentionPlan):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         scale: float,
-    ) -> torch.Tensor:
+        return_lse: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         page_shape = (-1, *k_cache.shape[1:])
         k_cache.index_copy_(0, self.write_pages, k.reshape(page_shape))
         v_cache.index_copy_(0, self.write_pages, v.reshape(page_shape))
@@ -63,7 +64,18 @@ class ReferencePlan(AttentionPlan):
         )
         if self.empty_rows is not None:
             out = out.masked_fill(self.empty_rows, 0)
-        return out.transpose(1, 2).reshape(s * n, q.shape[1], v.shape[2])
+        out = out.transpose(1, 2).reshape(s * n, q.shape[1], v.shape[2])
+        if not return_lse:
+            return out
+        return out, self._lse(queries, keys, scale)
+
+    def _lse(self, queries: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+        """float32 ``[S * n, H]`` log-sum-exp of the masked, scaled logits (``-inf`` where no key is visible)."""
+        s, heads, n, _ = queries.shape
+        keys = keys.repeat_interleave(heads // keys.shape[1], dim=1)  # GQA: one key head per query group
+        logits = torch.matmul(queries.float(), keys.float().transpose(-1, -2)) * scale  # [S, H, n, K]
+        lse = torch.logsumexp(logits.masked_fill(~self.mask, float("-inf")), dim=-1)
+        return lse.transpose(1, 2).reshape(s * n, heads)
 
 
 class ReferenceBackend(AttentionBackend):

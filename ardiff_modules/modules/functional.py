@@ -104,7 +104,8 @@ def chunk_attention(
     kv: LayerContext,
     *,
     scale: float | None = None,
-) -> torch.Tensor:
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Write this chunk's K/V into the pending pages and attend per the visibility rule.
 
     Parameters
@@ -118,10 +119,14 @@ def chunk_attention(
         This layer's :class:`~ardiff_modules.context.LayerContext`.
     scale:
         Softmax scale, default ``head_dim ** -0.5``.
+    return_lse:
+        Also return the float32 ``[streams, seq_len, num_heads]`` natural-log log-sum-exp of each
+        query's scaled logits over its visible keys (``-inf`` where none is visible), for merging
+        partial attentions.
 
     Returns
     -------
-    ``[streams, seq_len, num_heads, head_dim]``.
+    ``[streams, seq_len, num_heads, head_dim]`` (and the LSE with ``return_lse``).
     """
     # Shapes come from tensors (guarded by shape), never from Python objects of the context,
     # so a compiled model does not specialise on a session or a chunk.
@@ -144,7 +149,8 @@ def chunk_attention(
     graph_inputs = (q, k, v)
     if needs_grad:  # the op writes the pool in place and has no backward: make that failure explicit
         q, k, v = q.detach(), k.detach(), v.detach()
-    out = torch.ops.ardiff_modules.chunk_attention(
+    op = torch.ops.ardiff_modules.chunk_attention_lse if return_lse else torch.ops.ardiff_modules.chunk_attention
+    result = op(
         q.reshape(tokens, q.shape[2], head_dim),
         k.reshape(tokens, kv_heads, head_dim),
         v.reshape(tokens, kv_heads, head_dim),
@@ -153,9 +159,13 @@ def chunk_attention(
         kv.forward.plan_id,
         float(scale if scale is not None else head_dim**-0.5),
     )
+    out, lse = result if return_lse else (result, None)
     if needs_grad:
         out = _InferenceOnly.apply(out, *graph_inputs)
-    return out.view(streams, seq_len, q.shape[2], head_dim)
+    out = out.view(streams, seq_len, q.shape[2], head_dim)
+    if lse is None:
+        return out
+    return out, lse.view(streams, seq_len, q.shape[2])
 
 
 def cached_cross_attention(
