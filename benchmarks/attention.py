@@ -80,12 +80,10 @@ def bench_shape(name: str, heads: int, chunk: int, sink: int, window: int, strea
         plan = fwd.plan
         modes[label] = plan.mode
         fns[label] = lambda layer=layer: am.chunk_attention(q, k, v, layer)
-        if plan.mode == "ragged":
-            start, end = plan._kv_range
-            ks_, vs_ = (am.KVPool.token_slots(t)[start:end] for t in (layer.k_cache, layer.v_cache))
-            fns[label + "_attend"] = lambda plan=plan, ks_=ks_, vs_=vs_: plan._ragged.run(qf, ks_, vs_)
-        else:
-            fns[label + "_attend"] = lambda plan=plan, layer=layer: plan._paged.run(qf, (layer.k_cache, layer.v_cache))
+        # The kernel alone (K/V already written): the plan's public attend(), default scale.
+        fns[label + "_attend"] = lambda plan=plan, layer=layer: plan.attend(
+            qf, layer.k_cache, layer.v_cache, D**-0.5
+        )
     # From here on, `cache` / `fwd` / `layer` are the plain-paged ones.
 
     # Contiguous K/V holding exactly the visible keys of each stream.

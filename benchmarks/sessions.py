@@ -102,7 +102,7 @@ def bench_sessions(shape_name: str, sessions: int, layers: int, device: torch.de
     times = timer({"batched": batched, "serial": serial}, iters)
     t_batched, t_serial = times["batched"], times["serial"]
     tokens = 2 * sessions * spec.chunk_size
-    modes = sorted({cache._forwards[k].plan.mode for k in cache._forwards} - {None}) if device.type == "cuda" else []
+    modes = sorted({f.plan.mode for f in cache.forward_contexts() if f.plan is not None}) if device.type == "cuda" else []
     result = {
         "sessions": sessions,
         "batched_ms": t_batched * 1e3,

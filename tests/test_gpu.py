@@ -290,3 +290,54 @@ def test_sessions_batched_in_one_launch_equal_each_session_alone() -> None:
             for a, b in zip(together, single):
                 _close(a[rows], b)
     assert modes == {"ragged", "paged"}
+
+
+def test_flashinfer_reads_the_page_table_it_was_planned_with() -> None:
+    """The FlashInfer coupling the paged plan-skip relies on (``reads_page_table``), checked directly.
+
+    (a) the wrapper keeps reading the very page-table tensor given to ``plan()`` (eager) or its
+    static buffer (CUDA graphs); (b) its schedule depends on the indptrs only: refreshing the page
+    ids in place and running without ``plan()`` equals a fresh plan over the new ids. Fails if a
+    FlashInfer upgrade copies the table or schedules from page ids -- then drop that version from
+    ``PLAN_SKIP_VERSIONS``.
+    """
+    import flashinfer
+
+    from ardiff_modules.backends.flashinfer import PLAN_SKIP_VERSIONS, reads_page_table
+
+    assert flashinfer.__version__ in PLAN_SKIP_VERSIONS, flashinfer.__version__
+    pages, page, heads = 64, 16, 4
+    g = torch.Generator(device="cuda").manual_seed(7)
+    k_cache = torch.randn(pages, page, 2, HEAD_DIM, device="cuda", dtype=DTYPE, generator=g)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(2 * 32, heads, HEAD_DIM, device="cuda", dtype=DTYPE, generator=g)
+    qo = torch.tensor([0, 32, 64], dtype=torch.int32)
+    kv_indptr = torch.tensor([0, 5, 12], dtype=torch.int32)
+    last = torch.full((2,), page, dtype=torch.int32)
+    ids_a = torch.randperm(pages, generator=torch.Generator().manual_seed(1))[:12].to(torch.int32)
+    ids_b = torch.randperm(pages, generator=torch.Generator().manual_seed(2))[:12].to(torch.int32)
+    ws = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+
+    def planned(ids: torch.Tensor, static: bool):  # noqa: ANN202
+        bufs = {}
+        if static:
+            bufs = dict(
+                qo_indptr_buf=torch.zeros(3, dtype=torch.int32, device="cuda"),
+                paged_kv_indptr_buf=torch.zeros(3, dtype=torch.int32, device="cuda"),
+                paged_kv_indices_buf=torch.zeros(16, dtype=torch.int32, device="cuda"),
+                paged_kv_last_page_len_buf=torch.zeros(2, dtype=torch.int32, device="cuda"),
+            )
+        w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", use_cuda_graph=static, **bufs)
+        dev_ids = ids.cuda()
+        w.plan(qo, kv_indptr, dev_ids, last, heads, 2, HEAD_DIM, page, causal=False, q_data_type=DTYPE,
+               kv_data_type=DTYPE)
+        table = bufs["paged_kv_indices_buf"] if static else dev_ids
+        return w, table
+
+    for static in (False, True):
+        wrapper, table = planned(ids_a, static)
+        assert reads_page_table(wrapper, table), "the wrapper no longer reads the planned page table"
+        table[: ids_b.numel()].copy_(ids_b.cuda())  # refresh in place, no plan()
+        refreshed = wrapper.run(q, (k_cache, v_cache))
+        fresh_wrapper, _ = planned(ids_b, static)
+        torch.testing.assert_close(refreshed, fresh_wrapper.run(q, (k_cache, v_cache)), atol=0, rtol=0)

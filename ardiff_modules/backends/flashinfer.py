@@ -28,6 +28,7 @@ import torch
 
 from ardiff_modules.backends.base import AttentionBackend, AttentionPlan, PlanRequest
 from ardiff_modules.errors import BackendUnavailableError, TensorMismatchError
+from ardiff_modules.plan import RaggedRows
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -78,6 +79,8 @@ class FlashInferPlan(AttentionPlan):
         self.kernel_plans = 0
         self._paged_indices: torch.Tensor | None = None
         self._empty_rows: torch.Tensor | None = None
+        #: ``(start, end)`` token slots of the ragged key range (ragged mode).
+        self.kv_range = (0, 0)
         self.mode = "paged"
         if self.static:
             if self.masked:
@@ -135,7 +138,7 @@ class FlashInferPlan(AttentionPlan):
         self._events[kind] = event
 
     def update(self, request: PlanRequest) -> None:
-        """Re-plan for a new forward (host work, no device sync)."""
+        """Re-plan for a new forward (host work, no device sync): writes, then the ragged or paged rows."""
         layout = request.layout
         self._plan_writes(layout)
         ragged = None
@@ -143,28 +146,34 @@ class FlashInferPlan(AttentionPlan):
             ragged = layout.ragged_rows
             if ragged is not None and ragged.gap_rows and not self.backend.allow_gap_rows:
                 ragged = None
-        common = dict(causal=False, q_data_type=request.dtype, kv_data_type=request.dtype)
         if ragged is not None:
-            key = (
-                tuple(ragged.qo_indptr.tolist()), tuple(ragged.kv_indptr.tolist()),
-                request.num_qo_heads, request.num_kv_heads, request.head_dim, request.dtype,
+            self._plan_ragged(request, ragged)
+        else:
+            self._plan_paged(request)
+
+    def _plan_ragged(self, request: PlanRequest, ragged: RaggedRows) -> None:
+        key = (
+            tuple(ragged.qo_indptr.tolist()), tuple(ragged.kv_indptr.tolist()),
+            request.num_qo_heads, request.num_kv_heads, request.head_dim, request.dtype,
+        )
+        # NOTE: a ragged plan depends only on the row lengths. Once the windows are full they
+        # repeat every forward (each stream's range is its whole extent), so FlashInfer's
+        # plan() -- most of the host time of a forward -- is skipped in steady state.
+        if key != self._ragged_key:
+            wrapper = self._wrapper("ragged")
+            self._before_plan("ragged")
+            wrapper.plan(
+                ragged.qo_indptr, ragged.kv_indptr, request.num_qo_heads, request.num_kv_heads,
+                request.head_dim, causal=False, q_data_type=request.dtype, kv_data_type=request.dtype,
             )
-            # NOTE: a ragged plan depends only on the row lengths. Once the windows are full they
-            # repeat every forward (each stream's range is its whole extent), so FlashInfer's
-            # plan() -- most of the host time of a forward -- is skipped in steady state.
-            if key != self._ragged_key:
-                wrapper = self._wrapper("ragged")
-                self._before_plan("ragged")
-                wrapper.plan(
-                    ragged.qo_indptr, ragged.kv_indptr, request.num_qo_heads, request.num_kv_heads,
-                    request.head_dim, **common,
-                )
-                self._after_plan("ragged")
-                self._ragged_key = key
-                self._paged_key = None  # the ragged plan may reuse the workspace: re-plan paged next time
-            self.mode = "ragged"
-            self._kv_range = (ragged.kv_start, ragged.kv_end)
-            return
+            self._after_plan("ragged")
+            self._ragged_key = key
+            self._paged_key = None  # the ragged plan may reuse the workspace: re-plan paged next time
+        self.mode = "ragged"
+        self.kv_range = (ragged.kv_start, ragged.kv_end)
+
+    def _plan_paged(self, request: PlanRequest) -> None:
+        layout = request.layout
         self._ragged_key = None  # the paged wrapper may reuse the workspace: re-plan ragged next time
         rows = layout.structural_rows
         host_indices = _pinned(rows.kv_page_indices)
@@ -194,14 +203,12 @@ class FlashInferPlan(AttentionPlan):
         wrapper.plan(
             rows.qo_indptr, rows.kv_page_indptr, indices, rows.kv_last_page_len,
             request.num_qo_heads, request.num_kv_heads, request.head_dim, layout.page_size,
-            custom_mask=custom_mask, non_blocking=True, **common,
+            custom_mask=custom_mask, non_blocking=True, causal=False, q_data_type=request.dtype,
+            kv_data_type=request.dtype,
         )
         self._after_plan("paged")
-        # Skipping later plans is only sound while the wrapper reads a page table this plan owns:
-        # the static buffer, or (eager) the very tensor passed in.
         self._paged_indices = self._paged_bufs["paged_kv_indices_buf"] if self.static else indices
-        owned = getattr(wrapper, "_paged_kv_indices_buf", None) is self._paged_indices
-        self._paged_key = key if owned else None
+        self._paged_key = key if reads_page_table(wrapper, self._paged_indices) else None
         self.mode = "masked" if self.masked else "paged"
 
     def _plan_writes(self, layout) -> None:  # noqa: ANN001
@@ -238,19 +245,27 @@ class FlashInferPlan(AttentionPlan):
                 f"got q with {q.shape[1]} heads"
             )
         # Compiled graphs may hand the op strided inputs; FlashInfer's kernels want dense rows.
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        fi = _flashinfer()
-        fi.append_paged_kv_cache(
+        self.write(k.contiguous(), v.contiguous(), k_cache, v_cache)
+        return self.attend(q.contiguous(), k_cache, v_cache, scale, return_lse)
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """Append the current ``[tokens, kv_heads, head_dim]`` K/V into this forward's pending pages."""
+        _flashinfer().append_paged_kv_cache(
             k, v, self._append_batch, self._append_pos, (k_cache, v_cache),
             self._write_pages, self._append_indptr, self._append_last,
         )
+
+    def attend(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, return_lse: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The attention kernel alone over one layer's pages (K/V already written); see :meth:`run`."""
         default = 1.0 / math.sqrt(self.head_dim)
         if not math.isclose(scale, default, rel_tol=1e-6):
             # Plans use FlashInfer's default 1/sqrt(d); a custom scale folds into q (its q_scale
             # argument means different things on different kernel paths).
             q = q * (scale / default)
         if self.mode == "ragged":
-            start, end = self._kv_range
+            start, end = self.kv_range
             k_slots = k_cache.view(-1, k_cache.shape[-2], k_cache.shape[-1])[start:end]
             v_slots = v_cache.view(-1, v_cache.shape[-2], v_cache.shape[-1])[start:end]
             result = self._ragged.run(q, k_slots, v_slots, return_lse=return_lse)
@@ -266,6 +281,24 @@ class FlashInferPlan(AttentionPlan):
         if self.mode == "masked":
             lse = lse.masked_fill(self._empty_rows[:, :, 0], float("-inf"))
         return out, lse
+
+
+#: FlashInfer versions whose paged prefill wrapper was checked to (a) keep reading, at run time, the very
+#: ``paged_kv_indices`` tensor handed to ``plan()`` (eager) or its ``paged_kv_indices_buf`` (CUDA graphs),
+#: in the private field ``_paged_kv_indices_buf``, and (b) schedule from the indptrs alone, never the
+#: page ids. ``tests/test_gpu.py::test_flashinfer_reads_the_page_table_it_was_planned_with`` checks both;
+#: a version outside this list simply re-plans every forward (correct, ~0.5 ms slower).
+PLAN_SKIP_VERSIONS = ("0.7.2.post1",)
+
+
+def reads_page_table(wrapper, indices: torch.Tensor) -> bool:  # noqa: ANN001
+    """Whether refreshing ``indices`` in place re-targets ``wrapper``'s next ``run()`` without ``plan()``.
+
+    The one place this backend relies on a FlashInfer private field (see :data:`PLAN_SKIP_VERSIONS`).
+    """
+    if _flashinfer().__version__ not in PLAN_SKIP_VERSIONS:
+        return False
+    return getattr(wrapper, "_paged_kv_indices_buf", None) is indices
 
 
 def _row_masks(layout, dense: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
