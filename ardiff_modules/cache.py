@@ -481,9 +481,9 @@ class KVCache:
             ctx.plan_epoch += 1
         ctx.plan, ctx.layout, ctx.positions, ctx.commit_current = plan, layout, positions, commit_current
         ctx.set_cross(cross[0], cross[1])
-        ctx._stack_keys = cross[2]
+        ctx.cross_stack.adopt(cross[2])
         transaction = ForwardTransaction(
-            members=members, commit_current=commit_current, num_chunks=layout.num_chunks, context=ctx,
+            members=members, commit_current=commit_current, num_chunks=layout.num_chunks,
             histories=tuple(histories),
         )
         for h in histories:
@@ -601,46 +601,11 @@ class KVCache:
     def _stack_cross(
         self, ctx: ForwardContext, streams: Sequence[tuple[KVState, str]], static: bool
     ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, str], dict[str, tuple[int, ...]]]:
-        """Per cache name, the streams' cross K/V stacked to ``[layers, streams, tokens, heads, dim]``.
-
-        Restacked only when a stream's cache was (re)populated; a single stream is a view.
-        Static contexts copy into buffers allocated once, so captured graphs read the new prompt.
-        """
-        cross: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        missing: dict[str, str] = {}
-        keys: dict[str, tuple[int, ...]] = {}
-        for name in self.spec.cross_attention_names:
-            entries = [state._cross_entry(branch, name) for state, branch in streams]
-            absent = [s for s, e in zip(streams, entries) if e is None]
-            if absent:
-                who = ", ".join(f"{st.session_id!r}/{b!r}" for st, b in absent)
-                missing[name] = (
-                    f"Cross-attention cache {name!r} was read before it was populated for {who}; "
-                    "call populate_cross_attention() first"
-                )
-                continue
-            stack_key = tuple(e.version for e in entries)
-            if ctx._stack_keys.get(name) == stack_key and name in ctx.cross:
-                cross[name] = ctx.cross[name]
-            elif static:
-                k_buf, v_buf = ctx.cross.get(name) or ctx._cross_buffers.get(name) or (None, None)
-                if k_buf is None:
-                    k_buf = torch.stack([e.k for e in entries], dim=1)
-                    v_buf = torch.stack([e.v for e in entries], dim=1)
-                    ctx._cross_buffers[name] = (k_buf, v_buf)
-                else:
-                    torch.stack([e.k for e in entries], dim=1, out=k_buf)
-                    torch.stack([e.v for e in entries], dim=1, out=v_buf)
-                cross[name] = (k_buf, v_buf)
-            elif len(entries) == 1:
-                cross[name] = (entries[0].k.unsqueeze(1), entries[0].v.unsqueeze(1))
-            else:
-                cross[name] = (
-                    torch.stack([e.k for e in entries], dim=1),
-                    torch.stack([e.v for e in entries], dim=1),
-                )
-            keys[name] = stack_key
-        return cross, missing, keys
+        """Per cache name, the streams' cross K/V stacked to ``[layers, streams, tokens, heads, dim]``."""
+        names = self.spec.cross_attention_names
+        entries = {name: [state.cross_entry(branch, name) for state, branch in streams] for name in names}
+        who = [f"{state.session_id!r}/{branch!r}" for state, branch in streams]
+        return ctx.cross_stack.restack(names, entries, who, ctx.cross, static)
 
     # ------------------------------------------------------------------ admission
     def pages_per_session(self, branches: int | None = None, pending_chunks: int = 1) -> int:

@@ -18,6 +18,7 @@ from typing import NoReturn, Protocol
 import torch
 
 from ardiff_modules.backends.base import AttentionPlan
+from ardiff_modules.cross import CrossStack
 from ardiff_modules.errors import CrossAttentionNotPopulatedError, ForwardFinishedError, UnknownCacheError
 from ardiff_modules.forward import ForwardTransaction
 from ardiff_modules.plan import ForwardLayout
@@ -132,8 +133,8 @@ class ForwardContext:
     transaction: ForwardTransaction | None = None
     #: Set when the cache dropped this context (LRU, session or cache closed): it never runs again.
     released: bool = False
-    _stack_keys: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    _cross_buffers: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    #: What ``cross`` was stacked from (and the fixed buffers of static contexts).
+    cross_stack: CrossStack = field(default_factory=CrossStack)
     _entered: list[ForwardTransaction] = field(default_factory=list)
 
     @property

@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Any, Literal
 from ardiff_modules.errors import ForwardFinishedError
 
 if TYPE_CHECKING:
-    from ardiff_modules.context import ForwardContext
     from ardiff_modules.history import BranchHistory
 
 Status = Literal["open", "committed", "aborted", "superseded", "released"]
@@ -51,8 +50,6 @@ class ForwardTransaction:
         Whether a successful finish turns the pending chunks into history.
     num_chunks:
         Pending chunks per stream.
-    context:
-        The (reused) forward context the layers read.
     status:
         ``"open"`` until the forward finishes; then how it finished.
     """
@@ -60,7 +57,6 @@ class ForwardTransaction:
     members: tuple[tuple[Any, str], ...]
     commit_current: bool
     num_chunks: int
-    context: ForwardContext
     status: Status = "open"
     #: Why the forward finished, for error messages.
     reason: str = ""

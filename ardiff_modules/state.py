@@ -12,40 +12,57 @@ session, every other session and the pool unchanged.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+import threading
+from typing import Protocol
 
 import torch
 
 from ardiff_modules.context import ForwardContext, LayerContext
+from ardiff_modules.cross import CrossEntry, CrossKey, build_entry, check_cache_name, not_populated
 from ardiff_modules.forward import ForwardTransaction
 from ardiff_modules.errors import (
     CrossAttentionNotPopulatedError,
     SequenceLengthError,
     SessionClosedError,
     SpecError,
-    TensorMismatchError,
     UnknownBranchError,
     UnknownCacheError,
 )
+from ardiff_modules.allocator import PageAllocator
 from ardiff_modules.history import BranchHistory
-
-if TYPE_CHECKING:
-    from ardiff_modules.cache import KVCache
-
-_cross_versions = itertools.count(1)
+from ardiff_modules.spec import KVCacheSpec
+from ardiff_modules.window import SinkWindowPolicy
 
 
-@dataclass(frozen=True, eq=False)
-class CrossEntry:
-    """One populated cross-attention cache of one branch: K and V ``[num_layers, tokens, heads, dim]``."""
+class SessionHost(Protocol):
+    """The small public interface a session uses to reach its cache (``KVCache`` implements it)."""
 
-    k: torch.Tensor
-    v: torch.Tensor
-    version: int
+    spec: KVCacheSpec
+    allocator: PageAllocator
+    policy: SinkWindowPolicy
+    extent_chunks: int | None
 
+    @property
+    def lock(self) -> threading.RLock: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def dtype(self) -> torch.dtype: ...
+    def open_session(self, session_id: str | None = None) -> KVState: ...
+    def reopen_session(self, state: KVState) -> None: ...
+    def session_closed(self, state: KVState) -> None: ...
+    def prepare_forward(
+        self,
+        streams: Sequence[tuple[KVState, str]],
+        seq_len: int,
+        commit_current: bool = False,
+        *,
+        token_mask: torch.Tensor | None = None,
+        static: bool = False,
+    ) -> ForwardContext: ...
+    def finish_forward(self, transaction: ForwardTransaction, success: bool) -> None: ...
+    def abort_forwards_of(self, state: KVState) -> None: ...
 
 def branch_names(owner: str, branches: Sequence[str] | str | None, default: tuple[str, ...]) -> tuple[str, ...]:
     """Normalise a ``branches`` argument: one name, an ordered sequence of names, or ``None`` (all)."""
@@ -70,7 +87,7 @@ class KVState:
     that never runs a branch holds no page for it.
     """
 
-    def __init__(self, cache: KVCache, session_id: str) -> None:
+    def __init__(self, cache: SessionHost, session_id: str) -> None:
         self.cache = cache
         self.session_id = session_id
         spec = cache.spec
@@ -211,16 +228,14 @@ class KVState:
                 history.clear_pending()
 
     # ------------------------------------------------------------------ cross-attention
-    def _cross_key(self, kv_branch: str, cache_name: str) -> tuple[str, str]:
+    def _cross_key(self, kv_branch: str, cache_name: str) -> CrossKey:
         self.history(kv_branch)
-        if cache_name not in self.cache.spec.cross_attention_names:
-            raise UnknownCacheError(
-                f"Unknown cross-attention cache {cache_name!r}; expected one of {self.cache.spec.cross_attention_names}"
-            )
+        check_cache_name(self.cache.spec, cache_name)
         return cache_name, kv_branch
 
-    def _cross_entry(self, kv_branch: str, cache_name: str) -> CrossEntry | None:
-        return self._cross.get((cache_name, kv_branch))
+    def cross_entry(self, kv_branch: str, cache_name: str) -> CrossEntry | None:
+        """The published cache ``cache_name`` of ``kv_branch`` (``None`` if not populated)."""
+        return self._cross.get(self._cross_key(kv_branch, cache_name))
 
     def is_cross_attention_populated(self, kv_branch: str, cache_name: str) -> bool:
         return self._cross_key(kv_branch, cache_name) in self._cross
@@ -238,56 +253,16 @@ class KVState:
         the previous complete cache (if any) stays visible and nothing changes.
         """
         key = self._cross_key(kv_branch, cache_name)
-        spec = self.cache.spec
-        cross = spec.cross_attention_spec(cache_name)
-        shape = (cross.tokens, cross.num_kv_heads or spec.num_kv_heads, cross.head_dim or spec.head_dim)
-        device, dtype = self.cache.device, self.cache.dtype
-        k_all = torch.empty((spec.num_layers, *shape), dtype=dtype, device=device)
-        v_all = torch.empty_like(k_all)
-        count = 0
-        for layer, pair in enumerate(layer_kv):
-            if layer >= spec.num_layers:
-                raise TensorMismatchError(
-                    f"populate_cross_attention({cache_name!r}): expected {spec.num_layers} layers, got more"
-                )
-            k, v = pair
-            for label, t in (("k", k), ("v", v)):
-                if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
-                    got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                    raise TensorMismatchError(
-                        f"populate_cross_attention({cache_name!r}) layer {layer} {label}: expected shape "
-                        f"{shape} [tokens, heads, head_dim], got {got}"
-                    )
-                if t.device != device and not (t.device.type == device.type == "cpu"):
-                    raise TensorMismatchError(
-                        f"populate_cross_attention({cache_name!r}) layer {layer} {label}: expected device "
-                        f"{device}, got {t.device}"
-                    )
-                if not t.dtype.is_floating_point:
-                    raise TensorMismatchError(
-                        f"populate_cross_attention({cache_name!r}) layer {layer} {label}: expected a floating "
-                        f"dtype (stored as {dtype}), got {t.dtype}"
-                    )
-            k_all[layer].copy_(k.detach())  # a cache holds data, never an autograd graph
-            v_all[layer].copy_(v.detach())
-            count += 1
-        if count != spec.num_layers:
-            raise TensorMismatchError(
-                f"populate_cross_attention({cache_name!r}): expected {spec.num_layers} layers, got {count}"
-            )
+        entry = build_entry(self.cache.spec, cache_name, layer_kv, self.cache.device, self.cache.dtype)
         with self.cache.lock:
             self._check_open()  # closed by another thread while the layers were produced
-            self._cross[key] = CrossEntry(k_all, v_all, next(_cross_versions))
+            self._cross[key] = entry
 
     def get_cross_attention_kv(self, kv_branch: str, cache_name: str) -> list[dict[str, torch.Tensor]]:
         """Every layer's ``{"k", "v"}`` (each ``[tokens, heads, head_dim]``) of a populated cache."""
-        key = self._cross_key(kv_branch, cache_name)
-        entry = self._cross.get(key)
+        entry = self.cross_entry(kv_branch, cache_name)
         if entry is None:
-            raise CrossAttentionNotPopulatedError(
-                f"Cross-attention cache {cache_name!r} for KV branch {kv_branch!r} of session "
-                f"{self.session_id!r} was read before it was populated"
-            )
+            raise not_populated(cache_name, kv_branch, self.session_id)
         return [{"k": entry.k[i], "v": entry.v[i]} for i in range(self.num_layers)]
 
     def clear_cross_attention(self) -> None:
@@ -297,7 +272,7 @@ class KVState:
             self._cross.clear()
 
     def cross_attention_bytes(self) -> int:
-        return sum(e.k.numel() * e.k.element_size() * 2 for e in self._cross.values())
+        return sum(e.nbytes for e in self._cross.values())
 
     # ------------------------------------------------------------------ sharing
     def fork(
@@ -364,7 +339,7 @@ class KVState:
             entries = []
             for branch in names:
                 key = self._cross_key(branch, cache_name)
-                entry = other._cross.get(other._cross_key(branch, cache_name))
+                entry = other.cross_entry(branch, cache_name)
                 if entry is None:
                     raise CrossAttentionNotPopulatedError(
                         f"share_cross_attention_from: cache {cache_name!r} of branch {branch!r} of session "

@@ -1,0 +1,173 @@
+"""Named cross-attention caches: per-session entries, their validation, and stacking for a forward.
+
+A session holds, per ``(cache name, branch)``, one immutable :class:`CrossEntry`: K and V of every
+layer, ``[num_layers, tokens, heads, head_dim]``, published at once (a failure while producing the
+layers leaves the previous entry visible). A forward over several streams reads them stacked to
+``[num_layers, num_streams, tokens, heads, head_dim]`` (:class:`CrossStack`), restacked only when a
+stream's entry changed; static (CUDA-graph) forwards copy into buffers allocated once, so a captured
+graph reads the new prompt. The attention itself is :func:`ardiff_modules.cached_cross_attention`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ardiff_modules.errors import CrossAttentionNotPopulatedError, TensorMismatchError, UnknownCacheError
+from ardiff_modules.spec import KVCacheSpec
+
+_versions = itertools.count(1)
+
+#: ``(cache name, branch)``.
+CrossKey = tuple[str, str]
+
+
+@dataclass(frozen=True, eq=False)
+class CrossEntry:
+    """One populated cross-attention cache of one branch: K and V ``[num_layers, tokens, heads, dim]``."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    #: Unique per publication: a forward restacks only when some stream's version changed.
+    version: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
+
+
+def check_cache_name(spec: KVCacheSpec, cache_name: str) -> None:
+    if cache_name not in spec.cross_attention_names:
+        raise UnknownCacheError(
+            f"Unknown cross-attention cache {cache_name!r}; expected one of {spec.cross_attention_names}"
+        )
+
+
+def build_entry(
+    spec: KVCacheSpec,
+    cache_name: str,
+    layer_kv: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    device: torch.device,
+    dtype: torch.dtype,
+) -> CrossEntry:
+    """Copy ``num_layers`` ``(k, v)`` pairs (each ``[tokens, heads, head_dim]``) into a new entry.
+
+    Validates every layer (shape, device, floating dtype, layer count) and raises
+    :class:`TensorMismatchError` before anything is published.
+    """
+    cross = spec.cross_attention_spec(cache_name)
+    shape = (cross.tokens, cross.num_kv_heads or spec.num_kv_heads, cross.head_dim or spec.head_dim)
+    k_all = torch.empty((spec.num_layers, *shape), dtype=dtype, device=device)
+    v_all = torch.empty_like(k_all)
+    count = 0
+    for layer, pair in enumerate(layer_kv):
+        if layer >= spec.num_layers:
+            raise TensorMismatchError(
+                f"populate_cross_attention({cache_name!r}): expected {spec.num_layers} layers, got more"
+            )
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise TensorMismatchError(
+                f"populate_cross_attention({cache_name!r}) layer {layer}: expected a (k, v) pair, got {pair!r:.80}"
+            )
+        k, v = pair
+        for label, t in (("k", k), ("v", v)):
+            _check_layer_tensor(cache_name, layer, label, t, shape, device, dtype)
+        k_all[layer].copy_(k.detach())  # a cache holds data, never an autograd graph
+        v_all[layer].copy_(v.detach())
+        count += 1
+    if count != spec.num_layers:
+        raise TensorMismatchError(
+            f"populate_cross_attention({cache_name!r}): expected {spec.num_layers} layers, got {count}"
+        )
+    return CrossEntry(k_all, v_all, next(_versions))
+
+
+def _check_layer_tensor(
+    cache_name: str, layer: int, label: str, t: object, shape: tuple[int, ...], device: torch.device,
+    dtype: torch.dtype,
+) -> None:
+    where = f"populate_cross_attention({cache_name!r}) layer {layer} {label}"
+    if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
+        got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise TensorMismatchError(f"{where}: expected shape {shape} [tokens, heads, head_dim], got {got}")
+    if t.device != device and not (t.device.type == device.type == "cpu"):
+        raise TensorMismatchError(f"{where}: expected device {device}, got {t.device}")
+    if not t.dtype.is_floating_point:
+        raise TensorMismatchError(f"{where}: expected a floating dtype (stored as {dtype}), got {t.dtype}")
+
+
+def missing_message(name: str, who: str) -> str:
+    return f"Cross-attention cache {name!r} was read before it was populated for {who}; call populate_cross_attention() first"
+
+
+def not_populated(name: str, branch: str, session_id: str) -> CrossAttentionNotPopulatedError:
+    return CrossAttentionNotPopulatedError(
+        f"Cross-attention cache {name!r} for KV branch {branch!r} of session {session_id!r} was read before it "
+        "was populated"
+    )
+
+
+#: name -> (K, V), each ``[num_layers, num_streams, tokens, heads, dim]``.
+Stacked = dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(eq=False)
+class CrossStack:
+    """The stacked cross caches of one (reused) forward context, and what they were stacked from."""
+
+    #: name -> the entries' versions the current stack holds.
+    versions: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    #: Fixed buffers of static contexts (allocated on first use, then copied into).
+    buffers: Stacked = field(default_factory=dict)
+
+    def restack(
+        self,
+        names: Sequence[str],
+        entries: Mapping[str, Sequence[CrossEntry | None]],
+        streams: Sequence[str],
+        current: Stacked,
+        static: bool,
+    ) -> tuple[Stacked, dict[str, str], dict[str, tuple[int, ...]]]:
+        """Stack each cache's per-stream ``entries`` (``None`` = not populated for that stream).
+
+        ``streams`` names the streams for error messages; ``current`` is what the context
+        publishes now. Returns ``(stacked, missing reasons, versions)``; nothing is stored here
+        until :meth:`adopt` (so a failed forward leaves this stack as it was).
+        """
+        stacked: Stacked = {}
+        missing: dict[str, str] = {}
+        versions: dict[str, tuple[int, ...]] = {}
+        for name in names:
+            per_stream = entries[name]
+            absent = [who for who, e in zip(streams, per_stream) if e is None]
+            if absent:
+                missing[name] = missing_message(name, ", ".join(absent))
+                continue
+            present = [e for e in per_stream if e is not None]
+            key = tuple(e.version for e in present)
+            if self.versions.get(name) == key and name in current:
+                stacked[name] = current[name]
+            else:
+                stacked[name] = self._stack(name, present, static)
+            versions[name] = key
+        return stacked, missing, versions
+
+    def _stack(self, name: str, entries: list[CrossEntry], static: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        if static:
+            bufs = self.buffers.get(name)
+            if bufs is None:
+                bufs = (torch.stack([e.k for e in entries], dim=1), torch.stack([e.v for e in entries], dim=1))
+                self.buffers[name] = bufs
+            else:
+                torch.stack([e.k for e in entries], dim=1, out=bufs[0])
+                torch.stack([e.v for e in entries], dim=1, out=bufs[1])
+            return bufs
+        if len(entries) == 1:  # a view: no copy for a single stream
+            return entries[0].k.unsqueeze(1), entries[0].v.unsqueeze(1)
+        return torch.stack([e.k for e in entries], dim=1), torch.stack([e.v for e in entries], dim=1)
+
+    def adopt(self, versions: dict[str, tuple[int, ...]]) -> None:
+        self.versions = versions
