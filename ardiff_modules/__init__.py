@@ -58,7 +58,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         chunk_attention,
         populate_cross_attention,
     )
-    from ardiff_modules.plan import ForwardLayout, StreamLayout
+    from ardiff_modules.layout import ForwardLayout, StreamLayout
     from ardiff_modules.pool import KVPool
     from ardiff_modules.state import KVState
 
@@ -76,8 +76,8 @@ _LAZY: dict[str, str] = {
     "cached_cross_attention": "ardiff_modules.modules",
     "chunk_attention": "ardiff_modules.modules",
     "populate_cross_attention": "ardiff_modules.modules",
-    "ForwardLayout": "ardiff_modules.plan",
-    "StreamLayout": "ardiff_modules.plan",
+    "ForwardLayout": "ardiff_modules.layout",
+    "StreamLayout": "ardiff_modules.layout",
     "KVPool": "ardiff_modules.pool",
     "KVState": "ardiff_modules.state",
     "RotaryEmbedding": "ardiff_modules.modules",

@@ -34,7 +34,7 @@ from ardiff_modules.errors import (
 from ardiff_modules.forward import ForwardTransaction, Status, deferred_interrupts
 from ardiff_modules.history import BranchHistory
 from ardiff_modules.ops import PLANS
-from ardiff_modules.plan import ForwardLayout, StreamLayout
+from ardiff_modules.layout import ForwardLayout, StreamLayout
 from ardiff_modules.pool import KVPool, pages_for_budget
 from ardiff_modules.spec import KVCacheSpec
 from ardiff_modules.state import KVState

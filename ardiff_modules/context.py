@@ -21,7 +21,7 @@ from ardiff_modules.backends.base import AttentionPlan
 from ardiff_modules.cross import CrossStack
 from ardiff_modules.errors import CrossAttentionNotPopulatedError, ForwardFinishedError, UnknownCacheError
 from ardiff_modules.forward import ForwardTransaction
-from ardiff_modules.plan import ForwardLayout
+from ardiff_modules.layout import ForwardLayout
 
 
 class TransactionOwner(Protocol):

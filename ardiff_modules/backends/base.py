@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ardiff_modules.plan import ForwardLayout
+from ardiff_modules.layout import ForwardLayout
 
 
 @dataclass(frozen=True, eq=False)

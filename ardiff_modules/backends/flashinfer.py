@@ -28,7 +28,7 @@ import torch
 
 from ardiff_modules.backends.base import AttentionBackend, AttentionPlan, PlanRequest
 from ardiff_modules.errors import BackendUnavailableError, TensorMismatchError
-from ardiff_modules.plan import RaggedRows
+from ardiff_modules.layout import RaggedRows
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
