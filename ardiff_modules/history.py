@@ -2,8 +2,8 @@
 
 A chunk is a tuple of page ids (``pages_per_chunk`` of them). The branch holds
 one reference on every page it lists; all page bookkeeping goes through the
-:class:`~ardiff_modules.allocator.PageAllocator`, eviction arithmetic through
-the :class:`~ardiff_modules.window.SinkWindowPolicy`::
+:class:`~ardiff_modules.allocator.PageAllocator`, eviction through the branch's
+:class:`~ardiff_modules.window.RetentionPolicy` (sink + window by default)::
 
     sinks (never evicted) | window (last W committed) | pending (being denoised)
           written once          committed = immutable      overwritten by every
@@ -30,7 +30,7 @@ attended without paging. The extent holds one reference on each of its pages
 from __future__ import annotations
 
 from ardiff_modules.allocator import PageAllocator
-from ardiff_modules.window import CommitResult, SinkWindowPolicy
+from ardiff_modules.window import RetentionPolicy, Retained, retain
 
 PageChunk = tuple[int, ...]
 
@@ -39,7 +39,7 @@ class BranchHistory:
     """Resident committed chunks, pending chunks and the absolute token offset of one branch."""
 
     def __init__(
-        self, policy: SinkWindowPolicy, pages_per_chunk: int, chunk_size: int, extent_chunks: int | None = None
+        self, policy: RetentionPolicy, pages_per_chunk: int, chunk_size: int, extent_chunks: int | None = None
     ) -> None:
         self.policy = policy
         self.pages_per_chunk = pages_per_chunk
@@ -47,8 +47,9 @@ class BranchHistory:
         #: Chunk slots of the contiguous extent to reserve on first use (``None``: plain paging).
         self.extent_chunks = extent_chunks
         self.extent: tuple[int, ...] = ()
-        self.sinks: tuple[PageChunk, ...] = ()
-        self.window: tuple[PageChunk, ...] = ()
+        #: Resident committed chunks, oldest first, and their commit indices (what the policy keeps).
+        self.resident: tuple[PageChunk, ...] = ()
+        self.resident_index: tuple[int, ...] = ()
         self.pending: tuple[PageChunk, ...] = ()
         #: Chunks ever committed (evicted ones included): drives absolute positions.
         self.committed_chunks = 0
@@ -63,8 +64,13 @@ class BranchHistory:
 
     @property
     def resident_chunks(self) -> tuple[PageChunk, ...]:
-        """Visible committed chunks, oldest first: sinks then window."""
-        return self.sinks + self.window
+        """Visible committed chunks, oldest first (sinks, then whatever the policy keeps)."""
+        return self.resident
+
+    @property
+    def sinks(self) -> tuple[PageChunk, ...]:
+        """The resident chunks the policy never evicts (its first ``sink_chunks``)."""
+        return tuple(c for c, i in zip(self.resident, self.resident_index) if i < self.policy.sink_chunks)
 
     def history_pages(self) -> list[int]:
         return [page for chunk in self.resident_chunks for page in chunk]
@@ -93,7 +99,7 @@ class BranchHistory:
         to a fork sharing it; committed pages are immutable, so its slot waits until that
         fork lets go (meanwhile new chunks come from the general pool and run paged).
         """
-        used = set(self.sinks) | set(self.window) | set(self.pending)
+        used = set(self.resident) | set(self.pending)
         return [
             slot
             for slot in self.extent_slots()
@@ -155,18 +161,18 @@ class BranchHistory:
         self.apply_commit(result)
         return freed
 
-    def plan_commit(self) -> CommitResult[PageChunk]:
+    def plan_commit(self) -> Retained[PageChunk]:
         """What committing the pending chunks would do (pure: nothing changes).
 
         With :meth:`apply_commit`, lets a forward over several branches compute every
         branch's commit first and apply them all with one allocator call (all or none).
         """
-        return self.policy.commit(self.sinks, self.window, self.pending)
+        return retain(self.policy, self.resident, self.resident_index, self.committed_chunks, self.pending)
 
-    def apply_commit(self, result: CommitResult[PageChunk]) -> None:
+    def apply_commit(self, result: Retained[PageChunk]) -> None:
         """Adopt a :meth:`plan_commit` result; the caller drops the references of ``result.evicted``."""
         self.committed_chunks += len(self.pending)
-        self.sinks, self.window, self.pending = result.sinks, result.window, ()
+        self.resident, self.resident_index, self.pending = result.resident, result.indices, ()
 
     def clear_pending(self) -> None:
         """Forget the pending chunks; the caller drops their references (see :meth:`drop_pending`)."""
@@ -181,7 +187,8 @@ class BranchHistory:
     def release(self, allocator: PageAllocator) -> list[int]:
         """Drop every reference (history, pending, extent) and start over at offset 0."""
         freed = allocator.decref(self.referenced_pages())
-        self.sinks = self.window = self.pending = ()
+        self.resident = self.pending = ()
+        self.resident_index = ()
         self.extent = ()
         self.committed_chunks = 0
         self.forward = None
@@ -193,9 +200,11 @@ class BranchHistory:
         ``sinks_only`` shares just the sink chunks (e.g. sessions that start from the same
         first frame): the branch then continues after them, with an empty window.
         """
-        sinks = other.sinks
-        window = () if sinks_only else other.window
-        allocator.incref(p for chunk in sinks + window for p in chunk)
+        if sinks_only:
+            resident, indices = other.sinks, other.resident_index[: len(other.sinks)]
+        else:
+            resident, indices = other.resident, other.resident_index
+        allocator.incref(p for chunk in resident for p in chunk)
         self.release(allocator)
-        self.sinks, self.window = sinks, window
-        self.committed_chunks = len(sinks) if sinks_only else other.committed_chunks
+        self.resident, self.resident_index = resident, indices
+        self.committed_chunks = len(resident) if sinks_only else other.committed_chunks
