@@ -8,11 +8,20 @@ keys of a real forward is ``ForwardContext.to_dense()``.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
 
+from ardiff_modules.errors import SpecError
+from ardiff_modules.spec import _require_int
 from ardiff_modules.window import SinkWindowPolicy
+
+
+def _require_rule(owner: str, sink_chunks: int, window_chunks: int | None) -> None:
+    _require_int(owner, "sink_chunks", sink_chunks, minimum=0)
+    if window_chunks is not None:
+        _require_int(owner, "window_chunks", window_chunks, minimum=0)
 
 
 def chunk_visibility(
@@ -23,6 +32,10 @@ def chunk_visibility(
     Columns ``0 .. num_committed - 1`` are committed chunks in commit order (evicted ones are
     all-False columns); the last ``num_pending`` columns are the pending chunks (block-causal).
     """
+    _require_int("chunk_visibility", "num_committed", num_committed, minimum=0)
+    # A forward always has at least one pending (query) chunk.
+    _require_int("chunk_visibility", "num_pending", num_pending, minimum=1)
+    _require_rule("chunk_visibility", sink_chunks, window_chunks)
     policy = SinkWindowPolicy(sink_chunks, window_chunks)
     mask = torch.zeros(num_pending, num_committed + num_pending, dtype=torch.bool)
     mask[:, policy.visible_indices(num_committed)] = True
@@ -33,6 +46,7 @@ def chunk_visibility(
 
 def chunk_visibility_name(sink_chunks: int, window_chunks: int | None) -> str:
     """Readable name of a rule, e.g. ``sink1_window6`` (attention-gym style)."""
+    _require_rule("chunk_visibility_name", sink_chunks, window_chunks)
     window = "all" if window_chunks is None else str(window_chunks)
     return f"sink{sink_chunks}_window{window}"
 
@@ -41,6 +55,9 @@ def render_chunk_mask(
     path: str | Path, num_committed: int, num_pending: int, sink_chunks: int, window_chunks: int | None
 ) -> Path:
     """Save :func:`chunk_visibility` as a PNG (needs matplotlib); returns the path."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise SpecError(f"render_chunk_mask.path: expected a str or os.PathLike, got {path!r} ({type(path).__name__})")
+    mask = chunk_visibility(num_committed, num_pending, sink_chunks, window_chunks)  # validates before plotting
     try:
         import matplotlib
 
@@ -48,7 +65,6 @@ def render_chunk_mask(
         import matplotlib.pyplot as plt
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ImportError("render_chunk_mask needs matplotlib: pip install 'ardiff_modules[examples]'") from exc
-    mask = chunk_visibility(num_committed, num_pending, sink_chunks, window_chunks)
     total = mask.shape[1]
     fig, ax = plt.subplots(figsize=(max(4.0, 0.45 * total), max(1.6, 0.45 * num_pending + 1.0)))
     ax.imshow(mask.numpy(), cmap="Blues", vmin=0, vmax=1.4, aspect="equal")

@@ -8,6 +8,8 @@ plus a sliding window), which KV branches a session has (e.g. CFG's
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping, Set
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,11 +19,23 @@ from ardiff_modules.errors import SpecError, UnknownCacheError
 SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
 
 
-def _require_int(owner: str, name: str, value: Any, *, minimum: int) -> None:
+def _require_int(owner: str, name: str, value: Any, *, minimum: int, below: int | None = None) -> int:
+    """The package's one int validator: ``value`` is an int (not a bool) in ``[minimum, below)``."""
+    expected = f"an int >= {minimum}" if below is None else f"an int in [{minimum}, {below})"
     if isinstance(value, bool) or not isinstance(value, int):
-        raise SpecError(f"{owner}.{name}: expected an int >= {minimum}, got {value!r} ({type(value).__name__})")
-    if value < minimum:
-        raise SpecError(f"{owner}.{name}: expected an int >= {minimum}, got {value}")
+        raise SpecError(f"{owner}.{name}: expected {expected}, got {value!r} ({type(value).__name__})")
+    if value < minimum or (below is not None and value >= below):
+        raise SpecError(f"{owner}.{name}: expected {expected}, got {value}")
+    return value
+
+
+def _require_positive_float(owner: str, name: str, value: Any) -> float:
+    """``value`` is a finite real number > 0 (an int or a float, not a bool): eps, theta, scale."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SpecError(f"{owner}.{name}: expected a finite number > 0, got {value!r} ({type(value).__name__})")
+    if not (value > 0 and math.isfinite(value)):  # also rejects NaN (every comparison is False)
+        raise SpecError(f"{owner}.{name}: expected a finite number > 0, got {value!r}")
+    return float(value)
 
 
 def _require_names(owner: str, name: str, values: tuple[str, ...]) -> None:
@@ -121,6 +135,11 @@ class KVCacheSpec:
         # Accept lists (and one bare branch name) for convenience; store tuples so the spec stays hashable.
         if isinstance(self.branches, str):
             object.__setattr__(self, "branches", (self.branches,))
+        if isinstance(self.cross_attention, str):
+            raise SpecError(
+                f"{owner}.cross_attention: expected a tuple of CrossAttentionSpec, got {self.cross_attention!r} "
+                f"(a name: use (CrossAttentionSpec({self.cross_attention!r}, tokens),))"
+            )
         if isinstance(self.cross_attention, CrossAttentionSpec):
             raise SpecError(
                 f"{owner}.cross_attention: expected a tuple of CrossAttentionSpec, got {self.cross_attention!r} "
@@ -128,6 +147,12 @@ class KVCacheSpec:
             )
         for name in ("branches", "cross_attention"):
             value = getattr(self, name)
+            # Branch order is the default batch order of a forward: a set has none, a dict would
+            # silently keep only its keys.
+            if isinstance(value, (Set, Mapping)):
+                raise SpecError(
+                    f"{owner}.{name}: expected an ordered tuple, got {value!r} (a {type(value).__name__})"
+                )
             try:
                 object.__setattr__(self, name, tuple(value))
             except TypeError:
@@ -180,6 +205,7 @@ class KVCacheSpec:
 
     def pages_per_branch(self, pending_chunks: int = 1) -> int | None:
         """Peak pages one branch holds: (sinks + window + pending) chunks; ``None`` if unbounded."""
+        _require_int("KVCacheSpec.pages_per_branch", "pending_chunks", pending_chunks, minimum=0)
         resident = self.max_resident_chunks
         if resident is None:
             return None

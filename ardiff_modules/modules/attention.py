@@ -3,22 +3,21 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from ardiff_modules.context import LayerContext
-from ardiff_modules.errors import TensorMismatchError
+from ardiff_modules.errors import SpecError, TensorMismatchError
 from ardiff_modules.modules.functional import Rope, apply_rope, cached_cross_attention, chunk_attention
-
-if TYPE_CHECKING:
-    from ardiff_modules.state import KVState
+from ardiff_modules.spec import _require_int, _require_positive_float
+from ardiff_modules.state import KVState
 
 QKNorm = Literal["full", "head"] | None
 
 
-def _qk_norm(kind: QKNorm, num_heads: int, head_dim: int, eps: float) -> nn.Module:
+def _qk_norm(owner: str, kind: QKNorm, num_heads: int, head_dim: int, eps: float) -> nn.Module:
     """The RMSNorm of Q or K: over all heads (``"full"``, Wan) or per head (``"head"``, SD3 / Qwen)."""
     if kind is None:
         return nn.Identity()
@@ -26,7 +25,62 @@ def _qk_norm(kind: QKNorm, num_heads: int, head_dim: int, eps: float) -> nn.Modu
         return nn.RMSNorm(num_heads * head_dim, eps=eps)
     if kind == "head":
         return nn.RMSNorm(head_dim, eps=eps)
-    raise ValueError(f"qk_norm: expected None, 'full' or 'head', got {kind!r}")
+    raise SpecError(f"{owner}.qk_norm: expected None, 'full' or 'head', got {kind!r}")
+
+
+def _head_geometry(
+    owner: str, dim: int, num_heads: int, num_kv_heads: int | None, head_dim: int | None
+) -> tuple[int, int]:
+    """Validated ``(num_kv_heads, head_dim)`` with their defaults filled in."""
+    _require_int(owner, "dim", dim, minimum=1)
+    _require_int(owner, "num_heads", num_heads, minimum=1)
+    if num_kv_heads is None:
+        num_kv_heads = num_heads
+    _require_int(owner, "num_kv_heads", num_kv_heads, minimum=1)
+    if num_heads % num_kv_heads:
+        raise SpecError(f"{owner}.num_heads: expected a multiple of num_kv_heads={num_kv_heads}, got {num_heads}")
+    if head_dim is None:
+        # dim // num_heads would silently drop the remainder (64 wide, 5 heads -> 60-wide projections).
+        if dim % num_heads:
+            raise SpecError(
+                f"{owner}.dim: expected a multiple of num_heads={num_heads} (or an explicit head_dim), got {dim}"
+            )
+        head_dim = dim // num_heads
+    _require_int(owner, "head_dim", head_dim, minimum=1)
+    return num_kv_heads, head_dim
+
+
+def _check_options(owner: str, bias: Any, eps: Any) -> float:
+    """``bias`` is a bool and ``eps`` a finite number > 0 (checked even without qk_norm: both are config)."""
+    if not isinstance(bias, bool):
+        raise SpecError(f"{owner}.bias: expected a bool, got {bias!r} ({type(bias).__name__})")
+    return _require_positive_float(owner, "eps", eps)
+
+
+def _check_input(owner: str, name: str, x: Any, rank: str, width: int, weight: torch.Tensor) -> None:
+    """``x`` is a floating tensor ``[..., width]`` of the rank ``rank`` names, on ``weight``'s device.
+
+    A dtype other than the weights' is allowed only under autocast (which casts both).
+    """
+    ndim = rank.count(",") + 1
+    if not isinstance(x, torch.Tensor) or x.dim() != ndim or x.shape[-1] != width:
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise TensorMismatchError(f"{owner} {name}: expected shape {rank} with width {width}, got {got}")
+    if x.device != weight.device:
+        raise TensorMismatchError(f"{owner} {name}: expected device {weight.device} (the weights'), got {x.device}")
+    if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+        raise TensorMismatchError(
+            f"{owner} {name}: expected dtype {weight.dtype} (the weights'; or run under autocast), got {x.dtype}"
+        )
+
+
+def _check_layer_context(owner: str, kv: Any, needs: str) -> None:
+    """``kv`` has the ``LayerContext`` attribute this layer uses (duck-typed: benchmarks pass look-alikes)."""
+    if not hasattr(kv, needs):
+        raise SpecError(
+            f"{owner} kv: expected a LayerContext (one entry of ForwardContext.layers, with .{needs}), "
+            f"got {type(kv).__name__}"
+        )
 
 
 def _split_heads(t: torch.Tensor, heads: int, head_dim: int, kind: QKNorm, norm: nn.Module) -> torch.Tensor:
@@ -72,26 +126,26 @@ class ChunkSelfAttention(nn.Module):
         eps: float = 1e-6,
     ) -> None:
         super().__init__()
+        owner = "ChunkSelfAttention"
+        self.num_kv_heads, self.head_dim = _head_geometry(owner, dim, num_heads, num_kv_heads, head_dim)
+        eps = _check_options(owner, bias, eps)
+        self.dim = dim
         self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads or num_heads
-        self.head_dim = head_dim or dim // num_heads
-        if num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads: expected a multiple of num_kv_heads={self.num_kv_heads}, got {num_heads}")
         self.qk_norm = qk_norm
+        self.norm_q = _qk_norm(owner, qk_norm, num_heads, self.head_dim, eps)
+        self.norm_k = _qk_norm(owner, qk_norm, self.num_kv_heads, self.head_dim, eps)
         self.to_q = nn.Linear(dim, num_heads * self.head_dim, bias=bias)
         self.to_k = nn.Linear(dim, self.num_kv_heads * self.head_dim, bias=bias)
         self.to_v = nn.Linear(dim, self.num_kv_heads * self.head_dim, bias=bias)
         self.to_out = nn.Linear(num_heads * self.head_dim, dim, bias=bias)
-        self.norm_q = _qk_norm(qk_norm, num_heads, self.head_dim, eps)
-        self.norm_k = _qk_norm(qk_norm, self.num_kv_heads, self.head_dim, eps)
 
     def _split(self, t: torch.Tensor, heads: int, norm: nn.Module) -> torch.Tensor:
         return _split_heads(t, heads, self.head_dim, self.qk_norm, norm)
 
     def forward(self, x: torch.Tensor, kv: LayerContext, rope: Rope | None = None) -> torch.Tensor:
         """``x`` ``[streams, seq_len, dim]`` -> ``[streams, seq_len, dim]``."""
-        if x.dim() != 3:
-            raise TensorMismatchError(f"ChunkSelfAttention x: expected [streams, seq_len, dim], got {tuple(x.shape)}")
+        _check_input("ChunkSelfAttention", "x", x, "[streams, seq_len, dim]", self.dim, self.to_q.weight)
+        _check_layer_context("ChunkSelfAttention", kv, "k_cache")
         q = self._split(self.to_q(x), self.num_heads, self.norm_q)
         k = self._split(self.to_k(x), self.num_kv_heads, self.norm_k)
         v = self.to_v(x).view(x.shape[0], x.shape[1], self.num_kv_heads, self.head_dim)
@@ -122,31 +176,40 @@ class CachedCrossAttention(nn.Module):
         eps: float = 1e-6,
     ) -> None:
         super().__init__()
+        owner = "CachedCrossAttention"
+        if not isinstance(cache_name, str) or not cache_name:
+            raise SpecError(f"{owner}.cache_name: expected a non-empty string, got {cache_name!r}")
+        self.num_kv_heads, self.head_dim = _head_geometry(owner, dim, num_heads, num_kv_heads, head_dim)
+        if context_dim is None:
+            context_dim = dim
+        _require_int(owner, "context_dim", context_dim, minimum=1)
+        eps = _check_options(owner, bias, eps)
         self.cache_name = cache_name
+        self.dim = dim
+        self.context_dim = context_dim
         self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads or num_heads
-        self.head_dim = head_dim or dim // num_heads
         self.qk_norm = qk_norm
-        context_dim = context_dim or dim
+        self.norm_q = _qk_norm(owner, qk_norm, num_heads, self.head_dim, eps)
+        self.norm_k = _qk_norm(owner, qk_norm, self.num_kv_heads, self.head_dim, eps)
         self.to_q = nn.Linear(dim, num_heads * self.head_dim, bias=bias)
         self.to_k = nn.Linear(context_dim, self.num_kv_heads * self.head_dim, bias=bias)
         self.to_v = nn.Linear(context_dim, self.num_kv_heads * self.head_dim, bias=bias)
         self.to_out = nn.Linear(num_heads * self.head_dim, dim, bias=bias)
-        self.norm_q = _qk_norm(qk_norm, num_heads, self.head_dim, eps)
-        self.norm_k = _qk_norm(qk_norm, self.num_kv_heads, self.head_dim, eps)
 
     def project_kv(self, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``context`` ``[tokens, context_dim]`` -> ``(k, v)`` each ``[tokens, num_kv_heads, head_dim]``."""
-        if context.dim() != 2:
-            raise TensorMismatchError(
-                f"CachedCrossAttention.project_kv context: expected [tokens, context_dim], got {tuple(context.shape)}"
-            )
+        _check_input(
+            "CachedCrossAttention.project_kv", "context", context, "[tokens, context_dim]", self.context_dim,
+            self.to_k.weight,
+        )
         k = _split_heads(self.to_k(context), self.num_kv_heads, self.head_dim, self.qk_norm, self.norm_k)
         v = self.to_v(context).view(context.shape[0], self.num_kv_heads, self.head_dim)
         return k, v
 
     def forward(self, x: torch.Tensor, kv: LayerContext) -> torch.Tensor:
         """``x`` ``[streams, seq_len, dim]`` -> ``[streams, seq_len, dim]``."""
+        _check_input("CachedCrossAttention", "x", x, "[streams, seq_len, dim]", self.dim, self.to_q.weight)
+        _check_layer_context("CachedCrossAttention", kv, "cross_kv")
         s, n, _ = x.shape
         q = _split_heads(self.to_q(x), self.num_heads, self.head_dim, self.qk_norm, self.norm_q)
         out = cached_cross_attention(q, kv, self.cache_name)
@@ -165,12 +228,33 @@ def populate_cross_attention(
     Layers are projected lazily, in order, as ``state.populate_cross_attention`` consumes them, so a
     failure part-way (e.g. out of memory) leaves the previous cache visible.
     """
-    layers = list(layers)
-    name = cache_name or layers[0].cache_name
+    owner = "populate_cross_attention"
+    if not isinstance(state, KVState):
+        raise SpecError(f"{owner}.state: expected a KVState, got {type(state).__name__}")
+    try:
+        layers = list(layers)
+    except TypeError:  # e.g. a single layer
+        raise SpecError(
+            f"{owner}.layers: expected an iterable of CachedCrossAttention (one per layer), "
+            f"got a {type(layers).__name__}"
+        ) from None
+    if not layers:
+        raise SpecError(f"{owner}.layers: expected at least one CachedCrossAttention (one per layer), got none")
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, CachedCrossAttention):
+            raise SpecError(f"{owner}.layers: expected CachedCrossAttention items, got {type(layer).__name__} at {i}")
+    if cache_name is None:
+        # Publishing under layer 0's name while another layer reads another cache would be silently wrong.
+        names = tuple(layer.cache_name for layer in layers)
+        if len(set(names)) != 1:
+            raise SpecError(
+                f"{owner}.layers: expected one cache_name for all layers (or an explicit cache_name), got {names}"
+            )
+        cache_name = names[0]
 
     def projections() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         with torch.no_grad():
             for layer in layers:
                 yield layer.project_kv(context)
 
-    state.populate_cross_attention(kv_branch, name, projections())
+    state.populate_cross_attention(kv_branch, cache_name, projections())

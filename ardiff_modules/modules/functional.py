@@ -97,6 +97,27 @@ class _InferenceOnly(torch.autograd.Function):
         )
 
 
+def _check_chunk_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerContext) -> tuple[int, ...]:
+    """Validate ``chunk_attention``'s tensors; return ``(streams, seq_len, kv_heads, head_dim)``."""
+    # Shapes come from tensors (guarded by shape), never from Python objects of the context,
+    # so a compiled model does not specialise on a session or a chunk.
+    streams, seq_len = kv.forward.positions.shape
+    pages = kv.k_cache
+    kv_heads, head_dim = pages.shape[-2], pages.shape[-1]
+    if q.dim() != 4 or q.shape[0] != streams or q.shape[1] != seq_len or q.shape[3] != head_dim:
+        raise TensorMismatchError(
+            f"chunk_attention q: expected shape ({streams}, {seq_len}, num_heads, {head_dim}), got {tuple(q.shape)}"
+        )
+    if q.shape[2] % kv_heads != 0:
+        raise TensorMismatchError(
+            f"chunk_attention q: expected num_heads a multiple of num_kv_heads={kv_heads}, got {q.shape[2]}"
+        )
+    _check("q", q, tuple(q.shape), pages)
+    _check("k", k, (streams, seq_len, kv_heads, head_dim), pages)
+    _check("v", v, (streams, seq_len, kv_heads, head_dim), pages)
+    return streams, seq_len, kv_heads, head_dim
+
+
 def chunk_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -128,22 +149,7 @@ def chunk_attention(
     -------
     ``[streams, seq_len, num_heads, head_dim]`` (and the LSE with ``return_lse``).
     """
-    # Shapes come from tensors (guarded by shape), never from Python objects of the context,
-    # so a compiled model does not specialise on a session or a chunk.
-    streams, seq_len = kv.forward.positions.shape
-    pages = kv.k_cache
-    kv_heads, head_dim = pages.shape[-2], pages.shape[-1]
-    if q.dim() != 4 or q.shape[0] != streams or q.shape[1] != seq_len or q.shape[3] != head_dim:
-        raise TensorMismatchError(
-            f"chunk_attention q: expected shape ({streams}, {seq_len}, num_heads, {head_dim}), got {tuple(q.shape)}"
-        )
-    if q.shape[2] % kv_heads != 0:
-        raise TensorMismatchError(
-            f"chunk_attention q: expected num_heads a multiple of num_kv_heads={kv_heads}, got {q.shape[2]}"
-        )
-    _check("q", q, tuple(q.shape), pages)
-    _check("k", k, (streams, seq_len, kv_heads, head_dim), pages)
-    _check("v", v, (streams, seq_len, kv_heads, head_dim), pages)
+    streams, seq_len, kv_heads, head_dim = _check_chunk_inputs(q, k, v, kv)
     tokens = streams * seq_len
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     graph_inputs = (q, k, v)
