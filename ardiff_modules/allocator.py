@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Sequence
 
+from ardiff_modules.checks import is_int, require_int
 from ardiff_modules.errors import AllocatorError, CapacityError
 
 
@@ -23,8 +24,7 @@ class PageAllocator:
     """Free list and refcounts over ``num_pages`` page ids ``0 .. num_pages - 1``."""
 
     def __init__(self, num_pages: int) -> None:
-        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
-            raise AllocatorError(f"PageAllocator.num_pages: expected an int >= 1, got {num_pages!r}")
+        require_int("PageAllocator.num_pages", num_pages, minimum=1, error=AllocatorError)
         self.num_pages = num_pages
         self._refcounts = [0] * num_pages
         # NOTE: a deque, not a set: allocation order is deterministic (tests pin exact ids).
@@ -65,8 +65,7 @@ class PageAllocator:
 
         Raises :class:`CapacityError` (nothing allocated) when fewer are free.
         """
-        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-            raise AllocatorError(f"allocate: expected a page count >= 0, got {count!r}")
+        require_int("allocate", count, minimum=0, what="a page count", error=AllocatorError)
         if count > len(self._free):
             raise CapacityError(
                 f"KV pool out of pages: needed {count} free pages, only {len(self._free)} of "
@@ -96,8 +95,7 @@ class PageAllocator:
         Raises :class:`CapacityError` (nothing allocated) when no run is long enough,
         including when enough pages are free but fragmented.
         """
-        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-            raise AllocatorError(f"allocate_contiguous: expected a page count >= 1, got {count!r}")
+        require_int("allocate_contiguous", count, minimum=1, what="a page count", error=AllocatorError)
         start = None
         run = 0
         previous = -2
@@ -190,7 +188,7 @@ class PageAllocator:
     # ------------------------------------------------------------------ checks
     def _check_ids(self, pages: Sequence[int]) -> None:
         for page in pages:
-            if isinstance(page, bool) or not isinstance(page, int) or not 0 <= page < self.num_pages:
+            if not is_int(page) or not 0 <= page < self.num_pages:
                 raise AllocatorError(f"expected a page id in [0, {self.num_pages}), got {page!r}")
 
     def check_invariants(self) -> None:

@@ -21,6 +21,7 @@ import torch
 
 from ardiff_modules.allocator import PageAllocator
 from ardiff_modules.backends import AttentionBackend, AttentionPlan, PlanRequest, resolve_backend
+from ardiff_modules.checks import is_int, require_bool, require_int
 from ardiff_modules.context import ForwardContext, LayerContext
 from ardiff_modules.errors import (
     CacheClosedError,
@@ -105,9 +106,9 @@ class KVCache:
     ) -> None:
         if not isinstance(spec, KVCacheSpec):
             raise SpecError(f"KVCache.spec: expected a KVCacheSpec, got {type(spec).__name__}")
-        for name, flag in (("contiguous_extents", contiguous_extents), ("check_finite", check_finite)):
-            if flag is not None and not isinstance(flag, bool):
-                raise SpecError(f"KVCache.{name}: expected a bool, got {flag!r}")
+        if contiguous_extents is not None:
+            require_bool("KVCache.contiguous_extents", contiguous_extents)
+        require_bool("KVCache.check_finite", check_finite)
         if (num_pages is None) == (budget_bytes is None):
             raise SpecError(
                 f"KVCache: expected exactly one of num_pages / budget_bytes, got num_pages={num_pages!r}, "
@@ -127,8 +128,7 @@ class KVCache:
         #: Chunk slots of each branch's contiguous extent, or ``None`` for plain paging.
         self.extent_chunks = spec.max_resident_chunks + 1 if contiguous_extents else None  # type: ignore[operator]
         self._sessions: dict[str, KVState] = {}
-        if isinstance(max_forward_contexts, bool) or not isinstance(max_forward_contexts, int) or max_forward_contexts < 1:
-            raise SpecError(f"max_forward_contexts: expected an int >= 1, got {max_forward_contexts!r}")
+        require_int("KVCache.max_forward_contexts", max_forward_contexts, minimum=1)
         self.max_forward_contexts = max_forward_contexts
         self.check_finite = check_finite
         # Order = recency (moved to the end on use): the front is the least recently used.
@@ -179,8 +179,7 @@ class KVCache:
         """Open a session with every branch of the spec; no page is allocated until a branch runs."""
         with self._lock:
             self._check_open("open_session")
-            if session_id is not None and not isinstance(session_id, str):
-                raise SpecError(f"open_session: expected a str session id or None, got {session_id!r}")
+            _check_session_id(session_id)
             if session_id is None:
                 session_id = f"session-{next(self._session_ids)}"
                 while session_id in self._sessions:
@@ -284,7 +283,7 @@ class KVCache:
             )
 
     def _validate_streams(self, streams: Sequence[tuple[KVState, str]]) -> tuple[tuple[KVState, str], ...]:
-        if isinstance(streams, (set, frozenset, dict)) or not isinstance(streams, Iterable):
+        if isinstance(streams, (set, frozenset, dict, str)) or not isinstance(streams, Iterable):
             raise SpecError(
                 f"prepare_forward: expected an ordered sequence of (session, branch) pairs, got {type(streams).__name__}"
             )
@@ -310,13 +309,12 @@ class KVCache:
 
     def _validate_forward_args(self, seq_len: int, commit_current: bool, static: bool) -> int:
         chunk = self.spec.chunk_size
-        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0 or seq_len % chunk:
+        if not is_int(seq_len) or seq_len <= 0 or seq_len % chunk:
             raise SequenceLengthError(
                 f"seq_len: expected a positive multiple of chunk_size={chunk}, got {seq_len!r}"
             )
-        for name, value in (("commit_current", commit_current), ("static", static)):
-            if not isinstance(value, bool):
-                raise SpecError(f"prepare_forward.{name}: expected a bool, got {value!r} ({type(value).__name__})")
+        require_bool("prepare_forward.commit_current", commit_current)
+        require_bool("prepare_forward.static", static)
         if static and self.spec.window_chunks is None:
             raise SpecError(
                 "prepare_forward(static=True): expected a bounded window (window_chunks is not None) so the "
@@ -328,8 +326,14 @@ class KVCache:
         self, token_mask: torch.Tensor, histories: Sequence[BranchHistory], seq_len: int, num_chunks: int
     ) -> None:
         expected = (len(histories), seq_len, self.max_visible_keys(histories, num_chunks))
-        if not isinstance(token_mask, torch.Tensor) or token_mask.dtype != torch.bool:
-            raise TensorMismatchError(f"token_mask: expected a torch.bool tensor, got {token_mask!r:.80}")
+        if not isinstance(token_mask, torch.Tensor):
+            raise TensorMismatchError(f"token_mask: expected a torch.bool tensor, got {type(token_mask).__name__}")
+        if token_mask.dtype != torch.bool:
+            raise TensorMismatchError(f"token_mask: expected dtype torch.bool, got {token_mask.dtype}")
+        if token_mask.device.type not in ("cpu", self.pool.device.type):
+            raise TensorMismatchError(
+                f"token_mask: expected a tensor on the CPU or {self.pool.device}, got one on {token_mask.device}"
+            )
         if tuple(token_mask.shape) != expected:
             raise TensorMismatchError(
                 f"token_mask: expected shape {expected} [streams, seq_len, max_keys], got {tuple(token_mask.shape)}"
@@ -613,12 +617,13 @@ class KVCache:
 
         Raises :class:`SpecError` for an unbounded window (no peak exists).
         """
+        self._check_open("pages_per_session")
         resident = self.spec.max_resident_chunks
         if resident is None:
             raise SpecError("pages_per_session: expected a bounded window (window_chunks), got None")
-        _require_count("pages_per_session.pending_chunks", pending_chunks)
+        require_int("pages_per_session.pending_chunks", pending_chunks, minimum=1)
         if branches is not None:
-            _require_count("pages_per_session.branches", branches)
+            require_int("pages_per_session.branches", branches, minimum=1, below=len(self.spec.branches) + 1)
         branches = len(self.spec.branches) if branches is None else branches
         chunks = resident + pending_chunks
         if self.extent_chunks is not None:
@@ -644,7 +649,7 @@ class KVCache:
 
     def can_admit(self, num_sessions: int = 1, pending_chunks: int = 1) -> bool:
         """Whether ``num_sessions`` more sessions fit at their peak (see :meth:`sessions_that_fit`)."""
-        _require_count("can_admit.num_sessions", num_sessions)
+        require_int("can_admit.num_sessions", num_sessions, minimum=1)
         return self.sessions_that_fit(pending_chunks) >= num_sessions
 
     def admit_session(self, session_id: str | None = None, pending_chunks: int = 1) -> KVState:
@@ -654,6 +659,7 @@ class KVCache:
 
     def _admit_session(self, session_id: str | None, pending_chunks: int) -> KVState:
         self._check_open("admit_session")
+        _check_session_id(session_id)
         if not self.can_admit(1, pending_chunks):
             needed = self.pages_per_session(pending_chunks=pending_chunks)
             free = self.allocator.num_free - self.committed_growth()
@@ -702,9 +708,9 @@ def _to_device(cpu: torch.Tensor, device: torch.device, out: torch.Tensor | None
     return staged.to(device, non_blocking=True)
 
 
-def _require_count(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise SpecError(f"{name}: expected an int >= 1, got {value!r}")
+def _check_session_id(session_id: str | None) -> None:
+    if session_id is not None and (not isinstance(session_id, str) or not session_id):
+        raise SpecError(f"open_session: expected a non-empty str session id or None, got {session_id!r}")
 
 
 def _check_no_open_commit(state: KVState, branch: str, history: BranchHistory) -> None:

@@ -215,8 +215,7 @@ class ForwardContext:
             self.owner.finish_forward(transaction, success)
 
     def __enter__(self) -> ForwardContext:
-        if self.transaction is None:
-            raise ForwardFinishedError("ForwardContext: expected a prepared forward, got none")
+        self.check_usable("ForwardContext.__enter__")  # a finished forward cannot be entered again
         self._entered.append(self.transaction)
         return self
 

@@ -58,6 +58,11 @@ def build_entry(
     Validates every layer (shape, device, floating dtype, layer count) and raises
     :class:`TensorMismatchError` before anything is published.
     """
+    if not isinstance(layer_kv, Iterable) or isinstance(layer_kv, torch.Tensor):
+        raise TensorMismatchError(
+            f"populate_cross_attention({cache_name!r}): expected an iterable of {spec.num_layers} (k, v) pairs, "
+            f"got {type(layer_kv).__name__}"
+        )
     cross = spec.cross_attention_spec(cache_name)
     shape = (cross.tokens, cross.num_kv_heads or spec.num_kv_heads, cross.head_dim or spec.head_dim)
     k_all = torch.empty((spec.num_layers, *shape), dtype=dtype, device=device)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ardiff_modules.checks import require_bool, require_int
 from ardiff_modules.context import ForwardContext
 from ardiff_modules.errors import SpecError, TensorMismatchError
 
@@ -57,9 +58,11 @@ class CUDAGraphStep:
     def __init__(
         self, fn: Callable[..., torch.Tensor], *, clone_outputs: bool = True, warmup_iters: int = 2
     ) -> None:
+        if not callable(fn):
+            raise SpecError(f"CUDAGraphStep.fn: expected a callable fn(*inputs, layers), got {type(fn).__name__}")
         self.fn = fn
-        self.clone_outputs = clone_outputs
-        self.warmup_iters = warmup_iters
+        self.clone_outputs = require_bool("CUDAGraphStep.clone_outputs", clone_outputs)
+        self.warmup_iters = require_int("CUDAGraphStep.warmup_iters", warmup_iters, minimum=0)
         # Keyed weakly by context: a context dropped by everyone takes its graph with it.
         self._captured: weakref.WeakKeyDictionary[ForwardContext, _Captured] = weakref.WeakKeyDictionary()
 
@@ -77,7 +80,9 @@ class CUDAGraphStep:
         self._captured.clear()
 
     def __call__(self, forward: ForwardContext, *inputs: torch.Tensor) -> torch.Tensor:
-        if not isinstance(forward, ForwardContext) or not forward.static:
+        if not isinstance(forward, ForwardContext):
+            raise SpecError(f"CUDAGraphStep: expected a ForwardContext (static=True), got {type(forward).__name__}")
+        if not forward.static:
             raise SpecError("CUDAGraphStep: expected a forward prepared with static=True, got a dynamic one")
         self._drop_released()
         forward.check_usable("CUDAGraphStep")

@@ -8,11 +8,11 @@ plus a sliding window), which KV branches a session has (e.g. CFG's
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Set
 from dataclasses import dataclass, field
 from typing import Any
 
+from ardiff_modules.checks import require_int, require_positive_float
 from ardiff_modules.errors import SpecError, UnknownCacheError
 
 #: dtype names accepted by :class:`KVCacheSpec` (resolved to torch dtypes by the pool).
@@ -20,22 +20,11 @@ SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
 
 
 def _require_int(owner: str, name: str, value: Any, *, minimum: int, below: int | None = None) -> int:
-    """The package's one int validator: ``value`` is an int (not a bool) in ``[minimum, below)``."""
-    expected = f"an int >= {minimum}" if below is None else f"an int in [{minimum}, {below})"
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise SpecError(f"{owner}.{name}: expected {expected}, got {value!r} ({type(value).__name__})")
-    if value < minimum or (below is not None and value >= below):
-        raise SpecError(f"{owner}.{name}: expected {expected}, got {value}")
-    return value
+    return require_int(f"{owner}.{name}", value, minimum=minimum, below=below)
 
 
 def _require_positive_float(owner: str, name: str, value: Any) -> float:
-    """``value`` is a finite real number > 0 (an int or a float, not a bool): eps, theta, scale."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise SpecError(f"{owner}.{name}: expected a finite number > 0, got {value!r} ({type(value).__name__})")
-    if not (value > 0 and math.isfinite(value)):  # also rejects NaN (every comparison is False)
-        raise SpecError(f"{owner}.{name}: expected a finite number > 0, got {value!r}")
-    return float(value)
+    return require_positive_float(f"{owner}.{name}", value)
 
 
 def _require_names(owner: str, name: str, values: tuple[str, ...]) -> None:

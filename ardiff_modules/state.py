@@ -18,6 +18,7 @@ from typing import Protocol
 
 import torch
 
+from ardiff_modules.checks import require_bool
 from ardiff_modules.context import ForwardContext, LayerContext
 from ardiff_modules.cross import CrossEntry, CrossKey, build_entry, check_cache_name, not_populated
 from ardiff_modules.forward import ForwardTransaction
@@ -118,6 +119,11 @@ class KVState:
     def history(self, branch: str) -> BranchHistory:
         """The pure bookkeeping of one branch (pages, offsets, its open forward); raises if unknown/closed."""
         self._check_open()
+        if not isinstance(branch, str):
+            raise UnknownBranchError(
+                f"KV branch: expected a branch name (str) from {self.kv_branch_names}, got {branch!r} "
+                f"({type(branch).__name__})"
+            )
         try:
             return self._branches[branch]
         except KeyError:
@@ -293,10 +299,11 @@ class KVState:
         with self.cache.lock:
             self._check_open()
             names = branch_names("fork", branches, self.kv_branch_names)
+            if not names or len(set(names)) != len(names):
+                raise SpecError(f"fork.branches: expected distinct branch names, at least one, got {names}")
             for branch in names:
                 self.history(branch)
-            if not isinstance(share_cross_attention, bool):
-                raise SpecError(f"fork.share_cross_attention: expected a bool, got {share_cross_attention!r}")
+            require_bool("fork.share_cross_attention", share_cross_attention)
             child = self.cache.open_session(session_id)
             for branch in names:
                 child.history(branch).adopt(self._branches[branch], self.cache.allocator)
@@ -315,7 +322,8 @@ class KVState:
         offset right after the sinks, with an empty window.
         """
         if not isinstance(other, KVState) or other.cache is not self.cache:
-            raise SpecError("share_sinks_from: expected a session of the same KVCache, got one of another cache")
+            got = "a session of another cache" if isinstance(other, KVState) else type(other).__name__
+            raise SpecError(f"share_sinks_from: expected a session of the same KVCache, got {got}")
         with self.cache.lock:
             history = self.history(kv_branch)
             source = other.history(kv_branch)
@@ -323,6 +331,12 @@ class KVState:
                 raise SpecError(
                     f"share_sinks_from: expected branch {kv_branch!r} to be empty, got {history.committed_chunks} "
                     f"committed and {len(history.pending)} pending chunk(s)"
+                )
+            sinks = self.cache.policy.sink_chunks
+            if sinks == 0 or len(source.sinks) < sinks:
+                raise SpecError(
+                    f"share_sinks_from: expected {other.session_id!r}/{kv_branch!r} to hold its {sinks} sink "
+                    f"chunk(s), got {len(source.sinks)} committed"
                 )
             history.adopt(source, self.cache.allocator, sinks_only=True)
 
@@ -374,6 +388,12 @@ class KVState:
         """
         if isinstance(keep_cross_attention, str):
             keep_cross_attention = (keep_cross_attention,)
+        if isinstance(keep_cross_attention, Iterable):
+            keep_cross_attention = tuple(keep_cross_attention)
+        if not isinstance(keep_cross_attention, tuple) or not all(isinstance(n, str) for n in keep_cross_attention):
+            raise SpecError(
+                f"reset.keep_cross_attention: expected a collection of cache names, got {keep_cross_attention!r}"
+            )
         unknown = set(keep_cross_attention) - set(self.cache.spec.cross_attention_names)
         if unknown:
             raise UnknownCacheError(

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar, runtime_checkable
 
+from ardiff_modules.checks import require_int
 from ardiff_modules.errors import SpecError
 
 Chunk = TypeVar("Chunk")
@@ -112,11 +113,9 @@ class SinkWindowPolicy:
     window_chunks: int | None
 
     def __post_init__(self) -> None:
-        if isinstance(self.sink_chunks, bool) or not isinstance(self.sink_chunks, int) or self.sink_chunks < 0:
-            raise SpecError(f"SinkWindowPolicy.sink_chunks: expected an int >= 0, got {self.sink_chunks!r}")
-        w = self.window_chunks
-        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 0):
-            raise SpecError(f"SinkWindowPolicy.window_chunks: expected None or an int >= 0, got {w!r}")
+        require_int("SinkWindowPolicy.sink_chunks", self.sink_chunks, minimum=0)
+        if self.window_chunks is not None:
+            require_int("SinkWindowPolicy.window_chunks", self.window_chunks, minimum=0, what="None or an int")
 
     @property
     def max_resident_chunks(self) -> int | None:
@@ -178,9 +177,7 @@ class SinkWindowMemoryPolicy:
 
     def __post_init__(self) -> None:
         for name, minimum in (("sink_chunks", 0), ("window_chunks", 0), ("memory_every", 1), ("memory_chunks", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise SpecError(f"SinkWindowMemoryPolicy.{name}: expected an int >= {minimum}, got {value!r}")
+            require_int(f"SinkWindowMemoryPolicy.{name}", getattr(self, name), minimum=minimum)
 
     @property
     def max_resident_chunks(self) -> int:

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ardiff_modules.context import LayerContext
+from ardiff_modules.checks import require_bool
 from ardiff_modules.errors import SpecError, TensorMismatchError
 from ardiff_modules.modules.functional import Rope, apply_rope, cached_cross_attention, chunk_attention
 from ardiff_modules.spec import _require_int, _require_positive_float
@@ -52,8 +53,7 @@ def _head_geometry(
 
 def _check_options(owner: str, bias: Any, eps: Any) -> float:
     """``bias`` is a bool and ``eps`` a finite number > 0 (checked even without qk_norm: both are config)."""
-    if not isinstance(bias, bool):
-        raise SpecError(f"{owner}.bias: expected a bool, got {bias!r} ({type(bias).__name__})")
+    require_bool(f"{owner}.bias", bias)
     return _require_positive_float(owner, "eps", eps)
 
 

@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from ardiff_modules.context import LayerContext
-from ardiff_modules.errors import InferenceOnlyError, TensorMismatchError
+from ardiff_modules.checks import require_positive_float
+from ardiff_modules.errors import InferenceOnlyError, SpecError, TensorMismatchError
 
 #: A RoPE hook: ``(t [streams, seq, heads, dim], positions [streams, seq]) -> t`` or a ``(cos, sin)`` pair.
 Rope = Union[Callable[[torch.Tensor, torch.Tensor], torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -50,8 +51,6 @@ def apply_rope(t: torch.Tensor, positions: torch.Tensor, rope: Rope | None) -> t
         and isinstance(rope[0], torch.Tensor)
         and isinstance(rope[1], torch.Tensor)
     ):
-        from ardiff_modules.errors import SpecError  # error path only: keeps this module's imports as they are
-
         raise SpecError(
             f"apply_rope.rope: expected None, a callable (t, positions) -> t or a (cos, sin) pair of tensors, "
             f"got {rope!r:.80} ({type(rope).__name__})"
@@ -99,6 +98,12 @@ class _InferenceOnly(torch.autograd.Function):
 
 def _check_chunk_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerContext) -> tuple[int, ...]:
     """Validate ``chunk_attention``'s tensors; return ``(streams, seq_len, kv_heads, head_dim)``."""
+    if not hasattr(kv, "forward") or not hasattr(kv, "k_cache"):
+        raise SpecError(
+            f"chunk_attention.kv: expected a LayerContext (one entry of ForwardContext.layers), got {type(kv).__name__}"
+        )
+    if not isinstance(q, torch.Tensor):  # k and v: _check names their expected shapes
+        raise TensorMismatchError(f"chunk_attention q: expected a tensor, got {type(q).__name__}")
     # Shapes come from tensors (guarded by shape), never from Python objects of the context,
     # so a compiled model does not specialise on a session or a chunk.
     streams, seq_len = kv.forward.positions.shape
@@ -150,6 +155,7 @@ def chunk_attention(
     ``[streams, seq_len, num_heads, head_dim]`` (and the LSE with ``return_lse``).
     """
     streams, seq_len, kv_heads, head_dim = _check_chunk_inputs(q, k, v, kv)
+    scale = head_dim**-0.5 if scale is None else require_positive_float("chunk_attention.scale", scale, optional=True)
     tokens = streams * seq_len
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     graph_inputs = (q, k, v)
@@ -163,7 +169,7 @@ def chunk_attention(
         kv.kv_pool,
         kv.layer_id,
         kv.forward.plan_id,
-        float(scale if scale is not None else head_dim**-0.5),
+        scale,
     )
     out, lse = result if return_lse else (result, None)
     if needs_grad:
@@ -182,19 +188,12 @@ def cached_cross_attention(
     Returns ``[streams, seq_len, num_heads, head_dim]``.
     """
     if not hasattr(kv, "cross_kv"):  # duck-typed: benchmarks pass LayerContext look-alikes
-        from ardiff_modules.errors import SpecError  # error path only: keeps this module's imports as they are
-
         raise SpecError(
             f"cached_cross_attention.kv: expected a LayerContext (one entry of ForwardContext.layers, with "
             f".cross_kv), got {type(kv).__name__}"
         )
-    # `not 0 < scale < inf` also rejects NaN; scale 0 would silently attend uniformly.
-    if scale is not None and (
-        isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0.0 < scale < float("inf")
-    ):
-        from ardiff_modules.errors import SpecError
-
-        raise SpecError(f"cached_cross_attention.scale: expected None or a finite number > 0, got {scale!r}")
+    if scale is not None:  # scale 0 would silently attend uniformly
+        require_positive_float("cached_cross_attention.scale", scale, optional=True)
     if not isinstance(q, torch.Tensor):
         raise TensorMismatchError(
             f"cached_cross_attention q: expected a [streams, seq_len, heads, head_dim] tensor, got {type(q).__name__}"
