@@ -36,10 +36,10 @@ from ardiff_modules.forward import ForwardTransaction, Status, deferred_interrup
 from ardiff_modules.history import BranchHistory
 from ardiff_modules.ops import PLANS
 from ardiff_modules.layout import ForwardLayout, StreamLayout
-from ardiff_modules.pool import KVPool, pages_for_budget
+from ardiff_modules.pool import KVPool, pages_for_budget, torch_dtype
 from ardiff_modules.spec import KVCacheSpec
 from ardiff_modules.state import KVState
-from ardiff_modules.window import SinkWindowPolicy
+from ardiff_modules.window import RetentionPolicy
 
 
 @dataclass(frozen=True)
@@ -119,11 +119,12 @@ class KVCache:
         self.spec = spec
         self.pool = KVPool(spec, num_pages, device)
         self.allocator = PageAllocator(num_pages)
-        self.policy = SinkWindowPolicy(spec.sink_chunks, spec.window_chunks)
-        self.backend = resolve_backend(backend, self.pool.device, self.pool.dtype, spec.head_dim)
+        self.policy: RetentionPolicy = spec.policy
+        self._dtype = torch_dtype(spec.dtype)
+        self.backend = resolve_backend(backend, self.pool.device, self._dtype, spec.head_dim, kv_dtype=self.pool.dtype)
         if contiguous_extents is None:
-            contiguous_extents = self.backend.name == "flashinfer" and spec.window_chunks is not None
-        if contiguous_extents and spec.window_chunks is None:
+            contiguous_extents = self.backend.name == "flashinfer" and spec.max_resident_chunks is not None
+        if contiguous_extents and spec.max_resident_chunks is None:
             raise SpecError("contiguous_extents=True: expected a bounded window (window_chunks), got None")
         #: Chunk slots of each branch's contiguous extent, or ``None`` for plain paging.
         self.extent_chunks = spec.max_resident_chunks + 1 if contiguous_extents else None  # type: ignore[operator]
@@ -144,6 +145,12 @@ class KVCache:
 
     @property
     def dtype(self) -> torch.dtype:
+        """Compute dtype: queries, outputs, cross-attention caches."""
+        return self._dtype
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """Storage dtype of the paged K/V."""
         return self.pool.dtype
 
     @property
@@ -315,7 +322,7 @@ class KVCache:
             )
         require_bool("prepare_forward.commit_current", commit_current)
         require_bool("prepare_forward.static", static)
-        if static and self.spec.window_chunks is None:
+        if static and self.spec.max_resident_chunks is None:
             raise SpecError(
                 "prepare_forward(static=True): expected a bounded window (window_chunks is not None) so the "
                 "fixed buffers can be sized, got window_chunks=None"
@@ -429,7 +436,8 @@ class KVCache:
         return PlanRequest(
             layout=layout,
             device=self.pool.device,
-            dtype=self.pool.dtype,
+            dtype=self._dtype,
+            kv_dtype=self.pool.dtype,
             num_qo_heads=self.spec.query_heads,
             num_kv_heads=self.spec.num_kv_heads,
             head_dim=self.spec.head_dim,
@@ -577,7 +585,8 @@ class KVCache:
             self._forwards.move_to_end(key)  # most recently used
             return ctx, False
         ctx = ForwardContext(streams=key[0], handle=0, plan_id=torch.zeros((), dtype=torch.int64),
-                             chunk_size=self.spec.chunk_size, static=key[1] is not None, owner=self)
+                             chunk_size=self.spec.chunk_size, dtype=self._dtype, static=key[1] is not None,
+                             owner=self)
         ctx.layers = [
             LayerContext(
                 i, self.pool.k_pages(i), self.pool.v_pages(i), ctx,

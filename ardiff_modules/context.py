@@ -114,6 +114,8 @@ class ForwardContext:
     handle: int
     plan_id: torch.Tensor
     chunk_size: int
+    #: Compute dtype of q/k/v and outputs (the pool may store K/V in another ``kv_dtype``).
+    dtype: torch.dtype = torch.float32
     plan: AttentionPlan | None = None
     layout: ForwardLayout | None = None
     positions: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))

@@ -53,7 +53,7 @@ def _resolve_device(owner: str, device: Any) -> torch.device:
 def bytes_per_page(spec: KVCacheSpec) -> int:
     """Bytes one page costs across all layers, K and V."""
     _require_spec("bytes_per_page", spec)
-    itemsize = torch.empty((), dtype=torch_dtype(spec.dtype)).element_size()
+    itemsize = torch.empty((), dtype=torch_dtype(spec.cache_dtype)).element_size()
     return spec.num_layers * 2 * spec.page_size * spec.num_kv_heads * spec.head_dim * itemsize
 
 
@@ -89,7 +89,8 @@ class KVPool:
         self.spec = spec
         self.num_pages = num_pages
         self.device = _resolve_device("KVPool", device)
-        self.dtype = torch_dtype(spec.dtype)
+        #: Storage dtype of the K/V pages (``spec.kv_dtype``, default the compute dtype).
+        self.dtype = torch_dtype(spec.cache_dtype)
         # NOTE: zero-filled, not empty: padded key slots read by masked kernels must
         # never hold NaN/Inf (0 * NaN is NaN even under a zero attention weight).
         self.kv = torch.zeros(
@@ -98,11 +99,9 @@ class KVPool:
             device=self.device,
         )
         self.device = self.kv.device  # "cuda" -> "cuda:0": comparisons with tensors' devices must match
-
-    @classmethod
-    def from_bytes(cls, spec: KVCacheSpec, budget_bytes: int, device: torch.device | str = "cpu") -> KVPool:
-        """A pool with as many pages as fit in ``budget_bytes``."""
-        return cls(spec, pages_for_budget(spec, budget_bytes), device)
+        #: Dequantization scales ``[num_layers, 2 (K, V), num_kv_heads]`` (float32): the place where a
+        #: quantized ``kv_dtype`` keeps per-head scales; ones for the float formats (unused then).
+        self.scales = torch.ones((spec.num_layers, 2, spec.num_kv_heads), dtype=torch.float32, device=self.device)
 
     @property
     def bytes_per_page(self) -> int:

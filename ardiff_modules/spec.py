@@ -14,6 +14,7 @@ from typing import Any
 
 from ardiff_modules.checks import require_int, require_positive_float
 from ardiff_modules.errors import SpecError, UnknownCacheError
+from ardiff_modules.window import RetentionPolicy, SinkWindowPolicy
 
 #: dtype names accepted by :class:`KVCacheSpec` (resolved to torch dtypes by the pool).
 SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
@@ -91,10 +92,19 @@ class KVCacheSpec:
     cross_attention:
         Named cross-attention caches.
     dtype:
-        Storage dtype name, one of :data:`SUPPORTED_DTYPES`.
+        Compute dtype name, one of :data:`SUPPORTED_DTYPES`: queries, outputs and the
+        cross-attention caches.
     num_qo_heads:
         Query heads of self-attention (a multiple of ``num_kv_heads``; GQA when larger).
         Default ``num_kv_heads``. Kernel plans are built for it once per forward.
+    kv_dtype:
+        Storage dtype of the paged self-attention K/V (default: ``dtype``). K/V are cast to it
+        when written and attended in ``dtype``; the pool keeps a per-layer, per-head scale
+        tensor beside it for quantized formats (all ones for the float formats here).
+    retention:
+        A :class:`~ardiff_modules.window.RetentionPolicy` deciding which committed chunks stay
+        resident, instead of ``sink_chunks`` / ``window_chunks`` (leave those at their defaults),
+        e.g. :class:`~ardiff_modules.window.SinkWindowMemoryPolicy`.
     """
 
     num_layers: int
@@ -108,6 +118,8 @@ class KVCacheSpec:
     cross_attention: tuple[CrossAttentionSpec, ...] = field(default_factory=tuple)
     dtype: str = "bfloat16"
     num_qo_heads: int | None = None
+    kv_dtype: str | None = None
+    retention: RetentionPolicy | None = None
 
     def __post_init__(self) -> None:
         owner = "KVCacheSpec"
@@ -162,6 +174,35 @@ class KVCacheSpec:
                 )
         if self.dtype not in SUPPORTED_DTYPES:
             raise SpecError(f"{owner}.dtype: expected one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+        if self.kv_dtype is not None and self.kv_dtype not in SUPPORTED_DTYPES:
+            raise SpecError(f"{owner}.kv_dtype: expected None or one of {SUPPORTED_DTYPES}, got {self.kv_dtype!r}")
+        self._check_retention(owner)
+
+    def _check_retention(self, owner: str) -> None:
+        if self.retention is None:
+            return
+        if not isinstance(self.retention, RetentionPolicy):
+            raise SpecError(
+                f"{owner}.retention: expected a RetentionPolicy (sink_chunks, max_resident_chunks, "
+                f"visible_indices), got {type(self.retention).__name__}"
+            )
+        if (self.sink_chunks, self.window_chunks) != (0, None):
+            raise SpecError(
+                f"{owner}.retention: expected sink_chunks/window_chunks left at (0, None) when a retention policy "
+                f"is given, got ({self.sink_chunks}, {self.window_chunks})"
+            )
+
+    @property
+    def policy(self) -> RetentionPolicy:
+        """The retention policy in force: ``retention``, or sink + window from the two fields."""
+        if self.retention is not None:
+            return self.retention
+        return SinkWindowPolicy(self.sink_chunks, self.window_chunks)
+
+    @property
+    def cache_dtype(self) -> str:
+        """Storage dtype of the paged K/V (``kv_dtype`` or ``dtype``)."""
+        return self.kv_dtype or self.dtype
 
     @property
     def query_heads(self) -> int:
@@ -175,10 +216,8 @@ class KVCacheSpec:
 
     @property
     def max_resident_chunks(self) -> int | None:
-        """Committed chunks a branch keeps (sinks + window), ``None`` if unbounded."""
-        if self.window_chunks is None:
-            return None
-        return self.sink_chunks + self.window_chunks
+        """Most committed chunks a branch keeps (sinks + window by default), ``None`` if unbounded."""
+        return self.policy.max_resident_chunks
 
     @property
     def cross_attention_names(self) -> tuple[str, ...]:

@@ -33,7 +33,7 @@ from ardiff_modules.errors import (
 from ardiff_modules.allocator import PageAllocator
 from ardiff_modules.history import BranchHistory
 from ardiff_modules.spec import KVCacheSpec
-from ardiff_modules.window import SinkWindowPolicy
+from ardiff_modules.window import RetentionPolicy
 
 
 class SessionHost(Protocol):
@@ -41,7 +41,7 @@ class SessionHost(Protocol):
 
     spec: KVCacheSpec
     allocator: PageAllocator
-    policy: SinkWindowPolicy
+    policy: RetentionPolicy
     extent_chunks: int | None
 
     @property

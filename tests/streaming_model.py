@@ -96,17 +96,29 @@ class LibraryStreaming:
 class NaiveStreaming:
     """Cache-free oracle: per branch, the per-layer K/V of every committed chunk in a plain list."""
 
-    def __init__(self, model: TinyStreamingModel, chunk_size: int, sink: int, window: int | None) -> None:
+    def __init__(
+        self, model: TinyStreamingModel, chunk_size: int, sink: int, window: int | None,
+        memory: tuple[int, int] | None = None,
+    ) -> None:
+        """``memory=(every, count)``: also keep the last ``count`` chunks that left the window whose
+        position after the sinks is a multiple of ``every`` (``SinkWindowMemoryPolicy``)."""
         self.model, self.chunk, self.sink, self.window = model, chunk_size, sink, window
+        self.memory = memory
         self.committed: dict[str, list[list[tuple[torch.Tensor, torch.Tensor]]]] = defaultdict(list)
         self.text: dict[str, torch.Tensor] = {}
 
     def visible(self, branch: str) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
         chunks = self.committed[branch]
         sinks, rest = chunks[: self.sink], chunks[self.sink :]
-        if self.window is not None:
-            rest = rest[max(0, len(rest) - self.window) :] if self.window > 0 else []
-        return sinks + rest
+        if self.window is None:
+            return sinks + rest
+        cut = max(0, len(rest) - self.window)
+        window, older = rest[cut:], rest[:cut]
+        memory: list = []
+        if self.memory is not None:
+            every, count = self.memory
+            memory = [c for i, c in enumerate(older) if i % every == 0][-count:] if count else []
+        return sinks + memory + window
 
     def forward(self, branches: Sequence[str], x: torch.Tensor, commit: bool) -> torch.Tensor:
         outs = []

@@ -247,8 +247,6 @@ CASES = [
          "dtype: expected one of ('bfloat16', 'float16', 'float32')", "got []"),
     Case("pool-budget-float", lambda e: pages_for_budget(SPEC, 1.5e9), SpecError,
          "pages_for_budget.budget_bytes: expected an int >= 1", "got 1500000000.0 (float)"),
-    Case("pool-from-bytes-0", lambda e: KVPool.from_bytes(SPEC, 0), SpecError,
-         "budget_bytes: expected an int >= 1", "got 0"),
     Case("pool-bytes-per-page-str", lambda e: bytes_per_page("float32"), SpecError,
          "bytes_per_page.spec: expected a KVCacheSpec", "got 'float32' (str)"),
     # ------------------------------------------------------------------ masks

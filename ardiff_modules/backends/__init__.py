@@ -25,11 +25,16 @@ def flashinfer_available() -> bool:
 
 
 def resolve_backend(
-    backend: str | AttentionBackend, device: torch.device, dtype: torch.dtype, head_dim: int
+    backend: str | AttentionBackend,
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int,
+    *,
+    kv_dtype: torch.dtype | None = None,
 ) -> AttentionBackend:
-    """Return a ready backend for ``device``/``dtype``/``head_dim`` (see module docstring)."""
+    """Return a ready backend for ``device``/``dtype``/``head_dim``/``kv_dtype`` (see module docstring)."""
     if isinstance(backend, AttentionBackend):
-        backend.check_supported(device, dtype, head_dim)
+        backend.check_supported(device, dtype, head_dim, kv_dtype)
         return backend
     if backend not in BACKEND_NAMES:
         raise BackendUnavailableError(f"backend: expected one of {BACKEND_NAMES}, got {backend!r}")
@@ -49,11 +54,11 @@ def resolve_backend(
     fi = FlashInferBackend()
     if backend == "auto":
         try:
-            fi.check_supported(device, dtype, head_dim)
+            fi.check_supported(device, dtype, head_dim, kv_dtype)
         except BackendUnavailableError:
             return ReferenceBackend()
         return fi
-    fi.check_supported(device, dtype, head_dim)
+    fi.check_supported(device, dtype, head_dim, kv_dtype)
     return fi
 
 

@@ -18,8 +18,10 @@ class PlanRequest:
     ----------
     layout:
         Pages of every stream.
-    device, dtype:
-        The pool's device and dtype.
+    device:
+        The pool's device.
+    dtype, kv_dtype:
+        Compute dtype (queries, outputs) and the storage dtype of the paged K/V.
     num_qo_heads, num_kv_heads, head_dim:
         Attention geometry.
     token_mask:
@@ -36,6 +38,7 @@ class PlanRequest:
     layout: ForwardLayout
     device: torch.device
     dtype: torch.dtype
+    kv_dtype: torch.dtype
     num_qo_heads: int
     num_kv_heads: int
     head_dim: int
@@ -91,8 +94,13 @@ class AttentionBackend(ABC):
     replans_in_place: bool = True
 
     @abstractmethod
-    def check_supported(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> None:
-        """Raise :class:`~ardiff_modules.errors.BackendUnavailableError` if this backend cannot run."""
+    def check_supported(
+        self, device: torch.device, dtype: torch.dtype, head_dim: int, kv_dtype: torch.dtype | None = None
+    ) -> None:
+        """Raise :class:`~ardiff_modules.errors.BackendUnavailableError` if this backend cannot run.
+
+        ``kv_dtype`` is the pool's storage dtype (``None``: the same as ``dtype``).
+        """
 
     @abstractmethod
     def plan(self, request: PlanRequest, previous: AttentionPlan | None) -> AttentionPlan:

@@ -154,7 +154,7 @@ class FlashInferPlan(AttentionPlan):
     def _plan_ragged(self, request: PlanRequest, ragged: RaggedRows) -> None:
         key = (
             tuple(ragged.qo_indptr.tolist()), tuple(ragged.kv_indptr.tolist()),
-            request.num_qo_heads, request.num_kv_heads, request.head_dim, request.dtype,
+            request.num_qo_heads, request.num_kv_heads, request.head_dim, request.dtype, request.kv_dtype,
         )
         # NOTE: a ragged plan depends only on the row lengths. Once the windows are full they
         # repeat every forward (each stream's range is its whole extent), so FlashInfer's
@@ -164,7 +164,7 @@ class FlashInferPlan(AttentionPlan):
             self._before_plan("ragged")
             wrapper.plan(
                 ragged.qo_indptr, ragged.kv_indptr, request.num_qo_heads, request.num_kv_heads,
-                request.head_dim, causal=False, q_data_type=request.dtype, kv_data_type=request.dtype,
+                request.head_dim, causal=False, q_data_type=request.dtype, kv_data_type=request.kv_dtype,
             )
             self._after_plan("ragged")
             self._ragged_key = key
@@ -183,7 +183,7 @@ class FlashInferPlan(AttentionPlan):
             key = (
                 tuple(rows.qo_indptr.tolist()), tuple(rows.kv_page_indptr.tolist()),
                 tuple(rows.kv_last_page_len.tolist()), request.num_qo_heads, request.num_kv_heads,
-                request.head_dim, request.dtype, layout.page_size,
+                request.head_dim, request.dtype, request.kv_dtype, layout.page_size,
             )
         if key is not None and key == self._paged_key:
             # FlashInfer's schedule depends on the row lengths only; once the windows are full they
@@ -204,7 +204,7 @@ class FlashInferPlan(AttentionPlan):
             rows.qo_indptr, rows.kv_page_indptr, indices, rows.kv_last_page_len,
             request.num_qo_heads, request.num_kv_heads, request.head_dim, layout.page_size,
             custom_mask=custom_mask, non_blocking=True, causal=False, q_data_type=request.dtype,
-            kv_data_type=request.dtype,
+            kv_data_type=request.kv_dtype,
         )
         self._after_plan("paged")
         self._paged_indices = self._paged_bufs["paged_kv_indices_buf"] if self.static else indices
@@ -334,11 +334,18 @@ class FlashInferBackend(AttentionBackend):
         self.allow_gap_rows = allow_gap_rows
         self._workspaces: dict[torch.device, torch.Tensor] = {}
 
-    def check_supported(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> None:
+    def check_supported(
+        self, device: torch.device, dtype: torch.dtype, head_dim: int, kv_dtype: torch.dtype | None = None
+    ) -> None:
         if device.type != "cuda":
             raise BackendUnavailableError(f"backend 'flashinfer': expected a CUDA device, got {device}")
         if dtype not in SUPPORTED_DTYPES:
             raise BackendUnavailableError(f"backend 'flashinfer': expected dtype in {SUPPORTED_DTYPES}, got {dtype}")
+        if kv_dtype is not None and kv_dtype != dtype:
+            raise BackendUnavailableError(
+                f"backend 'flashinfer': expected kv_dtype equal to dtype={dtype} (FA3 attends q and K/V in one "
+                f"dtype here), got {kv_dtype}"
+            )
         if head_dim not in SUPPORTED_HEAD_DIMS:
             raise BackendUnavailableError(
                 f"backend 'flashinfer': expected head_dim in {SUPPORTED_HEAD_DIMS}, got {head_dim}"

@@ -48,13 +48,13 @@ class ReferencePlan(AttentionPlan):
         return_lse: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         page_shape = (-1, *k_cache.shape[1:])
-        k_cache.index_copy_(0, self.write_pages, k.reshape(page_shape))
-        v_cache.index_copy_(0, self.write_pages, v.reshape(page_shape))
+        k_cache.index_copy_(0, self.write_pages, k.reshape(page_shape).to(k_cache.dtype))
+        v_cache.index_copy_(0, self.write_pages, v.reshape(page_shape).to(v_cache.dtype))
         k_slots = KVPool.token_slots(k_cache)
         v_slots = KVPool.token_slots(v_cache)
         s, n = self.num_streams, self.seq_len
-        keys = k_slots[self.gather].transpose(1, 2)  # [S, Hkv, K, D]
-        values = v_slots[self.gather].transpose(1, 2)
+        keys = k_slots[self.gather].transpose(1, 2).to(q.dtype)  # [S, Hkv, K, D], attended in the compute dtype
+        values = v_slots[self.gather].transpose(1, 2).to(q.dtype)
         if self.padding is not None:
             keys = keys.masked_fill(self.padding, 0)
             values = values.masked_fill(self.padding, 0)
@@ -84,7 +84,9 @@ class ReferenceBackend(AttentionBackend):
     name = "reference"
     replans_in_place = False  # every forward gets a new plan object
 
-    def check_supported(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> None:
+    def check_supported(
+        self, device: torch.device, dtype: torch.dtype, head_dim: int, kv_dtype: torch.dtype | None = None
+    ) -> None:
         return None
 
     def plan(self, request: PlanRequest, previous: AttentionPlan | None) -> ReferencePlan:

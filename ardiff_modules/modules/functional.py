@@ -70,15 +70,15 @@ def apply_rope(t: torch.Tensor, positions: torch.Tensor, rope: Rope | None) -> t
     return (t.float() * cos + rotate_half(t.float()) * sin).to(t.dtype)
 
 
-def _check(name: str, t: torch.Tensor, shape: tuple[int, ...], like: torch.Tensor) -> None:
+def _check(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
     if not isinstance(t, torch.Tensor):
         raise TensorMismatchError(f"chunk_attention {name}: expected a tensor of shape {shape}, got {type(t).__name__}")
     if tuple(t.shape) != shape:
         raise TensorMismatchError(f"chunk_attention {name}: expected shape {shape}, got {tuple(t.shape)}")
-    if t.dtype != like.dtype:
-        raise TensorMismatchError(f"chunk_attention {name}: expected dtype {like.dtype} (the KV pool's), got {t.dtype}")
-    if t.device != like.device:
-        raise TensorMismatchError(f"chunk_attention {name}: expected device {like.device}, got {t.device}")
+    if t.dtype != dtype:
+        raise TensorMismatchError(f"chunk_attention {name}: expected dtype {dtype} (the spec's dtype), got {t.dtype}")
+    if t.device != device:
+        raise TensorMismatchError(f"chunk_attention {name}: expected device {device}, got {t.device}")
 
 
 class _InferenceOnly(torch.autograd.Function):
@@ -117,9 +117,10 @@ def _check_chunk_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: L
         raise TensorMismatchError(
             f"chunk_attention q: expected num_heads a multiple of num_kv_heads={kv_heads}, got {q.shape[2]}"
         )
-    _check("q", q, tuple(q.shape), pages)
-    _check("k", k, (streams, seq_len, kv_heads, head_dim), pages)
-    _check("v", v, (streams, seq_len, kv_heads, head_dim), pages)
+    dtype = kv.forward.dtype  # the compute dtype (the pages may store another, e.g. a quantized kv_dtype)
+    _check("q", q, tuple(q.shape), dtype, pages.device)
+    _check("k", k, (streams, seq_len, kv_heads, head_dim), dtype, pages.device)
+    _check("v", v, (streams, seq_len, kv_heads, head_dim), dtype, pages.device)
     return streams, seq_len, kv_heads, head_dim
 
 
