@@ -15,28 +15,46 @@ import torch
 
 from ardiff_modules.errors import SpecError
 from ardiff_modules.spec import _require_int
-from ardiff_modules.window import SinkWindowPolicy
+from ardiff_modules.window import RetentionPolicy, SinkWindowMemoryPolicy, SinkWindowPolicy
 
 
-def _require_rule(owner: str, sink_chunks: int, window_chunks: int | None) -> None:
+def _policy(
+    owner: str, sink_chunks: int, window_chunks: int | None, policy: RetentionPolicy | None
+) -> RetentionPolicy:
+    """The rule to draw: ``policy``, or sink + window from the two counts (not both)."""
+    if policy is not None:
+        if not isinstance(policy, RetentionPolicy):
+            raise SpecError(f"{owner}.policy: expected a RetentionPolicy, got {type(policy).__name__}")
+        if (sink_chunks, window_chunks) != (0, None):
+            raise SpecError(
+                f"{owner}: expected sink_chunks/window_chunks left at (0, None) with a policy, got "
+                f"({sink_chunks}, {window_chunks})"
+            )
+        return policy
     _require_int(owner, "sink_chunks", sink_chunks, minimum=0)
     if window_chunks is not None:
         _require_int(owner, "window_chunks", window_chunks, minimum=0)
+    return SinkWindowPolicy(sink_chunks, window_chunks)
 
 
 def chunk_visibility(
-    num_committed: int, num_pending: int, sink_chunks: int, window_chunks: int | None
+    num_committed: int,
+    num_pending: int,
+    sink_chunks: int = 0,
+    window_chunks: int | None = None,
+    *,
+    policy: RetentionPolicy | None = None,
 ) -> torch.Tensor:
     """Bool ``[num_pending, num_committed + num_pending]``: query chunk ``c`` sees absolute chunk ``j``.
 
     Columns ``0 .. num_committed - 1`` are committed chunks in commit order (evicted ones are
     all-False columns); the last ``num_pending`` columns are the pending chunks (block-causal).
+    The history rule is sink + window, or any :class:`RetentionPolicy` given as ``policy``.
     """
     _require_int("chunk_visibility", "num_committed", num_committed, minimum=0)
     # A forward always has at least one pending (query) chunk.
     _require_int("chunk_visibility", "num_pending", num_pending, minimum=1)
-    _require_rule("chunk_visibility", sink_chunks, window_chunks)
-    policy = SinkWindowPolicy(sink_chunks, window_chunks)
+    policy = _policy("chunk_visibility", sink_chunks, window_chunks, policy)
     mask = torch.zeros(num_pending, num_committed + num_pending, dtype=torch.bool)
     mask[:, policy.visible_indices(num_committed)] = True
     pending = torch.arange(num_pending)
@@ -44,39 +62,55 @@ def chunk_visibility(
     return mask
 
 
-def chunk_visibility_name(sink_chunks: int, window_chunks: int | None) -> str:
+def chunk_visibility_name(
+    sink_chunks: int = 0, window_chunks: int | None = None, *, policy: RetentionPolicy | None = None
+) -> str:
     """Readable name of a rule, e.g. ``sink1_window6`` (attention-gym style)."""
-    _require_rule("chunk_visibility_name", sink_chunks, window_chunks)
-    window = "all" if window_chunks is None else str(window_chunks)
-    return f"sink{sink_chunks}_window{window}"
+    rule = _policy("chunk_visibility_name", sink_chunks, window_chunks, policy)
+    if isinstance(rule, SinkWindowPolicy):
+        window = "all" if rule.window_chunks is None else str(rule.window_chunks)
+        return f"sink{rule.sink_chunks}_window{window}"
+    if isinstance(rule, SinkWindowMemoryPolicy):
+        return (
+            f"sink{rule.sink_chunks}_window{rule.window_chunks}_memory{rule.memory_chunks}"
+            f"every{rule.memory_every}"
+        )
+    return type(rule).__name__
 
 
 def render_chunk_mask(
-    path: str | Path, num_committed: int, num_pending: int, sink_chunks: int, window_chunks: int | None
+    path: str | Path,
+    num_committed: int,
+    num_pending: int,
+    sink_chunks: int = 0,
+    window_chunks: int | None = None,
+    *,
+    policy: RetentionPolicy | None = None,
 ) -> Path:
-    """Save :func:`chunk_visibility` as a PNG (needs matplotlib); returns the path."""
+    """Save :func:`chunk_visibility` as a PNG (needs matplotlib); returns the path.
+
+    Draws on a standalone ``Figure`` (no pyplot, no global backend change).
+    """
     if not isinstance(path, (str, os.PathLike)):
         raise SpecError(f"render_chunk_mask.path: expected a str or os.PathLike, got {path!r} ({type(path).__name__})")
-    mask = chunk_visibility(num_committed, num_pending, sink_chunks, window_chunks)  # validates before plotting
+    # Validates before plotting.
+    mask = chunk_visibility(num_committed, num_pending, sink_chunks, window_chunks, policy=policy)
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ImportError("render_chunk_mask needs matplotlib: pip install 'ardiff_modules[examples]'") from exc
     total = mask.shape[1]
-    fig, ax = plt.subplots(figsize=(max(4.0, 0.45 * total), max(1.6, 0.45 * num_pending + 1.0)))
+    fig = Figure(figsize=(max(4.0, 0.45 * total), max(1.6, 0.45 * num_pending + 1.0)))
+    ax = fig.subplots()
     ax.imshow(mask.numpy(), cmap="Blues", vmin=0, vmax=1.4, aspect="equal")
     ax.set_xticks(range(total), [str(j) if j < num_committed else f"p{j - num_committed}" for j in range(total)])
     ax.set_yticks(range(num_pending), [f"p{c}" for c in range(num_pending)])
     ax.axvline(num_committed - 0.5, color="k", lw=1)
     ax.set_xlabel("key chunk (committed, then pending)")
     ax.set_ylabel("query chunk")
-    ax.set_title(chunk_visibility_name(sink_chunks, window_chunks))
+    ax.set_title(chunk_visibility_name(sink_chunks, window_chunks, policy=policy))
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path

@@ -129,3 +129,16 @@ def test_memory_policy_rollout_matches_the_cache_free_oracle(
     assert len(visible) == min(spec.max_resident_chunks, len(visible)) and len(visible) > sink + window
     library.state.close()
     assert library.cache.allocator.num_free == pages
+
+
+def test_masks_draw_any_policy(tmp_path) -> None:  # noqa: ANN001
+    from ardiff_modules.masks import chunk_visibility, chunk_visibility_name, render_chunk_mask
+
+    policy = SinkWindowMemoryPolicy(1, 2, 3, 2)
+    mask = chunk_visibility(11, 2, policy=policy)
+    assert mask[0, :11].nonzero().flatten().tolist() == [0, 4, 7, 9, 10]
+    assert torch.equal(chunk_visibility(11, 2, 1, 2), chunk_visibility(11, 2, policy=SinkWindowPolicy(1, 2)))
+    assert chunk_visibility_name(policy=policy) == "sink1_window2_memory2every3"
+    assert render_chunk_mask(tmp_path / "m.png", 11, 2, policy=policy).stat().st_size > 0
+    with pytest.raises(am.SpecError, match="left at"):
+        chunk_visibility(11, 2, 1, policy=policy)
