@@ -32,11 +32,12 @@ from ardiff_modules.errors import (
     SpecError,
     TensorMismatchError,
 )
-from ardiff_modules.forward import ForwardTransaction, Status, deferred_interrupts
+from ardiff_modules.forward import ForwardTransaction
 from ardiff_modules.history import BranchHistory
 from ardiff_modules.ops import PLANS
 from ardiff_modules.layout import ForwardLayout, StreamLayout
 from ardiff_modules.pool import KVPool, pages_for_budget, torch_dtype
+from ardiff_modules.reservation import Reservation
 from ardiff_modules.spec import KVCacheSpec
 from ardiff_modules.state import KVState
 from ardiff_modules.window import RetentionPolicy
@@ -284,10 +285,8 @@ class KVCache:
                 _check_no_open_commit(state, branch, history)
             if token_mask is not None:
                 self._check_token_mask(token_mask, histories, seq_len, num_chunks)
-            need_extent = self._check_capacity(histories, num_chunks)
-            return self._reserve_and_plan(
-                members, histories, num_chunks, need_extent, bool(commit_current), token_mask, static
-            )
+            self._check_capacity(histories, num_chunks)
+            return self._reserve_and_plan(members, histories, num_chunks, commit_current, token_mask, static)
 
     def _validate_streams(self, streams: Sequence[tuple[KVState, str]]) -> tuple[tuple[KVState, str], ...]:
         if isinstance(streams, (set, frozenset, dict, str)) or not isinstance(streams, Iterable):
@@ -346,8 +345,8 @@ class KVCache:
                 f"token_mask: expected shape {expected} [streams, seq_len, max_keys], got {tuple(token_mask.shape)}"
             )
 
-    def _check_capacity(self, histories: Sequence[BranchHistory], num_chunks: int) -> list[BranchHistory]:
-        """Raise :class:`CapacityError` unless the forward's pages fit; return the branches needing an extent."""
+    def _check_capacity(self, histories: Sequence[BranchHistory], num_chunks: int) -> None:
+        """Raise :class:`CapacityError` unless the forward's pages (and new extents) fit."""
         needed = sum(h.pages_needed(num_chunks, self.allocator) for h in histories)
         if needed > self.allocator.num_free:
             raise CapacityError(
@@ -369,7 +368,6 @@ class KVCache:
                     needed=extent_pages,
                     free=self.allocator.num_free,
                 )
-        return need_extent
 
     @property
     def _extent_pages(self) -> int:
@@ -380,7 +378,6 @@ class KVCache:
         members: tuple[tuple[KVState, str], ...],
         histories: list[BranchHistory],
         num_chunks: int,
-        need_extent: list[BranchHistory],
         commit_current: bool,
         token_mask: torch.Tensor | None,
         static: bool,
@@ -389,20 +386,9 @@ class KVCache:
         seq_len = num_chunks * self.spec.chunk_size
         key = (tuple((state.session_id, branch) for state, branch in members), seq_len if static else None)
         ctx, is_new = self._lookup_context(key)
-        before = [h.pending for h in histories]
-        free_before = self.allocator.free_pages() if need_extent else None
-        peak_before = self.allocator.peak_used
+        reservation = Reservation(histories, num_chunks, self.allocator, self._extent_pages)
         planning = False
         try:
-            if need_extent:
-                # One run for all new branches of the forward: CFG pairs end up adjacent (one ragged launch).
-                run = self.allocator.allocate_contiguous(len(need_extent) * self._extent_pages)
-                step = self._extent_pages
-                for i, h in enumerate(need_extent):
-                    h.assign_extent(tuple(run[i * step : (i + 1) * step]))
-            for h in histories:
-                if len(h.pending) < num_chunks:
-                    h.set_pending(num_chunks, self.allocator)
             layout = ForwardLayout(
                 streams=tuple(
                     StreamLayout(tuple(h.history_pages()), h.pending[:num_chunks], h.token_offset)
@@ -416,17 +402,15 @@ class KVCache:
             positions = _to_device(layout.positions, self.pool.device, ctx.positions if static else None)
             cross = self._stack_cross(ctx, members, static)
         except BaseException:
-            self._rollback(histories, before, need_extent, free_before, peak_before)
+            reservation.rollback()
             if planning and ctx.plan is not None and getattr(self.backend, "replans_in_place", True):
                 # The previous plan may be half-updated: the forward that used it can never run again.
                 if ctx.transaction is not None and ctx.transaction.is_open:
-                    _close_transaction(ctx.transaction, "superseded", "a later prepare_forward failed while planning")
+                    ctx.transaction.close("superseded", "a later prepare_forward failed while planning")
                 ctx.plan = None
                 ctx.plan_epoch += 1
             raise
-        for h in histories:
-            if len(h.pending) > num_chunks:
-                h.set_pending(num_chunks, self.allocator)  # reuse leaves no surplus behind
+        reservation.keep()
         self._publish(ctx, is_new, key, members, histories, plan, layout, positions, cross, commit_current)
         return ctx
 
@@ -445,24 +429,6 @@ class KVCache:
             static=static,
             max_pages=self._max_plan_pages(layout.num_streams, num_chunks) if static else None,
         )
-
-    def _rollback(
-        self,
-        histories: list[BranchHistory],
-        before: list[tuple[tuple[int, ...], ...]],
-        need_extent: list[BranchHistory],
-        free_before: tuple[int, ...] | None,
-        peak_before: int,
-    ) -> None:
-        fresh: list[int] = []
-        for h, old in reversed(list(zip(histories, before))):
-            fresh = h.undo_grow(old, self.allocator) + fresh
-        for h in need_extent:
-            fresh += list(h.extent)
-            h.extent = ()
-        if fresh:
-            self.allocator.unallocate(fresh, free_order=free_before)
-        self.allocator.peak_used = peak_before
 
     def _publish(
         self,
@@ -483,7 +449,7 @@ class KVCache:
             superseded[id(ctx.transaction)] = ctx.transaction
         for old in superseded.values():
             if old.is_open:
-                _close_transaction(old, "superseded", "a later forward of one of its streams was prepared")
+                old.close("superseded", "a later forward of one of its streams was prepared")
         if is_new:
             ctx.handle = PLANS.register(ctx)
             ctx.plan_id.fill_(ctx.handle)
@@ -513,42 +479,24 @@ class KVCache:
         with self._lock:
             if not transaction.is_open:
                 return
-            live = [h for h in transaction.histories if h.forward is transaction]
             if not success:
-                self._abort_transaction(transaction, live, "aborted")
+                transaction.abort(self.allocator)
                 return
-            if not transaction.commit_current:
-                with deferred_interrupts():
-                    _close_transaction(transaction, "committed")
-                return
-            if self.check_finite:
-                self._abort_if_non_finite(transaction, live)
-            results = [h.plan_commit() for h in live]
-            evicted = [page for result in results for chunk in result.evicted for page in chunk]
-            with deferred_interrupts():
-                self.allocator.decref(evicted)
-                for h, result in zip(live, results):
-                    h.apply_commit(result)
-                _close_transaction(transaction, "committed")
+            if self.check_finite and transaction.commit_current:
+                self._abort_if_non_finite(transaction)
+            transaction.commit(self.allocator)
 
-    def _abort_transaction(self, transaction: ForwardTransaction, live: list[BranchHistory], reason: str) -> None:
-        pages = [page for h in live for page in h.pending_pages()]
-        with deferred_interrupts():
-            self.allocator.decref(pages)
-            for h in live:
-                h.clear_pending()
-            _close_transaction(transaction, "aborted", reason)
-
-    def _abort_if_non_finite(self, transaction: ForwardTransaction, live: list[BranchHistory]) -> None:
+    def _abort_if_non_finite(self, transaction: ForwardTransaction) -> None:
         """``check_finite``: one device sync per committing forward; abort and raise on NaN/Inf."""
         bad = []
+        live = transaction.live_histories()
         for (state, branch), h in zip(transaction.members, transaction.histories):
             if h in live and h.pending:
                 pages = torch.tensor(h.pending_pages(), dtype=torch.int64, device=self.pool.device)
                 if not bool(torch.isfinite(self.pool.kv.index_select(2, pages)).all()):
                     bad.append((state.session_id, branch))
         if bad:
-            self._abort_transaction(transaction, live, "non-finite K/V")
+            transaction.abort(self.allocator, "non-finite K/V")
             raise NonFiniteKVError(
                 f"check_finite: expected finite K/V in the pending chunks of a committing forward, got NaN/Inf "
                 f"in stream(s) {bad}; the forward was aborted and history is unchanged"
@@ -731,11 +679,3 @@ def _check_no_open_commit(state: KVState, branch: str, history: BranchHistory) -
             f"{open_forward.num_chunks} chunk(s) that was neither committed nor aborted; call "
             f"commit_paged_context({branch!r}) or abort({branch!r}) before preparing the next forward"
         )
-
-
-def _close_transaction(transaction: ForwardTransaction, status: Status, reason: str = "") -> None:
-    """Mark ``transaction`` finished and detach it from the branches it still holds."""
-    for h in transaction.histories:
-        if h.forward is transaction:
-            h.forward = None
-    transaction.close(status, reason)

@@ -28,12 +28,12 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from ardiff_modules.errors import ForwardFinishedError
 
-if TYPE_CHECKING:
-    from ardiff_modules.history import BranchHistory
+from ardiff_modules.allocator import PageAllocator
+from ardiff_modules.history import BranchHistory
 
 Status = Literal["open", "committed", "aborted", "superseded", "released"]
 
@@ -75,10 +75,49 @@ class ForwardTransaction:
                 "the KV pool. Call prepare_forward()/get_kv_caches() again for the next forward"
             )
 
+    def live_histories(self) -> list[BranchHistory]:
+        """The member branches this forward still holds (a closed member session let go of its own)."""
+        return [h for h in self.histories if h.forward is self]
+
     def close(self, status: Status, reason: str = "") -> None:
-        """Mark finished (bookkeeping only; the cache has already applied or dropped the pages)."""
+        """Mark finished and detach from the branches (their pending pages stay as they are)."""
+        for h in self.histories:
+            if h.forward is self:
+                h.forward = None
         self.status = status
         self.reason = reason
+
+    def commit(self, allocator: PageAllocator) -> None:
+        """Finish successfully: a committing forward's pending chunks join history on every stream.
+
+        Every stream's commit is computed first (pure: may raise, nothing changed), then applied
+        with one allocator call and plain assignments while SIGINT is held: all streams or none.
+        """
+        if not self.is_open:
+            return
+        if not self.commit_current:
+            self.close("committed")  # a denoising forward: pending pages stay for the next one
+            return
+        live = self.live_histories()
+        results = [h.plan_commit() for h in live]
+        evicted = [page for result in results for chunk in result.evicted for page in chunk]
+        with deferred_interrupts():
+            allocator.decref(evicted)
+            for h, result in zip(live, results):
+                h.apply_commit(result)
+            self.close("committed")
+
+    def abort(self, allocator: PageAllocator, reason: str = "") -> None:
+        """Drop every stream's pending chunks, all at once; history stays exactly as before."""
+        if not self.is_open:
+            return
+        live = self.live_histories()
+        pages = [page for h in live for page in h.pending_pages()]
+        with deferred_interrupts():
+            allocator.decref(pages)
+            for h in live:
+                h.clear_pending()
+            self.close("aborted", reason)
 
 
 @contextmanager
