@@ -134,6 +134,8 @@ def deferred_interrupts() -> Iterator[None]:
     try:
         previous = signal.getsignal(signal.SIGINT)
     except (ValueError, OSError):  # pragma: no cover - interpreters without signal support
+        previous = None
+    if previous is None:  # a handler installed outside Python: leave it alone
         yield
         return
     received: list[tuple[int, Any]] = []
@@ -146,7 +148,8 @@ def deferred_interrupts() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
-        if received and callable(previous):
-            previous(*received[0])
-        elif received and previous == signal.default_int_handler:  # pragma: no cover - handled above
-            raise KeyboardInterrupt
+        if received:
+            if callable(previous):
+                previous(*received[0])  # default_int_handler raises KeyboardInterrupt here
+            elif previous == signal.SIG_DFL:
+                signal.raise_signal(signal.SIGINT)  # the default action (terminate), now that the update is whole

@@ -239,6 +239,10 @@ class KVState:
         check_cache_name(self.cache.spec, cache_name)
         return cache_name, kv_branch
 
+    def cross_entries(self) -> dict[CrossKey, CrossEntry]:
+        """Every published cross cache of this session, ``(cache name, branch) -> entry`` (a copy)."""
+        return dict(self._cross)
+
     def cross_entry(self, kv_branch: str, cache_name: str) -> CrossEntry | None:
         """The published cache ``cache_name`` of ``kv_branch`` (``None`` if not populated)."""
         return self._cross.get(self._cross_key(kv_branch, cache_name))

@@ -248,9 +248,7 @@ class RollingSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, kv: RollingLayer, rope: Any = None) -> torch.Tensor:
         a = self.inner
         s, n, _ = x.shape
-        q = a._split(a.to_q(x), a.num_heads, a.norm_q)
-        k = a._split(a.to_k(x), a.num_kv_heads, a.norm_k)
-        v = a.to_v(x).view(s, n, a.num_kv_heads, a.head_dim)
+        q, k, v = a.project(x)
         positions = kv.forward.positions
         q, k = apply_rope(q, positions, rope), apply_rope(k, positions, rope)
         out = self.cached_attention(q, k, v, kv)  # [s, n, heads, dim]

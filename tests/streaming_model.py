@@ -145,9 +145,8 @@ class NaiveStreaming:
         for layer, block in enumerate(self.model.blocks):
             a = block.attn
             hn = block.norm1(h)
-            q = self.model.rope(a._split(a.to_q(hn), a.num_heads, a.norm_q), positions)
-            k = self.model.rope(a._split(a.to_k(hn), a.num_kv_heads, a.norm_k), positions)
-            v = a.to_v(hn).view(1, n, a.num_kv_heads, a.head_dim)
+            q, k, v = a.project(hn)
+            q, k = self.model.rope(q, positions), self.model.rope(k, positions)
             keys = torch.cat([c[layer][0] for c in history] + [k[0]])
             values = torch.cat([c[layer][1] for c in history] + [v[0]])
             o = F.scaled_dot_product_attention(

@@ -82,7 +82,7 @@ def snapshot(cache: KVCache) -> dict:
     for sid, state in cache.sessions.items():
         branches = {}
         for branch in state.kv_branch_names:
-            record = state._pending[branch]
+            record = state.open_forward(branch)
             branches[branch] = (
                 state.visible_chunks(branch),
                 state.pending_chunks(branch),
@@ -91,7 +91,7 @@ def snapshot(cache: KVCache) -> dict:
                 None if record is None else (record.commit_current, record.num_chunks, id(record)),
                 tuple(n for n in SPEC.cross_attention_names if state.is_cross_attention_populated(branch, n)),
             )
-        cross = {key: (e.version, e.k.clone(), e.v.clone()) for key, e in state._cross.items()}
+        cross = {key: (e.version, e.k.clone(), e.v.clone()) for key, e in state.cross_entries().items()}
         sessions[sid] = (branches, cross, state.is_closed)
     return {
         "free": alloc.free_pages(),

@@ -119,8 +119,9 @@ def test_convert_wan_state_dict_preserves_rope_attention_scores() -> None:
 
     new = fresh.blocks[0].attn
     positions = torch.arange(start_frame * config.tokens_per_frame, start_frame * config.tokens_per_frame + n)[None]
-    q = fresh.rope(new._split(new.to_q(x), heads, new.norm_q), positions)[0].double()
-    k = fresh.rope(new._split(new.to_k(x), heads, new.norm_k), positions)[0].double()
+    q_raw, k_raw, _ = new.project(x)
+    q = fresh.rope(q_raw, positions)[0].double()
+    k = fresh.rope(k_raw, positions)[0].double()
     expected = torch.einsum("qhd,khd->hqk", wan_qk("q"), wan_qk("k"))
     torch.testing.assert_close(torch.einsum("qhd,khd->hqk", q, k), expected, atol=1e-4, rtol=1e-4)
     assert sorted(rope_pair_permutation(8).tolist()) == list(range(8))

@@ -172,11 +172,11 @@ def test_forward_contexts_are_bounded_lru_and_pending_ones_survive() -> None:
     for state in states[1:]:
         with state.prepare_forward(None, 4, commit_current=True) as fwd:
             am.chunk_attention(x, x, x, fwd.layers[0])
-    assert len(cache._forwards) <= 3 and held in cache._forwards.values()
+    assert cache.num_forward_contexts <= 3 and held in cache.forward_contexts()
     am.chunk_attention(x, x, x, held.layers[0])  # still planned and registered
     held.commit()
     batched = cache.prepare_forward([(s, "main") for s in states], 4)
-    assert len(cache._forwards) <= 2
+    assert cache.num_forward_contexts <= 2
     am.chunk_attention(x.repeat(4, 1, 1, 1), x.repeat(4, 1, 1, 1), x.repeat(4, 1, 1, 1), batched.layers[0])
     with pytest.raises(am.SpecError, match="max_forward_contexts"):
         am.KVCache(spec, num_pages=4, max_forward_contexts=0)

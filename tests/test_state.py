@@ -669,11 +669,11 @@ def test_reset_with_unknown_cache_name_changes_nothing():
     commit_chunks(state)
     state.get_kv_caches("cond", CHUNK)
     populate(state, "cond")
-    before = (branch_snapshot(state, "cond"), cache.allocator.free_pages(), state._cross.copy())
+    before = (branch_snapshot(state, "cond"), cache.allocator.free_pages(), state.cross_entries())
     with pytest.raises(UnknownCacheError) as exc_info:
         state.reset(keep_cross_attention=("text", "prompt"))
     assert "'prompt'" in str(exc_info.value) and "'text'" in str(exc_info.value)
-    assert (branch_snapshot(state, "cond"), cache.allocator.free_pages(), state._cross) == before
+    assert (branch_snapshot(state, "cond"), cache.allocator.free_pages(), state.cross_entries()) == before
 
 
 def test_reset_reopens_a_closed_session():

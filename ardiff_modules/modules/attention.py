@@ -139,16 +139,20 @@ class ChunkSelfAttention(nn.Module):
         self.to_v = nn.Linear(dim, self.num_kv_heads * self.head_dim, bias=bias)
         self.to_out = nn.Linear(num_heads * self.head_dim, dim, bias=bias)
 
-    def _split(self, t: torch.Tensor, heads: int, norm: nn.Module) -> torch.Tensor:
-        return _split_heads(t, heads, self.head_dim, self.qk_norm, norm)
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x`` ``[streams, seq_len, dim]`` -> normalised ``q`` ``[streams, seq_len, heads, head_dim]`` and
+        ``k``, ``v`` ``[streams, seq_len, kv_heads, head_dim]``, before RoPE (what models with their own
+        attention path, and oracles, reuse)."""
+        q = _split_heads(self.to_q(x), self.num_heads, self.head_dim, self.qk_norm, self.norm_q)
+        k = _split_heads(self.to_k(x), self.num_kv_heads, self.head_dim, self.qk_norm, self.norm_k)
+        v = self.to_v(x).view(x.shape[0], x.shape[1], self.num_kv_heads, self.head_dim)
+        return q, k, v
 
     def forward(self, x: torch.Tensor, kv: LayerContext, rope: Rope | None = None) -> torch.Tensor:
         """``x`` ``[streams, seq_len, dim]`` -> ``[streams, seq_len, dim]``."""
         _check_input("ChunkSelfAttention", "x", x, "[streams, seq_len, dim]", self.dim, self.to_q.weight)
         _check_layer_context("ChunkSelfAttention", kv, "k_cache")
-        q = self._split(self.to_q(x), self.num_heads, self.norm_q)
-        k = self._split(self.to_k(x), self.num_kv_heads, self.norm_k)
-        v = self.to_v(x).view(x.shape[0], x.shape[1], self.num_kv_heads, self.head_dim)
+        q, k, v = self.project(x)
         positions = kv.forward.positions
         q, k = apply_rope(q, positions, rope), apply_rope(k, positions, rope)
         out = chunk_attention(q, k, v, kv)
