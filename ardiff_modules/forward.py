@@ -3,7 +3,8 @@
 A :class:`ForwardTransaction` is created by ``KVCache.prepare_forward`` once the
 pages are reserved and the plan is built, and is *open* until it finishes:
 
-    prepare ──> open ──┬── commit   (all streams: pending -> history, eviction)
+    prepare ──> open ──┬── commit   (all streams: pending -> history, eviction; a denoising
+                       │             forward just completes, its pending pages kept for reuse)
                        ├── abort    (all streams: pending dropped, history as before)
                        └── supersede (a denoising forward replaced by the next forward
                                       of one of its streams: pending kept for reuse)
@@ -35,7 +36,9 @@ from ardiff_modules.errors import ForwardFinishedError
 from ardiff_modules.allocator import PageAllocator
 from ardiff_modules.history import BranchHistory
 
-Status = Literal["open", "committed", "aborted", "superseded", "released"]
+#: ``completed``: a denoising forward that finished (nothing joins history; "committed" is
+#: reserved for forwards whose chunks did).
+Status = Literal["open", "committed", "completed", "aborted", "superseded"]
 
 
 @dataclass(eq=False)
@@ -96,7 +99,7 @@ class ForwardTransaction:
         if not self.is_open:
             return
         if not self.commit_current:
-            self.close("committed")  # a denoising forward: pending pages stay for the next one
+            self.close("completed")  # a denoising forward: pending pages stay for the next one
             return
         live = self.live_histories()
         results = [h.plan_commit() for h in live]

@@ -115,9 +115,7 @@ class ForwardLayout:
     @cached_property
     def write_slots(self) -> torch.Tensor:
         """int64 ``[num_streams * seq_len]``: token slot of every current token, flat stream-major."""
-        pages = torch.tensor(
-            [p for s in self.streams for chunk in s.pending_pages for p in chunk], dtype=torch.int64
-        )
+        pages = self.write_pages
         offsets = torch.arange(self.page_size, dtype=torch.int64)
         return (pages[:, None] * self.page_size + offsets).reshape(-1)
 

@@ -26,6 +26,12 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The one RoPE rotation of the package: ``t * cos + rotate_half(t) * sin``, in float32, back to ``t``'s dtype."""
+    tf = t.float()
+    return (tf * cos + rotate_half(tf) * sin).to(t.dtype)
+
+
 def apply_rope(t: torch.Tensor, positions: torch.Tensor, rope: Rope | None) -> torch.Tensor:
     """Rotate ``t`` (``[streams, seq, heads, dim]``) by ``rope``.
 
@@ -67,7 +73,7 @@ def apply_rope(t: torch.Tensor, positions: torch.Tensor, rope: Rope | None) -> t
             )
         if r.device != t.device:
             raise TensorMismatchError(f"apply_rope {label}: expected device {t.device} (t's), got {r.device}")
-    return (t.float() * cos + rotate_half(t.float()) * sin).to(t.dtype)
+    return rotate(t, cos, sin)
 
 
 def _check(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ardiff_modules.errors import SpecError, TensorMismatchError
-from ardiff_modules.modules.functional import rotate_half
+from ardiff_modules.modules.functional import rotate
 from ardiff_modules.spec import _require_int, _require_positive_float
 
 
@@ -65,8 +65,7 @@ class RotaryEmbedding(nn.Module):
         _check_inputs("RotaryEmbedding", t, positions, self.head_dim, self.inv_freq)
         angles = positions.to(self.inv_freq.dtype)[..., None] * self.inv_freq  # [S, n, D/2]
         angles = torch.cat((angles, angles), dim=-1)[:, :, None, :]  # [S, n, 1, D]
-        tf = t.float()
-        return (tf * angles.cos() + rotate_half(tf) * angles.sin()).to(t.dtype)
+        return rotate(t, angles.cos(), angles.sin())
 
 
 class VideoRotaryEmbedding(nn.Module):
@@ -112,5 +111,4 @@ class VideoRotaryEmbedding(nn.Module):
             dim=-1,
         )  # [S, n, D/2]
         angles = torch.cat((angles, angles), dim=-1)[:, :, None, :]
-        tf = t.float()
-        return (tf * angles.cos() + rotate_half(tf) * angles.sin()).to(t.dtype)
+        return rotate(t, angles.cos(), angles.sin())
