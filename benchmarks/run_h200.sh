@@ -20,7 +20,7 @@ step() {
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv
 for what in "$@"; do
   case $what in
-    tests) step gpu_tests 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py -rs ;;
+    tests) step gpu_tests 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests -rs ;;
     tests_plan_skip) step gpu_tests_plan_skip 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py \
                -k plan_skipped -rs ;;
     attention) step attention 200 python3 benchmarks/attention.py --out "$out" ;;
