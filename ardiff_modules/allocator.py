@@ -165,14 +165,17 @@ class PageAllocator:
         """
         pages = tuple(pages)
         self._check_ids(pages)
-        drops: dict[int, int] = {}
-        for page in pages:
-            drops[page] = drops.get(page, 0) + 1
-        for page, n in drops.items():
-            if n > self._refcounts[page]:
-                raise AllocatorError(
-                    f"decref: page {page} has refcount {self._refcounts[page]}, cannot drop {n} reference(s)"
-                )
+        refcounts = self._refcounts
+        # Fast path: distinct pages that are all in use (eviction, abort); else count repeats.
+        if len(set(pages)) != len(pages) or not all(refcounts[p] for p in pages):
+            drops: dict[int, int] = {}
+            for page in pages:
+                drops[page] = drops.get(page, 0) + 1
+            for page, n in drops.items():
+                if n > refcounts[page]:
+                    raise AllocatorError(
+                        f"decref: page {page} has refcount {refcounts[page]}, cannot drop {n} reference(s)"
+                    )
         freed = []
         for page in pages:
             self._refcounts[page] -= 1
@@ -187,6 +190,9 @@ class PageAllocator:
 
     # ------------------------------------------------------------------ checks
     def _check_ids(self, pages: Sequence[int]) -> None:
+        # Hot path (every page of every forward): C-level type and range checks first.
+        if not pages or (set(map(type, pages)) == {int} and min(pages) >= 0 and max(pages) < self.num_pages):
+            return
         for page in pages:
             if not is_int(page) or not 0 <= page < self.num_pages:
                 raise AllocatorError(f"expected a page id in [0, {self.num_pages}), got {page!r}")

@@ -48,13 +48,13 @@ class ReferencePlan(AttentionPlan):
         return_lse: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         page_shape = (-1, *k_cache.shape[1:])
-        k_cache.index_copy_(0, self.write_pages, k.reshape(page_shape).to(k_cache.dtype))
-        v_cache.index_copy_(0, self.write_pages, v.reshape(page_shape).to(v_cache.dtype))
+        k_cache.index_copy_(0, self.write_pages, _as(k.reshape(page_shape), k_cache.dtype))
+        v_cache.index_copy_(0, self.write_pages, _as(v.reshape(page_shape), v_cache.dtype))
         k_slots = KVPool.token_slots(k_cache)
         v_slots = KVPool.token_slots(v_cache)
         s, n = self.num_streams, self.seq_len
-        keys = k_slots[self.gather].transpose(1, 2).to(q.dtype)  # [S, Hkv, K, D], attended in the compute dtype
-        values = v_slots[self.gather].transpose(1, 2).to(q.dtype)
+        keys = _as(k_slots[self.gather].transpose(1, 2), q.dtype)  # [S, Hkv, K, D], attended in the compute dtype
+        values = _as(v_slots[self.gather].transpose(1, 2), q.dtype)
         if self.padding is not None:
             keys = keys.masked_fill(self.padding, 0)
             values = values.masked_fill(self.padding, 0)
@@ -76,6 +76,10 @@ class ReferencePlan(AttentionPlan):
         logits = torch.matmul(queries.float(), keys.float().transpose(-1, -2)) * scale  # [S, H, n, K]
         lse = torch.logsumexp(logits.masked_fill(~self.mask, float("-inf")), dim=-1)
         return lse.transpose(1, 2).reshape(s * n, heads)
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 class ReferenceBackend(AttentionBackend):
