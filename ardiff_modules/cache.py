@@ -249,6 +249,7 @@ class KVCache:
         *,
         token_mask: torch.Tensor | None = None,
         static: bool = False,
+        chunk_lengths: Sequence[int] | None = None,
     ) -> ForwardContext:
         """Prepare one forward over ``streams`` (``(session, branch)`` pairs, the batch order).
 
@@ -275,18 +276,25 @@ class KVCache:
             Keep every device input of this forward in fixed buffers so that a CUDA graph
             captured once replays correctly after re-planning (see :class:`CUDAGraphStep`).
             Needs the FlashInfer backend and a bounded window.
+        chunk_lengths:
+            Tokens of each pending chunk when they are not all ``chunk_size`` (e.g. image-to-video's
+            1-latent-frame first chunk): multiples of ``page_size``, at most ``chunk_size``, summing
+            to ``seq_len``. Default: ``seq_len // chunk_size`` full chunks, or one shorter chunk when
+            ``seq_len`` is a multiple of ``page_size`` below ``chunk_size``. Sinks and windows count
+            chunks whatever their lengths; positions count tokens.
         """
         with self._lock:
             self._check_open("prepare_forward")
             members = self._validate_streams(streams)
-            num_chunks = self._validate_forward_args(seq_len, commit_current, static)
+            lengths = self._validate_forward_args(seq_len, commit_current, static, chunk_lengths)
             histories = [state.history(branch) for state, branch in members]
             for (state, branch), history in zip(members, histories):
                 _check_no_open_commit(state, branch, history)
             if token_mask is not None:
-                self._check_token_mask(token_mask, histories, seq_len, num_chunks)
-            self._check_capacity(histories, num_chunks)
-            return self._reserve_and_plan(members, histories, num_chunks, commit_current, token_mask, static)
+                self._check_token_mask(token_mask, histories, seq_len)
+            chunk_pages = [length // self.spec.page_size for length in lengths]
+            self._check_capacity(histories, chunk_pages)
+            return self._reserve_and_plan(members, histories, chunk_pages, commit_current, token_mask, static)
 
     def _validate_streams(self, streams: Sequence[tuple[KVState, str]]) -> tuple[tuple[KVState, str], ...]:
         if isinstance(streams, (set, frozenset, dict, str)) or not isinstance(streams, Iterable):
@@ -313,12 +321,11 @@ class KVCache:
             seen.add(key)
         return members
 
-    def _validate_forward_args(self, seq_len: int, commit_current: bool, static: bool) -> int:
-        chunk = self.spec.chunk_size
-        if not is_int(seq_len) or seq_len <= 0 or seq_len % chunk:
-            raise SequenceLengthError(
-                f"seq_len: expected a positive multiple of chunk_size={chunk}, got {seq_len!r}"
-            )
+    def _validate_forward_args(
+        self, seq_len: int, commit_current: bool, static: bool, chunk_lengths: Sequence[int] | None
+    ) -> tuple[int, ...]:
+        """Validate the forward's arguments; return the token count of each pending chunk."""
+        chunk, page = self.spec.chunk_size, self.spec.page_size
         require_bool("prepare_forward.commit_current", commit_current)
         require_bool("prepare_forward.static", static)
         if static and self.spec.max_resident_chunks is None:
@@ -326,12 +333,36 @@ class KVCache:
                 "prepare_forward(static=True): expected a bounded window (window_chunks is not None) so the "
                 "fixed buffers can be sized, got window_chunks=None"
             )
-        return seq_len // chunk
+        if chunk_lengths is not None:
+            return self._validate_chunk_lengths(seq_len, chunk_lengths)
+        if is_int(seq_len) and seq_len > 0 and seq_len % chunk == 0:
+            return (chunk,) * (seq_len // chunk)
+        if is_int(seq_len) and 0 < seq_len < chunk and seq_len % page == 0:
+            return (seq_len,)  # one shorter chunk (e.g. a 1-frame first chunk)
+        raise SequenceLengthError(
+            f"seq_len: expected a positive multiple of chunk_size={chunk} (or one shorter chunk: a multiple of "
+            f"page_size={page} below it; for mixed chunk sizes pass chunk_lengths), got {seq_len!r}"
+        )
 
-    def _check_token_mask(
-        self, token_mask: torch.Tensor, histories: Sequence[BranchHistory], seq_len: int, num_chunks: int
-    ) -> None:
-        expected = (len(histories), seq_len, self.max_visible_keys(histories, num_chunks))
+    def _validate_chunk_lengths(self, seq_len: int, chunk_lengths: Sequence[int]) -> tuple[int, ...]:
+        chunk, page = self.spec.chunk_size, self.spec.page_size
+        if isinstance(chunk_lengths, (str, set, frozenset, dict)) or not isinstance(chunk_lengths, Sequence):
+            raise SequenceLengthError(
+                f"chunk_lengths: expected a sequence of token counts, got {type(chunk_lengths).__name__}"
+            )
+        lengths = tuple(chunk_lengths)
+        bad = [n for n in lengths if not is_int(n) or not 0 < n <= chunk or n % page]
+        if not lengths or bad:
+            raise SequenceLengthError(
+                f"chunk_lengths: expected multiples of page_size={page} in [{page}, chunk_size={chunk}], got "
+                f"{list(lengths)}"
+            )
+        if seq_len != sum(lengths):
+            raise SequenceLengthError(f"seq_len: expected sum(chunk_lengths)={sum(lengths)}, got {seq_len!r}")
+        return lengths
+
+    def _check_token_mask(self, token_mask: torch.Tensor, histories: Sequence[BranchHistory], seq_len: int) -> None:
+        expected = (len(histories), seq_len, self.max_visible_keys(histories, seq_len))
         if not isinstance(token_mask, torch.Tensor):
             raise TensorMismatchError(f"token_mask: expected a torch.bool tensor, got {type(token_mask).__name__}")
         if token_mask.dtype != torch.bool:
@@ -345,13 +376,13 @@ class KVCache:
                 f"token_mask: expected shape {expected} [streams, seq_len, max_keys], got {tuple(token_mask.shape)}"
             )
 
-    def _check_capacity(self, histories: Sequence[BranchHistory], num_chunks: int) -> None:
+    def _check_capacity(self, histories: Sequence[BranchHistory], chunk_pages: Sequence[int]) -> None:
         """Raise :class:`CapacityError` unless the forward's pages (and new extents) fit."""
-        needed = sum(h.pages_needed(num_chunks, self.allocator) for h in histories)
+        needed = sum(h.pages_needed(chunk_pages, self.allocator) for h in histories)
         if needed > self.allocator.num_free:
             raise CapacityError(
                 f"KV pool out of pages: this forward needs {needed} more pages "
-                f"({num_chunks} pending chunk(s) x {self.spec.pages_per_chunk} pages for "
+                f"({len(chunk_pages)} pending chunk(s) of {list(chunk_pages)} pages for "
                 f"{len(histories)} stream(s), minus pages already pending), only "
                 f"{self.allocator.num_free} of {self.allocator.num_pages} are free",
                 needed=needed,
@@ -377,16 +408,17 @@ class KVCache:
         self,
         members: tuple[tuple[KVState, str], ...],
         histories: list[BranchHistory],
-        num_chunks: int,
+        chunk_pages: list[int],
         commit_current: bool,
         token_mask: torch.Tensor | None,
         static: bool,
     ) -> ForwardContext:
         """Reserve pages, plan, publish; on any failure roll the pages and the peak back exactly."""
-        seq_len = num_chunks * self.spec.chunk_size
+        num_chunks = len(chunk_pages)
+        seq_len = sum(chunk_pages) * self.spec.page_size
         key = (tuple((state.session_id, branch) for state, branch in members), seq_len if static else None)
         ctx, is_new = self._lookup_context(key)
-        reservation = Reservation(histories, num_chunks, self.allocator, self._extent_pages)
+        reservation = Reservation(histories, chunk_pages, self.allocator, self._extent_pages)
         planning = False
         try:
             layout = ForwardLayout(
@@ -510,9 +542,9 @@ class KVCache:
                 if transaction is not None:
                     self.finish_forward(transaction, False)
 
-    def max_visible_keys(self, histories: Sequence[BranchHistory], num_chunks: int) -> int:
-        """Keys of the widest stream of a forward: visible history plus all pending tokens."""
-        return max(len(h.history_pages()) * self.spec.page_size for h in histories) + num_chunks * self.spec.chunk_size
+    def max_visible_keys(self, histories: Sequence[BranchHistory], seq_len: int) -> int:
+        """Keys of the widest stream of a forward: visible history plus all ``seq_len`` pending tokens."""
+        return max(len(h.history_pages()) * self.spec.page_size for h in histories) + seq_len
 
     def _max_plan_pages(self, num_streams: int, num_chunks: int) -> int:
         """Upper bound of the page list of a structural plan (rows of one forward), for fixed buffers."""

@@ -29,6 +29,8 @@ attended without paging. The extent holds one reference on each of its pages
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from ardiff_modules.allocator import PageAllocator
 from ardiff_modules.window import RetentionPolicy, Retained, retain
 
@@ -51,16 +53,23 @@ class BranchHistory:
         self.resident: tuple[PageChunk, ...] = ()
         self.resident_index: tuple[int, ...] = ()
         self.pending: tuple[PageChunk, ...] = ()
-        #: Chunks ever committed (evicted ones included): drives absolute positions.
+        #: Chunks ever committed (evicted ones included).
         self.committed_chunks = 0
+        #: Tokens ever committed (evicted ones included): drives absolute positions. Chunks may
+        #: differ in length (e.g. a 1-frame first chunk), so this is not chunks x chunk_size.
+        self.committed_tokens = 0
         #: The open forward whose pending chunks these are (opaque here; see ``forward.py``).
         self.forward: object | None = None
 
     # ------------------------------------------------------------------ queries
     @property
+    def page_size(self) -> int:
+        return self.chunk_size // self.pages_per_chunk
+
+    @property
     def token_offset(self) -> int:
         """Absolute position of the first pending token (tokens ever committed)."""
-        return self.committed_chunks * self.chunk_size
+        return self.committed_tokens
 
     @property
     def resident_chunks(self) -> tuple[PageChunk, ...]:
@@ -94,26 +103,31 @@ class BranchHistory:
     def free_extent_slots(self, allocator: PageAllocator) -> list[PageChunk]:
         """Extent slots free for a new pending chunk, lowest first.
 
-        A slot is free when no chunk of this branch uses it and nobody else references its
-        pages (refcount 1: only the reservation). NOTE: an evicted chunk may still be visible
-        to a fork sharing it; committed pages are immutable, so its slot waits until that
-        fork lets go (meanwhile new chunks come from the general pool and run paged).
+        A slot is free when no chunk of this branch uses any of its pages (a shorter chunk uses
+        a slot's first pages) and nobody else references them (refcount 1: only the
+        reservation). NOTE: an evicted chunk may still be visible to a fork sharing it;
+        committed pages are immutable, so its slot waits until that fork lets go (meanwhile new
+        chunks come from the general pool and run paged).
         """
-        used = set(self.resident) | set(self.pending)
-        return [
-            slot
-            for slot in self.extent_slots()
-            if slot not in used and allocator.exclusive(slot)
-        ]
+        used = {page for chunk in self.resident + self.pending for page in chunk}
+        return [slot for slot in self.extent_slots() if used.isdisjoint(slot) and allocator.exclusive(slot)]
 
-    def pages_needed(self, num_chunks: int, allocator: PageAllocator) -> int:
-        """Free pages :meth:`set_pending` would allocate (plus the extent if not yet reserved)."""
-        missing = max(0, num_chunks - len(self.pending))
+    def reusable_pending(self, chunk_pages: Sequence[int]) -> int:
+        """How many leading pending chunks a forward with these chunk sizes (in pages) reuses as they are."""
+        k = 0
+        while k < min(len(self.pending), len(chunk_pages)) and len(self.pending[k]) == chunk_pages[k]:
+            k += 1
+        return k
+
+    def pages_needed(self, chunks: int | Sequence[int], allocator: PageAllocator) -> int:
+        """Free pages :meth:`replace_pending` would allocate (plus the extent if not yet reserved)."""
+        chunk_pages = self._chunk_pages(chunks)
+        missing = chunk_pages[self.reusable_pending(chunk_pages) :]
         if self.extent_chunks is None:
-            return missing * self.pages_per_chunk
+            return sum(missing)
         if not self.extent:
-            return (self.extent_chunks + max(0, missing - self.extent_chunks)) * self.pages_per_chunk
-        return max(0, missing - len(self.free_extent_slots(allocator))) * self.pages_per_chunk
+            return self.extent_chunks * self.pages_per_chunk + sum(missing[self.extent_chunks :])
+        return sum(missing[len(self.free_extent_slots(allocator)) :])
 
     def assign_extent(self, pages: tuple[int, ...]) -> None:
         """Take ownership of a freshly allocated contiguous extent (its one reference per page)."""
@@ -121,38 +135,59 @@ class BranchHistory:
         assert len(pages) == self.extent_chunks * self.pages_per_chunk
         self.extent = pages
 
-    # ------------------------------------------------------------------ mutation
-    def set_pending(self, num_chunks: int, allocator: PageAllocator) -> None:
-        """Make the branch hold exactly ``num_chunks`` pending chunks.
+    def _chunk_pages(self, chunks: int | Sequence[int]) -> list[int]:
+        """``chunks`` full chunks, or the size in pages of each chunk."""
+        return [self.pages_per_chunk] * chunks if isinstance(chunks, int) else list(chunks)
 
-        Existing pending pages are reused (denoising forwards overwrite them in
-        place); missing chunks are allocated, surplus ones freed. Raises
+    # ------------------------------------------------------------------ mutation
+    def set_pending(self, chunks: int | Sequence[int], allocator: PageAllocator) -> None:
+        """Make the branch hold exactly these pending chunks (a count of full chunks, or pages per chunk).
+
+        Leading pending chunks of the right size are reused (denoising forwards overwrite them
+        in place); the rest are allocated, surplus or mismatched ones freed. Raises
         :class:`~ardiff_modules.errors.CapacityError` before changing anything.
         """
-        have = len(self.pending)
-        if num_chunks > have:
-            slots = self.free_extent_slots(allocator)[: num_chunks - have]
-            fresh = allocator.allocate((num_chunks - have - len(slots)) * self.pages_per_chunk)
-            allocator.incref(p for slot in slots for p in slot)
-            step = self.pages_per_chunk
-            new = tuple(slots) + tuple(tuple(fresh[i : i + step]) for i in range(0, len(fresh), step))
-            self.pending = self.pending + new
-        elif num_chunks < have:
-            surplus = self.pending[num_chunks:]
-            allocator.decref(page for chunk in surplus for page in chunk)
-            self.pending = self.pending[:num_chunks]
+        stale = self.replace_pending(chunks, allocator)
+        allocator.decref(page for chunk in stale for page in chunk)
+
+    def replace_pending(self, chunks: int | Sequence[int], allocator: PageAllocator) -> tuple[PageChunk, ...]:
+        """Like :meth:`set_pending`, but return the replaced chunks still referenced (caller releases them).
+
+        Keeping them referenced until the forward is published lets :meth:`undo_grow` restore
+        the previous pending chunks exactly if planning fails.
+        """
+        chunk_pages = self._chunk_pages(chunks)
+        k = self.reusable_pending(chunk_pages)
+        missing = chunk_pages[k:]
+        stale = self.pending[k:]
+        # Free slots are computed before anything changes; a slot fits any chunk (<= a full chunk).
+        slots = [slot[:n] for slot, n in zip(self.free_extent_slots(allocator), missing)]
+        fresh = allocator.allocate(sum(missing[len(slots) :]))
+        allocator.incref(p for slot in slots for p in slot)
+        new: list[PageChunk] = list(slots)
+        start = 0
+        for n in missing[len(slots) :]:
+            new.append(tuple(fresh[start : start + n]))
+            start += n
+        self.pending = self.pending[:k] + tuple(new)
+        return stale
 
     def undo_grow(self, old_pending: tuple[PageChunk, ...], allocator: PageAllocator) -> list[int]:
         """Roll pending back to ``old_pending`` after a failed prepare; return the fresh pages to unallocate.
 
-        Extent slots only lose the reference :meth:`set_pending` added; freshly allocated
+        Extent slots only lose the reference :meth:`replace_pending` added; freshly allocated
         pages are returned (still referenced) so the caller can undo their allocation exactly.
+        The replaced chunks kept their references, so restoring ``old_pending`` is exact.
         """
-        grown = self.pending[len(old_pending) :]
-        in_extent = [c for c in grown if c in self.extent_slots()]
+        k = 0
+        while k < min(len(old_pending), len(self.pending)) and old_pending[k] is self.pending[k]:
+            k += 1
+        grown = self.pending[k:]
+        extent = set(self.extent)
+        in_extent = [c for c in grown if c and c[0] in extent]
         allocator.decref(p for c in in_extent for p in c)
         self.pending = old_pending
-        return [p for c in grown if c not in in_extent for p in c]
+        return [p for c in grown if not (c and c[0] in extent) for p in c]
 
     def commit_pending(self, allocator: PageAllocator) -> list[int]:
         """Turn pending chunks into history (no copy), evict per the policy; return freed pages."""
@@ -172,6 +207,7 @@ class BranchHistory:
     def apply_commit(self, result: Retained[PageChunk]) -> None:
         """Adopt a :meth:`plan_commit` result; the caller drops the references of ``result.evicted``."""
         self.committed_chunks += len(self.pending)
+        self.committed_tokens += sum(map(len, self.pending)) * self.page_size
         self.resident, self.resident_index, self.pending = result.resident, result.indices, ()
 
     def clear_pending(self) -> None:
@@ -191,6 +227,7 @@ class BranchHistory:
         self.resident_index = ()
         self.extent = ()
         self.committed_chunks = 0
+        self.committed_tokens = 0
         self.forward = None
         return freed
 
@@ -208,3 +245,6 @@ class BranchHistory:
         self.release(allocator)
         self.resident, self.resident_index = resident, indices
         self.committed_chunks = len(resident) if sinks_only else other.committed_chunks
+        self.committed_tokens = (
+            sum(map(len, resident)) * self.page_size if sinks_only else other.committed_tokens
+        )

@@ -79,15 +79,19 @@ class RaggedRows:
 
 @dataclass(frozen=True)
 class ForwardLayout:
-    """Pages of every stream of one forward; all streams have ``num_chunks`` pending chunks."""
+    """Pages of every stream of one forward; all streams have the same pending chunks' lengths.
+
+    ``chunk_size`` is the spec's (largest) chunk; the pending chunks of a forward may be shorter
+    (e.g. a 1-latent-frame first chunk): their lengths come from their pages (:attr:`chunk_lengths`).
+    """
 
     streams: tuple[StreamLayout, ...]
     chunk_size: int
     page_size: int
 
     def __post_init__(self) -> None:
-        counts = {len(s.pending_pages) for s in self.streams}
-        assert len(counts) == 1 and 0 not in counts, f"streams must share a pending chunk count, got {counts}"
+        shapes = {tuple(map(len, s.pending_pages)) for s in self.streams}
+        assert len(shapes) == 1 and () not in shapes, f"streams must share pending chunk sizes, got {shapes}"
 
     @property
     def num_streams(self) -> int:
@@ -97,10 +101,28 @@ class ForwardLayout:
     def num_chunks(self) -> int:
         return len(self.streams[0].pending_pages)
 
+    @cached_property
+    def chunk_lengths(self) -> tuple[int, ...]:
+        """Tokens of each pending chunk (the same for every stream)."""
+        return tuple(len(chunk) * self.page_size for chunk in self.streams[0].pending_pages)
+
+    @cached_property
+    def chunk_starts(self) -> tuple[int, ...]:
+        """Token offset of each pending chunk inside a stream's ``seq_len`` tokens, and ``seq_len`` last."""
+        starts = [0]
+        for length in self.chunk_lengths:
+            starts.append(starts[-1] + length)
+        return tuple(starts)
+
     @property
     def seq_len(self) -> int:
         """Pending tokens per stream."""
-        return self.num_chunks * self.chunk_size
+        return self.chunk_starts[-1]
+
+    @cached_property
+    def query_chunk(self) -> torch.Tensor:
+        """int64 ``[seq_len]``: the pending chunk of each current token."""
+        return torch.repeat_interleave(torch.arange(self.num_chunks), torch.tensor(self.chunk_lengths))
 
     # ------------------------------------------------------------------ writes
     @cached_property
@@ -137,8 +159,12 @@ class ForwardLayout:
                 indices.extend(visible)
                 indptr.append(len(indices))
         rows = self.num_streams * self.num_chunks
+        qo = [0]
+        for _ in self.streams:
+            for length in self.chunk_lengths:
+                qo.append(qo[-1] + length)
         return StructuralRows(
-            qo_indptr=torch.arange(rows + 1, dtype=torch.int32) * self.chunk_size,
+            qo_indptr=torch.tensor(qo, dtype=torch.int32),
             kv_page_indptr=torch.tensor(indptr, dtype=torch.int32),
             kv_page_indices=torch.tensor(indices, dtype=torch.int32),
             kv_last_page_len=torch.full((rows,), self.page_size, dtype=torch.int32),
@@ -171,7 +197,7 @@ class ForwardLayout:
                 qo.append(qo[-1])
                 kv.append(start)
                 gaps += 1
-            qo.append(qo[-1] + self.chunk_size)
+            qo.append(qo[-1] + self.seq_len)
             kv.append(end)
         base = kv[0]
         return RaggedRows(
@@ -190,7 +216,7 @@ class ForwardLayout:
         ``gather_slots`` is int64 ``[num_streams, max_keys]``: per stream, the token
         slots of its history pages then of its pending pages (padded with slot 0).
         ``mask`` is bool ``[num_streams, seq_len, max_keys]``: query ``i`` (pending
-        chunk ``i // chunk_size``) sees all history keys and pending chunks ``<=`` its own.
+        chunk ``query_chunk[i]``) sees all history keys and pending chunks ``<=`` its own.
         """
         page_offsets = torch.arange(self.page_size, dtype=torch.int64)
         per_stream = []
@@ -200,12 +226,12 @@ class ForwardLayout:
         max_keys = max(t.numel() for t in per_stream)
         gather = torch.zeros((self.num_streams, max_keys), dtype=torch.int64)
         mask = torch.zeros((self.num_streams, self.seq_len, max_keys), dtype=torch.bool)
-        query_chunk = torch.arange(self.seq_len) // self.chunk_size
+        query_chunk = self.query_chunk
         for i, (s, slots) in enumerate(zip(self.streams, per_stream)):
             gather[i, : slots.numel()] = slots
             history = len(s.history_pages) * self.page_size
             mask[i, :, :history] = True
-            key_chunk = torch.arange(self.seq_len) // self.chunk_size
+            key_chunk = query_chunk
             mask[i, :, history : history + self.seq_len] = key_chunk[None, :] <= query_chunk[:, None]
         return gather, mask
 

@@ -22,8 +22,8 @@ class Reservation:
     ----------
     histories:
         The forward's branches, in batch order.
-    num_chunks:
-        Pending chunks every branch must hold.
+    chunk_pages:
+        Pages of each pending chunk every branch must hold (chunks may differ in length).
     allocator:
         The pool's allocator (capacity was checked by the caller: reserving cannot run out).
     extent_pages:
@@ -31,11 +31,13 @@ class Reservation:
     """
 
     def __init__(
-        self, histories: Sequence[BranchHistory], num_chunks: int, allocator: PageAllocator, extent_pages: int
+        self, histories: Sequence[BranchHistory], chunk_pages: Sequence[int], allocator: PageAllocator,
+        extent_pages: int,
     ) -> None:
         self.histories = list(histories)
-        self.num_chunks = num_chunks
         self.allocator = allocator
+        #: Pending chunks each branch held that this forward replaces (released by :meth:`keep`).
+        self._stale: list[tuple[tuple[int, ...], ...]] = []
         self._before: list[tuple[PageChunk, ...]] = [h.pending for h in self.histories]
         self._peak = allocator.peak_used
         self._new_extents = [h for h in self.histories if h.needs_extent]
@@ -47,8 +49,7 @@ class Reservation:
                 for i, h in enumerate(self._new_extents):
                     h.assign_extent(tuple(run[i * extent_pages : (i + 1) * extent_pages]))
             for h in self.histories:
-                if len(h.pending) < num_chunks:
-                    h.set_pending(num_chunks, allocator)
+                self._stale.append(h.replace_pending(chunk_pages, allocator))
         except BaseException:
             self.rollback()
             raise
@@ -67,7 +68,6 @@ class Reservation:
         self.allocator.peak_used = self._peak
 
     def keep(self) -> None:
-        """The forward was published: drop surplus pending chunks (a shorter forward reuses the first ones)."""
-        for h in self.histories:
-            if len(h.pending) > self.num_chunks:
-                h.set_pending(self.num_chunks, self.allocator)
+        """The forward was published: release the pending chunks it replaced (surplus or resized)."""
+        self.allocator.decref(page for stale in self._stale for chunk in stale for page in chunk)
+        self._stale = []

@@ -61,6 +61,7 @@ class SessionHost(Protocol):
         *,
         token_mask: torch.Tensor | None = None,
         static: bool = False,
+        chunk_lengths: Sequence[int] | None = None,
     ) -> ForwardContext: ...
     def finish_forward(self, transaction: ForwardTransaction, success: bool) -> None: ...
     def abort_forwards_of(self, state: KVState) -> None: ...
@@ -184,12 +185,13 @@ class KVState:
         *,
         token_mask: torch.Tensor | None = None,
         static: bool = False,
+        chunk_lengths: Sequence[int] | None = None,
     ) -> ForwardContext:
         """One forward over several branches of this session, batched in that order (e.g. CFG).
 
         ``branches`` defaults to every branch of the spec. The result is a context
-        manager that commits on success and aborts on an exception. ``token_mask`` and
-        ``static`` are as in :meth:`KVCache.prepare_forward`.
+        manager that commits on success and aborts on an exception. ``token_mask``,
+        ``static`` and ``chunk_lengths`` are as in :meth:`KVCache.prepare_forward`.
         """
         self._check_open()
         names = branch_names("prepare_forward", branches, self.kv_branch_names)
@@ -198,7 +200,8 @@ class KVState:
                 f"prepare_forward: expected seq_len (a multiple of chunk_size={self.cache.spec.chunk_size}), got None"
             )
         return self.cache.prepare_forward(
-            [(self, b) for b in names], seq_len, commit_current, token_mask=token_mask, static=static
+            [(self, b) for b in names], seq_len, commit_current, token_mask=token_mask, static=static,
+            chunk_lengths=chunk_lengths,
         )
 
     def commit_paged_context(self, kv_branch: str) -> None:

@@ -75,7 +75,12 @@ class LibraryStreaming:
         self.cache = KVCache(spec, num_pages=num_pages, backend="reference")
         self.state = self.cache.open_session("s0")
 
-    def forward(self, branches: Sequence[str], x: torch.Tensor, commit: bool) -> torch.Tensor:
+    def forward(
+        self, branches: Sequence[str], x: torch.Tensor, commit: bool, chunk_lengths: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        if chunk_lengths is not None and len(chunk_lengths) > 1:  # mixed chunk sizes: say them
+            with self.state.prepare_forward(branches, x.shape[1], commit, chunk_lengths=chunk_lengths) as fwd:
+                return self.fn(x, fwd.layers)
         if len(branches) == 1:  # the seed's API
             layers = self.state.get_kv_caches(branches[0], x.shape[1], commit_current=commit)
             out = self.fn(x, layers)
@@ -105,6 +110,7 @@ class NaiveStreaming:
         self.model, self.chunk, self.sink, self.window = model, chunk_size, sink, window
         self.memory = memory
         self.committed: dict[str, list[list[tuple[torch.Tensor, torch.Tensor]]]] = defaultdict(list)
+        self.committed_tokens: dict[str, int] = defaultdict(int)
         self.text: dict[str, torch.Tensor] = {}
 
     def visible(self, branch: str) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -120,24 +126,29 @@ class NaiveStreaming:
             memory = [c for i, c in enumerate(older) if i % every == 0][-count:] if count else []
         return sinks + memory + window
 
-    def forward(self, branches: Sequence[str], x: torch.Tensor, commit: bool) -> torch.Tensor:
+    def forward(
+        self, branches: Sequence[str], x: torch.Tensor, commit: bool, chunk_lengths: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        n = x.shape[1]
+        if chunk_lengths is None:  # full chunks, or one shorter chunk
+            chunk_lengths = [self.chunk] * (n // self.chunk) if n % self.chunk == 0 else [n]
         outs = []
         for s, branch in enumerate(branches):
-            out, chunk_kv = self._stream(branch, x[s : s + 1])
+            out, chunk_kv = self._stream(branch, x[s : s + 1], list(chunk_lengths))
             outs.append(out)
             if commit:
                 self.committed[branch].extend(chunk_kv)
+                self.committed_tokens[branch] += n
         return torch.cat(outs)
 
     @torch.no_grad()
-    def _stream(self, branch: str, x: torch.Tensor):  # noqa: ANN202
+    def _stream(self, branch: str, x: torch.Tensor, lengths: list[int]):  # noqa: ANN202
         n = x.shape[1]
-        n_chunks = n // self.chunk
-        start = len(self.committed[branch]) * self.chunk
+        start = self.committed_tokens[branch]
         positions = torch.arange(start, start + n)[None]
         history = self.visible(branch)
-        hist_len = len(history) * self.chunk
-        q_chunk = torch.arange(n) // self.chunk
+        hist_len = sum(c[0][0].shape[0] for c in history)
+        q_chunk = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
         mask = torch.ones(n, hist_len + n, dtype=torch.bool)
         mask[:, hist_len:] = q_chunk[None, :] <= q_chunk[:, None]
         per_layer = []
@@ -164,10 +175,10 @@ class NaiveStreaming:
             h = h + c.to_out(oc.reshape(1, n, -1))
             h = h + block.mlp(h)
             per_layer.append((k[0], v[0]))
-        chunk_kv = [
-            [(k[i * self.chunk : (i + 1) * self.chunk], v[i * self.chunk : (i + 1) * self.chunk]) for k, v in per_layer]
-            for i in range(n_chunks)
-        ]
+        bounds = [0]
+        for length in lengths:
+            bounds.append(bounds[-1] + length)
+        chunk_kv = [[(k[a:b], v[a:b]) for k, v in per_layer] for a, b in zip(bounds, bounds[1:])]
         return h, chunk_kv
 
     def set_prompt(self, contexts: dict[str, torch.Tensor]) -> None:
@@ -175,15 +186,20 @@ class NaiveStreaming:
 
     def reset(self) -> None:
         self.committed.clear()
+        self.committed_tokens.clear()
 
 
 def rollout_events(
-    num_chunks: int, chunk_size: int, dim: int, context_dim: int, seed: int = 0, fixed_shape: bool = False
+    num_chunks: int, chunk_size: int, dim: int, context_dim: int, seed: int = 0, fixed_shape: bool = False,
+    short_chunk: int | None = None,
 ) -> list[tuple]:
     """A Self-Forcing-style schedule: 2 denoising forwards + 1 committing forward per step, CFG batched.
 
     Includes multi-chunk forwards (1..4 chunks), single-branch forwards through the seed API,
     a prompt switch and a reset. ``fixed_shape`` keeps every forward at one chunk of both branches.
+    ``short_chunk`` (tokens, a multiple of the page size below ``chunk_size``): the first chunk
+    after the start and after the reset is that short (image-to-video's 1-frame first chunk), and
+    some multi-chunk forwards mix a short chunk in (events then carry their ``chunk_lengths``).
     """
     g = torch.Generator().manual_seed(seed)
     branches = ("cond", "uncond")
@@ -194,9 +210,16 @@ def rollout_events(
     while done < num_chunks:
         n = 1 if fixed_shape else chunk_counts[step % len(chunk_counts)]
         rows = branches if fixed_shape or step % 5 != 4 else ("uncond",)
-        for denoise in range(2):
-            events.append(("forward", rows, torch.randn(len(rows), n * chunk_size, dim, generator=g), False))
-        events.append(("forward", rows, torch.randn(len(rows), n * chunk_size, dim, generator=g), True))
+        lengths = [chunk_size] * n
+        if short_chunk is not None and step in (0, 10):
+            lengths = [short_chunk]
+        elif short_chunk is not None and n > 1 and step % 4 != 1:  # a short chunk last, or first (step 4)
+            lengths = [chunk_size] * (n - 1) + [short_chunk]
+            lengths = lengths[::-1] if step == 4 else lengths
+        seq = sum(lengths)
+        for denoise in range(3):
+            x = torch.randn(len(rows), seq, dim, generator=g)
+            events.append(("forward", rows, x, denoise == 2, tuple(lengths)))
         if step == 5:
             events.append(("prompt", {b: torch.randn(5, context_dim, generator=g) for b in branches}))
         if step == 9:
@@ -213,9 +236,9 @@ def play_event(runner, event: tuple) -> torch.Tensor | None:  # noqa: ANN001
     elif event[0] == "reset":
         runner.reset()
     else:
-        _, rows, x, commit = event
+        _, rows, x, commit, lengths = event
         with torch.no_grad():
-            return runner.forward(rows, x, commit)
+            return runner.forward(rows, x, commit, lengths)
     return None
 
 

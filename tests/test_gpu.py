@@ -341,3 +341,34 @@ def test_flashinfer_reads_the_page_table_it_was_planned_with() -> None:
         refreshed = wrapper.run(q, (k_cache, v_cache))
         fresh_wrapper, _ = planned(ids_b, static)
         torch.testing.assert_close(refreshed, fresh_wrapper.run(q, (k_cache, v_cache)), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("extents", [True, False], ids=["extents", "paged"])
+def test_variable_chunk_lengths_equal_reference(extents: bool) -> None:
+    """Chunks of different token counts in one branch (a short image-to-video first chunk, mixed
+    multi-chunk forwards), two sessions batched: FlashInfer (ragged where the keys are one range,
+    paged otherwise) equals the reference backend."""
+    chunk, page = 720, 120
+    spec = _spec(chunk, page, 1, 2)
+    ref_cache, fi_cache = _pair(spec, pages=4 * 10 * spec.pages_per_chunk, extents=extents)
+    ref_states = [ref_cache.open_session(f"s{i}") for i in range(2)]
+    fi_states = [fi_cache.open_session(f"s{i}") for i in range(2)]
+    g = torch.Generator(device="cuda").manual_seed(11)
+    modes = set()
+    for lengths in [(240,), (720,), (720, 240), (240, 720), (720,), (480,), (720, 720), (720,), (360,)]:
+        seq = sum(lengths)
+        for commit in (False, True):
+            q = torch.randn(4, seq, 4, HEAD_DIM, device="cuda", dtype=DTYPE, generator=g)
+            k = torch.randn(4, seq, 2, HEAD_DIM, device="cuda", dtype=DTYPE, generator=g)
+            v = torch.randn_like(k)
+            outs = []
+            for cache, states in ((ref_cache, ref_states), (fi_cache, fi_states)):
+                pairs = [(s, b) for s in states for b in ("cond", "uncond")]
+                with cache.prepare_forward(pairs, seq, commit_current=commit, chunk_lengths=lengths) as fwd:
+                    outs.append(_attend(fwd, q, k, v))
+                    if cache is fi_cache:
+                        modes.add(fwd.plan.mode)
+            for a, b in zip(*outs):
+                _close(b, a)
+    assert fi_states[0].token_offset("cond") == ref_states[0].token_offset("cond") == 240 + 720 + 960 + 960 + 720 + 480 + 1440 + 720 + 360
+    assert "paged" in modes

@@ -85,3 +85,25 @@ def test_reading_a_cross_cache_never_populated_raises() -> None:
     cache, a, b = build()
     with pytest.raises(CrossAttentionNotPopulatedError):
         b.get_cross_attention_kv("uncond", "text")
+
+
+@pytest.mark.parametrize(
+    "seq_len,lengths,text",
+    [
+        (7, (4, 2), "expected sum(chunk_lengths)=6, got 7"),
+        (5, (4, 1), "expected multiples of page_size=2"),
+        (8, (8,), "in [2, chunk_size=4], got [8]"),
+        (4, "22", "expected a sequence of token counts, got str"),
+        (6, (4, 4), "expected sum(chunk_lengths)=8, got 6"),
+        (3, None, "for mixed chunk sizes pass chunk_lengths"),
+    ],
+)
+def test_bad_chunk_lengths_raise_and_change_nothing(seq_len: int, lengths, text: str) -> None:  # noqa: ANN001
+    from ardiff_modules import SequenceLengthError
+
+    cache, a, _ = build()
+    before = snapshot(cache)
+    with pytest.raises(SequenceLengthError) as info:
+        a.prepare_forward(("uncond",), seq_len, chunk_lengths=lengths)
+    assert text in str(info.value), str(info.value)
+    assert_unchanged(cache, before)

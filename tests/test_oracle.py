@@ -48,3 +48,24 @@ def test_history_is_visible_and_window_evicts() -> None:
     # First forward has no history: identical. Later ones see history: different.
     torch.testing.assert_close(lib[0], no_history[0])
     assert not torch.allclose(lib[-1], no_history[-1], atol=1e-3)
+
+
+@pytest.mark.parametrize("page_size,sink,window", [(2, 1, 2), (1, 0, 3), (2, 2, 1)])
+def test_mixed_chunk_lengths_match_the_cache_free_oracle(page_size: int, sink: int, window: int) -> None:
+    """Image-to-video style first chunk of half a chunk, then full chunks, and multi-chunk forwards that
+    mix a short chunk in: sinks and windows count chunks, positions count tokens (issue 12)."""
+    torch.manual_seed(0)
+    model = TinyStreamingModel().eval()
+    spec = model.spec(CHUNK, page_size, sink, window)
+    events = rollout_events(16, CHUNK, model.dim, model.context_dim, short_chunk=CHUNK // 2)
+    assert any(len(e[4]) > 1 and len(set(e[4])) > 1 for e in events if e[0] == "forward")
+    pages = 2 * (16 + 8) * spec.pages_per_chunk
+    library = LibraryStreaming(model, spec, pages)
+    expected = play(NaiveStreaming(model, CHUNK, sink, window), events)
+    actual = play(library, events)
+    assert len(actual) == len(expected) >= 30
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        torch.testing.assert_close(a, e, atol=2e-5, rtol=2e-5, msg=lambda m, i=i: f"forward {i}: {m}")
+    assert library.state.token_offset("cond") == library.state.history("cond").committed_tokens
+    library.state.close()
+    assert library.cache.allocator.num_free == pages

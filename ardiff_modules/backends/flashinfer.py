@@ -304,12 +304,12 @@ def reads_page_table(wrapper, indices: torch.Tensor) -> bool:  # noqa: ANN001
 def _row_masks(layout, dense: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
     """Flatten the combined mask per structural row: ``[chunk_size, kv_len_row]`` row-major, concatenated."""
     parts = []
-    c = layout.chunk_size
+    starts = layout.chunk_starts
     for s, stream in enumerate(layout.streams):
         history = len(stream.history_pages) * layout.page_size
         for chunk in range(layout.num_chunks):
-            kv_len = history + (chunk + 1) * c
-            parts.append(dense[s, chunk * c : (chunk + 1) * c, :kv_len].reshape(-1))
+            kv_len = history + starts[chunk + 1]
+            parts.append(dense[s, starts[chunk] : starts[chunk + 1], :kv_len].reshape(-1))
     return torch.cat(parts)
 
 
