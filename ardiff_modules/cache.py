@@ -423,7 +423,9 @@ class KVCache:
         try:
             layout = ForwardLayout(
                 streams=tuple(
-                    StreamLayout(tuple(h.history_pages()), h.pending[:num_chunks], h.token_offset)
+                    StreamLayout(
+                        tuple(h.history_pages()), h.pending[:num_chunks], h.token_offset, tuple(h.history_positions())
+                    )
                     for h in histories
                 ),
                 chunk_size=self.spec.chunk_size,
@@ -443,7 +445,7 @@ class KVCache:
                 ctx.plan_epoch += 1
             raise
         reservation.keep()
-        self._publish(ctx, is_new, key, members, histories, plan, layout, positions, cross, commit_current)
+        self._publish(ctx, is_new, key, members, histories, plan, layout, positions, cross, commit_current, token_mask)
         return ctx
 
     def _plan_request(
@@ -474,6 +476,7 @@ class KVCache:
         positions: torch.Tensor,
         cross: tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, str], dict[str, tuple[int, ...]]],
         commit_current: bool,
+        token_mask: torch.Tensor | None,
     ) -> None:
         """Install the new forward: supersede open denoising forwards of its streams, open its transaction."""
         superseded = {id(h.forward): h.forward for h in histories if isinstance(h.forward, ForwardTransaction)}
@@ -490,6 +493,7 @@ class KVCache:
         if plan is not ctx.plan:
             ctx.plan_epoch += 1
         ctx.plan, ctx.layout, ctx.positions, ctx.commit_current = plan, layout, positions, commit_current
+        ctx.token_mask = token_mask
         ctx.set_cross(cross[0], cross[1])
         ctx.cross_stack.adopt(cross[2])
         transaction = ForwardTransaction(

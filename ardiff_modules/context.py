@@ -127,6 +127,8 @@ class ForwardContext:
     cross_missing: dict[str, str] = field(default_factory=dict)
     #: Whether device inputs live in fixed buffers (CUDA-graph replay).
     static: bool = False
+    #: The forward's ``token_mask`` (``None``: the visibility rule alone).
+    token_mask: torch.Tensor | None = None
     #: Bumped whenever ``plan`` is replaced by a new object (captured CUDA graphs read its buffers).
     plan_epoch: int = 0
     #: The cache that finishes this context's transactions.
@@ -174,9 +176,24 @@ class ForwardContext:
         self.cross, self.cross_missing = cross, missing
 
     def to_dense(self) -> torch.Tensor:
-        """The visibility mask of this forward, bool ``[num_streams, seq_len, max_keys]`` (see ``ForwardLayout``)."""
-        assert self.layout is not None
-        return self.layout.to_dense()
+        """The mask this forward attends with, bool ``[num_streams, seq_len, max_keys]`` on the CPU.
+
+        The visibility rule over the gathered keys (visible history, then pending tokens; see
+        ``ForwardLayout``), ANDed with the forward's ``token_mask`` when one was given.
+        """
+        self._require_layout("to_dense")
+        dense = self.layout.to_dense()
+        return dense if self.token_mask is None else dense & self.token_mask.cpu()
+
+    def key_positions(self) -> torch.Tensor:
+        """int64 ``[num_streams, max_keys]``: absolute position of each key in :meth:`to_dense` order
+        (evicted tokens counted, so a sink keeps its original position); ``-1`` for padding."""
+        self._require_layout("key_positions")
+        return self.layout.key_positions
+
+    def _require_layout(self, what: str) -> None:
+        if self.layout is None:
+            raise ForwardFinishedError(f"ForwardContext.{what}: expected a prepared forward, got none")
 
     # ------------------------------------------------------------------ lifetime
     @property

@@ -52,6 +52,8 @@ class BranchHistory:
         #: Resident committed chunks, oldest first, and their commit indices (what the policy keeps).
         self.resident: tuple[PageChunk, ...] = ()
         self.resident_index: tuple[int, ...] = ()
+        #: Absolute position of the first token of each resident chunk.
+        self.resident_start: tuple[int, ...] = ()
         self.pending: tuple[PageChunk, ...] = ()
         #: Chunks ever committed (evicted ones included).
         self.committed_chunks = 0
@@ -80,6 +82,11 @@ class BranchHistory:
     def sinks(self) -> tuple[PageChunk, ...]:
         """The resident chunks the policy never evicts (its first ``sink_chunks``)."""
         return tuple(c for c, i in zip(self.resident, self.resident_index) if i < self.policy.sink_chunks)
+
+    def history_positions(self) -> list[int]:
+        """Absolute position of every token of the resident chunks, in :meth:`history_pages` order."""
+        size = self.page_size
+        return [start + t for chunk, start in zip(self.resident, self.resident_start) for t in range(len(chunk) * size)]
 
     def history_pages(self) -> list[int]:
         return [page for chunk in self.resident_chunks for page in chunk]
@@ -206,9 +213,15 @@ class BranchHistory:
 
     def apply_commit(self, result: Retained[PageChunk]) -> None:
         """Adopt a :meth:`plan_commit` result; the caller drops the references of ``result.evicted``."""
+        starts = dict(zip(self.resident_index, self.resident_start))
+        position = self.committed_tokens
+        for offset, chunk in enumerate(self.pending):
+            starts[self.committed_chunks + offset] = position
+            position += len(chunk) * self.page_size
         self.committed_chunks += len(self.pending)
-        self.committed_tokens += sum(map(len, self.pending)) * self.page_size
+        self.committed_tokens = position
         self.resident, self.resident_index, self.pending = result.resident, result.indices, ()
+        self.resident_start = tuple(starts[i] for i in result.indices)
 
     def clear_pending(self) -> None:
         """Forget the pending chunks; the caller drops their references (see :meth:`drop_pending`)."""
@@ -224,7 +237,7 @@ class BranchHistory:
         """Drop every reference (history, pending, extent) and start over at offset 0."""
         freed = allocator.decref(self.referenced_pages())
         self.resident = self.pending = ()
-        self.resident_index = ()
+        self.resident_index = self.resident_start = ()
         self.extent = ()
         self.committed_chunks = 0
         self.committed_tokens = 0
@@ -237,13 +250,11 @@ class BranchHistory:
         ``sinks_only`` shares just the sink chunks (e.g. sessions that start from the same
         first frame): the branch then continues after them, with an empty window.
         """
-        if sinks_only:
-            resident, indices = other.sinks, other.resident_index[: len(other.sinks)]
-        else:
-            resident, indices = other.resident, other.resident_index
+        count = len(other.sinks) if sinks_only else len(other.resident)
+        resident, indices, starts = other.resident[:count], other.resident_index[:count], other.resident_start[:count]
         allocator.incref(p for chunk in resident for p in chunk)
         self.release(allocator)
-        self.resident, self.resident_index = resident, indices
+        self.resident, self.resident_index, self.resident_start = resident, indices, starts
         self.committed_chunks = len(resident) if sinks_only else other.committed_chunks
         self.committed_tokens = (
             sum(map(len, resident)) * self.page_size if sinks_only else other.committed_tokens

@@ -34,11 +34,15 @@ class StreamLayout:
         Pages of each pending chunk, in chunk order (``num_chunks`` tuples).
     token_offset:
         Absolute position of the stream's first pending token (for RoPE).
+    history_positions:
+        Absolute position of every history token (``len(history_pages) * page_size`` of them);
+        empty when unknown (then :attr:`ForwardLayout.key_positions` is not available).
     """
 
     history_pages: tuple[int, ...]
     pending_pages: tuple[tuple[int, ...], ...]
     token_offset: int
+    history_positions: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -234,6 +238,19 @@ class ForwardLayout:
             key_chunk = query_chunk
             mask[i, :, history : history + self.seq_len] = key_chunk[None, :] <= query_chunk[:, None]
         return gather, mask
+
+    @cached_property
+    def key_positions(self) -> torch.Tensor:
+        """int64 ``[num_streams, max_keys]``: absolute position of every key in :meth:`to_dense` order
+        (visible history, then pending tokens); ``-1`` for padding."""
+        max_keys = self.dense_keys[0].shape[1]
+        out = torch.full((self.num_streams, max_keys), -1, dtype=torch.int64)
+        for i, s in enumerate(self.streams):
+            history = torch.tensor(s.history_positions, dtype=torch.int64)
+            pending = s.token_offset + torch.arange(self.seq_len, dtype=torch.int64)
+            keys = torch.cat([history, pending])
+            out[i, : keys.numel()] = keys
+        return out
 
     def to_dense(self) -> torch.Tensor:
         """The visibility rule as a bool mask ``[num_streams, seq_len, max_keys]`` over the gathered keys."""
