@@ -490,6 +490,8 @@ class KVCache:
             ctx.plan_id.fill_(ctx.handle)
             self._forwards[key] = ctx
             self._evict_idle_contexts(self.max_forward_contexts, protect=ctx)
+        else:
+            self._forwards.move_to_end(key)  # most recently used
         if plan is not ctx.plan:
             ctx.plan_epoch += 1
         ctx.plan, ctx.layout, ctx.positions, ctx.commit_current = plan, layout, positions, commit_current
@@ -566,8 +568,7 @@ class KVCache:
         """
         ctx = self._forwards.get(key)
         if ctx is not None:
-            self._forwards.move_to_end(key)  # most recently used
-            return ctx, False
+            return ctx, False  # marked most recently used only once its forward is published
         ctx = ForwardContext(streams=key[0], handle=0, plan_id=torch.zeros((), dtype=torch.int64),
                              chunk_size=self.spec.chunk_size, dtype=self._dtype, static=key[1] is not None,
                              owner=self)

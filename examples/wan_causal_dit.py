@@ -31,26 +31,29 @@ Weights
 (:func:`build_model`), which is all the examples and tests need. To run a real checkpoint, build the
 model with the matching :class:`WanConfig` and load your own state dict::
 
-    model = build_model(WanConfig.preset("wan2.1-1.3b"), device="cuda")
-    model.load_state_dict(torch.load(path, map_location="cuda"))              # this module's layout
-    # or, for a checkpoint in Wan2.1's own key layout (q/k/v/o, self_attn, cross_attn):
-    model.load_state_dict(convert_wan_state_dict(torch.load(path, map_location="cuda"), model.config))
+    from ardiff_modules.convert import convert_wan_state_dict
 
-Parameter names mirror Wan's (``patch_embedding``, ``text_embedding``, ``time_embedding``,
-``time_projection``, ``blocks.N.{norm3, ffn, modulation}``, ``head.{head, modulation}``); only the
-attention layers differ (``attn`` / ``cross`` with ``to_q`` / ``to_k`` / ``to_v`` / ``to_out``).
-:func:`convert_wan_state_dict` renames those and converts Wan's interleaved (complex) RoPE pairs to
-the rotate-half layout that :class:`~ardiff_modules.modules.rotary.VideoRotaryEmbedding` uses, by
-permuting the q/k projection rows inside each head (attention scores are unchanged). Checkpoints of
-Self-Forcing & co. wrap the same keys (e.g. a ``model.`` prefix): strip it first. Converting has been
-checked against a reference implementation of Wan's RoPE, not against released weights.
+    model = build_model(WanConfig.preset("wan2.1-1.3b"), device="cuda")
+    # a checkpoint in Wan2.1's own key layout (blocks.N.self_attn.q, blocks.N.cross_attn.o, ...):
+    state_dict = torch.load(path, map_location="cuda")
+    model.load_state_dict(convert_wan_state_dict(state_dict, "wan", self_attn="attn", cross_attn="cross"))
+
+Parameter names are Wan's (``patch_embedding``, ``text_embedding``, ``time_embedding``,
+``time_projection``, ``blocks.N.{norm3, ffn, modulation}``, ``head.{head, modulation}``, and inside the
+attention layers ``q``, ``k``, ``v``, ``o``, ``norm_q``, ``norm_k``: ``param_names="wan"``); only the
+blocks' attention attributes are called ``attn`` / ``cross`` instead of ``self_attn`` / ``cross_attn``,
+which :func:`ardiff_modules.convert.convert_wan_state_dict` renames. No weight is permuted: the 3-D RoPE
+(:class:`~ardiff_modules.modules.rotary.VideoRotaryEmbedding`) pairs channels ``(2i, 2i + 1)`` exactly like
+Wan's complex ``rope_apply``. Checkpoints of Self-Forcing & co. wrap the same keys (e.g. a ``model.``
+prefix): strip it first. Equivalence is checked against a reference implementation of Wan's attention
+and RoPE (tests/test_examples.py, tests/test_convert.py), not against released weights.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -231,9 +234,9 @@ class WanCausalBlock(nn.Module):
         super().__init__()
         dim, eps = config.dim, config.eps
         self.norm1 = nn.LayerNorm(dim, eps=eps, elementwise_affine=False)
-        self.attn = ChunkSelfAttention(dim, config.num_heads, qk_norm="full", eps=eps)
+        self.attn = ChunkSelfAttention(dim, config.num_heads, qk_norm="full", eps=eps, param_names="wan")
         self.norm3 = nn.LayerNorm(dim, eps=eps, elementwise_affine=True)  # Wan: cross_attn_norm=True
-        self.cross = CachedCrossAttention(dim, config.num_heads, TEXT, qk_norm="full", eps=eps)
+        self.cross = CachedCrossAttention(dim, config.num_heads, TEXT, qk_norm="full", eps=eps, param_names="wan")
         self.norm2 = nn.LayerNorm(dim, eps=eps, elementwise_affine=False)
         self.ffn = nn.Sequential(nn.Linear(dim, config.ffn_dim), nn.GELU(approximate="tanh"), nn.Linear(config.ffn_dim, dim))
         self.modulation = nn.Parameter(torch.randn(1, 6, dim) / dim**0.5)
@@ -396,46 +399,3 @@ def build_model(
         torch.manual_seed(seed)
         model = WanCausalDiT(config)
     return model.to(dtype).eval().requires_grad_(False)
-
-
-# ------------------------------------------------------------------------ Wan checkpoint layout
-def rope_pair_permutation(head_dim: int) -> torch.Tensor:
-    """Index map from Wan's interleaved RoPE pairs ``(2i, 2i+1)`` to rotate-half pairs ``(i, i + d/2)``.
-
-    ``new[:, j] = old[:, perm[j]]`` within each head.
-    """
-    half = head_dim // 2
-    perm = torch.empty(head_dim, dtype=torch.long)
-    perm[:half] = torch.arange(0, head_dim, 2)
-    perm[half:] = torch.arange(1, head_dim, 2)
-    return perm
-
-
-def convert_wan_state_dict(state_dict: Mapping[str, torch.Tensor], config: WanConfig) -> dict[str, torch.Tensor]:
-    """Map a Wan2.1 ``WanModel`` (t2v) state dict onto :class:`WanCausalDiT`.
-
-    Renames ``blocks.N.self_attn.{q,k,v,o}`` -> ``blocks.N.attn.{to_q,to_k,to_v,to_out}`` and
-    ``blocks.N.cross_attn.*`` -> ``blocks.N.cross.*``, and permutes the rows of the *self-attention*
-    q/k projections and their RMSNorm weights inside each head from Wan's interleaved RoPE layout to
-    rotate-half (``q . k`` is invariant under a common permutation, so scores are unchanged; cross
-    attention has no RoPE and is copied as is).
-    """
-    heads, head_dim = config.num_heads, config.head_dim
-    perm = rope_pair_permutation(head_dim)
-    index = (torch.arange(heads)[:, None] * head_dim + perm[None]).reshape(-1)
-    out: dict[str, torch.Tensor] = {}
-    renames = {"q": "to_q", "k": "to_k", "v": "to_v", "o": "to_out"}
-    for key, value in state_dict.items():
-        parts = key.split(".")
-        if len(parts) >= 4 and parts[0] == "blocks" and parts[2] in ("self_attn", "cross_attn"):
-            parts[2] = "attn" if parts[2] == "self_attn" else "cross"
-            parts[3] = renames.get(parts[3], parts[3])
-            if parts[2] == "attn" and parts[3] in ("to_q", "to_k", "norm_q", "norm_k"):
-                if value.shape[0] != heads * head_dim:
-                    raise TensorMismatchError(
-                        f"convert_wan_state_dict {key}: expected {heads * head_dim} rows "
-                        f"({heads} heads x {head_dim}), got {tuple(value.shape)}"
-                    )
-                value = value.index_select(0, index.to(value.device))
-        out[".".join(parts)] = value
-    return out

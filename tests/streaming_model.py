@@ -110,7 +110,6 @@ class NaiveStreaming:
         self.model, self.chunk, self.sink, self.window = model, chunk_size, sink, window
         self.memory = memory
         self.committed: dict[str, list[list[tuple[torch.Tensor, torch.Tensor]]]] = defaultdict(list)
-        self.committed_tokens: dict[str, int] = defaultdict(int)
         self.text: dict[str, torch.Tensor] = {}
 
     def visible(self, branch: str) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -138,13 +137,15 @@ class NaiveStreaming:
             outs.append(out)
             if commit:
                 self.committed[branch].extend(chunk_kv)
-                self.committed_tokens[branch] += n
         return torch.cat(outs)
 
     @torch.no_grad()
-    def _stream(self, branch: str, x: torch.Tensor, lengths: list[int]):  # noqa: ANN202
+    def _stream(self, branch: str, x: torch.Tensor, lengths: list[int] | None = None):  # noqa: ANN202
         n = x.shape[1]
-        start = self.committed_tokens[branch]
+        if lengths is None:
+            lengths = [self.chunk] * (n // self.chunk) if n % self.chunk == 0 else [n]
+        # Tokens ever committed (chunks may differ in length): the absolute position of the first new token.
+        start = sum(chunk[0][0].shape[0] for chunk in self.committed[branch])
         positions = torch.arange(start, start + n)[None]
         history = self.visible(branch)
         hist_len = sum(c[0][0].shape[0] for c in history)
@@ -186,7 +187,6 @@ class NaiveStreaming:
 
     def reset(self) -> None:
         self.committed.clear()
-        self.committed_tokens.clear()
 
 
 def rollout_events(

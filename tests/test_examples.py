@@ -17,13 +17,12 @@ from wan_causal_dit import (  # noqa: E402
     BRANCHES,
     WanConfig,
     build_model,
-    convert_wan_state_dict,
     kv_pool_pages,
     make_kv_spec,
-    rope_pair_permutation,
 )
 
 from ardiff_modules import KVCache, TensorMismatchError, populate_cross_attention  # noqa: E402
+from ardiff_modules.convert import convert_wan_state_dict  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -87,27 +86,27 @@ def _wan_rope_reference(x: torch.Tensor, start_frame: int, grid: tuple[int, int,
     return torch.view_as_real(xc * freqs).flatten(2)
 
 
-def test_convert_wan_state_dict_preserves_rope_attention_scores() -> None:
-    """Wan-layout q/k weights + Wan's complex RoPE give the same scores as converted weights + our RoPE."""
+@pytest.mark.parametrize("start_frame", [5, 9_000])
+def test_wan_checkpoint_loads_unpermuted_and_gives_wans_rope_attention_scores(start_frame: int) -> None:
+    """A checkpoint in Wan's key layout loads strictly (renamed, never permuted) and its q/k with the
+    model's RoPE give the scores of Wan's own complex RoPE at that frame offset."""
     config = WanConfig.preset("tiny")
     model = build_model(config, seed=1)
-    attn = model.blocks[0].attn
     heads, head_dim = config.num_heads, config.head_dim
-    # A "Wan checkpoint": our tensors renamed back to Wan's keys (weights are arbitrary, the layout is Wan's).
-    wan_sd = {}
-    for key, value in model.state_dict().items():
-        key = key.replace(".attn.", ".self_attn.").replace(".cross.", ".cross_attn.")
-        for ours, theirs in (("to_q", "q"), ("to_k", "k"), ("to_v", "v"), ("to_out", "o")):
-            key = key.replace(f"_attn.{ours}.", f"_attn.{theirs}.")
-        wan_sd[key] = value.clone()
-    converted = convert_wan_state_dict(wan_sd, config)
+    # A "Wan checkpoint": our tensors under Wan's keys (weights are arbitrary, the layout is Wan's).
+    wan_sd = {
+        key.replace(".attn.", ".self_attn.").replace(".cross.", ".cross_attn."): value.clone()
+        for key, value in model.state_dict().items()
+    }
+    assert "blocks.0.self_attn.q.weight" in wan_sd and "blocks.1.cross_attn.o.bias" in wan_sd
+    converted = convert_wan_state_dict(wan_sd, "wan", self_attn="attn", cross_attn="cross")
     fresh = build_model(config, seed=2)
     fresh.load_state_dict(converted)  # strict: every key maps
-    assert torch.equal(fresh.blocks[1].cross.to_q.weight, model.blocks[1].cross.to_q.weight)  # no RoPE: untouched
-    assert not torch.equal(fresh.blocks[0].attn.to_q.weight, attn.to_q.weight)  # permuted
+    for (key, ours), theirs in zip(fresh.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(ours, theirs), key  # renamed only: nothing permuted
 
     g = torch.Generator().manual_seed(0)
-    frames, start_frame = 2, 5
+    frames = 2
     n = frames * config.tokens_per_frame
     x = torch.randn(1, n, config.dim, generator=g)
     grid = (frames, config.grid_height, config.grid_width)
@@ -117,14 +116,14 @@ def test_convert_wan_state_dict_preserves_rope_attention_scores() -> None:
         norm = torch.nn.functional.rms_norm(x @ w.T + b, (config.dim,), wan_sd[f"blocks.0.self_attn.norm_{which}.weight"], config.eps)
         return _wan_rope_reference(norm[0].view(n, heads, head_dim), start_frame, grid)
 
-    new = fresh.blocks[0].attn
     positions = torch.arange(start_frame * config.tokens_per_frame, start_frame * config.tokens_per_frame + n)[None]
-    q_raw, k_raw, _ = new.project(x)
+    q_raw, k_raw, _ = fresh.blocks[0].attn.project(x)
     q = fresh.rope(q_raw, positions)[0].double()
     k = fresh.rope(k_raw, positions)[0].double()
+    # The rotated vectors themselves equal Wan's (not only the scores): same pairs, same angles.
+    torch.testing.assert_close(q, wan_qk("q"), atol=2e-5, rtol=1e-5)
     expected = torch.einsum("qhd,khd->hqk", wan_qk("q"), wan_qk("k"))
     torch.testing.assert_close(torch.einsum("qhd,khd->hqk", q, k), expected, atol=1e-4, rtol=1e-4)
-    assert sorted(rope_pair_permutation(8).tolist()) == list(range(8))
 
 
 def test_streaming_example_with_prompt_switch_and_reset(tmp_path: Path) -> None:

@@ -1,43 +1,74 @@
-"""Stateful property test of the session API (``KVCache`` / ``KVState``) against a plain-list model.
+"""Stateful property test of the session API (``KVCache`` / ``KVState``) against a plain model.
 
 A tiny CPU float32 pool (2 layers, 1 KV head, head_dim 2, chunk_size 2, page size
 1 or 2, sinks 0..2, window 0..3 or unbounded, branches ``("cond", "uncond")``, one
 cross cache ``"text"`` of 3 tokens) just big enough that capacity errors happen.
+Up to two ``KVCache`` instances live side by side (each with its own pool,
+``contiguous_extents``, ``max_forward_contexts`` of 1, 2, 3 or 64, ``check_finite``);
+either may be closed at any point and a new one opened.
 
-Model, per session and branch: the list of *all* chunks ever committed (the page
-tuples the library reported), the pending chunks, the open forward record and
-the cross cache contents. After every step:
+Model
+-----
+* per session and branch: every chunk ever committed (the page tuples the library
+  reported, each with the pool contents it was committed with), the pending chunks,
+  the open forward it belongs to, the extent, the cross cache contents;
+* per forward: one :class:`TxModel` for the whole transaction (all its streams, of up
+  to three sessions), with status open / committed / completed (a denoising forward that
+  finished) / aborted / superseded, mirroring
+  ``ForwardTransaction``. Finishing any member (``commit_paged_context``, ``abort``,
+  ``ctx.commit()/abort()``, the ``with`` exit, ``reset``/``close`` of a member session,
+  ``KVCache.close``) finishes every stream of it, or none;
+* per cache: the forward-context registry (an LRU ``OrderedDict``: same streams ->
+  same reused ``ForwardContext``; beyond ``max_forward_contexts`` the least recently
+  used idle one is released), the peak of pages used, and :class:`PoolContents`: what
+  every page of the pool must hold. Forwards write K/V carrying a unique id per
+  (forward, stream, token, layer), and the model applies each write to the pages it
+  says the forward owns (its pending pages, in token order).
 
-* each page's refcount == the number of places referencing it (every open
-  session's visible + pending chunks, from the model);
-* free and used pages partition the pool, disjointly;
-* each branch's visible history == first S + last W of its committed list (list
-  slicing, never the policy); token offsets == committed chunks * chunk_size;
-* cross caches hold exactly the last successfully populated values.
+Checked after every step
+------------------------
+* each page's refcount == the references the model counts (visible + pending chunks of
+  every open session, extent reservations); pending pages are exclusive; free and used
+  pages partition the pool; ``peak_pages_used`` == the model's peak;
+* visible history == first S + last W of the committed list (list slicing); offsets;
+  ``open_forward()`` is the model's transaction (identity, members, commit flag, chunks);
+* the pool, bit for bit, == the model's contents: no write ever lands outside the
+  pending pages of an open forward; every visible committed chunk still holds what it
+  held when committed (shared/forked pages included) until its pages are freed;
+* the context registry (identity and LRU order), each context's ``released`` /
+  ``is_active`` and transaction, every tracked transaction's status.
 
-Failing operations (misuse, capacity, an exception in a forward or in a
-cross-cache producer) must change nothing: the allocator's free list and
-refcounts and every session's state are snapshotted before and compared after.
-Closing every session at the end must free every page.
+Rules (besides sessions, cross caches, forks and sink sharing): forwards over 1-3 sessions
+(denoising or committing, ``token_mask``, run through the op or ``ChunkSelfAttention``, finished
+through any member or left open); ``with`` blocks that raise (``Exception``, a custom
+``BaseException``, ``KeyboardInterrupt``) or finish the forward inside and keep running; stale
+contexts (committed, completed, aborted, superseded, released by the LRU / ``close``); exceptions
+injected into a commit or abort (``BranchHistory.plan_commit`` on the 2nd stream,
+``PageAllocator.decref``) and a real SIGINT while a commit is applied; NaN/Inf K/V under
+``check_finite``; ``plan()`` raising; admission; ``KVCache.close()``; misuse across two caches.
 
-Half of the runs with a bounded window use ``contiguous_extents=True``: each branch
-then reserves, on its first forward, one run of ``S + W + 1`` consecutive chunk
-slots used as a ring (one extra reference per extent page until reset/close).
-A backend whose ``plan()`` can be made to raise exercises the rollback of a
-prepare that fails after pages were taken. ``fork`` / ``share_sinks_from`` /
-``share_cross_attention_from`` share pages and caches between sessions: the
-model then simply lists the same chunk in several sessions, and refcounts must
-count every one of them.
+Failing operations (misuse, capacity, closed session/cache, a foreign cache's session,
+a ``plan()`` that raises, a stale context, an exception injected into a commit) must
+change nothing: allocator free order and refcounts, peak, pool contents, context
+registry, every transaction and every session are snapshotted before and compared after.
+Closing every session (and cache) at the end must free every page.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections import Counter
+import os
+import signal
+import sys
+import threading
+from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 import torch
+from _pool_model import PoolContents, expected_visible, longest_run, same_bits, token_kv
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -53,9 +84,15 @@ from ardiff_modules import (
     LayerContext,
     chunk_attention,
 )
+from ardiff_modules.backends import ReferenceBackend
 from ardiff_modules.errors import (
+    BackendUnavailableError,
+    CacheClosedError,
     CapacityError,
+    ForwardFinishedError,
+    NonFiniteKVError,
     PendingContextError,
+    PlanNotFoundError,
     SequenceLengthError,
     SessionClosedError,
     SpecError,
@@ -63,7 +100,8 @@ from ardiff_modules.errors import (
     UnknownBranchError,
     UnknownCacheError,
 )
-from ardiff_modules.backends import ReferenceBackend
+from ardiff_modules.forward import ForwardTransaction
+from ardiff_modules.history import BranchHistory
 
 BRANCHES = ("cond", "uncond")
 BRANCH_SETS = [("cond",), ("uncond",), ("cond", "uncond"), ("uncond", "cond")]
@@ -71,52 +109,85 @@ CHUNK = 2
 HEAD_DIM = 2
 NUM_LAYERS = 2
 CROSS_TOKENS = 3
-MAX_SESSIONS = 3
+MAX_SESSIONS = 3  # open sessions per cache (a forward batches up to 3 sessions)
+MAX_OPEN_CACHES = 2
+MAX_CACHES = 4  # closed ones are kept for misuse checks
+TRACKED_CONTEXTS = 8
 
 Chunk = tuple[int, ...]
+Key = tuple[tuple[str, str], ...]
 
 
 class Boom(Exception):
-    """Injected failure (inside a forward, or inside a cross-cache producer)."""
+    """Injected failure (inside a forward, a commit, a plan or a cross-cache producer)."""
+
+
+class Halt(BaseException):
+    """An injected BaseException that is not an Exception (like a user's own control-flow signal)."""
+
+
+INTERRUPTS: dict[str, type[BaseException]] = {"boom": Boom, "halt": Halt, "keyboard": KeyboardInterrupt}
 
 
 class FlakyPlanBackend(ReferenceBackend):
-    """The reference backend, whose ``plan()`` raises :class:`Boom` while ``fail`` is set."""
+    """The reference backend, whose ``plan()`` raises ``fail`` (an exception type) while it is set."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.fail = False
+        self.fail: type[BaseException] | None = None
 
     def plan(self, *args, **kwargs):  # signature-agnostic on purpose
-        if self.fail:
-            raise Boom("injected failure while planning")
+        if self.fail is not None:
+            raise self.fail("injected failure while planning")
         return super().plan(*args, **kwargs)
 
 
-def expected_visible(committed: list[Chunk], sink: int, window: int | None) -> list[Chunk]:
-    """First ``sink`` chunks plus the last ``window`` of the rest (plain slicing)."""
-    rest = committed[sink:]
-    if window is None:
-        return committed[:sink] + rest
-    return committed[:sink] + rest[max(0, len(rest) - window) :]
+@dataclass(eq=False)
+class CacheModel:
+    cache: KVCache
+    backend: FlakyPlanBackend
+    extents: bool
+    extent_chunks: int
+    max_contexts: int
+    check_finite: bool
+    pool: PoolContents
+    label: str
+    #: The forward-context registry: key -> context, least recently used first.
+    registry: OrderedDict[Key, ForwardContext] = field(default_factory=OrderedDict)
+    peak: int = 0
+    closed: bool = False
 
 
-@dataclass
-class Record:
-    """A prepared forward not yet committed/aborted, as the model sees it."""
+@dataclass(eq=False)
+class TxModel:
+    """One prepared forward (all its streams), as the model sees it."""
 
+    cm: CacheModel
+    streams: list[tuple[SessionModel, str]]
     commit: bool
     num_chunks: int
     ctx: ForwardContext
+    tx: ForwardTransaction  # the library's transaction object, for identity checks
+    token_mask: torch.Tensor | None = None
+    status: str = "open"
+
+    @property
+    def is_open(self) -> bool:
+        return self.status == "open"
+
+    def pending_pages(self) -> list[int]:
+        return [p for sm, b in self.streams for c in sm.pending[b] for p in c]
 
 
-@dataclass
+@dataclass(eq=False)
 class SessionModel:
     state: KVState
+    cm: CacheModel
     closed: bool = False
-    committed: dict[str, list[Chunk]] = field(default_factory=lambda: {b: [] for b in BRANCHES})
+    #: Every chunk ever committed, with the pool contents ``[layers, 2, pages, ...]`` it was committed with.
+    committed: dict[str, list[tuple[Chunk, torch.Tensor]]] = field(default_factory=lambda: {b: [] for b in BRANCHES})
     pending: dict[str, list[Chunk]] = field(default_factory=lambda: {b: [] for b in BRANCHES})
-    record: dict[str, Record | None] = field(default_factory=lambda: dict.fromkeys(BRANCHES))
+    forward: dict[str, TxModel | None] = field(default_factory=lambda: dict.fromkeys(BRANCHES))
     cross: dict[str, float] = field(default_factory=dict)  # branch -> tag of the populated "text" cache
     extent: dict[str, tuple[int, ...] | None] = field(default_factory=lambda: dict.fromkeys(BRANCHES))
 
@@ -124,7 +195,7 @@ class SessionModel:
         for b in BRANCHES:
             self.committed[b] = []
             self.pending[b] = []
-            self.record[b] = None
+            self.forward[b] = None
             self.extent[b] = None
 
 
@@ -136,10 +207,14 @@ def cross_value(tag: float, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
 class SessionStateMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.cache: KVCache | None = None
+        self.caches: list[CacheModel] = []
         self.sessions: list[SessionModel] = []
-        self.contexts: list[ForwardContext] = []  # prepared forwards, for ctx.commit()/abort() later
+        self.contexts: list[ForwardContext] = []  # recently prepared contexts, for stale use / ctx.commit()
+        self.ctx_tx: dict[ForwardContext, TxModel] = {}  # every context seen -> its latest transaction
+        self.released: set[ForwardContext] = set()  # contexts the model says the cache released
+        self.txs: list[TxModel] = []  # recent transactions, whose status is checked
         self.tags = itertools.count(1)
+        self.next_id = 1  # K/V ids: one per (forward, stream, token, layer)
         self.gen = torch.Generator().manual_seed(0)
         with torch.random.fork_rng():  # deterministic weights without touching the global RNG
             torch.manual_seed(0)
@@ -151,10 +226,16 @@ class SessionStateMachine(RuleBasedStateMachine):
         sink=st.integers(0, 2),
         window=st.sampled_from([0, 1, 2, 3, None]),
         page_size=st.sampled_from([1, 2]),
-        pool_chunks=st.integers(2, 12),
+        pool_chunks=st.integers(3, 18),
         extents=st.booleans(),
+        max_contexts=st.sampled_from([1, 2, 3, 64]),
+        check_finite=st.booleans(),
+        sessions=st.integers(1, MAX_SESSIONS),
     )
-    def setup(self, sink: int, window: int | None, page_size: int, pool_chunks: int, extents: bool) -> None:
+    def setup(
+        self, sink: int, window: int | None, page_size: int, pool_chunks: int, extents: bool, max_contexts: int,
+        check_finite: bool, sessions: int,
+    ) -> None:
         self.spec = KVCacheSpec(
             num_layers=NUM_LAYERS,
             num_kv_heads=1,
@@ -168,18 +249,35 @@ class SessionStateMachine(RuleBasedStateMachine):
             dtype="float32",
         )
         self.ppc = self.spec.pages_per_chunk
-        self.extents = extents and window is not None
-        self.extent_chunks = sink + window + 1 if self.extents else 0
-        if self.extents:
-            pool_chunks += self.extent_chunks  # room for at least one extent
-        self.backend = FlakyPlanBackend()
-        self.cache = KVCache(
-            self.spec, num_pages=pool_chunks * self.ppc, device="cpu", backend=self.backend,
-            contiguous_extents=self.extents,
-        )
-        self.sessions.append(SessionModel(self.cache.open_session()))
+        cm = self.new_cache(pool_chunks, extents, max_contexts, check_finite)
+        for _ in range(sessions):
+            self.sessions.append(SessionModel(cm.cache.open_session(), cm))
 
-    # ================================================================== helpers
+    def new_cache(self, pool_chunks: int, extents: bool, max_contexts: int, check_finite: bool) -> CacheModel:
+        window = self.spec.window_chunks
+        extents = extents and window is not None
+        extent_chunks = self.spec.sink_chunks + window + 1 if extents else 0
+        if extents:
+            pool_chunks += extent_chunks  # room for at least one extent
+        backend = FlakyPlanBackend()
+        cache = KVCache(
+            self.spec, num_pages=pool_chunks * self.ppc, device="cpu", backend=backend, contiguous_extents=extents,
+            max_forward_contexts=max_contexts, check_finite=check_finite,
+        )
+        assert cache.num_forward_contexts == 0 and cache.forward_contexts() == ()
+        cm = CacheModel(
+            cache, backend, extents, extent_chunks, max_contexts, check_finite, PoolContents(cache.pool.kv),
+            label=f"cache{len(self.caches)}",
+        )
+        self.caches.append(cm)
+        event(f"cache: extents={extents} max_contexts={max_contexts} check_finite={check_finite}")
+        return cm
+
+    # ================================================================== helpers: selection
+    @property
+    def open_caches(self) -> list[CacheModel]:
+        return [c for c in self.caches if not c.closed]
+
     @property
     def open_sessions(self) -> list[SessionModel]:
         return [s for s in self.sessions if not s.closed]
@@ -188,41 +286,70 @@ class SessionStateMachine(RuleBasedStateMachine):
     def closed_sessions(self) -> list[SessionModel]:
         return [s for s in self.sessions if s.closed]
 
-    def pick(self, pool: list[SessionModel], index: int) -> SessionModel:
+    def sessions_of(self, cm: CacheModel) -> list[SessionModel]:
+        return [s for s in self.sessions if s.cm is cm and not s.closed]
+
+    @staticmethod
+    def pick(pool: list, index: int):
         return pool[index % len(pool)]
 
-    def visible(self, sm: SessionModel, branch: str) -> list[Chunk]:
+    def pick_streams(
+        self, candidates: list[SessionModel], index: int, others: list[int], branch_sets: list[tuple[str, ...]]
+    ) -> list[tuple[SessionModel, str]]:
+        """Up to three distinct sessions of one cache (the first from ``candidates``), each with a branch set."""
+        first = self.pick(candidates, index)
+        same = self.sessions_of(first.cm)
+        chosen = [first]
+        pos = same.index(first)
+        for off in others:
+            sm = same[(pos + off) % len(same)]
+            if sm not in chosen:
+                chosen.append(sm)
+        return [(sm, b) for sm, bs in zip(chosen, branch_sets) for b in bs]
+
+    def visible_data(self, sm: SessionModel, branch: str) -> list[tuple[Chunk, torch.Tensor]]:
         return expected_visible(sm.committed[branch], self.spec.sink_chunks, self.spec.window_chunks)
 
-    def chunk_references(self) -> Counter[int]:
-        """References to each page from chunks (visible or pending) of every open session."""
+    def visible(self, sm: SessionModel, branch: str) -> list[Chunk]:
+        return [c for c, _ in self.visible_data(sm, branch)]
+
+    def chunk_references(self, cm: CacheModel) -> Counter[int]:
+        """References to each page of ``cm``'s pool from chunks (visible or pending) of its open sessions."""
         refs: Counter[int] = Counter()
-        for sm in self.open_sessions:
+        for sm in self.sessions_of(cm):
             for b in BRANCHES:
                 refs.update(p for c in self.visible(sm, b) + sm.pending[b] for p in c)
         return refs
 
+    def slots_of(self, sm: SessionModel, b: str) -> list[Chunk]:
+        ext = sm.extent[b] or ()
+        return [tuple(ext[i : i + self.ppc]) for i in range(0, len(ext), self.ppc)]
+
     def free_slots(self, sm: SessionModel, b: str) -> list[Chunk]:
         """Extent slots of a branch that no chunk anywhere references (a fork may still see an evicted one)."""
-        ext = sm.extent[b]
-        if ext is None:
-            return []
-        refs = self.chunk_references()
-        slots = [tuple(ext[i : i + self.ppc]) for i in range(0, len(ext), self.ppc)]
-        return [slot for slot in slots if not any(refs[p] for p in slot)]
+        refs = self.chunk_references(sm.cm)
+        return [slot for slot in self.slots_of(sm, b) if not any(refs[p] for p in slot)]
 
-    @staticmethod
-    def longest_run(pages) -> int:
-        best = run = 0
-        previous = -2
-        for p in sorted(pages):
-            run = run + 1 if p == previous + 1 else 1
-            best, previous = max(best, run), p
-        return best
+    def track(self, ctx: ForwardContext) -> None:
+        self.contexts = [c for c in self.contexts if c is not ctx][-(TRACKED_CONTEXTS - 1) :] + [ctx]
 
+    # ================================================================== helpers: snapshots
     def snapshot(self) -> tuple:
-        """Everything a failed operation must leave untouched."""
-        alloc = self.cache.allocator
+        """Everything a failed operation must leave untouched (all caches, contexts and transactions)."""
+        caches = []
+        for cm in self.caches:
+            c, alloc = cm.cache, cm.cache.allocator
+            head = (
+                c.is_closed,
+                alloc.free_pages(),
+                tuple(alloc.refcount(p) for p in range(alloc.num_pages)),
+                alloc.peak_used,
+                c.num_forward_contexts,
+                tuple(id(x) for x in c.forward_contexts()),
+                tuple(sorted(c.sessions)),
+            )
+            pool = None if c.is_closed else c.pool.kv.numpy().tobytes()  # bit-exact (NaN payloads too)
+            caches.append((head, pool))
         sessions = []
         for sm in self.sessions:
             st_ = sm.state
@@ -231,7 +358,7 @@ class SessionStateMachine(RuleBasedStateMachine):
                 continue
             branches = []
             for b in BRANCHES:
-                rec = st_._pending[b]
+                forward = st_.open_forward(b)
                 cross = None
                 if st_.is_cross_attention_populated(b, "text"):
                     cross = [(d["k"].tolist(), d["v"].tolist()) for d in st_.get_cross_attention_kv(b, "text")]
@@ -241,32 +368,58 @@ class SessionStateMachine(RuleBasedStateMachine):
                         st_.pending_chunks(b),
                         st_.token_offset(b),
                         st_.committed_chunks(b),
-                        None if rec is None else (rec.commit_current, rec.num_chunks, id(rec.context)),
+                        None if forward is None else (id(forward), forward.status),
                         cross,
-                        st_._branches[b].extent,
+                        st_.history(b).extent,
                     )
                 )
             sessions.append((st_.session_id, tuple(branches)))
-        return (
-            alloc.free_pages(),
-            tuple(alloc.refcount(p) for p in range(alloc.num_pages)),
-            tuple(sorted(self.cache.sessions)),
-            tuple(sessions),
+        contexts = tuple(
+            (id(ctx), id(ctx.transaction), ctx.transaction.status if ctx.transaction else None, ctx.released)
+            for ctx in self.ctx_tx
         )
+        txs = tuple((id(t.tx), t.tx.status) for t in self.txs)
+        return tuple(caches), tuple(sessions), contexts, txs
 
-    def expect_failure(self, exc: type[BaseException], fn, *args, match: str | None = None, **kwargs) -> None:
+    def expect_failure(self, exc, fn: Callable, *args, match: str | None = None, **kwargs) -> BaseException:
         before = self.snapshot()
         with pytest.raises(exc) as info:
             fn(*args, **kwargs)
         if match is not None:
-            assert match in str(info.value), f"{exc.__name__} message {str(info.value)!r} lacks {match!r}"
+            assert match in str(info.value), f"{info.type.__name__} message {str(info.value)!r} lacks {match!r}"
         after = self.snapshot()
-        assert after == before, f"failed {fn.__name__} ({exc.__name__}) changed state"
+        name = getattr(fn, "__name__", repr(fn))
+        assert after == before, f"failed {name} ({info.type.__name__}) changed state: {self.diff(before, after)}"
+        return info.value
 
-    def predict_prepare(self, streams: list[tuple[SessionModel, str]], num_chunks: int):
-        """The exception ``prepare_forward`` must raise (checked in the library's order), or ``None``."""
+    @staticmethod
+    def diff(before: tuple, after: tuple) -> str:
+        """Which parts of two snapshots differ (for failure messages)."""
+        labels = ("closed", "free pages", "refcounts", "peak_pages_used", "num_forward_contexts",
+                  "forward_contexts() (identity, LRU order)", "session ids")
+        out = []
+        for i, (a, b) in enumerate(zip(before[0], after[0])):
+            out += [f"cache{i} {label}: {x} -> {y}" for label, x, y in zip(labels, a[0], b[0]) if x != y]
+            if a[1] != b[1]:
+                out.append(f"cache{i} pool contents")
+        rest = zip(("sessions", "contexts", "transactions"), before[1:], after[1:])
+        out += [f"{label} differ" for label, a, b in rest if a != b]
+        return "; ".join(out)
+
+    # ================================================================== helpers: prepare
+    def predict_prepare(
+        self, cm: CacheModel, streams: list[tuple[SessionModel, str]], num_chunks: int, *, via: str,
+        mask_ok: bool = True, static: bool = False,
+    ) -> type[BaseException] | None:
+        """The exception ``prepare_forward`` must raise (in the library's order of checks), or ``None``."""
+        if via not in ("cache", "cache_gen") and streams[0][0].closed:
+            return SessionClosedError
+        if cm.closed:
+            return CacheClosedError
         seen = set()
         for sm, b in streams:
+            if sm.cm is not cm:
+                return SpecError
             if sm.closed:
                 return SessionClosedError
             if b not in BRANCHES:
@@ -275,11 +428,16 @@ class SessionStateMachine(RuleBasedStateMachine):
             if key in seen:
                 return SpecError
             seen.add(key)
-            rec = sm.record[b]
-            if rec is not None and rec.commit:
+        if static and self.spec.window_chunks is None:
+            return SpecError
+        for sm, b in streams:
+            tx = sm.forward[b]
+            if tx is not None and tx.commit:
                 return PendingContextError
-        alloc = self.cache.allocator
-        if not self.extents:
+        if not mask_ok:
+            return TensorMismatchError
+        alloc = cm.cache.allocator
+        if not cm.extents:
             needed = sum(max(0, num_chunks - len(sm.pending[b])) * self.ppc for sm, b in streams)
             return CapacityError if needed > alloc.num_free else None
         needed = new_extents = 0
@@ -287,21 +445,89 @@ class SessionStateMachine(RuleBasedStateMachine):
             missing = max(0, num_chunks - len(sm.pending[b]))
             if sm.extent[b] is None:
                 new_extents += 1
-                needed += (self.extent_chunks + max(0, missing - self.extent_chunks)) * self.ppc
+                needed += (cm.extent_chunks + max(0, missing - cm.extent_chunks)) * self.ppc
             else:
                 needed += max(0, missing - len(self.free_slots(sm, b))) * self.ppc
         if needed > alloc.num_free:
             return CapacityError
-        if new_extents and new_extents * self.extent_chunks * self.ppc > self.longest_run(alloc.free_pages()):
+        if new_extents and new_extents * cm.extent_chunks * self.ppc > longest_run(alloc.free_pages()):
             event("extents: no consecutive run for a new extent")
             return CapacityError  # enough pages, but no consecutive run for the new extents
         return None
 
-    def after_prepare(
+    def max_keys(self, streams: list[tuple[SessionModel, str]], num_chunks: int) -> int:
+        page = self.spec.page_size
+        return max(len(self.visible(sm, b)) * self.ppc * page for sm, b in streams) + num_chunks * CHUNK
+
+    def make_mask(self, streams: list[tuple[SessionModel, str]], num_chunks: int, bad: str | None = None):
+        shape = [len(streams), num_chunks * CHUNK, self.max_keys(streams, num_chunks)]
+        if bad == "shape":
+            shape[2] += 1
+        mask = torch.rand(shape, generator=self.gen) < 0.75
+        return mask.float() if bad == "dtype" else mask
+
+    def prepare_call(
+        self, streams: list[tuple[SessionModel, str]], num_chunks: int, commit: bool, via: str,
+        token_mask: torch.Tensor | None = None,
+    ) -> tuple[Callable[..., Any], tuple, dict]:
+        """The library call for this forward: ``state.prepare_forward``, ``cache.prepare_forward`` or the seed's
+        ``get_kv_caches`` (which returns the layer list)."""
+        seq_len = num_chunks * CHUNK
+        sm0 = streams[0][0]
+        if via == "get_kv_caches":
+            return sm0.state.get_kv_caches, (streams[0][1], seq_len, commit), {}
+        if via == "state":
+            branches = tuple(b for _, b in streams)
+            return sm0.state.prepare_forward, (branches, seq_len, commit), {"token_mask": token_mask}
+        pairs = [(sm.state, b) for sm, b in streams]
+        return (
+            sm0.cm.cache.prepare_forward,
+            ((p for p in pairs) if via == "cache_gen" else pairs, seq_len, commit),  # a generator is consumed once
+            {"token_mask": token_mask},
+        )
+
+    def choose_via(self, streams: list[tuple[SessionModel, str]], via: str, masked: bool) -> str:
+        if len({id(sm) for sm, _ in streams}) > 1:
+            return "cache_gen" if via == "cache_gen" else "cache"
+        if via == "get_kv_caches" and (len(streams) > 1 or masked):
+            return "state"
+        return via
+
+    def start_forward(
+        self, streams: list[tuple[SessionModel, str]], num_chunks: int, commit: bool, *, via: str = "state",
+        masked: bool = False,
+    ) -> TxModel | None:
+        """Prepare a forward (or check that it fails, changing nothing) and record it in the model."""
+        via = self.choose_via(streams, via, masked)
+        cm = streams[0][0].cm
+        failure = self.predict_prepare(cm, streams, num_chunks, via=via)
+        mask = self.make_mask(streams, num_chunks) if masked and failure is None else None
+        fn, args, kwargs = self.prepare_call(streams, num_chunks, commit, via, mask)
+        if failure is not None:
+            event(f"prepare raised {failure.__name__}")
+            self.expect_failure(failure, fn, *args, **kwargs)
+            return None
+        free_before = set(cm.cache.allocator.free_pages())
+        used_before = cm.cache.allocator.num_used
+        result = fn(*args, **kwargs)
+        ctx = result[0].forward if via == "get_kv_caches" else result
+        if via == "get_kv_caches":
+            assert result is ctx.layers
+        return self.m_prepared(streams, num_chunks, commit, ctx, free_before, used_before, mask)
+
+    def m_prepared(
         self, streams: list[tuple[SessionModel, str]], num_chunks: int, commit: bool, ctx: ForwardContext,
-        free_before: set[int],
-    ) -> None:
-        """Check the prepared forward against the model and record its pending chunks."""
+        free_before: set[int], used_before: int, mask: torch.Tensor | None = None,
+    ) -> TxModel:
+        """Check a prepared forward against the model and record it (supersede, pages, registry, transaction)."""
+        cm = streams[0][0].cm
+        # Open denoising forwards of these streams are superseded as a whole (pending pages kept).
+        for sm, b in streams:
+            old = sm.forward[b]
+            if old is not None:
+                assert not old.commit, "a stream of an open committing forward was prepared again"
+                self.m_finished(old, "superseded")
+                event("prepare superseded an open denoising forward")
         fresh: list[int] = []
         for i, (sm, b) in enumerate(streams):
             old = sm.pending[b]
@@ -310,16 +536,19 @@ class SessionStateMachine(RuleBasedStateMachine):
             keep = min(len(old), num_chunks)
             assert new[:keep] == old[:keep], "pending pages of earlier denoising forwards must be reused"
             grown = new[keep:]
-            if self.extents:
-                extent = sm.state._branches[b].extent
+            if cm.extents:
+                extent = sm.state.history(b).extent
                 if sm.extent[b] is None:
                     # Reserved now: S + W + 1 chunk slots of consecutive, previously free pages.
-                    assert len(extent) == self.extent_chunks * self.ppc, f"extent {extent}"
+                    assert len(extent) == cm.extent_chunks * self.ppc, f"extent {extent}"
                     assert list(extent) == list(range(extent[0], extent[0] + len(extent))), f"extent {extent}"
                     fresh += list(extent)
                     sm.extent[b] = tuple(extent)
                 assert tuple(extent) == sm.extent[b], "a branch's extent must not move until reset/close"
                 slots = self.free_slots(sm, b)  # model pending not updated yet: slots free before
+                own = {c for c in self.visible(sm, b) + sm.pending[b]}
+                if any(slot not in own and slot not in slots for slot in self.slots_of(sm, b)):
+                    event("extents: an evicted slot waits for a fork that still sees it")
                 ring = [c for c in grown if c in slots]
                 # The ring takes the lowest free slots first; only the overflow is paged.
                 assert ring == slots[: len(ring)] and len(ring) == min(len(grown), len(slots)), (
@@ -334,7 +563,6 @@ class SessionStateMachine(RuleBasedStateMachine):
             fresh += [p for c in grown for p in c]
             assert all(len(c) == self.ppc for c in new)
             sm.pending[b] = new
-            sm.record[b] = Record(commit, num_chunks, ctx)
             # The plan sees exactly the model's visible pages and pending chunks.
             layout = ctx.layout.streams[i]
             assert list(layout.history_pages) == [p for c in self.visible(sm, b) for p in c]
@@ -345,80 +573,204 @@ class SessionStateMachine(RuleBasedStateMachine):
         assert len(set(fresh)) == len(fresh) and set(fresh) <= free_before, (
             f"newly allocated pages {fresh} were not all free ({sorted(free_before)})"
         )
-        assert ctx.streams == tuple((sm.state.session_id, b) for sm, b in streams)
+        cm.peak = max(cm.peak, used_before + len(fresh))
+        key = tuple((sm.state.session_id, b) for sm, b in streams)
+        assert ctx.streams == key
         assert ctx.num_chunks == num_chunks and ctx.seq_len == num_chunks * CHUNK
         assert ctx.commit_current is commit
         assert len(ctx.layers) == NUM_LAYERS
-        self.contexts = [c for c in self.contexts if c is not ctx][-4:] + [ctx]
+        # The registry: the same streams reuse their context; a new one may evict idle ones (LRU).
+        if key in cm.registry:
+            assert ctx is cm.registry[key], "the same streams (same order) must get the same ForwardContext"
+            cm.registry.move_to_end(key)
+            event("context reused")
+        else:
+            assert ctx not in self.ctx_tx, "a released context was handed out again"
+            cm.registry[key] = ctx
+            for k in list(cm.registry):
+                if len(cm.registry) <= cm.max_contexts:
+                    break
+                other = cm.registry[k]
+                if other is not ctx and not self.model_active(other):
+                    del cm.registry[k]
+                    self.released.add(other)
+                    event("LRU released an idle context")
+        lib = ctx.transaction
+        assert isinstance(lib, ForwardTransaction) and lib.is_open
+        tx = TxModel(cm, list(streams), commit, num_chunks, ctx, lib, mask)
+        for sm, b in streams:
+            sm.forward[b] = tx
+        self.ctx_tx[ctx] = tx
+        self.track(ctx)
+        self.txs = self.txs[-15:] + [tx]
+        event(f"forward over {len({id(sm) for sm, _ in streams})} session(s), {len(streams)} stream(s)")
+        return tx
 
-    def commit_branches(self, sm: SessionModel, branches: tuple[str, ...]) -> None:
-        """The seed API's ``commit_paged_context`` per branch, mirrored in the model."""
-        for b in branches:
-            sm.state.commit_paged_context(b)
-            self.model_commit(sm, b)
+    def model_active(self, ctx: ForwardContext) -> bool:
+        tx = self.ctx_tx.get(ctx)
+        return ctx not in self.released and tx is not None and tx.is_open
 
-    def model_commit(self, sm: SessionModel, b: str) -> None:
-        rec = sm.record[b]
-        if rec is None:
+    # ================================================================== helpers: finishing
+    def m_finished(self, tx: TxModel, status: str) -> None:
+        """A transaction finishes: every stream at once (model side)."""
+        if not tx.is_open:
             return
-        if rec.commit:
-            before = len(self.visible(sm, b)) + len(sm.pending[b])
-            sm.committed[b] += sm.pending[b]
+        for sm, b in tx.streams:
+            assert sm.forward[b] is tx
+            sm.forward[b] = None
+            if status == "aborted":
+                sm.pending[b] = []
+            elif status == "committed":
+                before = len(self.visible(sm, b)) + len(sm.pending[b])
+                sm.committed[b] += [(c, tx.cm.pool.pages(c)) for c in sm.pending[b]]
+                sm.pending[b] = []
+                event("commit evicted chunks" if len(self.visible(sm, b)) < before else "commit without eviction")
+        tx.status = status
+
+    def m_finish(self, tx: TxModel | None, success: bool) -> None:
+        """Success: a committing forward is ``committed``; a denoising one ``completed`` (pending pages kept)."""
+        if tx is not None:
+            self.m_finished(tx, ("committed" if tx.commit else "completed") if success else "aborted")
+
+    def predict_finish(self, tx: TxModel | None, success: bool) -> type[BaseException] | None:
+        """``NonFiniteKVError`` when finishing ``tx`` must abort it instead of committing (``check_finite``)."""
+        if tx is None or not tx.is_open or not success or not tx.commit or not tx.cm.check_finite:
+            return None
+        return None if tx.cm.pool.finite(tx.pending_pages()) else NonFiniteKVError
+
+    def finish_call(self, fn: Callable[[], Any], tx: TxModel | None, success: bool) -> None:
+        """Run a call that finishes ``tx`` (commit or abort, all streams); a finished ``tx``: a no-op."""
+        if tx is None or not tx.is_open:
+            before = self.snapshot()
+            fn()
+            assert self.snapshot() == before, "finishing a finished forward (or none) must change nothing"
+            return
+        expected = self.predict_finish(tx, success)
+        try:
+            fn()
+            raised = None
+        except NonFiniteKVError as exc:
+            raised = exc
+        if expected is NonFiniteKVError:
+            assert raised is not None, "check_finite: a commit of NaN/Inf K/V must raise NonFiniteKVError"
+            event("check_finite aborted a commit")
+            self.m_finish(tx, False)
+        else:
+            assert raised is None, f"unexpected {raised!r}"
+            self.m_finish(tx, success)
+
+    def settle(self, streams: list[tuple[SessionModel, str]], commit: bool) -> None:
+        """Finish (commit or abort) the open committing forwards of ``streams``, so a new forward can run."""
+        for sm, b in streams:
+            tx = sm.forward[b]
+            if tx is not None and tx.commit:
+                self.finish(tx, "cpc" if commit else "ctx.abort", tx.streams.index((sm, b)))
+
+    def state_abort(self, sm: SessionModel, branch: str | None) -> None:
+        """``state.abort(branch)``: its open forward (all streams) and its leftover pending pages are dropped."""
+        names = BRANCHES if branch is None else (branch,)
+        sm.state.abort(branch)
+        for b in names:
+            self.m_finish(sm.forward[b], False)
+        for b in names:
             sm.pending[b] = []
-            event("commit evicted chunks" if len(self.visible(sm, b)) < before else "commit without eviction")
-        sm.record[b] = None
 
-    def model_abort(self, sm: SessionModel, b: str) -> None:
-        sm.pending[b] = []
-        sm.record[b] = None
+    def finish(self, tx: TxModel, how: str, member: int) -> None:
+        sm, b = tx.streams[member % len(tx.streams)]
+        if how == "cpc":
+            self.finish_call(lambda: sm.state.commit_paged_context(b), sm.forward[b], True)
+        elif how == "ctx.commit":
+            self.finish_call(tx.ctx.commit, self.ctx_tx[tx.ctx], True)
+        elif how == "ctx.abort":
+            self.finish_call(tx.ctx.abort, self.ctx_tx[tx.ctx], False)
+        elif how == "state.abort":
+            self.state_abort(sm, b)
+        elif how == "state.abort_all":
+            self.state_abort(sm, None)
 
-    def model_finish(self, ctx: ForwardContext, success: bool) -> None:
-        """What ``ctx.commit()`` / ``ctx.abort()`` / leaving its ``with`` does: only streams still on ``ctx``."""
-        by_id = {sm.state.session_id: sm for sm in self.sessions}
-        for sid, b in ctx.streams:
-            sm = by_id[sid]
-            if sm.closed:
-                continue
-            rec = sm.record[b]
-            if rec is None or rec.ctx is not ctx:
-                continue
-            if success:
-                self.model_commit(sm, b)
-            else:
-                self.model_abort(sm, b)
+    def m_session_gone(self, sm: SessionModel) -> None:
+        """``close()``/``reset()``: every open forward the session belongs to is aborted (all its streams)."""
+        for b in BRANCHES:
+            self.m_finish(sm.forward[b], False)
 
-    def run_attention(self, streams: list[tuple[SessionModel, str]], ctx: ForwardContext) -> None:
-        """A real forward through every layer, checked against a hand-written softmax over the model's pages."""
-        n = ctx.seq_len
-        s = len(streams)
-        for layer in ctx.layers:
-            q = torch.randn(s, n, 2, HEAD_DIM, generator=self.gen)  # 2 query heads over 1 KV head (GQA)
-            k = torch.randn(s, n, 1, HEAD_DIM, generator=self.gen)
-            v = torch.randn(s, n, 1, HEAD_DIM, generator=self.gen)
-            out = chunk_attention(q, k, v, layer)
-            k_pages = self.cache.pool.k_pages(layer.layer_index)
-            v_pages = self.cache.pool.v_pages(layer.layer_index)
-            for i, (sm, b) in enumerate(streams):
-                pend = [p for c in sm.pending[b] for p in c]
-                # The current K/V landed in the pending pages, in order.
-                assert torch.equal(k_pages[pend].reshape(n, 1, HEAD_DIM), k[i])
-                assert torch.equal(v_pages[pend].reshape(n, 1, HEAD_DIM), v[i])
-                hist = [p for c in self.visible(sm, b) for p in c]
-                hk = k_pages[hist].reshape(-1, HEAD_DIM)
-                hv = v_pages[hist].reshape(-1, HEAD_DIM)
-                for t in range(n):
-                    upto = (t // CHUNK + 1) * CHUNK  # own chunk and earlier pending chunks
-                    keys = torch.cat([hk, k[i, :upto, 0]])
-                    values = torch.cat([hv, v[i, :upto, 0]])
-                    w = torch.softmax(q[i, t] @ keys.T * HEAD_DIM**-0.5, dim=-1)
-                    torch.testing.assert_close(out[i, t], w @ values, rtol=1e-5, atol=1e-5)
-            self.check_cross_in_forward(streams, layer)
+    def m_release_contexts_of(self, sm: SessionModel) -> None:
+        sid = sm.state.session_id
+        for key in [k for k in sm.cm.registry if any(s == sid for s, _ in k)]:
+            self.released.add(sm.cm.registry.pop(key))
 
-    def check_cross_in_forward(self, streams: list[tuple[SessionModel, str]], layer: LayerContext) -> None:
+    # ================================================================== helpers: running layers
+    def layer_inputs(self, ctx: ForwardContext, layer: int, mode: str):
+        s, n = ctx.positions.shape
+        if mode == "module":
+            return (torch.randn(s, n, 2 * HEAD_DIM, generator=self.gen),)
+        q = torch.randn(s, n, 2, HEAD_DIM, generator=self.gen)
+        k, v = token_kv(self.next_id, s, n, layer, HEAD_DIM)
+        self.next_id += s * n
+        return q, k, v
+
+    def call_layer(self, ctx: ForwardContext, layer: int, mode: str, inputs=None):
+        """One layer's forward without any model bookkeeping (for calls that must fail)."""
+        inputs = inputs or self.layer_inputs(ctx, layer, mode)
+        with torch.no_grad():
+            if mode == "module":
+                return self.attn(inputs[0], ctx.layers[layer])
+            return chunk_attention(*inputs, ctx.layers[layer])
+
+    def run_layer(self, tx: TxModel, layer: int, mode: str, nan: tuple[int, int, int, float] | None = None) -> None:
+        """One layer of an open forward: the write lands in the model's pending pages; the output is checked."""
+        assert tx.is_open
+        ctx = tx.ctx
+        inputs = self.layer_inputs(ctx, layer, mode)
+        s, n = ctx.positions.shape
+        if mode == "module":
+            x = inputs[0]
+            with torch.no_grad():
+                y = self.attn(x, ctx.layers[layer])
+                k = self.attn.to_k(x).view(s, n, 1, HEAD_DIM)
+                v = self.attn.to_v(x).view(s, n, 1, HEAD_DIM)
+            assert y.shape == x.shape
+        else:
+            q, k, v = inputs
+            if nan is not None and nan[0] == layer:
+                _, stream, token, value = nan
+                k[stream % s, token % n, 0, 0] = value
+                event("wrote a non-finite K")
+            out = chunk_attention(q, k, v, ctx.layers[layer])
+        for i, (sm, b) in enumerate(tx.streams):
+            tx.cm.pool.write(layer, [p for c in sm.pending[b] for p in c], k[i], v[i])
+        if mode != "module" and (nan is None or nan[0] != layer):
+            self.check_output(tx, layer, q, k, v, out)
+            self.check_cross_in_forward(tx, ctx.layers[layer])
+
+    def run(self, tx: TxModel, mode: str, nan: tuple[int, int, int, float] | None = None) -> None:
+        if mode == "none":
+            return
+        layers = [0] if mode == "partial" else range(NUM_LAYERS)
+        for layer in layers:
+            self.run_layer(tx, layer, "module" if mode == "module" else "op", nan)
+
+    def check_output(self, tx: TxModel, layer: int, q, k, v, out) -> None:
+        """The output equals a hand-written masked softmax over the model's pages (and the token mask)."""
+        n = tx.num_chunks * CHUNK
+        chunk_of = torch.arange(n) // CHUNK
+        for i, (sm, b) in enumerate(tx.streams):
+            hist = [p for c in self.visible(sm, b) for p in c]
+            keys = torch.cat([tx.cm.pool.tokens(layer, 0, hist), k[i, :, 0]])
+            values = torch.cat([tx.cm.pool.tokens(layer, 1, hist), v[i, :, 0]])
+            h = len(hist) * self.spec.page_size
+            mask = torch.cat([torch.ones(n, h, dtype=torch.bool), chunk_of[None, :] <= chunk_of[:, None]], dim=1)
+            if tx.token_mask is not None:
+                mask &= tx.token_mask[i, :, : h + n]
+            logits = torch.einsum("thd,kd->thk", q[i], keys) * HEAD_DIM**-0.5
+            w = torch.softmax(logits.masked_fill(~mask[:, None, :], float("-inf")), dim=-1)
+            expect = torch.einsum("thk,kd->thd", w.nan_to_num(0.0), values)
+            torch.testing.assert_close(out[i], expect, rtol=1e-5, atol=1e-5)
+
+    def check_cross_in_forward(self, tx: TxModel, layer: LayerContext) -> None:
         """The forward sees each stream's current cross cache, or raises when any stream lacks it."""
-        if all(b in sm.cross for sm, b in streams):
+        if all(b in sm.cross for sm, b in tx.streams):
             k, v = layer.cross_kv("text")
-            for i, (sm, b) in enumerate(streams):
+            for i, (sm, b) in enumerate(tx.streams):
                 ek, ev = cross_value(sm.cross[b], layer.layer_index)
                 assert torch.equal(k[i], ek) and torch.equal(v[i], ev)
         else:
@@ -427,104 +779,168 @@ class SessionStateMachine(RuleBasedStateMachine):
         with pytest.raises(UnknownCacheError):
             layer.cross_kv("image")
 
-    def prepare(
-        self, streams: list[tuple[SessionModel, str]], num_chunks: int, commit: bool, run: bool, via_cache: bool
-    ) -> ForwardContext | None:
-        seq_len = num_chunks * CHUNK
-        failure = self.predict_prepare(streams, num_chunks)
-        if via_cache:
-            call = self.cache.prepare_forward
-            args = ([(sm.state, b) for sm, b in streams], seq_len, commit)
-        else:
-            call = streams[0][0].state.prepare_forward
-            args = (tuple(b for _, b in streams), seq_len, commit)
-        if failure is not None:
-            event(f"prepare raised {failure.__name__}")
-            self.expect_failure(failure, call, *args)
-            return None
-        free_before = set(self.cache.allocator.free_pages())
-        ctx = call(*args)
-        self.after_prepare(streams, num_chunks, commit, ctx, free_before)
-        if run:
-            self.run_attention(streams, ctx)
-        return ctx
+    # ================================================================== rules: caches and sessions
+    @precondition(
+        lambda self: self.caches
+        and len(self.open_caches) < MAX_OPEN_CACHES
+        and (len(self.caches) < MAX_CACHES or not self.open_caches)
+    )
+    @rule(
+        pool_chunks=st.integers(3, 18),
+        extents=st.booleans(),
+        max_contexts=st.sampled_from([1, 2, 3, 64]),
+        check_finite=st.booleans(),
+    )
+    def open_cache(self, pool_chunks: int, extents: bool, max_contexts: int, check_finite: bool) -> None:
+        """A second KVCache side by side (or a fresh one after close)."""
+        cm = self.new_cache(pool_chunks, extents, max_contexts, check_finite)
+        self.sessions.append(SessionModel(cm.cache.open_session(), cm))
 
-    # ================================================================== rules: sessions
-    @precondition(lambda self: self.cache is not None and len(self.open_sessions) < MAX_SESSIONS)
-    @rule()
-    def open_session(self) -> None:
-        state = self.cache.open_session()
-        assert not state.is_closed and state.pages_in_use() == 0
-        self.sessions.append(SessionModel(state))
+    @precondition(lambda self: self.open_caches)
+    @rule(index=st.integers(0, 3), twice=st.booleans())
+    def close_cache(self, index: int, twice: bool) -> None:
+        """``KVCache.close()``: every session closed (their forwards aborted), every page and context released."""
+        cm = self.pick(self.open_caches, index)
+        cm.cache.close()
+        if twice:
+            cm.cache.close()  # idempotent
+        for sm in self.sessions_of(cm):
+            self.m_session_gone(sm)
+            sm.closed = True
+            sm.clear_self_attention()
+            sm.cross.clear()
+        self.released.update(cm.registry.values())
+        cm.registry.clear()
+        cm.closed = True
+        alloc = cm.cache.allocator
+        assert cm.cache.is_closed and cm.cache.sessions == {}
+        assert alloc.num_free == alloc.num_pages and alloc.used_pages() == ()
+        alloc.check_invariants()
+        assert cm.cache.num_forward_contexts == 0 and cm.cache.forward_contexts() == ()
+        event("closed a KVCache")
+
+    @precondition(lambda self: any(len(self.sessions_of(c)) < MAX_SESSIONS for c in self.open_caches))
+    @rule(index=st.integers(0, 3), admit=st.booleans(), pending_chunks=st.integers(1, 2), two=st.booleans(),
+          reuse_id=st.booleans())
+    def open_session(self, index: int, admit: bool, pending_chunks: int, two: bool, reuse_id: bool) -> None:
+        """``open_session()`` (one or two; maybe under the id of a closed session), or ``admit_session()``:
+        refused (nothing changed) unless it fits at its peak."""
+        cm = self.pick([c for c in self.open_caches if len(self.sessions_of(c)) < MAX_SESSIONS], index)
+        if not admit:
+            for _ in range(2 if two and len(self.sessions_of(cm)) + 1 < MAX_SESSIONS else 1):
+                taken = {s.state.session_id for s in self.sessions_of(cm)}
+                free_ids = [s.state.session_id for s in self.sessions if s.cm is cm and s.closed]
+                free_ids = [sid for sid in free_ids if sid not in taken]
+                if reuse_id and free_ids:
+                    # A new session under a closed one's id: that id's released contexts must not come back.
+                    state = cm.cache.open_session(free_ids[0])
+                    event("opened a session under a closed session's id")
+                else:
+                    state = cm.cache.open_session()
+                assert not state.is_closed and state.pages_in_use() == 0 and state.cache is cm.cache
+                self.sessions.append(SessionModel(state, cm))
+            return
+        else:
+            if self.spec.window_chunks is None:
+                self.expect_failure(SpecError, cm.cache.admit_session, pending_chunks=pending_chunks)
+                self.expect_failure(SpecError, cm.cache.can_admit, 1, pending_chunks)
+                return
+            fits = self.sessions_that_fit(cm, pending_chunks)
+            assert cm.cache.sessions_that_fit(pending_chunks) == fits
+            assert cm.cache.can_admit(1, pending_chunks) == (fits >= 1)
+            assert cm.cache.can_admit(2, pending_chunks) == (fits >= 2)
+            if fits < 1:
+                event("admission refused")
+                self.expect_failure(CapacityError, cm.cache.admit_session, pending_chunks=pending_chunks)
+                return
+            event("admission accepted")
+            state = cm.cache.admit_session(pending_chunks=pending_chunks)
+        assert not state.is_closed and state.pages_in_use() == 0 and state.cache is cm.cache
+        self.sessions.append(SessionModel(state, cm))
+
+    def sessions_that_fit(self, cm: CacheModel, pending_chunks: int) -> int:
+        """Admission arithmetic: sessions at peak (sinks + window + pending per branch, or the extent)."""
+        resident = self.spec.sink_chunks + self.spec.window_chunks
+
+        def per_session(pending: int) -> int:
+            chunks = max(resident + pending, cm.extent_chunks)
+            return len(BRANCHES) * chunks * self.ppc
+
+        alloc = cm.cache.allocator
+        promised = max(0, len(self.sessions_of(cm)) * per_session(1) - alloc.num_used)
+        return max(0, (alloc.num_free - promised) // per_session(pending_chunks))
 
     @precondition(lambda self: self.open_sessions)
-    @rule(index=st.integers(0, MAX_SESSIONS), twice=st.booleans())
+    @rule(index=st.integers(0, 2 * MAX_SESSIONS), twice=st.booleans())
     def close(self, index: int, twice: bool) -> None:
+        """``close()`` aborts every open forward the session belongs to (other sessions' streams too)."""
         sm = self.pick(self.open_sessions, index)
         sm.state.close()
         if twice:
             sm.state.close()  # idempotent
+        self.m_session_gone(sm)
+        self.m_release_contexts_of(sm)
         sm.closed = True
         sm.clear_self_attention()
         sm.cross.clear()
         assert sm.state.is_closed and sm.state.pages_in_use() == 0
-        assert sm.state.session_id not in self.cache.sessions
+        assert sm.state.session_id not in sm.cm.cache.sessions
 
     @precondition(lambda self: self.sessions)
-    @rule(index=st.integers(0, 2 * MAX_SESSIONS), keep=st.sampled_from([(), ("text",), "text"]))
+    @rule(index=st.integers(0, 4 * MAX_SESSIONS), keep=st.sampled_from([(), ("text",), "text"]))
     def reset(self, index: int, keep) -> None:
-        """Reset an open session, or reopen a closed one (at most MAX_SESSIONS open)."""
-        pool = self.sessions if len(self.open_sessions) < MAX_SESSIONS else self.open_sessions
-        sm = self.pick(pool, index)
+        """Reset an open session (its open forwards aborted), or reopen a closed one (refused if its cache closed)."""
+        sm = self.pick(self.sessions, index)
+        if sm.closed and sm.cm.closed:
+            self.expect_failure(CacheClosedError, sm.state.reset, keep_cross_attention=keep)
+            return
+        if sm.closed and sm.state.session_id in {s.state.session_id for s in self.sessions_of(sm.cm)}:
+            event("reset refused: the closed session's id was taken")
+            self.expect_failure(SpecError, sm.state.reset, keep_cross_attention=keep, match=repr(sm.state.session_id))
+            return
+        if sm.closed and len(self.sessions_of(sm.cm)) >= MAX_SESSIONS:
+            return
         event("reset reopened a closed session" if sm.closed else "reset an open session")
         sm.state.reset(keep_cross_attention=keep)
+        if not sm.closed:
+            self.m_session_gone(sm)
         sm.closed = False
         sm.clear_self_attention()
         if not keep:
             sm.cross.clear()
-        assert sm.state.session_id in self.cache.sessions
+        assert sm.state.session_id in sm.cm.cache.sessions
 
     # ================================================================== rules: forwards
     @precondition(lambda self: self.open_sessions)
     @rule(
-        index=st.integers(0, MAX_SESSIONS),
-        branches=st.sampled_from(BRANCH_SETS),
+        index=st.integers(0, 8),
+        others=st.lists(st.integers(1, 2), max_size=2, unique=True),
+        branch_sets=st.lists(st.sampled_from(BRANCH_SETS), min_size=3, max_size=3),
         num_chunks=st.integers(1, 3),
-        run=st.booleans(),
-        close_record=st.booleans(),
+        commit=st.booleans(),
+        via=st.sampled_from(["state", "cache", "cache_gen", "get_kv_caches"]),
+        masked=st.booleans(),
+        mode=st.sampled_from(["op", "op", "module", "partial", "none"]),
+        how=st.sampled_from(["cpc", "ctx.commit", "ctx.abort", "state.abort", "state.abort_all", "later", "later"]),
+        member=st.integers(0, 5),
     )
-    def denoise(self, index: int, branches: tuple[str, ...], num_chunks: int, run: bool, close_record: bool) -> None:
-        """A non-committing forward: pending chunks (re)used, history untouched."""
-        sm = self.pick(self.open_sessions, index)
-        streams = [(sm, b) for b in branches]
-        ctx = self.prepare(streams, num_chunks, commit=False, run=run, via_cache=False)
-        if ctx is not None and close_record:
-            self.commit_branches(sm, branches)  # closes the forward; pending pages stay reserved
-
-    @precondition(lambda self: self.open_sessions)
-    @rule(
-        index=st.integers(0, MAX_SESSIONS),
-        branches=st.sampled_from(BRANCH_SETS),
-        num_chunks=st.integers(1, 3),
-        run=st.booleans(),
-        how=st.sampled_from(["commit_paged_context", "ctx.commit", "later"]),
-    )
-    def commit_forward(self, index: int, branches: tuple[str, ...], num_chunks: int, run: bool, how: str) -> None:
-        """A committing forward, then ``commit_paged_context`` per branch (or ``ctx.commit()``, or later)."""
-        sm = self.pick(self.open_sessions, index)
-        streams = [(sm, b) for b in branches]
-        ctx = self.prepare(streams, num_chunks, commit=True, run=run, via_cache=False)
-        if ctx is None:
+    def forward(
+        self, index: int, others: list[int], branch_sets: list, num_chunks: int, commit: bool, via: str,
+        masked: bool, mode: str, how: str, member: int,
+    ) -> None:
+        """A forward over 1-3 sessions (a committing or a denoising one), run, then finished through one member."""
+        streams = self.pick_streams(self.open_sessions, index, others, branch_sets)
+        tx = self.start_forward(streams, num_chunks, commit, via=via, masked=masked)
+        if tx is None:
             return
-        if how == "commit_paged_context":
-            self.commit_branches(sm, branches)
-        elif how == "ctx.commit":
-            ctx.commit()
-            self.model_finish(ctx, True)
+        if masked:
+            event("forward with a token_mask")
+        self.run(tx, mode)
+        self.finish(tx, how, member)
 
     @precondition(lambda self: self.open_sessions)
     @rule(
-        index=st.integers(0, MAX_SESSIONS),
+        index=st.integers(0, 8),
         branches=st.sampled_from(BRANCH_SETS),
         steps=st.integers(1, 6),
         denoise_steps=st.integers(0, 2),
@@ -537,115 +953,628 @@ class SessionStateMachine(RuleBasedStateMachine):
         streams = [(sm, b) for b in branches]
         for _ in range(steps):
             for _ in range(denoise_steps):
-                if self.prepare(streams, 1, commit=False, run=False, via_cache=False) is None:
+                if self.start_forward(streams, 1, False) is None:
                     return
-            if self.prepare(streams, 1, commit=True, run=False, via_cache=False) is None:
+            tx = self.start_forward(streams, 1, True)
+            if tx is None:
                 return
-            self.commit_branches(sm, branches)
-
-    @precondition(lambda self: len(self.open_sessions) >= 2)
-    @rule(
-        i=st.integers(0, MAX_SESSIONS),
-        j=st.integers(1, MAX_SESSIONS),
-        b1=st.sampled_from(BRANCHES),
-        b2=st.sampled_from(BRANCHES),
-        num_chunks=st.integers(1, 2),
-        commit=st.booleans(),
-        run=st.booleans(),
-    )
-    def cross_session_forward(
-        self, i: int, j: int, b1: str, b2: str, num_chunks: int, commit: bool, run: bool
-    ) -> None:
-        """One forward batching streams of two different sessions (``KVCache.prepare_forward``)."""
-        pool = self.open_sessions
-        s1, s2 = pool[i % len(pool)], pool[(i + j) % len(pool)]
-        if s1 is s2:
-            s2 = pool[(i + 1) % len(pool)]
-        self.prepare([(s1, b1), (s2, b2)], num_chunks, commit=commit, run=run, via_cache=True)
+            self.run(tx, "op")
+            self.finish(tx, "cpc", 0)
 
     @precondition(lambda self: self.contexts)
-    @rule(index=st.integers(0, 4), success=st.booleans())
+    @rule(index=st.integers(0, TRACKED_CONTEXTS - 1), success=st.booleans())
     def finish_context(self, index: int, success: bool) -> None:
-        """``ctx.commit()`` / ``ctx.abort()`` on an earlier forward: only its still-pending streams are touched."""
-        ctx = self.contexts[index % len(self.contexts)]
-        if success:
-            ctx.commit()
-        else:
-            ctx.abort()
-        self.model_finish(ctx, success)
+        """``ctx.commit()`` / ``ctx.abort()`` on an earlier context: its current forward, if open; else a no-op."""
+        ctx = self.pick(self.contexts, index)
+        self.finish_call(ctx.commit if success else ctx.abort, self.ctx_tx[ctx], success)
+
+    @precondition(lambda self: self.open_sessions)
+    @rule(index=st.integers(0, 8), branch=st.sampled_from(BRANCHES))
+    def commit_branch(self, index: int, branch: str) -> None:
+        """``commit_paged_context`` whatever the branch's state: commits its whole forward (or a no-op)."""
+        sm = self.pick(self.open_sessions, index)
+        self.finish_call(lambda: sm.state.commit_paged_context(branch), sm.forward[branch], True)
+
+    @precondition(lambda self: self.open_sessions)
+    @rule(index=st.integers(0, 8), branch=st.sampled_from((None,) + BRANCHES))
+    def abort(self, index: int, branch: str | None) -> None:
+        self.state_abort(self.pick(self.open_sessions, index), branch)
 
     @precondition(lambda self: self.open_sessions)
     @rule(
-        index=st.integers(0, MAX_SESSIONS),
-        branches=st.sampled_from(BRANCH_SETS),
+        index=st.integers(0, 8),
+        others=st.lists(st.integers(1, 2), max_size=2, unique=True),
+        branch_sets=st.lists(st.sampled_from(BRANCH_SETS), min_size=3, max_size=3),
         num_chunks=st.integers(1, 3),
         commit=st.booleans(),
-        fail=st.booleans(),
-        use_module=st.booleans(),
+        via=st.sampled_from(["state", "cache"]),
+        mode=st.sampled_from(["op", "module"]),
+        variant=st.sampled_from(
+            ["ok", "ok", "boom", "halt", "keyboard", "ctx.abort", "state.abort", "cpc", "ctx.commit", "reprepare"]
+        ),
+        inner_commit=st.booleans(),
+        inner_with=st.booleans(),
+        member=st.integers(0, 5),
     )
     def forward_with_block(
-        self, index: int, branches: tuple[str, ...], num_chunks: int, commit: bool, fail: bool, use_module: bool
+        self, index: int, others: list[int], branch_sets: list, num_chunks: int, commit: bool, via: str, mode: str,
+        variant: str, inner_commit: bool, inner_with: bool, member: int,
     ) -> None:
-        """``with state.prepare_forward(...)``: commit on success; an exception inside aborts (history as before)."""
-        sm = self.pick(self.open_sessions, index)
-        streams = [(sm, b) for b in branches]
-        failure = self.predict_prepare(streams, num_chunks)
-        seq_len = num_chunks * CHUNK
+        """``with prepare_forward(...)``: commit on success; any exception (BaseException too) aborts every stream.
+
+        Variants: finish the forward inside the block (``ctx.abort()``, ``state.abort(b)``,
+        ``commit_paged_context(b)``, ``ctx.commit()``) then keep running the model: the next layer
+        raises ForwardFinishedError before touching the pool and the block's exit changes nothing;
+        or prepare the same streams again inside a denoising block (same context object, new
+        forward): the block's exit must not finish that newer forward.
+        """
+        streams = self.pick_streams(self.open_sessions, index, others, branch_sets)
+        self.settle(streams, inner_commit)
+        via = self.choose_via(streams, via, False)
+        if variant == "reprepare":
+            commit = False
+        cm = streams[0][0].cm
+        failure = self.predict_prepare(cm, streams, num_chunks, via=via)
+        fn, args, kwargs = self.prepare_call(streams, num_chunks, commit, via)
         if failure is not None:
-            self.expect_failure(failure, sm.state.prepare_forward, branches, seq_len, commit)
+            self.expect_failure(failure, fn, *args, **kwargs)
             return
-        free_before = set(self.cache.allocator.free_pages())
-        history_before = {b: sm.state.visible_chunks(b) for b in branches}
-        box: dict[str, ForwardContext] = {}
+        free_before = set(cm.cache.allocator.free_pages())
+        used_before = cm.cache.allocator.num_used
+        box: dict[str, Any] = {}
 
         def body() -> None:
-            with sm.state.prepare_forward(branches, seq_len, commit) as fwd:
-                box["ctx"] = fwd
-                self.after_prepare(streams, num_chunks, commit, fwd, free_before)
-                if use_module:
-                    x = torch.randn(len(branches), seq_len, HEAD_DIM * 2, generator=self.gen)
-                    with torch.no_grad():
-                        for layer in fwd.layers:
-                            y = self.attn(x, layer)
-                            assert y.shape == x.shape and torch.isfinite(y).all()
-                            # The layer wrote its projected K into the pending pages.
-                            pend = [p for c in sm.state.pending_chunks(branches[0]) for p in c]
-                            k = self.attn.to_k(x[0]).view(seq_len, 1, HEAD_DIM)
-                            written = self.cache.pool.k_pages(layer.layer_index)[pend].reshape(k.shape)
-                            torch.testing.assert_close(written, k)
-                if fail:
-                    raise Boom("injected failure inside the forward")
+            with fn(*args, **kwargs) as fwd:
+                tx = box["tx"] = self.m_prepared(streams, num_chunks, commit, fwd, free_before, used_before)
+                self.run_layer(tx, 0, mode)
+                if variant in INTERRUPTS:
+                    raise INTERRUPTS[variant]("injected inside the with block")
+                if variant in ("ctx.abort", "state.abort", "cpc", "ctx.commit"):
+                    self.finish(tx, variant, member)
+                    box["before"] = self.snapshot()
+                    self.call_layer(fwd, 1, mode)  # a finished forward: must raise before any write
+                    raise AssertionError("a finished forward's layer ran")
+                if variant == "reprepare":
+                    box["inner"] = self.reprepare(streams, num_chunks, inner_commit, via, inner_with, mode)
+                else:
+                    self.run_layer(tx, 1, mode)
+                box["outcome"] = self.predict_finish(tx, True)
 
-        if fail:
-            with pytest.raises(Boom):
+        if variant in INTERRUPTS:
+            with pytest.raises(INTERRUPTS[variant]):
                 body()
-            for b in branches:
-                assert sm.state.visible_chunks(b) == history_before[b]
-                assert sm.state.pending_chunks(b) == ()
-        else:
+            event(f"{variant} inside a with block aborted the forward")
+            self.m_finish(box["tx"], False)
+            return
+        if variant in ("ctx.abort", "state.abort", "cpc", "ctx.commit"):
+            with pytest.raises(ForwardFinishedError):
+                body()
+            assert self.snapshot() == box["before"], "a finished forward's layer (or the with exit) changed state"
+            event(f"{variant} inside a with block, then the next layer raised")
+            return
+        try:
             body()
-        self.model_finish(box["ctx"], not fail)
+            raised = None
+        except NonFiniteKVError as exc:
+            raised = exc
+        assert (raised is not None) == (box["outcome"] is NonFiniteKVError), f"unexpected {raised!r}"
+        self.m_finish(box["tx"], raised is None)
+        inner = box.get("inner")
+        if inner is not None and not inner_with:
+            assert inner.is_open and inner.tx.is_open, "the with exit finished a later forward of its context"
+            event("with exit left the re-prepared forward open")
+
+    def reprepare(
+        self, streams: list[tuple[SessionModel, str]], num_chunks: int, commit: bool, via: str, use_with: bool,
+        mode: str,
+    ) -> TxModel | None:
+        """Inside an open denoising ``with`` block: prepare the same streams again (same context, new forward)."""
+        cm = streams[0][0].cm
+        failure = self.predict_prepare(cm, streams, num_chunks, via=via)
+        fn, args, kwargs = self.prepare_call(streams, num_chunks, commit, via)
+        if failure is not None:
+            self.expect_failure(failure, fn, *args, **kwargs)
+            return None
+        outer = streams[0][0].forward[streams[0][1]]
+        free_before = set(cm.cache.allocator.free_pages())
+        used_before = cm.cache.allocator.num_used
+        ctx = fn(*args, **kwargs)
+        assert ctx is outer.ctx, "the same streams must get the same context"
+        inner = self.m_prepared(streams, num_chunks, commit, ctx, free_before, used_before)
+        assert outer.status == "superseded"
+        if not use_with:
+            self.run(inner, mode)
+            return inner
+        with ctx:
+            self.run(inner, mode)
+            outcome = self.predict_finish(inner, True)
+        assert outcome is None  # every layer was written: finite
+        self.m_finish(inner, True)
+        return inner
+
+    @precondition(lambda self: self.contexts)
+    @rule(index=st.integers(0, TRACKED_CONTEXTS - 1), layer=st.integers(0, NUM_LAYERS - 1),
+          mode=st.sampled_from(["op", "module"]), prefer=st.sampled_from(["any", "kept", "superseded"]))
+    def stale_use(self, index: int, layer: int, mode: str, prefer: str) -> None:
+        """A finished forward's layers (op or model call): ForwardFinishedError / PlanNotFoundError, pool unchanged.
+
+        A context whose streams were prepared again is open again (reused object): then it is a
+        legitimate write.
+        """
+        pool = {
+            "any": self.contexts,
+            "kept": [c for c in self.contexts if c not in self.released],
+            "superseded": [
+                c for c in self.contexts if self.ctx_tx[c].status == "superseded" and c not in self.released
+            ],
+        }[prefer]
+        ctx = self.pick(pool or self.contexts, index)
+        tx = self.ctx_tx[ctx]
+        if self.model_active(ctx):
+            event("stale_use: the context is open again (reused): a legitimate write")
+            self.run_layer(tx, layer, mode)
+            return
+        released = ctx in self.released
+        event(f"stale_use of a {'released' if released else tx.status} context")
+        exc = (PlanNotFoundError, ForwardFinishedError) if released else ForwardFinishedError
+        self.expect_failure(exc, self.call_layer, ctx, layer, mode)
 
     @precondition(lambda self: self.open_sessions)
-    @rule(index=st.integers(0, MAX_SESSIONS), branch=st.sampled_from(BRANCHES))
-    def commit_branch(self, index: int, branch: str) -> None:
-        """``commit_paged_context`` whatever the branch's state (no forward open: a no-op)."""
-        sm = self.pick(self.open_sessions, index)
-        sm.state.commit_paged_context(branch)
-        self.model_commit(sm, branch)
+    @rule(
+        index=st.integers(0, 8),
+        others=st.lists(st.integers(1, 2), max_size=2, unique=True),
+        branch_sets=st.lists(st.sampled_from(BRANCH_SETS), min_size=3, max_size=3),
+        num_chunks=st.integers(1, 2),
+        commit=st.booleans(),
+        keep=st.integers(0, 5),
+        mode=st.sampled_from(["op", "module"]),
+        success=st.booleans(),
+    )
+    def supersede_then_use(
+        self, index: int, others: list[int], branch_sets: list, num_chunks: int, commit: bool, keep: int, mode: str,
+        success: bool,
+    ) -> None:
+        """A denoising forward superseded by a forward over one of its streams: the whole old forward ends
+        (every stream, pending pages kept); its context's layers and ``commit()/abort()`` are then inert."""
+        streams = self.pick_streams(self.open_sessions, index, others, branch_sets)
+        if len(streams) < 2:
+            return
+        self.settle(streams, success)
+        old = self.start_forward(streams, num_chunks, False, via="cache")
+        if old is None:
+            return
+        self.run(old, "partial")
+        new = self.start_forward([streams[keep % len(streams)]], num_chunks, commit, via="cache")
+        if new is None:
+            return
+        assert old.status == "superseded" and old.tx.status == "superseded", (
+            f"the forward over {old.ctx.streams} is {old.tx.status} after one of its streams was prepared again"
+        )
+        assert old.ctx is not new.ctx
+        if self.model_active(old.ctx):  # pragma: no cover - a different context cannot be open
+            raise AssertionError("a superseded forward's context is still active")
+        exc = (PlanNotFoundError, ForwardFinishedError) if old.ctx in self.released else ForwardFinishedError
+        self.expect_failure(exc, self.call_layer, old.ctx, NUM_LAYERS - 1, mode)
+        self.finish_call(old.ctx.commit if success else old.ctx.abort, old, success)  # a no-op
+        event("superseded forward: its context raised and its commit/abort was a no-op")
 
     @precondition(lambda self: self.open_sessions)
-    @rule(index=st.integers(0, MAX_SESSIONS), branch=st.sampled_from((None,) + BRANCHES))
-    def abort(self, index: int, branch: str | None) -> None:
+    @rule(
+        index=st.integers(0, 8),
+        others=st.lists(st.integers(1, 2), max_size=2, unique=True),
+        branch_sets=st.lists(st.sampled_from(BRANCH_SETS), min_size=3, max_size=3),
+        where=st.sampled_from(["plan_commit", "decref", "sigint"]),
+        exc=st.sampled_from(["boom", "halt", "keyboard"]),
+        via=st.sampled_from(["cpc", "ctx.commit", "with", "with_boom", "state.abort"]),
+        then=st.sampled_from(["commit", "abort", "later"]),
+    )
+    def interrupted_finish(
+        self, index: int, others: list[int], branch_sets: list, where: str, exc: str, via: str, then: str
+    ) -> None:
+        """An exception injected while a forward commits or aborts: all streams are finished, or none.
+
+        ``plan_commit`` raises on the 2nd stream (the 1st if there is one), ``PageAllocator.decref``
+        raises on its first call: nothing may change (the forward stays open). ``sigint``: a real
+        SIGINT arrives while the 1st stream's commit is applied: it is deferred, every stream is
+        committed, then KeyboardInterrupt is raised.
+        """
+        streams = self.pick_streams(self.open_sessions, index, others, branch_sets)
+        self.settle(streams, then == "commit")
+        cm = streams[0][0].cm
+        if where in ("plan_commit", "sigint") and via in ("with_boom", "state.abort"):
+            via = "cpc"  # these hooks are on the commit path
+        if where == "sigint" and not self.can_defer_sigint():
+            where = "decref"
+        injected = KeyboardInterrupt if where == "sigint" else INTERRUPTS[exc]
+        calls = {"n": 0}
+        patches: list[tuple[Any, str, Any]] = []
+
+        def install() -> None:
+            if where == "plan_commit":
+                original = BranchHistory.plan_commit
+                fail_at = min(2, len(streams))
+
+                def plan_commit(h):
+                    calls["n"] += 1
+                    if calls["n"] == fail_at:
+                        raise injected("injected into plan_commit")
+                    return original(h)
+
+                patches.append((BranchHistory, "plan_commit", original))
+                BranchHistory.plan_commit = plan_commit
+            elif where == "decref":
+                alloc = cm.cache.allocator
+
+                def decref(pages):
+                    raise injected("injected into decref")
+
+                patches.append((alloc, "decref", None))
+                alloc.decref = decref
+            else:
+                original = BranchHistory.apply_commit
+
+                def apply_commit(h, result):
+                    calls["n"] += 1
+                    if calls["n"] == 1:
+                        os.kill(os.getpid(), signal.SIGINT)  # delivered at the next bytecode: must be deferred
+                    return original(h, result)
+
+                patches.append((BranchHistory, "apply_commit", original))
+                BranchHistory.apply_commit = apply_commit
+
+        def uninstall() -> None:
+            while patches:
+                target, name, original = patches.pop()
+                if original is None:
+                    delattr(target, name)
+                else:
+                    setattr(target, name, original)
+
+        success = via != "state.abort" and via != "with_boom"
+        if via in ("with", "with_boom"):
+            failure = self.predict_prepare(cm, streams, 1, via="cache")
+            fn, args, kwargs = self.prepare_call(streams, 1, True, "cache")
+            if failure is not None:
+                self.expect_failure(failure, fn, *args, **kwargs)
+                return
+            free_before, used_before = set(cm.cache.allocator.free_pages()), cm.cache.allocator.num_used
+            box: dict[str, Any] = {}
+
+            def body() -> None:
+                with fn(*args, **kwargs) as fwd:
+                    tx = box["tx"] = self.m_prepared(streams, 1, True, fwd, free_before, used_before)
+                    self.run(tx, "op")
+                    box["before"] = self.snapshot()
+                    install()
+                    if via == "with_boom":
+                        raise Boom("the model failed; the abort is interrupted")
+
+            try:
+                with pytest.raises(injected):
+                    body()
+            finally:
+                uninstall()
+            tx, before = box["tx"], box["before"]
+        else:
+            tx = self.start_forward(streams, 1, True, via="cache")
+            if tx is None:
+                return
+            self.run(tx, "op")
+            sm, b = streams[-1]
+            call = {
+                "cpc": lambda: sm.state.commit_paged_context(b),
+                "ctx.commit": tx.ctx.commit,
+                "state.abort": lambda: sm.state.abort(b),
+            }[via]
+            before = self.snapshot()
+            install()
+            try:
+                with pytest.raises(injected):
+                    call()
+            finally:
+                uninstall()
+        if where == "sigint":
+            event("SIGINT during a commit: deferred, all streams committed")
+            self.m_finish(tx, True)
+        else:
+            event(f"{injected.__name__} injected into {where} ({'commit' if success else 'abort'}): nothing changed")
+            after = self.snapshot()
+            assert after == before, f"an interrupted finish changed state: {self.diff(before, after)}"
+            assert tx.is_open and tx.tx.is_open
+            if then == "commit":
+                self.finish(tx, "ctx.commit", 0)
+            elif then == "abort":
+                self.finish(tx, "ctx.abort", 0)
+
+    @staticmethod
+    def can_defer_sigint() -> bool:
+        """A real SIGINT is only safe where ``deferred_interrupts`` can hold it (main thread, default handler)."""
+        return threading.current_thread() is threading.main_thread() and (
+            signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        )
+
+    @precondition(lambda self: any(s.cm.check_finite for s in self.open_sessions))
+    @rule(
+        index=st.integers(0, 8),
+        others=st.lists(st.integers(1, 2), max_size=2, unique=True),
+        branch_sets=st.lists(st.sampled_from(BRANCH_SETS), min_size=3, max_size=3),
+        num_chunks=st.integers(1, 2),
+        commit=st.sampled_from([True, True, False]),
+        where=st.tuples(st.integers(0, NUM_LAYERS - 1), st.integers(0, 5), st.integers(0, 5)),
+        value=st.sampled_from([float("nan"), float("inf"), float("-inf")]),
+        how=st.sampled_from(["cpc", "ctx.commit", "with"]),
+    )
+    def non_finite_forward(
+        self, index: int, others: list[int], branch_sets: list, num_chunks: int, commit: bool,
+        where: tuple[int, int, int], value: float, how: str,
+    ) -> None:
+        """``check_finite=True``: a committing forward that wrote NaN/Inf aborts (history unchanged) and raises."""
+        candidates = [s for s in self.open_sessions if s.cm.check_finite]
+        streams = self.pick_streams(candidates, index, others, branch_sets)
+        self.settle(streams, commit)
+        nan = (*where, value)
+        if how != "with":
+            tx = self.start_forward(streams, num_chunks, commit, via="cache")
+            if tx is None:
+                return
+            self.run(tx, "op", nan)
+            self.finish(tx, how, 0)
+            return
+        cm = streams[0][0].cm
+        failure = self.predict_prepare(cm, streams, num_chunks, via="cache")
+        fn, args, kwargs = self.prepare_call(streams, num_chunks, commit, "cache")
+        if failure is not None:
+            self.expect_failure(failure, fn, *args, **kwargs)
+            return
+        free_before, used_before = set(cm.cache.allocator.free_pages()), cm.cache.allocator.num_used
+        box: dict[str, Any] = {}
+
+        def body() -> None:
+            with fn(*args, **kwargs) as fwd:
+                tx = box["tx"] = self.m_prepared(streams, num_chunks, commit, fwd, free_before, used_before)
+                self.run(tx, "op", nan)
+                box["outcome"] = self.predict_finish(tx, True)
+
+        try:
+            body()
+            raised = None
+        except NonFiniteKVError as exc:
+            raised = exc
+        assert (raised is not None) == (box["outcome"] is NonFiniteKVError), f"unexpected {raised!r}"
+        if raised is not None:
+            event("check_finite aborted a commit (with exit)")
+        self.m_finish(box["tx"], raised is None)
+
+    # ================================================================== rules: failures that change nothing
+    @precondition(lambda self: self.open_sessions)
+    @rule(
+        index=st.integers(0, 8),
+        others=st.lists(st.integers(1, 2), max_size=2, unique=True),
+        branch_sets=st.lists(st.sampled_from(BRANCH_SETS), min_size=3, max_size=3),
+        num_chunks=st.integers(1, 3),
+        commit=st.booleans(),
+        exc=st.sampled_from(["boom", "halt", "keyboard", "static"]),
+    )
+    def plan_fails(
+        self, index: int, others: list[int], branch_sets: list, num_chunks: int, commit: bool, exc: str
+    ) -> None:
+        """``plan()`` raising after pages were taken: allocator, free order, peak, pool, registry all unchanged."""
+        streams = self.pick_streams(self.open_sessions, index, others, branch_sets)
+        cm = streams[0][0].cm
+        static = exc == "static"
+        failure = self.predict_prepare(cm, streams, num_chunks, via="cache", static=static)
+        fn, args, kwargs = self.prepare_call(streams, num_chunks, commit, "cache")
+        if static:
+            kwargs = {"static": True}
+            failure = failure or BackendUnavailableError  # the reference backend has no static plans
+        else:
+            failure = failure or INTERRUPTS[exc]
+            cm.backend.fail = INTERRUPTS[exc]
+        try:
+            self.expect_failure(failure, fn, *args, **kwargs)
+        finally:
+            cm.backend.fail = None
+
+    @precondition(lambda self: self.open_sessions)
+    @rule(index=st.integers(0, 8), branches=st.sampled_from(BRANCH_SETS), commit=st.booleans())
+    def exhaust_capacity(self, index: int, branches: tuple[str, ...], commit: bool) -> None:
+        """A forward asking for more pages than are free raises CapacityError and changes nothing."""
         sm = self.pick(self.open_sessions, index)
-        sm.state.abort(branch)
-        for b in BRANCHES if branch is None else (branch,):
-            self.model_abort(sm, b)
+        free_chunks = sm.cm.cache.allocator.num_free // self.ppc
+        num_chunks = max(len(sm.pending[b]) for b in branches) + free_chunks + 1 + sm.cm.extent_chunks
+        streams = [(sm, b) for b in branches]
+        exc = self.predict_prepare(sm.cm, streams, num_chunks, via="state")
+        assert exc is not None, "capacity model broken: one branch alone needs more than is free"
+        info = self.expect_failure(exc, sm.state.prepare_forward, branches, num_chunks * CHUNK, commit)
+        if exc is CapacityError:
+            assert info.free == sm.cm.cache.allocator.num_free
+            assert info.needed > info.free
+            assert str(info.needed) in str(info) and str(info.free) in str(info)
+
+    @precondition(lambda self: any(t.is_open and t.commit for s in self.open_sessions for t in s.forward.values() if t))
+    @rule(index=st.integers(0, 4 * MAX_SESSIONS), commit=st.booleans(), num_chunks=st.integers(1, 3),
+          with_other=st.booleans())
+    def replace_uncommitted(self, index: int, commit: bool, num_chunks: int, with_other: bool) -> None:
+        """Preparing over a stream of an open committing forward raises and changes nothing."""
+        candidates = [(s, b) for s in self.open_sessions for b, t in s.forward.items() if t and t.commit]
+        sm, b = self.pick(candidates, index)
+        if with_other:  # an innocent stream first: nothing of it may change either
+            other = "uncond" if b == "cond" else "cond"
+            streams = [(sm, other), (sm, b)]
+            assert self.predict_prepare(sm.cm, streams, num_chunks, via="state") is PendingContextError
+            self.expect_failure(PendingContextError, sm.state.prepare_forward, (other, b), num_chunks * CHUNK, commit)
+            return
+        self.expect_failure(
+            PendingContextError, sm.state.prepare_forward, (b,), num_chunks * CHUNK, commit, match=repr(b)
+        )
+
+    @precondition(lambda self: self.open_sessions)
+    @rule(
+        index=st.integers(0, 8),
+        kind=st.sampled_from(
+            [
+                "unknown_branch_prepare",
+                "unknown_branch_commit",
+                "unknown_branch_abort",
+                "unknown_branch_populate",
+                "unknown_cache",
+                "unknown_keep",
+                "misaligned",
+                "seq_none",
+                "duplicate_stream",
+                "duplicate_session_id",
+                "cross_before_populate",
+                "fork_unknown_branch",
+                "fork_duplicate_id",
+                "mask_shape",
+                "mask_dtype",
+                "bad_kv_shape",
+            ]
+        ),
+        seq_len=st.sampled_from([0, -CHUNK, 1, CHUNK + 1, 3 * CHUNK - 1]),
+    )
+    def misuse(self, index: int, kind: str, seq_len: int) -> None:
+        sm = self.pick(self.open_sessions, index)
+        state = sm.state
+        if kind == "unknown_branch_prepare":
+            self.expect_failure(UnknownBranchError, state.prepare_forward, ("nope", "cond"), CHUNK, False, match="nope")
+        elif kind == "unknown_branch_commit":
+            self.expect_failure(UnknownBranchError, state.commit_paged_context, "nope", match="nope")
+        elif kind == "unknown_branch_abort":
+            self.expect_failure(UnknownBranchError, state.abort, "nope", match="nope")
+        elif kind == "unknown_branch_populate":
+            self.expect_failure(
+                UnknownBranchError, state.populate_cross_attention, "nope", "text", [cross_value(0.0, 0)] * NUM_LAYERS
+            )
+        elif kind == "unknown_cache":
+            self.expect_failure(
+                UnknownCacheError, state.populate_cross_attention, "cond", "image", [cross_value(0.0, 0)] * NUM_LAYERS,
+                match="image",
+            )
+        elif kind == "unknown_keep":
+            self.expect_failure(UnknownCacheError, state.reset, keep_cross_attention=("text", "image"), match="image")
+        elif kind == "misaligned":
+            if 0 < seq_len < CHUNK and seq_len % self.spec.page_size == 0:
+                seq_len = CHUNK + 1  # one shorter chunk (whole pages) is allowed: not a misuse
+            self.expect_failure(SequenceLengthError, state.prepare_forward, ("cond",), seq_len, False, match=str(CHUNK))
+            self.expect_failure(SequenceLengthError, state.get_kv_caches, "uncond", seq_len, True)
+        elif kind == "seq_none":
+            self.expect_failure(SequenceLengthError, state.get_kv_caches, "cond", None, True)
+        elif kind == "duplicate_stream":
+            exc = self.predict_prepare(sm.cm, [(sm, "cond"), (sm, "cond")], 1, via="cache")
+            self.expect_failure(exc, sm.cm.cache.prepare_forward, [(state, "cond"), (state, "cond")], CHUNK, False)
+        elif kind == "duplicate_session_id":
+            self.expect_failure(SpecError, sm.cm.cache.open_session, state.session_id, match=state.session_id)
+        elif kind == "fork_unknown_branch":
+            self.expect_failure(UnknownBranchError, state.fork, branches=("cond", "nope"), match="nope")
+        elif kind == "fork_duplicate_id":
+            self.expect_failure(SpecError, state.fork, state.session_id, match=state.session_id)
+        elif kind == "cross_before_populate":
+            missing = [b for b in BRANCHES if b not in sm.cross]
+            if missing:
+                self.expect_failure(CrossAttentionNotPopulatedError, state.get_cross_attention_kv, missing[0], "text")
+        elif kind in ("mask_shape", "mask_dtype"):
+            streams = [(sm, "cond"), (sm, "uncond")]
+            exc = self.predict_prepare(sm.cm, streams, 1, via="state", mask_ok=False)
+            mask = self.make_mask(streams, 1, bad=kind.split("_")[1])
+            self.expect_failure(exc, state.prepare_forward, BRANCHES, CHUNK, False, token_mask=mask)
+        elif kind == "bad_kv_shape":
+            open_ctx = [c for c in self.contexts if self.model_active(c)]
+            if open_ctx:
+                ctx = open_ctx[0]
+                q, k, v = self.layer_inputs(ctx, 0, "op")
+                self.expect_failure(TensorMismatchError, chunk_attention, q, k[:, :-1], v, ctx.layers[0])
+
+    @precondition(lambda self: self.closed_sessions)
+    @rule(
+        index=st.integers(0, 4 * MAX_SESSIONS),
+        op=st.sampled_from(
+            [
+                "prepare", "get_kv_caches", "commit", "abort", "populate", "clear", "visible", "batch", "fork",
+                "share_sinks_from_closed", "share_cross_from_closed",
+            ]
+        ),
+    )
+    def closed_session_misuse(self, index: int, op: str) -> None:
+        sm = self.pick(self.closed_sessions, index)
+        state = sm.state
+        exc: type[BaseException] = SessionClosedError
+        calls = {
+            "prepare": (state.prepare_forward, ("cond",), CHUNK, False),
+            "get_kv_caches": (state.get_kv_caches, "cond", CHUNK, True),
+            "commit": (state.commit_paged_context, "cond"),
+            "abort": (state.abort,),
+            "populate": (state.populate_cross_attention, "cond", "text", [cross_value(0.0, 0)] * NUM_LAYERS),
+            "clear": (state.clear_cross_attention,),
+            "visible": (state.visible_chunks, "uncond"),
+            "fork": (state.fork,),
+        }
+        if self.open_sessions:
+            other = self.open_sessions[0]
+            calls["share_sinks_from_closed"] = (other.state.share_sinks_from, state, "cond")
+            calls["share_cross_from_closed"] = (other.state.share_cross_attention_from, state, "text", "cond")
+            if op.startswith("share") and other.cm is not sm.cm:
+                exc = SpecError  # another cache's session: refused before its state is looked at
+        if op not in calls and op != "batch":
+            return  # needs an open session
+        if op == "batch":
+            # The closed session first: an open stream first could legitimately fail another check.
+            streams = [(sm, "cond")] + [(s, "uncond") for s in self.sessions_of(sm.cm)[:1]]
+            exc = self.predict_prepare(sm.cm, streams, 1, via="cache")
+            fn, args = sm.cm.cache.prepare_forward, ([(s.state, b) for s, b in streams], CHUNK, False)
+        else:
+            fn, *args = calls[op]
+        self.expect_failure(exc, fn, *args, match=state.session_id if exc is SessionClosedError else None)
+
+    @precondition(lambda self: any(c.closed for c in self.caches))
+    @rule(index=st.integers(0, MAX_CACHES), op=st.sampled_from(["open_session", "admit", "prepare", "close", "fork"]))
+    def closed_cache_misuse(self, index: int, op: str) -> None:
+        """A closed KVCache refuses new sessions and forwards (CacheClosedError); ``close()`` is idempotent."""
+        cm = self.pick([c for c in self.caches if c.closed], index)
+        old = [s for s in self.sessions if s.cm is cm]
+        if op == "open_session":
+            self.expect_failure(CacheClosedError, cm.cache.open_session)
+        elif op == "admit":
+            self.expect_failure(CacheClosedError, cm.cache.admit_session)
+        elif op == "prepare" and old:
+            self.expect_failure(CacheClosedError, cm.cache.prepare_forward, [(old[0].state, "cond")], CHUNK, True)
+            self.expect_failure(SessionClosedError, old[0].state.prepare_forward, ("cond",), CHUNK, True)
+        elif op == "fork" and old:
+            self.expect_failure(SessionClosedError, old[0].state.fork)
+        elif op == "close":
+            before = self.snapshot()
+            cm.cache.close()
+            assert self.snapshot() == before
+
+    @precondition(lambda self: len([c for c in self.open_caches if self.sessions_of(c)]) >= 2)
+    @rule(
+        i=st.integers(0, 8),
+        j=st.integers(0, 8),
+        op=st.sampled_from(["prepare", "batch", "share_sinks", "share_cross"]),
+        branch=st.sampled_from(BRANCHES),
+    )
+    def cross_cache_misuse(self, i: int, j: int, op: str, branch: str) -> None:
+        """Sessions of one KVCache cannot be used with another: SpecError, neither cache changes."""
+        caches = [c for c in self.open_caches if self.sessions_of(c)]
+        a = self.pick(caches, i)
+        b = self.pick([c for c in caches if c is not a], j)
+        sa, sb = self.sessions_of(a)[i % len(self.sessions_of(a))], self.sessions_of(b)[j % len(self.sessions_of(b))]
+        if op == "prepare":
+            self.expect_failure(SpecError, a.cache.prepare_forward, [(sb.state, branch)], CHUNK, False)
+        elif op == "batch":
+            self.expect_failure(
+                SpecError, a.cache.prepare_forward, [(sa.state, branch), (sb.state, branch)], CHUNK, True
+            )
+        elif op == "share_sinks":
+            self.expect_failure(SpecError, sa.state.share_sinks_from, sb.state, branch)
+        else:
+            self.expect_failure(SpecError, sa.state.share_cross_attention_from, sb.state, "text", branch)
+        event("cross-cache misuse refused")
 
     # ================================================================== rules: cross-attention
     @precondition(lambda self: self.open_sessions)
     @rule(
-        index=st.integers(0, MAX_SESSIONS),
+        index=st.integers(0, 8),
         branch=st.sampled_from(BRANCHES),
         mode=st.sampled_from(["ok", "ok", "raise_midway", "bad_shape", "too_few", "too_many"]),
     )
@@ -672,7 +1601,7 @@ class SessionStateMachine(RuleBasedStateMachine):
         self.expect_failure(exc, sm.state.populate_cross_attention, branch, "text", layers())
 
     @precondition(lambda self: self.open_sessions)
-    @rule(index=st.integers(0, MAX_SESSIONS))
+    @rule(index=st.integers(0, 8))
     def clear_cross(self, index: int) -> None:
         sm = self.pick(self.open_sessions, index)
         visible = {b: sm.state.visible_chunks(b) for b in BRANCHES}
@@ -680,49 +1609,12 @@ class SessionStateMachine(RuleBasedStateMachine):
         sm.cross.clear()
         assert {b: sm.state.visible_chunks(b) for b in BRANCHES} == visible  # self-attention untouched
 
-    # ================================================================== rules: sharing
-    @precondition(lambda self: self.open_sessions and len(self.open_sessions) < MAX_SESSIONS)
-    @rule(
-        index=st.integers(0, MAX_SESSIONS),
-        branches=st.sampled_from([None, ("cond",), ("uncond",), ("uncond", "cond")]),
-        share_cross=st.booleans(),
-        parent_steps=st.integers(0, 4),
-    )
-    def fork(self, index: int, branches: tuple[str, ...] | None, share_cross: bool, parent_steps: int) -> None:
-        """A child session sharing the parent's resident chunks by refcount (zero pages allocated)."""
-        parent = self.pick(self.open_sessions, index)
-        names = BRANCHES if branches is None else branches
-        free_before = self.cache.allocator.free_pages()
-        child_state = parent.state.fork(branches=branches, share_cross_attention=share_cross)
-        assert self.cache.allocator.free_pages() == free_before, "fork must not allocate"
-        child = SessionModel(child_state)
-        for b in names:
-            child.committed[b] = list(parent.committed[b])  # same visible chunks, same offset
-            if share_cross and b in parent.cross:
-                child.cross[b] = parent.cross[b]
-        self.sessions.append(child)
-        event("forked a session")
-        # The parent moves on: its evictions must not recycle pages the child still sees.
-        self.roll(parent, ("cond",) if branches is None else branches, parent_steps)
-
     @precondition(lambda self: self.open_sessions)
-    @rule(i=st.integers(0, MAX_SESSIONS), j=st.integers(0, MAX_SESSIONS), branch=st.sampled_from(BRANCHES))
-    def share_sinks(self, i: int, j: int, branch: str) -> None:
-        """Start an empty branch from another session's sink chunks; a non-empty branch is refused unchanged."""
-        target, source = self.pick(self.open_sessions, i), self.pick(self.open_sessions, j)
-        if target.committed[branch] or target.pending[branch]:
-            self.expect_failure(SpecError, target.state.share_sinks_from, source.state, branch, match=repr(branch))
-            return
-        target.state.share_sinks_from(source.state, branch)
-        target.committed[branch] = list(source.committed[branch][: self.spec.sink_chunks])
-        target.extent[branch] = None  # an empty branch restarts from scratch (its extent is released)
-        event("shared sinks" if target.committed[branch] else "shared sinks (none yet)")
-
-    @precondition(lambda self: self.open_sessions)
-    @rule(i=st.integers(0, MAX_SESSIONS), j=st.integers(0, MAX_SESSIONS), branch=st.sampled_from((None,) + BRANCHES))
+    @rule(i=st.integers(0, 8), j=st.integers(0, 8), branch=st.sampled_from((None,) + BRANCHES))
     def share_cross(self, i: int, j: int, branch: str | None) -> None:
         """Reuse another session's populated cross cache; refused unchanged if any branch lacks it."""
-        target, source = self.pick(self.open_sessions, i), self.pick(self.open_sessions, j)
+        target = self.pick(self.open_sessions, i)
+        source = self.pick(self.sessions_of(target.cm), j)
         names = BRANCHES if branch is None else (branch,)
         if not all(b in source.cross for b in names):
             self.expect_failure(
@@ -733,200 +1625,97 @@ class SessionStateMachine(RuleBasedStateMachine):
         for b in names:
             target.cross[b] = source.cross[b]
 
-    # ================================================================== rules: misuse
-    @precondition(lambda self: self.open_sessions)
+    # ================================================================== rules: sharing
+    @precondition(lambda self: any(len(self.sessions_of(s.cm)) < MAX_SESSIONS for s in self.open_sessions))
     @rule(
-        index=st.integers(0, MAX_SESSIONS),
-        kind=st.sampled_from(
-            [
-                "unknown_branch_prepare",
-                "unknown_branch_commit",
-                "unknown_branch_abort",
-                "unknown_branch_populate",
-                "unknown_cache",
-                "unknown_keep",
-                "misaligned",
-                "seq_none",
-                "duplicate_stream",
-                "duplicate_session_id",
-                "cross_before_populate",
-                "fork_unknown_branch",
-                "fork_duplicate_id",
-            ]
-        ),
-        seq_len=st.sampled_from([0, -CHUNK, 1, CHUNK + 1, 3 * CHUNK - 1]),
+        index=st.integers(0, 8),
+        branches=st.sampled_from([None, ("cond",), ("uncond",), ("uncond", "cond"), "cond"]),
+        share_cross=st.booleans(),
+        pre_steps=st.sampled_from([0, 1, "fill"]),
+        parent_steps=st.integers(0, 4),
     )
-    def misuse(self, index: int, kind: str, seq_len: int) -> None:
-        sm = self.pick(self.open_sessions, index)
-        state = sm.state
-        if kind == "unknown_branch_prepare":
-            self.expect_failure(UnknownBranchError, state.prepare_forward, ("nope", "cond"), CHUNK, False, match="nope")
-        elif kind == "unknown_branch_commit":
-            self.expect_failure(UnknownBranchError, state.commit_paged_context, "nope", match="nope")
-        elif kind == "unknown_branch_abort":
-            self.expect_failure(UnknownBranchError, state.abort, "nope", match="nope")
-        elif kind == "unknown_branch_populate":
-            self.expect_failure(
-                UnknownBranchError, state.populate_cross_attention, "nope", "text", [cross_value(0.0, 0)] * NUM_LAYERS
-            )
-        elif kind == "unknown_cache":
-            self.expect_failure(
-                UnknownCacheError, state.populate_cross_attention, "cond", "image", [cross_value(0.0, 0)] * NUM_LAYERS,
-                match="image",
-            )
-        elif kind == "unknown_keep":
-            self.expect_failure(UnknownCacheError, state.reset, keep_cross_attention=("text", "image"), match="image")
-        elif kind == "misaligned":
-            self.expect_failure(SequenceLengthError, state.prepare_forward, ("cond",), seq_len, False, match=str(CHUNK))
-            self.expect_failure(SequenceLengthError, state.get_kv_caches, "uncond", seq_len, True)
-        elif kind == "seq_none":
-            self.expect_failure(SequenceLengthError, state.get_kv_caches, "cond", None, True)
-        elif kind == "duplicate_stream":
-            streams = [(state, "cond"), (state, "cond")]
-            exc = self.predict_prepare([(sm, "cond"), (sm, "cond")], 1)
-            self.expect_failure(exc, self.cache.prepare_forward, streams, CHUNK, False)
-        elif kind == "duplicate_session_id":
-            self.expect_failure(SpecError, self.cache.open_session, state.session_id, match=state.session_id)
-        elif kind == "fork_unknown_branch":
-            self.expect_failure(UnknownBranchError, state.fork, branches=("cond", "nope"), match="nope")
-        elif kind == "fork_duplicate_id":
-            self.expect_failure(SpecError, state.fork, state.session_id, match=state.session_id)
-        elif kind == "cross_before_populate":
-            missing = [b for b in BRANCHES if b not in sm.cross]
-            if missing:
-                self.expect_failure(CrossAttentionNotPopulatedError, state.get_cross_attention_kv, missing[0], "text")
+    def fork(
+        self, index: int, branches: tuple[str, ...] | None, share_cross: bool, pre_steps, parent_steps: int
+    ) -> None:
+        """A child session sharing the parent's resident chunks by refcount (zero pages allocated or written).
 
-    @precondition(lambda self: any(r is not None and r.commit for s in self.open_sessions for r in s.record.values()))
-    @rule(index=st.integers(0, 2 * MAX_SESSIONS), commit=st.booleans(), num_chunks=st.integers(1, 3))
-    def replace_uncommitted(self, index: int, commit: bool, num_chunks: int) -> None:
-        """Preparing over a branch whose committing forward is still open raises and changes nothing."""
-        candidates = [(s, b) for s in self.open_sessions for b, r in s.record.items() if r is not None and r.commit]
-        sm, b = candidates[index % len(candidates)]
-        self.expect_failure(
-            PendingContextError, sm.state.prepare_forward, (b,), num_chunks * CHUNK, commit, match=repr(b)
-        )
+        The parent first fills its window a little (``pre_steps``), then moves on after the fork: its
+        evictions must neither free nor overwrite pages the child still sees (with extents: an evicted
+        slot the child still sees is not reused).
+        """
+        parent = self.pick([s for s in self.open_sessions if len(self.sessions_of(s.cm)) < MAX_SESSIONS], index)
+        names = BRANCHES if branches is None else (branches,) if isinstance(branches, str) else branches
+        if pre_steps == "fill":  # sinks and window full: the parent's next commits evict shared chunks
+            window = self.spec.window_chunks if self.spec.window_chunks is not None else 1
+            pre_steps = max(0, self.spec.sink_chunks + window - min(len(parent.committed[b]) for b in names))
+        self.roll(parent, names, pre_steps)
+        free_before = parent.cm.cache.allocator.free_pages()
+        child_state = parent.state.fork(branches=branches, share_cross_attention=share_cross)
+        assert parent.cm.cache.allocator.free_pages() == free_before, "fork must not allocate"
+        child = SessionModel(child_state, parent.cm)
+        for b in names:
+            child.committed[b] = list(parent.committed[b])  # same visible chunks (same contents), same offset
+            if share_cross and b in parent.cross:
+                child.cross[b] = parent.cross[b]
+        self.sessions.append(child)
+        event("forked a session")
+        self.roll(parent, names, parent_steps)
 
     @precondition(lambda self: self.open_sessions)
-    @rule(index=st.integers(0, MAX_SESSIONS), branches=st.sampled_from(BRANCH_SETS), commit=st.booleans())
-    def exhaust_capacity(self, index: int, branches: tuple[str, ...], commit: bool) -> None:
-        """A forward asking for more pages than are free raises CapacityError and changes nothing."""
-        sm = self.pick(self.open_sessions, index)
-        free_chunks = self.cache.allocator.num_free // self.ppc
-        num_chunks = max(len(sm.pending[b]) for b in branches) + free_chunks + 1 + self.extent_chunks
-        streams = [(sm, b) for b in branches]
-        exc = self.predict_prepare(streams, num_chunks)
-        if exc is None:  # cannot happen: one branch alone needs more than is free
-            raise AssertionError("capacity model broken")
-        before = self.snapshot()
-        with pytest.raises(exc) as info:
-            sm.state.prepare_forward(branches, num_chunks * CHUNK, commit)
-        assert self.snapshot() == before
-        if exc is CapacityError:
-            assert info.value.free == self.cache.allocator.num_free
-            assert info.value.needed > info.value.free
-            assert str(info.value.needed) in str(info.value) and str(info.value.free) in str(info.value)
-
-    @precondition(lambda self: self.open_sessions)
-    @rule(
-        index=st.integers(0, MAX_SESSIONS),
-        branches=st.sampled_from(BRANCH_SETS),
-        num_chunks=st.integers(1, 3),
-        commit=st.booleans(),
-    )
-    def plan_fails(self, index: int, branches: tuple[str, ...], num_chunks: int, commit: bool) -> None:
-        """``plan()`` raising after pages were taken: the prepare is rolled back exactly (free-list order too)."""
-        sm = self.pick(self.open_sessions, index)
-        failure = self.predict_prepare([(sm, b) for b in branches], num_chunks) or Boom
-        self.backend.fail = True
-        try:
-            self.expect_failure(failure, sm.state.prepare_forward, branches, num_chunks * CHUNK, commit)
-        finally:
-            self.backend.fail = False
-
-    @precondition(lambda self: self.closed_sessions)
-    @rule(
-        index=st.integers(0, 2 * MAX_SESSIONS),
-        op=st.sampled_from(
-            [
-                "prepare", "get_kv_caches", "commit", "abort", "populate", "clear", "visible", "batch", "fork",
-                "share_sinks_from_closed", "share_cross_from_closed",
-            ]
-        ),
-    )
-    def closed_session_misuse(self, index: int, op: str) -> None:
-        sm = self.pick(self.closed_sessions, index)
-        state = sm.state
-        calls = {
-            "prepare": (state.prepare_forward, ("cond",), CHUNK, False),
-            "get_kv_caches": (state.get_kv_caches, "cond", CHUNK, True),
-            "commit": (state.commit_paged_context, "cond"),
-            "abort": (state.abort,),
-            "populate": (state.populate_cross_attention, "cond", "text", [cross_value(0.0, 0)] * NUM_LAYERS),
-            "clear": (state.clear_cross_attention,),
-            "visible": (state.visible_chunks, "uncond"),
-            "fork": (state.fork,),
-        }
-        if self.open_sessions:
-            other = self.open_sessions[0].state
-            calls["share_sinks_from_closed"] = (other.share_sinks_from, state, "cond")
-            calls["share_cross_from_closed"] = (other.share_cross_attention_from, state, "text", "cond")
-        if op not in calls and op != "batch":
-            return  # needs an open session
-        if op == "batch":
-            # The closed session first: an open stream first could legitimately fail another check.
-            streams = [(state, "cond")]
-            if self.open_sessions:
-                streams.append((self.open_sessions[0].state, "uncond"))
-            fn, args = self.cache.prepare_forward, (streams, CHUNK, False)
-        else:
-            fn, *args = calls[op]
-        self.expect_failure(SessionClosedError, fn, *args, match=state.session_id)
+    @rule(i=st.integers(0, 8), j=st.integers(0, 8), branch=st.sampled_from(BRANCHES))
+    def share_sinks(self, i: int, j: int, branch: str) -> None:
+        """Start an empty branch from another session's sink chunks; a non-empty branch is refused unchanged."""
+        target = self.pick(self.open_sessions, i)
+        # Prefer a source that has committed chunks on the branch (sinks to share).
+        same = sorted(self.sessions_of(target.cm), key=lambda s: not s.committed[branch])
+        source = same[j % len(same)] if j % 2 else same[0]
+        sinks = self.spec.sink_chunks
+        if target.committed[branch] or target.pending[branch]:
+            self.expect_failure(SpecError, target.state.share_sinks_from, source.state, branch, match=repr(branch))
+            return
+        if sinks == 0 or len(source.committed[branch]) < sinks:  # the source must hold all its sinks
+            self.expect_failure(SpecError, target.state.share_sinks_from, source.state, branch, match=repr(branch))
+            return
+        target.state.share_sinks_from(source.state, branch)
+        target.committed[branch] = list(source.committed[branch][:sinks])
+        target.extent[branch] = None  # an empty branch restarts from scratch (its extent is released)
+        event("shared sinks")
 
     # ================================================================== invariants
     @invariant()
-    def refcounts_equal_references(self) -> None:
-        if self.cache is None:
-            return
-        alloc = self.cache.allocator
-        refs = self.chunk_references()
-        for sm in self.open_sessions:
-            for b in BRANCHES:
-                refs.update(sm.extent[b] or ())  # the extent's own reservation reference
-        for page in range(alloc.num_pages):
-            assert alloc.refcount(page) == refs[page], (
-                f"page {page}: refcount {alloc.refcount(page)}, referenced {refs[page]} time(s) by open sessions"
+    def pages_match_model(self) -> None:
+        """Refcounts == references; pending pages exclusive; free/used partition; stats; peak."""
+        for cm in self.open_caches:
+            alloc = cm.cache.allocator
+            chunk_refs = self.chunk_references(cm)
+            refs = Counter(chunk_refs)
+            for sm in self.sessions_of(cm):
+                for b in BRANCHES:
+                    refs.update(sm.extent[b] or ())  # the extent's own reservation reference
+                    for chunk in sm.pending[b]:
+                        shared = [p for p in chunk if chunk_refs[p] != 1]
+                        assert not shared, (
+                            f"{sm.state.session_id}/{b}: pending pages {shared} are also referenced elsewhere"
+                        )
+            for page in range(alloc.num_pages):
+                assert alloc.refcount(page) == refs[page], (
+                    f"{cm.label} page {page}: refcount {alloc.refcount(page)}, referenced {refs[page]} time(s)"
+                )
+            free, used = alloc.free_pages(), alloc.used_pages()
+            assert len(free) == len(set(free)), f"duplicate page in the free list {free}"
+            assert not set(free) & set(used), f"pages both free and used: {set(free) & set(used)}"
+            assert set(free) | set(used) == set(range(alloc.num_pages))
+            alloc.check_invariants()
+            stats = cm.cache.stats()
+            assert stats.pages_used == len(used) and stats.pages_free == len(free)
+            assert alloc.peak_used == stats.peak_pages_used == cm.peak, (
+                f"{cm.label}: peak_pages_used {alloc.peak_used}, model {cm.peak}"
             )
 
     @invariant()
-    def pending_pages_are_exclusive(self) -> None:
-        """Forwards write pending pages: no other chunk (e.g. a fork's history) may reference them."""
-        if self.cache is None:
-            return
-        refs = self.chunk_references()
-        for sm in self.open_sessions:
-            for b in BRANCHES:
-                for chunk in sm.pending[b]:
-                    shared = [p for p in chunk if refs[p] != 1]
-                    assert not shared, f"{sm.state.session_id}/{b}: pending pages {shared} are also visible elsewhere"
-
-    @invariant()
-    def free_and_used_partition_the_pool(self) -> None:
-        if self.cache is None:
-            return
-        alloc = self.cache.allocator
-        free, used = alloc.free_pages(), alloc.used_pages()
-        assert len(free) == len(set(free)), f"duplicate page in the free list {free}"
-        assert not set(free) & set(used), f"pages both free and used: {set(free) & set(used)}"
-        assert set(free) | set(used) == set(range(alloc.num_pages))
-        alloc.check_invariants()
-        stats = self.cache.stats()
-        assert stats.pages_used == len(used) and stats.pages_free == len(free)
-
-    @invariant()
     def sessions_match_model(self) -> None:
-        if self.cache is None:
-            return
-        assert set(self.cache.sessions) == {sm.state.session_id for sm in self.open_sessions}
+        for cm in self.caches:
+            assert set(cm.cache.sessions) == {sm.state.session_id for sm in self.sessions_of(cm)}
         for sm in self.sessions:
             state = sm.state
             assert state.is_closed == sm.closed
@@ -937,17 +1726,20 @@ class SessionStateMachine(RuleBasedStateMachine):
                 expected = self.visible(sm, b)
                 assert list(state.visible_chunks(b)) == expected, (
                     f"{state.session_id}/{b}: visible {state.visible_chunks(b)}, expected first "
-                    f"{self.spec.sink_chunks} + last {self.spec.window_chunks} of {sm.committed[b]}"
+                    f"{self.spec.sink_chunks} + last {self.spec.window_chunks} of {[c for c, _ in sm.committed[b]]}"
                 )
                 assert list(state.pending_chunks(b)) == sm.pending[b]
                 assert state.committed_chunks(b) == len(sm.committed[b])
                 assert state.token_offset(b) == len(sm.committed[b]) * CHUNK
-                rec, lib = sm.record[b], state._pending[b]
-                if rec is None:
-                    assert lib is None
+                tx, lib = sm.forward[b], state.open_forward(b)
+                if tx is None:
+                    assert lib is None, f"{state.session_id}/{b}: open forward {lib}, the model has none"
                 else:
-                    assert lib is not None and lib.commit_current == rec.commit
-                    assert lib.num_chunks == rec.num_chunks and lib.context is rec.ctx
+                    assert lib is tx.tx, f"{state.session_id}/{b}: open forward {lib}, expected {tx.tx}"
+                    assert lib.commit_current == tx.commit and lib.num_chunks == tx.num_chunks
+                    assert tx.ctx.transaction is lib
+                    assert lib.members == tuple((s.state, bb) for s, bb in tx.streams)
+                assert state._pending[b] is lib  # the read-only 0.1 view agrees
                 populated = state.is_cross_attention_populated(b, "text")
                 assert populated == (b in sm.cross)
                 if populated:
@@ -956,28 +1748,67 @@ class SessionStateMachine(RuleBasedStateMachine):
                     for layer, d in enumerate(got):
                         ek, ev = cross_value(sm.cross[b], layer)
                         assert torch.equal(d["k"], ek) and torch.equal(d["v"], ev)
+                assert tuple(state.history(b).extent) == (sm.extent[b] or ())
             held = sum(len(c) for b in BRANCHES for c in self.visible(sm, b) + sm.pending[b])
             held += sum(len(sm.extent[b] or ()) for b in BRANCHES)
             assert state.pages_in_use() == held
-            for b in BRANCHES:
-                assert tuple(state._branches[b].extent) == (sm.extent[b] or ())
+
+    @invariant()
+    def pool_contents_match_model(self) -> None:
+        """No write outside an open forward's pending pages; committed chunks keep their contents."""
+        for cm in self.open_caches:
+            pool = cm.cache.pool.kv
+            bad = cm.pool.mismatched_pages(pool)
+            assert not bad, f"{cm.label}: pages {bad} hold contents no open forward wrote there"
+            for sm in self.sessions_of(cm):
+                for b in BRANCHES:
+                    for chunk, data in self.visible_data(sm, b):
+                        assert same_bits(pool[:, :, list(chunk)], data), (
+                            f"{sm.state.session_id}/{b}: committed chunk {chunk} changed since its commit"
+                        )
+
+    @invariant()
+    def forwards_match_model(self) -> None:
+        """Context registry (identity, LRU order); each context's state; each tracked transaction's status."""
+        for cm in self.caches:
+            lib = cm.cache.forward_contexts()
+            assert cm.cache.num_forward_contexts == len(lib) == len(cm.registry), (
+                f"{cm.label}: {len(lib)} forward contexts, model {len(cm.registry)}"
+            )
+            assert all(a is b for a, b in zip(lib, cm.registry.values())), (
+                f"{cm.label}: forward contexts {[c.streams for c in lib]}, model (LRU first) {list(cm.registry)}"
+            )
+        for ctx, tx in self.ctx_tx.items():
+            assert ctx.released == (ctx in self.released), f"context {ctx.streams}: released={ctx.released}"
+            assert ctx.transaction is tx.tx
+            assert tx.tx.status == tx.status, f"forward over {ctx.streams}: {tx.tx.status}, model {tx.status}"
+            assert ctx.is_active == self.model_active(ctx)
+        for tx in self.txs:
+            assert tx.tx.status == tx.status, f"forward over {tx.ctx.streams}: {tx.tx.status}, model {tx.status}"
 
     def teardown(self) -> None:
-        if self.cache is None:
-            return
+        if sys.exc_info()[1] is not None:
+            return  # a step or invariant failed (hypothesis tears down in a `finally`): do not mask its report
         for sm in self.sessions:
             sm.state.close()
-        alloc = self.cache.allocator
-        assert alloc.num_free == alloc.num_pages, f"leak: {alloc.used_pages()} still used after closing every session"
-        assert all(alloc.refcount(p) == 0 for p in range(alloc.num_pages))
-        alloc.check_invariants()
-        assert self.cache.sessions == {}
+        for cm in self.caches:
+            alloc = cm.cache.allocator
+            assert alloc.num_free == alloc.num_pages, (
+                f"leak: {alloc.used_pages()} still used after closing every session"
+            )
+            assert all(alloc.refcount(p) == 0 for p in range(alloc.num_pages))
+            alloc.check_invariants()
+            assert cm.cache.sessions == {}
+            assert cm.cache.num_forward_contexts == 0  # closing a session releases its contexts
+            cm.cache.close()
+        for ctx in self.ctx_tx:
+            assert ctx.released and not ctx.is_active
 
 
 TestSessionStateMachine = SessionStateMachine.TestCase
 # More and longer runs than the profile's default: this machine is the main leak/consistency net.
 TestSessionStateMachine.settings = settings(
-    max_examples=settings.default.max_examples * 6,
+    max_examples=settings.default.max_examples * 3 // 2,
     stateful_step_count=settings.default.stateful_step_count * 2,
 )
 
@@ -1009,3 +1840,48 @@ def test_admission_keeps_its_promise_with_forks() -> None:
         state.prepare_forward(("main",), CHUNK, False)
     # The parent is still within its own peak (2 committed + 1 pending): this must not run out of pages.
     parent.prepare_forward(("main",), CHUNK, False)
+
+
+def test_failed_plan_keeps_the_context_registry() -> None:
+    """Rule 6: a ``prepare_forward`` whose ``plan()`` raises leaves ``forward_contexts()`` as it was,
+    LRU order included (the order decides which context the next new batch releases)."""
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=2, chunk_size=CHUNK, page_size=CHUNK,
+                       sink_chunks=0, window_chunks=2, branches=("a", "b"), dtype="float32")
+    backend = FlakyPlanBackend()
+    cache = KVCache(spec, num_pages=8, backend=backend, contiguous_extents=False, max_forward_contexts=2)
+    state = cache.open_session()
+    state.prepare_forward(("a",), CHUNK, False).commit()
+    state.prepare_forward(("b",), CHUNK, False).commit()
+    before = cache.forward_contexts()
+    backend.fail = Boom
+    with pytest.raises(Boom):
+        state.prepare_forward(("a",), CHUNK, False)
+    backend.fail = None
+    after = cache.forward_contexts()
+    assert [c.streams for c in after] == [c.streams for c in before], "a failed prepare_forward reordered the LRU"
+    assert all(x is y for x, y in zip(after, before))
+
+
+def test_fork_keeps_its_pages_when_the_parent_reuses_its_extent() -> None:
+    """A fork still sees a chunk its parent evicted from a contiguous extent: the parent's next chunks
+    must not take (and overwrite) that slot; the fork's pages keep exactly what was committed."""
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=HEAD_DIM, chunk_size=CHUNK, page_size=CHUNK,
+                       sink_chunks=1, window_chunks=1, branches=("main",), dtype="float32")
+    cache = KVCache(spec, num_pages=12, backend="reference", contiguous_extents=True)
+    parent = cache.open_session()
+    first_id = itertools.count(1, 2 * CHUNK)
+
+    def step(state: KVState) -> None:
+        with state.prepare_forward(("main",), CHUNK, True) as fwd:
+            k, v = token_kv(next(first_id), 1, CHUNK, 0, HEAD_DIM)
+            chunk_attention(torch.zeros(1, CHUNK, 1, HEAD_DIM), k, v, fwd.layers[0])
+
+    step(parent)
+    step(parent)  # sink + window full, 2 of the 3 extent slots used
+    child = parent.fork()
+    seen = {c: cache.pool.kv[:, :, list(c)].clone() for c in child.visible_chunks("main")}
+    for _ in range(4):  # evicts the shared window chunk; the parent must not reuse its slot while the child sees it
+        step(parent)
+        for c, data in seen.items():
+            assert same_bits(cache.pool.kv[:, :, list(c)], data), f"the child's chunk {c} was overwritten"
+    assert list(child.visible_chunks("main")) == list(seen)

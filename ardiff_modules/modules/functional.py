@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Union
+from typing import Any, Literal, Union
 
 import torch
 import torch.nn.functional as F
@@ -15,9 +15,22 @@ from ardiff_modules.errors import InferenceOnlyError, SpecError, TensorMismatchE
 #: A RoPE hook: ``(t [streams, seq, heads, dim], positions [streams, seq]) -> t`` or a ``(cos, sin)`` pair.
 Rope = Union[Callable[[torch.Tensor, torch.Tensor], torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
+#: Which channels RoPE rotates together. ``"interleaved"``: ``(2i, 2i + 1)``, the complex-number form of
+#: Wan2.1, Self-Forcing, CausVid, LongLive and diffusers' ``WanRotaryPosEmbed`` / ``apply_rotary_emb``.
+#: ``"half"``: ``(i, i + dim / 2)``, the rotate-half form of GPT-NeoX / Llama.
+RopeLayout = Literal["interleaved", "half"]
+ROPE_LAYOUTS: tuple[str, ...] = ("interleaved", "half")
+
+
+def _check_rope_layout(where: str, layout: Any) -> RopeLayout:
+    """``layout`` is ``"interleaved"`` or ``"half"`` (:data:`RopeLayout`); ``where`` names the argument."""
+    if not isinstance(layout, str) or layout not in ROPE_LAYOUTS:
+        raise SpecError(f"{where}: expected 'interleaved' or 'half', got {layout!r}")
+    return layout  # type: ignore[return-value]
+
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """``[x1, x2] -> [-x2, x1]`` over the last dim (the GPT-NeoX / Llama convention)."""
+    """``[x1, x2] -> [-x2, x1]`` over the last dim (the ``"half"`` layout: GPT-NeoX / Llama)."""
     # An odd last dim would chunk unevenly and silently return a wrong rotation.
     if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[-1] % 2:
         got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
@@ -26,18 +39,44 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The one RoPE rotation of the package: ``t * cos + rotate_half(t) * sin``, in float32, back to ``t``'s dtype."""
-    tf = t.float()
-    return (tf * cos + rotate_half(tf) * sin).to(t.dtype)
+def _rotate_interleaved(x: torch.Tensor) -> torch.Tensor:
+    """``[x0, x1, x2, x3, ...] -> [-x1, x0, -x3, x2, ...]`` (the ``"interleaved"`` layout: ``i * z``)."""
+    x0, x1 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    return torch.stack((-x1, x0), dim=-1).flatten(-2)
 
 
-def apply_rope(t: torch.Tensor, positions: torch.Tensor, rope: Rope | None) -> torch.Tensor:
+def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: RopeLayout = "interleaved") -> torch.Tensor:
+    """The one RoPE rotation of the package: ``t * cos + rot(t) * sin``, back to ``t``'s dtype.
+
+    ``t`` ``[..., dim]``; ``cos`` / ``sin`` broadcastable to ``t``, full width ``dim`` in the order of
+    ``layout``: ``"interleaved"`` repeats each pair's value twice (``[c0, c0, c1, c1, ...]``, as diffusers'
+    ``repeat_interleave_real``) and rotates pairs ``(2i, 2i + 1)`` (the complex product ``z * e^{i angle}``
+    of Wan's ``rope_apply``); ``"half"`` repeats the half-width values (``[c0, c1, ..., c0, c1, ...]``) and
+    rotates ``(i, i + dim / 2)`` with :func:`rotate_half`. Computed in float32 (float64 for a float64
+    ``t``) whatever the dtypes of ``t``, ``cos`` and ``sin``.
+    """
+    layout = _check_rope_layout("rotate.layout", layout)
+    if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[-1] % 2:
+        got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise TensorMismatchError(f"rotate t: expected a tensor whose last dim is even, got {got}")
+    compute = torch.float64 if t.dtype == torch.float64 else torch.float32
+    tf = t.to(compute)
+    rotated = _rotate_interleaved(tf) if layout == "interleaved" else rotate_half(tf)
+    return (tf * cos.to(compute) + rotated * sin.to(compute)).to(t.dtype)
+
+
+def apply_rope(
+    t: torch.Tensor, positions: torch.Tensor, rope: Rope | None, *, layout: RopeLayout = "interleaved"
+) -> torch.Tensor:
     """Rotate ``t`` (``[streams, seq, heads, dim]``) by ``rope``.
 
-    ``rope`` is either a callable ``(t, positions) -> t`` or a ``(cos, sin)`` pair broadcastable
-    to ``[streams, seq, 1, dim]`` applied as ``t * cos + rotate_half(t) * sin``.
+    ``rope`` is either a callable ``(t, positions) -> t`` (e.g. a
+    :class:`~ardiff_modules.modules.rotary.RotaryEmbedding`, which carries its own layout) or a
+    ``(cos, sin)`` pair broadcastable to ``[streams, seq, 1, dim]``, applied by :func:`rotate` with
+    ``layout`` (default ``"interleaved"``, Wan's / diffusers' pairs ``(2i, 2i + 1)``; ``"half"`` for
+    GPT-NeoX's ``(i, i + dim / 2)``). ``layout`` is ignored for a callable.
     """
+    layout = _check_rope_layout("apply_rope.layout", layout)
     if rope is None:
         return t
     if not isinstance(t, torch.Tensor) or t.dim() != 4:
@@ -73,7 +112,7 @@ def apply_rope(t: torch.Tensor, positions: torch.Tensor, rope: Rope | None) -> t
             )
         if r.device != t.device:
             raise TensorMismatchError(f"apply_rope {label}: expected device {t.device} (t's), got {r.device}")
-    return rotate(t, cos, sin)
+    return rotate(t, cos, sin, layout)
 
 
 def _check(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:

@@ -4,20 +4,51 @@ Keys are cached already rotated, so RoPE must use *absolute* token positions:
 ``kv.positions`` (``[streams, seq_len]``) counts every token a branch ever
 committed, evicted ones included. These modules are RoPE hooks for
 :class:`~ardiff_modules.ChunkSelfAttention`: ``rope(t, positions) -> t``.
+
+Pair layout
+-----------
+``layout="interleaved"`` (the default) rotates channel pairs ``(2i, 2i + 1)``: the complex-number RoPE
+of Wan2.1, Self-Forcing, CausVid, LongLive and diffusers' ``WanRotaryPosEmbed`` (``view_as_complex(x)
+* freqs_cis``), so their checkpoints load without any weight permutation. ``layout="half"`` rotates
+``(i, i + head_dim / 2)`` (GPT-NeoX / Llama's rotate-half).
+
+Precision
+---------
+The modules hold no tensors (no buffers, no parameters), so ``model.to(torch.bfloat16)`` or
+``.half()`` cannot round their frequencies. Every forward computes the angles from the *integer*
+positions: frame / row / column are split off in int64, then ``position * inv_freq`` and its cos / sin
+are evaluated in float64 (float32 on a device without float64, e.g. MPS) and only cos / sin are cast to
+float32 for the rotation, which runs in float32 whatever ``t``'s dtype. Position 10^7 (thousands of
+frames of 1560 tokens) rotates as accurately as position 0.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
 
 from ardiff_modules.errors import SpecError, TensorMismatchError
-from ardiff_modules.modules.functional import rotate
+from ardiff_modules.modules.functional import RopeLayout, _check_rope_layout, rotate
 from ardiff_modules.spec import _require_int, _require_positive_float
 
 
-def _inv_freq(dim: int, theta: float) -> torch.Tensor:
-    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+def _angle_dtype(device: torch.device) -> torch.dtype:
+    """float64, except where the device has none (MPS): float32 there."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def _inv_freq(dim: int, theta: float, device: torch.device | None = None, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """``[dim // 2]`` frequencies ``1 / theta ** (arange(0, dim, 2) / dim)``, Wan's ``rope_params`` expression."""
+    return 1.0 / torch.pow(theta, torch.arange(0, dim, 2, device=device, dtype=dtype).div(dim))
+
+
+def _full_width(half: torch.Tensor, layout: RopeLayout) -> torch.Tensor:
+    """``[..., D/2]`` per-pair values -> ``[..., D]`` in ``layout``'s channel order."""
+    if layout == "interleaved":
+        return torch.stack((half, half), dim=-1).flatten(-2)  # [a0, a0, a1, a1, ...]
+    return torch.cat((half, half), dim=-1)  # [a0, a1, ..., a0, a1, ...]
 
 
 def _require_even_head_dim(owner: str, head_dim: int, minimum: int, why: str = "") -> None:
@@ -27,12 +58,22 @@ def _require_even_head_dim(owner: str, head_dim: int, minimum: int, why: str = "
     except SpecError:  # one message for every bad head_dim, naming the evenness too
         got = f"{head_dim!r} ({type(head_dim).__name__})"
         raise SpecError(f"{owner}.head_dim: expected {expected}, got {got}") from None
-    if head_dim % 2:  # rotate-half pairs dim i with dim i + head_dim / 2
+    if head_dim % 2:  # RoPE rotates channel pairs
         raise SpecError(f"{owner}.head_dim: expected {expected}, got {head_dim}")
 
 
-def _check_inputs(owner: str, t: torch.Tensor, positions: torch.Tensor, head_dim: int, freq: torch.Tensor) -> None:
-    """``t`` ``[streams, seq, heads, head_dim]`` and ``positions`` ``[streams, seq]`` on the buffers' device."""
+def _check_positions(owner: str, positions: Any) -> None:
+    """``positions`` is an integer tensor (a float or bfloat16 position is already rounded)."""
+    if not isinstance(positions, torch.Tensor):
+        raise TensorMismatchError(f"{owner} positions: expected an integer tensor, got {type(positions).__name__}")
+    if positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool:
+        raise TensorMismatchError(
+            f"{owner} positions: expected an integer dtype (e.g. torch.int64, as kv.positions), got {positions.dtype}"
+        )
+
+
+def _check_inputs(owner: str, t: Any, positions: Any, head_dim: int) -> None:
+    """``t`` ``[streams, seq, heads, head_dim]`` and integer ``positions`` ``[streams, seq]`` on ``t``'s device."""
     if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[-1] != head_dim:
         got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
         raise TensorMismatchError(f"{owner} t: expected shape (streams, seq_len, heads, {head_dim}), got {got}")
@@ -41,74 +82,167 @@ def _check_inputs(owner: str, t: torch.Tensor, positions: torch.Tensor, head_dim
         raise TensorMismatchError(
             f"{owner} positions: expected shape {tuple(t.shape[:2])} (t's [streams, seq_len]), got {got}"
         )
-    if t.device != freq.device or positions.device != freq.device:
+    _check_positions(owner, positions)
+    if positions.device != t.device:
         raise TensorMismatchError(
-            f"{owner}: expected t and positions on the module's device {freq.device}, "
-            f"got t on {t.device}, positions on {positions.device}"
+            f"{owner}: expected t and positions on one device, got t on {t.device}, positions on {positions.device}"
         )
 
 
-class RotaryEmbedding(nn.Module):
-    """1-D RoPE over the token position (rotate-half convention).
+class _Rotary(nn.Module):
+    """Shared forward: ``angles(positions)`` -> float32 ``(cos, sin)`` -> :func:`rotate` in ``layout``."""
 
-    ``forward(t [streams, seq, heads, head_dim], positions [streams, seq]) -> t``.
-    """
+    head_dim: int
+    layout: RopeLayout
 
-    def __init__(self, head_dim: int, theta: float = 10000.0) -> None:
-        super().__init__()
-        _require_even_head_dim("RotaryEmbedding", head_dim, 2)
-        theta = _require_positive_float("RotaryEmbedding", "theta", theta)
-        self.head_dim = head_dim
-        self.register_buffer("inv_freq", _inv_freq(head_dim, theta).float(), persistent=False)
+    def angles(self, positions: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype = torch.float32
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Integer ``positions`` ``[...]`` -> ``(cos, sin)`` in ``dtype`` (float32 by default), each
+        ``[..., 1, head_dim]`` in this module's layout: the ``(cos, sin)`` pair that
+        :func:`~ardiff_modules.apply_rope` with ``layout=self.layout`` applies exactly as ``forward``
+        does (broadcast over heads). Evaluated in float64 and rounded once to ``dtype``."""
+        angles = self.angles(positions)  # [..., D/2], float64
+        cos = _full_width(angles.cos().to(dtype), self.layout)
+        sin = _full_width(angles.sin().to(dtype), self.layout)
+        return cos.unsqueeze(-2), sin.unsqueeze(-2)
 
     def forward(self, t: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        _check_inputs("RotaryEmbedding", t, positions, self.head_dim, self.inv_freq)
-        angles = positions.to(self.inv_freq.dtype)[..., None] * self.inv_freq  # [S, n, D/2]
-        angles = torch.cat((angles, angles), dim=-1)[:, :, None, :]  # [S, n, 1, D]
-        return rotate(t, angles.cos(), angles.sin())
+        """``t`` ``[streams, seq, heads, head_dim]`` rotated at integer ``positions`` ``[streams, seq]``;
+        same shape and dtype as ``t`` (computed in float32; in float64 for a float64 ``t``)."""
+        _check_inputs(type(self).__name__, t, positions, self.head_dim)
+        compute = torch.float64 if t.dtype == torch.float64 else torch.float32
+        cos, sin = self.cos_sin(positions, compute)  # [S, n, 1, D]
+        return rotate(t, cos, sin, self.layout)
 
 
-class VideoRotaryEmbedding(nn.Module):
+class RotaryEmbedding(_Rotary):
+    """1-D RoPE over the absolute token position.
+
+    ``forward(t [streams, seq, heads, head_dim], positions [streams, seq]) -> t``.
+
+    Parameters
+    ----------
+    head_dim:
+        Channels per head (even).
+    theta:
+        Frequency base: pair ``i`` turns by ``position / theta ** (2i / head_dim)``.
+    layout:
+        ``"interleaved"`` (default, like every RoPE of this package and the Wan family / diffusers
+        video models: pairs ``(2i, 2i + 1)``) or ``"half"`` (GPT-NeoX / Llama: ``(i, i + head_dim / 2)``).
+        Both give the same attention scores for weights trained with them; they differ for a checkpoint
+        trained with the other one.
+    """
+
+    def __init__(self, head_dim: int, theta: float = 10000.0, *, layout: RopeLayout = "interleaved") -> None:
+        super().__init__()
+        _require_even_head_dim("RotaryEmbedding", head_dim, 2)
+        self.theta = _require_positive_float("RotaryEmbedding", "theta", theta)
+        self.layout = _check_rope_layout("RotaryEmbedding.layout", layout)
+        self.head_dim = head_dim
+
+    @property
+    def inv_freq(self) -> torch.Tensor:
+        """``[head_dim // 2]`` float64 frequencies on the CPU (computed; the module stores no tensor)."""
+        return _inv_freq(self.head_dim, self.theta)
+
+    def angles(self, positions: torch.Tensor) -> torch.Tensor:
+        """Integer ``positions`` ``[...]`` -> angles ``[..., head_dim // 2]`` (float64; float32 on MPS)."""
+        _check_positions("RotaryEmbedding", positions)
+        dtype = _angle_dtype(positions.device)
+        inv_freq = _inv_freq(self.head_dim, self.theta, positions.device, dtype)
+        return positions.to(torch.int64).to(dtype)[..., None] * inv_freq
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, theta={self.theta}, layout={self.layout!r}"
+
+
+class VideoRotaryEmbedding(_Rotary):
     """3-D RoPE over (frame, row, column) of latent video tokens, as in Wan2.1.
 
     A token's absolute position ``p`` is mapped to frame ``p // (height * width)``
     and ``(row, col)`` inside the frame, so frames keep their absolute index across
     window eviction. The head dim is split between the axes like Wan
-    (``d - 4 * (d // 6)`` for time, ``2 * (d // 6)`` each for height and width).
+    (``d - 4 * (d // 6)`` for time, ``2 * (d // 6)`` each for height and width), each axis with
+    Wan's frequencies ``1 / theta ** (arange(0, axis_dim, 2) / axis_dim)``, in that order. With the
+    default ``layout="interleaved"`` the result equals Wan's / Self-Forcing's ``rope_apply`` (and
+    diffusers' ``WanRotaryPosEmbed``) at frame offset ``p // (height * width)``, with no weight
+    permutation.
 
     ``forward(t [streams, seq, heads, head_dim], positions [streams, seq]) -> t``.
+
+    Parameters
+    ----------
+    head_dim:
+        Channels per head (even, >= 6).
+    height, width:
+        The latent token grid of one frame (after patching): ``height * width`` tokens per frame.
+    theta:
+        Frequency base of all three axes.
+    layout:
+        ``"interleaved"`` (default, Wan) or ``"half"``.
     """
 
-    def __init__(self, head_dim: int, height: int, width: int, theta: float = 10000.0) -> None:
+    def __init__(
+        self, head_dim: int, height: int, width: int, theta: float = 10000.0, *, layout: RopeLayout = "interleaved"
+    ) -> None:
         super().__init__()
         # Below 6 the row and column axes would get 0 dims: silently no spatial rotation.
         _require_even_head_dim("VideoRotaryEmbedding", head_dim, 6, " (2 dims each for time, row and column)")
         _require_int("VideoRotaryEmbedding", "height", height, minimum=1)
         _require_int("VideoRotaryEmbedding", "width", width, minimum=1)
-        theta = _require_positive_float("VideoRotaryEmbedding", "theta", theta)
+        self.theta = _require_positive_float("VideoRotaryEmbedding", "theta", theta)
+        self.layout = _check_rope_layout("VideoRotaryEmbedding.layout", layout)
         self.head_dim = head_dim
         self.height, self.width = height, width
         axis = 2 * (head_dim // 6)
-        self.dims = (head_dim - 2 * axis, axis, axis)
-        freqs = [_inv_freq(d, theta).float() for d in self.dims]
-        self.register_buffer("inv_freq_t", freqs[0], persistent=False)
-        self.register_buffer("inv_freq_h", freqs[1], persistent=False)
-        self.register_buffer("inv_freq_w", freqs[2], persistent=False)
+        self.dims = (head_dim - 2 * axis, axis, axis)  #: channels of (time, row, column)
 
-    def forward(self, t: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        _check_inputs("VideoRotaryEmbedding", t, positions, self.head_dim, self.inv_freq_t)
+    @property
+    def inv_freq_t(self) -> torch.Tensor:
+        """``[dims[0] // 2]`` float64 frequencies of the time axis (CPU)."""
+        return _inv_freq(self.dims[0], self.theta)
+
+    @property
+    def inv_freq_h(self) -> torch.Tensor:
+        """``[dims[1] // 2]`` float64 frequencies of the row axis (CPU)."""
+        return _inv_freq(self.dims[1], self.theta)
+
+    @property
+    def inv_freq_w(self) -> torch.Tensor:
+        """``[dims[2] // 2]`` float64 frequencies of the column axis (CPU)."""
+        return _inv_freq(self.dims[2], self.theta)
+
+    def grid(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Integer ``positions`` ``[...]`` -> int64 ``(frame, row, col)``, each ``[...]`` (exact integers)."""
+        _check_positions("VideoRotaryEmbedding", positions)
+        positions = positions.to(torch.int64)
         per_frame = self.height * self.width
         frame = torch.div(positions, per_frame, rounding_mode="floor")
         inner = positions - frame * per_frame
         row = torch.div(inner, self.width, rounding_mode="floor")
-        col = inner - row * self.width
-        angles = torch.cat(
+        return frame, row, inner - row * self.width
+
+    def angles(self, positions: torch.Tensor) -> torch.Tensor:
+        """Integer ``positions`` ``[...]`` -> angles ``[..., head_dim // 2]`` (float64; float32 on MPS):
+        ``dims[0] // 2`` time, then ``dims[1] // 2`` row, then ``dims[2] // 2`` column angles."""
+        frame, row, col = self.grid(positions)
+        dtype = _angle_dtype(positions.device)
+        device = positions.device
+        return torch.cat(
             (
-                frame.float()[..., None] * self.inv_freq_t,
-                row.float()[..., None] * self.inv_freq_h,
-                col.float()[..., None] * self.inv_freq_w,
+                frame.to(dtype)[..., None] * _inv_freq(self.dims[0], self.theta, device, dtype),
+                row.to(dtype)[..., None] * _inv_freq(self.dims[1], self.theta, device, dtype),
+                col.to(dtype)[..., None] * _inv_freq(self.dims[2], self.theta, device, dtype),
             ),
             dim=-1,
-        )  # [S, n, D/2]
-        angles = torch.cat((angles, angles), dim=-1)[:, :, None, :]
-        return rotate(t, angles.cos(), angles.sin())
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"head_dim={self.head_dim}, height={self.height}, width={self.width}, theta={self.theta}, "
+            f"layout={self.layout!r}"
+        )
