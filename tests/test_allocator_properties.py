@@ -396,13 +396,21 @@ class BranchHistoryMachine(RuleBasedStateMachine):
         refs = self.chunk_refs()
         return [slot for slot in self.slots(name) if not any(refs[p] for p in slot)]
 
-    def expected_needed(self, name: str, n: int) -> int:
-        missing = max(0, n - len(self.pending[name]))
+    def reused(self, name: str, sizes: list[int]) -> int:
+        """Leading pending chunks a forward with these chunk sizes (pages) keeps: same size, same place."""
+        old, k = self.pending[name], 0
+        while k < min(len(old), len(sizes)) and len(old[k]) == sizes[k]:
+            k += 1
+        return k
+
+    def expected_needed(self, name: str, n: int | list[int]) -> int:
+        sizes = [self.ppc] * n if isinstance(n, int) else list(n)
+        missing = sizes[self.reused(name, sizes) :]
         if self.extent_chunks is None:
-            return missing * self.ppc
+            return sum(missing)
         if not self.extent[name]:
-            return (self.extent_chunks + max(0, missing - self.extent_chunks)) * self.ppc
-        return max(0, missing - len(self.free_slots(name))) * self.ppc
+            return self.extent_chunks * self.ppc + sum(missing[self.extent_chunks :])
+        return sum(missing[len(self.free_slots(name)) :])
 
     def snapshot(self) -> tuple:
         a = self.alloc
@@ -442,43 +450,53 @@ class BranchHistoryMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------------ rules
     @rule(name=st.sampled_from("ab"), n=st.integers(0, 4))
     def set_pending(self, name: str, n: int) -> None:
+        self.set_pending_sizes(name, [self.ppc] * n)
+
+    @rule(name=st.sampled_from("ab"), sizes=st.lists(st.integers(1, 2), max_size=3))
+    def set_pending_mixed(self, name: str, sizes: list[int]) -> None:
+        """Chunks of different lengths (an image-to-video first chunk of fewer pages, issue 12)."""
+        self.set_pending_sizes(name, [min(s, self.ppc) for s in sizes])
+
+    def set_pending_sizes(self, name: str, sizes: list[int]) -> None:
         h = self.branches[name]
-        needed = self.expected_needed(name, n)
-        assert h.pages_needed(n, self.alloc) == needed
+        needed = self.expected_needed(name, sizes)
+        assert h.pages_needed(sizes, self.alloc) == needed
         if needed > self.alloc.num_free:
             if h.needs_extent:
                 return  # the cache refuses before reserving (its capacity check uses pages_needed, checked above)
             before = self.snapshot()
             with pytest.raises(CapacityError):
-                h.set_pending(n, self.alloc)
+                h.set_pending(sizes, self.alloc)
             assert self.snapshot() == before
             return
-        if n > len(self.pending[name]) and not self.reserve_extent(name):
+        k = self.reused(name, sizes)
+        if len(sizes) > k and not self.reserve_extent(name):
             return
         old = self.pending[name]
         slots = self.free_slots(name)
         free_before = set(self.alloc.free_pages())
-        h.set_pending(n, self.alloc)
-        assert len(h.pending) == n
-        assert list(h.pending[: min(n, len(old))]) == old[:n], "existing pending chunks must be reused"
-        grown = list(h.pending[len(old) :])
+        h.set_pending(sizes, self.alloc)
+        assert [len(c) for c in h.pending] == sizes
+        assert list(h.pending[:k]) == old[:k], "pending chunks of the same size must be reused in place"
+        grown = list(h.pending[k:])
         ring = grown[: len(slots)]
-        # The ring takes the lowest free slots first; only the overflow comes from the free list.
-        assert ring == slots[: len(ring)], f"grew {grown}, free extent slots were {slots}"
+        # The ring takes the lowest free slots first (a shorter chunk their first pages); the rest is paged.
+        assert ring == [slot[: len(c)] for slot, c in zip(slots, ring)], f"grew {grown}, free slots {slots}"
         if ring:
             event("extent: pending chunk took a ring slot")
+        if len(set(sizes)) > 1:
+            event("mixed chunk sizes")
         fresh = [p for c in grown[len(ring) :] for p in c]
         if self.extent_chunks is not None and fresh:
             event("extent: overflow chunk paged outside the extent")
         assert set(fresh) <= free_before and len(set(fresh)) == len(fresh)
-        assert all(len(c) == self.ppc for c in h.pending)
         self.pending[name] = list(h.pending)
 
     @rule(name=st.sampled_from("ab"), n=st.integers(1, 4))
     def grow_then_roll_back(self, name: str, n: int) -> None:
         """A failed prepare: reserve + grow, then ``undo_grow`` + ``unallocate``: exactly as before."""
         h = self.branches[name]
-        if self.expected_needed(name, n) > self.alloc.num_free or n <= len(self.pending[name]):
+        if self.expected_needed(name, n) > self.alloc.num_free or n <= self.reused(name, [self.ppc] * n):
             return
         before = self.snapshot()
         free_order = self.alloc.free_pages()
@@ -487,7 +505,7 @@ class BranchHistoryMachine(RuleBasedStateMachine):
         if not self.reserve_extent(name):
             return
         old = h.pending
-        h.set_pending(n, self.alloc)
+        h.replace_pending(n, self.alloc)  # as the cache's Reservation: replaced chunks stay referenced
         fresh = h.undo_grow(old, self.alloc)
         if reserved:
             fresh += list(h.extent)
@@ -561,7 +579,15 @@ class BranchHistoryMachine(RuleBasedStateMachine):
             )
             assert list(h.pending) == self.pending[name]
             assert h.committed_chunks == len(self.committed[name])
-            assert h.token_offset == len(self.committed[name]) * self.chunk_size
+            page_size = self.chunk_size // self.ppc
+            assert h.token_offset == sum(len(c) for c in self.committed[name]) * page_size
+            # Every visible token's absolute position: its chunk's start (tokens committed before it) + offset.
+            committed = self.committed[name]
+            starts = [sum(len(c) for c in committed[:i]) * page_size for i in range(len(committed))]
+            indices = expected_visible(list(range(len(committed))), self.sink, self.window)
+            assert h.history_positions() == [
+                starts[i] + t for i in indices for t in range(len(committed[i]) * page_size)
+            ], f"branch {name}: positions of {visible}"
             assert tuple(h.extent) == self.extent[name]
             assert h.free_extent_slots(self.alloc) == self.free_slots(name)
             assert sorted(h.referenced_pages()) == sorted(
