@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -21,23 +20,27 @@ import torch
 
 from ardiff_modules.allocator import PageAllocator
 from ardiff_modules.backends import AttentionBackend, AttentionPlan, PlanRequest, resolve_backend
-from ardiff_modules.checks import is_int, require_bool, require_int
+from ardiff_modules.checks import require_bool, require_int
 from ardiff_modules.context import ForwardContext, LayerContext
+from ardiff_modules.contexts import ContextRegistry
 from ardiff_modules.errors import (
     CacheClosedError,
     CapacityError,
     NonFiniteKVError,
-    PendingContextError,
-    SequenceLengthError,
     SpecError,
-    TensorMismatchError,
 )
 from ardiff_modules.forward import ForwardTransaction
 from ardiff_modules.history import BranchHistory
-from ardiff_modules.ops import PLANS
 from ardiff_modules.layout import ForwardLayout, StreamLayout
 from ardiff_modules.pool import KVPool, pages_for_budget, torch_dtype
 from ardiff_modules.reservation import Reservation
+from ardiff_modules.validation import (
+    check_capacity,
+    check_no_open_commit,
+    check_token_mask,
+    chunk_lengths_of,
+    validate_streams,
+)
 from ardiff_modules.spec import KVCacheSpec
 from ardiff_modules.state import KVState
 from ardiff_modules.window import RetentionPolicy
@@ -134,7 +137,7 @@ class KVCache:
         self.max_forward_contexts = max_forward_contexts
         self.check_finite = check_finite
         # Order = recency (moved to the end on use): the front is the least recently used.
-        self._forwards: OrderedDict[tuple[tuple[tuple[str, str], ...], int | None], ForwardContext] = OrderedDict()
+        self._forwards = ContextRegistry(max_forward_contexts)
         self._session_ids = itertools.count()
         self._lock = threading.RLock()
         self._closed = False
@@ -181,7 +184,7 @@ class KVCache:
     def forward_contexts(self) -> tuple[ForwardContext, ...]:
         """The forward contexts kept for reuse, least recently used first."""
         with self._lock:
-            return tuple(self._forwards.values())
+            return tuple(self._forwards)
 
     def open_session(self, session_id: str | None = None) -> KVState:
         """Open a session with every branch of the spec; no page is allocated until a branch runs."""
@@ -213,8 +216,7 @@ class KVCache:
         with self._lock:
             if self._sessions.get(state.session_id) is state:
                 del self._sessions[state.session_id]
-            for key in [k for k in self._forwards if any(sid == state.session_id for sid, _ in k[0])]:
-                self._release_context(key)
+            self._forwards.release_where(lambda key: any(sid == state.session_id for sid, _ in key[0]))
 
     def close(self) -> None:
         """Close every session, release every forward context and the pool's memory. Idempotent.
@@ -227,8 +229,7 @@ class KVCache:
                 return
             for state in list(self._sessions.values()):
                 state.close()
-            for key in list(self._forwards):
-                self._release_context(key)
+            self._forwards.release_where(lambda key: True)
             self._closed = True
             self.pool.release()
 
@@ -285,120 +286,17 @@ class KVCache:
         """
         with self._lock:
             self._check_open("prepare_forward")
-            members = self._validate_streams(streams)
-            lengths = self._validate_forward_args(seq_len, commit_current, static, chunk_lengths)
+            members = validate_streams(streams, self)
+            lengths = chunk_lengths_of(self.spec, seq_len, commit_current, static, chunk_lengths)
             histories = [state.history(branch) for state, branch in members]
             for (state, branch), history in zip(members, histories):
-                _check_no_open_commit(state, branch, history)
+                check_no_open_commit(state, branch, history)
             if token_mask is not None:
-                self._check_token_mask(token_mask, histories, seq_len)
+                expected = (len(histories), seq_len, self.max_visible_keys(histories, seq_len))
+                check_token_mask(token_mask, expected, self.pool.device)
             chunk_pages = [length // self.spec.page_size for length in lengths]
-            self._check_capacity(histories, chunk_pages)
+            check_capacity(histories, chunk_pages, self.allocator, self._extent_pages)
             return self._reserve_and_plan(members, histories, chunk_pages, commit_current, token_mask, static)
-
-    def _validate_streams(self, streams: Sequence[tuple[KVState, str]]) -> tuple[tuple[KVState, str], ...]:
-        if isinstance(streams, (set, frozenset, dict, str)) or not isinstance(streams, Iterable):
-            raise SpecError(
-                f"prepare_forward: expected an ordered sequence of (session, branch) pairs, got {type(streams).__name__}"
-            )
-        members = tuple(streams)  # a generator is consumed once: keep what it gave
-        if not members:
-            raise SpecError("prepare_forward: expected at least one (session, branch) stream, got none")
-        seen = set()
-        for item in members:
-            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], KVState)
-                    and isinstance(item[1], str)):
-                raise SpecError(f"prepare_forward: expected (KVState, branch name) pairs, got {item!r:.120}")
-            state, branch = item
-            if state.cache is not self:
-                raise SpecError(
-                    f"prepare_forward: expected sessions of this KVCache, got {state.session_id!r} of another"
-                )
-            state.history(branch)  # raises on closed session / unknown branch
-            key = (state.session_id, branch)
-            if key in seen:
-                raise SpecError(f"prepare_forward: stream {key} appears twice; expected distinct streams")
-            seen.add(key)
-        return members
-
-    def _validate_forward_args(
-        self, seq_len: int, commit_current: bool, static: bool, chunk_lengths: Sequence[int] | None
-    ) -> tuple[int, ...]:
-        """Validate the forward's arguments; return the token count of each pending chunk."""
-        chunk, page = self.spec.chunk_size, self.spec.page_size
-        require_bool("prepare_forward.commit_current", commit_current)
-        require_bool("prepare_forward.static", static)
-        if static and self.spec.max_resident_chunks is None:
-            raise SpecError(
-                "prepare_forward(static=True): expected a bounded window (window_chunks is not None) so the "
-                "fixed buffers can be sized, got window_chunks=None"
-            )
-        if chunk_lengths is not None:
-            return self._validate_chunk_lengths(seq_len, chunk_lengths)
-        if is_int(seq_len) and seq_len > 0 and seq_len % chunk == 0:
-            return (chunk,) * (seq_len // chunk)
-        if is_int(seq_len) and 0 < seq_len < chunk and seq_len % page == 0:
-            return (seq_len,)  # one shorter chunk (e.g. a 1-frame first chunk)
-        raise SequenceLengthError(
-            f"seq_len: expected a positive multiple of chunk_size={chunk} (or one shorter chunk: a multiple of "
-            f"page_size={page} below it; for mixed chunk sizes pass chunk_lengths), got {seq_len!r}"
-        )
-
-    def _validate_chunk_lengths(self, seq_len: int, chunk_lengths: Sequence[int]) -> tuple[int, ...]:
-        chunk, page = self.spec.chunk_size, self.spec.page_size
-        if isinstance(chunk_lengths, (str, set, frozenset, dict)) or not isinstance(chunk_lengths, Sequence):
-            raise SequenceLengthError(
-                f"chunk_lengths: expected a sequence of token counts, got {type(chunk_lengths).__name__}"
-            )
-        lengths = tuple(chunk_lengths)
-        bad = [n for n in lengths if not is_int(n) or not 0 < n <= chunk or n % page]
-        if not lengths or bad:
-            raise SequenceLengthError(
-                f"chunk_lengths: expected multiples of page_size={page} in [{page}, chunk_size={chunk}], got "
-                f"{list(lengths)}"
-            )
-        if seq_len != sum(lengths):
-            raise SequenceLengthError(f"seq_len: expected sum(chunk_lengths)={sum(lengths)}, got {seq_len!r}")
-        return lengths
-
-    def _check_token_mask(self, token_mask: torch.Tensor, histories: Sequence[BranchHistory], seq_len: int) -> None:
-        expected = (len(histories), seq_len, self.max_visible_keys(histories, seq_len))
-        if not isinstance(token_mask, torch.Tensor):
-            raise TensorMismatchError(f"token_mask: expected a torch.bool tensor, got {type(token_mask).__name__}")
-        if token_mask.dtype != torch.bool:
-            raise TensorMismatchError(f"token_mask: expected dtype torch.bool, got {token_mask.dtype}")
-        if token_mask.device.type not in ("cpu", self.pool.device.type):
-            raise TensorMismatchError(
-                f"token_mask: expected a tensor on the CPU or {self.pool.device}, got one on {token_mask.device}"
-            )
-        if tuple(token_mask.shape) != expected:
-            raise TensorMismatchError(
-                f"token_mask: expected shape {expected} [streams, seq_len, max_keys], got {tuple(token_mask.shape)}"
-            )
-
-    def _check_capacity(self, histories: Sequence[BranchHistory], chunk_pages: Sequence[int]) -> None:
-        """Raise :class:`CapacityError` unless the forward's pages (and new extents) fit."""
-        needed = sum(h.pages_needed(chunk_pages, self.allocator) for h in histories)
-        if needed > self.allocator.num_free:
-            raise CapacityError(
-                f"KV pool out of pages: this forward needs {needed} more pages "
-                f"({len(chunk_pages)} pending chunk(s) of {list(chunk_pages)} pages for "
-                f"{len(histories)} stream(s), minus pages already pending), only "
-                f"{self.allocator.num_free} of {self.allocator.num_pages} are free",
-                needed=needed,
-                free=self.allocator.num_free,
-            )
-        need_extent = [h for h in histories if h.needs_extent]
-        if need_extent:
-            extent_pages = len(need_extent) * self._extent_pages
-            if extent_pages > self.allocator.longest_free_run():
-                raise CapacityError(
-                    f"KV pool out of contiguous pages: {len(need_extent)} new branch extent(s) need {extent_pages} "
-                    f"consecutive pages, the longest free run is {self.allocator.longest_free_run()} "
-                    f"({self.allocator.num_free} free); size the pool larger or pass contiguous_extents=False",
-                    needed=extent_pages,
-                    free=self.allocator.num_free,
-                )
 
     @property
     def _extent_pages(self) -> int:
@@ -417,7 +315,7 @@ class KVCache:
         num_chunks = len(chunk_pages)
         seq_len = sum(chunk_pages) * self.spec.page_size
         key = (tuple((state.session_id, branch) for state, branch in members), seq_len if static else None)
-        ctx, is_new = self._lookup_context(key)
+        ctx = self._lookup_context(key)
         reservation = Reservation(histories, chunk_pages, self.allocator, self._extent_pages)
         planning = False
         try:
@@ -445,7 +343,7 @@ class KVCache:
                 ctx.plan_epoch += 1
             raise
         reservation.keep()
-        self._publish(ctx, is_new, key, members, histories, plan, layout, positions, cross, commit_current, token_mask)
+        self._publish(ctx, key, members, histories, plan, layout, positions, cross, commit_current, token_mask)
         return ctx
 
     def _plan_request(
@@ -467,7 +365,6 @@ class KVCache:
     def _publish(
         self,
         ctx: ForwardContext,
-        is_new: bool,
         key: tuple[tuple[tuple[str, str], ...], int | None],
         members: tuple[tuple[KVState, str], ...],
         histories: list[BranchHistory],
@@ -485,13 +382,7 @@ class KVCache:
         for old in superseded.values():
             if old.is_open:
                 old.close("superseded", "a later forward of one of its streams was prepared")
-        if is_new:
-            ctx.handle = PLANS.register(ctx)
-            ctx.plan_id.fill_(ctx.handle)
-            self._forwards[key] = ctx
-            self._evict_idle_contexts(self.max_forward_contexts, protect=ctx)
-        else:
-            self._forwards.move_to_end(key)  # most recently used
+        self._forwards.publish(key, ctx)  # registers a new context; most recently used; evicts idle ones
         if plan is not ctx.plan:
             ctx.plan_epoch += 1
         ctx.plan, ctx.layout, ctx.positions, ctx.commit_current = plan, layout, positions, commit_current
@@ -561,14 +452,14 @@ class KVCache:
 
     def _lookup_context(
         self, key: tuple[tuple[tuple[str, str], ...], int | None]
-    ) -> tuple[ForwardContext, bool]:
+    ) -> ForwardContext:
         """The persistent context of these streams, or a new one (registered only once its forward is published).
 
         Static contexts (CUDA-graph replay) are separate per sequence length: their buffers are fixed.
         """
         ctx = self._forwards.get(key)
         if ctx is not None:
-            return ctx, False  # marked most recently used only once its forward is published
+            return ctx  # marked most recently used only once its forward is published
         ctx = ForwardContext(streams=key[0], handle=0, plan_id=torch.zeros((), dtype=torch.int64),
                              chunk_size=self.spec.chunk_size, dtype=self._dtype, static=key[1] is not None,
                              owner=self)
@@ -579,22 +470,7 @@ class KVCache:
             )
             for i in range(self.spec.num_layers)
         ]
-        return ctx, True
-
-    def _evict_idle_contexts(self, keep: int, protect: ForwardContext | None = None) -> None:
-        """Release least recently used contexts until at most ``keep`` remain; a context whose
-        forward is still open (uncommitted) is never released, nor ``protect``."""
-        for key in list(self._forwards):
-            if len(self._forwards) <= keep:
-                break
-            ctx = self._forwards[key]
-            if ctx is not protect and not ctx.is_active:
-                self._release_context(key)
-
-    def _release_context(self, key: tuple[tuple[tuple[str, str], ...], int | None]) -> None:
-        ctx = self._forwards.pop(key)
-        PLANS.unregister(ctx.handle)
-        ctx.release()
+        return ctx
 
     def _stack_cross(
         self, ctx: ForwardContext, streams: Sequence[tuple[KVState, str]], static: bool
@@ -707,12 +583,3 @@ def _check_session_id(session_id: str | None) -> None:
         raise SpecError(f"open_session: expected a non-empty str session id or None, got {session_id!r}")
 
 
-def _check_no_open_commit(state: KVState, branch: str, history: BranchHistory) -> None:
-    """A committing forward must be committed or aborted before its streams run again."""
-    open_forward = history.forward
-    if isinstance(open_forward, ForwardTransaction) and open_forward.is_open and open_forward.commit_current:
-        raise PendingContextError(
-            f"Branch {branch!r} of session {state.session_id!r} has a committing forward of "
-            f"{open_forward.num_chunks} chunk(s) that was neither committed nor aborted; call "
-            f"commit_paged_context({branch!r}) or abort({branch!r}) before preparing the next forward"
-        )

@@ -1,0 +1,147 @@
+"""Validation of one forward's request, before anything changes (streams, lengths, mask, capacity).
+
+Every check raises the library's error naming the expected and the actual value; none mutates,
+so a refused ``prepare_forward`` leaves every session, the allocator and the pool as they were.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from ardiff_modules.allocator import PageAllocator
+from ardiff_modules.checks import is_int, require_bool
+from ardiff_modules.errors import (
+    CapacityError,
+    PendingContextError,
+    SequenceLengthError,
+    SpecError,
+    TensorMismatchError,
+)
+from ardiff_modules.forward import ForwardTransaction
+from ardiff_modules.history import BranchHistory
+from ardiff_modules.spec import KVCacheSpec
+from ardiff_modules.state import KVState
+
+
+def validate_streams(streams: Sequence[tuple[KVState, str]], cache: object) -> tuple[tuple[KVState, str], ...]:
+    """The forward's ``(session, branch)`` pairs: ordered, distinct, open, of ``cache``; a tuple."""
+    if isinstance(streams, (set, frozenset, dict, str)) or not isinstance(streams, Iterable):
+        raise SpecError(
+            f"prepare_forward: expected an ordered sequence of (session, branch) pairs, got {type(streams).__name__}"
+        )
+    members = tuple(streams)  # a generator is consumed once: keep what it gave
+    if not members:
+        raise SpecError("prepare_forward: expected at least one (session, branch) stream, got none")
+    seen = set()
+    for item in members:
+        if not (
+            isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], KVState) and isinstance(item[1], str)
+        ):
+            raise SpecError(f"prepare_forward: expected (KVState, branch name) pairs, got {item!r:.120}")
+        state, branch = item
+        if state.cache is not cache:
+            raise SpecError(f"prepare_forward: expected sessions of this KVCache, got {state.session_id!r} of another")
+        state.history(branch)  # raises on closed session / unknown branch
+        key = (state.session_id, branch)
+        if key in seen:
+            raise SpecError(f"prepare_forward: stream {key} appears twice; expected distinct streams")
+        seen.add(key)
+    return members
+
+
+def chunk_lengths_of(
+    spec: KVCacheSpec, seq_len: int, commit_current: bool, static: bool, chunk_lengths: Sequence[int] | None
+) -> tuple[int, ...]:
+    """Validate the forward's arguments; return the token count of each pending chunk."""
+    chunk, page = spec.chunk_size, spec.page_size
+    require_bool("prepare_forward.commit_current", commit_current)
+    require_bool("prepare_forward.static", static)
+    if static and spec.max_resident_chunks is None:
+        raise SpecError(
+            "prepare_forward(static=True): expected a bounded window (window_chunks is not None) so the "
+            "fixed buffers can be sized, got window_chunks=None"
+        )
+    if chunk_lengths is not None:
+        return _checked_lengths(spec, seq_len, chunk_lengths)
+    if is_int(seq_len) and seq_len > 0 and seq_len % chunk == 0:
+        return (chunk,) * (seq_len // chunk)
+    if is_int(seq_len) and 0 < seq_len < chunk and seq_len % page == 0:
+        return (seq_len,)  # one shorter chunk (e.g. a 1-frame first chunk)
+    raise SequenceLengthError(
+        f"seq_len: expected a positive multiple of chunk_size={chunk} (or one shorter chunk: a multiple of "
+        f"page_size={page} below it; for mixed chunk sizes pass chunk_lengths), got {seq_len!r}"
+    )
+
+
+def _checked_lengths(spec: KVCacheSpec, seq_len: int, chunk_lengths: Sequence[int]) -> tuple[int, ...]:
+    chunk, page = spec.chunk_size, spec.page_size
+    if isinstance(chunk_lengths, (str, set, frozenset, dict)) or not isinstance(chunk_lengths, Sequence):
+        raise SequenceLengthError(
+            f"chunk_lengths: expected a sequence of token counts, got {type(chunk_lengths).__name__}"
+        )
+    lengths = tuple(chunk_lengths)
+    bad = [n for n in lengths if not is_int(n) or not 0 < n <= chunk or n % page]
+    if not lengths or bad:
+        raise SequenceLengthError(
+            f"chunk_lengths: expected multiples of page_size={page} in [{page}, chunk_size={chunk}], got "
+            f"{list(lengths)}"
+        )
+    if seq_len != sum(lengths):
+        raise SequenceLengthError(f"seq_len: expected sum(chunk_lengths)={sum(lengths)}, got {seq_len!r}")
+    return lengths
+
+
+def check_token_mask(token_mask: torch.Tensor, expected: tuple[int, int, int], device: torch.device) -> None:
+    """``token_mask``: bool, on the CPU or the pool's device, of shape ``expected`` [streams, seq_len, max_keys]."""
+    if not isinstance(token_mask, torch.Tensor):
+        raise TensorMismatchError(f"token_mask: expected a torch.bool tensor, got {type(token_mask).__name__}")
+    if token_mask.dtype != torch.bool:
+        raise TensorMismatchError(f"token_mask: expected dtype torch.bool, got {token_mask.dtype}")
+    if token_mask.device.type not in ("cpu", device.type):
+        raise TensorMismatchError(
+            f"token_mask: expected a tensor on the CPU or {device}, got one on {token_mask.device}"
+        )
+    if tuple(token_mask.shape) != expected:
+        raise TensorMismatchError(
+            f"token_mask: expected shape {expected} [streams, seq_len, max_keys], got {tuple(token_mask.shape)}"
+        )
+
+
+def check_capacity(
+    histories: Sequence[BranchHistory], chunk_pages: Sequence[int], allocator: PageAllocator, extent_pages: int
+) -> None:
+    """Raise :class:`CapacityError` unless the forward's pages (and new extents) fit."""
+    needed = sum(h.pages_needed(chunk_pages, allocator) for h in histories)
+    if needed > allocator.num_free:
+        raise CapacityError(
+            f"KV pool out of pages: this forward needs {needed} more pages "
+            f"({len(chunk_pages)} pending chunk(s) of {list(chunk_pages)} pages for "
+            f"{len(histories)} stream(s), minus pages already pending), only "
+            f"{allocator.num_free} of {allocator.num_pages} are free",
+            needed=needed,
+            free=allocator.num_free,
+        )
+    need_extent = [h for h in histories if h.needs_extent]
+    if need_extent:
+        extent_pages = len(need_extent) * extent_pages
+        if extent_pages > allocator.longest_free_run():
+            raise CapacityError(
+                f"KV pool out of contiguous pages: {len(need_extent)} new branch extent(s) need {extent_pages} "
+                f"consecutive pages, the longest free run is {allocator.longest_free_run()} "
+                f"({allocator.num_free} free); size the pool larger or pass contiguous_extents=False",
+                needed=extent_pages,
+                free=allocator.num_free,
+            )
+
+
+def check_no_open_commit(state: KVState, branch: str, history: BranchHistory) -> None:
+    """A committing forward must be committed or aborted before its streams run again."""
+    open_forward = history.forward
+    if isinstance(open_forward, ForwardTransaction) and open_forward.is_open and open_forward.commit_current:
+        raise PendingContextError(
+            f"Branch {branch!r} of session {state.session_id!r} has a committing forward of "
+            f"{open_forward.num_chunks} chunk(s) that was neither committed nor aborted; call "
+            f"commit_paged_context({branch!r}) or abort({branch!r}) before preparing the next forward"
+        )
