@@ -6,9 +6,9 @@ from collections.abc import Callable
 from typing import Any, Literal, Union
 
 import torch
-import torch.nn.functional as F
 
 from ardiff_modules.context import LayerContext
+from ardiff_modules.cross import cached_cross_attention  # noqa: F401  (re-exported: the functional forms)
 from ardiff_modules.checks import require_positive_float
 from ardiff_modules.errors import InferenceOnlyError, SpecError, TensorMismatchError
 
@@ -224,37 +224,3 @@ def chunk_attention(
     if lse is None:
         return out
     return out, lse.view(streams, seq_len, q.shape[2])
-
-
-def cached_cross_attention(
-    q: torch.Tensor, kv: LayerContext, cache_name: str, *, scale: float | None = None
-) -> torch.Tensor:
-    """Attend ``q`` (``[streams, seq_len, num_heads, head_dim]``) to the named cross cache of each stream.
-
-    Returns ``[streams, seq_len, num_heads, head_dim]``.
-    """
-    if not hasattr(kv, "cross_kv"):  # duck-typed: benchmarks pass LayerContext look-alikes
-        raise SpecError(
-            f"cached_cross_attention.kv: expected a LayerContext (one entry of ForwardContext.layers, with "
-            f".cross_kv), got {type(kv).__name__}"
-        )
-    if scale is not None:  # scale 0 would silently attend uniformly
-        require_positive_float("cached_cross_attention.scale", scale, optional=True)
-    if not isinstance(q, torch.Tensor):
-        raise TensorMismatchError(
-            f"cached_cross_attention q: expected a [streams, seq_len, heads, head_dim] tensor, got {type(q).__name__}"
-        )
-    k, v = kv.cross_kv(cache_name)  # [streams, tokens, kv_heads, head_dim]
-    if q.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or q.shape[2] % k.shape[2]:
-        raise TensorMismatchError(
-            f"cached_cross_attention q: expected shape ({k.shape[0]}, seq_len, a multiple of {k.shape[2]} heads, "
-            f"{k.shape[3]}), got {tuple(q.shape)}"
-        )
-    if q.dtype != k.dtype or q.device != k.device:
-        raise TensorMismatchError(
-            f"cached_cross_attention q: expected dtype {k.dtype} on {k.device}, got {q.dtype} on {q.device}"
-        )
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale, enable_gqa=q.shape[2] != k.shape[2]
-    )
-    return out.transpose(1, 2)
