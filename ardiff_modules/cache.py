@@ -136,7 +136,6 @@ class KVCache:
         require_int("KVCache.max_forward_contexts", max_forward_contexts, minimum=1)
         self.max_forward_contexts = max_forward_contexts
         self.check_finite = check_finite
-        # Order = recency (moved to the end on use): the front is the least recently used.
         self._forwards = ContextRegistry(max_forward_contexts)
         self._session_ids = itertools.count()
         self._lock = threading.RLock()
@@ -322,7 +321,7 @@ class KVCache:
             layout = ForwardLayout(
                 streams=tuple(
                     StreamLayout(
-                        tuple(h.history_pages()), h.pending[:num_chunks], h.token_offset, tuple(h.history_positions())
+                        tuple(h.history_pages()), h.pending[:num_chunks], h.token_offset, tuple(h.history_spans())
                     )
                     for h in histories
                 ),
@@ -417,13 +416,19 @@ class KVCache:
 
     def _abort_if_non_finite(self, transaction: ForwardTransaction) -> None:
         """``check_finite``: one device sync per committing forward; abort and raise on NaN/Inf."""
-        bad = []
         live = transaction.live_histories()
-        for (state, branch), h in zip(transaction.members, transaction.histories):
-            if h in live and h.pending:
-                pages = torch.tensor(h.pending_pages(), dtype=torch.int64, device=self.pool.device)
-                if not bool(torch.isfinite(self.pool.kv.index_select(2, pages)).all()):
-                    bad.append((state.session_id, branch))
+        owners = [
+            (state.session_id, branch, page)
+            for (state, branch), h in zip(transaction.members, transaction.histories)
+            if h in live
+            for page in h.pending_pages()
+        ]
+        if not owners:
+            return
+        pages = torch.tensor([page for _, _, page in owners], dtype=torch.int64, device=self.pool.device)
+        finite = torch.isfinite(self.pool.kv.index_select(2, pages)).transpose(0, 2).reshape(len(owners), -1)
+        ok = finite.all(dim=1).tolist()  # the one sync
+        bad = sorted({(sid, branch) for (sid, branch, _), fine in zip(owners, ok) if not fine})
         if bad:
             transaction.abort(self.allocator, "non-finite K/V")
             raise NonFiniteKVError(

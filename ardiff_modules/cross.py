@@ -108,7 +108,10 @@ def _check_layer_tensor(
 
 
 def missing_message(name: str, who: str) -> str:
-    return f"Cross-attention cache {name!r} was read before it was populated for {who}; call populate_cross_attention() first"
+    return (
+        f"Cross-attention cache {name!r} was read before it was populated for {who}; "
+        "call populate_cross_attention() first"
+    )
 
 
 def not_populated(name: str, branch: str, session_id: str) -> CrossAttentionNotPopulatedError:

@@ -83,10 +83,14 @@ class BranchHistory:
         """The resident chunks the policy never evicts (its first ``sink_chunks``)."""
         return tuple(c for c, i in zip(self.resident, self.resident_index) if i < self.policy.sink_chunks)
 
+    def history_spans(self) -> list[tuple[int, int]]:
+        """``(first absolute position, tokens)`` of each resident chunk, in :meth:`history_pages` order."""
+        size = self.page_size
+        return [(start, len(chunk) * size) for chunk, start in zip(self.resident, self.resident_start)]
+
     def history_positions(self) -> list[int]:
         """Absolute position of every token of the resident chunks, in :meth:`history_pages` order."""
-        size = self.page_size
-        return [start + t for chunk, start in zip(self.resident, self.resident_start) for t in range(len(chunk) * size)]
+        return [start + t for start, tokens in self.history_spans() for t in range(tokens)]
 
     def history_pages(self) -> list[int]:
         return [page for chunk in self.resident_chunks for page in chunk]

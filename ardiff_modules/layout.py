@@ -34,15 +34,16 @@ class StreamLayout:
         Pages of each pending chunk, in chunk order (``num_chunks`` tuples).
     token_offset:
         Absolute position of the stream's first pending token (for RoPE).
-    history_positions:
-        Absolute position of every history token (``len(history_pages) * page_size`` of them);
-        empty when unknown (then :attr:`ForwardLayout.key_positions` is not available).
+    history_spans:
+        ``(first absolute position, tokens)`` of each visible committed chunk, in page order: a few
+        ints per chunk, expanded to per-token positions only when :attr:`ForwardLayout.key_positions`
+        is asked for (never on the hot path).
     """
 
     history_pages: tuple[int, ...]
     pending_pages: tuple[tuple[int, ...], ...]
     token_offset: int
-    history_positions: tuple[int, ...] = ()
+    history_spans: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -246,7 +247,8 @@ class ForwardLayout:
         max_keys = self.dense_keys[0].shape[1]
         out = torch.full((self.num_streams, max_keys), -1, dtype=torch.int64)
         for i, s in enumerate(self.streams):
-            history = torch.tensor(s.history_positions, dtype=torch.int64)
+            spans = [start + torch.arange(tokens, dtype=torch.int64) for start, tokens in s.history_spans]
+            history = torch.cat(spans) if spans else torch.empty(0, dtype=torch.int64)
             pending = s.token_offset + torch.arange(self.seq_len, dtype=torch.int64)
             keys = torch.cat([history, pending])
             out[i, : keys.numel()] = keys

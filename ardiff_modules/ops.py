@@ -93,9 +93,17 @@ def chunk_attention_op(
     corrupt the cache on CUDA. The layer index is data (a CPU tensor), so one graph serves
     every layer and reading it is not a device sync.
     """
+    plan, k_cache, v_cache = _resolve(kv_pool, layer, plan_id)
+    return plan.run(q, k, v, k_cache, v_cache, scale)
+
+
+def _resolve(
+    kv_pool: torch.Tensor, layer: torch.Tensor, plan_id: torch.Tensor
+) -> tuple[AttentionPlan, torch.Tensor, torch.Tensor]:
+    """The open forward's plan (raises if it finished) and this layer's K and V pages."""
     plan = PLANS.get(int(plan_id))
     index = int(layer)
-    return plan.run(q, k, v, kv_pool[index, 0], kv_pool[index, 1], scale)
+    return plan, kv_pool[index, 0], kv_pool[index, 1]
 
 
 @chunk_attention_op.register_fake
@@ -117,10 +125,8 @@ def chunk_attention_lse_op(
 
     A separate op (not a flag) so the common path's schema and output stay one tensor.
     """
-    plan = PLANS.get(int(plan_id))
-    index = int(layer)
-    out, lse = plan.run(q, k, v, kv_pool[index, 0], kv_pool[index, 1], scale, return_lse=True)
-    return out, lse
+    plan, k_cache, v_cache = _resolve(kv_pool, layer, plan_id)
+    return plan.run(q, k, v, k_cache, v_cache, scale, return_lse=True)
 
 
 @chunk_attention_lse_op.register_fake

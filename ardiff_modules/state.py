@@ -66,6 +66,7 @@ class SessionHost(Protocol):
     def finish_forward(self, transaction: ForwardTransaction, success: bool) -> None: ...
     def abort_forwards_of(self, state: KVState) -> None: ...
 
+
 def branch_names(owner: str, branches: Sequence[str] | str | None, default: tuple[str, ...]) -> tuple[str, ...]:
     """Normalise a ``branches`` argument: one name, an ordered sequence of names, or ``None`` (all)."""
     if branches is None:

@@ -53,7 +53,7 @@ from ardiff_modules.cache import KVCache
 from ardiff_modules.checks import is_int, require_int, require_positive_float
 from ardiff_modules.context import ForwardContext, LayerContext
 from ardiff_modules.errors import SpecError, TensorMismatchError
-from ardiff_modules.modules.functional import cached_cross_attention, chunk_attention
+from ardiff_modules.modules.functional import cached_cross_attention, chunk_attention, rotate
 from ardiff_modules.spec import CrossAttentionSpec, KVCacheSpec
 from ardiff_modules.state import KVState
 
@@ -151,14 +151,6 @@ def wan_rope_tables(
     return cos, sin
 
 
-def _rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """diffusers' Wan rotation of ``x`` ``[streams, seq, heads, dim]`` by pair-repeated tables: pairs ``(2i, 2i+1)``."""
-    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
-    c, s = cos[..., 0::2], sin[..., 1::2]
-    out = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
-    return out.type_as(x)
-
-
 # ---------------------------------------------------------------------------------------------- hook state
 
 
@@ -215,8 +207,9 @@ class PagedWanSelfAttnProcessor:
         key = attn.norm_k(key).unflatten(2, (attn.heads, -1))
         value = value.unflatten(2, (attn.heads, -1))
         cos, sin = rotary_emb
-        query = _rotate_interleaved(query, cos, sin)
-        key = _rotate_interleaved(key, cos, sin)
+        # diffusers' tables repeat each pair's value twice: the package's interleaved rotation.
+        query = rotate(query, cos, sin, "interleaved")
+        key = rotate(key, cos, sin, "interleaved")
         out = chunk_attention(query, key, value, kv)
         out = out.flatten(2, 3).type_as(query)
         out = attn.to_out[0](out)

@@ -22,9 +22,10 @@ every causal port of it (Self-Forcing, CausVid, LongLive, ...); ``"diffusers"`` 
 attributes ``to_q``, ``to_k``, ``to_v``, ``to_out`` (and ``to_k_img``, ``to_v_img``, ``norm_k_img``) are
 the registered ``nn.Linear`` / norm modules themselves (with diffusers naming ``to_out`` is diffusers'
 ``[Linear, Dropout]`` list, callable like the Linear), so module-swapping tools (LoRA, quantization)
-that replace a submodule by its checkpoint name replace what the layer uses. ``from_wan`` / ``from_diffusers`` build a layer from an
-existing module (its config and a copy of its weights). Wan's and diffusers' RoPE pairs channels
-``(2i, 2i + 1)``, the default layout of :mod:`ardiff_modules.modules.rotary`: no weight permutation.
+that replace a submodule by its checkpoint name replace what the layer uses. ``from_wan`` /
+``from_diffusers`` build a layer from an existing module (its config and a copy of its weights).
+Wan's and diffusers' RoPE pairs channels ``(2i, 2i + 1)``, the default layout of
+:mod:`ardiff_modules.modules.rotary`: no weight permutation.
 """
 
 from __future__ import annotations
@@ -281,7 +282,9 @@ def _source_linear(owner: str, module: nn.Module, source: str, role: str) -> nn.
     return linear
 
 
-def _source_norm(owner: str, module: nn.Module, source: str, role: str, heads: int, head_dim: int) -> tuple[QKNorm, float | None]:
+def _source_norm(
+    owner: str, module: nn.Module, source: str, role: str, heads: int, head_dim: int
+) -> tuple[QKNorm, float | None]:
     """The kind (None / "full" / "head") and eps of the source's q / k RMSNorm."""
     path = ATTENTION_PARAM_NAMES[source][role]
     norm = getattr(module, path, None)
@@ -611,7 +614,9 @@ class CachedCrossAttention(_CheckpointNamed):
                 f"cache_name={cache_name!r}, got {image_cache_name!r}"
             )
         if image_cache_name is None and image_context_dim is not None:
-            raise SpecError(f"{owner}.image_context_dim: expected None without image_cache_name, got {image_context_dim!r}")
+            raise SpecError(
+                f"{owner}.image_context_dim: expected None without image_cache_name, got {image_context_dim!r}"
+            )
         if image_cache_name is not None:
             image_context_dim = context_dim if image_context_dim is None else image_context_dim
             _require_int(owner, "image_context_dim", image_context_dim, minimum=1)
@@ -653,7 +658,9 @@ class CachedCrossAttention(_CheckpointNamed):
 
     def _image_role(self, role: str) -> nn.Module:
         if self.image_cache_name is None:
-            raise SpecError(f"CachedCrossAttention.{role}: expected a layer built with image_cache_name, got a text-only one")
+            raise SpecError(
+                f"CachedCrossAttention.{role}: expected a layer built with image_cache_name, got a text-only one"
+            )
         return self._role(role)
 
     @classmethod

@@ -39,7 +39,9 @@ def _angle_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "mps" else torch.float64
 
 
-def _inv_freq(dim: int, theta: float, device: torch.device | None = None, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+def _inv_freq(
+    dim: int, theta: float, device: torch.device | None = None, dtype: torch.dtype = torch.float64
+) -> torch.Tensor:
     """``[dim // 2]`` frequencies ``1 / theta ** (arange(0, dim, 2) / dim)``, Wan's ``rope_params`` expression."""
     return 1.0 / torch.pow(theta, torch.arange(0, dim, 2, device=device, dtype=dtype).div(dim))
 
