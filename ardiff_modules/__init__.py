@@ -2,26 +2,34 @@
 
 Typical use::
 
-    spec = KVCacheSpec(num_layers=30, num_kv_heads=12, head_dim=128, chunk_size=4680, page_size=120,
-                       sink_chunks=1, window_chunks=6, branches=("cond", "uncond"),
-                       cross_attention=(CrossAttentionSpec("text", 512),))
-    cache = KVCache(spec, budget_bytes=8 << 30, device="cuda")
+    import ardiff_modules as am
+
+    spec = am.KVCacheSpec(num_layers=30, num_kv_heads=12, head_dim=128, chunk_size=4680, page_size=120,
+                          sink_chunks=1, window_chunks=6, branches=("cond", "uncond"),
+                          cross_attention=(am.CrossAttentionSpec("text", 512),))
+    cache = am.KVCache(spec, budget_bytes=8 << 30, device="cuda")
     state = cache.open_session()
     with state.prepare_forward(("cond", "uncond"), seq_len=4680, commit_current=True) as fwd:
-        out = model(x, fwd.layers)      # layers: ChunkSelfAttention / CachedCrossAttention
+        out = model(x, fwd.layers)      # layers: am.ChunkSelfAttention / am.CachedCrossAttention
 
-NOTE: the torch-dependent names are imported lazily (PEP 562 ``__getattr__``) so that
-the pure-Python layers (``spec``, ``errors``, ``allocator``, ``window``, ``history``)
-import without torch, as DESIGN.md section 2 requires.
+``__all__`` lists the public API. Internals (``ForwardLayout``, ``KVPool``, ``PageAllocator``,
+transactions, reservations, registries) stay importable from their own modules.
+
+The torch-dependent names are imported lazily (PEP 562 ``__getattr__``): ``import ardiff_modules``
+and the pure-Python layers (``spec``, ``errors``, ``allocator``, ``window``, ``history``) do not
+import torch.
+
+Logging: every module logs under the ``ardiff_modules`` logger (``logging.getLogger(__name__)``),
+with no handler installed by the library; see :mod:`ardiff_modules._logging`.
 """
 
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import TYPE_CHECKING, Any
 
 # Pure Python (no torch): imported eagerly.
-from ardiff_modules.allocator import PageAllocator
 from ardiff_modules.errors import (
     AllocatorError,
     ARDiffError,
@@ -31,6 +39,7 @@ from ardiff_modules.errors import (
     CrossAttentionNotPopulatedError,
     ForwardFinishedError,
     InferenceOnlyError,
+    KVScalesFixedError,
     NonFiniteKVError,
     PendingContextError,
     PlanNotFoundError,
@@ -42,11 +51,15 @@ from ardiff_modules.errors import (
     UnknownCacheError,
 )
 from ardiff_modules.spec import CrossAttentionSpec, KVCacheSpec
-from ardiff_modules.window import SinkWindowPolicy
+from ardiff_modules.window import RetentionPolicy, SinkWindowMemoryPolicy, SinkWindowPolicy
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+    from ardiff_modules.backends.base import AttentionBackend
+    from ardiff_modules.backends.flashinfer import FlashInferBackend
+    from ardiff_modules.backends.reference import ReferenceBackend
     from ardiff_modules.cache import CacheStats, KVCache
     from ardiff_modules.context import ForwardContext, LayerContext
+    from ardiff_modules.convert import convert_attention_state_dict, convert_wan_state_dict
     from ardiff_modules.graphs import CUDAGraphStep
     from ardiff_modules.modules import (
         CachedCrossAttention,
@@ -58,49 +71,63 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         chunk_attention,
         populate_cross_attention,
     )
-    from ardiff_modules.layout import ForwardLayout, StreamLayout
-    from ardiff_modules.pool import KVPool
     from ardiff_modules.state import KVState
 
 __version__ = "0.1.0"
 
 # Torch-dependent public names -> the module that defines them (imported on first access).
 _LAZY: dict[str, str] = {
+    "AttentionBackend": "ardiff_modules.backends.base",
+    "CUDAGraphStep": "ardiff_modules.graphs",
     "CacheStats": "ardiff_modules.cache",
-    "KVCache": "ardiff_modules.cache",
-    "ForwardContext": "ardiff_modules.context",
-    "LayerContext": "ardiff_modules.context",
     "CachedCrossAttention": "ardiff_modules.modules",
     "ChunkSelfAttention": "ardiff_modules.modules",
+    "FlashInferBackend": "ardiff_modules.backends.flashinfer",
+    "ForwardContext": "ardiff_modules.context",
+    "KVCache": "ardiff_modules.cache",
+    "KVState": "ardiff_modules.state",
+    "LayerContext": "ardiff_modules.context",
+    "ReferenceBackend": "ardiff_modules.backends.reference",
+    "RotaryEmbedding": "ardiff_modules.modules",
+    "VideoRotaryEmbedding": "ardiff_modules.modules",
     "apply_rope": "ardiff_modules.modules",
     "cached_cross_attention": "ardiff_modules.modules",
     "chunk_attention": "ardiff_modules.modules",
+    "convert_attention_state_dict": "ardiff_modules.convert",
+    "convert_wan_state_dict": "ardiff_modules.convert",
     "populate_cross_attention": "ardiff_modules.modules",
-    "ForwardLayout": "ardiff_modules.layout",
-    "StreamLayout": "ardiff_modules.layout",
-    "KVPool": "ardiff_modules.pool",
-    "KVState": "ardiff_modules.state",
-    "RotaryEmbedding": "ardiff_modules.modules",
-    "VideoRotaryEmbedding": "ardiff_modules.modules",
+}
+
+# Internals that 0.1 also exported at the top level: still resolved (with a DeprecationWarning
+# naming their module), but not part of ``__all__`` or ``dir()``.
+_MOVED: dict[str, str] = {
     "ATTENTION_PARAM_NAMES": "ardiff_modules.modules",
+    "ForwardLayout": "ardiff_modules.layout",
+    "KVPool": "ardiff_modules.pool",
+    "PageAllocator": "ardiff_modules.allocator",
     "ParamNames": "ardiff_modules.modules",
     "RopeLayout": "ardiff_modules.modules",
+    "StreamLayout": "ardiff_modules.layout",
     "rotate": "ardiff_modules.modules",
-    "convert_wan_state_dict": "ardiff_modules.convert",
-    "convert_attention_state_dict": "ardiff_modules.convert",
-    "SinkWindowMemoryPolicy": "ardiff_modules.window",
-    "RetentionPolicy": "ardiff_modules.window",
-    "CUDAGraphStep": "ardiff_modules.graphs",
 }
 
 
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # cache: later lookups are plain module attributes
-    return value
+    if module is not None:
+        value = getattr(importlib.import_module(module), name)
+        globals()[name] = value  # cache: later lookups are plain module attributes
+        return value
+    module = _MOVED.get(name)
+    if module is not None:
+        warnings.warn(
+            f"ardiff_modules.{name} is internal and no longer exported at the top level; "
+            f"import it from {module} instead",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module(module), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
@@ -110,6 +137,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "ARDiffError",
     "AllocatorError",
+    "AttentionBackend",
     "BackendUnavailableError",
     "CUDAGraphStep",
     "CacheClosedError",
@@ -119,39 +147,34 @@ __all__ = [
     "ChunkSelfAttention",
     "CrossAttentionNotPopulatedError",
     "CrossAttentionSpec",
+    "FlashInferBackend",
     "ForwardContext",
     "ForwardFinishedError",
-    "ForwardLayout",
+    "InferenceOnlyError",
     "KVCache",
     "KVCacheSpec",
-    "KVPool",
-    "InferenceOnlyError",
+    "KVScalesFixedError",
     "KVState",
     "LayerContext",
     "NonFiniteKVError",
-    "PageAllocator",
     "PendingContextError",
     "PlanNotFoundError",
+    "ReferenceBackend",
+    "RetentionPolicy",
     "RotaryEmbedding",
     "SequenceLengthError",
     "SessionClosedError",
+    "SinkWindowMemoryPolicy",
     "SinkWindowPolicy",
     "SpecError",
-    "StreamLayout",
     "TensorMismatchError",
     "UnknownBranchError",
     "UnknownCacheError",
     "VideoRotaryEmbedding",
-    "ATTENTION_PARAM_NAMES",
-    "ParamNames",
-    "RetentionPolicy",
-    "RopeLayout",
-    "SinkWindowMemoryPolicy",
     "apply_rope",
-    "convert_attention_state_dict",
-    "convert_wan_state_dict",
-    "rotate",
     "cached_cross_attention",
     "chunk_attention",
+    "convert_attention_state_dict",
+    "convert_wan_state_dict",
     "populate_cross_attention",
 ]

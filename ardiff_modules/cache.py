@@ -11,6 +11,7 @@ here, once.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,14 +27,18 @@ from ardiff_modules.contexts import ContextRegistry
 from ardiff_modules.errors import (
     CacheClosedError,
     CapacityError,
+    KVScalesFixedError,
     NonFiniteKVError,
     SpecError,
+    TensorMismatchError,
 )
 from ardiff_modules.forward import ForwardTransaction
 from ardiff_modules.history import BranchHistory
 from ardiff_modules.layout import ForwardLayout, StreamLayout
 from ardiff_modules.pool import KVPool, pages_for_budget, torch_dtype
 from ardiff_modules.reservation import Reservation
+from ardiff_modules.spec import KVCacheSpec
+from ardiff_modules.state import KVState
 from ardiff_modules.validation import (
     check_capacity,
     check_no_open_commit,
@@ -41,9 +46,11 @@ from ardiff_modules.validation import (
     chunk_lengths_of,
     validate_streams,
 )
-from ardiff_modules.spec import KVCacheSpec
-from ardiff_modules.state import KVState
 from ardiff_modules.window import RetentionPolicy
+
+#: DEBUG: the cache's geometry when built, each forward prepared / committed / aborted (host side,
+#: once per forward; nothing per layer). WARNINGs of the backend choice come from ``ardiff_modules.backends``.
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -140,6 +147,25 @@ class KVCache:
         self._session_ids = itertools.count()
         self._lock = threading.RLock()
         self._closed = False
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "KVCache: %d pages of %d bytes (%.1f MiB) on %s, backend %r, %s",
+                num_pages, self.pool.bytes_per_page, self.pool.nbytes / 2**20, self.pool.device, self.backend.name,
+                f"contiguous extents of {self.extent_chunks} chunks per branch" if self.extent_chunks
+                else "plain paging (no contiguous extents)",
+            )
+
+    def __repr__(self) -> str:
+        """One line; reads counters without the lock and never touches the device."""
+        spec, allocator = self.spec, self.allocator
+        kv_dtype = f", kv_dtype={_dtype_name(self.pool.dtype)}" if self.pool.dtype != self._dtype else ""
+        closed = ", closed" if self._closed else ""
+        return (
+            f"KVCache(layers={spec.num_layers}, kv_heads={spec.num_kv_heads}, head_dim={spec.head_dim}, "
+            f"pages={allocator.num_used}/{allocator.num_pages} used, sessions={len(self._sessions)}, "
+            f"backend={self.backend.name!r}, device='{self.pool.device}', dtype={_dtype_name(self._dtype)}"
+            f"{kv_dtype}{closed})"
+        )
 
     # ------------------------------------------------------------------ sessions
     @property
@@ -155,6 +181,42 @@ class KVCache:
     def kv_dtype(self) -> torch.dtype:
         """Storage dtype of the paged K/V."""
         return self.pool.dtype
+
+    def set_kv_scales(self, scales: torch.Tensor) -> None:
+        """Fix the FP8 K/V scales instead of calibrating them from each layer's first write.
+
+        ``scales`` ``[num_layers, 2 (K, V), num_kv_heads]``, positive and finite (e.g. from a checkpoint's
+        calibration): a stored value is ``round_fp8(k / scale)``, read back as ``stored * scale``. Only
+        for ``kv_dtype="float8_e4m3fn"``, and only before any K/V was written (pages quantized with other
+        scales would read back wrong): raises :class:`KVScalesFixedError` then, changing nothing.
+        """
+        with self._lock:
+            self._check_open("set_kv_scales")
+            quantizer = self.pool.quantizer
+            if quantizer is None:
+                raise SpecError(
+                    f"set_kv_scales: expected a cache with kv_dtype='float8_e4m3fn' (scales only apply to FP8 "
+                    f"K/V), got kv_dtype={self.spec.cache_dtype!r}"
+                )
+            expected = tuple(self.pool.scales.shape)
+            if not isinstance(scales, torch.Tensor) or tuple(scales.shape) != expected:
+                got = tuple(scales.shape) if isinstance(scales, torch.Tensor) else type(scales).__name__
+                raise TensorMismatchError(
+                    f"set_kv_scales: expected a tensor of shape {list(expected)} [num_layers, 2 (K, V), "
+                    f"num_kv_heads], got {got}"
+                )
+            values = scales.detach().to("cpu", torch.float32)
+            if not bool(torch.isfinite(values).all()) or not bool((values > 0).all()):
+                raise TensorMismatchError(
+                    f"set_kv_scales: expected positive finite scales, got min {float(values.min())}, "
+                    f"max {float(values.max())}"
+                )
+            if quantizer.written:
+                raise KVScalesFixedError(
+                    "set_kv_scales: expected to be called before any K/V is written (pages already hold K/V "
+                    "quantized with the current scales), got a pool that was written to; open a new cache"
+                )
+            quantizer.set_scales(values)
 
     @property
     def lock(self) -> threading.RLock:
@@ -343,6 +405,10 @@ class KVCache:
             raise
         reservation.keep()
         self._publish(ctx, key, members, histories, plan, layout, positions, cross, commit_current, token_mask)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "forward prepared: %s, %d free pages left, plan %r", ctx, self.allocator.num_free, ctx.plan
+            )
         return ctx
 
     def _plan_request(
@@ -356,6 +422,7 @@ class KVCache:
             num_qo_heads=self.spec.query_heads,
             num_kv_heads=self.spec.num_kv_heads,
             head_dim=self.spec.head_dim,
+            quantizer=self.pool.quantizer,
             token_mask=token_mask,
             static=static,
             max_pages=self._max_plan_pages(layout.num_streams, num_chunks) if static else None,
@@ -409,10 +476,16 @@ class KVCache:
                 return
             if not success:
                 transaction.abort(self.allocator)
-                return
-            if self.check_finite and transaction.commit_current:
-                self._abort_if_non_finite(transaction)
-            transaction.commit(self.allocator)
+            else:
+                if self.check_finite and transaction.commit_current:
+                    self._abort_if_non_finite(transaction)
+                transaction.commit(self.allocator)
+            if logger.isEnabledFor(logging.DEBUG):
+                logger.debug(
+                    "forward %s: %d stream(s) %s, %d pages in use",
+                    transaction.status, len(transaction.members), _stream_names(transaction.members),
+                    self.allocator.num_used,
+                )
 
     def _abort_if_non_finite(self, transaction: ForwardTransaction) -> None:
         """``check_finite``: one device sync per committing forward; abort and raise on NaN/Inf."""
@@ -426,7 +499,10 @@ class KVCache:
         if not owners:
             return
         pages = torch.tensor([page for _, _, page in owners], dtype=torch.int64, device=self.pool.device)
-        finite = torch.isfinite(self.pool.kv.index_select(2, pages)).transpose(0, 2).reshape(len(owners), -1)
+        written = self.pool.kv.index_select(2, pages)
+        if self.pool.quantizer is not None:  # no isfinite for FP8; its NaN survives the cast to float
+            written = written.float()
+        finite = torch.isfinite(written).transpose(0, 2).reshape(len(owners), -1)
         ok = finite.all(dim=1).tolist()  # the one sync
         bad = sorted({(sid, branch) for (sid, branch, _), fine in zip(owners, ok) if not fine})
         if bad:
@@ -581,6 +657,17 @@ def _to_device(cpu: torch.Tensor, device: torch.device, out: torch.Tensor | None
     if out is not None and out.shape == cpu.shape and out.device == device:
         return out.copy_(staged, non_blocking=True)
     return staged.to(device, non_blocking=True)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``bfloat16``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def _stream_names(members: Sequence[tuple[KVState, str]], limit: int = 4) -> str:
+    names = [f"{state.session_id}/{branch}" for state, branch in members[:limit]]
+    more = f", ... (+{len(members) - limit})" if len(members) > limit else ""
+    return "[" + ", ".join(names) + more + "]"
 
 
 def _check_session_id(session_id: str | None) -> None:

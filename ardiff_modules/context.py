@@ -11,6 +11,7 @@ every chunk (no recompiles).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import NoReturn, Protocol
@@ -23,6 +24,24 @@ from ardiff_modules.errors import CrossAttentionNotPopulatedError, ForwardFinish
 from ardiff_modules.forward import ForwardTransaction
 from ardiff_modules.layout import ForwardLayout
 
+#: Characters of stream names a ``ForwardContext`` repr shows before eliding the rest.
+_STREAMS_WIDTH = 80
+
+
+def short_name(name: object, limit: int = 24) -> str:
+    """``repr(name)``, a long string cut to ``limit`` characters (reprs stay one short line)."""
+    if isinstance(name, str) and len(name) > limit:
+        name = name[: limit - 3] + "..."
+    return repr(name)
+
+
+def short_tuple(names: Iterable[str], limit: int = 4) -> str:
+    """``('text', 'image')`` (each name through :func:`short_name`); more than ``limit`` names are elided."""
+    items = list(names)
+    if len(items) <= limit:
+        return "(" + ", ".join(map(short_name, items)) + ("," if len(items) == 1 else "") + ")"
+    return "(" + ", ".join(map(short_name, items[:limit])) + f", ... +{len(items) - limit})"
+
 
 class TransactionOwner(Protocol):
     """Who finishes a forward's transaction (the cache): commit (``success``) or abort all its streams."""
@@ -30,7 +49,7 @@ class TransactionOwner(Protocol):
     def finish_forward(self, transaction: ForwardTransaction, success: bool) -> None: ...
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)
 class LayerContext:
     """What one attention layer needs for one forward.
 
@@ -82,8 +101,16 @@ class LayerContext:
             self.forward.raise_missing_cross(name)
         return pair
 
+    def __repr__(self) -> str:
+        """One line, e.g. ``LayerContext(layer=3/30, streams=2, seq_len=4680, cross=('text',), status='open')``."""
+        fwd = self.forward
+        return (
+            f"LayerContext(layer={self.layer_index}/{len(fwd.layers)}, streams={fwd.num_streams}, "
+            f"seq_len={fwd.seq_len}, cross={short_tuple(self.cross)}, status={fwd.status!r})"
+        )
 
-@dataclass(eq=False)
+
+@dataclass(eq=False, repr=False)
 class ForwardContext:
     """One forward over ``num_streams`` streams (branches of sessions) of ``seq_len`` tokens each.
 
@@ -144,6 +171,35 @@ class ForwardContext:
     @property
     def num_streams(self) -> int:
         return len(self.streams)
+
+    @property
+    def status(self) -> str:
+        """``"open"``, how its last forward finished (``"committed"``, ``"completed"``, ``"aborted"``,
+        ``"superseded"``), ``"released"`` (the cache dropped this context) or ``"unprepared"``."""
+        if self.released:
+            return "released"
+        return self.transaction.status if self.transaction is not None else "unprepared"
+
+    def __repr__(self) -> str:
+        """One line, e.g. ``ForwardContext(streams=2 [('s0','cond'),('s0','uncond')], seq_len=64, chunks=1,
+        commit=True, status='open', layers=30)``: no tensor, no lock, no device sync."""
+        shown: list[str] = []
+        width = 0
+        for sid, branch in self.streams:
+            item = f"({short_name(sid)},{short_name(branch)})"
+            if shown and width + len(item) > _STREAMS_WIDTH:
+                shown.append(f"... +{self.num_streams - len(shown)}")
+                break
+            shown.append(item)
+            width += len(item) + 1
+        flags = "".join(
+            flag for flag, on in ((", static", self.static), (", token_mask", self.token_mask is not None)) if on
+        )
+        return (
+            f"ForwardContext(streams={self.num_streams} [{','.join(shown)}], seq_len={self.seq_len}, "
+            f"chunks={self.num_chunks}, commit={self.commit_current}, status={self.status!r}, "
+            f"layers={len(self.layers)}{flags})"
+        )
 
     @property
     def seq_len(self) -> int:

@@ -3,7 +3,7 @@
 Every user-reachable misuse raises one of these, with a message naming the
 expected and the actual value. Each also derives from the builtin exception a
 caller would naturally catch (``ValueError``, ``KeyError``, ``RuntimeError``),
-so code written against the seed's plain exceptions keeps working.
+so code that catches those builtin exceptions keeps working.
 
 This module is pure Python: the allocator imports it without torch.
 """
@@ -91,6 +91,10 @@ class CacheClosedError(ARDiffError, RuntimeError):
 
 class NonFiniteKVError(ARDiffError, FloatingPointError):
     """``check_finite=True``: a committing forward wrote NaN/Inf K/V; the forward was aborted instead."""
+
+
+class KVScalesFixedError(ARDiffError, RuntimeError):
+    """FP8 K/V scales set after K/V were written with other scales (those pages would read back wrong)."""
 
 
 class InferenceOnlyError(ARDiffError, RuntimeError):

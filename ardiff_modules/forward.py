@@ -16,7 +16,7 @@ check :attr:`ForwardTransaction.is_open` and raise
 :class:`~ardiff_modules.errors.ForwardFinishedError` otherwise.
 
 NOTE: all streams of a forward finish together. Committing one branch of a batched
-CFG forward (the seed's per-branch ``commit_paged_context``) commits every stream of
+CFG forward (``KVState.commit_paged_context(branch)``) commits every stream of
 that forward, atomically: the new histories are computed first (pure, may raise),
 then applied with one allocator call and plain assignments, with SIGINT deferred
 (see :func:`deferred_interrupts`) so a Ctrl-C cannot split them.

@@ -9,7 +9,8 @@ once per forward and shared by every layer, we derive:
   page list is exactly its visible pages (history + pending chunks ``0..c``)
   -- FlashInfer's ``qo_indptr / kv_indptr / kv_indices / last_page_len``;
 * the dense oracle: per stream, the gathered key slots and the boolean mask of
-  the visibility rule (DESIGN.md section 1), used by the reference backend.
+  the visibility rule (pending query chunk ``c`` sees the resident committed chunks --
+  sinks and window -- and pending chunks ``0..c``), used by the reference backend.
 
 Everything here is CPU int tensors; backends copy what they need to the device.
 """

@@ -2,8 +2,10 @@
 
 ``chunk_visibility`` gives, for the pending chunks of one forward, which absolute chunks
 (committed ones, evicted included, then pending ones) each query chunk attends to -- the
-rule of DESIGN.md section 1 at chunk granularity. The token-level mask over the gathered
-keys of a real forward is ``ForwardContext.to_dense()``.
+visibility rule at chunk granularity: pending query chunk ``c`` sees the resident committed
+chunks (the sink chunks and the window chunks, or what a ``RetentionPolicy`` keeps) and pending
+chunks ``0..c`` (bidirectional inside a chunk, block-causal across pending chunks). The
+token-level mask over the gathered keys of a real forward is ``ForwardContext.to_dense()``.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 
@@ -93,17 +93,17 @@ def chunk_attention_op(
     corrupt the cache on CUDA. The layer index is data (a CPU tensor), so one graph serves
     every layer and reading it is not a device sync.
     """
-    plan, k_cache, v_cache = _resolve(kv_pool, layer, plan_id)
-    return plan.run(q, k, v, k_cache, v_cache, scale)
+    plan, index, k_cache, v_cache = _resolve(kv_pool, layer, plan_id)
+    return cast(torch.Tensor, plan.run(q, k, v, k_cache, v_cache, scale, layer=index))
 
 
 def _resolve(
     kv_pool: torch.Tensor, layer: torch.Tensor, plan_id: torch.Tensor
-) -> tuple[AttentionPlan, torch.Tensor, torch.Tensor]:
-    """The open forward's plan (raises if it finished) and this layer's K and V pages."""
+) -> tuple[AttentionPlan, int, torch.Tensor, torch.Tensor]:
+    """The open forward's plan (raises if it finished), the layer index and this layer's K and V pages."""
     plan = PLANS.get(int(plan_id))
     index = int(layer)
-    return plan, kv_pool[index, 0], kv_pool[index, 1]
+    return plan, index, kv_pool[index, 0], kv_pool[index, 1]
 
 
 @chunk_attention_op.register_fake
@@ -125,8 +125,10 @@ def chunk_attention_lse_op(
 
     A separate op (not a flag) so the common path's schema and output stay one tensor.
     """
-    plan, k_cache, v_cache = _resolve(kv_pool, layer, plan_id)
-    return plan.run(q, k, v, k_cache, v_cache, scale, return_lse=True)
+    plan, index, k_cache, v_cache = _resolve(kv_pool, layer, plan_id)
+    return cast(
+        "tuple[torch.Tensor, torch.Tensor]", plan.run(q, k, v, k_cache, v_cache, scale, return_lse=True, layer=index)
+    )
 
 
 @chunk_attention_lse_op.register_fake

@@ -14,9 +14,13 @@ from typing import Any
 import torch
 
 from ardiff_modules.errors import BackendUnavailableError, SpecError, TensorMismatchError
+from ardiff_modules.quant import KVQuantizer, is_quantized
 from ardiff_modules.spec import KVCacheSpec, _require_int
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_DTYPES = {
+    "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+}
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -102,6 +106,8 @@ class KVPool:
         #: Dequantization scales ``[num_layers, 2 (K, V), num_kv_heads]`` (float32): the place where a
         #: quantized ``kv_dtype`` keeps per-head scales; ones for the float formats (unused then).
         self.scales = torch.ones((spec.num_layers, 2, spec.num_kv_heads), dtype=torch.float32, device=self.device)
+        #: The FP8 scales' calibration (``None`` for the float formats, stored as they are).
+        self.quantizer = KVQuantizer(self.scales, self.dtype) if is_quantized(self.dtype) else None
 
     @property
     def bytes_per_page(self) -> int:

@@ -18,6 +18,16 @@ from ardiff_modules.window import RetentionPolicy, SinkWindowPolicy
 
 #: dtype names accepted by :class:`KVCacheSpec` (resolved to torch dtypes by the pool).
 SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
+#: Storage dtypes of the paged K/V: the compute dtypes, and FP8 (per-head scales, see ``quant.py``).
+SUPPORTED_KV_DTYPES = (*SUPPORTED_DTYPES, "float8_e4m3fn")
+
+
+def dtype_name(value: Any) -> Any:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (without importing torch); anything else unchanged."""
+    text = str(value)
+    if not isinstance(value, str) and type(value).__module__ == "torch" and text.startswith("torch."):
+        return text[len("torch.") :]
+    return value
 
 
 def _require_int(owner: str, name: str, value: Any, *, minimum: int, below: int | None = None) -> int:
@@ -92,15 +102,18 @@ class KVCacheSpec:
     cross_attention:
         Named cross-attention caches.
     dtype:
-        Compute dtype name, one of :data:`SUPPORTED_DTYPES`: queries, outputs and the
-        cross-attention caches.
+        Compute dtype, one of :data:`SUPPORTED_DTYPES` (a name or the ``torch.dtype``): queries,
+        outputs and the cross-attention caches.
     num_qo_heads:
         Query heads of self-attention (a multiple of ``num_kv_heads``; GQA when larger).
         Default ``num_kv_heads``. Kernel plans are built for it once per forward.
     kv_dtype:
-        Storage dtype of the paged self-attention K/V (default: ``dtype``). K/V are cast to it
-        when written and attended in ``dtype``; the pool keeps a per-layer, per-head scale
-        tensor beside it for quantized formats (all ones for the float formats here).
+        Storage dtype of the paged self-attention K/V, one of :data:`SUPPORTED_KV_DTYPES` (default:
+        ``dtype``). K/V are cast to it when written and attended in ``dtype``. ``"float8_e4m3fn"``
+        halves the pool's bytes: K/V are quantized with static per-(layer, K|V, kv head) scales
+        (``pool.scales``), calibrated by each layer's first write or set with
+        ``KVCache.set_kv_scales``; FlashInfer then runs FP8 attention (FA3, queries quantized per
+        forward). See :mod:`ardiff_modules.quant`.
     retention:
         A :class:`~ardiff_modules.window.RetentionPolicy` deciding which committed chunks stay
         resident, instead of ``sink_chunks`` / ``window_chunks`` (leave those at their defaults),
@@ -172,10 +185,15 @@ class KVCacheSpec:
                     f"{owner}.num_qo_heads: expected a multiple of num_kv_heads={self.num_kv_heads}, "
                     f"got {self.num_qo_heads}"
                 )
-        if self.dtype not in SUPPORTED_DTYPES:
+        # Frozen: normalise torch dtypes to their names through object.__setattr__.
+        object.__setattr__(self, "dtype", dtype_name(self.dtype))
+        object.__setattr__(self, "kv_dtype", dtype_name(self.kv_dtype))
+        if not isinstance(self.dtype, str) or self.dtype not in SUPPORTED_DTYPES:
             raise SpecError(f"{owner}.dtype: expected one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
-        if self.kv_dtype is not None and self.kv_dtype not in SUPPORTED_DTYPES:
-            raise SpecError(f"{owner}.kv_dtype: expected None or one of {SUPPORTED_DTYPES}, got {self.kv_dtype!r}")
+        if self.kv_dtype is not None and (not isinstance(self.kv_dtype, str) or self.kv_dtype not in SUPPORTED_KV_DTYPES):
+            raise SpecError(
+                f"{owner}.kv_dtype: expected None or one of {SUPPORTED_KV_DTYPES}, got {self.kv_dtype!r}"
+            )
         self._check_retention(owner)
 
     def _check_retention(self, owner: str) -> None:

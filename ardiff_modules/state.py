@@ -1,10 +1,12 @@
 """``KVState``: one session's branches, pending chunks and cross-attention caches.
 
-This is the seed's session-state API (``get_kv_caches`` /
-``commit_paged_context`` / ``populate_cross_attention`` / ``reset`` /
-``close`` ...), standalone, plus what users need and the seed lacks: batched
-multi-branch forwards, ``abort`` of a failed forward, absolute token offsets
-for RoPE, and pending pages reused across denoising forwards.
+Its methods are the session-state API serving engines drive per request (``get_kv_caches`` /
+``prepare_paged_context``, ``commit_paged_context``, ``populate_cross_attention``,
+``is_cross_attention_populated``, ``get_cross_attention_kv``, ``clear_cross_attention``,
+``reset``, ``close``), plus batched multi-branch forwards (``prepare_forward``), ``abort`` of a
+failed forward, absolute token offsets for RoPE, pending pages reused across denoising forwards,
+and zero-copy sharing between sessions (``fork``, ``share_sinks_from``,
+``share_cross_attention_from``).
 
 Every method validates before it mutates: a raised exception leaves this
 session, every other session and the pool unchanged.
@@ -12,16 +14,16 @@ session, every other session and the pool unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping, Sequence
 import threading
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Protocol
 
 import torch
 
+from ardiff_modules.allocator import PageAllocator
 from ardiff_modules.checks import require_bool
-from ardiff_modules.context import ForwardContext, LayerContext
+from ardiff_modules.context import ForwardContext, LayerContext, short_name, short_tuple
 from ardiff_modules.cross import CrossEntry, CrossKey, build_entry, check_cache_name, not_populated
-from ardiff_modules.forward import ForwardTransaction
 from ardiff_modules.errors import (
     CrossAttentionNotPopulatedError,
     SequenceLengthError,
@@ -30,10 +32,13 @@ from ardiff_modules.errors import (
     UnknownBranchError,
     UnknownCacheError,
 )
-from ardiff_modules.allocator import PageAllocator
+from ardiff_modules.forward import ForwardTransaction
 from ardiff_modules.history import BranchHistory
 from ardiff_modules.spec import KVCacheSpec
 from ardiff_modules.window import RetentionPolicy
+
+#: Branches (and cross caches) a ``KVState`` repr names before eliding the rest.
+_REPR_BRANCHES = 4
 
 
 class SessionHost(Protocol):
@@ -101,6 +106,27 @@ class KVState:
         self._cross: dict[tuple[str, str], CrossEntry] = {}  # (cache name, branch) -> entry
         self._closed = False
 
+    def __repr__(self) -> str:
+        """One line, e.g. ``KVState('s0', committed={'cond': 7, 'uncond': 7}, pending={'cond': 1, 'uncond': 1},
+        pages=96, cross=('text',), status='open')``; reads counters without the cache lock."""
+        shown = list(self._branches.items())[:_REPR_BRANCHES]
+        more = len(self._branches) - len(shown)
+
+        def per_branch(count: Callable[[BranchHistory], int]) -> str:
+            items = ", ".join(f"{short_name(name)}: {count(h)}" for name, h in shown)
+            return "{" + items + (f", ... +{more}" if more else "") + "}"
+
+        cross = short_tuple(sorted({name for name, _ in list(self._cross)}), _REPR_BRANCHES)
+        try:
+            pages = self.pages_in_use()
+        except Exception:  # noqa: BLE001 - a repr must not raise (e.g. another thread mid-update)
+            pages = "?"
+        return (
+            f"KVState({short_name(self.session_id)}, committed={per_branch(lambda h: h.committed_chunks)}, "
+            f"pending={per_branch(lambda h: len(h.pending))}, pages={pages}, cross={cross}, "
+            f"status={'closed' if self._closed else 'open'!r})"
+        )
+
     # ------------------------------------------------------------------ queries
     @property
     def kv_branch_names(self) -> tuple[str, ...]:
@@ -167,7 +193,11 @@ class KVState:
     def get_kv_caches(
         self, kv_branch: str, seq_len: int | None = None, commit_current: bool = False
     ) -> list[LayerContext]:
-        """Per-layer contexts for one forward of ``kv_branch`` over ``seq_len`` pending tokens (seed API)."""
+        """Per-layer contexts for one forward of ``kv_branch`` over ``seq_len`` pending tokens.
+
+        The per-branch call of serving engines; :meth:`prepare_forward` batches several branches
+        (e.g. CFG) in one forward.
+        """
         if seq_len is None:
             raise SequenceLengthError(
                 f"get_kv_caches: expected seq_len (a multiple of chunk_size={self.cache.spec.chunk_size}), got None"
@@ -175,7 +205,7 @@ class KVState:
         return self.prepare_paged_context(kv_branch, seq_len, commit_current)
 
     def prepare_paged_context(self, kv_branch: str, seq_len: int, commit_current: bool) -> list[LayerContext]:
-        """Same as :meth:`get_kv_caches` (the seed's name)."""
+        """Same as :meth:`get_kv_caches` with ``seq_len`` required (the name some serving engines use)."""
         return self.prepare_forward((kv_branch,), seq_len, commit_current).layers
 
     def prepare_forward(

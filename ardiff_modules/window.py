@@ -55,8 +55,9 @@ class RetentionPolicy(Protocol):
     ``visible_indices(n) + [n]`` (an evicted chunk never comes back, so its pages can be freed).
     """
 
-    #: Leading chunks never evicted (what ``share_sinks_from`` shares); 0 if none.
-    sink_chunks: int
+    @property
+    def sink_chunks(self) -> int:
+        """Leading chunks never evicted (what ``share_sinks_from`` shares); 0 if none."""
 
     @property
     def max_resident_chunks(self) -> int | None:

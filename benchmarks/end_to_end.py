@@ -31,7 +31,11 @@ Every variant gets identical inputs: seeded latents per chunk (the same latents 
 a chunk: the sampler arithmetic between forwards is left out, it is negligible next to a forward),
 the same text embeddings (cond: seeded random, uncond: zeros), projected once per layer. Each variant
 warms up until its window is full and has evicted once (default ``sink + window + 2`` chunks), then
-times ``--chunks-timed`` chunk steps (CUDA events on CUDA, ``perf_counter`` on CPU; median reported).
+times ``--chunks-timed`` chunk steps one by one (``_timing.each_call``: each step between two reads of
+``torch.utils.benchmark``'s clock, which synchronises the device; a chunk step advances the stream, so
+every step runs exactly once and is one sample). Reported: the median with its IQR (p25..p75); the
+speed-ups are ratios of medians. The variants run one after another in one process (each holds its own
+KV: 7-14 GB at wan2.1-1.3b, and the rolling ones swap the model's attention modules), not interleaved.
 
 Checked: the outputs of the committing forwards of the timed chunk steps of every variant agree with
 the library's by relative error norm (<= 3e-2 in bf16 / fp16, <= 1e-4 in float32 on CPU, 1e-3 in
@@ -47,7 +51,11 @@ cache / buffers, warm-up, timed steps) and KV bytes: the library's peak pages in
     python benchmarks/end_to_end.py --compile                          # + library_compiled row
     python benchmarks/end_to_end.py --cfg on --variants library,rolling_sdpa   # a subset
 
-Writes ``OUT/end_to_end.json`` and ``OUT/end_to_end.png`` (bar chart; skipped if matplotlib is missing).
+Writes ``OUT/end_to_end.json`` (config, per CFG setting and variant: ``ms_per_chunk_step`` (median),
+``ms_per_chunk_step_stats`` (median, IQR, p25, p75, samples), speed-up, frames/s, memory, errors vs the
+library; targets; run metadata: git commit, UTC time, versions, command line) and ``OUT/end_to_end.png``
+(bars with IQR error bars; skipped if matplotlib is missing). ``--device cuda`` without CUDA, or
+``--backend flashinfer`` without FlashInfer, exits 2 with one line.
 A baseline that fails (compile error, out of memory) is recorded in the JSON with its traceback and
 the run goes on (exit status 1). Sizes at wan2.1-1.3b / bf16: weights 2.8 GB; KV per branch 8 chunks
 x 4680 tokens x 30 layers x 12 heads x 128 x K,V x 2 B = 6.9 GB (13.8 GB with CFG), held by one
@@ -60,10 +68,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import gc
-import statistics
+import importlib.util
 import sys
-import time
 import traceback
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -78,8 +86,11 @@ HERE = Path(__file__).resolve().parent
 for _path in (HERE, HERE.parent / "examples"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
+if str(HERE.parent) not in sys.path:  # this checkout's package, unless one is installed or on PYTHONPATH
+    sys.path.append(str(HERE.parent))
 
-from _timing import environment, save_json  # noqa: E402
+from _plotting import bars, legend_below, pyplot, save, spread, wrap  # noqa: E402
+from _timing import Stats, each_call, environment, fail, once, save_json  # noqa: E402
 from wan_causal_dit import (  # noqa: E402
     PRESETS, TEXT, WanConfig, build_model, kv_pool_pages, make_kv_spec, torch_threads,
 )
@@ -98,6 +109,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    prog = p.prog
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
                    help="model geometry (default: wan2.1-1.3b on CUDA, tiny on CPU)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
@@ -109,6 +121,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help=f"comma-separated subset of {VARIANTS} (library is always run: it is the reference)")
     p.add_argument("--compile", action="store_true", help="also run library_compiled and rolling_sdpa_compiled")
+    p.add_argument("--fp8", action="store_true",
+                   help="also run library_fp8 (and library_fp8_compiled with --compile): KVCacheSpec(kv_dtype="
+                        "'float8_e4m3fn'), FP8 attention on FlashInfer; agreement checked at --fp8-tolerance")
+    p.add_argument("--fp8-tolerance", type=float, default=0.1,
+                   help="largest relative error of an FP8 variant's outputs vs library (default 0.1)")
     p.add_argument("--flex-compile", choices=("auto", "on", "off"), default="auto",
                    help="compile flex_attention (auto: on CUDA only)")
     p.add_argument("--backend", default="auto", help="the library's KVCache backend")
@@ -124,7 +141,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: CUDA is not available")
+        fail(prog, "--device cuda: CUDA is not available (torch.cuda.is_available() is False); "
+                   "use --device cpu --preset tiny for a smoke run")
+    if args.backend == "flashinfer" and importlib.util.find_spec("flashinfer") is None:
+        fail(prog, "--backend flashinfer: the flashinfer package is not installed "
+                   "(pip install 'ardiff_modules[flashinfer]'; or --backend auto / reference)")
     if args.preset is None:
         args.preset = "wan2.1-1.3b" if args.device == "cuda" else "tiny"
     if args.dtype is None:
@@ -142,6 +163,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.variants = ("library",) + tuple(v for v in variants if v != "library")
     if args.compile:
         args.variants += ("library_compiled", "rolling_sdpa_compiled")
+    if args.fp8:
+        args.variants += ("library_fp8",) + (("library_fp8_compiled",) if args.compile else ())
     return args
 
 
@@ -306,8 +329,10 @@ class LibraryRunner:
     """A ``KVCache`` sized to exactly (sinks + window + pending) chunks per branch, one session."""
 
     def __init__(self, model: nn.Module, config: WanConfig, branches: tuple[str, ...], texts: Sequence[torch.Tensor],
-                 device: torch.device, dtype: torch.dtype, backend: str, step: Callable[..., torch.Tensor]) -> None:
-        spec = dataclasses.replace(make_kv_spec(config, device, branches), dtype=str(dtype).removeprefix("torch."))
+                 device: torch.device, dtype: torch.dtype, backend: str, step: Callable[..., torch.Tensor],
+                 kv_dtype: str | None = None) -> None:
+        spec = dataclasses.replace(make_kv_spec(config, device, branches), dtype=str(dtype).removeprefix("torch."),
+                                   kv_dtype=kv_dtype)
         self.spec, self.branches, self.step = spec, branches, step
         self.cache = am.KVCache(spec, num_pages=kv_pool_pages(spec, slack_chunks=0), device=device, backend=backend)
         self.state = self.cache.open_session()
@@ -358,10 +383,24 @@ class RollingRunner:
 
 
 # --------------------------------------------------------------------------------- measurement
+def _chunk_step(runner: Any, latents: Iterator[torch.Tensor], timesteps: Sequence[torch.Tensor],
+                t_commit: torch.Tensor) -> torch.Tensor:
+    """One chunk step on the next latent: the denoising forwards, then the committing one (its output)."""
+    x = next(latents)
+    for t in timesteps:
+        runner.forward(x, t, False)
+    return runner.forward(x, t_commit, True)
+
+
 def run_variant(name: str, make_runner: Callable[[], Any], latents: Sequence[torch.Tensor],
                 timesteps: Sequence[torch.Tensor], t_commit: torch.Tensor, warmup: int, timed: int,
                 device: torch.device) -> dict[str, Any]:
-    """Warm up, then time ``timed`` chunk steps; returns timings, memory and the timed commit outputs."""
+    """Warm up, then time ``timed`` chunk steps one by one; returns timings, memory and the timed commit outputs.
+
+    Set-up, each warm-up step and each timed step are timed with ``_timing`` (the device synchronised
+    before and after each); a chunk step runs exactly once per latent, in the same order for every
+    variant, so the timed steps' outputs line up across variants.
+    """
     cuda = device.type == "cuda"
     gc.collect()
     if cuda:
@@ -369,51 +408,23 @@ def run_variant(name: str, make_runner: Callable[[], Any], latents: Sequence[tor
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
-    t_setup = time.perf_counter()
-    runner = make_runner()
-    setup_s = time.perf_counter() - t_setup
-    step_ms: list[float] = []
-    outputs: list[torch.Tensor] = []
-    t_warm = time.perf_counter()
-    warmup_s = 0.0
-    warmup_steps_s: list[float] = []  # wall time per warm-up chunk step (one-time costs show up here)
+    runner, setup_s = once(make_runner)
+    step = functools.partial(_chunk_step, runner, iter(latents[: warmup + timed]), timesteps, t_commit)
     with torch.no_grad():
-        for k in range(warmup + timed):
-            x = latents[k]
-            if 0 < k <= warmup:
-                if cuda:
-                    torch.cuda.synchronize(device)
-                warmup_steps_s.append(time.perf_counter() - t_warm - sum(warmup_steps_s))
-            is_timed = k >= warmup
-            if is_timed and k == warmup:
-                if cuda:
-                    torch.cuda.synchronize(device)
-                warmup_s = time.perf_counter() - t_warm
-            if is_timed:
-                if cuda:
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                else:
-                    t0 = time.perf_counter()
-            for t in timesteps:
-                runner.forward(x, t, False)
-            out = runner.forward(x, t_commit, True)
-            if is_timed:
-                if cuda:
-                    end.record()
-                    end.synchronize()
-                    step_ms.append(start.elapsed_time(end))
-                else:
-                    step_ms.append((time.perf_counter() - t0) * 1e3)
-                outputs.append(out.detach().float().cpu())
+        warm: Stats | None = each_call(step, warmup)[0] if warmup else None  # one-time costs show here
+        stats, outs = each_call(step, timed)
+    outputs = [out.detach().float().cpu() for out in outs]  # after timing: the copies would sync inside it
+    del outs, step
     if cuda:
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device) - base
+    warmup_steps_s = [ms / 1e3 for ms in warm.samples_ms] if warm else []
     result: dict[str, Any] = {
-        "ms_per_chunk_step": statistics.median(step_ms),
-        "ms_per_chunk_step_all": step_ms,
+        "ms_per_chunk_step": stats.median_ms,
+        "ms_per_chunk_step_all": list(stats.samples_ms),
+        "ms_per_chunk_step_stats": stats.as_dict(samples=False),
         "setup_s": setup_s,
-        "warmup_s": warmup_s,
+        "warmup_s": sum(warmup_steps_s),
         "warmup_steps_s": warmup_steps_s,
         "peak_memory_bytes": peak if cuda else None,
         **runner.kv_info(),
@@ -433,19 +444,21 @@ def _measure(name: str, args: argparse.Namespace, model: nn.Module, config: WanC
              t_commit: torch.Tensor, warmup: int, timed: int, device: torch.device, dtype: torch.dtype,
              flex_compiled: bool) -> dict[str, Any]:
     """One variant at one CFG setting (see :func:`run_variant`)."""
-    if name in ("library", "library_compiled"):
+    if name.startswith("library"):
         step: Callable[..., torch.Tensor] = model
-        if name == "library_compiled":
+        if name.endswith("_compiled"):
             torch._dynamo.reset()
             step = torch.compile(model, fullgraph=True, dynamic=False)
+        kv_dtype = "float8_e4m3fn" if "fp8" in name else None
 
         def make(step: Callable[..., torch.Tensor] = step) -> LibraryRunner:
-            return LibraryRunner(model, config, branches, branch_texts, device, dtype, args.backend, step)
+            return LibraryRunner(model, config, branches, branch_texts, device, dtype, args.backend, step, kv_dtype)
 
         return run_variant(name, make, latents, ts, t_commit, warmup, timed, device)
     rolling_step: Callable[..., torch.Tensor] | None = None
     if name == "rolling_flex":
-        torch._dynamo.reset()
+        if flex_compiled:
+            torch._dynamo.reset()
         attend = make_flex_attend(flex_compiled)
     else:
         attend = sdpa_attend
@@ -467,7 +480,8 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run the benchmark per ``argv``; writes the JSON (+ PNG) and returns the payload."""
     args = parse_args(argv)
     limits = {}
-    for key in ("recompile_limit", "cache_size_limit"):  # compiled flex: one graph per key length (warm-up)
+    compiles = args.compile or args.flex_compile == "on" or (args.flex_compile == "auto" and args.device == "cuda")
+    for key in ("recompile_limit", "cache_size_limit") if compiles else ():  # compiled flex: a graph per key length
         if hasattr(torch._dynamo.config, key):
             limits[key] = getattr(torch._dynamo.config, key)
             setattr(torch._dynamo.config, key, max(64, limits[key]))
@@ -549,7 +563,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             errs = [rel_err(o, r) for o, r in zip(measured["outputs"], reference)]
             res["rel_err_vs_library"] = max(errs)
             res["rel_err_vs_library_per_step"] = errs
-            res["agrees"] = res["rel_err_vs_library"] <= tolerance
+            res["agrees"] = res["rel_err_vs_library"] <= (args.fp8_tolerance if "fp8" in name else tolerance)
             agree &= res["agrees"]
             res["latent_frames_per_s"] = config.frames_per_chunk / (res["ms_per_chunk_step"] / 1e3)
             res["kv_peak_bytes_per_branch"] = res["kv_peak_bytes"] / streams
@@ -557,14 +571,18 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
                 res["flex_compiled"] = flex_compiled
                 if not flex_compiled:
                     res["note"] = "eager flex_attention (unfused: materialises the scores); compiled on CUDA"
-            if name == "library_compiled":
+            if name.endswith("_compiled") and name.startswith("library"):
                 res["note"] = "torch.compile(model, fullgraph=True, dynamic=False)"
+            if "fp8" in name:
+                res["kv_dtype"] = "float8_e4m3fn"
             if name == "rolling_sdpa_compiled":
                 res["note"] = ("torch.compile(model, dynamic=False) with the rolling cache write + SDPA opaque "
                                "(one graph break per layer)")
             variants[name] = res
+            iqr = res["ms_per_chunk_step_stats"]["iqr_ms"]
             print(
-                f"  {setting} {name}: {res['ms_per_chunk_step']:.2f} ms per chunk step (setup {res['setup_s']:.1f} s, "
+                f"  {setting} {name}: {res['ms_per_chunk_step']:.2f} ms per chunk step (IQR {iqr:.2g}; "
+                f"setup {res['setup_s']:.1f} s, "
                 f"warm-up {res['warmup_s']:.1f} s), rel err vs library {res['rel_err_vs_library']:.1e}",
                 flush=True,
             )
@@ -577,9 +595,17 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
 
     library_speedups = {s: r["variants"]["library"].get("speedup_vs_rolling_sdpa") for s, r in results.items()}
     compiled_speedups = {  # both sides compiled: what torch.compile-native buys over the compiled baseline
-        s: r["variants"]["rolling_sdpa_compiled"]["ms_per_chunk_step"] / r["variants"]["library_compiled"]["ms_per_chunk_step"]
+        s: (r["variants"]["rolling_sdpa_compiled"]["ms_per_chunk_step"]
+            / r["variants"]["library_compiled"]["ms_per_chunk_step"])
         for s, r in results.items()
         if all("ms_per_chunk_step" in r["variants"].get(n, {}) for n in ("library_compiled", "rolling_sdpa_compiled"))
+    }
+    fp8_compiled_speedups = {
+        s: (r["variants"]["rolling_sdpa_compiled"]["ms_per_chunk_step"]
+            / r["variants"]["library_fp8_compiled"]["ms_per_chunk_step"])
+        for s, r in results.items()
+        if all("ms_per_chunk_step" in r["variants"].get(n, {})
+               for n in ("library_fp8_compiled", "rolling_sdpa_compiled"))
     }
     kv_ok = {
         s: r["variants"]["library"]["kv_peak_bytes_per_branch"] == kv_target_per_branch for s, r in results.items()
@@ -594,7 +620,8 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             "device": str(device), "backend_requested": args.backend, "timesteps": list(TIMESTEPS) + [0.0],
             "forwards_per_chunk_step": len(TIMESTEPS) + 1, "warmup_chunks": warmup, "chunks_timed": timed,
             "flex_compiled": flex_compiled, "tolerance": tolerance, "seed": args.seed,
-            "timing": "CUDA events per chunk step" if cuda else "time.perf_counter per chunk step",
+            "timing": "each timed chunk step one sample between two device-synchronising clock reads "
+                      "(torch.utils.benchmark's timer); median and IQR over the timed steps",
             "torch_threads": torch.get_num_threads(),
         },
         "results": results,
@@ -603,6 +630,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             "library_speedup": library_speedups,
             "speedup_met": {s: (v is not None and v >= TARGET_SPEEDUP) for s, v in library_speedups.items()},
             "library_compiled_speedup_vs_rolling_sdpa_compiled": compiled_speedups,
+            "library_fp8_compiled_speedup_vs_rolling_sdpa_compiled": fp8_compiled_speedups,
             "kv_peak_bytes_per_branch_target": kv_target_per_branch,
             "kv_peak_equals_target": kv_ok,
         },
@@ -611,7 +639,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
 
     print_table(payload)
     out = args.out
-    save_json(out / "end_to_end.json", payload)
+    save_json(out / "end_to_end.json", payload, args=args)
     png = plot(payload, out / "end_to_end.png")
     payload["png"] = str(png) if png else None
     return payload
@@ -627,7 +655,7 @@ def _rounded(d: dict[str, float | None]) -> dict[str, float | None]:
 
 
 def print_table(payload: dict[str, Any]) -> None:
-    head = (f"{'cfg':<8}{'variant':<23}{'ms/step':>10}{'vs sdpa':>9}{'latent fr/s':>13}{'peak MiB':>10}"
+    head = (f"{'cfg':<8}{'variant':<23}{'ms/step':>10}{'IQR':>8}{'vs sdpa':>9}{'latent fr/s':>13}{'peak MiB':>10}"
             f"{'KV MiB':>10}{'rel err':>10}  ok")
     print(head)
     print("-" * len(head))
@@ -637,8 +665,9 @@ def print_table(payload: dict[str, Any]) -> None:
                 print(f"{setting:<8}{name:<23}  FAILED: {res['error'][:80]}")
                 continue
             speed = res.get("speedup_vs_rolling_sdpa")
+            iqr = res.get("ms_per_chunk_step_stats", {}).get("iqr_ms")
             print(
-                f"{setting:<8}{name:<23}{res['ms_per_chunk_step']:>10.2f}"
+                f"{setting:<8}{name:<23}{res['ms_per_chunk_step']:>10.2f}{('-' if iqr is None else f'{iqr:.3g}'):>8}"
                 f"{('-' if speed is None else f'{speed:.2f}x'):>9}{res['latent_frames_per_s']:>13.2f}"
                 f"{_mib(res['peak_memory_bytes']):>10}{_mib(res['kv_peak_bytes']):>10}"
                 f"{res['rel_err_vs_library']:>10.1e}  {'yes' if res['agrees'] else 'NO'}"
@@ -653,54 +682,57 @@ def print_table(payload: dict[str, Any]) -> None:
     if t["library_compiled_speedup_vs_rolling_sdpa_compiled"]:
         print(f"compiled vs compiled (library_compiled vs rolling_sdpa_compiled): "
               f"{_rounded(t['library_compiled_speedup_vs_rolling_sdpa_compiled'])}")
+    if t.get("library_fp8_compiled_speedup_vs_rolling_sdpa_compiled"):
+        print(f"compiled vs compiled, FP8 KV (library_fp8_compiled vs rolling_sdpa_compiled): "
+              f"{_rounded(t['library_fp8_compiled_speedup_vs_rolling_sdpa_compiled'])}")
+
+
+def _step_spread(res: dict[str, Any]) -> tuple[float, float] | None:
+    """p25 / p75 ms per chunk step: from the stats, else from the per-step samples (older results)."""
+    return spread(res.get("ms_per_chunk_step_stats"), res.get("ms_per_chunk_step_all"))
 
 
 def plot(payload: dict[str, Any], path: Path) -> Path | None:
-    try:
-        import matplotlib
-    except ImportError:
-        print("matplotlib not installed: no PNG")
+    """ms per chunk step per variant and CFG setting, IQR error bars; labels: median ms and speed-up."""
+    plt = pyplot()
+    if plt is None:
         return None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     settings = list(payload["results"])
     names: list[str] = []
     for r in payload["results"].values():
         names += [n for n in r["variants"] if n not in names]
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, ax = plt.subplots(figsize=(max(7.0, 2.2 + 1.1 * len(names) * len(settings)), 5.2), layout="constrained")
     width = 0.8 / len(names)
+    has_spread = False
+    top = 0.0
     for i, name in enumerate(names):
-        xs, ms, labels = [], [], []
+        xs, ms, bounds, labels = [], [], [], []
         for j, setting in enumerate(settings):
             res = payload["results"][setting]["variants"].get(name)
             if res is None or "error" in res:
                 continue
             xs.append(j + i * width)
             ms.append(res["ms_per_chunk_step"])
+            bounds.append(_step_spread(res))
             speed = res.get("speedup_vs_rolling_sdpa")
             ms_label = f"{ms[-1]:.0f}" if ms[-1] >= 100 else f"{ms[-1]:.3g}"
             labels.append(ms_label + ("" if speed is None else f"\n{speed:.2f}x"))
-        bars = ax.bar(xs, ms, width, label=name)
-        ax.bar_label(bars, labels=labels, fontsize=7)
-    ticks = [f"CFG {s.removeprefix('cfg_')} ({payload['results'][s]['streams']} stream(s))" for s in settings]
+            top = max(top, ms[-1], bounds[-1][1] if bounds[-1] else 0.0)
+        has_spread |= any(b is not None for b in bounds)
+        bars(ax, xs, ms, width, bounds=bounds, labels=labels, fontsize=8, label=name)
+    ticks = [f"CFG {s.removeprefix('cfg_')} ({payload['results'][s]['streams']} stream"
+             f"{'s' if payload['results'][s]['streams'] != 1 else ''})" for s in settings]
     ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(settings))], ticks)
+    ax.set_ylim(0, top * 1.18)  # room for the two-line labels above the tallest bar
     cfg = payload["config"]
     ax.set_ylabel("ms per chunk step (lower is better)")
-    ax.set_title(
-        f"{cfg['preset']}: one chunk step = 4 denoising + 1 commit forward; sink {cfg['sink_chunks']} + window "
-        f"{cfg['window_chunks']} chunks; {cfg['dtype']}, {payload['env'].get('gpu', cfg['device'])}\n"
-        "bar labels: ms, speedup vs rolling_sdpa",
-        fontsize=9,
-    )
-    ax.margins(y=0.15)
-    ax.legend(fontsize=8, loc="lower right", framealpha=0.9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    print(f"wrote {path}")
-    return path
+    note = "error bars: IQR over the timed steps" if has_spread else "medians (no spread recorded)"
+    title = (f"{cfg['preset']}: one chunk step = 4 denoising + 1 commit forward; sink {cfg['sink_chunks']} + window "
+             f"{cfg['window_chunks']} chunks; {cfg['dtype']}, {payload.get('env', {}).get('gpu', cfg['device'])}\n"
+             f"bar labels: median ms, speed-up vs rolling_sdpa; {note}")
+    ax.set_title(wrap(title, fig, 9), fontsize=9)
+    legend_below(fig, ax, ncol=min(len(names), 4))
+    return save(plt, fig, path)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

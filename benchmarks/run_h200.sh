@@ -3,6 +3,8 @@
 #   bash .gpu/run.sh bash benchmarks/run_h200.sh tests attention sessions     (device run 1)
 #   bash .gpu/run.sh bash benchmarks/run_h200.sh end_to_end example           (device run 2)
 # A step that fails or overruns its time limit is reported and the next one still runs.
+# The device gets a copy of the tree without .git: pass the commit for the JSON's run metadata, e.g.
+#   ARDIFF_BENCH_GIT=$(git rev-parse HEAD)$(git diff --quiet HEAD || echo -dirty) bash .gpu/run.sh bash ...
 set -u
 out=${OUT:-/tmp/ardiff-out}
 mkdir -p "$out"
@@ -24,11 +26,13 @@ for what in "$@"; do
     tests_plan_skip) step gpu_tests_plan_skip 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py \
                -k plan_skipped -rs ;;
     attention) step attention 200 python3 benchmarks/attention.py --out "$out" ;;
-    sessions) step sessions 150 python3 benchmarks/sessions.py --out "$out" ;;
-    end_to_end) step end_to_end 420 python3 benchmarks/end_to_end.py --out "$out" ;;
-    end_to_end_compiled) step end_to_end_compiled 420 python3 benchmarks/end_to_end.py --compile --cfg on \
-               --variants library,rolling_sdpa --out "$out/compiled" ;;
-    first_use) step first_use 200 python3 benchmarks/first_use.py ;;
+    sessions) step sessions 240 python3 benchmarks/sessions.py --out "$out" ;;
+    end_to_end) step end_to_end 480 python3 benchmarks/end_to_end.py --out "$out" ;;
+    end_to_end_compiled) step end_to_end_compiled 540 python3 benchmarks/end_to_end.py --compile --fp8 --cfg on \
+               --variants library,rolling_sdpa --chunks-timed 3 --out "$out/compiled" ;;
+    first_use) step first_use 200 python3 benchmarks/first_use.py --out "$out" ;;
+    host_time) step host_time 120 python3 benchmarks/host_time.py --out "$out/host_time.jsonl" ;;
+    compile_vs_eager) step compile_vs_eager 300 python3 benchmarks/compile_vs_eager.py --out "$out" ;;
     example) step example 150 python3 examples/streaming_generation.py --preset wan2.1-1.3b --device cuda \
                --chunks 10 --switch-at 6 --compile --no-progress --out /tmp/stream_wan.png ;;
     example_graph) step example_graph 150 python3 examples/streaming_generation.py --preset wan2.1-1.3b \

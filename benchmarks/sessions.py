@@ -6,8 +6,20 @@ For 1, 2, 4, 8 sessions (each with CFG's two branches, windows full), one forwar
 * ``batched`` -- every session's streams are rows of one plan: one kernel launch per layer;
 * ``serial``  -- each session prepares and runs its own forward.
 
+Timing (``_timing.interleaved``, ``torch.utils.benchmark``): batched and serial sampled round-robin,
+``--rounds`` samples of ``--inner`` back-to-back forwards each (host and device work both count: the
+clock synchronises the device at both ends of a sample); medians with IQR, the speed-up is the ratio
+of the medians. ``--inner 1`` times whole forwards synchronised at both ends (the method of the
+figures recorded before the timing helper was rewritten).
+
 Reported: aggregate tokens/s, latency per chunk forward, the speed-up, KV bytes per session, and the
 cost of ``fork`` (host time; pages allocated and bytes written must both be 0).
+Runs on CUDA (FlashInfer through ``backend="auto"``, bf16) or on the CPU (the reference backend,
+float32; a smoke run: CPU timings say nothing about the GPU). ``--device cuda`` without CUDA exits 2.
+
+Writes ``OUT/sessions.json`` (per shape and session count: medians, ``batched_stats`` /
+``serial_stats`` with IQR, p25, p75 and samples, speed-up, KV bytes, fork cost; run metadata) and
+``OUT/sessions.png`` (throughput with IQR error bars, and the speed-up).
 
     bash .gpu/run.sh python3 benchmarks/sessions.py --out benchmarks/results          # H200
     python benchmarks/sessions.py --shape tiny --device cpu --out /tmp/sessions        # CPU smoke
@@ -15,18 +27,16 @@ cost of ``fork`` (host time; pages allocated and bytes written must both be 0).
 
 from __future__ import annotations
 
-import argparse
-import statistics
 import sys
-import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
-from _timing import environment, save_json  # noqa: E402
-
-import ardiff_modules as am  # noqa: E402
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+if str(HERE.parent) not in sys.path:  # this checkout's package, unless one is installed or on PYTHONPATH
+    sys.path.append(str(HERE.parent))
+from _timing import fail, interleaved, once, parser, save_json  # noqa: E402
 
 SHAPES = {
     "wan1.3b": dict(heads=12, head_dim=128, chunk=4680, page=120, sink=1, window=6),
@@ -35,7 +45,9 @@ SHAPES = {
 }
 
 
-def _spec(shape: dict, layers: int, dtype: str) -> am.KVCacheSpec:
+def _spec(shape: dict[str, int], layers: int, dtype: str) -> Any:
+    import ardiff_modules as am
+
     return am.KVCacheSpec(
         num_layers=layers, num_kv_heads=shape["heads"], head_dim=shape["head_dim"], chunk_size=shape["chunk"],
         page_size=shape["page"], sink_chunks=shape["sink"], window_chunks=shape["window"],
@@ -43,32 +55,12 @@ def _spec(shape: dict, layers: int, dtype: str) -> am.KVCacheSpec:
     )
 
 
-class Timer:
-    """Wall time of whole forwards (host + device), synchronised at both ends; variants sampled
-    round-robin so drift hits them alike."""
+def bench_sessions(shape_name: str, sessions: int, layers: int, device: Any, dtype: str, *, rounds: int,
+                   inner: int) -> dict[str, Any]:
+    import torch
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
+    import ardiff_modules as am
 
-    def sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-
-    def __call__(self, fns: dict, iters: int) -> dict[str, float]:  # noqa: ANN001
-        for fn in fns.values():
-            fn()
-        samples: dict[str, list[float]] = {name: [] for name in fns}
-        for _ in range(iters):
-            for name, fn in fns.items():
-                self.sync()
-                t0 = time.perf_counter()
-                fn()
-                self.sync()
-                samples[name].append(time.perf_counter() - t0)
-        return {name: statistics.median(times) for name, times in samples.items()}
-
-
-def bench_sessions(shape_name: str, sessions: int, layers: int, device: torch.device, dtype: str, iters: int) -> dict:
     shape = SHAPES[shape_name]
     spec = _spec(shape, layers, dtype)
     pages = sessions * spec.pages_per_chunk * (spec.max_resident_chunks + 2) * 2
@@ -89,6 +81,7 @@ def bench_sessions(shape_name: str, sessions: int, layers: int, device: torch.de
         with cache.prepare_forward(streams, spec.chunk_size, commit_current=True) as fwd:
             run(fwd, slice(None))
 
+    # Both leave the state as they found it (commit_current=False): safe to repeat within a sample.
     def batched() -> None:
         with cache.prepare_forward(streams, spec.chunk_size, commit_current=False) as fwd:
             run(fwd, slice(None))
@@ -98,27 +91,29 @@ def bench_sessions(shape_name: str, sessions: int, layers: int, device: torch.de
             with state.prepare_forward(spec.branches, spec.chunk_size, commit_current=False) as fwd:
                 run(fwd, slice(2 * i, 2 * i + 2))
 
-    timer = Timer(device)
-    times = timer({"batched": batched, "serial": serial}, iters)
-    t_batched, t_serial = times["batched"], times["serial"]
+    stats = interleaved({"batched": batched, "serial": serial}, inner=inner, rounds=rounds, warmup=1)
+    t_batched, t_serial = stats["batched"].median_ms * 1e-3, stats["serial"].median_ms * 1e-3
     tokens = 2 * sessions * spec.chunk_size
-    modes = sorted({f.plan.mode for f in cache.forward_contexts() if f.plan is not None}) if device.type == "cuda" else []
-    result = {
+    modes = (sorted({f.plan.mode for f in cache.forward_contexts() if f.plan is not None})
+             if device.type == "cuda" else [])
+    result: dict[str, Any] = {
         "sessions": sessions,
         "batched_ms": t_batched * 1e3,
         "serial_ms": t_serial * 1e3,
+        "batched_stats": stats["batched"].as_dict(),
+        "serial_stats": stats["serial"].as_dict(),
         "speedup": t_serial / t_batched,
         "batched_tokens_per_s": tokens / t_batched,
         "serial_tokens_per_s": tokens / t_serial,
+        "tokens_per_forward": tokens,
         "kv_bytes_per_session": cache.pages_per_session() * cache.pool.bytes_per_page,
         "kernel_modes": modes,
     }
-    # Fork cost: zero pages, zero bytes written.
+    # Fork cost: zero pages, zero bytes written (host time: the device is synchronised before, not after).
     used_before = cache.allocator.num_used
     checksum = cache.pool.kv.float().sum().item() if cache.pool.nbytes < (1 << 31) else None
-    t0 = time.perf_counter()
-    child = states[0].fork()
-    result["fork_host_ms"] = (time.perf_counter() - t0) * 1e3
+    child, fork_s = once(states[0].fork, sync_end=False)
+    result["fork_host_ms"] = fork_s * 1e3
     result["fork_pages_allocated"] = cache.allocator.num_used - used_before
     if checksum is not None:
         result["fork_pool_unchanged"] = cache.pool.kv.float().sum().item() == checksum
@@ -129,52 +124,99 @@ def bench_sessions(shape_name: str, sessions: int, layers: int, device: torch.de
     return result
 
 
-def plot(payload: dict, path: Path) -> None:
-    import matplotlib
+def _throughput_bounds(row: dict[str, Any], key: str) -> tuple[float, float] | None:
+    """Mtokens/s at the p75 and p25 times of ``row[key]`` (a slower sample is a lower throughput)."""
+    st = row.get(f"{key}_stats")
+    if not st:
+        return None
+    tokens = row.get("tokens_per_forward", row[f"{key}_tokens_per_s"] * row[f"{key}_ms"] / 1e3)
+    return tokens / (st["p75_ms"] * 1e-3) / 1e6, tokens / (st["p25_ms"] * 1e-3) / 1e6
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(payload["shapes"]), figsize=(5 * len(payload["shapes"]), 4), squeeze=False)
-    for ax, (name, rows) in zip(axes[0], payload["shapes"].items()):
+def plot(payload: dict[str, Any], path: Path) -> Path | None:
+    """Top: aggregate throughput, batched vs serial (IQR error bars); bottom: the speed-up (ratio of medians)."""
+    from _plotting import bars, legend_below, pyplot, save, wrap, yerr
+
+    plt = pyplot()
+    if plt is None:
+        return None
+    shapes = payload["shapes"]
+    fig, axes = plt.subplots(2, len(shapes), figsize=(5.5 * len(shapes), 6.5), squeeze=False, layout="constrained",
+                             gridspec_kw={"height_ratios": (3, 2)}, sharex="col")
+    has_spread = False
+    for col, (name, rows) in enumerate(shapes.items()):
+        top, bottom = axes[0][col], axes[1][col]
         n = [r["sessions"] for r in rows]
-        ax.plot(n, [r["batched_tokens_per_s"] / 1e6 for r in rows], "o-", label="batched (one launch per layer)")
-        ax.plot(n, [r["serial_tokens_per_s"] / 1e6 for r in rows], "s--", label="serial")
-        for r in rows:
-            ax.annotate(f"{r['speedup']:.2f}x", (r["sessions"], r["batched_tokens_per_s"] / 1e6), fontsize=8)
-        ax.set_xscale("log", base=2)
-        ax.set_ylim(bottom=0)  # differences of a few percent must look like it
-        ax.set_xlabel("sessions (2 CFG streams each)")
-        ax.set_ylabel("aggregate Mtokens/s")
-        ax.set_title(name)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
+        for key, style, label in (("batched", "o-", "batched (one launch per layer)"), ("serial", "s--", "serial")):
+            values = [r[f"{key}_tokens_per_s"] / 1e6 for r in rows]
+            bounds = [_throughput_bounds(r, key) for r in rows]
+            has_spread |= any(b is not None for b in bounds)
+            top.errorbar(n, values, yerr=yerr(values, bounds), fmt=style, capsize=3, label=label)
+        top.set_ylim(bottom=0, top=top.get_ylim()[1] * 1.08)  # from 0: a few percent must look like it
+        top.set_ylabel("aggregate Mtokens/s")
+        top.set_title(name)
+        top.grid(alpha=0.3)
+        speed = [r["speedup"] for r in rows]
+        bars(bottom, n, speed, [0.5 * v for v in n], labels=[f"{v:.2f}x" for v in speed], fontsize=8,
+             color="tab:green", label="speed-up, batched vs serial (ratio of medians)")
+        bottom.axhline(1.0, color="k", lw=0.6)
+        bottom.set_ylim(0, max(speed) * 1.25)
+        bottom.set_ylabel("speed-up (batched / serial)")
+        bottom.set_xscale("log", base=2)
+        bottom.set_xticks(n, [str(v) for v in n])
+        bottom.minorticks_off()
+        bottom.set_xlabel("sessions (2 CFG streams each)")
+    note = "error bars: IQR" if has_spread else "medians (no spread recorded in this run)"
+    gpu = payload.get("env", {}).get("gpu", payload.get("device", "?"))
+    title = (f"Sessions batched in one launch per layer vs serial, {payload.get('layers', '?')} attention layers "
+             f"per forward ({gpu})\n{note}")
+    fig.suptitle(wrap(title, fig), fontsize=10)
+    legend_below(fig, axes[0][0], ncol=2)
+    return save(plt, fig, path)
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", action="append", choices=sorted(SHAPES), help="repeatable; default wan1.3b and small-chunk")
-    parser.add_argument("--sessions", type=int, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument("--layers", type=int, default=4, help="attention layers per forward")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--iters", type=int, default=25)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    args = parser.parse_args(argv)
+def build_parser() -> Any:
+    p = parser(__doc__)
+    p.add_argument("--shape", action="append", choices=sorted(SHAPES),
+                   help="repeatable; default wan1.3b and small-chunk on CUDA, tiny on the CPU")
+    p.add_argument("--sessions", type=int, nargs="+", default=[1, 2, 4, 8], help="session counts (default 1 2 4 8)")
+    p.add_argument("--layers", type=int, default=4, help="attention layers per forward (default 4)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available, else cpu")
+    p.add_argument("--rounds", "--iters", dest="rounds", type=int, default=15,
+                   help="round-robin samples per variant (default 15; --iters is an alias)")
+    p.add_argument("--inner", type=int, default=3, help="back-to-back forwards per sample (default 3)")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="folder for sessions.json / .png")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.rounds < 1 or args.inner < 1 or args.layers < 1 or min(args.sessions) < 1:
+        p.error("--rounds, --inner, --layers and --sessions must be >= 1")
+    import torch
+
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        fail(p.prog, "--device cuda: CUDA is not available (torch.cuda.is_available() is False); "
+                     "use --device cpu for a smoke run")
     device = torch.device(args.device)
     dtype = "bfloat16" if device.type == "cuda" else "float32"
-    shapes = args.shape or ["wan1.3b", "small-chunk"]
-    payload: dict = {"env": environment(), "layers": args.layers, "device": str(device), "shapes": {}}
+    shapes = args.shape or (["wan1.3b", "small-chunk"] if device.type == "cuda" else ["tiny"])
+    payload: dict[str, Any] = {"layers": args.layers, "device": str(device), "rounds": args.rounds,
+                               "inner": args.inner, "shapes": {}}
     for name in shapes:
         rows = []
         for n in args.sessions:
-            rows.append(bench_sessions(name, n, args.layers, device, dtype, args.iters))
+            rows.append(bench_sessions(name, n, args.layers, device, dtype, rounds=args.rounds, inner=args.inner))
             r = rows[-1]
-            print(f"{name:12s} sessions={n}: batched {r['batched_ms']:.2f} ms, serial {r['serial_ms']:.2f} ms, "
+            iqr_b, iqr_s = r["batched_stats"]["iqr_ms"], r["serial_stats"]["iqr_ms"]
+            print(f"{name:12s} sessions={n}: batched {r['batched_ms']:.3g} ms (IQR {iqr_b:.2g}), "
+                  f"serial {r['serial_ms']:.3g} ms (IQR {iqr_s:.2g}), "
                   f"speed-up {r['speedup']:.2f}x, fork {r['fork_host_ms']:.3f} ms / {r['fork_pages_allocated']} pages")
         payload["shapes"][name] = rows
-    save_json(args.out / "sessions.json", payload)
+    save_json(args.out / "sessions.json", payload, args=args)
     plot(payload, args.out / "sessions.png")
     return payload
 

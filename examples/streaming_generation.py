@@ -29,6 +29,7 @@ Commands
 ::
 
     python examples/streaming_generation.py                         # tiny preset, CPU, 8 chunks (a few seconds)
+    python examples/streaming_generation.py --no-plot               # the same without the figure
     python examples/streaming_generation.py --switch-at 4 --reset-at 6 --out outputs/stream.png
     python examples/streaming_generation.py --compile               # the torch.compile'd generation script
     python examples/compiled_generation.py                          # the same, as a separate entry point
@@ -43,14 +44,28 @@ script exits with status 1 if anything recompiled. ``--cuda-graph`` (CUDA + Flas
 forward with ``static=True`` and replays one captured graph per (streams, seq_len) through
 :class:`ardiff_modules.graphs.CUDAGraphStep`; it combines with ``--compile``.
 
-The output PNG shows the first three latent channels of each generated frame as RGB (normalised over
-the whole video), frames side by side, a white bar between chunks, 8 chunks per row. With random
-weights it is a smoke picture, not a video: load real weights as ``wan_causal_dit`` explains.
+Outputs (beside ``--out``, default ``outputs/``):
+
+* ``stream.png`` (``--out``): the first three latent channels of each generated frame as RGB (normalised
+  over the whole video), frames side by side, a white bar between chunks, 8 chunks per row. With random
+  weights it is a smoke picture, not a video: load real weights as ``wan_causal_dit`` explains.
+* ``streaming_generation.png`` (``--figure``; ``--no-plot`` skips it): the library at work over this run,
+  drawn by ``_report_figure.py`` from the data below: (a) KV memory while each chunk is denoised, per
+  branch (committed history + pending chunk) and the pool's total, against a contiguous rolling buffer
+  of the same visible context (sink + window + current chunk per layer and branch, allocated up front);
+  (b) which key chunks each chunk's forward attended to (sinks, window, itself; evicted chunks gray),
+  from the forwards' ``to_dense()`` / ``key_positions()`` (from the branches' history spans at shapes where
+  the dense mask would be hundreds of MB); (c) wall ms per chunk, warm-up and window filling marked; (d)
+  the latent strip.
+* ``streaming_generation.json`` (``--json``): the printed summary plus the per-chunk record
+  (:class:`StreamRecorder`: pages per branch from ``state.history``, pool use from ``cache.stats()``,
+  visible key chunks, ms per chunk) and the geometry the figure uses.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import sys
@@ -74,7 +89,7 @@ from wan_causal_dit import (  # noqa: E402
     torch_threads,
 )
 
-from ardiff_modules import KVCache, KVState, populate_cross_attention  # noqa: E402
+from ardiff_modules import ForwardContext, KVCache, KVState, populate_cross_attention  # noqa: E402
 from ardiff_modules.pool import bytes_per_page  # noqa: E402
 
 
@@ -92,6 +107,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--switch-at", type=int, default=None, metavar="K", help="switch the prompt before chunk K")
     p.add_argument("--reset-at", type=int, default=None, metavar="K", help="reset the session before chunk K")
     p.add_argument("--out", type=Path, default=Path("outputs/stream.png"), help="PNG strip of the latent frames")
+    p.add_argument(
+        "--figure", type=Path, default=None,
+        help="the run's picture: KV memory, visibility, time per chunk, latent strip (default: "
+        "streaming_generation.png beside --out)",
+    )
+    p.add_argument(
+        "--json", type=Path, default=None,
+        help="the summary and the per-chunk data the figure draws (default: streaming_generation.json beside --out)",
+    )
+    p.add_argument("--no-plot", action="store_true", help="skip the figure (the strip and the JSON are still written)")
     p.add_argument("--compile", action="store_true", help="torch.compile(fullgraph=True) the model step; fail on recompiles")
     p.add_argument("--cuda-graph", action="store_true", help="capture the step once and replay it (CUDA + FlashInfer)")
     p.add_argument(
@@ -125,6 +150,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         )
     if args.cuda_graph and args.device != "cuda":
         p.error("--cuda-graph: expected --device cuda (CUDA graphs need a GPU)")
+    if args.figure is None:
+        args.figure = args.out.parent / "streaming_generation.png"
+    if args.json is None:
+        args.json = args.out.parent / "streaming_generation.json"
+    if len({args.out.resolve(), args.figure.resolve(), args.json.resolve()}) != 3:
+        p.error(
+            f"--out, --figure and --json: expected three different files, got {args.out}, {args.figure}, {args.json}"
+        )
     return args
 
 
@@ -148,11 +181,34 @@ class Prompts:
             populate_cross_attention(state, branch, crosses, self.model.embed_text(text.to(device)))
 
 
-def save_strip(frames: torch.Tensor, frames_per_chunk: int, path: Path, chunks_per_row: int = 8) -> None:
+def save_strip(
+    frames: torch.Tensor, frames_per_chunk: int, path: Path, chunks_per_row: int = 8
+) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
     """Write latent frames ``[T, C, H, W]`` as an RGB PNG (channels 0..2), frames side by side.
+
+    Returns :func:`build_strip`'s image and chunk spans (see it for the layout).
+    """
+    image, spans = build_strip(frames, frames_per_chunk, chunks_per_row)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import matplotlib.image  # the examples extra: pip install ardiff_modules[examples]
+    except ImportError:
+        from PIL import Image  # matplotlib's own dependency, often present without it
+
+        Image.fromarray((image * 255).round().to(torch.uint8).numpy()).save(path)
+    else:
+        matplotlib.image.imsave(path, image.numpy())
+    return image, spans
+
+
+def build_strip(
+    frames: torch.Tensor, frames_per_chunk: int, chunks_per_row: int = 8
+) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+    """Latent frames ``[T, C, H, W]`` as an RGB image ``[H', W', 3]`` in 0..1 (channels 0..2), frames side by side.
 
     Channels are normalised over the whole video (1st..99th percentile), frames upscaled
     (nearest) to at least 64 pixels high, a gray line separates frames and a white bar chunks, ``chunks_per_row`` per row.
+    Also returns ``(row, first column, last column + 1)`` of each chunk in the image.
     """
     rgb = frames[:, :3].float()
     if rgb.shape[1] < 3:
@@ -168,15 +224,22 @@ def save_strip(frames: torch.Tensor, frames_per_chunk: int, path: Path, chunks_p
     white = torch.ones(3, height, bar)
     gray = torch.full((3, height, 1), 0.5)  # between frames of one chunk
     rows = []
+    spans: list[tuple[int, int, int]] = []
     for r in range(0, len(chunks), chunks_per_row):
         pieces: list[torch.Tensor] = []
+        x = 0
         for chunk in chunks[r : r + chunks_per_row]:
             if pieces:
                 pieces.append(white)
+                x += bar
+            start = x
             for i, frame in enumerate(chunk.unbind(0)):
                 if i:
                     pieces.append(gray)
+                    x += 1
                 pieces.append(frame)
+                x += frame.shape[-1]
+            spans.append((r // chunks_per_row, start, x))
         rows.append(torch.cat(pieces, dim=-1))
     width = max(row.shape[-1] for row in rows)
     rows = [torch.nn.functional.pad(row, (0, width - row.shape[-1]), value=1.0) for row in rows]
@@ -185,16 +248,99 @@ def save_strip(frames: torch.Tensor, frames_per_chunk: int, path: Path, chunks_p
         if spaced:
             spaced.append(torch.ones(3, bar, width))
         spaced.append(row)
-    image = torch.cat(spaced, dim=-2).permute(1, 2, 0).contiguous()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        import matplotlib.image  # the examples extra: pip install ardiff_modules[examples]
-    except ImportError:
-        from PIL import Image  # matplotlib's own dependency, often present without it
+    return torch.cat(spaced, dim=-2).permute(1, 2, 0).contiguous(), spans
 
-        Image.fromarray((image * 255).round().to(torch.uint8).numpy()).save(path)
-    else:
-        matplotlib.image.imsave(path, image.numpy())
+
+class StreamRecorder:
+    """Per-chunk measurements of the run, read through the library's public API only.
+
+    For each chunk, right after its last denoising forward (whose pending pages the commit forward reuses,
+    so this is what the pool holds while the chunk is denoised and committed):
+
+    * ``pages``: per branch, ``state.history(branch)``'s resident (committed, visible) and pending pages,
+      the contiguous-extent reservation, and ``cache.stats().sessions`` (every page the branch references);
+    * ``pool_pages_used``: ``cache.stats().pages_used`` (distinct pages in use in the whole pool);
+    * ``visible_key_chunks``: per branch, the chunks whose keys that forward attended to: the keys that
+      ``ForwardContext.to_dense()`` marks visible for the chunk's queries, mapped to chunks by
+      ``key_positions()`` (absolute positions, restarting after a reset, hence ``stream_start_chunk``);
+      above ``DENSE_LIMIT`` mask elements from ``state.history(branch).history_spans()`` + the pending chunk
+      (``visibility_source`` says which);
+    * ``committed_before``: ``state.committed_chunks(branch)`` when the chunk started;
+    * ``chunk_ms``: wall time of the chunk's loop body (prompt switch / reset included), this recording excluded.
+
+    Plus ``pages_after_commit`` / ``pool_pages_after_commit`` once the chunk is committed.
+    """
+
+    # Above this many mask elements (to_dense() is [streams, seq_len, keys]: ~350 MB at Wan2.1 shapes, and
+    # key_positions() builds it too), visibility is read from the branches' history spans instead.
+    DENSE_LIMIT = 1 << 24
+
+    def __init__(self, cache: KVCache, state: KVState, branches: Sequence[str], chunk_size: int) -> None:
+        self.cache, self.state, self.branches, self.chunk_size = cache, state, tuple(branches), chunk_size
+        self.rows: list[dict[str, Any]] = []
+        self.overhead_s = 0.0  # time spent recording (excluded from the run's timings)
+        self._chunk_overhead = 0.0
+        self._chunk_start = 0.0
+
+    def begin_chunk(self, k: int) -> None:
+        start = time.perf_counter()
+        committed = {b: self.state.committed_chunks(b) for b in self.branches}
+        start_chunk = k - committed[self.branches[0]]  # the chunk the stream (re)started at
+        self.rows.append({"chunk": k, "committed_before": committed, "stream_start_chunk": start_chunk})
+        self._chunk_overhead = time.perf_counter() - start
+        self._chunk_start = start
+
+    def during_chunk(self, fwd: ForwardContext) -> None:
+        """After a denoising forward of the current chunk (the last one's snapshot is kept)."""
+        start = time.perf_counter()
+        row = self.rows[-1]
+        stats = self.cache.stats()
+        referenced = stats.sessions.get(self.state.session_id, {})
+        row["pages"] = {}
+        for b in self.branches:
+            history = self.state.history(b)
+            row["pages"][b] = {
+                "resident": len(history.history_pages()),
+                "pending": len(history.pending_pages()),
+                "extent_reserved": len(history.extent),
+                "referenced": referenced.get(b, 0),
+            }
+        row["pool_pages_used"] = stats.pages_used
+        row["visible_key_chunks"], row["visibility_source"] = self._visibility(fwd, row["stream_start_chunk"])
+        self._chunk_overhead += time.perf_counter() - start
+
+    def _visibility(self, fwd: ForwardContext, stream_start: int) -> tuple[dict[str, list[int]], str]:
+        """Per branch, the (stream-numbered) chunks whose keys this one-chunk forward attended to."""
+        spans = {b: self.state.history(b).history_spans() for b in self.branches}
+        max_keys = max(sum(tokens for _, tokens in s) for s in spans.values()) + fwd.seq_len
+        out: dict[str, list[int]] = {}
+        if len(fwd.streams) * fwd.seq_len * max_keys > self.DENSE_LIMIT:  # large shapes: the history's spans
+            for b in self.branches:
+                starts = [start for start, _ in spans[b]] + [self.state.token_offset(b)]
+                out[b] = sorted({stream_start + start // self.chunk_size for start in starts})
+            return out, "history_spans"
+        keys = fwd.key_positions()  # [streams, max_keys], absolute positions, -1 = padding
+        dense = fwd.to_dense()  # [streams, seq_len, max_keys]: query i sees key j
+        queries = fwd.positions.cpu()  # [streams, seq_len]
+        for i, (_, branch) in enumerate(fwd.streams):
+            if branch not in self.branches:
+                continue
+            query_chunks = (queries[i] // self.chunk_size).unique()
+            if len(query_chunks) != 1:
+                raise ValueError(f"expected one query chunk per forward, got {query_chunks.tolist()}")
+            seen = dense[i].any(dim=0)
+            out[branch] = [stream_start + c for c in (keys[i][seen] // self.chunk_size).unique().tolist()]
+        return out, "to_dense"
+
+    def end_chunk(self) -> None:
+        start = time.perf_counter()
+        row = self.rows[-1]
+        stats = self.cache.stats()
+        row["pages_after_commit"] = {b: len(self.state.history(b).history_pages()) for b in self.branches}
+        row["pool_pages_after_commit"] = stats.pages_used
+        self._chunk_overhead += time.perf_counter() - start
+        row["chunk_ms"] = 1e3 * (time.perf_counter() - self._chunk_start - self._chunk_overhead)
+        self.overhead_s += self._chunk_overhead
 
 
 def _progress(iterable: range, enabled: bool) -> Any:
@@ -272,6 +418,7 @@ def _generate(args: argparse.Namespace) -> dict[str, Any]:
     streams = len(BRANCHES)
     seq_len = config.chunk_size
     forward_times: list[float] = []
+    recorder = StreamRecorder(cache, state, BRANCHES, seq_len)
 
     def forward(x: torch.Tensor, t: float, commit: bool) -> torch.Tensor:
         """One batched CFG forward of both branches; returns the flow prediction of each [2, F, C, H, W]."""
@@ -283,6 +430,8 @@ def _generate(args: argparse.Namespace) -> dict[str, Any]:
             out = graph_step(fwd, xs, ts) if graph_step is not None else step_fn(xs, ts, fwd.layers)
         sync()
         forward_times.append(time.perf_counter() - start)
+        if not commit:  # pending pages are kept for the next forward; fwd still describes this one
+            recorder.during_chunk(fwd)
         return out.float()
 
     timesteps = torch.linspace(1000.0, 0.0, args.steps + 1).tolist()
@@ -290,19 +439,25 @@ def _generate(args: argparse.Namespace) -> dict[str, Any]:
     shape = (1, config.frames_per_chunk, config.in_channels, config.latent_height, config.latent_width)
     frames: list[torch.Tensor] = []
     events: list[str] = []
+    events_at: list[tuple[int, str]] = []  # (chunk, short label) for the figure
 
     sync()
     t_start = time.perf_counter()
     for k in _progress(range(args.chunks), not args.no_progress):
+        recorder.begin_chunk(k)
         if k == args.switch_at:
             prompts.current = 1
             state.clear_cross_attention()  # prompt switch: history kept, cross caches replaced
             prompts.publish(state)
             events.append(f"prompt switch before chunk {k} (history kept, offset {state.token_offset('cond')})")
+            events_at.append((k, "prompt switch"))
         if k == args.reset_at:
             state.reset()  # drops pages and cross caches, offsets restart at 0
             prompts.publish(state)
             events.append(f"reset before chunk {k}")
+            events_at.append((k, "reset"))
+            recorder.rows[-1]["committed_before"] = {b: state.committed_chunks(b) for b in BRANCHES}
+            recorder.rows[-1]["stream_start_chunk"] = k
         x = torch.randn(shape, generator=noise).to(device)
         for t, t_next in zip(timesteps[:-1], timesteps[1:]):
             v = forward(x, t, commit=False)
@@ -310,8 +465,9 @@ def _generate(args: argparse.Namespace) -> dict[str, Any]:
             x = x + (t_next - t) / 1000.0 * v
         forward(x, 0.0, commit=True)  # clean forward at t=0: its K/V become history
         frames.append(x[0].cpu())
+        recorder.end_chunk()
     sync()
-    elapsed = time.perf_counter() - t_start
+    elapsed = time.perf_counter() - t_start - recorder.overhead_s  # the generation's time, recording excluded
 
     # ---- summary
     stats = cache.stats()
@@ -343,9 +499,40 @@ def _generate(args: argparse.Namespace) -> dict[str, Any]:
     summary["pages_used_after_close"] = after.pages_used
     summary["pages_free_after_close"] = after.pages_free
     video = torch.stack(frames).flatten(0, 1)  # [T, C, H, W]
-    save_strip(video, config.frames_per_chunk, args.out)
+    strip, strip_spans = save_strip(video, config.frames_per_chunk, args.out)
     summary["png"] = str(args.out)
     summary["latent_shape"] = tuple(video.shape)
+    summary["steps"] = args.steps
+    summary["events_at"] = events_at
+    # The figure's data: the spec's geometry and the per-chunk record of this run.
+    summary["geometry"] = {
+        "branches": list(BRANCHES),
+        "num_layers": spec.num_layers,
+        "chunk_size": spec.chunk_size,
+        "page_size": spec.page_size,
+        "pages_per_chunk": spec.pages_per_chunk,
+        "frames_per_chunk": config.frames_per_chunk,
+        "sink_chunks": spec.sink_chunks,
+        "window_chunks": spec.window_chunks,
+        "bytes_per_page": stats.bytes_per_page,
+        # A contiguous rolling buffer (Self-Forcing style) holding the same visible context: per layer and
+        # branch sink + window + the current chunk, allocated up front.
+        "rolling_buffer_tokens_per_branch": (spec.sink_chunks + spec.window_chunks + 1) * spec.chunk_size,
+    }
+    summary["warmup_chunks"] = [0]  # the first forward: lazy initialisation, compilation, graph capture
+    summary["per_chunk"] = recorder.rows
+    summary["recording_s"] = recorder.overhead_s
+    summary["strip_chunk_spans"] = strip_spans
+    if not args.no_plot:
+        from _report_figure import draw_report
+
+        start = time.perf_counter()
+        draw_report(summary, strip.numpy(), args.figure)
+        summary["figure"] = str(args.figure)
+        summary["figure_s"] = time.perf_counter() - start
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(summary, indent=1) + "\n")
+    summary["json"] = str(args.json)
 
     for event in events:
         print(f"event: {event}")
@@ -368,8 +555,14 @@ def _generate(args: argparse.Namespace) -> dict[str, Any]:
             f"(recompiles: {summary['recompiles']})"
         )
     if graph_step is not None:
-        print(f"CUDA graphs captured: {graph_step.num_graphs}")
+        print(f"CUDA graphs captured: {summary['cuda_graphs']}")  # counted before close() released them
     print(f"wrote {args.out} (latents {summary['latent_shape']})")
+    if not args.no_plot:
+        print(
+            f"wrote {args.figure} (KV memory, visibility, time per chunk, latents; "
+            f"drawn in {summary['figure_s']:.2f} s)"
+        )
+    print(f"wrote {args.json} (summary and per-chunk data)")
     return summary
 
 

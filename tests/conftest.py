@@ -7,8 +7,13 @@ Hypothesis profiles (pick one with ``ARDIFF_HYPOTHESIS_PROFILE``, default ``ci``
     long  randomized, many more examples and longer stateful runs: for a nightly or
           a local soak, e.g. ``ARDIFF_HYPOTHESIS_PROFILE=long pytest tests/test_*_properties.py``.
 
-Tests marked ``gpu`` need CUDA and FlashInfer; where either is missing they are
-skipped with the reason (run them on the GPU machine with ``pytest -m gpu``).
+Markers:
+
+    gpu   needs CUDA and FlashInfer; where either is missing the test is skipped with
+          the reason (run them on the GPU machine with ``pytest -m gpu``).
+    slow  torch.compile runs, stateful property machines, the soak and the thread
+          hammer. ``python -m pytest -q -m "not slow"`` is the quick local loop; CI
+          runs everything (plain ``python -m pytest -q``).
 """
 
 from __future__ import annotations
@@ -47,8 +52,12 @@ settings.load_profile(_profile)
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    # Also declared in pyproject.toml; repeated here so the marker exists however pytest is invoked.
+    # Also declared in pyproject.toml; repeated here so the markers exist however pytest is invoked.
     config.addinivalue_line("markers", "gpu: needs CUDA and FlashInfer (run on the GPU machine: pytest -m gpu)")
+    config.addinivalue_line(
+        "markers",
+        "slow: compile runs, long property / soak / thread tests (quick loop: pytest -m 'not slow'; CI runs all)",
+    )
 
 
 def gpu_unavailable_reason() -> str | None:

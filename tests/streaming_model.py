@@ -1,7 +1,7 @@
 """A tiny streaming DiT built from the library's modules, and an independent cache-free oracle.
 
-The oracle (:class:`NaiveStreaming`) reimplements the semantics of DESIGN.md
-section 1 with plain Python lists and dense tensors -- no pages, no plan, no
+The oracle (:class:`NaiveStreaming`) reimplements the visibility rule (README, "Semantics")
+with plain Python lists and dense tensors -- no pages, no plan, no
 window policy object: visibility is list slicing, the mask is built inline.
 It shares only the model's projection weights with the library path.
 """
@@ -159,8 +159,9 @@ class NaiveStreaming:
             hn = block.norm1(h)
             q, k, v = a.project(hn)
             q, k = self.model.rope(q, positions), self.model.rope(k, positions)
-            keys = torch.cat([c[layer][0] for c in history] + [k[0]])
-            values = torch.cat([c[layer][1] for c in history] + [v[0]])
+            k0, v0 = self.store(layer, k[0], v[0])
+            keys = torch.cat([c[layer][0] for c in history] + [k0])
+            values = torch.cat([c[layer][1] for c in history] + [v0])
             o = F.scaled_dot_product_attention(
                 q.transpose(1, 2), keys[None].transpose(1, 2), values[None].transpose(1, 2),
                 attn_mask=mask, enable_gqa=a.num_heads != a.num_kv_heads,
@@ -175,12 +176,16 @@ class NaiveStreaming:
             ).transpose(1, 2)
             h = h + c.to_out(oc.reshape(1, n, -1))
             h = h + block.mlp(h)
-            per_layer.append((k[0], v[0]))
+            per_layer.append((k0, v0))
         bounds = [0]
         for length in lengths:
             bounds.append(bounds[-1] + length)
         chunk_kv = [[(k[a:b], v[a:b]) for k, v in per_layer] for a, b in zip(bounds, bounds[1:])]
         return h, chunk_kv
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the cache holds for this layer's ``[tokens, kv_heads, head_dim]`` K/V (exactly them here)."""
+        return k, v
 
     def set_prompt(self, contexts: dict[str, torch.Tensor]) -> None:
         self.text = dict(contexts)

@@ -257,7 +257,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.alloc.check_invariants()
 
 
-TestAllocatorMachine = AllocatorMachine.TestCase
+TestAllocatorMachine = pytest.mark.slow(AllocatorMachine.TestCase)
 # Pure Python and cheap: many more runs than the profile's default.
 TestAllocatorMachine.settings = settings(max_examples=settings.default.max_examples * 5)
 
@@ -616,7 +616,7 @@ class BranchHistoryMachine(RuleBasedStateMachine):
         self.alloc.check_invariants()
 
 
-TestBranchHistoryMachine = BranchHistoryMachine.TestCase
+TestBranchHistoryMachine = pytest.mark.slow(BranchHistoryMachine.TestCase)
 TestBranchHistoryMachine.settings = settings(
     max_examples=settings.default.max_examples * 5,
     stateful_step_count=settings.default.stateful_step_count * 2,

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 import ardiff_modules as am
 from ardiff_modules.backends import resolve_backend
 from ardiff_modules.backends.flashinfer import FlashInferBackend
+from ardiff_modules.pool import KVPool
 
 
 def _spec(window: int | None = 2) -> am.KVCacheSpec:
@@ -78,7 +79,7 @@ def test_token_mask_on_the_reference_backend(history: int) -> None:
     masked = state.prepare_forward(None, 8, token_mask=mask)
     out = am.chunk_attention(q, q, q, masked.layers[0])
     # Oracle: gather the same keys and apply visibility & mask with plain SDPA.
-    k_slots = am.KVPool.token_slots(masked.layers[0].k_cache)
+    k_slots = KVPool.token_slots(masked.layers[0].k_cache)
     gather = masked.layout.dense_keys[0]
     keys_t = k_slots[gather].transpose(1, 2)
     ref = F.scaled_dot_product_attention(q.transpose(1, 2), keys_t, keys_t, attn_mask=(dense & mask)[:, None])

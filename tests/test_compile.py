@@ -9,6 +9,8 @@ from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
 
 from ardiff_modules import populate_cross_attention
 
+pytestmark = pytest.mark.slow  # torch.compile (inductor) runs
+
 CHUNK = 4
 
 

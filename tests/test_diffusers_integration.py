@@ -280,6 +280,7 @@ def test_streamed_rollout_equals_cache_free_stock_model(num_layers: int, whole_h
     assert time.perf_counter() - start < 30
 
 
+@pytest.mark.slow
 def test_compiled_step_is_one_frame_over_the_rollout_and_matches_eager() -> None:
     """``torch.compile(fullgraph=True)`` of the streamed step: one frame over 9 chunks (eviction, commits,
     denoising forwards, a prompt switch), equal to eager."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import torch
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
+import _report_figure  # noqa: E402
 import compiled_generation  # noqa: E402
 import streaming_generation  # noqa: E402
 from wan_causal_dit import (  # noqa: E402
@@ -23,6 +25,7 @@ from wan_causal_dit import (  # noqa: E402
 
 from ardiff_modules import KVCache, TensorMismatchError, populate_cross_attention  # noqa: E402
 from ardiff_modules.convert import convert_wan_state_dict  # noqa: E402
+from ardiff_modules.masks import chunk_visibility  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -151,12 +154,125 @@ def test_streaming_example_with_prompt_switch_and_reset(tmp_path: Path) -> None:
     assert summary["pages_used_after_close"] == 0
     assert summary["pages_free_after_close"] == summary["num_pages"]
     assert torch.get_num_threads() == threads  # the run's --threads default (1 for tiny) is undone
+    # The per-chunk record across the prompt switch (history kept) and the reset (history dropped).
+    _check_per_chunk_record(summary, resets=(5,))
+    assert summary["events_at"] == [(2, "prompt switch"), (5, "reset")]
+    assert (out.parent / "streaming_generation.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def _resident_chunks(committed: int, sink: int, window: int) -> list[int]:
+    """The spec's rule, written out: of ``committed`` chunks (0-based since the stream started), the first
+    ``sink`` ones and the last ``window`` of the others stay visible."""
+    return [c for c in range(committed) if c < sink or c >= max(sink, committed - window)]
+
+
+def _check_per_chunk_record(summary: dict, resets: tuple[int, ...] = (), source: str = "to_dense") -> None:
+    """The recorded per-chunk data (what the figure draws) against the library's semantics."""
+    config = WanConfig.preset("tiny")
+    spec = make_kv_spec(config)
+    sink, window, ppc = spec.sink_chunks, spec.window_chunks, spec.pages_per_chunk
+    geo, rows = summary["geometry"], summary["per_chunk"]
+    assert (geo["sink_chunks"], geo["window_chunks"], geo["pages_per_chunk"]) == (sink, window, ppc)
+    assert geo["rolling_buffer_tokens_per_branch"] == (sink + window + 1) * spec.chunk_size
+    assert len(rows) == summary["chunks"] and summary["warmup_chunks"] == [0]
+    start = 0
+    for k, row in enumerate(rows):
+        if k in resets:
+            start = k
+        committed = k - start  # chunks committed since the stream (re)started
+        resident = _resident_chunks(committed, sink, window)
+        assert row["chunk"] == k and row["stream_start_chunk"] == start
+        assert row["committed_before"] == {b: committed for b in BRANCHES}
+        # Pages while chunk k is denoised: (sink + min(window, committed - sink) + pending) chunks per branch.
+        for b in BRANCHES:
+            pages = row["pages"][b]
+            assert pages["resident"] == len(resident) * ppc, (k, b, pages)
+            assert pages["pending"] == ppc, (k, b, pages)
+            assert pages["extent_reserved"] == 0  # plain paging on the CPU
+            assert pages["referenced"] == pages["resident"] + pages["pending"]  # cache.stats() agrees with history
+        assert row["pool_pages_used"] == sum(row["pages"][b]["resident"] + row["pages"][b]["pending"] for b in BRANCHES)
+        if committed >= sink + window:  # window full: exactly the rolling buffer's (sink + window + current) chunks
+            assert row["pool_pages_used"] * spec.page_size == len(BRANCHES) * geo["rolling_buffer_tokens_per_branch"]
+        after = len(_resident_chunks(committed + 1, sink, window)) * ppc  # the commit evicts, pending -> history
+        assert row["pages_after_commit"] == {b: after for b in BRANCHES}
+        assert row["pool_pages_after_commit"] == len(BRANCHES) * after
+        # Visibility, read from the forward's to_dense(): the rule (sinks + window + the pending chunk itself) ...
+        expected = [start + c for c in resident] + [k]
+        assert row["visibility_source"] == source
+        assert row["visible_key_chunks"] == {b: expected for b in BRANCHES}, (k, row["visible_key_chunks"])
+        # ... which is also the library's chunk-level picture of the rule (masks.chunk_visibility).
+        mask = chunk_visibility(committed, 1, sink, window)[0]
+        assert [start + j for j in mask.nonzero().flatten().tolist()] == expected
+        assert row["chunk_ms"] > 0
+    # The figure's categories follow the record: sinks, window, the query chunk itself, evicted, not yet.
+    cats = _report_figure.visibility_categories(summary)
+    for k, row in enumerate(rows):
+        seen = set(row["visible_key_chunks"]["cond"])
+        for j in range(len(rows)):
+            want = (
+                _report_figure.NOT_YET if j > k
+                else _report_figure.PENDING if j == k
+                else _report_figure.EVICTED if j not in seen
+                else _report_figure.SINK if j < row["stream_start_chunk"] + sink
+                else _report_figure.WINDOW
+            )
+            assert cats[k, j] == want, (k, j)
+
+
+def _assert_picture(path: Path, colours: tuple[str, ...]) -> None:
+    """A real figure: a PNG of README size whose panels are drawn (the visibility colours appear)."""
+    import matplotlib.colors
+    import matplotlib.image
+
+    assert path.read_bytes()[:8] == PNG_MAGIC
+    assert path.stat().st_size > 50_000
+    image = matplotlib.image.imread(path)[..., :3]
+    assert image.shape[0] >= 800 and image.shape[1] >= 1200, image.shape
+    assert len(torch.from_numpy(image).reshape(-1, 3).unique(dim=0)) > 1000  # not blank: noise strip, text, bars
+    pixels = torch.from_numpy(image).reshape(-1, 3)
+    for colour in colours:
+        rgb = torch.tensor(matplotlib.colors.to_rgb(colour), dtype=pixels.dtype)
+        assert ((pixels - rgb).abs().max(dim=1).values < 2 / 255).sum() > 500, colour
+
+
+def test_streaming_example_figure_and_per_chunk_data(tmp_path: Path) -> None:
+    """The main command's figure and JSON: pages, pool use and visibility per chunk follow the spec's rule."""
+    out = tmp_path / "stream.png"
+    summary = streaming_generation.run(["--chunks", "8", "--steps", "1", "--out", str(out), "--no-progress"])
+    figure, data = tmp_path / "streaming_generation.png", tmp_path / "streaming_generation.json"
+    assert summary["figure"] == str(figure) and summary["json"] == str(data)
+    _assert_picture(figure, _report_figure.VIS_COLOURS[_report_figure.SINK :])
+    recorded = json.loads(data.read_text())
+    assert recorded["per_chunk"] == summary["per_chunk"] and recorded["geometry"] == summary["geometry"]
+    _check_per_chunk_record(recorded)
+    spec = make_kv_spec(WanConfig.preset("tiny"))
+    # Eviction happened and shows as a gap: chunk sink + window + 1 is the first to miss one.
+    assert _report_figure.first_gap_chunk(recorded) == spec.sink_chunks + spec.window_chunks + 1
+    # The pool grows to (sink + window + pending) chunks per branch, then stays flat.
+    pool = [row["pool_pages_used"] for row in recorded["per_chunk"]]
+    flat = spec.sink_chunks + spec.window_chunks
+    assert pool[:flat] == sorted(pool[:flat]) and len(set(pool[flat:])) == 1
+    assert pool[-1] == len(BRANCHES) * spec.pages_per_branch(1) == summary["peak_pages"]
+
+
+def test_streaming_example_large_shapes_read_history_spans(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where to_dense() would be too large (Wan2.1 shapes), visibility comes from the history's spans: same rule."""
+    monkeypatch.setattr(streaming_generation.StreamRecorder, "DENSE_LIMIT", 0)
+    summary = streaming_generation.run(
+        ["--chunks", "6", "--steps", "1", "--out", str(tmp_path / "s.png"), "--no-progress", "--no-plot"]
+    )
+    _check_per_chunk_record(summary, source="history_spans")
 
 
 def test_streaming_example_main_exit_status(tmp_path: Path) -> None:
     out = tmp_path / "s.png"
-    assert streaming_generation.main(["--chunks", "2", "--steps", "1", "--out", str(out), "--no-progress"]) == 0
+    argv = ["--chunks", "2", "--steps", "1", "--out", str(out), "--no-progress", "--no-plot"]
+    assert streaming_generation.main(argv) == 0
     assert out.read_bytes()[:8] == PNG_MAGIC
+    assert not (tmp_path / "streaming_generation.png").exists()  # --no-plot
+    assert len(json.loads((tmp_path / "streaming_generation.json").read_text())["per_chunk"]) == 2
+    with pytest.raises(SystemExit):
+        streaming_generation.parse_args(["--out", str(out), "--figure", str(out)])  # one file, two outputs
     with pytest.raises(SystemExit):
         streaming_generation.parse_args(["--cuda-graph"])  # needs --device cuda
 
@@ -168,6 +284,7 @@ def fresh_dynamo():  # noqa: ANN201
     torch._dynamo.reset()
 
 
+@pytest.mark.slow
 def test_compiled_example_never_recompiles(tmp_path: Path, capsys: pytest.CaptureFixture[str], fresh_dynamo: None) -> None:
     """The torch.compile'd script (inductor, fullgraph) compiles ONE frame over eviction, a prompt switch and a reset."""
     out = tmp_path / "c.png"

@@ -244,7 +244,7 @@ CASES = [
          lambda e: KVPool.token_slots(torch.zeros(2, 4, 2, 4).transpose(0, 1)), TensorMismatchError,
          "expected a contiguous [num_pages, page_size, heads, head_dim] tensor", "got (4, 2, 2, 4) (contiguous=False)"),
     Case("pool-dtype-list", lambda e: torch_dtype([]), SpecError,
-         "dtype: expected one of ('bfloat16', 'float16', 'float32')", "got []"),
+         "dtype: expected one of ('bfloat16', 'float16', 'float32', 'float8_e4m3fn')", "got []"),
     Case("pool-budget-float", lambda e: pages_for_budget(SPEC, 1.5e9), SpecError,
          "pages_for_budget.budget_bytes: expected an int >= 1", "got 1500000000.0 (float)"),
     Case("pool-bytes-per-page-str", lambda e: bytes_per_page("float32"), SpecError,

@@ -7,14 +7,15 @@ import torch
 from streaming_model import LibraryStreaming, NaiveStreaming, TinyStreamingModel, play, rollout_events
 
 CHUNK = 4
+SLOW = pytest.mark.slow  # the quick loop (-m "not slow") keeps one case of each oracle test
 CASES = [
     # page_size, sink, window, kv_heads
     pytest.param(1, 1, 2, 4, id="page1-sink1-win2"),
-    pytest.param(4, 0, 3, 4, id="page=chunk-sink0-win3"),
-    pytest.param(2, 2, 1, 2, id="page2-sink2-win1-gqa"),
-    pytest.param(2, 1, None, 4, id="page2-sink1-unbounded"),
-    pytest.param(2, 1, 0, 4, id="page2-sink1-win0"),
-    pytest.param(4, 0, 0, 1, id="page=chunk-nohistory-mqa"),
+    pytest.param(4, 0, 3, 4, id="page=chunk-sink0-win3", marks=SLOW),
+    pytest.param(2, 2, 1, 2, id="page2-sink2-win1-gqa", marks=SLOW),
+    pytest.param(2, 1, None, 4, id="page2-sink1-unbounded", marks=SLOW),
+    pytest.param(2, 1, 0, 4, id="page2-sink1-win0", marks=SLOW),
+    pytest.param(4, 0, 0, 1, id="page=chunk-nohistory-mqa", marks=SLOW),
 ]
 
 
@@ -50,7 +51,9 @@ def test_history_is_visible_and_window_evicts() -> None:
     assert not torch.allclose(lib[-1], no_history[-1], atol=1e-3)
 
 
-@pytest.mark.parametrize("page_size,sink,window", [(2, 1, 2), (1, 0, 3), (2, 2, 1)])
+@pytest.mark.parametrize(
+    "page_size,sink,window", [(2, 1, 2), pytest.param(1, 0, 3, marks=SLOW), pytest.param(2, 2, 1, marks=SLOW)]
+)
 def test_mixed_chunk_lengths_match_the_cache_free_oracle(page_size: int, sink: int, window: int) -> None:
     """Image-to-video style first chunk of half a chunk, then full chunks, and multi-chunk forwards that
     mix a short chunk in: sinks and windows count chunks, positions count tokens (issue 12)."""

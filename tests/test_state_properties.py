@@ -1,17 +1,26 @@
 """Stateful property test of the session API (``KVCache`` / ``KVState``) against a plain model.
 
-A tiny CPU float32 pool (2 layers, 1 KV head, head_dim 2, chunk_size 2, page size
+A tiny CPU float32 pool (2 layers, 1 KV head, head_dim 2, chunk_size 2 or 4, page size
 1 or 2, sinks 0..2, window 0..3 or unbounded, branches ``("cond", "uncond")``, one
 cross cache ``"text"`` of 3 tokens) just big enough that capacity errors happen.
+
+Chunks have **variable lengths**: a forward's pending chunks may each hold any positive
+multiple of the page size up to ``chunk_size`` tokens (an image-to-video first chunk of one
+latent frame, then full chunks; or mixed patterns such as ``(1, 4, 2)``), passed as
+``chunk_lengths=(...)`` or, for one shorter chunk or full chunks only, by ``seq_len`` alone.
+Every stream of a forward has the same lengths; different forwards of a branch (a denoising
+loop re-prepared with other lengths, later chunks) may differ.
 Up to two ``KVCache`` instances live side by side (each with its own pool,
 ``contiguous_extents``, ``max_forward_contexts`` of 1, 2, 3 or 64, ``check_finite``);
 either may be closed at any point and a new one opened.
 
 Model
 -----
-* per session and branch: every chunk ever committed (the page tuples the library
-  reported, each with the pool contents it was committed with), the pending chunks,
-  the open forward it belongs to, the extent, the cross cache contents;
+* per session and branch: every chunk ever committed as a :class:`ChunkRecord` (the page
+  tuple the library reported, its token count -- the length the model asked for --, its
+  absolute start position -- the model's running sum of committed tokens --, and the pool
+  contents it was committed with), the pending chunks with the token count of each, the
+  open forward it belongs to, the extent, the cross cache contents;
 * per forward: one :class:`TxModel` for the whole transaction (all its streams, of up
   to three sessions), with status open / committed / completed (a denoising forward that
   finished) / aborted / superseded, mirroring
@@ -30,8 +39,17 @@ Checked after every step
 * each page's refcount == the references the model counts (visible + pending chunks of
   every open session, extent reservations); pending pages are exclusive; free and used
   pages partition the pool; ``peak_pages_used`` == the model's peak;
-* visible history == first S + last W of the committed list (list slicing); offsets;
-  ``open_forward()`` is the model's transaction (identity, members, commit flag, chunks);
+* visible history == first S + last W of the committed list (list slicing: sinks and
+  windows count chunks, whatever their lengths); ``token_offset`` / ``committed_tokens`` ==
+  the tokens the model committed; each visible chunk's ``(start, tokens)`` span and every
+  history position; each pending chunk's length; ``open_forward()`` is the model's
+  transaction (identity, members, commit flag, chunks);
+* every open forward, as its attention sees it: ``positions``, ``key_positions()`` (the
+  model's position of every visible key, ``-1`` padding), ``to_dense()`` (history visible,
+  block-causal over the model's pending chunk lengths, ANDed with the token mask), and the
+  dense K/V the reference backend gathers for it, per layer, bit for bit == what the model
+  says each resident chunk held when committed, position by position, then what this
+  forward wrote into its pending chunks;
 * the pool, bit for bit, == the model's contents: no write ever lands outside the
   pending pages of an open forward; every visible committed chunk still holds what it
   held when committed (shared/forked pages included) until its pages are freed;
@@ -39,13 +57,16 @@ Checked after every step
   ``is_active`` and transaction, every tracked transaction's status.
 
 Rules (besides sessions, cross caches, forks and sink sharing): forwards over 1-3 sessions
-(denoising or committing, ``token_mask``, run through the op or ``ChunkSelfAttention``, finished
+(denoising or committing, of 1-3 chunks of mixed lengths, ``token_mask``, run through the op
+or ``ChunkSelfAttention``, finished
 through any member or left open); ``with`` blocks that raise (``Exception``, a custom
 ``BaseException``, ``KeyboardInterrupt``) or finish the forward inside and keep running; stale
 contexts (committed, completed, aborted, superseded, released by the LRU / ``close``); exceptions
 injected into a commit or abort (``BranchHistory.plan_commit`` on the 2nd stream,
 ``PageAllocator.decref``) and a real SIGINT while a commit is applied; NaN/Inf K/V under
-``check_finite``; ``plan()`` raising; admission; ``KVCache.close()``; misuse across two caches.
+``check_finite``; ``plan()`` raising; admission; ``KVCache.close()``; misuse across two caches;
+rollouts whose first chunk is short (image-to-video) or whose chunks vary; invalid
+``chunk_lengths`` (wrong sum, off the page grid, above ``chunk_size``, empty).
 
 Failing operations (misuse, capacity, closed session/cache, a foreign cache's session,
 a ``plan()`` that raises, a stale context, an exception injected into a commit) must
@@ -68,7 +89,7 @@ from typing import Any
 
 import pytest
 import torch
-from _pool_model import PoolContents, expected_visible, longest_run, same_bits, token_kv
+from _pool_model import PoolContents, bits, expected_visible, longest_run, same_bits, token_kv
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -85,6 +106,7 @@ from ardiff_modules import (
     chunk_attention,
 )
 from ardiff_modules.backends import ReferenceBackend
+from ardiff_modules.backends.reference import ReferencePlan
 from ardiff_modules.errors import (
     BackendUnavailableError,
     CacheClosedError,
@@ -105,7 +127,15 @@ from ardiff_modules.history import BranchHistory
 
 BRANCHES = ("cond", "uncond")
 BRANCH_SETS = [("cond",), ("uncond",), ("cond", "uncond"), ("uncond", "cond")]
-CHUNK = 2
+CHUNK = 2  # chunk_size of the standalone tests below (the machine draws 2 or 4)
+#: (chunk_size, page_size) of the machine: 1..4 pages per chunk, so chunks of 1, 2, 3 or 4 tokens.
+GEOMETRIES = [(2, 1), (2, 2), (4, 1), (4, 2)]
+#: Pages of one pending chunk: ``None`` a full chunk, else that many pages (capped at pages_per_chunk).
+CHUNK_PAGES = st.sampled_from([None, None, None, 1, 1, 2, 3])
+#: A forward's shape, drawn: the pages of each pending chunk, and whether to pass ``chunk_lengths``
+#: even when ``seq_len`` alone would say it (it must whenever the lengths are mixed).
+SHAPES = st.tuples(st.lists(CHUNK_PAGES, min_size=1, max_size=3), st.booleans())
+SHAPES_2 = st.tuples(st.lists(CHUNK_PAGES, min_size=1, max_size=2), st.booleans())
 HEAD_DIM = 2
 NUM_LAYERS = 2
 CROSS_TOKENS = 3
@@ -116,6 +146,49 @@ TRACKED_CONTEXTS = 8
 
 Chunk = tuple[int, ...]
 Key = tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The pending chunks of one forward: the tokens of each, and how the call says them."""
+
+    lengths: tuple[int, ...]
+    #: ``prepare_forward(..., chunk_lengths=lengths)``; else ``seq_len`` alone (full chunks, or one shorter chunk).
+    explicit: bool = False
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def seq_len(self) -> int:
+        return sum(self.lengths)
+
+    def chunk_of(self) -> torch.Tensor:
+        """int64 ``[seq_len]``: the pending chunk of each current token (the model's own lengths)."""
+        return torch.repeat_interleave(torch.arange(self.num_chunks), torch.tensor(self.lengths))
+
+    def causal(self) -> torch.Tensor:
+        """bool ``[seq_len, seq_len]``: query token i sees pending token j iff chunk(j) <= chunk(i)."""
+        chunk_of = self.chunk_of()
+        return chunk_of[None, :] <= chunk_of[:, None]
+
+
+@dataclass(frozen=True)
+class ChunkRecord:
+    """One committed chunk, as the model sees it."""
+
+    pages: Chunk
+    tokens: int  # the length the forward asked for
+    start: int  # absolute position of its first token: tokens committed on the branch before it
+    data: torch.Tensor  # pool contents [layers, 2, pages, page_size, heads, dim] when committed
+
+    def positions(self) -> list[int]:
+        return list(range(self.start, self.start + self.tokens))
+
+    def token_data(self) -> torch.Tensor:
+        """``[layers, 2, tokens, heads * dim]``: K and V of every layer, in position order."""
+        return self.data.reshape(*self.data.shape[:2], self.tokens, -1)
 
 
 class Boom(Exception):
@@ -165,7 +238,7 @@ class TxModel:
     cm: CacheModel
     streams: list[tuple[SessionModel, str]]
     commit: bool
-    num_chunks: int
+    shape: Shape
     ctx: ForwardContext
     tx: ForwardTransaction  # the library's transaction object, for identity checks
     token_mask: torch.Tensor | None = None
@@ -174,6 +247,10 @@ class TxModel:
     @property
     def is_open(self) -> bool:
         return self.status == "open"
+
+    @property
+    def num_chunks(self) -> int:
+        return self.shape.num_chunks
 
     def pending_pages(self) -> list[int]:
         return [p for sm, b in self.streams for c in sm.pending[b] for p in c]
@@ -184,9 +261,11 @@ class SessionModel:
     state: KVState
     cm: CacheModel
     closed: bool = False
-    #: Every chunk ever committed, with the pool contents ``[layers, 2, pages, ...]`` it was committed with.
-    committed: dict[str, list[tuple[Chunk, torch.Tensor]]] = field(default_factory=lambda: {b: [] for b in BRANCHES})
+    #: Every chunk ever committed (evicted ones included), oldest first.
+    committed: dict[str, list[ChunkRecord]] = field(default_factory=lambda: {b: [] for b in BRANCHES})
     pending: dict[str, list[Chunk]] = field(default_factory=lambda: {b: [] for b in BRANCHES})
+    #: Tokens of each pending chunk (the lengths of the forward that last prepared them).
+    pending_tokens: dict[str, list[int]] = field(default_factory=lambda: {b: [] for b in BRANCHES})
     forward: dict[str, TxModel | None] = field(default_factory=lambda: dict.fromkeys(BRANCHES))
     cross: dict[str, float] = field(default_factory=dict)  # branch -> tag of the populated "text" cache
     extent: dict[str, tuple[int, ...] | None] = field(default_factory=lambda: dict.fromkeys(BRANCHES))
@@ -194,9 +273,17 @@ class SessionModel:
     def clear_self_attention(self) -> None:
         for b in BRANCHES:
             self.committed[b] = []
-            self.pending[b] = []
+            self.drop_pending(b)
             self.forward[b] = None
             self.extent[b] = None
+
+    def drop_pending(self, b: str) -> None:
+        self.pending[b] = []
+        self.pending_tokens[b] = []
+
+    def committed_tokens(self, b: str) -> int:
+        """Tokens ever committed on ``b`` (evicted included): the absolute position of the next pending token."""
+        return sum(rec.tokens for rec in self.committed[b])
 
 
 def cross_value(tag: float, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -225,7 +312,7 @@ class SessionStateMachine(RuleBasedStateMachine):
     @initialize(
         sink=st.integers(0, 2),
         window=st.sampled_from([0, 1, 2, 3, None]),
-        page_size=st.sampled_from([1, 2]),
+        geometry=st.sampled_from(GEOMETRIES),
         pool_chunks=st.integers(3, 18),
         extents=st.booleans(),
         max_contexts=st.sampled_from([1, 2, 3, 64]),
@@ -233,14 +320,15 @@ class SessionStateMachine(RuleBasedStateMachine):
         sessions=st.integers(1, MAX_SESSIONS),
     )
     def setup(
-        self, sink: int, window: int | None, page_size: int, pool_chunks: int, extents: bool, max_contexts: int,
-        check_finite: bool, sessions: int,
+        self, sink: int, window: int | None, geometry: tuple[int, int], pool_chunks: int, extents: bool,
+        max_contexts: int, check_finite: bool, sessions: int,
     ) -> None:
+        self.chunk, page_size = geometry
         self.spec = KVCacheSpec(
             num_layers=NUM_LAYERS,
             num_kv_heads=1,
             head_dim=HEAD_DIM,
-            chunk_size=CHUNK,
+            chunk_size=self.chunk,
             page_size=page_size,
             sink_chunks=sink,
             window_chunks=window,
@@ -249,6 +337,8 @@ class SessionStateMachine(RuleBasedStateMachine):
             dtype="float32",
         )
         self.ppc = self.spec.pages_per_chunk
+        self.page = page_size
+        event(f"geometry: chunk_size={self.chunk} page_size={page_size}")
         cm = self.new_cache(pool_chunks, extents, max_contexts, check_finite)
         for _ in range(sessions):
             self.sessions.append(SessionModel(cm.cache.open_session(), cm))
@@ -307,11 +397,37 @@ class SessionStateMachine(RuleBasedStateMachine):
                 chosen.append(sm)
         return [(sm, b) for sm, bs in zip(chosen, branch_sets) for b in bs]
 
-    def visible_data(self, sm: SessionModel, branch: str) -> list[tuple[Chunk, torch.Tensor]]:
+    def visible_data(self, sm: SessionModel, branch: str) -> list[ChunkRecord]:
         return expected_visible(sm.committed[branch], self.spec.sink_chunks, self.spec.window_chunks)
 
     def visible(self, sm: SessionModel, branch: str) -> list[Chunk]:
-        return [c for c, _ in self.visible_data(sm, branch)]
+        return [rec.pages for rec in self.visible_data(sm, branch)]
+
+    # ================================================================== helpers: chunk lengths
+    def shape(self, raw: tuple[list[int | None], bool]) -> Shape:
+        """A drawn shape: ``None`` a full chunk, ``k`` a chunk of ``min(k, pages_per_chunk)`` pages."""
+        pages, explicit = raw
+        lengths = tuple(self.chunk if p is None else min(p, self.ppc) * self.page for p in pages)
+        implied = all(n == self.chunk for n in lengths) or len(lengths) == 1
+        shape = Shape(lengths, explicit or not implied)
+        kind = "mixed" if len(set(lengths)) > 1 else "full" if lengths[0] == self.chunk else "short"
+        event(f"chunk lengths {kind}, passed as {'chunk_lengths' if shape.explicit else 'seq_len'}")
+        return shape
+
+    def full(self, num_chunks: int = 1) -> Shape:
+        return Shape((self.chunk,) * num_chunks)
+
+    def short(self, pages: int) -> Shape:
+        """One chunk of ``pages`` pages (capped): e.g. an image-to-video first chunk of one latent frame."""
+        return Shape((min(pages, self.ppc) * self.page,))
+
+    def reused(self, sm: SessionModel, b: str, shape: Shape) -> int:
+        """Leading pending chunks a forward of ``shape`` keeps as they are: those of the same length."""
+        k = 0
+        old = sm.pending_tokens[b]
+        while k < min(len(old), shape.num_chunks) and old[k] == shape.lengths[k]:
+            k += 1
+        return k
 
     def chunk_references(self, cm: CacheModel) -> Counter[int]:
         """References to each page of ``cm``'s pool from chunks (visible or pending) of its open sessions."""
@@ -408,7 +524,7 @@ class SessionStateMachine(RuleBasedStateMachine):
 
     # ================================================================== helpers: prepare
     def predict_prepare(
-        self, cm: CacheModel, streams: list[tuple[SessionModel, str]], num_chunks: int, *, via: str,
+        self, cm: CacheModel, streams: list[tuple[SessionModel, str]], shape: Shape, *, via: str,
         mask_ok: bool = True, static: bool = False,
     ) -> type[BaseException] | None:
         """The exception ``prepare_forward`` must raise (in the library's order of checks), or ``None``."""
@@ -437,17 +553,19 @@ class SessionStateMachine(RuleBasedStateMachine):
         if not mask_ok:
             return TensorMismatchError
         alloc = cm.cache.allocator
+        pages = [n // self.page for n in shape.lengths]
         if not cm.extents:
-            needed = sum(max(0, num_chunks - len(sm.pending[b])) * self.ppc for sm, b in streams)
+            # Pending chunks of other lengths are replaced (after the new ones are allocated).
+            needed = sum(sum(pages[self.reused(sm, b, shape) :]) for sm, b in streams)
             return CapacityError if needed > alloc.num_free else None
         needed = new_extents = 0
         for sm, b in streams:
-            missing = max(0, num_chunks - len(sm.pending[b]))
+            missing = pages[self.reused(sm, b, shape) :]
             if sm.extent[b] is None:
                 new_extents += 1
-                needed += (cm.extent_chunks + max(0, missing - cm.extent_chunks)) * self.ppc
-            else:
-                needed += max(0, missing - len(self.free_slots(sm, b))) * self.ppc
+                needed += cm.extent_chunks * self.ppc + sum(missing[cm.extent_chunks :])
+            else:  # a free slot takes any chunk (a shorter one uses its first pages)
+                needed += sum(missing[len(self.free_slots(sm, b)) :])
         if needed > alloc.num_free:
             return CapacityError
         if new_extents and new_extents * cm.extent_chunks * self.ppc > longest_run(alloc.free_pages()):
@@ -455,54 +573,62 @@ class SessionStateMachine(RuleBasedStateMachine):
             return CapacityError  # enough pages, but no consecutive run for the new extents
         return None
 
-    def max_keys(self, streams: list[tuple[SessionModel, str]], num_chunks: int) -> int:
-        page = self.spec.page_size
-        return max(len(self.visible(sm, b)) * self.ppc * page for sm, b in streams) + num_chunks * CHUNK
+    def history_tokens(self, sm: SessionModel, b: str) -> int:
+        """Keys of a stream's visible history (the sum of its visible chunks' lengths)."""
+        return sum(rec.tokens for rec in self.visible_data(sm, b))
 
-    def make_mask(self, streams: list[tuple[SessionModel, str]], num_chunks: int, bad: str | None = None):
-        shape = [len(streams), num_chunks * CHUNK, self.max_keys(streams, num_chunks)]
+    def max_keys(self, streams: list[tuple[SessionModel, str]], shape: Shape) -> int:
+        return max(self.history_tokens(sm, b) for sm, b in streams) + shape.seq_len
+
+    def make_mask(self, streams: list[tuple[SessionModel, str]], shape: Shape, bad: str | None = None):
+        dims = [len(streams), shape.seq_len, self.max_keys(streams, shape)]
         if bad == "shape":
-            shape[2] += 1
-        mask = torch.rand(shape, generator=self.gen) < 0.75
+            dims[2] += 1
+        mask = torch.rand(dims, generator=self.gen) < 0.75
         return mask.float() if bad == "dtype" else mask
 
     def prepare_call(
-        self, streams: list[tuple[SessionModel, str]], num_chunks: int, commit: bool, via: str,
+        self, streams: list[tuple[SessionModel, str]], shape: Shape, commit: bool, via: str,
         token_mask: torch.Tensor | None = None,
     ) -> tuple[Callable[..., Any], tuple, dict]:
         """The library call for this forward: ``state.prepare_forward``, ``cache.prepare_forward`` or the seed's
         ``get_kv_caches`` (which returns the layer list)."""
-        seq_len = num_chunks * CHUNK
+        seq_len = shape.seq_len
         sm0 = streams[0][0]
+        kwargs: dict[str, Any] = {"token_mask": token_mask}
+        if shape.explicit:
+            # A tuple or a list: any sequence of ints.
+            kwargs["chunk_lengths"] = shape.lengths if len(shape.lengths) % 2 else list(shape.lengths)
         if via == "get_kv_caches":
+            assert not shape.explicit
             return sm0.state.get_kv_caches, (streams[0][1], seq_len, commit), {}
         if via == "state":
             branches = tuple(b for _, b in streams)
-            return sm0.state.prepare_forward, (branches, seq_len, commit), {"token_mask": token_mask}
+            return sm0.state.prepare_forward, (branches, seq_len, commit), kwargs
         pairs = [(sm.state, b) for sm, b in streams]
         return (
             sm0.cm.cache.prepare_forward,
             ((p for p in pairs) if via == "cache_gen" else pairs, seq_len, commit),  # a generator is consumed once
-            {"token_mask": token_mask},
+            kwargs,
         )
 
-    def choose_via(self, streams: list[tuple[SessionModel, str]], via: str, masked: bool) -> str:
+    def choose_via(self, streams: list[tuple[SessionModel, str]], via: str, masked: bool, shape: Shape) -> str:
         if len({id(sm) for sm, _ in streams}) > 1:
             return "cache_gen" if via == "cache_gen" else "cache"
-        if via == "get_kv_caches" and (len(streams) > 1 or masked):
+        if via == "get_kv_caches" and (len(streams) > 1 or masked or shape.explicit):
             return "state"
         return via
 
     def start_forward(
-        self, streams: list[tuple[SessionModel, str]], num_chunks: int, commit: bool, *, via: str = "state",
+        self, streams: list[tuple[SessionModel, str]], shape: Shape, commit: bool, *, via: str = "state",
         masked: bool = False,
     ) -> TxModel | None:
         """Prepare a forward (or check that it fails, changing nothing) and record it in the model."""
-        via = self.choose_via(streams, via, masked)
+        via = self.choose_via(streams, via, masked, shape)
         cm = streams[0][0].cm
-        failure = self.predict_prepare(cm, streams, num_chunks, via=via)
-        mask = self.make_mask(streams, num_chunks) if masked and failure is None else None
-        fn, args, kwargs = self.prepare_call(streams, num_chunks, commit, via, mask)
+        failure = self.predict_prepare(cm, streams, shape, via=via)
+        mask = self.make_mask(streams, shape) if masked and failure is None else None
+        fn, args, kwargs = self.prepare_call(streams, shape, commit, via, mask)
         if failure is not None:
             event(f"prepare raised {failure.__name__}")
             self.expect_failure(failure, fn, *args, **kwargs)
@@ -513,10 +639,10 @@ class SessionStateMachine(RuleBasedStateMachine):
         ctx = result[0].forward if via == "get_kv_caches" else result
         if via == "get_kv_caches":
             assert result is ctx.layers
-        return self.m_prepared(streams, num_chunks, commit, ctx, free_before, used_before, mask)
+        return self.m_prepared(streams, shape, commit, ctx, free_before, used_before, mask)
 
     def m_prepared(
-        self, streams: list[tuple[SessionModel, str]], num_chunks: int, commit: bool, ctx: ForwardContext,
+        self, streams: list[tuple[SessionModel, str]], shape: Shape, commit: bool, ctx: ForwardContext,
         free_before: set[int], used_before: int, mask: torch.Tensor | None = None,
     ) -> TxModel:
         """Check a prepared forward against the model and record it (supersede, pages, registry, transaction)."""
@@ -529,12 +655,18 @@ class SessionStateMachine(RuleBasedStateMachine):
                 self.m_finished(old, "superseded")
                 event("prepare superseded an open denoising forward")
         fresh: list[int] = []
+        num_chunks = shape.num_chunks
         for i, (sm, b) in enumerate(streams):
             old = sm.pending[b]
             new = list(sm.state.pending_chunks(b))
             assert len(new) == num_chunks, f"{b}: {len(new)} pending chunks, expected {num_chunks}"
-            keep = min(len(old), num_chunks)
+            assert [len(c) * self.page for c in new] == list(shape.lengths), (
+                f"{b}: pending chunks {new} of {self.page}-token pages, expected lengths {shape.lengths}"
+            )
+            keep = self.reused(sm, b, shape)
             assert new[:keep] == old[:keep], "pending pages of earlier denoising forwards must be reused"
+            if keep < min(len(old), num_chunks):
+                event("pending chunks of other lengths replaced")
             grown = new[keep:]
             if cm.extents:
                 extent = sm.state.history(b).extent
@@ -546,37 +678,39 @@ class SessionStateMachine(RuleBasedStateMachine):
                     sm.extent[b] = tuple(extent)
                 assert tuple(extent) == sm.extent[b], "a branch's extent must not move until reset/close"
                 slots = self.free_slots(sm, b)  # model pending not updated yet: slots free before
-                own = {c for c in self.visible(sm, b) + sm.pending[b]}
-                if any(slot not in own and slot not in slots for slot in self.slots_of(sm, b)):
+                own = {p for c in self.visible(sm, b) + sm.pending[b] for p in c}
+                if any(own.isdisjoint(slot) and slot not in slots for slot in self.slots_of(sm, b)):
                     event("extents: an evicted slot waits for a fork that still sees it")
-                ring = [c for c in grown if c in slots]
-                # The ring takes the lowest free slots first; only the overflow is paged.
-                assert ring == slots[: len(ring)] and len(ring) == min(len(grown), len(slots)), (
+                # The ring takes the lowest free slots first (a shorter chunk their first pages); the
+                # overflow is paged.
+                ring = grown[: len(slots)]
+                assert ring == [slot[: len(c)] for slot, c in zip(slots, ring)], (
                     f"{b}: grew {grown}, free extent slots were {slots}"
                 )
-                assert grown[: len(ring)] == ring
+                if any(len(c) < self.ppc for c in ring):
+                    event("extents: a shorter chunk took part of a ring slot")
                 if ring:
                     event("extents: pending chunk took a ring slot")
                 if grown[len(ring) :]:
                     event("extents: overflow chunk paged outside the extent")
                 grown = grown[len(ring) :]
             fresh += [p for c in grown for p in c]
-            assert all(len(c) == self.ppc for c in new)
             sm.pending[b] = new
+            sm.pending_tokens[b] = list(shape.lengths)
             # The plan sees exactly the model's visible pages and pending chunks.
             layout = ctx.layout.streams[i]
             assert list(layout.history_pages) == [p for c in self.visible(sm, b) for p in c]
             assert list(layout.pending_pages) == new
-            offset = len(sm.committed[b]) * CHUNK
-            assert layout.token_offset == offset
-            assert ctx.positions[i].tolist() == list(range(offset, offset + num_chunks * CHUNK))
+            offset = sm.committed_tokens(b)
+            assert layout.token_offset == offset, f"{b}: token_offset {layout.token_offset}, model {offset}"
         assert len(set(fresh)) == len(fresh) and set(fresh) <= free_before, (
             f"newly allocated pages {fresh} were not all free ({sorted(free_before)})"
         )
         cm.peak = max(cm.peak, used_before + len(fresh))
         key = tuple((sm.state.session_id, b) for sm, b in streams)
         assert ctx.streams == key
-        assert ctx.num_chunks == num_chunks and ctx.seq_len == num_chunks * CHUNK
+        assert ctx.num_chunks == num_chunks and ctx.seq_len == shape.seq_len
+        assert ctx.layout.chunk_lengths == shape.lengths
         assert ctx.commit_current is commit
         assert len(ctx.layers) == NUM_LAYERS
         # The registry: the same streams reuse their context; a new one may evict idle ones (LRU).
@@ -597,14 +731,67 @@ class SessionStateMachine(RuleBasedStateMachine):
                     event("LRU released an idle context")
         lib = ctx.transaction
         assert isinstance(lib, ForwardTransaction) and lib.is_open
-        tx = TxModel(cm, list(streams), commit, num_chunks, ctx, lib, mask)
+        tx = TxModel(cm, list(streams), commit, shape, ctx, lib, mask)
         for sm, b in streams:
             sm.forward[b] = tx
         self.ctx_tx[ctx] = tx
         self.track(ctx)
         self.txs = self.txs[-15:] + [tx]
         event(f"forward over {len({id(sm) for sm, _ in streams})} session(s), {len(streams)} stream(s)")
+        self.check_view(tx)
         return tx
+
+    def check_view(self, tx: TxModel) -> None:
+        """What an open forward attends to, against the model, stream by stream.
+
+        ``positions`` are the model's next positions (tokens committed before, whatever the chunks'
+        lengths); ``key_positions()`` lists each visible chunk's positions (sinks keep theirs after
+        evictions) then the pending ones, ``-1`` padding; ``to_dense()`` is the rule over the model's
+        chunk lengths (and the token mask); the reference backend's gathered K/V are, key by key,
+        what the model says each visible chunk held when committed, then the pending chunks' contents.
+        """
+        ctx, shape, cm = tx.ctx, tx.shape, tx.cm
+        assert tx.is_open and ctx.is_active
+        n = shape.seq_len
+        key_positions, dense = ctx.key_positions(), ctx.to_dense()
+        plan = ctx.plan
+        assert isinstance(plan, ReferencePlan), type(plan)
+        width = self.max_keys(tx.streams, shape)
+        assert tuple(key_positions.shape) == (len(tx.streams), width), (key_positions.shape, width)
+        assert tuple(dense.shape) == (len(tx.streams), n, width), (dense.shape, n, width)
+        pool = cm.cache.pool.kv
+        slots = pool.reshape(NUM_LAYERS, 2, -1, pool.shape[-2] * pool.shape[-1])  # [layers, K/V, token slots, H*D]
+        causal = shape.causal()
+        for i, (sm, b) in enumerate(tx.streams):
+            records = self.visible_data(sm, b)
+            offset = sm.committed_tokens(b)
+            committed = [r.tokens for r in sm.committed[b]]
+            where = f"{sm.state.session_id}/{b} (lengths {shape.lengths}, committed {committed})"
+            assert ctx.positions[i].tolist() == list(range(offset, offset + n)), (
+                f"{where}: positions {ctx.positions[i].tolist()}, expected from {offset}"
+            )
+            expected = [p for rec in records for p in rec.positions()] + list(range(offset, offset + n))
+            keys = len(expected)
+            got = key_positions[i].tolist()
+            assert got == expected + [-1] * (width - keys), f"{where}: key_positions {got}, expected {expected}"
+            mask = torch.zeros(n, width, dtype=torch.bool)
+            mask[:, : keys - n] = True
+            mask[:, keys - n : keys] = causal
+            if tx.token_mask is not None:
+                mask &= tx.token_mask[i]
+            assert torch.equal(dense[i], mask), f"{where}: to_dense() differs from the rule over the model's lengths"
+            # Every layer's K and V at once: [layers, 2, keys, H*D], keys in position order.
+            pending = [p for c in sm.pending[b] for p in c]
+            want = torch.cat(
+                [rec.token_data() for rec in records] + [cm.pool.pages(pending).reshape(NUM_LAYERS, 2, n, -1)], dim=2
+            )
+            seen = slots[:, :, plan.gather[i, :keys]]
+            if not same_bits(seen, want):
+                bad = (bits(seen) != bits(want)).any(-1).any(0).any(0).nonzero().flatten().tolist()
+                raise AssertionError(
+                    f"{where}: the K/V the forward gathers for the keys at positions {[expected[j] for j in bad]} "
+                    "are not what the model says was written there"
+                )
 
     def model_active(self, ctx: ForwardContext) -> bool:
         tx = self.ctx_tx.get(ctx)
@@ -619,12 +806,19 @@ class SessionStateMachine(RuleBasedStateMachine):
             assert sm.forward[b] is tx
             sm.forward[b] = None
             if status == "aborted":
-                sm.pending[b] = []
+                sm.drop_pending(b)
             elif status == "committed":
                 before = len(self.visible(sm, b)) + len(sm.pending[b])
-                sm.committed[b] += [(c, tx.cm.pool.pages(c)) for c in sm.pending[b]]
-                sm.pending[b] = []
+                assert sm.pending_tokens[b] == list(tx.shape.lengths)
+                start = sm.committed_tokens(b)
+                for pages, tokens in zip(sm.pending[b], sm.pending_tokens[b]):
+                    sm.committed[b].append(ChunkRecord(pages, tokens, start, tx.cm.pool.pages(pages)))
+                    start += tokens
+                sm.drop_pending(b)
                 event("commit evicted chunks" if len(self.visible(sm, b)) < before else "commit without eviction")
+                lengths = {rec.tokens for rec in self.visible_data(sm, b)}
+                if len(lengths) > 1:
+                    event("visible history of mixed chunk lengths")
         tx.status = status
 
     def m_finish(self, tx: TxModel | None, success: bool) -> None:
@@ -673,7 +867,7 @@ class SessionStateMachine(RuleBasedStateMachine):
         for b in names:
             self.m_finish(sm.forward[b], False)
         for b in names:
-            sm.pending[b] = []
+            sm.drop_pending(b)
 
     def finish(self, tx: TxModel, how: str, member: int) -> None:
         sm, b = tx.streams[member % len(tx.streams)]
@@ -748,17 +942,19 @@ class SessionStateMachine(RuleBasedStateMachine):
         layers = [0] if mode == "partial" else range(NUM_LAYERS)
         for layer in layers:
             self.run_layer(tx, layer, "module" if mode == "module" else "op", nan)
+        self.check_view(tx)  # what it wrote is what its keys now gather (distinct ids: any mix-up shows)
 
     def check_output(self, tx: TxModel, layer: int, q, k, v, out) -> None:
         """The output equals a hand-written masked softmax over the model's pages (and the token mask)."""
-        n = tx.num_chunks * CHUNK
-        chunk_of = torch.arange(n) // CHUNK
+        n = tx.shape.seq_len
+        causal = tx.shape.causal()  # block-causal over the model's own chunk lengths
         for i, (sm, b) in enumerate(tx.streams):
             hist = [p for c in self.visible(sm, b) for p in c]
             keys = torch.cat([tx.cm.pool.tokens(layer, 0, hist), k[i, :, 0]])
             values = torch.cat([tx.cm.pool.tokens(layer, 1, hist), v[i, :, 0]])
-            h = len(hist) * self.spec.page_size
-            mask = torch.cat([torch.ones(n, h, dtype=torch.bool), chunk_of[None, :] <= chunk_of[:, None]], dim=1)
+            h = self.history_tokens(sm, b)
+            assert h == len(hist) * self.page
+            mask = torch.cat([torch.ones(n, h, dtype=torch.bool), causal], dim=1)
             if tx.token_mask is not None:
                 mask &= tx.token_mask[i, :, : h + n]
             logits = torch.einsum("thd,kd->thk", q[i], keys) * HEAD_DIM**-0.5
@@ -916,7 +1112,7 @@ class SessionStateMachine(RuleBasedStateMachine):
         index=st.integers(0, 8),
         others=st.lists(st.integers(1, 2), max_size=2, unique=True),
         branch_sets=st.lists(st.sampled_from(BRANCH_SETS), min_size=3, max_size=3),
-        num_chunks=st.integers(1, 3),
+        shape=SHAPES,
         commit=st.booleans(),
         via=st.sampled_from(["state", "cache", "cache_gen", "get_kv_caches"]),
         masked=st.booleans(),
@@ -925,12 +1121,13 @@ class SessionStateMachine(RuleBasedStateMachine):
         member=st.integers(0, 5),
     )
     def forward(
-        self, index: int, others: list[int], branch_sets: list, num_chunks: int, commit: bool, via: str,
+        self, index: int, others: list[int], branch_sets: list, shape: tuple, commit: bool, via: str,
         masked: bool, mode: str, how: str, member: int,
     ) -> None:
-        """A forward over 1-3 sessions (a committing or a denoising one), run, then finished through one member."""
+        """A forward over 1-3 sessions (a committing or a denoising one) of 1-3 chunks of any lengths, run, then
+        finished through one member."""
         streams = self.pick_streams(self.open_sessions, index, others, branch_sets)
-        tx = self.start_forward(streams, num_chunks, commit, via=via, masked=masked)
+        tx = self.start_forward(streams, self.shape(shape), commit, via=via, masked=masked)
         if tx is None:
             return
         if masked:
@@ -944,18 +1141,37 @@ class SessionStateMachine(RuleBasedStateMachine):
         branches=st.sampled_from(BRANCH_SETS),
         steps=st.integers(1, 6),
         denoise_steps=st.integers(0, 2),
+        pattern=st.sampled_from(["full", "i2v", "i2v", "varied"]),
+        varied=st.lists(CHUNK_PAGES, min_size=6, max_size=6),
     )
-    def rollout(self, index: int, branches: tuple[str, ...], steps: int, denoise_steps: int) -> None:
-        """The generation loop: per chunk, a few denoising forwards then a committing one (reaches eviction)."""
-        self.roll(self.pick(self.open_sessions, index), branches, steps, denoise_steps)
+    def rollout(
+        self, index: int, branches: tuple[str, ...], steps: int, denoise_steps: int, pattern: str, varied: list
+    ) -> None:
+        """The generation loop: per chunk, a few denoising forwards then a committing one (reaches eviction).
 
-    def roll(self, sm: SessionModel, branches: tuple[str, ...], steps: int, denoise_steps: int = 0) -> None:
+        ``i2v``: a fresh branch starts with a one-page chunk (image-to-video's 1-latent-frame first
+        chunk, said by ``seq_len`` alone), then full chunks; ``varied``: each chunk its own length.
+        """
+        sm = self.pick(self.open_sessions, index)
+        shapes = [self.full()] * steps
+        if pattern == "i2v" and all(not sm.committed[b] for b in branches):
+            shapes[0] = self.short(1)
+            event("rollout: image-to-video first chunk")
+        elif pattern == "varied":
+            shapes = [self.shape(([p], False)) for p in varied[:steps]]
+        self.roll(sm, branches, steps, denoise_steps, shapes)
+
+    def roll(
+        self, sm: SessionModel, branches: tuple[str, ...], steps: int, denoise_steps: int = 0,
+        shapes: list[Shape] | None = None,
+    ) -> None:
         streams = [(sm, b) for b in branches]
-        for _ in range(steps):
+        for step in range(steps):
+            shape = shapes[step] if shapes else self.full()
             for _ in range(denoise_steps):
-                if self.start_forward(streams, 1, False) is None:
+                if self.start_forward(streams, shape, False) is None:
                     return
-            tx = self.start_forward(streams, 1, True)
+            tx = self.start_forward(streams, shape, True)
             if tx is None:
                 return
             self.run(tx, "op")
@@ -985,7 +1201,7 @@ class SessionStateMachine(RuleBasedStateMachine):
         index=st.integers(0, 8),
         others=st.lists(st.integers(1, 2), max_size=2, unique=True),
         branch_sets=st.lists(st.sampled_from(BRANCH_SETS), min_size=3, max_size=3),
-        num_chunks=st.integers(1, 3),
+        shape=SHAPES,
         commit=st.booleans(),
         via=st.sampled_from(["state", "cache"]),
         mode=st.sampled_from(["op", "module"]),
@@ -995,10 +1211,11 @@ class SessionStateMachine(RuleBasedStateMachine):
         inner_commit=st.booleans(),
         inner_with=st.booleans(),
         member=st.integers(0, 5),
+        inner_shape=st.one_of(st.none(), SHAPES_2),
     )
     def forward_with_block(
-        self, index: int, others: list[int], branch_sets: list, num_chunks: int, commit: bool, via: str, mode: str,
-        variant: str, inner_commit: bool, inner_with: bool, member: int,
+        self, index: int, others: list[int], branch_sets: list, shape: tuple, commit: bool, via: str, mode: str,
+        variant: str, inner_commit: bool, inner_with: bool, member: int, inner_shape: tuple | None,
     ) -> None:
         """``with prepare_forward(...)``: commit on success; any exception (BaseException too) aborts every stream.
 
@@ -1006,16 +1223,17 @@ class SessionStateMachine(RuleBasedStateMachine):
         ``commit_paged_context(b)``, ``ctx.commit()``) then keep running the model: the next layer
         raises ForwardFinishedError before touching the pool and the block's exit changes nothing;
         or prepare the same streams again inside a denoising block (same context object, new
-        forward): the block's exit must not finish that newer forward.
+        forward, maybe of other chunk lengths): the block's exit must not finish that newer forward.
         """
         streams = self.pick_streams(self.open_sessions, index, others, branch_sets)
         self.settle(streams, inner_commit)
-        via = self.choose_via(streams, via, False)
+        outer = self.shape(shape)
+        via = self.choose_via(streams, via, False, outer)
         if variant == "reprepare":
             commit = False
         cm = streams[0][0].cm
-        failure = self.predict_prepare(cm, streams, num_chunks, via=via)
-        fn, args, kwargs = self.prepare_call(streams, num_chunks, commit, via)
+        failure = self.predict_prepare(cm, streams, outer, via=via)
+        fn, args, kwargs = self.prepare_call(streams, outer, commit, via)
         if failure is not None:
             self.expect_failure(failure, fn, *args, **kwargs)
             return
@@ -1025,7 +1243,7 @@ class SessionStateMachine(RuleBasedStateMachine):
 
         def body() -> None:
             with fn(*args, **kwargs) as fwd:
-                tx = box["tx"] = self.m_prepared(streams, num_chunks, commit, fwd, free_before, used_before)
+                tx = box["tx"] = self.m_prepared(streams, outer, commit, fwd, free_before, used_before)
                 self.run_layer(tx, 0, mode)
                 if variant in INTERRUPTS:
                     raise INTERRUPTS[variant]("injected inside the with block")
@@ -1035,7 +1253,8 @@ class SessionStateMachine(RuleBasedStateMachine):
                     self.call_layer(fwd, 1, mode)  # a finished forward: must raise before any write
                     raise AssertionError("a finished forward's layer ran")
                 if variant == "reprepare":
-                    box["inner"] = self.reprepare(streams, num_chunks, inner_commit, via, inner_with, mode)
+                    inner = outer if inner_shape is None else self.shape(inner_shape)
+                    box["inner"] = self.reprepare(streams, inner, inner_commit, via, inner_with, mode)
                 else:
                     self.run_layer(tx, 1, mode)
                 box["outcome"] = self.predict_finish(tx, True)
@@ -1065,13 +1284,13 @@ class SessionStateMachine(RuleBasedStateMachine):
             event("with exit left the re-prepared forward open")
 
     def reprepare(
-        self, streams: list[tuple[SessionModel, str]], num_chunks: int, commit: bool, via: str, use_with: bool,
+        self, streams: list[tuple[SessionModel, str]], shape: Shape, commit: bool, via: str, use_with: bool,
         mode: str,
     ) -> TxModel | None:
         """Inside an open denoising ``with`` block: prepare the same streams again (same context, new forward)."""
         cm = streams[0][0].cm
-        failure = self.predict_prepare(cm, streams, num_chunks, via=via)
-        fn, args, kwargs = self.prepare_call(streams, num_chunks, commit, via)
+        failure = self.predict_prepare(cm, streams, shape, via=via)
+        fn, args, kwargs = self.prepare_call(streams, shape, commit, via)
         if failure is not None:
             self.expect_failure(failure, fn, *args, **kwargs)
             return None
@@ -1080,7 +1299,7 @@ class SessionStateMachine(RuleBasedStateMachine):
         used_before = cm.cache.allocator.num_used
         ctx = fn(*args, **kwargs)
         assert ctx is outer.ctx, "the same streams must get the same context"
-        inner = self.m_prepared(streams, num_chunks, commit, ctx, free_before, used_before)
+        inner = self.m_prepared(streams, shape, commit, ctx, free_before, used_before)
         assert outer.status == "superseded"
         if not use_with:
             self.run(inner, mode)
@@ -1124,15 +1343,16 @@ class SessionStateMachine(RuleBasedStateMachine):
         index=st.integers(0, 8),
         others=st.lists(st.integers(1, 2), max_size=2, unique=True),
         branch_sets=st.lists(st.sampled_from(BRANCH_SETS), min_size=3, max_size=3),
-        num_chunks=st.integers(1, 2),
+        shape=SHAPES_2,
         commit=st.booleans(),
         keep=st.integers(0, 5),
         mode=st.sampled_from(["op", "module"]),
         success=st.booleans(),
+        new_shape=st.one_of(st.none(), SHAPES_2),
     )
     def supersede_then_use(
-        self, index: int, others: list[int], branch_sets: list, num_chunks: int, commit: bool, keep: int, mode: str,
-        success: bool,
+        self, index: int, others: list[int], branch_sets: list, shape: tuple, commit: bool, keep: int, mode: str,
+        success: bool, new_shape: tuple | None,
     ) -> None:
         """A denoising forward superseded by a forward over one of its streams: the whole old forward ends
         (every stream, pending pages kept); its context's layers and ``commit()/abort()`` are then inert."""
@@ -1140,11 +1360,13 @@ class SessionStateMachine(RuleBasedStateMachine):
         if len(streams) < 2:
             return
         self.settle(streams, success)
-        old = self.start_forward(streams, num_chunks, False, via="cache")
+        first = self.shape(shape)
+        old = self.start_forward(streams, first, False, via="cache")
         if old is None:
             return
         self.run(old, "partial")
-        new = self.start_forward([streams[keep % len(streams)]], num_chunks, commit, via="cache")
+        second = first if new_shape is None else self.shape(new_shape)
+        new = self.start_forward([streams[keep % len(streams)]], second, commit, via="cache")
         if new is None:
             return
         assert old.status == "superseded" and old.tx.status == "superseded", (
@@ -1167,9 +1389,11 @@ class SessionStateMachine(RuleBasedStateMachine):
         exc=st.sampled_from(["boom", "halt", "keyboard"]),
         via=st.sampled_from(["cpc", "ctx.commit", "with", "with_boom", "state.abort"]),
         then=st.sampled_from(["commit", "abort", "later"]),
+        shape=SHAPES_2,
     )
     def interrupted_finish(
-        self, index: int, others: list[int], branch_sets: list, where: str, exc: str, via: str, then: str
+        self, index: int, others: list[int], branch_sets: list, where: str, exc: str, via: str, then: str,
+        shape: tuple,
     ) -> None:
         """An exception injected while a forward commits or aborts: all streams are finished, or none.
 
@@ -1186,6 +1410,7 @@ class SessionStateMachine(RuleBasedStateMachine):
         if where == "sigint" and not self.can_defer_sigint():
             where = "decref"
         injected = KeyboardInterrupt if where == "sigint" else INTERRUPTS[exc]
+        lengths = self.shape(shape)
         calls = {"n": 0}
         patches: list[tuple[Any, str, Any]] = []
 
@@ -1232,8 +1457,8 @@ class SessionStateMachine(RuleBasedStateMachine):
 
         success = via != "state.abort" and via != "with_boom"
         if via in ("with", "with_boom"):
-            failure = self.predict_prepare(cm, streams, 1, via="cache")
-            fn, args, kwargs = self.prepare_call(streams, 1, True, "cache")
+            failure = self.predict_prepare(cm, streams, lengths, via="cache")
+            fn, args, kwargs = self.prepare_call(streams, lengths, True, "cache")
             if failure is not None:
                 self.expect_failure(failure, fn, *args, **kwargs)
                 return
@@ -1242,7 +1467,7 @@ class SessionStateMachine(RuleBasedStateMachine):
 
             def body() -> None:
                 with fn(*args, **kwargs) as fwd:
-                    tx = box["tx"] = self.m_prepared(streams, 1, True, fwd, free_before, used_before)
+                    tx = box["tx"] = self.m_prepared(streams, lengths, True, fwd, free_before, used_before)
                     self.run(tx, "op")
                     box["before"] = self.snapshot()
                     install()
@@ -1256,7 +1481,7 @@ class SessionStateMachine(RuleBasedStateMachine):
                 uninstall()
             tx, before = box["tx"], box["before"]
         else:
-            tx = self.start_forward(streams, 1, True, via="cache")
+            tx = self.start_forward(streams, lengths, True, via="cache")
             if tx is None:
                 return
             self.run(tx, "op")
@@ -1298,14 +1523,14 @@ class SessionStateMachine(RuleBasedStateMachine):
         index=st.integers(0, 8),
         others=st.lists(st.integers(1, 2), max_size=2, unique=True),
         branch_sets=st.lists(st.sampled_from(BRANCH_SETS), min_size=3, max_size=3),
-        num_chunks=st.integers(1, 2),
+        shape=SHAPES_2,
         commit=st.sampled_from([True, True, False]),
         where=st.tuples(st.integers(0, NUM_LAYERS - 1), st.integers(0, 5), st.integers(0, 5)),
         value=st.sampled_from([float("nan"), float("inf"), float("-inf")]),
         how=st.sampled_from(["cpc", "ctx.commit", "with"]),
     )
     def non_finite_forward(
-        self, index: int, others: list[int], branch_sets: list, num_chunks: int, commit: bool,
+        self, index: int, others: list[int], branch_sets: list, shape: tuple, commit: bool,
         where: tuple[int, int, int], value: float, how: str,
     ) -> None:
         """``check_finite=True``: a committing forward that wrote NaN/Inf aborts (history unchanged) and raises."""
@@ -1313,16 +1538,17 @@ class SessionStateMachine(RuleBasedStateMachine):
         streams = self.pick_streams(candidates, index, others, branch_sets)
         self.settle(streams, commit)
         nan = (*where, value)
+        lengths = self.shape(shape)
         if how != "with":
-            tx = self.start_forward(streams, num_chunks, commit, via="cache")
+            tx = self.start_forward(streams, lengths, commit, via="cache")
             if tx is None:
                 return
             self.run(tx, "op", nan)
             self.finish(tx, how, 0)
             return
         cm = streams[0][0].cm
-        failure = self.predict_prepare(cm, streams, num_chunks, via="cache")
-        fn, args, kwargs = self.prepare_call(streams, num_chunks, commit, "cache")
+        failure = self.predict_prepare(cm, streams, lengths, via="cache")
+        fn, args, kwargs = self.prepare_call(streams, lengths, commit, "cache")
         if failure is not None:
             self.expect_failure(failure, fn, *args, **kwargs)
             return
@@ -1331,7 +1557,7 @@ class SessionStateMachine(RuleBasedStateMachine):
 
         def body() -> None:
             with fn(*args, **kwargs) as fwd:
-                tx = box["tx"] = self.m_prepared(streams, num_chunks, commit, fwd, free_before, used_before)
+                tx = box["tx"] = self.m_prepared(streams, lengths, commit, fwd, free_before, used_before)
                 self.run(tx, "op", nan)
                 box["outcome"] = self.predict_finish(tx, True)
 
@@ -1351,21 +1577,23 @@ class SessionStateMachine(RuleBasedStateMachine):
         index=st.integers(0, 8),
         others=st.lists(st.integers(1, 2), max_size=2, unique=True),
         branch_sets=st.lists(st.sampled_from(BRANCH_SETS), min_size=3, max_size=3),
-        num_chunks=st.integers(1, 3),
+        shape=SHAPES,
         commit=st.booleans(),
         exc=st.sampled_from(["boom", "halt", "keyboard", "static"]),
     )
     def plan_fails(
-        self, index: int, others: list[int], branch_sets: list, num_chunks: int, commit: bool, exc: str
+        self, index: int, others: list[int], branch_sets: list, shape: tuple, commit: bool, exc: str
     ) -> None:
-        """``plan()`` raising after pages were taken: allocator, free order, peak, pool, registry all unchanged."""
+        """``plan()`` raising after pages were taken (pending chunks of other lengths already replaced):
+        allocator, free order, peak, pool, registry all unchanged."""
         streams = self.pick_streams(self.open_sessions, index, others, branch_sets)
         cm = streams[0][0].cm
         static = exc == "static"
-        failure = self.predict_prepare(cm, streams, num_chunks, via="cache", static=static)
-        fn, args, kwargs = self.prepare_call(streams, num_chunks, commit, "cache")
+        lengths = self.shape(shape)
+        failure = self.predict_prepare(cm, streams, lengths, via="cache", static=static)
+        fn, args, kwargs = self.prepare_call(streams, lengths, commit, "cache")
         if static:
-            kwargs = {"static": True}
+            kwargs = {"static": True, **({"chunk_lengths": lengths.lengths} if lengths.explicit else {})}
             failure = failure or BackendUnavailableError  # the reference backend has no static plans
         else:
             failure = failure or INTERRUPTS[exc]
@@ -1383,30 +1611,31 @@ class SessionStateMachine(RuleBasedStateMachine):
         free_chunks = sm.cm.cache.allocator.num_free // self.ppc
         num_chunks = max(len(sm.pending[b]) for b in branches) + free_chunks + 1 + sm.cm.extent_chunks
         streams = [(sm, b) for b in branches]
-        exc = self.predict_prepare(sm.cm, streams, num_chunks, via="state")
+        shape = self.full(num_chunks)
+        exc = self.predict_prepare(sm.cm, streams, shape, via="state")
         assert exc is not None, "capacity model broken: one branch alone needs more than is free"
-        info = self.expect_failure(exc, sm.state.prepare_forward, branches, num_chunks * CHUNK, commit)
+        info = self.expect_failure(exc, sm.state.prepare_forward, branches, shape.seq_len, commit)
         if exc is CapacityError:
             assert info.free == sm.cm.cache.allocator.num_free
             assert info.needed > info.free
             assert str(info.needed) in str(info) and str(info.free) in str(info)
 
     @precondition(lambda self: any(t.is_open and t.commit for s in self.open_sessions for t in s.forward.values() if t))
-    @rule(index=st.integers(0, 4 * MAX_SESSIONS), commit=st.booleans(), num_chunks=st.integers(1, 3),
-          with_other=st.booleans())
-    def replace_uncommitted(self, index: int, commit: bool, num_chunks: int, with_other: bool) -> None:
+    @rule(index=st.integers(0, 4 * MAX_SESSIONS), commit=st.booleans(), shape=SHAPES, with_other=st.booleans())
+    def replace_uncommitted(self, index: int, commit: bool, shape: tuple, with_other: bool) -> None:
         """Preparing over a stream of an open committing forward raises and changes nothing."""
         candidates = [(s, b) for s in self.open_sessions for b, t in s.forward.items() if t and t.commit]
         sm, b = self.pick(candidates, index)
+        lengths = self.shape(shape)
         if with_other:  # an innocent stream first: nothing of it may change either
             other = "uncond" if b == "cond" else "cond"
             streams = [(sm, other), (sm, b)]
-            assert self.predict_prepare(sm.cm, streams, num_chunks, via="state") is PendingContextError
-            self.expect_failure(PendingContextError, sm.state.prepare_forward, (other, b), num_chunks * CHUNK, commit)
+            assert self.predict_prepare(sm.cm, streams, lengths, via="state") is PendingContextError
+            fn, args, kwargs = self.prepare_call(streams, lengths, commit, "state")
+            self.expect_failure(PendingContextError, fn, *args, **kwargs)
             return
-        self.expect_failure(
-            PendingContextError, sm.state.prepare_forward, (b,), num_chunks * CHUNK, commit, match=repr(b)
-        )
+        fn, args, kwargs = self.prepare_call([(sm, b)], lengths, commit, "state")
+        self.expect_failure(PendingContextError, fn, *args, **kwargs, match=repr(b))
 
     @precondition(lambda self: self.open_sessions)
     @rule(
@@ -1429,15 +1658,24 @@ class SessionStateMachine(RuleBasedStateMachine):
                 "mask_shape",
                 "mask_dtype",
                 "bad_kv_shape",
+                "lengths_sum",
+                "lengths_grid",
+                "lengths_big",
+                "lengths_empty",
+                "lengths_type",
             ]
         ),
-        seq_len=st.sampled_from([0, -CHUNK, 1, CHUNK + 1, 3 * CHUNK - 1]),
+        seq_len=st.sampled_from(["zero", "negative", "one", "chunk+1", "3chunk-1", "chunk+page"]),
+        shape=SHAPES,
     )
-    def misuse(self, index: int, kind: str, seq_len: int) -> None:
+    def misuse(self, index: int, kind: str, seq_len: str, shape: tuple) -> None:
         sm = self.pick(self.open_sessions, index)
         state = sm.state
-        if kind == "unknown_branch_prepare":
-            self.expect_failure(UnknownBranchError, state.prepare_forward, ("nope", "cond"), CHUNK, False, match="nope")
+        chunk, page = self.chunk, self.page
+        if kind.startswith("lengths_"):
+            self.bad_chunk_lengths(sm, kind, self.shape(shape))
+        elif kind == "unknown_branch_prepare":
+            self.expect_failure(UnknownBranchError, state.prepare_forward, ("nope", "cond"), chunk, False, match="nope")
         elif kind == "unknown_branch_commit":
             self.expect_failure(UnknownBranchError, state.commit_paged_context, "nope", match="nope")
         elif kind == "unknown_branch_abort":
@@ -1454,15 +1692,18 @@ class SessionStateMachine(RuleBasedStateMachine):
         elif kind == "unknown_keep":
             self.expect_failure(UnknownCacheError, state.reset, keep_cross_attention=("text", "image"), match="image")
         elif kind == "misaligned":
-            if 0 < seq_len < CHUNK and seq_len % self.spec.page_size == 0:
-                seq_len = CHUNK + 1  # one shorter chunk (whole pages) is allowed: not a misuse
-            self.expect_failure(SequenceLengthError, state.prepare_forward, ("cond",), seq_len, False, match=str(CHUNK))
-            self.expect_failure(SequenceLengthError, state.get_kv_caches, "uncond", seq_len, True)
+            # "chunk+page": a shorter and a full chunk need chunk_lengths; seq_len alone is refused.
+            n = {"zero": 0, "negative": -chunk, "one": 1, "chunk+1": chunk + 1, "3chunk-1": 3 * chunk - 1,
+                 "chunk+page": chunk + page}[seq_len]
+            if n > 0 and n % page == 0 and (n < chunk or n % chunk == 0):
+                n = chunk + 1  # one shorter chunk (whole pages), or full chunks, are allowed: not a misuse
+            self.expect_failure(SequenceLengthError, state.prepare_forward, ("cond",), n, False, match=str(chunk))
+            self.expect_failure(SequenceLengthError, state.get_kv_caches, "uncond", n, True)
         elif kind == "seq_none":
             self.expect_failure(SequenceLengthError, state.get_kv_caches, "cond", None, True)
         elif kind == "duplicate_stream":
-            exc = self.predict_prepare(sm.cm, [(sm, "cond"), (sm, "cond")], 1, via="cache")
-            self.expect_failure(exc, sm.cm.cache.prepare_forward, [(state, "cond"), (state, "cond")], CHUNK, False)
+            exc = self.predict_prepare(sm.cm, [(sm, "cond"), (sm, "cond")], self.full(), via="cache")
+            self.expect_failure(exc, sm.cm.cache.prepare_forward, [(state, "cond"), (state, "cond")], chunk, False)
         elif kind == "duplicate_session_id":
             self.expect_failure(SpecError, sm.cm.cache.open_session, state.session_id, match=state.session_id)
         elif kind == "fork_unknown_branch":
@@ -1475,15 +1716,42 @@ class SessionStateMachine(RuleBasedStateMachine):
                 self.expect_failure(CrossAttentionNotPopulatedError, state.get_cross_attention_kv, missing[0], "text")
         elif kind in ("mask_shape", "mask_dtype"):
             streams = [(sm, "cond"), (sm, "uncond")]
-            exc = self.predict_prepare(sm.cm, streams, 1, via="state", mask_ok=False)
-            mask = self.make_mask(streams, 1, bad=kind.split("_")[1])
-            self.expect_failure(exc, state.prepare_forward, BRANCHES, CHUNK, False, token_mask=mask)
+            lengths = self.shape(shape)
+            exc = self.predict_prepare(sm.cm, streams, lengths, via="state", mask_ok=False)
+            mask = self.make_mask(streams, lengths, bad=kind.split("_")[1])
+            fn, args, kwargs = self.prepare_call(streams, lengths, False, "state", mask)
+            self.expect_failure(exc, fn, *args, **kwargs)
         elif kind == "bad_kv_shape":
             open_ctx = [c for c in self.contexts if self.model_active(c)]
             if open_ctx:
                 ctx = open_ctx[0]
                 q, k, v = self.layer_inputs(ctx, 0, "op")
                 self.expect_failure(TensorMismatchError, chunk_attention, q, k[:, :-1], v, ctx.layers[0])
+
+    def bad_chunk_lengths(self, sm: SessionModel, kind: str, shape: Shape) -> None:
+        """Invalid ``chunk_lengths`` are refused (SequenceLengthError) before anything changes: a sum other than
+        ``seq_len``, a length off the page grid or above ``chunk_size``, none, a set."""
+        chunk, page = self.chunk, self.page
+        lengths: Any = list(shape.lengths)
+        seq_len = shape.seq_len
+        if kind == "lengths_sum":
+            seq_len += page
+        elif kind == "lengths_grid":
+            lengths[-1] = lengths[-1] - 1 if page > 1 else 0  # off the page grid (page 1: an empty chunk)
+            seq_len = sum(lengths)
+        elif kind == "lengths_big":
+            lengths[0] = chunk + page
+            seq_len = sum(lengths)
+        elif kind == "lengths_empty":
+            lengths, seq_len = [], 0
+        else:
+            lengths = set(lengths)
+        # Validated before the streams' states are looked at: even a branch under an open committing forward.
+        self.expect_failure(
+            SequenceLengthError, sm.state.prepare_forward, BRANCHES, seq_len, False, chunk_lengths=lengths,
+            match="chunk_lengths" if kind != "lengths_sum" else "seq_len",
+        )
+        event(f"invalid chunk_lengths refused ({kind})")
 
     @precondition(lambda self: self.closed_sessions)
     @rule(
@@ -1500,8 +1768,8 @@ class SessionStateMachine(RuleBasedStateMachine):
         state = sm.state
         exc: type[BaseException] = SessionClosedError
         calls = {
-            "prepare": (state.prepare_forward, ("cond",), CHUNK, False),
-            "get_kv_caches": (state.get_kv_caches, "cond", CHUNK, True),
+            "prepare": (state.prepare_forward, ("cond",), self.chunk, False),
+            "get_kv_caches": (state.get_kv_caches, "cond", self.chunk, True),
             "commit": (state.commit_paged_context, "cond"),
             "abort": (state.abort,),
             "populate": (state.populate_cross_attention, "cond", "text", [cross_value(0.0, 0)] * NUM_LAYERS),
@@ -1520,8 +1788,8 @@ class SessionStateMachine(RuleBasedStateMachine):
         if op == "batch":
             # The closed session first: an open stream first could legitimately fail another check.
             streams = [(sm, "cond")] + [(s, "uncond") for s in self.sessions_of(sm.cm)[:1]]
-            exc = self.predict_prepare(sm.cm, streams, 1, via="cache")
-            fn, args = sm.cm.cache.prepare_forward, ([(s.state, b) for s, b in streams], CHUNK, False)
+            exc = self.predict_prepare(sm.cm, streams, self.full(), via="cache")
+            fn, args = sm.cm.cache.prepare_forward, ([(s.state, b) for s, b in streams], self.chunk, False)
         else:
             fn, *args = calls[op]
         self.expect_failure(exc, fn, *args, match=state.session_id if exc is SessionClosedError else None)
@@ -1537,8 +1805,8 @@ class SessionStateMachine(RuleBasedStateMachine):
         elif op == "admit":
             self.expect_failure(CacheClosedError, cm.cache.admit_session)
         elif op == "prepare" and old:
-            self.expect_failure(CacheClosedError, cm.cache.prepare_forward, [(old[0].state, "cond")], CHUNK, True)
-            self.expect_failure(SessionClosedError, old[0].state.prepare_forward, ("cond",), CHUNK, True)
+            self.expect_failure(CacheClosedError, cm.cache.prepare_forward, [(old[0].state, "cond")], self.chunk, True)
+            self.expect_failure(SessionClosedError, old[0].state.prepare_forward, ("cond",), self.chunk, True)
         elif op == "fork" and old:
             self.expect_failure(SessionClosedError, old[0].state.fork)
         elif op == "close":
@@ -1560,10 +1828,10 @@ class SessionStateMachine(RuleBasedStateMachine):
         b = self.pick([c for c in caches if c is not a], j)
         sa, sb = self.sessions_of(a)[i % len(self.sessions_of(a))], self.sessions_of(b)[j % len(self.sessions_of(b))]
         if op == "prepare":
-            self.expect_failure(SpecError, a.cache.prepare_forward, [(sb.state, branch)], CHUNK, False)
+            self.expect_failure(SpecError, a.cache.prepare_forward, [(sb.state, branch)], self.chunk, False)
         elif op == "batch":
             self.expect_failure(
-                SpecError, a.cache.prepare_forward, [(sa.state, branch), (sb.state, branch)], CHUNK, True
+                SpecError, a.cache.prepare_forward, [(sa.state, branch), (sb.state, branch)], self.chunk, True
             )
         elif op == "share_sinks":
             self.expect_failure(SpecError, sa.state.share_sinks_from, sb.state, branch)
@@ -1726,11 +1994,23 @@ class SessionStateMachine(RuleBasedStateMachine):
                 expected = self.visible(sm, b)
                 assert list(state.visible_chunks(b)) == expected, (
                     f"{state.session_id}/{b}: visible {state.visible_chunks(b)}, expected first "
-                    f"{self.spec.sink_chunks} + last {self.spec.window_chunks} of {[c for c, _ in sm.committed[b]]}"
+                    f"{self.spec.sink_chunks} + last {self.spec.window_chunks} of {[r.pages for r in sm.committed[b]]}"
                 )
                 assert list(state.pending_chunks(b)) == sm.pending[b]
                 assert state.committed_chunks(b) == len(sm.committed[b])
-                assert state.token_offset(b) == len(sm.committed[b]) * CHUNK
+                assert state.token_offset(b) == sm.committed_tokens(b), (
+                    f"{state.session_id}/{b}: token_offset {state.token_offset(b)}, model {sm.committed_tokens(b)} "
+                    f"(committed lengths {[r.tokens for r in sm.committed[b]]})"
+                )
+                history = state.history(b)
+                assert history.committed_tokens == sm.committed_tokens(b)
+                records = self.visible_data(sm, b)
+                assert history.history_spans() == [(r.start, r.tokens) for r in records], (
+                    f"{state.session_id}/{b}: spans {history.history_spans()}, model "
+                    f"{[(r.start, r.tokens) for r in records]}"
+                )
+                assert history.history_positions() == [p for r in records for p in r.positions()]
+                assert [len(c) * self.page for c in state.pending_chunks(b)] == sm.pending_tokens[b]
                 tx, lib = sm.forward[b], state.open_forward(b)
                 if tx is None:
                     assert lib is None, f"{state.session_id}/{b}: open forward {lib}, the model has none"
@@ -1762,9 +2042,9 @@ class SessionStateMachine(RuleBasedStateMachine):
             assert not bad, f"{cm.label}: pages {bad} hold contents no open forward wrote there"
             for sm in self.sessions_of(cm):
                 for b in BRANCHES:
-                    for chunk, data in self.visible_data(sm, b):
-                        assert same_bits(pool[:, :, list(chunk)], data), (
-                            f"{sm.state.session_id}/{b}: committed chunk {chunk} changed since its commit"
+                    for rec in self.visible_data(sm, b):
+                        assert same_bits(pool[:, :, list(rec.pages)], rec.data), (
+                            f"{sm.state.session_id}/{b}: committed chunk {rec.pages} changed since its commit"
                         )
 
     @invariant()
@@ -1786,6 +2066,14 @@ class SessionStateMachine(RuleBasedStateMachine):
         for tx in self.txs:
             assert tx.tx.status == tx.status, f"forward over {tx.ctx.streams}: {tx.tx.status}, model {tx.status}"
 
+    @invariant()
+    def open_forwards_see_model(self) -> None:
+        """Every open forward: positions, key positions, dense mask and gathered K/V == the model's (``check_view``)."""
+        for cm in self.open_caches:
+            for ctx in cm.registry.values():
+                if self.model_active(ctx):
+                    self.check_view(self.ctx_tx[ctx])
+
     def teardown(self) -> None:
         if sys.exc_info()[1] is not None:
             return  # a step or invariant failed (hypothesis tears down in a `finally`): do not mask its report
@@ -1805,7 +2093,7 @@ class SessionStateMachine(RuleBasedStateMachine):
             assert ctx.released and not ctx.is_active
 
 
-TestSessionStateMachine = SessionStateMachine.TestCase
+TestSessionStateMachine = pytest.mark.slow(SessionStateMachine.TestCase)
 # More and longer runs than the profile's default: this machine is the main leak/consistency net.
 TestSessionStateMachine.settings = settings(
     max_examples=settings.default.max_examples * 3 // 2,

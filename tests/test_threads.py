@@ -23,10 +23,13 @@ import threading
 import time
 import traceback
 
+import pytest
 import torch
 from streaming_model import TinyStreamingModel
 
 from ardiff_modules import CapacityError, KVCache, KVState, populate_cross_attention
+
+pytestmark = pytest.mark.slow  # a thread hammer, several seconds
 
 OPS = int(os.environ.get("ARDIFF_THREAD_OPS", "200"))
 WITH_MODEL = os.environ.get("ARDIFF_THREAD_MODEL", "1") != "0"

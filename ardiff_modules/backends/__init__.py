@@ -9,12 +9,16 @@ dtype / head dim, and the reference backend otherwise; ``"reference"`` and
 from __future__ import annotations
 
 import importlib.util
+import logging
 
 import torch
 
+from ardiff_modules._logging import warn_once
 from ardiff_modules.backends.base import AttentionBackend, AttentionPlan, PlanRequest
 from ardiff_modules.backends.reference import ReferenceBackend
 from ardiff_modules.errors import BackendUnavailableError
+
+logger = logging.getLogger(__name__)
 
 BACKEND_NAMES = ("auto", "reference", "flashinfer")
 
@@ -40,7 +44,14 @@ def resolve_backend(
         raise BackendUnavailableError(f"backend: expected one of {BACKEND_NAMES}, got {backend!r}")
     if backend == "reference":
         return ReferenceBackend()
-    if backend == "auto" and (device.type != "cuda" or not flashinfer_available()):
+    if backend == "auto" and device.type != "cuda":
+        logger.debug("backend='auto' on %s: the reference backend (FlashInfer needs a CUDA device)", device)
+        return ReferenceBackend()
+    if backend == "auto" and not flashinfer_available():
+        _warn_fallback(
+            device, "flashinfer-missing", "the flashinfer package is not installed",
+            "pip install 'ardiff_modules[flashinfer]'",
+        )
         return ReferenceBackend()
     if device.type != "cuda":
         raise BackendUnavailableError(f"backend 'flashinfer': expected a CUDA device, got {device}")
@@ -53,14 +64,27 @@ def resolve_backend(
 
     fi = FlashInferBackend()
     if backend == "auto":
-        try:
-            fi.check_supported(device, dtype, head_dim, kv_dtype)
-        except BackendUnavailableError:
+        unsupported = fi.unsupported(device, dtype, head_dim, kv_dtype)
+        if unsupported is not None:
+            reason, fix = unsupported
+            _warn_fallback(device, reason, reason, fix)
             return ReferenceBackend()
+        logger.debug("backend='auto' on %s: FlashInfer (dtype %s, head_dim %d)", device, dtype, head_dim)
         return fi
     fi.check_supported(device, dtype, head_dim, kv_dtype)
     return fi
 
+
+def _warn_fallback(device: torch.device, key: str, reason: str, fix: str) -> None:
+    """``backend="auto"`` on CUDA chose the slow reference backend: say why and how to fix it, once per reason."""
+    warn_once(
+        logger,
+        key,
+        "backend='auto' on %s: falling back to the reference backend (gather + dense-mask SDPA, several times "
+        "slower than FlashInfer) because %s. To fix: %s. Pass backend='reference' to choose it explicitly "
+        "(no warning), or backend='flashinfer' to get an error instead of a fallback.",
+        device, reason, fix,
+    )
 
 __all__ = [
     "AttentionBackend",

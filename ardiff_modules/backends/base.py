@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ardiff_modules.layout import ForwardLayout
+from ardiff_modules.quant import KVQuantizer
 
 
 @dataclass(frozen=True, eq=False)
@@ -33,6 +34,8 @@ class PlanRequest:
         replayed after re-planning (FlashInfer only).
     max_pages:
         With ``static``: the most pages any plan of this forward will list (sizes the buffers).
+    quantizer:
+        The pool's FP8 scales (``kv_dtype="float8_e4m3fn"``); ``None`` for the float formats.
     """
 
     layout: ForwardLayout
@@ -45,6 +48,7 @@ class PlanRequest:
     token_mask: torch.Tensor | None = None
     static: bool = False
     max_pages: int | None = None
+    quantizer: KVQuantizer | None = None
 
 
 class AttentionPlan(ABC):
@@ -60,6 +64,8 @@ class AttentionPlan(ABC):
         v_cache: torch.Tensor,
         scale: float,
         return_lse: bool = False,
+        *,
+        layer: int = 0,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Write the current K/V into the pending pages, then attend.
 
@@ -75,6 +81,8 @@ class AttentionPlan(ABC):
             Softmax scale.
         return_lse:
             Also return each query's log-sum-exp over its visible keys.
+        layer:
+            The layer index (selects the FP8 scales of a quantized pool).
 
         Returns
         -------

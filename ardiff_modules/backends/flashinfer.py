@@ -22,6 +22,7 @@ layer's ``run()`` only appends its K/V and launches the kernel.
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -29,11 +30,16 @@ import torch
 from ardiff_modules.backends.base import AttentionBackend, AttentionPlan, PlanRequest
 from ardiff_modules.errors import BackendUnavailableError, TensorMismatchError
 from ardiff_modules.layout import RaggedRows
+from ardiff_modules.quant import quantize_query
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 WORKSPACE_BYTES = 128 << 20
 LN2 = math.log(2.0)
+
+#: Plan decisions (path chosen and why, FlashInfer ``plan()`` called or skipped) at DEBUG, once per
+#: forward from ``prepare_forward``; nothing is logged per layer.
+logger = logging.getLogger(__name__)
 
 
 def _flashinfer():  # noqa: ANN202
@@ -69,6 +75,11 @@ class FlashInferPlan(AttentionPlan):
         self.num_qo_heads = request.num_qo_heads
         self.head_dim = request.head_dim
         self.page_size = layout.page_size
+        #: FP8 pool: K/V quantized on write; FA3 runs FP8 attention (queries quantized per forward,
+        #: per head), the masked FA2 path a 16-bit query over FP8 K/V with the scales folded in.
+        self.quantizer = request.quantizer
+        self.fp8 = request.quantizer is not None
+        self.num_kv_heads = request.num_kv_heads
         self._paged = None
         self._ragged = None
         self._events: dict[str, torch.cuda.Event] = {}
@@ -103,6 +114,7 @@ class FlashInferPlan(AttentionPlan):
             and (request.token_mask is not None) == self.masked
             and request.device == self.device
             and request.num_qo_heads == self.num_qo_heads
+            and request.quantizer is self.quantizer
             and (not self.static or layout.num_streams * layout.num_chunks == self.rows)
         )
 
@@ -112,10 +124,14 @@ class FlashInferPlan(AttentionPlan):
         workspace = self.backend.workspace(self.device)
         if kind == "ragged":
             if self._ragged is None:
-                self._ragged = fi.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD", backend="auto")
+                # FP8 attention exists only as FA3 (Hopper); "auto" could pick FA2, which has no FP8 path.
+                kernel = "fa3" if self.fp8 else "auto"
+                self._ragged = fi.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD", backend=kernel)
             return self._ragged
         if self._paged is None:
             kernel = "fa2" if self.masked else self.backend.paged_backend
+            if self.fp8 and not self.masked:
+                kernel = "fa3"
             if self.static:
                 self._paged = fi.BatchPrefillWithPagedKVCacheWrapper(
                     workspace, "NHD", use_cuda_graph=True, backend=kernel, **self._paged_bufs
@@ -146,10 +162,49 @@ class FlashInferPlan(AttentionPlan):
             ragged = layout.ragged_rows
             if ragged is not None and ragged.gap_rows and not self.backend.allow_gap_rows:
                 ragged = None
+        plans = self.kernel_plans
         if ragged is not None:
             self._plan_ragged(request, ragged)
         else:
             self._plan_paged(request)
+        if logger.isEnabledFor(logging.DEBUG):
+            self._log_decision(request, ragged, planned=self.kernel_plans != plans)
+
+    def _log_decision(self, request: PlanRequest, ragged: RaggedRows | None, planned: bool) -> None:
+        """One DEBUG line per forward: the path, why it was chosen, and whether FlashInfer's plan() ran."""
+        layout = request.layout
+        if self.mode == "ragged":
+            assert ragged is not None
+            why = "every stream's visible keys are one contiguous range (contiguous extents)"
+            if ragged.gap_rows:
+                why += f", {ragged.gap_rows} query-less gap row(s) between streams"
+        elif self.mode == "masked":
+            why = "a token_mask was given (FA2 with a custom mask)"
+        elif self.static:
+            why = "static forward (CUDA-graph replay reads fixed page-table buffers)"
+        elif layout.num_chunks > 1:
+            why = f"{layout.num_chunks} pending chunks per stream (block-causal rows)"
+        elif layout.ragged_rows is not None:
+            why = "streams' key ranges are not adjacent and allow_gap_rows=False"
+        else:
+            why = (
+                "some stream's visible pages are not one contiguous run, or streams are not in page order "
+                "(plain paging, or pages shared after a fork)"
+            )
+        if planned:
+            action = "plan() called (new row lengths)"
+        elif self.mode == "ragged":
+            action = "plan() skipped (row lengths repeat)"
+        else:
+            action = "plan() skipped (row lengths repeat; page table refreshed in place)"
+        logger.debug(
+            "flashinfer plan: %s path for %d stream(s) x %d chunk(s), %d tokens each: %s; %s",
+            self.mode, layout.num_streams, layout.num_chunks, layout.seq_len, why, action,
+        )
+
+    def _q_dtype(self, request: PlanRequest) -> torch.dtype:
+        """FA3 over FP8 K/V needs an FP8 query too; the masked FA2 path keeps the 16-bit query."""
+        return request.kv_dtype if self.fp8 and not self.masked else request.dtype
 
     def _plan_ragged(self, request: PlanRequest, ragged: RaggedRows) -> None:
         key = (
@@ -164,7 +219,8 @@ class FlashInferPlan(AttentionPlan):
             self._before_plan("ragged")
             wrapper.plan(
                 ragged.qo_indptr, ragged.kv_indptr, request.num_qo_heads, request.num_kv_heads,
-                request.head_dim, causal=False, q_data_type=request.dtype, kv_data_type=request.kv_dtype,
+                request.head_dim, causal=False, q_data_type=self._q_dtype(request), kv_data_type=request.kv_dtype,
+                o_data_type=request.dtype,
             )
             self._after_plan("ragged")
             self._ragged_key = key
@@ -203,8 +259,8 @@ class FlashInferPlan(AttentionPlan):
         wrapper.plan(
             rows.qo_indptr, rows.kv_page_indptr, indices, rows.kv_last_page_len,
             request.num_qo_heads, request.num_kv_heads, request.head_dim, layout.page_size,
-            custom_mask=custom_mask, non_blocking=True, causal=False, q_data_type=request.dtype,
-            kv_data_type=request.kv_dtype,
+            custom_mask=custom_mask, non_blocking=True, causal=False, q_data_type=self._q_dtype(request),
+            kv_data_type=request.kv_dtype, o_data_type=request.dtype,
         )
         self._after_plan("paged")
         self._paged_indices = self._paged_bufs["paged_kv_indices_buf"] if self.static else indices
@@ -228,6 +284,12 @@ class FlashInferPlan(AttentionPlan):
         else:
             self._write_pages = pages.to(self.device, non_blocking=True)
 
+    def __repr__(self) -> str:
+        return (
+            f"FlashInferPlan(mode={self.mode!r}, rows={self.rows}, static={self.static}, "
+            f"kernel_plans={self.kernel_plans})"
+        )
+
     # ------------------------------------------------------------------ per layer
     def run(
         self,
@@ -238,6 +300,8 @@ class FlashInferPlan(AttentionPlan):
         v_cache: torch.Tensor,
         scale: float,
         return_lse: bool = False,
+        *,
+        layer: int = 0,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if q.shape[1] != self.num_qo_heads:
             raise TensorMismatchError(
@@ -245,8 +309,10 @@ class FlashInferPlan(AttentionPlan):
                 f"got q with {q.shape[1]} heads"
             )
         # Compiled graphs may hand the op strided inputs; FlashInfer's kernels want dense rows.
+        if self.quantizer is not None:
+            k, v = self.quantizer.quantize_layer(layer, k, v)
         self.write(k.contiguous(), v.contiguous(), k_cache, v_cache)
-        return self.attend(q.contiguous(), k_cache, v_cache, scale, return_lse)
+        return self.attend(q.contiguous(), k_cache, v_cache, scale, return_lse, layer=layer)
 
     def write(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         """Append the current ``[tokens, kv_heads, head_dim]`` K/V into this forward's pending pages."""
@@ -256,7 +322,14 @@ class FlashInferPlan(AttentionPlan):
         )
 
     def attend(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, return_lse: bool = False
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        return_lse: bool = False,
+        *,
+        layer: int = 0,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The attention kernel alone over one layer's pages (K/V already written); see :meth:`run`."""
         default = 1.0 / math.sqrt(self.head_dim)
@@ -264,14 +337,29 @@ class FlashInferPlan(AttentionPlan):
             # Plans use FlashInfer's default 1/sqrt(d); a custom scale folds into q (its q_scale
             # argument means different things on different kernel paths).
             q = q * (scale / default)
+        extra: tuple[torch.Tensor, ...] = ()
+        v_head_scale = None
+        if self.quantizer is not None:
+            k_scale, v_scale = self.quantizer.layer_scales(layer)
+            if self.mode == "masked":
+                # FA2: a 16-bit query over raw FP8 K/V. Per-head scales fold in exactly:
+                # softmax(q . (s_k k8)) = softmax((s_k q) . k8) and sum p (s_v v8) = s_v sum p v8.
+                group = self.num_qo_heads // self.num_kv_heads
+                q = (q * k_scale.repeat_interleave(group)[:, None]).to(q.dtype)
+                v_head_scale = v_scale.repeat_interleave(group)[:, None]
+            else:
+                q, q_scale = quantize_query(q)
+                extra = (q_scale, k_scale, v_scale)  # FA3's DefaultFP8Attention: per-head scales
         if self.mode == "ragged":
             start, end = self.kv_range
             k_slots = k_cache.view(-1, k_cache.shape[-2], k_cache.shape[-1])[start:end]
             v_slots = v_cache.view(-1, v_cache.shape[-2], v_cache.shape[-1])[start:end]
-            result = self._ragged.run(q, k_slots, v_slots, return_lse=return_lse)
+            result = self._ragged.run(q, k_slots, v_slots, *extra, return_lse=return_lse)
         else:
-            result = self._paged.run(q, (k_cache, v_cache), return_lse=return_lse)
+            result = self._paged.run(q, (k_cache, v_cache), *extra, return_lse=return_lse)
         out, lse = result if return_lse else (result, None)
+        if v_head_scale is not None:
+            out = (out * v_head_scale).to(out.dtype)
         if self.mode == "masked":
             out = out.masked_fill(self._empty_rows, 0)
         if lse is None:
@@ -337,20 +425,39 @@ class FlashInferBackend(AttentionBackend):
     def check_supported(
         self, device: torch.device, dtype: torch.dtype, head_dim: int, kv_dtype: torch.dtype | None = None
     ) -> None:
+        unsupported = self.unsupported(device, dtype, head_dim, kv_dtype)
+        if unsupported is not None:
+            raise BackendUnavailableError(f"backend 'flashinfer': {unsupported[0]}")
+
+    def unsupported(
+        self, device: torch.device, dtype: torch.dtype, head_dim: int, kv_dtype: torch.dtype | None = None
+    ) -> tuple[str, str] | None:
+        """``None`` if this backend can run these shapes, else ``(why not, how to fix it)``."""
         if device.type != "cuda":
-            raise BackendUnavailableError(f"backend 'flashinfer': expected a CUDA device, got {device}")
+            return f"expected a CUDA device, got {device}", "put the KVCache on a CUDA device"
         if dtype not in SUPPORTED_DTYPES:
-            raise BackendUnavailableError(f"backend 'flashinfer': expected dtype in {SUPPORTED_DTYPES}, got {dtype}")
-        if kv_dtype is not None and kv_dtype != dtype:
-            raise BackendUnavailableError(
-                f"backend 'flashinfer': expected kv_dtype equal to dtype={dtype} (FA3 attends q and K/V in one "
-                f"dtype here), got {kv_dtype}"
+            return (
+                f"expected dtype in {SUPPORTED_DTYPES}, got {dtype}",
+                "use KVCacheSpec(dtype='bfloat16') or 'float16' (and the model in that dtype)",
+            )
+        if kv_dtype is not None and kv_dtype not in (dtype, torch.float8_e4m3fn):
+            return (
+                f"expected kv_dtype equal to dtype={dtype} or float8_e4m3fn (FP8 attention), got {kv_dtype}",
+                "leave KVCacheSpec.kv_dtype unset (it defaults to dtype) or use 'float8_e4m3fn'",
             )
         if head_dim not in SUPPORTED_HEAD_DIMS:
-            raise BackendUnavailableError(
-                f"backend 'flashinfer': expected head_dim in {SUPPORTED_HEAD_DIMS}, got {head_dim}"
+            return (
+                f"expected head_dim in {SUPPORTED_HEAD_DIMS}, got {head_dim}",
+                f"use a model whose head_dim is one of {SUPPORTED_HEAD_DIMS}",
             )
-        _flashinfer()
+        try:
+            _flashinfer()
+        except BackendUnavailableError as exc:
+            return (
+                str(exc).removeprefix("backend 'flashinfer': "),
+                "reinstall FlashInfer for this torch / CUDA (pip install 'ardiff_modules[flashinfer]')",
+            )
+        return None
 
     def workspace(self, device: torch.device) -> torch.Tensor:
         """One float workspace per device, shared by every plan (kernels run in stream order)."""
@@ -364,4 +471,13 @@ class FlashInferBackend(AttentionBackend):
         if isinstance(previous, FlashInferPlan) and previous.compatible(request):
             previous.update(request)
             return previous
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "flashinfer plan: new plan object (%s): static=%s, token_mask=%s, %d query heads",
+                "first forward of these streams" if previous is None else "the previous plan does not fit",
+                request.static, request.token_mask is not None, request.num_qo_heads,
+            )
         return FlashInferPlan(self, request)
+
+    def __repr__(self) -> str:
+        return f"FlashInferBackend(paged_backend={self.paged_backend!r}, allow_gap_rows={self.allow_gap_rows})"

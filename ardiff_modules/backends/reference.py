@@ -1,11 +1,14 @@
 """Reference backend (any device): gather the visible pages, dense mask, SDPA.
 
 This is the oracle every other backend is tested against: it applies the
-visibility rule of DESIGN.md section 1 literally, as a boolean mask over the
-gathered keys (``ForwardLayout.to_dense()``).
+visibility rule (README, "Semantics": query chunk ``c`` sees the sink chunks, the window
+chunks and pending chunks ``0..c``) literally, as a boolean mask over the gathered keys
+(``ForwardLayout.to_dense()``).
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -13,6 +16,9 @@ import torch.nn.functional as F
 from ardiff_modules.backends.base import AttentionBackend, AttentionPlan, PlanRequest
 from ardiff_modules.errors import BackendUnavailableError
 from ardiff_modules.pool import KVPool
+from ardiff_modules.quant import dequantize
+
+logger = logging.getLogger(__name__)
 
 
 class ReferencePlan(AttentionPlan):
@@ -36,6 +42,16 @@ class ReferencePlan(AttentionPlan):
             # A query that sees no key: SDPA gives NaN; the backends' contract is a zero output.
             self.empty_rows = ~mask.any(dim=-1)[:, None, :, None]  # [S, 1, n, 1]
         self.mask = mask[:, None]  # [S, 1, n, K]: broadcast over heads
+        self.quantizer = request.quantizer
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "reference plan: %d stream(s) x %d chunk(s), %d tokens each, %d gathered keys per stream, %s",
+                self.num_streams, layout.num_chunks, self.seq_len, gather.shape[1],
+                "visibility rule AND token_mask" if request.token_mask is not None else "visibility rule",
+            )
+
+    def __repr__(self) -> str:
+        return f"ReferencePlan(streams={self.num_streams}, seq_len={self.seq_len}, keys={self.gather.shape[1]})"
 
     def run(
         self,
@@ -46,15 +62,27 @@ class ReferencePlan(AttentionPlan):
         v_cache: torch.Tensor,
         scale: float,
         return_lse: bool = False,
+        *,
+        layer: int = 0,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         page_shape = (-1, *k_cache.shape[1:])
-        k_cache.index_copy_(0, self.write_pages, _as(k.reshape(page_shape), k_cache.dtype))
-        v_cache.index_copy_(0, self.write_pages, _as(v.reshape(page_shape), v_cache.dtype))
+        if self.quantizer is not None:  # FP8 pool: stored with the layer's scales, read back dequantized
+            k_store, v_store = self.quantizer.quantize_layer(layer, k, v)
+        else:
+            k_store, v_store = _as(k, k_cache.dtype), _as(v, v_cache.dtype)
+        _raw(k_cache).index_copy_(0, self.write_pages, _raw(k_store.reshape(page_shape)))
+        _raw(v_cache).index_copy_(0, self.write_pages, _raw(v_store.reshape(page_shape)))
         k_slots = KVPool.token_slots(k_cache)
         v_slots = KVPool.token_slots(v_cache)
         s, n = self.num_streams, self.seq_len
-        keys = _as(k_slots[self.gather].transpose(1, 2), q.dtype)  # [S, Hkv, K, D], attended in the compute dtype
-        values = _as(v_slots[self.gather].transpose(1, 2), q.dtype)
+        # [S, K, Hkv, D] in the storage dtype
+        k_seen = _raw(k_slots)[self.gather].view(k_slots.dtype)
+        v_seen = _raw(v_slots)[self.gather].view(v_slots.dtype)
+        if self.quantizer is not None:
+            k_scale, v_scale = self.quantizer.layer_scales(layer)
+            k_seen, v_seen = dequantize(k_seen, k_scale, q.dtype), dequantize(v_seen, v_scale, q.dtype)
+        keys = _as(k_seen.transpose(1, 2), q.dtype)  # [S, Hkv, K, D], attended in the compute dtype
+        values = _as(v_seen.transpose(1, 2), q.dtype)
         if self.padding is not None:
             keys = keys.masked_fill(self.padding, 0)
             values = values.masked_fill(self.padding, 0)
@@ -76,6 +104,11 @@ class ReferencePlan(AttentionPlan):
         logits = torch.matmul(queries.float(), keys.float().transpose(-1, -2)) * scale  # [S, H, n, K]
         lse = torch.logsumexp(logits.masked_fill(~self.mask, float("-inf")), dim=-1)
         return lse.transpose(1, 2).reshape(s * n, heads)
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """FP8 tensors as their bytes: index_copy_ / gathers have no float8 kernels on every device."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -100,3 +133,6 @@ class ReferenceBackend(AttentionBackend):
                 "re-sizes its gathered keys every forward"
             )
         return ReferencePlan(request)
+
+    def __repr__(self) -> str:
+        return "ReferenceBackend()"

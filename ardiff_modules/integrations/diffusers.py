@@ -43,11 +43,13 @@ diffusers is imported only when a function of this module is called; without it,
 from __future__ import annotations
 
 import importlib
+import logging
 from collections.abc import Iterator
 from types import ModuleType, TracebackType
 from typing import TYPE_CHECKING, Any
 
 import torch
+from einops import rearrange
 
 from ardiff_modules.cache import KVCache
 from ardiff_modules.checks import is_int, require_int, require_positive_float
@@ -71,6 +73,9 @@ __all__ = [
 ]
 
 _EXTRA_HINT = "pip install 'ardiff_modules[diffusers]'"
+
+#: DEBUG when processors are installed / removed; nothing is logged per forward or per block call.
+logger = logging.getLogger(__name__)
 
 
 def _transformer_wan() -> ModuleType:
@@ -324,6 +329,17 @@ class PagedWanTransformer:
             self._restore_processors()
             raise
         self._removed = False
+        logger.debug(
+            "enable_paged_attention: paged processors on %d blocks of %s (text cache %r, image cache %r)",
+            len(model.blocks), type(model).__name__, text_cache, image_cache,
+        )
+
+    def __repr__(self) -> str:
+        state = "removed" if self._removed else ("active" if self._active.forward is not None else "enabled")
+        return (
+            f"PagedWanTransformer(blocks={len(self.model.blocks)}, text_cache={self.text_cache!r}, "
+            f"image_cache={self.image_cache!r}, status={state!r})"
+        )
 
     # ------------------------------------------------------------------ RoPE
     def _rope_forward_hook(
@@ -400,7 +416,10 @@ class PagedWanTransformer:
                 else:
                     kv = attn.to_kv(context).chunk(2, dim=-1) if fused else (attn.to_k(context), attn.to_v(context))
                     key, value = attn.norm_k(kv[0]), kv[1]
-            yield key[0].unflatten(-1, (attn.heads, -1)), value[0].unflatten(-1, (attn.heads, -1))
+            yield (
+                rearrange(key[0], "n (h d) -> n h d", h=attn.heads),
+                rearrange(value[0], "n (h d) -> n h d", h=attn.heads),
+            )
 
     def set_prompt(
         self,
@@ -530,6 +549,7 @@ class PagedWanTransformer:
         self._rope_hook.remove()
         self._restore_processors()
         self._removed = True
+        logger.debug("PagedWanTransformer.remove: diffusers' processors restored on %d blocks", len(self.model.blocks))
 
 
 # ---------------------------------------------------------------------------------------------- factories

@@ -1,4 +1,16 @@
-"""``nn.Module`` attention layers and their functional forms."""
+"""``nn.Module`` attention layers and their functional forms.
+
+==================  =================================================================================
+``self_attention``  :class:`ChunkSelfAttention`
+``cross_attention`` :class:`CachedCrossAttention`, :func:`populate_cross_attention`
+``functional``      :func:`chunk_attention`, :func:`cached_cross_attention`, :func:`apply_rope`, :func:`rotate`
+``rotary``          :class:`RotaryEmbedding`, :class:`VideoRotaryEmbedding`
+``naming``          checkpoint naming of the layers' submodules (``param_names``, ``ATTENTION_PARAM_NAMES``)
+``loading``         ``from_wan`` / ``from_diffusers``: a layer from an existing module (config + weights)
+``common``          shared checks, q / k norms, head split / merge
+``attention``       the historical import path: re-exports the layers and their helpers
+==================  =================================================================================
+"""
 
 from ardiff_modules.modules.attention import (
     ATTENTION_PARAM_NAMES,
@@ -7,7 +19,6 @@ from ardiff_modules.modules.attention import (
     ParamNames,
     populate_cross_attention,
 )
-from ardiff_modules.modules.rotary import RotaryEmbedding, VideoRotaryEmbedding
 from ardiff_modules.modules.functional import (
     Rope,
     RopeLayout,
@@ -17,6 +28,7 @@ from ardiff_modules.modules.functional import (
     rotate,
     rotate_half,
 )
+from ardiff_modules.modules.rotary import RotaryEmbedding, VideoRotaryEmbedding
 
 __all__ = [
     "ATTENTION_PARAM_NAMES",

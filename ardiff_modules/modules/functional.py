@@ -7,9 +7,9 @@ from typing import Any, Literal, Union
 
 import torch
 
+from ardiff_modules.checks import require_positive_float
 from ardiff_modules.context import LayerContext
 from ardiff_modules.cross import cached_cross_attention  # noqa: F401  (re-exported: the functional forms)
-from ardiff_modules.checks import require_positive_float
 from ardiff_modules.errors import InferenceOnlyError, SpecError, TensorMismatchError
 
 #: A RoPE hook: ``(t [streams, seq, heads, dim], positions [streams, seq]) -> t`` or a ``(cos, sin)`` pair.

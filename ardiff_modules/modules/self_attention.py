@@ -1,0 +1,156 @@
+"""``ChunkSelfAttention``: self-attention over the current chunk(s) and the cached sink + window history."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ardiff_modules.context import LayerContext
+from ardiff_modules.errors import SpecError
+from ardiff_modules.modules.common import (
+    QKNorm,
+    _check_input,
+    _check_layer_context,
+    _check_options,
+    _head_geometry,
+    _merge_heads,
+    _qk_norm,
+    _split_heads,
+)
+from ardiff_modules.modules.functional import Rope, RopeLayout, _check_rope_layout, apply_rope, chunk_attention
+from ardiff_modules.modules.loading import _copy_from_source, _read_source, _SourceConfig
+from ardiff_modules.modules.naming import ParamNames, _CheckpointNamed
+
+
+class ChunkSelfAttention(_CheckpointNamed):
+    """Self-attention over the current chunk(s) and the cached sink + window history.
+
+    Projects Q/K/V, optionally RMS-normalises Q and K, applies the RoPE hook at
+    the tokens' absolute positions (``kv.positions``), writes K/V into the
+    pending pages and attends per the visibility rule, then projects out.
+
+    Parameters
+    ----------
+    dim:
+        Model width.
+    num_heads:
+        Query heads.
+    num_kv_heads:
+        K/V heads (GQA when fewer than ``num_heads``); default ``num_heads``.
+    head_dim:
+        Default ``dim // num_heads``.
+    qk_norm:
+        ``None``, ``"full"`` (RMSNorm over ``heads * head_dim``, as Wan and diffusers'
+        ``rms_norm_across_heads``) or ``"head"``.
+    param_names:
+        Submodule names: ``"ardiff"`` (``to_q, to_k, to_v, to_out``), ``"wan"`` (``q, k, v, o``) or
+        ``"diffusers"`` (``to_q, to_k, to_v, to_out.0``); ``norm_q`` / ``norm_k`` in all three.
+    rope_layout:
+        Pair layout used when ``forward`` gets a ``(cos, sin)`` pair as ``rope`` (a RoPE module
+        carries its own): ``"interleaved"`` (default; Wan / diffusers) or ``"half"``.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        *,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        qk_norm: QKNorm = None,
+        bias: bool = True,
+        eps: float = 1e-6,
+        param_names: ParamNames = "ardiff",
+        rope_layout: RopeLayout = "interleaved",
+    ) -> None:
+        super().__init__()
+        owner = "ChunkSelfAttention"
+        self.num_kv_heads, self.head_dim = _head_geometry(owner, dim, num_heads, num_kv_heads, head_dim)
+        self.eps = _check_options(owner, bias, eps)
+        self._init_names(owner, param_names)
+        self.rope_layout = _check_rope_layout(f"{owner}.rope_layout", rope_layout)
+        self.dim = dim
+        self.num_heads = num_heads
+        self.qk_norm = qk_norm
+        self.norm_q = _qk_norm(owner, qk_norm, num_heads, self.head_dim, self.eps)
+        self.norm_k = _qk_norm(owner, qk_norm, self.num_kv_heads, self.head_dim, self.eps)
+        self._register("q", nn.Linear(dim, num_heads * self.head_dim, bias=bias))
+        self._register("k", nn.Linear(dim, self.num_kv_heads * self.head_dim, bias=bias))
+        self._register("v", nn.Linear(dim, self.num_kv_heads * self.head_dim, bias=bias))
+        self._register("o", nn.Linear(num_heads * self.head_dim, dim, bias=bias))
+
+    @classmethod
+    def from_wan(
+        cls, module: nn.Module, *, param_names: ParamNames = "wan", rope_layout: RopeLayout = "interleaved"
+    ) -> ChunkSelfAttention:
+        """A layer equal to a Wan2.1 ``WanSelfAttention`` (or Self-Forcing / CausVid / LongLive's causal
+        port: ``q, k, v, o`` Linears, ``norm_q`` / ``norm_k`` RMSNorm or Identity, ``num_heads``),
+        holding a copy of its weights on its device and dtype.
+
+        With the default ``param_names="wan"`` the layer's ``state_dict()`` keys equal the module's, so
+        ``block.self_attn = ChunkSelfAttention.from_wan(block.self_attn)`` keeps the model's checkpoint
+        loading with ``strict=True``. Use a :class:`~ardiff_modules.modules.rotary.VideoRotaryEmbedding`
+        (interleaved, as Wan) as its ``rope``.
+        """
+        owner = "ChunkSelfAttention.from_wan"
+        config = _read_source(owner, module, "wan", "num_heads", cross=False)
+        return cls._from_source(owner, module, "wan", config, param_names, rope_layout)
+
+    @classmethod
+    def from_diffusers(
+        cls, module: nn.Module, *, param_names: ParamNames = "diffusers", rope_layout: RopeLayout = "interleaved"
+    ) -> ChunkSelfAttention:
+        """A layer equal to a diffusers ``WanAttention`` self-attention (``attn1``: ``to_q, to_k, to_v,
+        to_out.0``, ``norm_q`` / ``norm_k``, ``heads``), holding a copy of its weights.
+
+        With the default ``param_names="diffusers"`` the layer's ``state_dict()`` keys equal the module's
+        (fused ``to_qkv`` copies are not carried over).
+        """
+        owner = "ChunkSelfAttention.from_diffusers"
+        if getattr(module, "is_cross_attention", False) is True:
+            raise SpecError(f"{owner}: expected a self-attention WanAttention (attn1), got a cross-attention one")
+        config = _read_source(owner, module, "diffusers", "heads", cross=False)
+        return cls._from_source(owner, module, "diffusers", config, param_names, rope_layout)
+
+    @classmethod
+    def _from_source(
+        cls, owner: str, module: nn.Module, source: str, c: _SourceConfig, param_names: Any, rope_layout: Any
+    ) -> ChunkSelfAttention:
+        with torch.device("meta"):
+            layer = cls(
+                c.dim, c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, qk_norm=c.qk_norm,
+                bias=c.bias, eps=c.eps, param_names=param_names, rope_layout=rope_layout,
+            )
+        return _copy_from_source(owner, layer, module, source)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x`` ``[streams, seq_len, dim]`` -> normalised ``q`` ``[streams, seq_len, heads, head_dim]`` and
+        ``k``, ``v`` ``[streams, seq_len, kv_heads, head_dim]``, before RoPE (what models with their own
+        attention path, and oracles, reuse)."""
+        q = _split_heads(self.to_q(x), self.num_heads, self.head_dim, self.qk_norm, self.norm_q)
+        k = _split_heads(self.to_k(x), self.num_kv_heads, self.head_dim, self.qk_norm, self.norm_k)
+        v = _split_heads(self.to_v(x), self.num_kv_heads, self.head_dim)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, kv: LayerContext, rope: Rope | None = None) -> torch.Tensor:
+        """``x`` ``[streams, seq_len, dim]`` -> ``[streams, seq_len, dim]``.
+
+        ``rope``: a RoPE module / callable ``(t, positions) -> t`` evaluated at ``kv.positions``, or a
+        ``(cos, sin)`` pair broadcastable to ``[streams, seq_len, 1, head_dim]`` in ``rope_layout``.
+        """
+        _check_input("ChunkSelfAttention", "x", x, "[streams, seq_len, dim]", self.dim, self.to_q.weight)
+        _check_layer_context("ChunkSelfAttention", kv, "k_cache")
+        q, k, v = self.project(x)
+        positions = kv.forward.positions
+        q = apply_rope(q, positions, rope, layout=self.rope_layout)
+        k = apply_rope(k, positions, rope, layout=self.rope_layout)
+        out = chunk_attention(q, k, v, kv)
+        return self.to_out(_merge_heads(out))
+
+    def extra_repr(self) -> str:
+        return (
+            f"dim={self.dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+            f"qk_norm={self.qk_norm!r}, param_names={self.param_names!r}, rope_layout={self.rope_layout!r}"
+        )

@@ -1,0 +1,68 @@
+"""Redraw every benchmark PNG from the JSON already in a results folder (no GPU, no re-measuring).
+
+Writes one PNG per known JSON, next to it (or into ``--out``):
+
+    attention.json            -> attention.png            (attention.plot)
+    end_to_end.json           -> end_to_end.png           (end_to_end.plot)
+    end_to_end_compiled.json  -> end_to_end_compiled.png  (end_to_end.plot)
+    sessions.json             -> sessions.png             (sessions.plot)
+
+Any other ``end_to_end*.json`` is drawn by ``end_to_end.plot`` too. Results written before the timing
+helper recorded spreads are drawn without error bars (``end_to_end`` results, which kept every timed
+step, get their IQR from those steps). Needs matplotlib; runs on the CPU.
+
+    python benchmarks/replot.py                                  # benchmarks/results in place
+    python benchmarks/replot.py --results DIR --out /tmp/plots
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+if str(HERE.parent) not in sys.path:  # this checkout's package, unless one is installed or on PYTHONPATH
+    sys.path.append(str(HERE.parent))
+from _timing import fail, parser  # noqa: E402
+
+#: JSON stem prefix -> the benchmark module whose ``plot(payload, path)`` draws it.
+PLOTTERS = (("attention", "attention"), ("sessions", "sessions"), ("end_to_end", "end_to_end"))
+
+
+def replot(results: Path, out: Path | None = None) -> list[Path]:
+    """Redraw the PNG of every known JSON in ``results`` into ``out`` (default: next to the JSON)."""
+    written: list[Path] = []
+    for path in sorted(results.glob("*.json")):
+        module_name = next((mod for prefix, mod in PLOTTERS if path.stem.startswith(prefix)), None)
+        if module_name is None:
+            continue
+        module = importlib.import_module(module_name)
+        png = module.plot(json.loads(path.read_text()), (out or results) / f"{path.stem}.png")
+        if png is not None:
+            written.append(Path(png))
+    return written
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = parser(__doc__)
+    p.add_argument("--results", type=Path, default=HERE / "results", help="folder holding the JSON")
+    p.add_argument("--out", type=Path, default=None, help="folder for the PNGs (default: the results folder)")
+    args = p.parse_args(argv)
+    if not args.results.is_dir():
+        fail(p.prog, f"--results {args.results}: not a folder")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        fail(p.prog, "needs matplotlib (pip install matplotlib)")
+    written = replot(args.results, args.out)
+    if not written:
+        fail(p.prog, f"no benchmark JSON in {args.results}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
