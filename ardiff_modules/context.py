@@ -237,19 +237,18 @@ class ForwardContext:
         The visibility rule over the gathered keys (visible history, then pending tokens; see
         ``ForwardLayout``), ANDed with the forward's ``token_mask`` when one was given.
         """
-        self._require_layout("to_dense")
-        dense = self.layout.to_dense()
+        dense = self._require_layout("to_dense").to_dense()
         return dense if self.token_mask is None else dense & self.token_mask.cpu()
 
     def key_positions(self) -> torch.Tensor:
         """int64 ``[num_streams, max_keys]``: absolute position of each key in :meth:`to_dense` order
         (evicted tokens counted, so a sink keeps its original position); ``-1`` for padding."""
-        self._require_layout("key_positions")
-        return self.layout.key_positions
+        return self._require_layout("key_positions").key_positions
 
-    def _require_layout(self, what: str) -> None:
+    def _require_layout(self, what: str) -> ForwardLayout:
         if self.layout is None:
             raise ForwardFinishedError(f"ForwardContext.{what}: expected a prepared forward, got none")
+        return self.layout
 
     # ------------------------------------------------------------------ lifetime
     @property
@@ -291,7 +290,9 @@ class ForwardContext:
 
     def __enter__(self) -> ForwardContext:
         self.check_usable("ForwardContext.__enter__")  # a finished forward cannot be entered again
-        self._entered.append(self.transaction)
+        transaction = self.transaction
+        assert transaction is not None  # check_usable raised otherwise
+        self._entered.append(transaction)
         return self
 
     def __exit__(

@@ -117,6 +117,7 @@ class KVState:
             return "{" + items + (f", ... +{more}" if more else "") + "}"
 
         cross = short_tuple(sorted({name for name, _ in list(self._cross)}), _REPR_BRANCHES)
+        pages: int | str
         try:
             pages = self.pages_in_use()
         except Exception:  # noqa: BLE001 - a repr must not raise (e.g. another thread mid-update)

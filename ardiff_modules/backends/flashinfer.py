@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Any
 
 import torch
 
@@ -80,8 +81,9 @@ class FlashInferPlan(AttentionPlan):
         self.quantizer = request.quantizer
         self.fp8 = request.quantizer is not None
         self.num_kv_heads = request.num_kv_heads
-        self._paged = None
-        self._ragged = None
+        # FlashInfer's prefill wrappers (untyped), built on first use by _wrapper().
+        self._paged: Any | None = None
+        self._ragged: Any | None = None
         self._events: dict[str, torch.cuda.Event] = {}
         self._append_key: tuple[int, int] | None = None
         self._ragged_key: tuple | None = None
@@ -97,14 +99,14 @@ class FlashInferPlan(AttentionPlan):
             if self.masked:
                 raise BackendUnavailableError("static (CUDA-graph) plans with a token_mask are not supported")
             assert request.max_pages is not None
-            i32 = dict(dtype=torch.int32, device=request.device)
+            device = request.device
             self._paged_bufs = dict(
-                qo_indptr_buf=torch.zeros(self.rows + 1, **i32),
-                paged_kv_indptr_buf=torch.zeros(self.rows + 1, **i32),
-                paged_kv_indices_buf=torch.zeros(request.max_pages, **i32),
-                paged_kv_last_page_len_buf=torch.zeros(self.rows, **i32),
+                qo_indptr_buf=torch.zeros(self.rows + 1, dtype=torch.int32, device=device),
+                paged_kv_indptr_buf=torch.zeros(self.rows + 1, dtype=torch.int32, device=device),
+                paged_kv_indices_buf=torch.zeros(request.max_pages, dtype=torch.int32, device=device),
+                paged_kv_last_page_len_buf=torch.zeros(self.rows, dtype=torch.int32, device=device),
             )
-            self._write_pages = torch.zeros(layout.write_pages.numel(), **i32)
+            self._write_pages = torch.zeros(layout.write_pages.numel(), dtype=torch.int32, device=device)
         self.update(request)
 
     def compatible(self, request: PlanRequest) -> bool:
@@ -245,7 +247,9 @@ class FlashInferPlan(AttentionPlan):
             # FlashInfer's schedule depends on the row lengths only; once the windows are full they
             # repeat and only the page ids move, so refresh the page table the kernel reads in place
             # (stream-ordered after the previous forward's launches) instead of calling plan().
-            self._paged_indices[: host_indices.numel()].copy_(host_indices, non_blocking=True)
+            paged_indices = self._paged_indices
+            assert paged_indices is not None  # set by the plan() that recorded _paged_key
+            paged_indices[: host_indices.numel()].copy_(host_indices, non_blocking=True)
             self.mode = "paged"
             return
         indices = host_indices.to(self.device, non_blocking=True)
@@ -354,20 +358,25 @@ class FlashInferPlan(AttentionPlan):
             start, end = self.kv_range
             k_slots = k_cache.view(-1, k_cache.shape[-2], k_cache.shape[-1])[start:end]
             v_slots = v_cache.view(-1, v_cache.shape[-2], v_cache.shape[-1])[start:end]
+            assert self._ragged is not None  # built by _plan_ragged() (mode "ragged")
             result = self._ragged.run(q, k_slots, v_slots, *extra, return_lse=return_lse)
         else:
+            assert self._paged is not None  # built by _plan_paged() (modes "paged" / "masked")
             result = self._paged.run(q, (k_cache, v_cache), *extra, return_lse=return_lse)
         out, lse = result if return_lse else (result, None)
         if v_head_scale is not None:
             out = (out * v_head_scale).to(out.dtype)
+        empty_rows = None
         if self.mode == "masked":
-            out = out.masked_fill(self._empty_rows, 0)
+            empty_rows = self._empty_rows
+            assert empty_rows is not None  # set by _plan_paged() for every masked plan
+            out = out.masked_fill(empty_rows, 0)
         if lse is None:
             return out
         # FlashInfer's kernels keep the LSE in base 2 (log2 of the sum of 2^(log2(e) * logit)).
         lse = lse.float() * LN2
-        if self.mode == "masked":
-            lse = lse.masked_fill(self._empty_rows[:, :, 0], float("-inf"))
+        if empty_rows is not None:
+            lse = lse.masked_fill(empty_rows[:, :, 0], float("-inf"))
         return out, lse
 
 

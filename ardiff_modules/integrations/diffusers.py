@@ -46,7 +46,7 @@ import importlib
 import logging
 from collections.abc import Iterator
 from types import ModuleType, TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 from einops import rearrange
@@ -60,7 +60,6 @@ from ardiff_modules.spec import CrossAttentionSpec, KVCacheSpec
 from ardiff_modules.state import KVState
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers only
-    from diffusers import WanTransformer3DModel
     from diffusers.models.transformers.transformer_wan import WanAttention
 
 __all__ = [
@@ -73,6 +72,11 @@ __all__ = [
 ]
 
 _EXTRA_HINT = "pip install 'ardiff_modules[diffusers]'"
+
+#: A diffusers ``WanTransformer3DModel`` (checked at run time by ``_check_model``). ``Any`` to type
+#: checkers: what this module reads off it (``blocks``, ``rope``, ``condition_embedder``, ``config``,
+#: calling it) is not in diffusers' type hints, so it is used duck-typed.
+_WanModel: TypeAlias = Any
 
 #: DEBUG when processors are installed / removed; nothing is logged per forward or per block call.
 logger = logging.getLogger(__name__)
@@ -95,7 +99,7 @@ def _check_model(owner: str, model: Any) -> None:
         raise SpecError(f"{owner}.model: expected a diffusers WanTransformer3DModel, got {type(model).__name__}")
 
 
-def _has_image_context(model: WanTransformer3DModel) -> bool:
+def _has_image_context(model: _WanModel) -> bool:
     return model.blocks[0].attn2.add_k_proj is not None
 
 
@@ -301,7 +305,7 @@ class PagedWanTransformer:
 
     def __init__(
         self,
-        model: WanTransformer3DModel,
+        model: _WanModel,
         spec: KVCacheSpec,
         *,
         text_cache: str,
@@ -555,7 +559,7 @@ class PagedWanTransformer:
 # ---------------------------------------------------------------------------------------------- factories
 
 
-def _check_rope(model: WanTransformer3DModel, theta: float) -> None:
+def _check_rope(model: _WanModel, theta: float) -> None:
     """Our tables equal the model's ``rope`` buffers over its first positions (else the theta is wrong)."""
     rope = model.rope
     n = min(int(rope.max_seq_len), 64)
@@ -583,7 +587,7 @@ def _check_rope(model: WanTransformer3DModel, theta: float) -> None:
 
 
 def enable_paged_attention(
-    model: WanTransformer3DModel,
+    model: _WanModel,
     spec_or_cache: KVCacheSpec | KVCache,
     *,
     text_cache: str = "text",
@@ -652,7 +656,7 @@ def enable_paged_attention(
 
 
 def wan_cache_spec(
-    model: WanTransformer3DModel,
+    model: _WanModel,
     *,
     frames_per_chunk: int,
     latent_height: int,

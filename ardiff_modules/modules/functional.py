@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal, Union
+from typing import Any, Literal, Union, overload
 
 import torch
 
@@ -167,6 +167,42 @@ def _check_chunk_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: L
     _check("k", k, (streams, seq_len, kv_heads, head_dim), dtype, pages.device)
     _check("v", v, (streams, seq_len, kv_heads, head_dim), dtype, pages.device)
     return streams, seq_len, kv_heads, head_dim
+
+
+@overload
+def chunk_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv: LayerContext,
+    *,
+    scale: float | None = ...,
+    return_lse: Literal[False] = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def chunk_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv: LayerContext,
+    *,
+    scale: float | None = ...,
+    return_lse: Literal[True],
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def chunk_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv: LayerContext,
+    *,
+    scale: float | None = ...,
+    return_lse: bool,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def chunk_attention(

@@ -53,6 +53,13 @@ def _source_linear(owner: str, module: nn.Module, source: str, role: str) -> nn.
     return linear
 
 
+def _weight(linear: nn.Module) -> torch.Tensor:
+    """The ``weight`` of a linear :func:`_source_linear` returned (checked there to be a 2-D tensor)."""
+    weight = linear.weight
+    assert isinstance(weight, torch.Tensor)
+    return weight
+
+
 def _source_norm(
     owner: str, module: nn.Module, source: str, role: str, heads: int, head_dim: int
 ) -> tuple[QKNorm, float | None]:
@@ -90,13 +97,13 @@ def _read_source(owner: str, module: Any, source: str, heads_attr: str, cross: b
     if not isinstance(module, nn.Module):
         raise SpecError(f"{owner}: expected a {source} attention nn.Module, got {type(module).__name__}")
     kind = type(module).__name__
-    linears = {role: _source_linear(owner, module, source, role) for role in ("q", "k", "v", "o")}
-    missing = [ATTENTION_PARAM_NAMES[source][r] for r, m in linears.items() if m is None]
+    found = {role: _source_linear(owner, module, source, role) for role in ("q", "k", "v", "o")}
+    missing = [ATTENTION_PARAM_NAMES[source][r] for r, m in found.items() if m is None]
     if missing:
         raise SpecError(f"{owner}: expected a {source} attention module with {', '.join(missing)}, got {kind}")
-    heads = getattr(module, heads_attr, None)
-    _require_int(f"{owner}: {kind}", heads_attr, heads, minimum=1)
-    q_w, k_w, v_w, o_w = (linears[r].weight for r in ("q", "k", "v", "o"))  # type: ignore[union-attr]
+    linears = {r: m for r, m in found.items() if m is not None}  # all of them (none missing)
+    heads = _require_int(f"{owner}: {kind}", heads_attr, getattr(module, heads_attr, None), minimum=1)
+    q_w, k_w, v_w, o_w = (_weight(linears[r]) for r in ("q", "k", "v", "o"))
     dim, inner = q_w.shape[1], q_w.shape[0]
     if inner % heads:
         raise SpecError(f"{owner}: expected {kind}'s query width {inner} to be a multiple of {heads_attr}={heads}")
@@ -120,13 +127,13 @@ def _read_source(owner: str, module: Any, source: str, heads_attr: str, cross: b
                 f"{owner}: expected a self-attention module, got {kind} with image-context projections "
                 f"(an I2V cross-attention: use CachedCrossAttention)"
             )
-        if img[0] is None or img[1] is None or img[0].weight.shape[0] != k_w.shape[0] \
-                or img[1].weight.shape != img[0].weight.shape:
+        if img[0] is None or img[1] is None or _weight(img[0]).shape[0] != k_w.shape[0] \
+                or _weight(img[1]).shape != _weight(img[0]).shape:
             raise SpecError(f"{owner}: expected {kind}'s image k / v projections to match its key projection")
-        image_context_dim = img[0].weight.shape[1]
+        image_context_dim = _weight(img[0]).shape[1]
         linears.update(k_img=img[0], v_img=img[1])
         roles += ["k_img", "v_img"]
-    biases = {linears[r].bias is not None for r in roles}  # type: ignore[union-attr]
+    biases = {linears[r].bias is not None for r in roles}
     if len(biases) != 1:
         raise SpecError(f"{owner}: expected all of {kind}'s projections with a bias or all without, got a mix")
     norms = [_source_norm(owner, module, source, "norm_q", heads, head_dim),
