@@ -158,12 +158,12 @@ class KVCache:
     def __repr__(self) -> str:
         """One line; reads counters without the lock and never touches the device."""
         spec, allocator = self.spec, self.allocator
-        kv_dtype = f", kv_dtype={_dtype_name(self.pool.dtype)}" if self.pool.dtype != self._dtype else ""
+        kv_dtype = f", kv_dtype={spec.cache_dtype}" if spec.cache_dtype != spec.dtype else ""
         closed = ", closed" if self._closed else ""
         return (
             f"KVCache(layers={spec.num_layers}, kv_heads={spec.num_kv_heads}, head_dim={spec.head_dim}, "
             f"pages={allocator.num_used}/{allocator.num_pages} used, sessions={len(self._sessions)}, "
-            f"backend={self.backend.name!r}, device='{self.pool.device}', dtype={_dtype_name(self._dtype)}"
+            f"backend={self.backend.name!r}, device='{self.pool.device}', dtype={spec.dtype}"
             f"{kv_dtype}{closed})"
         )
 
@@ -657,11 +657,6 @@ def _to_device(cpu: torch.Tensor, device: torch.device, out: torch.Tensor | None
     if out is not None and out.shape == cpu.shape and out.device == device:
         return out.copy_(staged, non_blocking=True)
     return staged.to(device, non_blocking=True)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` -> ``bfloat16``."""
-    return str(dtype).removeprefix("torch.")
 
 
 def _stream_names(members: Sequence[tuple[KVState, str]], limit: int = 4) -> str:

@@ -49,8 +49,9 @@ def quantize(
 
     Three element-wise kernels in ``x``'s own dtype (no float32 copy of a chunk's K/V): multiply by
     the reciprocal scale, clamp, cast. In bf16 the reciprocal is rounded (a per-head bias up to 2^-9
-    relative, far below FP8's 2^-4 rounding); every backend and the tests' oracle use this function. The clamp matters: torch's cast to ``float8_e4m3fn`` turns
-    out-of-range values into NaN (so +-Inf saturates to +-448 * scale; NaN stays NaN).
+    relative, far below FP8's 2^-4 rounding); every backend and the tests' oracle use this function.
+    The clamp matters: torch's cast to ``float8_e4m3fn`` turns out-of-range values into NaN (so +-Inf
+    saturates to +-448 * scale; NaN stays NaN).
     """
     limit = torch.finfo(dtype).max
     inverse = scale.float().reciprocal().to(x.dtype)

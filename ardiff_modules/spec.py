@@ -190,7 +190,8 @@ class KVCacheSpec:
         object.__setattr__(self, "kv_dtype", dtype_name(self.kv_dtype))
         if not isinstance(self.dtype, str) or self.dtype not in SUPPORTED_DTYPES:
             raise SpecError(f"{owner}.dtype: expected one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
-        if self.kv_dtype is not None and (not isinstance(self.kv_dtype, str) or self.kv_dtype not in SUPPORTED_KV_DTYPES):
+        kv_dtype = self.kv_dtype
+        if kv_dtype is not None and (not isinstance(kv_dtype, str) or kv_dtype not in SUPPORTED_KV_DTYPES):
             raise SpecError(
                 f"{owner}.kv_dtype: expected None or one of {SUPPORTED_KV_DTYPES}, got {self.kv_dtype!r}"
             )

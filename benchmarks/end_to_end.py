@@ -331,7 +331,7 @@ class LibraryRunner:
     def __init__(self, model: nn.Module, config: WanConfig, branches: tuple[str, ...], texts: Sequence[torch.Tensor],
                  device: torch.device, dtype: torch.dtype, backend: str, step: Callable[..., torch.Tensor],
                  kv_dtype: str | None = None) -> None:
-        spec = dataclasses.replace(make_kv_spec(config, device, branches), dtype=str(dtype).removeprefix("torch."),
+        spec = dataclasses.replace(make_kv_spec(config, device, branches), dtype=dtype,
                                    kv_dtype=kv_dtype)
         self.spec, self.branches, self.step = spec, branches, step
         self.cache = am.KVCache(spec, num_pages=kv_pool_pages(spec, slack_chunks=0), device=device, backend=backend)

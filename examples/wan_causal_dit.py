@@ -189,7 +189,7 @@ def torch_threads(requested: int | None, preset: str, device: str) -> Iterator[N
 
 def make_kv_spec(config: WanConfig, device: torch.device | str = "cpu", branches: Sequence[str] = BRANCHES) -> KVCacheSpec:
     """The :class:`KVCacheSpec` matching ``config``: one KV layer per block, a ``"text"`` cross cache."""
-    dtype = str(default_dtype(device)).removeprefix("torch.")
+    dtype = default_dtype(device)  # KVCacheSpec takes torch dtypes too
     return KVCacheSpec(
         num_layers=config.num_layers,
         num_kv_heads=config.num_heads,

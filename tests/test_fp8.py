@@ -149,3 +149,12 @@ def test_fp8_rollout_equals_the_oracle_with_fp8_rounded_kv(page_size: int, sink:
     assert 0 < worst < 0.1  # FP8 rounding is visible against the unquantized oracle, and small
     library.state.close()
     assert library.cache.allocator.num_free == pages
+
+
+def test_spec_takes_torch_dtypes_and_names_them() -> None:
+    spec = dataclasses.replace(SPEC, dtype=torch.bfloat16, kv_dtype=torch.float8_e4m3fn)
+    assert (spec.dtype, spec.kv_dtype, spec.cache_dtype) == ("bfloat16", "float8_e4m3fn", "float8_e4m3fn")
+    with pytest.raises(am.SpecError, match=r"kv_dtype: expected None or one of .* got 'int8'"):
+        dataclasses.replace(SPEC, kv_dtype=torch.int8)
+    with pytest.raises(am.SpecError, match=r"dtype: expected one of .* got 'float8_e4m3fn'"):
+        dataclasses.replace(SPEC, dtype=torch.float8_e4m3fn)  # FP8 is a storage format only

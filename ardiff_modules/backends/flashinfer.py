@@ -31,7 +31,7 @@ import torch
 from ardiff_modules.backends.base import AttentionBackend, AttentionPlan, PlanRequest
 from ardiff_modules.errors import BackendUnavailableError, TensorMismatchError
 from ardiff_modules.layout import RaggedRows
-from ardiff_modules.quant import quantize_query
+from ardiff_modules.quant import is_quantized, quantize_query
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -79,7 +79,6 @@ class FlashInferPlan(AttentionPlan):
         #: FP8 pool: K/V quantized on write; FA3 runs FP8 attention (queries quantized per forward,
         #: per head), the masked FA2 path a 16-bit query over FP8 K/V with the scales folded in.
         self.quantizer = request.quantizer
-        self.fp8 = request.quantizer is not None
         self.num_kv_heads = request.num_kv_heads
         # FlashInfer's prefill wrappers (untyped), built on first use by _wrapper().
         self._paged: Any | None = None
@@ -203,6 +202,11 @@ class FlashInferPlan(AttentionPlan):
             "flashinfer plan: %s path for %d stream(s) x %d chunk(s), %d tokens each: %s; %s",
             self.mode, layout.num_streams, layout.num_chunks, layout.seq_len, why, action,
         )
+
+    @property
+    def fp8(self) -> bool:
+        """Whether the pool stores FP8 K/V (the plan then quantizes on write and runs FP8 kernels)."""
+        return self.quantizer is not None
 
     def _q_dtype(self, request: PlanRequest) -> torch.dtype:
         """FA3 over FP8 K/V needs an FP8 query too; the masked FA2 path keeps the 16-bit query."""
@@ -449,7 +453,7 @@ class FlashInferBackend(AttentionBackend):
                 f"expected dtype in {SUPPORTED_DTYPES}, got {dtype}",
                 "use KVCacheSpec(dtype='bfloat16') or 'float16' (and the model in that dtype)",
             )
-        if kv_dtype is not None and kv_dtype not in (dtype, torch.float8_e4m3fn):
+        if kv_dtype is not None and kv_dtype != dtype and not is_quantized(kv_dtype):
             return (
                 f"expected kv_dtype equal to dtype={dtype} or float8_e4m3fn (FP8 attention), got {kv_dtype}",
                 "leave KVCacheSpec.kv_dtype unset (it defaults to dtype) or use 'float8_e4m3fn'",
