@@ -37,13 +37,14 @@ from ardiff_modules.history import BranchHistory
 from ardiff_modules.layout import ForwardLayout, StreamLayout
 from ardiff_modules.pool import KVPool, pages_for_budget, torch_dtype
 from ardiff_modules.reservation import Reservation
-from ardiff_modules.spec import KVCacheSpec
+from ardiff_modules.spec import KVCacheSpec, PendingAttention
 from ardiff_modules.state import KVState
 from ardiff_modules.validation import (
     check_capacity,
     check_no_open_commit,
     check_token_mask,
     chunk_lengths_of,
+    pending_attention_of,
     validate_streams,
 )
 from ardiff_modules.window import RetentionPolicy
@@ -312,6 +313,7 @@ class KVCache:
         token_mask: torch.Tensor | None = None,
         static: bool = False,
         chunk_lengths: Sequence[int] | None = None,
+        pending_attention: PendingAttention | None = None,
     ) -> ForwardContext:
         """Prepare one forward over ``streams`` (``(session, branch)`` pairs, the batch order).
 
@@ -344,11 +346,18 @@ class KVCache:
             to ``seq_len``. Default: ``seq_len // chunk_size`` full chunks, or one shorter chunk when
             ``seq_len`` is a multiple of ``page_size`` below ``chunk_size``. Sinks and windows count
             chunks whatever their lengths; positions count tokens.
+        pending_attention:
+            How the pending chunks of a multi-chunk forward see each other: ``"block_causal"``
+            (pending chunk ``c`` sees pending chunks ``0..c``) or ``"bidirectional"`` (every pending
+            chunk sees all pending chunks of its stream: Rolling Forcing's jointly denoised window;
+            one kernel row per stream). ``None`` (default): the spec's ``pending_attention``. The
+            history (sinks and window) and what a commit does are the same under both.
         """
         with self._lock:
             self._check_open("prepare_forward")
             members = validate_streams(streams, self)
             lengths = chunk_lengths_of(self.spec, seq_len, commit_current, static, chunk_lengths)
+            pending = pending_attention_of(self.spec, pending_attention)
             histories = [state.history(branch) for state, branch in members]
             for (state, branch), history in zip(members, histories):
                 check_no_open_commit(state, branch, history)
@@ -357,7 +366,9 @@ class KVCache:
                 check_token_mask(token_mask, expected, self.pool.device)
             chunk_pages = [length // self.spec.page_size for length in lengths]
             check_capacity(histories, chunk_pages, self.allocator, self._extent_pages)
-            return self._reserve_and_plan(members, histories, chunk_pages, commit_current, token_mask, static)
+            return self._reserve_and_plan(
+                members, histories, chunk_pages, commit_current, token_mask, static, pending
+            )
 
     @property
     def _extent_pages(self) -> int:
@@ -371,6 +382,7 @@ class KVCache:
         commit_current: bool,
         token_mask: torch.Tensor | None,
         static: bool,
+        pending_attention: PendingAttention,
     ) -> ForwardContext:
         """Reserve pages, plan, publish; on any failure roll the pages and the peak back exactly."""
         num_chunks = len(chunk_pages)
@@ -389,6 +401,7 @@ class KVCache:
                 ),
                 chunk_size=self.spec.chunk_size,
                 page_size=self.spec.page_size,
+                pending_attention=pending_attention,
             )
             planning = True
             plan = self.backend.plan(self._plan_request(layout, token_mask, static, num_chunks), ctx.plan)
@@ -525,7 +538,11 @@ class KVCache:
         return max(len(h.history_pages()) * self.spec.page_size for h in histories) + seq_len
 
     def _max_plan_pages(self, num_streams: int, num_chunks: int) -> int:
-        """Upper bound of the page list of a structural plan (rows of one forward), for fixed buffers."""
+        """Upper bound of the page list of a structural plan (rows of one forward), for fixed buffers.
+
+        NOTE: the block-causal bound; a bidirectional forward lists fewer pages (one row per stream of
+        ``resident + num_chunks`` chunks), so the same buffers serve both rules.
+        """
         resident = self.spec.max_resident_chunks
         assert resident is not None
         chunks = sum(resident + c for c in range(1, num_chunks + 1))
@@ -547,7 +564,7 @@ class KVCache:
         ctx.layers = [
             LayerContext(
                 i, self.pool.k_pages(i), self.pool.v_pages(i), ctx,
-                kv_pool=self.pool.kv, layer_id=torch.tensor(i, dtype=torch.int64),
+                kv_pool=self.pool.kv, layer_id=torch.tensor(i, dtype=torch.int64), kv_scales=self.pool.scales,
             )
             for i in range(self.spec.num_layers)
         ]

@@ -75,6 +75,8 @@ class LayerContext:
     kv_pool: torch.Tensor | None = None
     #: ``layer_index`` as a CPU int64 scalar: data for the op, so one graph serves all layers.
     layer_id: torch.Tensor | None = None
+    #: The pool's ``[layers, 2, kv_heads]`` FP8 scales (ones for float pools), read by compiled writes.
+    kv_scales: torch.Tensor | None = None
 
     @property
     def plan_id(self) -> torch.Tensor:
@@ -192,8 +194,14 @@ class ForwardContext:
                 break
             shown.append(item)
             width += len(item) + 1
+        bidirectional = self.layout is not None and self.layout.bidirectional
         flags = "".join(
-            flag for flag, on in ((", static", self.static), (", token_mask", self.token_mask is not None)) if on
+            flag
+            for flag, on in (
+                (", static", self.static), (", token_mask", self.token_mask is not None),
+                (", pending='bidirectional'", bidirectional),
+            )
+            if on
         )
         return (
             f"ForwardContext(streams={self.num_streams} [{','.join(shown)}], seq_len={self.seq_len}, "
@@ -208,6 +216,11 @@ class ForwardContext:
     @property
     def num_chunks(self) -> int:
         return self.layout.num_chunks if self.layout is not None else 0
+
+    @property
+    def pending_attention(self) -> str:
+        """The rule between this forward's pending chunks: ``"block_causal"`` or ``"bidirectional"``."""
+        return self.layout.pending_attention if self.layout is not None else "block_causal"
 
     @property
     def token_offsets(self) -> tuple[int, ...]:

@@ -7,10 +7,13 @@ once per forward and shared by every layer, we derive:
 * ``write_slots``: where each current token's K/V goes (flat token slots);
 * structural rows: one attention request per (stream, pending chunk) whose
   page list is exactly its visible pages (history + pending chunks ``0..c``)
-  -- FlashInfer's ``qo_indptr / kv_indptr / kv_indices / last_page_len``;
+  -- FlashInfer's ``qo_indptr / kv_indptr / kv_indices / last_page_len``; under
+  ``pending_attention="bidirectional"`` one request per stream (all its pending
+  tokens over history + every pending page);
 * the dense oracle: per stream, the gathered key slots and the boolean mask of
   the visibility rule (pending query chunk ``c`` sees the resident committed chunks --
-  sinks and window -- and pending chunks ``0..c``), used by the reference backend.
+  sinks and window -- and pending chunks ``0..c``, or every pending chunk under
+  ``"bidirectional"``), used by the reference backend.
 
 Everything here is CPU int tensors; backends copy what they need to the device.
 """
@@ -21,6 +24,8 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import torch
+
+from ardiff_modules.spec import PendingAttention
 
 
 @dataclass(frozen=True)
@@ -49,9 +54,10 @@ class StreamLayout:
 
 @dataclass(frozen=True)
 class StructuralRows:
-    """One attention request per (stream, pending chunk), FlashInfer's paged-KV CSR format.
+    """Attention requests in FlashInfer's paged-KV CSR format: one per (stream, pending chunk), or one
+    per stream under ``pending_attention="bidirectional"`` (see :attr:`ForwardLayout.rows_per_stream`).
 
-    Row ``r = stream * num_chunks + chunk`` has queries
+    Row ``r = stream * rows_per_stream + chunk`` has queries
     ``qo_indptr[r]:qo_indptr[r+1]`` (flat token order of the forward) and pages
     ``kv_page_indices[kv_page_indptr[r]:kv_page_indptr[r+1]]``; every page is
     full (``kv_last_page_len == page_size``) because pages never straddle chunks.
@@ -89,11 +95,15 @@ class ForwardLayout:
 
     ``chunk_size`` is the spec's (largest) chunk; the pending chunks of a forward may be shorter
     (e.g. a 1-latent-frame first chunk): their lengths come from their pages (:attr:`chunk_lengths`).
+    ``pending_attention`` says how the pending chunks see each other: ``"block_causal"`` (chunk
+    ``c`` sees pending chunks ``0..c``) or ``"bidirectional"`` (every pending chunk sees all of
+    them); the history (sinks and window) is fully visible under both.
     """
 
     streams: tuple[StreamLayout, ...]
     chunk_size: int
     page_size: int
+    pending_attention: PendingAttention = "block_causal"
 
     def __post_init__(self) -> None:
         shapes = {tuple(map(len, s.pending_pages)) for s in self.streams}
@@ -106,6 +116,43 @@ class ForwardLayout:
     @property
     def num_chunks(self) -> int:
         return len(self.streams[0].pending_pages)
+
+    @property
+    def bidirectional(self) -> bool:
+        """Whether every pending chunk sees every pending chunk of its stream."""
+        return self.pending_attention == "bidirectional"
+
+    @property
+    def rows_per_stream(self) -> int:
+        """Structural rows (attention requests) per stream: one per pending chunk, or one if bidirectional.
+
+        NOTE: a one-chunk forward is one row either way: the two rules coincide there.
+        """
+        return 1 if self.bidirectional else self.num_chunks
+
+    @property
+    def num_rows(self) -> int:
+        """Structural rows of the forward: ``num_streams * rows_per_stream``."""
+        return self.num_streams * self.rows_per_stream
+
+    @cached_property
+    def row_spans(self) -> tuple[tuple[int, int, int, int], ...]:
+        """``(stream, first query, end query, visible keys)`` of each structural row, in row order.
+
+        Queries index the stream's ``seq_len`` pending tokens; the row's keys are the first
+        ``visible keys`` of the stream's :meth:`to_dense` order (history, then pending tokens), so a
+        row's slice of the dense mask is ``to_dense()[stream, first:end, :visible]``.
+        """
+        starts = self.chunk_starts
+        spans = []
+        for s, stream in enumerate(self.streams):
+            history = len(stream.history_pages) * self.page_size
+            if self.bidirectional:
+                spans.append((s, 0, self.seq_len, history + self.seq_len))
+                continue
+            for c in range(self.num_chunks):
+                spans.append((s, starts[c], starts[c + 1], history + starts[c + 1]))
+        return tuple(spans)
 
     @cached_property
     def chunk_lengths(self) -> tuple[int, ...]:
@@ -156,41 +203,50 @@ class ForwardLayout:
     # ------------------------------------------------------------------ structural rows
     @cached_property
     def structural_rows(self) -> StructuralRows:
+        """The rows of :attr:`row_spans` as paged CSR: each row's pages are exactly its visible pages.
+
+        Block-causal: row ``(stream, c)`` lists history + pending chunks ``0..c``; bidirectional:
+        row ``stream`` lists history + every pending chunk (the keys are the same set for all of
+        the stream's queries, so one request covers them).
+        """
         indptr = [0]
         indices: list[int] = []
+        qo = [0]
         for stream in self.streams:
             visible = list(stream.history_pages)
-            for chunk in stream.pending_pages:
+            for chunk, length in zip(stream.pending_pages, self.chunk_lengths):
                 visible.extend(chunk)  # chunk c sees pending chunks 0..c
+                if not self.bidirectional:
+                    indices.extend(visible)
+                    indptr.append(len(indices))
+                    qo.append(qo[-1] + length)
+            if self.bidirectional:
                 indices.extend(visible)
                 indptr.append(len(indices))
-        rows = self.num_streams * self.num_chunks
-        qo = [0]
-        for _ in self.streams:
-            for length in self.chunk_lengths:
-                qo.append(qo[-1] + length)
+                qo.append(qo[-1] + self.seq_len)
         return StructuralRows(
             qo_indptr=torch.tensor(qo, dtype=torch.int32),
             kv_page_indptr=torch.tensor(indptr, dtype=torch.int32),
             kv_page_indices=torch.tensor(indices, dtype=torch.int32),
-            kv_last_page_len=torch.full((rows,), self.page_size, dtype=torch.int32),
+            kv_last_page_len=torch.full((self.num_rows,), self.page_size, dtype=torch.int32),
         )
 
     @cached_property
     def ragged_rows(self) -> RaggedRows | None:
         """The forward as contiguous key ranges, or ``None`` when some row's pages are not one run.
 
-        Only one-chunk forwards qualify (block-causal rows of a multi-chunk forward overlap).
-        Streams must appear in increasing page order with disjoint ranges.
+        Needs one row per stream (:attr:`rows_per_stream`): one-chunk forwards, or bidirectional
+        ones of any chunk count (block-causal rows of a multi-chunk forward overlap). Streams must
+        appear in increasing page order with disjoint ranges.
         """
-        if self.num_chunks != 1:
+        if self.rows_per_stream != 1:
             return None
         page = self.page_size
         qo = [0]
         kv: list[int] = []
         gaps = 0
         for stream in self.streams:
-            pages = sorted(stream.history_pages + stream.pending_pages[0])
+            pages = sorted(stream.history_pages + tuple(p for chunk in stream.pending_pages for p in chunk))
             first, last = pages[0], pages[-1]
             if last - first + 1 != len(pages):
                 return None
@@ -222,7 +278,8 @@ class ForwardLayout:
         ``gather_slots`` is int64 ``[num_streams, max_keys]``: per stream, the token
         slots of its history pages then of its pending pages (padded with slot 0).
         ``mask`` is bool ``[num_streams, seq_len, max_keys]``: query ``i`` (pending
-        chunk ``query_chunk[i]``) sees all history keys and pending chunks ``<=`` its own.
+        chunk ``query_chunk[i]``) sees all history keys and pending chunks ``<=`` its own
+        (block-causal), or every pending key (bidirectional).
         """
         page_offsets = torch.arange(self.page_size, dtype=torch.int64)
         per_stream = []
@@ -237,8 +294,11 @@ class ForwardLayout:
             gather[i, : slots.numel()] = slots
             history = len(s.history_pages) * self.page_size
             mask[i, :, :history] = True
-            key_chunk = query_chunk
-            mask[i, :, history : history + self.seq_len] = key_chunk[None, :] <= query_chunk[:, None]
+            if self.bidirectional:
+                mask[i, :, history : history + self.seq_len] = True
+            else:
+                key_chunk = query_chunk
+                mask[i, :, history : history + self.seq_len] = key_chunk[None, :] <= query_chunk[:, None]
         return gather, mask
 
     @cached_property

@@ -6,6 +6,10 @@ explicit ``mutates_args``. Custom ops cannot take Python objects, so the plan
 is found through a *handle*: a CPU int64 scalar tensor (data, not a Python int,
 so a new forward, session or layer never specialises the compiled graph)
 resolved in the single :data:`PLANS` registry.
+
+Under ``torch.compile`` the write leaves the opaque op (:func:`write_kv_in_graph`): inductor fuses
+it into the kernel that produces K/V (norm, RoPE, FP8 quantization, store into the pool) and the
+attention op only reads the pool (:func:`paged_attention_op`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 
 from ardiff_modules.backends.base import AttentionPlan
 from ardiff_modules.errors import PlanNotFoundError
+from ardiff_modules.quant import is_quantized, quantize
 
 
 class PlanHolder(Protocol):
@@ -134,3 +139,100 @@ def chunk_attention_lse_op(
 @chunk_attention_lse_op.register_fake
 def _chunk_attention_lse_fake(q, k, v, kv_pool, layer, plan_id, scale):  # noqa: ANN001, ANN202
     return q.new_empty((q.shape[0], q.shape[1], v.shape[2])), q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Compiled path: K/V written by the graph that produces them, attention over the pool alone.
+
+
+@torch.library.custom_op("ardiff_modules::kv_write_slots", mutates_args=("kv_scales",))
+def kv_write_slots_op(
+    k: torch.Tensor, v: torch.Tensor, kv_scales: torch.Tensor, layer: torch.Tensor, plan_id: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate before a compiled graph writes ``k``/``v`` ``[tokens, kv_heads, head_dim]`` into the pool.
+
+    Raises unless the forward is open (a finished forward must not write, and the write happens
+    before the attention op would check), calibrates an FP8 layer's scales on its first write
+    (``kv_scales`` ``[layers, 2, kv_heads]``, mutated then), and returns, on the pool's device, the
+    int64 ``[tokens]`` token slots (``page * page_size + offset``) of the current tokens and the
+    int64 ``[1]`` layer index -- fresh tensors, so the write depends on this op, and no CPU tensor
+    enters the graph (inductor would copy it to the device each call, which a CUDA graph cannot
+    capture).
+    """
+    plan = PLANS.get(int(plan_id))
+    index = int(layer)
+    if plan.quantizer is not None:
+        plan.quantizer.calibrate(index, k, v)
+    slots = plan.write_slots
+    return slots.clone(), torch.full((1,), index, dtype=torch.int64, device=slots.device)
+
+
+@kv_write_slots_op.register_fake
+def _kv_write_slots_fake(k, v, kv_scales, layer, plan_id):  # noqa: ANN001, ANN202
+    return k.new_empty((k.shape[0],), dtype=torch.int64), k.new_empty((1,), dtype=torch.int64)
+
+
+def write_kv_in_graph(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_pool: torch.Tensor,
+    kv_scales: torch.Tensor,
+    layer: torch.Tensor,
+    plan_id: torch.Tensor,
+) -> None:
+    """Write ``k``/``v`` ``[tokens, kv_heads, head_dim]`` into layer ``layer``'s pending slots of ``kv_pool``.
+
+    For compiled graphs: traceable torch (an ``index_put_`` on the whole pool, quantized first for an
+    FP8 pool), so inductor fuses it with whatever computes ``k``/``v``. Eager callers use the custom
+    op, whose backend write (FlashInfer's ``append_paged_kv_cache``) is faster than an eager scatter.
+
+    NOTE: the ``index_put_`` indexes the pool tensor itself with (layer, K|V, page, offset). Writing
+    through a view of it (``pool.view(-1, heads, dim)[slots]``) makes functionalization rebuild the
+    base from the view, and inductor then clones and copies back the *whole pool* each call;
+    ``tests/test_compile_write.py`` checks the generated code for that.
+    """
+    slots, layer_index = torch.ops.ardiff_modules.kv_write_slots(k, v, kv_scales, layer, plan_id)
+    page_size = kv_pool.shape[3]
+    pages, offsets = slots // page_size, slots % page_size
+    if is_quantized(kv_pool.dtype):
+        k_scale, v_scale = kv_scales[layer_index][0]
+        k = quantize(k, k_scale, kv_pool.dtype)
+        v = quantize(v, v_scale, kv_pool.dtype)
+    else:
+        k, v = k.to(kv_pool.dtype), v.to(kv_pool.dtype)
+    kv_pool.index_put_((layer_index, torch.zeros_like(slots), pages, offsets), k)
+    kv_pool.index_put_((layer_index, torch.ones_like(slots), pages, offsets), v)
+
+
+@torch.library.custom_op("ardiff_modules::paged_attention", mutates_args=())
+def paged_attention_op(
+    q: torch.Tensor, kv_pool: torch.Tensor, layer: torch.Tensor, plan_id: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Attend ``q`` ``[tokens, heads, head_dim]`` over layer ``layer`` of ``kv_pool``, whose pending
+    pages already hold the current K/V (:func:`write_kv_in_graph`); ``[tokens, heads, head_dim_v]``."""
+    plan, index, k_cache, v_cache = _resolve(kv_pool, layer, plan_id)
+    return cast(torch.Tensor, plan.attend(q, k_cache, v_cache, scale, layer=index))
+
+
+@paged_attention_op.register_fake
+def _paged_attention_fake(q, kv_pool, layer, plan_id, scale):  # noqa: ANN001, ANN202
+    return q.new_empty((q.shape[0], q.shape[1], kv_pool.shape[-1]))
+
+
+@torch.library.custom_op("ardiff_modules::paged_attention_lse", mutates_args=())
+def paged_attention_lse_op(
+    q: torch.Tensor, kv_pool: torch.Tensor, layer: torch.Tensor, plan_id: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`paged_attention_op` that also returns the float32 ``[tokens, heads]`` natural-log LSE."""
+    plan, index, k_cache, v_cache = _resolve(kv_pool, layer, plan_id)
+    return cast(
+        "tuple[torch.Tensor, torch.Tensor]", plan.attend(q, k_cache, v_cache, scale, return_lse=True, layer=index)
+    )
+
+
+@paged_attention_lse_op.register_fake
+def _paged_attention_lse_fake(q, kv_pool, layer, plan_id, scale):  # noqa: ANN001, ANN202
+    return (
+        q.new_empty((q.shape[0], q.shape[1], kv_pool.shape[-1])),
+        q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32),
+    )

@@ -118,8 +118,9 @@ class KVQuantizer:
             self.scales.copy_(scales.to(self.scales.device, torch.float32))
             self._calibrated = [True] * len(self._calibrated)
 
-    def quantize_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """FP8 ``k``/``v`` ``[tokens, kv_heads, head_dim]`` for layer ``layer``, calibrating it on first use."""
+    def calibrate(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Called before ``k``/``v`` ``[tokens, kv_heads, head_dim]`` are quantized into layer ``layer``:
+        sets its scales from them if it has none yet (device work, no sync), and marks the pool written."""
         self.written = True
         if not self._calibrated[layer]:
             with self._lock:
@@ -127,6 +128,10 @@ class KVQuantizer:
                     self.scales[layer, 0].copy_(amax_scale(k, self.headroom))
                     self.scales[layer, 1].copy_(amax_scale(v, self.headroom))
                     self._calibrated[layer] = True
+
+    def quantize_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """FP8 ``k``/``v`` ``[tokens, kv_heads, head_dim]`` for layer ``layer``, calibrating it on first use."""
+        self.calibrate(layer, k, v)
         return quantize(k, self.scales[layer, 0], self.dtype), quantize(v, self.scales[layer, 1], self.dtype)
 
     def layer_scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Set
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 from ardiff_modules.checks import require_int, require_positive_float
 from ardiff_modules.errors import SpecError, UnknownCacheError
@@ -20,6 +20,20 @@ from ardiff_modules.window import RetentionPolicy, SinkWindowPolicy
 SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
 #: Storage dtypes of the paged K/V: the compute dtypes, and FP8 (per-head scales, see ``quant.py``).
 SUPPORTED_KV_DTYPES = (*SUPPORTED_DTYPES, "float8_e4m3fn")
+
+#: How the pending chunks of one multi-chunk forward see each other (the history rule is the same for both):
+#: ``"block_causal"`` -- pending query chunk ``c`` sees pending chunks ``0..c`` (Self-Forcing, CausVid);
+#: ``"bidirectional"`` -- every pending chunk sees every pending chunk of its stream (Rolling Forcing's
+#: jointly denoised window).
+PendingAttention = Literal["block_causal", "bidirectional"]
+PENDING_ATTENTION_MODES: tuple[str, ...] = get_args(PendingAttention)
+
+
+def check_pending_attention(owner: str, value: Any) -> PendingAttention:
+    """``value`` if it is one of :data:`PENDING_ATTENTION_MODES`, else :class:`SpecError` naming both."""
+    if not isinstance(value, str) or value not in PENDING_ATTENTION_MODES:
+        raise SpecError(f"{owner}: expected one of {PENDING_ATTENTION_MODES}, got {value!r}")
+    return value  # type: ignore[return-value]  # narrowed by the membership test
 
 
 def dtype_name(value: Any) -> Any:
@@ -118,6 +132,11 @@ class KVCacheSpec:
         A :class:`~ardiff_modules.window.RetentionPolicy` deciding which committed chunks stay
         resident, instead of ``sink_chunks`` / ``window_chunks`` (leave those at their defaults),
         e.g. :class:`~ardiff_modules.window.SinkWindowMemoryPolicy`.
+    pending_attention:
+        The default rule between the pending chunks of a multi-chunk forward (a forward may override
+        it: ``prepare_forward(..., pending_attention=...)``): ``"block_causal"`` (pending chunk ``c``
+        sees pending chunks ``0..c``) or ``"bidirectional"`` (each sees all of them: Rolling
+        Forcing). History visibility and commits are the same under both.
     """
 
     num_layers: int
@@ -133,6 +152,7 @@ class KVCacheSpec:
     num_qo_heads: int | None = None
     kv_dtype: str | None = None
     retention: RetentionPolicy | None = None
+    pending_attention: PendingAttention = "block_causal"
 
     def __post_init__(self) -> None:
         owner = "KVCacheSpec"
@@ -196,6 +216,7 @@ class KVCacheSpec:
                 f"{owner}.kv_dtype: expected None or one of {SUPPORTED_KV_DTYPES}, got {self.kv_dtype!r}"
             )
         self._check_retention(owner)
+        check_pending_attention(f"{owner}.pending_attention", self.pending_attention)
 
     def _check_retention(self, owner: str) -> None:
         if self.retention is None:

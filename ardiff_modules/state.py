@@ -34,7 +34,7 @@ from ardiff_modules.errors import (
 )
 from ardiff_modules.forward import ForwardTransaction
 from ardiff_modules.history import BranchHistory
-from ardiff_modules.spec import KVCacheSpec
+from ardiff_modules.spec import KVCacheSpec, PendingAttention
 from ardiff_modules.window import RetentionPolicy
 
 #: Branches (and cross caches) a ``KVState`` repr names before eliding the rest.
@@ -67,6 +67,7 @@ class SessionHost(Protocol):
         token_mask: torch.Tensor | None = None,
         static: bool = False,
         chunk_lengths: Sequence[int] | None = None,
+        pending_attention: PendingAttention | None = None,
     ) -> ForwardContext: ...
     def finish_forward(self, transaction: ForwardTransaction, success: bool) -> None: ...
     def abort_forwards_of(self, state: KVState) -> None: ...
@@ -192,22 +193,25 @@ class KVState:
 
     # ------------------------------------------------------------------ self-attention
     def get_kv_caches(
-        self, kv_branch: str, seq_len: int | None = None, commit_current: bool = False
+        self, kv_branch: str, seq_len: int | None = None, commit_current: bool = False, *,
+        pending_attention: PendingAttention | None = None,
     ) -> list[LayerContext]:
         """Per-layer contexts for one forward of ``kv_branch`` over ``seq_len`` pending tokens.
 
         The per-branch call of serving engines; :meth:`prepare_forward` batches several branches
-        (e.g. CFG) in one forward.
+        (e.g. CFG) in one forward. ``pending_attention`` is as in :meth:`KVCache.prepare_forward`.
         """
         if seq_len is None:
             raise SequenceLengthError(
                 f"get_kv_caches: expected seq_len (a multiple of chunk_size={self.cache.spec.chunk_size}), got None"
             )
-        return self.prepare_paged_context(kv_branch, seq_len, commit_current)
+        return self.prepare_paged_context(kv_branch, seq_len, commit_current, pending_attention=pending_attention)
 
-    def prepare_paged_context(self, kv_branch: str, seq_len: int, commit_current: bool) -> list[LayerContext]:
+    def prepare_paged_context(
+        self, kv_branch: str, seq_len: int, commit_current: bool, *, pending_attention: PendingAttention | None = None
+    ) -> list[LayerContext]:
         """Same as :meth:`get_kv_caches` with ``seq_len`` required (the name some serving engines use)."""
-        return self.prepare_forward((kv_branch,), seq_len, commit_current).layers
+        return self.prepare_forward((kv_branch,), seq_len, commit_current, pending_attention=pending_attention).layers
 
     def prepare_forward(
         self,
@@ -218,12 +222,14 @@ class KVState:
         token_mask: torch.Tensor | None = None,
         static: bool = False,
         chunk_lengths: Sequence[int] | None = None,
+        pending_attention: PendingAttention | None = None,
     ) -> ForwardContext:
         """One forward over several branches of this session, batched in that order (e.g. CFG).
 
         ``branches`` defaults to every branch of the spec. The result is a context
         manager that commits on success and aborts on an exception. ``token_mask``,
-        ``static`` and ``chunk_lengths`` are as in :meth:`KVCache.prepare_forward`.
+        ``static``, ``chunk_lengths`` and ``pending_attention`` are as in
+        :meth:`KVCache.prepare_forward`.
         """
         self._check_open()
         names = branch_names("prepare_forward", branches, self.kv_branch_names)
@@ -233,7 +239,7 @@ class KVState:
             )
         return self.cache.prepare_forward(
             [(self, b) for b in names], seq_len, commit_current, token_mask=token_mask, static=static,
-            chunk_lengths=chunk_lengths,
+            chunk_lengths=chunk_lengths, pending_attention=pending_attention,
         )
 
     def commit_paged_context(self, kv_branch: str) -> None:

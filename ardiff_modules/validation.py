@@ -21,7 +21,7 @@ from ardiff_modules.errors import (
 )
 from ardiff_modules.forward import ForwardTransaction
 from ardiff_modules.history import BranchHistory
-from ardiff_modules.spec import KVCacheSpec
+from ardiff_modules.spec import KVCacheSpec, PendingAttention, check_pending_attention
 from ardiff_modules.state import KVState
 
 
@@ -73,6 +73,13 @@ def chunk_lengths_of(
         f"seq_len: expected a positive multiple of chunk_size={chunk} (or one shorter chunk: a multiple of "
         f"page_size={page} below it; for mixed chunk sizes pass chunk_lengths), got {seq_len!r}"
     )
+
+
+def pending_attention_of(spec: KVCacheSpec, pending_attention: str | None) -> PendingAttention:
+    """The forward's rule between its pending chunks: ``pending_attention``, or the spec's default for ``None``."""
+    if pending_attention is None:
+        return spec.pending_attention
+    return check_pending_attention("prepare_forward.pending_attention", pending_attention)
 
 
 def _checked_lengths(spec: KVCacheSpec, seq_len: int, chunk_lengths: Sequence[int]) -> tuple[int, ...]:

@@ -5,6 +5,8 @@ Per shape (one layer, bf16, head_dim 128, one pending chunk per stream, the wind
 * ``library``          -- ``chunk_attention`` through the custom op (K/V append + attention), default
                           layout: contiguous extents -> ragged FA3 over each stream's key range
 * ``library_attend``   -- the same plan's kernel alone (no write)
+* ``library_graph``    -- ``library`` under a static plan, replayed from a CUDA graph (ragged FA3 over the
+                          whole layer with absolute key offsets); ``library_fp8_graph`` likewise
 * ``library_paged``    -- ``chunk_attention`` with plain paging (structural paged FA3), as used for
                           multi-chunk forwards and shared pages
 * ``library_paged_attend`` -- that kernel alone
@@ -16,7 +18,8 @@ Per shape (one layer, bf16, head_dim 128, one pending chunk per stream, the wind
 * ``gather_ragged``    -- gather the visible pages into a contiguous buffer, then ragged FA3
 
 plus the KV write cost per layer (page ``index_copy_``, token ``index_copy_``, FlashInfer
-``append_paged_kv_cache``, per-stream slice copies and the rolling-buffer memmove peers use; timed side
+``append_paged_kv_cache``, per-stream slice copies and the rolling-buffer memmove peers use; and the
+compiled path: RMSNorm + RoPE of k compiled with and without the in-graph pool write; timed side
 by side), the device copy bandwidth (the floor of any separate write) and the host time per forward
 (``prepare_forward`` + commit: allocation, eviction, plan) for a 1-layer and a 30-layer model.
 
@@ -53,9 +56,9 @@ SHAPES = {
 }
 D = 128
 #: Paths drawn in attention.png, in this order.
-PLOT_METHODS = ("ragged_fa3", "library", "library_attend", "library_paged", "library_paged_attend",
-                "ragged_fa3_fp8", "library_fp8", "library_fp8_attend", "library_fp8_paged", "gather_ragged",
-                "sdpa", "flex", "fa2_mask")
+PLOT_METHODS = ("ragged_fa3", "library", "library_attend", "library_graph", "library_paged",
+                "library_paged_attend", "ragged_fa3_fp8", "library_fp8", "library_fp8_attend", "library_fp8_graph",
+                "library_fp8_paged", "gather_ragged", "sdpa", "flex", "fa2_mask")
 
 
 def flops(streams: int, q: int, keys: int, heads: int) -> float:
@@ -92,6 +95,8 @@ def bench_shape(name: str, heads: int, chunk: int, sink: int, window: int, strea
     states = []
     outputs: dict[str, torch.Tensor] = {}
     pool_bytes: dict[str, int] = {}
+    layers_by_label: dict[str, Any] = {}
+    static_forwards: list[Any] = []
     for label, extents, kv_dtype in (
         ("library", True, None), ("library_paged", False, None),
         ("library_fp8", True, "float8_e4m3fn"), ("library_fp8_paged", False, "float8_e4m3fn"),
@@ -115,8 +120,21 @@ def bench_shape(name: str, heads: int, chunk: int, sink: int, window: int, strea
         fns[label + "_attend"] = lambda plan=plan, layer=layer: plan.attend(
             qf, layer.k_cache, layer.v_cache, D**-0.5
         )
+        layers_by_label[label] = layer
         if label == "library_paged":
             paged = (cache, fwd, layer)
+        if extents:
+            # The same forward as a CUDA graph: a static plan replays ragged FA3 with absolute key offsets.
+            sfwd = state.prepare_forward(None, chunk, commit_current=False, static=True)
+            modes[label + "_graph"] = sfwd.plan.mode
+            fns[label + "_graph"] = _graphed(lambda layer=sfwd.layers[0]: am.chunk_attention(q, k, v, layer))
+            static_forwards.append(sfwd)
+            fwd = state.prepare_forward(None, chunk, commit_current=False)  # back to the eager forward
+            layers_by_label[label] = layer = fwd.layers[0]
+            fns[label] = lambda layer=layer: am.chunk_attention(q, k, v, layer)
+            fns[label + "_attend"] = lambda plan=fwd.plan, layer=layer: plan.attend(
+                qf, layer.k_cache, layer.v_cache, D**-0.5
+            )
     # From here on, `cache` / `fwd` / `layer` are the plain-paged bf16 ones.
     cache, fwd, layer = paged
 
@@ -235,6 +253,11 @@ def bench_shape(name: str, heads: int, chunk: int, sink: int, window: int, strea
             vslots[a : a + chunk].copy_(v[i])
 
     write_fns["contiguous_slice_copy"] = slice_copy
+    # Compiled path: K/V written by the graph that computes them (RMSNorm + RoPE of k, then the store,
+    # fused by inductor) vs the same graph returning k and v for a separate write. The difference is
+    # what the write costs on the compiled path.
+    compiled_fns = compiled_write_fns(layers_by_label, k, v, heads, chunk, streams)
+    write_fns.update(compiled_fns)
     write_stats = interleaved(write_fns, inner=inner, rounds=rounds)
     writes = {name: st.median_ms for name, st in write_stats.items()}
     # The floor of any separate write: read K and V once, write them once, at the measured copy bandwidth.
@@ -247,6 +270,7 @@ def bench_shape(name: str, heads: int, chunk: int, sink: int, window: int, strea
     writes["bandwidth_floor"] = 2 * kv_bytes / (copy_gbps * 1e9) * 1e3
     for st in (*states, mstate):
         st.abort()
+    del static_forwards
 
     results = {name: st.median_ms for name, st in attention.items()}
 
@@ -281,6 +305,23 @@ def bench_shape(name: str, heads: int, chunk: int, sink: int, window: int, strea
         "kv_write_ms": writes,
         "kv_write_stats": stats_dict(write_stats),
         "write_fraction_of_attention": writes["flashinfer_append"] / results["library_attend"],
+        # Compiled: (norm + RoPE + write into the pool) - (norm + RoPE returning k, v), over the kernel.
+        "compiled_write_fraction_of_attention": (
+            writes["compiled_produce_and_write"] - writes["compiled_produce"]
+        ) / results["library_attend"],
+        "compiled_fp8_write_fraction_of_attention": (
+            writes["compiled_produce_and_write_fp8"] - writes["compiled_produce"]
+        ) / results["library_fp8_attend"],
+        # Device time alone (CUDA-graph replays of the compiled functions).
+        "compiled_write_device_fraction_of_attention": (
+            writes["compiled_produce_and_write_graph"] - writes["compiled_produce_graph"]
+        ) / results["library_attend"],
+        "compiled_fp8_write_device_fraction_of_attention": (
+            writes["compiled_produce_and_write_fp8_graph"] - writes["compiled_produce_graph"]
+        ) / results["library_fp8_attend"],
+        "eager_write_fraction_of_attention": writes["flashinfer_append"] / results["library_attend"],
+        "graph_ratio_vs_eager": results["library"] / results["library_graph"],
+        "fp8_graph_ratio_vs_eager": results["library_fp8"] / results["library_fp8_graph"],
         "write_floor_fraction_of_attention": writes["bandwidth_floor"] / results["library_attend"],
         "copy_bandwidth_gbps": copy_gbps,
         "copy_stats": copy_stats.as_dict(),
@@ -291,6 +332,59 @@ def bench_shape(name: str, heads: int, chunk: int, sink: int, window: int, strea
         "fp8_attend_ratio_vs_ragged_fa3": limit / results["library_fp8_attend"],
         "fa2_mask_plan_ms": masked_plan_s * 1e3,
     }
+
+
+def _graphed(fn: Callable[[], object]) -> Callable[[], None]:
+    """``fn`` captured as a CUDA graph (warmed up on a side stream first); returns its replay."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def compiled_write_fns(layers: dict[str, Any], k: Any, v: Any, heads: int, chunk: int,
+                       streams: int) -> dict[str, Callable[[], object]]:
+    """Compiled K/V producers with and without the in-graph pool write (bf16 and FP8 pools)."""
+    import torch
+
+    from ardiff_modules.modules.functional import rotate
+    from ardiff_modules.ops import write_kv_in_graph
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    angles = torch.rand(1, chunk, 1, D // 2, device="cuda", generator=g) * 6.28
+    cos = angles.cos().repeat_interleave(2, -1).to(k.dtype)
+    sin = angles.sin().repeat_interleave(2, -1).to(k.dtype)
+    weight = torch.ones(D, device="cuda", dtype=k.dtype)
+
+    def produce(kx: torch.Tensor, vx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        kn = torch.nn.functional.rms_norm(kx, (D,), weight, 1e-6)
+        return rotate(kn, cos, sin).reshape(-1, heads, D), vx.reshape(-1, heads, D)
+
+    def produce_and_write(kx: torch.Tensor, vx: torch.Tensor, layer: Any) -> None:
+        kr, vr = produce(kx, vx)
+        write_kv_in_graph(kr, vr, layer.kv_pool, layer.kv_scales, layer.layer_id, layer.forward.plan_id)
+
+    produce_c = torch.compile(produce, fullgraph=True, dynamic=False)
+    write_c = torch.compile(produce_and_write, fullgraph=True, dynamic=False)
+    bf16, fp8 = layers["library"], layers["library_fp8"]
+    fns: dict[str, Callable[[], object]] = {
+        "compiled_produce": lambda: produce_c(k, v),
+        "compiled_produce_and_write": lambda: write_c(k, v, bf16),
+        "compiled_produce_and_write_fp8": lambda: write_c(k, v, fp8),
+    }
+    # The same calls replayed from CUDA graphs: device time alone. Called eagerly one at a time, a
+    # compiled function this small is bound by its host time (guards, the gate op), which a model
+    # step hides behind the attention kernels or a whole-step graph removes.
+    for name in list(fns):
+        fns[name + "_graph"] = _graphed(fns[name])
+    return fns
 
 
 def host_time(layers: int, extents: bool, iters: int = 30, warmup: int = 5) -> dict[str, Any]:

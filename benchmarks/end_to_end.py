@@ -100,6 +100,9 @@ from ardiff_modules.modules.functional import apply_rope  # noqa: E402
 from ardiff_modules.pool import bytes_per_page  # noqa: E402
 
 VARIANTS = ("library", "rolling_sdpa", "rolling_flex")
+#: Variants the flags add (``--compile``, ``--fp8``, ``--graph``); ``--variants`` may also name them directly.
+EXTRA_VARIANTS = ("library_compiled", "rolling_sdpa_compiled", "library_fp8", "library_fp8_compiled",
+                  "library_graph", "library_compiled_graph", "library_fp8_graph", "library_fp8_compiled_graph")
 BASELINE = "rolling_sdpa"
 TIMESTEPS = (1000.0, 750.0, 500.0, 250.0)  #: denoising forwards of a chunk step; then one at 0 (commit)
 TARGET_SPEEDUP = 1.3
@@ -119,8 +122,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="chunk steps before timing (default sink + window + 2: window full and one eviction)")
     p.add_argument("--cfg", choices=("both", "on", "off"), default="both", help="CFG settings to run")
     p.add_argument("--variants", default=",".join(VARIANTS),
-                   help=f"comma-separated subset of {VARIANTS} (library is always run: it is the reference)")
+                   help=f"comma-separated subset of {VARIANTS} (library is always run: it is the reference); "
+                        f"may also name any of {EXTRA_VARIANTS} without their flags")
     p.add_argument("--compile", action="store_true", help="also run library_compiled and rolling_sdpa_compiled")
+    p.add_argument("--graph", action="store_true",
+                   help="also run library_graph: every forward a static plan replayed from one CUDA graph per "
+                        "forward shape (CUDAGraphStep; over the compiled model with --compile: "
+                        "library_compiled_graph); CUDA only")
     p.add_argument("--fp8", action="store_true",
                    help="also run library_fp8 (and library_fp8_compiled with --compile): KVCacheSpec(kv_dtype="
                         "'float8_e4m3fn'), FP8 attention on FlashInfer; agreement checked at --fp8-tolerance")
@@ -157,14 +165,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.warmup_chunks is not None and args.warmup_chunks < 0:
         p.error(f"--warmup-chunks: expected >= 0, got {args.warmup_chunks}")
     variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
-    unknown = [v for v in variants if v not in VARIANTS]
+    unknown = [v for v in variants if v not in VARIANTS + EXTRA_VARIANTS]
     if unknown:
-        p.error(f"--variants: expected names from {VARIANTS}, got {unknown}")
+        p.error(f"--variants: expected names from {VARIANTS + EXTRA_VARIANTS}, got {unknown}")
     args.variants = ("library",) + tuple(v for v in variants if v != "library")
     if args.compile:
         args.variants += ("library_compiled", "rolling_sdpa_compiled")
     if args.fp8:
         args.variants += ("library_fp8",) + (("library_fp8_compiled",) if args.compile else ())
+    if args.graph:
+        args.variants += ("library_compiled_graph",) if args.compile else ("library_graph",)
+        if args.fp8:
+            args.variants += ("library_fp8_compiled_graph",) if args.compile else ("library_fp8_graph",)
+    args.variants = tuple(dict.fromkeys(args.variants))  # each once, in order
+    if any(v.endswith("_graph") for v in args.variants) and args.device != "cuda":
+        p.error("--graph / *_graph variants: expected --device cuda (CUDA graphs)")
     return args
 
 
@@ -330,10 +345,13 @@ class LibraryRunner:
 
     def __init__(self, model: nn.Module, config: WanConfig, branches: tuple[str, ...], texts: Sequence[torch.Tensor],
                  device: torch.device, dtype: torch.dtype, backend: str, step: Callable[..., torch.Tensor],
-                 kv_dtype: str | None = None) -> None:
+                 kv_dtype: str | None = None, graph: bool = False) -> None:
         spec = dataclasses.replace(make_kv_spec(config, device, branches), dtype=dtype,
                                    kv_dtype=kv_dtype)
         self.spec, self.branches, self.step = spec, branches, step
+        #: ``graph``: static forwards replayed from CUDA graphs (one per forward shape: commit or not
+        #: share one static context, so one graph serves the whole chunk step).
+        self.graph = am.CUDAGraphStep(step) if graph else None
         self.cache = am.KVCache(spec, num_pages=kv_pool_pages(spec, slack_chunks=0), device=device, backend=backend)
         self.state = self.cache.open_session()
         crosses = [block.cross for block in model.blocks]
@@ -345,7 +363,11 @@ class LibraryRunner:
         return self.cache.backend.name
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, commit: bool) -> torch.Tensor:
-        with self.state.prepare_forward(self.branches, self.spec.chunk_size, commit_current=commit) as fwd:
+        static = self.graph is not None
+        with self.state.prepare_forward(self.branches, self.spec.chunk_size, commit_current=commit,
+                                        static=static) as fwd:
+            if self.graph is not None:
+                return self.graph(fwd, x, t)
             return self.step(x, t, fwd.layers)
 
     def kv_info(self) -> dict[str, Any]:
@@ -446,13 +468,15 @@ def _measure(name: str, args: argparse.Namespace, model: nn.Module, config: WanC
     """One variant at one CFG setting (see :func:`run_variant`)."""
     if name.startswith("library"):
         step: Callable[..., torch.Tensor] = model
-        if name.endswith("_compiled"):
+        if "_compiled" in name:
             torch._dynamo.reset()
             step = torch.compile(model, fullgraph=True, dynamic=False)
         kv_dtype = "float8_e4m3fn" if "fp8" in name else None
+        graph = name.endswith("_graph")
 
         def make(step: Callable[..., torch.Tensor] = step) -> LibraryRunner:
-            return LibraryRunner(model, config, branches, branch_texts, device, dtype, args.backend, step, kv_dtype)
+            return LibraryRunner(model, config, branches, branch_texts, device, dtype, args.backend, step, kv_dtype,
+                                 graph=graph)
 
         return run_variant(name, make, latents, ts, t_commit, warmup, timed, device)
     rolling_step: Callable[..., torch.Tensor] | None = None
@@ -573,6 +597,9 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
                     res["note"] = "eager flex_attention (unfused: materialises the scores); compiled on CUDA"
             if name.endswith("_compiled") and name.startswith("library"):
                 res["note"] = "torch.compile(model, fullgraph=True, dynamic=False)"
+            if name.endswith("_graph"):
+                res["note"] = ("static forwards, each replayed from a CUDA graph (CUDAGraphStep"
+                               + (" over torch.compile(model, fullgraph=True))" if "_compiled" in name else ")"))
             if "fp8" in name:
                 res["kv_dtype"] = "float8_e4m3fn"
             if name == "rolling_sdpa_compiled":
@@ -607,6 +634,20 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         if all("ms_per_chunk_step" in r["variants"].get(n, {})
                for n in ("library_fp8_compiled", "rolling_sdpa_compiled"))
     }
+    def ratio(slow: str, fast: str) -> dict[str, float]:
+        """``slow``'s median chunk step over ``fast``'s, per CFG setting where both ran."""
+        return {
+            s: r["variants"][slow]["ms_per_chunk_step"] / r["variants"][fast]["ms_per_chunk_step"]
+            for s, r in results.items()
+            if all("ms_per_chunk_step" in r["variants"].get(n, {}) for n in (slow, fast))
+        }
+
+    graph_speedups = {
+        "library_graph_vs_library": ratio("library", "library_graph"),
+        "library_compiled_graph_vs_library_compiled": ratio("library_compiled", "library_compiled_graph"),
+        "library_fp8_compiled_graph_vs_library_fp8_compiled": ratio("library_fp8_compiled",
+                                                                    "library_fp8_compiled_graph"),
+    }
     kv_ok = {
         s: r["variants"]["library"]["kv_peak_bytes_per_branch"] == kv_target_per_branch for s, r in results.items()
     }
@@ -631,6 +672,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
             "speedup_met": {s: (v is not None and v >= TARGET_SPEEDUP) for s, v in library_speedups.items()},
             "library_compiled_speedup_vs_rolling_sdpa_compiled": compiled_speedups,
             "library_fp8_compiled_speedup_vs_rolling_sdpa_compiled": fp8_compiled_speedups,
+            "graph_speedups": {k: v for k, v in graph_speedups.items() if v},
             "kv_peak_bytes_per_branch_target": kv_target_per_branch,
             "kv_peak_equals_target": kv_ok,
         },
@@ -682,6 +724,8 @@ def print_table(payload: dict[str, Any]) -> None:
     if t["library_compiled_speedup_vs_rolling_sdpa_compiled"]:
         print(f"compiled vs compiled (library_compiled vs rolling_sdpa_compiled): "
               f"{_rounded(t['library_compiled_speedup_vs_rolling_sdpa_compiled'])}")
+    for label, value in t.get("graph_speedups", {}).items():
+        print(f"CUDA-graph step ({label}): {_rounded(value)}")
     if t.get("library_fp8_compiled_speedup_vs_rolling_sdpa_compiled"):
         print(f"compiled vs compiled, FP8 KV (library_fp8_compiled vs rolling_sdpa_compiled): "
               f"{_rounded(t['library_fp8_compiled_speedup_vs_rolling_sdpa_compiled'])}")

@@ -2,6 +2,7 @@
 # The GPU session's batches: each step logged to $OUT/<step>.log, results written under $OUT.
 #   bash .gpu/run.sh bash benchmarks/run_h200.sh tests attention sessions     (device run 1)
 #   bash .gpu/run.sh bash benchmarks/run_h200.sh end_to_end example           (device run 2)
+#   bash .gpu/run.sh bash benchmarks/run_h200.sh tests_multi_gpu multi_gpu    (kind nvidia-h200-x2)
 # A step that fails or overruns its time limit is reported and the next one still runs.
 # The device gets a copy of the tree without .git: pass the commit for the JSON's run metadata, e.g.
 #   ARDIFF_BENCH_GIT=$(git rev-parse HEAD)$(git diff --quiet HEAD || echo -dirty) bash .gpu/run.sh bash ...
@@ -30,6 +31,13 @@ for what in "$@"; do
     end_to_end) step end_to_end 480 python3 benchmarks/end_to_end.py --out "$out" ;;
     end_to_end_compiled) step end_to_end_compiled 540 python3 benchmarks/end_to_end.py --compile --fp8 --cfg on \
                --variants library,rolling_sdpa --chunks-timed 3 --out "$out/compiled" ;;
+    end_to_end_fp8) step end_to_end_fp8 330 python3 benchmarks/end_to_end.py --cfg on \
+               --variants library,rolling_sdpa_compiled,library_fp8_compiled --chunks-timed 3 --out "$out/compiled_fp8" ;;
+    end_to_end_graph_14b) step end_to_end_graph_14b 250 python3 benchmarks/end_to_end.py --preset wan14b-like \
+               --compile --graph --cfg on --variants library --chunks-timed 5 --out "$out/graph_14b" ;;
+    tests_multi_gpu) step gpu_tests_multi_gpu 240 python3 -m pytest -m gpu -q -p no:cacheprovider \
+               tests/test_distributed.py -rs ;;
+    multi_gpu) step multi_gpu 300 python3 benchmarks/multi_gpu.py --steps 3 --out "$out" ;;
     first_use) step first_use 200 python3 benchmarks/first_use.py --out "$out" ;;
     host_time) step host_time 120 python3 benchmarks/host_time.py --out "$out/host_time.jsonl" ;;
     compile_vs_eager) step compile_vs_eager 300 python3 benchmarks/compile_vs_eager.py --out "$out" ;;

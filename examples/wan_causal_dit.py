@@ -162,6 +162,14 @@ PRESETS: dict[str, WanConfig] = {
         latent_width=104, text_tokens=512, text_dim=4096, freq_dim=256, sink_chunks=1, window_chunks=6,
         page_size=120,
     ),
+    # Wan-14B-like attention shape for launch-overhead measurements (benchmarks only, CUDA): 40 heads of
+    # 128 (dim 5120, Wan2.1-14B's width), 880-token chunks (one 44x80 latent frame), sink 1 + window 7,
+    # pages of 80 tokens; 10 blocks instead of 40 so random weights fit next to the baselines' buffers.
+    "wan14b-like": WanConfig(
+        name="wan14b-like", num_layers=10, dim=5120, num_heads=40, ffn_dim=13824, latent_height=44,
+        latent_width=80, frames_per_chunk=1, text_tokens=512, text_dim=4096, freq_dim=256, sink_chunks=1,
+        window_chunks=7, page_size=80,
+    ),
 }
 
 

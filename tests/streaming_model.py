@@ -58,11 +58,15 @@ class TinyStreamingModel(nn.Module):
             x = block(x, kv, self.rope)
         return x
 
-    def spec(self, chunk_size, page_size, sink, window, branches=("cond", "uncond"), text_tokens=5):  # noqa: ANN001, ANN201
+    def spec(  # noqa: ANN201
+        self, chunk_size, page_size, sink, window, branches=("cond", "uncond"), text_tokens=5,  # noqa: ANN001
+        pending_attention="block_causal",  # noqa: ANN001
+    ):
         return KVCacheSpec(
             num_layers=len(self.blocks), num_kv_heads=self.kv_heads, head_dim=self.dim // self.heads,
             chunk_size=chunk_size, page_size=page_size, sink_chunks=sink, window_chunks=window,
             branches=branches, cross_attention=(CrossAttentionSpec(TEXT, text_tokens),), dtype="float32",
+            pending_attention=pending_attention,
         )
 
 
@@ -76,17 +80,20 @@ class LibraryStreaming:
         self.state = self.cache.open_session("s0")
 
     def forward(
-        self, branches: Sequence[str], x: torch.Tensor, commit: bool, chunk_lengths: Sequence[int] | None = None
+        self, branches: Sequence[str], x: torch.Tensor, commit: bool, chunk_lengths: Sequence[int] | None = None,
+        pending_attention: str | None = None,
     ) -> torch.Tensor:
+        """``pending_attention``: passed to the library only when not ``None`` (else the spec's default)."""
+        rule = {} if pending_attention is None else {"pending_attention": pending_attention}
         if chunk_lengths is not None and len(chunk_lengths) > 1:  # mixed chunk sizes: say them
-            with self.state.prepare_forward(branches, x.shape[1], commit, chunk_lengths=chunk_lengths) as fwd:
+            with self.state.prepare_forward(branches, x.shape[1], commit, chunk_lengths=chunk_lengths, **rule) as fwd:
                 return self.fn(x, fwd.layers)
         if len(branches) == 1:  # the seed's API
-            layers = self.state.get_kv_caches(branches[0], x.shape[1], commit_current=commit)
+            layers = self.state.get_kv_caches(branches[0], x.shape[1], commit_current=commit, **rule)
             out = self.fn(x, layers)
             self.state.commit_paged_context(branches[0])
             return out
-        with self.state.prepare_forward(branches, x.shape[1], commit_current=commit) as fwd:
+        with self.state.prepare_forward(branches, x.shape[1], commit_current=commit, **rule) as fwd:
             return self.fn(x, fwd.layers)
 
     def set_prompt(self, contexts: dict[str, torch.Tensor]) -> None:
@@ -103,12 +110,14 @@ class NaiveStreaming:
 
     def __init__(
         self, model: TinyStreamingModel, chunk_size: int, sink: int, window: int | None,
-        memory: tuple[int, int] | None = None,
+        memory: tuple[int, int] | None = None, pending_attention: str = "block_causal",
     ) -> None:
         """``memory=(every, count)``: also keep the last ``count`` chunks that left the window whose
-        position after the sinks is a multiple of ``every`` (``SinkWindowMemoryPolicy``)."""
+        position after the sinks is a multiple of ``every`` (``SinkWindowMemoryPolicy``).
+        ``pending_attention``: the default rule between pending chunks (a forward may say its own)."""
         self.model, self.chunk, self.sink, self.window = model, chunk_size, sink, window
         self.memory = memory
+        self.pending_attention = pending_attention
         self.committed: dict[str, list[list[tuple[torch.Tensor, torch.Tensor]]]] = defaultdict(list)
         self.text: dict[str, torch.Tensor] = {}
 
@@ -126,21 +135,23 @@ class NaiveStreaming:
         return sinks + memory + window
 
     def forward(
-        self, branches: Sequence[str], x: torch.Tensor, commit: bool, chunk_lengths: Sequence[int] | None = None
+        self, branches: Sequence[str], x: torch.Tensor, commit: bool, chunk_lengths: Sequence[int] | None = None,
+        pending_attention: str | None = None,
     ) -> torch.Tensor:
         n = x.shape[1]
         if chunk_lengths is None:  # full chunks, or one shorter chunk
             chunk_lengths = [self.chunk] * (n // self.chunk) if n % self.chunk == 0 else [n]
+        bidirectional = (pending_attention or self.pending_attention) == "bidirectional"
         outs = []
         for s, branch in enumerate(branches):
-            out, chunk_kv = self._stream(branch, x[s : s + 1], list(chunk_lengths))
+            out, chunk_kv = self._stream(branch, x[s : s + 1], list(chunk_lengths), bidirectional)
             outs.append(out)
             if commit:
                 self.committed[branch].extend(chunk_kv)
         return torch.cat(outs)
 
     @torch.no_grad()
-    def _stream(self, branch: str, x: torch.Tensor, lengths: list[int] | None = None):  # noqa: ANN202
+    def _stream(self, branch: str, x: torch.Tensor, lengths: list[int] | None = None, bidirectional: bool = False):  # noqa: ANN202
         n = x.shape[1]
         if lengths is None:
             lengths = [self.chunk] * (n // self.chunk) if n % self.chunk == 0 else [n]
@@ -151,7 +162,8 @@ class NaiveStreaming:
         hist_len = sum(c[0][0].shape[0] for c in history)
         q_chunk = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
         mask = torch.ones(n, hist_len + n, dtype=torch.bool)
-        mask[:, hist_len:] = q_chunk[None, :] <= q_chunk[:, None]
+        # Pending chunks: block-causal, or all of them seen by all (Rolling Forcing); history always visible.
+        mask[:, hist_len:] = True if bidirectional else q_chunk[None, :] <= q_chunk[:, None]
         per_layer = []
         h = x
         for layer, block in enumerate(self.model.blocks):
@@ -196,7 +208,7 @@ class NaiveStreaming:
 
 def rollout_events(
     num_chunks: int, chunk_size: int, dim: int, context_dim: int, seed: int = 0, fixed_shape: bool = False,
-    short_chunk: int | None = None,
+    short_chunk: int | None = None, pending_attention: str | None = None,
 ) -> list[tuple]:
     """A Self-Forcing-style schedule: 2 denoising forwards + 1 committing forward per step, CFG batched.
 
@@ -205,6 +217,8 @@ def rollout_events(
     ``short_chunk`` (tokens, a multiple of the page size below ``chunk_size``): the first chunk
     after the start and after the reset is that short (image-to-video's 1-frame first chunk), and
     some multi-chunk forwards mix a short chunk in (events then carry their ``chunk_lengths``).
+    ``pending_attention``: each forward event also carries the rule it asks for -- that value, or with
+    ``"alternate"`` one per step cycling ``"bidirectional"``, ``"block_causal"``, ``None`` (the spec's).
     """
     g = torch.Generator().manual_seed(seed)
     branches = ("cond", "uncond")
@@ -222,9 +236,14 @@ def rollout_events(
             lengths = [chunk_size] * (n - 1) + [short_chunk]
             lengths = lengths[::-1] if step == 4 else lengths
         seq = sum(lengths)
+        rule: tuple = ()
+        if pending_attention == "alternate":
+            rule = (("bidirectional", "block_causal", None)[step % 3],)
+        elif pending_attention is not None:
+            rule = (pending_attention,)
         for denoise in range(3):
             x = torch.randn(len(rows), seq, dim, generator=g)
-            events.append(("forward", rows, x, denoise == 2, tuple(lengths)))
+            events.append(("forward", rows, x, denoise == 2, tuple(lengths), *rule))
         if step == 5:
             events.append(("prompt", {b: torch.randn(5, context_dim, generator=g) for b in branches}))
         if step == 9:
@@ -241,9 +260,9 @@ def play_event(runner, event: tuple) -> torch.Tensor | None:  # noqa: ANN001
     elif event[0] == "reset":
         runner.reset()
     else:
-        _, rows, x, commit, lengths = event
+        _, rows, x, commit, lengths, *rule = event  # rule: () or (pending_attention,)
         with torch.no_grad():
-            return runner.forward(rows, x, commit, lengths)
+            return runner.forward(rows, x, commit, lengths, *rule)
     return None
 
 

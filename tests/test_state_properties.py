@@ -46,7 +46,9 @@ Checked after every step
   transaction (identity, members, commit flag, chunks);
 * every open forward, as its attention sees it: ``positions``, ``key_positions()`` (the
   model's position of every visible key, ``-1`` padding), ``to_dense()`` (history visible,
-  block-causal over the model's pending chunk lengths, ANDed with the token mask), and the
+  block-causal over the model's pending chunk lengths -- or every pending key under the
+  ``pending_attention="bidirectional"`` rule, said per forward or by the spec's default --
+  ANDed with the token mask), and the
   dense K/V the reference backend gathers for it, per layer, bit for bit == what the model
   says each resident chunk held when committed, position by position, then what this
   forward wrote into its pending chunks;
@@ -142,8 +144,10 @@ GEOMETRIES = [(2, 1), (2, 2), (4, 1), (4, 2)]
 CHUNK_PAGES = st.sampled_from([None, None, None, 1, 1, 2, 3])
 #: A forward's shape, drawn: the pages of each pending chunk, and whether to pass ``chunk_lengths``
 #: even when ``seq_len`` alone would say it (it must whenever the lengths are mixed).
-SHAPES = st.tuples(st.lists(CHUNK_PAGES, min_size=1, max_size=3), st.booleans())
-SHAPES_2 = st.tuples(st.lists(CHUNK_PAGES, min_size=1, max_size=2), st.booleans())
+#: The rule between a forward's pending chunks, as the call says it: ``None`` (the spec's default) or by name.
+PENDING_RULES = st.sampled_from([None, None, "block_causal", "bidirectional"])
+SHAPES = st.tuples(st.lists(CHUNK_PAGES, min_size=1, max_size=3), st.booleans(), PENDING_RULES)
+SHAPES_2 = st.tuples(st.lists(CHUNK_PAGES, min_size=1, max_size=2), st.booleans(), PENDING_RULES)
 HEAD_DIM = 2
 NUM_LAYERS = 2
 CROSS_TOKENS = 3
@@ -163,6 +167,10 @@ class Shape:
     lengths: tuple[int, ...]
     #: ``prepare_forward(..., chunk_lengths=lengths)``; else ``seq_len`` alone (full chunks, or one shorter chunk).
     explicit: bool = False
+    #: ``prepare_forward(..., pending_attention=rule)``; ``None``: not passed (the spec's default).
+    rule: str | None = None
+    #: The rule in force: every pending chunk sees every pending chunk (else block-causal).
+    bidirectional: bool = False
 
     @property
     def num_chunks(self) -> int:
@@ -176,8 +184,11 @@ class Shape:
         """int64 ``[seq_len]``: the pending chunk of each current token (the model's own lengths)."""
         return torch.repeat_interleave(torch.arange(self.num_chunks), torch.tensor(self.lengths))
 
-    def causal(self) -> torch.Tensor:
-        """bool ``[seq_len, seq_len]``: query token i sees pending token j iff chunk(j) <= chunk(i)."""
+    def pending_mask(self) -> torch.Tensor:
+        """bool ``[seq_len, seq_len]``: query token i sees pending token j iff chunk(j) <= chunk(i), or always
+        under the bidirectional rule."""
+        if self.bidirectional:
+            return torch.ones(self.seq_len, self.seq_len, dtype=torch.bool)
         chunk_of = self.chunk_of()
         return chunk_of[None, :] <= chunk_of[:, None]
 
@@ -321,6 +332,7 @@ class SessionStateMachine(RuleBasedStateMachine):
         sink=st.integers(0, 2),
         window=st.sampled_from([0, 1, 2, 3, None]),
         geometry=st.sampled_from(GEOMETRIES),
+        pending_default=st.sampled_from(["block_causal", "bidirectional"]),
         pool_chunks=st.integers(3, 18),
         extents=st.booleans(),
         max_contexts=st.sampled_from([1, 2, 3, 64]),
@@ -328,8 +340,8 @@ class SessionStateMachine(RuleBasedStateMachine):
         sessions=st.integers(1, MAX_SESSIONS),
     )
     def setup(
-        self, sink: int, window: int | None, geometry: tuple[int, int], pool_chunks: int, extents: bool,
-        max_contexts: int, check_finite: bool, sessions: int,
+        self, sink: int, window: int | None, geometry: tuple[int, int], pending_default: str, pool_chunks: int,
+        extents: bool, max_contexts: int, check_finite: bool, sessions: int,
     ) -> None:
         self.chunk, page_size = geometry
         self.spec = KVCacheSpec(
@@ -343,11 +355,12 @@ class SessionStateMachine(RuleBasedStateMachine):
             branches=BRANCHES,
             cross_attention=(CrossAttentionSpec("text", CROSS_TOKENS),),
             dtype="float32",
+            pending_attention=pending_default,
             **self.spec_extra(),
         )
         self.ppc = self.spec.pages_per_chunk
         self.page = page_size
-        event(f"geometry: chunk_size={self.chunk} page_size={page_size}")
+        event(f"geometry: chunk_size={self.chunk} page_size={page_size}, pending rule default {pending_default}")
         cm = self.new_cache(pool_chunks, extents, max_contexts, check_finite)
         for _ in range(sessions):
             self.sessions.append(SessionModel(cm.cache.open_session(), cm))
@@ -434,22 +447,30 @@ class SessionStateMachine(RuleBasedStateMachine):
         return [rec.pages for rec in self.visible_data(sm, branch)]
 
     # ================================================================== helpers: chunk lengths
-    def shape(self, raw: tuple[list[int | None], bool]) -> Shape:
-        """A drawn shape: ``None`` a full chunk, ``k`` a chunk of ``min(k, pages_per_chunk)`` pages."""
-        pages, explicit = raw
+    def shape(self, raw: tuple) -> Shape:
+        """A drawn shape ``(pages, explicit[, rule])``: ``None`` a full chunk, ``k`` a chunk of
+        ``min(k, pages_per_chunk)`` pages; ``rule`` the ``pending_attention`` the call passes (``None``: none)."""
+        pages, explicit, *rest = raw
+        rule = rest[0] if rest else None
         lengths = tuple(self.chunk if p is None else min(p, self.ppc) * self.page for p in pages)
         implied = all(n == self.chunk for n in lengths) or len(lengths) == 1
-        shape = Shape(lengths, explicit or not implied)
+        shape = Shape(lengths, explicit or not implied, rule, (rule or self.spec.pending_attention) == "bidirectional")
+        if len(lengths) > 1:
+            event(f"multi-chunk forward, pending rule {rule or 'default ' + self.spec.pending_attention}")
         kind = "mixed" if len(set(lengths)) > 1 else "full" if lengths[0] == self.chunk else "short"
         event(f"chunk lengths {kind}, passed as {'chunk_lengths' if shape.explicit else 'seq_len'}")
         return shape
 
+    @property
+    def default_bidirectional(self) -> bool:
+        return self.spec.pending_attention == "bidirectional"
+
     def full(self, num_chunks: int = 1) -> Shape:
-        return Shape((self.chunk,) * num_chunks)
+        return Shape((self.chunk,) * num_chunks, bidirectional=self.default_bidirectional)
 
     def short(self, pages: int) -> Shape:
         """One chunk of ``pages`` pages (capped): e.g. an image-to-video first chunk of one latent frame."""
-        return Shape((min(pages, self.ppc) * self.page,))
+        return Shape((min(pages, self.ppc) * self.page,), bidirectional=self.default_bidirectional)
 
     def reused(self, sm: SessionModel, b: str, shape: Shape) -> int:
         """Leading pending chunks a forward of ``shape`` keeps as they are: those of the same length."""
@@ -627,12 +648,14 @@ class SessionStateMachine(RuleBasedStateMachine):
         seq_len = shape.seq_len
         sm0 = streams[0][0]
         kwargs: dict[str, Any] = {"token_mask": token_mask}
+        rule = {} if shape.rule is None else {"pending_attention": shape.rule}
+        kwargs.update(rule)
         if shape.explicit:
             # A tuple or a list: any sequence of ints.
             kwargs["chunk_lengths"] = shape.lengths if len(shape.lengths) % 2 else list(shape.lengths)
         if via == "get_kv_caches":
             assert not shape.explicit
-            return sm0.state.get_kv_caches, (streams[0][1], seq_len, commit), {}
+            return sm0.state.get_kv_caches, (streams[0][1], seq_len, commit), rule
         if via == "state":
             branches = tuple(b for _, b in streams)
             return sm0.state.prepare_forward, (branches, seq_len, commit), kwargs
@@ -792,7 +815,7 @@ class SessionStateMachine(RuleBasedStateMachine):
         assert tuple(dense.shape) == (len(tx.streams), n, width), (dense.shape, n, width)
         pool = self.pool_values(cm)
         slots = pool.reshape(NUM_LAYERS, 2, -1, pool.shape[-2] * pool.shape[-1])  # [layers, K/V, token slots, H*D]
-        causal = shape.causal()
+        causal = shape.pending_mask()
         for i, (sm, b) in enumerate(tx.streams):
             records = self.visible_data(sm, b)
             offset = sm.committed_tokens(b)
@@ -978,7 +1001,7 @@ class SessionStateMachine(RuleBasedStateMachine):
     def check_output(self, tx: TxModel, layer: int, q, k, v, out) -> None:
         """The output equals a hand-written masked softmax over the model's pages (and the token mask)."""
         n = tx.shape.seq_len
-        causal = tx.shape.causal()  # block-causal over the model's own chunk lengths
+        causal = tx.shape.pending_mask()  # block-causal (or all) over the model's own chunk lengths
         for i, (sm, b) in enumerate(tx.streams):
             hist = [p for c in self.visible(sm, b) for p in c]
             k_now, v_now = self.read_back(layer, k[i], v[i])  # [n, 1, dim]
@@ -1695,6 +1718,7 @@ class SessionStateMachine(RuleBasedStateMachine):
                 "lengths_big",
                 "lengths_empty",
                 "lengths_type",
+                "bad_pending_attention",
             ]
         ),
         seq_len=st.sampled_from(["zero", "negative", "one", "chunk+1", "3chunk-1", "chunk+page"]),
@@ -1731,6 +1755,13 @@ class SessionStateMachine(RuleBasedStateMachine):
                 n = chunk + 1  # one shorter chunk (whole pages), or full chunks, are allowed: not a misuse
             self.expect_failure(SequenceLengthError, state.prepare_forward, ("cond",), n, False, match=str(chunk))
             self.expect_failure(SequenceLengthError, state.get_kv_caches, "uncond", n, True)
+        elif kind == "bad_pending_attention":
+            # Validated with the arguments, before the streams' states: even under an open committing forward.
+            self.expect_failure(
+                SpecError, state.prepare_forward, BRANCHES, chunk, False, pending_attention="causal",
+                match="pending_attention: expected one of ('block_causal', 'bidirectional'), got 'causal'",
+            )
+            self.expect_failure(SpecError, state.get_kv_caches, "cond", chunk, True, pending_attention=1)
         elif kind == "seq_none":
             self.expect_failure(SequenceLengthError, state.get_kv_caches, "cond", None, True)
         elif kind == "duplicate_stream":

@@ -52,7 +52,36 @@ class PlanRequest:
 
 
 class AttentionPlan(ABC):
-    """Device-ready indices for one forward, shared by every layer."""
+    """Device-ready indices for one forward, shared by every layer.
+
+    Attributes
+    ----------
+    write_slots:
+        int64 ``[num_streams * seq_len]`` on the pool's device: the token slot (``page * page_size +
+        offset``) of every current token, stream-major -- where a compiled graph writes K/V itself
+        (see :func:`ardiff_modules.ops.kv_write_slots_op`). Fixed buffer in static plans.
+    quantizer:
+        The pool's FP8 scales, or ``None``.
+    """
+
+    write_slots: torch.Tensor
+    quantizer: KVQuantizer | None = None
+
+    @abstractmethod
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        return_lse: bool = False,
+        *,
+        layer: int = 0,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Attend over the pages alone: the current K/V are already in the pending pages.
+
+        Same arguments and result as :meth:`run`, without ``k`` / ``v``.
+        """
 
     @abstractmethod
     def run(

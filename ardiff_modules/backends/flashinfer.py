@@ -10,7 +10,8 @@ Three kernels, chosen per forward on the host:
   its visible pages -- sinks + window + pending chunks ``0..c`` -- with ``causal=False``
   (multi-chunk block-causal forwards, shared pages after forks). No mask memory; only the
   last page of a request could be partial, and since ``page_size`` divides ``chunk_size``
-  none is;
+  none is. Under ``pending_attention="bidirectional"`` a stream is one request over all its
+  pending chunks (and runs ragged when its pages are one run);
 * masked FA2: the same rows with a per-token custom mask (``prepare_forward(token_mask=...)``)
   for masks that are not chunk-structured.
 
@@ -72,7 +73,8 @@ class FlashInferPlan(AttentionPlan):
         self.masked = request.token_mask is not None
         self.static = request.static
         layout = request.layout
-        self.rows = layout.num_streams * layout.num_chunks
+        # One row per (stream, pending chunk), or one per stream under pending_attention="bidirectional".
+        self.rows = layout.num_rows
         self.num_qo_heads = request.num_qo_heads
         self.head_dim = request.head_dim
         self.page_size = layout.page_size
@@ -94,11 +96,21 @@ class FlashInferPlan(AttentionPlan):
         #: ``(start, end)`` token slots of the ragged key range (ragged mode).
         self.kv_range = (0, 0)
         self.mode = "paged"
+        #: Static plans keep one kernel for the graph captured over them: ragged FA3 over the whole
+        #: layer with absolute key offsets when the first forward's keys are contiguous per stream,
+        #: paged FA3 otherwise. A later forward that needs the other kernel gets a new plan object
+        #: (``compatible`` is false), so ``CUDAGraphStep`` captures again.
+        self.static_ragged = self.static and self._ragged_eligible(request)
         if self.static:
             if self.masked:
                 raise BackendUnavailableError("static (CUDA-graph) plans with a token_mask are not supported")
             assert request.max_pages is not None
             device = request.device
+            # Two rows per stream (a query-less row up to the stream's keys, then the stream's row).
+            self._ragged_bufs = dict(
+                qo_indptr_buf=torch.zeros(2 * layout.num_streams + 1, dtype=torch.int32, device=device),
+                kv_indptr_buf=torch.zeros(2 * layout.num_streams + 1, dtype=torch.int32, device=device),
+            )
             self._paged_bufs = dict(
                 qo_indptr_buf=torch.zeros(self.rows + 1, dtype=torch.int32, device=device),
                 paged_kv_indptr_buf=torch.zeros(self.rows + 1, dtype=torch.int32, device=device),
@@ -106,6 +118,7 @@ class FlashInferPlan(AttentionPlan):
                 paged_kv_last_page_len_buf=torch.zeros(self.rows, dtype=torch.int32, device=device),
             )
             self._write_pages = torch.zeros(layout.write_pages.numel(), dtype=torch.int32, device=device)
+            self.write_slots = torch.zeros(layout.write_slots.numel(), dtype=torch.int64, device=device)
         self.update(request)
 
     def compatible(self, request: PlanRequest) -> bool:
@@ -116,8 +129,16 @@ class FlashInferPlan(AttentionPlan):
             and request.device == self.device
             and request.num_qo_heads == self.num_qo_heads
             and request.quantizer is self.quantizer
-            and (not self.static or layout.num_streams * layout.num_chunks == self.rows)
+            and (not self.static or layout.num_rows == self.rows)
+            and (not self.static or self._ragged_eligible(request) == self.static_ragged)
         )
+
+    def _ragged_eligible(self, request: PlanRequest) -> bool:
+        """Whether this forward can run ragged FA3: unmasked, and each stream's keys are one contiguous range."""
+        if request.token_mask is not None:
+            return False
+        ragged = request.layout.ragged_rows
+        return ragged is not None and (not ragged.gap_rows or self.backend.allow_gap_rows)
 
     # ------------------------------------------------------------------ planning (host, once per forward)
     def _wrapper(self, kind: str):  # noqa: ANN202
@@ -127,7 +148,12 @@ class FlashInferPlan(AttentionPlan):
             if self._ragged is None:
                 # FP8 attention exists only as FA3 (Hopper); "auto" could pick FA2, which has no FP8 path.
                 kernel = "fa3" if self.fp8 else "auto"
-                self._ragged = fi.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD", backend=kernel)
+                if self.static:
+                    self._ragged = fi.BatchPrefillWithRaggedKVCacheWrapper(
+                        workspace, "NHD", use_cuda_graph=True, backend=kernel, **self._ragged_bufs
+                    )
+                else:
+                    self._ragged = fi.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD", backend=kernel)
             return self._ragged
         if self._paged is None:
             kernel = "fa2" if self.masked else self.backend.paged_backend
@@ -159,12 +185,12 @@ class FlashInferPlan(AttentionPlan):
         layout = request.layout
         self._plan_writes(layout)
         ragged = None
-        if not self.static and not self.masked:
+        if (self.static_ragged or not self.static) and self._ragged_eligible(request):
             ragged = layout.ragged_rows
-            if ragged is not None and ragged.gap_rows and not self.backend.allow_gap_rows:
-                ragged = None
         plans = self.kernel_plans
-        if ragged is not None:
+        if ragged is not None and self.static:
+            self._plan_ragged(request, absolute_ragged_rows(ragged, layout.num_streams))
+        elif ragged is not None:
             self._plan_ragged(request, ragged)
         else:
             self._plan_paged(request)
@@ -177,13 +203,15 @@ class FlashInferPlan(AttentionPlan):
         if self.mode == "ragged":
             assert ragged is not None
             why = "every stream's visible keys are one contiguous range (contiguous extents)"
-            if ragged.gap_rows:
+            if self.static:
+                why += "; static: two fixed rows per stream, absolute key offsets into the whole layer"
+            elif ragged.gap_rows:
                 why += f", {ragged.gap_rows} query-less gap row(s) between streams"
         elif self.mode == "masked":
             why = "a token_mask was given (FA2 with a custom mask)"
         elif self.static:
             why = "static forward (CUDA-graph replay reads fixed page-table buffers)"
-        elif layout.num_chunks > 1:
+        elif layout.rows_per_stream > 1:
             why = f"{layout.num_chunks} pending chunks per stream (block-causal rows)"
         elif layout.ragged_rows is not None:
             why = "streams' key ranges are not adjacent and allow_gap_rows=False"
@@ -287,10 +315,14 @@ class FlashInferPlan(AttentionPlan):
             self._append_last = torch.full((streams,), layout.page_size, dtype=torch.int32, device=dev)
             self._append_key = (streams, tokens)
         pages = _pinned(layout.write_pages.to(torch.int32))
+        # Token slots too: where a compiled graph writes K/V itself (ops.kv_write_slots_op).
+        slots = _pinned(layout.write_slots)
         if self.static:
             self._write_pages.copy_(pages, non_blocking=True)
+            self.write_slots.copy_(slots, non_blocking=True)
         else:
             self._write_pages = pages.to(self.device, non_blocking=True)
+            self.write_slots = slots.to(self.device, non_blocking=True)
 
     def __repr__(self) -> str:
         return (
@@ -360,8 +392,10 @@ class FlashInferPlan(AttentionPlan):
                 extra = (q_scale, k_scale, v_scale)  # FA3's DefaultFP8Attention: per-head scales
         if self.mode == "ragged":
             start, end = self.kv_range
-            k_slots = k_cache.view(-1, k_cache.shape[-2], k_cache.shape[-1])[start:end]
-            v_slots = v_cache.view(-1, v_cache.shape[-2], v_cache.shape[-1])[start:end]
+            k_slots = k_cache.view(-1, k_cache.shape[-2], k_cache.shape[-1])
+            v_slots = v_cache.view(-1, v_cache.shape[-2], v_cache.shape[-1])
+            if not self.static:  # static rows hold absolute offsets: the graph keeps the layer's base pointer
+                k_slots, v_slots = k_slots[start:end], v_slots[start:end]
             assert self._ragged is not None  # built by _plan_ragged() (mode "ragged")
             result = self._ragged.run(q, k_slots, v_slots, *extra, return_lse=return_lse)
         else:
@@ -402,16 +436,37 @@ def reads_page_table(wrapper, indices: torch.Tensor) -> bool:  # noqa: ANN001
     return getattr(wrapper, "_paged_kv_indices_buf", None) is indices
 
 
+def absolute_ragged_rows(ragged: RaggedRows, num_streams: int) -> RaggedRows:
+    """``ragged`` as exactly two rows per stream over the whole layer's slots, for CUDA graphs.
+
+    Row ``2 s`` has no queries and spans the keys between stream ``s - 1``'s range and stream
+    ``s``'s (possibly none); row ``2 s + 1`` is stream ``s``. Offsets are absolute slots, so the
+    kernel's key pointer is the layer's first slot in every forward and the row count never
+    changes: what a captured graph needs. Query-less rows cost nothing (no query tiles).
+    """
+    qo_rel, kv_rel = ragged.qo_indptr.tolist(), ragged.kv_indptr.tolist()
+    qo, kv = [0], [0]
+    for row in range(len(qo_rel) - 1):
+        queries = qo_rel[row + 1] - qo_rel[row]
+        if queries == 0:
+            continue  # a relative gap row: the fixed gap row before the next stream covers it
+        start, end = ragged.kv_start + kv_rel[row], ragged.kv_start + kv_rel[row + 1]
+        qo += [qo[-1], qo[-1] + queries]
+        kv += [start, end]
+    assert len(qo) == 2 * num_streams + 1, f"expected one ragged row per stream, got {(len(qo) - 1) // 2}"
+    return RaggedRows(
+        qo_indptr=torch.tensor(qo, dtype=torch.int32),
+        kv_indptr=torch.tensor(kv, dtype=torch.int32),
+        kv_start=0,
+        kv_end=kv[-1],
+        gap_rows=num_streams,
+    )
+
+
 def _row_masks(layout, dense: torch.Tensor) -> torch.Tensor:  # noqa: ANN001
-    """Flatten the combined mask per structural row: ``[chunk_size, kv_len_row]`` row-major, concatenated."""
-    parts = []
-    starts = layout.chunk_starts
-    for s, stream in enumerate(layout.streams):
-        history = len(stream.history_pages) * layout.page_size
-        for chunk in range(layout.num_chunks):
-            kv_len = history + starts[chunk + 1]
-            parts.append(dense[s, starts[chunk] : starts[chunk + 1], :kv_len].reshape(-1))
-    return torch.cat(parts)
+    """Flatten the combined mask per structural row: ``[row queries, row keys]`` row-major, concatenated
+    (``layout.row_spans``: one row per (stream, chunk), or per stream under the bidirectional rule)."""
+    return torch.cat([dense[s, first:end, :keys].reshape(-1) for s, first, end, keys in layout.row_spans])
 
 
 class FlashInferBackend(AttentionBackend):

@@ -2,7 +2,8 @@
 
 This is the oracle every other backend is tested against: it applies the
 visibility rule (README, "Semantics": query chunk ``c`` sees the sink chunks, the window
-chunks and pending chunks ``0..c``) literally, as a boolean mask over the gathered keys
+chunks and pending chunks ``0..c`` -- every pending chunk under
+``pending_attention="bidirectional"``) literally, as a boolean mask over the gathered keys
 (``ForwardLayout.to_dense()``).
 """
 
@@ -28,6 +29,7 @@ class ReferencePlan(AttentionPlan):
         self.num_streams = layout.num_streams
         self.seq_len = layout.seq_len
         self.write_pages = layout.write_pages.to(device, non_blocking=True)
+        self.write_slots = layout.write_slots.to(device, non_blocking=True)
         self.gather = gather.to(device, non_blocking=True)
         # NOTE: streams with fewer keys are padded with slot 0, which belongs to some other stream
         # (or is free). A masked key still enters SDPA's matmul (0 * NaN = NaN), so padded keys
@@ -45,8 +47,8 @@ class ReferencePlan(AttentionPlan):
         self.quantizer = request.quantizer
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
-                "reference plan: %d stream(s) x %d chunk(s), %d tokens each, %d gathered keys per stream, %s",
-                self.num_streams, layout.num_chunks, self.seq_len, gather.shape[1],
+                "reference plan: %d stream(s) x %d %s chunk(s), %d tokens each, %d gathered keys per stream, %s",
+                self.num_streams, layout.num_chunks, layout.pending_attention, self.seq_len, gather.shape[1],
                 "visibility rule AND token_mask" if request.token_mask is not None else "visibility rule",
             )
 
@@ -72,6 +74,18 @@ class ReferencePlan(AttentionPlan):
             k_store, v_store = _as(k, k_cache.dtype), _as(v, v_cache.dtype)
         _raw(k_cache).index_copy_(0, self.write_pages, _raw(k_store.reshape(page_shape)))
         _raw(v_cache).index_copy_(0, self.write_pages, _raw(v_store.reshape(page_shape)))
+        return self.attend(q, k_cache, v_cache, scale, return_lse, layer=layer)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        return_lse: bool = False,
+        *,
+        layer: int = 0,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         k_slots = KVPool.token_slots(k_cache)
         v_slots = KVPool.token_slots(v_cache)
         s, n = self.num_streams, self.seq_len
@@ -88,11 +102,11 @@ class ReferencePlan(AttentionPlan):
             values = values.masked_fill(self.padding, 0)
         queries = q.reshape(s, n, q.shape[1], q.shape[2]).transpose(1, 2)  # [S, H, n, D]
         out = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=self.mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+            queries, keys, values, attn_mask=self.mask, scale=scale, enable_gqa=q.shape[1] != k_cache.shape[-2]
         )
         if self.empty_rows is not None:
             out = out.masked_fill(self.empty_rows, 0)
-        out = out.transpose(1, 2).reshape(s * n, q.shape[1], v.shape[2])
+        out = out.transpose(1, 2).reshape(s * n, q.shape[1], v_cache.shape[-1])
         if not return_lse:
             return out
         return out, self._lse(queries, keys, scale)

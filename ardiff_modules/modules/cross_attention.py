@@ -27,6 +27,7 @@ from ardiff_modules.modules.common import (
 from ardiff_modules.modules.functional import cached_cross_attention
 from ardiff_modules.modules.loading import _copy_from_source, _read_source, _SourceConfig
 from ardiff_modules.modules.naming import ParamNames, _CheckpointNamed
+from ardiff_modules.modules.self_attention import SequenceParallelHook
 from ardiff_modules.spec import _require_int
 from ardiff_modules.state import KVState
 
@@ -118,6 +119,9 @@ class CachedCrossAttention(_CheckpointNamed):
             self._register("k_img", nn.Linear(image_context_dim, kv_width, bias=bias))
             self._register("v_img", nn.Linear(image_context_dim, kv_width, bias=bias))
             self._register("norm_k_img", _qk_norm(owner, qk_norm, self.num_kv_heads, self.head_dim, self.eps))
+        #: Ulysses hook (``ardiff_modules.distributed.parallelize`` sets it): the cached path attends over
+        #: head shards and ``populate_cross_attention`` publishes this rank's kv heads. ``None``: one process.
+        self.sequence_parallel: SequenceParallelHook | None = None
 
     @property
     def to_k_img(self) -> nn.Linear:
@@ -246,9 +250,14 @@ class CachedCrossAttention(_CheckpointNamed):
         q = _split_heads(self.to_q(x), self.num_heads, self.head_dim, self.qk_norm, self.norm_q)
         if context is None and image_context is None:
             _check_layer_context(owner, kv, "cross_kv")
+            sp = self.sequence_parallel
+            if sp is not None:  # x holds this rank's tokens; the cache this rank's heads
+                q = sp.heads_in(q)
             out = cached_cross_attention(q, kv, self.cache_name)  # type: ignore[arg-type]
             if self.image_cache_name is not None:
                 out = out + cached_cross_attention(q, kv, self.image_cache_name)  # type: ignore[arg-type]
+            if sp is not None:
+                out = sp.heads_out(out)
             return self.to_out(_merge_heads(out))
         if kv is not None:
             raise SpecError(f"{owner}: expected either kv (the cache) or context, got both")
@@ -335,6 +344,9 @@ def populate_cross_attention(
     def projections() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         with torch.no_grad():
             for layer, is_image in zip(layers, image):
-                yield layer._project_kv("CachedCrossAttention.project_kv", context, is_image)
+                k, v = layer._project_kv("CachedCrossAttention.project_kv", context, is_image)
+                if layer.sequence_parallel is not None:  # Ulysses: this rank's cache holds its kv heads only
+                    k, v = (layer.sequence_parallel.shard_kv_heads(t, layer.num_heads) for t in (k, v))
+                yield k, v
 
     state.populate_cross_attention(kv_branch, cache_name, projections())

@@ -11,6 +11,7 @@ from ardiff_modules.checks import require_positive_float
 from ardiff_modules.context import LayerContext
 from ardiff_modules.cross import cached_cross_attention  # noqa: F401  (re-exported: the functional forms)
 from ardiff_modules.errors import InferenceOnlyError, SpecError, TensorMismatchError
+from ardiff_modules.ops import write_kv_in_graph
 
 #: A RoPE hook: ``(t [streams, seq, heads, dim], positions [streams, seq]) -> t`` or a ``(cos, sin)`` pair.
 Rope = Union[Callable[[torch.Tensor, torch.Tensor], torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -243,16 +244,19 @@ def chunk_attention(
     graph_inputs = (q, k, v)
     if needs_grad:  # the op writes the pool in place and has no backward: make that failure explicit
         q, k, v = q.detach(), k.detach(), v.detach()
-    op = torch.ops.ardiff_modules.chunk_attention_lse if return_lse else torch.ops.ardiff_modules.chunk_attention
-    result = op(
-        q.reshape(tokens, q.shape[2], head_dim),
-        k.reshape(tokens, kv_heads, head_dim),
-        v.reshape(tokens, kv_heads, head_dim),
-        kv.kv_pool,
-        kv.layer_id,
-        kv.forward.plan_id,
-        scale,
-    )
+    q_rows = q.reshape(tokens, q.shape[2], head_dim)
+    k_rows, v_rows = k.reshape(tokens, kv_heads, head_dim), v.reshape(tokens, kv_heads, head_dim)
+    if torch.compiler.is_compiling():
+        # In a compiled graph the K/V write is plain torch, fused by inductor into the kernel that
+        # computes K/V (no separate write pass); the op then only reads the pool.
+        pool, scales, layer_id = kv.kv_pool, kv.kv_scales, kv.layer_id
+        assert pool is not None and scales is not None and layer_id is not None  # set by the cache, every layer
+        write_kv_in_graph(k_rows, v_rows, pool, scales, layer_id, kv.forward.plan_id)
+        op = torch.ops.ardiff_modules.paged_attention_lse if return_lse else torch.ops.ardiff_modules.paged_attention
+        result = op(q_rows, kv.kv_pool, kv.layer_id, kv.forward.plan_id, scale)
+    else:
+        op = torch.ops.ardiff_modules.chunk_attention_lse if return_lse else torch.ops.ardiff_modules.chunk_attention
+        result = op(q_rows, k_rows, v_rows, kv.kv_pool, kv.layer_id, kv.forward.plan_id, scale)
     out, lse = result if return_lse else (result, None)
     if needs_grad:
         out = _InferenceOnly.apply(out, *graph_inputs)

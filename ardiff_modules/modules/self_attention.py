@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -22,6 +22,26 @@ from ardiff_modules.modules.common import (
 from ardiff_modules.modules.functional import Rope, RopeLayout, _check_rope_layout, apply_rope, chunk_attention
 from ardiff_modules.modules.loading import _copy_from_source, _read_source, _SourceConfig
 from ardiff_modules.modules.naming import ParamNames, _CheckpointNamed
+
+
+class SequenceParallelHook(Protocol):
+    """What a layer's ``sequence_parallel`` attribute provides (``ardiff_modules.distributed.SequenceParallel``).
+
+    With it set, the layer's input ``x`` holds this rank's tokens of the chunk (``seq_len / P``), and the
+    hook moves q/k/v to head shards around attention (Ulysses). ``None`` (default): one process.
+    """
+
+    def local_positions(self, positions: torch.Tensor) -> torch.Tensor: ...
+
+    def chunk_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerContext, *, scale: float | None = None
+    ) -> torch.Tensor: ...
+
+    def heads_in(self, q: torch.Tensor) -> torch.Tensor: ...
+
+    def heads_out(self, out: torch.Tensor) -> torch.Tensor: ...
+
+    def shard_kv_heads(self, t: torch.Tensor, num_heads: int, dim: int = -2) -> torch.Tensor: ...
 
 
 class ChunkSelfAttention(_CheckpointNamed):
@@ -80,6 +100,8 @@ class ChunkSelfAttention(_CheckpointNamed):
         self._register("k", nn.Linear(dim, self.num_kv_heads * self.head_dim, bias=bias))
         self._register("v", nn.Linear(dim, self.num_kv_heads * self.head_dim, bias=bias))
         self._register("o", nn.Linear(num_heads * self.head_dim, dim, bias=bias))
+        #: Ulysses hook (``ardiff_modules.distributed.parallelize`` sets it); ``None``: single process.
+        self.sequence_parallel: SequenceParallelHook | None = None
 
     @classmethod
     def from_wan(
@@ -144,9 +166,12 @@ class ChunkSelfAttention(_CheckpointNamed):
         _check_layer_context("ChunkSelfAttention", kv, "k_cache")
         q, k, v = self.project(x)
         positions = kv.forward.positions
+        sp = self.sequence_parallel
+        if sp is not None:  # x holds this rank's tokens: RoPE at their positions, attention over head shards
+            positions = sp.local_positions(positions)
         q = apply_rope(q, positions, rope, layout=self.rope_layout)
         k = apply_rope(k, positions, rope, layout=self.rope_layout)
-        out = chunk_attention(q, k, v, kv)
+        out = chunk_attention(q, k, v, kv) if sp is None else sp.chunk_attention(q, k, v, kv)
         return self.to_out(_merge_heads(out))
 
     def extra_repr(self) -> str:

@@ -1,0 +1,328 @@
+"""``DistributedKVCache``: one local :class:`~ardiff_modules.KVCache` per rank, and forwards that finish
+the same way on every rank.
+
+Each rank's cache is built from :meth:`ParallelMesh.local_spec`: its branches, its heads. The host work
+(allocation, eviction, plans) is deterministic, so ranks that make the same calls agree without
+communicating. What can differ is failure: one rank running out of pages, or raising inside its
+forward. A distributed forward therefore votes twice over the mesh's host (gloo) group::
+
+    prepare  local KVCache.prepare_forward ──> vote ──┬─ all ok:  the model runs
+                                                      └─ any failed: every rank aborts its streams, raises
+    finish   local pre-commit checks ────────> vote ──┬─ all ok:  every rank commits (cannot fail now)
+                                                      └─ any failed: every rank aborts its streams, raises
+
+so no rank is ever left with a half-committed history: a commit happens only once every rank has
+said its own commit will succeed, and the commit itself (``ForwardTransaction.commit``) is applied
+from results computed before the vote. Each vote is one all-reduce of ``mesh size`` int64 flags.
+
+NOTE: a rank that fails *inside* the model between two collectives of an SP group (the all-to-alls)
+leaves its peers waiting in that collective; they surface it as the process group's timeout (pass
+``timeout=`` to ``init_process_group``) and the group is then unusable. The votes cover every failure
+outside collectives: prepare (capacity, validation), anything raised in the ``with`` block after the
+model ran on this rank, the ``check_finite`` check, and any failure in a CFG-only mesh.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ardiff_modules.allocator import PageAllocator
+from ardiff_modules.cache import KVCache
+from ardiff_modules.context import ForwardContext, LayerContext
+from ardiff_modules.distributed.digest import StateDigest, check_consistency
+from ardiff_modules.distributed.errors import DistributedForwardError
+from ardiff_modules.distributed.mesh import ParallelMesh
+from ardiff_modules.errors import SequenceLengthError, SpecError
+from ardiff_modules.spec import KVCacheSpec
+from ardiff_modules.state import KVState
+
+logger = logging.getLogger(__name__)
+
+
+class DistributedKVCache:
+    """A rank's share of a multi-GPU KV cache: a local :class:`~ardiff_modules.KVCache` over its branches
+    and head shard, and forwards voted over the mesh.
+
+    Parameters
+    ----------
+    spec:
+        The *global* spec (every branch, every head); this rank's is :attr:`spec`.
+    mesh:
+        The :class:`ParallelMesh`.
+    num_pages, budget_bytes, device, backend, contiguous_extents, max_forward_contexts:
+        As in :class:`~ardiff_modules.KVCache`, for this rank's pool (``budget_bytes`` is per rank).
+    check_finite:
+        As in :class:`~ardiff_modules.KVCache`, but checked before the commit vote so that NaN/Inf on
+        one rank aborts the forward on every rank.
+    debug_checks:
+        After every finished forward, run :meth:`check_consistency` (one more small all-gather).
+
+    All methods that change state are collective: every rank of the mesh calls them, in the same order,
+    with the same arguments (session ids, ``seq_len``, ``commit_current``).
+    """
+
+    def __init__(
+        self,
+        spec: KVCacheSpec,
+        mesh: ParallelMesh,
+        *,
+        num_pages: int | None = None,
+        budget_bytes: int | None = None,
+        device: torch.device | str = "cpu",
+        backend: Any = "auto",
+        contiguous_extents: bool | None = None,
+        max_forward_contexts: int = 64,
+        check_finite: bool = False,
+        debug_checks: bool = False,
+    ) -> None:
+        if not isinstance(mesh, ParallelMesh):
+            raise SpecError(f"DistributedKVCache.mesh: expected a ParallelMesh, got {type(mesh).__name__}")
+        for name, value in (("check_finite", check_finite), ("debug_checks", debug_checks)):
+            if not isinstance(value, bool):
+                raise SpecError(f"DistributedKVCache.{name}: expected a bool, got {value!r}")
+        self.mesh = mesh
+        self.global_spec = spec
+        #: This rank's spec: its branches and head shard.
+        self.spec = mesh.local_spec(spec)
+        # NOTE: check_finite runs here before the vote; the local cache's own check would abort after it.
+        self.cache = KVCache(
+            self.spec, num_pages=num_pages, budget_bytes=budget_bytes, device=device, backend=backend,
+            contiguous_extents=contiguous_extents, max_forward_contexts=max_forward_contexts, check_finite=False,
+        )
+        self.check_finite = check_finite
+        self.debug_checks = debug_checks
+
+    def __repr__(self) -> str:
+        return f"DistributedKVCache({self.mesh!r}, {self.cache!r})"
+
+    @property
+    def local_branches(self) -> tuple[str, ...]:
+        return self.mesh.local_branches
+
+    def open_session(self, session_id: str) -> KVState:
+        """Open a session (with this rank's branches) under ``session_id``, the same id on every rank."""
+        if not isinstance(session_id, str) or not session_id:
+            raise SpecError(
+                f"DistributedKVCache.open_session: expected a non-empty str session id (the same on every rank), "
+                f"got {session_id!r}"
+            )
+        return self.cache.open_session(session_id)
+
+    def close(self) -> None:
+        self.cache.close()
+
+    # ------------------------------------------------------------------ forwards
+    def prepare_forward(
+        self,
+        sessions: KVState | Sequence[KVState],
+        seq_len: int,
+        commit_current: bool = False,
+        **kwargs: Any,
+    ) -> DistributedForward:
+        """Prepare one forward of every local branch of ``sessions`` (session-major), on every rank.
+
+        ``seq_len`` is the whole chunk's token count (each rank's model gets ``seq_len / P`` of them);
+        ``kwargs`` go to :meth:`KVCache.prepare_forward`. Collective. If any rank fails to prepare,
+        every rank aborts its streams (history as before, pending pages dropped) and raises: the rank
+        that failed its own exception, the others :class:`DistributedForwardError`.
+        """
+        states = (sessions,) if isinstance(sessions, KVState) else tuple(sessions)
+        free_before = self.cache.allocator.free_pages()  # identical on every rank (same calls so far)
+        ctx: ForwardContext | None = None
+        error: BaseException | None = None
+        try:
+            if not states or not all(isinstance(s, KVState) and s.cache is self.cache for s in states):
+                raise SpecError(
+                    "DistributedKVCache.prepare_forward: expected one or more sessions opened by this cache, got "
+                    f"{[type(s).__name__ for s in states]}"
+                )
+            if isinstance(seq_len, int) and seq_len % self.mesh.sp_size:
+                raise SequenceLengthError(
+                    f"DistributedKVCache.prepare_forward: expected seq_len a multiple of the sequence-parallel "
+                    f"degree {self.mesh.sp_size}, got {seq_len}"
+                )
+            streams = [(s, b) for s in states for b in self.local_branches]
+            ctx = self.cache.prepare_forward(streams, seq_len, commit_current, **kwargs)
+        except Exception as e:  # noqa: BLE001 - every local failure is voted, then re-raised
+            error = e
+        failed = self._vote(error is not None)
+        if failed:
+            self._abort_streams(states, free_before)
+            if error is not None:
+                raise error
+            raise DistributedForwardError(
+                f"prepare_forward: expected every rank to prepare, got a failure on rank(s) {list(failed)}; this "
+                "rank's streams were aborted too (history unchanged)",
+                failed_ranks=failed,
+            )
+        assert ctx is not None
+        return DistributedForward(self, ctx, states, free_before)
+
+    def _vote(self, failed_here: bool) -> tuple[int, ...]:
+        """One all-reduce over the host group: the global ranks that failed (empty: all ok)."""
+        ranks = self.mesh.ranks
+        flags = torch.zeros(len(ranks), dtype=torch.int64)
+        if failed_here:
+            flags[ranks.index(self.mesh.rank)] = 1
+        dist.all_reduce(flags, group=self.mesh.host_group)
+        return tuple(r for r, f in zip(ranks, flags.tolist()) if f)
+
+    def _abort_streams(self, states: Sequence[KVState], free_before: Sequence[int]) -> None:
+        """Every rank ends a failed forward in the same state: open forwards aborted, kept pending pages
+        dropped, and the free queue in one canonical order.
+
+        NOTE: the page *set* is then the same on every rank, but not the free-queue *order*: a rank whose
+        prepare failed allocated nothing, the others allocated and freed pages (which go to the back of the
+        queue), so their next allocations would pick other ids. The order is therefore reset to: pages free
+        before the forward, in their order then, followed by the others by id.
+        """
+        with self.cache.lock:
+            for state in states:
+                if isinstance(state, KVState) and state.cache is self.cache and not state.is_closed:
+                    state.abort()
+            _reorder_free_pages(self.cache.allocator, free_before)
+
+    def check_consistency(self) -> tuple[StateDigest, ...]:
+        """Debug: raise :class:`RankDivergenceError` unless every rank made the same decisions (collective).
+
+        Ranks of one mesh row (same branches) must hold identical page tables, histories, offsets and
+        pending pages; all ranks the same sessions and chunk counts. One all-gather of 2 int64 per rank.
+        """
+        rows = tuple(
+            self.mesh.ranks[c * self.mesh.sp_size : (c + 1) * self.mesh.sp_size] for c in range(self.mesh.cfg_size)
+        )
+        return check_consistency(self.cache, self.mesh.host_group, rows)
+
+
+class DistributedForward:
+    """One forward of this rank's streams, finished by a vote of every rank.
+
+    Use as a context manager (``with cache.prepare_forward(...) as fwd: model(x, fwd.layers)``): on exit
+    every rank votes; all ok -> every rank commits, else every rank aborts and raises. Or call
+    :meth:`commit` / :meth:`abort` on every rank.
+    """
+
+    def __init__(
+        self, owner: DistributedKVCache, context: ForwardContext, sessions: tuple[KVState, ...],
+        free_before: Sequence[int] = (),
+    ) -> None:
+        self.owner = owner
+        self._free_before = tuple(free_before)
+        #: The local forward context (this rank's streams).
+        self.context = context
+        self.sessions = sessions
+        self._transaction = context.transaction
+        self._done = False
+
+    def __repr__(self) -> str:
+        return f"DistributedForward({self.context!r})"
+
+    @property
+    def layers(self) -> list[LayerContext]:
+        """The local layer contexts (what the model's attention layers take)."""
+        return self.context.layers
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """int64 ``[local streams, seq_len]``: every token's absolute position (all ranks' tokens)."""
+        return self.context.positions
+
+    @property
+    def local_positions(self) -> torch.Tensor:
+        """int64 ``[local streams, seq_len / P]``: this rank's tokens (for RoPE in a model's own layers)."""
+        sp = self.owner.mesh.sp
+        return self.context.positions if sp is None else sp.local_positions(self.context.positions)
+
+    def commit(self) -> None:
+        """Collective: commit on every rank if every rank succeeded so far, else abort everywhere and raise."""
+        self._finish(None)
+
+    def abort(self) -> None:
+        """Collective: abort on every rank (history exactly as before)."""
+        self._finish(_LocalAbort())
+
+    def _finish(self, error: BaseException | None) -> None:
+        if self._done:
+            return
+        self._done = True
+        transaction = self._transaction
+        if error is None and transaction is not None and transaction.is_open and transaction.commit_current:
+            error = self._precommit(transaction)
+        failed = self.owner._vote(error is not None)
+        if not failed:
+            self.context.commit()  # commit results were computed (and checked) before the vote
+        else:
+            self.owner._abort_streams(self.sessions, self._free_before)
+            if error is None:
+                raise DistributedForwardError(
+                    f"forward: expected every rank to finish, got a failure on rank(s) {list(failed)}; the forward "
+                    "was aborted on every rank (history unchanged)",
+                    failed_ranks=failed,
+                )
+            if not isinstance(error, _LocalAbort):
+                raise error
+        if self.owner.debug_checks:
+            self.owner.check_consistency()
+
+    def _precommit(self, transaction: Any) -> BaseException | None:
+        """What could make this rank's commit fail, checked before the vote (pure; changes nothing on success)."""
+        try:
+            for history in transaction.live_histories():
+                history.plan_commit()  # pure: may raise, changes nothing
+            if self.owner.check_finite:
+                # Aborts this rank's forward and raises on NaN/Inf; the vote then aborts everyone else's.
+                self.owner.cache._abort_if_non_finite(transaction)
+        except Exception as e:  # noqa: BLE001
+            return e
+        return None
+
+    def __enter__(self) -> DistributedForward:
+        self.context.check_usable("DistributedForward.__enter__")
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc is not None and not isinstance(exc, Exception):
+            # KeyboardInterrupt / SystemExit: no vote (peers may be gone); abort locally and propagate.
+            self._done = True
+            self.owner._abort_streams(self.sessions, self._free_before)
+            return
+        try:
+            self._finish(exc)
+        except BaseException as e:
+            if e is exc:
+                return  # the local exception propagates unchanged
+            raise
+
+
+def _reorder_free_pages(allocator: PageAllocator, before: Sequence[int]) -> None:
+    """Put the free queue in the canonical order (see ``DistributedKVCache._abort_streams``).
+
+    NOTE: through the allocator's public API only -- take every free page, give them back with
+    ``free_order`` -- restoring ``peak_used``, which that round trip would raise. A
+    ``PageAllocator.reorder_free(order)`` would say this directly.
+    """
+    current = allocator.free_pages()
+    free = set(current)
+    order = [p for p in before if p in free]
+    order += sorted(free.difference(order))
+    if list(current) == order:
+        return
+    peak = allocator.peak_used
+    pages = allocator.allocate(len(order))
+    allocator.unallocate(pages, free_order=order)
+    allocator.peak_used = peak
+
+
+class _LocalAbort(Exception):
+    """An explicit :meth:`DistributedForward.abort`: voted as a failure, not raised."""
+
+
+

@@ -1,0 +1,185 @@
+"""``ParallelMesh``: a ``DeviceMesh`` read as CFG-parallel x Ulysses, and what each rank holds.
+
+A 2-D mesh ``("cfg", "sp")`` of shape ``(C, P)`` puts the spec's branches on the ``C`` rows (see
+:mod:`~ardiff_modules.distributed.placement`) and shards each chunk's tokens (and attention heads)
+over the ``P`` ranks of a row::
+
+    8 GPUs, mesh (2, 4) ("cfg", "sp"), branches ("cond", "uncond"):
+
+            sp 0   sp 1   sp 2   sp 3
+    cfg 0:  rank0  rank1  rank2  rank3     "cond":   tokens / heads split 4 ways
+    cfg 1:  rank4  rank5  rank6  rank7     "uncond": tokens / heads split 4 ways
+
+Either dimension may be absent (CFG-only, SP-only). Each rank builds a local
+:class:`~ardiff_modules.KVCacheSpec` (:meth:`ParallelMesh.local_spec`): its row's branches and its
+head shard, so it allocates, plans and stores only its own work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from ardiff_modules.distributed.heads import HeadSharding
+from ardiff_modules.distributed.placement import place_branches
+from ardiff_modules.distributed.ulysses import SequenceParallel, _all_gather, _wait
+from ardiff_modules.errors import SpecError, TensorMismatchError
+from ardiff_modules.spec import KVCacheSpec
+
+
+class ParallelMesh:
+    """CFG-parallel and Ulysses dimensions of a ``DeviceMesh``, the branch placement and the groups.
+
+    Collective: every rank of the mesh constructs it, in the same order relative to other group
+    creations (it creates one CPU (gloo) group for host-side votes).
+
+    Parameters
+    ----------
+    mesh:
+        A ``DeviceMesh`` whose dimensions are exactly ``cfg_dim`` and/or ``sp_dim`` (e.g.
+        ``init_device_mesh("cuda", (2, 2), mesh_dim_names=("cfg", "sp"))``).
+    branches:
+        The spec's branches, in batch order.
+    cfg_dim, sp_dim:
+        Mesh dimension names, or ``None`` for no such parallelism.
+    placement:
+        Optional ``branch -> cfg coordinate``; default: contiguous equal blocks.
+    """
+
+    def __init__(
+        self,
+        mesh: DeviceMesh,
+        branches: Sequence[str],
+        *,
+        cfg_dim: str | None = "cfg",
+        sp_dim: str | None = "sp",
+        placement: Mapping[str, int] | None = None,
+    ) -> None:
+        if not isinstance(mesh, DeviceMesh):
+            raise SpecError(f"ParallelMesh.mesh: expected a torch DeviceMesh, got {type(mesh).__name__}")
+        names = tuple(mesh.mesh_dim_names or ())
+        wanted = tuple(d for d in (cfg_dim, sp_dim) if d is not None)
+        if len(set(wanted)) != len(wanted):
+            raise SpecError(f"ParallelMesh: expected different cfg_dim and sp_dim, got both {cfg_dim!r}")
+        if sorted(names) != sorted(wanted):
+            # Another dimension (data parallel, ...) would put independent work under one vote.
+            raise SpecError(
+                f"ParallelMesh.mesh: expected mesh dimensions named exactly {wanted} (cfg_dim, sp_dim), got {names}"
+            )
+        self.mesh = mesh
+        self.cfg_dim, self.sp_dim = cfg_dim, sp_dim
+        self.branches = tuple(branches)
+        #: CFG-parallel size and this rank's coordinate (1 and 0 without a cfg dimension).
+        self.cfg_size = mesh.size(names.index(cfg_dim)) if cfg_dim is not None else 1
+        self.cfg_rank = mesh.get_local_rank(cfg_dim) if cfg_dim is not None else 0
+        self.cfg_group = mesh.get_group(cfg_dim) if cfg_dim is not None else None
+        #: Branches of every cfg coordinate, and this rank's.
+        self.placement = place_branches(self.branches, self.cfg_size, placement)
+        self.local_branches: tuple[str, ...] = self.placement[self.cfg_rank]
+        #: The Ulysses group, or ``None`` without (or with a size-1) sp dimension.
+        self.sp: SequenceParallel | None = None
+        if sp_dim is not None and mesh.size(names.index(sp_dim)) > 1:
+            self.sp = SequenceParallel(mesh.get_group(sp_dim))
+        #: Global ranks of the mesh, row-major (cfg, sp).
+        self.ranks: tuple[int, ...] = tuple(int(r) for r in mesh.mesh.flatten().tolist())
+        self.rank = dist.get_rank()
+        # NOTE: votes and digests are host data: a gloo group keeps them off the accelerator stream
+        # (no device sync per forward under NCCL).
+        self.host_group = dist.new_group(list(self.ranks), backend="gloo")
+
+    @property
+    def sp_size(self) -> int:
+        return self.sp.size if self.sp is not None else 1
+
+    @property
+    def sp_rank(self) -> int:
+        return self.sp.rank if self.sp is not None else 0
+
+    def __repr__(self) -> str:
+        return (
+            f"ParallelMesh(cfg={self.cfg_size}, sp={self.sp_size}, rank={self.rank}, "
+            f"local_branches={self.local_branches})"
+        )
+
+    def replica_ranks(self) -> tuple[int, ...]:
+        """Global ranks holding the same branches as this one (this row of the mesh)."""
+        row = self.cfg_rank * self.sp_size
+        return self.ranks[row : row + self.sp_size]
+
+    # ------------------------------------------------------------------ the per-rank spec
+    def local_spec(self, spec: KVCacheSpec) -> KVCacheSpec:
+        """``spec`` for this rank: its branches, ``num_qo_heads / P`` and its kv heads (GQA rule in
+        :mod:`~ardiff_modules.distributed.heads`); cross caches with their own kv heads are sharded too."""
+        if not isinstance(spec, KVCacheSpec):
+            raise SpecError(f"ParallelMesh.local_spec: expected a KVCacheSpec, got {type(spec).__name__}")
+        if spec.branches != self.branches:
+            raise SpecError(
+                f"ParallelMesh.local_spec: expected a spec with branches {self.branches} (the mesh's), "
+                f"got {spec.branches}"
+            )
+        heads = HeadSharding(spec.query_heads, spec.num_kv_heads, self.sp_size, self.sp_rank)
+        cross = tuple(
+            c if c.num_kv_heads is None else dataclasses.replace(
+                c, num_kv_heads=HeadSharding(spec.query_heads, c.num_kv_heads, self.sp_size, self.sp_rank).local_kv_heads
+            )
+            for c in spec.cross_attention
+        )
+        return dataclasses.replace(
+            spec, branches=self.local_branches, num_kv_heads=heads.local_kv_heads, num_qo_heads=heads.local_heads,
+            cross_attention=cross,
+        )
+
+    # ------------------------------------------------------------------ model inputs / outputs
+    def local_streams(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows of this rank's branches: ``x`` ``[sessions * branches, ...]`` (session-major, the spec's
+        branch order) -> ``[sessions * local_branches, ...]`` (the local forward's stream order)."""
+        rows = self._local_rows("ParallelMesh.local_streams", x)
+        return x if rows is None else x.index_select(0, rows)
+
+    def scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[sessions * branches, seq_len, ...]`` -> this rank's ``[sessions * local_branches,
+        seq_len / P, ...]``: its branches, its tokens."""
+        x = self.local_streams(x)
+        return self.sp.shard_tokens(x, dim=1) if self.sp is not None else x
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Inverse of :meth:`scatter`, on every rank: ``[sessions * local_branches, seq_len / P, ...]`` ->
+        ``[sessions * branches, seq_len, ...]`` (one all-gather per mesh dimension)."""
+        if not isinstance(x, torch.Tensor) or x.dim() < 2:
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise TensorMismatchError(f"ParallelMesh.gather x: expected [streams, tokens, ...], got {got}")
+        if self.sp is not None:
+            x = self.sp.gather_tokens(x, dim=1)
+        if self.cfg_group is None or self.cfg_size == 1:
+            return x
+        local = len(self.local_branches)
+        if x.shape[0] % local:
+            raise TensorMismatchError(
+                f"ParallelMesh.gather x: expected a multiple of {local} local branch rows, got shape {tuple(x.shape)}"
+            )
+        sessions = x.shape[0] // local
+        stacked = _wait(_all_gather(x.contiguous(), 0, self.cfg_group))  # [cfg * sessions * local]
+        # stacked row (c, s, j) is branch placement[c][j] of session s -> session-major, spec order.
+        where = {b: (c, j) for c, block in enumerate(self.placement) for j, b in enumerate(block)}
+        order = [c * sessions * local + s * local + where[b][1]
+                 for s in range(sessions) for b in self.branches for c in (where[b][0],)]
+        return stacked.index_select(0, torch.tensor(order, device=stacked.device))
+
+    def _local_rows(self, owner: str, x: torch.Tensor) -> torch.Tensor | None:
+        if not isinstance(x, torch.Tensor) or x.dim() < 1:
+            raise TensorMismatchError(f"{owner} x: expected a tensor [sessions * branches, ...], got {type(x).__name__}")
+        if self.cfg_size == 1:
+            return None
+        total = len(self.branches)
+        if x.shape[0] % total:
+            raise TensorMismatchError(
+                f"{owner} x: expected rows a multiple of the {total} branches {self.branches}, got shape "
+                f"{tuple(x.shape)}"
+            )
+        index = {b: i for i, b in enumerate(self.branches)}
+        rows = [s * total + index[b] for s in range(x.shape[0] // total) for b in self.local_branches]
+        return torch.tensor(rows, device=x.device)

@@ -1,0 +1,350 @@
+"""Worker functions of the multi-process tests (``test_distributed.py``), importable by spawned children.
+
+Each ``check_*`` runs on every rank of a gloo (CPU) or NCCL (GPU) group created by :func:`run_worker`
+and asserts there; ``torch.multiprocessing.spawn`` re-raises a rank's failure (with its traceback) in the
+test and terminates the other ranks. The reference is the single-process library run of the same
+model (reference backend), computed on every rank.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from streaming_model import TinyStreamingModel
+from torch.distributed.device_mesh import init_device_mesh
+
+import ardiff_modules as am
+from ardiff_modules.distributed import (
+    DistributedForwardError,
+    DistributedKVCache,
+    ParallelMesh,
+    parallelize,
+    ulysses_chunk_attention,
+)
+from ardiff_modules.errors import CapacityError, NonFiniteKVError
+
+BRANCHES = ("cond", "uncond")
+CHUNK, PAGE = 8, 4
+
+
+def run_worker(rank: int, world: int, port: int, backend: str, check: Callable[..., None], args: tuple) -> None:
+    """``torch.multiprocessing.spawn`` entry point: join the group, run ``check(*args)``, leave."""
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)  # 2-4 ranks share a 2-core CI machine
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    try:
+        check(*args)
+    finally:
+        dist.destroy_process_group()
+
+
+def warm_up() -> None:
+    """One tiny single-process forward: imports what the custom op's first call imports (torch._functorch,
+    sympy, ...), so ranks forked after it start warm."""
+    torch.manual_seed(0)
+    model = TinyStreamingModel(dim=16, heads=2, kv_heads=2, layers=1, context_dim=4).eval()
+    spec = model.spec(CHUNK, PAGE, 1, 1, branches=("cond",))
+    with am.KVCache(spec, num_pages=8, backend="reference") as cache, torch.no_grad():
+        state = cache.open_session()
+        am.populate_cross_attention(state, "cond", [b.cross for b in model.blocks], torch.randn(5, 4))
+        with state.prepare_forward(("cond",), CHUNK, commit_current=True) as fwd:
+            model(torch.randn(1, CHUNK, 16), fwd.layers)
+
+
+def _device() -> str:
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+
+
+def _gpu() -> bool:
+    return _device() == "cuda"
+
+
+def _tol(cpu: float = 1e-5) -> float:
+    """Tolerance vs the single-process run: float32 on the CPU, bf16 (FlashInfer) on the GPU."""
+    return 2e-2 if _gpu() else cpu
+
+
+def _mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> Any:
+    return init_device_mesh(_device(), shape, mesh_dim_names=names)
+
+
+def _setup(
+    shape: tuple[int, ...], names: tuple[str, ...], heads: int, kv_heads: int, *, debug: bool = True,
+    check_finite: bool = False,
+) -> tuple[TinyStreamingModel, TinyStreamingModel, am.KVCache, DistributedKVCache, ParallelMesh]:
+    """Same weights on every rank: a reference model + cache, and a parallelized copy + distributed cache.
+
+    CPU: float32, the reference backend, head_dim 8. GPU: bf16, FlashInfer, head_dim 64 (a size it builds).
+    """
+    device = _device()
+    backend, dtype, head_dim = ("flashinfer", "bfloat16", 64) if _gpu() else ("reference", "float32", 8)
+    torch.manual_seed(0)
+    model = TinyStreamingModel(dim=head_dim * heads, heads=heads, kv_heads=kv_heads, layers=2, context_dim=12).eval()
+    tdtype = getattr(torch, dtype)
+    model = model.to(device, tdtype)
+    spec = dataclasses.replace(model.spec(CHUNK, PAGE, 1, 2, branches=BRANCHES), dtype=dtype, num_qo_heads=heads)
+    reference = am.KVCache(spec, num_pages=96, device=device, backend=backend)
+    mesh = ParallelMesh(
+        _mesh(shape, names), BRANCHES, cfg_dim="cfg" if "cfg" in names else None,
+        sp_dim="sp" if "sp" in names else None,
+    )
+    cache = DistributedKVCache(
+        spec, mesh, num_pages=96, device=device, backend=backend, debug_checks=debug, check_finite=check_finite,
+    )
+    parallel = copy.deepcopy(model)
+    parallelize(parallel, mesh)
+    return model, parallel, reference, cache, mesh
+
+
+def _events(seed: int, dim: int, context_dim: int, steps: int = 7, fixed: bool = False) -> list[tuple]:
+    """A Self-Forcing-like schedule over both branches: per step 2 denoising + 1 committing forward of
+    1-3 chunks, a prompt switch and a reset (``fixed``: always one chunk)."""
+    g = torch.Generator().manual_seed(seed)
+    events: list[tuple] = [("prompt", torch.randn(2, 5, context_dim, generator=g))]
+    for step in range(steps):
+        n = 1 if fixed else (1, 2, 1, 3, 1, 1, 2)[step % 7]
+        for denoise in range(3):
+            events.append(("forward", torch.randn(2, n * CHUNK, dim, generator=g), denoise == 2))
+        if step == 3:
+            events.append(("prompt", torch.randn(2, 5, context_dim, generator=g)))
+        if step == 5 and not fixed:
+            events.append(("reset",))
+    return events
+
+
+class _Reference:
+    def __init__(self, model: TinyStreamingModel, cache: am.KVCache) -> None:
+        self.model, self.cache, self.state = model, cache, cache.open_session("s0")
+
+    def prompt(self, text: torch.Tensor) -> None:
+        self.state.clear_cross_attention()
+        for i, b in enumerate(BRANCHES):
+            am.populate_cross_attention(self.state, b, [blk.cross for blk in self.model.blocks], text[i])
+
+    def forward(self, x: torch.Tensor, commit: bool) -> torch.Tensor:
+        with torch.no_grad(), self.state.prepare_forward(BRANCHES, x.shape[1], commit) as fwd:
+            return self.model(x, fwd.layers)
+
+    def reset(self) -> None:
+        self.state.reset(keep_cross_attention=("text",))
+
+
+class _Parallel:
+    def __init__(self, model: Any, cache: DistributedKVCache, mesh: ParallelMesh, fn: Any = None) -> None:
+        self.model, self.cache, self.mesh = model, cache, mesh
+        self.fn = model if fn is None else fn
+        self.state = cache.open_session("s0")
+
+    def prompt(self, text: torch.Tensor) -> None:
+        self.state.clear_cross_attention()
+        for i, b in enumerate(BRANCHES):
+            if b in self.mesh.local_branches:  # each rank populates only its branches (its heads)
+                am.populate_cross_attention(self.state, b, [blk.cross for blk in self.model.blocks], text[i])
+
+    def forward(self, x: torch.Tensor, commit: bool) -> torch.Tensor:
+        with torch.no_grad(), self.cache.prepare_forward(self.state, x.shape[1], commit) as fwd:
+            return self.fn(self.mesh.scatter(x), fwd.layers)
+
+    def reset(self) -> None:
+        self.state.reset(keep_cross_attention=("text",))
+
+
+def _play(runners: list[Any], events: list[tuple], device: str, dtype: torch.dtype = torch.float32) -> list[list[torch.Tensor]]:
+    outs: list[list[torch.Tensor]] = [[] for _ in runners]
+    for event in events:
+        for i, runner in enumerate(runners):
+            if event[0] == "prompt":
+                runner.prompt(event[1].to(device, dtype))
+            elif event[0] == "reset":
+                runner.reset()
+            else:
+                outs[i].append(runner.forward(event[1].to(device, dtype), event[2]))
+    return outs
+
+
+def _page_tables(state: am.KVState) -> dict[str, tuple]:
+    return {b: (state.visible_chunks(b), state.pending_chunks(b), state.token_offset(b)) for b in state.kv_branch_names}
+
+
+def _check_pages_identical(cache: DistributedKVCache, state: am.KVState) -> None:
+    """Exact page ids, compared directly (not through the digest): equal within each mesh row."""
+    tables: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(tables, (cache.mesh.cfg_rank, _page_tables(state)))
+    rows: dict[int, list[Any]] = {}
+    for coord, table in tables:
+        rows.setdefault(coord, []).append(table)
+    for coord, row in rows.items():
+        assert all(t == row[0] for t in row), f"cfg row {coord}: page tables differ across its sp ranks: {row}"
+    assert len(rows) == cache.mesh.cfg_size
+
+
+def check_rollout(shape: tuple[int, ...], names: tuple[str, ...], heads: int, kv_heads: int) -> None:
+    """Outputs equal the single-process run; page tables identical across replicas; K/V bytes per rank."""
+    model, parallel, reference, cache, mesh = _setup(shape, names, heads, kv_heads)
+    device, tdtype, atol = _device(), reference.dtype, _tol()
+    events = _events(1, model.dim, model.context_dim)
+    runners = [_Reference(model, reference), _Parallel(parallel, cache, mesh)]
+    expected, actual = _play(runners, events, device, tdtype)
+    assert len(actual) == len(expected) > 10
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        torch.testing.assert_close(a, mesh.scatter(e), atol=atol, rtol=atol, msg=lambda m, i=i: f"forward {i}: {m}")
+        torch.testing.assert_close(mesh.gather(a), e, atol=atol, rtol=atol, msg=lambda m, i=i: f"gather {i}: {m}")
+    state = runners[1].state
+    assert state.kv_branch_names == mesh.local_branches
+    assert state.committed_chunks(mesh.local_branches[0]) == runners[0].state.committed_chunks("cond")
+    _check_pages_identical(cache, state)
+    cache.check_consistency()
+    # Each rank stores its heads only: K/V bytes per page shrink by kv_heads / local kv heads.
+    local_kv = cache.spec.num_kv_heads
+    assert cache.cache.pool.bytes_per_page * kv_heads == reference.pool.bytes_per_page * local_kv
+    assert cache.spec.num_qo_heads == heads // mesh.sp_size
+    entry = state.cross_entry(mesh.local_branches[0], "text")
+    assert entry is not None and entry.k.shape[-2] == local_kv
+
+
+def check_failures(shape: tuple[int, ...], names: tuple[str, ...], bad: int) -> None:
+    """A failure on rank ``bad`` (in the forward, in prepare, NaN K/V, explicit abort) aborts on every rank."""
+    model, parallel, reference, cache, mesh = _setup(shape, names, 4, 2, check_finite=True)
+    device = _device()
+    events = _events(2, model.dim, model.context_dim, steps=4, fixed=True)
+    ref, par = _Reference(model, reference), _Parallel(parallel, cache, mesh)
+    dtype = reference.dtype
+    _play([ref, par], events[:7], device, dtype)  # prompt + 2 committed chunks
+    me = dist.get_rank()
+    state = par.state
+    before = _page_tables(state)
+    x = events[1][1].to(device, dtype)
+
+    # 1. An exception inside the `with` block after the model ran, on one rank only.
+    try:
+        with torch.no_grad(), cache.prepare_forward(state, CHUNK, commit_current=True) as fwd:
+            parallel(mesh.scatter(x), fwd.layers)
+            if me == bad:
+                raise RuntimeError("injected failure")
+    except RuntimeError as e:
+        if me == bad:
+            assert str(e) == "injected failure", e
+        else:
+            assert isinstance(e, DistributedForwardError) and e.failed_ranks == (bad,), e
+    else:
+        raise AssertionError("expected the forward to fail on every rank")
+    assert _page_tables(state) == before, "history changed by an aborted forward"
+
+    # 2. prepare fails on one rank (out of pages): every rank raises before its model runs.
+    original = cache.cache.prepare_forward
+    if me == bad:
+        def failing(*args: Any, **kwargs: Any) -> Any:
+            raise CapacityError("injected: out of pages", needed=4, free=0)
+        cache.cache.prepare_forward = failing  # type: ignore[method-assign]
+    try:
+        cache.prepare_forward(state, CHUNK, commit_current=True)
+    except (CapacityError, DistributedForwardError) as e:
+        assert isinstance(e, CapacityError if me == bad else DistributedForwardError), e
+    else:
+        raise AssertionError("expected prepare to fail on every rank")
+    finally:
+        cache.cache.prepare_forward = original  # type: ignore[method-assign]
+    assert _page_tables(state) == before
+
+    # 3. NaN/Inf K/V on one rank only (CFG: its own branch; SP: a2a spreads it) -> aborted everywhere.
+    poisoned = mesh.scatter(x).clone()
+    if me == bad:
+        poisoned[:, 0, 0] = float("nan")
+    try:
+        with torch.no_grad(), cache.prepare_forward(state, CHUNK, commit_current=True) as fwd:
+            parallel(poisoned, fwd.layers)
+    except (NonFiniteKVError, DistributedForwardError) as e:
+        assert isinstance(e, NonFiniteKVError) or e.failed_ranks, e
+    else:
+        raise AssertionError("expected the NaN forward to abort on every rank")
+    assert _page_tables(state) == before
+
+    # 4. An explicit abort, voted: no rank raises.
+    with torch.no_grad():
+        fwd = cache.prepare_forward(state, CHUNK, commit_current=True)
+        parallel(mesh.scatter(x), fwd.layers)
+        fwd.abort()
+    assert _page_tables(state) == before
+    cache.check_consistency()
+
+    # After all that, the rollout goes on exactly as the reference that never saw those forwards.
+    expected, actual = _play([ref, par], events[7:], device, dtype)
+    for a, e in zip(actual, expected):
+        torch.testing.assert_close(a, mesh.scatter(e), atol=_tol(), rtol=_tol())
+    _check_pages_identical(cache, state)
+
+
+def check_functional(sp_size: int, heads: int, kv_heads: int) -> None:
+    """``ulysses_chunk_attention`` (with LSE) equals ``chunk_attention`` of one process, per rank's tokens."""
+    device = _device()
+    spec = am.KVCacheSpec(num_layers=1, num_kv_heads=kv_heads, num_qo_heads=heads, head_dim=8, chunk_size=CHUNK,
+                          page_size=PAGE, sink_chunks=1, window_chunks=1, branches=("main",), dtype="float32")
+    reference = am.KVCache(spec, num_pages=32, device=device, backend="reference")
+    mesh = ParallelMesh(_mesh((sp_size,), ("sp",)), ("main",), cfg_dim=None, sp_dim="sp")
+    assert mesh.sp is not None
+    cache = DistributedKVCache(spec, mesh, num_pages=32, device=device, backend="reference")
+    ref_state, state = reference.open_session("s"), cache.open_session("s")
+    g = torch.Generator().manual_seed(3)
+    for step in range(4):
+        q = torch.randn(1, CHUNK, heads, 8, generator=g).to(device)
+        k, v = (torch.randn(1, CHUNK, kv_heads, 8, generator=g).to(device) for _ in range(2))
+        with ref_state.prepare_forward(("main",), CHUNK, commit_current=True) as fwd:
+            out, lse = am.chunk_attention(q, k, v, fwd.layers[0], return_lse=True)
+        with cache.prepare_forward(state, CHUNK, commit_current=True) as dfwd:
+            shard = [mesh.sp.shard_tokens(t) for t in (q, k, v)]
+            local_out, local_lse = ulysses_chunk_attention(*shard, dfwd.layers[0], mesh.sp, return_lse=True)
+        torch.testing.assert_close(local_out, mesh.sp.shard_tokens(out), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(local_lse, mesh.sp.shard_tokens(lse), atol=1e-5, rtol=1e-5)
+        assert step < 1 or dfwd.positions.shape == (1, CHUNK)
+
+
+def check_compiled(shape: tuple[int, ...], names: tuple[str, ...], backend: str = "eager") -> None:
+    """fullgraph=True with functional collectives: equal to the eager single-process run, one frame."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    model, parallel, reference, cache, mesh = _setup(shape, names, 4, 2, debug=False)
+    counter = CompileCounterWithBackend(backend)
+    compiled = torch.compile(parallel, backend=counter, fullgraph=True)
+    events = _events(4, model.dim, model.context_dim, steps=6, fixed=True)
+    ref, par = _Reference(model, reference), _Parallel(parallel, cache, mesh, fn=compiled)
+    dtype, tol = reference.dtype, _tol(1e-4)
+    expected, actual = _play([ref, par], events, _device(), dtype)
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        torch.testing.assert_close(a, mesh.scatter(e), atol=tol, rtol=tol, msg=lambda m, i=i: f"forward {i}: {m}")
+    # An aborted forward and a reset do not recompile either.
+    with torch.no_grad():
+        fwd = cache.prepare_forward(par.state, CHUNK, commit_current=True)
+        compiled(mesh.scatter(events[1][1].to(_device(), dtype)), fwd.layers)
+        fwd.abort()
+    par.reset()
+    _play([par], events[1:4], _device(), dtype)
+    assert counter.frame_count == 1, f"expected one compiled frame, got {counter.frame_count}"
+    _check_pages_identical(cache, par.state)
+
+
+def check_all(world: int) -> None:
+    """Every scenario of one world size in one process group (process start-up dominates on CPU)."""
+    if world == 2:
+        check_rollout((2,), ("sp",), 4, 4)        # SP only, MHA
+        check_rollout((2,), ("sp",), 4, 2)        # SP only, GQA split
+        check_rollout((2,), ("sp",), 4, 1)        # SP only, MQA replicated
+        check_rollout((2,), ("cfg",), 4, 2)       # CFG only
+        check_functional(2, 4, 2)
+        check_failures((2,), ("cfg",), 1)
+        check_failures((2,), ("sp",), 0)
+    else:
+        check_rollout((2, 2), ("cfg", "sp"), 4, 2)  # CFG x SP
+        check_rollout((4,), ("sp",), 4, 2)          # SP 4 ways, GQA replicated (K=2 < P=4)
+        check_functional(4, 4, 1)
+        check_failures((2, 2), ("cfg", "sp"), 3)

@@ -1,0 +1,108 @@
+"""Multi-process CFG-parallel / Ulysses tests: gloo process groups of 2 and 4 ranks spawned here (CPU, CI).
+
+Each test starts its ranks once and runs several scenarios in them (process start-up is most of
+the cost on a 2-core machine); the scenarios live in ``_distributed_workers.py``. Every scenario compares
+with the single-process reference backend, checks page tables across ranks, and injects failures on one
+rank. The ``gpu`` variants run the same on NCCL + FlashInfer with 2 CUDA devices.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from typing import Any
+
+import _distributed_workers as workers
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+pytestmark = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()), reason="torch.distributed with gloo is not available"
+)
+
+
+#: ``fork`` starts ranks warm (they inherit the imported modules): ~3x faster than ``spawn`` on CI.
+#: ``ARDIFF_TEST_START=spawn`` switches back (the NCCL tests always spawn: CUDA cannot fork).
+START_METHOD = os.environ.get("ARDIFF_TEST_START", "fork")
+#: A test whose ranks run longer than this is failed as hung (collectives mismatched across ranks).
+DEADLINE_S = 150.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _spawn(world: int, check: Any, *args: Any, backend: str = "gloo") -> None:
+    """Run ``check(*args)`` on ``world`` fresh processes; a rank's exception fails the test with its traceback."""
+    method = "spawn" if backend == "nccl" else START_METHOD
+    if method == "fork":
+        workers.warm_up()  # forked ranks inherit what the first library forward imports (~3 s each otherwise)
+    context = mp.start_processes(
+        workers.run_worker, args=(world, _free_port(), backend, check, args), nprocs=world, join=False,
+        start_method=method,
+    )
+    limit = DEADLINE_S if backend == "gloo" else 4 * DEADLINE_S  # GPU: first-use kernel JIT builds
+    deadline = time.monotonic() + limit
+    while not context.join(timeout=1.0):  # raises ProcessRaisedException with a failed rank's traceback
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+            pytest.fail(
+                f"ranks still running after {limit:.0f} s: a hang (ranks disagreeing on which collective comes "
+                "next, e.g. one committed while another aborted)"
+            )
+
+
+def test_two_ranks_sp_cfg_functional_and_failures() -> None:
+    """SP-only (MHA, GQA split, MQA replicated) and CFG-only rollouts equal the single process; the functional
+    form with LSE; a failure on one rank (in the forward, in prepare, NaN K/V, explicit abort) aborts all."""
+    _spawn(2, workers.check_all, 2)
+
+
+def test_four_ranks_cfg_x_sp() -> None:
+    """A 2 x 2 (cfg, sp) mesh and a 4-way SP mesh with replicated kv heads; a failure on rank 3 aborts all."""
+    _spawn(4, workers.check_all, 4)
+
+
+@pytest.mark.slow
+def test_compiled_fullgraph_one_frame_with_functional_collectives() -> None:
+    """A parallelized model compiles with fullgraph=True (dynamo over the all-to-alls, one frame for a rollout
+    with commits, denoising forwards, an abort and a reset) and equals the single-process run."""
+    _spawn(2, workers.check_compiled, (2,), ("sp",))
+
+
+# ---------------------------------------------------------------------------------------------- GPU (NCCL)
+def _two_gpus() -> bool:
+    return torch.cuda.is_available() and torch.cuda.device_count() >= 2 and dist.is_nccl_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _two_gpus(), reason="needs 2 CUDA devices and NCCL")
+@pytest.mark.parametrize(
+    ("shape", "names", "kv_heads"),
+    [((2,), ("sp",), 4), ((2,), ("sp",), 1), ((2,), ("cfg",), 2)],
+    ids=["sp-mha", "sp-mqa", "cfg"],
+)
+def test_gpu_rollout_nccl_flashinfer(shape: tuple[int, ...], names: tuple[str, ...], kv_heads: int) -> None:
+    """bf16 FlashInfer on 2 GPUs equals the single-GPU run of the same model (on each rank)."""
+    _spawn(2, workers.check_rollout, shape, names, 4, kv_heads, backend="nccl")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _two_gpus(), reason="needs 2 CUDA devices and NCCL")
+@pytest.mark.parametrize("names", [("sp",), ("cfg",)], ids=["sp", "cfg"])
+def test_gpu_failure_on_one_rank_aborts_on_both(names: tuple[str, ...]) -> None:
+    _spawn(2, workers.check_failures, (2,), names, 1, backend="nccl")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _two_gpus(), reason="needs 2 CUDA devices and NCCL")
+def test_gpu_compiled_inductor_nccl() -> None:
+    """fullgraph=True with inductor over NCCL functional all-to-alls: one frame, equal to the single GPU."""
+    _spawn(2, workers.check_compiled, (2,), ("sp",), "inductor", backend="nccl")
