@@ -16,6 +16,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
+from typing import cast
 
 import torch
 
@@ -28,6 +29,7 @@ from ardiff_modules.errors import (
     CacheClosedError,
     CapacityError,
     KVScalesFixedError,
+    LatentsNotKeptError,
     NonFiniteKVError,
     SpecError,
     TensorMismatchError,
@@ -42,9 +44,12 @@ from ardiff_modules.state import KVState
 from ardiff_modules.validation import (
     check_capacity,
     check_no_open_commit,
+    check_recache_capacity,
     check_token_mask,
     chunk_lengths_of,
+    kept_latents,
     pending_attention_of,
+    recache_chunk_pages,
     validate_streams,
 )
 from ardiff_modules.window import RetentionPolicy
@@ -314,6 +319,7 @@ class KVCache:
         static: bool = False,
         chunk_lengths: Sequence[int] | None = None,
         pending_attention: PendingAttention | None = None,
+        keep_latents: torch.Tensor | None = None,
     ) -> ForwardContext:
         """Prepare one forward over ``streams`` (``(session, branch)`` pairs, the batch order).
 
@@ -352,6 +358,11 @@ class KVCache:
             chunk sees all pending chunks of its stream: Rolling Forcing's jointly denoised window;
             one kernel row per stream). ``None`` (default): the spec's ``pending_attention``. The
             history (sinks and window) and what a commit does are the same under both.
+        keep_latents:
+            A committing forward only: the clean latents ``[num_streams, seq_len, ...]`` of its chunks
+            (the model's input). On commit a copy of each chunk's slice is kept per branch, for as long
+            as that chunk is resident, so a prompt switch can re-cache without the caller storing them
+            (:meth:`recache_latents`, :meth:`prepare_recache`). Dropped on abort.
         """
         with self._lock:
             self._check_open("prepare_forward")
@@ -366,9 +377,13 @@ class KVCache:
                 check_token_mask(token_mask, expected, self.pool.device)
             chunk_pages = [length // self.spec.page_size for length in lengths]
             check_capacity(histories, chunk_pages, self.allocator, self._extent_pages)
-            return self._reserve_and_plan(
+            latents = () if keep_latents is None else kept_latents(keep_latents, commit_current, len(members), lengths)
+            ctx = self._reserve_and_plan(
                 members, histories, chunk_pages, commit_current, token_mask, static, pending
             )
+            if ctx.transaction is not None:
+                ctx.transaction.latents = latents
+            return ctx
 
     @property
     def _extent_pages(self) -> int:
@@ -424,6 +439,103 @@ class KVCache:
             )
         return ctx
 
+    def recache_latents(self, streams: Sequence[tuple[KVState, str]], *, keep_sinks: bool = True) -> torch.Tensor:
+        """The kept clean latents a re-cache of ``streams`` runs over, ``[num_streams, seq_len, ...]``.
+
+        Per stream, the latents (``keep_latents`` of their committing forwards) of the chunks
+        :meth:`prepare_recache` rebuilds, concatenated in commit order. Raises
+        :class:`LatentsNotKeptError` naming the chunks whose latents were not kept; nothing changes.
+        """
+        with self._lock:
+            self._check_open("recache_latents")
+            members = validate_streams(streams, self)
+            histories = [state.history(branch) for state, branch in members]
+            recache_chunk_pages(members, histories, keep_sinks, idle=False)
+            rows = []
+            for (state, branch), h in zip(members, histories):
+                indices = [h.resident_index[i] for i in h.recache_targets(keep_sinks)]
+                missing = [i for i in indices if i not in h.latents]
+                if missing:
+                    raise LatentsNotKeptError(
+                        f"recache_latents: expected kept latents of chunks {indices} of {state.session_id!r}/"
+                        f"{branch!r}, got none for chunk(s) {missing}; pass keep_latents= to their committing "
+                        "forwards, or feed the model your own latents"
+                    )
+                rows.append(torch.cat([cast(torch.Tensor, h.latents[i]) for i in indices]))
+            return torch.stack(rows)
+
+    def prepare_recache(
+        self, streams: Sequence[tuple[KVState, str]], *, keep_sinks: bool = True
+    ) -> ForwardContext:
+        """Prepare a prompt-switch re-cache: one forward that rebuilds the resident history of ``streams``.
+
+        After ``clear_cross_attention()`` and populating the new prompt, run the model over the clean
+        latents of each stream's rebuilt chunks -- every resident chunk (sinks + window) in commit
+        order, or all but the sinks with ``keep_sinks=True`` -- concatenated along the sequence,
+        ``[num_streams, seq_len, ...]`` with ``seq_len = sum(ctx.layout.chunk_lengths)``. The forward
+        writes fresh pages only and, block-causally, rebuilt chunk ``j`` attends to the kept sinks and
+        rebuilt chunks ``0..j``; ``ctx.positions`` are each chunk's original absolute positions (RoPE).
+
+        On commit (``ctx.commit()``, leaving ``with ctx:`` normally, ``commit_paged_context``) every
+        stream's rebuilt chunks replace the old ones at once; offsets, commit indices and the window
+        are unchanged, the old pages lose this session's reference (a fork keeps reading them). On
+        abort or an exception only the fresh pages are released: the old history is untouched.
+
+        Raises before changing anything: :class:`PendingContextError` if a stream has an open forward
+        or pending chunks, :class:`SpecError` if a stream has nothing to rebuild,
+        :class:`SequenceLengthError` if batched streams' rebuilt chunk lengths differ,
+        :class:`CapacityError` if the fresh pages do not fit (old and new history coexist until commit).
+        """
+        with self._lock:
+            self._check_open("prepare_recache")
+            members = validate_streams(streams, self)
+            histories = [state.history(branch) for state, branch in members]
+            chunk_pages = recache_chunk_pages(members, histories, keep_sinks)
+            check_recache_capacity(histories, chunk_pages, self.allocator)
+            num_chunks = len(chunk_pages)
+            key = (tuple((state.session_id, branch) for state, branch in members), None)
+            ctx = self._lookup_context(key)
+            peak = self.allocator.peak_used
+            fresh = self.allocator.allocate(len(histories) * sum(chunk_pages))
+            planning = False
+            try:
+                streams_layout = []
+                for s, h in enumerate(histories):
+                    pages = fresh[s * sum(chunk_pages) : (s + 1) * sum(chunk_pages)]
+                    chunks, start = [], 0
+                    for n in chunk_pages:
+                        chunks.append(tuple(pages[start : start + n]))
+                        start += n
+                    h.pending = tuple(chunks)  # NOTE: the fresh pages ride as pending: abort/close/reset free them
+                    history_pages, spans, starts = h.recache_layout_parts(keep_sinks)
+                    streams_layout.append(StreamLayout(history_pages, h.pending, starts[0], spans, starts))
+                layout = ForwardLayout(
+                    streams=tuple(streams_layout), chunk_size=self.spec.chunk_size, page_size=self.spec.page_size,
+                    pending_attention="block_causal",
+                )
+                planning = True
+                plan = self.backend.plan(self._plan_request(layout, None, False, num_chunks), ctx.plan)
+                positions = _to_device(layout.positions, self.pool.device, None)
+                cross = self._stack_cross(ctx, members, False)
+            except BaseException:
+                for h in histories:
+                    h.pending = ()
+                self.allocator.unallocate(fresh)
+                self.allocator.peak_used = peak
+                if planning and ctx.plan is not None and getattr(self.backend, "replans_in_place", True):
+                    if ctx.transaction is not None and ctx.transaction.is_open:
+                        ctx.transaction.close("superseded", "a later prepare_recache failed while planning")
+                    ctx.plan = None
+                    ctx.plan_epoch += 1
+                raise
+            self._publish(
+                ctx, key, members, histories, plan, layout, positions, cross, True, None,
+                recache=True, keep_sinks=keep_sinks,
+            )
+            if logger.isEnabledFor(logging.DEBUG):
+                logger.debug("re-cache prepared: %s, %d fresh pages", ctx, len(fresh))
+            return ctx
+
     def _plan_request(
         self, layout: ForwardLayout, token_mask: torch.Tensor | None, static: bool, num_chunks: int
     ) -> PlanRequest:
@@ -453,6 +565,9 @@ class KVCache:
         cross: tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, str], dict[str, tuple[int, ...]]],
         commit_current: bool,
         token_mask: torch.Tensor | None,
+        *,
+        recache: bool = False,
+        keep_sinks: bool = True,
     ) -> None:
         """Install the new forward: supersede open denoising forwards of its streams, open its transaction."""
         superseded = {id(h.forward): h.forward for h in histories if isinstance(h.forward, ForwardTransaction)}
@@ -470,7 +585,7 @@ class KVCache:
         ctx.cross_stack.adopt(cross[2])
         transaction = ForwardTransaction(
             members=members, commit_current=commit_current, num_chunks=layout.num_chunks,
-            histories=tuple(histories),
+            histories=tuple(histories), recache=recache, keep_sinks=keep_sinks,
         )
         for h in histories:
             h.forward = transaction

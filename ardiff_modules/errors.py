@@ -97,5 +97,9 @@ class KVScalesFixedError(ARDiffError, RuntimeError):
     """FP8 K/V scales set after K/V were written with other scales (those pages would read back wrong)."""
 
 
+class LatentsNotKeptError(ARDiffError, LookupError):
+    """A re-cache asked for the kept clean latents of a chunk whose committing forward did not keep them."""
+
+
 class InferenceOnlyError(ARDiffError, RuntimeError):
     """Backward through the paged attention op: it is inference-only (it writes the KV pool in place)."""

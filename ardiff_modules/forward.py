@@ -4,7 +4,8 @@ A :class:`ForwardTransaction` is created by ``KVCache.prepare_forward`` once the
 pages are reserved and the plan is built, and is *open* until it finishes:
 
     prepare ──> open ──┬── commit   (all streams: pending -> history, eviction; a denoising
-                       │             forward just completes, its pending pages kept for reuse)
+                       │             forward just completes, its pending pages kept for reuse;
+                       │             a re-cache swaps its fresh chunks in for the resident ones)
                        ├── abort    (all streams: pending dropped, history as before)
                        └── supersede (a denoising forward replaced by the next forward
                                       of one of its streams: pending kept for reuse)
@@ -61,6 +62,12 @@ class ForwardTransaction:
     commit_current: bool
     num_chunks: int
     status: Status = "open"
+    #: A prompt-switch re-cache (``KVCache.prepare_recache``): its pending chunks are fresh pages for
+    #: resident chunks, swapped in on commit (``keep_sinks``: the sinks were not rebuilt).
+    recache: bool = False
+    keep_sinks: bool = True
+    #: Per member (batch order): clean latents of each pending chunk to keep on commit, or ``()``.
+    latents: tuple[tuple[object, ...], ...] = field(default=(), repr=False)
     #: Why the forward finished, for error messages.
     reason: str = ""
     histories: tuple[BranchHistory, ...] = field(default=(), repr=False)
@@ -102,12 +109,32 @@ class ForwardTransaction:
             self.close("completed")  # a denoising forward: pending pages stay for the next one
             return
         live = self.live_histories()
+        if self.recache:
+            self._commit_recache(live, allocator)
+            return
         results = [h.plan_commit() for h in live]
         evicted = [page for result in results for chunk in result.evicted for page in chunk]
+        kept = {id(h): latents for h, latents in zip(self.histories, self.latents)}
         with deferred_interrupts():
             allocator.decref(evicted)
             for h, result in zip(live, results):
-                h.apply_commit(result)
+                latents = kept.get(id(h))
+                if latents:
+                    h.apply_commit(result, latents)
+                else:
+                    h.apply_commit(result)
+            self.close("committed")
+
+    def _commit_recache(self, live: list[BranchHistory], allocator: PageAllocator) -> None:
+        """Swap every stream's rebuilt chunks in for the old ones, all at once (offsets, indices unchanged).
+
+        The old pages lose this branch's reference only: a fork sharing them keeps the old history.
+        """
+        swaps = [h.plan_recache_commit(self.keep_sinks) for h in live]  # pure: may raise, nothing changed
+        with deferred_interrupts():
+            allocator.decref(page for _, old in swaps for page in old)
+            for h, (resident, _) in zip(live, swaps):
+                h.apply_recache_commit(resident)
             self.close("committed")
 
     def abort(self, allocator: PageAllocator, reason: str = "") -> None:
@@ -117,7 +144,12 @@ class ForwardTransaction:
         live = self.live_histories()
         pages = [page for h in live for page in h.pending_pages()]
         with deferred_interrupts():
-            allocator.decref(pages)
+            if self.recache:
+                # NOTE: a re-cache's fresh pages are never shared (pending pages are not forked): undo
+                # their allocation exactly, so the free list is as before the re-cache too.
+                allocator.unallocate(pages)
+            else:
+                allocator.decref(pages)
             for h in live:
                 h.clear_pending()
             self.close("aborted", reason)

@@ -62,6 +62,9 @@ class BranchHistory:
         self.committed_tokens = 0
         #: The open forward whose pending chunks these are (opaque here; see ``forward.py``).
         self.forward: object | None = None
+        #: Clean latents kept on request (``keep_latents``), by commit index: opaque here (tensors), only
+        #: ever of resident chunks -- pruned in the same step as eviction. Read by a re-cache.
+        self.latents: dict[int, object] = {}
 
     # ------------------------------------------------------------------ queries
     @property
@@ -215,8 +218,14 @@ class BranchHistory:
         """
         return retain(self.policy, self.resident, self.resident_index, self.committed_chunks, self.pending)
 
-    def apply_commit(self, result: Retained[PageChunk]) -> None:
-        """Adopt a :meth:`plan_commit` result; the caller drops the references of ``result.evicted``."""
+    def apply_commit(self, result: Retained[PageChunk], latents: Sequence[object] = ()) -> None:
+        """Adopt a :meth:`plan_commit` result; the caller drops the references of ``result.evicted``.
+
+        ``latents``: the committed chunks' clean latents to keep (one per pending chunk), or ``()``.
+        """
+        kept = dict(self.latents)
+        kept.update({self.committed_chunks + i: latent for i, latent in enumerate(latents)})
+        self.latents = {i: kept[i] for i in result.indices if i in kept}  # evicted chunks' latents go too
         starts = dict(zip(self.resident_index, self.resident_start))
         position = self.committed_tokens
         for offset, chunk in enumerate(self.pending):
@@ -226,6 +235,49 @@ class BranchHistory:
         self.committed_tokens = position
         self.resident, self.resident_index, self.pending = result.resident, result.indices, ()
         self.resident_start = tuple(starts[i] for i in result.indices)
+
+    # ------------------------------------------------------------------ re-cache
+    def recache_targets(self, keep_sinks: bool) -> list[int]:
+        """Positions in :attr:`resident` of the chunks a re-cache rebuilds (all, or all but the sinks)::
+
+            resident:  [s0 | c5  c6  c7]      keep_sinks=True  -> rebuild c5 c6 c7 (s0 read, never written)
+                                              keep_sinks=False -> rebuild s0 c5 c6 c7
+        """
+        sinks = self.policy.sink_chunks if keep_sinks else 0
+        return [i for i, index in enumerate(self.resident_index) if index >= sinks]
+
+    def recache_layout_parts(
+        self, keep_sinks: bool
+    ) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...], tuple[int, ...]]:
+        """``(history pages, history spans, starts of the rebuilt chunks)`` of a re-cache forward.
+
+        The history is the kept sinks (none with ``keep_sinks=False``); each rebuilt chunk keeps
+        its original absolute start, so positions (RoPE) are those it was generated at.
+        """
+        targets = set(self.recache_targets(keep_sinks))
+        spans = self.history_spans()
+        kept = [i for i in range(len(self.resident)) if i not in targets]
+        pages = tuple(p for i in kept for p in self.resident[i])
+        return pages, tuple(spans[i] for i in kept), tuple(self.resident_start[i] for i in sorted(targets))
+
+    def plan_recache_commit(self, keep_sinks: bool) -> tuple[tuple[PageChunk, ...], list[int]]:
+        """The resident chunks after swapping the rebuilt (pending) chunks in, and the old pages to release.
+
+        Pure. Commit indices and starts are unchanged: the same chunks, re-computed.
+        """
+        targets = self.recache_targets(keep_sinks)
+        assert len(targets) == len(self.pending), "re-cache pending chunks do not match the resident chunks"
+        resident = list(self.resident)
+        old: list[int] = []
+        for i, fresh in zip(targets, self.pending):
+            assert len(fresh) == len(resident[i])
+            old.extend(resident[i])
+            resident[i] = fresh
+        return tuple(resident), old
+
+    def apply_recache_commit(self, resident: tuple[PageChunk, ...]) -> None:
+        """Adopt :meth:`plan_recache_commit`'s resident chunks; the caller drops the old pages' references."""
+        self.resident, self.pending = resident, ()
 
     def clear_pending(self) -> None:
         """Forget the pending chunks; the caller drops their references (see :meth:`drop_pending`)."""
@@ -242,6 +294,7 @@ class BranchHistory:
         freed = allocator.decref(self.referenced_pages())
         self.resident = self.pending = ()
         self.resident_index = self.resident_start = ()
+        self.latents = {}
         self.extent = ()
         self.committed_chunks = 0
         self.committed_tokens = 0
@@ -259,6 +312,7 @@ class BranchHistory:
         allocator.incref(p for chunk in resident for p in chunk)
         self.release(allocator)
         self.resident, self.resident_index, self.resident_start = resident, indices, starts
+        self.latents = {i: other.latents[i] for i in indices if i in other.latents}  # shared: never mutated
         self.committed_chunks = len(resident) if sinks_only else other.committed_chunks
         self.committed_tokens = (
             sum(map(len, resident)) * self.page_size if sinks_only else other.committed_tokens

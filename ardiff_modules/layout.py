@@ -44,12 +44,17 @@ class StreamLayout:
         ``(first absolute position, tokens)`` of each visible committed chunk, in page order: a few
         ints per chunk, expanded to per-token positions only when :attr:`ForwardLayout.key_positions`
         is asked for (never on the hot path).
+    pending_starts:
+        Absolute position of the first token of each pending chunk when they are not consecutive
+        from ``token_offset`` (a re-cache forward rebuilds resident chunks at their original
+        positions: sinks + the last W chunks are not one run); ``()``: consecutive.
     """
 
     history_pages: tuple[int, ...]
     pending_pages: tuple[tuple[int, ...], ...]
     token_offset: int
     history_spans: tuple[tuple[int, int], ...] = ()
+    pending_starts: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -108,6 +113,7 @@ class ForwardLayout:
     def __post_init__(self) -> None:
         shapes = {tuple(map(len, s.pending_pages)) for s in self.streams}
         assert len(shapes) == 1 and () not in shapes, f"streams must share pending chunk sizes, got {shapes}"
+        assert all(len(s.pending_starts) in (0, len(s.pending_pages)) for s in self.streams)
 
     @property
     def num_streams(self) -> int:
@@ -198,7 +204,14 @@ class ForwardLayout:
     def positions(self) -> torch.Tensor:
         """int64 ``[num_streams, seq_len]``: absolute token position of every current token."""
         starts = torch.tensor([s.token_offset for s in self.streams], dtype=torch.int64)
-        return starts[:, None] + torch.arange(self.seq_len, dtype=torch.int64)
+        positions = starts[:, None] + torch.arange(self.seq_len, dtype=torch.int64)
+        for i, s in enumerate(self.streams):
+            if s.pending_starts:  # NOTE: re-cache only: chunks at their own (non-consecutive) positions
+                positions[i] = torch.cat([
+                    start + torch.arange(length, dtype=torch.int64)
+                    for start, length in zip(s.pending_starts, self.chunk_lengths)
+                ])
+        return positions
 
     # ------------------------------------------------------------------ structural rows
     @cached_property
@@ -310,8 +323,7 @@ class ForwardLayout:
         for i, s in enumerate(self.streams):
             spans = [start + torch.arange(tokens, dtype=torch.int64) for start, tokens in s.history_spans]
             history = torch.cat(spans) if spans else torch.empty(0, dtype=torch.int64)
-            pending = s.token_offset + torch.arange(self.seq_len, dtype=torch.int64)
-            keys = torch.cat([history, pending])
+            keys = torch.cat([history, self.positions[i]])
             out[i, : keys.numel()] = keys
         return out
 

@@ -68,6 +68,13 @@ class SessionHost(Protocol):
         static: bool = False,
         chunk_lengths: Sequence[int] | None = None,
         pending_attention: PendingAttention | None = None,
+        keep_latents: torch.Tensor | None = None,
+    ) -> ForwardContext: ...
+    def recache_latents(
+        self, streams: Sequence[tuple[KVState, str]], *, keep_sinks: bool = True
+    ) -> torch.Tensor: ...
+    def prepare_recache(
+        self, streams: Sequence[tuple[KVState, str]], *, keep_sinks: bool = True
     ) -> ForwardContext: ...
     def finish_forward(self, transaction: ForwardTransaction, success: bool) -> None: ...
     def abort_forwards_of(self, state: KVState) -> None: ...
@@ -223,13 +230,14 @@ class KVState:
         static: bool = False,
         chunk_lengths: Sequence[int] | None = None,
         pending_attention: PendingAttention | None = None,
+        keep_latents: torch.Tensor | None = None,
     ) -> ForwardContext:
         """One forward over several branches of this session, batched in that order (e.g. CFG).
 
         ``branches`` defaults to every branch of the spec. The result is a context
         manager that commits on success and aborts on an exception. ``token_mask``,
-        ``static``, ``chunk_lengths`` and ``pending_attention`` are as in
-        :meth:`KVCache.prepare_forward`.
+        ``static``, ``chunk_lengths``, ``pending_attention`` and ``keep_latents``
+        (``[num_branches, seq_len, ...]``) are as in :meth:`KVCache.prepare_forward`.
         """
         self._check_open()
         names = branch_names("prepare_forward", branches, self.kv_branch_names)
@@ -239,8 +247,35 @@ class KVState:
             )
         return self.cache.prepare_forward(
             [(self, b) for b in names], seq_len, commit_current, token_mask=token_mask, static=static,
-            chunk_lengths=chunk_lengths, pending_attention=pending_attention,
+            chunk_lengths=chunk_lengths, pending_attention=pending_attention, keep_latents=keep_latents,
         )
+
+    def resident_chunk_indices(self, branch: str) -> tuple[int, ...]:
+        """Commit index (0-based, evicted chunks counted) of each resident chunk of ``branch``, oldest first.
+
+        Which chunks' clean latents a re-cache needs (:meth:`prepare_recache`).
+        """
+        return self.history(branch).resident_index
+
+    def recache_latents(self, branches: Sequence[str] | None = None, *, keep_sinks: bool = True) -> torch.Tensor:
+        """The kept latents :meth:`prepare_recache` of ``branches`` runs over, ``[num_branches, seq_len, ...]``.
+
+        See :meth:`KVCache.recache_latents`.
+        """
+        self._check_open()
+        names = branch_names("recache_latents", branches, self.kv_branch_names)
+        return self.cache.recache_latents([(self, b) for b in names], keep_sinks=keep_sinks)
+
+    def prepare_recache(self, branches: Sequence[str] | None = None, *, keep_sinks: bool = True) -> ForwardContext:
+        """Re-cache several branches of this session under the current (new) prompt, in one launch.
+
+        ``branches`` defaults to every branch of the spec. Rebuilds the chunks of
+        :meth:`resident_chunk_indices` (all but the sinks with ``keep_sinks=True``); feed their clean
+        latents concatenated in that order. See :meth:`KVCache.prepare_recache` for the semantics.
+        """
+        self._check_open()
+        names = branch_names("prepare_recache", branches, self.kv_branch_names)
+        return self.cache.prepare_recache([(self, b) for b in names], keep_sinks=keep_sinks)
 
     def commit_paged_context(self, kv_branch: str) -> None:
         """After a successful forward: a committing forward's pending chunks join history (no copy).

@@ -152,3 +152,89 @@ def check_no_open_commit(state: KVState, branch: str, history: BranchHistory) ->
             f"{open_forward.num_chunks} chunk(s) that was neither committed nor aborted; call "
             f"commit_paged_context({branch!r}) or abort({branch!r}) before preparing the next forward"
         )
+
+
+def recache_chunk_pages(
+    members: Sequence[tuple[KVState, str]], histories: Sequence[BranchHistory], keep_sinks: bool,
+    *, idle: bool = True,
+) -> list[int]:
+    """Validate a re-cache request; return the pages of each chunk it rebuilds (the same for every stream).
+
+    Each stream must be idle (no open forward, no pending chunk kept by a denoising forward: the
+    rebuilt chunks take the pending slot; not checked with ``idle=False``) and hold at least one chunk
+    to rebuild; streams batched in one launch must rebuild chunks of the same lengths.
+    """
+    require_bool("prepare_recache.keep_sinks", keep_sinks)
+    shapes = []
+    for (state, branch), h in zip(members, histories):
+        forward = h.forward
+        if idle and (isinstance(forward, ForwardTransaction) and forward.is_open) or h.pending:
+            what = "an open forward" if isinstance(forward, ForwardTransaction) and forward.is_open else (
+                f"{len(h.pending)} pending chunk(s) kept by a denoising forward"
+            )
+            raise PendingContextError(
+                f"prepare_recache: expected branch {branch!r} of session {state.session_id!r} to be idle (no open "
+                f"forward, no pending chunk), got {what}; commit_paged_context({branch!r}) or abort({branch!r}) first"
+            )
+        targets = h.recache_targets(keep_sinks)
+        if not targets:
+            raise SpecError(
+                f"prepare_recache: expected at least one resident chunk to rebuild on {state.session_id!r}/{branch!r} "
+                f"(keep_sinks={keep_sinks}), got {len(h.resident)} resident chunk(s), "
+                f"{len(h.sinks)} of them sinks"
+            )
+        shapes.append(tuple(len(h.resident[i]) for i in targets))
+    if len(set(shapes)) != 1:
+        page = histories[0].page_size
+        got = {f"{s.session_id}/{b}": [n * page for n in shape] for (s, b), shape in zip(members, shapes)}
+        raise SequenceLengthError(
+            f"prepare_recache: expected every stream to rebuild chunks of the same lengths (one launch), got "
+            f"token lengths {got}; re-cache them in separate calls"
+        )
+    return list(shapes[0])
+
+
+def kept_latents(
+    keep_latents: torch.Tensor, commit_current: bool, num_streams: int, lengths: Sequence[int]
+) -> tuple[tuple[torch.Tensor, ...], ...]:
+    """Validate ``keep_latents`` ``[num_streams, seq_len, ...]``; return per stream a copy of each chunk's slice.
+
+    NOTE: copies, not views: denoising loops commonly reuse their latent buffer in place, and a view of
+    one chunk would also keep the whole forward's tensor alive until the last of its chunks is evicted.
+    """
+    if not isinstance(keep_latents, torch.Tensor):
+        raise TensorMismatchError(
+            f"prepare_forward.keep_latents: expected a tensor [num_streams, seq_len, ...], got "
+            f"{type(keep_latents).__name__}"
+        )
+    if not commit_current:
+        raise SpecError(
+            "prepare_forward.keep_latents: expected a committing forward (commit_current=True: the clean "
+            "latents of the chunks that join history), got commit_current=False"
+        )
+    seq_len = sum(lengths)
+    if keep_latents.dim() < 2 or tuple(keep_latents.shape[:2]) != (num_streams, seq_len):
+        raise TensorMismatchError(
+            f"prepare_forward.keep_latents: expected shape [num_streams={num_streams}, seq_len={seq_len}, ...], "
+            f"got {tuple(keep_latents.shape)}"
+        )
+    latents = keep_latents.detach()
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + n)
+    return tuple(
+        tuple(latents[s, a:b].clone() for a, b in zip(bounds, bounds[1:])) for s in range(num_streams)
+    )
+
+
+def check_recache_capacity(histories: Sequence[BranchHistory], chunk_pages: Sequence[int], allocator: PageAllocator) -> None:
+    """Raise :class:`CapacityError` unless fresh pages for every rebuilt chunk of every stream fit."""
+    needed = len(histories) * sum(chunk_pages)
+    if needed > allocator.num_free:
+        raise CapacityError(
+            f"KV pool out of pages: this re-cache needs {needed} fresh pages ({len(chunk_pages)} chunk(s) of "
+            f"{list(chunk_pages)} pages for {len(histories)} stream(s)); only {allocator.num_free} of "
+            f"{allocator.num_pages} are free; the old history stays until the new one is committed",
+            needed=needed,
+            free=allocator.num_free,
+        )

@@ -150,15 +150,53 @@ class NaiveStreaming:
                 self.committed[branch].extend(chunk_kv)
         return torch.cat(outs)
 
+    def resident_indices(self, branch: str) -> list[int]:
+        """Commit indices of the chunks :meth:`visible` returns (sinks, memory, window), oldest first."""
+        ids = {id(c): i for i, c in enumerate(self.committed[branch])}
+        return [ids[id(c)] for c in self.visible(branch)]
+
     @torch.no_grad()
-    def _stream(self, branch: str, x: torch.Tensor, lengths: list[int] | None = None, bidirectional: bool = False):  # noqa: ANN202
+    def recache(
+        self, branches: Sequence[str], latents: dict[str, list[torch.Tensor]], keep_sinks: bool = True
+    ) -> torch.Tensor:
+        """Prompt-switch re-cache, cache-free: regenerate the resident chunks' K/V under the current prompt.
+
+        ``latents[branch][j]`` ``[tokens, dim]`` is the clean latent of the ``j``-th rebuilt chunk (every
+        resident chunk, or every non-sink one with ``keep_sinks``). Rebuilt chunk ``j`` sees the kept sinks
+        (old K/V) and rebuilt chunks ``0..j``, at its original positions; its K/V replace the old ones.
+        """
+        outs = []
+        for branch in branches:
+            chunks = self.committed[branch]
+            starts = [0]
+            for c in chunks:
+                starts.append(starts[-1] + c[0][0].shape[0])
+            indices = self.resident_indices(branch)
+            kept = [i for i in indices if keep_sinks and i < self.sink]
+            rebuilt = [i for i in indices if i not in kept]
+            lengths = [chunks[i][0][0].shape[0] for i in rebuilt]
+            positions = torch.cat([torch.arange(starts[i], starts[i] + n) for i, n in zip(rebuilt, lengths)])[None]
+            x = torch.cat(latents[branch])[None]
+            out, chunk_kv = self._stream(branch, x, lengths, False, positions=positions, history=[chunks[i] for i in kept])
+            for i, kv in zip(rebuilt, chunk_kv):
+                chunks[i] = kv
+            outs.append(out)
+        return torch.cat(outs)
+
+    @torch.no_grad()
+    def _stream(  # noqa: ANN202
+        self, branch: str, x: torch.Tensor, lengths: list[int] | None = None, bidirectional: bool = False,
+        positions: torch.Tensor | None = None, history: list | None = None,
+    ):
         n = x.shape[1]
         if lengths is None:
             lengths = [self.chunk] * (n // self.chunk) if n % self.chunk == 0 else [n]
         # Tokens ever committed (chunks may differ in length): the absolute position of the first new token.
         start = sum(chunk[0][0].shape[0] for chunk in self.committed[branch])
-        positions = torch.arange(start, start + n)[None]
-        history = self.visible(branch)
+        if positions is None:
+            positions = torch.arange(start, start + n)[None]
+        if history is None:
+            history = self.visible(branch)
         hist_len = sum(c[0][0].shape[0] for c in history)
         q_chunk = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
         mask = torch.ones(n, hist_len + n, dtype=torch.bool)
