@@ -106,6 +106,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="seed of the weights, the prompts and the noise")
     p.add_argument("--switch-at", type=int, default=None, metavar="K", help="switch the prompt before chunk K")
     p.add_argument("--reset-at", type=int, default=None, metavar="K", help="reset the session before chunk K")
+    p.add_argument(
+        "--recache-on-switch", action="store_true",
+        help="at --switch-at, rebuild the resident window's K/V under the new prompt (one transactional "
+        "forward over the window chunks' clean latents; the sink kept)",
+    )
+    p.add_argument(
+        "--report-every", type=int, default=0, metavar="N",
+        help="print the pages in use and the ms per chunk every N chunks (long runs: both stay flat)",
+    )
     p.add_argument("--out", type=Path, default=Path("outputs/stream.png"), help="PNG strip of the latent frames")
     p.add_argument(
         "--figure", type=Path, default=None,
@@ -150,6 +159,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         )
     if args.cuda_graph and args.device != "cuda":
         p.error("--cuda-graph: expected --device cuda (CUDA graphs need a GPU)")
+    if args.recache_on_switch and args.switch_at is None:
+        p.error("--recache-on-switch: expected --switch-at K too (the re-cache follows the prompt switch)")
+    if args.report_every < 0:
+        p.error(f"--report-every: expected >= 0, got {args.report_every}")
     if args.figure is None:
         args.figure = args.out.parent / "streaming_generation.png"
     if args.json is None:
@@ -378,7 +391,8 @@ def _generate(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     model = build_model(config, seed=args.seed, device=device, dtype=dtype)
     spec = make_kv_spec(config, device)
-    num_pages = kv_pool_pages(spec)
+    # A re-cache holds the new window beside the old one until it commits: room for one more window per branch.
+    num_pages = kv_pool_pages(spec, slack_chunks=1 + (len(BRANCHES) * spec.window_chunks if args.recache_on_switch else 0))
     cache = KVCache(spec, num_pages=num_pages, device=device)
     if args.cuda_graph and cache.backend.name != "flashinfer":
         raise SystemExit(
@@ -441,15 +455,40 @@ def _generate(args: argparse.Namespace) -> dict[str, Any]:
     events: list[str] = []
     events_at: list[tuple[int, str]] = []  # (chunk, short label) for the figure
 
+    clean: dict[int, torch.Tensor] = {}  # commit index -> clean latent [1, F, C, H, W] (--recache-on-switch)
+    reports: list[dict[str, Any]] = []
+
+    def recache() -> float:
+        """Rebuild the window's K/V under the new prompt from its chunks' clean latents; returns seconds."""
+        indices = state.resident_chunk_indices(BRANCHES[0])[spec.sink_chunks :]  # keep_sinks=True rebuilds these
+        if not indices:
+            return 0.0
+        xs = torch.cat([clean[i] for i in indices], dim=1).to(device=device, dtype=dtype).repeat(streams, 1, 1, 1, 1)
+        ts = torch.zeros((streams,), device=device)
+        sync()
+        start = time.perf_counter()
+        with torch.no_grad(), state.prepare_recache(BRANCHES, keep_sinks=True) as fwd:  # commits on success
+            model(xs, ts, fwd.layers)  # eager: a multi-chunk shape the compiled step has not seen
+        sync()
+        return time.perf_counter() - start
+
     sync()
     t_start = time.perf_counter()
+    t_report, pages_report = t_start, []
     for k in _progress(range(args.chunks), not args.no_progress):
         recorder.begin_chunk(k)
         if k == args.switch_at:
             prompts.current = 1
             state.clear_cross_attention()  # prompt switch: history kept, cross caches replaced
             prompts.publish(state)
-            events.append(f"prompt switch before chunk {k} (history kept, offset {state.token_offset('cond')})")
+            if args.recache_on_switch:
+                seconds = recache()
+                events.append(
+                    f"prompt switch before chunk {k}, window re-cached under the new prompt in {1e3 * seconds:.1f} ms "
+                    f"(chunks {list(state.resident_chunk_indices('cond')[spec.sink_chunks:])}, sink kept)"
+                )
+            else:
+                events.append(f"prompt switch before chunk {k} (history kept, offset {state.token_offset('cond')})")
             events_at.append((k, "prompt switch"))
         if k == args.reset_at:
             state.reset()  # drops pages and cross caches, offsets restart at 0
@@ -466,6 +505,19 @@ def _generate(args: argparse.Namespace) -> dict[str, Any]:
         forward(x, 0.0, commit=True)  # clean forward at t=0: its K/V become history
         frames.append(x[0].cpu())
         recorder.end_chunk()
+        if args.recache_on_switch:  # the clean latents a re-cache needs, resident chunks only
+            clean[state.committed_chunks(BRANCHES[0]) - 1] = x.cpu()
+            resident = set(state.resident_chunk_indices(BRANCHES[0]))
+            for i in [i for i in clean if i not in resident]:
+                del clean[i]
+        pages_report.append(cache.stats().pages_used)
+        if args.report_every and (k + 1) % args.report_every == 0:
+            now = time.perf_counter()
+            row = {"chunk": k + 1, "pages_used": max(pages_report), "ms_per_chunk": 1e3 * (now - t_report) / len(pages_report)}
+            reports.append(row)
+            print(f"chunk {row['chunk']:>6}: {row['pages_used']} pages in use (max over the last "
+                  f"{len(pages_report)} chunks), {row['ms_per_chunk']:.1f} ms per chunk", flush=True)
+            t_report, pages_report = now, []
     sync()
     elapsed = time.perf_counter() - t_start - recorder.overhead_s  # the generation's time, recording excluded
 
@@ -493,6 +545,9 @@ def _generate(args: argparse.Namespace) -> dict[str, Any]:
         "compiled_frames": counter.frame_count if counter is not None else None,
         "recompiles": counter.frame_count - 1 if counter is not None else None,
         "cuda_graphs": graph_step.num_graphs if graph_step is not None else None,
+        "reports": reports,
+        # Per chunk, the clean latent's norm: a cheap fingerprint of what was generated.
+        "chunk_norms": [float(f.norm()) for f in frames],
     }
     state.close()
     after = cache.stats()

@@ -295,3 +295,20 @@ def test_compiled_example_never_recompiles(tmp_path: Path, capsys: pytest.Captur
     assert "compiled frames 1 (recompiles: 0)" in printed, printed
     assert status == 0
     assert out.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_streaming_example_recache_on_switch_and_flat_long_run(tmp_path: Path) -> None:
+    """--recache-on-switch rebuilds the window under the new prompt (the frames after the switch change,
+    those before do not); --report-every prints flat pages in use."""
+    common = ["--chunks", "9", "--steps", "1", "--switch-at", "5", "--no-progress", "--no-plot"]
+    plain = streaming_generation.run([*common, "--out", str(tmp_path / "a.png")])
+    rebuilt = streaming_generation.run(
+        [*common, "--recache-on-switch", "--report-every", "3", "--out", str(tmp_path / "b.png")]
+    )
+    assert any("re-cached" in e for e in rebuilt["events"])
+    # Identical until the switch; the re-cached window changes every chunk after it.
+    assert plain["chunk_norms"][:5] == rebuilt["chunk_norms"][:5]
+    assert all(x != y for x, y in zip(plain["chunk_norms"][5:], rebuilt["chunk_norms"][5:]))
+    assert [r["pages_used"] for r in rebuilt["reports"]] == [18, 18, 18]  # flat once the window is full
+    assert rebuilt["pages_used_after_close"] == 0
+
