@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import linecache
 import re
 from pathlib import Path
 
@@ -44,8 +45,13 @@ def test_readme_use_program_runs_compiled_as_one_frame() -> None:
     torch._dynamo.utils.counters.clear()  # reset() keeps the counters of earlier tests' compilations
     torch.manual_seed(0)
     namespace: dict[str, object] = {"__name__": "readme_use"}
+    source = small_program()
+    # NOTE: the program's own source under its own name: dynamo reads the source of the functions it
+    # compiles, and README.md itself (markdown around the block, sizes swapped) is not Python.
+    filename = "<README.md: Use>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     with torch._dynamo.config.patch(error_on_recompile=True):
-        exec(compile(small_program(), str(README), "exec"), namespace)
+        exec(compile(source, filename, "exec"), namespace)
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert frames == 1, f"expected one compiled frame over the rollout, got {frames}"
 
