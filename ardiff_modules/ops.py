@@ -161,8 +161,16 @@ def kv_write_slots_op(
     """
     plan = PLANS.get(int(plan_id))
     index = int(layer)
-    if plan.quantizer is not None:
-        plan.quantizer.calibrate(index, k, v)
+    quantizer = plan.quantizer
+    if quantizer is not None and not quantizer.calibrated(index):
+        quantizer.calibrate(index, k, v)  # the pool's scales: what the attention op reads
+        # NOTE: ``kv_scales`` may be the graph's functional copy of them (any backend but inductor's
+        # in-place rewrite): it must hold the calibrated values too, both for the in-graph
+        # quantization that reads it and for the copy-back at the end of the graph.
+        if kv_scales.data_ptr() != quantizer.scales.data_ptr():
+            kv_scales[index].copy_(quantizer.scales[index])
+    elif quantizer is not None:
+        quantizer.written = True
     slots = plan.write_slots
     return slots.clone(), torch.full((1,), index, dtype=torch.int64, device=slots.device)
 

@@ -168,7 +168,7 @@ def recache_chunk_pages(
     shapes = []
     for (state, branch), h in zip(members, histories):
         forward = h.forward
-        if idle and (isinstance(forward, ForwardTransaction) and forward.is_open) or h.pending:
+        if idle and ((isinstance(forward, ForwardTransaction) and forward.is_open) or h.pending):
             what = "an open forward" if isinstance(forward, ForwardTransaction) and forward.is_open else (
                 f"{len(h.pending)} pending chunk(s) kept by a denoising forward"
             )

@@ -105,3 +105,19 @@ def test_finished_forward_cannot_write_through_a_compiled_graph() -> None:
         with pytest.raises(ForwardFinishedError):
             compiled(torch.randn_like(x), fwd.layers)  # committed: its pages are history now
     assert torch.equal(runner.cache.pool.kv, before), "a finished forward wrote into the pool"
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_fp8_calibration_in_a_compiled_graph_reaches_the_pool(backend: str) -> None:
+    """The gate op calibrates the scales the graph quantizes with *and* the pool's, whatever the backend
+    (aot_eager keeps the functional copy of the scales that inductor rewrites in place)."""
+    model, spec = _setup("float8_e4m3fn")
+    events = rollout_events(4, CHUNK, model.dim, model.context_dim, fixed_shape=True)
+    eager_runner = LibraryStreaming(model, spec, 64)
+    eager = play(eager_runner, events)
+    runner = LibraryStreaming(model, spec, 64, fn=torch.compile(model, backend=backend, fullgraph=True))
+    actual = play(runner, events)
+    torch.testing.assert_close(runner.cache.pool.scales, eager_runner.cache.pool.scales)
+    assert not torch.equal(runner.cache.pool.scales, torch.ones_like(runner.cache.pool.scales))
+    for a, e in zip(actual, eager):
+        torch.testing.assert_close(a, e, atol=3e-2, rtol=3e-2)

@@ -461,3 +461,18 @@ def test_kept_latents_misuse() -> None:
     assert set(state.history("cond").latents) == {1}
     state.reset()
     assert state.history("cond").latents == {}
+
+
+def test_recache_latents_readable_while_a_denoising_forward_is_open() -> None:
+    """``recache_latents`` only reads what was kept: an open denoising forward does not stop it
+    (``prepare_recache`` itself still requires idle streams)."""
+    rig = Rig(sink=1, window=2, page=2)
+    state = rig.streams[0].state
+    for length in (4, 4, 4):
+        rig.step(length, keep=True)
+    expected = state.recache_latents(keep_sinks=True)
+    fwd = state.prepare_forward(BRANCHES, CHUNK, False)  # a denoising forward, open
+    torch.testing.assert_close(state.recache_latents(keep_sinks=True), expected, rtol=0, atol=0)
+    with pytest.raises(PendingContextError):
+        state.prepare_recache(keep_sinks=True)
+    fwd.abort()

@@ -343,16 +343,19 @@ class FlashInferPlan(AttentionPlan):
         *,
         layer: int = 0,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        # Compiled graphs may hand the op strided inputs; FlashInfer's kernels want dense rows.
+        if self.quantizer is not None:
+            k, v = self.quantizer.quantize_layer(layer, k, v)
+        self._check_heads(q)
+        self.write(k.contiguous(), v.contiguous(), k_cache, v_cache)
+        return self.attend(q, k_cache, v_cache, scale, return_lse, layer=layer)
+
+    def _check_heads(self, q: torch.Tensor) -> None:
         if q.shape[1] != self.num_qo_heads:
             raise TensorMismatchError(
                 f"flashinfer plan was built for num_qo_heads={self.num_qo_heads} (KVCacheSpec.num_qo_heads), "
                 f"got q with {q.shape[1]} heads"
             )
-        # Compiled graphs may hand the op strided inputs; FlashInfer's kernels want dense rows.
-        if self.quantizer is not None:
-            k, v = self.quantizer.quantize_layer(layer, k, v)
-        self.write(k.contiguous(), v.contiguous(), k_cache, v_cache)
-        return self.attend(q.contiguous(), k_cache, v_cache, scale, return_lse, layer=layer)
 
     def write(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         """Append the current ``[tokens, kv_heads, head_dim]`` K/V into this forward's pending pages."""
@@ -372,6 +375,8 @@ class FlashInferPlan(AttentionPlan):
         layer: int = 0,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The attention kernel alone over one layer's pages (K/V already written); see :meth:`run`."""
+        self._check_heads(q)  # also here: compiled graphs call attend() directly (ops.paged_attention_op)
+        q = q.contiguous()
         default = 1.0 / math.sqrt(self.head_dim)
         if not math.isclose(scale, default, rel_tol=1e-6):
             # Plans use FlashInfer's default 1/sqrt(d); a custom scale folds into q (its q_scale

@@ -153,7 +153,11 @@ class DistributedKVCache:
             error = e
         failed = self._vote(error is not None)
         if failed:
-            self._abort_streams(states, free_before)
+            # A local prepare that raised changed nothing; if every rank raised, nothing changed anywhere and
+            # the sessions stay as they were. Otherwise the ranks that prepared must end their forward,
+            # and every rank ends in the same state (kept denoising forwards dropped everywhere).
+            if len(failed) < len(self.mesh.ranks):
+                self._abort_streams(states, free_before)
             if error is not None:
                 raise error
             raise DistributedForwardError(
@@ -259,6 +263,10 @@ class DistributedForward:
             self.context.commit()  # commit results were computed (and checked) before the vote
         else:
             self.owner._abort_streams(self.sessions, self._free_before)
+        # Collective: every rank reaches it, whatever the vote said (a rank raising first would hang the rest).
+        if self.owner.debug_checks:
+            self.owner.check_consistency()
+        if failed:
             if error is None:
                 raise DistributedForwardError(
                     f"forward: expected every rank to finish, got a failure on rank(s) {list(failed)}; the forward "
@@ -267,8 +275,6 @@ class DistributedForward:
                 )
             if not isinstance(error, _LocalAbort):
                 raise error
-        if self.owner.debug_checks:
-            self.owner.check_consistency()
 
     def _precommit(self, transaction: Any) -> BaseException | None:
         """What could make this rank's commit fail, checked before the vote (pure; changes nothing on success)."""

@@ -65,10 +65,12 @@ class ParallelMesh:
         wanted = tuple(d for d in (cfg_dim, sp_dim) if d is not None)
         if len(set(wanted)) != len(wanted):
             raise SpecError(f"ParallelMesh: expected different cfg_dim and sp_dim, got both {cfg_dim!r}")
-        if sorted(names) != sorted(wanted):
-            # Another dimension (data parallel, ...) would put independent work under one vote.
+        if names != wanted:
+            # Another dimension (data parallel, ...) would put independent work under one vote; and the
+            # rank order below (rows = cfg coordinates) assumes cfg before sp.
             raise SpecError(
-                f"ParallelMesh.mesh: expected mesh dimensions named exactly {wanted} (cfg_dim, sp_dim), got {names}"
+                f"ParallelMesh.mesh: expected mesh dimensions named exactly {wanted}, in that order (cfg_dim, "
+                f"sp_dim), got {names}"
             )
         self.mesh = mesh
         self.cfg_dim, self.sp_dim = cfg_dim, sp_dim
