@@ -28,7 +28,7 @@ from ardiff_modules.distributed import (
     parallelize,
     ulysses_chunk_attention,
 )
-from ardiff_modules.errors import CapacityError, NonFiniteKVError
+from ardiff_modules.errors import CapacityError, NonFiniteKVError, SequenceLengthError
 
 BRANCHES = ("cond", "uncond")
 CHUNK, PAGE = 8, 4
@@ -276,6 +276,43 @@ def check_failures(shape: tuple[int, ...], names: tuple[str, ...], bad: int) -> 
         fwd.abort()
     assert _page_tables(state) == before
     cache.check_consistency()
+
+    # 5. A misuse on every rank (a seq_len that is no page multiple): nothing was prepared anywhere, so
+    #    nothing is aborted -- a kept denoising forward stays as it was on every rank.
+    with torch.no_grad():
+        kept = cache.prepare_forward(state, CHUNK, commit_current=False)
+        parallel(mesh.scatter(x), kept.layers)
+    pending = {b: state.history(b).pending for b in mesh.local_branches}
+    try:
+        cache.prepare_forward(state, CHUNK + 1, commit_current=True)
+    except SequenceLengthError:
+        pass
+    else:
+        raise AssertionError("expected a SequenceLengthError on every rank")
+    assert {b: state.history(b).pending for b in mesh.local_branches} == pending, "a failed misuse changed state"
+    assert kept.context.is_active, "the kept denoising forward was aborted by a misuse every rank refused"
+    kept.abort()
+    assert _page_tables(state) == before
+
+    # 6. One rank aborts while the others commit, with debug_checks: every rank reaches the (collective)
+    #    consistency check, none is left waiting in it.
+    cache.debug_checks = True
+    try:
+        with torch.no_grad():
+            fwd = cache.prepare_forward(state, CHUNK, commit_current=True)
+            parallel(mesh.scatter(x), fwd.layers)
+        if me == bad:
+            fwd.abort()
+        else:
+            try:
+                fwd.commit()
+            except DistributedForwardError as e:
+                assert e.failed_ranks == (bad,), e
+            else:
+                raise AssertionError("expected the commit to be voted down")
+    finally:
+        cache.debug_checks = False
+    assert _page_tables(state) == before
 
     # After all that, the rollout goes on exactly as the reference that never saw those forwards.
     expected, actual = _play([ref, par], events[7:], device, dtype)
