@@ -424,12 +424,8 @@ class KVCache:
             cross = self._stack_cross(ctx, members, static)
         except BaseException:
             reservation.rollback()
-            if planning and ctx.plan is not None and getattr(self.backend, "replans_in_place", True):
-                # The previous plan may be half-updated: the forward that used it can never run again.
-                if ctx.transaction is not None and ctx.transaction.is_open:
-                    ctx.transaction.close("superseded", "a later prepare_forward failed while planning")
-                ctx.plan = None
-                ctx.plan_epoch += 1
+            if planning:
+                self._drop_half_updated_plan(ctx, "prepare_forward")
             raise
         reservation.keep()
         self._publish(ctx, key, members, histories, plan, layout, positions, cross, commit_current, token_mask)
@@ -438,6 +434,16 @@ class KVCache:
                 "forward prepared: %s, %d free pages left, plan %r", ctx, self.allocator.num_free, ctx.plan
             )
         return ctx
+
+    def _drop_half_updated_plan(self, ctx: ForwardContext, what: str) -> None:
+        """After ``plan()`` raised: a backend that re-plans in place may have left ``ctx.plan`` half-updated,
+        so the forward that used it can never run again and the next one plans afresh."""
+        if ctx.plan is None or not getattr(self.backend, "replans_in_place", True):
+            return
+        if ctx.transaction is not None and ctx.transaction.is_open:
+            ctx.transaction.close("superseded", f"a later {what} failed while planning")
+        ctx.plan = None
+        ctx.plan_epoch += 1
 
     def recache_latents(self, streams: Sequence[tuple[KVState, str]], *, keep_sinks: bool = True) -> torch.Tensor:
         """The kept clean latents a re-cache of ``streams`` runs over, ``[num_streams, seq_len, ...]``.
@@ -522,11 +528,8 @@ class KVCache:
                     h.pending = ()
                 self.allocator.unallocate(fresh)
                 self.allocator.peak_used = peak
-                if planning and ctx.plan is not None and getattr(self.backend, "replans_in_place", True):
-                    if ctx.transaction is not None and ctx.transaction.is_open:
-                        ctx.transaction.close("superseded", "a later prepare_recache failed while planning")
-                    ctx.plan = None
-                    ctx.plan_epoch += 1
+                if planning:
+                    self._drop_half_updated_plan(ctx, "prepare_recache")
                 raise
             self._publish(
                 ctx, key, members, histories, plan, layout, positions, cross, True, None,
