@@ -28,6 +28,14 @@ import torch
 from ardiff_modules.spec import PendingAttention
 
 
+def page_token_slots(pages: torch.Tensor, page_size: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 token slots ``page * page_size + offset`` of every token of ``pages`` (``[n]``, any integer
+    dtype and device), flat: ``[n * page_size]``, written into ``out`` when given (fixed buffers)."""
+    offsets = torch.arange(page_size, dtype=torch.int64, device=pages.device)
+    slots = (pages.to(torch.int64)[:, None] * page_size + offsets).reshape(-1)
+    return slots if out is None else out.copy_(slots)
+
+
 @dataclass(frozen=True)
 class StreamLayout:
     """One stream's pages for a forward.
@@ -196,9 +204,7 @@ class ForwardLayout:
     @cached_property
     def write_slots(self) -> torch.Tensor:
         """int64 ``[num_streams * seq_len]``: token slot of every current token, flat stream-major."""
-        pages = self.write_pages
-        offsets = torch.arange(self.page_size, dtype=torch.int64)
-        return (pages[:, None] * self.page_size + offsets).reshape(-1)
+        return page_token_slots(self.write_pages, self.page_size)
 
     @cached_property
     def positions(self) -> torch.Tensor:

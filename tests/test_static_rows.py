@@ -35,3 +35,17 @@ def test_row_count_is_fixed_whatever_the_gaps() -> None:
     apart = absolute_ragged_rows(_layout(((5,), (6, 7)), ((), (9, 10))).ragged_rows, 2)
     assert adjacent.qo_indptr.numel() == apart.qo_indptr.numel() == 5
     assert adjacent.kv_indptr.dtype == apart.kv_indptr.dtype == torch.int32
+
+
+def test_page_token_slots_from_device_page_ids_equal_the_layouts() -> None:
+    """The plans derive write slots from the int32 page ids they already hold; the same slots as the layout's."""
+    from ardiff_modules.layout import page_token_slots
+
+    layout = _layout(((3, 4), (5, 6)), ((), (9, 10)))
+    expected = layout.write_slots
+    assert expected.tolist() == [20, 21, 22, 23, 24, 25, 26, 27, 36, 37, 38, 39, 40, 41, 42, 43]
+    got = page_token_slots(layout.write_pages.to(torch.int32), layout.page_size)
+    assert got.dtype == torch.int64 and torch.equal(got, expected)
+    out = torch.full_like(expected, -1)
+    assert page_token_slots(layout.write_pages.to(torch.int32), layout.page_size, out=out) is out
+    assert torch.equal(out, expected)

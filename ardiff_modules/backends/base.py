@@ -56,16 +56,18 @@ class AttentionPlan(ABC):
 
     Attributes
     ----------
-    write_slots:
-        int64 ``[num_streams * seq_len]`` on the pool's device: the token slot (``page * page_size +
-        offset``) of every current token, stream-major -- where a compiled graph writes K/V itself
-        (see :func:`ardiff_modules.ops.kv_write_slots_op`). Fixed buffer in static plans.
     quantizer:
         The pool's FP8 scales, or ``None``.
     """
 
-    write_slots: torch.Tensor
     quantizer: KVQuantizer | None = None
+
+    @property
+    @abstractmethod
+    def write_slots(self) -> torch.Tensor:
+        """int64 ``[num_streams * seq_len]`` on the pool's device: the token slot (``page * page_size +
+        offset``) of every current token, stream-major -- where a compiled graph writes K/V itself
+        (see :func:`ardiff_modules.ops.kv_write_slots_op`). A fixed buffer in static plans."""
 
     @abstractmethod
     def attend(

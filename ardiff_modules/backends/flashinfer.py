@@ -31,7 +31,7 @@ import torch
 
 from ardiff_modules.backends.base import AttentionBackend, AttentionPlan, PlanRequest
 from ardiff_modules.errors import BackendUnavailableError, TensorMismatchError
-from ardiff_modules.layout import RaggedRows
+from ardiff_modules.layout import RaggedRows, page_token_slots
 from ardiff_modules.quant import is_quantized, quantize_query
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
@@ -118,7 +118,8 @@ class FlashInferPlan(AttentionPlan):
                 paged_kv_last_page_len_buf=torch.zeros(self.rows, dtype=torch.int32, device=device),
             )
             self._write_pages = torch.zeros(layout.write_pages.numel(), dtype=torch.int32, device=device)
-            self.write_slots = torch.zeros(layout.write_slots.numel(), dtype=torch.int64, device=device)
+            self._static_write_slots = torch.zeros(layout.seq_len * layout.num_streams, dtype=torch.int64, device=device)
+        self._write_slots: torch.Tensor | None = None
         self.update(request)
 
     def compatible(self, request: PlanRequest) -> bool:
@@ -315,14 +316,25 @@ class FlashInferPlan(AttentionPlan):
             self._append_last = torch.full((streams,), layout.page_size, dtype=torch.int32, device=dev)
             self._append_key = (streams, tokens)
         pages = _pinned(layout.write_pages.to(torch.int32))
-        # Token slots too: where a compiled graph writes K/V itself (ops.kv_write_slots_op).
-        slots = _pinned(layout.write_slots)
         if self.static:
             self._write_pages.copy_(pages, non_blocking=True)
-            self.write_slots.copy_(slots, non_blocking=True)
+            # A captured compiled graph reads the slots from this buffer: refresh it every forward
+            # (device work from the page ids already sent, no second host copy).
+            self._write_slots = page_token_slots(self._write_pages, layout.page_size, out=self._static_write_slots)
         else:
             self._write_pages = pages.to(self.device, non_blocking=True)
-            self.write_slots = slots.to(self.device, non_blocking=True)
+            self._write_slots = None  # derived on first use: only compiled graphs read it
+
+    @property
+    def write_slots(self) -> torch.Tensor:
+        """int64 ``[num_streams * seq_len]`` token slots of this forward's current tokens, on the device.
+
+        Read by the compiled write path's gate op (``ops.kv_write_slots_op``), once per layer; eager
+        forwards write with ``append_paged_kv_cache`` and never pay for it.
+        """
+        if self._write_slots is None:
+            self._write_slots = page_token_slots(self._write_pages, self.page_size)
+        return self._write_slots
 
     def __repr__(self) -> str:
         return (

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from ardiff_modules.backends.base import AttentionBackend, AttentionPlan, PlanRequest
 from ardiff_modules.errors import BackendUnavailableError
+from ardiff_modules.layout import page_token_slots
 from ardiff_modules.pool import KVPool
 from ardiff_modules.quant import dequantize
 
@@ -29,7 +30,8 @@ class ReferencePlan(AttentionPlan):
         self.num_streams = layout.num_streams
         self.seq_len = layout.seq_len
         self.write_pages = layout.write_pages.to(device, non_blocking=True)
-        self.write_slots = layout.write_slots.to(device, non_blocking=True)
+        self.page_size = layout.page_size
+        self._write_slots: torch.Tensor | None = None
         self.gather = gather.to(device, non_blocking=True)
         # NOTE: streams with fewer keys are padded with slot 0, which belongs to some other stream
         # (or is free). A masked key still enters SDPA's matmul (0 * NaN = NaN), so padded keys
@@ -54,6 +56,13 @@ class ReferencePlan(AttentionPlan):
 
     def __repr__(self) -> str:
         return f"ReferencePlan(streams={self.num_streams}, seq_len={self.seq_len}, keys={self.gather.shape[1]})"
+
+    @property
+    def write_slots(self) -> torch.Tensor:
+        """See :attr:`AttentionPlan.write_slots` (derived on first use: only compiled graphs read it)."""
+        if self._write_slots is None:
+            self._write_slots = page_token_slots(self.write_pages, self.page_size)
+        return self._write_slots
 
     def run(
         self,
