@@ -22,6 +22,7 @@ import torch
 
 from ardiff_modules.allocator import PageAllocator
 from ardiff_modules.backends import AttentionBackend, AttentionPlan, PlanRequest, resolve_backend
+from ardiff_modules.backends.segmented import plan_forward
 from ardiff_modules.checks import require_bool, require_int
 from ardiff_modules.context import ForwardContext, LayerContext
 from ardiff_modules.contexts import ContextRegistry
@@ -42,6 +43,7 @@ from ardiff_modules.reservation import Reservation
 from ardiff_modules.spec import KVCacheSpec, PendingAttention
 from ardiff_modules.state import KVState
 from ardiff_modules.validation import (
+    check_recache_sinks_in_place,
     check_capacity,
     check_no_open_commit,
     check_recache_capacity,
@@ -410,7 +412,8 @@ class KVCache:
             layout = ForwardLayout(
                 streams=tuple(
                     StreamLayout(
-                        tuple(h.history_pages()), h.pending[:num_chunks], h.token_offset, tuple(h.history_spans())
+                        tuple(h.history_pages()), h.pending[:num_chunks], h.token_offset, tuple(h.history_spans()),
+                        sink_pages=self._relative_sink_pages(h),
                     )
                     for h in histories
                 ),
@@ -419,8 +422,8 @@ class KVCache:
                 pending_attention=pending_attention,
             )
             planning = True
-            plan = self.backend.plan(self._plan_request(layout, token_mask, static, num_chunks), ctx.plan)
-            positions = _to_device(layout.positions, self.pool.device, ctx.positions if static else None)
+            plan = plan_forward(self.backend, self._plan_request(layout, token_mask, static, num_chunks), ctx.plan)
+            positions = self._positions(ctx, layout, static)
             cross = self._stack_cross(ctx, members, static)
         except BaseException:
             reservation.rollback()
@@ -434,6 +437,21 @@ class KVCache:
                 "forward prepared: %s, %d free pages left, plan %r", ctx, self.allocator.num_free, ctx.plan
             )
         return ctx
+
+    def _relative_sink_pages(self, history: BranchHistory) -> int:
+        """The stream's resident sink pages when sinks sit at relative positions (``0`` otherwise)."""
+        return sum(map(len, history.sinks)) if self.spec.relative_sinks else 0
+
+    def _positions(
+        self, ctx: ForwardContext, layout: ForwardLayout, static: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(positions, sink_positions)`` on the pool's device (fixed buffers when ``static``); the second
+        only with relative sinks (the positions where the sink query is rotated)."""
+        positions = _to_device(layout.positions, self.pool.device, ctx.positions if static else None)
+        if not self.spec.relative_sinks:
+            return positions, None
+        buffer = ctx.sink_positions if static else None
+        return positions, _to_device(layout.sink_positions, self.pool.device, buffer)
 
     def _drop_half_updated_plan(self, ctx: ForwardContext, what: str) -> None:
         """After ``plan()`` raised: a backend that re-plans in place may have left ``ctx.plan`` half-updated,
@@ -497,6 +515,8 @@ class KVCache:
             members = validate_streams(streams, self)
             histories = [state.history(branch) for state, branch in members]
             chunk_pages = recache_chunk_pages(members, histories, keep_sinks)
+            if self.spec.relative_sinks and not keep_sinks:
+                check_recache_sinks_in_place(members, histories)
             check_recache_capacity(histories, chunk_pages, self.allocator)
             num_chunks = len(chunk_pages)
             key = (tuple((state.session_id, branch) for state, branch in members), None)
@@ -514,14 +534,15 @@ class KVCache:
                         start += n
                     h.pending = tuple(chunks)  # NOTE: the fresh pages ride as pending: abort/close/reset free them
                     history_pages, spans, starts = h.recache_layout_parts(keep_sinks)
-                    streams_layout.append(StreamLayout(history_pages, h.pending, starts[0], spans, starts))
+                    sink_pages = len(history_pages) if self.spec.relative_sinks else 0  # the kept sinks
+                    streams_layout.append(StreamLayout(history_pages, h.pending, starts[0], spans, starts, sink_pages))
                 layout = ForwardLayout(
                     streams=tuple(streams_layout), chunk_size=self.spec.chunk_size, page_size=self.spec.page_size,
                     pending_attention="block_causal",
                 )
                 planning = True
-                plan = self.backend.plan(self._plan_request(layout, None, False, num_chunks), ctx.plan)
-                positions = _to_device(layout.positions, self.pool.device, None)
+                plan = plan_forward(self.backend, self._plan_request(layout, None, False, num_chunks), ctx.plan)
+                positions = self._positions(ctx, layout, False)
                 cross = self._stack_cross(ctx, members, False)
             except BaseException:
                 for h in histories:
@@ -564,7 +585,7 @@ class KVCache:
         histories: list[BranchHistory],
         plan: AttentionPlan,
         layout: ForwardLayout,
-        positions: torch.Tensor,
+        positions: tuple[torch.Tensor, torch.Tensor | None],
         cross: tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, str], dict[str, tuple[int, ...]]],
         commit_current: bool,
         token_mask: torch.Tensor | None,
@@ -582,7 +603,8 @@ class KVCache:
         self._forwards.publish(key, ctx)  # registers a new context; most recently used; evicts idle ones
         if plan is not ctx.plan:
             ctx.plan_epoch += 1
-        ctx.plan, ctx.layout, ctx.positions, ctx.commit_current = plan, layout, positions, commit_current
+        ctx.plan, ctx.layout, ctx.commit_current = plan, layout, commit_current
+        ctx.positions, ctx.sink_positions = positions
         ctx.token_mask = token_mask
         ctx.set_cross(cross[0], cross[1])
         ctx.cross_stack.adopt(cross[2])

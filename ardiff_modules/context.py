@@ -89,6 +89,11 @@ class LayerContext:
         return self.forward.positions
 
     @property
+    def sink_positions(self) -> torch.Tensor | None:
+        """Where to rotate the sink query, int64 ``[num_streams, seq_len]`` (relative sinks only, else ``None``)."""
+        return self.forward.sink_positions
+
+    @property
     def num_streams(self) -> int:
         return self.forward.num_streams
 
@@ -135,6 +140,10 @@ class ForwardContext:
         ``(session_id, branch)`` of each stream, in the order of the batch dimension.
     positions:
         int64 ``[num_streams, seq_len]`` absolute token positions (for RoPE), on the pool's device.
+    sink_positions:
+        With relative sinks (``KVCacheSpec.relative_sinks``), int64 ``[num_streams, seq_len]``: where
+        to rotate the query that attends the sinks (``positions`` minus each stream's
+        :attr:`sink_shifts`); ``None`` otherwise.
     layers:
         One :class:`LayerContext` per layer.
     """
@@ -148,6 +157,9 @@ class ForwardContext:
     plan: AttentionPlan | None = None
     layout: ForwardLayout | None = None
     positions: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    #: With ``KVCacheSpec.relative_sinks``: int64 ``[num_streams, seq_len]`` positions at which the sink
+    #: query is rotated (``positions - sink_shift`` per stream); ``None`` otherwise.
+    sink_positions: torch.Tensor | None = None
     commit_current: bool = False
     layers: list[LayerContext] = field(default_factory=list)
     #: name -> (K, V), each ``[num_layers, num_streams, tokens, heads, dim]``; only fully populated caches.
@@ -221,6 +233,19 @@ class ForwardContext:
     def pending_attention(self) -> str:
         """The rule between this forward's pending chunks: ``"block_causal"`` or ``"bidirectional"``."""
         return self.layout.pending_attention if self.layout is not None else "block_causal"
+
+    @property
+    def relative_sinks(self) -> bool:
+        """Whether the layers must pass a sink query (``chunk_attention(..., sink_query=...)``)."""
+        return self.sink_positions is not None
+
+    @property
+    def sink_shifts(self) -> tuple[int, ...]:
+        """Per stream, the tokens added to its sinks' positions in this forward (``0``: natural positions;
+        always ``0`` without relative sinks)."""
+        if self.layout is None:
+            return ()
+        return self.layout.sink_shifts
 
     @property
     def token_offsets(self) -> tuple[int, ...]:

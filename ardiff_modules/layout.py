@@ -20,7 +20,7 @@ Everything here is CPU int tensors; backends copy what they need to the device.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import torch
@@ -56,6 +56,9 @@ class StreamLayout:
         Absolute position of the first token of each pending chunk when they are not consecutive
         from ``token_offset`` (a re-cache forward rebuilds resident chunks at their original
         positions: sinks + the last W chunks are not one run); ``()``: consecutive.
+    sink_pages:
+        How many leading ``history_pages`` belong to sink chunks. Only set when the sinks are
+        attended at relative positions (``KVCacheSpec.relative_sinks``); ``0`` otherwise.
     """
 
     history_pages: tuple[int, ...]
@@ -63,6 +66,33 @@ class StreamLayout:
     token_offset: int
     history_spans: tuple[tuple[int, int], ...] = ()
     pending_starts: tuple[int, ...] = ()
+    sink_pages: int = 0
+
+    @property
+    def first_pending_position(self) -> int:
+        """Absolute position of the first pending token."""
+        return self.pending_starts[0] if self.pending_starts else self.token_offset
+
+    def split_history(self, page_size: int) -> tuple[int, int]:
+        """``(sink spans, sink tokens)``: how many of :attr:`history_spans` and tokens the sink pages cover."""
+        tokens, spans = self.sink_pages * page_size, 0
+        covered = 0
+        while covered < tokens:
+            covered += self.history_spans[spans][1]
+            spans += 1
+        assert covered == tokens, "sink pages must cover whole chunks"
+        return spans, tokens
+
+    def sink_shift(self, page_size: int) -> int:
+        """Tokens added to the sinks' positions: their last token then sits just before the first visible
+        non-sink token (the oldest window chunk's, or the first pending token's when no window chunk is
+        resident). ``0`` without sinks, and until the first eviction."""
+        if not self.sink_pages:
+            return 0
+        spans, _ = self.split_history(page_size)
+        start, tokens = self.history_spans[spans - 1]
+        after = self.history_spans[spans][0] if spans < len(self.history_spans) else self.first_pending_position
+        return after - (start + tokens)
 
 
 @dataclass(frozen=True)
@@ -117,6 +147,9 @@ class ForwardLayout:
     chunk_size: int
     page_size: int
     pending_attention: PendingAttention = "block_causal"
+    #: ``False``: rows see the history alone, never a pending key -- the sink segment of a forward whose
+    #: sinks sit at relative positions (:meth:`sinks_only`), one row per stream.
+    pending_visible: bool = True
 
     def __post_init__(self) -> None:
         shapes = {tuple(map(len, s.pending_pages)) for s in self.streams}
@@ -140,9 +173,10 @@ class ForwardLayout:
     def rows_per_stream(self) -> int:
         """Structural rows (attention requests) per stream: one per pending chunk, or one if bidirectional.
 
-        NOTE: a one-chunk forward is one row either way: the two rules coincide there.
+        NOTE: a one-chunk forward is one row either way: the two rules coincide there. A history-only
+        layout (``pending_visible=False``) is one row per stream too: every query sees the same keys.
         """
-        return 1 if self.bidirectional else self.num_chunks
+        return 1 if self.bidirectional or not self.pending_visible else self.num_chunks
 
     @property
     def num_rows(self) -> int:
@@ -161,6 +195,9 @@ class ForwardLayout:
         spans = []
         for s, stream in enumerate(self.streams):
             history = len(stream.history_pages) * self.page_size
+            if not self.pending_visible:
+                spans.append((s, 0, self.seq_len, history))
+                continue
             if self.bidirectional:
                 spans.append((s, 0, self.seq_len, history + self.seq_len))
                 continue
@@ -233,6 +270,11 @@ class ForwardLayout:
         qo = [0]
         for stream in self.streams:
             visible = list(stream.history_pages)
+            if not self.pending_visible:  # the history alone, for all of the stream's queries
+                indices.extend(visible)
+                indptr.append(len(indices))
+                qo.append(qo[-1] + self.seq_len)
+                continue
             for chunk, length in zip(stream.pending_pages, self.chunk_lengths):
                 visible.extend(chunk)  # chunk c sees pending chunks 0..c
                 if not self.bidirectional:
@@ -265,7 +307,10 @@ class ForwardLayout:
         kv: list[int] = []
         gaps = 0
         for stream in self.streams:
-            pages = sorted(stream.history_pages + tuple(p for chunk in stream.pending_pages for p in chunk))
+            pending = tuple(p for chunk in stream.pending_pages for p in chunk) if self.pending_visible else ()
+            pages = sorted(stream.history_pages + pending)
+            if not pages:  # a stream that sees no key (a sink segment without sinks): paged
+                return None
             first, last = pages[0], pages[-1]
             if last - first + 1 != len(pages):
                 return None
@@ -289,6 +334,62 @@ class ForwardLayout:
             gap_rows=gaps,
         )
 
+    # ------------------------------------------------------------------ relative-position sinks
+    @property
+    def splits_sinks(self) -> bool:
+        """Whether some stream attends resident sinks at relative positions: the forward then runs as two
+        key segments (:meth:`sinks_only` with the sink query, :meth:`without_sinks` with the query),
+        merged by their LSE."""
+        return any(s.sink_pages for s in self.streams)
+
+    @cached_property
+    def sink_shifts(self) -> tuple[int, ...]:
+        """Per stream, the tokens added to its sink keys' positions (:meth:`StreamLayout.sink_shift`)."""
+        return tuple(s.sink_shift(self.page_size) for s in self.streams)
+
+    @cached_property
+    def sink_positions(self) -> torch.Tensor:
+        """int64 ``[num_streams, seq_len]``: the positions at which the queries attend the sinks,
+        ``positions - sink_shift``: RoPE scores depend on ``query - key`` positions only, so a query
+        rotated there sees each sink key as if it sat ``sink_shift`` tokens later."""
+        return self.positions - torch.tensor(self.sink_shifts, dtype=torch.int64)[:, None]
+
+    def without_sinks(self) -> ForwardLayout:
+        """This forward minus the sink keys (window + pending): the segment attended at natural positions."""
+        streams = []
+        for s in self.streams:
+            spans, _ = s.split_history(self.page_size)
+            streams.append(replace(
+                s, history_pages=s.history_pages[s.sink_pages :], history_spans=s.history_spans[spans:], sink_pages=0
+            ))
+        return replace(self, streams=tuple(streams))
+
+    def sinks_only(self) -> ForwardLayout:
+        """The sink keys alone, one row per stream over all its queries (the segment attended with the
+        sink query): a history-only layout (``pending_visible=False``); the pending pages stay for
+        :attr:`write_pages` but are never attended."""
+        streams = []
+        for s in self.streams:
+            spans, _ = s.split_history(self.page_size)
+            streams.append(replace(
+                s, history_pages=s.history_pages[: s.sink_pages], history_spans=s.history_spans[:spans], sink_pages=0
+            ))
+        return replace(self, streams=tuple(streams), pending_visible=False)
+
+    def sink_columns(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """int64 ``(sink, rest)`` indices into :meth:`to_dense`'s key columns, ``[num_streams, keys]`` each
+        (padded with the last column): the columns of :meth:`sinks_only` and :meth:`without_sinks`
+        in their own :meth:`to_dense` orders, to split a ``token_mask``."""
+        max_keys = self.dense_keys[0].shape[1]
+        sink_rows, rest_rows = [], []
+        for s in self.streams:
+            history = len(s.history_pages) * self.page_size
+            sink_tokens = s.sink_pages * self.page_size
+            pending = torch.arange(history, history + self.seq_len)
+            sink_rows.append(torch.cat([torch.arange(sink_tokens), pending]))
+            rest_rows.append(torch.cat([torch.arange(sink_tokens, history), pending]))
+        return _pad_rows(sink_rows, max_keys - 1), _pad_rows(rest_rows, max_keys - 1)
+
     # ------------------------------------------------------------------ dense oracle
     @cached_property
     def dense_keys(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -298,7 +399,8 @@ class ForwardLayout:
         slots of its history pages then of its pending pages (padded with slot 0).
         ``mask`` is bool ``[num_streams, seq_len, max_keys]``: query ``i`` (pending
         chunk ``query_chunk[i]``) sees all history keys and pending chunks ``<=`` its own
-        (block-causal), or every pending key (bidirectional).
+        (block-causal), or every pending key (bidirectional); no pending key when
+        ``pending_visible`` is false.
         """
         page_offsets = torch.arange(self.page_size, dtype=torch.int64)
         per_stream = []
@@ -313,6 +415,8 @@ class ForwardLayout:
             gather[i, : slots.numel()] = slots
             history = len(s.history_pages) * self.page_size
             mask[i, :, :history] = True
+            if not self.pending_visible:
+                continue
             if self.bidirectional:
                 mask[i, :, history : history + self.seq_len] = True
             else:
@@ -336,3 +440,11 @@ class ForwardLayout:
     def to_dense(self) -> torch.Tensor:
         """The visibility rule as a bool mask ``[num_streams, seq_len, max_keys]`` over the gathered keys."""
         return self.dense_keys[1]
+
+
+def _pad_rows(rows: list[torch.Tensor], fill: int) -> torch.Tensor:
+    """Stack int64 rows of different lengths, padded with ``fill``."""
+    out = torch.full((len(rows), max(r.numel() for r in rows)), fill, dtype=torch.int64)
+    for i, r in enumerate(rows):
+        out[i, : r.numel()] = r
+    return out

@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -85,12 +85,14 @@ def chunk_attention_op(
     layer: torch.Tensor,
     plan_id: torch.Tensor,
     scale: float,
+    q_sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write ``k``/``v`` into the pending pages of layer ``layer`` of ``kv_pool`` and attend.
 
     ``q`` is ``[tokens, heads, head_dim]`` (streams flattened, stream-major), ``k``/``v``
     ``[tokens, kv_heads, head_dim]``, ``kv_pool`` the whole pool ``[layers, 2, pages, page_size,
-    kv_heads, head_dim]``; ``layer`` and ``plan_id`` are CPU int64 scalars. Returns
+    kv_heads, head_dim]``; ``layer`` and ``plan_id`` are CPU int64 scalars; ``q_sink`` (like ``q``)
+    the query that attends the sinks when they sit at relative positions. Returns
     ``[tokens, heads, head_dim_v]``.
 
     NOTE: the op mutates the one pool tensor, never per-layer views of it: several aliased
@@ -99,7 +101,7 @@ def chunk_attention_op(
     every layer and reading it is not a device sync.
     """
     plan, index, k_cache, v_cache = _resolve(kv_pool, layer, plan_id)
-    return cast(torch.Tensor, plan.run(q, k, v, k_cache, v_cache, scale, layer=index))
+    return cast(torch.Tensor, plan.run(q, k, v, k_cache, v_cache, scale, layer=index, **_sink_query(plan, q_sink)))
 
 
 def _resolve(
@@ -111,8 +113,14 @@ def _resolve(
     return plan, index, kv_pool[index, 0], kv_pool[index, 1]
 
 
+def _sink_query(plan: AttentionPlan, q_sink: torch.Tensor | None) -> dict[str, Any]:
+    """``q_sink`` as a keyword for plans whose sinks sit at relative positions (a forward before any sink
+    is resident runs one segment and ignores it)."""
+    return {"q_sink": q_sink} if plan.uses_sink_query else {}
+
+
 @chunk_attention_op.register_fake
-def _chunk_attention_fake(q, k, v, kv_pool, layer, plan_id, scale):  # noqa: ANN001, ANN202
+def _chunk_attention_fake(q, k, v, kv_pool, layer, plan_id, scale, q_sink=None):  # noqa: ANN001, ANN202
     return q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
 
 
@@ -125,6 +133,7 @@ def chunk_attention_lse_op(
     layer: torch.Tensor,
     plan_id: torch.Tensor,
     scale: float,
+    q_sink: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`chunk_attention_op` that also returns the float32 ``[tokens, heads]`` natural-log LSE.
 
@@ -132,12 +141,13 @@ def chunk_attention_lse_op(
     """
     plan, index, k_cache, v_cache = _resolve(kv_pool, layer, plan_id)
     return cast(
-        "tuple[torch.Tensor, torch.Tensor]", plan.run(q, k, v, k_cache, v_cache, scale, return_lse=True, layer=index)
+        "tuple[torch.Tensor, torch.Tensor]",
+        plan.run(q, k, v, k_cache, v_cache, scale, return_lse=True, layer=index, **_sink_query(plan, q_sink)),
     )
 
 
 @chunk_attention_lse_op.register_fake
-def _chunk_attention_lse_fake(q, k, v, kv_pool, layer, plan_id, scale):  # noqa: ANN001, ANN202
+def _chunk_attention_lse_fake(q, k, v, kv_pool, layer, plan_id, scale, q_sink=None):  # noqa: ANN001, ANN202
     return q.new_empty((q.shape[0], q.shape[1], v.shape[2])), q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32)
 
 
@@ -214,32 +224,43 @@ def write_kv_in_graph(
 
 @torch.library.custom_op("ardiff_modules::paged_attention", mutates_args=())
 def paged_attention_op(
-    q: torch.Tensor, kv_pool: torch.Tensor, layer: torch.Tensor, plan_id: torch.Tensor, scale: float
+    q: torch.Tensor,
+    kv_pool: torch.Tensor,
+    layer: torch.Tensor,
+    plan_id: torch.Tensor,
+    scale: float,
+    q_sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attend ``q`` ``[tokens, heads, head_dim]`` over layer ``layer`` of ``kv_pool``, whose pending
     pages already hold the current K/V (:func:`write_kv_in_graph`); ``[tokens, heads, head_dim_v]``."""
     plan, index, k_cache, v_cache = _resolve(kv_pool, layer, plan_id)
-    return cast(torch.Tensor, plan.attend(q, k_cache, v_cache, scale, layer=index))
+    return cast(torch.Tensor, plan.attend(q, k_cache, v_cache, scale, layer=index, **_sink_query(plan, q_sink)))
 
 
 @paged_attention_op.register_fake
-def _paged_attention_fake(q, kv_pool, layer, plan_id, scale):  # noqa: ANN001, ANN202
+def _paged_attention_fake(q, kv_pool, layer, plan_id, scale, q_sink=None):  # noqa: ANN001, ANN202
     return q.new_empty((q.shape[0], q.shape[1], kv_pool.shape[-1]))
 
 
 @torch.library.custom_op("ardiff_modules::paged_attention_lse", mutates_args=())
 def paged_attention_lse_op(
-    q: torch.Tensor, kv_pool: torch.Tensor, layer: torch.Tensor, plan_id: torch.Tensor, scale: float
+    q: torch.Tensor,
+    kv_pool: torch.Tensor,
+    layer: torch.Tensor,
+    plan_id: torch.Tensor,
+    scale: float,
+    q_sink: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`paged_attention_op` that also returns the float32 ``[tokens, heads]`` natural-log LSE."""
     plan, index, k_cache, v_cache = _resolve(kv_pool, layer, plan_id)
     return cast(
-        "tuple[torch.Tensor, torch.Tensor]", plan.attend(q, k_cache, v_cache, scale, return_lse=True, layer=index)
+        "tuple[torch.Tensor, torch.Tensor]",
+        plan.attend(q, k_cache, v_cache, scale, return_lse=True, layer=index, **_sink_query(plan, q_sink)),
     )
 
 
 @paged_attention_lse_op.register_fake
-def _paged_attention_lse_fake(q, kv_pool, layer, plan_id, scale):  # noqa: ANN001, ANN202
+def _paged_attention_lse_fake(q, kv_pool, layer, plan_id, scale, q_sink=None):  # noqa: ANN001, ANN202
     return (
         q.new_empty((q.shape[0], q.shape[1], kv_pool.shape[-1])),
         q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32),

@@ -137,6 +137,15 @@ class KVCacheSpec:
         it: ``prepare_forward(..., pending_attention=...)``): ``"block_causal"`` (pending chunk ``c``
         sees pending chunks ``0..c``) or ``"bidirectional"`` (each sees all of them: Rolling
         Forcing). History visibility and commits are the same under both.
+    relative_sinks:
+        Attend the sink chunks at *relative* positions (LongLive 2's relative RoPE, Rolling Forcing's
+        re-roped anchor): in every forward a stream's sinks are seen as if their last token sat just
+        before its first visible non-sink token (the oldest window chunk, or the first pending chunk
+        when no window chunk is resident), so the distance from any query to the sinks stays bounded
+        however long the stream. Window and pending keys keep their natural positions. Needs
+        ``sink_chunks >= 1`` (or a retention policy with sinks) and a RoPE the layers can evaluate at
+        other positions: the layers then also attend with the query rotated at
+        ``ForwardContext.sink_positions`` (``chunk_attention(..., sink_query=...)``).
     """
 
     num_layers: int
@@ -153,6 +162,7 @@ class KVCacheSpec:
     kv_dtype: str | None = None
     retention: RetentionPolicy | None = None
     pending_attention: PendingAttention = "block_causal"
+    relative_sinks: bool = False
 
     def __post_init__(self) -> None:
         owner = "KVCacheSpec"
@@ -217,6 +227,13 @@ class KVCacheSpec:
             )
         self._check_retention(owner)
         check_pending_attention(f"{owner}.pending_attention", self.pending_attention)
+        if not isinstance(self.relative_sinks, bool):
+            raise SpecError(f"{owner}.relative_sinks: expected a bool, got {self.relative_sinks!r}")
+        if self.relative_sinks and self.policy.sink_chunks < 1:
+            raise SpecError(
+                f"{owner}.relative_sinks: expected sink chunks to move (sink_chunks >= 1), got "
+                f"sink_chunks={self.policy.sink_chunks}"
+            )
 
     def _check_retention(self, owner: str) -> None:
         if self.retention is None:

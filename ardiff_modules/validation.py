@@ -238,3 +238,24 @@ def check_recache_capacity(histories: Sequence[BranchHistory], chunk_pages: Sequ
             needed=needed,
             free=allocator.num_free,
         )
+
+
+def check_recache_sinks_in_place(members: Sequence[tuple[KVState, str]], histories: Sequence[BranchHistory]) -> None:
+    """With relative sinks, a re-cache that rebuilds the sinks (``keep_sinks=False``) must not need them moved.
+
+    A rebuilt sink is a pending chunk, which its stream's other rebuilt chunks attend at natural
+    distance; once the window has slid (a gap between the sinks' end and the oldest window chunk) that
+    is not where relative sinks sit, so such a re-cache is refused: keep the sinks (the default).
+    """
+    for (state, branch), h in zip(members, histories):
+        sinks = len(h.sinks)
+        if not sinks or sinks >= len(h.resident):
+            continue
+        spans = h.history_spans()
+        sink_end = spans[sinks - 1][0] + spans[sinks - 1][1]
+        if spans[sinks][0] != sink_end:
+            raise SpecError(
+                f"prepare_recache: expected keep_sinks=True for {state.session_id!r}/{branch!r} with relative_sinks "
+                f"(its sinks end at position {sink_end}, its oldest window chunk starts at {spans[sinks][0]}: "
+                "rebuilt sinks would be attended at their natural distance)"
+            )

@@ -18,26 +18,42 @@ Layouts on ``N`` GPUs (``--layouts``; the same seeded weights and inputs on ever
 * ``cfg``      -- CFG-parallel: ``cond`` on half the GPUs, ``uncond`` on the other half; with ``N > 2``
                   the halves are Ulysses groups of ``N / 2`` (a ``(2, N/2)`` mesh ``("cfg", "sp")``).
 * ``ulysses``  -- Ulysses over all ``N`` GPUs: both branches on every rank, ``1/N`` of the tokens outside
-                  attention, ``1/N`` of the heads inside it (4 all-to-alls per self-attention, 2 per
-                  cross-attention).
+                  attention, ``1/N`` of the heads inside it (2 all-to-alls per self-attention: q/k/v
+                  fused, the output; 2 per cross-attention, none with ``--cross-attention tokens``).
+
+``--graph``: every forward is prepared with ``static=True`` and the whole model step is replayed from
+a CUDA graph (``CUDAGraphStep`` for ``single``, ``DistributedCUDAGraphStep`` for the parallel layouts:
+the all-to-alls and the model in one graph per rank, captured once, NCCL inside), so host launch
+overhead is out of the comparison.
 
 Timing: every layout warms up until its window is full and has evicted once, then times
 ``--steps`` chunk steps one by one (``_timing.each_call``: each step between two reads of
 ``torch.utils.benchmark``'s clock, which synchronises this rank's device). A step's time is the
 slowest rank's (the ranks' per-step times are all-reduced with MAX). Reported: median ms per chunk
 step with IQR, speed-up vs ``single`` (targets: CFG-parallel on 2 GPUs >= 1.9x; Ulysses on 2 GPUs at
-the 14B shape >= 1.8x), and, for layouts with an SP group, the **all-to-all share** of the step: one
-extra (untimed) step with CUDA events around every all-to-all (the time the compute stream waits for
-it, including its permute copies), summed over the step, divided by the median step time (target at
-the 14B shape: <= 10 %). Checked: the last committed forward's outputs (gathered) agree with
-``single``'s (relative error norm <= 3e-2 in bf16); exit status 1 otherwise.
+the 14B shape >= 1.8x), and, for layouts with an SP group, the **all-to-all share** of the step
+(target at the 14B shape: <= 10 %), measured two ways:
+
+* ``a2a_share`` -- one extra eager step with CUDA events around each collective only
+  (``SequenceParallel.all_to_all``: the NCCL kernel and the wait for the peer; not the layout copies
+  around it), summed over the step, divided by the median step time. ``a2a_share_with_layout`` also
+  counts the copies that build send buffers and unpack receive buffers (the old, upper-bound figure).
+* ``a2a_share_by_removal`` -- the same ``--steps`` steps (eager or graph, as timed) with every
+  all-to-all replaced by a local copy of the same size (``send.clone()``: the same bytes written, no
+  communication, no waiting for the peer): ``1 - no_comm_ms / ms``. The outputs of those steps are
+  wrong (each rank keeps its own blocks); they are timed after the agreement check.
+
+Checked: the last committed forward's outputs (gathered) agree with ``single``'s (relative error
+norm <= 3e-2 in bf16); exit status 1 otherwise.
 
     python benchmarks/multi_gpu.py                                # spawns one process per visible GPU
     torchrun --nproc-per-node 2 benchmarks/multi_gpu.py          # or under torchrun
     python benchmarks/multi_gpu.py --shapes wan-14b --steps 5 --out /tmp/mgpu
+    python benchmarks/multi_gpu.py --graph --layouts single,cfg,ulysses --out /tmp/mgpu-graph
 
 Writes ``OUT/multi_gpu.json`` (config, per shape and layout: mesh, ms per chunk step (median, IQR,
-samples), speed-up vs single, all-to-all ms and share, agreement; run metadata) and ``OUT/multi_gpu.png``.
+samples), speed-up vs single, all-to-all ms and shares, agreement; run metadata) and ``OUT/multi_gpu.png``
+(``multi_gpu_graph.json`` / ``.png`` with ``--graph``).
 Needs CUDA, FlashInfer and at least 2 GPUs; exits 2 with one line otherwise.
 """
 
@@ -115,6 +131,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers-13b", type=int, default=30, help="blocks at the 1.3B shape (Wan2.1-1.3B: 30)")
     p.add_argument("--layers-14b", type=int, default=10, help="blocks at the 14B shape (Wan-14B: 40)")
     p.add_argument("--compile", action="store_true", help="torch.compile(fullgraph=True) the block stack")
+    p.add_argument("--graph", action="store_true",
+                   help="static forwards, the whole step replayed from a CUDA graph (CUDA only)")
+    p.add_argument("--fuse-qkv", choices=("auto", "on", "off"), default="auto",
+                   help="SequenceParallel.fuse_qkv: q/k/v in one all-to-all (auto: when a rank has 2+ streams)")
+    p.add_argument("--cross-attention", choices=("heads", "tokens"), default="heads",
+                   help="Ulysses cross-attention: head shards (2 all-to-alls per block, caches / P) or this "
+                        "rank's tokens with every head (no all-to-all, every head cached)")
+    p.add_argument("--no-removal", action="store_true",
+                   help="skip the all-to-alls-replaced-by-local-copies variant (saves --steps steps per SP layout)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=HERE / "results", help="folder for multi_gpu.json / .png")
     args = p.parse_args(argv)
@@ -129,6 +154,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         fail(p.prog, f"--layouts: expected names from {LAYOUTS}, got {bad}")
     if args.steps < 1:
         fail(p.prog, f"--steps: expected >= 1, got {args.steps}")
+    if args.graph and args.device != "cuda":
+        fail(p.prog, "--graph: CUDA graphs need --device cuda")
     return args
 
 
@@ -226,15 +253,20 @@ class _Runner:
                 dims = ((world,), ("sp",))
             device_mesh = init_device_mesh(self.device.type, dims[0], mesh_dim_names=dims[1])
             self.mesh = ParallelMesh(device_mesh, BRANCHES, cfg_dim="cfg" if "cfg" in dims[1] else None,
-                                     sp_dim="sp" if "sp" in dims[1] else None)
+                                     sp_dim="sp" if "sp" in dims[1] else None, cross_attention=args.cross_attention)
             local = self.mesh.local_spec(spec)
             self.cache = DistributedKVCache(spec, self.mesh, num_pages=pages_needed(local, len(local.branches)),
                                             device=self.device)
             parallelize(self.model, self.mesh)
             self.branches = self.mesh.local_branches
+            if self.mesh.sp is not None:
+                self.mesh.sp.fuse_qkv = {"auto": None, "on": True, "off": False}[args.fuse_qkv]
         self.fn: Callable[..., Any] = self.model
         if args.compile and self.active:
             self.fn = torch.compile(self.model, fullgraph=True)
+        #: --graph: the step object replaying ``fn`` (built on first use, again after ``reset_graphs``).
+        self.graph = bool(args.graph)
+        self.graph_step: Any = None
         # Inputs drawn on the device from one seeded generator: the same values on every rank, no host work.
         self._g = torch.Generator(device=self.device).manual_seed(args.seed + 1)
         self.text = torch.randn(len(BRANCHES), shape.text_tokens, shape.dim, generator=self._g, device=self.device,
@@ -252,6 +284,21 @@ class _Runner:
         return self.torch.randn(len(BRANCHES), self.shape.chunk, self.shape.dim, generator=self._g,
                                 device=self.device, dtype=self.dtype)
 
+    def reset_graphs(self) -> None:
+        """Drop the captured graphs (every rank): the next graph step captures again."""
+        if self.graph_step is not None:
+            self.graph_step.clear()
+        self.graph_step = None
+
+    def _graph_step(self) -> Any:
+        if self.graph_step is None:
+            from ardiff_modules.distributed import DistributedCUDAGraphStep
+            from ardiff_modules.graphs import CUDAGraphStep
+
+            self.graph_step = (CUDAGraphStep(self.fn) if self.mesh is None
+                               else DistributedCUDAGraphStep(self.fn, self.mesh))
+        return self.graph_step
+
     def step(self) -> Any:
         """One chunk step; returns the committing forward's output (this rank's part)."""
         x = self.next_input()
@@ -259,15 +306,17 @@ class _Runner:
             return None
         torch = self.torch
         out = None
+        static = self.graph
         with torch.no_grad():
             for i in range(DENOISING_FORWARDS + 1):
                 commit = i == DENOISING_FORWARDS
                 if self.mesh is None:
-                    with self.state.prepare_forward(BRANCHES, self.shape.chunk, commit) as fwd:
-                        out = self.fn(x, fwd.layers)
+                    with self.state.prepare_forward(BRANCHES, self.shape.chunk, commit, static=static) as fwd:
+                        out = self._graph_step()(fwd, x) if static else self.fn(x, fwd.layers)
                 else:
-                    with self.cache.prepare_forward(self.state, self.shape.chunk, commit) as fwd:
-                        out = self.fn(self.mesh.scatter(x), fwd.layers)
+                    with self.cache.prepare_forward(self.state, self.shape.chunk, commit, static=static) as fwd:
+                        local = self.mesh.scatter(x)
+                        out = self._graph_step()(fwd, local) if static else self.fn(local, fwd.layers)
         self.last = out
         return out
 
@@ -277,6 +326,7 @@ class _Runner:
         return self.mesh.gather(self.last)
 
     def close(self) -> None:
+        self.reset_graphs()
         if self.cache is not None:
             self.cache.close()
         if self.mesh is not None and self.model is not None:
@@ -311,29 +361,60 @@ class _Mark:
 
 @contextlib.contextmanager
 def a2a_events(runner: _Runner) -> Any:
-    """CUDA events around every all-to-all of ``runner``'s SP group; yields the list of (start, end) pairs."""
-    pairs: list[tuple[Any, Any]] = []
+    """CUDA events around ``runner``'s SP all-to-alls; yields ``{"collective": pairs, "with_layout": pairs}``.
+
+    ``collective``: around each ``SequenceParallel.all_to_all`` (the NCCL kernel and the wait for the
+    peer). ``with_layout``: around each outermost ``to_head_shards[_many]`` / ``to_token_shards`` call
+    (also the copies that build the send buffer and unpack the received one).
+    """
+    pairs: dict[str, list[tuple[Any, Any]]] = {"collective": [], "with_layout": []}
     sp = runner.mesh.sp if runner.mesh is not None else None
     if sp is None:
         yield pairs
         return
-    originals = sp.to_head_shards, sp.to_token_shards
+    depth = [0]
 
-    def timed(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def timed(fn: Callable[..., Any], kind: str) -> Callable[..., Any]:
         def wrapper(*a: Any, **k: Any) -> Any:
+            outer = kind == "collective" or depth[0] == 0
+            if kind == "with_layout":
+                depth[0] += 1
             start, end = _Mark(runner.device), _Mark(runner.device)
             start.record()
-            out = fn(*a, **k)
+            try:
+                out = fn(*a, **k)
+            finally:
+                if kind == "with_layout":
+                    depth[0] -= 1
             end.record()
-            pairs.append((start, end))
+            if outer:
+                pairs[kind].append((start, end))
             return out
         return wrapper
 
-    sp.to_head_shards, sp.to_token_shards = timed(originals[0]), timed(originals[1])
+    names = ("to_head_shards", "to_head_shards_many", "to_token_shards")
+    for name in names:
+        setattr(sp, name, timed(getattr(sp, name), "with_layout"))
+    sp.all_to_all = timed(sp.all_to_all, "collective")  # type: ignore[method-assign]
     try:
         yield pairs
     finally:
-        del sp.to_head_shards, sp.to_token_shards  # back to the class's methods
+        for name in (*names, "all_to_all"):
+            delattr(sp, name)  # back to the class's methods
+
+
+@contextlib.contextmanager
+def local_copies_instead_of_all_to_all(runner: _Runner) -> Any:
+    """Replace every all-to-all of ``runner``'s SP group by a local copy of the same size (no communication)."""
+    sp = runner.mesh.sp if runner.mesh is not None else None
+    if sp is None:
+        yield
+        return
+    sp.all_to_all = lambda send: send.clone()  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del sp.all_to_all
 
 
 def measure_layout(layout: str, shape: Shape, args: argparse.Namespace, world: int,
@@ -360,21 +441,38 @@ def measure_layout(layout: str, shape: Shape, args: argparse.Namespace, world: i
             "ms_per_chunk_step": step.median_ms,
             "ms_per_chunk_step_stats": step.as_dict(),
         }
-        # The last timed step's output, before the profiling step below advances the stream once more.
+        # The last timed step's output, before the profiling steps below advance the stream once more.
         out = runner.gathered_last() if runner.active else None
         if runner.mesh is not None and runner.mesh.sp is not None:
-            # Measured on the eager model (a compiled graph would not see the timing wrappers).
-            compiled, runner.fn = runner.fn, runner.model
+            # Events: on the eager, uncompiled model (a compiled graph or a CUDA graph would not see the
+            # timing wrappers); one step, dynamic forwards.
+            compiled, graph, runner.fn, runner.graph = runner.fn, runner.graph, runner.model, False
             with a2a_events(runner) as pairs:
                 runner.step()
-            runner.fn = compiled
+            runner.fn, runner.graph = compiled, graph
             if runner.device.type == "cuda":
                 torch.cuda.synchronize()
-            a2a = torch.tensor(sum(s.elapsed_time(e) for s, e in pairs), dtype=torch.float64, device=runner.device)
-            dist.all_reduce(a2a, op=dist.ReduceOp.MAX)
-            result["a2a_ms_per_step"] = float(a2a)
-            result["a2a_calls_per_step"] = len(pairs)
-            result["a2a_share"] = float(a2a) / step.median_ms
+            for kind, key in (("collective", "a2a"), ("with_layout", "a2a_with_layout")):
+                ms = torch.tensor(sum(s.elapsed_time(e) for s, e in pairs[kind]), dtype=torch.float64,
+                                  device=runner.device)
+                dist.all_reduce(ms, op=dist.ReduceOp.MAX)
+                result[f"{key}_ms_per_step"] = float(ms)
+                result[f"{key}_share"] = float(ms) / step.median_ms
+            result["a2a_calls_per_step"] = len(pairs["collective"])
+            if not args.no_removal:
+                # The same steps, as timed (eager / compiled / graph), with local copies for the collectives.
+                runner.reset_graphs()  # a graph captured with the collectives would keep running them
+                with local_copies_instead_of_all_to_all(runner):
+                    runner.step()  # (re)capture, recompile
+                    dist.barrier()
+                    removed, _ = each_call(runner.step, args.steps)
+                runner.reset_graphs()
+                mine = torch.tensor(removed.samples_ms, dtype=torch.float64, device=runner.device)
+                dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+                no_comm = Stats.from_ms(mine.tolist())
+                result["no_comm_ms_per_chunk_step"] = no_comm.median_ms
+                result["no_comm_ms_per_chunk_step_stats"] = no_comm.as_dict()
+                result["a2a_share_by_removal"] = 1.0 - no_comm.median_ms / step.median_ms
         if layout != "single" and reference is not None and out is not None:
             err = float((out.float() - reference.float()).norm() / reference.float().norm().clamp_min(1e-12))
             result["rel_error_vs_single"] = err
@@ -419,9 +517,14 @@ def run_rank(args: argparse.Namespace) -> dict[str, Any] | None:
             agree &= res.get("agrees", True)
             per_layout[layout] = res
             if rank == 0:
+                shares = "".join(
+                    f"  {label} {100 * res[key]:.1f}%" for key, label in (
+                        ("a2a_share", "a2a"), ("a2a_with_layout_share", "a2a+layout"),
+                        ("a2a_share_by_removal", "a2a by removal"))
+                    if key in res)
                 print(f"{shape_name:12s} {layout:8s} " + (
-                    f"{res['ms_per_chunk_step']:9.2f} ms/step" if "ms_per_chunk_step" in res else res["error"]),
-                    flush=True)
+                    f"{res['ms_per_chunk_step']:9.2f} ms/step{shares}" if "ms_per_chunk_step" in res
+                    else res["error"]), flush=True)
         base = per_layout.get("single", {}).get("ms_per_chunk_step")
         for res in per_layout.values():
             if base and "ms_per_chunk_step" in res:
@@ -433,7 +536,8 @@ def run_rank(args: argparse.Namespace) -> dict[str, Any] | None:
         "benchmark": "multi_gpu",
         "world_size": world,
         "config": {"steps": args.steps, "denoising_forwards": DENOISING_FORWARDS, "branches": BRANCHES,
-                   "compile": args.compile, "device": args.device,
+                   "compile": args.compile, "graph": args.graph, "fuse_qkv": args.fuse_qkv,
+                   "cross_attention": args.cross_attention, "device": args.device,
                    "dtype": "bfloat16" if args.device == "cuda" else "float32",
                    "backend": "auto (FlashInfer)" if args.device == "cuda" else "reference (CPU dry run)"},
         "targets": TARGETS,
@@ -468,6 +572,8 @@ def plot(payload: dict[str, Any], path: Path) -> Path | None:
                 label += f"\n{res['speedup_vs_single']:.2f}x"
             if "a2a_share" in res:
                 label += f"\na2a {100 * res['a2a_share']:.0f}%"
+            if "a2a_share_by_removal" in res:
+                label += f" / {100 * res['a2a_share_by_removal']:.0f}%"
             labels.append(label)
             top = max(top, ms[-1], bounds[-1][1] if bounds[-1] else 0.0)
         bars(ax, xs, ms, width, bounds=bounds, labels=labels, fontsize=8, label=name)
@@ -479,8 +585,9 @@ def plot(payload: dict[str, Any], path: Path) -> Path | None:
     chunks = sorted({r["shape"]["chunk"] for r in payload["results"].values()})
     title = (f"CFG-parallel vs Ulysses vs one GPU ({payload['world_size']}x {gpu}); one chunk step = "
              f"{DENOISING_FORWARDS} denoising + 1 commit forward, CFG (2 branches), {'/'.join(map(str, chunks))}-token "
-             f"chunks, {cfg.get('dtype', 'bfloat16')}\n"
-             "bar labels: median ms, speed-up vs single, all-to-all share of the step; error bars: IQR")
+             f"chunks, {cfg.get('dtype', 'bfloat16')}{', CUDA graphs' if cfg.get('graph') else ''}\n"
+             "bar labels: median ms, speed-up vs single, all-to-all share of the step (events around the "
+             "collectives / by removal); error bars: IQR")
     ax.set_title(wrap(title, fig, 9), fontsize=9)
     legend_below(fig, ax, ncol=min(len(names), 4))
     return save(plt, fig, path)
@@ -508,8 +615,9 @@ def _run_distributed(rank: int, local_rank: int, world: int, args: argparse.Name
         payload = run_rank(args)
         if payload is not None:
             out = Path(args.out)
-            save_json(out / "multi_gpu.json", payload, args=args)
-            plot(payload, out / "multi_gpu.png")
+            name = "multi_gpu_graph" if args.graph else "multi_gpu"
+            save_json(out / f"{name}.json", payload, args=args)
+            plot(payload, out / f"{name}.png")
             if not payload["agree"]:
                 print("ERROR: a layout failed or its outputs disagree with single", file=sys.stderr)
         ok = torch.tensor(1 if payload is None or payload["agree"] else 0, device=args.device)

@@ -65,6 +65,7 @@ Outputs (beside ``--out``, default ``outputs/``):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -110,6 +111,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--recache-on-switch", action="store_true",
         help="at --switch-at, rebuild the resident window's K/V under the new prompt (one transactional "
         "forward over the window chunks' clean latents; the sink kept)",
+    )
+    p.add_argument(
+        "--relative-sinks", action="store_true",
+        help="attend the sink chunk as if it sat just before the oldest window chunk (KVCacheSpec.relative_sinks): "
+        "the RoPE distance to the sink stays bounded however long the stream",
     )
     p.add_argument(
         "--report-every", type=int, default=0, metavar="N",
@@ -390,7 +396,7 @@ def _generate(args: argparse.Namespace) -> dict[str, Any]:
     # ---- model, cache, session
     t0 = time.perf_counter()
     model = build_model(config, seed=args.seed, device=device, dtype=dtype)
-    spec = make_kv_spec(config, device)
+    spec = dataclasses.replace(make_kv_spec(config, device), relative_sinks=args.relative_sinks)
     # A re-cache holds the new window beside the old one until it commits: room for one more window per branch.
     num_pages = kv_pool_pages(spec, slack_chunks=1 + (len(BRANCHES) * spec.window_chunks if args.recache_on_switch else 0))
     cache = KVCache(spec, num_pages=num_pages, device=device)
@@ -546,6 +552,7 @@ def _generate(args: argparse.Namespace) -> dict[str, Any]:
         "recompiles": counter.frame_count - 1 if counter is not None else None,
         "cuda_graphs": graph_step.num_graphs if graph_step is not None else None,
         "reports": reports,
+        "relative_sinks": spec.relative_sinks,
         # Per chunk, the clean latent's norm: a cheap fingerprint of what was generated.
         "chunk_norms": [float(f.norm()) for f in frames],
     }

@@ -8,10 +8,12 @@ model (reference backend), computed on every rank.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import inspect
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -28,7 +30,7 @@ from ardiff_modules.distributed import (
     parallelize,
     ulysses_chunk_attention,
 )
-from ardiff_modules.errors import CapacityError, NonFiniteKVError, SequenceLengthError
+from ardiff_modules.errors import CapacityError, NonFiniteKVError, SequenceLengthError, TensorMismatchError
 
 BRANCHES = ("cond", "uncond")
 CHUNK, PAGE = 8, 4
@@ -80,7 +82,7 @@ def _mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> Any:
 
 def _setup(
     shape: tuple[int, ...], names: tuple[str, ...], heads: int, kv_heads: int, *, debug: bool = True,
-    check_finite: bool = False,
+    check_finite: bool = False, relative_sinks: bool = False, cross: str = "heads",
 ) -> tuple[TinyStreamingModel, TinyStreamingModel, am.KVCache, DistributedKVCache, ParallelMesh]:
     """Same weights on every rank: a reference model + cache, and a parallelized copy + distributed cache.
 
@@ -93,10 +95,12 @@ def _setup(
     tdtype = getattr(torch, dtype)
     model = model.to(device, tdtype)
     spec = dataclasses.replace(model.spec(CHUNK, PAGE, 1, 2, branches=BRANCHES), dtype=dtype, num_qo_heads=heads)
+    if relative_sinks:  # the layers then pass a sink query through the Ulysses all-to-all
+        spec = dataclasses.replace(spec, relative_sinks=True)
     reference = am.KVCache(spec, num_pages=96, device=device, backend=backend)
     mesh = ParallelMesh(
         _mesh(shape, names), BRANCHES, cfg_dim="cfg" if "cfg" in names else None,
-        sp_dim="sp" if "sp" in names else None,
+        sp_dim="sp" if "sp" in names else None, cross_attention=cross,  # type: ignore[arg-type]
     )
     cache = DistributedKVCache(
         spec, mesh, num_pages=96, device=device, backend=backend, debug_checks=debug, check_finite=check_finite,
@@ -188,14 +192,38 @@ def _check_pages_identical(cache: DistributedKVCache, state: am.KVState) -> None
     assert len(rows) == cache.mesh.cfg_size
 
 
-def check_rollout(shape: tuple[int, ...], names: tuple[str, ...], heads: int, kv_heads: int) -> None:
-    """Outputs equal the single-process run; page tables identical across replicas; K/V bytes per rank."""
-    model, parallel, reference, cache, mesh = _setup(shape, names, heads, kv_heads)
+def check_rollout(
+    shape: tuple[int, ...], names: tuple[str, ...], heads: int, kv_heads: int, relative_sinks: bool = False,
+    cross: str = "heads",
+) -> None:
+    """Outputs equal the single-process run; page tables identical across replicas; K/V bytes per rank;
+    the all-to-alls per forward. ``relative_sinks``: the layers' sink queries go through the all-to-alls
+    too. ``cross="tokens"``: cross-attention over token shards (no all-to-all, every head cached)."""
+    if relative_sinks and not _has_relative_sinks():
+        return
+    model, parallel, reference, cache, mesh = _setup(
+        shape, names, heads, kv_heads, relative_sinks=relative_sinks, cross=cross,
+    )
     device, tdtype, atol = _device(), reference.dtype, _tol()
     events = _events(1, model.dim, model.context_dim)
     runners = [_Reference(model, reference), _Parallel(parallel, cache, mesh)]
-    expected, actual = _play(runners, events, device, tdtype)
+    calls: list[int] = []
+    if mesh.sp is not None:
+        original = mesh.sp.all_to_all
+        mesh.sp.all_to_all = lambda send: (calls.append(1), original(send))[1]  # type: ignore[method-assign]
+    try:
+        expected, actual = _play(runners, events, device, tdtype)
+    finally:
+        if mesh.sp is not None:
+            del mesh.sp.all_to_all
     assert len(actual) == len(expected) > 10
+    if mesh.sp is not None:
+        # Per forward and block: q/k/v (+ sink query) in one all-to-all with 2+ local streams, else one each;
+        # the output; the cross-attention query and output unless cross="tokens".
+        fused = len(mesh.local_branches) > 1
+        qkv = 1 if fused else 3 + relative_sinks
+        per_block = qkv + 1 + (2 if cross == "heads" else 0)
+        assert len(calls) == len(actual) * len(model.blocks) * per_block, (len(calls), len(actual), per_block)
     for i, (a, e) in enumerate(zip(actual, expected)):
         torch.testing.assert_close(a, mesh.scatter(e), atol=atol, rtol=atol, msg=lambda m, i=i: f"forward {i}: {m}")
         torch.testing.assert_close(mesh.gather(a), e, atol=atol, rtol=atol, msg=lambda m, i=i: f"gather {i}: {m}")
@@ -209,7 +237,12 @@ def check_rollout(shape: tuple[int, ...], names: tuple[str, ...], heads: int, kv
     assert cache.cache.pool.bytes_per_page * kv_heads == reference.pool.bytes_per_page * local_kv
     assert cache.spec.num_qo_heads == heads // mesh.sp_size
     entry = state.cross_entry(mesh.local_branches[0], "text")
-    assert entry is not None and entry.k.shape[-2] == local_kv
+    cross_kv = kv_heads if cross == "tokens" or mesh.sp is None else local_kv
+    assert entry is not None and entry.k.shape[-2] == cross_kv, (entry.k.shape if entry else None, cross_kv)
+
+
+def _has_relative_sinks() -> bool:
+    return "relative_sinks" in {f.name for f in dataclasses.fields(am.KVCacheSpec)}
 
 
 def check_failures(shape: tuple[int, ...], names: tuple[str, ...], bad: int) -> None:
@@ -322,27 +355,172 @@ def check_failures(shape: tuple[int, ...], names: tuple[str, ...], bad: int) -> 
 
 
 def check_functional(sp_size: int, heads: int, kv_heads: int) -> None:
-    """``ulysses_chunk_attention`` (with LSE) equals ``chunk_attention`` of one process, per rank's tokens."""
-    device = _device()
-    spec = am.KVCacheSpec(num_layers=1, num_kv_heads=kv_heads, num_qo_heads=heads, head_dim=8, chunk_size=CHUNK,
-                          page_size=PAGE, sink_chunks=1, window_chunks=1, branches=("main",), dtype="float32")
-    reference = am.KVCache(spec, num_pages=32, device=device, backend="reference")
-    mesh = ParallelMesh(_mesh((sp_size,), ("sp",)), ("main",), cfg_dim=None, sp_dim="sp")
-    assert mesh.sp is not None
-    cache = DistributedKVCache(spec, mesh, num_pages=32, device=device, backend="reference")
+    """``ulysses_chunk_attention`` (with LSE) equals ``chunk_attention`` of one process, per rank's tokens,
+    with one and two streams and q/k/v fused into one all-to-all or not; a ``sink_query`` is moved to head
+    shards like ``q`` and passed on only when given."""
+    for branches in (("main",), ("main", "alt")):
+        mesh = ParallelMesh(_mesh((sp_size,), ("sp",)), branches, cfg_dim=None, sp_dim="sp")
+        for fuse in (None, True, False):
+            _check_functional_once(mesh, branches, heads, kv_heads, fuse)
+        _check_sink_query(mesh, branches, heads, kv_heads)
+
+
+def _functional_spec(branches: tuple[str, ...], heads: int, kv_heads: int) -> am.KVCacheSpec:
+    return am.KVCacheSpec(num_layers=1, num_kv_heads=kv_heads, num_qo_heads=heads, head_dim=8, chunk_size=CHUNK,
+                          page_size=PAGE, sink_chunks=1, window_chunks=1, branches=branches, dtype="float32")
+
+
+def _check_functional_once(
+    mesh: ParallelMesh, branches: tuple[str, ...], heads: int, kv_heads: int, fuse: bool | None
+) -> None:
+    device, sp = _device(), mesh.sp
+    assert sp is not None
+    sp.fuse_qkv = fuse
+    spec = _functional_spec(branches, heads, kv_heads)
+    reference = am.KVCache(spec, num_pages=64, device=device, backend="reference")
+    cache = DistributedKVCache(spec, mesh, num_pages=64, device=device, backend="reference")
     ref_state, state = reference.open_session("s"), cache.open_session("s")
     g = torch.Generator().manual_seed(3)
-    for step in range(4):
-        q = torch.randn(1, CHUNK, heads, 8, generator=g).to(device)
-        k, v = (torch.randn(1, CHUNK, kv_heads, 8, generator=g).to(device) for _ in range(2))
-        with ref_state.prepare_forward(("main",), CHUNK, commit_current=True) as fwd:
-            out, lse = am.chunk_attention(q, k, v, fwd.layers[0], return_lse=True)
-        with cache.prepare_forward(state, CHUNK, commit_current=True) as dfwd:
-            shard = [mesh.sp.shard_tokens(t) for t in (q, k, v)]
-            local_out, local_lse = ulysses_chunk_attention(*shard, dfwd.layers[0], mesh.sp, return_lse=True)
-        torch.testing.assert_close(local_out, mesh.sp.shard_tokens(out), atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(local_lse, mesh.sp.shard_tokens(lse), atol=1e-5, rtol=1e-5)
-        assert step < 1 or dfwd.positions.shape == (1, CHUNK)
+    calls: list[int] = []
+    original = sp.all_to_all
+    sp.all_to_all = lambda send: (calls.append(1), original(send))[1]  # type: ignore[method-assign]
+    recording = _recording_chunk_attention()
+    seen, _ = recording.__enter__()
+    try:
+        for step in range(4):
+            s = len(branches)
+            q = torch.randn(s, CHUNK, heads, 8, generator=g).to(device)
+            k, v = (torch.randn(s, CHUNK, kv_heads, 8, generator=g).to(device) for _ in range(2))
+            with ref_state.prepare_forward(branches, CHUNK, commit_current=True) as fwd:
+                out, lse = am.chunk_attention(q, k, v, fwd.layers[0], return_lse=True)
+            calls.clear()
+            with cache.prepare_forward(state, CHUNK, commit_current=True) as dfwd:
+                shard = [sp.shard_tokens(t) for t in (q, k, v)]
+                local_out, local_lse = ulysses_chunk_attention(*shard, dfwd.layers[0], sp, return_lse=True)
+            msg = f"{len(branches)} stream(s), fuse_qkv={fuse}, step {step}"
+            torch.testing.assert_close(local_out, sp.shard_tokens(out), atol=1e-5, rtol=1e-5,
+                                       msg=lambda m, msg=msg: f"{msg}: {m}")
+            torch.testing.assert_close(local_lse, sp.shard_tokens(lse), atol=1e-5, rtol=1e-5,
+                                       msg=lambda m, msg=msg: f"{msg}: {m}")
+            fused = fuse if fuse is not None else len(branches) > 1
+            # q, k, v in one all-to-all when fused (else three), then the output and the LSE.
+            assert len(calls) == (1 if fused else 3) + 2, f"{msg}: {len(calls)} all-to-alls"
+            assert "sink_query" not in seen[-1], f"{msg}: sink_query=None must not be passed on"
+            assert step < 1 or dfwd.positions.shape == (len(branches), CHUNK)
+    finally:
+        recording.__exit__(None, None, None)
+        del sp.all_to_all
+        sp.fuse_qkv = None
+        cache.close()
+        reference.close()
+
+
+@contextlib.contextmanager
+def _recording_chunk_attention() -> Iterator[tuple[list[dict[str, Any]], bool]]:
+    """Patch the ``chunk_attention`` the Ulysses path calls with one that records its keywords; yields
+    (the keywords of each call, whether the real one takes ``sink_query``). Where it does not yet, a
+    given ``sink_query`` is recorded and dropped."""
+    from ardiff_modules.distributed import ulysses
+
+    real = ulysses.chunk_attention
+    supported = "sink_query" in inspect.signature(real).parameters and "relative_sinks" in {
+        f.name for f in dataclasses.fields(am.KVCacheSpec)
+    }
+    seen: list[dict[str, Any]] = []
+
+    def recording(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Any, **kwargs: Any) -> Any:
+        seen.append(dict(kwargs))
+        if not supported:
+            kwargs.pop("sink_query", None)
+        return real(q, k, v, kv, **kwargs)
+
+    ulysses.chunk_attention = recording  # type: ignore[assignment]
+    try:
+        yield seen, supported
+    finally:
+        ulysses.chunk_attention = real  # type: ignore[assignment]
+
+
+def _check_sink_query(mesh: ParallelMesh, branches: tuple[str, ...], heads: int, kv_heads: int) -> None:
+    """Relative sinks through Ulysses: the sink query reaches ``chunk_attention`` as this rank's heads of
+    every token (in the fused all-to-all when fused), the output equals the single process's, and
+    ``local_sink_positions`` is this rank's block of the forward's ``sink_positions``."""
+    device, sp = _device(), mesh.sp
+    assert sp is not None
+    g = torch.Generator().manual_seed(5)
+    start, stop = sp.head_sharding(heads, kv_heads).heads_range
+    with _recording_chunk_attention() as (seen, supported):
+        extra = {"relative_sinks": True} if supported else {}
+        spec = dataclasses.replace(_functional_spec(branches, heads, kv_heads), **extra)
+        reference = am.KVCache(spec, num_pages=64, device=device, backend="reference")
+        cache = DistributedKVCache(spec, mesh, num_pages=64, device=device, backend="reference")
+        ref_state, state = reference.open_session("s"), cache.open_session("s")
+        try:
+            for step in range(5):  # sink 1 + window 1: the sinks move from step 2 on
+                s = len(branches)
+                q, sink = (torch.randn(s, CHUNK, heads, 8, generator=g).to(device) for _ in range(2))
+                k, v = (torch.randn(s, CHUNK, kv_heads, 8, generator=g).to(device) for _ in range(2))
+                with cache.prepare_forward(state, CHUNK, commit_current=True) as dfwd:
+                    seen.clear()
+                    local = [sp.shard_tokens(t) for t in (q, k, v)]
+                    out = ulysses_chunk_attention(*local, dfwd.layers[0], sp, sink_query=sp.shard_tokens(sink))
+                    torch.testing.assert_close(seen[-1]["sink_query"], sink[:, :, start:stop], atol=0, rtol=0)
+                    if supported:
+                        full = dfwd.context.sink_positions
+                        assert full is not None and full.shape == (s, CHUNK)
+                        assert torch.equal(dfwd.local_sink_positions, sp.shard_tokens(full))
+                    else:
+                        assert dfwd.local_sink_positions is None
+                with ref_state.prepare_forward(branches, CHUNK, commit_current=True) as fwd:
+                    kwargs = {"sink_query": sink} if supported else {}
+                    expected = am.chunk_attention(q, k, v, fwd.layers[0], **kwargs)
+                torch.testing.assert_close(out, sp.shard_tokens(expected), atol=1e-5, rtol=1e-5,
+                                           msg=lambda m, step=step: f"relative sinks, step {step}: {m}")
+            try:
+                with cache.prepare_forward(state, CHUNK, commit_current=True) as dfwd:
+                    ulysses_chunk_attention(*local, dfwd.layers[0], sp, sink_query=local[0][:, :, :1])
+            except TensorMismatchError as e:
+                assert "sink_query: expected q's shape" in str(e), e
+            else:
+                raise AssertionError("expected a TensorMismatchError for a sink_query unlike q")
+        finally:
+            cache.close()
+            reference.close()
+
+
+def check_graph_votes() -> None:
+    """The capture vote: every rank capturing (or replaying) passes, a split raises on every rank before any
+    collective; a dynamic forward is refused. (Capture itself needs CUDA: the ``gpu`` tests.)"""
+    from ardiff_modules.distributed import DistributedCUDAGraphStep, RankDivergenceError
+    from ardiff_modules.errors import SpecError
+
+    model, parallel, _, cache, mesh = _setup((2,), ("sp",), 4, 2, debug=False)
+    step = DistributedCUDAGraphStep(parallel, mesh)
+    step._agree(True)
+    step._agree(False)
+    me = dist.get_rank()
+    try:
+        step._agree(me == 1)
+    except RankDivergenceError as e:
+        assert e.ranks == (1,), e
+    else:
+        raise AssertionError("expected a RankDivergenceError on every rank")
+    state = cache.open_session("s0")
+    with torch.no_grad(), cache.prepare_forward(state, CHUNK, commit_current=False) as fwd:
+        assert step.will_capture(fwd) and not fwd.static
+        try:
+            step(fwd, torch.zeros(2, CHUNK // 2, model.dim))
+        except SpecError as e:
+            assert "static=True" in str(e), e
+        else:
+            raise AssertionError("expected a SpecError for a dynamic forward")
+    for bad in ({"warmup_iters": 0}, {"verify": 1}):
+        try:
+            DistributedCUDAGraphStep(parallel, mesh, **bad)  # type: ignore[arg-type]
+        except SpecError:
+            pass
+        else:
+            raise AssertionError(f"expected a SpecError for {bad}")
 
 
 def check_compiled(shape: tuple[int, ...], names: tuple[str, ...], backend: str = "eager") -> None:
@@ -370,6 +548,68 @@ def check_compiled(shape: tuple[int, ...], names: tuple[str, ...], backend: str 
     _check_pages_identical(cache, par.state)
 
 
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
+
+
+def check_graph_rollout(shape: tuple[int, ...], names: tuple[str, ...], relative_sinks: bool = False) -> None:
+    """NCCL + FlashInfer: a whole parallelized step (model and output all-gather) captured once per static
+    forward context and replayed over a rollout of committing and denoising forwards with a prompt switch
+    equals the eager distributed run and the single-GPU run; page tables identical across ranks."""
+    from ardiff_modules.distributed import DistributedCUDAGraphStep
+
+    if relative_sinks and not _has_relative_sinks():
+        return
+    model, parallel, reference, cache, mesh = _setup(shape, names, 4, 2, relative_sinks=relative_sinks)
+    graph_cache = DistributedKVCache(
+        cache.global_spec, mesh, num_pages=96, device="cuda", backend="flashinfer", debug_checks=True,
+    )
+
+    def whole_step(x: torch.Tensor, layers: list) -> torch.Tensor:  # this rank's tokens in, every token out
+        return mesh.gather(parallel(x, layers))
+
+    step = DistributedCUDAGraphStep(whole_step, mesh)
+
+    class _Graphed(_Parallel):
+        captures = replays = 0
+
+        def forward(self, x: torch.Tensor, commit: bool) -> torch.Tensor:
+            with torch.no_grad(), self.cache.prepare_forward(self.state, x.shape[1], commit, static=True) as fwd:
+                assert fwd.static
+                if step.will_capture(fwd):
+                    self.captures += 1
+                else:
+                    self.replays += 1
+                return step(fwd, self.mesh.scatter(x))
+
+    events = _events(6, model.dim, model.context_dim, steps=7, fixed=True)
+    ref, eager = _Reference(model, reference), _Parallel(parallel, cache, mesh, fn=whole_step)
+    graphed = _Graphed(parallel, graph_cache, mesh)
+    expected, eager_out, graph_out = _play([ref, eager, graphed], events, "cuda", reference.dtype)
+    assert len(graph_out) == len(expected) == 21
+    assert graphed.captures >= 1 and graphed.replays >= len(graph_out) - 3, (graphed.captures, graphed.replays)
+    for i, (g, a, e) in enumerate(zip(graph_out, eager_out, expected)):
+        assert g.shape == e.shape, (g.shape, e.shape)
+        assert _rel(g, a) < 3e-2, f"forward {i}: graph vs eager distributed, rel err {_rel(g, a):.2e}"
+        torch.testing.assert_close(g, e, atol=_tol(), rtol=_tol(), msg=lambda m, i=i: f"forward {i} vs single GPU: {m}")
+    _check_pages_identical(graph_cache, graphed.state)
+    for b in mesh.local_branches:
+        assert graphed.state.committed_chunks(b) == eager.state.committed_chunks(b) == ref.state.committed_chunks(b)
+    graph_cache.check_consistency()
+    # An aborted forward between replays changes nothing; the next step replays and still agrees.
+    with torch.no_grad():
+        fwd = graph_cache.prepare_forward(graphed.state, CHUNK, commit_current=True, static=True)
+        step(fwd, mesh.scatter(events[1][1].to("cuda", reference.dtype)))
+        fwd.abort()
+    tail = [("forward", torch.randn(2, CHUNK, model.dim, generator=torch.Generator().manual_seed(9)), c)
+            for c in (False, True)]
+    expected, graph_out = _play([ref, graphed], tail, "cuda", reference.dtype)
+    for g, e in zip(graph_out, expected):
+        torch.testing.assert_close(g, e, atol=_tol(), rtol=_tol())
+    _check_pages_identical(graph_cache, graphed.state)
+    graph_cache.close()
+
+
 def check_all(world: int) -> None:
     """Every scenario of one world size in one process group (process start-up dominates on CPU)."""
     if world == 2:
@@ -377,11 +617,16 @@ def check_all(world: int) -> None:
         check_rollout((2,), ("sp",), 4, 2)        # SP only, GQA split
         check_rollout((2,), ("sp",), 4, 1)        # SP only, MQA replicated
         check_rollout((2,), ("cfg",), 4, 2)       # CFG only
+        check_rollout((2,), ("sp",), 4, 2, relative_sinks=True)  # sink queries through the fused all-to-all
+        check_rollout((2,), ("sp",), 4, 2, cross="tokens")       # cross-attention without all-to-alls
         check_functional(2, 4, 2)
+        check_graph_votes()
         check_failures((2,), ("cfg",), 1)
         check_failures((2,), ("sp",), 0)
     else:
         check_rollout((2, 2), ("cfg", "sp"), 4, 2)  # CFG x SP
+        check_rollout((2, 2), ("cfg", "sp"), 4, 2, relative_sinks=True)  # one stream: q, k, v, sink unfused
+        check_rollout((2, 2), ("cfg", "sp"), 4, 1, cross="tokens")
         check_rollout((4,), ("sp",), 4, 2)          # SP 4 ways, GQA replicated (K=2 < P=4)
         check_functional(4, 4, 1)
         check_failures((2, 2), ("cfg", "sp"), 3)

@@ -60,13 +60,13 @@ class TinyStreamingModel(nn.Module):
 
     def spec(  # noqa: ANN201
         self, chunk_size, page_size, sink, window, branches=("cond", "uncond"), text_tokens=5,  # noqa: ANN001
-        pending_attention="block_causal",  # noqa: ANN001
+        pending_attention="block_causal", relative_sinks=False,  # noqa: ANN001
     ):
         return KVCacheSpec(
             num_layers=len(self.blocks), num_kv_heads=self.kv_heads, head_dim=self.dim // self.heads,
             chunk_size=chunk_size, page_size=page_size, sink_chunks=sink, window_chunks=window,
             branches=branches, cross_attention=(CrossAttentionSpec(TEXT, text_tokens),), dtype="float32",
-            pending_attention=pending_attention,
+            pending_attention=pending_attention, relative_sinks=relative_sinks,
         )
 
 
@@ -111,13 +111,17 @@ class NaiveStreaming:
     def __init__(
         self, model: TinyStreamingModel, chunk_size: int, sink: int, window: int | None,
         memory: tuple[int, int] | None = None, pending_attention: str = "block_causal",
+        relative_sinks: bool = False,
     ) -> None:
         """``memory=(every, count)``: also keep the last ``count`` chunks that left the window whose
         position after the sinks is a multiple of ``every`` (``SinkWindowMemoryPolicy``).
-        ``pending_attention``: the default rule between pending chunks (a forward may say its own)."""
+        ``pending_attention``: the default rule between pending chunks (a forward may say its own).
+        ``relative_sinks``: keep *unrotated* keys and re-rotate every visible key in every forward, the
+        sinks at positions shifted to end just before the first visible non-sink key (what the peers do)."""
         self.model, self.chunk, self.sink, self.window = model, chunk_size, sink, window
         self.memory = memory
         self.pending_attention = pending_attention
+        self.relative_sinks = relative_sinks
         self.committed: dict[str, list[list[tuple[torch.Tensor, torch.Tensor]]]] = defaultdict(list)
         self.text: dict[str, torch.Tensor] = {}
 
@@ -198,6 +202,9 @@ class NaiveStreaming:
         if history is None:
             history = self.visible(branch)
         hist_len = sum(c[0][0].shape[0] for c in history)
+        key_positions = None
+        if self.relative_sinks:  # every visible key re-rotated now, at its (shifted, for sinks) position
+            key_positions = self._relative_key_positions(branch, history, positions[0])
         q_chunk = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
         mask = torch.ones(n, hist_len + n, dtype=torch.bool)
         # Pending chunks: block-causal, or all of them seen by all (Rolling Forcing); history always visible.
@@ -208,9 +215,15 @@ class NaiveStreaming:
             a = block.attn
             hn = block.norm1(h)
             q, k, v = a.project(hn)
-            q, k = self.model.rope(q, positions), self.model.rope(k, positions)
-            k0, v0 = self.store(layer, k[0], v[0])
-            keys = torch.cat([c[layer][0] for c in history] + [k0])
+            if self.relative_sinks:
+                k0, v0 = k[0], v[0]  # kept unrotated
+                keys = torch.cat([c[layer][0] for c in history] + [k0])
+                keys = self.model.rope(keys[None], key_positions[None])[0]
+                q = self.model.rope(q, positions)
+            else:
+                q, k = self.model.rope(q, positions), self.model.rope(k, positions)
+                k0, v0 = self.store(layer, k[0], v[0])
+                keys = torch.cat([c[layer][0] for c in history] + [k0])
             values = torch.cat([c[layer][1] for c in history] + [v0])
             o = F.scaled_dot_product_attention(
                 q.transpose(1, 2), keys[None].transpose(1, 2), values[None].transpose(1, 2),
@@ -232,6 +245,27 @@ class NaiveStreaming:
             bounds.append(bounds[-1] + length)
         chunk_kv = [[(k[a:b], v[a:b]) for k, v in per_layer] for a, b in zip(bounds, bounds[1:])]
         return h, chunk_kv
+
+    def _relative_key_positions(self, branch: str, history: list, pending: torch.Tensor) -> torch.Tensor:
+        """Positions of the history keys then the ``pending`` ones, sinks moved to end just before the first
+        visible non-sink key (the oldest window chunk's first token, else the first pending token)."""
+        chunks = self.committed[branch]
+        starts, start = {}, 0
+        for c in chunks:
+            starts[id(c)] = start
+            start += c[0][0].shape[0]
+        sink_ids = {id(c) for c in chunks[: self.sink]}
+        sinks = [c for c in history if id(c) in sink_ids]
+        rest = [c for c in history if id(c) not in sink_ids]
+        shift = 0
+        if sinks:
+            sink_end = starts[id(sinks[-1])] + sinks[-1][0][0].shape[0]
+            shift = (starts[id(rest[0])] if rest else int(pending[0])) - sink_end
+        spans = [
+            torch.arange(starts[id(c)], starts[id(c)] + c[0][0].shape[0]) + (shift if id(c) in sink_ids else 0)
+            for c in history
+        ]
+        return torch.cat([*spans, pending])
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """What the cache holds for this layer's ``[tokens, kv_heads, head_dim]`` K/V (exactly them here)."""

@@ -79,19 +79,25 @@ def test_compiled_fullgraph_one_frame_with_functional_collectives() -> None:
 
 # ---------------------------------------------------------------------------------------------- GPU (NCCL)
 def _two_gpus() -> bool:
-    return torch.cuda.is_available() and torch.cuda.device_count() >= 2 and dist.is_nccl_available()
+    return _gpus(2)
+
+
+def _gpus(n: int) -> bool:
+    return torch.cuda.is_available() and torch.cuda.device_count() >= n and dist.is_nccl_available()
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _two_gpus(), reason="needs 2 CUDA devices and NCCL")
 @pytest.mark.parametrize(
-    ("shape", "names", "kv_heads"),
-    [((2,), ("sp",), 4), ((2,), ("sp",), 1), ((2,), ("cfg",), 2)],
-    ids=["sp-mha", "sp-mqa", "cfg"],
+    ("shape", "names", "kv_heads", "relative_sinks"),
+    [((2,), ("sp",), 4, False), ((2,), ("sp",), 1, False), ((2,), ("cfg",), 2, False), ((2,), ("sp",), 2, True)],
+    ids=["sp-mha", "sp-mqa", "cfg", "sp-relative-sinks"],
 )
-def test_gpu_rollout_nccl_flashinfer(shape: tuple[int, ...], names: tuple[str, ...], kv_heads: int) -> None:
+def test_gpu_rollout_nccl_flashinfer(
+    shape: tuple[int, ...], names: tuple[str, ...], kv_heads: int, relative_sinks: bool
+) -> None:
     """bf16 FlashInfer on 2 GPUs equals the single-GPU run of the same model (on each rank)."""
-    _spawn(2, workers.check_rollout, shape, names, 4, kv_heads, backend="nccl")
+    _spawn(2, workers.check_rollout, shape, names, 4, kv_heads, relative_sinks, backend="nccl")
 
 
 @pytest.mark.gpu
@@ -106,3 +112,24 @@ def test_gpu_failure_on_one_rank_aborts_on_both(names: tuple[str, ...]) -> None:
 def test_gpu_compiled_inductor_nccl() -> None:
     """fullgraph=True with inductor over NCCL functional all-to-alls: one frame, equal to the single GPU."""
     _spawn(2, workers.check_compiled, (2,), ("sp",), "inductor", backend="nccl")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _two_gpus(), reason="needs 2 CUDA devices and NCCL")
+@pytest.mark.parametrize(
+    ("names", "relative_sinks"),
+    [(("sp",), False), (("cfg",), False), (("sp",), True)],
+    ids=["ulysses", "cfg", "ulysses-relative-sinks"],
+)
+def test_gpu_cuda_graph_step_nccl(names: tuple[str, ...], relative_sinks: bool) -> None:
+    """A whole parallelized step (all-to-alls / all-gather on NCCL, FlashInfer) captured with
+    DistributedCUDAGraphStep and replayed over committing and denoising forwards equals the eager
+    distributed run and the single GPU; page tables identical across ranks."""
+    _spawn(2, workers.check_graph_rollout, (2,), names, relative_sinks, backend="nccl")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _gpus(4), reason="needs 4 CUDA devices and NCCL")
+def test_gpu_cuda_graph_step_nccl_cfg_x_sp() -> None:
+    """The same on a 2 x 2 (cfg, sp) mesh (nvidia-h200-x4)."""
+    _spawn(4, workers.check_graph_rollout, (2, 2), ("cfg", "sp"), backend="nccl")

@@ -119,6 +119,7 @@ from ardiff_modules import (
 )
 from ardiff_modules.backends import ReferenceBackend
 from ardiff_modules.backends.reference import ReferencePlan
+from ardiff_modules.backends.segmented import RelativeSinkPlan
 from ardiff_modules.errors import (
     BackendUnavailableError,
     CacheClosedError,
@@ -341,10 +342,11 @@ class SessionStateMachine(RuleBasedStateMachine):
         max_contexts=st.sampled_from([1, 2, 3, 64]),
         check_finite=st.booleans(),
         sessions=st.integers(1, MAX_SESSIONS),
+        relative=st.booleans(),
     )
     def setup(
         self, sink: int, window: int | None, geometry: tuple[int, int], pending_default: str, pool_chunks: int,
-        extents: bool, max_contexts: int, check_finite: bool, sessions: int,
+        extents: bool, max_contexts: int, check_finite: bool, sessions: int, relative: bool,
     ) -> None:
         self.chunk, page_size = geometry
         self.spec = KVCacheSpec(
@@ -359,8 +361,11 @@ class SessionStateMachine(RuleBasedStateMachine):
             cross_attention=(CrossAttentionSpec("text", CROSS_TOKENS),),
             dtype="float32",
             pending_attention=pending_default,
+            relative_sinks=relative and sink > 0,
             **self.spec_extra(),
         )
+        if self.spec.relative_sinks:
+            event("relative-position sinks")
         self.ppc = self.spec.pages_per_chunk
         self.page = page_size
         event(f"geometry: chunk_size={self.chunk} page_size={page_size}, pending rule default {pending_default}")
@@ -448,6 +453,23 @@ class SessionStateMachine(RuleBasedStateMachine):
 
     def visible(self, sm: SessionModel, branch: str) -> list[Chunk]:
         return [rec.pages for rec in self.visible_data(sm, branch)]
+
+    def m_sink_shift(self, records: list[ChunkRecord], sm: SessionModel, branch: str, first_pending: int) -> int:
+        """Tokens the forward adds to the sinks' positions: they end just before the first visible non-sink
+        token (the oldest window chunk's, else the first pending one); 0 without relative sinks."""
+        if not self.spec.relative_sinks:
+            return 0
+        sink_ids = {id(r) for r in sm.committed[branch][: self.spec.sink_chunks]}
+        sinks = [r for r in records if id(r) in sink_ids]
+        rest = [r for r in records if id(r) not in sink_ids]
+        if not sinks:
+            return 0
+        return (rest[0].start if rest else first_pending) - (sinks[-1].start + sinks[-1].tokens)
+
+    def sink_query(self, ctx: ForwardContext, q: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``sink_query=`` for ``chunk_attention`` when the cache has relative sinks: ``q`` itself (no RoPE
+        here, so the merged two-segment attention must equal the single softmax the model checks)."""
+        return {"sink_query": q} if ctx.relative_sinks else {}
 
     # ================================================================== helpers: chunk lengths
     def shape(self, raw: tuple) -> Shape:
@@ -812,7 +834,7 @@ class SessionStateMachine(RuleBasedStateMachine):
         n = shape.seq_len
         key_positions, dense = ctx.key_positions(), ctx.to_dense()
         plan = ctx.plan
-        assert isinstance(plan, ReferencePlan), type(plan)
+        assert isinstance(plan, (ReferencePlan, RelativeSinkPlan)), type(plan)
         width = self.max_keys(tx.streams, shape)
         assert tuple(key_positions.shape) == (len(tx.streams), width), (key_positions.shape, width)
         assert tuple(dense.shape) == (len(tx.streams), n, width), (dense.shape, n, width)
@@ -827,6 +849,13 @@ class SessionStateMachine(RuleBasedStateMachine):
             assert ctx.positions[i].tolist() == list(range(offset, offset + n)), (
                 f"{where}: positions {ctx.positions[i].tolist()}, expected from {offset}"
             )
+            shift = self.m_sink_shift(records, sm, b, offset)
+            assert ctx.sink_shifts[i] == shift, f"{where}: sink shift {ctx.sink_shifts[i]}, expected {shift}"
+            if self.spec.relative_sinks:
+                assert ctx.sink_positions is not None
+                assert ctx.sink_positions[i].tolist() == list(range(offset - shift, offset - shift + n)), where
+            else:
+                assert ctx.sink_positions is None
             expected = [p for rec in records for p in rec.positions()] + list(range(offset, offset + n))
             keys = len(expected)
             got = key_positions[i].tolist()
@@ -842,7 +871,14 @@ class SessionStateMachine(RuleBasedStateMachine):
             want = torch.cat(
                 [rec.token_data() for rec in records] + [cm.pool.pages(pending).reshape(NUM_LAYERS, 2, n, -1)], dim=2
             )
-            seen = slots[:, :, plan.gather[i, :keys]]
+            if isinstance(plan, RelativeSinkPlan):  # two segments: the sink keys, then window + pending
+                assert isinstance(plan.sinks, ReferencePlan) and isinstance(plan.rest, ReferencePlan)
+                sink_ids = {id(r) for r in sm.committed[b][: self.spec.sink_chunks]}
+                sink_keys = sum(r.tokens for r in records if id(r) in sink_ids)
+                gathered = torch.cat([plan.sinks.gather[i, :sink_keys], plan.rest.gather[i, : keys - sink_keys]])
+            else:
+                gathered = plan.gather[i, :keys]
+            seen = slots[:, :, gathered]
             if not same_bits(seen, want):
                 bad = (bits(seen) != bits(want)).any(-1).any(0).any(0).nonzero().flatten().tolist()
                 raise AssertionError(
@@ -965,7 +1001,7 @@ class SessionStateMachine(RuleBasedStateMachine):
         with torch.no_grad():
             if mode == "module":
                 return self.attn(inputs[0], ctx.layers[layer])
-            return chunk_attention(*inputs, ctx.layers[layer])
+            return chunk_attention(*inputs, ctx.layers[layer], **self.sink_query(ctx, inputs[0]))
 
     def run_layer(self, tx: TxModel, layer: int, mode: str, nan: tuple[int, int, int, float] | None = None) -> None:
         """One layer of an open forward: the write lands in the model's pending pages; the output is checked."""
@@ -986,7 +1022,7 @@ class SessionStateMachine(RuleBasedStateMachine):
                 _, stream, token, value = nan
                 k[stream % s, token % n, 0, 0] = value
                 event("wrote a non-finite K")
-            out = chunk_attention(q, k, v, ctx.layers[layer])
+            out = chunk_attention(q, k, v, ctx.layers[layer], **self.sink_query(ctx, q))
         for i, (sm, b) in enumerate(tx.streams):
             tx.cm.pool.write(layer, [p for c in sm.pending[b] for p in c], k[i], v[i])
         if mode != "module" and (nan is None or nan[0] != layer):
@@ -2031,6 +2067,12 @@ class SessionStateMachine(RuleBasedStateMachine):
         shapes = {tuple(r.tokens for r in self.m_recache_targets(sm, b, keep_sinks)) for sm, b in streams}
         if len(shapes) > 1:
             return SequenceLengthError
+        if self.spec.relative_sinks and not keep_sinks:  # rebuilt sinks would sit at their natural distance
+            for sm, b in streams:
+                records = self.visible_data(sm, b)
+                sinks = len(sm.committed[b][: self.spec.sink_chunks])
+                if len(records) > sinks and self.m_sink_shift(records, sm, b, sm.committed_tokens(b)):
+                    return SpecError
         need = len(streams) * sum(shapes.pop()) // self.page
         return CapacityError if need > cm.cache.allocator.num_free else None
 
@@ -2123,10 +2165,10 @@ class SessionStateMachine(RuleBasedStateMachine):
         self.txs = self.txs[-15:] + [tx]
         # Run the layers (the op): writes land in the fresh pages only.
         plan = ctx.plan
-        assert isinstance(plan, ReferencePlan)
+        assert isinstance(plan, (ReferencePlan, RelativeSinkPlan)), type(plan)
         for layer in range(NUM_LAYERS if layers == "all" or cm.check_finite else 1):
             q, k, v = self.layer_inputs(ctx, layer, "op")
-            chunk_attention(q, k, v, ctx.layers[layer])
+            chunk_attention(q, k, v, ctx.layers[layer], **self.sink_query(ctx, q))
             for i, (sm, b) in enumerate(streams):
                 cm.pool.write(layer, [p for c in sm.pending[b] for p in c], k[i], v[i])
         pool = self.pool_values(cm)
@@ -2139,7 +2181,13 @@ class SessionStateMachine(RuleBasedStateMachine):
                 [r.token_data() for r in kept] + [cm.pool.pages(pending).reshape(NUM_LAYERS, 2, shape.seq_len, -1)],
                 dim=2,
             )
-            assert same_bits(slots[:, :, plan.gather[i, : want.shape[2]]], want)
+            if isinstance(plan, RelativeSinkPlan):  # kept sinks in the sink segment, the rest in the other
+                assert isinstance(plan.sinks, ReferencePlan) and isinstance(plan.rest, ReferencePlan)
+                sink_keys = sum(r.tokens for r in kept)
+                gathered = torch.cat([plan.sinks.gather[i, :sink_keys], plan.rest.gather[i, : want.shape[2] - sink_keys]])
+            else:
+                gathered = plan.gather[i, : want.shape[2]]
+            assert same_bits(slots[:, :, gathered], want)
         sm0, b0 = streams[0]
         if variant in ("boom", "ctx.abort", "state.abort"):
             if variant == "boom":

@@ -36,6 +36,9 @@ class PlanRequest:
         With ``static``: the most pages any plan of this forward will list (sizes the buffers).
     quantizer:
         The pool's FP8 scales (``kv_dtype="float8_e4m3fn"``); ``None`` for the float formats.
+    segment:
+        Which key segment of the forward this plan covers: ``"main"``, or ``"sinks"`` for the sink
+        segment of relative-position sinks (its plans keep their own kernel workspace).
     """
 
     layout: ForwardLayout
@@ -49,6 +52,7 @@ class PlanRequest:
     static: bool = False
     max_pages: int | None = None
     quantizer: KVQuantizer | None = None
+    segment: str = "main"
 
 
 class AttentionPlan(ABC):
@@ -61,6 +65,11 @@ class AttentionPlan(ABC):
     """
 
     quantizer: KVQuantizer | None = None
+
+    @property
+    def uses_sink_query(self) -> bool:
+        """Whether ``run`` / ``attend`` take the sink query ``q_sink`` (relative-position sinks)."""
+        return False
 
     @property
     @abstractmethod

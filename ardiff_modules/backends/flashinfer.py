@@ -70,6 +70,7 @@ class FlashInferPlan(AttentionPlan):
     def __init__(self, backend: FlashInferBackend, request: PlanRequest) -> None:
         self.backend = backend
         self.device = request.device
+        self.segment = request.segment
         self.masked = request.token_mask is not None
         self.static = request.static
         layout = request.layout
@@ -126,6 +127,7 @@ class FlashInferPlan(AttentionPlan):
         layout = request.layout
         return (
             request.static == self.static
+            and request.segment == self.segment
             and (request.token_mask is not None) == self.masked
             and request.device == self.device
             and request.num_qo_heads == self.num_qo_heads
@@ -144,7 +146,7 @@ class FlashInferPlan(AttentionPlan):
     # ------------------------------------------------------------------ planning (host, once per forward)
     def _wrapper(self, kind: str):  # noqa: ANN202
         fi = _flashinfer()
-        workspace = self.backend.workspace(self.device)
+        workspace = self.backend.workspace(self.device, self.segment)
         if kind == "ragged":
             if self._ragged is None:
                 # FP8 attention exists only as FA3 (Hopper); "auto" could pick FA2, which has no FP8 path.
@@ -505,7 +507,7 @@ class FlashInferBackend(AttentionBackend):
         self.paged_backend = paged_backend
         #: Run ragged even when streams' key ranges are not adjacent (query-less rows skip the gaps).
         self.allow_gap_rows = allow_gap_rows
-        self._workspaces: dict[torch.device, torch.Tensor] = {}
+        self._workspaces: dict[tuple[torch.device, str], torch.Tensor] = {}
 
     def check_supported(
         self, device: torch.device, dtype: torch.dtype, head_dim: int, kv_dtype: torch.dtype | None = None
@@ -544,12 +546,14 @@ class FlashInferBackend(AttentionBackend):
             )
         return None
 
-    def workspace(self, device: torch.device) -> torch.Tensor:
-        """One float workspace per device, shared by every plan (kernels run in stream order)."""
-        buf = self._workspaces.get(device)
+    def workspace(self, device: torch.device, segment: str = "main") -> torch.Tensor:
+        """One float workspace per device and key segment, shared by the plans of that segment (kernels run
+        in stream order); the sink segment of relative-position sinks gets its own, so its kernels never
+        share scratch with the main segment's within a layer."""
+        buf = self._workspaces.get((device, segment))
         if buf is None:
             buf = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-            self._workspaces[device] = buf
+            self._workspaces[(device, segment)] = buf
         return buf
 
     def plan(self, request: PlanRequest, previous: AttentionPlan | None) -> FlashInferPlan:

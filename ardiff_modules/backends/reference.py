@@ -41,9 +41,11 @@ class ReferencePlan(AttentionPlan):
         self.padding = padded[:, None, :, None].to(device) if bool(padded.any()) else None  # [S, 1, K, 1]
         mask = mask.to(device, non_blocking=True)
         self.empty_rows = None
-        if request.token_mask is not None:
-            mask = mask & request.token_mask.to(device)
-            # A query that sees no key: SDPA gives NaN; the backends' contract is a zero output.
+        if request.token_mask is not None or not layout.pending_visible:
+            if request.token_mask is not None:
+                mask = mask & request.token_mask.to(device)
+            # A query that sees no key (a user mask, or a sink segment of a stream without sinks): SDPA
+            # gives NaN; the backends' contract is a zero output.
             self.empty_rows = ~mask.any(dim=-1)[:, None, :, None]  # [S, 1, n, 1]
         self.mask = mask[:, None]  # [S, 1, n, K]: broadcast over heads
         self.quantizer = request.quantizer
@@ -115,7 +117,8 @@ class ReferencePlan(AttentionPlan):
         )
         if self.empty_rows is not None:
             out = out.masked_fill(self.empty_rows, 0)
-        out = out.transpose(1, 2).reshape(s * n, q.shape[1], v_cache.shape[-1])
+        # contiguous like the ops' fake outputs: for one stream the reshape is a strided view
+        out = out.transpose(1, 2).reshape(s * n, q.shape[1], v_cache.shape[-1]).contiguous()
         if not return_lse:
             return out
         return out, self._lse(queries, keys, scale)

@@ -20,9 +20,16 @@ Import it explicitly (``import ardiff_modules.distributed``): ``import ardiff_mo
         out = model(mesh.scatter(x), fwd.layers)               # this rank's branch, 1/2 of the tokens
     out = mesh.gather(out)                                     # [branches, 4680, dim] on every rank
 
+CUDA graphs (NCCL): prepare with ``static=True`` and run the step through
+:class:`DistributedCUDAGraphStep` (every rank captures on the same call, then replays)::
+
+    step = DistributedCUDAGraphStep(model, mesh)
+    with cache.prepare_forward(state, seq_len=4680, commit_current=c, static=True) as fwd:
+        out = step(fwd, mesh.scatter(x))
+
 Modules: :mod:`.placement` (branch -> cfg rank), :mod:`.heads` (head split, GQA rule), :mod:`.ulysses`
 (all-to-alls, functional forms), :mod:`.mesh` (the mesh and per-rank spec), :mod:`.cache` (the voted
-forward), :mod:`.digest` (the consistency check), :mod:`.parallelize` (the layer hooks).
+forward), :mod:`.digest` (the consistency check), :mod:`.parallelize` (the layer hooks), :mod:`.graphs` (CUDA graphs).
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from __future__ import annotations
 from ardiff_modules.distributed.cache import DistributedForward, DistributedKVCache
 from ardiff_modules.distributed.digest import StateDigest, state_digest
 from ardiff_modules.distributed.errors import DistributedForwardError, RankDivergenceError
+from ardiff_modules.distributed.graphs import DistributedCUDAGraphStep
 from ardiff_modules.distributed.heads import HeadSharding
 from ardiff_modules.distributed.mesh import ParallelMesh
 from ardiff_modules.distributed.parallelize import parallelize
@@ -37,6 +45,7 @@ from ardiff_modules.distributed.placement import place_branches
 from ardiff_modules.distributed.ulysses import SequenceParallel, ulysses_chunk_attention, ulysses_cross_attention
 
 __all__ = [
+    "DistributedCUDAGraphStep",
     "DistributedForward",
     "DistributedForwardError",
     "DistributedKVCache",

@@ -123,14 +123,18 @@ class DistributedKVCache:
         sessions: KVState | Sequence[KVState],
         seq_len: int,
         commit_current: bool = False,
+        *,
+        static: bool = False,
         **kwargs: Any,
     ) -> DistributedForward:
         """Prepare one forward of every local branch of ``sessions`` (session-major), on every rank.
 
         ``seq_len`` is the whole chunk's token count (each rank's model gets ``seq_len / P`` of them);
-        ``kwargs`` go to :meth:`KVCache.prepare_forward`. Collective. If any rank fails to prepare,
-        every rank aborts its streams (history as before, pending pages dropped) and raises: the rank
-        that failed its own exception, the others :class:`DistributedForwardError`.
+        ``static=True`` keeps the local forward's device inputs in fixed buffers for CUDA-graph replay
+        (:class:`~ardiff_modules.distributed.DistributedCUDAGraphStep`); other ``kwargs`` go to
+        :meth:`KVCache.prepare_forward` too. Collective. If any rank fails to prepare, every rank aborts
+        its streams (history as before, pending pages dropped) and raises: the rank that failed its own
+        exception, the others :class:`DistributedForwardError`.
         """
         states = (sessions,) if isinstance(sessions, KVState) else tuple(sessions)
         free_before = self.cache.allocator.free_pages()  # identical on every rank (same calls so far)
@@ -148,7 +152,7 @@ class DistributedKVCache:
                     f"degree {self.mesh.sp_size}, got {seq_len}"
                 )
             streams = [(s, b) for s in states for b in self.local_branches]
-            ctx = self.cache.prepare_forward(streams, seq_len, commit_current, **kwargs)
+            ctx = self.cache.prepare_forward(streams, seq_len, commit_current, static=static, **kwargs)
         except Exception as e:  # noqa: BLE001 - every local failure is voted, then re-raised
             error = e
         failed = self._vote(error is not None)
@@ -239,9 +243,25 @@ class DistributedForward:
 
     @property
     def local_positions(self) -> torch.Tensor:
-        """int64 ``[local streams, seq_len / P]``: this rank's tokens (for RoPE in a model's own layers)."""
+        """int64 ``[local streams, seq_len / P]``: this rank's tokens (for RoPE in a model's own layers).
+
+        A view of the context's positions (of its fixed buffer for a ``static`` forward)."""
         sp = self.owner.mesh.sp
         return self.context.positions if sp is None else sp.local_positions(self.context.positions)
+
+    @property
+    def local_sink_positions(self) -> torch.Tensor | None:
+        """int64 ``[local streams, seq_len / P]``: this rank's tokens' shifted positions for
+        relative-position sinks (the query rotated there is ``sink_query``), or ``None`` when the forward
+        context has no ``sink_positions``."""
+        positions = getattr(self.context, "sink_positions", None)
+        sp = self.owner.mesh.sp
+        return positions if positions is None or sp is None else sp.local_positions(positions)
+
+    @property
+    def static(self) -> bool:
+        """Whether the local forward keeps its device inputs in fixed buffers (CUDA-graph replay)."""
+        return self.context.static
 
     def commit(self) -> None:
         """Collective: commit on every rank if every rank succeeded so far, else abort everywhere and raise."""
@@ -283,7 +303,10 @@ class DistributedForward:
                 history.plan_commit()  # pure: may raise, changes nothing
             if self.owner.check_finite:
                 # Aborts this rank's forward and raises on NaN/Inf; the vote then aborts everyone else's.
-                self.owner.cache._abort_if_non_finite(transaction)
+                # NOTE: KVCache has no public form of this check (finish_forward runs it only when it
+                # commits, which is too late for the vote); under the cache's lock like finish_forward.
+                with self.owner.cache.lock:
+                    self.owner.cache._abort_if_non_finite(transaction)
         except Exception as e:  # noqa: BLE001
             return e
         return None

@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ardiff_modules.distributed.heads import HeadSharding
 from ardiff_modules.distributed.placement import place_branches
-from ardiff_modules.distributed.ulysses import SequenceParallel, _all_gather, _wait
+from ardiff_modules.distributed.ulysses import CrossMode, SequenceParallel, _all_gather, _wait, check_cross_mode
 from ardiff_modules.errors import SpecError, TensorMismatchError
 from ardiff_modules.spec import KVCacheSpec
 
@@ -48,6 +48,10 @@ class ParallelMesh:
         Mesh dimension names, or ``None`` for no such parallelism.
     placement:
         Optional ``branch -> cfg coordinate``; default: contiguous equal blocks.
+    cross_attention:
+        How the sp dimension runs cross-attention: ``"heads"`` (default; head shards, each rank's
+        cross caches hold its kv heads) or ``"tokens"`` (each rank's own tokens with every head: no
+        all-to-all, the cross caches hold every head). See :class:`SequenceParallel`.
     """
 
     def __init__(
@@ -58,6 +62,7 @@ class ParallelMesh:
         cfg_dim: str | None = "cfg",
         sp_dim: str | None = "sp",
         placement: Mapping[str, int] | None = None,
+        cross_attention: CrossMode = "heads",
     ) -> None:
         if not isinstance(mesh, DeviceMesh):
             raise SpecError(f"ParallelMesh.mesh: expected a torch DeviceMesh, got {type(mesh).__name__}")
@@ -72,8 +77,11 @@ class ParallelMesh:
                 f"ParallelMesh.mesh: expected mesh dimensions named exactly {wanted}, in that order (cfg_dim, "
                 f"sp_dim), got {names}"
             )
+        check_cross_mode("ParallelMesh.cross_attention", cross_attention)
         self.mesh = mesh
         self.cfg_dim, self.sp_dim = cfg_dim, sp_dim
+        #: How the sp dimension runs cross-attention (``"heads"`` or ``"tokens"``).
+        self.cross_attention: CrossMode = cross_attention
         self.branches = tuple(branches)
         #: CFG-parallel size and this rank's coordinate (1 and 0 without a cfg dimension).
         self.cfg_size = mesh.size(names.index(cfg_dim)) if cfg_dim is not None else 1
@@ -85,13 +93,16 @@ class ParallelMesh:
         #: The Ulysses group, or ``None`` without (or with a size-1) sp dimension.
         self.sp: SequenceParallel | None = None
         if sp_dim is not None and mesh.size(names.index(sp_dim)) > 1:
-            self.sp = SequenceParallel(mesh.get_group(sp_dim))
+            self.sp = SequenceParallel(mesh.get_group(sp_dim), cross_mode=cross_attention)
         #: Global ranks of the mesh, row-major (cfg, sp).
         self.ranks: tuple[int, ...] = tuple(int(r) for r in mesh.mesh.flatten().tolist())
         self.rank = dist.get_rank()
         # NOTE: votes and digests are host data: a gloo group keeps them off the accelerator stream
         # (no device sync per forward under NCCL).
         self.host_group = dist.new_group(list(self.ranks), backend="gloo")
+        # Row index tensors of local_streams / gather, built once per (device, rows): a host-to-device
+        # copy inside a CUDA-graph capture is not allowed, and a step replays with the same shapes.
+        self._indices: dict[tuple[str, str, int], torch.Tensor] = {}
 
     @property
     def sp_size(self) -> int:
@@ -115,7 +126,8 @@ class ParallelMesh:
     # ------------------------------------------------------------------ the per-rank spec
     def local_spec(self, spec: KVCacheSpec) -> KVCacheSpec:
         """``spec`` for this rank: its branches, ``num_qo_heads / P`` and its kv heads (GQA rule in
-        :mod:`~ardiff_modules.distributed.heads`); cross caches with their own kv heads are sharded too."""
+        :mod:`~ardiff_modules.distributed.heads`); cross caches with their own kv heads are sharded too,
+        unless ``cross_attention="tokens"`` (then every cross cache keeps every kv head)."""
         if not isinstance(spec, KVCacheSpec):
             raise SpecError(f"ParallelMesh.local_spec: expected a KVCacheSpec, got {type(spec).__name__}")
         if spec.branches != self.branches:
@@ -124,12 +136,18 @@ class ParallelMesh:
                 f"got {spec.branches}"
             )
         heads = HeadSharding(spec.query_heads, spec.num_kv_heads, self.sp_size, self.sp_rank)
-        cross = tuple(
-            c if c.num_kv_heads is None else dataclasses.replace(
-                c, num_kv_heads=HeadSharding(spec.query_heads, c.num_kv_heads, self.sp_size, self.sp_rank).local_kv_heads
+        if self.cross_attention == "tokens" and self.sp_size > 1:
+            # Every head on every rank: pin the global count (the local spec's num_kv_heads is a share).
+            cross = tuple(
+                dataclasses.replace(c, num_kv_heads=c.num_kv_heads or spec.num_kv_heads) for c in spec.cross_attention
             )
-            for c in spec.cross_attention
-        )
+        else:
+            cross = tuple(
+                c if c.num_kv_heads is None else dataclasses.replace(
+                    c, num_kv_heads=HeadSharding(spec.query_heads, c.num_kv_heads, self.sp_size, self.sp_rank).local_kv_heads
+                )
+                for c in spec.cross_attention
+            )
         return dataclasses.replace(
             spec, branches=self.local_branches, num_kv_heads=heads.local_kv_heads, num_qo_heads=heads.local_heads,
             cross_attention=cross,
@@ -165,11 +183,7 @@ class ParallelMesh:
             )
         sessions = x.shape[0] // local
         stacked = _wait(_all_gather(x.contiguous(), 0, self.cfg_group))  # [cfg * sessions * local]
-        # stacked row (c, s, j) is branch placement[c][j] of session s -> session-major, spec order.
-        where = {b: (c, j) for c, block in enumerate(self.placement) for j, b in enumerate(block)}
-        order = [c * sessions * local + s * local + where[b][1]
-                 for s in range(sessions) for b in self.branches for c in (where[b][0],)]
-        return stacked.index_select(0, torch.tensor(order, device=stacked.device))
+        return stacked.index_select(0, self._index("gather", sessions, stacked.device))
 
     def _local_rows(self, owner: str, x: torch.Tensor) -> torch.Tensor | None:
         if not isinstance(x, torch.Tensor) or x.dim() < 1:
@@ -182,6 +196,28 @@ class ParallelMesh:
                 f"{owner} x: expected rows a multiple of the {total} branches {self.branches}, got shape "
                 f"{tuple(x.shape)}"
             )
-        index = {b: i for i, b in enumerate(self.branches)}
-        rows = [s * total + index[b] for s in range(x.shape[0] // total) for b in self.local_branches]
-        return torch.tensor(rows, device=x.device)
+        return self._index("local", x.shape[0] // total, x.device)
+
+    def _index(self, kind: str, sessions: int, device: torch.device) -> torch.Tensor:
+        """int64 row indices on ``device`` for ``sessions`` sessions, cached (see ``__init__``).
+
+        ``"local"``: this rank's rows of ``[sessions * branches]`` (session-major, spec order).
+        ``"gather"``: rows of the all-gathered ``[cfg * sessions * local]`` (row ``(c, s, j)`` is branch
+        ``placement[c][j]`` of session ``s``) in session-major spec order.
+        """
+        key = (kind, str(device), sessions)
+        cached = self._indices.get(key)
+        if cached is not None:
+            return cached
+        if kind == "local":
+            index = {b: i for i, b in enumerate(self.branches)}
+            total = len(self.branches)
+            rows = [s * total + index[b] for s in range(sessions) for b in self.local_branches]
+        else:
+            local = len(self.local_branches)
+            where = {b: (c, j) for c, block in enumerate(self.placement) for j, b in enumerate(block)}
+            rows = [where[b][0] * sessions * local + s * local + where[b][1]
+                    for s in range(sessions) for b in self.branches]
+        tensor = torch.tensor(rows, dtype=torch.int64, device=device)
+        self._indices[key] = tensor
+        return tensor

@@ -168,6 +168,8 @@ class _Active:
 
     def __init__(self) -> None:
         self.forward: ForwardContext | None = None
+        #: With relative sinks: the ``(cos, sin)`` tables at ``forward.sink_positions`` (set by the rope hook).
+        self.sink_tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def _layer(active: _Active, index: int) -> LayerContext | None:
@@ -216,10 +218,15 @@ class PagedWanSelfAttnProcessor:
         key = attn.norm_k(key).unflatten(2, (attn.heads, -1))
         value = value.unflatten(2, (attn.heads, -1))
         cos, sin = rotary_emb
+        sink_query = None
+        if kv.forward.sink_positions is not None:  # relative sinks: the query at the sinks' shifted positions
+            tables = self.active.sink_tables
+            assert tables is not None  # computed by the rope hook of the same forward
+            sink_query = rotate(query, tables[0], tables[1], "interleaved")
         # diffusers' tables repeat each pair's value twice: the package's interleaved rotation.
         query = rotate(query, cos, sin, "interleaved")
         key = rotate(key, cos, sin, "interleaved")
-        out = chunk_attention(query, key, value, kv)
+        out = chunk_attention(query, key, value, kv, sink_query=sink_query)
         out = out.flatten(2, 3).type_as(query)
         out = attn.to_out[0](out)
         return attn.to_out[1](out)
@@ -365,6 +372,10 @@ class PagedWanTransformer:
             )
         # float32 at least: a model cast to bfloat16 also casts diffusers' tables (and would round them).
         dtype = torch.promote_types(output[0].dtype, torch.float32)
+        sink_positions = fwd.sink_positions
+        self._active.sink_tables = (
+            None if sink_positions is None else self.rope_tables(sink_positions, height // p_h, width // p_w, dtype)
+        )
         return self.rope_tables(positions, height // p_h, width // p_w, dtype)
 
     def rope_tables(

@@ -170,6 +170,23 @@ def _check_chunk_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: L
     return streams, seq_len, kv_heads, head_dim
 
 
+def _check_sink_query(sink_query: torch.Tensor | None, q: torch.Tensor, kv: LayerContext) -> None:
+    """A sink query exactly when the forward attends its sinks at relative positions, shaped like ``q``."""
+    relative = kv.forward.sink_positions is not None
+    if relative and sink_query is None:
+        raise SpecError(
+            "chunk_attention: expected sink_query (this cache attends its sinks at relative positions, "
+            "KVCacheSpec.relative_sinks=True): pass q rotated at kv.sink_positions, got None"
+        )
+    if not relative and sink_query is not None:
+        raise SpecError(
+            "chunk_attention: expected no sink_query (KVCacheSpec.relative_sinks=False: sinks sit at their own "
+            "positions), got a tensor"
+        )
+    if sink_query is not None:
+        _check("sink_query", sink_query, tuple(q.shape), q.dtype, q.device)
+
+
 @overload
 def chunk_attention(
     q: torch.Tensor,
@@ -179,6 +196,7 @@ def chunk_attention(
     *,
     scale: float | None = ...,
     return_lse: Literal[False] = ...,
+    sink_query: torch.Tensor | None = ...,
 ) -> torch.Tensor: ...
 
 
@@ -191,6 +209,7 @@ def chunk_attention(
     *,
     scale: float | None = ...,
     return_lse: Literal[True],
+    sink_query: torch.Tensor | None = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -203,6 +222,7 @@ def chunk_attention(
     *,
     scale: float | None = ...,
     return_lse: bool,
+    sink_query: torch.Tensor | None = ...,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -214,6 +234,7 @@ def chunk_attention(
     *,
     scale: float | None = None,
     return_lse: bool = False,
+    sink_query: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Write this chunk's K/V into the pending pages and attend per the visibility rule.
 
@@ -232,12 +253,18 @@ def chunk_attention(
         Also return the float32 ``[streams, seq_len, num_heads]`` natural-log log-sum-exp of each
         query's scaled logits over its visible keys (``-inf`` where none is visible), for merging
         partial attentions.
+    sink_query:
+        Required when the cache attends its sinks at relative positions (``KVCacheSpec.relative_sinks``,
+        ``kv.forward.relative_sinks``), refused otherwise: the same query rotated by RoPE at
+        ``kv.sink_positions`` instead of ``kv.positions`` (``[streams, seq_len, num_heads, head_dim]``,
+        like ``q``). The sink keys are attended with it, the other keys with ``q``, in one softmax.
 
     Returns
     -------
     ``[streams, seq_len, num_heads, head_dim]`` (and the LSE with ``return_lse``).
     """
     streams, seq_len, kv_heads, head_dim = _check_chunk_inputs(q, k, v, kv)
+    _check_sink_query(sink_query, q, kv)
     scale = head_dim**-0.5 if scale is None else require_positive_float("chunk_attention.scale", scale, optional=True)
     tokens = streams * seq_len
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
@@ -245,6 +272,7 @@ def chunk_attention(
     if needs_grad:  # the op writes the pool in place and has no backward: make that failure explicit
         q, k, v = q.detach(), k.detach(), v.detach()
     q_rows = q.reshape(tokens, q.shape[2], head_dim)
+    q_sink = None if sink_query is None else sink_query.detach().reshape(tokens, q.shape[2], head_dim)
     k_rows, v_rows = k.reshape(tokens, kv_heads, head_dim), v.reshape(tokens, kv_heads, head_dim)
     if torch.compiler.is_compiling():
         # In a compiled graph the K/V write is plain torch, fused by inductor into the kernel that
@@ -253,10 +281,10 @@ def chunk_attention(
         assert pool is not None and scales is not None and layer_id is not None  # set by the cache, every layer
         write_kv_in_graph(k_rows, v_rows, pool, scales, layer_id, kv.forward.plan_id)
         op = torch.ops.ardiff_modules.paged_attention_lse if return_lse else torch.ops.ardiff_modules.paged_attention
-        result = op(q_rows, kv.kv_pool, kv.layer_id, kv.forward.plan_id, scale)
+        result = op(q_rows, kv.kv_pool, kv.layer_id, kv.forward.plan_id, scale, q_sink)
     else:
         op = torch.ops.ardiff_modules.chunk_attention_lse if return_lse else torch.ops.ardiff_modules.chunk_attention
-        result = op(q_rows, k_rows, v_rows, kv.kv_pool, kv.layer_id, kv.forward.plan_id, scale)
+        result = op(q_rows, k_rows, v_rows, kv.kv_pool, kv.layer_id, kv.forward.plan_id, scale, q_sink)
     out, lse = result if return_lse else (result, None)
     if needs_grad:
         out = _InferenceOnly.apply(out, *graph_inputs)

@@ -34,7 +34,14 @@ class SequenceParallelHook(Protocol):
     def local_positions(self, positions: torch.Tensor) -> torch.Tensor: ...
 
     def chunk_attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerContext, *, scale: float | None = None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv: LayerContext,
+        *,
+        scale: float | None = None,
+        sink_query: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
     def heads_in(self, q: torch.Tensor) -> torch.Tensor: ...
@@ -169,10 +176,29 @@ class ChunkSelfAttention(_CheckpointNamed):
         sp = self.sequence_parallel
         if sp is not None:  # x holds this rank's tokens: RoPE at their positions, attention over head shards
             positions = sp.local_positions(positions)
+        sink_query = self._sink_query(q, kv, rope, sp)
         q = apply_rope(q, positions, rope, layout=self.rope_layout)
         k = apply_rope(k, positions, rope, layout=self.rope_layout)
-        out = chunk_attention(q, k, v, kv) if sp is None else sp.chunk_attention(q, k, v, kv)
+        extra = {} if sink_query is None else {"sink_query": sink_query}
+        out = chunk_attention(q, k, v, kv, **extra) if sp is None else sp.chunk_attention(q, k, v, kv, **extra)
         return self.to_out(_merge_heads(out))
+
+    def _sink_query(
+        self, q: torch.Tensor, kv: LayerContext, rope: Rope | None, sp: SequenceParallelHook | None
+    ) -> torch.Tensor | None:
+        """With relative sinks: ``q`` rotated at ``kv.sink_positions`` (the query the sinks are attended with)."""
+        sink_positions = kv.forward.sink_positions
+        if sink_positions is None:
+            return None
+        if rope is not None and not callable(rope):
+            raise SpecError(
+                "ChunkSelfAttention: expected a RoPE module or callable with relative_sinks (the layer rotates the "
+                "sink query at kv.sink_positions), got a (cos, sin) pair evaluated at kv.positions only; pass a "
+                "callable, or call chunk_attention(..., sink_query=...) with your own rotation"
+            )
+        if sp is not None:
+            sink_positions = sp.local_positions(sink_positions)
+        return apply_rope(q, sink_positions, rope, layout=self.rope_layout)
 
     def extra_repr(self) -> str:
         return (

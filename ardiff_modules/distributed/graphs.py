@@ -1,0 +1,178 @@
+"""``DistributedCUDAGraphStep``: capture a whole parallelized model step as one CUDA graph on every rank.
+
+A thin wrapper of :class:`~ardiff_modules.graphs.CUDAGraphStep` (``graphs.py`` is unchanged): it takes
+a :class:`~ardiff_modules.distributed.DistributedForward` and makes every rank capture at the same
+call. Why that matters, and why the rest already works::
+
+    every rank, every forward          host (outside the graph)            device (the graph)
+    ──────────────────────────          ────────────────────────            ──────────────────
+    cache.prepare_forward(static=True)  allocate, plan into fixed buffers,
+                                        vote (gloo)
+    step(fwd, x)                        capture vote (gloo) ──> capture ─┬─ warm-up (eager): NCCL
+                                                                         │  communicators initialised
+                                                                         └─ capture: projections, the
+                                                                            all-to-alls (NCCL kernels),
+                                                                            K/V writes, attention
+                                        or replay ──────────────────────── replay
+    with-block exit                     vote (gloo), commit / abort
+
+* Capture runs the step eagerly ``warmup_iters`` times first, and those warm-up runs execute real
+  collectives: the peers must be warming up too, or they wait in a collective that never matches.
+  Host decisions are deterministic, so ranks that made the same calls capture at the same call; the
+  wrapper checks it with one all-reduce over the mesh's host (gloo) group per call (``verify=True``) and
+  raises :class:`~ardiff_modules.distributed.RankDivergenceError` *before* any collective otherwise.
+* Nothing inside the step synchronises with the host: the all-to-alls are functional collectives
+  waited on the device stream, positions are views of the static forward's fixed buffer,
+  ``ParallelMesh.local_streams`` / ``gather`` use cached device index tensors, and the votes happen in
+  ``prepare_forward`` and at the end of the ``with`` block, outside the graph.
+* A replay launches the captured NCCL kernels: every rank of a group must replay the same graphs in
+  the same order (it does when every rank makes the same calls, which the votes already require).
+
+Limitation: a rank that fails between the capture vote and the end of its capture (e.g. out of memory
+in warm-up) leaves its peers waiting in a warm-up collective, like any failure inside the model (see
+:mod:`~ardiff_modules.distributed.cache`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from ardiff_modules.checks import require_bool, require_int
+from ardiff_modules.context import ForwardContext
+from ardiff_modules.distributed.cache import DistributedForward
+from ardiff_modules.distributed.errors import RankDivergenceError
+from ardiff_modules.distributed.mesh import ParallelMesh
+from ardiff_modules.errors import SpecError
+from ardiff_modules.graphs import CUDAGraphStep
+
+
+class DistributedCUDAGraphStep:
+    """Replays ``fn(*inputs, layers)`` of a parallelized model from a CUDA graph captured on first use,
+    in step on every rank of ``mesh``.
+
+    Example (every rank)::
+
+        step = DistributedCUDAGraphStep(model, mesh)     # model: parallelize(model, mesh) done
+        with cache.prepare_forward(state, seq_len, commit_current=c, static=True) as fwd:
+            out = step(fwd, mesh.scatter(x))             # capture on the first call, replay afterwards
+
+    ``fn`` may also include the output all-gather (``lambda x, layers: mesh.gather(model(x, layers))``).
+
+    Parameters
+    ----------
+    fn:
+        ``fn(*inputs, layers)`` -> a tensor (this rank's part of the step's output).
+    mesh:
+        The :class:`~ardiff_modules.distributed.ParallelMesh` of the cache.
+    clone_outputs:
+        As in :class:`~ardiff_modules.graphs.CUDAGraphStep`.
+    warmup_iters:
+        Eager runs before a capture (at least 1: they initialise the NCCL communicators and NCCL's
+        connections for these collectives, which a capture cannot do).
+    verify:
+        Check with one host all-reduce per call that every rank captures (or replays) together.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., torch.Tensor],
+        mesh: ParallelMesh,
+        *,
+        clone_outputs: bool = True,
+        warmup_iters: int = 2,
+        verify: bool = True,
+    ) -> None:
+        if not isinstance(mesh, ParallelMesh):
+            raise SpecError(f"DistributedCUDAGraphStep.mesh: expected a ParallelMesh, got {type(mesh).__name__}")
+        self.mesh = mesh
+        self.verify = require_bool("DistributedCUDAGraphStep.verify", verify)
+        self.warmup_iters = require_int("DistributedCUDAGraphStep.warmup_iters", warmup_iters, minimum=1)
+        # NOTE: the warm-up is ours (see _warm_up), so the wrapped step captures right away.
+        self.step = CUDAGraphStep(fn, clone_outputs=clone_outputs, warmup_iters=0)
+        # context -> plan_epoch of its graph: the same rule CUDAGraphStep captures by (a context it has
+        # not seen, or whose plan object was rebuilt), read before the call so ranks can vote on it.
+        self._epochs: weakref.WeakKeyDictionary[ForwardContext, int] = weakref.WeakKeyDictionary()
+
+    @property
+    def num_graphs(self) -> int:
+        """Graphs held (one per static forward context)."""
+        return self.step.num_graphs
+
+    def clear(self) -> None:
+        """Drop every captured graph; the next call on each context captures again (collective: call it on
+        every rank)."""
+        self.step.clear()
+        self._epochs.clear()
+
+    def will_capture(self, forward: DistributedForward | ForwardContext) -> bool:
+        """Whether the next call with ``forward`` captures (``True``) or replays (``False``)."""
+        ctx = _context(forward)
+        return self._epochs.get(ctx) != ctx.plan_epoch
+
+    def __call__(self, forward: DistributedForward | ForwardContext, *inputs: torch.Tensor) -> torch.Tensor:
+        """Capture (every rank at once) or replay the step for ``forward``'s static context.
+
+        ``inputs``: this rank's tensors (e.g. ``mesh.scatter(x)`` ``[local streams, seq_len / P, dim]``).
+        Returns ``fn``'s output (a clone unless ``clone_outputs=False``).
+        """
+        ctx = _context(forward)
+        if not ctx.static:
+            raise SpecError(
+                "DistributedCUDAGraphStep: expected a forward prepared with static=True "
+                "(cache.prepare_forward(..., static=True)), got a dynamic one"
+            )
+        ctx.check_usable("DistributedCUDAGraphStep")
+        capture = self.will_capture(ctx)
+        if self.verify:
+            self._agree(capture)
+        if capture:
+            self._warm_up(ctx, inputs)
+        out = self.step(ctx, *inputs)
+        self._epochs[ctx] = ctx.plan_epoch
+        return out
+
+    def _warm_up(self, ctx: ForwardContext, inputs: tuple[torch.Tensor, ...]) -> None:
+        """Run the step eagerly ``warmup_iters`` times on a side stream (as PyTorch recommends before a
+        capture), then wait for it on the host.
+
+        NOTE: the warm-up's collectives create the NCCL communicators and connections the capture will
+        record (a capture cannot create them), and the host sync -- once per capture -- makes sure no
+        eager NCCL work is still in flight when capturing begins. The warm-up writes this step's K/V into
+        the pending pages; the replay rewrites them identically.
+        """
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(self.warmup_iters):
+                self.step.fn(*inputs, ctx.layers)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+
+    def _agree(self, capture: bool) -> None:
+        """One all-reduce over the host group: raise on every rank unless all capture or all replay."""
+        ranks = self.mesh.ranks
+        flags = torch.zeros(len(ranks), dtype=torch.int64)
+        flags[ranks.index(self.mesh.rank)] = int(capture)
+        dist.all_reduce(flags, group=self.mesh.host_group)
+        capturing = tuple(r for r, f in zip(ranks, flags.tolist()) if f)
+        if capturing and len(capturing) != len(ranks):
+            raise RankDivergenceError(
+                f"DistributedCUDAGraphStep: expected every rank to capture or every rank to replay, got capture on "
+                f"rank(s) {list(capturing)} only (ranks made different calls, or one step object was cleared); "
+                "nothing was run",
+                ranks=capturing,
+            )
+
+
+def _context(forward: DistributedForward | ForwardContext) -> ForwardContext:
+    if isinstance(forward, DistributedForward):
+        return forward.context
+    if isinstance(forward, ForwardContext):
+        return forward
+    raise SpecError(
+        f"DistributedCUDAGraphStep: expected a DistributedForward (static=True), got {type(forward).__name__}"
+    )
