@@ -364,12 +364,27 @@ class ForwardLayout:
             ))
         return replace(self, streams=tuple(streams))
 
+    @property
+    def sinkless_streams(self) -> tuple[int, ...]:
+        """Streams with no resident sink (e.g. a new session batched with older ones)."""
+        return tuple(i for i, s in enumerate(self.streams) if not s.sink_pages)
+
     def sinks_only(self) -> ForwardLayout:
         """The sink keys alone, one row per stream over all its queries (the segment attended with the
         sink query): a history-only layout (``pending_visible=False``); the pending pages stay for
-        :attr:`write_pages` but are never attended."""
+        :attr:`write_pages` but are never attended.
+
+        NOTE: a stream without sinks (:attr:`sinkless_streams`) gets its first pending page as a stand-in
+        key page -- kernels are not asked for key-less rows -- and the merge discards that row's result.
+        """
         streams = []
         for s in self.streams:
+            if not s.sink_pages:
+                stand_in = s.pending_pages[0][0]
+                streams.append(replace(
+                    s, history_pages=(stand_in,), history_spans=((s.first_pending_position, self.page_size),),
+                ))
+                continue
             spans, _ = s.split_history(self.page_size)
             streams.append(replace(
                 s, history_pages=s.history_pages[: s.sink_pages], history_spans=s.history_spans[:spans], sink_pages=0
@@ -386,7 +401,9 @@ class ForwardLayout:
             history = len(s.history_pages) * self.page_size
             sink_tokens = s.sink_pages * self.page_size
             pending = torch.arange(history, history + self.seq_len)
-            sink_rows.append(torch.cat([torch.arange(sink_tokens), pending]))
+            # a sinkless stream's stand-in keys (see sinks_only) read any column: their result is discarded
+            sinks = torch.arange(sink_tokens) if sink_tokens else torch.full((self.page_size,), history)
+            sink_rows.append(torch.cat([sinks, pending]))
             rest_rows.append(torch.cat([torch.arange(sink_tokens, history), pending]))
         return _pad_rows(sink_rows, max_keys - 1), _pad_rows(rest_rows, max_keys - 1)
 

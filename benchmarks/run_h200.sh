@@ -38,6 +38,18 @@ for what in "$@"; do
     tests_multi_gpu) step gpu_tests_multi_gpu 240 python3 -m pytest -m gpu -q -p no:cacheprovider \
                tests/test_distributed.py -rs ;;
     multi_gpu) step multi_gpu 300 python3 benchmarks/multi_gpu.py --steps 3 --out "$out" ;;
+    tests_relative_sinks) step gpu_tests_relative_sinks 200 python3 -m pytest -m gpu -q -p no:cacheprovider \
+               tests/test_gpu_relative_sinks.py tests/test_rolling.py tests/test_recache.py -rs ;;
+    end_to_end_relative) step end_to_end_relative 420 python3 benchmarks/end_to_end.py --cfg on \
+               --variants library,library_relative_sinks,library_compiled,library_relative_sinks_compiled \
+               --chunks-timed 6 --out "$out/relative_sinks" ;;
+    example_recache) step example_recache 150 python3 examples/streaming_generation.py --preset wan2.1-1.3b \
+               --device cuda --chunks 12 --switch-at 9 --recache-on-switch --relative-sinks --no-progress \
+               --no-plot --out "$out/recache/stream.png" ;;
+    multi_gpu_14b) step multi_gpu_14b 300 python3 benchmarks/multi_gpu.py --shapes wan-14b --steps 3 --out "$out/mg14" ;;
+    multi_gpu_14b_tokens) step multi_gpu_14b_tokens 300 python3 benchmarks/multi_gpu.py --shapes wan-14b --steps 3 \
+               --cross-attention tokens --out "$out/mg14_tokens" ;;
+    multi_gpu_graph) step multi_gpu_graph 300 python3 benchmarks/multi_gpu.py --graph --steps 3 --out "$out/mg_graph" ;;
     first_use) step first_use 200 python3 benchmarks/first_use.py --out "$out" ;;
     host_time) step host_time 120 python3 benchmarks/host_time.py --out "$out/host_time.jsonl" ;;
     compile_vs_eager) step compile_vs_eager 300 python3 benchmarks/compile_vs_eager.py --out "$out" ;;

@@ -22,6 +22,7 @@ from dataclasses import replace
 import torch
 
 from ardiff_modules.backends.base import AttentionBackend, AttentionPlan, PlanRequest
+from ardiff_modules.layout import ForwardLayout
 
 
 def merge_attention(
@@ -53,9 +54,12 @@ class RelativeSinkPlan(AttentionPlan):
         The two segments' plans, from the same backend.
     """
 
-    def __init__(self, rest: AttentionPlan, sinks: AttentionPlan) -> None:
+    def __init__(self, rest: AttentionPlan, sinks: AttentionPlan, sinkless: torch.Tensor | None = None) -> None:
         self.rest = rest
         self.sinks = sinks
+        #: bool ``[tokens, 1]`` on the device: tokens of streams without sinks, whose sink-segment row ran over
+        #: a stand-in page (``ForwardLayout.sinks_only``) and is discarded; ``None`` if every stream has sinks.
+        self.sinkless = sinkless
         self.quantizer = rest.quantizer
 
     def __repr__(self) -> str:
@@ -113,6 +117,8 @@ class RelativeSinkPlan(AttentionPlan):
             raise ValueError("this forward attends its sinks at relative positions: pass the sink query (q_sink)")
         out_rest, lse_rest = rest
         out_sink, lse_sink = self.sinks.attend(q_sink, k_cache, v_cache, scale, True, layer=layer)
+        if self.sinkless is not None:
+            lse_sink = lse_sink.masked_fill(self.sinkless, float("-inf"))
         out, lse = merge_attention(out_sink, lse_sink, out_rest, lse_rest)
         return (out, lse) if return_lse else out
 
@@ -139,6 +145,20 @@ def plan_forward(backend: AttentionBackend, request: PlanRequest, previous: Atte
     sinks = backend.plan(
         replace(request, layout=layout.sinks_only(), token_mask=sink_mask, segment="sinks"), prev_sinks
     )
+    sinkless = _sinkless_mask(layout, request.device)
     if isinstance(previous, RelativeSinkPlan) and rest is previous.rest and sinks is previous.sinks:
-        return previous
-    return RelativeSinkPlan(rest, sinks)
+        if sinkless is None and previous.sinkless is None:
+            return previous
+        if sinkless is not None and previous.sinkless is not None and previous.sinkless.shape == sinkless.shape:
+            previous.sinkless.copy_(sinkless, non_blocking=True)  # in place: a captured graph reads it
+            return previous
+    return RelativeSinkPlan(rest, sinks, sinkless)
+
+
+def _sinkless_mask(layout: ForwardLayout, device: torch.device) -> torch.Tensor | None:
+    """bool ``[num_streams * seq_len, 1]``: the tokens of streams without a resident sink; ``None`` if none."""
+    if not layout.sinkless_streams:
+        return None
+    mask = torch.zeros(layout.num_streams, layout.seq_len, 1, dtype=torch.bool)
+    mask[list(layout.sinkless_streams)] = True
+    return mask.reshape(-1, 1).to(device, non_blocking=True)
