@@ -360,7 +360,7 @@ def test_module_and_functional_forms_agree() -> None:
     outs = []
     for functional in (False, True):
         torch.manual_seed(7)
-        cache, state = _advanced_state(spec, 5, model)
+        _, state = _advanced_state(spec, 5, model)
         x = torch.randn(1, CHUNK, model.dim)
         with torch.no_grad(), state.prepare_forward(("main",), CHUNK, False) as fwd:
             kv = fwd.layers[0]
@@ -372,5 +372,23 @@ def test_module_and_functional_forms_agree() -> None:
                 outs.append(attn.to_out(out.flatten(2)))
             else:
                 outs.append(attn(x, kv, model.rope))
+            fwd.abort()
+    torch.testing.assert_close(outs[0], outs[1])
+
+
+def test_a_plain_rope_callable_gets_the_same_sink_query_as_the_rotary_module() -> None:
+    """The module's shared-table path (one of the package's rotary modules) and the generic path (any
+    callable ``(t, positions) -> t``, evaluated twice) give the same outputs."""
+    model = _model()
+    spec = model.spec(CHUNK, 2, 1, 2, branches=("main",), relative_sinks=True)
+    attn: ChunkSelfAttention = model.blocks[0].attn
+    outs = []
+    for rope in (model.rope, lambda t, positions: model.rope(t, positions)):
+        torch.manual_seed(7)
+        _, state = _advanced_state(spec, 5, model)
+        x = torch.randn(1, CHUNK, model.dim)
+        with torch.no_grad(), state.prepare_forward(("main",), CHUNK, False) as fwd:
+            assert fwd.sink_shifts[0] > 0
+            outs.append(attn(x, fwd.layers[0], rope))
             fwd.abort()
     torch.testing.assert_close(outs[0], outs[1])

@@ -55,6 +55,25 @@ class PlanRequest:
     segment: str = "main"
 
 
+def merge_attention(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One softmax over two disjoint key sets, from each set's attention.
+
+    ``out_*`` ``[tokens, heads, dim]``, ``lse_*`` float32 natural-log ``[tokens, heads]`` (``-inf``:
+    no key in that set, whose ``out`` is then ignored). Returns the merged output (``out_a``'s dtype)
+    and LSE. Computed in float32.
+    """
+    lse = torch.logaddexp(lse_a, lse_b)
+    weight_a = torch.exp(lse_a - lse).unsqueeze(-1)
+    weight_b = torch.exp(lse_b - lse).unsqueeze(-1)
+    # NOTE: where, not a product: a key-less segment's output may be anything (0 * NaN = NaN).
+    part_a = torch.where(weight_a > 0, out_a.float() * weight_a, 0.0)
+    part_b = torch.where(weight_b > 0, out_b.float() * weight_b, 0.0)
+    # contiguous like the ops' fake outputs (an input may be a strided view, e.g. the reference's one stream)
+    return (part_a + part_b).to(out_a.dtype).contiguous(), lse
+
+
 class AttentionPlan(ABC):
     """Device-ready indices for one forward, shared by every layer.
 
@@ -65,6 +84,12 @@ class AttentionPlan(ABC):
     """
 
     quantizer: KVQuantizer | None = None
+
+    def merge(
+        self, out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`merge_attention` of two key segments' results (a backend may run it as one kernel)."""
+        return merge_attention(out_a, lse_a, out_b, lse_b)
 
     @property
     def uses_sink_query(self) -> bool:

@@ -364,6 +364,16 @@ class FlashInferPlan(AttentionPlan):
         self.write(k.contiguous(), v.contiguous(), k_cache, v_cache)
         return self.attend(q, k_cache, v_cache, scale, return_lse, layer=layer)
 
+    def merge(
+        self, out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One FlashInfer ``merge_state`` kernel (it works in base-2 LSE, like its attention kernels)
+        instead of the torch merge's several passes; a ``-inf`` LSE (a discarded segment) weighs 0."""
+        out, lse = _flashinfer().merge_state(
+            out_a.contiguous(), (lse_a / LN2).contiguous(), out_b.contiguous(), (lse_b / LN2).contiguous()
+        )
+        return out, lse * LN2
+
     def _check_heads(self, q: torch.Tensor) -> None:
         if q.shape[1] != self.num_qo_heads:
             raise TensorMismatchError(

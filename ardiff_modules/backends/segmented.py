@@ -21,27 +21,13 @@ from dataclasses import replace
 
 import torch
 
-from ardiff_modules.backends.base import AttentionBackend, AttentionPlan, PlanRequest
+from ardiff_modules.backends.base import (
+    AttentionBackend,
+    AttentionPlan,
+    PlanRequest,
+    merge_attention,  # noqa: F401  (re-exported: the merge rule)
+)
 from ardiff_modules.layout import ForwardLayout
-
-
-def merge_attention(
-    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One softmax over two disjoint key sets, from each set's attention.
-
-    ``out_*`` ``[tokens, heads, dim]``, ``lse_*`` float32 natural-log ``[tokens, heads]`` (``-inf``:
-    no key in that set, whose ``out`` is then ignored). Returns the merged output (``out_a``'s dtype)
-    and LSE. Computed in float32.
-    """
-    lse = torch.logaddexp(lse_a, lse_b)
-    weight_a = torch.exp(lse_a - lse).unsqueeze(-1)
-    weight_b = torch.exp(lse_b - lse).unsqueeze(-1)
-    # NOTE: where, not a product: a key-less segment's output may be anything (0 * NaN = NaN).
-    part_a = torch.where(weight_a > 0, out_a.float() * weight_a, 0.0)
-    part_b = torch.where(weight_b > 0, out_b.float() * weight_b, 0.0)
-    # contiguous like the ops' fake outputs (an input may be a strided view, e.g. the reference's one stream)
-    return (part_a + part_b).to(out_a.dtype).contiguous(), lse
 
 
 class RelativeSinkPlan(AttentionPlan):
@@ -119,7 +105,7 @@ class RelativeSinkPlan(AttentionPlan):
         out_sink, lse_sink = self.sinks.attend(q_sink, k_cache, v_cache, scale, True, layer=layer)
         if self.sinkless is not None:
             lse_sink = lse_sink.masked_fill(self.sinkless, float("-inf"))
-        out, lse = merge_attention(out_sink, lse_sink, out_rest, lse_rest)
+        out, lse = self.rest.merge(out_sink, lse_sink, out_rest, lse_rest)
         return (out, lse) if return_lse else out
 
 

@@ -19,9 +19,17 @@ from ardiff_modules.modules.common import (
     _qk_norm,
     _split_heads,
 )
-from ardiff_modules.modules.functional import Rope, RopeLayout, _check_rope_layout, apply_rope, chunk_attention
+from ardiff_modules.modules.functional import (
+    Rope,
+    RopeLayout,
+    _check_rope_layout,
+    apply_rope,
+    chunk_attention,
+    rotate,
+)
 from ardiff_modules.modules.loading import _copy_from_source, _read_source, _SourceConfig
 from ardiff_modules.modules.naming import ParamNames, _CheckpointNamed
+from ardiff_modules.modules.rotary import _Rotary
 
 
 class SequenceParallelHook(Protocol):
@@ -176,12 +184,43 @@ class ChunkSelfAttention(_CheckpointNamed):
         sp = self.sequence_parallel
         if sp is not None:  # x holds this rank's tokens: RoPE at their positions, attention over head shards
             positions = sp.local_positions(positions)
-        sink_query = self._sink_query(q, kv, rope, sp)
-        q = apply_rope(q, positions, rope, layout=self.rope_layout)
-        k = apply_rope(k, positions, rope, layout=self.rope_layout)
-        extra = {} if sink_query is None else {"sink_query": sink_query}
-        out = chunk_attention(q, k, v, kv, **extra) if sp is None else sp.chunk_attention(q, k, v, kv, **extra)
+        sink_positions = kv.forward.sink_positions
+        sink_query: torch.Tensor | None
+        if sink_positions is not None and isinstance(rope, _Rotary):
+            q, k, sink_query = self._rotate_with_sink_query(q, k, positions, sink_positions, rope, sp)
+        else:
+            sink_query = self._sink_query(q, kv, rope, sp)
+            q = apply_rope(q, positions, rope, layout=self.rope_layout)
+            k = apply_rope(k, positions, rope, layout=self.rope_layout)
+        if sp is None:
+            out = chunk_attention(q, k, v, kv, sink_query=sink_query)
+        else:
+            out = sp.chunk_attention(q, k, v, kv, sink_query=sink_query)
         return self.to_out(_merge_heads(out))
+
+    @staticmethod
+    def _rotate_with_sink_query(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        positions: torch.Tensor,
+        sink_positions: torch.Tensor,
+        rope: _Rotary,
+        sp: SequenceParallelHook | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(q, k, sink query)`` rotated from one ``(cos, sin)`` table over both position sets.
+
+        NOTE: one table read by the q and k rotations is what lets inductor compute it once: a table
+        read by a single rotation (the sink query's) was inlined into that fused norm + RoPE kernel and
+        its float64 cos / sin recomputed for every head -- 60x slower on an H200 at the Wan2.1-1.3B shape.
+        """
+        if sp is not None:
+            sink_positions = sp.local_positions(sink_positions)
+        streams = positions.shape[0]
+        compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+        cos, sin = rope.cos_sin(torch.cat([positions, sink_positions]), compute)  # [2 S, n, 1, D]
+        both = rotate(torch.cat([q, q]), cos, sin, rope.layout)
+        k = rotate(k, cos[:streams], sin[:streams], rope.layout)
+        return both[:streams], k, both[streams:]
 
     def _sink_query(
         self, q: torch.Tensor, kv: LayerContext, rope: Rope | None, sp: SequenceParallelHook | None
