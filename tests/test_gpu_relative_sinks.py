@@ -99,12 +99,14 @@ def test_flashinfer_relative_sinks_token_mask_static_graph_and_compile() -> None
         q, k, v, sq = _qkv((2, CHUNK), g)
         keys = max(len(states["ref"].visible_chunks(b)) for b in ("cond", "uncond")) * CHUNK + CHUNK
         mask = torch.rand(2, CHUNK, keys, device="cuda", generator=g) > 0.3
+        mask[0, 0] = False  # a query with no key in either segment: zeros (merge_state alone gives NaN)
         masked = []
         for name in ("ref", "fi"):
             fwd = states[name].prepare_forward(None, CHUNK, False, token_mask=mask)
             masked.append(attend(q, k, v, sq, fwd.layers))
             fwd.abort()
         torch.testing.assert_close(masked[1].float(), masked[0].float(), atol=2e-2, rtol=2e-2)
+        assert not masked[1][:, 0, 0].any(), "a query that sees no key must output zeros"
         outs = {}
         for name, state in states.items():
             with state.prepare_forward(None, CHUNK, True, static=name == "graph") as fwd:

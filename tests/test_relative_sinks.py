@@ -392,3 +392,80 @@ def test_a_plain_rope_callable_gets_the_same_sink_query_as_the_rotary_module() -
             outs.append(attn(x, fwd.layers[0], rope))
             fwd.abort()
     torch.testing.assert_close(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("pending_attention", ["block_causal", "bidirectional"])
+@pytest.mark.parametrize("num_chunks", [1, 3])
+def test_random_token_mask_over_a_mixed_batch_splits_columns_exactly(pending_attention: str, num_chunks: int) -> None:
+    """Three streams -- window slid, young, no sink yet (a stand-in sink page) -- a random token mask, 1 or 3
+    pending chunks. With ``sink_query=q`` the two segments must rebuild exactly the natural single softmax,
+    whatever the shifts: any wrong column of the mask split, or a stand-in row leaking in, shows."""
+    heads, dim, chunk, page = 2, 8, 4, 2
+
+    def run(relative: bool) -> tuple[torch.Tensor, tuple[int, ...]]:
+        g = torch.Generator().manual_seed(num_chunks)
+        spec = KVCacheSpec(
+            num_layers=1, num_kv_heads=heads, head_dim=dim, chunk_size=chunk, page_size=page, sink_chunks=1,
+            window_chunks=2, branches=("main",), dtype="float32", relative_sinks=relative,
+            pending_attention=pending_attention,
+        )
+        cache = KVCache(spec, num_pages=200, backend="reference")
+        sessions = [cache.open_session(n) for n in ("old", "young", "new")]
+
+        def step(streams: list, n: int, commit: bool, mask: torch.Tensor | None = None) -> tuple:
+            q, k, v = (torch.randn(len(streams), n, heads, dim, generator=g) for _ in range(3))
+            with torch.no_grad(), cache.prepare_forward(streams, n, commit, token_mask=mask) as fwd:
+                extra = {"sink_query": q} if relative else {}
+                out = chunk_attention(q, k, v, fwd.layers[0], **extra)
+                shifts = fwd.sink_shifts
+                if not commit:
+                    fwd.abort()
+            return out, shifts
+
+        for _ in range(6):
+            step([(sessions[0], "main")], chunk, True)
+        for _ in range(2):
+            step([(sessions[1], "main")], chunk, True)
+        streams = [(s, "main") for s in sessions]
+        keys = cache.max_visible_keys([s.history("main") for s in sessions], num_chunks * chunk)
+        mask = torch.rand(3, num_chunks * chunk, keys, generator=g) > 0.4
+        mask[0, 0] = False  # a query that sees no key at all: zeros either way
+        return step(streams, num_chunks * chunk, False, mask)
+
+    relative, shifts = run(True)
+    natural, _ = run(False)
+    assert shifts[0] > 0 and shifts[1] == 0 and shifts[2] == 0
+    torch.testing.assert_close(relative, natural, atol=2e-6, rtol=2e-6)
+    assert torch.equal(relative[0, 0], torch.zeros_like(relative[0, 0]))
+
+
+def test_direct_op_call_without_the_sink_query_raises_before_writing() -> None:
+    model = _model()
+    spec = model.spec(CHUNK, 2, 1, 2, branches=("main",), relative_sinks=True)
+    cache, state = _advanced_state(spec, 5, model)
+    with torch.no_grad(), state.prepare_forward(("main",), CHUNK, False) as fwd:
+        layer = fwd.layers[0]
+        pending = list(state.history("main").pending_pages())
+        before = cache.pool.kv[:, :, pending].clone()
+        q = torch.randn(CHUNK, 4, 8)
+        k = v = torch.ones(CHUNK, 4, 8)
+        with pytest.raises(SpecError, match="expected q_sink"):
+            torch.ops.ardiff_modules.chunk_attention(q, k, v, layer.kv_pool, layer.layer_id, fwd.plan_id, 0.35)
+        assert torch.equal(cache.pool.kv[:, :, pending], before)
+        fwd.abort()
+
+
+def test_a_sink_query_that_requires_grad_is_refused_like_q() -> None:
+    from ardiff_modules import InferenceOnlyError
+
+    model = _model()
+    spec = model.spec(CHUNK, 2, 1, 2, branches=("main",), relative_sinks=True)
+    _, state = _advanced_state(spec, 5, model)
+    with state.prepare_forward(("main",), CHUNK, False) as fwd:
+        q = torch.randn(1, CHUNK, 4, 8)
+        k = v = torch.randn(1, CHUNK, 4, 8)
+        out = chunk_attention(q, k, v, fwd.layers[0], sink_query=q.clone().requires_grad_())
+        assert out.requires_grad
+        with pytest.raises(InferenceOnlyError):
+            out.sum().backward()
+        fwd.abort()

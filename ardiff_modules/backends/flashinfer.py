@@ -372,7 +372,12 @@ class FlashInferPlan(AttentionPlan):
         out, lse = _flashinfer().merge_state(
             out_a.contiguous(), (lse_a / LN2).contiguous(), out_b.contiguous(), (lse_b / LN2).contiguous()
         )
-        return out, lse * LN2
+        lse = lse * LN2
+        if self.masked:  # a query a token_mask leaves with no key in either segment: merge_state gives NaN
+            empty = torch.isneginf(lse_a) & torch.isneginf(lse_b)
+            out = out.masked_fill(empty[..., None], 0)
+            lse = lse.masked_fill(empty, float("-inf"))
+        return out, lse
 
     def _check_heads(self, q: torch.Tensor) -> None:
         if q.shape[1] != self.num_qo_heads:

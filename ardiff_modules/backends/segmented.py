@@ -27,6 +27,7 @@ from ardiff_modules.backends.base import (
     PlanRequest,
     merge_attention,  # noqa: F401  (re-exported: the merge rule)
 )
+from ardiff_modules.errors import SpecError
 from ardiff_modules.layout import ForwardLayout
 
 
@@ -72,6 +73,7 @@ class RelativeSinkPlan(AttentionPlan):
         layer: int = 0,
         q_sink: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        _require_sink_query(q_sink)  # before anything is written
         rest = self.rest.run(q, k, v, k_cache, v_cache, scale, True, layer=layer)
         return self._merge(rest, q_sink, k_cache, v_cache, scale, return_lse, layer)
 
@@ -86,6 +88,7 @@ class RelativeSinkPlan(AttentionPlan):
         layer: int = 0,
         q_sink: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        _require_sink_query(q_sink)
         rest = self.rest.attend(q, k_cache, v_cache, scale, True, layer=layer)
         return self._merge(rest, q_sink, k_cache, v_cache, scale, return_lse, layer)
 
@@ -99,14 +102,22 @@ class RelativeSinkPlan(AttentionPlan):
         return_lse: bool,
         layer: int,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if q_sink is None:  # the functional API checks this first; a direct caller gets told here
-            raise ValueError("this forward attends its sinks at relative positions: pass the sink query (q_sink)")
+        assert q_sink is not None  # _require_sink_query
         out_rest, lse_rest = rest
         out_sink, lse_sink = self.sinks.attend(q_sink, k_cache, v_cache, scale, True, layer=layer)
         if self.sinkless is not None:
             lse_sink = lse_sink.masked_fill(self.sinkless, float("-inf"))
         out, lse = self.rest.merge(out_sink, lse_sink, out_rest, lse_rest)
         return (out, lse) if return_lse else out
+
+
+def _require_sink_query(q_sink: torch.Tensor | None) -> None:
+    """The functional API checks this first; a direct caller of the ops is told here, before any write."""
+    if q_sink is None:
+        raise SpecError(
+            "relative-sinks plan: expected q_sink (the query rotated at sink_positions), got None; "
+            "chunk_attention(..., sink_query=...) passes it"
+        )
 
 
 def plan_forward(backend: AttentionBackend, request: PlanRequest, previous: AttentionPlan | None) -> AttentionPlan:

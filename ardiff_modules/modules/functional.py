@@ -267,8 +267,9 @@ def chunk_attention(
     _check_sink_query(sink_query, q, kv)
     scale = head_dim**-0.5 if scale is None else require_positive_float("chunk_attention.scale", scale, optional=True)
     tokens = streams * seq_len
-    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    graph_inputs = (q, k, v)
+    sink_grad = sink_query is not None and sink_query.requires_grad
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or sink_grad)
+    graph_inputs = (q, k, v) if sink_query is None else (q, k, v, sink_query)
     if needs_grad:  # the op writes the pool in place and has no backward: make that failure explicit
         q, k, v = q.detach(), k.detach(), v.detach()
     q_rows = q.reshape(tokens, q.shape[2], head_dim)

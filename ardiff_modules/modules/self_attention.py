@@ -29,7 +29,7 @@ from ardiff_modules.modules.functional import (
 )
 from ardiff_modules.modules.loading import _copy_from_source, _read_source, _SourceConfig
 from ardiff_modules.modules.naming import ParamNames, _CheckpointNamed
-from ardiff_modules.modules.rotary import _Rotary
+from ardiff_modules.modules.rotary import _check_inputs, _Rotary
 
 
 class SequenceParallelHook(Protocol):
@@ -186,7 +186,8 @@ class ChunkSelfAttention(_CheckpointNamed):
             positions = sp.local_positions(positions)
         sink_positions = kv.forward.sink_positions
         sink_query: torch.Tensor | None
-        if sink_positions is not None and isinstance(rope, _Rotary):
+        # the shared table needs the package's rotation itself (a subclass overriding forward goes the generic way)
+        if sink_positions is not None and isinstance(rope, _Rotary) and type(rope).forward is _Rotary.forward:
             q, k, sink_query = self._rotate_with_sink_query(q, k, positions, sink_positions, rope, sp)
         else:
             sink_query = self._sink_query(q, kv, rope, sp)
@@ -194,6 +195,8 @@ class ChunkSelfAttention(_CheckpointNamed):
             k = apply_rope(k, positions, rope, layout=self.rope_layout)
         if sp is None:
             out = chunk_attention(q, k, v, kv, sink_query=sink_query)
+        elif sink_query is None:  # a hook written before relative sinks need not know the keyword
+            out = sp.chunk_attention(q, k, v, kv)
         else:
             out = sp.chunk_attention(q, k, v, kv, sink_query=sink_query)
         return self.to_out(_merge_heads(out))
@@ -215,6 +218,8 @@ class ChunkSelfAttention(_CheckpointNamed):
         """
         if sp is not None:
             sink_positions = sp.local_positions(sink_positions)
+        _check_inputs(type(rope).__name__, q, positions, rope.head_dim)  # what rope.forward checks
+        _check_inputs(type(rope).__name__, k, positions, rope.head_dim)
         streams = positions.shape[0]
         compute = torch.float64 if q.dtype == torch.float64 else torch.float32
         cos, sin = rope.cos_sin(torch.cat([positions, sink_positions]), compute)  # [2 S, n, 1, D]
