@@ -43,10 +43,10 @@ from ardiff_modules.reservation import Reservation
 from ardiff_modules.spec import KVCacheSpec, PendingAttention
 from ardiff_modules.state import KVState
 from ardiff_modules.validation import (
-    check_recache_sinks_in_place,
     check_capacity,
     check_no_open_commit,
     check_recache_capacity,
+    check_recache_sinks_in_place,
     check_token_mask,
     chunk_lengths_of,
     kept_latents,

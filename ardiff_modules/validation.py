@@ -21,6 +21,7 @@ from ardiff_modules.errors import (
 )
 from ardiff_modules.forward import ForwardTransaction
 from ardiff_modules.history import BranchHistory
+from ardiff_modules.layout import StreamLayout
 from ardiff_modules.spec import KVCacheSpec, PendingAttention, check_pending_attention
 from ardiff_modules.state import KVState
 
@@ -244,18 +245,20 @@ def check_recache_sinks_in_place(members: Sequence[tuple[KVState, str]], histori
     """With relative sinks, a re-cache that rebuilds the sinks (``keep_sinks=False``) must not need them moved.
 
     A rebuilt sink is a pending chunk, which its stream's other rebuilt chunks attend at natural
-    distance; once the window has slid (a gap between the sinks' end and the oldest window chunk) that
-    is not where relative sinks sit, so such a re-cache is refused: keep the sinks (the default).
+    distance; once the window has slid (the sinks' shift is not 0, :meth:`StreamLayout.sink_shift`)
+    that is not where relative sinks sit, so such a re-cache is refused: keep the sinks (the default).
     """
     for (state, branch), h in zip(members, histories):
-        sinks = len(h.sinks)
-        if not sinks or sinks >= len(h.resident):
+        sinks = h.sinks
+        if not sinks or len(sinks) >= len(h.resident):  # nothing but sinks is rebuilt: no distance to keep
             continue
-        spans = h.history_spans()
-        sink_end = spans[sinks - 1][0] + spans[sinks - 1][1]
-        if spans[sinks][0] != sink_end:
+        stream = StreamLayout(
+            tuple(h.history_pages()), (), h.token_offset, tuple(h.history_spans()), sink_pages=sum(map(len, sinks))
+        )
+        shift = stream.sink_shift(h.page_size)
+        if shift:
             raise SpecError(
                 f"prepare_recache: expected keep_sinks=True for {state.session_id!r}/{branch!r} with relative_sinks "
-                f"(its sinks end at position {sink_end}, its oldest window chunk starts at {spans[sinks][0]}: "
-                "rebuilt sinks would be attended at their natural distance)"
+                f"(its sinks sit {shift} tokens before its oldest window chunk: rebuilt sinks would be attended "
+                "at their natural distance)"
             )

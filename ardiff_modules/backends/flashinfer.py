@@ -74,6 +74,9 @@ class FlashInferPlan(AttentionPlan):
         self.masked = request.token_mask is not None
         self.static = request.static
         layout = request.layout
+        #: Whether this plan writes the current K/V: not a history-only plan (the sink segment of relative
+        #: sinks), whose forward's other plan writes them -- so it skips the write metadata.
+        self.writes = layout.pending_visible
         # One row per (stream, pending chunk), or one per stream under pending_attention="bidirectional".
         self.rows = layout.num_rows
         self.num_qo_heads = request.num_qo_heads
@@ -118,8 +121,11 @@ class FlashInferPlan(AttentionPlan):
                 paged_kv_indices_buf=torch.zeros(request.max_pages, dtype=torch.int32, device=device),
                 paged_kv_last_page_len_buf=torch.zeros(self.rows, dtype=torch.int32, device=device),
             )
-            self._write_pages = torch.zeros(layout.write_pages.numel(), dtype=torch.int32, device=device)
-            self._static_write_slots = torch.zeros(layout.seq_len * layout.num_streams, dtype=torch.int64, device=device)
+            if self.writes:
+                self._write_pages = torch.zeros(layout.write_pages.numel(), dtype=torch.int32, device=device)
+                self._static_write_slots = torch.zeros(
+                    layout.seq_len * layout.num_streams, dtype=torch.int64, device=device
+                )
         self._write_slots: torch.Tensor | None = None
         self.update(request)
 
@@ -128,6 +134,7 @@ class FlashInferPlan(AttentionPlan):
         return (
             request.static == self.static
             and request.segment == self.segment
+            and request.layout.pending_visible == self.writes
             and (request.token_mask is not None) == self.masked
             and request.device == self.device
             and request.num_qo_heads == self.num_qo_heads
@@ -186,7 +193,8 @@ class FlashInferPlan(AttentionPlan):
     def update(self, request: PlanRequest) -> None:
         """Re-plan for a new forward (host work, no device sync): writes, then the ragged or paged rows."""
         layout = request.layout
-        self._plan_writes(layout)
+        if self.writes:
+            self._plan_writes(layout)
         ragged = None
         if (self.static_ragged or not self.static) and self._ragged_eligible(request):
             ragged = layout.ragged_rows
@@ -334,6 +342,7 @@ class FlashInferPlan(AttentionPlan):
         Read by the compiled write path's gate op (``ops.kv_write_slots_op``), once per layer; eager
         forwards write with ``append_paged_kv_cache`` and never pay for it.
         """
+        assert self.writes, "a history-only plan writes nothing (its forward's other plan does)"
         if self._write_slots is None:
             self._write_slots = page_token_slots(self._write_pages, self.page_size)
         return self._write_slots
@@ -388,6 +397,7 @@ class FlashInferPlan(AttentionPlan):
 
     def write(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         """Append the current ``[tokens, kv_heads, head_dim]`` K/V into this forward's pending pages."""
+        assert self.writes, "a history-only plan writes nothing (its forward's other plan does)"
         _flashinfer().append_paged_kv_cache(
             k, v, self._append_batch, self._append_pos, (k_cache, v_cache),
             self._write_pages, self._append_indptr, self._append_last,
