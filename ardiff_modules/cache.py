@@ -631,7 +631,7 @@ class KVCache:
                 transaction.abort(self.allocator)
             else:
                 if self.check_finite and transaction.commit_current:
-                    self._abort_if_non_finite(transaction)
+                    self.abort_if_non_finite(transaction)
                 transaction.commit(self.allocator)
             if logger.isEnabledFor(logging.DEBUG):
                 logger.debug(
@@ -640,8 +640,21 @@ class KVCache:
                     self.allocator.num_used,
                 )
 
-    def _abort_if_non_finite(self, transaction: ForwardTransaction) -> None:
-        """``check_finite``: one device sync per committing forward; abort and raise on NaN/Inf."""
+    def abort_if_non_finite(self, transaction: ForwardTransaction) -> None:
+        """Check the pending K/V of an open forward: abort it and raise on NaN/Inf, else change nothing.
+
+        What ``check_finite=True`` runs before a commit (one device sync: call it outside the hot
+        path), public for callers that must decide before committing -- e.g. a distributed forward
+        that votes on the outcome first. ``transaction``: ``ForwardContext.transaction`` of an open
+        forward. Reads every live stream's pending pages (``[2, layers, pages, page_size, kv_heads,
+        head_dim]`` of the pool); on NaN/Inf aborts the **whole** forward (all its streams) and raises
+        :class:`~ardiff_modules.errors.NonFiniteKVError` naming the streams; a closed forward is a no-op.
+        """
+        with self._lock:
+            if transaction.is_open:
+                self._check_pending_finite(transaction)
+
+    def _check_pending_finite(self, transaction: ForwardTransaction) -> None:
         live = transaction.live_histories()
         owners = [
             (state.session_id, branch, page)

@@ -26,12 +26,17 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from ardiff_modules.checks import require_bool, require_int
 from ardiff_modules.context import ForwardContext
 from ardiff_modules.errors import SpecError, TensorMismatchError
+
+#: ``torch.cuda.graph(capture_error_mode=...)`` values (see :class:`CUDAGraphStep`).
+CaptureErrorMode = Literal["global", "thread_local", "relaxed"]
+CAPTURE_ERROR_MODES: tuple[str, ...] = ("global", "thread_local", "relaxed")
 
 
 @dataclass
@@ -56,13 +61,26 @@ class CUDAGraphStep:
     """
 
     def __init__(
-        self, fn: Callable[..., torch.Tensor], *, clone_outputs: bool = True, warmup_iters: int = 2
+        self,
+        fn: Callable[..., torch.Tensor],
+        *,
+        clone_outputs: bool = True,
+        warmup_iters: int = 2,
+        capture_error_mode: CaptureErrorMode = "global",
     ) -> None:
         if not callable(fn):
             raise SpecError(f"CUDAGraphStep.fn: expected a callable fn(*inputs, layers), got {type(fn).__name__}")
+        if capture_error_mode not in CAPTURE_ERROR_MODES:
+            raise SpecError(
+                f"CUDAGraphStep.capture_error_mode: expected one of {CAPTURE_ERROR_MODES}, got {capture_error_mode!r}"
+            )
         self.fn = fn
         self.clone_outputs = require_bool("CUDAGraphStep.clone_outputs", clone_outputs)
         self.warmup_iters = require_int("CUDAGraphStep.warmup_iters", warmup_iters, minimum=0)
+        #: ``torch.cuda.graph``'s ``capture_error_mode``: ``"global"`` (PyTorch's default) fails a capture
+        #: when *any* thread makes an unsafe CUDA call during it; ``"thread_local"`` only this thread
+        #: (what a process with a NCCL watchdog or other CUDA threads wants).
+        self.capture_error_mode = capture_error_mode
         # Keyed weakly by context: a context dropped by everyone takes its graph with it.
         self._captured: weakref.WeakKeyDictionary[ForwardContext, _Captured] = weakref.WeakKeyDictionary()
 
@@ -92,7 +110,6 @@ class CUDAGraphStep:
             captured = None
         if captured is None:
             captured = self._capture(forward, inputs)
-            self._captured[forward] = captured
         else:
             for name in sorted(captured.cross_names):
                 if name not in forward.cross:
@@ -111,6 +128,26 @@ class CUDAGraphStep:
         captured.graph.replay()
         return captured.output.clone() if self.clone_outputs else captured.output
 
+    def will_capture(self, forward: ForwardContext) -> bool:
+        """Whether the next call with ``forward`` captures (``True``: a context without a graph, or whose
+        plan object was rebuilt since) or replays (``False``)."""
+        captured = self._captured.get(forward)
+        return captured is None or captured.plan_epoch != forward.plan_epoch
+
+    def discard(self, forward: ForwardContext) -> None:
+        """Drop ``forward``'s graph if there is one (its next call captures again)."""
+        self._captured.pop(forward, None)
+
+    def capture(self, forward: ForwardContext, *inputs: torch.Tensor) -> None:
+        """Warm up and capture ``fn(*inputs, forward.layers)`` for ``forward`` now, without replaying it
+        (the next call replays). Replaces an existing graph of ``forward``. A failed capture raises and
+        leaves no graph for ``forward``."""
+        if not isinstance(forward, ForwardContext) or not forward.static:
+            raise SpecError("CUDAGraphStep.capture: expected a ForwardContext prepared with static=True")
+        forward.check_usable("CUDAGraphStep.capture")
+        self.discard(forward)
+        self._capture(forward, inputs)
+
     def _capture(self, forward: ForwardContext, inputs: tuple[torch.Tensor, ...]) -> _Captured:
         layers = forward.layers
         static_inputs = [t.clone() for t in inputs]
@@ -123,6 +160,8 @@ class CUDAGraphStep:
                 self.fn(*static_inputs, layers)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, capture_error_mode=self.capture_error_mode):
             output = self.fn(*static_inputs, layers)
-        return _Captured(graph, static_inputs, output, forward.plan_epoch, frozenset(forward.cross))
+        captured = _Captured(graph, static_inputs, output, forward.plan_epoch, frozenset(forward.cross))
+        self._captured[forward] = captured
+        return captured

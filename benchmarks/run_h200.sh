@@ -47,8 +47,13 @@ for what in "$@"; do
                --device cuda --chunks 12 --switch-at 9 --recache-on-switch --relative-sinks --no-progress \
                --no-plot --out "$out/recache/stream.png" ;;
     multi_gpu_14b) step multi_gpu_14b 300 python3 benchmarks/multi_gpu.py --shapes wan-14b --steps 3 --out "$out/mg14" ;;
-    multi_gpu_14b_tokens) step multi_gpu_14b_tokens 300 python3 benchmarks/multi_gpu.py --shapes wan-14b --steps 3 \
+    multi_gpu_14b_tokens) step multi_gpu_14b_tokens 300 python3 benchmarks/multi_gpu.py --shapes wan-14b --layouts single,ulysses --steps 3 \
                --cross-attention tokens --out "$out/mg14_tokens" ;;
+    nccl_graph_probe) step nccl_graph_probe 170 torchrun --nproc-per-node 2 benchmarks/nccl_graph_probe.py ;;
+    tests_gpu_relative_sinks) step gpu_tests_gpu_relative_sinks 150 python3 -m pytest -m gpu -q -p no:cacheprovider \
+               tests/test_gpu_relative_sinks.py -rs ;;
+    multi_gpu_14b_tokens_compiled) step multi_gpu_14b_tokens_compiled 300 python3 benchmarks/multi_gpu.py --shapes wan-14b \
+               --layouts single,ulysses --steps 3 --cross-attention tokens --compile --out "$out/mg14_tokens_compiled" ;;
     multi_gpu_graph) step multi_gpu_graph 300 python3 benchmarks/multi_gpu.py --graph --steps 3 --out "$out/mg_graph" ;;
     first_use) step first_use 200 python3 benchmarks/first_use.py --out "$out" ;;
     host_time) step host_time 120 python3 benchmarks/host_time.py --out "$out/host_time.jsonl" ;;

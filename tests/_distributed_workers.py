@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import faulthandler
 import inspect
 import os
 from collections.abc import Callable, Iterator
@@ -36,8 +37,16 @@ BRANCHES = ("cond", "uncond")
 CHUNK, PAGE = 8, 4
 
 
-def run_worker(rank: int, world: int, port: int, backend: str, check: Callable[..., None], args: tuple) -> None:
-    """``torch.multiprocessing.spawn`` entry point: join the group, run ``check(*args)``, leave."""
+def run_worker(
+    rank: int, world: int, port: int, backend: str, check: Callable[..., None], args: tuple, dump_after_s: float = 0.0
+) -> None:
+    """``torch.multiprocessing.spawn`` entry point: join the group, run ``check(*args)``, leave.
+
+    ``dump_after_s`` > 0: a rank still running after that many seconds prints every thread's Python stack
+    to stderr (once), so a hung test shows where each rank waits before it is killed.
+    """
+    if dump_after_s > 0:
+        faulthandler.dump_traceback_later(dump_after_s, exit=False)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)  # 2-4 ranks share a 2-core CI machine
@@ -491,7 +500,7 @@ def _check_sink_query(mesh: ParallelMesh, branches: tuple[str, ...], heads: int,
 def check_graph_votes() -> None:
     """The capture vote: every rank capturing (or replaying) passes, a split raises on every rank before any
     collective; a dynamic forward is refused. (Capture itself needs CUDA: the ``gpu`` tests.)"""
-    from ardiff_modules.distributed import DistributedCUDAGraphStep, RankDivergenceError
+    from ardiff_modules.distributed import DistributedCUDAGraphStep, DistributedForwardError, RankDivergenceError
     from ardiff_modules.errors import SpecError
 
     model, parallel, _, cache, mesh = _setup((2,), ("sp",), 4, 2, debug=False)
@@ -508,6 +517,25 @@ def check_graph_votes() -> None:
     state = cache.open_session("s0")
     with torch.no_grad(), cache.prepare_forward(state, CHUNK, commit_current=False) as fwd:
         assert step.will_capture(fwd) and not fwd.static
+        # Warm-up / capture are all or nothing: a failure on rank 1 raises its own error there and a
+        # DistributedForwardError naming it on rank 0 (nobody replays a graph its peers lack).
+        ran = []
+        step._all_or_none("capture", lambda: ran.append(1), fwd.context)
+        assert ran == [1]
+
+        def fail_on_rank_1() -> None:
+            if me == 1:
+                raise ValueError("capture failed here")
+
+        try:
+            step._all_or_none("capture", fail_on_rank_1, fwd.context)
+        except DistributedForwardError as e:
+            assert me == 0 and e.failed_ranks == (1,) and "expected every rank to capture" in str(e), e
+        except ValueError as e:
+            assert me == 1 and "capture failed here" in str(e), e
+        else:
+            raise AssertionError("expected the capture failure on rank 1 to raise on every rank")
+        assert step.num_graphs == 0
         try:
             step(fwd, torch.zeros(2, CHUNK // 2, model.dim))
         except SpecError as e:

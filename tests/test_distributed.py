@@ -42,11 +42,11 @@ def _spawn(world: int, check: Any, *args: Any, backend: str = "gloo") -> None:
     method = "spawn" if backend == "nccl" else START_METHOD
     if method == "fork":
         workers.warm_up()  # forked ranks inherit what the first library forward imports (~3 s each otherwise)
-    context = mp.start_processes(
-        workers.run_worker, args=(world, _free_port(), backend, check, args), nprocs=world, join=False,
-        start_method=method,
-    )
     limit = DEADLINE_S if backend == "gloo" else 4 * DEADLINE_S  # GPU: first-use kernel JIT builds
+    context = mp.start_processes(
+        workers.run_worker, args=(world, _free_port(), backend, check, args, limit - 10), nprocs=world,
+        join=False, start_method=method,
+    )
     deadline = time.monotonic() + limit
     while not context.join(timeout=1.0):  # raises ProcessRaisedException with a failed rank's traceback
         if time.monotonic() > deadline:

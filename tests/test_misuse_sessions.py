@@ -51,6 +51,10 @@ CASES: list[tuple[str, Callable[[Any, Any, Any], Any], type[Exception], str]] = 
     ("graph-warmup", lambda c, a, b: CUDAGraphStep(lambda *x: x, warmup_iters=-1), SpecError, "got -1"),
     ("graph-clone", lambda c, a, b: CUDAGraphStep(lambda *x: x, clone_outputs="no"), SpecError, "a bool"),
     ("graph-call-none", lambda c, a, b: CUDAGraphStep(lambda *x: x)(None), SpecError, "got NoneType"),
+    ("graph-capture-mode", lambda c, a, b: CUDAGraphStep(lambda *x: x, capture_error_mode="local"), SpecError,
+     "expected one of ('global', 'thread_local', 'relaxed'), got 'local'"),
+    ("graph-capture-none", lambda c, a, b: CUDAGraphStep(lambda *x: x).capture(None), SpecError,
+     "static=True"),
 ]
 
 

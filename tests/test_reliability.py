@@ -644,6 +644,40 @@ def test_check_finite_is_off_by_default() -> None:
     assert s.committed_chunks("cond") == s.committed_chunks("uncond") == 2
 
 
+def test_abort_if_non_finite_called_before_the_commit() -> None:
+    """The public check (what a distributed forward runs before its vote): finite K/V change nothing and the
+    forward still commits; NaN aborts every stream of the forward at once, history and pool bytes unchanged."""
+    cache = make_cache()  # check_finite off: only the explicit call checks
+    s = cache.open_session("s")
+    commit_chunk(s)
+    history = pages_of(s, "cond") + pages_of(s, "uncond")
+    before, kv = bookkeeping(cache, ordered=False), bits(cache.pool.kv[:, :, history])
+    with s.prepare_forward(BOTH, CHUNK, commit_current=True) as fwd:
+        for i, layer in enumerate(fwd.layers):
+            chunk_attention(*tensors(2, seed=100 + i), layer)
+        cache.abort_if_non_finite(fwd.transaction)
+        assert fwd.transaction.is_open
+    assert s.committed_chunks("cond") == s.committed_chunks("uncond") == 2
+    history = pages_of(s, "cond") + pages_of(s, "uncond")
+    before, kv = bookkeeping(cache, ordered=False), bits(cache.pool.kv[:, :, history])
+    fwd = s.prepare_forward(BOTH, CHUNK, commit_current=True)
+    for i, layer in enumerate(fwd.layers):
+        q, k, v = tensors(2, seed=200 + i)
+        if i == 0:
+            k[1, 0, 1, 2] = float("nan")  # the uncond stream only: both streams must abort
+        chunk_attention(q, k, v, layer)
+    with pytest.raises(NonFiniteKVError, match=r"stream\(s\) \[\('s', 'uncond'\)\]"):
+        cache.abort_if_non_finite(fwd.transaction)
+    assert not fwd.transaction.is_open
+    cache.abort_if_non_finite(fwd.transaction)  # closed: a no-op
+    fwd.commit()  # finished already: nothing to do
+    assert bookkeeping(cache, ordered=False) == before
+    assert torch.equal(bits(cache.pool.kv[:, :, history]), kv)
+    cache.allocator.check_invariants()
+    commit_chunk(s, seed=9)
+    assert s.committed_chunks("cond") == s.committed_chunks("uncond") == 3
+
+
 # ---------------------------------------------------------------------------- (i) backward
 def test_backward_through_chunk_attention_raises_inference_only() -> None:
     cache = make_cache()

@@ -30,7 +30,6 @@ from types import TracebackType
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ardiff_modules.allocator import PageAllocator
 from ardiff_modules.cache import KVCache
@@ -174,12 +173,7 @@ class DistributedKVCache:
 
     def _vote(self, failed_here: bool) -> tuple[int, ...]:
         """One all-reduce over the host group: the global ranks that failed (empty: all ok)."""
-        ranks = self.mesh.ranks
-        flags = torch.zeros(len(ranks), dtype=torch.int64)
-        if failed_here:
-            flags[ranks.index(self.mesh.rank)] = 1
-        dist.all_reduce(flags, group=self.mesh.host_group)
-        return tuple(r for r, f in zip(ranks, flags.tolist()) if f)
+        return self.mesh.ranks_where(failed_here)
 
     def _abort_streams(self, states: Sequence[KVState], free_before: Sequence[int]) -> None:
         """Every rank ends a failed forward in the same state: open forwards aborted, kept pending pages
@@ -303,10 +297,7 @@ class DistributedForward:
                 history.plan_commit()  # pure: may raise, changes nothing
             if self.owner.check_finite:
                 # Aborts this rank's forward and raises on NaN/Inf; the vote then aborts everyone else's.
-                # NOTE: KVCache has no public form of this check (finish_forward runs it only when it
-                # commits, which is too late for the vote); under the cache's lock like finish_forward.
-                with self.owner.cache.lock:
-                    self.owner.cache._abort_if_non_finite(transaction)
+                self.owner.cache.abort_if_non_finite(transaction)
         except Exception as e:  # noqa: BLE001
             return e
         return None

@@ -21,10 +21,20 @@ call. Why that matters, and why the rest already works::
   Host decisions are deterministic, so ranks that made the same calls capture at the same call; the
   wrapper checks it with one all-reduce over the mesh's host (gloo) group per call (``verify=True``) and
   raises :class:`~ardiff_modules.distributed.RankDivergenceError` *before* any collective otherwise.
+* A capture is all or nothing across ranks. Two more host votes, once per capture: after the warm-up
+  (every rank done warming up, none failed before capturing) and after the capture (every rank holds
+  its graph). A rank whose capture failed raises its own error, the others raise
+  :class:`~ardiff_modules.distributed.DistributedForwardError`, and no rank keeps a graph for that
+  context -- a replay on some ranks only would leave their NCCL kernels waiting for peers that never
+  launch theirs, a hang no timeout catches (replayed collectives are not watched by PyTorch). The
+  forward's ``with`` block then aborts it on every rank.
+* The capture uses ``capture_error_mode="thread_local"``: in ``"global"`` mode an unsafe CUDA call
+  from any other thread of the process (a garbage-collected graph or event, a profiler) invalidates
+  the capture -- on one rank only, at a time no peer can predict.
 * Nothing inside the step synchronises with the host: the all-to-alls are functional collectives
   waited on the device stream, positions are views of the static forward's fixed buffer,
   ``ParallelMesh.local_streams`` / ``gather`` use cached device index tensors, and the votes happen in
-  ``prepare_forward`` and at the end of the ``with`` block, outside the graph.
+  ``prepare_forward``, around a capture and at the end of the ``with`` block, outside the graph.
 * A replay launches the captured NCCL kernels: every rank of a group must replay the same graphs in
   the same order (it does when every rank makes the same calls, which the votes already require).
 
@@ -35,16 +45,14 @@ in warm-up) leaves its peers waiting in a warm-up collective, like any failure i
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 
 from ardiff_modules.checks import require_bool, require_int
 from ardiff_modules.context import ForwardContext
 from ardiff_modules.distributed.cache import DistributedForward
-from ardiff_modules.distributed.errors import RankDivergenceError
+from ardiff_modules.distributed.errors import DistributedForwardError, RankDivergenceError
 from ardiff_modules.distributed.mesh import ParallelMesh
 from ardiff_modules.errors import SpecError
 from ardiff_modules.graphs import CUDAGraphStep
@@ -92,10 +100,9 @@ class DistributedCUDAGraphStep:
         self.verify = require_bool("DistributedCUDAGraphStep.verify", verify)
         self.warmup_iters = require_int("DistributedCUDAGraphStep.warmup_iters", warmup_iters, minimum=1)
         # NOTE: the warm-up is ours (see _warm_up), so the wrapped step captures right away.
-        self.step = CUDAGraphStep(fn, clone_outputs=clone_outputs, warmup_iters=0)
-        # context -> plan_epoch of its graph: the same rule CUDAGraphStep captures by (a context it has
-        # not seen, or whose plan object was rebuilt), read before the call so ranks can vote on it.
-        self._epochs: weakref.WeakKeyDictionary[ForwardContext, int] = weakref.WeakKeyDictionary()
+        self.step = CUDAGraphStep(
+            fn, clone_outputs=clone_outputs, warmup_iters=0, capture_error_mode="thread_local"
+        )
 
     @property
     def num_graphs(self) -> int:
@@ -106,18 +113,24 @@ class DistributedCUDAGraphStep:
         """Drop every captured graph; the next call on each context captures again (collective: call it on
         every rank)."""
         self.step.clear()
-        self._epochs.clear()
 
     def will_capture(self, forward: DistributedForward | ForwardContext) -> bool:
         """Whether the next call with ``forward`` captures (``True``) or replays (``False``)."""
-        ctx = _context(forward)
-        return self._epochs.get(ctx) != ctx.plan_epoch
+        return self.step.will_capture(_context(forward))
 
     def __call__(self, forward: DistributedForward | ForwardContext, *inputs: torch.Tensor) -> torch.Tensor:
         """Capture (every rank at once) or replay the step for ``forward``'s static context.
 
         ``inputs``: this rank's tensors (e.g. ``mesh.scatter(x)`` ``[local streams, seq_len / P, dim]``).
         Returns ``fn``'s output (a clone unless ``clone_outputs=False``).
+
+        Raises
+        ------
+        RankDivergenceError
+            (``verify=True``) some ranks would capture and others replay; nothing ran.
+        DistributedForwardError
+            another rank failed to warm up or capture; no rank keeps a graph for this context (the
+            failing rank raises its own error).
         """
         ctx = _context(forward)
         if not ctx.static:
@@ -130,10 +143,29 @@ class DistributedCUDAGraphStep:
         if self.verify:
             self._agree(capture)
         if capture:
-            self._warm_up(ctx, inputs)
-        out = self.step(ctx, *inputs)
-        self._epochs[ctx] = ctx.plan_epoch
-        return out
+            self._all_or_none("warm up", lambda: self._warm_up(ctx, inputs), ctx)
+            self._all_or_none("capture", lambda: self.step.capture(ctx, *inputs), ctx)
+        return self.step(ctx, *inputs)
+
+    def _all_or_none(self, what: str, run: Callable[[], None], ctx: ForwardContext) -> None:
+        """``run()`` on this rank, then one host vote: raise on every rank unless it succeeded on all
+        (this rank's own error where it failed; no graph of ``ctx`` left anywhere)."""
+        error: Exception | None = None
+        try:
+            run()
+        except Exception as e:  # noqa: BLE001 -- reported to the peers by the vote, then re-raised
+            error = e
+        failed = self.mesh.ranks_where(error is not None)
+        if not failed:
+            return
+        self.step.discard(ctx)
+        if error is not None:
+            raise error
+        raise DistributedForwardError(
+            f"DistributedCUDAGraphStep: expected every rank to {what} the step, got a failure on rank(s) "
+            f"{list(failed)}; no rank keeps a graph for this forward",
+            failed_ranks=failed,
+        )
 
     def _warm_up(self, ctx: ForwardContext, inputs: tuple[torch.Tensor, ...]) -> None:
         """Run the step eagerly ``warmup_iters`` times on a side stream (as PyTorch recommends before a
@@ -154,12 +186,8 @@ class DistributedCUDAGraphStep:
 
     def _agree(self, capture: bool) -> None:
         """One all-reduce over the host group: raise on every rank unless all capture or all replay."""
-        ranks = self.mesh.ranks
-        flags = torch.zeros(len(ranks), dtype=torch.int64)
-        flags[ranks.index(self.mesh.rank)] = int(capture)
-        dist.all_reduce(flags, group=self.mesh.host_group)
-        capturing = tuple(r for r, f in zip(ranks, flags.tolist()) if f)
-        if capturing and len(capturing) != len(ranks):
+        capturing = self.mesh.ranks_where(capture)
+        if capturing and len(capturing) != len(self.mesh.ranks):
             raise RankDivergenceError(
                 f"DistributedCUDAGraphStep: expected every rank to capture or every rank to replay, got capture on "
                 f"rank(s) {list(capturing)} only (ranks made different calls, or one step object was cleared); "

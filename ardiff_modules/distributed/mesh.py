@@ -118,6 +118,14 @@ class ParallelMesh:
             f"local_branches={self.local_branches})"
         )
 
+    def ranks_where(self, flag: bool) -> tuple[int, ...]:
+        """The global ranks of the mesh whose ``flag`` is true, ascending: one all-reduce over the host
+        (gloo) group -- a collective, every rank calls it (the votes on failures and captures)."""
+        flags = torch.zeros(len(self.ranks), dtype=torch.int64)
+        flags[self.ranks.index(self.rank)] = int(bool(flag))
+        dist.all_reduce(flags, group=self.host_group)
+        return tuple(r for r, f in zip(self.ranks, flags.tolist()) if f)
+
     def replica_ranks(self) -> tuple[int, ...]:
         """Global ranks holding the same branches as this one (this row of the mesh)."""
         row = self.cfg_rank * self.sp_size
