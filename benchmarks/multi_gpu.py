@@ -138,6 +138,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cross-attention", choices=("heads", "tokens"), default="heads",
                    help="Ulysses cross-attention: head shards (2 all-to-alls per block, caches / P) or this "
                         "rank's tokens with every head (no all-to-all, every head cached)")
+    p.add_argument("--profile", action="store_true",
+                   help="after timing, profile one chunk step per layout on every rank (torch.profiler): writes "
+                        "OUT/profile_<shape>_<layout>_rank<r>.txt, the top device kernels by total time")
     p.add_argument("--no-removal", action="store_true",
                    help="skip the all-to-alls-replaced-by-local-copies variant (saves --steps steps per SP layout)")
     p.add_argument("--seed", type=int, default=0)
@@ -417,6 +420,20 @@ def local_copies_instead_of_all_to_all(runner: _Runner) -> Any:
         del sp.all_to_all
 
 
+def profile_step(runner: _Runner, path: Path) -> None:
+    """One chunk step of ``runner`` under ``torch.profiler``; the top device kernels by total time to ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if runner.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        runner.step()
+        if runner.device.type == "cuda":
+            runner.torch.cuda.synchronize()
+    sort = "cuda_time_total" if runner.device.type == "cuda" else "cpu_time_total"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(prof.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=70))
+
+
 def measure_layout(layout: str, shape: Shape, args: argparse.Namespace, world: int,
                    reference: Any) -> tuple[dict[str, Any], Any]:
     """Time ``layout`` on every rank; returns (rank 0's result dict, the gathered last output)."""
@@ -443,6 +460,8 @@ def measure_layout(layout: str, shape: Shape, args: argparse.Namespace, world: i
         }
         # The last timed step's output, before the profiling steps below advance the stream once more.
         out = runner.gathered_last() if runner.active else None
+        if args.profile and runner.active:
+            profile_step(runner, args.out / f"profile_{shape.name}_{layout}_rank{dist.get_rank()}.txt")
         if runner.mesh is not None and runner.mesh.sp is not None:
             # Events: on the eager, uncompiled model (a compiled graph or a CUDA graph would not see the
             # timing wrappers); one step, dynamic forwards.

@@ -35,7 +35,9 @@ for what in "$@"; do
                --variants library,rolling_sdpa_compiled,library_fp8_compiled --chunks-timed 3 --out "$out/compiled_fp8" ;;
     end_to_end_graph_14b) step end_to_end_graph_14b 250 python3 benchmarks/end_to_end.py --preset wan14b-like \
                --compile --graph --cfg on --variants library --chunks-timed 5 --out "$out/graph_14b" ;;
-    tests_multi_gpu) step gpu_tests_multi_gpu 240 python3 -m pytest -m gpu -q -p no:cacheprovider \
+    tests_graphs) step gpu_tests_graphs 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_graphs.py -rs ;;
+    nccl_graph_probe_1) step nccl_graph_probe_1 120 torchrun --nproc-per-node 1 benchmarks/nccl_graph_probe.py ;;
+    tests_multi_gpu) step gpu_tests_multi_gpu 330 python3 -m pytest -m gpu -q -p no:cacheprovider \
                tests/test_distributed.py -rs ;;
     multi_gpu) step multi_gpu 300 python3 benchmarks/multi_gpu.py --steps 3 --out "$out" ;;
     tests_relative_sinks) step gpu_tests_relative_sinks 200 python3 -m pytest -m gpu -q -p no:cacheprovider \
