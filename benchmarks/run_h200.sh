@@ -37,6 +37,8 @@ for what in "$@"; do
                --compile --graph --cfg on --variants library --chunks-timed 5 --out "$out/graph_14b" ;;
     tests_graphs) step gpu_tests_graphs 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_graphs.py -rs ;;
     nccl_graph_probe_1) step nccl_graph_probe_1 120 torchrun --nproc-per-node 1 benchmarks/nccl_graph_probe.py ;;
+    example_distributed) step example_distributed 200 torchrun --nproc-per-node 2 examples/distributed_generation.py \
+               --device cuda --preset wan2.1-1.3b --chunks 4 --check --json "$out/distributed_generation.json" ;;
     tests_multi_gpu) step gpu_tests_multi_gpu 330 python3 -m pytest -m gpu -q -p no:cacheprovider \
                tests/test_distributed.py -rs ;;
     multi_gpu) step multi_gpu 300 python3 benchmarks/multi_gpu.py --steps 3 --out "$out" ;;

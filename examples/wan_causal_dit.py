@@ -53,8 +53,9 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 from torch import nn
@@ -249,21 +250,41 @@ class WanCausalBlock(nn.Module):
         self.ffn = nn.Sequential(nn.Linear(dim, config.ffn_dim), nn.GELU(approximate="tanh"), nn.Linear(config.ffn_dim, dim))
         self.modulation = nn.Parameter(torch.randn(1, 6, dim) / dim**0.5)
 
-    def forward(self, x: torch.Tensor, e0: torch.Tensor, kv: LayerContext, rope: nn.Module) -> torch.Tensor:
-        """``x`` ``[S, N, dim]``; ``e0`` ``[S, F, 6, dim]`` (per-frame modulation) -> ``[S, N, dim]``."""
+    def forward(
+        self, x: torch.Tensor, e0: torch.Tensor, kv: LayerContext, rope: nn.Module,
+        token_frames: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``x`` ``[S, N, dim]``; ``e0`` ``[S, F, 6, dim]`` (per-frame modulation) -> ``[S, N, dim]``.
+
+        ``token_frames`` ``[N]`` (int64): the frame of each token of ``x`` when ``x`` is not whole frames
+        (a sequence-parallel rank's block of tokens); ``None``: ``x`` is all ``F`` frames in order.
+        """
         s, n, d = x.shape
         frames = e0.shape[1]
         shift1, scale1, gate1, shift2, scale2, gate2 = (self.modulation[:, None] + e0).unbind(dim=2)  # [S, F, dim]
+        modulate, gated = _modulation(s, n, d, frames, token_frames)
 
+        x = x + gated(self.attn(modulate(self.norm1(x), shift1, scale1), kv, rope), gate1)
+        x = x + self.cross(self.norm3(x), kv)
+        return x + gated(self.ffn(modulate(self.norm2(x), shift2, scale2)), gate2)
+
+
+def _modulation(s: int, n: int, d: int, frames: int, token_frames: torch.Tensor | None) -> tuple[Callable, Callable]:
+    """``modulate(h, shift, scale)`` and ``gated(h, gate)`` for ``h`` ``[S, N, d]`` and per-frame ``[S, F, d]``
+    factors: by a view over whole frames, or (``token_frames``) by each token's frame."""
+    if token_frames is None:
         def modulate(h: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
             return (h.view(s, frames, -1, d) * (1 + scale[:, :, None]) + shift[:, :, None]).view(s, n, d)
 
         def gated(h: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
             return (h.view(s, frames, -1, d) * gate[:, :, None]).view(s, n, d)
+    else:
+        def modulate(h: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+            return h * (1 + scale[:, token_frames]) + shift[:, token_frames]
 
-        x = x + gated(self.attn(modulate(self.norm1(x), shift1, scale1), kv, rope), gate1)
-        x = x + self.cross(self.norm3(x), kv)
-        return x + gated(self.ffn(modulate(self.norm2(x), shift2, scale2)), gate2)
+        def gated(h: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+            return h * gate[:, token_frames]
+    return modulate, gated
 
 
 class WanHead(nn.Module):
@@ -276,12 +297,13 @@ class WanHead(nn.Module):
         self.head = nn.Linear(dim, math.prod(config.patch_size) * config.out_channels)
         self.modulation = nn.Parameter(torch.randn(1, 2, dim) / dim**0.5)
 
-    def forward(self, x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[S, N, dim]``, ``e`` ``[S, F, dim]`` -> ``[S, N, prod(patch) * C]``."""
+    def forward(self, x: torch.Tensor, e: torch.Tensor, token_frames: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` ``[S, N, dim]``, ``e`` ``[S, F, dim]`` -> ``[S, N, prod(patch) * C]`` (``token_frames`` as in
+        :class:`WanCausalBlock`)."""
         s, n, d = x.shape
         shift, scale = (self.modulation[:, None] + e[:, :, None]).unbind(dim=2)  # [S, F, dim]
-        h = self.norm(x).view(s, e.shape[1], -1, d) * (1 + scale[:, :, None]) + shift[:, :, None]
-        return self.head(h.view(s, n, d))
+        modulate, _ = _modulation(s, n, d, e.shape[1], token_frames)
+        return self.head(modulate(self.norm(x), shift, scale))
 
 
 class WanCausalDiT(nn.Module):
@@ -380,9 +402,24 @@ class WanCausalDiT(nn.Module):
         e = self.time_embedding(t)  # [S*F, dim]
         e0 = self.time_projection(e).view(s, frames, 6, c.dim)
         e = e.view(s, frames, c.dim)
+        sp = self.sequence_parallel
+        token_frames = None
+        if sp is not None:  # Ulysses: this rank runs its contiguous block of tokens through the blocks
+            x = sp.shard_tokens(x, dim=1)
+            token_frames = sp.shard_tokens(torch.arange(frames * c.tokens_per_frame, device=x.device) // c.tokens_per_frame, dim=0)
         for block, kv in zip(self.blocks, layers):
-            x = block(x, e0, kv, self.rope)
-        return self.unpatchify(self.head(x, e), frames)
+            x = block(x, e0, kv, self.rope, token_frames)
+        x = self.head(x, e, token_frames)
+        if sp is not None:
+            x = sp.gather_tokens(x, dim=1)  # every rank returns the whole chunk
+        return self.unpatchify(x, frames)
+
+    @property
+    def sequence_parallel(self) -> Any:
+        """The Ulysses group the attention layers were given by ``ardiff_modules.distributed.parallelize``
+        (``None``: single process). With it, ``forward`` takes and returns whole chunks like without, and
+        runs only this rank's ``1 / P`` of the tokens through the blocks."""
+        return self.blocks[0].attn.sequence_parallel if len(self.blocks) else None
 
 
 def build_model(

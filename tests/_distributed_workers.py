@@ -638,6 +638,69 @@ def check_graph_rollout(shape: tuple[int, ...], names: tuple[str, ...], relative
     graph_cache.close()
 
 
+def check_example(meshes: tuple[str, ...]) -> None:
+    """``examples/distributed_generation.py`` on this group for each ``--mesh``: the latents generated over the
+    mesh equal the same generation in one process (``--check``, with a prompt switch), and every rank
+    generated the same video."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import distributed_generation as example
+
+    for mesh in meshes:
+        args = example.parse_args(["--mesh", mesh, "--chunks", "5", "--steps", "2", "--switch-at", "3", "--check",
+                                   "--device", _device()])
+        summary = example.run_rank(args)
+        assert summary["agrees"], (mesh, summary["rel_error_vs_one_process"])
+        norms = [None] * dist.get_world_size()
+        dist.all_gather_object(norms, summary["latent_norms"])
+        assert all(n == norms[0] for n in norms), (mesh, norms)
+        per_rank = summary["per_rank"]
+        assert all(r["committed_chunks"] == dict.fromkeys(r["branches"], 5) for r in per_rank), per_rank
+    _check_example_model_per_frame_timesteps(example)
+
+
+def _check_example_model_per_frame_timesteps(example: Any) -> None:
+    """``WanCausalDiT`` under Ulysses with a different timestep per frame (diffusion forcing): each rank's
+    block of tokens is modulated by its own tokens' frames (a rank block straddles frames), as in one process."""
+    from ardiff_modules.distributed import DistributedKVCache, parallelize
+
+    w = example  # the example module imported wan_causal_dit
+    config = w.WanConfig.preset("tiny")
+    mesh = example.build_mesh(example.parse_args(["--mesh", "sp", "--device", _device()]))
+    device = torch.device(_device(), torch.cuda.current_device()) if _gpu() else torch.device("cpu")
+    model = w.build_model(config, seed=3, device=device)
+    spec = w.make_kv_spec(config, device)
+    g = torch.Generator().manual_seed(4)
+    text = model.embed_text(torch.randn(config.text_tokens, config.text_dim, generator=g).to(device))
+    shape = (2, config.frames_per_chunk, config.in_channels, config.latent_height, config.latent_width)
+    x = torch.randn(shape, generator=g).to(device, model.patch_embedding.weight.dtype)
+    t = torch.tensor([[900.0, 500.0, 100.0], [800.0, 400.0, 0.0]], device=device)[:, : config.frames_per_chunk]
+    outs = []
+    with torch.no_grad():
+        for parallel in (False, True):
+            if parallel:
+                parallelize(model, mesh)
+                cache: Any = DistributedKVCache(spec, mesh, num_pages=w.kv_pool_pages(mesh.local_spec(spec)), device=device)
+            else:
+                cache = am.KVCache(spec, num_pages=w.kv_pool_pages(spec), device=device)
+            state = cache.open_session("s")
+            for branch in w.BRANCHES:
+                am.populate_cross_attention(state, branch, [b.cross for b in model.blocks], text)
+            for commit in (True, False):  # a history chunk, then a chunk attending to it
+                if parallel:
+                    with cache.prepare_forward(state, config.chunk_size, commit) as fwd:
+                        out = model(x, t, fwd.layers)
+                else:
+                    with state.prepare_forward(w.BRANCHES, config.chunk_size, commit_current=commit) as fwd:
+                        out = model(x, t, fwd.layers)
+            outs.append(out)
+            parallelize(model, None)
+            cache.close()
+    torch.testing.assert_close(outs[1], outs[0], atol=_tol(1e-5), rtol=_tol(1e-5))
+
+
 def check_all(world: int) -> None:
     """Every scenario of one world size in one process group (process start-up dominates on CPU)."""
     if world == 2:

@@ -70,6 +70,16 @@ def test_four_ranks_cfg_x_sp() -> None:
     _spawn(4, workers.check_all, 4)
 
 
+def test_example_distributed_generation_equals_one_process() -> None:
+    """The multi-process streaming example (Ulysses, then CFG-parallel; a prompt switch) generates the same
+    latents as one process, on every rank."""
+    _spawn(2, workers.check_example, ("sp", "cfg"))
+
+
+def test_example_distributed_generation_cfg_x_sp() -> None:
+    _spawn(4, workers.check_example, ("cfg,sp",))
+
+
 @pytest.mark.slow
 def test_compiled_fullgraph_one_frame_with_functional_collectives() -> None:
     """A parallelized model compiles with fullgraph=True (dynamo over the all-to-alls, one frame for a rollout

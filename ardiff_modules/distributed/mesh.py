@@ -182,12 +182,25 @@ class ParallelMesh:
             raise TensorMismatchError(f"ParallelMesh.gather x: expected [streams, tokens, ...], got {got}")
         if self.sp is not None:
             x = self.sp.gather_tokens(x, dim=1)
+        return self._gather_streams("ParallelMesh.gather", x)
+
+    def gather_streams(self, x: torch.Tensor) -> torch.Tensor:
+        """Inverse of :meth:`local_streams`, on every rank: ``[sessions * local_branches, ...]`` (whole
+        chunks, e.g. a model that gathers its tokens itself) -> ``[sessions * branches, ...]`` in the
+        spec's branch order (one all-gather over the cfg dimension; ``x`` itself without one)."""
+        if not isinstance(x, torch.Tensor) or x.dim() < 1:
+            raise TensorMismatchError(
+                f"ParallelMesh.gather_streams x: expected a tensor [streams, ...], got {type(x).__name__}"
+            )
+        return self._gather_streams("ParallelMesh.gather_streams", x)
+
+    def _gather_streams(self, owner: str, x: torch.Tensor) -> torch.Tensor:
         if self.cfg_group is None or self.cfg_size == 1:
             return x
         local = len(self.local_branches)
         if x.shape[0] % local:
             raise TensorMismatchError(
-                f"ParallelMesh.gather x: expected a multiple of {local} local branch rows, got shape {tuple(x.shape)}"
+                f"{owner} x: expected a multiple of {local} local branch rows, got shape {tuple(x.shape)}"
             )
         sessions = x.shape[0] // local
         stacked = _wait(_all_gather(x.contiguous(), 0, self.cfg_group))  # [cfg * sessions * local]
