@@ -701,6 +701,66 @@ def _check_example_model_per_frame_timesteps(example: Any) -> None:
     torch.testing.assert_close(outs[1], outs[0], atol=_tol(1e-5), rtol=_tol(1e-5))
 
 
+def check_diffusers(shape: tuple[int, ...], names: tuple[str, ...], cross: str = "heads") -> None:
+    """A stock diffusers ``WanTransformer3DModel`` made paged for a ``DistributedKVCache``: a rollout with commits,
+    denoising forwards, per-token timesteps (Wan2.2 TI2V) on chunks whose rank blocks straddle frames, and a
+    prompt switch equals the same model made paged for one process's ``KVCache``."""
+    import importlib.util
+
+    if importlib.util.find_spec("diffusers") is None:  # an optional extra: the single-process tests skip too
+        return
+    from test_diffusers_integration import TEXT_DIM, tiny_wan
+    from ardiff_modules.integrations.diffusers import enable_paged_attention, wan_cache_spec
+
+    mesh = ParallelMesh(_mesh(shape, names), BRANCHES, cfg_dim="cfg" if "cfg" in names else None,
+                        sp_dim="sp" if "sp" in names else None, cross_attention=cross)
+    model = tiny_wan(2, seed=3)
+    frames, latent = 3, (4, 4)  # 3 frames x 4 tokens: 12-token chunks, rank blocks of 6 straddle frames
+    spec = wan_cache_spec(model, frames_per_chunk=frames, latent_height=latent[0], latent_width=latent[1],
+                          text_tokens=6, sink_chunks=1, window_chunks=2, branches=BRANCHES, dtype="float32")
+    g = torch.Generator().manual_seed(11)
+    prompts = {b: [torch.randn(6, TEXT_DIM, generator=g) for _ in range(2)] for b in BRANCHES}
+    steps = []
+    for chunk in range(5):
+        for commit in (False, True):
+            x = torch.randn(len(BRANCHES), 4, frames, *latent, generator=g)
+            per_token = chunk % 2 == 1  # [streams, seq_len] timesteps, different per frame
+            t = (torch.rand(len(BRANCHES), spec.chunk_size, generator=g) * 1000 if per_token
+                 else torch.rand(len(BRANCHES), generator=g) * 1000)
+            steps.append((chunk, commit, x, t))
+    device = _device()
+    outs: dict[str, list[torch.Tensor]] = {"one": [], "mesh": []}
+    with torch.no_grad():
+        for kind in ("one", "mesh"):
+            if kind == "one":
+                cache: Any = am.KVCache(spec, num_pages=64, device=device)
+                branches = BRANCHES
+            else:
+                cache = DistributedKVCache(spec, mesh, num_pages=64, device=device)
+                branches = mesh.local_branches
+            paged = enable_paged_attention(model, cache)
+            assert (paged.sequence_parallel is None) == (kind == "one" or mesh.sp is None)
+            state = cache.open_session("s")
+            for chunk, commit, x, t in steps:
+                if chunk in (0, 3) and not commit:  # a prompt switch before chunk 3
+                    if chunk:
+                        state.clear_cross_attention()
+                    for b in branches:
+                        paged.set_prompt(state, b, prompts[b][chunk // 3].to(device))
+                x, t = x.to(device), t.to(device)
+                if kind == "one":
+                    with state.prepare_forward(BRANCHES, spec.chunk_size, commit_current=commit) as fwd:
+                        outs[kind].append(paged(x, t, fwd))
+                else:
+                    with cache.prepare_forward(state, spec.chunk_size, commit) as fwd:
+                        local = paged(mesh.local_streams(x), mesh.local_streams(t), fwd)
+                    outs[kind].append(mesh.gather_streams(local))
+            paged.remove()
+            cache.close()
+    for i, (a, e) in enumerate(zip(outs["mesh"], outs["one"])):
+        torch.testing.assert_close(a, e, atol=_tol(1e-5), rtol=_tol(1e-5), msg=lambda m, i=i: f"forward {i}: {m}")
+
+
 def check_all(world: int) -> None:
     """Every scenario of one world size in one process group (process start-up dominates on CPU)."""
     if world == 2:
@@ -714,6 +774,9 @@ def check_all(world: int) -> None:
         check_graph_votes()
         check_failures((2,), ("cfg",), 1)
         check_failures((2,), ("sp",), 0)
+        check_diffusers((2,), ("sp",))
+        check_diffusers((2,), ("sp",), cross="tokens")
+        check_diffusers((2,), ("cfg",))
     else:
         check_rollout((2, 2), ("cfg", "sp"), 4, 2)  # CFG x SP
         check_rollout((2, 2), ("cfg", "sp"), 4, 2, relative_sinks=True)  # one stream: q, k, v, sink unfused
@@ -721,3 +784,4 @@ def check_all(world: int) -> None:
         check_rollout((4,), ("sp",), 4, 2)          # SP 4 ways, GQA replicated (K=2 < P=4)
         check_functional(4, 4, 1)
         check_failures((2, 2), ("cfg", "sp"), 3)
+        check_diffusers((2, 2), ("cfg", "sp"))

@@ -42,8 +42,10 @@ diffusers is imported only when a function of this module is called; without it,
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
+import sys
 from collections.abc import Iterator
 from types import ModuleType, TracebackType
 from typing import TYPE_CHECKING, Any, TypeAlias
@@ -170,6 +172,21 @@ class _Active:
         self.forward: ForwardContext | None = None
         #: With relative sinks: the ``(cos, sin)`` tables at ``forward.sink_positions`` (set by the rope hook).
         self.sink_tables: tuple[torch.Tensor, torch.Tensor] | None = None
+        #: The Ulysses group (``ardiff_modules.distributed.SequenceParallel``) of a distributed cache, or
+        #: ``None``: with it the blocks run this rank's block of tokens and attend over head shards.
+        self.sp: Any = None
+
+
+def _distributed(name: str) -> Any:
+    """``ardiff_modules.distributed.cache.<name>`` if that module was imported, else ``None``: nothing made by
+    it can exist otherwise, and this module must not import torch.distributed for single-process users."""
+    module = sys.modules.get("ardiff_modules.distributed.cache")
+    return None if module is None else getattr(module, name)
+
+
+def _is_distributed_forward(fwd: Any) -> bool:
+    cls = _distributed("DistributedForward")
+    return cls is not None and isinstance(fwd, cls)
 
 
 def _layer(active: _Active, index: int) -> LayerContext | None:
@@ -226,7 +243,13 @@ class PagedWanSelfAttnProcessor:
         # diffusers' tables repeat each pair's value twice: the package's interleaved rotation.
         query = rotate(query, cos, sin, "interleaved")
         key = rotate(key, cos, sin, "interleaved")
-        out = chunk_attention(query, key, value, kv, sink_query=sink_query)
+        sp = self.active.sp
+        if sp is None:
+            out = chunk_attention(query, key, value, kv, sink_query=sink_query)
+        elif sink_query is None:  # Ulysses: this rank's tokens in, head shards for attention, its tokens out
+            out = sp.chunk_attention(query, key, value, kv)
+        else:
+            out = sp.chunk_attention(query, key, value, kv, sink_query=sink_query)
         out = out.flatten(2, 3).type_as(query)
         out = attn.to_out[0](out)
         return attn.to_out[1](out)
@@ -263,9 +286,11 @@ class PagedWanCrossAttnProcessor:
                 f"PagedWanCrossAttnProcessor (block {self.index}): expected no attention_mask (the stock call), got one"
             )
         query = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))
-        out = cached_cross_attention(query, kv, self.text_cache).flatten(2, 3).type_as(query)
+        sp = self.active.sp
+        attend = cached_cross_attention if sp is None else sp.cross_attention  # Ulysses: its own split
+        out = attend(query, kv, self.text_cache).flatten(2, 3).type_as(query)
         if self.image_cache is not None:
-            out = out + cached_cross_attention(query, kv, self.image_cache).flatten(2, 3).type_as(query)
+            out = out + attend(query, kv, self.image_cache).flatten(2, 3).type_as(query)
         out = attn.to_out[0](out)
         return attn.to_out[1](out)
 
@@ -304,7 +329,11 @@ class PagedWanTransformer:
     model:
         The diffusers model (processors installed on every block's ``attn1`` / ``attn2``).
     spec:
-        The cache spec the model was checked against.
+        The cache spec the model was checked against (a distributed cache's global spec).
+    sequence_parallel:
+        The Ulysses group when made for a ``DistributedKVCache`` with an sp dimension (else ``None``):
+        the model then takes and returns whole chunks of this rank's streams, and runs this rank's
+        ``1 / P`` of the tokens through its blocks (see :func:`enable_paged_attention`).
     text_cache, image_cache:
         Names of the cross-attention caches read by ``attn2`` (``image_cache`` is ``None`` unless the
         model has image context, Wan I2V).
@@ -318,9 +347,14 @@ class PagedWanTransformer:
         text_cache: str,
         image_cache: str | None,
         rope_theta: float,
+        cache_spec: KVCacheSpec | None = None,
+        sequence_parallel: Any = None,
     ) -> None:
         self.model = model
         self.spec = spec
+        #: The spec of the caches whose sessions this model serves (a distributed cache's per-rank spec).
+        self.cache_spec = spec if cache_spec is None else cache_spec
+        self.sequence_parallel = sequence_parallel
         self.text_cache = text_cache
         self.image_cache = image_cache
         self.rope_theta = rope_theta
@@ -329,6 +363,8 @@ class PagedWanTransformer:
         self.patch_size = tuple(int(p) for p in model.config.patch_size)
         self.text_dim = int(model.config.text_dim)
         self._active = _Active()
+        self._active.sp = sequence_parallel
+        self._block_hooks: list[Any] = []
         # diffusers' processors, restored by remove() and run outside a paged forward.
         self._originals: list[tuple[Any, Any]] = [(b.attn1.processor, b.attn2.processor) for b in model.blocks]
         try:
@@ -336,8 +372,15 @@ class PagedWanTransformer:
                 block.attn1.set_processor(PagedWanSelfAttnProcessor(self._active, i, attn1))
                 block.attn2.set_processor(PagedWanCrossAttnProcessor(self._active, i, attn2, text_cache, image_cache))
             self._rope_hook = rope.register_forward_hook(self._rope_forward_hook)
+            if sequence_parallel is not None:
+                for i, block in enumerate(model.blocks):
+                    hook = functools.partial(self._shard_block_inputs, first=i == 0)
+                    self._block_hooks.append(block.register_forward_pre_hook(hook))
+                self._block_hooks.append(model.blocks[-1].register_forward_hook(self._gather_block_output))
         except BaseException:
             self._restore_processors()
+            for handle in self._block_hooks:
+                handle.remove()
             raise
         self._removed = False
         logger.debug(
@@ -373,10 +416,41 @@ class PagedWanTransformer:
         # float32 at least: a model cast to bfloat16 also casts diffusers' tables (and would round them).
         dtype = torch.promote_types(output[0].dtype, torch.float32)
         sink_positions = fwd.sink_positions
+        sp = self._active.sp
+        if sp is not None:  # the blocks see this rank's tokens: tables at their positions only
+            positions = sp.local_positions(positions)
+            sink_positions = None if sink_positions is None else sp.local_positions(sink_positions)
         self._active.sink_tables = (
             None if sink_positions is None else self.rope_tables(sink_positions, height // p_h, width // p_w, dtype)
         )
         return self.rope_tables(positions, height // p_h, width // p_w, dtype)
+
+    # ------------------------------------------------------------------ Ulysses
+    def _shard_block_inputs(self, module: torch.nn.Module, args: tuple[Any, ...], *, first: bool) -> tuple[Any, ...] | None:
+        """Pre-hook of every block (``block(hidden_states, encoder_hidden_states, temb, rotary_emb)``) under
+        sequence parallelism: the first block takes this rank's tokens; a per-token ``temb`` (Wan2.2
+        TI2V, ``[streams, seq, 6, dim]``) is sharded alike for every block."""
+        sp = self._active.sp
+        if self._active.forward is None or sp is None:
+            return None
+        if len(args) < 4:
+            raise SpecError(
+                "PagedWanTransformer: expected the stock block call block(hidden_states, encoder_hidden_states, temb, "
+                f"rotary_emb) under sequence parallelism, got {len(args)} positional arguments"
+            )
+        hidden_states, encoder_hidden_states, temb, rotary_emb = args[:4]
+        if first:
+            hidden_states = sp.shard_tokens(hidden_states, dim=1)
+        if isinstance(temb, torch.Tensor) and temb.dim() == 4:
+            temb = sp.shard_tokens(temb, dim=1)
+        return (hidden_states, encoder_hidden_states, temb, rotary_emb, *args[4:])
+
+    def _gather_block_output(self, module: torch.nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor | None:
+        """Forward hook of the last block: every rank gets all tokens back for the output head."""
+        sp = self._active.sp
+        if self._active.forward is None or sp is None:
+            return None
+        return sp.gather_tokens(output, dim=1)
 
     def rope_tables(
         self, positions: torch.Tensor, height_tokens: int, width_tokens: int, dtype: torch.dtype = torch.float32
@@ -400,7 +474,8 @@ class PagedWanTransformer:
         ``encoder_hidden_states`` is ``[tokens, text_dim]`` or ``[1, tokens, text_dim]`` (the text
         encoder's output, before the model's ``text_embedder``); with ``image=True`` it is the image
         encoder's ``[tokens, image_dim]`` / ``[1, tokens, image_dim]`` (before ``image_embedder``).
-        Validated now; each layer is projected (without autograd) when the iterator reaches it.
+        Validated now; each layer is projected (without autograd) when the iterator reaches it. Under
+        sequence parallelism each ``(k, v)`` holds this rank's kv heads (what its cache stores).
         """
         context = encoder_hidden_states
         if isinstance(context, torch.Tensor) and context.dim() == 3 and context.shape[0] == 1:
@@ -431,10 +506,12 @@ class PagedWanTransformer:
                 else:
                     kv = attn.to_kv(context).chunk(2, dim=-1) if fused else (attn.to_k(context), attn.to_v(context))
                     key, value = attn.norm_k(kv[0]), kv[1]
-            yield (
-                rearrange(key[0], "n (h d) -> n h d", h=attn.heads),
-                rearrange(value[0], "n (h d) -> n h d", h=attn.heads),
-            )
+            key = rearrange(key[0], "n (h d) -> n h d", h=attn.heads)
+            value = rearrange(value[0], "n (h d) -> n h d", h=attn.heads)
+            sp = self._active.sp
+            if sp is not None:  # this rank's cache holds its kv heads (all of them with cross_mode="tokens")
+                key, value = sp.shard_kv_heads(key, attn.heads), sp.shard_kv_heads(value, attn.heads)
+            yield key, value
 
     def set_prompt(
         self,
@@ -453,7 +530,7 @@ class PagedWanTransformer:
         """
         if not isinstance(state, KVState):
             raise SpecError(f"PagedWanTransformer.set_prompt.state: expected a KVState, got {type(state).__name__}")
-        if state.cache.spec is not self.spec and state.cache.spec != self.spec:
+        if state.cache.spec is not self.cache_spec and state.cache.spec != self.cache_spec:
             raise SpecError("PagedWanTransformer.set_prompt.state: expected a session of a cache of this model's spec")
         if self.image_cache is None and encoder_hidden_states_image is not None:
             raise SpecError(
@@ -477,10 +554,10 @@ class PagedWanTransformer:
         ``with paged.activate(fwd): model(x, t, any_encoder_hidden_states)`` is what :meth:`__call__`
         does; the ``encoder_hidden_states`` given to the model are ignored by ``attn2``.
         """
-        self._check_forward(fwd)
-        return _Activation(self._active, fwd)
+        return _Activation(self._active, self._check_forward(fwd))
 
-    def _check_forward(self, fwd: Any) -> None:
+    def _check_forward(self, fwd: Any) -> ForwardContext:
+        fwd = getattr(fwd, "context", fwd) if _is_distributed_forward(fwd) else fwd
         if self._removed:
             raise SpecError("PagedWanTransformer: expected an enabled hook, got one removed by remove()")
         if not isinstance(fwd, ForwardContext):
@@ -491,6 +568,7 @@ class PagedWanTransformer:
             raise SpecError(
                 f"PagedWanTransformer: expected a forward of {len(self.model.blocks)} layers, got {len(fwd.layers)}"
             )
+        return fwd
 
     def __call__(
         self,
@@ -511,13 +589,15 @@ class PagedWanTransformer:
             A tensor: ``[]`` (shared), ``[streams]``, or ``[streams, seq_len]`` (per token, Wan2.2 TI2V).
             A Python number is accepted too, but a tensor keeps a compiled step from recompiling.
         fwd:
-            The open forward (``prepare_forward(...)``) of ``len(model.blocks)`` layers.
+            The open forward (``prepare_forward(...)``) of ``len(model.blocks)`` layers; for a model made
+            for a ``DistributedKVCache``, that cache's forward (``hidden_states`` then holds this rank's
+            streams, whole chunks -- ``mesh.local_streams(latents)``).
 
         Returns
         -------
         The model's output ``[streams, C_out, F, H, W]``.
         """
-        self._check_forward(fwd)
+        fwd = self._check_forward(fwd)
         if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 5:
             is_tensor = isinstance(hidden_states, torch.Tensor)
             got = tuple(hidden_states.shape) if is_tensor else type(hidden_states).__name__
@@ -562,6 +642,8 @@ class PagedWanTransformer:
         if self._removed:
             return
         self._rope_hook.remove()
+        for handle in self._block_hooks:
+            handle.remove()
         self._restore_processors()
         self._removed = True
         logger.debug("PagedWanTransformer.remove: diffusers' processors restored on %d blocks", len(self.model.blocks))
@@ -615,7 +697,13 @@ def enable_paged_attention(
         The :class:`KVCacheSpec` (or the :class:`KVCache`) whose forwards will run the model: one
         layer per block, ``num_kv_heads`` = the model's heads, ``head_dim`` = its
         ``attention_head_dim``, a cross-attention cache ``text_cache`` (and ``image_cache`` for I2V
-        models). :func:`wan_cache_spec` builds one.
+        models). :func:`wan_cache_spec` builds one. Or a
+        :class:`~ardiff_modules.distributed.DistributedKVCache` (checked against its global spec) for
+        multi-GPU runs: call the handle with this rank's streams (``mesh.local_streams(latents)``,
+        whole chunks) and a forward of that cache; with an sp dimension the model runs this rank's
+        ``1 / P`` of the tokens through its blocks (sharded after the patch embedding, a per-token
+        ``temb`` alike, RoPE at their positions, attention over head shards, gathered after the last
+        block) and returns whole chunks on every rank; ``set_prompt`` publishes this rank's heads.
     text_cache, image_cache:
         Names of the cross-attention caches in the spec.
     rope_theta:
@@ -628,10 +716,16 @@ def enable_paged_attention(
     """
     owner = "enable_paged_attention"
     _check_model(owner, model)
-    spec = spec_or_cache.spec if isinstance(spec_or_cache, KVCache) else spec_or_cache
+    distributed_cache = _distributed("DistributedKVCache")
+    cache_spec = None
+    sp = None
+    if distributed_cache is not None and isinstance(spec_or_cache, distributed_cache):
+        spec, cache_spec, sp = spec_or_cache.global_spec, spec_or_cache.spec, spec_or_cache.mesh.sp
+    else:
+        spec = spec_or_cache.spec if isinstance(spec_or_cache, KVCache) else spec_or_cache
     if not isinstance(spec, KVCacheSpec):
         got = type(spec_or_cache).__name__
-        raise SpecError(f"{owner}.spec_or_cache: expected a KVCacheSpec or a KVCache, got {got}")
+        raise SpecError(f"{owner}.spec_or_cache: expected a KVCacheSpec, a KVCache or a DistributedKVCache, got {got}")
     rope_theta = require_positive_float(f"{owner}.rope_theta", rope_theta)
     for block in model.blocks:
         for attn in (block.attn1, block.attn2):
@@ -661,8 +755,13 @@ def enable_paged_attention(
                 f"{cross.num_kv_heads} heads of {cross.head_dim}"
             )
     _check_rope(model, rope_theta)
+    if sp is not None:
+        from ardiff_modules.distributed.heads import check_heads
+
+        check_heads(owner, heads, heads, sp.size)
     return PagedWanTransformer(
-        model, spec, text_cache=text_cache, image_cache=image_cache if image else None, rope_theta=rope_theta
+        model, spec, text_cache=text_cache, image_cache=image_cache if image else None, rope_theta=rope_theta,
+        cache_spec=cache_spec, sequence_parallel=sp,
     )
 
 
