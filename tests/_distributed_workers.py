@@ -701,7 +701,9 @@ def _check_example_model_per_frame_timesteps(example: Any) -> None:
     torch.testing.assert_close(outs[1], outs[0], atol=_tol(1e-5), rtol=_tol(1e-5))
 
 
-def check_diffusers(shape: tuple[int, ...], names: tuple[str, ...], cross: str = "heads") -> None:
+def check_diffusers(
+    shape: tuple[int, ...], names: tuple[str, ...], cross: str = "heads", relative_sinks: bool = False
+) -> None:
     """A stock diffusers ``WanTransformer3DModel`` made paged for a ``DistributedKVCache``: a rollout with commits,
     denoising forwards, per-token timesteps (Wan2.2 TI2V) on chunks whose rank blocks straddle frames, and a
     prompt switch equals the same model made paged for one process's ``KVCache``."""
@@ -717,7 +719,8 @@ def check_diffusers(shape: tuple[int, ...], names: tuple[str, ...], cross: str =
     model = tiny_wan(2, seed=3)
     frames, latent = 3, (4, 4)  # 3 frames x 4 tokens: 12-token chunks, rank blocks of 6 straddle frames
     spec = wan_cache_spec(model, frames_per_chunk=frames, latent_height=latent[0], latent_width=latent[1],
-                          text_tokens=6, sink_chunks=1, window_chunks=2, branches=BRANCHES, dtype="float32")
+                          text_tokens=6, sink_chunks=1, window_chunks=2, branches=BRANCHES, dtype="float32",
+                          relative_sinks=relative_sinks)
     g = torch.Generator().manual_seed(11)
     prompts = {b: [torch.randn(6, TEXT_DIM, generator=g) for _ in range(2)] for b in BRANCHES}
     steps = []
@@ -775,7 +778,7 @@ def check_all(world: int) -> None:
         check_failures((2,), ("cfg",), 1)
         check_failures((2,), ("sp",), 0)
         check_diffusers((2,), ("sp",))
-        check_diffusers((2,), ("sp",), cross="tokens")
+        check_diffusers((2,), ("sp",), cross="tokens", relative_sinks=True)  # window slides: sink shift > 0
         check_diffusers((2,), ("cfg",))
     else:
         check_rollout((2, 2), ("cfg", "sp"), 4, 2)  # CFG x SP
