@@ -649,7 +649,15 @@ class KVCache:
         forward. Reads every live stream's pending pages (``[2, layers, pages, page_size, kv_heads,
         head_dim]`` of the pool); on NaN/Inf aborts the **whole** forward (all its streams) and raises
         :class:`~ardiff_modules.errors.NonFiniteKVError` naming the streams; a closed forward is a no-op.
+        FP8 pools: NaN is detected, an Inf saturates when quantized (it is stored finite).
         """
+        if not isinstance(transaction, ForwardTransaction):
+            raise SpecError(
+                f"KVCache.abort_if_non_finite: expected a ForwardTransaction (fwd.transaction), got "
+                f"{type(transaction).__name__}"
+            )
+        if any(state.cache is not self for state, _ in transaction.members):
+            raise SpecError("KVCache.abort_if_non_finite: expected a forward of this cache, got one of another cache")
         with self._lock:
             if transaction.is_open:
                 self._check_pending_finite(transaction)

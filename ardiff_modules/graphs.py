@@ -39,6 +39,12 @@ CaptureErrorMode = Literal["global", "thread_local", "relaxed"]
 CAPTURE_ERROR_MODES: tuple[str, ...] = ("global", "thread_local", "relaxed")
 
 
+def _require_context(owner: str, forward: object) -> ForwardContext:
+    if not isinstance(forward, ForwardContext):
+        raise SpecError(f"{owner}: expected a ForwardContext, got {type(forward).__name__}")
+    return forward
+
+
 @dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph
@@ -111,19 +117,8 @@ class CUDAGraphStep:
         if captured is None:
             captured = self._capture(forward, inputs)
         else:
-            for name in sorted(captured.cross_names):
-                if name not in forward.cross:
-                    forward.raise_missing_cross(name)
-            if len(inputs) != len(captured.inputs):
-                raise TensorMismatchError(
-                    f"CUDAGraphStep: expected {len(captured.inputs)} inputs as captured, got {len(inputs)}"
-                )
+            self._check_replay(captured, forward, inputs)
             for static, new in zip(captured.inputs, inputs):
-                if new.shape != static.shape or new.dtype != static.dtype:
-                    raise TensorMismatchError(
-                        f"CUDAGraphStep: expected input {tuple(static.shape)} {static.dtype} as captured, "
-                        f"got {tuple(new.shape)} {new.dtype}"
-                    )
                 static.copy_(new, non_blocking=True)
         captured.graph.replay()
         return captured.output.clone() if self.clone_outputs else captured.output
@@ -131,12 +126,34 @@ class CUDAGraphStep:
     def will_capture(self, forward: ForwardContext) -> bool:
         """Whether the next call with ``forward`` captures (``True``: a context without a graph, or whose
         plan object was rebuilt since) or replays (``False``)."""
-        captured = self._captured.get(forward)
+        captured = self._captured.get(_require_context("CUDAGraphStep.will_capture", forward))
         return captured is None or captured.plan_epoch != forward.plan_epoch
+
+    def check_replay(self, forward: ForwardContext, *inputs: torch.Tensor) -> None:
+        """Raise what a replay of ``forward`` with ``inputs`` would raise before running anything (inputs as
+        captured; the cross-attention caches the graph reads still published); nothing if it would capture.
+        """
+        captured = self._captured.get(_require_context("CUDAGraphStep.check_replay", forward))
+        if captured is not None and captured.plan_epoch == forward.plan_epoch:
+            self._check_replay(captured, forward, inputs)
+
+    @staticmethod
+    def _check_replay(captured: _Captured, forward: ForwardContext, inputs: tuple[torch.Tensor, ...]) -> None:
+        for name in sorted(captured.cross_names):
+            if name not in forward.cross:
+                forward.raise_missing_cross(name)
+        if len(inputs) != len(captured.inputs):
+            raise TensorMismatchError(f"CUDAGraphStep: expected {len(captured.inputs)} inputs as captured, got {len(inputs)}")
+        for static, new in zip(captured.inputs, inputs):
+            if not isinstance(new, torch.Tensor) or new.shape != static.shape or new.dtype != static.dtype:
+                got = f"{tuple(new.shape)} {new.dtype}" if isinstance(new, torch.Tensor) else type(new).__name__
+                raise TensorMismatchError(
+                    f"CUDAGraphStep: expected input {tuple(static.shape)} {static.dtype} as captured, got {got}"
+                )
 
     def discard(self, forward: ForwardContext) -> None:
         """Drop ``forward``'s graph if there is one (its next call captures again)."""
-        self._captured.pop(forward, None)
+        self._captured.pop(_require_context("CUDAGraphStep.discard", forward), None)
 
     def capture(self, forward: ForwardContext, *inputs: torch.Tensor) -> None:
         """Warm up and capture ``fn(*inputs, forward.layers)`` for ``forward`` now, without replaying it

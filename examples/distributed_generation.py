@@ -111,7 +111,8 @@ def generate(args: argparse.Namespace, mesh: Any = None) -> dict[str, Any]:
         parallelize(model, mesh)  # Ulysses hooks (none for a cfg-only mesh)
         cache = DistributedKVCache(spec, mesh, num_pages=kv_pool_pages(mesh.local_spec(spec)), device=device)
         branches = mesh.local_branches
-    step_fn = torch.compile(model, fullgraph=True) if args.compile else model
+    # dynamic=False: --check compiles the same code again at the whole model's head count (no dynamic shapes)
+    step_fn = torch.compile(model, fullgraph=True, dynamic=False) if args.compile else model
     g = torch.Generator().manual_seed(args.seed + 1)  # the same prompts and noise on every rank
     prompts = [torch.randn(config.text_tokens, config.text_dim, generator=g) for _ in range(2)]
     negative = torch.zeros(config.text_tokens, config.text_dim)

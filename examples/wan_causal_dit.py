@@ -419,7 +419,8 @@ class WanCausalDiT(nn.Module):
         """The Ulysses group the attention layers were given by ``ardiff_modules.distributed.parallelize``
         (``None``: single process). With it, ``forward`` takes and returns whole chunks like without, and
         runs only this rank's ``1 / P`` of the tokens through the blocks."""
-        return self.blocks[0].attn.sequence_parallel if len(self.blocks) else None
+        # getattr: a baseline may swap the attention layers for ones without the hook (benchmarks' rolling buffers)
+        return getattr(self.blocks[0].attn, "sequence_parallel", None) if len(self.blocks) else None
 
 
 def build_model(

@@ -500,44 +500,64 @@ def _check_sink_query(mesh: ParallelMesh, branches: tuple[str, ...], heads: int,
 def check_graph_votes() -> None:
     """The capture vote: every rank capturing (or replaying) passes, a split raises on every rank before any
     collective; a dynamic forward is refused. (Capture itself needs CUDA: the ``gpu`` tests.)"""
-    from ardiff_modules.distributed import DistributedCUDAGraphStep, DistributedForwardError, RankDivergenceError
+    from ardiff_modules.distributed import DistributedCUDAGraphStep, DistributedForwardError
     from ardiff_modules.errors import SpecError
+
+    from ardiff_modules.graphs import _Captured
 
     model, parallel, _, cache, mesh = _setup((2,), ("sp",), 4, 2, debug=False)
     step = DistributedCUDAGraphStep(parallel, mesh)
-    step._agree(True)
-    step._agree(False)
     me = dist.get_rank()
-    try:
-        step._agree(me == 1)
-    except RankDivergenceError as e:
-        assert e.ranks == (1,), e
-    else:
-        raise AssertionError("expected a RankDivergenceError on every rank")
+    x = torch.zeros(2, CHUNK // 2, model.dim)
     state = cache.open_session("s0")
     with torch.no_grad(), cache.prepare_forward(state, CHUNK, commit_current=False) as fwd:
+        ctx = fwd.context
         assert step.will_capture(fwd) and not fwd.static
+
+        def graph_on(ranks: tuple[int, ...], inputs: torch.Tensor = x) -> None:
+            """A stand-in graph of ``ctx`` on ``ranks`` (what the capture vote and the replay checks read)."""
+            step.step.discard(ctx)
+            if me in ranks:
+                step.step._captured[ctx] = _Captured(None, [inputs.clone()], x, ctx.plan_epoch, frozenset())
+
+        # The per-call vote: capture if any rank must (its plan was rebuilt), else replay everywhere.
+        assert step._decide(ctx, (x,)) is True  # no graph anywhere
+        graph_on((0,))
+        assert step._decide(ctx, (x,)) is True  # rank 1 must capture: rank 0 recaptures too
+        graph_on((0, 1))
+        assert step._decide(ctx, (x,)) is False
+        # A rank that cannot replay (inputs not as captured) raises there, the others before any collective.
+        graph_on((0, 1), x if me == 0 else torch.zeros(2, CHUNK, model.dim))
+        try:
+            step._decide(ctx, (x,))
+        except DistributedForwardError as e:
+            assert me == 0 and e.failed_ranks == (1,) and "cannot" in str(e), e
+        except TensorMismatchError as e:
+            assert me == 1 and "as captured" in str(e), e
+        else:
+            raise AssertionError("expected the replay check failing on rank 1 to raise on every rank")
         # Warm-up / capture are all or nothing: a failure on rank 1 raises its own error there and a
-        # DistributedForwardError naming it on rank 0 (nobody replays a graph its peers lack).
+        # DistributedForwardError naming it on rank 0, and no rank keeps a graph of ctx.
         ran = []
-        step._all_or_none("capture", lambda: ran.append(1), fwd.context)
+        step._all_or_none("capture", lambda: ran.append(1), ctx)
         assert ran == [1]
 
         def fail_on_rank_1() -> None:
             if me == 1:
                 raise ValueError("capture failed here")
 
+        graph_on((0, 1))
         try:
-            step._all_or_none("capture", fail_on_rank_1, fwd.context)
+            step._all_or_none("capture", fail_on_rank_1, ctx)
         except DistributedForwardError as e:
             assert me == 0 and e.failed_ranks == (1,) and "expected every rank to capture" in str(e), e
         except ValueError as e:
             assert me == 1 and "capture failed here" in str(e), e
         else:
             raise AssertionError("expected the capture failure on rank 1 to raise on every rank")
-        assert step.num_graphs == 0
+        assert step.num_graphs == 0 and step.will_capture(fwd)
         try:
-            step(fwd, torch.zeros(2, CHUNK // 2, model.dim))
+            step(fwd, x)
         except SpecError as e:
             assert "static=True" in str(e), e
         else:

@@ -55,6 +55,12 @@ CASES: list[tuple[str, Callable[[Any, Any, Any], Any], type[Exception], str]] = 
      "expected one of ('global', 'thread_local', 'relaxed'), got 'local'"),
     ("graph-capture-none", lambda c, a, b: CUDAGraphStep(lambda *x: x).capture(None), SpecError,
      "static=True"),
+    ("graph-will-capture-none", lambda c, a, b: CUDAGraphStep(lambda *x: x).will_capture(None), SpecError,
+     "expected a ForwardContext, got NoneType"),
+    ("graph-discard-none", lambda c, a, b: CUDAGraphStep(lambda *x: x).discard(None), SpecError,
+     "expected a ForwardContext, got NoneType"),
+    ("graph-check-replay-none", lambda c, a, b: CUDAGraphStep(lambda *x: x).check_replay(None), SpecError,
+     "expected a ForwardContext, got NoneType"),
 ]
 
 

@@ -650,12 +650,15 @@ def test_abort_if_non_finite_called_before_the_commit() -> None:
     cache = make_cache()  # check_finite off: only the explicit call checks
     s = cache.open_session("s")
     commit_chunk(s)
-    history = pages_of(s, "cond") + pages_of(s, "uncond")
-    before, kv = bookkeeping(cache, ordered=False), bits(cache.pool.kv[:, :, history])
+    other = make_cache()
     with s.prepare_forward(BOTH, CHUNK, commit_current=True) as fwd:
         for i, layer in enumerate(fwd.layers):
             chunk_attention(*tensors(2, seed=100 + i), layer)
         cache.abort_if_non_finite(fwd.transaction)
+        with pytest.raises(SpecError, match="expected a ForwardTransaction"):
+            cache.abort_if_non_finite(fwd)  # type: ignore[arg-type]
+        with pytest.raises(SpecError, match="of another cache"):
+            other.abort_if_non_finite(fwd.transaction)
         assert fwd.transaction.is_open
     assert s.committed_chunks("cond") == s.committed_chunks("uncond") == 2
     history = pages_of(s, "cond") + pages_of(s, "uncond")

@@ -18,9 +18,12 @@ call. Why that matters, and why the rest already works::
 
 * Capture runs the step eagerly ``warmup_iters`` times first, and those warm-up runs execute real
   collectives: the peers must be warming up too, or they wait in a collective that never matches.
-  Host decisions are deterministic, so ranks that made the same calls capture at the same call; the
-  wrapper checks it with one all-reduce over the mesh's host (gloo) group per call (``verify=True``) and
-  raises :class:`~ardiff_modules.distributed.RankDivergenceError` *before* any collective otherwise.
+  So every call starts with one all-reduce over the mesh's host (gloo) group (``verify=True``): each
+  rank says whether it would capture, replay, or cannot replay (inputs not as captured, a prompt
+  cache the graph reads cleared -- :meth:`CUDAGraphStep.check_replay`). If any rank cannot, all
+  raise before any collective; if any rank would capture (its plan object was rebuilt, which can
+  depend on its own page ids), every rank captures again -- a replay on some ranks only would leave
+  their NCCL kernels waiting on the GPU for peers that never launch theirs, a hang no timeout sees.
 * A capture is all or nothing across ranks. Two more host votes, once per capture: after the warm-up
   (every rank done warming up, none failed before capturing) and after the capture (every rank holds
   its graph). A rank whose capture failed raises its own error, the others raise
@@ -52,7 +55,7 @@ import torch
 from ardiff_modules.checks import require_bool, require_int
 from ardiff_modules.context import ForwardContext
 from ardiff_modules.distributed.cache import DistributedForward
-from ardiff_modules.distributed.errors import DistributedForwardError, RankDivergenceError
+from ardiff_modules.distributed.errors import DistributedForwardError
 from ardiff_modules.distributed.mesh import ParallelMesh
 from ardiff_modules.errors import SpecError
 from ardiff_modules.graphs import CUDAGraphStep
@@ -82,7 +85,9 @@ class DistributedCUDAGraphStep:
         Eager runs before a capture (at least 1: they initialise the NCCL communicators and NCCL's
         connections for these collectives, which a capture cannot do).
     verify:
-        Check with one host all-reduce per call that every rank captures (or replays) together.
+        One host all-reduce per call so that every rank captures, or replays, or raises together (see
+        the module docstring). ``False`` saves it when the caller guarantees that; a rank that then
+        replays alone hangs its peers.
     """
 
     def __init__(
@@ -126,11 +131,9 @@ class DistributedCUDAGraphStep:
 
         Raises
         ------
-        RankDivergenceError
-            (``verify=True``) some ranks would capture and others replay; nothing ran.
         DistributedForwardError
-            another rank failed to warm up or capture; no rank keeps a graph for this context (the
-            failing rank raises its own error).
+            another rank could not replay (checked before anything ran), or failed to warm up or
+            capture (no rank keeps a graph for this context); the failing rank raises its own error.
         """
         ctx = _context(forward)
         if not ctx.static:
@@ -139,9 +142,7 @@ class DistributedCUDAGraphStep:
                 "(cache.prepare_forward(..., static=True)), got a dynamic one"
             )
         ctx.check_usable("DistributedCUDAGraphStep")
-        capture = self.will_capture(ctx)
-        if self.verify:
-            self._agree(capture)
+        capture = self._decide(ctx, inputs)
         if capture:
             self._all_or_none("warm up", lambda: self._warm_up(ctx, inputs), ctx)
             self._all_or_none("capture", lambda: self.step.capture(ctx, *inputs), ctx)
@@ -184,16 +185,35 @@ class DistributedCUDAGraphStep:
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
 
-    def _agree(self, capture: bool) -> None:
-        """One all-reduce over the host group: raise on every rank unless all capture or all replay."""
-        capturing = self.mesh.ranks_where(capture)
-        if capturing and len(capturing) != len(self.mesh.ranks):
-            raise RankDivergenceError(
-                f"DistributedCUDAGraphStep: expected every rank to capture or every rank to replay, got capture on "
-                f"rank(s) {list(capturing)} only (ranks made different calls, or one step object was cleared); "
-                "nothing was run",
-                ranks=capturing,
+    def _decide(self, ctx: ForwardContext, inputs: tuple[torch.Tensor, ...]) -> bool:
+        """Capture (``True``) or replay on every rank alike; raise on every rank if one cannot replay."""
+        capture = self.will_capture(ctx)
+        error: Exception | None = None
+        if not capture:
+            try:
+                self.step.check_replay(ctx, *inputs)
+            except Exception as e:  # noqa: BLE001 -- reported to the peers by the vote, then re-raised
+                error = e
+        if not self.verify:
+            if error is not None:
+                raise error
+            return capture
+        votes = self.mesh.host_values(_CANNOT if error is not None else (_CAPTURE if capture else _REPLAY))
+        failed = tuple(r for r, v in zip(self.mesh.ranks, votes) if v == _CANNOT)
+        if error is not None:
+            raise error
+        if failed:
+            raise DistributedForwardError(
+                f"DistributedCUDAGraphStep: expected every rank to be able to replay the step, got rank(s) "
+                f"{list(failed)} that cannot (inputs or prompt caches not as captured there); nothing was run",
+                failed_ranks=failed,
             )
+        # Some rank must capture (a new context, or a rebuilt plan): all recapture, so all replay alike.
+        return any(v == _CAPTURE for v in votes)
+
+
+#: The per-call vote of :meth:`DistributedCUDAGraphStep._decide`.
+_REPLAY, _CAPTURE, _CANNOT = 0, 1, 2
 
 
 def _context(forward: DistributedForward | ForwardContext) -> ForwardContext:

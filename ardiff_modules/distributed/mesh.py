@@ -121,10 +121,15 @@ class ParallelMesh:
     def ranks_where(self, flag: bool) -> tuple[int, ...]:
         """The global ranks of the mesh whose ``flag`` is true, ascending: one all-reduce over the host
         (gloo) group -- a collective, every rank calls it (the votes on failures and captures)."""
-        flags = torch.zeros(len(self.ranks), dtype=torch.int64)
-        flags[self.ranks.index(self.rank)] = int(bool(flag))
-        dist.all_reduce(flags, group=self.host_group)
-        return tuple(r for r, f in zip(self.ranks, flags.tolist()) if f)
+        return tuple(r for r, v in zip(self.ranks, self.host_values(int(bool(flag)))) if v)
+
+    def host_values(self, value: int) -> tuple[int, ...]:
+        """Every rank's ``value`` (a small int), in :attr:`ranks` order: one all-reduce over the host
+        (gloo) group -- a collective, every rank calls it."""
+        values = torch.zeros(len(self.ranks), dtype=torch.int64)
+        values[self.ranks.index(self.rank)] = int(value)
+        dist.all_reduce(values, group=self.host_group)
+        return tuple(int(v) for v in values.tolist())
 
     def replica_ranks(self) -> tuple[int, ...]:
         """Global ranks holding the same branches as this one (this row of the mesh)."""
