@@ -502,7 +502,6 @@ def check_graph_votes() -> None:
     collective; a dynamic forward is refused. (Capture itself needs CUDA: the ``gpu`` tests.)"""
     from ardiff_modules.distributed import DistributedCUDAGraphStep, DistributedForwardError
     from ardiff_modules.errors import SpecError
-
     from ardiff_modules.graphs import _Captured
 
     model, parallel, _, cache, mesh = _setup((2,), ("sp",), 4, 2, debug=False)
@@ -732,6 +731,7 @@ def check_diffusers(
     if importlib.util.find_spec("diffusers") is None:  # an optional extra: the single-process tests skip too
         return
     from test_diffusers_integration import TEXT_DIM, tiny_wan
+
     from ardiff_modules.integrations.diffusers import enable_paged_attention, wan_cache_spec
 
     mesh = ParallelMesh(_mesh(shape, names), BRANCHES, cfg_dim="cfg" if "cfg" in names else None,
