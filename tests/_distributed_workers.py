@@ -721,11 +721,14 @@ def _check_example_model_per_frame_timesteps(example: Any) -> None:
 
 
 def check_diffusers(
-    shape: tuple[int, ...], names: tuple[str, ...], cross: str = "heads", relative_sinks: bool = False
+    shape: tuple[int, ...], names: tuple[str, ...], cross: str = "heads", relative_sinks: bool = False,
+    compiled: bool = False,
 ) -> None:
     """A stock diffusers ``WanTransformer3DModel`` made paged for a ``DistributedKVCache``: a rollout with commits,
     denoising forwards, per-token timesteps (Wan2.2 TI2V) on chunks whose rank blocks straddle frames, and a
-    prompt switch equals the same model made paged for one process's ``KVCache``."""
+    prompt switch equals the same model made paged for one process's ``KVCache``. ``compiled``: the distributed
+    step runs through ``torch.compile(fullgraph=True)`` (dynamo over the block hooks and the all-to-alls), one
+    frame per timestep layout."""
     import importlib.util
 
     if importlib.util.find_spec("diffusers") is None:  # an optional extra: the single-process tests skip too
@@ -753,6 +756,12 @@ def check_diffusers(
             steps.append((chunk, commit, x, t))
     device = _device()
     outs: dict[str, list[torch.Tensor]] = {"one": [], "mesh": []}
+    counter = None
+    if compiled:
+        from torch._dynamo.testing import CompileCounter
+
+        torch._dynamo.reset()
+        counter = CompileCounter()
     with torch.no_grad():
         for kind in ("one", "mesh"):
             if kind == "one":
@@ -763,6 +772,9 @@ def check_diffusers(
                 branches = mesh.local_branches
             paged = enable_paged_attention(model, cache)
             assert (paged.sequence_parallel is None) == (kind == "one" or mesh.sp is None)
+            step: Any = paged
+            if counter is not None and kind == "mesh":
+                step = torch.compile(lambda x, t, fwd: paged(x, t, fwd), backend=counter, fullgraph=True)
             state = cache.open_session("s")
             for chunk, commit, x, t in steps:
                 if chunk in (0, 3) and not commit:  # a prompt switch before chunk 3
@@ -776,12 +788,14 @@ def check_diffusers(
                         outs[kind].append(paged(x, t, fwd))
                 else:
                     with cache.prepare_forward(state, spec.chunk_size, commit) as fwd:
-                        local = paged(mesh.local_streams(x), mesh.local_streams(t), fwd)
+                        local = step(mesh.local_streams(x), mesh.local_streams(t), fwd)
                     outs[kind].append(mesh.gather_streams(local))
             paged.remove()
             cache.close()
     for i, (a, e) in enumerate(zip(outs["mesh"], outs["one"])):
         torch.testing.assert_close(a, e, atol=_tol(1e-5), rtol=_tol(1e-5), msg=lambda m, i=i: f"forward {i}: {m}")
+    if counter is not None:  # [streams] and [streams, seq_len] timesteps: two input layouts, a frame each
+        assert counter.frame_count == 2, f"expected 2 compiled frames, got {counter.frame_count}"
 
 
 def check_all(world: int) -> None:

@@ -87,6 +87,14 @@ def test_compiled_fullgraph_one_frame_with_functional_collectives() -> None:
     _spawn(2, workers.check_compiled, (2,), ("sp",))
 
 
+@pytest.mark.slow
+def test_diffusers_wan_ulysses_compiled_fullgraph() -> None:
+    """A stock diffusers Wan model made paged for a 2-rank Ulysses cache compiles with fullgraph=True (block
+    hooks, all-to-alls): a frame per timestep layout over a rollout with eviction and a prompt switch, equal to
+    one process."""
+    _spawn(2, workers.check_diffusers, (2,), ("sp",), "heads", False, True)
+
+
 # ---------------------------------------------------------------------------------------------- GPU (NCCL)
 def _two_gpus() -> bool:
     return _gpus(2)
