@@ -41,6 +41,8 @@ for what in "$@"; do
                --device cuda --preset wan2.1-1.3b --chunks 4 --check --json "$out/distributed_generation.json" ;;
     tests_multi_gpu) step gpu_tests_multi_gpu 330 python3 -m pytest -m gpu -q -p no:cacheprovider \
                tests/test_distributed.py -rs ;;
+    tests_multi_gpu_graphs) ARDIFF_NCCL_GRAPH_TESTS=1 step gpu_tests_multi_gpu_graphs 330 python3 -m pytest -m gpu -q \
+               -p no:cacheprovider tests/test_distributed.py -k graph -rs ;;
     multi_gpu) step multi_gpu 300 python3 benchmarks/multi_gpu.py --steps 3 --out "$out" ;;
     tests_relative_sinks) step gpu_tests_relative_sinks 200 python3 -m pytest -m gpu -q -p no:cacheprovider \
                tests/test_gpu_relative_sinks.py tests/test_rolling.py tests/test_recache.py -rs ;;
