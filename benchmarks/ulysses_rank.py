@@ -8,7 +8,9 @@ its pool, both CFG branches -- with every all-to-all replaced by a copy of the s
 
 * ``single``   -- the whole chunk step (2 streams x 4680 tokens, every head);
 * ``rank``     -- rank 0's share with ``cross_attention="heads"`` (the all-to-alls' layout copies kept);
-* ``rank_tokens`` -- the same with ``cross_attention="tokens"`` (no cross-attention all-to-alls).
+* ``rank_tokens`` -- the same with ``cross_attention="tokens"`` (no cross-attention all-to-alls);
+* ``rank_plain_copies`` -- ``rank`` with the layout copies made element by element (``.contiguous()``)
+  instead of as 8-byte words (``ulysses._dense``): what the word copies save.
 
 Reported: ms per chunk step (4 denoising + 1 committing forward) and ``rank / (single / 2)``, the
 overhead factor a perfect interconnect would still leave; ``--profile`` writes the top device kernels
@@ -108,21 +110,32 @@ def main() -> int:
     args.shape = args.shape or ("wan-14b" if args.device == "cuda" else "tiny")
     shape = shapes(args.layers, args.layers)[args.shape]
     results: dict[str, Any] = {}
-    for name, size, cross in (("single", 1, "heads"), ("rank", 2, "heads"), ("rank_tokens", 2, "tokens")):
+    from unittest import mock
+
+    from ardiff_modules.distributed import ulysses
+
+    variants = (("single", 1, "heads"), ("rank", 2, "heads"), ("rank_tokens", 2, "tokens"),
+                ("rank_plain_copies", 2, "heads"))
+    for name, size, cross in variants:
         variant = _Variant(name, shape, args, size, cross)
+        plain = mock.patch.object(ulysses, "_words", lambda t: None) if name == "rank_plain_copies" else None
+        if plain is not None:
+            plain.start()
         for _ in range(shape.sink + shape.window + 2):  # windows full, one eviction
             variant.step()
         stats, _ = each_call(variant.step, args.steps)
         results[name] = {"ms_per_chunk_step": stats.median_ms, "stats": stats.as_dict()}
         if args.profile:
             profile_step(variant, args.out / f"profile_ulysses_{name}.txt")  # type: ignore[arg-type]
-        print(f"{args.shape} {name:12s} {stats.median_ms:9.2f} ms/step", flush=True)
+        if plain is not None:
+            plain.stop()
+        print(f"{args.shape} {name:18s} {stats.median_ms:9.2f} ms/step", flush=True)
         variant.close()
         del variant
         if args.device == "cuda":
             torch.cuda.empty_cache()
     half = results["single"]["ms_per_chunk_step"] / 2
-    for name in ("rank", "rank_tokens"):
+    for name in ("rank", "rank_tokens", "rank_plain_copies"):
         results[name]["overhead_vs_half_single"] = results[name]["ms_per_chunk_step"] / half
         print(f"{name}: {results[name]['overhead_vs_half_single']:.3f}x half of single "
               f"(an ideal 2-GPU Ulysses speed-up without communication: {2 / results[name]['overhead_vs_half_single']:.2f}x)")

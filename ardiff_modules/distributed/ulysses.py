@@ -162,10 +162,10 @@ class SequenceParallel:
         s, m, h, d = t.shape
         p = self.size
         # [S, m, P, h/P, D] -> [P, S, m, h/P, D]: dim 0 is what all_to_all_single splits (block j to rank j).
-        send = t.reshape(s, m, p, h // p, d).permute(2, 0, 1, 3, 4).contiguous()
+        send = _dense(t.reshape(s, m, p, h // p, d).permute(2, 0, 1, 3, 4))
         recv = self.all_to_all(send)
         # recv[j]: rank j's tokens of this rank's heads -> tokens in rank order (a view when S == 1).
-        return recv.permute(1, 0, 2, 3, 4).reshape(s, p * m, h // p, d)
+        return _dense(recv.permute(1, 0, 2, 3, 4)).view(s, p * m, h // p, d)
 
     def to_head_shards_many(
         self, tensors: Sequence[torch.Tensor], replicate: Sequence[int] | None = None
@@ -189,14 +189,14 @@ class SequenceParallel:
         p = self.size
         # NOTE: cat writes a fresh contiguous [P, S, m, sum h_i/P, D] from the strided views -- the only
         # copy before the collective; .contiguous() is a no-op guard for layouts cat might choose.
-        send = torch.cat([t.reshape(s, m, p, t.shape[2] // p, d).permute(2, 0, 1, 3, 4) for t in ts], dim=3)
+        send = _cat([t.reshape(s, m, p, t.shape[2] // p, d).permute(2, 0, 1, 3, 4) for t in ts], dim=3)
         recv = self.all_to_all(send.contiguous())
         out: list[torch.Tensor] = []
         start = 0
         for t in ts:
             local = t.shape[2] // p
             part = recv.narrow(3, start, local)  # [P, S, m, h_i/P, D]: rank j's tokens of my heads
-            out.append(part.permute(1, 0, 2, 3, 4).reshape(s, p * m, local, d))
+            out.append(_dense(part.permute(1, 0, 2, 3, 4)).view(s, p * m, local, d))
             start += local
         return out
 
@@ -218,10 +218,10 @@ class SequenceParallel:
         s, n, hl, d = t.shape
         p = self.size
         # Block j: rank j's tokens. A view (no copy) when S == 1: the permute moves a size-1 dim.
-        send = t.reshape(s, p, n // p, hl, d).permute(1, 0, 2, 3, 4).contiguous()
+        send = _dense(t.reshape(s, p, n // p, hl, d).permute(1, 0, 2, 3, 4))
         recv = self.all_to_all(send)
         # recv[j]: this rank's tokens of rank j's heads -> heads in rank order (one copy).
-        return recv.permute(1, 2, 0, 3, 4).reshape(s, n // p, p * hl, d)
+        return _dense(recv.permute(1, 2, 0, 3, 4)).view(s, n // p, p * hl, d)
 
     # ------------------------------------------------------------------ the layers' hook
     def chunk_attention(
@@ -246,6 +246,40 @@ class SequenceParallel:
     def heads_out(self, out: torch.Tensor) -> torch.Tensor:
         """Cross-attention output: head shards -> token shards; unchanged with ``cross_mode="tokens"``."""
         return out if self.cross_mode == "tokens" else self.to_token_shards(out)
+
+
+def _words(t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` viewed as 8-byte words along its last dim (bf16: 4 elements per word), or ``None`` where that
+    view does not exist (or under ``torch.compile``, whose generated copies are fused already)."""
+    ratio = 8 // t.element_size()
+    if (
+        ratio <= 1 or t.dim() == 0 or torch.compiler.is_compiling() or t.stride(-1) != 1 or t.shape[-1] % ratio
+        or t.storage_offset() % ratio or any(st % ratio for sz, st in zip(t.shape[:-1], t.stride()[:-1]) if sz > 1)
+    ):
+        return None
+    return t.view(torch.int64)
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """``t.contiguous()``, moving 8-byte words where it can.
+
+    NOTE: the layout copies around the all-to-alls are permutes that keep the last dim contiguous; eager
+    PyTorch copies a non-contiguous tensor element by element with per-element index math (its
+    vectorised copy needs contiguous inputs), so moving words instead of bf16 elements does 4x fewer
+    of them. Bit-identical.
+    """
+    if t.is_contiguous():
+        return t
+    words = _words(t)
+    return t.contiguous() if words is None else words.contiguous().view(t.dtype)
+
+
+def _cat(tensors: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
+    """``torch.cat(tensors, dim)`` (``dim`` not the last), moving 8-byte words where every input can."""
+    words = [_words(t) for t in tensors]
+    if any(w is None for w in words) or dim in (-1, tensors[0].dim() - 1):
+        return torch.cat(list(tensors), dim=dim)
+    return torch.cat(words, dim=dim).view(tensors[0].dtype)  # type: ignore[arg-type]
 
 
 def _wait(t: torch.Tensor) -> torch.Tensor:
