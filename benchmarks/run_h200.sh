@@ -42,7 +42,7 @@ for what in "$@"; do
     ulysses_rank) step ulysses_rank 240 python3 benchmarks/ulysses_rank.py --profile --out "$out/ulysses_rank" ;;
     tests_multi_gpu) step gpu_tests_multi_gpu 330 python3 -m pytest -m gpu -q -p no:cacheprovider \
                tests/test_distributed.py -rs ;;
-    tests_multi_gpu_graphs) ARDIFF_NCCL_GRAPH_TESTS=1 step gpu_tests_multi_gpu_graphs 330 python3 -m pytest -m gpu -q \
+    tests_multi_gpu_graphs) ARDIFF_NCCL_GRAPH_TESTS=1 step gpu_tests_multi_gpu_graphs 200 python3 -m pytest -m gpu -q \
                -p no:cacheprovider tests/test_distributed.py -k graph -rs ;;
     multi_gpu) step multi_gpu 300 python3 benchmarks/multi_gpu.py --steps 3 --out "$out" ;;
     tests_relative_sinks) step gpu_tests_relative_sinks 200 python3 -m pytest -m gpu -q -p no:cacheprovider \
@@ -54,9 +54,9 @@ for what in "$@"; do
                --device cuda --chunks 12 --switch-at 9 --recache-on-switch --relative-sinks --no-progress \
                --no-plot --out "$out/recache/stream.png" ;;
     multi_gpu_14b) step multi_gpu_14b 300 python3 benchmarks/multi_gpu.py --shapes wan-14b --steps 3 --out "$out/mg14" ;;
-    multi_gpu_14b_tokens) step multi_gpu_14b_tokens 300 python3 benchmarks/multi_gpu.py --shapes wan-14b --layouts single,ulysses --steps 3 \
+    multi_gpu_14b_tokens) step multi_gpu_14b_tokens 250 python3 benchmarks/multi_gpu.py --shapes wan-14b --layouts single,ulysses --steps 3 \
                --cross-attention tokens --out "$out/mg14_tokens" ;;
-    nccl_graph_probe) step nccl_graph_probe 170 torchrun --nproc-per-node 2 benchmarks/nccl_graph_probe.py ;;
+    nccl_graph_probe) step nccl_graph_probe 120 torchrun --nproc-per-node 2 benchmarks/nccl_graph_probe.py ;;
     tests_gpu_relative_sinks) step gpu_tests_gpu_relative_sinks 150 python3 -m pytest -m gpu -q -p no:cacheprovider \
                tests/test_gpu_relative_sinks.py -rs ;;
     multi_gpu_14b_tokens_compiled) step multi_gpu_14b_tokens_compiled 300 python3 benchmarks/multi_gpu.py --shapes wan-14b \
