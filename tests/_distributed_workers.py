@@ -722,13 +722,14 @@ def _check_example_model_per_frame_timesteps(example: Any) -> None:
 
 def check_diffusers(
     shape: tuple[int, ...], names: tuple[str, ...], cross: str = "heads", relative_sinks: bool = False,
-    compiled: bool = False,
+    compiled: bool = False, i2v_fused: bool = False,
 ) -> None:
     """A stock diffusers ``WanTransformer3DModel`` made paged for a ``DistributedKVCache``: a rollout with commits,
     denoising forwards, per-token timesteps (Wan2.2 TI2V) on chunks whose rank blocks straddle frames, and a
     prompt switch equals the same model made paged for one process's ``KVCache``. ``compiled``: the distributed
     step runs through ``torch.compile(fullgraph=True)`` (dynamo over the block hooks and the all-to-alls), one
-    frame per timestep layout."""
+    frame per timestep layout. ``i2v_fused``: an I2V model (image cache beside the text cache) with diffusers'
+    fused projections."""
     import importlib.util
 
     if importlib.util.find_spec("diffusers") is None:  # an optional extra: the single-process tests skip too
@@ -739,13 +740,16 @@ def check_diffusers(
 
     mesh = ParallelMesh(_mesh(shape, names), BRANCHES, cfg_dim="cfg" if "cfg" in names else None,
                         sp_dim="sp" if "sp" in names else None, cross_attention=cross)
-    model = tiny_wan(2, seed=3)
+    model = tiny_wan(2, seed=3, **({"image_dim": 8, "added_kv_proj_dim": 32} if i2v_fused else {}))
+    if i2v_fused:
+        model.fuse_qkv_projections()
     frames, latent = 3, (4, 4)  # 3 frames x 4 tokens: 12-token chunks, rank blocks of 6 straddle frames
     spec = wan_cache_spec(model, frames_per_chunk=frames, latent_height=latent[0], latent_width=latent[1],
-                          text_tokens=6, sink_chunks=1, window_chunks=2, branches=BRANCHES, dtype="float32",
-                          relative_sinks=relative_sinks)
+                          text_tokens=6, image_tokens=3 if i2v_fused else None, sink_chunks=1, window_chunks=2,
+                          branches=BRANCHES, dtype="float32", relative_sinks=relative_sinks)
     g = torch.Generator().manual_seed(11)
     prompts = {b: [torch.randn(6, TEXT_DIM, generator=g) for _ in range(2)] for b in BRANCHES}
+    images = {b: torch.randn(3, 8, generator=g) for b in BRANCHES} if i2v_fused else None
     steps = []
     for chunk in range(5):
         for commit in (False, True):
@@ -781,7 +785,8 @@ def check_diffusers(
                     if chunk:
                         state.clear_cross_attention()
                     for b in branches:
-                        paged.set_prompt(state, b, prompts[b][chunk // 3].to(device))
+                        image = None if images is None else images[b].to(device)
+                        paged.set_prompt(state, b, prompts[b][chunk // 3].to(device), image)
                 x, t = x.to(device), t.to(device)
                 if kind == "one":
                     with state.prepare_forward(BRANCHES, spec.chunk_size, commit_current=commit) as fwd:
@@ -814,6 +819,7 @@ def check_all(world: int) -> None:
         check_diffusers((2,), ("sp",))
         check_diffusers((2,), ("sp",), cross="tokens", relative_sinks=True)  # window slides: sink shift > 0
         check_diffusers((2,), ("cfg",))
+        check_diffusers((2,), ("sp",), i2v_fused=True)  # image cache + fused projections, one cross all-to-all pair
     else:
         check_rollout((2, 2), ("cfg", "sp"), 4, 2)  # CFG x SP
         check_rollout((2, 2), ("cfg", "sp"), 4, 2, relative_sinks=True)  # one stream: q, k, v, sink unfused

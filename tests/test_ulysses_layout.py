@@ -41,3 +41,12 @@ def test_cat_equals_torch_cat_bitwise() -> None:
         _cat(mixed, dim=3)  # shapes differ in the last dim: torch.cat's own error
     last = _cat([parts[0], parts[0]], dim=-1)  # along the last dim: plain cat
     assert torch.equal(last, torch.cat([parts[0], parts[0]], dim=-1))
+
+
+def test_words_checks_every_stride_and_cat_keeps_dtypes_apart() -> None:
+    storage = torch.arange(400, dtype=torch.float32).to(torch.bfloat16)
+    odd = storage.as_strided((2, 1, 3, 8), (24, 5, 64, 1))  # a size-1 dim with a stride of 5: no word view
+    assert _words(odd) is None
+    assert torch.equal(_dense(odd), odd.contiguous())
+    a, b = torch.randn(2, 3, 8).to(torch.bfloat16), torch.randn(2, 3, 8).to(torch.float16)
+    assert torch.equal(_cat([a, b], dim=1), torch.cat([a, b], dim=1))  # promoted values, not mixed bits

@@ -141,7 +141,6 @@ class DistributedCUDAGraphStep:
                 "DistributedCUDAGraphStep: expected a forward prepared with static=True "
                 "(cache.prepare_forward(..., static=True)), got a dynamic one"
             )
-        ctx.check_usable("DistributedCUDAGraphStep")
         capture = self._decide(ctx, inputs)
         if capture:
             self._all_or_none("warm up", lambda: self._warm_up(ctx, inputs), ctx)
@@ -186,14 +185,16 @@ class DistributedCUDAGraphStep:
         torch.cuda.synchronize()
 
     def _decide(self, ctx: ForwardContext, inputs: tuple[torch.Tensor, ...]) -> bool:
-        """Capture (``True``) or replay on every rank alike; raise on every rank if one cannot replay."""
+        """Capture (``True``) or replay on every rank alike; raise on every rank if one cannot run the step
+        (its forward finished or released, or, to replay, inputs / prompt caches not as captured)."""
         capture = self.will_capture(ctx)
         error: Exception | None = None
-        if not capture:
-            try:
+        try:
+            ctx.check_usable("DistributedCUDAGraphStep")
+            if not capture:
                 self.step.check_replay(ctx, *inputs)
-            except Exception as e:  # noqa: BLE001 -- reported to the peers by the vote, then re-raised
-                error = e
+        except Exception as e:  # noqa: BLE001 -- reported to the peers by the vote, then re-raised
+            error = e
         if not self.verify:
             if error is not None:
                 raise error

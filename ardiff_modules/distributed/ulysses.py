@@ -254,7 +254,7 @@ def _words(t: torch.Tensor) -> torch.Tensor | None:
     ratio = 8 // t.element_size()
     if (
         ratio <= 1 or t.dim() == 0 or torch.compiler.is_compiling() or t.stride(-1) != 1 or t.shape[-1] % ratio
-        or t.storage_offset() % ratio or any(st % ratio for sz, st in zip(t.shape[:-1], t.stride()[:-1]) if sz > 1)
+        or t.storage_offset() % ratio or any(st % ratio for st in t.stride()[:-1])  # torch checks every stride
     ):
         return None
     return t.view(torch.int64)
@@ -277,7 +277,8 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
 def _cat(tensors: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
     """``torch.cat(tensors, dim)`` (``dim`` not the last), moving 8-byte words where every input can."""
     words = [_words(t) for t in tensors]
-    if any(w is None for w in words) or dim in (-1, tensors[0].dim() - 1):
+    mixed = any(t.dtype != tensors[0].dtype for t in tensors)  # words of different dtypes would mix bits
+    if mixed or any(w is None for w in words) or dim in (-1, tensors[0].dim() - 1):
         return torch.cat(list(tensors), dim=dim)
     return torch.cat(words, dim=dim).view(tensors[0].dtype)  # type: ignore[arg-type]
 

@@ -287,10 +287,13 @@ class PagedWanCrossAttnProcessor:
             )
         query = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))
         sp = self.active.sp
-        attend = cached_cross_attention if sp is None else sp.cross_attention  # Ulysses: its own split
-        out = attend(query, kv, self.text_cache).flatten(2, 3).type_as(query)
+        # Ulysses: the query to head shards once; text and image outputs summed there (a sum per head),
+        # then back to this rank's tokens once (no all-to-all at all with cross_mode="tokens").
+        q = query if sp is None else sp.heads_in(query)
+        out = cached_cross_attention(q, kv, self.text_cache)
         if self.image_cache is not None:
-            out = out + attend(query, kv, self.image_cache).flatten(2, 3).type_as(query)
+            out = out + cached_cross_attention(q, kv, self.image_cache)
+        out = (out if sp is None else sp.heads_out(out)).flatten(2, 3).type_as(query)
         out = attn.to_out[0](out)
         return attn.to_out[1](out)
 
@@ -365,6 +368,7 @@ class PagedWanTransformer:
         self._active = _Active()
         self._active.sp = sequence_parallel
         self._block_hooks: list[Any] = []
+        self._rope_hook: Any = None
         # diffusers' processors, restored by remove() and run outside a paged forward.
         self._originals: list[tuple[Any, Any]] = [(b.attn1.processor, b.attn2.processor) for b in model.blocks]
         try:
@@ -379,8 +383,9 @@ class PagedWanTransformer:
                 self._block_hooks.append(model.blocks[-1].register_forward_hook(self._gather_block_output))
         except BaseException:
             self._restore_processors()
-            for handle in self._block_hooks:
-                handle.remove()
+            for handle in [self._rope_hook, *self._block_hooks]:
+                if handle is not None:
+                    handle.remove()
             raise
         self._removed = False
         logger.debug(
@@ -441,7 +446,7 @@ class PagedWanTransformer:
         hidden_states, encoder_hidden_states, temb, rotary_emb = args[:4]
         if first:
             hidden_states = sp.shard_tokens(hidden_states, dim=1)
-        if isinstance(temb, torch.Tensor) and temb.dim() == 4:
+        if isinstance(temb, torch.Tensor) and temb.dim() == 4 and temb.shape[1] > 1:  # [S, 1, 6, dim] broadcasts
             temb = sp.shard_tokens(temb, dim=1)
         return (hidden_states, encoder_hidden_states, temb, rotary_emb, *args[4:])
 
