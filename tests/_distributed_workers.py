@@ -12,6 +12,7 @@ import contextlib
 import copy
 import dataclasses
 import faulthandler
+import functools
 import inspect
 import os
 from collections.abc import Callable, Iterator
@@ -720,6 +721,10 @@ def _check_example_model_per_frame_timesteps(example: Any) -> None:
     torch.testing.assert_close(outs[1], outs[0], atol=_tol(1e-5), rtol=_tol(1e-5))
 
 
+def _call_paged(paged: Any, x: torch.Tensor, t: torch.Tensor, fwd: Any) -> torch.Tensor:
+    return paged(x, t, fwd)
+
+
 def check_diffusers(
     shape: tuple[int, ...], names: tuple[str, ...], cross: str = "heads", relative_sinks: bool = False,
     compiled: bool = False, i2v_fused: bool = False,
@@ -778,7 +783,7 @@ def check_diffusers(
             assert (paged.sequence_parallel is None) == (kind == "one" or mesh.sp is None)
             step: Any = paged
             if counter is not None and kind == "mesh":
-                step = torch.compile(lambda x, t, fwd: paged(x, t, fwd), backend=counter, fullgraph=True)
+                step = torch.compile(functools.partial(_call_paged, paged), backend=counter, fullgraph=True)
             state = cache.open_session("s")
             for chunk, commit, x, t in steps:
                 if chunk in (0, 3) and not commit:  # a prompt switch before chunk 3
