@@ -54,3 +54,15 @@ def require_positive_float(
     if not (value > 0 and math.isfinite(value)):  # also rejects NaN (every comparison is False)
         raise error(f"{where}: expected {expected}, got {value!r}")
     return float(value)
+
+
+def needs_gqa(num_qo_heads: int, num_kv_heads: int) -> bool:
+    """SDPA's ``enable_gqa``: whether the query heads differ from the kv heads.
+
+    NOTE: a branch, not ``bool(a != b)``: under torch.compile with dynamic shapes the comparison is a
+    SymBool, which SDPA refuses as ``enable_gqa`` (dynamo keeps ``bool()`` of it symbolic); an ``if``
+    makes dynamo guard on it and pass a constant.
+    """
+    if num_qo_heads != num_kv_heads:  # noqa: SIM103 -- the branch is the point (see the note)
+        return True
+    return False

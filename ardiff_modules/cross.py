@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from ardiff_modules.checks import require_positive_float
+from ardiff_modules.checks import needs_gqa, require_positive_float
 from ardiff_modules.errors import CrossAttentionNotPopulatedError, SpecError, TensorMismatchError, UnknownCacheError
 from ardiff_modules.spec import KVCacheSpec
 
@@ -219,6 +219,6 @@ def cached_cross_attention(
             f"cached_cross_attention q: expected dtype {k.dtype} on {k.device}, got {q.dtype} on {q.device}"
         )
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale, enable_gqa=bool(q.shape[2] != k.shape[2])
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale, enable_gqa=needs_gqa(q.shape[2], k.shape[2])
     )
     return out.transpose(1, 2)

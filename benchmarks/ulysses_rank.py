@@ -80,13 +80,15 @@ class _Variant:
         tokens = shape.chunk // sp_size
         self.x = torch.randn(2, tokens, shape.dim, generator=g, device=self.device, dtype=dtype)
         self.shape = shape
+        # --compile: inductor generates (and fuses) the layout copies itself; the word copies are eager-only.
+        self.fn = torch.compile(self.model, fullgraph=True) if args.compile else self.model
 
     def step(self) -> None:
         with self.torch.no_grad():
             for i in range(DENOISING_FORWARDS + 1):
                 commit = i == DENOISING_FORWARDS
                 with self.state.prepare_forward(BRANCHES, self.shape.chunk, commit) as fwd:
-                    self.model(self.x, fwd.layers)
+                    self.fn(self.x, fwd.layers)
 
     def close(self) -> None:
         self.cache.close()
@@ -101,6 +103,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--compile", action="store_true", help="torch.compile(fullgraph=True) every variant's stack")
     p.add_argument("--out", type=Path, default=HERE / "results")
     args = p.parse_args()
     if args.device == "cuda":
@@ -116,6 +119,8 @@ def main() -> int:
 
     variants = (("single", 1, "heads"), ("rank", 2, "heads"), ("rank_tokens", 2, "tokens"),
                 ("rank_plain_copies", 2, "heads"))
+    if args.compile:  # the word copies are not used under compile: no plain-copies variant
+        variants = variants[:3]
     for name, size, cross in variants:
         variant = _Variant(name, shape, args, size, cross)
         plain = mock.patch.object(ulysses, "_words", lambda t: None) if name == "rank_plain_copies" else None
@@ -135,11 +140,11 @@ def main() -> int:
         if args.device == "cuda":
             torch.cuda.empty_cache()
     half = results["single"]["ms_per_chunk_step"] / 2
-    for name in ("rank", "rank_tokens", "rank_plain_copies"):
+    for name in [v[0] for v in variants[1:]]:
         results[name]["overhead_vs_half_single"] = results[name]["ms_per_chunk_step"] / half
         print(f"{name}: {results[name]['overhead_vs_half_single']:.3f}x half of single "
               f"(an ideal 2-GPU Ulysses speed-up without communication: {2 / results[name]['overhead_vs_half_single']:.2f}x)")
-    save_json(args.out / "ulysses_rank.json", {"config": vars(args) | {"out": str(args.out)}, "results": results})
+    save_json(args.out / ("ulysses_rank_compiled.json" if args.compile else "ulysses_rank.json"), {"config": vars(args) | {"out": str(args.out)}, "results": results})
     return 0
 
 

@@ -92,3 +92,24 @@ def test_multi_chunk_forward_is_one_new_shape_only() -> None:
             runner.forward(spec.branches, torch.randn(2, n * CHUNK, model.dim), True)
     assert counter.frame_count <= 2
     assert runner.state.token_offset("cond") == 15 * CHUNK
+
+
+def test_enable_gqa_flag_is_a_constant_under_dynamic_shapes() -> None:
+    """``needs_gqa`` (SDPA's enable_gqa in the cross-attention and reference paths) under dynamic head counts:
+    ``bool(a != b)`` stays a SymBool in dynamo and SDPA refuses it; the helper's branch specializes."""
+    import torch.nn.functional as F
+
+    from ardiff_modules.checks import needs_gqa
+
+    torch._dynamo.reset()
+
+    @torch.compile(backend="eager", dynamic=True, fullgraph=True)
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=needs_gqa(q.shape[1], k.shape[1]))
+
+    g = torch.Generator().manual_seed(0)
+    for heads, kv_heads in ((4, 4), (6, 6), (4, 2), (6, 3)):
+        q = torch.randn(1, heads, 5, 8, generator=g)
+        k, v = (torch.randn(1, kv_heads, 7, 8, generator=g) for _ in range(2))
+        expected = F.scaled_dot_product_attention(q, k, v, enable_gqa=heads != kv_heads)
+        torch.testing.assert_close(attend(q, k, v), expected)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ardiff_modules.backends.base import AttentionBackend, AttentionPlan, PlanRequest
+from ardiff_modules.checks import needs_gqa
 from ardiff_modules.errors import BackendUnavailableError
 from ardiff_modules.layout import page_token_slots
 from ardiff_modules.pool import KVPool
@@ -113,7 +114,7 @@ class ReferencePlan(AttentionPlan):
             values = values.masked_fill(self.padding, 0)
         queries = q.reshape(s, n, q.shape[1], q.shape[2]).transpose(1, 2)  # [S, H, n, D]
         out = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=self.mask, scale=scale, enable_gqa=bool(q.shape[1] != k_cache.shape[-2])
+            queries, keys, values, attn_mask=self.mask, scale=scale, enable_gqa=needs_gqa(q.shape[1], k_cache.shape[-2])
         )
         if self.empty_rows is not None:
             out = out.masked_fill(self.empty_rows, 0)

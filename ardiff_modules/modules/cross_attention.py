@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from ardiff_modules.checks import needs_gqa
 from ardiff_modules.context import LayerContext
 from ardiff_modules.errors import SpecError
 from ardiff_modules.modules.common import (
@@ -276,8 +277,7 @@ class CachedCrossAttention(_CheckpointNamed):
         k, v = self._kv(context, image)
         k, v = k.expand(q.shape[0], -1, -1, -1), v.expand(q.shape[0], -1, -1, -1)
         q, k, v = (rearrange(t, "s n h d -> s h n d") for t in (q, k, v))
-        # bool(): under dynamic shapes the comparison is a SymBool, which SDPA refuses
-        out = F.scaled_dot_product_attention(q, k, v, enable_gqa=bool(q.shape[1] != k.shape[1]))
+        out = F.scaled_dot_product_attention(q, k, v, enable_gqa=needs_gqa(q.shape[1], k.shape[1]))
         return rearrange(out, "s h n d -> s n h d")
 
     def extra_repr(self) -> str:
