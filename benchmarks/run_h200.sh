@@ -40,6 +40,8 @@ for what in "$@"; do
     example_distributed) step example_distributed 200 torchrun --nproc-per-node 2 examples/distributed_generation.py \
                --device cuda --preset wan2.1-1.3b --chunks 4 --check --json "$out/distributed_generation.json" ;;
     ulysses_rank) step ulysses_rank 240 python3 benchmarks/ulysses_rank.py --profile --out "$out/ulysses_rank" ;;
+    ulysses_rank_compiled) step ulysses_rank_compiled 240 python3 benchmarks/ulysses_rank.py --compile --layers 4 \
+               --out "$out/ulysses_rank" ;;
     tests_multi_gpu) step gpu_tests_multi_gpu 330 python3 -m pytest -m gpu -q -p no:cacheprovider \
                tests/test_distributed.py -rs ;;
     tests_multi_gpu_graphs) ARDIFF_NCCL_GRAPH_TESTS=1 step gpu_tests_multi_gpu_graphs 200 python3 -m pytest -m gpu -q \
