@@ -266,7 +266,8 @@ class _Runner:
                 self.mesh.sp.fuse_qkv = {"auto": None, "on": True, "off": False}[args.fuse_qkv]
         self.fn: Callable[..., Any] = self.model
         if args.compile and self.active:
-            self.fn = torch.compile(self.model, fullgraph=True)
+            # dynamic=False: each layout runs the same code at other shapes (see ulysses_rank.py)
+            self.fn = torch.compile(self.model, fullgraph=True, dynamic=False)
         #: --graph: the step object replaying ``fn`` (built on first use, again after ``reset_graphs``).
         self.graph = bool(args.graph)
         self.graph_step: Any = None

@@ -81,7 +81,9 @@ class _Variant:
         self.x = torch.randn(2, tokens, shape.dim, generator=g, device=self.device, dtype=dtype)
         self.shape = shape
         # --compile: inductor generates (and fuses) the layout copies itself; the word copies are eager-only.
-        self.fn = torch.compile(self.model, fullgraph=True) if args.compile else self.model
+        # dynamic=False: the variants run the same code at other shapes; dynamo would recompile them with
+        # dynamic shapes (slower kernels) where one process of a real run compiles one static shape.
+        self.fn = torch.compile(self.model, fullgraph=True, dynamic=False) if args.compile else self.model
 
     def step(self) -> None:
         with self.torch.no_grad():
