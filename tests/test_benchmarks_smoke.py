@@ -33,8 +33,8 @@ import _timing  # noqa: E402
 import end_to_end  # noqa: E402
 
 # end_to_end.py's --help is checked in-process (its module imports torch and the example model: seconds).
-SCRIPTS = ("attention", "sessions", "compile_vs_eager", "first_use", "host_time", "replot")
-GPU_ONLY = ("attention", "compile_vs_eager", "first_use", "host_time")
+SCRIPTS = ("attention", "sessions", "compile_vs_eager", "first_use", "host_time", "replot", "ulysses_rank")
+GPU_ONLY = ("attention", "compile_vs_eager", "first_use", "host_time", "ulysses_rank")
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 
@@ -201,3 +201,16 @@ def test_replot_redraws_from_stored_json(tmp_path: Path) -> None:
     assert sorted(p.name for p in written) == ["end_to_end_compiled.png", "sessions.png"]
     for p in written:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_ulysses_rank_cpu_dry_run(tmp_path: Path) -> None:
+    """``ulysses_rank.py --device cpu``: every variant runs (one Ulysses rank with local copies for the
+    all-to-alls, the word and plain layout copies) and the JSON has each variant's time and overhead."""
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "ulysses_rank.py"), "--device", "cpu", "--steps", "1", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((tmp_path / "ulysses_rank.json").read_text())["results"]
+    assert set(results) == {"single", "rank", "rank_tokens", "rank_plain_copies"}
+    assert all(results[name]["overhead_vs_half_single"] > 0 for name in ("rank", "rank_tokens", "rank_plain_copies"))
