@@ -498,10 +498,24 @@ def _check_sink_query(mesh: ParallelMesh, branches: tuple[str, ...], heads: int,
             reference.close()
 
 
+def _raises_on_every_rank(call: Callable[[], Any], own: type[Exception], own_text: str, peer_text: str) -> None:
+    """``call()`` fails on rank 1 (with ``own`` containing ``own_text``) and, through the vote, raises on rank 0
+    too: a ``DistributedForwardError`` naming rank 1 and containing ``peer_text``."""
+    me = dist.get_rank()
+    try:
+        call()
+    except DistributedForwardError as e:
+        assert me == 0 and e.failed_ranks == (1,) and peer_text in str(e), e
+    except own as e:
+        assert me == 1 and own_text in str(e), e
+    else:
+        raise AssertionError(f"expected the failure on rank 1 to raise on every rank (rank {me} did not)")
+
+
 def check_graph_votes() -> None:
     """The capture vote: every rank capturing (or replaying) passes, a split raises on every rank before any
     collective; a dynamic forward is refused. (Capture itself needs CUDA: the ``gpu`` tests.)"""
-    from ardiff_modules.distributed import DistributedCUDAGraphStep, DistributedForwardError
+    from ardiff_modules.distributed import DistributedCUDAGraphStep
     from ardiff_modules.errors import SpecError
     from ardiff_modules.graphs import _Captured
 
@@ -528,14 +542,7 @@ def check_graph_votes() -> None:
         assert step._decide(ctx, (x,)) is False
         # A rank that cannot replay (inputs not as captured) raises there, the others before any collective.
         graph_on((0, 1), x if me == 0 else torch.zeros(2, CHUNK, model.dim))
-        try:
-            step._decide(ctx, (x,))
-        except DistributedForwardError as e:
-            assert me == 0 and e.failed_ranks == (1,) and "cannot" in str(e), e
-        except TensorMismatchError as e:
-            assert me == 1 and "as captured" in str(e), e
-        else:
-            raise AssertionError("expected the replay check failing on rank 1 to raise on every rank")
+        _raises_on_every_rank(lambda: step._decide(ctx, (x,)), TensorMismatchError, "as captured", "cannot")
         # Warm-up / capture are all or nothing: a failure on rank 1 raises its own error there and a
         # DistributedForwardError naming it on rank 0, and no rank keeps a graph of ctx.
         ran = []
@@ -547,14 +554,8 @@ def check_graph_votes() -> None:
                 raise ValueError("capture failed here")
 
         graph_on((0, 1))
-        try:
-            step._all_or_none("capture", fail_on_rank_1, ctx)
-        except DistributedForwardError as e:
-            assert me == 0 and e.failed_ranks == (1,) and "expected every rank to capture" in str(e), e
-        except ValueError as e:
-            assert me == 1 and "capture failed here" in str(e), e
-        else:
-            raise AssertionError("expected the capture failure on rank 1 to raise on every rank")
+        _raises_on_every_rank(lambda: step._all_or_none("capture", fail_on_rank_1, ctx), ValueError,
+                              "capture failed here", "expected every rank to capture")
         assert step.num_graphs == 0 and step.will_capture(fwd)
         try:
             step(fwd, x)

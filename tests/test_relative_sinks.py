@@ -24,7 +24,8 @@ from ardiff_modules import (
     chunk_attention,
     populate_cross_attention,
 )
-from ardiff_modules.backends.segmented import RelativeSinkPlan, merge_attention
+from ardiff_modules.backends.base import merge_attention
+from ardiff_modules.backends.segmented import RelativeSinkPlan
 from ardiff_modules.modules.rotary import VideoRotaryEmbedding
 
 CHUNK = 4

@@ -21,12 +21,7 @@ from dataclasses import replace
 
 import torch
 
-from ardiff_modules.backends.base import (
-    AttentionBackend,
-    AttentionPlan,
-    PlanRequest,
-    merge_attention,  # noqa: F401  (re-exported: the merge rule)
-)
+from ardiff_modules.backends.base import AttentionBackend, AttentionPlan, PlanRequest
 from ardiff_modules.errors import SpecError
 from ardiff_modules.layout import ForwardLayout
 

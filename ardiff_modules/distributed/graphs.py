@@ -28,9 +28,8 @@ call. Why that matters, and why the rest already works::
   (every rank done warming up, none failed before capturing) and after the capture (every rank holds
   its graph). A rank whose capture failed raises its own error, the others raise
   :class:`~ardiff_modules.distributed.DistributedForwardError`, and no rank keeps a graph for that
-  context -- a replay on some ranks only would leave their NCCL kernels waiting for peers that never
-  launch theirs, a hang no timeout catches (replayed collectives are not watched by PyTorch). The
-  forward's ``with`` block then aborts it on every rank.
+  context (for the reason above: PyTorch does not watch replayed collectives). The forward's ``with``
+  block then aborts it on every rank.
 * The capture uses ``capture_error_mode="thread_local"``: in ``"global"`` mode an unsafe CUDA call
   from any other thread of the process (a garbage-collected graph or event, a profiler) invalidates
   the capture -- on one rank only, at a time no peer can predict.
