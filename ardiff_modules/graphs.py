@@ -97,11 +97,20 @@ class CUDAGraphStep:
 
     def _drop_released(self) -> None:
         for forward in [f for f in self._captured if f.released]:
-            del self._captured[forward]
+            self._release(forward)
+
+    def _release(self, forward: ForwardContext) -> None:
+        captured = self._captured.pop(forward, None)
+        # reset() frees the CUDA graph now, not when the last reference (a cycle, a traceback) goes: a live
+        # graph that captured NCCL kernels makes dist.destroy_process_group() hang (pytorch/pytorch#115388).
+        if captured is not None and captured.graph is not None:
+            captured.graph.reset()
 
     def clear(self) -> None:
-        """Drop every captured graph (their memory pools go with them)."""
-        self._captured.clear()
+        """Drop every captured graph now (their memory pools go with them). Call it before
+        ``dist.destroy_process_group()`` when a graph captured collectives."""
+        for forward in list(self._captured):
+            self._release(forward)
 
     def __call__(self, forward: ForwardContext, *inputs: torch.Tensor) -> torch.Tensor:
         if not isinstance(forward, ForwardContext):
@@ -112,7 +121,7 @@ class CUDAGraphStep:
         forward.check_usable("CUDAGraphStep")
         captured = self._captured.get(forward)
         if captured is not None and captured.plan_epoch != forward.plan_epoch:
-            del self._captured[forward]  # the plan was rebuilt: its buffers moved
+            self._release(forward)  # the plan was rebuilt: its buffers moved
             captured = None
         if captured is None:
             captured = self._capture(forward, inputs)
@@ -153,7 +162,7 @@ class CUDAGraphStep:
 
     def discard(self, forward: ForwardContext) -> None:
         """Drop ``forward``'s graph if there is one (its next call captures again)."""
-        self._captured.pop(_require_context("CUDAGraphStep.discard", forward), None)
+        self._release(_require_context("CUDAGraphStep.discard", forward))
 
     def capture(self, forward: ForwardContext, *inputs: torch.Tensor) -> None:
         """Warm up and capture ``fn(*inputs, forward.layers)`` for ``forward`` now, without replaying it

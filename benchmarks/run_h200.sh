@@ -44,7 +44,7 @@ for what in "$@"; do
                --out "$out/ulysses_rank" ;;
     tests_multi_gpu) step gpu_tests_multi_gpu 330 python3 -m pytest -m gpu -q -p no:cacheprovider \
                tests/test_distributed.py -rs ;;
-    tests_multi_gpu_graphs) ARDIFF_NCCL_GRAPH_TESTS=1 step gpu_tests_multi_gpu_graphs 200 python3 -m pytest -m gpu -q \
+    tests_multi_gpu_graphs) step gpu_tests_multi_gpu_graphs 200 python3 -m pytest -m gpu -q \
                -p no:cacheprovider tests/test_distributed.py -k graph -rs ;;
     multi_gpu) step multi_gpu 300 python3 benchmarks/multi_gpu.py --steps 3 --out "$out" ;;
     tests_relative_sinks) step gpu_tests_relative_sinks 200 python3 -m pytest -m gpu -q -p no:cacheprovider \
@@ -64,6 +64,13 @@ for what in "$@"; do
     multi_gpu_14b_tokens_compiled) step multi_gpu_14b_tokens_compiled 300 python3 benchmarks/multi_gpu.py --shapes wan-14b \
                --layouts single,ulysses --steps 3 --cross-attention tokens --compile --out "$out/mg14_tokens_compiled" ;;
     multi_gpu_graph) step multi_gpu_graph 300 python3 benchmarks/multi_gpu.py --graph --steps 3 --out "$out/mg_graph" ;;
+    multi_gpu_13b) step multi_gpu_13b 150 python3 benchmarks/multi_gpu.py --shapes wan2.1-1.3b --steps 3 --out "$out/mg13" ;;
+    multi_gpu_14b_graph) step multi_gpu_14b_graph 200 python3 benchmarks/multi_gpu.py --shapes wan-14b --graph --steps 3 \
+               --out "$out/mg14_graph" ;;
+    multi_gpu_14b_tokens_graph) step multi_gpu_14b_tokens_graph 200 python3 benchmarks/multi_gpu.py --shapes wan-14b \
+               --layouts single,ulysses --graph --steps 3 --cross-attention tokens --out "$out/mg14_tokens_graph" ;;
+    multi_gpu_14b_compiled) step multi_gpu_14b_compiled 300 python3 benchmarks/multi_gpu.py --shapes wan-14b \
+               --layouts single,ulysses --steps 3 --compile --out "$out/mg14_compiled" ;;
     first_use) step first_use 200 python3 benchmarks/first_use.py --out "$out" ;;
     host_time) step host_time 120 python3 benchmarks/host_time.py --out "$out/host_time.jsonl" ;;
     compile_vs_eager) step compile_vs_eager 300 python3 benchmarks/compile_vs_eager.py --out "$out" ;;

@@ -563,6 +563,12 @@ def check_graph_votes() -> None:
             assert "static=True" in str(e), e
         else:
             raise AssertionError("expected a SpecError for a dynamic forward")
+    # Leaving a ``with step:`` block frees the graphs at once (before destroy_process_group, pytorch#115388).
+    resets = []
+    with step:
+        step.step._captured[ctx] = _Captured(type("G", (), {"reset": lambda self: resets.append(1)})(), [x], x,
+                                             ctx.plan_epoch, frozenset())
+    assert resets == [1] and step.num_graphs == 0
     for bad in ({"warmup_iters": 0}, {"verify": 1}):
         try:
             DistributedCUDAGraphStep(parallel, mesh, **bad)  # type: ignore[arg-type]
@@ -617,8 +623,17 @@ def check_graph_rollout(shape: tuple[int, ...], names: tuple[str, ...], relative
     def whole_step(x: torch.Tensor, layers: list) -> torch.Tensor:  # this rank's tokens in, every token out
         return mesh.gather(parallel(x, layers))
 
-    step = DistributedCUDAGraphStep(whole_step, mesh)
+    with DistributedCUDAGraphStep(whole_step, mesh) as step:  # graphs freed before destroy_process_group
+        _graph_rollout(step, model, parallel, reference, cache, graph_cache, mesh, whole_step)
+    assert step.num_graphs == 0
+    graph_cache.close()
 
+
+def _graph_rollout(
+    step: Any, model: TinyStreamingModel, parallel: torch.nn.Module, reference: Any, cache: DistributedKVCache,
+    graph_cache: DistributedKVCache, mesh: ParallelMesh, whole_step: Callable[..., torch.Tensor],
+) -> None:
+    """check_graph_rollout's body: the graphed rollout against the eager one and the single GPU."""
     class _Graphed(_Parallel):
         captures = replays = 0
 
@@ -656,7 +671,6 @@ def check_graph_rollout(shape: tuple[int, ...], names: tuple[str, ...], relative
     for g, e in zip(graph_out, expected):
         torch.testing.assert_close(g, e, atol=_tol(), rtol=_tol())
     _check_pages_identical(graph_cache, graphed.state)
-    graph_cache.close()
 
 
 def check_example(meshes: tuple[str, ...]) -> None:

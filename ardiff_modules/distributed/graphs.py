@@ -1,6 +1,6 @@
 """``DistributedCUDAGraphStep``: capture a whole parallelized model step as one CUDA graph on every rank.
 
-A thin wrapper of :class:`~ardiff_modules.graphs.CUDAGraphStep` (``graphs.py`` is unchanged): it takes
+A thin wrapper of :class:`~ardiff_modules.graphs.CUDAGraphStep`: it takes
 a :class:`~ardiff_modules.distributed.DistributedForward` and makes every rank capture at the same
 call. Why that matters, and why the rest already works::
 
@@ -39,6 +39,10 @@ call. Why that matters, and why the rest already works::
   ``prepare_forward``, around a capture and at the end of the ``with`` block, outside the graph.
 * A replay launches the captured NCCL kernels: every rank of a group must replay the same graphs in
   the same order (it does when every rank makes the same calls, which the votes already require).
+* Teardown: :meth:`DistributedCUDAGraphStep.clear` (or the end of a ``with step:`` block) frees the
+  graphs at once; do it before ``dist.destroy_process_group()``, which hangs in ``ncclCommDestroy``
+  while a graph holding NCCL kernels is alive (pytorch/pytorch#115388; on 2x H200 every capture and
+  replay passed and only the destroy hung).
 
 Limitation: a rank that fails between the capture vote and the end of its capture (e.g. out of memory
 in warm-up) leaves its peers waiting in a warm-up collective, like any failure inside the model (see
@@ -69,6 +73,8 @@ class DistributedCUDAGraphStep:
         step = DistributedCUDAGraphStep(model, mesh)     # model: parallelize(model, mesh) done
         with cache.prepare_forward(state, seq_len, commit_current=c, static=True) as fwd:
             out = step(fwd, mesh.scatter(x))             # capture on the first call, replay afterwards
+        ...
+        step.clear()                                     # before dist.destroy_process_group()
 
     ``fn`` may also include the output all-gather (``lambda x, layers: mesh.gather(model(x, layers))``).
 
@@ -114,9 +120,16 @@ class DistributedCUDAGraphStep:
         return self.step.num_graphs
 
     def clear(self) -> None:
-        """Drop every captured graph; the next call on each context captures again (collective: call it on
-        every rank)."""
+        """Drop every captured graph now; the next call on each context captures again (collective: call it
+        on every rank). Call it (or leave a ``with step:`` block) before ``dist.destroy_process_group()``: a
+        live graph holding NCCL kernels makes the destroy hang (pytorch/pytorch#115388; seen on 2x H200)."""
         self.step.clear()
+
+    def __enter__(self) -> DistributedCUDAGraphStep:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.clear()
 
     def will_capture(self, forward: DistributedForward | ForwardContext) -> bool:
         """Whether the next call with ``forward`` captures (``True``) or replays (``False``)."""

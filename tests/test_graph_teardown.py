@@ -1,0 +1,64 @@
+"""``CUDAGraphStep`` frees its graphs *now* when it drops them (``graph.reset()``), not when the last
+reference goes: a graph that captured NCCL kernels and is still alive -- held by a reference cycle, a
+traceback, a user's variable -- makes ``dist.destroy_process_group()`` hang (pytorch/pytorch#115388; seen on
+2x H200). CPU: stand-in graphs record their resets."""
+
+from __future__ import annotations
+
+import torch
+from test_errors import SPEC
+
+from ardiff_modules import KVCache
+from ardiff_modules.context import ForwardContext
+from ardiff_modules.graphs import CUDAGraphStep, _Captured
+
+
+class _FakeGraph:
+    """What ``CUDAGraphStep`` calls on a graph it drops."""
+
+    def __init__(self) -> None:
+        self.resets = 0
+
+    def reset(self) -> None:
+        self.resets += 1
+
+
+def _step_with_graphs(contexts: list[ForwardContext]) -> tuple[CUDAGraphStep, list[_FakeGraph]]:
+    step = CUDAGraphStep(lambda *x: x)
+    graphs = [_FakeGraph() for _ in contexts]
+    for ctx, graph in zip(contexts, graphs):
+        step._captured[ctx] = _Captured(graph, [], torch.zeros(1), ctx.plan_epoch, frozenset())
+    return step, graphs
+
+
+def _contexts() -> tuple[KVCache, list, list[ForwardContext]]:
+    """Two open forwards of two sessions (their contexts: what graphs are keyed by)."""
+    cache = KVCache(SPEC, num_pages=32, backend="reference")
+    states = [cache.open_session("a"), cache.open_session("b")]
+    forwards = [cache.prepare_forward([(s, "cond")], SPEC.chunk_size) for s in states]
+    return cache, states, forwards
+
+
+def test_clear_resets_every_graph_even_if_referenced_elsewhere() -> None:
+    _, _, forwards = _contexts()
+    step, graphs = _step_with_graphs(forwards)
+    step.clear()
+    assert [g.resets for g in graphs] == [1, 1] and step.num_graphs == 0
+    step.clear()  # nothing left: no second reset
+    assert [g.resets for g in graphs] == [1, 1]
+
+
+def test_discard_resets_only_that_graph() -> None:
+    _, _, forwards = _contexts()
+    step, graphs = _step_with_graphs(forwards)
+    step.discard(forwards[0])
+    assert [g.resets for g in graphs] == [1, 0] and step.num_graphs == 1
+
+
+def test_graph_of_a_released_context_is_reset_on_the_next_call() -> None:
+    cache, states, forwards = _contexts()
+    step, graphs = _step_with_graphs(forwards)
+    forwards[0].abort()
+    states[0].close()  # releases session a's contexts
+    assert step.num_graphs == 1
+    assert [g.resets for g in graphs] == [1, 0]
