@@ -603,9 +603,12 @@ def plot(payload: dict[str, Any], path: Path) -> Path | None:
     cfg = payload["config"]
     gpu = payload.get("env", {}).get("gpu", "GPU") if cfg.get("device") == "cuda" else "CPU processes (dry run)"
     chunks = sorted({r["shape"]["chunk"] for r in payload["results"].values()})
+    modes = "".join(text for key, text in (("compile", ", compiled"), ("graph", ", CUDA graphs")) if cfg.get(key))
+    if cfg.get("cross_attention") == "tokens":
+        modes += ", Ulysses cross-attention on its own tokens"
     title = (f"CFG-parallel vs Ulysses vs one GPU ({payload['world_size']}x {gpu}); one chunk step = "
              f"{DENOISING_FORWARDS} denoising + 1 commit forward, CFG (2 branches), {'/'.join(map(str, chunks))}-token "
-             f"chunks, {cfg.get('dtype', 'bfloat16')}{', CUDA graphs' if cfg.get('graph') else ''}\n"
+             f"chunks, {cfg.get('dtype', 'bfloat16')}{modes}\n"
              "bar labels: median ms, speed-up vs single, all-to-all share of the step (events around the "
              "collectives / by removal); error bars: IQR")
     ax.set_title(wrap(title, fig, 9), fontsize=9)
