@@ -23,6 +23,7 @@ Constraints (all checked or documented):
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -186,8 +187,15 @@ class CUDAGraphStep:
                 self.fn(*static_inputs, layers)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode=self.capture_error_mode):
-            output = self.fn(*static_inputs, layers)
+        try:
+            with torch.cuda.graph(graph, capture_error_mode=self.capture_error_mode):
+                output = self.fn(*static_inputs, layers)
+        except BaseException:
+            # torch.cuda.graph ends the capture even when fn raised, which can instantiate a graph holding
+            # what was recorded (NCCL kernels included) that only the traceback still references.
+            with contextlib.suppress(Exception):
+                graph.reset()
+            raise
         captured = _Captured(graph, static_inputs, output, forward.plan_epoch, frozenset(forward.cross))
         self._captured[forward] = captured
         return captured

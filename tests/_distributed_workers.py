@@ -255,6 +255,110 @@ def _has_relative_sinks() -> bool:
     return "relative_sinks" in {f.name for f in dataclasses.fields(am.KVCacheSpec)}
 
 
+def _whole_state(cache: DistributedKVCache) -> Any:
+    """Every session's page tables, pending pages and extents of this rank, and its free-page queue."""
+    sessions = {
+        sid: {b: (st.visible_chunks(b), st.pending_chunks(b), st.token_offset(b), tuple(st.history(b).extent))
+              for b in st.kv_branch_names}
+        for sid, st in sorted(cache.cache.sessions.items())
+    }
+    return sessions, tuple(cache.cache.allocator.free_pages())
+
+
+def _check_same_state_everywhere(cache: DistributedKVCache, what: str) -> None:
+    """Direct comparison (an sp-only mesh: every rank holds the same branches), then the digest check."""
+    states: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(states, _whole_state(cache))
+    assert all(s == states[0] for s in states), f"{what}: ranks differ: {states}"
+    cache.check_consistency()
+
+
+def _prepare_failing_on(cache: DistributedKVCache, bad: int, *args: Any, **kwargs: Any) -> None:
+    """``cache.prepare_forward(*args, **kwargs)`` with the local prepare failing on rank ``bad`` only."""
+    me = dist.get_rank()
+    original = cache.cache.prepare_forward
+    if me == bad:
+        def failing(*a: Any, **k: Any) -> None:
+            raise CapacityError("injected on one rank", needed=4, free=0)
+
+        cache.cache.prepare_forward = failing  # type: ignore[method-assign]
+    try:
+        cache.prepare_forward(*args, **kwargs)
+    except (CapacityError, DistributedForwardError) as e:
+        assert isinstance(e, CapacityError) == (me == bad), e
+    else:
+        raise AssertionError("expected the prepare to fail on every rank")
+    finally:
+        cache.cache.prepare_forward = original  # type: ignore[method-assign]
+
+
+def check_vote_undo() -> None:
+    """A prepare that fails on one rank leaves every rank in the same state even when the ranks that prepared
+    had superseded a kept forward spanning another session, or reserved a contiguous extent; a superseded
+    forward handle finishes nothing (not the later forward of its context)."""
+    model, parallel, _, cache, mesh = _setup((2,), ("sp",), 4, 2, debug=False)
+    device, dtype = _device(), cache.cache.dtype
+    text = torch.randn(2, 5, model.context_dim, generator=torch.Generator().manual_seed(3)).to(device, dtype)
+
+    def opened(cache: DistributedKVCache, sid: str) -> am.KVState:
+        state = cache.open_session(sid)
+        for i, branch in enumerate(BRANCHES):
+            am.populate_cross_attention(state, branch, [b.cross for b in parallel.blocks], text[i])
+        return state
+
+    x = torch.randn(4, CHUNK, model.dim, generator=torch.Generator().manual_seed(4)).to(device, dtype)
+    s1, s2 = opened(cache, "s1"), opened(cache, "s2")
+    # 1. A kept denoising forward over [s1, s2]; the next prepare over s1 alone fails on rank 1. Rank 0 had
+    #    superseded the kept forward (s2's pending pages kept), rank 1 aborts it whole: s2 must match too.
+    with torch.no_grad():
+        kept = cache.prepare_forward([s1, s2], CHUNK, commit_current=False)
+        parallel(mesh.scatter(x), kept.layers)
+    _prepare_failing_on(cache, 1, s1, CHUNK, commit_current=True)
+    _check_same_state_everywhere(cache, "after a failed prepare superseding a kept forward")
+    assert s2.pending_chunks("cond") == (), "the kept forward's other session kept its pending pages"
+    # 2. A superseded handle: committing or aborting it finishes nothing (not the later forward).
+    with torch.no_grad():
+        first = cache.prepare_forward(s1, CHUNK, commit_current=False)
+        parallel(mesh.scatter(x[:2]), first.layers)
+        with cache.prepare_forward(s1, CHUNK, commit_current=True) as second:
+            first.commit()
+            first.abort()
+            assert second.context.transaction.is_open and s1.committed_chunks("cond") == 0
+            parallel(mesh.scatter(x[:2]), second.layers)
+    assert s1.committed_chunks("cond") == 1
+    _check_same_state_everywhere(cache, "after finishing a superseded handle")
+    # Misuse: specific errors (a bad sessions argument is voted like any failure: no rank hangs).
+    from ardiff_modules.errors import SpecError
+
+    for call, error, message in (
+        (lambda: cache.prepare_forward(5, CHUNK), SpecError, "expected one or more sessions"),
+        (lambda: mesh.scatter(torch.zeros(4)), TensorMismatchError, "token dim 1"),
+        (lambda: ParallelMesh(mesh.mesh, "condu", cfg_dim=None), SpecError, "distinct branch names"),
+        (lambda: ParallelMesh(mesh.mesh, ("cond", "cond"), cfg_dim=None), SpecError, "distinct branch names"),
+    ):
+        try:
+            call()
+        except error as e:
+            assert message in str(e), e
+        else:
+            raise AssertionError(f"expected {error.__name__} ({message})")
+    _check_same_state_everywhere(cache, "after misuse")
+    cache.close()
+
+    # 3. Contiguous extents: a session's first prepare fails on rank 1; rank 0 had reserved its extent.
+    extents = DistributedKVCache(
+        cache.global_spec, mesh, num_pages=96, device=device, backend="flashinfer" if _gpu() else "reference",
+        contiguous_extents=True,
+    )
+    s3, s4 = opened(extents, "s3"), opened(extents, "s4")
+    _prepare_failing_on(extents, 1, s3, CHUNK, commit_current=True)
+    _check_same_state_everywhere(extents, "after a failed first prepare with contiguous extents")
+    with torch.no_grad(), extents.prepare_forward(s4, CHUNK, commit_current=True) as fwd:
+        parallel(mesh.scatter(x[:2]), fwd.layers)
+    _check_same_state_everywhere(extents, "after the next session's forward")
+    extents.close()
+
+
 def check_failures(shape: tuple[int, ...], names: tuple[str, ...], bad: int) -> None:
     """A failure on rank ``bad`` (in the forward, in prepare, NaN K/V, explicit abort) aborts on every rank."""
     model, parallel, reference, cache, mesh = _setup(shape, names, 4, 2, check_finite=True)
@@ -834,6 +938,7 @@ def check_all(world: int) -> None:
         check_rollout((2,), ("sp",), 4, 2, cross="tokens")       # cross-attention without all-to-alls
         check_functional(2, 4, 2)
         check_graph_votes()
+        check_vote_undo()
         check_failures((2,), ("cfg",), 1)
         check_failures((2,), ("sp",), 0)
         check_diffusers((2,), ("sp",))

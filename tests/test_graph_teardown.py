@@ -5,6 +5,9 @@ traceback, a user's variable -- makes ``dist.destroy_process_group()`` hang (pyt
 
 from __future__ import annotations
 
+import contextlib
+
+import pytest
 import torch
 from test_errors import SPEC
 
@@ -62,3 +65,33 @@ def test_graph_of_a_released_context_is_reset_on_the_next_call() -> None:
     states[0].close()  # releases session a's contexts
     assert step.num_graphs == 1
     assert [g.resets for g in graphs] == [1, 0]
+
+
+def test_a_capture_that_raises_resets_its_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``torch.cuda.graph`` ends the capture even when ``fn`` raised, which can instantiate a graph of what
+    was recorded; only the traceback would still hold it, out of reach of ``clear()``."""
+    made: list[_FakeGraph] = []
+
+    class _RecordedGraph(_FakeGraph):
+        def __init__(self) -> None:
+            super().__init__()
+            made.append(self)
+
+    class _Stream:
+        def wait_stream(self, other: object) -> None:
+            pass
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _RecordedGraph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph, capture_error_mode="global": contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", _Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+
+    def failing(*inputs: object) -> torch.Tensor:
+        raise RuntimeError("fn failed during capture")
+
+    _, _, forwards = _contexts()
+    step = CUDAGraphStep(failing, warmup_iters=0)
+    with pytest.raises(RuntimeError, match="failed during capture"):
+        step._capture(forwards[0], ())
+    assert len(made) == 1 and made[0].resets == 1 and step.num_graphs == 0

@@ -12,14 +12,17 @@ forward. A distributed forward therefore votes twice over the mesh's host (gloo)
                                                       └─ any failed: every rank aborts its streams, raises
 
 so no rank is ever left with a half-committed history: a commit happens only once every rank has
-said its own commit will succeed, and the commit itself (``ForwardTransaction.commit``) is applied
-from results computed before the vote. Each vote is one all-reduce of ``mesh size`` int64 flags.
+said its own commit will succeed (the pre-commit check runs the same pure computation the commit then
+repeats). Each vote is one all-reduce of ``mesh size`` int64 flags. A failed prepare vote undoes on every
+rank what the ranks that prepared did and the others did not: the denoising forwards it superseded are
+aborted with every session they span, and a contiguous extent it reserved is given back.
 
 NOTE: a rank that fails *inside* the model between two collectives of an SP group (the all-to-alls)
 leaves its peers waiting in that collective; they surface it as the process group's timeout (pass
 ``timeout=`` to ``init_process_group``) and the group is then unusable. The votes cover every failure
 outside collectives: prepare (capacity, validation), anything raised in the ``with`` block after the
-model ran on this rank, the ``check_finite`` check, and any failure in a CFG-only mesh.
+model ran on this rank, the ``check_finite`` check, and any failure in a CFG-only mesh whose ``with``
+block runs no collective of its own (``mesh.gather`` is one).
 """
 
 from __future__ import annotations
@@ -135,16 +138,15 @@ class DistributedKVCache:
         its streams (history as before, pending pages dropped) and raises: the rank that failed its own
         exception, the others :class:`DistributedForwardError`.
         """
-        states = (sessions,) if isinstance(sessions, KVState) else tuple(sessions)
+        states: tuple[KVState, ...] = ()
         free_before = self.cache.allocator.free_pages()  # identical on every rank (same calls so far)
         ctx: ForwardContext | None = None
         error: BaseException | None = None
         try:
-            if not states or not all(isinstance(s, KVState) and s.cache is self.cache for s in states):
-                raise SpecError(
-                    "DistributedKVCache.prepare_forward: expected one or more sessions opened by this cache, got "
-                    f"{[type(s).__name__ for s in states]}"
-                )
+            states = _sessions_of(sessions, self.cache)
+            # What a failed vote must undo identically on every rank: the kept denoising forwards this
+            # prepare supersedes (with every session they span) and the extents it reserves.
+            touched, bare = self._undo_scope(states)
             if isinstance(seq_len, int) and seq_len % self.mesh.sp_size:
                 raise SequenceLengthError(
                     f"DistributedKVCache.prepare_forward: expected seq_len a multiple of the sequence-parallel "
@@ -160,7 +162,9 @@ class DistributedKVCache:
             # the sessions stay as they were. Otherwise the ranks that prepared must end their forward,
             # and every rank ends in the same state (kept denoising forwards dropped everywhere).
             if len(failed) < len(self.mesh.ranks):
-                self._abort_streams(states, free_before)
+                self._abort_streams(touched, free_before, bare)
+            if self.debug_checks:  # collective: every rank is on this path
+                self.check_consistency()
             if error is not None:
                 raise error
             raise DistributedForwardError(
@@ -175,9 +179,31 @@ class DistributedKVCache:
         """One all-reduce over the host group: the global ranks that failed (empty: all ok)."""
         return self.mesh.ranks_where(failed_here)
 
-    def _abort_streams(self, states: Sequence[KVState], free_before: Sequence[int]) -> None:
+    def _undo_scope(self, states: Sequence[KVState]) -> tuple[tuple[KVState, ...], tuple[Any, ...]]:
+        """Before a local prepare over ``states``: every session a failed vote must abort (``states`` and
+        the other sessions of denoising forwards still open on them, which the prepare would supersede
+        here but a rank whose prepare failed aborts whole), and the local histories without a contiguous
+        extent yet (the prepare may reserve one there, never on a rank that failed first)."""
+        touched = list(states)
+        bare = []
+        for state in states:
+            if state.is_closed:
+                continue
+            for branch in self.local_branches:
+                forward = state.open_forward(branch)
+                if forward is not None:
+                    touched += [s for s, _ in forward.members if s not in touched]
+                history = state.history(branch)
+                if history.needs_extent:
+                    bare.append(history)
+        return tuple(touched), tuple(bare)
+
+    def _abort_streams(
+        self, states: Sequence[KVState], free_before: Sequence[int], bare: Sequence[Any] = ()
+    ) -> None:
         """Every rank ends a failed forward in the same state: open forwards aborted, kept pending pages
-        dropped, and the free queue in one canonical order.
+        dropped, extents reserved by the failed forward given back (``bare``: histories that had none and
+        hold nothing now), and the free queue in one canonical order.
 
         NOTE: the page *set* is then the same on every rank, but not the free-queue *order*: a rank whose
         prepare failed allocated nothing, the others allocated and freed pages (which go to the back of the
@@ -188,6 +214,10 @@ class DistributedKVCache:
             for state in states:
                 if isinstance(state, KVState) and state.cache is self.cache and not state.is_closed:
                     state.abort()
+            for history in bare:
+                if history.extent and not history.history_pages() and not history.pending_pages():
+                    self.cache.allocator.decref(history.extent)
+                    history.extent = ()
             _reorder_free_pages(self.cache.allocator, free_before)
 
     def check_consistency(self) -> tuple[StateDigest, ...]:
@@ -269,26 +299,41 @@ class DistributedForward:
         if self._done:
             return
         self._done = True
+        # NOTE: this handle's own transaction, never ``context.transaction``: the context is reused, and a
+        # later forward prepared on the same streams (which superseded this one) must not be finished here.
         transaction = self._transaction
-        if error is None and transaction is not None and transaction.is_open and transaction.commit_current:
+        live = transaction is not None and transaction.is_open
+        if error is None and live and transaction.commit_current:
             error = self._precommit(transaction)
-        failed = self.owner._vote(error is not None)
+            live = transaction.is_open  # a NaN/Inf check aborted it
+        votes = self.owner.mesh.host_values(_FAILED if error is not None else (_OPEN if live else _CLOSED))
+        if all(v == _CLOSED for v in votes):
+            # Finished on every rank already (superseded, or committed / aborted on each): nothing to do.
+            if self.owner.debug_checks:
+                self.owner.check_consistency()
+            return
+        # A rank whose forward was already closed cannot commit with its peers: that counts as a failure.
+        failed = tuple(r for r, v in zip(self.owner.mesh.ranks, votes) if v != _OPEN)
         if not failed:
-            self.context.commit()  # commit results were computed (and checked) before the vote
-        else:
+            self.owner.cache.finish_forward(transaction, True)  # checked before the vote: cannot fail now
+        elif live:
             self.owner._abort_streams(self.sessions, self._free_before)
+        else:
+            with self.owner.cache.lock:
+                _reorder_free_pages(self.owner.cache.allocator, self._free_before)
         # Collective: every rank reaches it, whatever the vote said (a rank raising first would hang the rest).
         if self.owner.debug_checks:
             self.owner.check_consistency()
-        if failed:
-            if error is None:
-                raise DistributedForwardError(
-                    f"forward: expected every rank to finish, got a failure on rank(s) {list(failed)}; the forward "
-                    "was aborted on every rank (history unchanged)",
-                    failed_ranks=failed,
-                )
-            if not isinstance(error, _LocalAbort):
-                raise error
+        if not failed:
+            return
+        if error is None:
+            raise DistributedForwardError(
+                f"forward: expected every rank to finish an open forward, got a failure (or a forward already "
+                f"finished) on rank(s) {list(failed)}; the forward was aborted on every rank (history unchanged)",
+                failed_ranks=failed,
+            )
+        if not isinstance(error, _LocalAbort):
+            raise error
 
     def _precommit(self, transaction: Any) -> BaseException | None:
         """What could make this rank's commit fail, checked before the vote (pure; changes nothing on success)."""
@@ -312,7 +357,8 @@ class DistributedForward:
         if exc is not None and not isinstance(exc, Exception):
             # KeyboardInterrupt / SystemExit: no vote (peers may be gone); abort locally and propagate.
             self._done = True
-            self.owner._abort_streams(self.sessions, self._free_before)
+            if self._transaction is not None and self._transaction.is_open:
+                self.owner._abort_streams(self.sessions, self._free_before)
             return
         try:
             self._finish(exc)
@@ -320,6 +366,19 @@ class DistributedForward:
             if e is exc:
                 return  # the local exception propagates unchanged
             raise
+
+
+def _sessions_of(sessions: object, cache: KVCache) -> tuple[KVState, ...]:
+    """``sessions`` (one session or a sequence of them) as a tuple, checked to be this cache's."""
+    if isinstance(sessions, KVState):
+        return (sessions,)
+    states = tuple(sessions) if isinstance(sessions, (list, tuple)) else None
+    if not states or not all(isinstance(s, KVState) and s.cache is cache for s in states):
+        got = type(sessions).__name__ if states is None else [type(s).__name__ for s in states]
+        raise SpecError(
+            f"DistributedKVCache.prepare_forward: expected one or more sessions opened by this cache, got {got}"
+        )
+    return states
 
 
 def _reorder_free_pages(allocator: PageAllocator, before: Sequence[int]) -> None:
@@ -339,6 +398,10 @@ def _reorder_free_pages(allocator: PageAllocator, before: Sequence[int]) -> None
     pages = allocator.allocate(len(order))
     allocator.unallocate(pages, free_order=order)
     allocator.peak_used = peak
+
+
+#: A rank's word in the finish vote.
+_OPEN, _CLOSED, _FAILED = 0, 1, 2
 
 
 class _LocalAbort(Exception):

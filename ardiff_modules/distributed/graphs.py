@@ -172,7 +172,10 @@ class DistributedCUDAGraphStep:
             return
         self.step.discard(ctx)
         if error is not None:
-            raise error
+            try:
+                raise error
+            finally:
+                error = None  # else frame -> error -> traceback -> frame: a cycle keeping the failed capture alive
         raise DistributedForwardError(
             f"DistributedCUDAGraphStep: expected every rank to {what} the step, got a failure on rank(s) "
             f"{list(failed)}; no rank keeps a graph for this forward",
@@ -209,12 +212,18 @@ class DistributedCUDAGraphStep:
             error = e
         if not self.verify:
             if error is not None:
-                raise error
+                try:
+                    raise error
+                finally:
+                    error = None  # no frame <-> traceback cycle (see _all_or_none)
             return capture
         votes = self.mesh.host_values(_CANNOT if error is not None else (_CAPTURE if capture else _REPLAY))
         failed = tuple(r for r, v in zip(self.mesh.ranks, votes) if v == _CANNOT)
         if error is not None:
-            raise error
+            try:
+                raise error
+            finally:
+                error = None  # no frame <-> traceback cycle (see _all_or_none)
         if failed:
             raise DistributedForwardError(
                 f"DistributedCUDAGraphStep: expected every rank to be able to replay the step, got rank(s) "
@@ -237,3 +246,4 @@ def _context(forward: DistributedForward | ForwardContext) -> ForwardContext:
     raise SpecError(
         f"DistributedCUDAGraphStep: expected a DistributedForward (static=True), got {type(forward).__name__}"
     )
+

@@ -66,6 +66,16 @@ class ParallelMesh:
     ) -> None:
         if not isinstance(mesh, DeviceMesh):
             raise SpecError(f"ParallelMesh.mesh: expected a torch DeviceMesh, got {type(mesh).__name__}")
+        if (
+            isinstance(branches, str)
+            or not isinstance(branches, Sequence)
+            or not branches
+            or not all(isinstance(b, str) and b for b in branches)
+            or len(set(branches)) != len(branches)
+        ):
+            raise SpecError(
+                f"ParallelMesh.branches: expected a sequence of distinct branch names (the spec's), got {branches!r}"
+            )
         names = tuple(mesh.mesh_dim_names or ())
         wanted = tuple(d for d in (cfg_dim, sp_dim) if d is not None)
         if len(set(wanted)) != len(wanted):

@@ -114,6 +114,10 @@ class SequenceParallel:
     def shard_tokens(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's contiguous block of ``x`` along ``dim`` (the token dim), ``1/P`` of it."""
         _require_tensor("SequenceParallel.shard_tokens", "x", x)
+        if not -x.dim() <= dim < x.dim():
+            raise TensorMismatchError(
+                f"SequenceParallel.shard_tokens x: expected a tensor with a token dim {dim}, got shape {tuple(x.shape)}"
+            )
         if x.shape[dim] % self.size:
             raise TensorMismatchError(
                 f"SequenceParallel.shard_tokens x: expected dim {dim} a multiple of the sequence-parallel degree "
