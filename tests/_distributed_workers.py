@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from streaming_model import TinyStreamingModel
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import ardiff_modules as am
 from ardiff_modules.distributed import (
@@ -332,9 +332,11 @@ def check_vote_undo() -> None:
 
     for call, error, message in (
         (lambda: cache.prepare_forward(5, CHUNK), SpecError, "expected one or more sessions"),
-        (lambda: mesh.scatter(torch.zeros(4)), TensorMismatchError, "token dim 1"),
+        (lambda: mesh.scatter(torch.zeros(4)), TensorMismatchError, "with a dim 1"),
         (lambda: ParallelMesh(mesh.mesh, "condu", cfg_dim=None), SpecError, "distinct branch names"),
         (lambda: ParallelMesh(mesh.mesh, ("cond", "cond"), cfg_dim=None), SpecError, "distinct branch names"),
+        (lambda: ParallelMesh(DeviceMesh("cpu", [1, 0], mesh_dim_names=("sp",)), BRANCHES, cfg_dim=None),
+         SpecError, "ascending"),
     ):
         try:
             call()
@@ -357,6 +359,62 @@ def check_vote_undo() -> None:
         parallel(mesh.scatter(x[:2]), fwd.layers)
     _check_same_state_everywhere(extents, "after the next session's forward")
     extents.close()
+
+
+def check_autograd() -> None:
+    """Under autograd the Ulysses path behaves like one process: cross-attention is differentiable w.r.t. its
+    query (the summed gradients of the ranks equal one process's), and self-attention's backward raises
+    InferenceOnlyError (the 8-byte-word copies must not detach q/k/v and hide it)."""
+    from ardiff_modules import CachedCrossAttention, CrossAttentionSpec, InferenceOnlyError, KVCacheSpec
+
+    torch.manual_seed(0)
+    layer = CachedCrossAttention(32, 4, "text", context_dim=12)
+    spec = KVCacheSpec(
+        num_layers=1, num_kv_heads=4, head_dim=8, chunk_size=CHUNK, page_size=PAGE, sink_chunks=1, window_chunks=1,
+        branches=("cond",), cross_attention=(CrossAttentionSpec("text", 5),), dtype="float32",
+    )
+    x, text = torch.randn(1, CHUNK, 32), torch.randn(5, 12)
+    with am.KVCache(spec, num_pages=16, backend="reference") as one:
+        state = one.open_session("s")
+        am.populate_cross_attention(state, "cond", [layer], text)
+        with state.prepare_forward(("cond",), CHUNK, commit_current=True) as fwd:
+            layer(x, fwd.layers[0]).sum().backward()
+    expected = layer.to_q.weight.grad.clone()
+    layer.zero_grad(set_to_none=True)
+    mesh = ParallelMesh(init_device_mesh("cpu", (2,), mesh_dim_names=("sp",)), ("cond",), cfg_dim=None)
+    parallelize(layer, mesh)
+    cache = DistributedKVCache(spec, mesh, num_pages=16, backend="reference")
+    state = cache.open_session("s")
+    am.populate_cross_attention(state, "cond", [layer], text)
+    with cache.prepare_forward(state, CHUNK, True) as fwd:
+        layer(mesh.scatter(x), fwd.layers[0]).sum().backward()
+    grad = layer.to_q.weight.grad
+    assert grad is not None, "the query projection got no gradient under Ulysses"
+    dist.all_reduce(grad)
+    torch.testing.assert_close(grad, expected, atol=1e-5, rtol=1e-5)
+
+    w = torch.randn(8, 8, requires_grad=True)
+    q = torch.randn(1, CHUNK // 2, 4, 8) @ w
+    with cache.prepare_forward(state, CHUNK, False) as fwd:
+        out = ulysses_chunk_attention(q, q, q, fwd.layers[0], mesh.sp)
+        try:
+            out.sum().backward()
+        except InferenceOnlyError:
+            pass
+        else:
+            raise AssertionError("expected InferenceOnlyError from a backward through Ulysses self-attention")
+    cache.close()
+
+
+def check_submesh() -> None:
+    """A ParallelMesh over one slice of a larger mesh (one data-parallel replica of a ("dp", "sp") mesh): each
+    replica's host group is built by its own ranks only, and votes stay within the replica."""
+    full = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "sp"))
+    mesh = ParallelMesh(full["sp"], BRANCHES, cfg_dim=None)
+    me = dist.get_rank()
+    for bad in range(4):
+        failed = mesh.ranks_where(me == bad)
+        assert failed == ((bad,) if bad in mesh.ranks else ()), (me, bad, failed, mesh.ranks)
 
 
 def check_failures(shape: tuple[int, ...], names: tuple[str, ...], bad: int) -> None:
@@ -939,6 +997,7 @@ def check_all(world: int) -> None:
         check_functional(2, 4, 2)
         check_graph_votes()
         check_vote_undo()
+        check_autograd()
         check_failures((2,), ("cfg",), 1)
         check_failures((2,), ("sp",), 0)
         check_diffusers((2,), ("sp",))
@@ -951,5 +1010,6 @@ def check_all(world: int) -> None:
         check_rollout((2, 2), ("cfg", "sp"), 4, 1, cross="tokens")
         check_rollout((4,), ("sp",), 4, 2)          # SP 4 ways, GQA replicated (K=2 < P=4)
         check_functional(4, 4, 1)
+        check_submesh()
         check_failures((2, 2), ("cfg", "sp"), 3)
         check_diffusers((2, 2), ("cfg", "sp"))

@@ -87,6 +87,15 @@ class ParallelMesh:
                 f"ParallelMesh.mesh: expected mesh dimensions named exactly {wanted}, in that order (cfg_dim, "
                 f"sp_dim), got {names}"
             )
+        layout = mesh.mesh.tolist()
+        flat = mesh.mesh.flatten().tolist()
+        if flat != sorted(flat):
+            # torch orders a group's members by rank: only then is a rank's coordinate its place in its cfg
+            # column and in its sp row (which branches it holds, which token block, how gather orders them).
+            raise SpecError(
+                "ParallelMesh.mesh: expected ranks ascending in row-major (cfg, sp) order, as init_device_mesh "
+                f"lays them out, got {layout}"
+            )
         check_cross_mode("ParallelMesh.cross_attention", cross_attention)
         self.mesh = mesh
         self.cfg_dim, self.sp_dim = cfg_dim, sp_dim
@@ -109,7 +118,9 @@ class ParallelMesh:
         self.rank = dist.get_rank()
         # NOTE: votes and digests are host data: a gloo group keeps them off the accelerator stream
         # (no device sync per forward under NCCL).
-        self.host_group = dist.new_group(list(self.ranks), backend="gloo")
+        # use_local_synchronization: only this mesh's ranks call new_group (a slice of a larger mesh, e.g. one
+        # data-parallel replica's, is built by its own ranks only; the default needs every rank of the world).
+        self.host_group = dist.new_group(list(self.ranks), backend="gloo", use_local_synchronization=True)
         # Row index tensors of local_streams / gather, built once per (device, rows): a host-to-device
         # copy inside a CUDA-graph capture is not allowed, and a step replays with the same shapes.
         self._indices: dict[tuple[str, str, int], torch.Tensor] = {}

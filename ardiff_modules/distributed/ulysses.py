@@ -114,10 +114,7 @@ class SequenceParallel:
     def shard_tokens(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's contiguous block of ``x`` along ``dim`` (the token dim), ``1/P`` of it."""
         _require_tensor("SequenceParallel.shard_tokens", "x", x)
-        if not -x.dim() <= dim < x.dim():
-            raise TensorMismatchError(
-                f"SequenceParallel.shard_tokens x: expected a tensor with a token dim {dim}, got shape {tuple(x.shape)}"
-            )
+        _check_dim("SequenceParallel.shard_tokens", "x", x, dim)
         if x.shape[dim] % self.size:
             raise TensorMismatchError(
                 f"SequenceParallel.shard_tokens x: expected dim {dim} a multiple of the sequence-parallel degree "
@@ -128,6 +125,7 @@ class SequenceParallel:
     def gather_tokens(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """All ranks' blocks of ``x`` concatenated along ``dim`` in rank order (inverse of :meth:`shard_tokens`)."""
         _require_tensor("SequenceParallel.gather_tokens", "x", x)
+        _check_dim("SequenceParallel.gather_tokens", "x", x, dim)
         if self.size == 1:
             return x
         return _wait(_all_gather(x.contiguous(), dim, self.group))
@@ -141,6 +139,7 @@ class SequenceParallel:
         ``cross_mode="heads"`` its share, ``[tokens, K, D]`` -> ``[tokens, K_local, D]`` (``num_heads``,
         the query heads, decides the GQA rule); with ``"tokens"`` all of them (``t`` unchanged)."""
         _require_tensor("SequenceParallel.shard_kv_heads", "t", t)
+        _check_dim("SequenceParallel.shard_kv_heads", "t", t, dim)
         if self.cross_mode == "tokens":
             return t
         start, stop = self.head_sharding(num_heads, t.shape[dim]).kv_heads_range
@@ -154,11 +153,20 @@ class SequenceParallel:
         Every all-to-all of the Ulysses path goes through here (``benchmarks/multi_gpu.py`` times it, or
         replaces it by a local copy of the same size to measure the step without communication).
         """
+        if send.requires_grad and torch.is_grad_enabled():
+            # Differentiable (cross-attention is, w.r.t. its query); the plain collective has no backward.
+            return _wait(funcol.all_to_all_single_autograd(send, None, None, self.group))
         return _wait(funcol.all_to_all_single(send, None, None, self.group))
 
     def to_head_shards(self, t: torch.Tensor, replicate: int = 1) -> torch.Tensor:
         """``[S, n/P, h, D]`` (this rank's tokens, all heads) -> ``[S, n, h*replicate/P, D]`` (all tokens,
         this rank's heads). ``replicate`` > 1 repeats each head first (kv heads fewer than ranks)."""
+        _check_heads_tensor("SequenceParallel.to_head_shards", "t", t, self.size)
+        if (t.shape[2] * replicate) % self.size:
+            raise TensorMismatchError(
+                f"SequenceParallel.to_head_shards t: expected heads x replicate ({t.shape[2]} x {replicate}) a "
+                f"multiple of the sequence-parallel degree {self.size}, got shape {tuple(t.shape)}"
+            )
         if replicate > 1:
             t = t.repeat_interleave(replicate, dim=2)
         if self.size == 1:
@@ -217,6 +225,12 @@ class SequenceParallel:
     def to_token_shards(self, t: torch.Tensor) -> torch.Tensor:
         """``[S, n, h/P, D]`` (all tokens, this rank's heads) -> ``[S, n/P, h, D]`` (inverse of
         :meth:`to_head_shards` without replication)."""
+        _require_tensor("SequenceParallel.to_token_shards", "t", t)
+        if t.dim() != 4 or t.shape[1] % self.size:
+            raise TensorMismatchError(
+                f"SequenceParallel.to_token_shards t: expected shape [streams, seq_len, heads / {self.size}, head_dim] "
+                f"with seq_len a multiple of the sequence-parallel degree {self.size}, got {tuple(t.shape)}"
+            )
         if self.size == 1:
             return t
         s, n, hl, d = t.shape
@@ -254,10 +268,12 @@ class SequenceParallel:
 
 def _words(t: torch.Tensor) -> torch.Tensor | None:
     """``t`` viewed as 8-byte words along its last dim (bf16: 4 elements per word), or ``None`` where that
-    view does not exist (or under ``torch.compile``, whose generated copies are fused already)."""
+    view does not exist, under ``torch.compile`` (whose generated copies are fused already) or where autograd
+    records ``t``."""
     ratio = 8 // t.element_size()
     if (
         ratio <= 1 or t.dim() == 0 or torch.compiler.is_compiling() or t.stride(-1) != 1 or t.shape[-1] % ratio
+        or (t.requires_grad and torch.is_grad_enabled())  # an int64 view has no autograd: it would detach t
         or t.storage_offset() % ratio or any(st % ratio for st in t.stride()[:-1])  # torch checks every stride
     ):
         return None
@@ -298,6 +314,11 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
 def _require_tensor(owner: str, name: str, t: Any) -> None:
     if not isinstance(t, torch.Tensor):
         raise TensorMismatchError(f"{owner} {name}: expected a tensor, got {type(t).__name__}")
+
+
+def _check_dim(owner: str, name: str, t: torch.Tensor, dim: int) -> None:
+    if not -t.dim() <= dim < t.dim():
+        raise TensorMismatchError(f"{owner} {name}: expected a tensor with a dim {dim}, got shape {tuple(t.shape)}")
 
 
 def _check_heads_tensor(owner: str, name: str, t: Any, degree: int) -> None:
@@ -376,6 +397,12 @@ def ulysses_chunk_attention(
         _check_heads_tensor(owner, name, t, sp.size)
     if k.shape[2] != v.shape[2]:
         raise TensorMismatchError(f"{owner} v: expected {k.shape[2]} heads (k's), got shape {tuple(v.shape)}")
+    for name, t in (("k", k), ("v", v)):
+        if t.shape[:2] != q.shape[:2] or t.shape[3] != q.shape[3]:
+            raise TensorMismatchError(
+                f"{owner} {name}: expected q's streams, tokens and head_dim ({q.shape[0]}, {q.shape[1]}, heads, "
+                f"{q.shape[3]}), got shape {tuple(t.shape)}"
+            )
     if sink_query is not None:
         _check_heads_tensor(owner, "sink_query", sink_query, sp.size)
         if sink_query.shape != q.shape or sink_query.dtype != q.dtype:
