@@ -285,7 +285,7 @@ def _prepare_failing_on(cache: DistributedKVCache, bad: int, *args: Any, **kwarg
     try:
         cache.prepare_forward(*args, **kwargs)
     except (CapacityError, DistributedForwardError) as e:
-        assert isinstance(e, CapacityError) == (me == bad), e
+        assert isinstance(e, CapacityError if me == bad else DistributedForwardError), e
     else:
         raise AssertionError("expected the prepare to fail on every rank")
     finally:
@@ -446,19 +446,7 @@ def check_failures(shape: tuple[int, ...], names: tuple[str, ...], bad: int) -> 
     assert _page_tables(state) == before, "history changed by an aborted forward"
 
     # 2. prepare fails on one rank (out of pages): every rank raises before its model runs.
-    original = cache.cache.prepare_forward
-    if me == bad:
-        def failing(*args: Any, **kwargs: Any) -> Any:
-            raise CapacityError("injected: out of pages", needed=4, free=0)
-        cache.cache.prepare_forward = failing  # type: ignore[method-assign]
-    try:
-        cache.prepare_forward(state, CHUNK, commit_current=True)
-    except (CapacityError, DistributedForwardError) as e:
-        assert isinstance(e, CapacityError if me == bad else DistributedForwardError), e
-    else:
-        raise AssertionError("expected prepare to fail on every rank")
-    finally:
-        cache.cache.prepare_forward = original  # type: ignore[method-assign]
+    _prepare_failing_on(cache, bad, state, CHUNK, commit_current=True)
     assert _page_tables(state) == before
 
     # 3. NaN/Inf K/V on one rank only (CFG: its own branch; SP: a2a spreads it) -> aborted everywhere.
