@@ -255,6 +255,14 @@ class KVCache:
         with self._lock:
             return tuple(self._forwards)
 
+    def release_idle_forward_contexts(self) -> int:
+        """Release every kept forward context whose forward is not open (their plans are rebuilt, and graphs of
+        them captured again, on next use); returns how many. Contexts of open forwards stay."""
+        with self._lock:
+            idle = [key for key, ctx in self._forwards.items() if not ctx.is_active]
+            self._forwards.release_where(lambda key: key in idle)
+            return len(idle)
+
     def open_session(self, session_id: str | None = None) -> KVState:
         """Open a session with every branch of the spec; no page is allocated until a branch runs."""
         with self._lock:

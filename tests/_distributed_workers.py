@@ -256,13 +256,15 @@ def _has_relative_sinks() -> bool:
 
 
 def _whole_state(cache: DistributedKVCache) -> Any:
-    """Every session's page tables, pending pages and extents of this rank, and its free-page queue."""
+    """Every session's page tables, pending pages and extents of this rank, its free-page queue, and its kept
+    forward contexts in recency order."""
     sessions = {
         sid: {b: (st.visible_chunks(b), st.pending_chunks(b), st.token_offset(b), tuple(st.history(b).extent))
               for b in st.kv_branch_names}
         for sid, st in sorted(cache.cache.sessions.items())
     }
-    return sessions, tuple(cache.cache.allocator.free_pages())
+    contexts = tuple((ctx.streams, ctx.status) for ctx in cache.cache.forward_contexts())
+    return sessions, tuple(cache.cache.allocator.free_pages()), contexts
 
 
 def _check_same_state_everywhere(cache: DistributedKVCache, what: str) -> None:
@@ -310,6 +312,8 @@ def check_vote_undo() -> None:
     s1, s2 = opened(cache, "s1"), opened(cache, "s2")
     # 1. A kept denoising forward over [s1, s2]; the next prepare over s1 alone fails on rank 1. Rank 0 had
     #    superseded the kept forward (s2's pending pages kept), rank 1 aborts it whole: s2 must match too.
+    with torch.no_grad(), cache.prepare_forward(s2, CHUNK, commit_current=False) as other:  # an idle context
+        parallel(mesh.scatter(x[2:]), other.layers)
     with torch.no_grad():
         kept = cache.prepare_forward([s1, s2], CHUNK, commit_current=False)
         parallel(mesh.scatter(x), kept.layers)

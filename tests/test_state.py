@@ -189,6 +189,22 @@ def test_forward_context_is_reused_across_forwards_of_the_same_streams():
     assert state.visible_chunks("cond") == ((0, 1),)
 
 
+def test_release_idle_forward_contexts_keeps_open_ones():
+    cache = make_cache()
+    a, b = cache.open_session("a"), cache.open_session("b")
+    idle = a.prepare_forward(("cond",), CHUNK, commit_current=True)
+    idle.commit()
+    open_fwd = b.prepare_forward(("cond",), CHUNK, commit_current=False)
+    assert cache.num_forward_contexts == 2
+    assert cache.release_idle_forward_contexts() == 1
+    assert cache.forward_contexts() == (open_fwd,) and idle.released and open_fwd.is_active
+    open_fwd.commit()  # still usable
+    again = a.prepare_forward(("cond",), CHUNK, commit_current=True)  # a fresh context for a's streams
+    assert again is not idle and not again.released
+    again.commit()
+    assert a.committed_chunks("cond") == 2
+
+
 # ---------------------------------------------------------------------- commit
 
 

@@ -15,7 +15,8 @@ so no rank is ever left with a half-committed history: a commit happens only onc
 said its own commit will succeed (the pre-commit check runs the same pure computation the commit then
 repeats). Each vote is one all-reduce of ``mesh size`` int64 flags. A failed prepare vote undoes on every
 rank what the ranks that prepared did and the others did not: the denoising forwards it superseded are
-aborted with every session they span, and a contiguous extent it reserved is given back.
+aborted with every session they span, a contiguous extent it reserved is given back, and every idle
+forward context is released (the ranks that prepared had published one; plans are rebuilt on next use).
 
 NOTE: a rank that fails *inside* the model between two collectives of an SP group (the all-to-alls)
 leaves its peers waiting in that collective; they surface it as the process group's timeout (pass
@@ -163,6 +164,9 @@ class DistributedKVCache:
             # and every rank ends in the same state (kept denoising forwards dropped everywhere).
             if len(failed) < len(self.mesh.ranks):
                 self._abort_streams(touched, free_before, bare)
+                # The ranks that prepared published a context (registered, made most recent, maybe evicting an
+                # idle one); the others did not. Releasing every idle context makes the sets equal again.
+                self.cache.release_idle_forward_contexts()
             if self.debug_checks:  # collective: every rank is on this path
                 self.check_consistency()
             if error is not None:

@@ -92,9 +92,7 @@ class DistributedCUDAGraphStep:
     verify:
         One host all-reduce per call so that every rank captures, or replays, or raises together (see
         the module docstring). ``False`` saves it when the caller guarantees that; a rank that then
-        replays alone hangs its peers. NOTE: a ``prepare_forward`` that failed on some ranks only breaks
-        that guarantee: the ranks that prepared may have released an idle forward context (and with it
-        its graph) that the others kept.
+        replays alone hangs its peers.
     """
 
     def __init__(
