@@ -259,9 +259,9 @@ class KVCache:
         """Release every kept forward context whose forward is not open (their plans are rebuilt, and graphs of
         them captured again, on next use); returns how many. Contexts of open forwards stay."""
         with self._lock:
-            idle = [key for key, ctx in self._forwards.items() if not ctx.is_active]
-            self._forwards.release_where(lambda key: key in idle)
-            return len(idle)
+            kept = len(self._forwards)
+            self._forwards.release_where(lambda key: not cast(ForwardContext, self._forwards.get(key)).is_active)
+            return kept - len(self._forwards)
 
     def open_session(self, session_id: str | None = None) -> KVState:
         """Open a session with every branch of the spec; no page is allocated until a branch runs."""

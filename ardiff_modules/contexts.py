@@ -31,9 +31,6 @@ class ContextRegistry:
     def __iter__(self) -> Iterator[ForwardContext]:
         return iter(self._contexts.values())
 
-    def items(self) -> Iterator[tuple[ContextKey, ForwardContext]]:
-        return iter(list(self._contexts.items()))
-
     def get(self, key: ContextKey) -> ForwardContext | None:
         """The context of ``key`` without touching its recency (a failed prepare must not reorder)."""
         return self._contexts.get(key)

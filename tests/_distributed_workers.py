@@ -348,6 +348,14 @@ def check_vote_undo() -> None:
             assert message in str(e), e
         else:
             raise AssertionError(f"expected {error.__name__} ({message})")
+    # A bad argument on one rank only: refused there, voted, aborted on the others.
+    me = dist.get_rank()
+    try:
+        cache.prepare_forward(5 if me == 1 else s1, CHUNK, commit_current=True)
+    except (SpecError, DistributedForwardError) as e:
+        assert isinstance(e, SpecError if me == 1 else DistributedForwardError), e
+    else:
+        raise AssertionError("expected the prepare to fail on every rank")
     _check_same_state_everywhere(cache, "after misuse")
     cache.close()
 

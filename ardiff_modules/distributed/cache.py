@@ -140,6 +140,8 @@ class DistributedKVCache:
         exception, the others :class:`DistributedForwardError`.
         """
         states: tuple[KVState, ...] = ()
+        touched: tuple[KVState, ...] = ()  # stays empty on a rank whose arguments were refused
+        bare: tuple[Any, ...] = ()
         free_before = self.cache.allocator.free_pages()  # identical on every rank (same calls so far)
         ctx: ForwardContext | None = None
         error: BaseException | None = None
@@ -320,11 +322,8 @@ class DistributedForward:
         failed = tuple(r for r, v in zip(self.owner.mesh.ranks, votes) if v != _OPEN)
         if not failed:
             self.owner.cache.finish_forward(transaction, True)  # checked before the vote: cannot fail now
-        elif live:
-            self.owner._abort_streams(self.sessions, self._free_before)
-        else:
-            with self.owner.cache.lock:
-                _reorder_free_pages(self.owner.cache.allocator, self._free_before)
+        else:  # where this rank's forward was already closed, only the free-queue order is made canonical
+            self.owner._abort_streams(self.sessions if live else (), self._free_before)
         # Collective: every rank reaches it, whatever the vote said (a rank raising first would hang the rest).
         if self.owner.debug_checks:
             self.owner.check_consistency()

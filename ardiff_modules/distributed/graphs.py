@@ -172,10 +172,7 @@ class DistributedCUDAGraphStep:
             return
         self.step.discard(ctx)
         if error is not None:
-            try:
-                raise error
-            finally:
-                error = None  # else frame -> error -> traceback -> frame: a cycle keeping the failed capture alive
+            raise error
         raise DistributedForwardError(
             f"DistributedCUDAGraphStep: expected every rank to {what} the step, got a failure on rank(s) "
             f"{list(failed)}; no rank keeps a graph for this forward",
@@ -212,18 +209,12 @@ class DistributedCUDAGraphStep:
             error = e
         if not self.verify:
             if error is not None:
-                try:
-                    raise error
-                finally:
-                    error = None  # no frame <-> traceback cycle (see _all_or_none)
+                raise error
             return capture
         votes = self.mesh.host_values(_CANNOT if error is not None else (_CAPTURE if capture else _REPLAY))
         failed = tuple(r for r, v in zip(self.mesh.ranks, votes) if v == _CANNOT)
         if error is not None:
-            try:
-                raise error
-            finally:
-                error = None  # no frame <-> traceback cycle (see _all_or_none)
+            raise error
         if failed:
             raise DistributedForwardError(
                 f"DistributedCUDAGraphStep: expected every rank to be able to replay the step, got rank(s) "
@@ -246,4 +237,3 @@ def _context(forward: DistributedForward | ForwardContext) -> ForwardContext:
     raise SpecError(
         f"DistributedCUDAGraphStep: expected a DistributedForward (static=True), got {type(forward).__name__}"
     )
-
