@@ -27,8 +27,10 @@ from ardiff_modules.checks import require_bool, require_int
 from ardiff_modules.context import ForwardContext, LayerContext
 from ardiff_modules.contexts import ContextRegistry
 from ardiff_modules.errors import (
+    ARDiffError,
     CacheClosedError,
     CapacityError,
+    CommitFailedError,
     KVScalesFixedError,
     LatentsNotKeptError,
     NonFiniteKVError,
@@ -627,10 +629,13 @@ class KVCache:
     def finish_forward(self, transaction: ForwardTransaction, success: bool) -> None:
         """Commit (``success``) or abort every stream of ``transaction``, all or none. Idempotent.
 
-        A committing forward's new histories are computed first (may raise: nothing changed),
-        then applied with one allocator call and plain assignments under
-        :func:`~ardiff_modules.forward.deferred_interrupts`. With ``check_finite=True`` a
-        commit whose pending K/V hold NaN/Inf aborts instead and raises :class:`NonFiniteKVError`.
+        A commit is refused -- the forward aborted, history unchanged, the error raised -- unless
+        :meth:`abort_if_uncommittable` passes (every layer wrote; with ``check_finite=True`` finite
+        K/V; FP8 scales it would fix not degenerate). The new histories are then computed first (may
+        raise: nothing changed), then applied with one allocator call and plain assignments under
+        :func:`~ardiff_modules.forward.deferred_interrupts`. Whatever a commit raises, the forward is
+        finished (aborted) before the error propagates: a library error as it is, anything else as
+        :class:`CommitFailedError` chained to it.
         """
         with self._lock:
             if not transaction.is_open:
@@ -638,15 +643,52 @@ class KVCache:
             if not success:
                 transaction.abort(self.allocator)
             else:
-                if self.check_finite and transaction.commit_current:
-                    self.abort_if_non_finite(transaction)
-                transaction.commit(self.allocator)
+                try:
+                    self.abort_if_uncommittable(transaction)
+                    transaction.commit(self.allocator)
+                except BaseException as error:
+                    transaction.abort(self.allocator, f"its commit raised {type(error).__name__}")
+                    if isinstance(error, ARDiffError) or not isinstance(error, Exception):
+                        raise  # names its cause already / KeyboardInterrupt, SystemExit as they are
+                    raise CommitFailedError(
+                        f"commit: expected the forward's streams {_stream_names(transaction.members)} to commit, got "
+                        f"{type(error).__name__}: {error}; the forward was aborted and history is unchanged"
+                    ) from error
             if logger.isEnabledFor(logging.DEBUG):
                 logger.debug(
                     "forward %s: %d stream(s) %s, %d pages in use",
                     transaction.status, len(transaction.members), _stream_names(transaction.members),
                     self.allocator.num_used,
                 )
+
+    def abort_if_uncommittable(self, transaction: ForwardTransaction, *, check_finite: bool | None = None) -> None:
+        """Everything that refuses a commit, checked before it: on failure abort the forward and raise.
+
+        For an open committing forward (``commit_current`` or a re-cache): every layer of the spec
+        wrote its K/V (else :class:`IncompleteForwardError`: the unwritten pages hold a previous
+        owner's K/V); with ``check_finite`` (default: the cache's) no NaN/Inf in the pending K/V
+        (:meth:`abort_if_non_finite`); on an FP8 pool, the scales this commit would fix hold no
+        degenerate head (:class:`KVCalibrationError`). Host checks, plus one device sync for each of
+        the last two when they apply. A denoising or closed forward is left as it is. Public for
+        callers that must decide before committing (a distributed forward votes on it first).
+        """
+        if not isinstance(transaction, ForwardTransaction):
+            raise SpecError(
+                f"KVCache.abort_if_uncommittable: expected a ForwardTransaction (fwd.transaction), got "
+                f"{type(transaction).__name__}"
+            )
+        with self._lock:
+            if not transaction.is_open or not transaction.commit_current:
+                return
+            try:
+                transaction.check_complete(self.spec.num_layers)
+                if self.pool.quantizer is not None:
+                    self.pool.quantizer.check_commit(transaction)
+            except ARDiffError:
+                transaction.abort(self.allocator, "its commit was refused")
+                raise
+            if self.check_finite if check_finite is None else check_finite:
+                self.abort_if_non_finite(transaction)
 
     def abort_if_non_finite(self, transaction: ForwardTransaction) -> None:
         """Check the pending K/V of an open forward: abort it and raise on NaN/Inf, else change nothing.
@@ -657,7 +699,7 @@ class KVCache:
         forward. Reads every live stream's pending pages (``[2, layers, pages, page_size, kv_heads,
         head_dim]`` of the pool); on NaN/Inf aborts the **whole** forward (all its streams) and raises
         :class:`~ardiff_modules.errors.NonFiniteKVError` naming the streams; a closed forward is a no-op.
-        FP8 pools: NaN is detected, an Inf saturates when quantized (it is stored finite).
+        FP8 pools: NaN and Inf are both stored as NaN (``quantize``), so both are detected.
         """
         if not isinstance(transaction, ForwardTransaction):
             raise SpecError(

@@ -49,6 +49,19 @@ class TransactionOwner(Protocol):
     def finish_forward(self, transaction: ForwardTransaction, success: bool) -> None: ...
 
 
+class CrossReads:
+    """The names of the cross-attention caches a forward context's layers read, as attributes set to ``True``."""
+
+    def names(self) -> frozenset[str]:
+        return frozenset(vars(self))
+
+    def clear(self) -> None:
+        vars(self).clear()
+
+    def __repr__(self) -> str:
+        return f"CrossReads({sorted(vars(self))})"
+
+
 @dataclass(eq=False, repr=False)
 class LayerContext:
     """What one attention layer needs for one forward.
@@ -106,6 +119,7 @@ class LayerContext:
         pair = self.cross.get(name)
         if pair is None:
             self.forward.raise_missing_cross(name)
+        self.forward.note_cross_read(name)  # a Python side effect dynamo replays after a compiled graph
         return pair
 
     def __repr__(self) -> str:
@@ -180,6 +194,9 @@ class ForwardContext:
     released: bool = False
     #: What ``cross`` was stacked from (and the fixed buffers of static contexts).
     cross_stack: CrossStack = field(default_factory=CrossStack)
+    #: The cross-attention caches its layers read (``LayerContext.cross_kv``) since the context was made or
+    #: ``CUDAGraphStep`` last cleared it: what a captured graph reads.
+    cross_reads: CrossReads = field(default_factory=lambda: CrossReads())
     _entered: list[ForwardTransaction] = field(default_factory=list)
 
     @property
@@ -304,6 +321,22 @@ class ForwardContext:
         if self.transaction is None:
             raise ForwardFinishedError(f"{what}: expected an open forward, got a context with none prepared")
         self.transaction.check_open(what)
+
+    def record_write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Called by the custom ops before layer ``layer`` writes ``k``/``v`` ``[tokens, kv_heads, head_dim]``
+        (the forward is open): the forward records the layer (a commit needs all), and an FP8 pool's
+        uncalibrated layer takes provisional scales from them (fixed if this forward commits)."""
+        transaction = self.transaction
+        assert transaction is not None and self.plan is not None  # check_usable ran first
+        transaction.mark_written((layer,))
+        if self.plan.quantizer is not None:
+            self.plan.quantizer.calibrate(layer, k, v, transaction)
+
+    def note_cross_read(self, name: str) -> None:
+        """A layer read cross-attention cache ``name`` (what a captured CUDA graph then depends on)."""
+        # NOTE: an attribute store, not ``set.add``: dynamo replays it after a compiled graph without
+        # reading (so without guarding on) what was recorded before -- a set would recompile once filled.
+        setattr(self.cross_reads, name, True)
 
     def release(self) -> None:
         """Called by the cache: this context never runs again (plan buffers freed)."""

@@ -93,6 +93,26 @@ class NonFiniteKVError(ARDiffError, FloatingPointError):
     """``check_finite=True``: a committing forward wrote NaN/Inf K/V; the forward was aborted instead."""
 
 
+class IncompleteForwardError(ARDiffError, RuntimeError):
+    """A committing forward (or re-cache) finished before every layer wrote its K/V; it was aborted instead.
+
+    Unwritten pending pages hold whatever their previous owner left: committing them would publish
+    another (possibly closed) session's K/V as this session's history.
+    """
+
+
+class CommitFailedError(ARDiffError, RuntimeError):
+    """A commit raised an unexpected exception (chained as ``__cause__``); the forward was aborted instead."""
+
+
+class KVCalibrationError(ARDiffError, ValueError):
+    """FP8 calibration refused a commit: a layer's first committed K/V hold no finite nonzero value in a head.
+
+    Calibrating from such a chunk would fix a scale that collapses every later value of that head;
+    the forward was aborted. Set scales with ``KVCache.set_kv_scales`` or commit a representative chunk.
+    """
+
+
 class KVScalesFixedError(ARDiffError, RuntimeError):
     """FP8 K/V scales set after K/V were written with other scales (those pages would read back wrong)."""
 

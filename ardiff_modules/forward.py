@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ardiff_modules.errors import ForwardFinishedError
+from ardiff_modules.errors import ForwardFinishedError, IncompleteForwardError
 
 from ardiff_modules.allocator import PageAllocator
 from ardiff_modules.history import BranchHistory
@@ -71,6 +71,12 @@ class ForwardTransaction:
     #: Why the forward finished, for error messages.
     reason: str = ""
     histories: tuple[BranchHistory, ...] = field(default=(), repr=False)
+    #: Layers whose K/V this forward wrote into its pending pages (the custom ops record each write;
+    #: a CUDA-graph replay records what its capture wrote). A commit needs every layer.
+    written: set[int] = field(default_factory=set, repr=False)
+    #: Called with this transaction once it finishes, whatever the outcome (e.g. the FP8 calibration
+    #: that this forward's writes started is fixed by its commit and undone by anything else).
+    on_close: list[Callable[[ForwardTransaction], None]] = field(default_factory=list, repr=False)
 
     @property
     def is_open(self) -> bool:
@@ -85,6 +91,36 @@ class ForwardTransaction:
                 "the KV pool. Call prepare_forward()/get_kv_caches() again for the next forward"
             )
 
+    def mark_written(self, layers: Iterable[int]) -> None:
+        """Record that this forward wrote the K/V of ``layers`` (host ints; once per layer call, no sync)."""
+        self.written.update(layers)
+
+    @contextmanager
+    def recording_writes(self) -> Iterator[set[int]]:
+        """Collect, in the yielded set, the layers written inside the block (they count for this forward too).
+
+        ``CUDAGraphStep`` records what a capture wrote, so that each replay can mark the same layers.
+        """
+        outer, self.written = self.written, set()
+        try:
+            yield self.written
+        finally:
+            self.written = outer | self.written
+
+    def check_complete(self, num_layers: int) -> None:
+        """Raise :class:`IncompleteForwardError` unless every layer ``0..num_layers-1`` wrote its K/V.
+
+        A committing forward publishes its pending pages in every layer: a layer that never ran would
+        publish whatever those pages held before (another, maybe closed, session's K/V).
+        """
+        missing = [layer for layer in range(num_layers) if layer not in self.written]
+        if missing:
+            raise IncompleteForwardError(
+                f"commit: expected K/V written by all {num_layers} layers of the forward, got {num_layers - len(missing)}"
+                f" (no write from layer(s) {_ranges(missing)}); a forward commits only when every attention layer"
+                " ran. The forward was aborted and history is unchanged"
+            )
+
     def live_histories(self) -> list[BranchHistory]:
         """The member branches this forward still holds (a closed member session let go of its own)."""
         return [h for h in self.histories if h.forward is self]
@@ -96,6 +132,9 @@ class ForwardTransaction:
                 h.forward = None
         self.status = status
         self.reason = reason
+        listeners, self.on_close = self.on_close, []
+        for listener in listeners:
+            listener(self)
 
     def commit(self, allocator: PageAllocator) -> None:
         """Finish successfully: a committing forward's pending chunks join history on every stream.
@@ -153,6 +192,20 @@ class ForwardTransaction:
             for h in live:
                 h.clear_pending()
             self.close("aborted", reason)
+
+
+def _ranges(values: list[int]) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` -> ``"0-2, 5, 7-8"`` (sorted ints)."""
+    parts: list[str] = []
+    start = prev = values[0]
+    for value in values[1:] + [None]:  # type: ignore[list-item]
+        if value is not None and value == prev + 1:
+            prev = value
+            continue
+        parts.append(f"{start}" if start == prev else f"{start}-{prev}")
+        if value is not None:
+            start = prev = value
+    return ", ".join(parts)
 
 
 @contextmanager

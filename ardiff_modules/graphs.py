@@ -15,8 +15,11 @@ Constraints (all checked or documented):
 * a replay is refused (:class:`~ardiff_modules.errors.ForwardFinishedError`) unless the
   forward is open -- the same rule the custom op applies in eager and compiled runs, which a
   replay would bypass -- and (:class:`~ardiff_modules.errors.CrossAttentionNotPopulatedError`)
-  when a cross-attention cache present at capture was cleared since (the graph would read
-  the old prompt's buffers);
+  when a cross-attention cache the captured step *read* was cleared since (the graph would read
+  the old prompt's buffers; caches it never read do not matter);
+* a replay records on its forward the layers the capture wrote (what a commit checks: no Python
+  runs per layer in a replay); an FP8 layer the graph writes whose provisional calibration was
+  undone since (its capturing forward aborted) is captured again, since a replay cannot calibrate;
 * graphs of contexts the cache released (LRU, session or cache closed) are dropped on the
   next call, and a context whose plan object was rebuilt is captured again.
 """
@@ -53,8 +56,10 @@ class _Captured:
     output: torch.Tensor
     #: ``ForwardContext.plan_epoch`` at capture: the plan buffers the graph reads.
     plan_epoch: int
-    #: Cross-attention caches published at capture (their fixed buffers are baked in).
+    #: Cross-attention caches the captured step read (their fixed buffers are baked in).
     cross_names: frozenset[str]
+    #: Layers whose K/V the captured step writes (each replay marks them written on its forward).
+    written: frozenset[int] = frozenset()
 
 
 class CUDAGraphStep:
@@ -121,8 +126,8 @@ class CUDAGraphStep:
         self._drop_released()
         forward.check_usable("CUDAGraphStep")
         captured = self._captured.get(forward)
-        if captured is not None and captured.plan_epoch != forward.plan_epoch:
-            self._release(forward)  # the plan was rebuilt: its buffers moved
+        if captured is not None and _stale(captured, forward):
+            self._release(forward)  # the plan was rebuilt (its buffers moved), or calibration must run again
             captured = None
         if captured is None:
             captured = self._capture(forward, inputs)
@@ -130,6 +135,7 @@ class CUDAGraphStep:
             self._check_replay(captured, forward, inputs)
             for static, new in zip(captured.inputs, inputs):
                 static.copy_(new, non_blocking=True)
+            _record_replay_writes(captured, forward)
         captured.graph.replay()
         return captured.output.clone() if self.clone_outputs else captured.output
 
@@ -137,14 +143,14 @@ class CUDAGraphStep:
         """Whether the next call with ``forward`` captures (``True``: a context without a graph, or whose
         plan object was rebuilt since) or replays (``False``)."""
         captured = self._captured.get(_require_context("CUDAGraphStep.will_capture", forward))
-        return captured is None or captured.plan_epoch != forward.plan_epoch
+        return captured is None or _stale(captured, forward)
 
     def check_replay(self, forward: ForwardContext, *inputs: torch.Tensor) -> None:
         """Raise what a replay of ``forward`` with ``inputs`` would raise before running anything (inputs as
         captured; the cross-attention caches the graph reads still published); nothing if it would capture.
         """
         captured = self._captured.get(_require_context("CUDAGraphStep.check_replay", forward))
-        if captured is not None and captured.plan_epoch == forward.plan_epoch:
+        if captured is not None and not _stale(captured, forward):
             self._check_replay(captured, forward, inputs)
 
     @staticmethod
@@ -177,25 +183,51 @@ class CUDAGraphStep:
 
     def _capture(self, forward: ForwardContext, inputs: tuple[torch.Tensor, ...]) -> _Captured:
         layers = forward.layers
+        transaction = forward.transaction
+        assert transaction is not None  # check_usable ran
         static_inputs = [t.clone() for t in inputs]
-        # Warm up on a side stream (kernel loading, autotuning, allocator pools), as PyTorch recommends.
-        # NOTE: warm-up writes this step's K/V into the pending pages; the replay rewrites them identically.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(self.warmup_iters):
-                self.fn(*static_inputs, layers)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph, capture_error_mode=self.capture_error_mode):
-                output = self.fn(*static_inputs, layers)
-        except BaseException:
-            # torch.cuda.graph ends the capture even when fn raised, which can instantiate a graph holding
-            # what was recorded (NCCL kernels included) that only the traceback still references.
-            with contextlib.suppress(Exception):
-                graph.reset()
-            raise
-        captured = _Captured(graph, static_inputs, output, forward.plan_epoch, frozenset(forward.cross))
+        forward.cross_reads.clear()  # what this step reads, recorded by the layers as they run
+        with transaction.recording_writes() as written:
+            # Warm up on a side stream (kernel loading, autotuning, allocator pools), as PyTorch recommends.
+            # NOTE: warm-up writes this step's K/V into the pending pages (and calibrates an FP8 pool's
+            # uncalibrated layers, which a replay cannot); the replay rewrites them identically.
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(self.warmup_iters):
+                    self.fn(*static_inputs, layers)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph, capture_error_mode=self.capture_error_mode):
+                    output = self.fn(*static_inputs, layers)
+            except BaseException:
+                # torch.cuda.graph ends the capture even when fn raised, which can instantiate a graph holding
+                # what was recorded (NCCL kernels included) that only the traceback still references.
+                with contextlib.suppress(Exception):
+                    graph.reset()
+                raise
+        captured = _Captured(
+            graph, static_inputs, output, forward.plan_epoch, forward.cross_reads.names(), frozenset(written)
+        )
         self._captured[forward] = captured
         return captured
+
+
+def _stale(captured: _Captured, forward: ForwardContext) -> bool:
+    """Whether ``captured`` must be captured again for ``forward``: its plan object was rebuilt (the buffers
+    the graph reads moved), or an FP8 layer it writes lost its (provisional) scales, which only a Python
+    run of the layer sets again."""
+    if captured.plan_epoch != forward.plan_epoch:
+        return True
+    quantizer = forward.plan.quantizer if forward.plan is not None else None
+    return quantizer is not None and not all(quantizer.calibrated(layer) for layer in captured.written)
+
+
+def _record_replay_writes(captured: _Captured, forward: ForwardContext) -> None:
+    """A replay writes what its capture wrote: record it on the open forward (host work once per replay)."""
+    transaction = forward.transaction
+    assert transaction is not None and forward.plan is not None
+    transaction.mark_written(captured.written)
+    if forward.plan.quantizer is not None:
+        forward.plan.quantizer.note_writes(captured.written, transaction)

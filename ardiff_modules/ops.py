@@ -34,6 +34,9 @@ class PlanHolder(Protocol):
     def check_usable(self, what: str = ...) -> None:
         """Raise unless the forward is open (a finished forward must not touch the pool)."""
 
+    def record_write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Layer ``layer`` is about to write ``k``/``v`` into the open forward's pending pages."""
+
 
 class PlanRegistry:
     """Maps plan handles to their holders (weakly: a dropped forward frees its entry)."""
@@ -56,6 +59,16 @@ class PlanRegistry:
 
     def get(self, handle: int) -> AttentionPlan:
         """The plan of an open forward; raises if the handle is unknown or its forward finished."""
+        return self._holder(handle).plan  # type: ignore[return-value]
+
+    def get_for_write(self, handle: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> AttentionPlan:
+        """:meth:`get`, recording that ``layer`` writes ``k``/``v`` in this forward (a commit needs every layer;
+        an FP8 pool calibrates an uncalibrated layer from them): host work, no sync."""
+        holder = self._holder(handle)
+        holder.record_write(layer, k, v)
+        return holder.plan  # type: ignore[return-value]
+
+    def _holder(self, handle: int) -> PlanHolder:
         with self._lock:
             holder = self._holders.get(handle)
         if holder is None:
@@ -66,7 +79,7 @@ class PlanRegistry:
         holder.check_usable("chunk_attention")
         if holder.plan is None:
             raise PlanNotFoundError(f"Plan handle {handle} is registered but has no plan yet")
-        return holder.plan
+        return holder
 
     def __len__(self) -> int:
         return len(self._holders)
@@ -100,16 +113,18 @@ def chunk_attention_op(
     corrupt the cache on CUDA. The layer index is data (a CPU tensor), so one graph serves
     every layer and reading it is not a device sync.
     """
-    plan, index, k_cache, v_cache = _resolve(kv_pool, layer, plan_id)
+    plan, index, k_cache, v_cache = _resolve(kv_pool, layer, plan_id, (k, v))
     return cast(torch.Tensor, plan.run(q, k, v, k_cache, v_cache, scale, layer=index, **_sink_query(plan, q_sink)))
 
 
 def _resolve(
-    kv_pool: torch.Tensor, layer: torch.Tensor, plan_id: torch.Tensor
+    kv_pool: torch.Tensor, layer: torch.Tensor, plan_id: torch.Tensor,
+    writes: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[AttentionPlan, int, torch.Tensor, torch.Tensor]:
-    """The open forward's plan (raises if it finished), the layer index and this layer's K and V pages."""
-    plan = PLANS.get(int(plan_id))
+    """The open forward's plan (raises if it finished), the layer index and this layer's K and V pages;
+    ``writes``: the ``(k, v)`` this call writes (recorded on the forward first)."""
     index = int(layer)
+    plan = PLANS.get(int(plan_id)) if writes is None else PLANS.get_for_write(int(plan_id), index, *writes)
     return plan, index, kv_pool[index, 0], kv_pool[index, 1]
 
 
@@ -139,7 +154,7 @@ def chunk_attention_lse_op(
 
     A separate op (not a flag) so the common path's schema and output stay one tensor.
     """
-    plan, index, k_cache, v_cache = _resolve(kv_pool, layer, plan_id)
+    plan, index, k_cache, v_cache = _resolve(kv_pool, layer, plan_id, (k, v))
     return cast(
         "tuple[torch.Tensor, torch.Tensor]",
         plan.run(q, k, v, k_cache, v_cache, scale, return_lse=True, layer=index, **_sink_query(plan, q_sink)),
@@ -162,7 +177,8 @@ def kv_write_slots_op(
     """The gate before a compiled graph writes ``k``/``v`` ``[tokens, kv_heads, head_dim]`` into the pool.
 
     Raises unless the forward is open (a finished forward must not write, and the write happens
-    before the attention op would check), calibrates an FP8 layer's scales on its first write
+    before the attention op would check), records the write on the forward (a commit needs every
+    layer), calibrates an uncalibrated FP8 layer's scales
     (``kv_scales`` ``[layers, 2, kv_heads]``, mutated then), and returns, on the pool's device, the
     int64 ``[tokens]`` token slots (``page * page_size + offset``) of the current tokens and the
     int64 ``[1]`` layer index -- fresh tensors, so the write depends on this op, and no CPU tensor
@@ -172,15 +188,13 @@ def kv_write_slots_op(
     plan = PLANS.get(int(plan_id))
     index = int(layer)
     quantizer = plan.quantizer
-    if quantizer is not None and not quantizer.calibrated(index):
-        quantizer.calibrate(index, k, v)  # the pool's scales: what the attention op reads
+    calibrating = quantizer is not None and not quantizer.calibrated(index)
+    PLANS.get_for_write(int(plan_id), index, k, v)  # records the write; calibrates the pool's scales if needed
+    if calibrating and kv_scales.data_ptr() != quantizer.scales.data_ptr():  # type: ignore[union-attr]
         # NOTE: ``kv_scales`` may be the graph's functional copy of them (any backend but inductor's
         # in-place rewrite): it must hold the calibrated values too, both for the in-graph
         # quantization that reads it and for the copy-back at the end of the graph.
-        if kv_scales.data_ptr() != quantizer.scales.data_ptr():
-            kv_scales[index].copy_(quantizer.scales[index])
-    elif quantizer is not None:
-        quantizer.written = True
+        kv_scales[index].copy_(quantizer.scales[index])  # type: ignore[union-attr]
     slots = plan.write_slots
     return slots.clone(), torch.full((1,), index, dtype=torch.int64, device=slots.device)
 

@@ -158,3 +158,140 @@ def test_spec_takes_torch_dtypes_and_names_them() -> None:
         dataclasses.replace(SPEC, kv_dtype=torch.int8)
     with pytest.raises(am.SpecError, match=r"dtype: expected one of .* got 'float8_e4m3fn'"):
         dataclasses.replace(SPEC, dtype=torch.float8_e4m3fn)  # FP8 is a storage format only
+
+
+# ------------------------------------------------------------------ calibration cannot be poisoned (issue 24)
+
+
+def _fp8_cache(**kwargs: object) -> am.KVCache:
+    return am.KVCache(dataclasses.replace(SPEC, kv_dtype=FP8), num_pages=32, backend="reference", **kwargs)
+
+
+def _kv(seed: int, scale: float = 1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(2, CHUNK, 2, 8, generator=g) * scale).bfloat16()
+
+
+def _forward(state: am.KVState, ks: list[torch.Tensor], commit: bool = True, vs: list[torch.Tensor] | None = None):
+    """One forward over both branches, layer ``i`` writing ``ks[i]`` (and ``vs[i]``, default ``ks[i]``)."""
+    q = _kv(99).repeat(1, 1, 2, 1)  # [2, CHUNK, 4 heads, 8]
+    with state.prepare_forward(None, CHUNK, commit_current=commit) as fwd:
+        for layer, ctx in enumerate(fwd.layers):
+            am.chunk_attention(q, ks[layer], ks[layer] if vs is None else vs[layer], ctx)
+    return fwd
+
+
+def _newest_chunk(cache: am.KVCache, state: am.KVState, layer: int, kv: int = 0) -> torch.Tensor:
+    """The newest committed chunk of ``state``'s two branches in ``layer`` (K: ``kv=0``), dequantized,
+    ``[2, CHUNK, 2, 8]`` like the tensors written."""
+    rows = []
+    for branch in ("cond", "uncond"):
+        pages = list(state.history(branch).history_pages())[-(CHUNK // SPEC.page_size):]
+        stored = cache.pool.kv[layer, kv, pages].reshape(CHUNK, 2, 8)
+        rows.append(dequantize(stored, cache.pool.scales[layer, kv], torch.float32))
+    return torch.stack(rows)
+
+
+def _assert_reads_back(cache: am.KVCache, state: am.KVState, written: list[torch.Tensor]) -> None:
+    for layer, k in enumerate(written):
+        back = _newest_chunk(cache, state, layer)
+        assert bool(torch.isfinite(back).all()), f"layer {layer}: committed K/V read back non-finite"
+        torch.testing.assert_close(back, k.float(), rtol=2.0**-4, atol=k.float().abs().max().item() * 2.0**-8)
+
+
+def test_nan_and_inf_in_the_first_chunk_do_not_poison_the_scales_of_later_sessions() -> None:
+    cache = _fp8_cache()
+    a, b = cache.open_session("a"), cache.open_session("b")
+    poisoned = _kv(1)
+    poisoned[0, 0, 0, 0], poisoned[1, 1, 1, 3] = float("nan"), float("inf")
+    _forward(a, [poisoned, _kv(2)])
+    assert bool(torch.isfinite(cache.pool.scales).all()), f"scales poisoned: {cache.pool.scales}"
+    finite = torch.where(torch.isfinite(poisoned), poisoned, 0)
+    torch.testing.assert_close(cache.pool.scales[0, 0], amax_scale(finite.reshape(-1, 2, 8), DEFAULT_HEADROOM))
+    clean = [_kv(3), _kv(4)]
+    _forward(b, clean)
+    _assert_reads_back(cache, b, clean)  # every later session's K/V read back as written (not NaN)
+
+
+def test_a_calibrating_forward_that_aborts_fixes_no_scale() -> None:
+    cache = _fp8_cache()
+    a = cache.open_session("a")
+    with pytest.raises(RuntimeError, match="boom"):
+        with a.prepare_forward(None, CHUNK, commit_current=True) as fwd:
+            for ctx in fwd.layers:
+                am.chunk_attention(_kv(99).repeat(1, 1, 2, 1), _kv(5, 1e4), _kv(5, 1e4), ctx)
+            raise RuntimeError("boom")
+    assert [cache.pool.quantizer.state(i) for i in range(2)] == ["open", "open"]
+    cache.set_kv_scales(torch.full((2, 2, 2), 0.25))  # nothing written with the aborted scales survives
+    cache2 = _fp8_cache()
+    a2 = cache2.open_session("a")
+    with pytest.raises(RuntimeError):
+        with a2.prepare_forward(None, CHUNK, commit_current=True) as fwd:
+            am.chunk_attention(_kv(99).repeat(1, 1, 2, 1), _kv(5, 1e4), _kv(5, 1e4), fwd.layers[0])
+            raise RuntimeError("boom")
+    clean = [_kv(6), _kv(7)]
+    _forward(a2, clean)  # calibrated from its own K/V, not from the aborted forward's 1e4x ones
+    torch.testing.assert_close(cache2.pool.scales[0, 0], amax_scale(clean[0].reshape(-1, 2, 8), DEFAULT_HEADROOM))
+    assert [cache2.pool.quantizer.state(i) for i in range(2)] == ["fixed", "fixed"]
+    _assert_reads_back(cache2, a2, clean)
+
+
+def test_denoising_forwards_calibrate_provisionally_and_the_commit_fixes_the_scales() -> None:
+    cache = _fp8_cache()
+    a = cache.open_session("a")
+    _forward(a, [_kv(8, 100.0), _kv(8, 100.0)], commit=False)  # completes: its pages are rewritten next
+    assert [cache.pool.quantizer.state(i) for i in range(2)] == ["open", "open"]
+    fwd = a.prepare_forward(None, CHUNK, commit_current=True)
+    for ctx in fwd.layers:
+        am.chunk_attention(_kv(99).repeat(1, 1, 2, 1), _kv(9), _kv(9), ctx)
+    assert [cache.pool.quantizer.state(i) for i in range(2)] == ["provisional", "provisional"]
+    fwd.commit()
+    assert [cache.pool.quantizer.state(i) for i in range(2)] == ["fixed", "fixed"]
+    torch.testing.assert_close(cache.pool.scales[1, 1], amax_scale(_kv(9).reshape(-1, 2, 8), DEFAULT_HEADROOM))
+    with pytest.raises(am.KVScalesFixedError):
+        cache.set_kv_scales(torch.ones(2, 2, 2))
+
+
+def test_an_all_zero_first_chunk_is_refused_instead_of_collapsing_every_later_chunk() -> None:
+    cache = _fp8_cache()
+    a, b = cache.open_session("a"), cache.open_session("b")
+    used, kv = cache.allocator.num_used, cache.pool.kv.clone()
+    zero = torch.zeros(2, CHUNK, 2, 8, dtype=torch.bfloat16)
+    with pytest.raises(am.KVCalibrationError, match="layer 1 K head 0") as error:
+        _forward(a, [_kv(10), zero])
+    assert "set_kv_scales" in str(error.value) and isinstance(error.value, ValueError)
+    assert a.committed_chunks("cond") == 0 and cache.allocator.num_used == used
+    assert [cache.pool.quantizer.state(i) for i in range(2)] == ["open", "open"]
+    del kv
+    clean = [_kv(11), _kv(12)]
+    _forward(b, clean)  # the next real chunk calibrates; its K/V (and everyone's later) read back right
+    _assert_reads_back(cache, b, clean)
+    _forward(a, [_kv(13), _kv(14)])  # a's later forwards commit normally
+    assert a.committed_chunks("cond") == 1
+
+
+def test_check_finite_refuses_inf_in_an_fp8_pool_and_a_nan_first_chunk_blocks_nothing_later() -> None:
+    cache = _fp8_cache(check_finite=True)
+    a = cache.open_session("a")
+    nan = _kv(15)
+    nan[0, 1, 0, 2] = float("nan")
+    with pytest.raises(am.NonFiniteKVError):
+        _forward(a, [nan, _kv(16)])
+    assert a.committed_chunks("cond") == 0
+    _forward(a, [_kv(17), _kv(18)])  # not blocked by the first forward's NaN: scales calibrated afresh
+    assert a.committed_chunks("cond") == 1 and bool(torch.isfinite(cache.pool.scales).all())
+    kv = cache.pool.kv.view(torch.uint8).clone()
+    inf = _kv(19)
+    inf[1, 2, 1, 5] = float("inf")
+    with pytest.raises(am.NonFiniteKVError):
+        _forward(a, [_kv(20), inf])  # an Inf is stored as NaN (not a saturated 448), which the check sees
+    assert a.committed_chunks("cond") == 1
+    history = [p for br in ("cond", "uncond") for p in a.history(br).history_pages()]
+    assert torch.equal(cache.pool.kv.view(torch.uint8)[:, :, history], kv[:, :, history])
+
+
+def test_quantize_stores_inf_as_nan_and_saturates_large_finite_values() -> None:
+    x = torch.tensor([[[1.0, float("inf"), -float("inf"), float("nan"), 1e6, -1e6]]])
+    back = dequantize(quantize(x, torch.ones(1)), torch.ones(1), torch.float32)[0, 0]
+    assert back[0] == 1 and bool(back[1:4].isnan().all())
+    assert back[4] == FP8_E4M3_MAX and back[5] == -FP8_E4M3_MAX

@@ -5,6 +5,8 @@ Run on the GPU machine: ``bash .gpu/run.sh python3 -m pytest -m gpu -q``. Skippe
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -202,3 +204,69 @@ def test_query_that_sees_no_key_outputs_zeros() -> None:
         assert torch.isfinite(out).all()
         assert torch.count_nonzero(out[:, :17]) == 0
     _close(outs[1], outs[0])
+
+
+def _self_attention_only(x: torch.Tensor, layers: list) -> torch.Tensor:
+    """A step that reads no cross-attention cache: q = k = v = x split into 4 heads of 128, per layer."""
+    s, n, _ = x.shape
+    for layer in layers:
+        h = x.view(s, n, 4, 128)
+        x = x + am.chunk_attention(h, h, h, layer).reshape(s, n, 512)
+    return x
+
+
+def test_graph_replay_after_clear_cross_attention_when_the_step_reads_no_cross_cache() -> None:
+    """Issue 24: the replay check concerns only the caches the captured step read; eager runs there too."""
+    model, spec = _model_and_spec()
+    cache = am.KVCache(spec, num_pages=64, device="cuda", backend="flashinfer")
+    state = cache.open_session()
+    g = torch.Generator(device="cuda").manual_seed(3)
+    for b in spec.branches:
+        am.populate_cross_attention(state, b, [blk.cross for blk in model.blocks],
+                                    torch.randn(16, 64, device="cuda", dtype=DTYPE, generator=g))
+    step = CUDAGraphStep(_self_attention_only)
+    xs = [torch.randn(2, spec.chunk_size, 512, device="cuda", dtype=DTYPE, generator=g) for _ in range(3)]
+    outs = []
+    with torch.no_grad():
+        with state.prepare_forward(None, spec.chunk_size, True, static=True) as fwd:
+            outs.append(step(fwd, xs[0]))
+        state.clear_cross_attention()  # the captured step never read it
+        for x in xs[1:]:
+            with state.prepare_forward(None, spec.chunk_size, True, static=True) as fwd:
+                outs.append(step(fwd, x))  # replays (a commit: the replay recorded every layer's write)
+    assert step.num_graphs == 1 and state.committed_chunks("cond") == 3
+    eager_cache = am.KVCache(spec, num_pages=64, device="cuda", backend="flashinfer")
+    eager_state = eager_cache.open_session()
+    with torch.no_grad():
+        for x, got in zip(xs, outs):
+            with eager_state.prepare_forward(None, spec.chunk_size, True) as fwd:
+                _close_model(got, _self_attention_only(x, fwd.layers))
+
+
+def test_fp8_graph_captured_in_an_aborted_calibrating_forward_is_captured_again() -> None:
+    """The capturing forward calibrated the FP8 scales provisionally, then aborted (undone): a replay cannot
+    calibrate, so the next call captures again; the commit then fixes scales from its own K/V."""
+    _, spec = _model_and_spec()
+    spec = dataclasses.replace(spec, kv_dtype="float8_e4m3fn")
+    cache = am.KVCache(spec, num_pages=64, device="cuda", backend="flashinfer")
+    state = cache.open_session()
+    g = torch.Generator(device="cuda").manual_seed(4)
+    step = CUDAGraphStep(_self_attention_only)
+    big = torch.randn(2, spec.chunk_size, 512, device="cuda", dtype=DTYPE, generator=g) * 100
+    x = torch.randn(2, spec.chunk_size, 512, device="cuda", dtype=DTYPE, generator=g)
+    with torch.no_grad():
+        fwd = state.prepare_forward(None, spec.chunk_size, True, static=True)
+        step(fwd, big)
+        assert cache.pool.quantizer.state(0) == "provisional"
+        fwd.abort()
+        assert cache.pool.quantizer.state(0) == "open"
+        with state.prepare_forward(None, spec.chunk_size, True, static=True) as fwd:
+            assert step.will_capture(fwd)
+            step(fwd, x)
+    assert [cache.pool.quantizer.state(i) for i in range(spec.num_layers)] == ["fixed"] * spec.num_layers
+    eager_cache = am.KVCache(spec, num_pages=64, device="cuda", backend="flashinfer")
+    eager_state = eager_cache.open_session()
+    with torch.no_grad(), eager_state.prepare_forward(None, spec.chunk_size, True) as fwd:
+        _self_attention_only(x, fwd.layers)
+    # from x, not from the aborted 100x (same kernels on the same inputs as the eager run)
+    torch.testing.assert_close(cache.pool.scales, eager_cache.pool.scales, rtol=1e-2, atol=1e-6)

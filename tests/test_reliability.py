@@ -32,7 +32,9 @@ from ardiff_modules import (
 )
 from ardiff_modules.errors import (
     CacheClosedError,
+    CommitFailedError,
     ForwardFinishedError,
+    IncompleteForwardError,
     InferenceOnlyError,
     NonFiniteKVError,
     PlanNotFoundError,
@@ -151,6 +153,7 @@ def test_finished_forward_cannot_write_through_the_lse_op() -> None:
     commit_chunk(a)
     with a.prepare_forward(BOTH, CHUNK, commit_current=True) as fwd:
         out, lse = chunk_attention(*tensors(2), fwd.layers[0], return_lse=True)
+        chunk_attention(*tensors(2), fwd.layers[1], return_lse=True)  # a commit needs every layer
     assert out.shape == (2, CHUNK, HEADS, DIM) and lse.shape == (2, CHUNK, HEADS)
     kv = bits(cache.pool.kv)
     with pytest.raises(ForwardFinishedError):
@@ -371,13 +374,17 @@ def test_nan_in_another_sessions_page0_does_not_reach_a_batched_stream() -> None
 @pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt])
 @pytest.mark.parametrize("how", ["commit_paged_context", "with"])
 def test_batched_commit_is_atomic_when_interrupted_between_streams(monkeypatch, exc, how: str) -> None:
+    """A commit that raises between the streams commits neither, and finishes the forward (aborted: issue 24)
+    instead of leaving it open for every later forward to trip over."""
     cache = make_cache()
     s = cache.open_session("s")
     for i in range(3):
         commit_chunk(s, seed=i)  # sink + full window: the next commit evicts
+    before_forward = bookkeeping(cache, ordered=False)
     fwd = s.prepare_forward(BOTH, CHUNK, commit_current=True)
     run_layers(fwd.layers, 2, seed=10)
-    before, kv = bookkeeping(cache), bits(cache.pool.kv)
+    kv = bits(cache.pool.kv)
+    history = [p for branch in BOTH for p in pages_of(s, branch)]
     calls = []
     real_commit = BranchHistory.plan_commit  # the per-stream commit computation
 
@@ -388,18 +395,22 @@ def test_batched_commit_is_atomic_when_interrupted_between_streams(monkeypatch, 
         return real_commit(self, *args, **kwargs)
 
     monkeypatch.setattr(BranchHistory, "plan_commit", flaky)
-    with pytest.raises(exc, match="injected"):
+    with pytest.raises(exc, match="injected") as raised:
         if how == "with":
             with fwd:
                 pass
         else:
             s.commit_paged_context("cond")
+    if exc is RuntimeError:  # a library error that names the cause (chained); Ctrl-C stays a KeyboardInterrupt
+        assert isinstance(raised.value, CommitFailedError) and isinstance(raised.value.__cause__, RuntimeError)
     assert len(calls) == 2
-    assert bookkeeping(cache) == before, "one stream committed without the other"
-    assert torch.equal(bits(cache.pool.kv), kv)
+    assert s.open_forward("cond") is None and s.open_forward("uncond") is None, "the failed commit left it open"
+    assert fwd.status == "aborted"
+    assert bookkeeping(cache, ordered=False) == before_forward, "one stream committed without the other"
+    assert torch.equal(bits(cache.pool.kv)[:, :, history], kv[:, :, history])
     cache.allocator.check_invariants()
     monkeypatch.undo()
-    s.commit_paged_context("uncond")  # still open: the retry commits both
+    commit_chunk(s, seed=11)  # the next forward runs (no PendingContextError) and commits both
     assert s.committed_chunks("cond") == s.committed_chunks("uncond") == 4
     assert s.open_forward("cond") is None
 
@@ -679,6 +690,103 @@ def test_abort_if_non_finite_called_before_the_commit() -> None:
     cache.allocator.check_invariants()
     commit_chunk(s, seed=9)
     assert s.committed_chunks("cond") == s.committed_chunks("uncond") == 3
+
+
+# ---------------------------------------------------------------------------- (j) partial forwards (issue 24)
+def _stale_pages_setup() -> tuple[KVCache, KVState, set[int]]:
+    """Session ``a`` committed one chunk of constant K/V (1e3) in every layer and closed: its pages are free
+    but still hold its K/V. Returns the cache, a fresh session ``b`` and those pages."""
+    cache = make_cache(num_pages=4)  # one chunk of both branches: b's pending pages are a's old ones
+    a = cache.open_session("a")
+    with a.prepare_forward(BOTH, CHUNK, commit_current=True) as fwd:
+        for layer in fwd.layers:
+            chunk_attention(*tensors(2, fill=1e3), layer)
+    stale = {p for branch in BOTH for p in pages_of(a, branch)}
+    a.close()
+    return cache, cache.open_session("b"), stale
+
+
+@pytest.mark.parametrize("how", ["with", "ctx.commit", "commit_paged_context"])
+def test_a_forward_that_ran_only_some_layers_is_not_committed(how: str) -> None:
+    """Unwritten layers of the pending pages hold a closed session's K/V: committing would make them b's history."""
+    cache, b, stale = _stale_pages_setup()
+    fwd = b.prepare_forward(BOTH, CHUNK, commit_current=True)
+    assert {p for branch in BOTH for chunk in b.pending_chunks(branch) for p in chunk} == stale
+    chunk_attention(*tensors(2, seed=3), fwd.layers[0])  # layer 1 never runs (an early return, a removed hook)
+    with pytest.raises(IncompleteForwardError, match=r"all 2 layers.*layer\(s\) 1\b") as raised:
+        if how == "with":
+            with fwd:
+                pass
+        elif how == "ctx.commit":
+            fwd.commit()
+        else:
+            b.commit_paged_context("uncond")
+    assert isinstance(raised.value, RuntimeError) and "aborted" in str(raised.value)
+    assert fwd.status == "aborted" and b.open_forward("cond") is None
+    assert b.committed_chunks("cond") == b.committed_chunks("uncond") == 0 and cache.allocator.num_used == 0
+    cache.allocator.check_invariants()
+    commit_chunk(b, seed=4)  # a complete forward commits; its history holds its own K/V, not a's
+    for branch in BOTH:
+        for page in pages_of(b, branch):
+            assert not bool((cache.pool.kv[:, :, page] == 1e3).any()), "a closed session's K/V in b's history"
+
+
+def test_a_forward_where_no_layer_ran_is_not_committed() -> None:
+    cache, b, _ = _stale_pages_setup()
+    with pytest.raises(IncompleteForwardError, match=r"got 0 \(no write from layer\(s\) 0-1\)"):
+        with b.prepare_forward(BOTH, CHUNK, commit_current=True):
+            pass
+    assert b.committed_chunks("cond") == 0 and cache.allocator.num_used == 0
+
+
+def test_a_denoising_forward_may_run_some_layers() -> None:
+    """Nothing of a denoising forward becomes history: a partial one completes (the commit rewrites all)."""
+    cache = make_cache()
+    s = cache.open_session("s")
+    with s.prepare_forward(BOTH, CHUNK, commit_current=False) as fwd:
+        chunk_attention(*tensors(2), fwd.layers[0])
+    assert fwd.status == "completed"
+    commit_chunk(s)
+    assert s.committed_chunks("cond") == 1
+
+
+def test_a_recache_that_ran_only_some_layers_keeps_the_valid_old_window() -> None:
+    cache = make_cache()
+    s = cache.open_session("s")
+    for i in range(4):
+        commit_chunk(s, seed=i)  # sink + window 2 (one chunk evicted)
+    visible = {b: s.visible_chunks(b) for b in BOTH}
+    history = [p for b in BOTH for p in pages_of(s, b)]
+    kv, free = bits(cache.pool.kv)[:, :, history], sorted(cache.allocator.free_pages())
+    with pytest.raises(IncompleteForwardError):
+        with s.prepare_recache(BOTH) as fwd:
+            q, k, v = tensors(2, fwd.seq_len, seed=9)
+            chunk_attention(q, k, v, fwd.layers[0])
+    assert {b: s.visible_chunks(b) for b in BOTH} == visible, "the old window was thrown away"
+    assert torch.equal(bits(cache.pool.kv)[:, :, history], kv)
+    assert sorted(cache.allocator.free_pages()) == free and s.open_forward("cond") is None
+    cache.allocator.check_invariants()
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_a_compiled_forward_that_skips_a_layer_is_not_committed() -> None:
+    """The compiled write path (``kv_write_slots`` gate + in-graph ``index_put_``) records writes too."""
+    cache, b, _ = _stale_pages_setup()
+    counter = CompileCounter()
+
+    @torch.compile(backend=counter, fullgraph=True)
+    def first_layers(q, k, v, layers):
+        return [chunk_attention(q, k, v, layer) for layer in layers]
+
+    q, k, v = tensors(2, seed=5)
+    with pytest.raises(IncompleteForwardError):
+        with b.prepare_forward(BOTH, CHUNK, commit_current=True) as fwd:
+            first_layers(q, k, v, fwd.layers[:1])
+    assert b.committed_chunks("cond") == 0 and cache.allocator.num_used == 0
+    with b.prepare_forward(BOTH, CHUNK, commit_current=True) as fwd:
+        first_layers(q, k, v, fwd.layers[:1])
+        first_layers(q, k, v, fwd.layers[1:])
+    assert b.committed_chunks("cond") == 1
 
 
 # ---------------------------------------------------------------------------- (i) backward

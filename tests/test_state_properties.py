@@ -124,7 +124,9 @@ from ardiff_modules.errors import (
     BackendUnavailableError,
     CacheClosedError,
     CapacityError,
+    CommitFailedError,
     ForwardFinishedError,
+    IncompleteForwardError,
     NonFiniteKVError,
     PendingContextError,
     PlanNotFoundError,
@@ -266,6 +268,8 @@ class TxModel:
     tx: ForwardTransaction  # the library's transaction object, for identity checks
     token_mask: torch.Tensor | None = None
     status: str = "open"
+    #: Layers the forward wrote (a commit needs every one: else IncompleteForwardError, aborted).
+    written: set[int] = field(default_factory=set)
 
     @property
     def is_open(self) -> bool:
@@ -920,8 +924,13 @@ class SessionStateMachine(RuleBasedStateMachine):
             self.m_finished(tx, ("committed" if tx.commit else "completed") if success else "aborted")
 
     def predict_finish(self, tx: TxModel | None, success: bool) -> type[BaseException] | None:
-        """``NonFiniteKVError`` when finishing ``tx`` must abort it instead of committing (``check_finite``)."""
-        if tx is None or not tx.is_open or not success or not tx.commit or not tx.cm.check_finite:
+        """The error when finishing ``tx`` must abort it instead of committing: ``IncompleteForwardError`` (not
+        every layer wrote), then ``NonFiniteKVError`` (``check_finite``)."""
+        if tx is None or not tx.is_open or not success or not tx.commit:
+            return None
+        if tx.written != set(range(NUM_LAYERS)):
+            return IncompleteForwardError
+        if not tx.cm.check_finite:
             return None
         return None if tx.cm.pool.finite(tx.pending_pages()) else NonFiniteKVError
 
@@ -936,11 +945,12 @@ class SessionStateMachine(RuleBasedStateMachine):
         try:
             fn()
             raised = None
-        except NonFiniteKVError as exc:
+        except (NonFiniteKVError, IncompleteForwardError) as exc:
             raised = exc
-        if expected is NonFiniteKVError:
-            assert raised is not None, "check_finite: a commit of NaN/Inf K/V must raise NonFiniteKVError"
-            event("check_finite aborted a commit")
+        if expected is not None:
+            assert isinstance(raised, expected), f"a commit that must raise {expected.__name__} gave {raised!r}"
+            event("check_finite aborted a commit" if expected is NonFiniteKVError else "an incomplete forward's commit was refused")
+            assert tx.tx.status == "aborted", "a refused commit must finish (abort) the forward"
             self.m_finish(tx, False)
         else:
             assert raised is None, f"unexpected {raised!r}"
@@ -1025,6 +1035,7 @@ class SessionStateMachine(RuleBasedStateMachine):
             out = chunk_attention(q, k, v, ctx.layers[layer], **self.sink_query(ctx, q))
         for i, (sm, b) in enumerate(tx.streams):
             tx.cm.pool.write(layer, [p for c in sm.pending[b] for p in c], k[i], v[i])
+        tx.written.add(layer)
         if mode != "module" and (nan is None or nan[0] != layer):
             self.check_output(tx, layer, q, k, v, out)
             self.check_cross_in_forward(tx, ctx.layers[layer])
@@ -1491,8 +1502,10 @@ class SessionStateMachine(RuleBasedStateMachine):
     ) -> None:
         """An exception injected while a forward commits or aborts: all streams are finished, or none.
 
-        ``plan_commit`` raises on the 2nd stream (the 1st if there is one), ``PageAllocator.decref``
-        raises on its first call: nothing may change (the forward stays open). ``sigint``: a real
+        ``plan_commit`` raises on the 2nd stream (the 1st if there is one): no stream commits and the
+        forward is aborted (a failed commit never leaves it open; an ``Exception`` surfaces as
+        ``CommitFailedError`` chained to it). ``PageAllocator.decref`` raises on its first call (the abort
+        that follows a failed commit too): nothing may change (the forward stays open). ``sigint``: a real
         SIGINT arrives while the 1st stream's commit is applied: it is deferred, every stream is
         committed, then KeyboardInterrupt is raised.
         """
@@ -1504,6 +1517,8 @@ class SessionStateMachine(RuleBasedStateMachine):
         if where == "sigint" and not self.can_defer_sigint():
             where = "decref"
         injected = KeyboardInterrupt if where == "sigint" else INTERRUPTS[exc]
+        # What the caller sees: a failed commit's Exception comes wrapped (CommitFailedError, chained).
+        raised_as = (injected, CommitFailedError) if where == "plan_commit" and issubclass(injected, Exception) else injected
         lengths = self.shape(shape)
         calls = {"n": 0}
         patches: list[tuple[Any, str, Any]] = []
@@ -1569,7 +1584,7 @@ class SessionStateMachine(RuleBasedStateMachine):
                         raise Boom("the model failed; the abort is interrupted")
 
             try:
-                with pytest.raises(injected):
+                with pytest.raises(raised_as):
                     body()
             finally:
                 uninstall()
@@ -1588,13 +1603,19 @@ class SessionStateMachine(RuleBasedStateMachine):
             before = self.snapshot()
             install()
             try:
-                with pytest.raises(injected):
+                with pytest.raises(raised_as) as error:
                     call()
             finally:
                 uninstall()
+            if isinstance(error.value, CommitFailedError):
+                assert isinstance(error.value.__cause__, injected), "a failed commit must name its cause"
         if where == "sigint":
             event("SIGINT during a commit: deferred, all streams committed")
             self.m_finish(tx, True)
+        elif where == "plan_commit":
+            event(f"{injected.__name__} injected into plan_commit: no stream committed, the forward aborted")
+            assert tx.tx.status == "aborted", f"a failed commit left the forward {tx.tx.status}"
+            self.m_finish(tx, False)
         else:
             event(f"{injected.__name__} injected into {where} ({'commit' if success else 'abort'}): nothing changed")
             after = self.snapshot()
@@ -2189,8 +2210,20 @@ class SessionStateMachine(RuleBasedStateMachine):
                 gathered = plan.gather[i, : want.shape[2]]
             assert same_bits(slots[:, :, gathered], want)
         sm0, b0 = streams[0]
-        if variant in ("boom", "ctx.abort", "state.abort"):
-            if variant == "boom":
+        incomplete = not (layers == "all" or cm.check_finite)
+        if variant in ("boom", "ctx.abort", "state.abort") or incomplete:
+            if variant not in ("boom", "ctx.abort", "state.abort"):  # a commit of a partial re-cache: refused
+                with pytest.raises(IncompleteForwardError):
+                    if variant == "with":
+                        with ctx:
+                            pass
+                    elif variant == "ctx.commit":
+                        ctx.commit()
+                    else:
+                        sm0.state.commit_paged_context(b0)
+                assert lib.status == "aborted", "a refused re-cache commit must abort it"
+                event("re-cache of a partial forward refused")
+            elif variant == "boom":
                 with pytest.raises(Boom), ctx:
                     raise Boom("inside a re-cache")
             elif variant == "ctx.abort":
