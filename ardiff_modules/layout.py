@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import cached_property
+from itertools import chain
 
 import torch
 
@@ -307,7 +308,9 @@ class ForwardLayout:
         kv: list[int] = []
         gaps = 0
         for stream in self.streams:
-            pending = tuple(p for chunk in stream.pending_pages for p in chunk) if self.pending_visible else ()
+            # NOTE: chain, not a generator: this runs every forward and a generator costs one Python call
+            # per page (~80 of a Wan-shaped forward's ~900 host calls; tests/test_benchmarks_smoke.py)
+            pending = tuple(chain.from_iterable(stream.pending_pages)) if self.pending_visible else ()
             pages = sorted(stream.history_pages + pending)
             if not pages:  # a stream that sees no key (a sink segment without sinks): paged
                 return None

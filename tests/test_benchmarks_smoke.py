@@ -11,6 +11,9 @@
   seconds); the GPU-only ones exit 2 with one line (no traceback) when CUDA / FlashInfer are missing
   (subprocesses with ``CUDA_VISIBLE_DEVICES=""``).
 * ``benchmarks/replot.py`` redraws PNGs from stored JSON.
+* ``benchmarks/host_time.py --cpu``: the host function calls of one steady-state prepare + commit (the
+  FlashInfer backend's host path at Wan shapes, its wrappers stubbed) stay under a ceiling, do not grow
+  with the model's depth, and FlashInfer's ``plan()`` is skipped once the windows are full.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ sys.path.insert(0, str(BENCHMARKS))
 
 import _timing  # noqa: E402
 import end_to_end  # noqa: E402
+import host_time  # noqa: E402
 
 # end_to_end.py's --help is checked in-process (its module imports torch and the example model: seconds).
 SCRIPTS = ("attention", "sessions", "compile_vs_eager", "first_use", "host_time", "replot", "ulysses_rank")
@@ -187,6 +191,57 @@ def test_scripts_help_and_no_cuda_exit() -> None:
             lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
             assert len(lines) == 1 and "Traceback" not in proc.stderr, (key, proc.stderr[-2000:])
             assert lines[0].startswith(f"{name}.py: needs a CUDA GPU"), lines
+
+
+# --------------------------------------------------------------------------------- host cost per forward
+#: Function calls (cProfile: Python and builtin) of one steady-state prepare + commit at the Wan shapes of
+#: ``benchmarks/host_time.py --cpu``, a little above this code's counts on CPython 3.11 (extents 858, plain
+#: paging 815; 3.12 inlines comprehensions: fewer). A count, not a time: deterministic, and a host path that
+#: doubles (work per layer or per page, a layout or plan built twice, FlashInfer's plan() no longer skipped)
+#: goes far over. The ragged-rows generator of 75b9f93 -- one call per pending page -- alone gave 936 / 854.
+#: After a change that adds host work on purpose, re-read the counts (``python3 benchmarks/host_time.py --cpu``)
+#: and raise these in the same commit, saying why.
+HOST_CALL_CEILINGS = {"extents": 900, "paging": 850}
+
+
+@pytest.mark.parametrize("layout", ["extents", "paging"])
+def test_host_calls_per_forward_stay_under_their_ceiling(layout: str) -> None:
+    extents = layout == "extents"
+    with host_time.stub_flashinfer() as backend:
+        stub = sys.modules["flashinfer"]
+        one, three = (
+            host_time.measure(layers, extents, iters=3, warmup=10, device="cpu", backend=backend) for layers in (1, 3)
+        )
+    assert sys.modules.get("flashinfer") is not stub and torch.cuda.Event is not host_time._StubEvent  # restored
+    for point in (one, three):
+        assert point["modes"] == ["ragged" if extents else "paged"], point  # the path host_time measures on the GPU
+        # Windows full: row lengths repeat, so FlashInfer's plan() is skipped (paged: page table refreshed in place).
+        assert point["kernel_plans_timed"] == 0, point
+        assert point["flashinfer_calls"] == 0 and 0 < point["library_calls"] < point["calls_per_forward"], point
+    # Host work once per forward, shared by every layer: the count does not depend on the depth.
+    assert (three["calls_per_forward"], three["library_calls"]) == (one["calls_per_forward"], one["library_calls"])
+    assert one["calls_per_forward"] <= HOST_CALL_CEILINGS[layout], (
+        f"{layout}: {one['calls_per_forward']} host calls per prepare + commit, ceiling {HOST_CALL_CEILINGS[layout]}"
+        " (profile it: python3 benchmarks/host_time.py --cpu --profile /tmp/host.txt)"
+    )
+
+
+def test_host_time_cpu_run_writes_counts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``host_time.py --cpu`` (no GPU): one JSON line per (layout, depth) with the times and the counts, saved
+    with ``--out`` beside the run metadata; ``--profile`` writes each counted forward's cProfile listing."""
+    out, profile = tmp_path / "host_time.jsonl", tmp_path / "host_profile.txt"
+    argv = ["--cpu", "--iters", "2", "--warmup", "9", "--layers", "2", "--label", "t", "--out", str(out),
+            "--profile", str(profile)]
+    assert host_time.main(argv) == 0
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [json.loads(line) for line in out.read_text().splitlines()] == printed
+    meta, *points = printed
+    assert {"run", "env", "package_git"} <= set(meta) and meta["label"] == "t"
+    assert [(p["extents"], p["layers"], p["device"]) for p in points] == [(True, 2, "cpu"), (False, 2, "cpu")]
+    for p in points:
+        assert p["n"] == 2 and p["p25_ms"] <= p["median_ms"] <= p["p75_ms"] and p["kernel_plans_timed"] == 0
+        assert p["calls_per_forward"] <= HOST_CALL_CEILINGS["extents" if p["extents"] else "paging"]
+    assert profile.read_text().count("==== layers=2") == 2 and "cache.py" in profile.read_text()
 
 
 # --------------------------------------------------------------------------------- replot
