@@ -15,6 +15,8 @@ import faulthandler
 import functools
 import inspect
 import os
+import signal
+import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -29,6 +31,7 @@ from ardiff_modules.distributed import (
     DistributedForwardError,
     DistributedKVCache,
     ParallelMesh,
+    RankDivergenceError,
     parallelize,
     ulysses_chunk_attention,
 )
@@ -36,6 +39,8 @@ from ardiff_modules.errors import CapacityError, NonFiniteKVError, SequenceLengt
 
 BRANCHES = ("cond", "uncond")
 CHUNK, PAGE = 8, 4
+#: The process group's timeout (``init_process_group``): what a ``ParallelMesh`` without ``timeout=`` votes under.
+GROUP_TIMEOUT = timedelta(seconds=60)
 
 
 def run_worker(
@@ -53,7 +58,7 @@ def run_worker(
     torch.set_num_threads(1)  # 2-4 ranks share a 2-core CI machine
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=GROUP_TIMEOUT)
     try:
         check(*args)
     finally:
@@ -92,11 +97,12 @@ def _mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> Any:
 
 def _setup(
     shape: tuple[int, ...], names: tuple[str, ...], heads: int, kv_heads: int, *, debug: bool = True,
-    check_finite: bool = False, relative_sinks: bool = False, cross: str = "heads",
+    check_finite: bool = False, relative_sinks: bool = False, cross: str = "heads", timeout: timedelta | None = None,
 ) -> tuple[TinyStreamingModel, TinyStreamingModel, am.KVCache, DistributedKVCache, ParallelMesh]:
     """Same weights on every rank: a reference model + cache, and a parallelized copy + distributed cache.
 
     CPU: float32, the reference backend, head_dim 8. GPU: bf16, FlashInfer, head_dim 64 (a size it builds).
+    ``timeout``: the mesh's vote timeout (default: the default process group's).
     """
     device = _device()
     backend, dtype, head_dim = ("flashinfer", "bfloat16", 64) if _gpu() else ("reference", "float32", 8)
@@ -111,6 +117,7 @@ def _setup(
     mesh = ParallelMesh(
         _mesh(shape, names), BRANCHES, cfg_dim="cfg" if "cfg" in names else None,
         sp_dim="sp" if "sp" in names else None, cross_attention=cross,  # type: ignore[arg-type]
+        **({} if timeout is None else {"timeout": timeout}),
     )
     cache = DistributedKVCache(
         spec, mesh, num_pages=96, device=device, backend=backend, debug_checks=debug, check_finite=check_finite,
@@ -524,6 +531,163 @@ def check_failures(shape: tuple[int, ...], names: tuple[str, ...], bad: int) -> 
     for a, e in zip(actual, expected):
         torch.testing.assert_close(a, mesh.scatter(e), atol=_tol(), rtol=_tol())
     _check_pages_identical(cache, state)
+
+
+def _group_timeout(group: Any) -> timedelta:
+    """The timeout a gloo group was created with (torch has no public getter)."""
+    return group._get_backend(torch.device("cpu")).options._timeout
+
+
+def check_vote_timeout() -> None:
+    """The mesh's vote group waits as long as the process group (``init_process_group(timeout=...)``), or as
+    ``ParallelMesh(timeout=...)`` says -- not torch's 30-minute default for a new gloo group."""
+    from ardiff_modules.errors import SpecError
+
+    device_mesh = _mesh((2,), ("sp",))
+    mesh = ParallelMesh(device_mesh, BRANCHES, cfg_dim=None)
+    assert mesh.timeout == GROUP_TIMEOUT and _group_timeout(mesh.host_group) == GROUP_TIMEOUT, mesh.timeout
+    explicit = ParallelMesh(device_mesh, BRANCHES, cfg_dim=None, timeout=timedelta(seconds=7))
+    assert explicit.timeout == timedelta(seconds=7) == _group_timeout(explicit.host_group), explicit.timeout
+    for bad in (7, timedelta(0), timedelta(seconds=-1)):
+        try:
+            ParallelMesh(device_mesh, BRANCHES, cfg_dim=None, timeout=bad)  # type: ignore[arg-type]
+        except SpecError as e:
+            assert "ParallelMesh.timeout: expected a positive timedelta" in str(e), e
+        else:
+            raise AssertionError(f"expected a SpecError for timeout={bad!r}")
+
+
+def check_peer_lost(mode: str, timeout_s: float) -> None:
+    """Rank 1 is lost inside a committing forward that both ranks prepared and ran: ``"kill"`` SIGKILLs it (its
+    sockets close, rank 0's commit vote fails at once), ``"hang"`` leaves it alive and silent (rank 0's vote waits
+    the mesh's ``timeout``; the test kills rank 1 once rank 0 is done). On rank 0 the commit at ``with`` exit
+    raises DistributedForwardError chained from the collective's error, within the timeout; no forward is left
+    open, the session and the pool are as before the forward, and a new (local) forward works."""
+    timeout = timedelta(seconds=timeout_s)
+    model, parallel, _, cache, mesh = _setup((2,), ("cfg",), 4, 2, debug=False, timeout=timeout)
+    assert mesh.timeout == timeout
+    device, dtype = _device(), cache.cache.dtype
+    me = dist.get_rank()
+    par = _Parallel(parallel, cache, mesh)
+    events = _events(7, model.dim, model.context_dim, steps=1, fixed=True)
+    _play([par], events, device, dtype)  # a prompt and one committed chunk, on both ranks
+    state, branch = par.state, mesh.local_branches[0]
+    before, used = _whole_state(cache)[:2], cache.cache.allocator.num_used
+    x = mesh.scatter(events[1][1].to(device, dtype))
+    start = time.monotonic()
+    try:
+        with torch.no_grad(), cache.prepare_forward(state, CHUNK, commit_current=True) as fwd:
+            parallel(x, fwd.layers)  # CFG-only: the model runs no collective
+            assert state.pending_chunks(branch) and cache.cache.allocator.num_used > used
+            if me == 1:
+                if mode == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                time.sleep(600)  # hung: never votes (the test kills this rank)
+            start = time.monotonic()
+    except DistributedForwardError as e:
+        elapsed = time.monotonic() - start
+        assert isinstance(e.__cause__, RuntimeError) and e.failed_ranks == (), repr(e.__cause__)
+        assert f"timeout {timeout_s:g} s" in str(e), e
+    else:
+        raise AssertionError("expected the commit vote to fail on the survivor")
+    if mode == "kill":
+        assert elapsed < 5.0, f"the survivor took {elapsed:.1f} s to see its peer's death"
+    else:
+        assert 0.5 * timeout_s <= elapsed <= timeout_s + 5.0, f"waited {elapsed:.1f} s, timeout {timeout_s} s"
+    # No open forward, the pool and the session as before the forward.
+    assert state.open_forward(branch) is None and not fwd.context.is_active
+    assert _whole_state(cache)[:2] == before and cache.cache.allocator.num_used == used
+    fwd.abort()  # finished already: no collective (the group is dead)
+    # A new forward of this rank's streams works (locally: the mesh cannot vote any more).
+    with torch.no_grad(), state.prepare_forward(mesh.local_branches, CHUNK, commit_current=True) as local:
+        parallel(x, local.layers)
+    assert state.committed_chunks(branch) == 2 and state.open_forward(branch) is None
+    cache.close()
+    assert cache.cache.allocator.num_used == 0
+
+
+def check_out_of_step() -> None:
+    """Ranks at different votes, or preparing with different arguments, are refused at the vote on every rank
+    (RankDivergenceError) before anything commits, and nothing changes:
+
+    1. rank 1 swallows a KeyboardInterrupt inside a committing forward (aborted there, without a vote) and
+       prepares its next forward: that prepare vote meets rank 0's commit vote; neither rank commits, page
+       usage is equal, history as before, and the ranks are back in step (the rollout goes on as a reference
+       that never saw that forward);
+    2. a different ``seq_len``, ``commit_current``, session ids or session order on rank 1: refused at prepare
+       on both ranks; a kept denoising forward stays open, nothing else changes either.
+    """
+    model, parallel, reference, cache, mesh = _setup((2,), ("sp",), 4, 2, debug=False)
+    device, dtype = _device(), cache.cache.dtype
+    me = dist.get_rank()
+    events = _events(8, model.dim, model.context_dim, steps=3, fixed=True)
+    ref, par = _Reference(model, reference), _Parallel(parallel, cache, mesh)
+    _play([ref, par], events[:4], device, dtype)  # a prompt and one committed chunk
+    state = par.state
+    x = events[1][1].to(device, dtype)
+    before = _whole_state(cache)[:2]
+
+    # 1. A swallowed KeyboardInterrupt on rank 1.
+    try:
+        with torch.no_grad(), cache.prepare_forward(state, CHUNK, commit_current=True) as fwd:
+            parallel(mesh.scatter(x), fwd.layers)  # both ranks ran the model (its all-to-alls)
+            if me == 1:
+                raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        assert me == 1
+        assert _whole_state(cache)[:2] == before, "the interrupted forward was not aborted locally"
+        try:
+            cache.prepare_forward(state, CHUNK, commit_current=True)  # rank 1 goes on
+        except RankDivergenceError as e:
+            assert e.ranks == (1,) and "rank 0 at the finish vote of forward" in str(e), e
+        else:
+            raise AssertionError("rank 1: expected its next prepare to be refused")
+    except RankDivergenceError as e:
+        assert me == 0 and e.ranks == (1,), e
+        assert "rank 1 at the prepare vote of forward" in str(e), e
+    else:
+        raise AssertionError(f"rank {me}: expected the commit vote to meet rank 1's next prepare vote")
+    assert state.committed_chunks(mesh.local_branches[0]) == 1, "a rank committed"
+    assert _whole_state(cache)[:2] == before
+    _check_same_state_everywhere(cache, "after a swallowed KeyboardInterrupt")
+    expected, actual = _play([ref, par], events[4:7], device, dtype)  # back in step
+    for a, e in zip(actual, expected):
+        torch.testing.assert_close(a, mesh.scatter(e), atol=_tol(), rtol=_tol())
+
+    # 2. Different arguments on rank 1, with a kept denoising forward open.
+    other = cache.open_session("s1")
+    for i, b in enumerate(BRANCHES):
+        am.populate_cross_attention(other, b, [blk.cross for blk in parallel.blocks], events[0][1][i].to(device, dtype))
+    with torch.no_grad():
+        kept = cache.prepare_forward(state, CHUNK, commit_current=False)
+        parallel(mesh.scatter(x), kept.layers)
+    before = _whole_state(cache)
+    for what, mine, theirs in (
+        ("seq_len", (state, CHUNK, True), (state, 2 * CHUNK, True)),
+        ("commit_current", (state, CHUNK, True), (state, CHUNK, False)),
+        ("session ids", (state, CHUNK, True), (other, CHUNK, True)),
+        ("session order", ([state, other], CHUNK, True), ([other, state], CHUNK, True)),
+    ):
+        try:
+            cache.prepare_forward(*(theirs if me == 1 else mine))
+        except RankDivergenceError as e:
+            assert e.ranks == (1,) and "with the same arguments" in str(e), (what, e)
+        else:
+            raise AssertionError(f"rank {me}: expected different {what} to be refused at prepare")
+        assert _whole_state(cache) == before, f"different {what}: the refused prepare changed state"
+        assert kept.context.is_active, f"different {what}: the kept denoising forward was closed"
+    _check_same_state_everywhere(cache, "after prepares with different arguments")
+    kept.abort()
+    expected, actual = _play([ref, par], events[7:], device, dtype)
+    for a, e in zip(actual, expected):
+        torch.testing.assert_close(a, mesh.scatter(e), atol=_tol(), rtol=_tol())
+    _check_pages_identical(cache, state)
+    cache.close()
+
+
+def check_votes() -> None:
+    check_vote_timeout()
+    check_out_of_step()
 
 
 def check_functional(sp_size: int, heads: int, kv_heads: int) -> None:

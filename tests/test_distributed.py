@@ -9,6 +9,8 @@ rank. The ``gpu`` variants run the same on NCCL + FlashInfer with 2 CUDA devices
 from __future__ import annotations
 
 import os
+import pickle
+import signal
 import socket
 import time
 from typing import Any
@@ -37,8 +39,12 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _spawn(world: int, check: Any, *args: Any, backend: str = "gloo") -> None:
-    """Run ``check(*args)`` on ``world`` fresh processes; a rank's exception fails the test with its traceback."""
+def _spawn(world: int, check: Any, *args: Any, backend: str = "gloo", killed: tuple[int, ...] = ()) -> None:
+    """Run ``check(*args)`` on ``world`` fresh processes; a rank's exception fails the test with its traceback.
+
+    ``killed``: ranks that must end by SIGKILL -- their own, or the test's once every other rank has finished
+    (a rank left hung on purpose). The other ranks must finish cleanly, whatever happened to those.
+    """
     method = "spawn" if backend == "nccl" else START_METHOD
     if method == "fork":
         workers.warm_up()  # forked ranks inherit what the first library forward imports (~3 s each otherwise)
@@ -48,15 +54,46 @@ def _spawn(world: int, check: Any, *args: Any, backend: str = "gloo") -> None:
         join=False, start_method=method,
     )
     deadline = time.monotonic() + limit
+    if killed:
+        _join_with_killed(context, killed, deadline)
+        return
     while not context.join(timeout=1.0):  # raises ProcessRaisedException with a failed rank's traceback
         if time.monotonic() > deadline:
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
+            _kill_all(context)
             pytest.fail(
                 f"ranks still running after {limit:.0f} s: a hang (ranks disagreeing on which collective comes "
                 "next, e.g. one committed while another aborted)"
             )
+
+
+def _kill_all(context: Any) -> None:
+    for process in context.processes:
+        if process.is_alive():
+            process.kill()
+
+
+def _join_with_killed(context: Any, killed: tuple[int, ...], deadline: float) -> None:
+    """``context.join`` would kill every rank as soon as one dies: wait for the survivors instead."""
+    survivors = [i for i in range(len(context.processes)) if i not in killed]
+    while any(context.processes[i].is_alive() for i in survivors):
+        if time.monotonic() > deadline:
+            _kill_all(context)
+            pytest.fail(f"surviving ranks {survivors} still running at the deadline: a hang")
+        time.sleep(0.1)
+    _kill_all(context)  # ranks left hung on purpose
+    for process in context.processes:
+        process.join()
+    for i in survivors:
+        if context.processes[i].exitcode != 0:
+            trace = f"exit code {context.processes[i].exitcode}"
+            path = context.error_files[i]
+            if path is not None and os.path.exists(path) and os.path.getsize(path):
+                with open(path, "rb") as fh:
+                    trace = pickle.load(fh)
+            pytest.fail(f"rank {i} failed:\n{trace}")
+    for i in killed:
+        code = context.processes[i].exitcode
+        assert code == -signal.SIGKILL, f"rank {i}: expected it to end by SIGKILL, got exit code {code}"
 
 
 def test_two_ranks_sp_cfg_functional_and_failures() -> None:
@@ -68,6 +105,21 @@ def test_two_ranks_sp_cfg_functional_and_failures() -> None:
 def test_four_ranks_cfg_x_sp() -> None:
     """A 2 x 2 (cfg, sp) mesh and a 4-way SP mesh with replicated kv heads; a failure on rank 3 aborts all."""
     _spawn(4, workers.check_all, 4)
+
+
+def test_two_ranks_votes_refuse_ranks_out_of_step_and_use_the_group_timeout() -> None:
+    """A rank that swallowed a KeyboardInterrupt, or prepares with other arguments (seq_len, commit_current,
+    session ids), is refused at the next vote on every rank (RankDivergenceError), nothing commits and nothing
+    changes; the vote group waits the process group's timeout (or ParallelMesh's timeout=)."""
+    _spawn(2, workers.check_votes)
+
+
+@pytest.mark.parametrize(("mode", "timeout_s"), [("kill", 30.0), ("hang", 2.0)])
+def test_peer_lost_between_prepare_and_commit(mode: str, timeout_s: float) -> None:
+    """The peer SIGKILLed (or hung) inside a committing forward: the survivor's commit raises
+    DistributedForwardError at once (or after the mesh's timeout), with no open forward, the pool as before, and
+    a new forward works."""
+    _spawn(2, workers.check_peer_lost, mode, timeout_s, killed=(1,))
 
 
 def test_example_distributed_generation_equals_one_process() -> None:

@@ -84,6 +84,24 @@ def test_branch_placement_misuse(
         place_branches(branches, size, placement)
 
 
+def test_host_vote_rows_of_ranks_at_different_votes_raise_naming_every_rank() -> None:
+    """Every rank sees the same rows, so every rank raises the same RankDivergenceError (the ranks unlike the
+    first one's vote and forward number); digests and values are left to the caller."""
+    from ardiff_modules.distributed import RankDivergenceError
+    from ardiff_modules.distributed.mesh import Vote, check_same_vote
+
+    rows = ((Vote.FINISH, 5, 0, 0), (Vote.PREPARE, 6, 123, 0), (Vote.FINISH, 5, 0, 1))
+    with pytest.raises(RankDivergenceError, match=(
+        "rank 0 at the finish vote of forward 5, rank 1 at the prepare vote of forward 6, rank 2 at the finish vote"
+    )) as info:
+        check_same_vote((0, 1, 2), rows, "owner")
+    assert info.value.ranks == (1,)
+    with pytest.raises(RankDivergenceError) as info:
+        check_same_vote((4, 5), ((Vote.PREPARE, 2, 0, 0), (Vote.PREPARE, 3, 0, 0)), "owner")
+    assert info.value.ranks == (5,)
+    check_same_vote((0, 1), ((Vote.PREPARE, 6, 1, 0), (Vote.PREPARE, 6, 2, 1)), "owner")
+
+
 def test_importing_the_library_does_not_import_the_distributed_package() -> None:
     code = (
         "import sys, ardiff_modules, ardiff_modules.modules; "

@@ -4,32 +4,45 @@ the same way on every rank.
 Each rank's cache is built from :meth:`ParallelMesh.local_spec`: its branches, its heads. The host work
 (allocation, eviction, plans) is deterministic, so ranks that make the same calls agree without
 communicating. What can differ is failure: one rank running out of pages, or raising inside its
-forward. A distributed forward therefore votes twice over the mesh's host (gloo) group::
+forward; or the calls themselves: one rank interrupted that went on, or given other arguments. A
+distributed forward therefore votes three times over the mesh's host (gloo) group::
 
-    prepare  local KVCache.prepare_forward ──> vote ──┬─ all ok:  the model runs
+    prepare  arguments ──────────────────────> vote ──┬─ same vote, same arguments everywhere: go on
+                                                      └─ else every rank raises; nothing changed anywhere
+             local KVCache.prepare_forward ──> vote ──┬─ all ok:  the model runs
                                                       └─ any failed: every rank aborts its streams, raises
     finish   local pre-commit checks ────────> vote ──┬─ all ok:  every rank commits (cannot fail now)
                                                       └─ any failed: every rank aborts its streams, raises
 
 so no rank is ever left with a half-committed history: a commit happens only once every rank has
 said its own commit will succeed (the pre-commit check runs the same pure computation the commit then
-repeats). Each vote is one all-reduce of ``mesh size`` int64 flags. A failed prepare vote undoes on every
-rank what the ranks that prepared did and the others did not: the denoising forwards it superseded are
-aborted with every session they span, a contiguous extent it reserved is given back, and every idle
-forward context is released (the ranks that prepared had published one; plans are rebuilt on next use).
+repeats). Each vote is one all-reduce of ``mesh size x 4`` int64: every rank's row is ``(vote, forward
+number, digest, value)`` (:meth:`ParallelMesh.host_rows`). The forward number (the same on every rank)
+pairs each vote with its forward: a rank that caught a ``KeyboardInterrupt`` inside a forward (aborted
+there, without a vote) and went on meets its peers' finish vote with its next prepare vote, and every
+rank raises :class:`RankDivergenceError` -- none commits -- and takes the largest number (in step
+again). The first vote compares a digest of the arguments (session ids, ``seq_len``,
+``commit_current``, ...) before anything changed, so ranks given different ones are refused with
+nothing to undo.
+
+A failed second vote undoes on every rank what the ranks that prepared did and the others did not: the
+denoising forwards it superseded are aborted with every session they span, a contiguous extent it
+reserved is given back, and every idle forward context is released (the ranks that prepared had
+published one; plans are rebuilt on next use). A vote whose collective itself fails (a peer killed, or
+silent past the mesh's ``timeout``) aborts this rank's streams of the forward and raises
+:class:`DistributedForwardError` chained from the collective's error.
 
 NOTE: a rank that fails *inside* the model between two collectives of an SP group (the all-to-alls)
-leaves its peers waiting in that collective; they surface it as the process group's timeout (pass
-``timeout=`` to ``init_process_group``) and the group is then unusable. The votes cover every failure
-outside collectives: prepare (capacity, validation), anything raised in the ``with`` block after the
-model ran on this rank, the ``check_finite`` check, and any failure in a CFG-only mesh whose ``with``
-block runs no collective of its own (``mesh.gather`` is one).
+leaves its peers waiting in that collective; they surface it as that group's timeout and the group is
+then unusable. The votes cover every failure outside collectives: prepare (capacity, validation),
+anything raised in the ``with`` block after the model ran on this rank, the ``check_finite`` check, and
+any failure in a CFG-only mesh whose ``with`` block runs no collective of its own (``mesh.gather`` is one).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -38,9 +51,9 @@ import torch
 from ardiff_modules.allocator import PageAllocator
 from ardiff_modules.cache import KVCache
 from ardiff_modules.context import ForwardContext, LayerContext
-from ardiff_modules.distributed.digest import StateDigest, check_consistency
-from ardiff_modules.distributed.errors import DistributedForwardError
-from ardiff_modules.distributed.mesh import ParallelMesh
+from ardiff_modules.distributed.digest import StateDigest, _h64, check_consistency
+from ardiff_modules.distributed.errors import DistributedForwardError, RankDivergenceError
+from ardiff_modules.distributed.mesh import HOST_WORDS, ParallelMesh, Vote, check_same_vote
 from ardiff_modules.errors import SequenceLengthError, SpecError
 from ardiff_modules.spec import KVCacheSpec
 from ardiff_modules.state import KVState
@@ -100,6 +113,8 @@ class DistributedKVCache:
         )
         self.check_finite = check_finite
         self.debug_checks = debug_checks
+        # The number of the last forward voted on, the same on every rank (each vote of a forward carries it).
+        self._forward_number = 0
 
     def __repr__(self) -> str:
         return f"DistributedKVCache({self.mesh!r}, {self.cache!r})"
@@ -138,15 +153,60 @@ class DistributedKVCache:
         :meth:`KVCache.prepare_forward` too. Collective. If any rank fails to prepare, every rank aborts
         its streams (history as before, pending pages dropped) and raises: the rank that failed its own
         exception, the others :class:`DistributedForwardError`.
+
+        Raises :class:`RankDivergenceError` on every rank, before anything changed here, if the ranks
+        pass different session ids (or order), ``seq_len``, ``commit_current``, ``static`` or options, or
+        are not at the same call (one rank still finishing an earlier forward: that forward is aborted
+        on every rank). :class:`DistributedForwardError` chained from the collective's error if a vote
+        fails (a peer gone, or silent past ``mesh.timeout``): this rank's forward is aborted.
         """
+        number = self._forward_number + 1
         states: tuple[KVState, ...] = ()
-        touched: tuple[KVState, ...] = ()  # stays empty on a rank whose arguments were refused
+        refused: Exception | None = None
+        try:
+            states = _sessions_of(sessions, self.cache)
+        except Exception as e:  # noqa: BLE001 - voted, then re-raised
+            refused = e
+        # 1. Before anything changes: every rank at this vote, with the same arguments (or nothing happens).
+        # NOTE: a vote of its own, not a digest in the outcome vote below: by then each rank's local prepare
+        # has superseded the kept denoising forwards of the sessions *it* named, and ranks that named other
+        # sessions could not undo the same. One more all-reduce per forward buys "nothing changed anywhere".
+        arguments = _arguments_text(states if refused is None else sessions, seq_len, commit_current, static, kwargs)
+        rows = self._vote(Vote.PREPARE, number, _h64(arguments), refused is not None, "nothing was prepared here")
+        failed = _flagged(self.mesh.ranks, rows)
+        if failed:
+            if self.debug_checks:  # collective: every rank is on this path
+                self.check_consistency()
+            if refused is not None:
+                raise refused
+            raise DistributedForwardError(
+                f"prepare_forward: expected every rank to name sessions of its cache, got a refusal on rank(s) "
+                f"{list(failed)}; nothing was prepared on any rank",
+                failed_ranks=failed,
+            )
+        differ = tuple(r for r, row in zip(self.mesh.ranks, rows) if row[2] != rows[0][2])
+        if differ:
+            raise RankDivergenceError(
+                f"prepare_forward: expected every rank to prepare forward {number} with the same arguments as rank "
+                f"{self.mesh.ranks[0]} (session ids and their order, seq_len, commit_current, static, options), got "
+                f"different ones on rank(s) {list(differ)}; this rank's: {arguments}. Nothing was prepared on any rank",
+                ranks=differ,
+            )
+        # 2. The local prepare, then its outcome.
+        touched: tuple[KVState, ...] = ()
         bare: tuple[Any, ...] = ()
         free_before = self.cache.allocator.free_pages()  # identical on every rank (same calls so far)
         ctx: ForwardContext | None = None
         error: BaseException | None = None
+
+        def undo() -> None:
+            # What a failed vote undoes on every rank alike (see _undo_scope); the prepared ranks had
+            # published a context (registered, made most recent, maybe evicting an idle one), the others
+            # had not: releasing every idle context makes the sets equal again.
+            self._abort_streams(touched, free_before, bare)
+            self.cache.release_idle_forward_contexts()
+
         try:
-            states = _sessions_of(sessions, self.cache)
             # What a failed vote must undo identically on every rank: the kept denoising forwards this
             # prepare supersedes (with every session they span) and the extents it reserves.
             touched, bare = self._undo_scope(states)
@@ -159,16 +219,21 @@ class DistributedKVCache:
             ctx = self.cache.prepare_forward(streams, seq_len, commit_current, static=static, **kwargs)
         except Exception as e:  # noqa: BLE001 - every local failure is voted, then re-raised
             error = e
-        failed = self._vote(error is not None)
+        except BaseException:
+            # KeyboardInterrupt / SystemExit: no vote (the peers meet this rank's next vote and raise then,
+            # undoing the same); this rank's forward must not stay open.
+            undo()
+            raise
+        rows = self._vote(
+            Vote.PREPARED, number, 0, error is not None, "this rank's prepared forward was aborted", undo
+        )
+        failed = _flagged(self.mesh.ranks, rows)
         if failed:
             # A local prepare that raised changed nothing; if every rank raised, nothing changed anywhere and
             # the sessions stay as they were. Otherwise the ranks that prepared must end their forward,
             # and every rank ends in the same state (kept denoising forwards dropped everywhere).
             if len(failed) < len(self.mesh.ranks):
-                self._abort_streams(touched, free_before, bare)
-                # The ranks that prepared published a context (registered, made most recent, maybe evicting an
-                # idle one); the others did not. Releasing every idle context makes the sets equal again.
-                self.cache.release_idle_forward_contexts()
+                undo()
             if self.debug_checks:  # collective: every rank is on this path
                 self.check_consistency()
             if error is not None:
@@ -179,11 +244,43 @@ class DistributedKVCache:
                 failed_ranks=failed,
             )
         assert ctx is not None
-        return DistributedForward(self, ctx, states, free_before)
+        return DistributedForward(self, ctx, states, free_before, number)
 
-    def _vote(self, failed_here: bool) -> tuple[int, ...]:
-        """One all-reduce over the host group: the global ranks that failed (empty: all ok)."""
-        return self.mesh.ranks_where(failed_here)
+    def _vote(
+        self, kind: Vote, number: int, digest: int, value: int, undone: str,
+        undo: Callable[[], None] = lambda: None,
+    ) -> tuple[tuple[int, ...], ...]:
+        """One host vote of forward ``number``: every rank's row ``(kind, number, digest, value)``.
+
+        Every rank leaves it with the largest forward number voted. Raises on every rank, after ``undo()``
+        (what this rank must take back; ``undone`` says it): :class:`RankDivergenceError` if some rank is
+        at another vote (another kind, or another forward); :class:`DistributedForwardError` chained from
+        the collective's error if the collective fails (a peer gone, or silent past the mesh's timeout);
+        a ``KeyboardInterrupt`` in the collective propagates as it is.
+        """
+        try:
+            rows = self.mesh.host_rows((int(kind), number, digest, int(value)))
+        except Exception as e:
+            undo()
+            first = (str(e).splitlines() or [""])[0][:300]
+            raise DistributedForwardError(
+                f"DistributedKVCache: the {kind.label} of forward {number} failed in its collective "
+                f"({type(e).__name__}: {first}): a peer is gone, or silent past the vote timeout "
+                f"{self.mesh.timeout.total_seconds():g} s; {undone} (history and pool as before the forward). "
+                "The mesh's process groups are not usable any more: restart the ranks",
+                failed_ranks=(),
+            ) from e
+        except BaseException:
+            undo()
+            raise
+        assert len(rows[0]) == HOST_WORDS
+        self._forward_number = max(self._forward_number, *(row[1] for row in rows))
+        try:
+            check_same_vote(self.mesh.ranks, rows, "DistributedKVCache")
+        except RankDivergenceError:
+            undo()
+            raise
+        return rows
 
     def _undo_scope(self, states: Sequence[KVState]) -> tuple[tuple[KVState, ...], tuple[Any, ...]]:
         """Before a local prepare over ``states``: every session a failed vote must abort (``states`` and
@@ -248,10 +345,12 @@ class DistributedForward:
 
     def __init__(
         self, owner: DistributedKVCache, context: ForwardContext, sessions: tuple[KVState, ...],
-        free_before: Sequence[int] = (),
+        free_before: Sequence[int] = (), number: int = 0,
     ) -> None:
         self.owner = owner
         self._free_before = tuple(free_before)
+        #: The forward's number (the same on every rank): its finish vote carries it.
+        self.number = number
         #: The local forward context (this rank's streams).
         self.context = context
         self.sessions = sessions
@@ -294,7 +393,10 @@ class DistributedForward:
         return self.context.static
 
     def commit(self) -> None:
-        """Collective: commit on every rank if every rank succeeded so far, else abort everywhere and raise."""
+        """Collective: commit on every rank if every rank succeeded so far, else abort everywhere and raise.
+
+        Never leaves the forward open: a rank at another vote (:class:`RankDivergenceError`) or a failed
+        collective (:class:`DistributedForwardError`, chained from its error) aborts it here and raises."""
         self._finish(None)
 
     def abort(self) -> None:
@@ -310,9 +412,19 @@ class DistributedForward:
         transaction = self._transaction
         live = transaction is not None and transaction.is_open
         if error is None and live and transaction.commit_current:
-            error = self._precommit(transaction)
+            try:
+                error = self._precommit(transaction)
+            except BaseException:  # KeyboardInterrupt in the check_finite sync: no vote, but not left open
+                self.owner._abort_streams(self.sessions, self._free_before)
+                raise
             live = transaction.is_open  # a NaN/Inf check aborted it
-        votes = self.owner.mesh.host_values(_FAILED if error is not None else (_OPEN if live else _CLOSED))
+        status = _FAILED if error is not None else (_OPEN if live else _CLOSED)
+
+        def undo() -> None:  # where this rank's forward was already closed, only the free-queue order is reset
+            self.owner._abort_streams(self.sessions if live else (), self._free_before)
+
+        rows = self.owner._vote(Vote.FINISH, self.number, 0, status, "this rank's streams were aborted", undo)
+        votes = tuple(row[3] for row in rows)
         if all(v == _CLOSED for v in votes):
             # Finished on every rank already (superseded, or committed / aborted on each): nothing to do.
             if self.owner.debug_checks:
@@ -322,8 +434,8 @@ class DistributedForward:
         failed = tuple(r for r, v in zip(self.owner.mesh.ranks, votes) if v != _OPEN)
         if not failed:
             self.owner.cache.finish_forward(transaction, True)  # checked before the vote: cannot fail now
-        else:  # where this rank's forward was already closed, only the free-queue order is made canonical
-            self.owner._abort_streams(self.sessions if live else (), self._free_before)
+        else:
+            undo()
         # Collective: every rank reaches it, whatever the vote said (a rank raising first would hang the rest).
         if self.owner.debug_checks:
             self.owner.check_consistency()
@@ -382,6 +494,29 @@ def _sessions_of(sessions: object, cache: KVCache) -> tuple[KVState, ...]:
             f"DistributedKVCache.prepare_forward: expected one or more sessions opened by this cache, got {got}"
         )
     return states
+
+
+def _flagged(ranks: Sequence[int], rows: Sequence[Sequence[int]]) -> tuple[int, ...]:
+    """The ranks whose vote row has a non-zero value (a failure), ascending."""
+    return tuple(r for r, row in zip(ranks, rows) if row[3])
+
+
+def _arguments_text(
+    sessions: object, seq_len: object, commit_current: object, static: object, options: Mapping[str, Any]
+) -> str:
+    """What every rank passes alike to ``prepare_forward``, as the text whose digest the first vote compares:
+    session ids in batch order, ``seq_len``, ``commit_current``, ``static`` and the other options (tensors
+    by shape and dtype: their device is each rank's own)."""
+    if isinstance(sessions, tuple) and all(isinstance(s, KVState) for s in sessions):
+        ids: object = [s.session_id for s in sessions]
+    else:
+        ids = type(sessions).__name__
+    extra = "".join(
+        f" {name}="
+        + (f"Tensor{list(value.shape)}:{value.dtype}" if isinstance(value, torch.Tensor) else repr(value))
+        for name, value in sorted(options.items())
+    )
+    return f"sessions={ids} seq_len={seq_len!r} commit_current={commit_current!r} static={static!r}{extra}"
 
 
 def _reorder_free_pages(allocator: PageAllocator, before: Sequence[int]) -> None:

@@ -18,17 +18,41 @@ head shard, so it allocates, plans and stores only its own work.
 from __future__ import annotations
 
 import dataclasses
+import enum
+import logging
 from collections.abc import Mapping, Sequence
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from ardiff_modules.distributed.errors import RankDivergenceError
 from ardiff_modules.distributed.heads import HeadSharding
 from ardiff_modules.distributed.placement import place_branches
 from ardiff_modules.distributed.ulysses import CrossMode, SequenceParallel, _all_gather, _wait, check_cross_mode
 from ardiff_modules.errors import SpecError, TensorMismatchError
 from ardiff_modules.spec import KVCacheSpec
+
+logger = logging.getLogger(__name__)
+
+
+class Vote(enum.IntEnum):
+    """What a host vote is (every rank's row carries it: ranks at different votes can tell, see
+    :meth:`ParallelMesh.host_rows`). Non-zero: an all-zero row is no vote."""
+
+    HOST = 1  #: :meth:`ParallelMesh.host_values` / :meth:`ParallelMesh.ranks_where` (the CUDA-graph votes)
+    PREPARE = 2  #: ``DistributedKVCache.prepare_forward``, before the local prepare (the arguments)
+    PREPARED = 3  #: ``DistributedKVCache.prepare_forward``, after it (the outcome)
+    FINISH = 4  #: ``DistributedForward.commit`` / ``abort`` / ``with`` exit
+
+    @property
+    def label(self) -> str:
+        return {1: "host vote", 2: "prepare vote", 3: "prepare outcome vote", 4: "finish vote"}[int(self)]
+
+
+#: Words of one rank's row in every host vote: ``(Vote, forward number, digest, value)``.
+HOST_WORDS = 4
 
 
 class ParallelMesh:
@@ -52,6 +76,11 @@ class ParallelMesh:
         How the sp dimension runs cross-attention: ``"heads"`` (default; head shards, each rank's
         cross caches hold its kv heads) or ``"tokens"`` (each rank's own tokens with every head: no
         all-to-all, the cross caches hold every head). See :class:`SequenceParallel`.
+    timeout:
+        How long a host vote waits for the other ranks before it fails (a rank hung or gone): a positive
+        ``timedelta``. Default: the default process group's (``init_process_group(timeout=...)``), not
+        torch's 30-minute default for a new gloo group. The ``DeviceMesh``'s own groups (the all-to-alls)
+        keep the timeouts they were created with.
     """
 
     def __init__(
@@ -63,7 +92,12 @@ class ParallelMesh:
         sp_dim: str | None = "sp",
         placement: Mapping[str, int] | None = None,
         cross_attention: CrossMode = "heads",
+        timeout: timedelta | None = None,
     ) -> None:
+        if timeout is not None and (not isinstance(timeout, timedelta) or timeout <= timedelta(0)):
+            raise SpecError(
+                f"ParallelMesh.timeout: expected a positive timedelta (or None: the process group's), got {timeout!r}"
+            )
         if not isinstance(mesh, DeviceMesh):
             raise SpecError(f"ParallelMesh.mesh: expected a torch DeviceMesh, got {type(mesh).__name__}")
         if (
@@ -116,11 +150,16 @@ class ParallelMesh:
         #: Global ranks of the mesh, row-major (cfg, sp).
         self.ranks: tuple[int, ...] = tuple(int(r) for r in mesh.mesh.flatten().tolist())
         self.rank = dist.get_rank()
+        #: How long a host vote waits for the other ranks (see ``timeout``).
+        self.timeout: timedelta = timeout if timeout is not None else default_group_timeout()
         # NOTE: votes and digests are host data: a gloo group keeps them off the accelerator stream
         # (no device sync per forward under NCCL).
         # use_local_synchronization: only this mesh's ranks call new_group (a slice of a larger mesh, e.g. one
         # data-parallel replica's, is built by its own ranks only; the default needs every rank of the world).
-        self.host_group = dist.new_group(list(self.ranks), backend="gloo", use_local_synchronization=True)
+        # timeout: new_group's default is torch's constant (30 min for gloo), whatever init_process_group said.
+        self.host_group = dist.new_group(
+            list(self.ranks), backend="gloo", use_local_synchronization=True, timeout=self.timeout
+        )
         # Row index tensors of local_streams / gather, built once per (device, rows): a host-to-device
         # copy inside a CUDA-graph capture is not allowed, and a step replays with the same shapes.
         self._indices: dict[tuple[str, str, int], torch.Tensor] = {}
@@ -146,11 +185,26 @@ class ParallelMesh:
 
     def host_values(self, value: int) -> tuple[int, ...]:
         """Every rank's ``value`` (a small int), in :attr:`ranks` order: one all-reduce over the host
-        (gloo) group -- a collective, every rank calls it."""
-        values = torch.zeros(len(self.ranks), dtype=torch.int64)
-        values[self.ranks.index(self.rank)] = int(value)
+        (gloo) group -- a collective, every rank calls it. Raises :class:`RankDivergenceError` on every
+        rank if some rank was at another vote (e.g. a forward's)."""
+        rows = self.host_rows((Vote.HOST, 0, 0, int(value)))
+        check_same_vote(self.ranks, rows, "ParallelMesh.host_values")
+        return tuple(row[3] for row in rows)
+
+    def host_rows(self, words: Sequence[int]) -> tuple[tuple[int, ...], ...]:
+        """Every rank's :data:`HOST_WORDS` int64 ``words`` ``(Vote, forward number, digest, value)``, in
+        :attr:`ranks` order: one all-reduce of ``[ranks, HOST_WORDS]`` over the host (gloo) group.
+
+        NOTE: every host vote has this one shape, whatever it decides, so two ranks at different votes
+        (one rank interrupted and gone on) still exchange well-formed rows -- each rank's own words, the
+        others zero -- and every rank sees that they differ. Raises what the collective raises (a peer
+        gone, :attr:`timeout` passed).
+        """
+        assert len(words) == HOST_WORDS, words
+        values = torch.zeros(len(self.ranks), HOST_WORDS, dtype=torch.int64)
+        values[self.ranks.index(self.rank)] = torch.tensor([int(w) for w in words], dtype=torch.int64)
         dist.all_reduce(values, group=self.host_group)
-        return tuple(int(v) for v in values.tolist())
+        return tuple(tuple(int(v) for v in row) for row in values.tolist())
 
     def replica_ranks(self) -> tuple[int, ...]:
         """Global ranks holding the same branches as this one (this row of the mesh)."""
@@ -268,3 +322,46 @@ class ParallelMesh:
         tensor = torch.tensor(rows, dtype=torch.int64, device=device)
         self._indices[key] = tensor
         return tensor
+
+
+def check_same_vote(ranks: Sequence[int], rows: Sequence[Sequence[int]], owner: str) -> None:
+    """Raise :class:`RankDivergenceError` (the same on every rank: every rank has the same ``rows``) unless
+    every rank's row of a host vote is at the same vote: the same :class:`Vote` and forward number."""
+    first = (rows[0][0], rows[0][1])
+    bad = tuple(r for r, row in zip(ranks, rows) if (row[0], row[1]) != first)
+    if not bad:
+        return
+    where = ", ".join(f"rank {r} at the {_vote_label(row[0])} of forward {row[1]}" for r, row in zip(ranks, rows))
+    raise RankDivergenceError(
+        f"{owner}: expected every rank at the same host vote, got {where}: a rank skipped or repeated a collective "
+        "call (e.g. it caught an exception inside a forward and went on)",
+        ranks=bad,
+    )
+
+
+def _vote_label(kind: int) -> str:
+    return Vote(kind).label if kind in Vote._value2member_map_ else f"vote {kind}"
+
+
+def default_group_timeout() -> timedelta:
+    """The default process group's timeout (``init_process_group(timeout=...)``).
+
+    NOTE: torch has no public getter; this reads the backend options of the default group (gloo and NCCL
+    both keep ``options._timeout``). Where that is missing, torch's default for a gloo group is returned
+    and a warning logged: pass ``ParallelMesh(timeout=...)``.
+    """
+    group = dist.group.WORLD
+    for device in getattr(group, "_device_types", ()):
+        try:
+            options = getattr(group._get_backend(device), "options", None)  # type: ignore[union-attr]
+        except RuntimeError:  # no backend for this device type
+            continue
+        value = getattr(options, "_timeout", None)
+        if isinstance(value, timedelta) and value > timedelta(0):
+            return value
+    fallback = dist.default_pg_timeout
+    logger.warning(
+        "ParallelMesh: could not read the default process group's timeout; host votes wait %s "
+        "(pass ParallelMesh(timeout=...))", fallback,
+    )
+    return fallback
