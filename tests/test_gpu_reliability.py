@@ -39,6 +39,7 @@ def test_finished_forward_cannot_touch_the_pool(seq_chunks: int, compiled: bool)
     q, k, v = _qkv(2, seq_chunks * chunk, g)
     with state.prepare_forward(None, seq_chunks * chunk, commit_current=True) as fwd:
         attend(q, k, v, fwd.layers[0])
+        attend(q, k, v, fwd.layers[1])  # a commit needs every layer
         mode = fwd.plan.mode
     assert mode == ("ragged" if seq_chunks == 1 else "paged")
     torch.cuda.synchronize()
@@ -168,7 +169,8 @@ def test_no_stream_reads_another_streams_nan(mode: str) -> None:
             _, kb, vb = _qkv(2, chunk, g)
             pairs = [(a, "cond"), (a, "uncond"), (b, "cond"), (b, "uncond")]
             with cache.prepare_forward(pairs, chunk, True) as fwd:
-                am.chunk_attention(torch.cat([qa, qa]), torch.cat([ka, kb]), torch.cat([va, vb]), fwd.layers[0])
+                for layer in fwd.layers:  # a commit needs every layer
+                    am.chunk_attention(torch.cat([qa, qa]), torch.cat([ka, kb]), torch.cat([va, vb]), layer)
         q, k, v = _qkv(2, seq, g)
         mask = None
         if mode == "masked":

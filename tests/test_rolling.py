@@ -418,6 +418,8 @@ def test_gpu_flashinfer_bidirectional_token_mask_and_static_plans() -> None:
         for state, static in ((states[0], False), (states[1], False), (states[2], True)):
             with state.prepare_forward(None, n * chunk, True, static=static) as fwd:
                 outs.append(am.chunk_attention(q, k, v, fwd.layers[0]))
+                for layer in fwd.layers[1:]:  # a commit needs every layer
+                    am.chunk_attention(q, k, v, layer)
                 if static:
                     assert fwd.plan.mode in ("ragged", "paged") and fwd.plan.rows == 2  # one row per stream
         for out in outs[1:]:

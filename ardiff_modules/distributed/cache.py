@@ -417,7 +417,7 @@ class DistributedForward:
             except BaseException:  # KeyboardInterrupt in the check_finite sync: no vote, but not left open
                 self.owner._abort_streams(self.sessions, self._free_before)
                 raise
-            live = transaction.is_open  # a NaN/Inf check aborted it
+            live = transaction.is_open  # a pre-commit check (incomplete, calibration, NaN/Inf) aborted it
         status = _FAILED if error is not None else (_OPEN if live else _CLOSED)
 
         def undo() -> None:  # where this rank's forward was already closed, only the free-queue order is reset
@@ -455,9 +455,9 @@ class DistributedForward:
         try:
             for history in transaction.live_histories():
                 history.plan_commit()  # pure: may raise, changes nothing
-            if self.owner.check_finite:
-                # Aborts this rank's forward and raises on NaN/Inf; the vote then aborts everyone else's.
-                self.owner.cache.abort_if_non_finite(transaction)
+            # Every layer wrote, FP8 scales it would fix not degenerate, and (check_finite) no NaN/Inf: on a
+            # failure it aborts this rank's forward and raises; the vote then aborts everyone else's.
+            self.owner.cache.abort_if_uncommittable(transaction, check_finite=self.owner.check_finite)
         except Exception as e:  # noqa: BLE001
             return e
         return None
