@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kv_writes import write_every_layer
 
 from ardiff_modules import (
     ARDiffError,
@@ -47,7 +48,7 @@ CHUNK = 4
 
 
 def commit_chunk(state: KVState, branch: str) -> None:
-    state.get_kv_caches(branch, CHUNK, commit_current=True)
+    write_every_layer(state.get_kv_caches(branch, CHUNK, commit_current=True))
     state.commit_paged_context(branch)
 
 

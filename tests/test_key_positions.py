@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import torch
+from kv_writes import write_every_layer
 
 import ardiff_modules as am
 
@@ -17,8 +18,8 @@ def test_key_positions_follow_sinks_window_and_mixed_chunk_lengths() -> None:
     starts = []
     for seq in (2, 4, 4, 2, 4):  # a short first chunk, then evictions
         starts.append(state.token_offset("main"))
-        with state.prepare_forward(None, seq, commit_current=True):
-            pass
+        with state.prepare_forward(None, seq, commit_current=True) as committing:
+            write_every_layer(committing.layers)
     with state.prepare_forward(None, 4) as fwd:
         positions = fwd.key_positions()[0].tolist()
         offset = state.token_offset("main")
@@ -33,8 +34,8 @@ def test_to_dense_ands_the_token_mask_and_pads_with_minus_one() -> None:
                           window_chunks=2, branches=("cond", "uncond"), dtype="float32")
     cache = am.KVCache(spec, num_pages=32)
     state = cache.open_session()
-    with state.prepare_forward(("cond",), 4, commit_current=True):
-        pass
+    with state.prepare_forward(("cond",), 4, commit_current=True) as committing:
+        write_every_layer(committing.layers)
     mask = torch.ones(2, 4, 8, dtype=torch.bool)
     mask[:, 1, 0] = False
     with state.prepare_forward(None, 4, token_mask=mask) as fwd:

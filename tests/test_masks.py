@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from kv_writes import write_every_layer
 
 import ardiff_modules as am
 from ardiff_modules.masks import chunk_visibility, chunk_visibility_name, render_chunk_mask
@@ -27,7 +28,9 @@ def test_chunk_mask_matches_to_dense(sink: int, window: int | None) -> None:
                           window_chunks=window, dtype="float32")
     state = am.KVCache(spec, num_pages=64).open_session()
     for _ in range(5):
-        state.prepare_forward(None, 4, commit_current=True).commit()
+        committing = state.prepare_forward(None, 4, commit_current=True)
+        write_every_layer(committing.layers)
+        committing.commit()
     fwd = state.prepare_forward(None, 12)  # 3 pending chunks
     dense = fwd.to_dense()[0]  # [12, keys]: visible history keys then pending keys
     chunks = chunk_visibility(5, 3, sink, window)

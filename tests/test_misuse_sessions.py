@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from kv_writes import write_every_layer
 from test_errors import SPEC, assert_unchanged, build, snapshot
 
 from ardiff_modules import (
@@ -85,6 +86,7 @@ def test_admission_queries_on_a_closed_cache_raise() -> None:
 def test_a_finished_forward_cannot_be_entered_again() -> None:
     cache, a, _ = build()
     fwd = a.prepare_forward(("cond",), SPEC.chunk_size, True)
+    write_every_layer(fwd.layers)
     fwd.commit()
     with pytest.raises(ForwardFinishedError, match="committed"):
         with fwd:

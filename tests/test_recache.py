@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from kv_writes import write_every_layer
 from streaming_model import TEXT, NaiveStreaming, TinyStreamingModel
 
 import ardiff_modules as am
@@ -392,10 +393,14 @@ def test_batched_streams_must_rebuild_the_same_lengths() -> None:
     rig.step()
     rig.step()
     rig.step()
-    s1.state.prepare_forward(BRANCHES, CHUNK, True).commit()  # s1 now has one more window chunk... same count
+    committing = s1.state.prepare_forward(BRANCHES, CHUNK, True)
+    write_every_layer(committing.layers)
+    committing.commit()  # s1 now has one more window chunk... same count
     with torch.no_grad():
         for length in (CHUNK // 2,):
-            s0.state.prepare_forward(BRANCHES, length, True).commit()  # s0's newest window chunk is short
+            committing = s0.state.prepare_forward(BRANCHES, length, True)
+            write_every_layer(committing.layers)
+            committing.commit()  # s0's newest window chunk is short
     before = snapshot(rig.cache)
     with pytest.raises(SequenceLengthError, match=r"same lengths.*'s0/cond': \[4, 2\].*'s1/cond': \[4, 4\]"):
         rig.cache.prepare_recache(rig.members())

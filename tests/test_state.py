@@ -12,6 +12,7 @@ import dataclasses
 
 import pytest
 import torch
+from kv_writes import write_every_layer
 
 from ardiff_modules import (
     CacheStats,
@@ -58,7 +59,7 @@ def make_cache(num_pages: int = 16, **overrides) -> KVCache:
 
 
 def commit_chunks(state: KVState, branch: str = "cond", chunks: int = 1) -> None:
-    state.get_kv_caches(branch, chunks * CHUNK, commit_current=True)
+    write_every_layer(state.get_kv_caches(branch, chunks * CHUNK, commit_current=True))
     state.commit_paged_context(branch)
 
 
@@ -185,6 +186,7 @@ def test_forward_context_is_reused_across_forwards_of_the_same_streams():
     fwd2 = state.prepare_forward(("cond",), CHUNK, commit_current=True)
     assert fwd2 is fwd1
     assert fwd2.layers[0] is fwd1.layers[0]
+    write_every_layer(fwd2.layers)
     fwd2.commit()
     assert state.visible_chunks("cond") == ((0, 1),)
 
@@ -193,6 +195,7 @@ def test_release_idle_forward_contexts_keeps_open_ones():
     cache = make_cache()
     a, b = cache.open_session("a"), cache.open_session("b")
     idle = a.prepare_forward(("cond",), CHUNK, commit_current=True)
+    write_every_layer(idle.layers)
     idle.commit()
     open_fwd = b.prepare_forward(("cond",), CHUNK, commit_current=False)
     assert cache.num_forward_contexts == 2
@@ -201,6 +204,7 @@ def test_release_idle_forward_contexts_keeps_open_ones():
     open_fwd.commit()  # still usable
     again = a.prepare_forward(("cond",), CHUNK, commit_current=True)  # a fresh context for a's streams
     assert again is not idle and not again.released
+    write_every_layer(again.layers)
     again.commit()
     assert a.committed_chunks("cond") == 2
 
@@ -246,7 +250,7 @@ def test_eviction_frees_oldest_window_chunk_and_next_allocation_reuses_it():
     assert state.visible_chunks("cond") == ((0, 1), (2, 3), (4, 5))
     assert cache.allocator.free_pages() == (6, 7)
 
-    state.get_kv_caches("cond", CHUNK, commit_current=True)
+    write_every_layer(state.get_kv_caches("cond", CHUNK, commit_current=True))
     assert state.pending_chunks("cond") == ((6, 7),)
     assert cache.allocator.free_pages() == ()
     state.commit_paged_context("cond")  # c3 evicts c1
@@ -254,7 +258,7 @@ def test_eviction_frees_oldest_window_chunk_and_next_allocation_reuses_it():
     assert cache.allocator.free_pages() == (2, 3)
     assert cache.allocator.refcount(2) == 0
 
-    state.get_kv_caches("cond", CHUNK, commit_current=True)
+    write_every_layer(state.get_kv_caches("cond", CHUNK, commit_current=True))
     assert state.pending_chunks("cond") == ((2, 3),)  # the evicted chunk's pages
     state.commit_paged_context("cond")  # c4 evicts c2
     assert state.visible_chunks("cond") == ((0, 1), (6, 7), (2, 3))
@@ -274,6 +278,7 @@ def test_sinks_are_never_evicted_and_offsets_keep_advancing():
     for n in range(1, 21):
         layers = state.get_kv_caches("cond", CHUNK, commit_current=True)
         assert torch.equal(layers[0].positions, torch.arange((n - 1) * CHUNK, n * CHUNK)[None])
+        write_every_layer(layers)
         state.commit_paged_context("cond")
         visible = state.visible_chunks("cond")
         assert visible[0] == (0, 1)
@@ -298,6 +303,7 @@ def test_window_zero_and_sink_zero_keeps_nothing_but_advances_offsets():
     for n in range(1, 4):
         layers = state.get_kv_caches("cond", CHUNK, commit_current=True)
         assert layers[0].forward.layout.streams[0].history_pages == ()
+        write_every_layer(layers)
         state.commit_paged_context("cond")
         assert state.visible_chunks("cond") == ()
         assert state.token_offset("cond") == n * CHUNK
@@ -313,6 +319,7 @@ def test_multi_chunk_forwards_commit_and_evict():
     fwd = state.prepare_forward("cond", 2 * CHUNK, commit_current=True)
     assert fwd.num_chunks == 2 and fwd.seq_len == 8
     assert state.pending_chunks("cond") == ((0, 1), (2, 3))
+    write_every_layer(fwd.layers)
     state.commit_paged_context("cond")
     assert state.visible_chunks("cond") == ((0, 1), (2, 3))
     assert state.token_offset("cond") == 8
@@ -325,6 +332,7 @@ def test_multi_chunk_forwards_commit_and_evict():
     rows = fwd.layout.structural_rows
     assert rows.kv_page_indptr.tolist() == [0, 6, 14, 24]
     assert rows.kv_page_indices.tolist() == [0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+    write_every_layer(fwd.layers)
     state.commit_paged_context("cond")
     assert state.visible_chunks("cond") == ((0, 1), (6, 7), (8, 9))
     assert cache.allocator.free_pages() == (10, 11, 12, 13, 14, 15, 2, 3, 4, 5)
@@ -340,7 +348,7 @@ def test_multi_chunk_denoise_shrinks_and_grows_pending():
     state.get_kv_caches("cond", CHUNK)  # fewer chunks: the surplus is freed, the first chunk kept
     assert state.pending_chunks("cond") == ((0, 1),)
     assert cache.allocator.free_pages() == tuple(range(4, 16)) + (2, 3)
-    state.get_kv_caches("cond", 2 * CHUNK, commit_current=True)  # more: the first is reused
+    write_every_layer(state.get_kv_caches("cond", 2 * CHUNK, commit_current=True))  # more: the first is reused
     assert state.pending_chunks("cond") == ((0, 1), (4, 5))
     state.commit_paged_context("cond")
     assert state.visible_chunks("cond") == ((0, 1), (4, 5))
@@ -369,7 +377,7 @@ def test_committing_forward_replaced_before_commit_raises():
 def test_committing_forward_can_be_replaced_after_commit():
     cache = make_cache()
     state = cache.open_session("a")
-    state.get_kv_caches("cond", CHUNK, commit_current=True)
+    write_every_layer(state.get_kv_caches("cond", CHUNK, commit_current=True))
     state.commit_paged_context("cond")
     state.get_kv_caches("cond", CHUNK, commit_current=True)
     assert state.pending_chunks("cond") == ((2, 3),)
@@ -501,8 +509,8 @@ def test_context_manager_aborts_on_exception_and_history_is_exactly_as_before():
     for (k0, v0), (k1, v1) in zip(hist, page_values(cache, (0, 1, 2, 3))):
         assert torch.equal(k0, k1) and torch.equal(v0, v1)
     # Nothing is left pending: a new committing forward is allowed.
-    with state.prepare_forward(("cond", "uncond"), CHUNK, commit_current=True):
-        pass
+    with state.prepare_forward(("cond", "uncond"), CHUNK, commit_current=True) as fwd:
+        write_every_layer(fwd.layers)
     assert state.committed_chunks("cond") == 2
 
 
@@ -523,7 +531,8 @@ def test_context_manager_denoise_success_keeps_pending_and_exception_drops_it():
 def test_context_manager_exit_skips_branches_committed_by_hand():
     cache = make_cache()
     state = cache.open_session("a")
-    with state.prepare_forward(("cond", "uncond"), CHUNK, commit_current=True):
+    with state.prepare_forward(("cond", "uncond"), CHUNK, commit_current=True) as fwd:
+        write_every_layer(fwd.layers)
         state.commit_paged_context("cond")  # issue 10: one forward commits all its streams together
         assert state.visible_chunks("cond") == ((0, 1),)
         assert state.visible_chunks("uncond") == ((2, 3),) and state.pending_chunks("uncond") == ()
@@ -578,6 +587,7 @@ def test_batched_multi_branch_forward_and_per_branch_commit():
     assert fwd.token_offsets == (0, 4)
     assert fwd.layers[0].num_streams == 2
 
+    write_every_layer(fwd.layers)
     state.commit_paged_context("cond")  # commits the whole forward: cond and uncond together (issue 10)
     assert state.visible_chunks("cond") == ((2, 3),)
     assert state.visible_chunks("uncond") == ((0, 1), (4, 5)) and state.pending_chunks("uncond") == ()

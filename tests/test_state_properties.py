@@ -105,6 +105,7 @@ from _pool_model import PoolContents, bits, expected_visible, longest_run, same_
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from kv_writes import write_every_layer
 
 from ardiff_modules import (
     ChunkSelfAttention,
@@ -2534,7 +2535,7 @@ def test_admission_keeps_its_promise_with_forks() -> None:
     cache = KVCache(spec, num_pages=8, backend="reference", contiguous_extents=False)
 
     def commit_one(state: KVState) -> None:
-        state.prepare_forward(("main",), CHUNK, True)
+        write_every_layer(state.prepare_forward(("main",), CHUNK, True).layers)
         state.commit_paged_context("main")
 
     parent = cache.open_session("parent")
