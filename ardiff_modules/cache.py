@@ -48,6 +48,7 @@ from ardiff_modules.validation import (
     check_capacity,
     check_no_open_commit,
     check_recache_capacity,
+    check_recache_latents,
     check_recache_sinks_in_place,
     check_token_mask,
     chunk_lengths_of,
@@ -214,6 +215,11 @@ class KVCache:
                 raise TensorMismatchError(
                     f"set_kv_scales: expected a tensor of shape {list(expected)} [num_layers, 2 (K, V), "
                     f"num_kv_heads], got {got}"
+                )
+            if scales.is_meta or scales.is_complex() or scales.dtype == torch.bool:
+                raise TensorMismatchError(  # NOTE: a meta tensor has no values to read, complex ones no order
+                    f"set_kv_scales: expected a real-valued tensor with data (any device but meta), got dtype "
+                    f"{scales.dtype} on {scales.device}"
                 )
             values = scales.detach().to("cpu", torch.float32)
             if not bool(torch.isfinite(values).all()) or not bool((values > 0).all()):
@@ -495,8 +501,9 @@ class KVCache:
                         f"{branch!r}, got none for chunk(s) {missing}; pass keep_latents= to their committing "
                         "forwards, or feed the model your own latents"
                     )
-                rows.append(torch.cat([cast(torch.Tensor, h.latents[i]) for i in indices]))
-            return torch.stack(rows)
+                rows.append([cast(torch.Tensor, h.latents[i]) for i in indices])
+            check_recache_latents(members, rows)
+            return torch.stack([torch.cat(row) for row in rows])
 
     def prepare_recache(
         self, streams: Sequence[tuple[KVState, str]], *, keep_sinks: bool = True

@@ -22,6 +22,7 @@ image k norm    norm_k_img              norm_k_img           norm_added_k
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 
@@ -47,8 +48,17 @@ def attention_key_map(source: ParamNames, target: ParamNames) -> dict[str, str]:
     return {src[role]: dst[role] for role in src}
 
 
+def _check_state_dict(where: str, state_dict: Any) -> None:
+    """``state_dict`` is a mapping with string keys (what the renaming reads; the values are not touched)."""
+    if not isinstance(state_dict, Mapping):
+        raise SpecError(f"{where}: expected a mapping of str -> tensor (a state dict), got {type(state_dict).__name__}")
+    bad = next((k for k in state_dict if not isinstance(k, str)), None)
+    if bad is not None:
+        raise SpecError(f"{where}: expected str keys, got {bad!r} ({type(bad).__name__})")
+
+
 def _module_names(where: str, modules: str | Iterable[str]) -> tuple[str, ...]:
-    names = (modules,) if isinstance(modules, str) else tuple(modules)
+    names = (modules,) if isinstance(modules, str) else tuple(modules) if isinstance(modules, Iterable) else ()
     if not names or not all(isinstance(n, str) and n and "." not in n for n in names):
         raise SpecError(f"{where}: expected attribute names of attention modules (e.g. 'self_attn'), got {modules!r}")
     return names
@@ -80,9 +90,11 @@ def convert_attention_state_dict(
 
     Returns
     -------
-    A new dict; raises :class:`~ardiff_modules.SpecError` if two keys would collide.
+    A new dict; raises :class:`~ardiff_modules.SpecError` if two keys would collide, or if
+    ``state_dict`` is not a mapping with str keys.
     """
     where = "convert_attention_state_dict"
+    _check_state_dict(f"{where}.state_dict", state_dict)
     _check_param_names(f"{where}.source", source)
     _check_param_names(f"{where}.target", target)
     if modules is None:
@@ -128,6 +140,7 @@ def convert_wan_state_dict(
     every other key is kept. Nothing is permuted: with the default interleaved RoPE the attention equals
     Wan's. A model built with ``param_names="wan"`` and Wan's attribute names loads the checkpoint as is.
     """
+    _check_state_dict("convert_wan_state_dict.state_dict", state_dict)
     for name, value in (("self_attn", self_attn), ("cross_attn", cross_attn)):
         if not isinstance(value, str) or not value or "." in value:
             raise SpecError(f"convert_wan_state_dict.{name}: expected an attribute name, got {value!r}")

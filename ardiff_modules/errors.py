@@ -66,6 +66,13 @@ class TensorMismatchError(ARDiffError, ValueError):
     """A tensor has the wrong shape, dtype or device."""
 
 
+class StateDictMismatchError(ARDiffError, RuntimeError):
+    """A layer's ``load_state_dict`` got missing, unexpected or mis-shaped keys; nothing was loaded.
+
+    A ``RuntimeError``, as torch's ``load_state_dict`` raises, so callers that catch that keep working.
+    """
+
+
 class BackendUnavailableError(ARDiffError, RuntimeError):
     """The requested attention backend cannot run here (missing package, device, dtype)."""
 

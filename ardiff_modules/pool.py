@@ -44,6 +44,10 @@ def _resolve_device(owner: str, device: Any) -> torch.device:
         raise SpecError(
             f"{owner}.device: expected a torch.device or a device string such as 'cpu' or 'cuda:0', got {device!r}"
         ) from None
+    if resolved.type == "meta":  # NOTE: tensors there have no data: it would fail only at the first forward
+        raise SpecError(
+            f"{owner}.device: expected a device that holds data (such as 'cpu' or 'cuda:0'), got {device!r}"
+        )
     if resolved.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0 or (resolved.index is not None and resolved.index >= count):

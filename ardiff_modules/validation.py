@@ -228,6 +228,37 @@ def kept_latents(
     )
 
 
+def check_recache_latents(members: Sequence[tuple[KVState, str]], rows: Sequence[Sequence[torch.Tensor]]) -> None:
+    """The kept latents of the rebuilt chunks (``rows[stream][chunk]``, each ``[chunk_len, ...]``) share one
+    trailing shape, dtype and device, so that they form one ``[num_streams, seq_len, ...]`` tensor.
+
+    NOTE: each committing forward kept its own ``keep_latents``; nothing tied their trailing shapes together.
+    """
+
+    def describe(t: torch.Tensor) -> str:
+        return f"{tuple(t.shape)} {t.dtype} on {t.device}"
+
+    def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return a.shape[1:] == b.shape[1:] and a.dtype == b.dtype and a.device == b.device
+
+    names = [f"{state.session_id!r}/{branch!r}" for state, branch in members]
+    for name, row in zip(names, rows):  # within one stream: its rebuilt chunks are concatenated
+        bad = next((c for c, latent in enumerate(row) if not same(latent, row[0])), None)
+        if bad is not None:
+            raise TensorMismatchError(
+                f"recache_latents: expected the kept latents of {name}'s rebuilt chunks to share one trailing shape, "
+                f"dtype and device (chunk 0: {describe(row[0])}), got chunk {bad}: {describe(row[bad])}; feed the "
+                "model your own latents"
+            )
+    for name, row in zip(names[1:], rows[1:]):  # across streams: stacked
+        if not same(row[0], rows[0][0]):
+            raise TensorMismatchError(
+                f"recache_latents: expected every stream's kept latents to share one trailing shape, dtype and "
+                f"device ({names[0]}: {describe(rows[0][0])}), got {name}: {describe(row[0])}; re-cache them in "
+                "separate calls"
+            )
+
+
 def check_recache_capacity(histories: Sequence[BranchHistory], chunk_pages: Sequence[int], allocator: PageAllocator) -> None:
     """Raise :class:`CapacityError` unless fresh pages for every rebuilt chunk of every stream fit."""
     needed = len(histories) * sum(chunk_pages)

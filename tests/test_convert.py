@@ -16,7 +16,14 @@ import torch.nn.functional as F
 from test_rope import rope_apply, wan_freqs
 from torch import nn
 
-from ardiff_modules import CrossAttentionSpec, KVCache, KVCacheSpec, SpecError, TensorMismatchError
+from ardiff_modules import (
+    CrossAttentionSpec,
+    KVCache,
+    KVCacheSpec,
+    SpecError,
+    StateDictMismatchError,
+    TensorMismatchError,
+)
 from ardiff_modules.convert import attention_key_map, convert_attention_state_dict, convert_wan_state_dict
 from ardiff_modules.modules import (
     ATTENTION_PARAM_NAMES,
@@ -315,6 +322,64 @@ def test_from_diffusers_ignores_fused_projection_copies() -> None:
     assert torch.equal(layer.to_k.weight, attn.to_k.weight)
 
 
+_UNFUSED = {"to_qkv": ("to_q", "to_k", "to_v"), "to_kv": ("to_k", "to_v"), "to_added_kv": ("add_k_proj", "add_v_proj")}
+
+
+@pytest.mark.parametrize("unfused", ["stale", "deleted"])
+@pytest.mark.parametrize("kind", ["self", "t2v", "i2v"])
+def test_from_diffusers_copies_the_fused_projections_the_module_runs(kind: str, unfused: str) -> None:
+    """After ``fuse_projections()`` diffusers runs ``to_qkv`` (self), ``to_q`` + ``to_kv`` (cross) and
+    ``to_added_kv`` (I2V); the unfused copies go stale once the fused weights change (a LoRA fused into
+    them, a fused checkpoint loaded) or may be deleted. The layer computes what the stock fused module does."""
+    dw = diffusers_wan()
+    extra = {"self": {}, "t2v": {"cross_attention_dim_head": HEAD_DIM},
+             "i2v": {"cross_attention_dim_head": HEAD_DIM, "added_kv_proj_dim": DIM}}[kind]
+    attn = randomize(dw.WanAttention(DIM, heads=HEADS, dim_head=HEAD_DIM, eps=1e-6, processor=dw.WanAttnProcessor(),
+                                     **extra), 16)
+    attn.fuse_projections()
+    fused = [name for name in _UNFUSED if hasattr(attn, name)]
+    assert fused == {"self": ["to_qkv"], "t2v": ["to_kv"], "i2v": ["to_kv", "to_added_kv"]}[kind]
+    g = torch.Generator().manual_seed(17)
+    with torch.no_grad():
+        for name in fused:  # the weights the module runs change; the unfused copies do not follow
+            for p in getattr(attn, name).parameters():
+                p.add_(0.5 * torch.randn(p.shape, generator=g))
+    if unfused == "deleted":  # what stock diffusers still reads stays: to_q (cross), add_k_proj (its I2V test)
+        for path in {"self": ("to_q", "to_k", "to_v")}.get(kind, ("to_k", "to_v")):
+            delattr(attn, path)
+    g = torch.Generator().manual_seed(18)
+    if kind == "self":
+        layer = ChunkSelfAttention.from_diffusers(attn)
+        rope = dw.WanRotaryPosEmbed(HEAD_DIM, (1, 2, 2), max_seq_len=64)
+
+        def reference(x: torch.Tensor, chunks: int) -> torch.Tensor:
+            return attn(x, None, None, rope(torch.zeros(1, 16, chunks * FRAMES_PER_CHUNK, 2 * H, 2 * W)))
+
+        check_chunks_against_full_attention(layer, reference)
+        return
+    layer = CachedCrossAttention.from_diffusers(attn)
+    x = torch.randn(1, CHUNK, DIM, generator=g)
+    text = torch.randn(1, 512, DIM, generator=g)  # diffusers' I2V processor hard-codes 512 text tokens
+    contexts = {"text": text}
+    with torch.no_grad():
+        if kind == "i2v":
+            contexts["image"] = image = torch.randn(1, IMAGE_TOKENS, DIM, generator=g)
+            expected = attn(x, torch.cat([image, text], dim=1))
+        else:
+            expected = attn(x, text)
+        torch.testing.assert_close(cross_outputs(layer, x, {"cond": contexts}), expected, atol=ATOL, rtol=ATOL)
+
+
+def test_from_diffusers_refuses_a_fused_module_without_its_fused_projection() -> None:
+    dw = diffusers_wan()
+    attn = dw.WanAttention(DIM, heads=HEADS, dim_head=HEAD_DIM, processor=dw.WanAttnProcessor())
+    attn.fuse_projections()
+    del attn.to_qkv
+    with pytest.raises(SpecError, match=r"expected WanAttention.to_qkv \(fused_projections=True\) to be an nn.Linear "
+                                        r"of 3 equal projections, got NoneType"):
+        ChunkSelfAttention.from_diffusers(attn)
+
+
 def test_from_copies_weights_dtype_device_and_mode() -> None:
     wan = randomize(WanSelfAttention(DIM, HEADS), seed=13).to(torch.bfloat16).requires_grad_(False)
     layer = ChunkSelfAttention.from_wan(wan, param_names="ardiff")
@@ -431,6 +496,136 @@ def test_conversion_and_layer_misuse() -> None:
     state.close()
     with pytest.raises(SpecError, match="two keys map onto 'q.weight'"):
         convert_attention_state_dict({"q.weight": torch.zeros(1), "to_q.weight": torch.zeros(1)}, "ardiff", "wan")
+    # Not a state dict: named, not an AttributeError from deep inside.
+    with pytest.raises(SpecError, match="convert_wan_state_dict.state_dict: expected a mapping .* got NoneType"):
+        convert_wan_state_dict(None)  # type: ignore[arg-type]
+    with pytest.raises(SpecError, match=r"convert_attention_state_dict.state_dict: expected a mapping .* got list"):
+        convert_attention_state_dict([("q.weight", torch.zeros(1))], "wan", "ardiff")  # type: ignore[arg-type]
+    with pytest.raises(SpecError, match=r"convert_attention_state_dict.state_dict: expected str keys, got 0 \(int\)"):
+        convert_attention_state_dict({0: torch.zeros(1)}, "wan", "ardiff", modules="self_attn")  # type: ignore
+    with pytest.raises(SpecError, match="convert_attention_state_dict.modules: expected attribute names .* got 5"):
+        convert_attention_state_dict({}, "wan", "ardiff", modules=5)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ load_state_dict
+def _layer_under_test(kind: str) -> nn.Module:
+    torch.manual_seed(19)
+    if kind == "self":
+        return ChunkSelfAttention(DIM, HEADS, qk_norm="full")
+    return CachedCrossAttention(DIM, HEADS, qk_norm="head", param_names="diffusers", image_cache_name="image")
+
+
+def _tensors(layer: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer (persistent or not), by object: a failed load must keep the objects too."""
+    return {**dict(layer.named_parameters()), **dict(layer.named_buffers())}
+
+
+def _good_state_dict(layer: nn.Module) -> dict[str, torch.Tensor]:
+    """A full, valid state dict whose every value differs from the layer's."""
+    return {k: v.detach() + 1.0 for k, v in layer.state_dict().items()}
+
+
+def _truncated(sd: dict, layer: nn.Module) -> dict:
+    return dict(list(sd.items())[:3])
+
+
+def _other_naming(sd: dict, layer: nn.Module) -> dict:
+    return convert_attention_state_dict(sd, layer.param_names, "wan")
+
+
+def _extra_key(sd: dict, layer: nn.Module) -> dict:
+    return {**sd, "to_q.lora_A.weight": torch.zeros(4, DIM)}
+
+
+def _mis_shaped(sd: dict, layer: nn.Module) -> dict:
+    last = list(sd)[-1]  # torch's loader would have copied every key before it
+    return {**sd, last: torch.zeros(sd[last].shape[0] + 1, *sd[last].shape[1:])}
+
+
+def _not_a_tensor(sd: dict, layer: nn.Module) -> dict:
+    return {**sd, "norm_k.weight": sd["norm_k.weight"].tolist()}
+
+
+def _meta_tensor(sd: dict, layer: nn.Module) -> dict:
+    return {**sd, "to_v.bias": sd["to_v.bias"].to("meta")}
+
+
+LOAD_FAILURES = {
+    "truncated": (_truncated, True, ["expected the keys of this layer", "missing [", "'to_v.weight'", "unexpected []"]),
+    "other-naming": (_other_naming, True, ["unexpected ['q.weight'", "renamed from 'wan' naming they match: "
+                                           "convert_attention_state_dict(state_dict, 'wan', "]),
+    "extra-key": (_extra_key, True, ["got missing [], unexpected ['to_q.lora_A.weight']"]),
+    "mis-shaped": (_mis_shaped, True, ["of shape (", "got ("]),
+    "mis-shaped-not-strict": (_mis_shaped, False, ["of shape (", "got ("]),
+    "not-a-tensor": (_not_a_tensor, False, ["expected norm_k.weight to be a tensor, got list"]),
+    "meta-tensor": (_meta_tensor, True, ["expected to_v.bias to hold data (it is copied), got a meta tensor"]),
+    "not-a-mapping": (lambda sd, layer: list(sd.items()), True, ["expected a mapping of key -> tensor, got list"]),
+}
+
+
+@pytest.mark.parametrize("kind", ["self", "cross-i2v"])
+@pytest.mark.parametrize("case", list(LOAD_FAILURES))
+def test_failed_load_state_dict_leaves_the_layer_unchanged(case: str, kind: str) -> None:
+    """torch's ``load_state_dict`` copies every matching tensor and raises at the end (a half-loaded layer);
+    the layers check the whole dict first: every parameter and buffer is bit-identical (the same objects)
+    after a failed load, and the error is a RuntimeError as torch's, naming expected and actual."""
+    layer = _layer_under_test(kind)
+    make, strict, fragments = LOAD_FAILURES[case]
+    bad = make(_good_state_dict(layer), layer)
+    objects = _tensors(layer)
+    before = {k: v.detach().clone() for k, v in objects.items()}
+    with pytest.raises(StateDictMismatchError) as info:
+        layer.load_state_dict(bad, strict=strict)
+    assert isinstance(info.value, RuntimeError)
+    text = str(info.value)
+    assert text.startswith(f"{type(layer).__name__}.load_state_dict: expected") and text.endswith("nothing was loaded")
+    for fragment in fragments:
+        assert fragment in text, text
+    after = _tensors(layer)
+    assert after.keys() == objects.keys() and all(after[k] is objects[k] for k in objects)
+    for key, value in before.items():
+        assert torch.equal(after[key], value), key
+
+
+def test_load_state_dict_otherwise_keeps_torchs_semantics() -> None:
+    """Valid loads equal ``nn.Module.load_state_dict`` (strict, ``strict=False`` with its missing / unexpected
+    keys, ``assign``); a shape mismatch raises with ``strict=False`` too, as in torch, but copies nothing."""
+    layer = _layer_under_test("self")
+    twin = _layer_under_test("self")
+    sd = _good_state_dict(layer)
+    partial = {**dict(list(sd.items())[:4]), "extra.weight": torch.zeros(1)}
+    got, want = layer.load_state_dict(partial, strict=False), nn.Module.load_state_dict(twin, partial, strict=False)
+    assert got == want and got.missing_keys and got.unexpected_keys == ["extra.weight"]
+    for (key, a), b in zip(layer.state_dict().items(), twin.state_dict().values()):
+        assert torch.equal(a, b), key
+    bad = {**partial, "to_out.bias": torch.zeros(DIM + 1)}
+    with pytest.raises(StateDictMismatchError, match=r"expected to_out.bias of shape \(48,\), got \(49,\)"):
+        layer.load_state_dict(bad, strict=False)
+    with pytest.raises(RuntimeError, match="size mismatch"):  # torch's own loader: it copied the rest first
+        nn.Module.load_state_dict(twin, {**bad, "to_q.weight": sd["to_q.weight"] + 1}, strict=False)
+    assert not torch.equal(twin.to_q.weight, layer.to_q.weight)
+    assert layer.load_state_dict(sd) == nn.Module.load_state_dict(twin, sd)  # strict: all keys
+    for (key, a), b in zip(layer.state_dict().items(), twin.state_dict().values()):
+        assert torch.equal(a, b), key
+    fresh = {k: v.clone() for k, v in sd.items()}
+    layer.load_state_dict(fresh, assign=True)
+    assert layer.to_q.weight.data_ptr() == fresh["to_q.weight"].data_ptr()
+
+
+def test_load_state_dict_with_a_load_hook_is_torchs() -> None:
+    """A submodule that loads by its own rules (here a pre-hook renaming Wan keys) is loaded by torch as
+    is: the up-front check must not refuse what that hook makes loadable."""
+    layer = _layer_under_test("self")
+    wan_named = convert_attention_state_dict(_good_state_dict(layer), "ardiff", "wan")
+
+    def rename(module, state_dict, prefix, *args) -> None:  # noqa: ANN001, ANN002
+        for key in [k for k in state_dict if k.startswith(prefix)]:
+            renamed = convert_attention_state_dict({key[len(prefix):]: state_dict[key]}, "wan", "ardiff")
+            state_dict[prefix + next(iter(renamed))] = state_dict.pop(key)
+
+    layer.register_load_state_dict_pre_hook(rename)
+    layer.load_state_dict(wan_named)
+    assert torch.equal(layer.to_q.weight, wan_named["q.weight"])
 
 
 @pytest.mark.parametrize("param_names", ["wan", "diffusers"])

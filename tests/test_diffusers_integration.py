@@ -409,6 +409,20 @@ def test_errors() -> None:
             paged(torch.randn(2, 4, 2 * FRAMES, *LATENT), torch.zeros(2), fwd)
         with pytest.raises(am.TensorMismatchError, match="timestep"), forward() as fwd:
             paged(x, torch.zeros(3), fwd)
+        # Latents the model cannot take: refused by name before the model runs (the patch embedding's conv
+        # raised a bare RuntimeError); the pool and the history are as before, the forward still usable.
+        with forward(True) as fwd:
+            kv = cache.pool.kv.clone()
+            for bad, fragments in (
+                (torch.randn(2, 3, FRAMES, *LATENT), ["expected [streams, C=4 (the model's", "got (2, 3, 2, 4, 4)"]),
+                (x.double(), ["expected dtype torch.float32 (the model's", "got torch.float64"]),
+            ):
+                with pytest.raises(am.TensorMismatchError) as info:
+                    paged(bad, torch.zeros(2), fwd)
+                assert all(f in str(info.value) for f in fragments), str(info.value)
+                assert torch.equal(cache.pool.kv, kv) and state.committed_chunks("cond") == 0
+            paged(x, torch.zeros(2), fwd)
+        assert state.committed_chunks("cond") == 1
     with pytest.raises(am.TensorMismatchError, match="encoder_hidden_states"):
         paged.set_prompt(state, "cond", torch.randn(TEXT_TOKENS, TEXT_DIM + 1))
     with pytest.raises(am.TensorMismatchError):  # the spec's 7 text tokens

@@ -622,3 +622,54 @@ def test_session_of_another_cache_in_a_forward():
     assert "expected sessions of this KVCache" in message(exc_info) and "'a'" in message(exc_info)
     assert_unchanged(cache, before)
     assert_unchanged(other_cache, other_before)
+
+
+# ---------------------------------------------------------------------- kept latents of a re-cache
+
+
+def commit_kept(state: KVState, branches: tuple[str, ...], latents: torch.Tensor) -> None:
+    """One committing forward over ``branches`` that keeps ``latents`` ``[len(branches), CHUNK, ...]``."""
+    with state.prepare_forward(branches, CHUNK, commit_current=True, keep_latents=latents):
+        pass
+
+
+@pytest.mark.parametrize(
+    ("second", "fragments"),
+    [
+        (torch.zeros(2, CHUNK, 5), ["'a'/'cond''s rebuilt chunks", "(4, 3) torch.float32", "chunk 1: (4, 5)"]),
+        (torch.zeros(2, CHUNK, 3, dtype=torch.float64), ["'a'/'cond''s rebuilt", "chunk 1: (4, 3) torch.float64"]),
+    ],
+    ids=["trailing-shape", "dtype"],
+)
+def test_recache_latents_of_mismatched_kept_chunks(second, fragments):
+    """Chunks of one stream kept with other trailing shapes (or dtypes) cannot be concatenated: a
+    TensorMismatchError naming both, not torch.cat's RuntimeError (or a silent dtype promotion)."""
+    cache, a, _ = build()
+    a.reset()
+    commit_kept(a, SPEC.branches, torch.zeros(2, CHUNK, 3))
+    commit_kept(a, SPEC.branches, second)
+    before = snapshot(cache)
+    with pytest.raises(TensorMismatchError) as exc_info:
+        a.recache_latents(keep_sinks=False)
+    assert "recache_latents: expected the kept latents of" in message(exc_info)
+    for fragment in fragments:
+        assert fragment in message(exc_info), message(exc_info)
+    assert_unchanged(cache, before)
+    assert a.recache_latents(keep_sinks=True).shape == (2, CHUNK, *second.shape[2:])  # the other chunk alone
+
+
+def test_recache_latents_of_streams_kept_with_other_trailing_shapes():
+    """Two streams kept with other trailing shapes cannot be stacked into one re-cache input."""
+    cache, a, _ = build()
+    a.reset()
+    for _ in range(2):
+        commit_kept(a, ("cond",), torch.zeros(1, CHUNK, 3))
+        commit_kept(a, ("uncond",), torch.zeros(1, CHUNK, 2, 4))
+    before = snapshot(cache)
+    with pytest.raises(TensorMismatchError) as exc_info:
+        a.recache_latents(keep_sinks=False)
+    text = message(exc_info)
+    assert "expected every stream's kept latents to share one trailing shape" in text
+    assert "'a'/'cond': (4, 3) torch.float32" in text and "got 'a'/'uncond': (4, 2, 4) torch.float32" in text
+    assert_unchanged(cache, before)
+    assert a.recache_latents(["uncond"], keep_sinks=False).shape == (1, 2 * CHUNK, 2, 4)  # alone: fine

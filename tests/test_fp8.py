@@ -105,6 +105,27 @@ def test_set_kv_scales_before_any_write_only_and_validated() -> None:
     assert bool((cache.pool.kv[0, 0].float()[cache.pool.kv[0, 0].float() != 0] == 2).all())
 
 
+@pytest.mark.parametrize(
+    ("scales", "got"),
+    [
+        (torch.ones(2, 2, 2, device="meta"), "dtype torch.float32 on meta"),
+        (torch.ones(2, 2, 2, dtype=torch.complex64), "dtype torch.complex64 on cpu"),
+        (torch.ones(2, 2, 2, dtype=torch.bool), "dtype torch.bool on cpu"),
+    ],
+    ids=["meta", "complex", "bool"],
+)
+def test_set_kv_scales_refuses_tensors_without_real_values(scales: torch.Tensor, got: str) -> None:
+    """A meta tensor has no values (reading them raised a bare NotImplementedError); complex / bool ones
+    were cast silently (the imaginary part dropped, True -> 1.0). Refused, the scales still uncalibrated."""
+    cache = am.KVCache(dataclasses.replace(SPEC, kv_dtype=FP8), num_pages=8, backend="reference")
+    before = cache.pool.scales.clone()
+    with pytest.raises(am.TensorMismatchError) as info:
+        cache.set_kv_scales(scales)
+    assert "set_kv_scales: expected a real-valued tensor with data" in str(info.value) and got in str(info.value)
+    assert torch.equal(cache.pool.scales, before)
+    assert not any(cache.pool.quantizer.calibrated(layer) for layer in range(SPEC.num_layers))
+
+
 def test_set_kv_scales_on_a_float_pool_is_refused() -> None:
     cache = am.KVCache(SPEC, num_pages=8, backend="reference")
     with pytest.raises(am.SpecError, match="float8"):

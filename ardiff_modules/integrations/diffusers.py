@@ -80,6 +80,9 @@ _EXTRA_HINT = "pip install 'ardiff_modules[diffusers]'"
 #: calling it) is not in diffusers' type hints, so it is used duck-typed.
 _WanModel: TypeAlias = Any
 
+#: Dtypes the model computes in (its patch embedding's weight in one of them: the latents' dtype must match).
+_COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
 #: DEBUG when processors are installed / removed; nothing is logged per forward or per block call.
 logger = logging.getLogger(__name__)
 
@@ -612,6 +615,22 @@ class PagedWanTransformer:
             raise TensorMismatchError(
                 f"PagedWanTransformer hidden_states: expected device {fwd.positions.device} (the cache's), got "
                 f"{hidden_states.device}"
+            )
+        # NOTE: checked here, not left to the patch embedding: its conv would raise a bare RuntimeError.
+        channels = int(self.model.config.in_channels)
+        if hidden_states.shape[1] != channels:
+            raise TensorMismatchError(
+                f"PagedWanTransformer hidden_states: expected [streams, C={channels} (the model's in_channels), "
+                f"F, H, W], got {tuple(hidden_states.shape)}"
+            )
+        dtype = self.model.patch_embedding.weight.dtype
+        # A storage dtype (diffusers' layerwise casting to FP8) is upcast by hooks: only a compute dtype must match.
+        if dtype in _COMPUTE_DTYPES and hidden_states.dtype != dtype and not torch.is_autocast_enabled(
+            hidden_states.device.type
+        ):
+            raise TensorMismatchError(
+                f"PagedWanTransformer hidden_states: expected dtype {dtype} (the model's; or run under autocast), "
+                f"got {hidden_states.dtype}"
             )
         if not isinstance(timestep, torch.Tensor):
             timestep = torch.as_tensor(timestep, device=hidden_states.device)

@@ -6,7 +6,8 @@
 ``functional``      :func:`chunk_attention`, :func:`cached_cross_attention`, :func:`apply_rope`, :func:`rotate`
 ``rotary``          :class:`RotaryEmbedding`, :class:`VideoRotaryEmbedding`
 ``naming``          checkpoint naming of the layers' submodules (``param_names``, ``ATTENTION_PARAM_NAMES``)
-``loading``         ``from_wan`` / ``from_diffusers``: a layer from an existing module (config + weights)
+``loading``         ``from_wan`` / ``from_diffusers``: a layer from an existing module (config + weights);
+                    the layers' checked ``load_state_dict`` (a failed load changes nothing)
 ``common``          shared checks, q / k norms, head split / merge
 ``attention``       the historical import path: re-exports the layers and their helpers
 ==================  =================================================================================

@@ -26,14 +26,14 @@ from ardiff_modules.modules.common import (
     _split_heads,
 )
 from ardiff_modules.modules.functional import cached_cross_attention
-from ardiff_modules.modules.loading import _copy_from_source, _read_source, _SourceConfig
-from ardiff_modules.modules.naming import ParamNames, _CheckpointNamed
+from ardiff_modules.modules.loading import _copy_from_source, _CheckpointLayer, _read_source, _SourceConfig
+from ardiff_modules.modules.naming import ParamNames
 from ardiff_modules.modules.self_attention import SequenceParallelHook
 from ardiff_modules.spec import _require_int
 from ardiff_modules.state import KVState
 
 
-class CachedCrossAttention(_CheckpointNamed):
+class CachedCrossAttention(_CheckpointLayer):
     """Cross-attention to a named per-session cache (e.g. ``"text"``) of projected K/V.
 
     The context is projected once per prompt with :meth:`project_kv` and published for all
@@ -167,7 +167,9 @@ class CachedCrossAttention(_CheckpointNamed):
         """A layer equal to a diffusers ``WanAttention`` cross-attention (``attn2``: ``to_q, to_k, to_v,
         to_out.0``, ``norm_q`` / ``norm_k``, ``heads``; with ``add_k_proj, add_v_proj, norm_added_k`` for
         I2V, read from ``image_cache_name``), holding a copy of its weights. With the default
-        ``param_names="diffusers"`` its ``state_dict()`` keys equal the module's."""
+        ``param_names="diffusers"`` its ``state_dict()`` keys equal the module's. Of a fused module
+        (``fuse_projections()``) the layer copies the fused ``to_kv`` / ``to_added_kv`` it runs, split into
+        ``to_k, to_v`` / ``add_k_proj, add_v_proj`` (the unfused ones may be stale or deleted)."""
         owner = "CachedCrossAttention.from_diffusers"
         if getattr(module, "is_cross_attention", True) is False:
             raise SpecError(f"{owner}: expected a cross-attention WanAttention (attn2), got a self-attention one")

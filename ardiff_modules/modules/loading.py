@@ -1,23 +1,30 @@
-"""Build a layer from an existing Wan2.1 / diffusers attention module: read its config, copy its weights.
+"""Checkpoint loading of the attention layers, in one place.
 
-What ``ChunkSelfAttention.from_wan`` / ``from_diffusers`` and ``CachedCrossAttention.from_wan`` /
-``from_diffusers`` use. Wan's and diffusers' RoPE pairs channels ``(2i, 2i + 1)``, the default layout
-of :mod:`ardiff_modules.modules.rotary`: no weight permutation.
+- Build a layer from an existing Wan2.1 / diffusers attention module: read its config, copy its weights
+  (what ``ChunkSelfAttention.from_wan`` / ``from_diffusers`` and ``CachedCrossAttention.from_wan`` /
+  ``from_diffusers`` use). Wan's and diffusers' RoPE pairs channels ``(2i, 2i + 1)``, the default layout
+  of :mod:`ardiff_modules.modules.rotary`: no weight permutation. diffusers' fused projections
+  (``fuse_projections()``: ``to_qkv`` / ``to_kv`` / ``to_added_kv``, what its processor then runs) are
+  the source of those weights, not the unfused ``to_q`` / ``to_k`` / ``to_v`` they were made from.
+- :class:`_CheckpointLayer`: the layers' ``load_state_dict`` validates the whole dict before copying any
+  tensor, so a failed load leaves the layer unchanged.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 from torch import nn
 
-from ardiff_modules.errors import SpecError, TensorMismatchError
+from ardiff_modules.errors import SpecError, StateDictMismatchError, TensorMismatchError
 from ardiff_modules.modules.common import QKNorm
 from ardiff_modules.modules.naming import (
     _DIFFUSERS_IGNORED_PREFIXES,
     ATTENTION_PARAM_NAMES,
+    PARAM_NAMES,
     _CheckpointNamed,
     _rename_attention_keys,
 )
@@ -39,7 +46,57 @@ class _SourceConfig:
     image_context_dim: int | None
 
 
-def _source_linear(owner: str, module: nn.Module, source: str, role: str) -> nn.Module | None:
+class _Projection(NamedTuple):
+    """One projection's ``weight`` ``[out, in]`` and ``bias`` ``[out]`` (or ``None``): a slice of a fused one."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
+
+#: diffusers' fused projection -> the roles it holds, in its output order (``WanAttention.fuse_projections``).
+_FUSED = {"to_qkv": ("q", "k", "v"), "to_kv": ("k", "v"), "to_added_kv": ("k_img", "v_img")}
+
+
+def _fused_projections(owner: str, module: nn.Module) -> dict[str, _Projection]:
+    """Role -> weights of a diffusers ``WanAttention`` whose projections are fused (else ``{}``).
+
+    NOTE: after ``fuse_projections()`` diffusers' processor runs ``to_qkv`` (self-attention) or
+    ``to_q`` + ``to_kv`` (cross-attention), and ``to_added_kv`` for image context; the unfused
+    ``to_k`` / ``to_v`` (...) it was made from stay registered but are no longer read, so they go
+    stale when the fused weights change (a LoRA fused into them, a fused checkpoint) or may have been
+    deleted. The fused weights are what the module computes with: they are split back here, the way
+    its processor splits their output (``.chunk(n, dim=-1)``).
+    """
+    if getattr(module, "fused_projections", False) is not True:
+        return {}
+    kind = type(module).__name__
+    names = ["to_kv" if getattr(module, "is_cross_attention", False) else "to_qkv"]
+    if getattr(module, "added_kv_proj_dim", None) is not None:
+        names.append("to_added_kv")
+    out: dict[str, _Projection] = {}
+    for name in names:
+        linear = getattr(module, name, None)
+        weight = getattr(linear, "weight", None)
+        roles = _FUSED[name]
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[0] % len(roles):
+            got = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(linear).__name__
+            raise SpecError(
+                f"{owner}: expected {kind}.{name} (fused_projections=True) to be an nn.Linear of "
+                f"{len(roles)} equal projections, got {got}"
+            )
+        bias = getattr(linear, "bias", None)
+        weights = weight.chunk(len(roles))
+        biases = bias.chunk(len(roles)) if isinstance(bias, torch.Tensor) else (None,) * len(roles)
+        out.update({role: _Projection(w, b) for role, w, b in zip(roles, weights, biases)})
+    return out
+
+
+def _source_linear(
+    owner: str, module: nn.Module, source: str, role: str, fused: Mapping[str, _Projection] | None = None
+) -> nn.Module | _Projection | None:
+    """The projection of ``role`` (an ``nn.Linear``, or a slice of a fused one in ``fused``), ``None`` if absent."""
+    if fused and role in fused:
+        return fused[role]
     path = ATTENTION_PARAM_NAMES[source][role]
     try:
         linear = module.get_submodule(path)
@@ -53,7 +110,7 @@ def _source_linear(owner: str, module: nn.Module, source: str, role: str) -> nn.
     return linear
 
 
-def _weight(linear: nn.Module) -> torch.Tensor:
+def _weight(linear: nn.Module | _Projection) -> torch.Tensor:
     """The ``weight`` of a linear :func:`_source_linear` returned (checked there to be a 2-D tensor)."""
     weight = linear.weight
     assert isinstance(weight, torch.Tensor)
@@ -97,7 +154,8 @@ def _read_source(owner: str, module: Any, source: str, heads_attr: str, cross: b
     if not isinstance(module, nn.Module):
         raise SpecError(f"{owner}: expected a {source} attention nn.Module, got {type(module).__name__}")
     kind = type(module).__name__
-    found = {role: _source_linear(owner, module, source, role) for role in ("q", "k", "v", "o")}
+    fused = _fused_projections(owner, module) if source == "diffusers" else {}
+    found = {role: _source_linear(owner, module, source, role, fused) for role in ("q", "k", "v", "o")}
     missing = [ATTENTION_PARAM_NAMES[source][r] for r, m in found.items() if m is None]
     if missing:
         raise SpecError(f"{owner}: expected a {source} attention module with {', '.join(missing)}, got {kind}")
@@ -120,7 +178,7 @@ def _read_source(owner: str, module: Any, source: str, heads_attr: str, cross: b
     kv_heads = k_w.shape[0] // head_dim
     roles = ["q", "k", "v", "o"]
     image_context_dim = None
-    img = _source_linear(owner, module, source, "k_img"), _source_linear(owner, module, source, "v_img")
+    img = _source_linear(owner, module, source, "k_img", fused), _source_linear(owner, module, source, "v_img", fused)
     if img[0] is not None or img[1] is not None:
         if not cross:
             raise SpecError(
@@ -161,6 +219,12 @@ def _copy_from_source(owner: str, layer: _Layer, module: nn.Module, source: str)
         k: v for k, v in module.state_dict().items()
         if not (source == "diffusers" and k.startswith(_DIFFUSERS_IGNORED_PREFIXES))
     }
+    if source == "diffusers":  # fused projections: their slices replace the (stale or deleted) unfused copies
+        for role, projection in _fused_projections(owner, module).items():
+            path = ATTENTION_PARAM_NAMES[source][role]
+            state[f"{path}.weight"] = projection.weight
+            if projection.bias is not None:
+                state[f"{path}.bias"] = projection.bias
     mapped = _rename_attention_keys(state, source, layer.param_names)
     expected = layer.state_dict()
     missing, unexpected = sorted(set(expected) - set(mapped)), sorted(set(mapped) - set(expected))
@@ -178,3 +242,98 @@ def _copy_from_source(owner: str, layer: _Layer, module: nn.Module, source: str)
     layer.requires_grad_(any(p.requires_grad for p in module.parameters()))
     return layer.train(module.training)
 
+
+# ---------------------------------------------------------------------------------------------- load_state_dict
+
+
+def _loads_like_stock_torch(layer: nn.Module) -> bool:
+    """Every submodule loads with ``nn.Module``'s own rules (no load hooks, no custom loader, no extra state).
+
+    Only then are the keys and shapes of ``layer.state_dict()`` exactly what ``load_state_dict`` accepts.
+    """
+    stock_load, stock_extra = nn.Module._load_from_state_dict, nn.Module.set_extra_state
+    return all(
+        type(m)._load_from_state_dict is stock_load and type(m).set_extra_state is stock_extra
+        and not m._load_state_dict_pre_hooks and not m._load_state_dict_post_hooks
+        and not m._state_dict_hooks and not m._state_dict_pre_hooks
+        for m in layer.modules()
+    )
+
+
+def _naming_hint(layer: _CheckpointNamed, keys: set[Any], expected: set[str]) -> str:
+    """A hint when ``keys`` renamed from another ``param_names`` naming (a Wan or diffusers dict) are the layer's."""
+    if not all(isinstance(k, str) for k in keys):
+        return ""
+    placeholders = dict.fromkeys(keys, torch.empty(0))  # only the keys are renamed
+    for other in PARAM_NAMES:
+        if other == layer.param_names:
+            continue
+        try:
+            renamed = set(_rename_attention_keys(placeholders, other, layer.param_names))
+        except SpecError:  # two keys collide in that naming: not it
+            continue
+        if renamed == expected:
+            return (
+                f"; renamed from {other!r} naming they match: convert_attention_state_dict(state_dict, {other!r}, "
+                f"{layer.param_names!r}), or build the layer with param_names={other!r}"
+            )
+    return ""
+
+
+def _check_state_dict(layer: _CheckpointNamed, state_dict: Any, strict: bool, assign: bool) -> None:
+    """Raise :class:`StateDictMismatchError` if ``layer.load_state_dict(state_dict, strict, assign)`` would fail.
+
+    The failures torch's loader reports only after copying every tensor that did match: with ``strict``
+    a missing or unexpected key; whatever ``strict``, a value that is not a tensor, of another shape
+    than the layer's, or (copied, ``assign=False``) a meta tensor without data.
+    """
+    owner = f"{type(layer).__name__}.load_state_dict"
+    if not isinstance(state_dict, Mapping):
+        raise StateDictMismatchError(
+            f"{owner}: expected a mapping of key -> tensor, got {type(state_dict).__name__}; nothing was loaded"
+        )
+    expected = layer.state_dict(keep_vars=True)
+    problems = []
+    if strict:
+        missing = [k for k in expected if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in expected]
+        if missing or unexpected:
+            hint = _naming_hint(layer, set(state_dict), set(expected))
+            problems.append(
+                f"the keys of this layer (param_names={layer.param_names!r}), got missing {missing}, "
+                f"unexpected {unexpected}{hint}"
+            )
+    for key, target in expected.items():
+        if key not in state_dict:
+            continue
+        value = state_dict[key]
+        if not torch.overrides.is_tensor_like(value):
+            problems.append(f"{key} to be a tensor, got {type(value).__name__}")
+        elif tuple(value.shape) != tuple(target.shape):
+            problems.append(f"{key} of shape {tuple(target.shape)}, got {tuple(value.shape)}")
+        elif not assign and value.is_meta and not target.is_meta:
+            problems.append(f"{key} to hold data (it is copied), got a meta tensor")
+    if problems:
+        raise StateDictMismatchError(f"{owner}: expected " + "; expected ".join(problems) + "; nothing was loaded")
+
+
+class _CheckpointLayer(_CheckpointNamed):
+    """The layers' base: checkpoint naming, and a ``load_state_dict`` that checks the whole dict first
+    (a failed load changes no parameter or buffer).
+
+    torch's own loader copies every tensor that matches and raises only at the end, leaving a layer
+    half-loaded after a truncated, misnamed or mis-shaped checkpoint. Semantics are otherwise torch's:
+    ``strict=False`` loads the keys present and returns the missing / unexpected ones (a shape mismatch
+    still raises), ``assign`` as in torch.
+    """
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """``nn.Module.load_state_dict``, validated first; raises :class:`StateDictMismatchError` (a
+        ``RuntimeError``, as torch's) naming the missing, unexpected and mis-shaped keys, changing nothing.
+
+        A layer with a submodule that loads by its own rules (load hooks, a custom
+        ``_load_from_state_dict`` such as a quantized Linear's) is loaded by torch as it is.
+        """
+        if _loads_like_stock_torch(self):
+            _check_state_dict(self, state_dict, strict, assign)
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)

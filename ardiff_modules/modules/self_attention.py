@@ -27,8 +27,8 @@ from ardiff_modules.modules.functional import (
     chunk_attention,
     rotate,
 )
-from ardiff_modules.modules.loading import _copy_from_source, _read_source, _SourceConfig
-from ardiff_modules.modules.naming import ParamNames, _CheckpointNamed
+from ardiff_modules.modules.loading import _copy_from_source, _CheckpointLayer, _read_source, _SourceConfig
+from ardiff_modules.modules.naming import ParamNames
 from ardiff_modules.modules.rotary import _check_inputs, _Rotary
 
 
@@ -59,7 +59,7 @@ class SequenceParallelHook(Protocol):
     def shard_kv_heads(self, t: torch.Tensor, num_heads: int, dim: int = -2) -> torch.Tensor: ...
 
 
-class ChunkSelfAttention(_CheckpointNamed):
+class ChunkSelfAttention(_CheckpointLayer):
     """Self-attention over the current chunk(s) and the cached sink + window history.
 
     Projects Q/K/V, optionally RMS-normalises Q and K, applies the RoPE hook at
@@ -143,7 +143,9 @@ class ChunkSelfAttention(_CheckpointNamed):
         to_out.0``, ``norm_q`` / ``norm_k``, ``heads``), holding a copy of its weights.
 
         With the default ``param_names="diffusers"`` the layer's ``state_dict()`` keys equal the module's
-        (fused ``to_qkv`` copies are not carried over).
+        (fused ``to_qkv`` copies are not carried over). Of a fused module (``fuse_projections()``) the
+        layer copies the fused ``to_qkv`` it runs, split into ``to_q, to_k, to_v`` (the unfused ones may
+        be stale or deleted).
         """
         owner = "ChunkSelfAttention.from_diffusers"
         if getattr(module, "is_cross_attention", False) is True:
