@@ -325,6 +325,25 @@ def test_first_chunk_equals_plain_stock_forward_and_remove_restores_it() -> None
         torch.testing.assert_close(model(x, t, prompts, return_dict=False)[0], stock, atol=0, rtol=0)
 
 
+def test_remove_in_the_middle_of_a_committing_forward_commits_nothing() -> None:
+    """Issue 24: ``remove()`` from inside the model (a hook on block 0) leaves block 1 on diffusers' own
+    processor, which never writes the cache: the commit is refused and aborted, history unchanged."""
+    model = tiny_wan(2)
+    paged, cache = streamed_setup(model)
+    state = cache.open_session()
+    g = torch.Generator().manual_seed(6)
+    for branch, p in zip(BRANCHES, torch.randn(2, TEXT_TOKENS, TEXT_DIM, generator=g)):
+        paged.set_prompt(state, branch, p[None])
+    x = torch.randn(2, 4, FRAMES, *LATENT, generator=g)
+    hook = model.blocks[0].register_forward_hook(lambda *_: paged.remove())
+    with torch.no_grad(), pytest.raises(am.IncompleteForwardError, match=r"layer\(s\) 1\b"):
+        with state.prepare_forward(BRANCHES, paged.spec.chunk_size, commit_current=True) as fwd:
+            paged(x, torch.tensor(700.0), fwd)
+    hook.remove()
+    assert state.committed_chunks("cond") == state.committed_chunks("uncond") == 0
+    assert cache.allocator.num_used == 0 and state.open_forward("cond") is None
+
+
 def test_sessions_at_different_offsets_batch_in_one_forward() -> None:
     """Two sessions whose histories differ in length (so their streams' absolute positions differ inside one
     forward) batched in one launch give each session's own single-stream outputs."""

@@ -629,8 +629,8 @@ def test_session_of_another_cache_in_a_forward():
 
 def commit_kept(state: KVState, branches: tuple[str, ...], latents: torch.Tensor) -> None:
     """One committing forward over ``branches`` that keeps ``latents`` ``[len(branches), CHUNK, ...]``."""
-    with state.prepare_forward(branches, CHUNK, commit_current=True, keep_latents=latents):
-        pass
+    with state.prepare_forward(branches, CHUNK, commit_current=True, keep_latents=latents) as fwd:
+        write_every_layer(fwd.layers)
 
 
 @pytest.mark.parametrize(
