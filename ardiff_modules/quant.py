@@ -187,17 +187,24 @@ class KVQuantizer:
             if writer is None:
                 self._kept = self._kept or self._state[layer] == "fixed"
                 return
-            if id(writer) not in self._registered:
-                self._registered[id(writer)] = writer
-                writer.on_close.append(self._finished)
-            self._writers[layer][id(writer)] = writer
+            self._record(layer, writer)
 
     def note_writes(self, layers: frozenset[int] | set[int], writer: Writer) -> None:
         """Record ``writer`` for ``layers`` written without Python running per layer (a CUDA-graph replay);
         their scales must exist (:meth:`calibrated`): a replay cannot calibrate."""
-        for layer in layers:
-            assert self._state[layer] != "open", "a replayed graph wrote an uncalibrated FP8 layer"
-            self.calibrate(layer, _NO_TENSOR, _NO_TENSOR, writer)
+        if self._kept and all(self._state[layer] == "fixed" for layer in layers):
+            return
+        with self._lock:
+            for layer in layers:
+                assert self._state[layer] != "open", "a replayed graph wrote an uncalibrated FP8 layer"
+                self._record(layer, writer)
+
+    def _record(self, layer: int, writer: Writer) -> None:
+        """``writer`` wrote ``layer`` with its current scales (under the lock); told once when it finishes."""
+        if id(writer) not in self._registered:
+            self._registered[id(writer)] = writer
+            writer.on_close.append(self._finished)
+        self._writers[layer][id(writer)] = writer
 
     def check_commit(self, writer: Writer) -> None:
         """Before ``writer`` commits: refuse (:class:`KVCalibrationError`) if the scales it would fix hold a
@@ -246,5 +253,3 @@ class KVQuantizer:
         """``(k_scale, v_scale)``, each ``[num_kv_heads]`` float32 views of the pool's scales."""
         return self.scales[layer, 0], self.scales[layer, 1]
 
-
-_NO_TENSOR = torch.empty(0)
