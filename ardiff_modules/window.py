@@ -26,7 +26,7 @@ state uses tuples of page ids), so hypothesis can hammer it in microseconds.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
@@ -91,30 +91,36 @@ def check_declared(policy: RetentionPolicy) -> tuple[int, int | None]:
     chunk sees only itself); -1, ``"3"``, ``2.5`` or ``True`` would size admission and extents
     with nonsense (a division by zero, a ``TypeError``, float page counts), so they stop here.
     """
-    name = type(policy).__name__
-    sinks = _ask(policy, "sink_chunks", lambda: policy.sink_chunks)
-    bound = _ask(policy, "max_resident_chunks", lambda: policy.max_resident_chunks)
-    require_int(f"retention policy {name}.sink_chunks", sinks, minimum=0)
-    if bound is not None:
-        require_int(f"retention policy {name}.max_resident_chunks", bound, minimum=0, what="None or an int")
-        if bound < sinks:
-            raise SpecError(
-                f"retention policy {name}.max_resident_chunks: expected None or at least sink_chunks={sinks} "
-                f"(sinks are never evicted), got {bound}"
-            )
-    return sinks, bound
-
-
-def _ask(policy: RetentionPolicy, what: str, call: Callable[[], Any]) -> Any:
-    """``call()`` (a read of the user's policy); any exception it raises becomes a :class:`SpecError`."""
     try:
-        return call()
+        sinks = policy.sink_chunks
     except ARDiffError:
         raise
-    except Exception as exc:  # NOTE: a user's bug surfaces as the library's policy error, chained
-        raise SpecError(
-            f"retention policy {type(policy).__name__}.{what}: expected an answer, got {type(exc).__name__}: {exc}"
-        ) from exc
+    except Exception as exc:
+        raise _raised(policy, "sink_chunks", exc) from exc
+    try:
+        bound = policy.max_resident_chunks
+    except ARDiffError:
+        raise
+    except Exception as exc:
+        raise _raised(policy, "max_resident_chunks", exc) from exc
+    # NOTE: `type(x) is int` on the hot path (every commit) is the cheap form of is_int (no bool).
+    if type(sinks) is int and sinks >= 0 and (bound is None or (type(bound) is int and bound >= sinks)):
+        return sinks, bound
+    name = type(policy).__name__
+    require_int(f"retention policy {name}.sink_chunks", sinks, minimum=0)
+    require_int(f"retention policy {name}.max_resident_chunks", bound, minimum=0, what="None or an int")
+    raise SpecError(
+        f"retention policy {name}.max_resident_chunks: expected None or at least sink_chunks={sinks} "
+        f"(sinks are never evicted), got {bound}"
+    )
+
+
+def _raised(policy: RetentionPolicy, what: str, exc: Exception) -> SpecError:
+    """The error for a read of the user's policy that raised ``exc`` (not a library error: those propagate)."""
+    # NOTE: a user's bug surfaces as the library's policy error, chained to the original.
+    return SpecError(
+        f"retention policy {type(policy).__name__}.{what}: expected an answer, got {type(exc).__name__}: {exc}"
+    )
 
 
 def checked_visible_indices(
@@ -128,13 +134,43 @@ def checked_visible_indices(
     (an evicted chunk never comes back), starting with the sinks, at most ``max_resident_chunks``
     of them. Host ints only, O(resident chunks): run once per branch and commit, never per layer.
     """
-    name = type(policy).__name__
     sinks, bound = check_declared(policy)
-    where = f"retention policy {name}.visible_indices({total})"
-    keep = _ask(policy, f"visible_indices({total})", lambda: policy.visible_indices(total))
-    if not isinstance(keep, Sequence) or isinstance(keep, (str, bytes, bytearray)):
-        raise SpecError(f"{where}: expected a sequence of chunk indices, got {keep!r} ({type(keep).__name__})")
-    keep = tuple(keep)
+    try:
+        answer = policy.visible_indices(total)
+    except ARDiffError:
+        raise
+    except Exception as exc:
+        raise _raised(policy, f"visible_indices({total})", exc) from exc
+    # NOTE: one pass over the answer on the hot path (every branch of every commit); the messages
+    # are only built by _refuse, when something is wrong.
+    if (type(answer) is list or type(answer) is tuple) and (bound is None or len(answer) <= bound):
+        keep = tuple(answer)
+        resident = set(resident_indices)
+        previous = -1
+        for index in keep:
+            if type(index) is not int or index <= previous or index >= total:
+                break
+            if index < num_committed and index not in resident:
+                break
+            previous = index
+        else:
+            head = min(sinks, total)
+            if head == 0 or (len(keep) >= head and keep[head - 1] == head - 1):
+                return keep
+    # Not the common form (another Sequence, an int subclass) or a breach: _refuse raises for a breach.
+    _refuse(policy, answer, total, resident_indices, num_committed, sinks, bound)
+    return tuple(int(index) for index in answer)
+
+
+def _refuse(
+    policy: RetentionPolicy, answer: Any, total: int, resident_indices: Sequence[int], num_committed: int,
+    sinks: int, bound: int | None,
+) -> None:
+    """Raise the :class:`SpecError` saying which rule ``answer`` breaks (or return if it breaks none)."""
+    where = f"retention policy {type(policy).__name__}.visible_indices({total})"
+    if not isinstance(answer, Sequence) or isinstance(answer, (str, bytes, bytearray)):
+        raise SpecError(f"{where}: expected a sequence of chunk indices, got {answer!r} ({type(answer).__name__})")
+    keep = tuple(answer)
     for position, index in enumerate(keep):
         if not is_int(index):
             raise SpecError(
@@ -169,7 +205,6 @@ def checked_visible_indices(
             f"{where}: expected at most max_resident_chunks={bound} indices (what admission and extents are "
             f"sized for), got {len(keep)}: {list(keep)}"
         )
-    return keep
 
 
 def retain(

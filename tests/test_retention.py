@@ -227,7 +227,8 @@ answers = st.one_of(
     st.lists(st.integers(-2, 12), max_size=8).map(sorted),
     st.lists(st.integers(-2, 12), max_size=8).map(lambda xs: tuple(sorted(set(xs)))),
     st.lists(st.one_of(st.integers(0, 12), st.booleans(), st.floats(0, 12), st.text(max_size=2)), max_size=4),
-    st.sampled_from([None, "012", {0, 1}, 3, b"01"]),
+    st.integers(0, 12).flatmap(lambda a: st.integers(a, 13).map(lambda b: range(a, b))),  # any Sequence
+    st.sampled_from([None, "012", {0, 1}, 3, b"01", iter([0, 1])]),
 )
 
 
@@ -260,6 +261,7 @@ def test_checker_accepts_exactly_the_contract(
     ok = contract_holds(answer, total, resident, committed, policy.sink_chunks, policy.max_resident_chunks)
     if ok:
         assert checked_visible_indices(Answers(), total, resident, committed) == tuple(answer)
+        assert retain(Answers(), resident, resident, committed, range(committed, total)).indices == tuple(answer)
     else:
         with pytest.raises(am.SpecError, match=r"^retention policy Answers\.visible_indices\(\d+\): expected"):
             checked_visible_indices(Answers(), total, resident, committed)
