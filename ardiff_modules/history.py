@@ -213,7 +213,9 @@ class BranchHistory:
     def plan_commit(self) -> Retained[PageChunk]:
         """What committing the pending chunks would do (pure: nothing changes).
 
-        With :meth:`apply_commit`, lets a forward over several branches compute every
+        Raises :class:`~ardiff_modules.errors.SpecError` when the policy breaks its contract
+        (:func:`~ardiff_modules.window.retain` checks its answer): the branch and the pool stay as
+        they were. With :meth:`apply_commit`, lets a forward over several branches compute every
         branch's commit first and apply them all with one allocator call (all or none).
         """
         return retain(self.policy, self.resident, self.resident_index, self.committed_chunks, self.pending)

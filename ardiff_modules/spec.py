@@ -14,7 +14,7 @@ from typing import Any, Literal, get_args
 
 from ardiff_modules.checks import require_int, require_positive_float
 from ardiff_modules.errors import SpecError, UnknownCacheError
-from ardiff_modules.window import RetentionPolicy, SinkWindowPolicy
+from ardiff_modules.window import RetentionPolicy, SinkWindowPolicy, check_declared
 
 #: dtype names accepted by :class:`KVCacheSpec` (resolved to torch dtypes by the pool).
 SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
@@ -238,7 +238,13 @@ class KVCacheSpec:
     def _check_retention(self, owner: str) -> None:
         if self.retention is None:
             return
-        if not isinstance(self.retention, RetentionPolicy):
+        try:
+            is_policy = isinstance(self.retention, RetentionPolicy)
+        except Exception:  # noqa: BLE001
+            # NOTE: Python 3.11's protocol check reads the properties (hasattr): one that raises is there, and
+            # check_declared below turns its error into a SpecError naming it.
+            is_policy = True
+        if not is_policy:
             raise SpecError(
                 f"{owner}.retention: expected a RetentionPolicy (sink_chunks, max_resident_chunks, "
                 f"visible_indices), got {type(self.retention).__name__}"
@@ -248,6 +254,9 @@ class KVCacheSpec:
                 f"{owner}.retention: expected sink_chunks/window_chunks left at (0, None) when a retention policy "
                 f"is given, got ({self.sink_chunks}, {self.window_chunks})"
             )
+        # NOTE: the declared counts size admission, extents and fixed buffers; a bad one is refused here,
+        # each answer of visible_indices() is checked at every commit (window.retain).
+        check_declared(self.retention)
 
     @property
     def policy(self) -> RetentionPolicy:

@@ -28,10 +28,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar, runtime_checkable
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
-from ardiff_modules.checks import require_int
-from ardiff_modules.errors import SpecError
+from ardiff_modules.checks import is_int, require_int
+from ardiff_modules.errors import ARDiffError, SpecError
 
 Chunk = TypeVar("Chunk")
 
@@ -49,10 +49,17 @@ class CommitResult(Generic[Chunk]):
 class RetentionPolicy(Protocol):
     """What stays resident after a commit.
 
-    Contract (property-tested for the policies here): ``visible_indices(n)`` is ascending, within
-    ``range(n)``, holds at most ``max_resident_chunks`` indices, always starts with
-    ``range(min(sink_chunks, n))``, and is *monotone*: ``visible_indices(n + 1)`` is a subset of
-    ``visible_indices(n) + [n]`` (an evicted chunk never comes back, so its pages can be freed).
+    Contract (property-tested for the policies here): ``sink_chunks`` is an int >= 0 and
+    ``max_resident_chunks`` ``None`` or an int >= ``sink_chunks`` (``bool`` is not an int);
+    ``visible_indices(n)`` is a sequence of strictly ascending ints within ``range(n)``, holds at
+    most ``max_resident_chunks`` indices, always starts with ``range(min(sink_chunks, n))``, and is
+    *monotone*: ``visible_indices(n + 1)`` is a subset of ``visible_indices(n) + [n]`` (an evicted
+    chunk never comes back, so its pages can be freed).
+
+    Both are checked, for any policy: the declared values when a ``KVCacheSpec`` takes the policy
+    (:func:`check_declared`), each answer at each commit (:func:`retain`). A breach raises
+    :class:`~ardiff_modules.errors.SpecError` naming the policy's class, expected and actual,
+    before the commit changed anything.
     """
 
     @property
@@ -76,6 +83,130 @@ class Retained(Generic[Chunk]):
     evicted: tuple[Chunk, ...]
 
 
+def check_declared(policy: RetentionPolicy) -> tuple[int, int | None]:
+    """``(sink_chunks, max_resident_chunks)`` a policy declares, checked: :class:`SpecError` otherwise.
+
+    ``sink_chunks``: an int >= 0; ``max_resident_chunks``: ``None`` or an int >= ``sink_chunks``
+    (the sinks are resident forever). NOTE: 0 is a valid bound (``SinkWindowPolicy(0, 0)``: each
+    chunk sees only itself); -1, ``"3"``, ``2.5`` or ``True`` would size admission and extents
+    with nonsense (a division by zero, a ``TypeError``, float page counts), so they stop here.
+    """
+    try:
+        sinks = policy.sink_chunks
+    except ARDiffError:
+        raise
+    except Exception as exc:
+        raise _raised(policy, "sink_chunks", exc) from exc
+    try:
+        bound = policy.max_resident_chunks
+    except ARDiffError:
+        raise
+    except Exception as exc:
+        raise _raised(policy, "max_resident_chunks", exc) from exc
+    # NOTE: `type(x) is int` on the hot path (every commit) is the cheap form of is_int (no bool).
+    if type(sinks) is int and sinks >= 0 and (bound is None or (type(bound) is int and bound >= sinks)):
+        return sinks, bound
+    name = type(policy).__name__
+    require_int(f"retention policy {name}.sink_chunks", sinks, minimum=0)
+    require_int(f"retention policy {name}.max_resident_chunks", bound, minimum=0, what="None or an int")
+    raise SpecError(
+        f"retention policy {name}.max_resident_chunks: expected None or at least sink_chunks={sinks} "
+        f"(sinks are never evicted), got {bound}"
+    )
+
+
+def _raised(policy: RetentionPolicy, what: str, exc: Exception) -> SpecError:
+    """The error for a read of the user's policy that raised ``exc`` (not a library error: those propagate)."""
+    # NOTE: a user's bug surfaces as the library's policy error, chained to the original.
+    return SpecError(
+        f"retention policy {type(policy).__name__}.{what}: expected an answer, got {type(exc).__name__}: {exc}"
+    )
+
+
+def checked_visible_indices(
+    policy: RetentionPolicy, total: int, resident_indices: Sequence[int], num_committed: int
+) -> tuple[int, ...]:
+    """``policy.visible_indices(total)`` after checking it against the contract (:class:`SpecError` if not).
+
+    ``resident_indices`` (ascending) are the chunks still resident among the first
+    ``num_committed``; chunks ``num_committed .. total - 1`` are the ones being committed. The
+    answer must be a sequence (not a string) of strictly ascending ints, each resident or new
+    (an evicted chunk never comes back), starting with the sinks, at most ``max_resident_chunks``
+    of them. Host ints only, O(resident chunks): run once per branch and commit, never per layer.
+    """
+    sinks, bound = check_declared(policy)
+    try:
+        answer = policy.visible_indices(total)
+    except ARDiffError:
+        raise
+    except Exception as exc:
+        raise _raised(policy, f"visible_indices({total})", exc) from exc
+    # NOTE: one pass over the answer on the hot path (every branch of every commit); the messages
+    # are only built by _refuse, when something is wrong.
+    if (type(answer) is list or type(answer) is tuple) and (bound is None or len(answer) <= bound):
+        keep = tuple(answer)
+        resident = set(resident_indices)
+        previous = -1
+        for index in keep:
+            if type(index) is not int or index <= previous or index >= total:
+                break
+            if index < num_committed and index not in resident:
+                break
+            previous = index
+        else:
+            head = min(sinks, total)
+            if head == 0 or (len(keep) >= head and keep[head - 1] == head - 1):
+                return keep
+    # Not the common form (another Sequence, an int subclass) or a breach: _refuse raises for a breach.
+    _refuse(policy, answer, total, resident_indices, num_committed, sinks, bound)
+    return tuple(int(index) for index in answer)
+
+
+def _refuse(
+    policy: RetentionPolicy, answer: Any, total: int, resident_indices: Sequence[int], num_committed: int,
+    sinks: int, bound: int | None,
+) -> None:
+    """Raise the :class:`SpecError` saying which rule ``answer`` breaks (or return if it breaks none)."""
+    where = f"retention policy {type(policy).__name__}.visible_indices({total})"
+    if not isinstance(answer, Sequence) or isinstance(answer, (str, bytes, bytearray)):
+        raise SpecError(f"{where}: expected a sequence of chunk indices, got {answer!r} ({type(answer).__name__})")
+    keep = tuple(answer)
+    for position, index in enumerate(keep):
+        if not is_int(index):
+            raise SpecError(
+                f"{where}: expected int chunk indices, got {index!r} ({type(index).__name__}) at position "
+                f"{position} of {list(keep)}"
+            )
+    for a, b in zip(keep, keep[1:]):
+        if b <= a:
+            problem = f"{a} twice" if a == b else f"{b} after {a}"
+            raise SpecError(
+                f"{where}: expected strictly ascending indices (sorted, distinct), got {list(keep)} ({problem})"
+            )
+    if keep and (keep[0] < 0 or keep[-1] >= total):
+        raise SpecError(
+            f"{where}: expected indices of the chunks it was given, in range({total}), got {list(keep)}"
+        )
+    resident = set(resident_indices)
+    back = [i for i in keep if i < num_committed and i not in resident]
+    if back:
+        raise SpecError(
+            f"{where}: expected a subset of the resident chunks and the new ones "
+            f"{sorted(resident) + list(range(num_committed, total))}, got {list(keep)}: {back} already evicted "
+            "(a policy may never bring back an evicted chunk)"
+        )
+    head = min(sinks, total)
+    if keep[:head] != tuple(range(head)):
+        raise SpecError(
+            f"{where}: expected the sink chunks {list(range(head))} first (sink_chunks={sinks}), got {list(keep)}"
+        )
+    if bound is not None and len(keep) > bound:
+        raise SpecError(
+            f"{where}: expected at most max_resident_chunks={bound} indices (what admission and extents are "
+            f"sized for), got {len(keep)}: {list(keep)}"
+        )
+
+
 def retain(
     policy: RetentionPolicy,
     resident: Sequence[Chunk],
@@ -86,18 +217,12 @@ def retain(
     """Commit ``new_chunks`` after ``num_committed`` chunks and apply ``policy`` (pure).
 
     ``resident`` / ``indices`` are the currently resident chunks and their commit indices.
-    Raises :class:`SpecError` if the policy asks to keep a chunk that was already evicted.
+    Raises :class:`SpecError` if the policy breaks its contract (see :func:`checked_visible_indices`):
+    e.g. it asks to keep a chunk that was already evicted, or more than it declared.
     """
     total = num_committed + len(new_chunks)
+    wanted = set(checked_visible_indices(policy, total, indices, num_committed))
     candidates = list(zip(indices, resident)) + list(zip(range(num_committed, total), new_chunks))
-    keep = policy.visible_indices(total)
-    wanted = set(keep)
-    available = {i for i, _ in candidates}
-    if not wanted <= available:
-        raise SpecError(
-            f"{type(policy).__name__}.visible_indices({total}): expected a subset of the resident chunks and the "
-            f"new ones {sorted(available)}, got {keep} (a policy may never bring back an evicted chunk)"
-        )
     kept = [(i, c) for i, c in candidates if i in wanted]
     return Retained(
         resident=tuple(c for _, c in kept),

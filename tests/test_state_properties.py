@@ -65,7 +65,9 @@ through any member or left open); ``with`` blocks that raise (``Exception``, a c
 ``BaseException``, ``KeyboardInterrupt``) or finish the forward inside and keep running; stale
 contexts (committed, completed, aborted, superseded, released by the LRU / ``close``); exceptions
 injected into a commit or abort (``BranchHistory.plan_commit`` on the 2nd stream,
-``PageAllocator.decref``) and a real SIGINT while a commit is applied; NaN/Inf K/V under
+``PageAllocator.decref``) and a real SIGINT while a commit is applied; a user retention policy
+breaking its contract at a commit (``tests/_policies.py``: bad types, unsorted, duplicates, an evicted
+chunk brought back, more than declared, ...: ``SpecError``, nothing changed); NaN/Inf K/V under
 ``check_finite``; ``plan()`` raising; prompt-switch re-caches (``prepare_recache`` over 1-3 sessions,
 ``keep_sinks`` either way: positions, key positions, mask, gathered K/V and write-protected sinks checked,
 then committed -- records swapped for the fresh pages -- or aborted with free order and sessions unchanged,
@@ -74,7 +76,7 @@ rollouts whose first chunk is short (image-to-video) or whose chunks vary; inval
 ``chunk_lengths`` (wrong sum, off the page grid, above ``chunk_size``, empty).
 
 Failing operations (misuse, capacity, closed session/cache, a foreign cache's session,
-a ``plan()`` that raises, a stale context, an exception injected into a commit) must
+a ``plan()`` that raises, a stale context, an exception injected into a commit, a misbehaving policy) must
 change nothing: allocator free order and refcounts, peak, pool contents, context
 registry, every transaction and every session are snapshotted before and compared after.
 Closing every session (and cache) at the end must free every page.
@@ -101,6 +103,7 @@ from typing import Any
 
 import pytest
 import torch
+from _policies import BAD_KINDS, BAD_MESSAGES, Misbehaving
 from _pool_model import PoolContents, bits, expected_visible, longest_run, same_bits, token_kv
 from hypothesis import event, settings
 from hypothesis import strategies as st
@@ -1735,6 +1738,78 @@ class SessionStateMachine(RuleBasedStateMachine):
             assert info.free == sm.cm.cache.allocator.num_free
             assert info.needed > info.free
             assert str(info.needed) in str(info) and str(info.free) in str(info)
+
+    @precondition(lambda self: self.open_sessions)
+    @rule(
+        index=st.integers(0, 8),
+        others=st.lists(st.integers(1, 2), max_size=2, unique=True),
+        branch_sets=st.lists(st.sampled_from(BRANCH_SETS), min_size=3, max_size=3),
+        kind=st.sampled_from(BAD_KINDS),
+        via=st.sampled_from(["cpc", "ctx.commit", "with"]),
+        then=st.sampled_from(["commit", "abort", "later"]),
+        shape=SHAPES_2,
+    )
+    def misbehaving_policy(
+        self, index: int, others: list[int], branch_sets: list, kind: str, via: str, then: str, shape: tuple
+    ) -> None:
+        """A user's retention policy breaks its contract at a commit (on the forward's last stream, after the
+        others' commits were computed): SpecError naming the policy, and nothing changed -- the forward stays
+        open, to commit once the policy behaves, or abort. (A finish that aborts a failed commit instead is
+        accepted too: its pending pages go, history stays; the invariants check it against the model.)"""
+        streams = self.pick_streams(self.open_sessions, index, others, branch_sets)
+        self.settle(streams, then == "commit")
+        cm = streams[0][0].cm
+        lengths = self.shape(shape)
+        if via == "with":
+            failure = self.predict_prepare(cm, streams, lengths, via="cache")
+            fn, args, kwargs = self.prepare_call(streams, lengths, True, "cache")
+            if failure is not None:
+                self.expect_failure(failure, fn, *args, **kwargs)
+                return
+            free_before, used_before = set(cm.cache.allocator.free_pages()), cm.cache.allocator.num_used
+            fwd = fn(*args, **kwargs)
+            tx = self.m_prepared(streams, lengths, True, fwd, free_before, used_before)
+        else:
+            tx = self.start_forward(streams, lengths, True, via="cache")
+            if tx is None:
+                return
+        self.run(tx, "op")
+        sm, b = streams[-1]
+        history = sm.state.history(b)
+        real = history.policy
+        bad = Misbehaving(real)
+        bad.arm(kind, resident=history.resident_index, committed=history.committed_chunks)
+
+        def call() -> None:
+            if via == "cpc":
+                sm.state.commit_paged_context(b)
+            elif via == "ctx.commit":
+                tx.ctx.commit()
+            else:
+                with tx.ctx:
+                    pass
+
+        before = self.snapshot()
+        history.policy = bad  # NOTE: this branch only; the 1st..n-1th streams' commits compute fine
+        try:
+            with pytest.raises(SpecError) as info:
+                call()
+        finally:
+            history.policy = real
+        message = str(info.value)
+        assert "retention policy Misbehaving." in message and BAD_MESSAGES[bad.applied] in message, message
+        event(f"misbehaving policy ({bad.applied}) refused at commit")
+        if tx.tx.is_open:
+            after = self.snapshot()
+            assert after == before, f"a refused commit changed state: {self.diff(before, after)}"
+        else:  # pragma: no cover - a finish that aborts a failed commit
+            assert tx.tx.status == "aborted", tx.tx.status
+            self.m_finish(tx, False)
+            return
+        if then == "commit":
+            self.finish(tx, "ctx.commit", 0)
+        elif then == "abort":
+            self.finish(tx, "ctx.abort", 0)
 
     @precondition(lambda self: any(t.is_open and t.commit for s in self.open_sessions for t in s.forward.values() if t))
     @rule(index=st.integers(0, 4 * MAX_SESSIONS), commit=st.booleans(), shape=SHAPES, with_other=st.booleans())
