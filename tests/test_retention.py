@@ -295,8 +295,9 @@ def assert_refused_unchanged(
 ) -> am.SpecError:
     """``call()`` raises SpecError naming ``matches``; the pool and every session are as before.
 
-    Today the failed commit leaves its forward open (to commit again or abort); a finish that aborts a
-    failed commit instead (``KVCache.finish_forward``) may drop its pending chunks, never history.
+    A failed commit aborts its forward (``KVCache.finish_forward``): its pending chunks are dropped (their
+    pages freed, or kept in the branch's ring with contiguous extents), history is exactly as before.
+    A caller checking a policy before committing (``abort_if_uncommittable``) would leave it open instead.
     """
     before, pool = cache_state(cache, states), cache.pool.kv.clone()
     pending = [p for s, b in fwd.transaction.members for p in s.history(b).pending_pages()]
@@ -308,12 +309,13 @@ def assert_refused_unchanged(
     after = cache_state(cache, states)
     if fwd.transaction.is_open:
         assert after == before
-    else:  # pragma: no cover - the abort-on-failed-commit finish
+    else:  # the abort-on-failed-commit finish
         assert fwd.transaction.status == "aborted"
         assert [h for h, _ in after[2]] == [h for h, _ in before[2]], "a refused commit changed history"
-        assert cache.allocator.num_used == len(cache.allocator.used_pages()) == sum(
-            1 for r in before[1] if r
-        ) - len(set(pending))
+        assert all(p == () for _, p in after[2]), "an aborted commit kept pending chunks"
+        history_pages = {p for s in states for b in cache.spec.branches for p in s.history(b).history_pages()}
+        for page, (was, now) in enumerate(zip(before[1], after[1])):  # only pending pages let go
+            assert now == was or (page in pending and page not in history_pages and now < was), (page, was, now)
     cache.allocator.check_invariants()
     return info.value
 
