@@ -2259,7 +2259,7 @@ class SessionStateMachine(RuleBasedStateMachine):
                 event("re-cache: rebuilt chunk copied into another free ring slot")
             for src, dst in zip(sm.pending[b], placed):
                 if src != dst:
-                    cm.pool.kv[:, :, list(dst)] = cm.pool.kv[:, :, list(src)]
+                    cm.pool.copy(src, dst)
             for rec, pages in zip(targets[(id(sm), b)], placed):
                 at = next(j for j, r in enumerate(sm.committed[b]) if r is rec)
                 sm.committed[b][at] = ChunkRecord(pages, rec.tokens, rec.start, cm.pool.pages(pages))
@@ -2459,6 +2459,10 @@ class FP8PoolContents(PoolContents):
             stored = quantize(x.reshape(-1, *self.kv.shape[-2:]), scale)
             self.codes[layer, kind].index_copy_(0, index, stored.view(torch.uint8).reshape(shape))
             self.kv[layer, kind].index_copy_(0, index, dequantize(stored, scale, torch.float32).reshape(shape))
+
+    def copy(self, src, dst) -> None:  # noqa: ANN001
+        super().copy(src, dst)
+        self.codes[:, :, list(dst)] = self.codes[:, :, list(src)]
 
     def mismatched_byte_pages(self, pool_kv: torch.Tensor) -> list[int]:
         """Pages whose FP8 bytes differ between the model and ``pool_kv``."""
