@@ -514,13 +514,13 @@ class KVCache:
         On commit (``ctx.commit()``, leaving ``with ctx:`` normally, ``commit_paged_context``) every
         stream's rebuilt chunks replace the old ones at once; offsets, commit indices and the window
         are unchanged, the old pages lose this session's reference (a fork keeps reading them). With
-        contiguous extents, rebuilt chunks in fresh pages are then copied (one device copy for the
-        whole forward, all layers) into the ring slots the commit frees -- the old chunk's own slot
-        when no fork shares it -- and the fresh pages are freed: pool use returns to the steady state
-        at commit and the ring stays whole. Where a fork shares the old pages the rebuilt chunk stays
-        in its fresh pages (the fork keeps the old ones) until it is evicted. On abort or an exception
-        only the re-cache's pages are released (fresh pages unallocated, ring slots free again): the
-        old history is untouched.
+        contiguous extents, rebuilt chunks in fresh pages are then copied (one host call for the whole
+        forward: all layers, K and V, a strided copy per run of pages) into the ring slots the commit
+        frees -- the old chunk's own slot when no fork shares it -- and the fresh pages are freed: pool
+        use returns to the steady state at commit and the ring stays whole. Where a fork shares the old
+        pages the rebuilt chunk stays in its fresh pages (the fork keeps the old ones) until it is
+        evicted. On abort or an exception only the re-cache's pages are released (fresh pages
+        unallocated, ring slots free again): the old history is untouched.
 
         Raises before changing anything: :class:`PendingContextError` if a stream has an open forward
         or pending chunks, :class:`SpecError` if a stream has nothing to rebuild,

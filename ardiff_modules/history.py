@@ -24,7 +24,9 @@ fills is the slot of the chunk just evicted::
 
 so a one-chunk forward's visible keys are always one contiguous token range,
 attended without paging. The extent holds one reference on each of its pages
-(the reservation); resident and pending chunks inside it hold one more.
+(the reservation); resident and pending chunks inside it hold one more. A
+re-cache fills the free slots first and, at commit, copies the rebuilt chunks
+that did not fit back into the slots it frees (:meth:`BranchHistory.plan_recache_copies`).
 """
 
 from __future__ import annotations

@@ -158,8 +158,9 @@ class KVPool:
         the copy -- a re-cache's rebuilt chunks, the very memory the copy is there to give back.
         """
         if len(src) != len(dst):
-            raise TensorMismatchError(f"KVPool.copy_pages: expected as many destinations as sources, got {len(src)} "
-                                      f"and {len(dst)}")
+            raise TensorMismatchError(
+                f"KVPool.copy_pages: expected as many destinations as sources, got {len(src)} and {len(dst)}"
+            )
         start = 0
         for i in range(1, len(src) + 1):
             if i == len(src) or src[i] != src[i - 1] + 1 or dst[i] != dst[i - 1] + 1:
