@@ -514,18 +514,28 @@ class KVCache:
         latents of each stream's rebuilt chunks -- every resident chunk (sinks + window) in commit
         order, or all but the sinks with ``keep_sinks=True`` -- concatenated along the sequence,
         ``[num_streams, seq_len, ...]`` with ``seq_len = sum(ctx.layout.chunk_lengths)``. The forward
-        writes fresh pages only and, block-causally, rebuilt chunk ``j`` attends to the kept sinks and
-        rebuilt chunks ``0..j``; ``ctx.positions`` are each chunk's original absolute positions (RoPE).
+        writes pages no chunk uses only -- with contiguous extents the branch's free ring slots first
+        (one once the window is full), then fresh pages from the pool -- and, block-causally, rebuilt
+        chunk ``j`` attends to the kept sinks and rebuilt chunks ``0..j``; ``ctx.positions`` are each
+        chunk's original absolute positions (RoPE). While it is pending it holds, per stream, the
+        rebuilt chunks' pages minus the free ring slots on top of the old history.
 
         On commit (``ctx.commit()``, leaving ``with ctx:`` normally, ``commit_paged_context``) every
         stream's rebuilt chunks replace the old ones at once; offsets, commit indices and the window
-        are unchanged, the old pages lose this session's reference (a fork keeps reading them). On
-        abort or an exception only the fresh pages are released: the old history is untouched.
+        are unchanged, the old pages lose this session's reference (a fork keeps reading them). With
+        contiguous extents, rebuilt chunks in fresh pages are then copied (one host call for the whole
+        forward: all layers, K and V, a strided copy per run of pages) into the ring slots the commit
+        frees -- the old chunk's own slot when no fork shares it -- and the fresh pages are freed: pool
+        use returns to the steady state at commit and the ring stays whole. Where a fork shares the old
+        pages the rebuilt chunk stays in its fresh pages (the fork keeps the old ones) until it is
+        evicted. On abort or an exception only the re-cache's pages are released (fresh pages
+        unallocated, ring slots free again): the old history is untouched.
 
         Raises before changing anything: :class:`PendingContextError` if a stream has an open forward
         or pending chunks, :class:`SpecError` if a stream has nothing to rebuild,
         :class:`SequenceLengthError` if batched streams' rebuilt chunk lengths differ,
-        :class:`CapacityError` if the fresh pages do not fit (old and new history coexist until commit).
+        :class:`CapacityError` if the fresh pages do not fit (old and new history coexist until commit;
+        admission keeps room for one session's re-cache at a time, :meth:`recache_reserve`).
         """
         with self._lock:
             self._check_open("prepare_recache")
@@ -538,18 +548,14 @@ class KVCache:
             num_chunks = len(chunk_pages)
             key = (tuple((state.session_id, branch) for state, branch in members), None)
             ctx = self._lookup_context(key)
-            peak = self.allocator.peak_used
-            fresh = self.allocator.allocate(len(histories) * sum(chunk_pages))
+            # NOTE: the rebuilt chunks ride as pending (abort/close/reset release them): free ring slots
+            # first, then fresh pages; no new extent (extent_pages=0): a branch without one (a fork that
+            # has not run since) rebuilds into fresh pages only.
+            reservation = Reservation(histories, chunk_pages, self.allocator, 0)
             planning = False
             try:
                 streams_layout = []
-                for s, h in enumerate(histories):
-                    pages = fresh[s * sum(chunk_pages) : (s + 1) * sum(chunk_pages)]
-                    chunks, start = [], 0
-                    for n in chunk_pages:
-                        chunks.append(tuple(pages[start : start + n]))
-                        start += n
-                    h.pending = tuple(chunks)  # NOTE: the fresh pages ride as pending: abort/close/reset free them
+                for h in histories:
                     history_pages, spans, starts = h.recache_layout_parts(keep_sinks)
                     sink_pages = len(history_pages) if self.spec.relative_sinks else 0  # the kept sinks
                     streams_layout.append(StreamLayout(history_pages, h.pending, starts[0], spans, starts, sink_pages))
@@ -562,19 +568,20 @@ class KVCache:
                 positions = self._positions(ctx, layout, False)
                 cross = self._stack_cross(ctx, members, False)
             except BaseException:
-                for h in histories:
-                    h.pending = ()
-                self.allocator.unallocate(fresh)
-                self.allocator.peak_used = peak
+                reservation.rollback()
                 if planning:
                     self._drop_half_updated_plan(ctx, "prepare_recache")
                 raise
+            reservation.keep()
             self._publish(
                 ctx, key, members, histories, plan, layout, positions, cross, True, None,
                 recache=True, keep_sinks=keep_sinks,
             )
+            assert ctx.transaction is not None
+            ctx.transaction.copy_pages = self.pool.copy_pages
             if logger.isEnabledFor(logging.DEBUG):
-                logger.debug("re-cache prepared: %s, %d fresh pages", ctx, len(fresh))
+                fresh = sum(len(h.split_pending()[1]) for h in histories)
+                logger.debug("re-cache prepared: %s, %d fresh pages", ctx, fresh)
             return ctx
 
     def _plan_request(
@@ -816,6 +823,24 @@ class KVCache:
             chunks = max(chunks, self.extent_chunks)
         return branches * chunks * self.spec.pages_per_chunk
 
+    def recache_reserve(self) -> int:
+        """Pages admission keeps free, once for the pool, so that one session can re-cache at its peak.
+
+        ``branches x (max_resident_chunks - 1) x pages_per_chunk``: the most a re-cache of one whole
+        session (every branch, sinks included) holds beyond that session's peak. An idle branch holds at
+        most ``R = max_resident_chunks`` resident chunks; the re-cache adds up to ``R`` rebuilt ones,
+        less what the peak already counts -- the pending chunk (plain paging), or the ring's free slot
+        (contiguous extents, ``R + 1`` slots). So with every open session at its peak, any *one* of them
+        can re-cache (:meth:`prepare_recache`'s capacity check passes); several sessions re-caching at the
+        same moment may not fit (:class:`CapacityError`, nothing changed: re-cache them one after another).
+        Raises :class:`SpecError` for an unbounded window.
+        """
+        self._check_open("recache_reserve")
+        resident = self.spec.max_resident_chunks
+        if resident is None:
+            raise SpecError("recache_reserve: expected a bounded window (window_chunks), got None")
+        return len(self.spec.branches) * max(0, resident - 1) * self.spec.pages_per_chunk
+
     def committed_growth(self) -> int:
         """Pages open sessions may still take before reaching their peak (admitted, not yet used).
 
@@ -826,32 +851,51 @@ class KVCache:
             return 0
         return max(0, len(self._sessions) * self.pages_per_session() - self.allocator.num_used)
 
-    def sessions_that_fit(self, pending_chunks: int = 1) -> int:
-        """How many more sessions of this spec can run to their peak alongside the open ones."""
+    def _unpromised(self, recache: bool) -> int:
+        """Free pages not promised to open sessions' peaks (nor, with ``recache``, to :meth:`recache_reserve`).
+
+        NOTE: the reserve is counted against the same promise as the peaks (``max`` with the pages in use),
+        so a re-cache in flight, whose transient is in use, does not count twice.
+        """
+        reserve = self.recache_reserve() if recache else 0
+        promised = len(self._sessions) * self.pages_per_session() + reserve
+        return self.allocator.num_free - max(0, promised - self.allocator.num_used)
+
+    def sessions_that_fit(self, pending_chunks: int = 1, *, recache: bool = True) -> int:
+        """How many more sessions of this spec can run to their peak alongside the open ones.
+
+        ``recache`` (default): also keep :meth:`recache_reserve` free, once for the pool, so that
+        every session, at its peak, can re-cache one at a time; ``False`` for a pool that never
+        re-caches (admits more sessions).
+        """
         with self._lock:
             per_session = self.pages_per_session(pending_chunks=pending_chunks)
-            available = self.allocator.num_free - self.committed_growth()
-            return max(0, available // per_session)
+            require_bool("sessions_that_fit.recache", recache)
+            return max(0, self._unpromised(recache) // per_session)
 
-    def can_admit(self, num_sessions: int = 1, pending_chunks: int = 1) -> bool:
+    def can_admit(self, num_sessions: int = 1, pending_chunks: int = 1, *, recache: bool = True) -> bool:
         """Whether ``num_sessions`` more sessions fit at their peak (see :meth:`sessions_that_fit`)."""
         require_int("can_admit.num_sessions", num_sessions, minimum=1)
-        return self.sessions_that_fit(pending_chunks) >= num_sessions
+        return self.sessions_that_fit(pending_chunks, recache=recache) >= num_sessions
 
-    def admit_session(self, session_id: str | None = None, pending_chunks: int = 1) -> KVState:
-        """Open a session only if it fits at its peak; raises :class:`CapacityError` before any change."""
+    def admit_session(
+        self, session_id: str | None = None, pending_chunks: int = 1, *, recache: bool = True
+    ) -> KVState:
+        """Open a session only if it fits at its peak (see :meth:`sessions_that_fit`); raises
+        :class:`CapacityError` before any change."""
         with self._lock:
-            return self._admit_session(session_id, pending_chunks)
+            return self._admit_session(session_id, pending_chunks, recache)
 
-    def _admit_session(self, session_id: str | None, pending_chunks: int) -> KVState:
+    def _admit_session(self, session_id: str | None, pending_chunks: int, recache: bool) -> KVState:
         self._check_open("admit_session")
         _check_session_id(session_id)
-        if not self.can_admit(1, pending_chunks):
+        if not self.can_admit(1, pending_chunks, recache=recache):
             needed = self.pages_per_session(pending_chunks=pending_chunks)
-            free = self.allocator.num_free - self.committed_growth()
+            free = self._unpromised(recache)
+            reserve = f" nor to one session's re-cache ({self.recache_reserve()} pages)" if recache else ""
             raise CapacityError(
                 f"admit_session: a session needs up to {needed} pages, only {max(free, 0)} are free and not "
-                f"promised to the {len(self._sessions)} open session(s)",
+                f"promised to the {len(self._sessions)} open session(s){reserve}",
                 needed=needed,
                 free=max(free, 0),
             )

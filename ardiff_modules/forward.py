@@ -5,7 +5,8 @@ pages are reserved and the plan is built, and is *open* until it finishes:
 
     prepare ──> open ──┬── commit   (all streams: pending -> history, eviction; a denoising
                        │             forward just completes, its pending pages kept for reuse;
-                       │             a re-cache swaps its fresh chunks in for the resident ones)
+                       │             a re-cache swaps its rebuilt chunks in for the resident ones,
+                       │             copying those in fresh pages into free ring slots)
                        ├── abort    (all streams: pending dropped, history as before)
                        └── supersede (a denoising forward replaced by the next forward
                                       of one of its streams: pending kept for reuse)
@@ -27,7 +28,8 @@ from __future__ import annotations
 
 import signal
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -62,10 +64,13 @@ class ForwardTransaction:
     commit_current: bool
     num_chunks: int
     status: Status = "open"
-    #: A prompt-switch re-cache (``KVCache.prepare_recache``): its pending chunks are fresh pages for
-    #: resident chunks, swapped in on commit (``keep_sinks``: the sinks were not rebuilt).
+    #: A prompt-switch re-cache (``KVCache.prepare_recache``): its pending chunks (free ring slots, then
+    #: fresh pages) rebuild resident chunks, swapped in on commit (``keep_sinks``: the sinks were not rebuilt).
     recache: bool = False
     keep_sinks: bool = True
+    #: A re-cache's device copy ``copy_pages(src, dst)``: page ``src[i]`` -> ``dst[i]`` in every layer, K and V
+    #: (``KVPool.copy_pages``); ``None``: rebuilt chunks are only swapped in, never copied into the ring.
+    copy_pages: Callable[[Sequence[int], Sequence[int]], None] | None = field(default=None, repr=False)
     #: Per member (batch order): clean latents of each pending chunk to keep on commit, or ``()``.
     latents: tuple[tuple[object, ...], ...] = field(default=(), repr=False)
     #: Why the forward finished, for error messages.
@@ -168,11 +173,35 @@ class ForwardTransaction:
         """Swap every stream's rebuilt chunks in for the old ones, all at once (offsets, indices unchanged).
 
         The old pages lose this branch's reference only: a fork sharing them keeps the old history.
+        With contiguous extents, a rebuilt chunk in fresh pages is then copied into a ring slot that
+        the commit leaves free -- the slot of the chunk it replaces when no fork shares that one
+        (:meth:`BranchHistory.plan_recache_copies`) -- and its fresh pages are freed: pool use is back
+        at the steady state at commit and the ring stays whole (one-chunk forwards keep their one
+        contiguous key range). One device copy call for the whole forward, host work once.
         """
-        swaps = [h.plan_recache_commit(self.keep_sinks) for h in live]  # pure: may raise, nothing changed
+        # Pure: may raise, nothing changed. References dropped are counted over every stream at once:
+        # two streams of this forward sharing old pages (a fork re-cached with its parent) both let go.
+        swaps = [h.plan_recache_commit(self.keep_sinks) for h in live]
+        released = Counter(page for _, old in swaps for page in old)
+        plans = (
+            [h.plan_recache_copies(resident, released, allocator) for h, (resident, _) in zip(live, swaps)]
+            if self.copy_pages is not None else [(resident, []) for resident, _ in swaps]
+        )
+        src = [p for _, copies in plans for fresh, _ in copies for p in fresh]
+        dst = [p for _, copies in plans for _, slot in copies for p in slot]
         with deferred_interrupts():
+            if src:
+                # NOTE: the copy comes first: if it raises, no bookkeeping changed (the forward stays open and
+                # can be aborted). It is enqueued on the current stream before any later forward's writes, so
+                # the freed fresh pages are not overwritten before it read them.
+                assert self.copy_pages is not None
+                self.copy_pages(src, dst)
+            allocator.incref(dst)  # before the decref: a slot's pages never pass through the free list
             allocator.decref(page for _, old in swaps for page in old)
-            for h, (resident, _) in zip(live, swaps):
+            # NOTE: unallocate, not decref: the fresh pages go back to the front of the free list in their
+            # allocation order, so a fully copied re-cache leaves the free list as it found it.
+            allocator.unallocate(src)
+            for h, (resident, _) in zip(live, plans):
                 h.apply_recache_commit(resident)
             self.close("committed")
 
@@ -185,8 +214,11 @@ class ForwardTransaction:
         with deferred_interrupts():
             if self.recache:
                 # NOTE: a re-cache's fresh pages are never shared (pending pages are not forked): undo
-                # their allocation exactly, so the free list is as before the re-cache too.
-                allocator.unallocate(pages)
+                # their allocation exactly, so the free list is as before the re-cache too; the ring
+                # slots it took only lose the reference it added (free slots again).
+                split = [h.split_pending() for h in live]
+                allocator.decref(p for ring, _ in split for p in ring)
+                allocator.unallocate([p for _, fresh in split for p in fresh])
             else:
                 allocator.decref(pages)
             for h in live:

@@ -24,12 +24,14 @@ fills is the slot of the chunk just evicted::
 
 so a one-chunk forward's visible keys are always one contiguous token range,
 attended without paging. The extent holds one reference on each of its pages
-(the reservation); resident and pending chunks inside it hold one more.
+(the reservation); resident and pending chunks inside it hold one more. A
+re-cache fills the free slots first and, at commit, copies the rebuilt chunks
+that did not fit back into the slots it frees (:meth:`BranchHistory.plan_recache_copies`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from ardiff_modules.allocator import PageAllocator
 from ardiff_modules.window import RetentionPolicy, Retained, retain
@@ -276,6 +278,61 @@ class BranchHistory:
             old.extend(resident[i])
             resident[i] = fresh
         return tuple(resident), old
+
+    def plan_recache_copies(
+        self, swapped: tuple[PageChunk, ...], released: Mapping[int, int], allocator: PageAllocator
+    ) -> tuple[tuple[PageChunk, ...], list[tuple[PageChunk, PageChunk]]]:
+        """Move rebuilt chunks that sit in fresh pages into ring slots free once the commit is applied (pure).
+
+        ``swapped``: :meth:`plan_recache_commit`'s resident chunks; ``released``: how many references
+        the whole commit drops from each page (every stream's old chunks). Returns the resident chunks
+        after the moves and the ``(fresh chunk, ring slot chunk)`` copies they need. A slot is free
+        after the commit when only the extent's reservation still references its pages (refcount minus
+        released == 1): the old chunk it held was this branch's alone (no fork shares it), or it was
+        already free. A rebuilt chunk takes the slot of the chunk it replaces when that one is free
+        (the resident page ids stay as they were), else the lowest free slot; with no free slot left it
+        stays in its fresh pages (the plain swap). Rebuilt chunks already in ring slots never move::
+
+            extent: [ s0 | c5 | c6 | free ]     re-cache of c5 c6 (sink kept), one free slot
+            pending:  c5' -> free slot,  c6' -> fresh pages
+            commit:   c5' stays in its slot (c5's slot frees), c6' copied into c6's slot, fresh freed
+            extent: [ s0 | free | c6' | c5' ]   the ring is whole, no page outside it
+        """
+        if not self.extent:
+            return swapped, []
+        step = self.pages_per_chunk
+        extent = set(self.extent)
+        refcount = allocator.refcount
+        free = [slot for slot in self.extent_slots() if all(refcount(p) - released.get(p, 0) == 1 for p in slot)]
+        moving = [i for i, chunk in enumerate(swapped) if chunk != self.resident[i] and chunk[0] not in extent]
+        resident = list(swapped)
+        copies: list[tuple[PageChunk, PageChunk]] = []
+        by_start = {slot[0]: slot for slot in free}
+        rest = []
+        for i in moving:  # first pass: back into the slot of the chunk it replaces
+            slot = by_start.get(self.resident[i][0])
+            if slot is None:
+                rest.append(i)
+                continue
+            free.remove(slot)
+            copies.append((resident[i], slot[: len(resident[i])]))
+            resident[i] = slot[: len(resident[i])]
+        for i in rest:  # then the lowest free slots (a shorter chunk takes a slot's first pages)
+            if not free:
+                break
+            slot = free.pop(0)
+            assert len(slot) == step and len(resident[i]) <= step
+            copies.append((resident[i], slot[: len(resident[i])]))
+            resident[i] = slot[: len(resident[i])]
+        return tuple(resident), copies
+
+    def split_pending(self) -> tuple[list[int], list[int]]:
+        """``(ring pages, fresh pages)`` of the pending chunks: those in extent slots (one reference on top
+        of the reservation) and those taken from the general pool (their only reference)."""
+        extent = set(self.extent)
+        ring = [p for chunk in self.pending if chunk and chunk[0] in extent for p in chunk]
+        fresh = [p for chunk in self.pending if not (chunk and chunk[0] in extent) for p in chunk]
+        return ring, fresh
 
     def apply_recache_commit(self, resident: tuple[PageChunk, ...]) -> None:
         """Adopt :meth:`plan_recache_commit`'s resident chunks; the caller drops the old pages' references."""

@@ -9,6 +9,7 @@ paged kernels take as a ``(k_cache, v_cache)`` tuple.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -150,6 +151,26 @@ class KVPool:
                 f"got {got}"
             )
         return pages.view(-1, pages.shape[-2], pages.shape[-1])
+
+    def copy_pages(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Copy page ``src[i]`` to page ``dst[i]`` in every layer, K and V (raw storage: FP8 bits as they are).
+
+        ``src`` and ``dst``: page ids, equally long, disjoint. Asynchronous on CUDA (no sync).
+
+        NOTE: one strided ``copy_`` per run of pages consecutive in both lists (a chunk's pages usually
+        are), not one ``index_copy_``: gathering the sources first would take a temporary as large as
+        the copy -- a re-cache's rebuilt chunks, the very memory the copy is there to give back.
+        """
+        if len(src) != len(dst):
+            raise TensorMismatchError(
+                f"KVPool.copy_pages: expected as many destinations as sources, got {len(src)} and {len(dst)}"
+            )
+        start = 0
+        for i in range(1, len(src) + 1):
+            if i == len(src) or src[i] != src[i - 1] + 1 or dst[i] != dst[i - 1] + 1:
+                n = i - start
+                self.kv[:, :, dst[start] : dst[start] + n].copy_(self.kv[:, :, src[start] : src[start] + n])
+                start = i
 
     def release(self) -> None:
         """Drop the K/V storage (``KVCache.close``); contexts still holding views keep theirs alive."""

@@ -27,7 +27,8 @@ class Reservation:
     allocator:
         The pool's allocator (capacity was checked by the caller: reserving cannot run out).
     extent_pages:
-        Pages of one contiguous extent (``0``: plain paging).
+        Pages of one contiguous extent (``0``: reserve no new extent -- plain paging, or a re-cache,
+        which fills the free slots of extents already reserved and takes the rest from the pool).
     """
 
     def __init__(
@@ -40,7 +41,7 @@ class Reservation:
         self._stale: list[tuple[tuple[int, ...], ...]] = []
         self._before: list[tuple[PageChunk, ...]] = [h.pending for h in self.histories]
         self._peak = allocator.peak_used
-        self._new_extents = [h for h in self.histories if h.needs_extent]
+        self._new_extents = [h for h in self.histories if h.needs_extent] if extent_pages else []
         self._free_order = allocator.free_pages() if self._new_extents else None
         try:
             if self._new_extents:

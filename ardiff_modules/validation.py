@@ -259,14 +259,28 @@ def check_recache_latents(members: Sequence[tuple[KVState, str]], rows: Sequence
             )
 
 
+def recache_fresh_pages(history: BranchHistory, chunk_pages: Sequence[int], allocator: PageAllocator) -> int:
+    """Pool pages a re-cache of ``history`` (idle) takes: its free ring slots hold the first rebuilt chunks.
+
+    What ``Reservation(..., extent_pages=0)`` allocates: no new extent, ``0`` slots without one.
+    """
+    return sum(chunk_pages[len(history.free_extent_slots(allocator)) :])
+
+
 def check_recache_capacity(histories: Sequence[BranchHistory], chunk_pages: Sequence[int], allocator: PageAllocator) -> None:
-    """Raise :class:`CapacityError` unless fresh pages for every rebuilt chunk of every stream fit."""
-    needed = len(histories) * sum(chunk_pages)
+    """Raise :class:`CapacityError` unless the rebuilt chunks of every stream fit: free ring slots, then fresh pages.
+
+    Consistent with admission (``KVCache.recache_reserve``): with every other session at its peak, one
+    session admitted at its peak always passes this check.
+    """
+    needed = sum(recache_fresh_pages(h, chunk_pages, allocator) for h in histories)
     if needed > allocator.num_free:
+        in_ring = len(histories) * sum(chunk_pages) - needed
         raise CapacityError(
             f"KV pool out of pages: this re-cache needs {needed} fresh pages ({len(chunk_pages)} chunk(s) of "
-            f"{list(chunk_pages)} pages for {len(histories)} stream(s)); only {allocator.num_free} of "
-            f"{allocator.num_pages} are free; the old history stays until the new one is committed",
+            f"{list(chunk_pages)} pages for {len(histories)} stream(s), {in_ring} of those pages in free ring slots); "
+            f"only {allocator.num_free} of {allocator.num_pages} are free; the old history stays until the new one "
+            "is committed: re-cache fewer sessions at a time (admission keeps room for one)",
             needed=needed,
             free=allocator.num_free,
         )

@@ -86,6 +86,10 @@ class PoolContents:
         self.kv[layer, 0].index_copy_(0, index, k.reshape(shape).to(self.kv.dtype))
         self.kv[layer, 1].index_copy_(0, index, v.reshape(shape).to(self.kv.dtype))
 
+    def copy(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Page ``src[i]`` copied to ``dst[i]``, every layer, K and V (a re-cache moving a chunk into its ring)."""
+        self.kv[:, :, list(dst)] = self.kv[:, :, list(src)]
+
     def pages(self, pages: Sequence[int]) -> torch.Tensor:
         """``[layers, 2, len(pages), page_size, heads, dim]`` (a copy)."""
         return self.kv[:, :, list(pages)].clone()

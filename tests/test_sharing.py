@@ -106,9 +106,11 @@ def test_share_sinks_and_cross_attention_between_sessions() -> None:
 def test_admission_and_stats() -> None:
     spec = _spec()
     per_session = 2 * (1 + 2 + 1) * 2  # branches x (sink + window + pending) x pages per chunk
-    cache = am.KVCache(spec, num_pages=3 * per_session + 5, backend="reference")
-    assert cache.pages_per_session() == per_session
+    reserve = 2 * (1 + 2 - 1) * 2  # once for the pool: one session's re-cache beyond its peak
+    cache = am.KVCache(spec, num_pages=3 * per_session + reserve + 5, backend="reference")
+    assert cache.pages_per_session() == per_session and cache.recache_reserve() == reserve
     assert cache.sessions_that_fit() == 3 and cache.can_admit(3) and not cache.can_admit(4)
+    assert cache.sessions_that_fit(recache=False) == 3  # 5 + 8 spare pages: not a 4th session either way
     sessions = [cache.admit_session() for _ in range(3)]
     free_before = cache.allocator.free_pages()
     with pytest.raises(am.CapacityError, match=f"needs up to {per_session} pages"):

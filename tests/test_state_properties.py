@@ -70,7 +70,8 @@ breaking its contract at a commit (``tests/_policies.py``: bad types, unsorted, 
 chunk brought back, more than declared, ...: ``SpecError``, nothing changed); NaN/Inf K/V under
 ``check_finite``; ``plan()`` raising; prompt-switch re-caches (``prepare_recache`` over 1-3 sessions,
 ``keep_sinks`` either way: positions, key positions, mask, gathered K/V and write-protected sinks checked,
-then committed -- records swapped for the fresh pages -- or aborted with free order and sessions unchanged,
+then committed -- records swapped for the rebuilt pages, those in fresh pages copied into ring slots the
+commit frees -- or aborted with free order and sessions unchanged,
 or refused unchanged); admission; ``KVCache.close()``; misuse across two caches;
 rollouts whose first chunk is short (image-to-video) or whose chunks vary; invalid
 ``chunk_lengths`` (wrong sum, off the page grid, above ``chunk_size``, empty).
@@ -1164,7 +1165,8 @@ class SessionStateMachine(RuleBasedStateMachine):
         self.sessions.append(SessionModel(state, cm))
 
     def sessions_that_fit(self, cm: CacheModel, pending_chunks: int) -> int:
-        """Admission arithmetic: sessions at peak (sinks + window + pending per branch, or the extent)."""
+        """Admission arithmetic: sessions at peak (sinks + window + pending per branch, or the extent), plus
+        the re-cache reserve."""
         resident = self.spec.sink_chunks + self.spec.window_chunks
 
         def per_session(pending: int) -> int:
@@ -1172,7 +1174,10 @@ class SessionStateMachine(RuleBasedStateMachine):
             return len(BRANCHES) * chunks * self.ppc
 
         alloc = cm.cache.allocator
-        promised = max(0, len(self.sessions_of(cm)) * per_session(1) - alloc.num_used)
+        # Once for the pool: one session's re-cache beyond its peak (every branch rebuilds R chunks, less
+        # the pending chunk / free ring slot the peak already counts).
+        reserve = len(BRANCHES) * max(0, resident - 1) * self.ppc
+        promised = max(0, len(self.sessions_of(cm)) * per_session(1) + reserve - alloc.num_used)
         return max(0, (alloc.num_free - promised) // per_session(pending_chunks))
 
     @precondition(lambda self: self.open_sessions)
@@ -2160,7 +2165,9 @@ class SessionStateMachine(RuleBasedStateMachine):
                 sinks = len(sm.committed[b][: self.spec.sink_chunks])
                 if len(records) > sinks and self.m_sink_shift(records, sm, b, sm.committed_tokens(b)):
                     return SpecError
-        need = len(streams) * sum(shapes.pop()) // self.page
+        pages = [n // self.page for n in shapes.pop()]
+        # Free ring slots take the first rebuilt chunks (a shorter chunk a slot's first pages), the pool the rest.
+        need = sum(sum(pages[len(self.free_slots(sm, b)) :]) for sm, b in streams)
         return CapacityError if need > cm.cache.allocator.num_free else None
 
     @precondition(lambda self: self.open_sessions)
@@ -2178,10 +2185,11 @@ class SessionStateMachine(RuleBasedStateMachine):
         self, index: int, others: list[int], branch_sets: list, keep_sinks: bool, pre_steps: int, via: str,
         variant: str, layers: str,
     ) -> None:
-        """Prompt-switch re-cache (``prepare_recache``): rebuild the resident chunks of 1-3 sessions into fresh
-        pages, block-causally at their original positions; commit swaps them in on every stream at once
-        (offsets, indices unchanged; a fork keeps the old pages); abort, an exception inside the block or a
-        ``plan()`` failure leave the old history bit for bit (free order included); misuse changes nothing."""
+        """Prompt-switch re-cache (``prepare_recache``): rebuild the resident chunks of 1-3 sessions into free
+        ring slots then fresh pages, block-causally at their original positions; commit swaps them in on every
+        stream at once (offsets, indices unchanged; a fork keeps the old pages), copying those in fresh pages
+        into ring slots the commit frees; abort, an exception inside the block or a ``plan()`` failure leave
+        the old history bit for bit (free order included); misuse changes nothing."""
         streams = self.pick_streams(self.open_sessions, index, others, branch_sets)
         if via == "state":  # one session
             streams = [(sm, b) for sm, b in streams if sm is streams[0][0]]
@@ -2215,7 +2223,12 @@ class SessionStateMachine(RuleBasedStateMachine):
             recs = targets[(id(sm), b)]
             new = list(sm.state.pending_chunks(b))
             assert [len(c) * self.page for c in new] == list(lengths)
-            fresh += [p for c in new for p in c]
+            slots = self.free_slots(sm, b)  # this branch's ring: no earlier stream's pending is in it
+            ring = new[: len(slots)]
+            assert ring == [slot[: len(c)] for slot, c in zip(slots, ring)], f"{b}: re-cache {new}, free slots {slots}"
+            if ring:
+                event("re-cache: a rebuilt chunk took a free ring slot")
+            fresh += [p for c in new[len(ring) :] for p in c]
             kept = [r for r in self.visible_data(sm, b) if not any(r is t for t in recs)]
             positions = [p for r in recs for p in r.positions()]
             assert ctx.positions[i].tolist() == positions, (ctx.positions[i].tolist(), positions)
@@ -2228,7 +2241,7 @@ class SessionStateMachine(RuleBasedStateMachine):
             assert torch.equal(dense[:, len(history) : len(keys)], shape.pending_mask())
             assert {p for r in kept for p in r.pages}.isdisjoint(ctx.layout.write_pages.tolist())
             sm.pending[b], sm.pending_tokens[b] = new, list(lengths)
-        assert len(set(fresh)) == len(fresh) and set(fresh) <= free_before, "re-cache pages must be fresh"
+        assert len(set(fresh)) == len(fresh) and set(fresh) <= free_before, "re-cache pages beyond the ring: fresh"
         cm.peak = max(cm.peak, used_before + len(fresh))
         # The registry (same streams -> same context, LRU), as for any forward.
         key = tuple((sm.state.session_id, b) for sm, b in streams)
@@ -2315,8 +2328,38 @@ class SessionStateMachine(RuleBasedStateMachine):
         else:
             sm0.state.commit_paged_context(b0)
         assert lib.status == "committed"
+        # References once the rebuilt chunks are swapped in (every stream's old chunks let go at once): a ring
+        # slot nobody references then is free, and a rebuilt chunk in fresh pages is copied into one -- the old
+        # chunk's own slot first, else the lowest -- its fresh pages freed.
+        after = self.chunk_references(cm)
         for sm, b in streams:
-            for rec, pages in zip(targets[(id(sm), b)], sm.pending[b]):
+            after.subtract(p for rec in targets[(id(sm), b)] for p in rec.pages)
+        for sm, b in streams:
+            ext = set(sm.extent[b] or ())
+            free = [slot for slot in self.slots_of(sm, b) if not any(after[p] for p in slot)]
+            placed = list(sm.pending[b])
+            moving = [j for j, c in enumerate(placed) if c[0] not in ext]
+            rest = []
+            for j in moving:
+                own = targets[(id(sm), b)][j].pages[0]
+                slot = next((sl for sl in free if sl[0] == own), None)
+                if slot is None:
+                    rest.append(j)
+                    continue
+                free.remove(slot)
+                placed[j] = slot[: len(placed[j])]
+                event("re-cache: rebuilt chunk copied back into its own ring slot")
+            for j in rest:
+                if not free:
+                    if ext:
+                        event("re-cache: rebuilt chunk stays outside the ring (no free slot: a fork shares the old)")
+                    continue
+                placed[j] = free.pop(0)[: len(placed[j])]
+                event("re-cache: rebuilt chunk copied into another free ring slot")
+            for src, dst in zip(sm.pending[b], placed):
+                if src != dst:
+                    cm.pool.copy(src, dst)
+            for rec, pages in zip(targets[(id(sm), b)], placed):
                 at = next(j for j, r in enumerate(sm.committed[b]) if r is rec)
                 sm.committed[b][at] = ChunkRecord(pages, rec.tokens, rec.start, cm.pool.pages(pages))
             sm.forward[b] = None
@@ -2515,6 +2558,10 @@ class FP8PoolContents(PoolContents):
             stored = quantize(x.reshape(-1, *self.kv.shape[-2:]), scale)
             self.codes[layer, kind].index_copy_(0, index, stored.view(torch.uint8).reshape(shape))
             self.kv[layer, kind].index_copy_(0, index, dequantize(stored, scale, torch.float32).reshape(shape))
+
+    def copy(self, src, dst) -> None:  # noqa: ANN001
+        super().copy(src, dst)
+        self.codes[:, :, list(dst)] = self.codes[:, :, list(src)]
 
     def mismatched_byte_pages(self, pool_kv: torch.Tensor) -> list[int]:
         """Pages whose FP8 bytes differ between the model and ``pool_kv``."""
