@@ -398,8 +398,9 @@ def test_a_policy_keeping_more_than_it_declared_is_refused_before_admission_brea
     spec = tiny_spec(Undercounts(1, 2))
     per_session = 2 * (3 + 1) * spec.pages_per_chunk
     cache = am.KVCache(spec, num_pages=3 * per_session, backend="reference")
-    assert cache.pages_per_session() == per_session and cache.sessions_that_fit() == 3
-    states = [cache.admit_session() for _ in range(3)]
+    # recache=False: these pools never re-cache (no re-cache reserve), the admission of the policy's peak alone
+    assert cache.pages_per_session() == per_session and cache.sessions_that_fit(recache=False) == 3
+    states = [cache.admit_session(recache=False) for _ in range(3)]
     streams = [(s, b) for s in states for b in spec.branches]
     for i in range(5):
         fwd = cache.prepare_forward(streams, 2, True)
@@ -423,11 +424,11 @@ def test_admission_agrees_with_a_valid_user_policy(extents: bool) -> None:
     per_session = 2 * (4 + 1) * spec.pages_per_chunk
     cache = am.KVCache(spec, num_pages=3 * per_session, backend="reference", contiguous_extents=extents)
     assert cache.pages_per_session() == per_session
-    assert cache.sessions_that_fit() == 3
-    states = [cache.admit_session(f"s{i}") for i in range(3)]
-    assert cache.sessions_that_fit() == 0 and not cache.can_admit()
+    assert cache.sessions_that_fit(recache=False) == 3  # a pool that never re-caches: no re-cache reserve
+    states = [cache.admit_session(f"s{i}", recache=False) for i in range(3)]
+    assert cache.sessions_that_fit(recache=False) == 0 and not cache.can_admit(recache=False)
     with pytest.raises(am.CapacityError):
-        cache.admit_session("one too many")
+        cache.admit_session("one too many", recache=False)
     streams = [(s, b) for s in states for b in spec.branches]
     peak_resident = 0
     for i in range(14):
