@@ -83,6 +83,16 @@ class Retained(Generic[Chunk]):
     evicted: tuple[Chunk, ...]
 
 
+def _declared(policy: object, name: str) -> object:
+    """``policy.<name>``; an exception its property raised becomes a ``SpecError`` naming it (ours pass as they are)."""
+    try:
+        return getattr(policy, name)
+    except ARDiffError:
+        raise
+    except Exception as exc:
+        raise _raised(policy, name, exc) from exc
+
+
 def check_declared(policy: RetentionPolicy) -> tuple[int, int | None]:
     """``(sink_chunks, max_resident_chunks)`` a policy declares, checked: :class:`SpecError` otherwise.
 
@@ -91,18 +101,7 @@ def check_declared(policy: RetentionPolicy) -> tuple[int, int | None]:
     chunk sees only itself); -1, ``"3"``, ``2.5`` or ``True`` would size admission and extents
     with nonsense (a division by zero, a ``TypeError``, float page counts), so they stop here.
     """
-    try:
-        sinks = policy.sink_chunks
-    except ARDiffError:
-        raise
-    except Exception as exc:
-        raise _raised(policy, "sink_chunks", exc) from exc
-    try:
-        bound = policy.max_resident_chunks
-    except ARDiffError:
-        raise
-    except Exception as exc:
-        raise _raised(policy, "max_resident_chunks", exc) from exc
+    sinks, bound = _declared(policy, "sink_chunks"), _declared(policy, "max_resident_chunks")
     # NOTE: `type(x) is int` on the hot path (every commit) is the cheap form of is_int (no bool).
     if type(sinks) is int and sinks >= 0 and (bound is None or (type(bound) is int and bound >= sinks)):
         return sinks, bound
