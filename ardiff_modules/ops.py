@@ -185,16 +185,18 @@ def kv_write_slots_op(
     enters the graph (inductor would copy it to the device each call, which a CUDA graph cannot
     capture).
     """
-    plan = PLANS.get(int(plan_id))
     index = int(layer)
+    plan = PLANS.get_for_write(int(plan_id), index, k, v)  # records the write; calibrates the pool's scales if needed
     quantizer = plan.quantizer
-    calibrating = quantizer is not None and not quantizer.calibrated(index)
-    PLANS.get_for_write(int(plan_id), index, k, v)  # records the write; calibrates the pool's scales if needed
-    if calibrating and kv_scales.data_ptr() != quantizer.scales.data_ptr():  # type: ignore[union-attr]
+    if (
+        quantizer is not None and quantizer.state(index) == "provisional"
+        and kv_scales.data_ptr() != quantizer.scales.data_ptr()
+    ):
         # NOTE: ``kv_scales`` may be the graph's functional copy of them (any backend but inductor's
-        # in-place rewrite): it must hold the calibrated values too, both for the in-graph
-        # quantization that reads it and for the copy-back at the end of the graph.
-        kv_scales[index].copy_(quantizer.scales[index])  # type: ignore[union-attr]
+        # in-place rewrite), taken before this call may have calibrated: it must hold the calibrated
+        # values too, both for the in-graph quantization that reads it and for the copy-back at the end
+        # of the graph (while the scales are provisional only: fixed ones were in the copy already).
+        kv_scales[index].copy_(quantizer.scales[index])
     slots = plan.write_slots
     return slots.clone(), torch.full((1,), index, dtype=torch.int64, device=slots.device)
 
