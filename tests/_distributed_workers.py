@@ -686,9 +686,44 @@ def check_out_of_step() -> None:
     cache.close()
 
 
+def check_ctrl_c_in_the_finish_vote() -> None:
+    """Rank 1 gets a Ctrl-C while it waits in the finish vote for rank 0 (gloo's all-reduce returns only once
+    rank 0 voted too, so rank 0 commits): rank 1 must commit as well, then raise its KeyboardInterrupt --
+    aborting there instead left the ranks a chunk apart, silently (the next forwards' numbers still agree)."""
+    import threading
+
+    from kv_writes import write_every_layer
+
+    mesh = ParallelMesh(_mesh((2,), ("cfg",)), ("cond", "uncond"), cfg_dim="cfg", sp_dim=None)
+    spec = am.KVCacheSpec(
+        num_layers=2, num_kv_heads=2, head_dim=8, chunk_size=CHUNK, page_size=PAGE, sink_chunks=1, window_chunks=2,
+        branches=("cond", "uncond"), dtype="float32",
+    )
+    cache = DistributedKVCache(spec, mesh, num_pages=64, backend="reference")
+    state = cache.open_session("ctrl-c")
+    me, branch = dist.get_rank(), mesh.local_branches[0]
+    interrupted = False
+    try:
+        with cache.prepare_forward(state, CHUNK, commit_current=True) as fwd:
+            write_every_layer(fwd.layers)
+            if me == 0:
+                time.sleep(1.5)  # rank 1 reaches the finish vote first and waits there
+            else:
+                threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+    except KeyboardInterrupt:
+        interrupted = True
+    assert interrupted == (me == 1), f"rank {me}: interrupted={interrupted}"
+    assert state.committed_chunks(branch) == 1, f"rank {me}: {state.committed_chunks(branch)} chunks committed"
+    with cache.prepare_forward(state, CHUNK, commit_current=True) as fwd:
+        write_every_layer(fwd.layers)
+    assert state.committed_chunks(branch) == 2
+    cache.close()
+
+
 def check_votes() -> None:
     check_vote_timeout()
     check_out_of_step()
+    check_ctrl_c_in_the_finish_vote()
 
 
 def check_functional(sp_size: int, heads: int, kv_heads: int) -> None:

@@ -55,6 +55,7 @@ from ardiff_modules.distributed.digest import StateDigest, _h64, check_consisten
 from ardiff_modules.distributed.errors import DistributedForwardError, RankDivergenceError
 from ardiff_modules.distributed.mesh import HOST_WORDS, ParallelMesh, Vote, check_same_vote
 from ardiff_modules.errors import SequenceLengthError, SpecError
+from ardiff_modules.forward import deferred_interrupts
 from ardiff_modules.spec import KVCacheSpec
 from ardiff_modules.state import KVState
 
@@ -423,32 +424,37 @@ class DistributedForward:
         def undo() -> None:  # where this rank's forward was already closed, only the free-queue order is reset
             self.owner._abort_streams(self.sessions if live else (), self._free_before)
 
-        rows = self.owner._vote(Vote.FINISH, self.number, 0, status, "this rank's streams were aborted", undo)
-        votes = tuple(row[3] for row in rows)
-        if all(v == _CLOSED for v in votes):
-            # Finished on every rank already (superseded, or committed / aborted on each): nothing to do.
+        # NOTE: Ctrl-C held from the finish vote until its outcome is applied on this rank (and the optional
+        # consistency check ran): gloo's all-reduce returns only once every rank voted, so an interrupt raised
+        # there would abort this rank after its peers had seen it vote to commit -- a silent half-commit that
+        # the next forward's numbers cannot see. The wait is bounded by the vote group's timeout.
+        with deferred_interrupts():
+            rows = self.owner._vote(Vote.FINISH, self.number, 0, status, "this rank's streams were aborted", undo)
+            votes = tuple(row[3] for row in rows)
+            if all(v == _CLOSED for v in votes):
+                # Finished on every rank already (superseded, or committed / aborted on each): nothing to do.
+                if self.owner.debug_checks:
+                    self.owner.check_consistency()
+                return
+            # A rank whose forward was already closed cannot commit with its peers: that counts as a failure.
+            failed = tuple(r for r, v in zip(self.owner.mesh.ranks, votes) if v != _OPEN)
+            if not failed:
+                self.owner.cache.finish_forward(transaction, True)  # checked before the vote: cannot fail now
+            else:
+                undo()
+            # Collective: every rank reaches it, whatever the vote said (a rank raising first would hang the rest).
             if self.owner.debug_checks:
                 self.owner.check_consistency()
-            return
-        # A rank whose forward was already closed cannot commit with its peers: that counts as a failure.
-        failed = tuple(r for r, v in zip(self.owner.mesh.ranks, votes) if v != _OPEN)
-        if not failed:
-            self.owner.cache.finish_forward(transaction, True)  # checked before the vote: cannot fail now
-        else:
-            undo()
-        # Collective: every rank reaches it, whatever the vote said (a rank raising first would hang the rest).
-        if self.owner.debug_checks:
-            self.owner.check_consistency()
-        if not failed:
-            return
-        if error is None:
-            raise DistributedForwardError(
-                f"forward: expected every rank to finish an open forward, got a failure (or a forward already "
-                f"finished) on rank(s) {list(failed)}; the forward was aborted on every rank (history unchanged)",
-                failed_ranks=failed,
-            )
-        if not isinstance(error, _LocalAbort):
-            raise error
+            if not failed:
+                return
+            if error is None:
+                raise DistributedForwardError(
+                    f"forward: expected every rank to finish an open forward, got a failure (or a forward already "
+                    f"finished) on rank(s) {list(failed)}; the forward was aborted on every rank (history unchanged)",
+                    failed_ranks=failed,
+                )
+            if not isinstance(error, _LocalAbort):
+                raise error
 
     def _precommit(self, transaction: Any) -> BaseException | None:
         """What could make this rank's commit fail, checked before the vote (pure; changes nothing on success)."""
