@@ -328,7 +328,7 @@ class ForwardContext:
         uncalibrated layer takes provisional scales from them (fixed if this forward commits)."""
         transaction = self.transaction
         assert transaction is not None and self.plan is not None  # check_usable ran first
-        transaction.mark_written((layer,))
+        transaction.written.add(layer)  # (not mark_written: this runs once per layer call)
         if self.plan.quantizer is not None:
             self.plan.quantizer.calibrate(layer, k, v, transaction)
 

@@ -101,16 +101,17 @@ class ForwardTransaction:
         self.written.update(layers)
 
     @contextmanager
-    def recording_writes(self) -> Iterator[set[int]]:
-        """Collect, in the yielded set, the layers written inside the block (they count for this forward too).
+    def recording_writes(self, *, executed: bool = True) -> Iterator[set[int]]:
+        """Collect, in the yielded set, the layers written inside the block.
 
-        ``CUDAGraphStep`` records what a capture wrote, so that each replay can mark the same layers.
+        ``executed=False``: the writes were only recorded, not run (a CUDA-graph capture launches
+        nothing), so they do not count for this forward; each replay of the graph marks them.
         """
         outer, self.written = self.written, set()
         try:
             yield self.written
         finally:
-            self.written = outer | self.written
+            self.written = outer | self.written if executed else outer
 
     def check_complete(self, num_layers: int) -> None:
         """Raise :class:`IncompleteForwardError` unless every layer ``0..num_layers-1`` wrote its K/V.

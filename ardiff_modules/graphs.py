@@ -135,7 +135,7 @@ class CUDAGraphStep:
             self._check_replay(captured, forward, inputs)
             for static, new in zip(captured.inputs, inputs):
                 static.copy_(new, non_blocking=True)
-            _record_replay_writes(captured, forward)
+        _record_replay_writes(captured, forward)
         captured.graph.replay()
         return captured.output.clone() if self.clone_outputs else captured.output
 
@@ -187,17 +187,18 @@ class CUDAGraphStep:
         assert transaction is not None  # check_usable ran
         static_inputs = [t.clone() for t in inputs]
         forward.cross_reads.clear()  # what this step reads, recorded by the layers as they run
-        with transaction.recording_writes() as written:
-            # Warm up on a side stream (kernel loading, autotuning, allocator pools), as PyTorch recommends.
-            # NOTE: warm-up writes this step's K/V into the pending pages (and calibrates an FP8 pool's
-            # uncalibrated layers, which a replay cannot); the replay rewrites them identically.
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(self.warmup_iters):
-                    self.fn(*static_inputs, layers)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
+        # Warm up on a side stream (kernel loading, autotuning, allocator pools), as PyTorch recommends.
+        # NOTE: warm-up writes this step's K/V into the pending pages (and calibrates an FP8 pool's
+        # uncalibrated layers, which a replay cannot); the replay rewrites them identically.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(self.warmup_iters):
+                self.fn(*static_inputs, layers)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # NOTE: the capture launches nothing: its writes count for a forward only when a replay runs them.
+        with transaction.recording_writes(executed=False) as written:
             try:
                 with torch.cuda.graph(graph, capture_error_mode=self.capture_error_mode):
                     output = self.fn(*static_inputs, layers)

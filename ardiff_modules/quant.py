@@ -39,7 +39,7 @@ from typing import Literal, Protocol
 
 import torch
 
-from ardiff_modules.errors import KVCalibrationError
+from ardiff_modules.errors import KVCalibrationError, SpecError
 
 #: Largest finite value of ``float8_e4m3fn``.
 FP8_E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
@@ -181,6 +181,13 @@ class KVQuantizer:
             return  # the steady state once something committed: nothing to set or record
         with self._lock:
             if self._state[layer] == "open":
+                if k.is_cuda and torch.cuda.is_current_stream_capturing():
+                    # NOTE: the scales would be computed inside the graph, i.e. again from every replay's K/V
+                    raise SpecError(
+                        f"FP8 calibration: expected layer {layer}'s scales to exist before a CUDA-graph capture, got "
+                        "an uncalibrated layer; warm the step up first (CUDAGraphStep(warmup_iters >= 1)) or call "
+                        "KVCache.set_kv_scales"
+                    )
                 self.scales[layer, 0].copy_(finite_amax_scale(k, self.headroom))
                 self.scales[layer, 1].copy_(finite_amax_scale(v, self.headroom))
                 self._state[layer] = "provisional" if writer is not None else "fixed"
@@ -196,11 +203,14 @@ class KVQuantizer:
             return
         with self._lock:
             for layer in layers:
-                assert self._state[layer] != "open", "a replayed graph wrote an uncalibrated FP8 layer"
+                if self._state[layer] == "open":  # CUDAGraphStep captures again first (graphs._stale)
+                    raise SpecError(f"FP8: expected layer {layer}'s scales before replaying a graph that writes it, got none")
                 self._record(layer, writer)
 
     def _record(self, layer: int, writer: Writer) -> None:
         """``writer`` wrote ``layer`` with its current scales (under the lock); told once when it finishes."""
+        if writer.status != "open":
+            return  # finished meanwhile (another thread): its listener ran already, nothing of it is kept
         if id(writer) not in self._registered:
             self._registered[id(writer)] = writer
             writer.on_close.append(self._finished)
