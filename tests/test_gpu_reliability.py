@@ -272,3 +272,25 @@ def test_fp8_graph_captured_in_an_aborted_calibrating_forward_is_captured_again(
         _self_attention_only(x, fwd.layers)
     # from x, not from the aborted 100x (same kernels on the same inputs as the eager run)
     torch.testing.assert_close(cache.pool.scales, eager_cache.pool.scales, rtol=1e-2, atol=1e-6)
+
+
+def test_a_capture_alone_writes_nothing_so_its_forward_cannot_commit() -> None:
+    """``capture()`` launches nothing: its recorded writes count only when a replay runs them (issue 24 review)."""
+    _, spec = _model_and_spec()
+    cache = am.KVCache(spec, num_pages=64, device="cuda", backend="flashinfer")
+    state = cache.open_session()
+    x = torch.randn(2, spec.chunk_size, 512, device="cuda", dtype=DTYPE)
+    step = CUDAGraphStep(_self_attention_only, warmup_iters=0)
+    with torch.no_grad():
+        fwd = state.prepare_forward(None, spec.chunk_size, True, static=True)
+        step.capture(fwd, x)
+        with pytest.raises(am.IncompleteForwardError):
+            fwd.commit()
+        with state.prepare_forward(None, spec.chunk_size, True, static=True) as fwd:
+            step(fwd, x)  # captures again (a new transaction, same context and plan) and replays: complete
+    assert state.committed_chunks("cond") == 1
+    fp8 = am.KVCache(dataclasses.replace(spec, kv_dtype="float8_e4m3fn"), num_pages=64, device="cuda",
+                     backend="flashinfer")
+    with torch.no_grad(), pytest.raises(am.SpecError, match="before a CUDA-graph capture"):
+        with fp8.open_session().prepare_forward(None, spec.chunk_size, True, static=True) as fwd:
+            CUDAGraphStep(_self_attention_only, warmup_iters=0)(fwd, x)  # nothing calibrated the layers yet
