@@ -287,7 +287,7 @@ def test_a_capture_alone_writes_nothing_so_its_forward_cannot_commit() -> None:
         with pytest.raises(am.IncompleteForwardError):
             fwd.commit()
         with state.prepare_forward(None, spec.chunk_size, True, static=True) as fwd:
-            step(fwd, x)  # captures again (a new transaction, same context and plan) and replays: complete
+            step(fwd, x)  # the next forward replays the graph: the replay records its writes, so it commits
     assert state.committed_chunks("cond") == 1
     fp8 = am.KVCache(dataclasses.replace(spec, kv_dtype="float8_e4m3fn"), num_pages=64, device="cuda",
                      backend="flashinfer")
