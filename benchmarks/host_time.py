@@ -211,8 +211,10 @@ def measure(
 
     def forward() -> tuple[Any, int | None, str]:
         fwd = state.prepare_forward(None, CHUNK, commit_current=True)
+        # NOTE: what each layer's op records (a commit needs every layer); getattr: older trees compared
+        # alternately have no such method (and no such rule)
         mark_written = getattr(fwd.transaction, "mark_written", None)
-        if mark_written is not None:  # NOTE: what each layer's op records; a commit needs every layer written
+        if mark_written is not None:
             mark_written(written)
         fwd.commit()
         return fwd.plan, kernel_plans(fwd.plan), getattr(fwd.plan, "mode", type(fwd.plan).__name__)
