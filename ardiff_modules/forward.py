@@ -101,17 +101,14 @@ class ForwardTransaction:
         self.written.update(layers)
 
     @contextmanager
-    def recording_writes(self, *, executed: bool = True) -> Iterator[set[int]]:
-        """Collect, in the yielded set, the layers written inside the block.
-
-        ``executed=False``: the writes were only recorded, not run (a CUDA-graph capture launches
-        nothing), so they do not count for this forward; each replay of the graph marks them.
-        """
+    def recording_writes(self) -> Iterator[set[int]]:
+        """Collect, in the yielded set, the layers "written" inside the block without counting them for this
+        forward: a CUDA-graph capture runs the layers' Python but launches nothing; each replay marks them."""
         outer, self.written = self.written, set()
         try:
             yield self.written
         finally:
-            self.written = outer | self.written if executed else outer
+            self.written = outer
 
     def check_complete(self, num_layers: int) -> None:
         """Raise :class:`IncompleteForwardError` unless every layer ``0..num_layers-1`` wrote its K/V.
@@ -192,9 +189,10 @@ class ForwardTransaction:
         dst = [p for _, copies in plans for _, slot in copies for p in slot]
         with deferred_interrupts():
             if src:
-                # NOTE: the copy comes first: if it raises, no bookkeeping changed (the forward stays open and
-                # can be aborted). It is enqueued on the current stream before any later forward's writes, so
-                # the freed fresh pages are not overwritten before it read them.
+                # NOTE: the copy comes first: if it raises, no bookkeeping changed and the cache aborts the
+                # forward -- but runs copied before the failure (a device error) may have overwritten old
+                # ring slots. It is enqueued on the current stream before any later forward's writes, so the
+                # freed fresh pages are not overwritten before it read them.
                 assert self.copy_pages is not None
                 self.copy_pages(src, dst)
             allocator.incref(dst)  # before the decref: a slot's pages never pass through the free list

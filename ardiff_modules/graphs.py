@@ -198,7 +198,7 @@ class CUDAGraphStep:
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # NOTE: the capture launches nothing: its writes count for a forward only when a replay runs them.
-        with transaction.recording_writes(executed=False) as written:
+        with transaction.recording_writes() as written:
             try:
                 with torch.cuda.graph(graph, capture_error_mode=self.capture_error_mode):
                     output = self.fn(*static_inputs, layers)

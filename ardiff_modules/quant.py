@@ -96,7 +96,8 @@ def amax_scale(x: torch.Tensor, headroom: float, limit: float = FP8_E4M3_MAX) ->
 def finite_amax_scale(x: torch.Tensor, headroom: float, limit: float = FP8_E4M3_MAX) -> torch.Tensor:
     """:func:`amax_scale` over the finite values of ``x`` only (NaN/Inf count as 0): what calibration uses."""
     x = x.detach()
-    return amax_scale(torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype, device=x.device)), headroom, limit)
+    finite = torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype, device=x.device))
+    return amax_scale(finite, headroom, limit)
 
 
 def quantize_query(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -204,7 +205,9 @@ class KVQuantizer:
         with self._lock:
             for layer in layers:
                 if self._state[layer] == "open":  # CUDAGraphStep captures again first (graphs._stale)
-                    raise SpecError(f"FP8: expected layer {layer}'s scales before replaying a graph that writes it, got none")
+                    raise SpecError(
+                        f"FP8: expected layer {layer}'s scales before replaying a graph that writes it, got none"
+                    )
                 self._record(layer, writer)
 
     def _record(self, layer: int, writer: Writer) -> None:
