@@ -56,7 +56,7 @@ from ardiff_modules.errors import (
     UnknownCacheError,
 )
 from ardiff_modules.spec import CrossAttentionSpec, KVCacheSpec
-from ardiff_modules.window import RetentionPolicy, SinkWindowMemoryPolicy, SinkWindowPolicy
+from ardiff_modules.core.retention import RetentionPolicy, SinkWindowMemoryPolicy, SinkWindowPolicy
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from ardiff_modules.backends.base import AttentionBackend
@@ -76,7 +76,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         chunk_attention,
         populate_cross_attention,
     )
-    from ardiff_modules.state import KVState
+    from ardiff_modules.session import KVState
 
 __version__ = "0.1.0"
 
@@ -90,7 +90,7 @@ _LAZY: dict[str, str] = {
     "FlashInferBackend": "ardiff_modules.backends.flashinfer",
     "ForwardContext": "ardiff_modules.context",
     "KVCache": "ardiff_modules.cache",
-    "KVState": "ardiff_modules.state",
+    "KVState": "ardiff_modules.session",
     "LayerContext": "ardiff_modules.context",
     "ReferenceBackend": "ardiff_modules.backends.reference",
     "RotaryEmbedding": "ardiff_modules.modules",
@@ -109,7 +109,7 @@ _MOVED: dict[str, str] = {
     "ATTENTION_PARAM_NAMES": "ardiff_modules.modules",
     "ForwardLayout": "ardiff_modules.layout",
     "KVPool": "ardiff_modules.pool",
-    "PageAllocator": "ardiff_modules.allocator",
+    "PageAllocator": "ardiff_modules.core.allocator",
     "ParamNames": "ardiff_modules.modules",
     "RopeLayout": "ardiff_modules.modules",
     "StreamLayout": "ardiff_modules.layout",

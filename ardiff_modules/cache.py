@@ -1,6 +1,6 @@
 """``KVCache``: the pool, the allocator and the backend shared by every session.
 
-It opens sessions (:class:`~ardiff_modules.state.KVState`) and prepares
+It opens sessions (:class:`~ardiff_modules.session.KVState`) and prepares
 forwards: one :meth:`KVCache.prepare_forward` call validates, allocates the
 pending chunks of every stream, builds the layout and the backend plan, and
 returns a :class:`~ardiff_modules.context.ForwardContext` whose layer contexts
@@ -20,12 +20,12 @@ from typing import cast
 
 import torch
 
-from ardiff_modules.allocator import PageAllocator
+from ardiff_modules.core.allocator import PageAllocator
 from ardiff_modules.backends import AttentionBackend, AttentionPlan, PlanRequest, resolve_backend
 from ardiff_modules.backends.segmented import plan_forward
 from ardiff_modules.checks import require_bool, require_int
 from ardiff_modules.context import ForwardContext, LayerContext
-from ardiff_modules.contexts import ContextRegistry
+from ardiff_modules.forwards.registry import ContextRegistry
 from ardiff_modules.errors import (
     ARDiffError,
     CacheClosedError,
@@ -37,14 +37,14 @@ from ardiff_modules.errors import (
     SpecError,
     TensorMismatchError,
 )
-from ardiff_modules.forward import ForwardTransaction
-from ardiff_modules.history import BranchHistory
+from ardiff_modules.core.transaction import ForwardTransaction
+from ardiff_modules.core.branch import BranchPages
 from ardiff_modules.layout import ForwardLayout, StreamLayout
 from ardiff_modules.pool import KVPool, pages_for_budget, torch_dtype
-from ardiff_modules.reservation import Reservation
+from ardiff_modules.core.reservation import Reservation
 from ardiff_modules.spec import KVCacheSpec, PendingAttention
-from ardiff_modules.state import KVState
-from ardiff_modules.validation import (
+from ardiff_modules.session import KVState
+from ardiff_modules.forwards.validation import (
     check_capacity,
     check_no_open_commit,
     check_recache_capacity,
@@ -57,7 +57,7 @@ from ardiff_modules.validation import (
     recache_chunk_pages,
     validate_streams,
 )
-from ardiff_modules.window import RetentionPolicy
+from ardiff_modules.core.retention import RetentionPolicy
 
 #: DEBUG: the cache's geometry when built, each forward prepared / committed / aborted (host side,
 #: once per forward; nothing per layer). WARNINGs of the backend choice come from ``ardiff_modules.backends``.
@@ -145,11 +145,11 @@ class KVCache:
         self._dtype = torch_dtype(spec.dtype)
         self.backend = resolve_backend(backend, self.pool.device, self._dtype, spec.head_dim, kv_dtype=self.pool.dtype)
         if contiguous_extents is None:
-            contiguous_extents = self.backend.name == "flashinfer" and spec.max_resident_chunks is not None
-        if contiguous_extents and spec.max_resident_chunks is None:
+            contiguous_extents = self.backend.name == "flashinfer" and spec.max_history_chunks is not None
+        if contiguous_extents and spec.max_history_chunks is None:
             raise SpecError("contiguous_extents=True: expected a bounded window (window_chunks), got None")
         #: Chunk slots of each branch's contiguous extent, or ``None`` for plain paging.
-        self.extent_chunks = spec.max_resident_chunks + 1 if contiguous_extents else None  # type: ignore[operator]
+        self.extent_chunks = spec.max_history_chunks + 1 if contiguous_extents else None  # type: ignore[operator]
         self._sessions: dict[str, KVState] = {}
         require_int("KVCache.max_forward_contexts", max_forward_contexts, minimum=1)
         self.max_forward_contexts = max_forward_contexts
@@ -387,7 +387,7 @@ class KVCache:
             members = validate_streams(streams, self)
             lengths = chunk_lengths_of(self.spec, seq_len, commit_current, static, chunk_lengths)
             pending = pending_attention_of(self.spec, pending_attention)
-            histories = [state.history(branch) for state, branch in members]
+            histories = [state.branch_pages(branch) for state, branch in members]
             for (state, branch), history in zip(members, histories):
                 check_no_open_commit(state, branch, history)
             if token_mask is not None:
@@ -410,7 +410,7 @@ class KVCache:
     def _reserve_and_plan(
         self,
         members: tuple[tuple[KVState, str], ...],
-        histories: list[BranchHistory],
+        histories: list[BranchPages],
         chunk_pages: list[int],
         commit_current: bool,
         token_mask: torch.Tensor | None,
@@ -454,7 +454,7 @@ class KVCache:
             )
         return ctx
 
-    def _relative_sink_pages(self, history: BranchHistory) -> int:
+    def _relative_sink_pages(self, history: BranchPages) -> int:
         """The stream's resident sink pages when sinks sit at relative positions (``0`` otherwise)."""
         return sum(map(len, history.sinks)) if self.spec.relative_sinks else 0
 
@@ -489,11 +489,11 @@ class KVCache:
         with self._lock:
             self._check_open("recache_latents")
             members = validate_streams(streams, self)
-            histories = [state.history(branch) for state, branch in members]
+            histories = [state.branch_pages(branch) for state, branch in members]
             recache_chunk_pages(members, histories, keep_sinks, idle=False)
             rows = []
             for (state, branch), h in zip(members, histories):
-                indices = [h.resident_index[i] for i in h.recache_targets(keep_sinks)]
+                indices = [h.history_index[i] for i in h.recache_targets(keep_sinks)]
                 missing = [i for i in indices if i not in h.latents]
                 if missing:
                     raise LatentsNotKeptError(
@@ -540,7 +540,7 @@ class KVCache:
         with self._lock:
             self._check_open("prepare_recache")
             members = validate_streams(streams, self)
-            histories = [state.history(branch) for state, branch in members]
+            histories = [state.branch_pages(branch) for state, branch in members]
             chunk_pages = recache_chunk_pages(members, histories, keep_sinks)
             if self.spec.relative_sinks and not keep_sinks:
                 check_recache_sinks_in_place(members, histories)
@@ -606,7 +606,7 @@ class KVCache:
         ctx: ForwardContext,
         key: tuple[tuple[tuple[str, str], ...], int | None],
         members: tuple[tuple[KVState, str], ...],
-        histories: list[BranchHistory],
+        histories: list[BranchPages],
         plan: AttentionPlan,
         layout: ForwardLayout,
         positions: tuple[torch.Tensor, torch.Tensor | None],
@@ -618,7 +618,7 @@ class KVCache:
         keep_sinks: bool = True,
     ) -> None:
         """Install the new forward: supersede open denoising forwards of its streams, open its transaction."""
-        superseded = {id(h.forward): h.forward for h in histories if isinstance(h.forward, ForwardTransaction)}
+        superseded = {id(h.transaction): h.transaction for h in histories if isinstance(h.transaction, ForwardTransaction)}
         if ctx.transaction is not None:
             superseded[id(ctx.transaction)] = ctx.transaction
         for old in superseded.values():
@@ -637,7 +637,7 @@ class KVCache:
             histories=tuple(histories), recache=recache, keep_sinks=keep_sinks,
         )
         for h in histories:
-            h.forward = transaction
+            h.transaction = transaction
         ctx.transaction = transaction
 
     def finish_forward(self, transaction: ForwardTransaction, success: bool) -> None:
@@ -647,7 +647,7 @@ class KVCache:
         :meth:`abort_if_uncommittable` passes (every layer wrote; with ``check_finite=True`` finite
         K/V; FP8 scales it would fix not degenerate). The new histories are then computed first (may
         raise: nothing changed), then applied with one allocator call and plain assignments under
-        :func:`~ardiff_modules.forward.deferred_interrupts`. Whatever a commit raises, the forward is
+        :func:`~ardiff_modules.core.transaction.deferred_interrupts`. Whatever a commit raises, the forward is
         finished (aborted) before the error propagates: a library error as it is, anything else as
         :class:`CommitFailedError` chained to it.
         """
@@ -758,7 +758,7 @@ class KVCache:
                 if transaction is not None:
                     self.finish_forward(transaction, False)
 
-    def max_visible_keys(self, histories: Sequence[BranchHistory], seq_len: int) -> int:
+    def max_visible_keys(self, histories: Sequence[BranchPages], seq_len: int) -> int:
         """Keys of the widest stream of a forward: visible history plus all ``seq_len`` pending tokens."""
         return max(len(h.history_pages()) * self.spec.page_size for h in histories) + seq_len
 
@@ -768,7 +768,7 @@ class KVCache:
         NOTE: the block-causal bound; a bidirectional forward lists fewer pages (one row per stream of
         ``resident + num_chunks`` chunks), so the same buffers serve both rules.
         """
-        resident = self.spec.max_resident_chunks
+        resident = self.spec.max_history_chunks
         assert resident is not None
         chunks = sum(resident + c for c in range(1, num_chunks + 1))
         return num_streams * chunks * self.spec.pages_per_chunk
@@ -783,7 +783,7 @@ class KVCache:
         ctx = self._forwards.get(key)
         if ctx is not None:
             return ctx  # marked most recently used only once its forward is published
-        ctx = ForwardContext(streams=key[0], handle=0, plan_id=torch.zeros((), dtype=torch.int64),
+        ctx = ForwardContext(streams=key[0], handle=0, handle_id=torch.zeros((), dtype=torch.int64),
                              chunk_size=self.spec.chunk_size, dtype=self._dtype, static=key[1] is not None,
                              owner=self)
         ctx.layers = [
@@ -811,7 +811,7 @@ class KVCache:
         Raises :class:`SpecError` for an unbounded window (no peak exists).
         """
         self._check_open("pages_per_session")
-        resident = self.spec.max_resident_chunks
+        resident = self.spec.max_history_chunks
         if resident is None:
             raise SpecError("pages_per_session: expected a bounded window (window_chunks), got None")
         require_int("pages_per_session.pending_chunks", pending_chunks, minimum=1)
@@ -826,9 +826,9 @@ class KVCache:
     def recache_reserve(self) -> int:
         """Pages admission keeps free, once for the pool, so that one session can re-cache at its peak.
 
-        ``branches x (max_resident_chunks - 1) x pages_per_chunk``: the most a re-cache of one whole
+        ``branches x (max_history_chunks - 1) x pages_per_chunk``: the most a re-cache of one whole
         session (every branch, sinks included) holds beyond that session's peak. An idle branch holds at
-        most ``R = max_resident_chunks`` resident chunks; the re-cache adds up to ``R`` rebuilt ones,
+        most ``R = max_history_chunks`` resident chunks; the re-cache adds up to ``R`` rebuilt ones,
         less what the peak already counts -- the pending chunk (plain paging), or the ring's free slot
         (contiguous extents, ``R + 1`` slots). So with every open session at its peak, any *one* of them
         can re-cache (:meth:`prepare_recache`'s capacity check passes); several sessions re-caching at the
@@ -836,7 +836,7 @@ class KVCache:
         Raises :class:`SpecError` for an unbounded window.
         """
         self._check_open("recache_reserve")
-        resident = self.spec.max_resident_chunks
+        resident = self.spec.max_history_chunks
         if resident is None:
             raise SpecError("recache_reserve: expected a bounded window (window_chunks), got None")
         return len(self.spec.branches) * max(0, resident - 1) * self.spec.pages_per_chunk
@@ -847,7 +847,7 @@ class KVCache:
         NOTE: counted over the pool, not per branch: a page shared by forks is in use once, and
         evicting it from one sharer frees nothing while another still holds it.
         """
-        if self.spec.max_resident_chunks is None:
+        if self.spec.max_history_chunks is None:
             return 0
         return max(0, len(self._sessions) * self.pages_per_session() - self.allocator.num_used)
 
@@ -909,7 +909,7 @@ class KVCache:
 
     def _stats(self) -> CacheStats:
         sessions = {
-            sid: {b: len(state.history(b).referenced_pages()) for b in state.kv_branch_names}
+            sid: {b: len(state.branch_pages(b).referenced_pages()) for b in state.kv_branch_names}
             for sid, state in self._sessions.items()
         }
         cross_bytes = sum(state.cross_attention_bytes() for state in self._sessions.values())

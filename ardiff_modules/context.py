@@ -21,7 +21,7 @@ import torch
 from ardiff_modules.backends.base import AttentionPlan
 from ardiff_modules.cross import CrossStack
 from ardiff_modules.errors import CrossAttentionNotPopulatedError, ForwardFinishedError, UnknownCacheError
-from ardiff_modules.forward import ForwardTransaction
+from ardiff_modules.core.transaction import ForwardTransaction
 from ardiff_modules.layout import ForwardLayout
 
 #: Characters of stream names a ``ForwardContext`` repr shows before eliding the rest.
@@ -92,9 +92,9 @@ class LayerContext:
     kv_scales: torch.Tensor | None = None
 
     @property
-    def plan_id(self) -> torch.Tensor:
-        """CPU int64 scalar naming this forward's plan in :data:`ardiff_modules.ops.PLANS`."""
-        return self.forward.plan_id
+    def handle_id(self) -> torch.Tensor:
+        """CPU int64 scalar naming this forward's plan in :data:`ardiff_modules.ops.HANDLES`."""
+        return self.forward.handle_id
 
     @property
     def positions(self) -> torch.Tensor:
@@ -164,7 +164,7 @@ class ForwardContext:
 
     streams: tuple[tuple[str, str], ...]
     handle: int
-    plan_id: torch.Tensor
+    handle_id: torch.Tensor
     chunk_size: int
     #: Compute dtype of q/k/v and outputs (the pool may store K/V in another ``kv_dtype``).
     dtype: torch.dtype = torch.float32

@@ -6,7 +6,7 @@ and load the checkpoint as it is. These functions rename keys when a model and a
 different namings. No weights are permuted: the package's RoPE pairs channels ``(2i, 2i + 1)`` like
 Wan and diffusers (``layout="interleaved"``, the default).
 
-Names per role (see :data:`~ardiff_modules.modules.attention.ATTENTION_PARAM_NAMES`):
+Names per role (see :data:`~ardiff_modules.modules.ATTENTION_PARAM_NAMES`):
 
 ==============  ======================  ===================  ==========================
 role            ``"ardiff"``            ``"wan"``            ``"diffusers"``
@@ -27,11 +27,11 @@ from typing import Any
 import torch
 
 from ardiff_modules.errors import SpecError
-from ardiff_modules.modules.attention import (
+from ardiff_modules.modules.naming import (
     ATTENTION_PARAM_NAMES,
     ParamNames,
-    _check_param_names,
-    _rename_attention_keys,
+    check_param_names,
+    rename_attention_keys,
 )
 
 __all__ = ["attention_key_map", "convert_attention_state_dict", "convert_wan_state_dict"]
@@ -43,8 +43,8 @@ def attention_key_map(source: ParamNames, target: ParamNames) -> dict[str, str]:
     E.g. ``attention_key_map("wan", "diffusers")["o"] == "to_out.0"``; a parameter key is
     ``<path>.weight`` / ``<path>.bias``.
     """
-    src = ATTENTION_PARAM_NAMES[_check_param_names("attention_key_map.source", source)]
-    dst = ATTENTION_PARAM_NAMES[_check_param_names("attention_key_map.target", target)]
+    src = ATTENTION_PARAM_NAMES[check_param_names("attention_key_map.source", source)]
+    dst = ATTENTION_PARAM_NAMES[check_param_names("attention_key_map.target", target)]
     return {src[role]: dst[role] for role in src}
 
 
@@ -95,12 +95,12 @@ def convert_attention_state_dict(
     """
     where = "convert_attention_state_dict"
     _check_state_dict(f"{where}.state_dict", state_dict)
-    _check_param_names(f"{where}.source", source)
-    _check_param_names(f"{where}.target", target)
+    check_param_names(f"{where}.source", source)
+    check_param_names(f"{where}.target", target)
     if modules is None:
         if rename:
             raise SpecError(f"{where}.rename: expected None without modules, got {rename!r}")
-        return _rename_attention_keys(state_dict, source, target)
+        return rename_attention_keys(state_dict, source, target)
     names = _module_names(f"{where}.modules", modules)
     rename = dict(rename or {})
     unknown = sorted(set(rename) - set(names))

@@ -18,7 +18,7 @@ import torch
 
 from ardiff_modules.errors import SpecError
 from ardiff_modules.spec import PendingAttention, _require_int, check_pending_attention
-from ardiff_modules.window import RetentionPolicy, SinkWindowMemoryPolicy, SinkWindowPolicy
+from ardiff_modules.core.retention import RetentionPolicy, SinkWindowMemoryPolicy, SinkWindowPolicy
 
 
 def _policy(
@@ -62,7 +62,7 @@ def chunk_visibility(
     policy = _policy("chunk_visibility", sink_chunks, window_chunks, policy)
     rule = check_pending_attention("chunk_visibility.pending_attention", pending_attention)
     mask = torch.zeros(num_pending, num_committed + num_pending, dtype=torch.bool)
-    mask[:, policy.visible_indices(num_committed)] = True
+    mask[:, policy.history_indices(num_committed)] = True
     pending = torch.arange(num_pending)
     mask[:, num_committed:] = True if rule == "bidirectional" else pending[None, :] <= pending[:, None]
     return mask

@@ -5,7 +5,7 @@ attend step is one opaque custom op with a fake (meta) implementation and
 explicit ``mutates_args``. Custom ops cannot take Python objects, so the plan
 is found through a *handle*: a CPU int64 scalar tensor (data, not a Python int,
 so a new forward, session or layer never specialises the compiled graph)
-resolved in the single :data:`PLANS` registry.
+resolved in the single :data:`HANDLES` registry.
 
 Under ``torch.compile`` the write leaves the opaque op (:func:`write_kv_in_graph`): inductor fuses
 it into the kernel that produces K/V (norm, RoPE, FP8 quantization, store into the pool) and the
@@ -27,7 +27,7 @@ from ardiff_modules.quant import is_quantized, quantize
 
 
 class PlanHolder(Protocol):
-    """Anything registered in :data:`PLANS`: it exposes the current plan of its forward."""
+    """Anything registered in :data:`HANDLES`: it exposes the current plan of its forward."""
 
     plan: AttentionPlan | None
 
@@ -38,7 +38,7 @@ class PlanHolder(Protocol):
         """Layer ``layer`` is about to write ``k``/``v`` into the open forward's pending pages."""
 
 
-class PlanRegistry:
+class HandleTable:
     """Maps plan handles to their holders (weakly: a dropped forward frees its entry)."""
 
     def __init__(self) -> None:
@@ -86,7 +86,7 @@ class PlanRegistry:
 
 
 #: The one registry of plans (explicit, documented; entries die with their forward contexts).
-PLANS = PlanRegistry()
+HANDLES = HandleTable()
 
 
 @torch.library.custom_op("ardiff_modules::chunk_attention", mutates_args=("kv_pool",))
@@ -96,7 +96,7 @@ def chunk_attention_op(
     v: torch.Tensor,
     kv_pool: torch.Tensor,
     layer: torch.Tensor,
-    plan_id: torch.Tensor,
+    handle_id: torch.Tensor,
     scale: float,
     q_sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -104,7 +104,7 @@ def chunk_attention_op(
 
     ``q`` is ``[tokens, heads, head_dim]`` (streams flattened, stream-major), ``k``/``v``
     ``[tokens, kv_heads, head_dim]``, ``kv_pool`` the whole pool ``[layers, 2, pages, page_size,
-    kv_heads, head_dim]``; ``layer`` and ``plan_id`` are CPU int64 scalars; ``q_sink`` (like ``q``)
+    kv_heads, head_dim]``; ``layer`` and ``handle_id`` are CPU int64 scalars; ``q_sink`` (like ``q``)
     the query that attends the sinks when they sit at relative positions. Returns
     ``[tokens, heads, head_dim_v]``.
 
@@ -113,18 +113,18 @@ def chunk_attention_op(
     corrupt the cache on CUDA. The layer index is data (a CPU tensor), so one graph serves
     every layer and reading it is not a device sync.
     """
-    plan, index, k_cache, v_cache = _resolve(kv_pool, layer, plan_id, (k, v))
+    plan, index, k_cache, v_cache = _resolve(kv_pool, layer, handle_id, (k, v))
     return cast(torch.Tensor, plan.run(q, k, v, k_cache, v_cache, scale, layer=index, **_sink_query(plan, q_sink)))
 
 
 def _resolve(
-    kv_pool: torch.Tensor, layer: torch.Tensor, plan_id: torch.Tensor,
+    kv_pool: torch.Tensor, layer: torch.Tensor, handle_id: torch.Tensor,
     writes: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[AttentionPlan, int, torch.Tensor, torch.Tensor]:
     """The open forward's plan (raises if it finished), the layer index and this layer's K and V pages;
     ``writes``: the ``(k, v)`` this call writes (recorded on the forward first)."""
     index = int(layer)
-    plan = PLANS.get(int(plan_id)) if writes is None else PLANS.get_for_write(int(plan_id), index, *writes)
+    plan = HANDLES.get(int(handle_id)) if writes is None else HANDLES.get_for_write(int(handle_id), index, *writes)
     return plan, index, kv_pool[index, 0], kv_pool[index, 1]
 
 
@@ -135,7 +135,7 @@ def _sink_query(plan: AttentionPlan, q_sink: torch.Tensor | None) -> dict[str, A
 
 
 @chunk_attention_op.register_fake
-def _chunk_attention_fake(q, k, v, kv_pool, layer, plan_id, scale, q_sink=None):  # noqa: ANN001, ANN202
+def _chunk_attention_fake(q, k, v, kv_pool, layer, handle_id, scale, q_sink=None):  # noqa: ANN001, ANN202
     return q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
 
 
@@ -146,7 +146,7 @@ def chunk_attention_lse_op(
     v: torch.Tensor,
     kv_pool: torch.Tensor,
     layer: torch.Tensor,
-    plan_id: torch.Tensor,
+    handle_id: torch.Tensor,
     scale: float,
     q_sink: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,7 +154,7 @@ def chunk_attention_lse_op(
 
     A separate op (not a flag) so the common path's schema and output stay one tensor.
     """
-    plan, index, k_cache, v_cache = _resolve(kv_pool, layer, plan_id, (k, v))
+    plan, index, k_cache, v_cache = _resolve(kv_pool, layer, handle_id, (k, v))
     return cast(
         "tuple[torch.Tensor, torch.Tensor]",
         plan.run(q, k, v, k_cache, v_cache, scale, return_lse=True, layer=index, **_sink_query(plan, q_sink)),
@@ -162,7 +162,7 @@ def chunk_attention_lse_op(
 
 
 @chunk_attention_lse_op.register_fake
-def _chunk_attention_lse_fake(q, k, v, kv_pool, layer, plan_id, scale, q_sink=None):  # noqa: ANN001, ANN202
+def _chunk_attention_lse_fake(q, k, v, kv_pool, layer, handle_id, scale, q_sink=None):  # noqa: ANN001, ANN202
     return q.new_empty((q.shape[0], q.shape[1], v.shape[2])), q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32)
 
 
@@ -172,7 +172,7 @@ def _chunk_attention_lse_fake(q, k, v, kv_pool, layer, plan_id, scale, q_sink=No
 
 @torch.library.custom_op("ardiff_modules::kv_write_slots", mutates_args=("kv_scales",))
 def kv_write_slots_op(
-    k: torch.Tensor, v: torch.Tensor, kv_scales: torch.Tensor, layer: torch.Tensor, plan_id: torch.Tensor
+    k: torch.Tensor, v: torch.Tensor, kv_scales: torch.Tensor, layer: torch.Tensor, handle_id: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gate before a compiled graph writes ``k``/``v`` ``[tokens, kv_heads, head_dim]`` into the pool.
 
@@ -186,7 +186,7 @@ def kv_write_slots_op(
     capture).
     """
     index = int(layer)
-    plan = PLANS.get_for_write(int(plan_id), index, k, v)  # records the write; calibrates the pool's scales if needed
+    plan = HANDLES.get_for_write(int(handle_id), index, k, v)  # records the write; calibrates the pool's scales if needed
     quantizer = plan.quantizer
     if (
         quantizer is not None and quantizer.state(index) == "provisional"
@@ -202,7 +202,7 @@ def kv_write_slots_op(
 
 
 @kv_write_slots_op.register_fake
-def _kv_write_slots_fake(k, v, kv_scales, layer, plan_id):  # noqa: ANN001, ANN202
+def _kv_write_slots_fake(k, v, kv_scales, layer, handle_id):  # noqa: ANN001, ANN202
     return k.new_empty((k.shape[0],), dtype=torch.int64), k.new_empty((1,), dtype=torch.int64)
 
 
@@ -212,7 +212,7 @@ def write_kv_in_graph(
     kv_pool: torch.Tensor,
     kv_scales: torch.Tensor,
     layer: torch.Tensor,
-    plan_id: torch.Tensor,
+    handle_id: torch.Tensor,
 ) -> None:
     """Write ``k``/``v`` ``[tokens, kv_heads, head_dim]`` into layer ``layer``'s pending slots of ``kv_pool``.
 
@@ -225,7 +225,7 @@ def write_kv_in_graph(
     base from the view, and inductor then clones and copies back the *whole pool* each call;
     ``tests/test_compile_write.py`` checks the generated code for that.
     """
-    slots, layer_index = torch.ops.ardiff_modules.kv_write_slots(k, v, kv_scales, layer, plan_id)
+    slots, layer_index = torch.ops.ardiff_modules.kv_write_slots(k, v, kv_scales, layer, handle_id)
     page_size = kv_pool.shape[3]
     pages, offsets = slots // page_size, slots % page_size
     if is_quantized(kv_pool.dtype):
@@ -243,18 +243,18 @@ def paged_attention_op(
     q: torch.Tensor,
     kv_pool: torch.Tensor,
     layer: torch.Tensor,
-    plan_id: torch.Tensor,
+    handle_id: torch.Tensor,
     scale: float,
     q_sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attend ``q`` ``[tokens, heads, head_dim]`` over layer ``layer`` of ``kv_pool``, whose pending
     pages already hold the current K/V (:func:`write_kv_in_graph`); ``[tokens, heads, head_dim_v]``."""
-    plan, index, k_cache, v_cache = _resolve(kv_pool, layer, plan_id)
+    plan, index, k_cache, v_cache = _resolve(kv_pool, layer, handle_id)
     return cast(torch.Tensor, plan.attend(q, k_cache, v_cache, scale, layer=index, **_sink_query(plan, q_sink)))
 
 
 @paged_attention_op.register_fake
-def _paged_attention_fake(q, kv_pool, layer, plan_id, scale, q_sink=None):  # noqa: ANN001, ANN202
+def _paged_attention_fake(q, kv_pool, layer, handle_id, scale, q_sink=None):  # noqa: ANN001, ANN202
     return q.new_empty((q.shape[0], q.shape[1], kv_pool.shape[-1]))
 
 
@@ -263,12 +263,12 @@ def paged_attention_lse_op(
     q: torch.Tensor,
     kv_pool: torch.Tensor,
     layer: torch.Tensor,
-    plan_id: torch.Tensor,
+    handle_id: torch.Tensor,
     scale: float,
     q_sink: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`paged_attention_op` that also returns the float32 ``[tokens, heads]`` natural-log LSE."""
-    plan, index, k_cache, v_cache = _resolve(kv_pool, layer, plan_id)
+    plan, index, k_cache, v_cache = _resolve(kv_pool, layer, handle_id)
     return cast(
         "tuple[torch.Tensor, torch.Tensor]",
         plan.attend(q, k_cache, v_cache, scale, return_lse=True, layer=index, **_sink_query(plan, q_sink)),
@@ -276,7 +276,7 @@ def paged_attention_lse_op(
 
 
 @paged_attention_lse_op.register_fake
-def _paged_attention_lse_fake(q, kv_pool, layer, plan_id, scale, q_sink=None):  # noqa: ANN001, ANN202
+def _paged_attention_lse_fake(q, kv_pool, layer, handle_id, scale, q_sink=None):  # noqa: ANN001, ANN202
     return (
         q.new_empty((q.shape[0], q.shape[1], kv_pool.shape[-1])),
         q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32),

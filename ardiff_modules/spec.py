@@ -14,7 +14,7 @@ from typing import Any, Literal, get_args
 
 from ardiff_modules.checks import require_int, require_positive_float
 from ardiff_modules.errors import SpecError, UnknownCacheError
-from ardiff_modules.window import RetentionPolicy, SinkWindowPolicy, check_declared
+from ardiff_modules.core.retention import RetentionPolicy, SinkWindowPolicy, check_declared
 
 #: dtype names accepted by :class:`KVCacheSpec` (resolved to torch dtypes by the pool).
 SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
@@ -129,9 +129,9 @@ class KVCacheSpec:
         ``KVCache.set_kv_scales``; FlashInfer then runs FP8 attention (FA3, queries quantized per
         forward). See :mod:`ardiff_modules.quant`.
     retention:
-        A :class:`~ardiff_modules.window.RetentionPolicy` deciding which committed chunks stay
+        A :class:`~ardiff_modules.core.retention.RetentionPolicy` deciding which committed chunks stay
         resident, instead of ``sink_chunks`` / ``window_chunks`` (leave those at their defaults),
-        e.g. :class:`~ardiff_modules.window.SinkWindowMemoryPolicy`.
+        e.g. :class:`~ardiff_modules.core.retention.SinkWindowMemoryPolicy`.
     pending_attention:
         The default rule between the pending chunks of a multi-chunk forward (a forward may override
         it: ``prepare_forward(..., pending_attention=...)``): ``"block_causal"`` (pending chunk ``c``
@@ -246,8 +246,8 @@ class KVCacheSpec:
             is_policy = True
         if not is_policy:
             raise SpecError(
-                f"{owner}.retention: expected a RetentionPolicy (sink_chunks, max_resident_chunks, "
-                f"visible_indices), got {type(self.retention).__name__}"
+                f"{owner}.retention: expected a RetentionPolicy (sink_chunks, max_history_chunks, "
+                f"history_indices), got {type(self.retention).__name__}"
             )
         if (self.sink_chunks, self.window_chunks) != (0, None):
             raise SpecError(
@@ -255,7 +255,7 @@ class KVCacheSpec:
                 f"is given, got ({self.sink_chunks}, {self.window_chunks})"
             )
         # NOTE: the declared counts size admission, extents and fixed buffers; a bad one is refused here,
-        # each answer of visible_indices() is checked at every commit (window.retain).
+        # each answer of history_indices() is checked at every commit (window.retain).
         check_declared(self.retention)
 
     @property
@@ -281,9 +281,9 @@ class KVCacheSpec:
         return self.chunk_size // self.page_size
 
     @property
-    def max_resident_chunks(self) -> int | None:
+    def max_history_chunks(self) -> int | None:
         """Most committed chunks a branch keeps (sinks + window by default), ``None`` if unbounded."""
-        return self.policy.max_resident_chunks
+        return self.policy.max_history_chunks
 
     @property
     def cross_attention_names(self) -> tuple[str, ...]:
@@ -300,7 +300,7 @@ class KVCacheSpec:
     def pages_per_branch(self, pending_chunks: int = 1) -> int | None:
         """Peak pages one branch holds: (sinks + window + pending) chunks; ``None`` if unbounded."""
         _require_int("KVCacheSpec.pages_per_branch", "pending_chunks", pending_chunks, minimum=0)
-        resident = self.max_resident_chunks
+        resident = self.max_history_chunks
         if resident is None:
             return None
         return (resident + pending_chunks) * self.pages_per_chunk

@@ -75,8 +75,8 @@ def compare(chunks: int) -> list[dict[str, Any]]:
         e, ce, se, pe = rollout(model, spec, model, backend, extents, chunks)
         c, cc, sc, pc = rollout(model, spec, comp, backend, extents, chunks)
         errs = [round(((a.float() - b.float()).norm() / b.float().norm()).item(), 4) for a, b in zip(c, e)]
-        pages = [p for ch in se.visible_chunks("cond") for p in ch]
-        pages_c = [p for ch in sc.visible_chunks("cond") for p in ch]
+        pages = [p for ch in se.history_chunks("cond") for p in ch]
+        pages_c = [p for ch in sc.history_chunks("cond") for p in ch]
         kv_e = ce.pool.kv[:, :, pages].float()
         kv_c = cc.pool.kv[:, :, pages_c].float()
         row = {

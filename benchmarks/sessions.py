@@ -63,7 +63,7 @@ def bench_sessions(shape_name: str, sessions: int, layers: int, device: Any, dty
 
     shape = SHAPES[shape_name]
     spec = _spec(shape, layers, dtype)
-    pages = sessions * spec.pages_per_chunk * (spec.max_resident_chunks + 2) * 2
+    pages = sessions * spec.pages_per_chunk * (spec.max_history_chunks + 2) * 2
     cache = am.KVCache(spec, num_pages=pages, device=device)
     states = [cache.open_session(f"s{i}") for i in range(sessions)]
     streams = [(s, b) for s in states for b in spec.branches]
@@ -77,7 +77,7 @@ def bench_sessions(shape_name: str, sessions: int, layers: int, device: Any, dty
             am.chunk_attention(x[rows], x[rows], x[rows], layer)
 
     # Fill every window (committing forwards), batched.
-    for _ in range(spec.max_resident_chunks + 1):
+    for _ in range(spec.max_history_chunks + 1):
         with cache.prepare_forward(streams, spec.chunk_size, commit_current=True) as fwd:
             run(fwd, slice(None))
 

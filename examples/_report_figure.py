@@ -8,7 +8,7 @@ as JSON), with matplotlib's object API (``Figure`` + ``FigureCanvasAgg``, no pyp
     (d) latent frames (the PNG strip), full width
 
 Panel (a) compares the paged pool (pages in use while a chunk is denoised, per branch, from
-``state.history(branch)``; total pool use from ``cache.stats()``) with a contiguous rolling buffer of
+``state.branch_pages(branch)``; total pool use from ``cache.stats()``) with a contiguous rolling buffer of
 the same visible context (per layer and branch ``sink + window + 1`` chunks, the current one included,
 allocated up front), in tokens per layer (left axis) and MiB over all layers, K and V (right axis).
 Panel (b) has one row per chunk: the keys its forward gathered and saw (``ForwardContext.to_dense()``

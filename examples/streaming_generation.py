@@ -276,13 +276,13 @@ class StreamRecorder:
     For each chunk, right after its last denoising forward (whose pending pages the commit forward reuses,
     so this is what the pool holds while the chunk is denoised and committed):
 
-    * ``pages``: per branch, ``state.history(branch)``'s resident (committed, visible) and pending pages,
+    * ``pages``: per branch, ``state.branch_pages(branch)``'s resident (committed, visible) and pending pages,
       the contiguous-extent reservation, and ``cache.stats().sessions`` (every page the branch references);
     * ``pool_pages_used``: ``cache.stats().pages_used`` (distinct pages in use in the whole pool);
     * ``visible_key_chunks``: per branch, the chunks whose keys that forward attended to: the keys that
       ``ForwardContext.to_dense()`` marks visible for the chunk's queries, mapped to chunks by
       ``key_positions()`` (absolute positions, restarting after a reset, hence ``stream_start_chunk``);
-      above ``DENSE_LIMIT`` mask elements from ``state.history(branch).history_spans()`` + the pending chunk
+      above ``DENSE_LIMIT`` mask elements from ``state.branch_pages(branch).history_spans()`` + the pending chunk
       (``visibility_source`` says which);
     * ``committed_before``: ``state.committed_chunks(branch)`` when the chunk started;
     * ``chunk_ms``: wall time of the chunk's loop body (prompt switch / reset included), this recording excluded.
@@ -317,7 +317,7 @@ class StreamRecorder:
         referenced = stats.sessions.get(self.state.session_id, {})
         row["pages"] = {}
         for b in self.branches:
-            history = self.state.history(b)
+            history = self.state.branch_pages(b)
             row["pages"][b] = {
                 "resident": len(history.history_pages()),
                 "pending": len(history.pending_pages()),
@@ -330,7 +330,7 @@ class StreamRecorder:
 
     def _visibility(self, fwd: ForwardContext, stream_start: int) -> tuple[dict[str, list[int]], str]:
         """Per branch, the (stream-numbered) chunks whose keys this one-chunk forward attended to."""
-        spans = {b: self.state.history(b).history_spans() for b in self.branches}
+        spans = {b: self.state.branch_pages(b).history_spans() for b in self.branches}
         max_keys = max(sum(tokens for _, tokens in s) for s in spans.values()) + fwd.seq_len
         out: dict[str, list[int]] = {}
         if len(fwd.streams) * fwd.seq_len * max_keys > self.DENSE_LIMIT:  # large shapes: the history's spans
@@ -355,7 +355,7 @@ class StreamRecorder:
         start = time.perf_counter()
         row = self.rows[-1]
         stats = self.cache.stats()
-        row["pages_after_commit"] = {b: len(self.state.history(b).history_pages()) for b in self.branches}
+        row["pages_after_commit"] = {b: len(self.state.branch_pages(b).history_pages()) for b in self.branches}
         row["pool_pages_after_commit"] = stats.pages_used
         self._chunk_overhead += time.perf_counter() - start
         row["chunk_ms"] = 1e3 * (time.perf_counter() - self._chunk_start - self._chunk_overhead)

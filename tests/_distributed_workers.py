@@ -194,7 +194,7 @@ def _play(runners: list[Any], events: list[tuple], device: str, dtype: torch.dty
 
 
 def _page_tables(state: am.KVState) -> dict[str, tuple]:
-    return {b: (state.visible_chunks(b), state.pending_chunks(b), state.token_offset(b)) for b in state.kv_branch_names}
+    return {b: (state.history_chunks(b), state.pending_chunks(b), state.token_offset(b)) for b in state.kv_branch_names}
 
 
 def _check_pages_identical(cache: DistributedKVCache, state: am.KVState) -> None:
@@ -266,7 +266,7 @@ def _whole_state(cache: DistributedKVCache) -> Any:
     """Every session's page tables, pending pages and extents of this rank, its free-page queue, and its kept
     forward contexts in recency order."""
     sessions = {
-        sid: {b: (st.visible_chunks(b), st.pending_chunks(b), st.token_offset(b), tuple(st.history(b).extent))
+        sid: {b: (st.history_chunks(b), st.pending_chunks(b), st.token_offset(b), tuple(st.branch_pages(b).extent))
               for b in st.kv_branch_names}
         for sid, st in sorted(cache.cache.sessions.items())
     }
@@ -495,14 +495,14 @@ def check_failures(shape: tuple[int, ...], names: tuple[str, ...], bad: int) -> 
     with torch.no_grad():
         kept = cache.prepare_forward(state, CHUNK, commit_current=False)
         parallel(mesh.scatter(x), kept.layers)
-    pending = {b: state.history(b).pending for b in mesh.local_branches}
+    pending = {b: state.branch_pages(b).pending for b in mesh.local_branches}
     try:
         cache.prepare_forward(state, CHUNK + 1, commit_current=True)
     except SequenceLengthError:
         pass
     else:
         raise AssertionError("expected a SequenceLengthError on every rank")
-    assert {b: state.history(b).pending for b in mesh.local_branches} == pending, "a failed misuse changed state"
+    assert {b: state.branch_pages(b).pending for b in mesh.local_branches} == pending, "a failed misuse changed state"
     assert kept.context.is_active, "the kept denoising forward was aborted by a misuse every rank refused"
     kept.abort()
     assert _page_tables(state) == before

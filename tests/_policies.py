@@ -5,8 +5,8 @@ the contract written independently as a predicate.
   ``evens`` even-indexed chunks; bounded, monotone, not one of the shipped policies.
 * :class:`Misbehaving` -- wraps a valid policy and, once armed, breaks the contract in one way
   (:data:`BAD_KINDS`) at its ``on_call``-th answer, then behaves again.
-* :func:`contract_holds` -- whether an answer of ``visible_indices`` keeps the contract of
-  ``ardiff_modules.window.RetentionPolicy`` (list operations, not the library's checker).
+* :func:`contract_holds` -- whether an answer of ``history_indices`` keeps the contract of
+  ``ardiff_modules.core.retention.RetentionPolicy`` (list operations, not the library's checker).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ardiff_modules.window import RetentionPolicy
+from ardiff_modules.core.retention import RetentionPolicy
 
 #: Ways :class:`Misbehaving` breaks the contract (the first 14 change the answer, ``declared`` the declaration).
 BAD_KINDS = (
@@ -34,11 +34,11 @@ BAD_MESSAGES = {
     "unsorted": "strictly ascending",
     "duplicate": "twice",
     "resurrect": "never bring back an evicted chunk",
-    "too_many": "expected at most max_resident_chunks=",
+    "too_many": "expected at most max_history_chunks=",
     "not_offered": "in range(",
     "no_sinks": "first (sink_chunks=",
     "raises": "TypeError: a bug in the user's policy",
-    "declared": "max_resident_chunks: expected None or an int >= 0, got -1",
+    "declared": "max_history_chunks: expected None or an int >= 0, got -1",
 }
 
 
@@ -53,10 +53,10 @@ class EvenMemoryPolicy:
     evens: int
 
     @property
-    def max_resident_chunks(self) -> int:
+    def max_history_chunks(self) -> int:
         return self.sink_chunks + self.evens + 1
 
-    def visible_indices(self, num_committed: int) -> list[int]:
+    def history_indices(self, num_committed: int) -> list[int]:
         sinks = min(self.sink_chunks, num_committed)
         evens = [i for i in range(sinks, num_committed) if i % 2 == 0]
         keep = set(range(sinks)) | set(evens[len(evens) - self.evens :] if self.evens else ())
@@ -80,13 +80,13 @@ class Misbehaving:
         self.applied: str | None = None
         self.calls = 0
         self.on_call = 1
-        self.resident: tuple[int, ...] = ()
+        self.history: tuple[int, ...] = ()
         self.committed = 0
 
     def arm(self, kind: str, *, resident: Sequence[int], committed: int, on_call: int = 1) -> None:
         assert kind in BAD_KINDS, kind
         self.kind, self.applied, self.calls, self.on_call = kind, None, 0, on_call
-        self.resident, self.committed = tuple(resident), committed
+        self.history, self.committed = tuple(resident), committed
 
     def disarm(self) -> None:
         self.kind = None
@@ -96,14 +96,14 @@ class Misbehaving:
         return self.base.sink_chunks
 
     @property
-    def max_resident_chunks(self) -> Any:
+    def max_history_chunks(self) -> Any:
         if self.kind == "declared":
             self.applied = "declared"
             return -1
-        return self.base.max_resident_chunks
+        return self.base.max_history_chunks
 
-    def visible_indices(self, num_committed: int) -> Any:
-        good = list(self.base.visible_indices(num_committed))
+    def history_indices(self, num_committed: int) -> Any:
+        good = list(self.base.history_indices(num_committed))
         if self.kind is None or self.kind == "declared":
             return good
         self.calls += 1
@@ -113,9 +113,9 @@ class Misbehaving:
 
     def _break(self, kind: str, n: int, good: list[int]) -> Any:
         sinks = min(self.base.sink_chunks, n)
-        evicted = [i for i in range(self.committed) if i not in self.resident]
-        offered = sorted(set(self.resident) | set(range(self.committed, n)))
-        bound = self.base.max_resident_chunks
+        evicted = [i for i in range(self.committed) if i not in self.history]
+        offered = sorted(set(self.history) | set(range(self.committed, n)))
+        bound = self.base.max_history_chunks
         applies = {
             "unsorted": len(good) >= 2,
             "duplicate": len(good) >= 1,
@@ -160,7 +160,7 @@ class Misbehaving:
 def contract_holds(
     answer: Any, total: int, resident: Sequence[int], committed: int, sinks: int, bound: int | None
 ) -> bool:
-    """Whether ``answer`` (of ``visible_indices(total)``) keeps the contract, written with list operations."""
+    """Whether ``answer`` (of ``history_indices(total)``) keeps the contract, written with list operations."""
     if not isinstance(answer, (list, tuple, range)):
         return False
     items = list(answer)

@@ -9,9 +9,9 @@ import textwrap
 
 import pytest
 
-from ardiff_modules.allocator import PageAllocator
+from ardiff_modules.core.allocator import PageAllocator
 from ardiff_modules.errors import AllocatorError, ARDiffError, CapacityError, SpecError
-from ardiff_modules.window import CommitResult, SinkWindowPolicy
+from ardiff_modules.core.retention import CommitResult, SinkWindowPolicy
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -272,7 +272,7 @@ def test_incref_of_free_page_changes_nothing():
 )
 def test_visible_indices(sink, window, n, expected):
     policy = SinkWindowPolicy(sink, window)
-    assert policy.visible_indices(n) == expected
+    assert policy.history_indices(n) == expected
     assert policy.visible([f"c{i}" for i in range(n)]) == [f"c{i}" for i in expected]
 
 
@@ -381,17 +381,17 @@ def test_pure_python_layers_import_without_torch():
         import sys
         sys.modules["torch"] = None  # any `import torch` now raises ImportError
         sys.path.insert(0, {REPO_ROOT!r})
-        import ardiff_modules.allocator, ardiff_modules.window, ardiff_modules.spec
-        import ardiff_modules.errors, ardiff_modules.history
-        from ardiff_modules.allocator import PageAllocator
-        from ardiff_modules.history import BranchHistory
-        from ardiff_modules.window import SinkWindowPolicy
+        import ardiff_modules.core.allocator, ardiff_modules.core.retention, ardiff_modules.spec
+        import ardiff_modules.errors, ardiff_modules.core.branch
+        from ardiff_modules.core.allocator import PageAllocator
+        from ardiff_modules.core.branch import BranchPages
+        from ardiff_modules.core.retention import SinkWindowPolicy
         alloc = PageAllocator(6)
-        h = BranchHistory(SinkWindowPolicy(1, 1), pages_per_chunk=2, chunk_size=4)
+        h = BranchPages(SinkWindowPolicy(1, 1), pages_per_chunk=2, chunk_size=4)
         for _ in range(3):
             h.set_pending(1, alloc)
             h.commit_pending(alloc)
-        assert h.resident_chunks == ((0, 1), (4, 5)), h.resident_chunks
+        assert h.history_chunks == ((0, 1), (4, 5)), h.history_chunks
         assert alloc.free_pages() == (2, 3), alloc.free_pages()
         assert sys.modules["torch"] is None
         print("OK")

@@ -1,4 +1,4 @@
-"""Property tests of the pure-Python layer: ``PageAllocator``, ``SinkWindowPolicy``, ``BranchHistory``.
+"""Property tests of the pure-Python layer: ``PageAllocator``, ``SinkWindowPolicy``, ``BranchPages``.
 
 Every machine keeps a plain model next to the library object and checks, after
 every step, that the two agree:
@@ -24,10 +24,10 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from ardiff_modules.allocator import PageAllocator
+from ardiff_modules.core.allocator import PageAllocator
 from ardiff_modules.errors import AllocatorError, CapacityError, SpecError
-from ardiff_modules.history import BranchHistory
-from ardiff_modules.window import SinkWindowPolicy
+from ardiff_modules.core.branch import BranchPages
+from ardiff_modules.core.retention import SinkWindowPolicy
 
 
 # ---------------------------------------------------------------------------- the plain-list oracle
@@ -318,7 +318,7 @@ def test_policy_visible_matches_list_slicing(sink: int, window: int | None, n: i
     policy = SinkWindowPolicy(sink, window)
     committed = [f"c{i}" for i in range(n)]
     assert policy.visible(committed) == expected_visible(committed, sink, window)
-    assert policy.visible_indices(n) == expected_visible(list(range(n)), sink, window)
+    assert policy.history_indices(n) == expected_visible(list(range(n)), sink, window)
 
 
 @pytest.mark.parametrize("sink, window", [(-1, 2), (True, 2), (1, -1), (1, 1.5), (1, False)])
@@ -329,7 +329,7 @@ def test_policy_rejects_bad_values(sink: object, window: object) -> None:
 
 # ---------------------------------------------------------------------------- branch history
 class BranchHistoryMachine(RuleBasedStateMachine):
-    """Two ``BranchHistory`` objects sharing a small allocator, against plain lists.
+    """Two ``BranchPages`` objects sharing a small allocator, against plain lists.
 
     Model per branch: the list of *all* chunks ever committed (page tuples, as the
     library reports them), the pending chunks and, with contiguous extents
@@ -367,7 +367,7 @@ class BranchHistoryMachine(RuleBasedStateMachine):
             pool_chunks += extent  # room for at least one extent
         self.alloc = PageAllocator(pool_chunks * pages_per_chunk)
         self.branches = {
-            name: BranchHistory(self.policy, pages_per_chunk, self.chunk_size, extent) for name in ("a", "b")
+            name: BranchPages(self.policy, pages_per_chunk, self.chunk_size, extent) for name in ("a", "b")
         }
         self.committed: dict[str, list[tuple[int, ...]]] = {"a": [], "b": []}
         self.pending: dict[str, list[tuple[int, ...]]] = {"a": [], "b": []}
@@ -419,7 +419,7 @@ class BranchHistoryMachine(RuleBasedStateMachine):
             tuple(a.refcount(p) for p in range(a.num_pages)),
             a.peak_used,
             {
-                n: (h.resident_chunks, h.pending, h.committed_chunks, h.extent, h.needs_extent)
+                n: (h.history_chunks, h.pending, h.committed_chunks, h.extent, h.needs_extent)
                 for n, h in self.branches.items()
             },
         )
@@ -573,8 +573,8 @@ class BranchHistoryMachine(RuleBasedStateMachine):
             return
         for name, h in self.branches.items():
             visible = self.visible(name)
-            assert list(h.resident_chunks) == visible, (
-                f"branch {name}: visible {h.resident_chunks}, expected first {self.sink} + last {self.window} "
+            assert list(h.history_chunks) == visible, (
+                f"branch {name}: visible {h.history_chunks}, expected first {self.sink} + last {self.window} "
                 f"of {self.committed[name]}"
             )
             assert list(h.pending) == self.pending[name]

@@ -49,7 +49,7 @@ def test_extents_default_off_on_reference_and_usable_when_asked() -> None:
     assert cache.extent_chunks == 1 + 2 + 1
     state = cache.open_session()
     state.prepare_forward(None, 4).commit()
-    assert state.history("cond").extent == tuple(range(8)) and state.history("uncond").extent == tuple(range(8, 16))
+    assert state.branch_pages("cond").extent == tuple(range(8)) and state.branch_pages("uncond").extent == tuple(range(8, 16))
     fwd = state.prepare_forward(None, 4)
     rows = fwd.layout.ragged_rows
     assert rows is not None and rows.gap_rows == 1  # cond [0, 8) tokens, gap, uncond [16, 24)

@@ -106,7 +106,7 @@ def stream(paged: PagedWanTransformer, cache: am.KVCache, events: list[tuple], s
             with state.prepare_forward(BRANCHES, paged.spec.chunk_size, commit_current=commit) as fwd:
                 outs.append(step(x, t, fwd))
     assert state.committed_chunks("cond") == sum(1 for e in events if e[0] == "forward" and e[3])
-    assert len(state.visible_chunks("cond")) == min(SINK + WINDOW, state.committed_chunks("cond"))  # evicted
+    assert len(state.history_chunks("cond")) == min(SINK + WINDOW, state.committed_chunks("cond"))  # evicted
     return outs
 
 

@@ -85,7 +85,7 @@ def snapshot(cache: KVCache) -> dict:
         for branch in state.kv_branch_names:
             record = state.open_forward(branch)
             branches[branch] = (
-                state.visible_chunks(branch),
+                state.history_chunks(branch),
                 state.pending_chunks(branch),
                 state.token_offset(branch),
                 state.committed_chunks(branch),
@@ -168,7 +168,7 @@ UNKNOWN_BRANCH_CALLS = {
     "abort": lambda a: a.abort("negative"),
     "token_offset": lambda a: a.token_offset("negative"),
     "committed_chunks": lambda a: a.committed_chunks("negative"),
-    "visible_chunks": lambda a: a.visible_chunks("negative"),
+    "history_chunks": lambda a: a.history_chunks("negative"),
     "pending_chunks": lambda a: a.pending_chunks("negative"),
     "is_cross_attention_populated": lambda a: a.is_cross_attention_populated("negative", "text"),
     "populate_cross_attention": lambda a: a.populate_cross_attention("negative", "text", text_pairs()),
@@ -247,7 +247,7 @@ CLOSED_CALLS = {
     "commit_paged_context": lambda s: s.commit_paged_context("cond"),
     "abort": lambda s: s.abort(),
     "token_offset": lambda s: s.token_offset("cond"),
-    "visible_chunks": lambda s: s.visible_chunks("cond"),
+    "history_chunks": lambda s: s.history_chunks("cond"),
     "is_cross_attention_populated": lambda s: s.is_cross_attention_populated("cond", "text"),
     "populate_cross_attention": lambda s: s.populate_cross_attention("cond", "text", text_pairs()),
     "get_cross_attention_kv": lambda s: s.get_cross_attention_kv("cond", "text"),

@@ -210,7 +210,7 @@ def _newest_chunk(cache: am.KVCache, state: am.KVState, layer: int, kv: int = 0)
     ``[2, CHUNK, 2, 8]`` like the tensors written."""
     rows = []
     for branch in ("cond", "uncond"):
-        pages = list(state.history(branch).history_pages())[-(CHUNK // SPEC.page_size):]
+        pages = list(state.branch_pages(branch).history_pages())[-(CHUNK // SPEC.page_size):]
         stored = cache.pool.kv[layer, kv, pages].reshape(CHUNK, 2, 8)
         rows.append(dequantize(stored, cache.pool.scales[layer, kv], torch.float32))
     return torch.stack(rows)
@@ -310,7 +310,7 @@ def test_check_finite_refuses_inf_in_an_fp8_pool_and_a_nan_first_chunk_blocks_no
     with pytest.raises(am.NonFiniteKVError):
         _forward(a, [_kv(20), inf])  # an Inf is stored as NaN (not a saturated 448), which the check sees
     assert a.committed_chunks("cond") == 1
-    history = [p for br in ("cond", "uncond") for p in a.history(br).history_pages()]
+    history = [p for br in ("cond", "uncond") for p in a.branch_pages(br).history_pages()]
     assert torch.equal(cache.pool.kv.view(torch.uint8)[:, :, history], kv[:, :, history])
 
 

@@ -243,7 +243,7 @@ class FP8CalibrationMachine(RuleBasedStateMachine):
             for b in BRANCHES:
                 # the newest chunk committed into each visible chunk's pages (an evicted chunk's pages are reused)
                 newest = {tuple(pages): written for pages, written in self.history[i][b]}
-                for chunk in state.visible_chunks(b):
+                for chunk in state.history_chunks(b):
                     pages, written = list(chunk), newest[tuple(chunk)]
                     for layer, k in written.items():
                         scale = self.layers[layer].scale

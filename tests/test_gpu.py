@@ -109,7 +109,7 @@ def test_masked_path_equals_structural_and_reference() -> None:
         k = torch.randn(2, n * chunk, 2, HEAD_DIM, device="cuda", dtype=DTYPE, generator=g)
         v = torch.randn_like(k)
         def keys() -> int:
-            return max(len(states[0].visible_chunks(b)) for b in ("cond", "uncond")) * chunk + n * chunk
+            return max(len(states[0].history_chunks(b)) for b in ("cond", "uncond")) * chunk + n * chunk
 
         all_true = torch.ones(2, n * chunk, keys(), dtype=torch.bool, device="cuda")
         outs = {}

@@ -102,7 +102,7 @@ def test_fp8_masked_path_equals_reference_and_lse() -> None:
         q = torch.randn(2, n * chunk, 4, HEAD_DIM, device="cuda", dtype=DTYPE, generator=g)
         k = torch.randn(2, n * chunk, 2, HEAD_DIM, device="cuda", dtype=DTYPE, generator=g)
         v = torch.randn_like(k)
-        keys = max(len(states[0].visible_chunks(b)) for b in ("cond", "uncond")) * chunk + n * chunk
+        keys = max(len(states[0].history_chunks(b)) for b in ("cond", "uncond")) * chunk + n * chunk
         mask = torch.rand(2, n * chunk, keys, device="cuda", generator=g) > 0.3
         outs = []
         for cache, state in zip(caches, states):

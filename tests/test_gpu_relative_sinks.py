@@ -97,7 +97,7 @@ def test_flashinfer_relative_sinks_token_mask_static_graph_and_compile() -> None
     g = torch.Generator(device="cuda").manual_seed(3)
     for chunk in range(7):
         q, k, v, sq = _qkv((2, CHUNK), g)
-        keys = max(len(states["ref"].visible_chunks(b)) for b in ("cond", "uncond")) * CHUNK + CHUNK
+        keys = max(len(states["ref"].history_chunks(b)) for b in ("cond", "uncond")) * CHUNK + CHUNK
         mask = torch.rand(2, CHUNK, keys, device="cuda", generator=g) > 0.3
         mask[0, 0] = False  # a query with no key in either segment: zeros (merge_state alone gives NaN)
         masked = []

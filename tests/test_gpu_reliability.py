@@ -174,7 +174,7 @@ def test_no_stream_reads_another_streams_nan(mode: str) -> None:
         q, k, v = _qkv(2, seq, g)
         mask = None
         if mode == "masked":
-            keys = max(len(b.visible_chunks(x)) for x in spec.branches) * chunk + seq
+            keys = max(len(b.history_chunks(x)) for x in spec.branches) * chunk + seq
             mask = torch.ones(4, seq, keys, dtype=torch.bool, device="cuda")
         _, ka, va = _qkv(2, seq, g, fill=float("inf"))
         pairs = [(a, "cond"), (a, "uncond"), (b, "cond"), (b, "uncond")]

@@ -35,7 +35,7 @@ def test_chunk_mask_matches_to_dense(sink: int, window: int | None) -> None:
     dense = fwd.to_dense()[0]  # [12, keys]: visible history keys then pending keys
     chunks = chunk_visibility(5, 3, sink, window)
     visible = chunks[:, :5].sum(dim=1)
-    assert (visible == len(state.visible_chunks("main"))).all()
+    assert (visible == len(state.history_chunks("main"))).all()
     # Token level == chunk level expanded over the visible columns (history all visible, pending block-causal).
     compact = torch.cat([chunks[:, :5][:, chunks[0, :5]], chunks[:, 5:]], dim=1)
     assert torch.equal(dense, compact.repeat_interleave(4, 0).repeat_interleave(4, 1))

@@ -69,6 +69,6 @@ def test_mixed_chunk_lengths_match_the_cache_free_oracle(page_size: int, sink: i
     assert len(actual) == len(expected) >= 30
     for i, (a, e) in enumerate(zip(actual, expected)):
         torch.testing.assert_close(a, e, atol=2e-5, rtol=2e-5, msg=lambda m, i=i: f"forward {i}: {m}")
-    assert library.state.token_offset("cond") == library.state.history("cond").committed_tokens
+    assert library.state.token_offset("cond") == library.state.branch_pages("cond").committed_tokens
     library.state.close()
     assert library.cache.allocator.num_free == pages

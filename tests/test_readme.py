@@ -61,9 +61,9 @@ def test_readme_use_program_runs_compiled_as_one_frame() -> None:
     assert all(bool(torch.isfinite(chunk).all()) for chunk in video)
     # After 10 chunks with sink 1 + window 6, each branch keeps exactly 7 chunks resident.
     for branch in ("cond", "uncond"):
-        history = state.history(branch)
+        history = state.branch_pages(branch)
         assert history.committed_chunks == namespace["num_chunks"]
-        assert len(history.resident) == spec.sink_chunks + spec.window_chunks
+        assert len(history.history) == spec.sink_chunks + spec.window_chunks
     cache.close()
 
 

@@ -155,14 +155,14 @@ def snapshot(cache: KVCache) -> dict:
     Bytes of every page a chunk holds (resident or pending); not of free ring slots: reserved, but anyone's
     scratch (an aborted forward may have written one)."""
     used = sorted({
-        p for state in cache.sessions.values() for b in state.kv_branch_names for h in [state.history(b)]
+        p for state in cache.sessions.values() for b in state.kv_branch_names for h in [state.branch_pages(b)]
         for p in h.history_pages() + h.pending_pages()
     })
     sessions = {
         sid: {
-            b: (h.resident, h.resident_index, h.resident_start, h.pending, h.committed_chunks, h.committed_tokens)
+            b: (h.history, h.history_index, h.history_start, h.pending, h.committed_chunks, h.committed_tokens)
             for b in state.kv_branch_names
-            for h in [state.history(b)]
+            for h in [state.branch_pages(b)]
         }
         for sid, state in cache.sessions.items()
     }
@@ -194,16 +194,16 @@ def test_recache_matches_cache_free_oracle(page: int, sink: int, window: int, ke
     for length in (CHUNK // 2 if page <= 2 else CHUNK, CHUNK, CHUNK, CHUNK, CHUNK, CHUNK):
         rig.step(length)  # a short first chunk where the page allows it (image-to-video)
     state = rig.streams[0].state
-    before = {b: state.visible_chunks(b) for b in BRANCHES}
+    before = {b: state.history_chunks(b) for b in BRANCHES}
     offsets = {b: state.token_offset(b) for b in BRANCHES}
     rig.prompt()
     rig.recache(keep_sinks)
     for b in BRANCHES:
-        h = state.history(b)
+        h = state.branch_pages(b)
         assert state.token_offset(b) == offsets[b] and h.pending == ()
-        kept = [c for c, i in zip(before[b], h.resident_index) if keep_sinks and i < sink]
+        kept = [c for c, i in zip(before[b], h.history_index) if keep_sinks and i < sink]
         assert list(h.sinks if keep_sinks else ())[: len(kept)] == kept  # sinks kept: the very same pages
-        rebuilt = [c for c, i in zip(h.resident, h.resident_index) if not (keep_sinks and i < sink)]
+        rebuilt = [c for c, i in zip(h.history, h.history_index) if not (keep_sinks and i < sink)]
         assert {p for c in rebuilt for p in c}.isdisjoint(p for c in before[b] for p in c)  # fresh pages
     for _ in range(4):  # the next chunks see the re-cached history, the window keeps rolling
         rig.step()
@@ -217,7 +217,7 @@ def test_recache_positions_are_the_original_ones() -> None:
     for length in (2, 4, 4, 4, 4):  # chunk starts 0, 2, 6, 10, 14; resident: 0 (sink), 10, 14
         rig.step(length)
     state = rig.streams[0].state
-    assert state.history("cond").resident_start == (0, 10, 14)
+    assert state.branch_pages("cond").history_start == (0, 10, 14)
     rig.prompt()
     fwd = state.prepare_recache(keep_sinks=False)
     assert fwd.layout.chunk_lengths == (2, 4, 4)
@@ -229,7 +229,7 @@ def test_recache_positions_are_the_original_ones() -> None:
     assert fwd.positions.tolist()[0] == expected[2:]
     assert fwd.key_positions()[0].tolist() == [0, 1] + expected[2:]  # the kept sink, then the rebuilt chunks
     # Sinks are write-protected: no sink page is written by the re-cache forward.
-    sink_pages = set(state.history("cond").sinks[0]) | set(state.history("uncond").sinks[0])
+    sink_pages = set(state.branch_pages("cond").sinks[0]) | set(state.branch_pages("uncond").sinks[0])
     assert sink_pages.isdisjoint(fwd.layout.write_pages.tolist())
     # Block-causal over the rebuilt chunks, the kept sink always visible.
     dense = fwd.to_dense()[0].int()
@@ -250,7 +250,7 @@ def test_recache_batches_cfg_and_two_sessions_in_one_launch() -> None:
     rig.recache(keep_sinks=True)
     for _ in range(3):
         rig.step()
-    assert all(not s.state.history(b).pending for s in rig.streams for b in BRANCHES)
+    assert all(not s.state.branch_pages(b).pending for s in rig.streams for b in BRANCHES)
 
 
 def test_fork_keeps_the_old_history() -> None:
@@ -261,10 +261,10 @@ def test_fork_keeps_the_old_history() -> None:
     s = rig.streams[0]
     child = s.state.fork("child")
     child_naive = copy.deepcopy(s.naive)
-    old = {b: s.state.visible_chunks(b) for b in BRANCHES}
+    old = {b: s.state.history_chunks(b) for b in BRANCHES}
     rig.prompt()
     rig.recache(keep_sinks=True)
-    assert all(child.visible_chunks(b) == old[b] for b in BRANCHES)
+    assert all(child.history_chunks(b) == old[b] for b in BRANCHES)
     x = torch.randn(2, CHUNK, rig.model.dim, generator=rig.g)
     with torch.no_grad(), child.prepare_forward(BRANCHES, CHUNK, True) as fwd:
         out = rig.model(x, fwd.layers)
@@ -432,8 +432,8 @@ def test_kept_latents_follow_the_window_and_drive_the_recache() -> None:
     for length in (2, 4, 4, 4, 4):
         rig.step(length, keep=True)
     for b in BRANCHES:
-        h = state.history(b)
-        assert set(h.latents) == set(h.resident_index) == {0, 3, 4}  # evicted chunks' latents are gone
+        h = state.branch_pages(b)
+        assert set(h.latents) == set(h.history_index) == {0, 3, 4}  # evicted chunks' latents are gone
     for keep_sinks in (True, False):
         torch.testing.assert_close(state.recache_latents(keep_sinks=keep_sinks), rig.recache_input(keep_sinks),
                                    rtol=0, atol=0)
@@ -442,21 +442,21 @@ def test_kept_latents_follow_the_window_and_drive_the_recache() -> None:
     with torch.no_grad(), state.prepare_forward(BRANCHES, CHUNK, True, keep_latents=x) as fwd:
         rig.model(x, fwd.layers)
     x.fill_(7.0)
-    assert state.history("cond").latents[5].abs().sum() == 0  # type: ignore[union-attr]
+    assert state.branch_pages("cond").latents[5].abs().sum() == 0  # type: ignore[union-attr]
     rig.streams[0].naive.forward(BRANCHES, torch.zeros(2, CHUNK, rig.model.dim), True)
     for i, b in enumerate(BRANCHES):
         rig.streams[0].latents[b].append(torch.zeros(CHUNK, rig.model.dim))
     # The re-cache over the kept latents equals the oracle; a fork shares the kept latents.
     rig.prompt()
     child = state.fork("child")
-    assert child.history("cond").latents == state.history("cond").latents
+    assert child.branch_pages("cond").latents == state.branch_pages("cond").latents
     x = state.recache_latents(keep_sinks=True)
     with torch.no_grad(), state.prepare_recache(keep_sinks=True) as fwd:
         out = rig.model(x, fwd.layers)
     s = rig.streams[0]
     expected = s.naive.recache(BRANCHES, {b: [s.latents[b][i] for i in rig.rebuilt(s, b, True)] for b in BRANCHES})
     torch.testing.assert_close(out, expected, **TOL)
-    assert set(state.history("cond").latents) == {0, 4, 5}  # a re-cache keeps them: the same chunks
+    assert set(state.branch_pages("cond").latents) == {0, 4, 5}  # a re-cache keeps them: the same chunks
     rig.step(keep=True)
 
 
@@ -479,9 +479,9 @@ def test_kept_latents_misuse() -> None:
     assert_unchanged(rig.cache, before)
     # An aborted forward keeps nothing.
     state.prepare_forward(BRANCHES, CHUNK, True, keep_latents=x).abort()
-    assert set(state.history("cond").latents) == {1}
+    assert set(state.branch_pages("cond").latents) == {1}
     state.reset()
-    assert state.history("cond").latents == {}
+    assert state.branch_pages("cond").latents == {}
 
 
 def test_recache_latents_readable_while_a_denoising_forward_is_open() -> None:
@@ -502,7 +502,7 @@ def test_recache_latents_readable_while_a_denoising_forward_is_open() -> None:
 # ---------------------------------------------------------------------- contiguous extents: memory (issue 24, 6)
 def ring_of(state: am.KVState, branch: str) -> list[tuple[int, ...]]:
     """The branch's extent as chunk slots."""
-    return state.history(branch).extent_slots()
+    return state.branch_pages(branch).extent_slots()
 
 
 def in_ring(state: am.KVState, branch: str, chunk: tuple[int, ...]) -> bool:
@@ -521,7 +521,7 @@ def test_extents_recache_holds_only_the_rebuilt_chunks_and_gives_them_back_at_co
     alloc, state = rig.cache.allocator, rig.streams[0].state
     steady = 2 * 8 * 2  # branches x (1 + 6 + 1) extent slots x 2 pages
     assert alloc.num_used == steady
-    before = {b: state.visible_chunks(b) for b in BRANCHES}
+    before = {b: state.history_chunks(b) for b in BRANCHES}
     free_slot = {b: [sl for sl in ring_of(state, b) if not any(sl == c for c in before[b])] for b in BRANCHES}
     assert all(len(v) == 1 for v in free_slot.values())
     sink_bytes = {b: rig.cache.pool.kv[:, :, list(before[b][0])].clone() for b in BRANCHES}
@@ -543,7 +543,7 @@ def test_extents_recache_holds_only_the_rebuilt_chunks_and_gives_them_back_at_co
     assert alloc.num_used == steady and alloc.peak_used == steady + transient
     assert alloc.free_pages() == free_before  # the fresh pages went back exactly where they came from
     for b in BRANCHES:
-        now = state.visible_chunks(b)
+        now = state.history_chunks(b)
         first = 1 if keep_sinks else 0  # position of the first rebuilt chunk
         # It took the free slot; every other rebuilt chunk is back in its own slot (same page ids).
         assert now == before[b][:first] + (free_slot[b][0],) + before[b][first + 1 :]
@@ -555,7 +555,7 @@ def test_extents_recache_holds_only_the_rebuilt_chunks_and_gives_them_back_at_co
         rig.step()
         assert alloc.num_used == steady
         assert rig.last_layout is not None and rig.last_layout.ragged_rows is not None
-        assert all(in_ring(state, b, c) for b in BRANCHES for c in state.visible_chunks(b))
+        assert all(in_ring(state, b, c) for b in BRANCHES for c in state.history_chunks(b))
     rig.cache.close()
     assert alloc.num_free == alloc.num_pages
 
@@ -595,20 +595,20 @@ def test_extents_recache_with_a_fork_swaps_shared_chunks_and_copies_the_rest() -
     s = rig.streams[0]
     for _ in range(4):  # c0 -> slot 0, c1 -> 1, c2 -> 2, c3 -> 3 (c1 evicted): resident c0 c2 c3, slot 1 free
         rig.step()
-    assert s.state.visible_chunks("cond") == ((0, 1), (4, 5), (6, 7))
+    assert s.state.history_chunks("cond") == ((0, 1), (4, 5), (6, 7))
     child = s.state.fork("child")
     child_naive = copy.deepcopy(s.naive)
-    child_bytes = {c: rig.cache.pool.kv[:, :, list(c)].clone() for b in BRANCHES for c in child.visible_chunks(b)}
+    child_bytes = {c: rig.cache.pool.kv[:, :, list(c)].clone() for b in BRANCHES for c in child.history_chunks(b)}
     rig.step()  # c4 -> slot 1; c2 evicted but the child holds slot 2: no free slot left
-    assert s.state.visible_chunks("cond") == ((0, 1), (6, 7), (2, 3))
+    assert s.state.history_chunks("cond") == ((0, 1), (6, 7), (2, 3))
     used = rig.cache.allocator.num_used
     assert used == 16  # the two extents; the child only shares
     rig.prompt()
     rig.recache(keep_sinks=True)  # rebuilds c3 (shared with the child) and c4 (the parent's alone)
     # c3' stays in fresh pages 16 17 (the child keeps c3 in slot 3); c4' went back into slot 1; its fresh
     # pages (18 19) were freed. uncond alike (fresh 20..23, c3' at 20 21).
-    assert s.state.visible_chunks("cond") == ((0, 1), (16, 17), (2, 3))
-    assert s.state.visible_chunks("uncond") == ((8, 9), (20, 21), (10, 11))
+    assert s.state.history_chunks("cond") == ((0, 1), (16, 17), (2, 3))
+    assert s.state.history_chunks("uncond") == ((8, 9), (20, 21), (10, 11))
     assert rig.cache.allocator.num_used == used + 2 * 2
     for c, data in child_bytes.items():
         assert torch.equal(rig.cache.pool.kv[:, :, list(c)], data), f"the fork's chunk {c} changed"
@@ -618,7 +618,7 @@ def test_extents_recache_with_a_fork_swaps_shared_chunks_and_copies_the_rest() -
     torch.testing.assert_close(out, child_naive.forward(BRANCHES, x, False), **TOL)
     child.abort()  # (a denoising forward: the child's history, and the slots it holds, stay)
     rig.step()  # c5: no free slot (the child holds slots 2 and 3): paged, from the pool; c3' evicted
-    c5 = s.state.visible_chunks("cond")[-1]
+    c5 = s.state.history_chunks("cond")[-1]
     assert not in_ring(s.state, "cond", c5)
     rig.prompt()
     x = rig.recache_input(True)
@@ -631,8 +631,8 @@ def test_extents_recache_with_a_fork_swaps_shared_chunks_and_copies_the_rest() -
                                                      for b in BRANCHES})])
     torch.testing.assert_close(out, expected, **TOL)
     # c4'' back into slot 1, c5'' (which had no slot) into the lowest free one: the ring is whole again.
-    assert s.state.visible_chunks("cond") == ((0, 1), (2, 3), (4, 5))
-    assert all(in_ring(s.state, b, c) for b in BRANCHES for c in s.state.visible_chunks(b))
+    assert s.state.history_chunks("cond") == ((0, 1), (2, 3), (4, 5))
+    assert all(in_ring(s.state, b, c) for b in BRANCHES for c in s.state.history_chunks(b))
     assert rig.cache.allocator.num_used == 16
     for _ in range(3):
         rig.step()
@@ -651,14 +651,14 @@ def test_extents_recache_of_a_fork_and_its_parent_together_puts_the_parent_back_
     parent = rig.streams[0]
     child = Stream(parent.state.fork("child"), copy.deepcopy(parent.naive), copy.deepcopy(parent.latents))
     rig.streams.append(child)
-    before = {b: parent.state.visible_chunks(b) for b in BRANCHES}
+    before = {b: parent.state.history_chunks(b) for b in BRANCHES}
     rig.prompt()
     rig.recache(keep_sinks=True)  # 4 streams, one launch
     for b in BRANCHES:
         # Rebuilt c2 took the free slot 1, rebuilt c3 was copied back into its own slot (3).
-        assert parent.state.visible_chunks(b) == (before[b][0], ring_of(parent.state, b)[1], before[b][2])
-        assert not any(in_ring(parent.state, b, c) for c in child.state.visible_chunks(b)[1:])
-        assert child.state.visible_chunks(b)[0] == before[b][0]  # the shared sink, kept
+        assert parent.state.history_chunks(b) == (before[b][0], ring_of(parent.state, b)[1], before[b][2])
+        assert not any(in_ring(parent.state, b, c) for c in child.state.history_chunks(b)[1:])
+        assert child.state.history_chunks(b)[0] == before[b][0]  # the shared sink, kept
     assert rig.cache.allocator.num_used == 2 * 4 * 2 + 2 * 2 * 2  # two extents + the child's 2 rebuilt chunks x 2
     for _ in range(3):
         rig.step()

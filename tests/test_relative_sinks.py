@@ -172,11 +172,11 @@ def test_misuse_raises_and_changes_nothing() -> None:
             attn(torch.randn(1, CHUNK, model.dim), fwd.layers[0], (cos, sin))
         fwd.abort()
     # A re-cache that would rebuild the sinks once the window slid: refused, nothing changed.
-    history = state.history("main")
-    before = (history.resident, history.committed_tokens, cache.allocator.num_free)
+    history = state.branch_pages("main")
+    before = (history.history, history.committed_tokens, cache.allocator.num_free)
     with pytest.raises(SpecError, match="expected keep_sinks=True"):
         state.prepare_recache(("main",), keep_sinks=False)
-    assert (history.resident, history.committed_tokens, cache.allocator.num_free) == before
+    assert (history.history, history.committed_tokens, cache.allocator.num_free) == before
     assert cache.allocator.num_free == free
     # Before any eviction the sinks sit where they always did: rebuilding them is fine.
     _, young = _advanced_state(spec, 2, model)
@@ -242,7 +242,7 @@ def test_forks_and_shared_sinks_read_the_same_pages_at_their_own_shifts() -> Non
 
     for _ in range(5):
         step(parent, oracle)
-    sink_pages = parent.history("main").sinks[0]
+    sink_pages = parent.branch_pages("main").sinks[0]
     sink_before = cache.pool.kv[:, :, list(sink_pages)].clone()
     child = parent.fork("child")
     child_oracle = copy.copy(oracle)
@@ -258,7 +258,7 @@ def test_forks_and_shared_sinks_read_the_same_pages_at_their_own_shifts() -> Non
             step(child, child_oracle)
         if i % 3 == 0:
             step(sharer, sharer_oracle)
-    assert child.history("main").sinks[0] == sink_pages == sharer.history("main").sinks[0]
+    assert child.branch_pages("main").sinks[0] == sink_pages == sharer.branch_pages("main").sinks[0]
     assert torch.equal(cache.pool.kv[:, :, list(sink_pages)], sink_before)
 
 
@@ -298,7 +298,7 @@ def test_token_mask_splits_across_the_two_segments() -> None:
         torch.manual_seed(5)
         cache, state = _advanced_state(spec, 4, model)  # shifts 0 so far: the same history either way
         x = torch.randn(1, CHUNK, model.dim)
-        keys = cache.max_visible_keys([state.history("main")], CHUNK)
+        keys = cache.max_visible_keys([state.branch_pages("main")], CHUNK)
         with torch.no_grad():
             with state.prepare_forward(("main",), CHUNK, False) as fwd:
                 plain = model(x, fwd.layers)
@@ -428,7 +428,7 @@ def test_random_token_mask_over_a_mixed_batch_splits_columns_exactly(pending_att
         for _ in range(2):
             step([(sessions[1], "main")], chunk, True)
         streams = [(s, "main") for s in sessions]
-        keys = cache.max_visible_keys([s.history("main") for s in sessions], num_chunks * chunk)
+        keys = cache.max_visible_keys([s.branch_pages("main") for s in sessions], num_chunks * chunk)
         mask = torch.rand(3, num_chunks * chunk, keys, generator=g) > 0.4
         mask[0, 0] = False  # a query that sees no key at all: zeros either way
         return step(streams, num_chunks * chunk, False, mask)
@@ -446,12 +446,12 @@ def test_direct_op_call_without_the_sink_query_raises_before_writing() -> None:
     cache, state = _advanced_state(spec, 5, model)
     with torch.no_grad(), state.prepare_forward(("main",), CHUNK, False) as fwd:
         layer = fwd.layers[0]
-        pending = list(state.history("main").pending_pages())
+        pending = list(state.branch_pages("main").pending_pages())
         before = cache.pool.kv[:, :, pending].clone()
         q = torch.randn(CHUNK, 4, 8)
         k = v = torch.ones(CHUNK, 4, 8)
         with pytest.raises(SpecError, match="expected q_sink"):
-            torch.ops.ardiff_modules.chunk_attention(q, k, v, layer.kv_pool, layer.layer_id, fwd.plan_id, 0.35)
+            torch.ops.ardiff_modules.chunk_attention(q, k, v, layer.kv_pool, layer.layer_id, fwd.handle_id, 0.35)
         assert torch.equal(cache.pool.kv[:, :, pending], before)
         fwd.abort()
 

@@ -39,7 +39,7 @@ from ardiff_modules.errors import (
     NonFiniteKVError,
     PlanNotFoundError,
 )
-from ardiff_modules.history import BranchHistory
+from ardiff_modules.core.branch import BranchPages
 
 CHUNK = 4
 HEADS = 2
@@ -97,7 +97,7 @@ def bookkeeping(cache: KVCache, *, ordered: bool = True):
     sessions = {
         sid: {
             b: (
-                state.visible_chunks(b),
+                state.history_chunks(b),
                 state.pending_chunks(b),
                 state.token_offset(b),
                 state.committed_chunks(b),
@@ -111,7 +111,7 @@ def bookkeeping(cache: KVCache, *, ordered: bool = True):
 
 
 def pages_of(state: KVState, branch: str) -> list[int]:
-    return [p for chunk in state.visible_chunks(branch) for p in chunk]
+    return [p for chunk in state.history_chunks(branch) for p in chunk]
 
 
 def assert_refused(cache: KVCache, layers, streams: int, n: int = CHUNK, errors=ForwardFinishedError) -> None:
@@ -386,7 +386,7 @@ def test_batched_commit_is_atomic_when_interrupted_between_streams(monkeypatch, 
     kv = bits(cache.pool.kv)
     history = [p for branch in BOTH for p in pages_of(s, branch)]
     calls = []
-    real_commit = BranchHistory.plan_commit  # the per-stream commit computation
+    real_commit = BranchPages.preview_commit  # the per-stream commit computation
 
     def flaky(self, *args, **kwargs):
         calls.append(1)
@@ -394,7 +394,7 @@ def test_batched_commit_is_atomic_when_interrupted_between_streams(monkeypatch, 
             raise exc("injected between the two streams' commits")
         return real_commit(self, *args, **kwargs)
 
-    monkeypatch.setattr(BranchHistory, "plan_commit", flaky)
+    monkeypatch.setattr(BranchPages, "preview_commit", flaky)
     with pytest.raises(exc, match="injected") as raised:
         if how == "with":
             with fwd:
@@ -420,7 +420,7 @@ def test_sigint_during_a_batched_commit_waits_until_both_streams_are_committed(m
     s = cache.open_session("s")
     for i in range(3):
         commit_chunk(s, seed=i)
-    real_apply = BranchHistory.apply_commit
+    real_apply = BranchPages.apply_commit
     applied = []
 
     def apply_with_ctrl_c(self, result):
@@ -430,7 +430,7 @@ def test_sigint_during_a_batched_commit_waits_until_both_streams_are_committed(m
         applied.append(self)
         return real_apply(self, result)
 
-    monkeypatch.setattr(BranchHistory, "apply_commit", apply_with_ctrl_c)
+    monkeypatch.setattr(BranchPages, "apply_commit", apply_with_ctrl_c)
     fwd = s.prepare_forward(BOTH, CHUNK, commit_current=True)
     run_layers(fwd.layers, 2)
     with pytest.raises(KeyboardInterrupt):
@@ -443,7 +443,7 @@ def test_sigint_during_a_batched_commit_waits_until_both_streams_are_committed(m
 
 
 def test_deferred_interrupts_holds_sigint_until_the_block_ends() -> None:
-    from ardiff_modules.forward import deferred_interrupts
+    from ardiff_modules.core.transaction import deferred_interrupts
 
     previous = signal.getsignal(signal.SIGINT)
     reached = []
@@ -498,9 +498,9 @@ def test_fork_with_one_branch_name_forks_only_that_branch() -> None:
         s.populate_cross_attention(branch, "text", [(torch.ones(3, 2, 4), torch.ones(3, 2, 4))] * 2)
     commit_chunk(s)
     child = s.fork(branches="cond")
-    assert child.visible_chunks("cond") == s.visible_chunks("cond")
+    assert child.history_chunks("cond") == s.history_chunks("cond")
     assert child.committed_chunks("cond") == 1
-    assert child.visible_chunks("uncond") == () and child.committed_chunks("uncond") == 0
+    assert child.history_chunks("uncond") == () and child.committed_chunks("uncond") == 0
     assert child.is_cross_attention_populated("cond", "text")
     assert not child.is_cross_attention_populated("uncond", "text")
 
@@ -755,14 +755,14 @@ def test_a_recache_that_ran_only_some_layers_keeps_the_valid_old_window() -> Non
     s = cache.open_session("s")
     for i in range(4):
         commit_chunk(s, seed=i)  # sink + window 2 (one chunk evicted)
-    visible = {b: s.visible_chunks(b) for b in BOTH}
+    visible = {b: s.history_chunks(b) for b in BOTH}
     history = [p for b in BOTH for p in pages_of(s, b)]
     kv, free = bits(cache.pool.kv)[:, :, history], sorted(cache.allocator.free_pages())
     with pytest.raises(IncompleteForwardError):
         with s.prepare_recache(BOTH) as fwd:
             q, k, v = tensors(2, fwd.seq_len, seed=9)
             chunk_attention(q, k, v, fwd.layers[0])
-    assert {b: s.visible_chunks(b) for b in BOTH} == visible, "the old window was thrown away"
+    assert {b: s.history_chunks(b) for b in BOTH} == visible, "the old window was thrown away"
     assert torch.equal(bits(cache.pool.kv)[:, :, history], kv)
     assert sorted(cache.allocator.free_pages()) == free and s.open_forward("cond") is None
     cache.allocator.check_invariants()
@@ -820,7 +820,7 @@ def test_deferred_sigint_with_the_default_disposition_still_terminates() -> None
     script = textwrap.dedent(
         """
         import os, signal
-        from ardiff_modules.forward import deferred_interrupts
+        from ardiff_modules.core.transaction import deferred_interrupts
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         with deferred_interrupts():
             os.kill(os.getpid(), signal.SIGINT)

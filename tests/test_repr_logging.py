@@ -66,7 +66,7 @@ def test_all_names_what_users_use_and_no_internals() -> None:
     ):
         assert name in public, name
     for internal in ("ForwardLayout", "StreamLayout", "KVPool", "PageAllocator", "ForwardTransaction",
-                     "Reservation", "ContextRegistry", "PLANS", "BranchHistory", "PlanRequest", "AttentionPlan"):
+                     "Reservation", "ContextRegistry", "HANDLES", "BranchPages", "PlanRequest", "AttentionPlan"):
         assert internal not in public, internal
         assert internal not in dir(am), internal
     # Every exception class of the package is public (users catch them).

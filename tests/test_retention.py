@@ -1,7 +1,7 @@
 """Retention policies (issue 11): the contract every policy keeps, and a second policy end to end.
 
 Issue 24 item 5: a user's policy is checked -- its declared counts when the spec takes it, each answer of
-``visible_indices`` at each commit -- and a breach is a :class:`SpecError` that changes nothing; admission
+``history_indices`` at each commit -- and a breach is a :class:`SpecError` that changes nothing; admission
 agrees with what a valid user policy really keeps.
 
 ``SinkWindowMemoryPolicy`` keeps, beyond sinks + window, every k-th chunk that left the window
@@ -21,14 +21,14 @@ from hypothesis import strategies as st
 from streaming_model import LibraryStreaming, NaiveStreaming, TinyStreamingModel, play, rollout_events
 
 import ardiff_modules as am
-from ardiff_modules.history import BranchHistory
-from ardiff_modules.allocator import PageAllocator
-from ardiff_modules.window import (
+from ardiff_modules.core.branch import BranchPages
+from ardiff_modules.core.allocator import PageAllocator
+from ardiff_modules.core.retention import (
     RetentionPolicy,
     SinkWindowMemoryPolicy,
     SinkWindowPolicy,
     check_declared,
-    checked_visible_indices,
+    checked_history_indices,
     retain,
 )
 
@@ -42,12 +42,12 @@ policies = st.one_of(
 def test_policy_contract(policy: RetentionPolicy, n: int) -> None:
     """Ascending, in range, bounded, sinks first, and monotone (an evicted chunk never comes back)."""
     assert isinstance(policy, RetentionPolicy)
-    now = policy.visible_indices(n)
+    now = policy.history_indices(n)
     assert now == sorted(set(now)) and all(0 <= i < n for i in now)
-    if policy.max_resident_chunks is not None:
-        assert len(now) <= policy.max_resident_chunks
+    if policy.max_history_chunks is not None:
+        assert len(now) <= policy.max_history_chunks
     assert now[: min(policy.sink_chunks, n)] == list(range(min(policy.sink_chunks, n)))
-    assert set(policy.visible_indices(n + 1)) <= set(now) | {n}
+    assert set(policy.history_indices(n + 1)) <= set(now) | {n}
 
 
 @given(policies, st.lists(st.integers(1, 3), min_size=1, max_size=25))
@@ -60,41 +60,41 @@ def test_retain_matches_visible_indices(policy: RetentionPolicy, commits: list[i
         new = [f"c{committed + i}" for i in range(count)]
         result = retain(policy, resident, indices, committed, new)
         committed += count
-        assert list(result.indices) == policy.visible_indices(committed)
-        assert list(result.resident) == [f"c{i}" for i in result.indices]
+        assert list(result.indices) == policy.history_indices(committed)
+        assert list(result.history) == [f"c{i}" for i in result.indices]
         evicted_all += result.evicted
-        resident, indices = result.resident, result.indices
+        resident, indices = result.history, result.indices
     assert sorted(evicted_all + list(resident), key=lambda c: int(c[1:])) == [f"c{i}" for i in range(committed)]
 
 
 def test_a_policy_that_brings_a_chunk_back_is_refused() -> None:
     class Forgetful:
         sink_chunks = 0
-        max_resident_chunks = 2
+        max_history_chunks = 2
 
-        def visible_indices(self, n: int) -> list[int]:
+        def history_indices(self, n: int) -> list[int]:
             return [0] if n % 2 else list(range(max(0, n - 1), n))
 
     with pytest.raises(am.SpecError, match="never bring back an evicted chunk"):
         result = retain(Forgetful(), (), (), 0, ["a", "b"])
-        retain(Forgetful(), result.resident, result.indices, 2, ["c"])
+        retain(Forgetful(), result.history, result.indices, 2, ["c"])
 
 
 def test_memory_policy_example_from_the_docstring() -> None:
     policy = SinkWindowMemoryPolicy(sink_chunks=1, window_chunks=2, memory_every=3, memory_chunks=2)
-    assert policy.visible_indices(11) == [0, 4, 7, 9, 10]
-    assert policy.max_resident_chunks == 5
+    assert policy.history_indices(11) == [0, 4, 7, 9, 10]
+    assert policy.max_history_chunks == 5
 
 
 def test_branch_history_frees_exactly_the_chunks_the_policy_drops() -> None:
     policy = SinkWindowMemoryPolicy(1, 1, 2, 1)
     alloc = PageAllocator(32)
-    h = BranchHistory(policy, pages_per_chunk=1, chunk_size=2)
+    h = BranchPages(policy, pages_per_chunk=1, chunk_size=2)
     for _ in range(7):
         h.set_pending(1, alloc)
         h.commit_pending(alloc)
     # 7 committed: sink 0, window [6], older 1..5, memory candidates 1, 3, 5 -> the last one: 5.
-    assert h.resident_index == (0, 5, 6)
+    assert h.history_index == (0, 5, 6)
     assert alloc.num_used == 3
     alloc.check_invariants()
 
@@ -103,7 +103,7 @@ def test_spec_takes_a_retention_policy() -> None:
     policy = SinkWindowMemoryPolicy(1, 2, 3, 2)
     spec = am.KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=4, chunk_size=4, page_size=2, retention=policy,
                           dtype="float32")
-    assert spec.policy is policy and spec.max_resident_chunks == 5 and spec.pages_per_branch() == 12
+    assert spec.policy is policy and spec.max_history_chunks == 5 and spec.pages_per_branch() == 12
     with pytest.raises(am.SpecError, match="left at"):
         am.KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=4, chunk_size=4, page_size=2, retention=policy,
                        sink_chunks=1)
@@ -139,8 +139,8 @@ def test_memory_policy_rollout_matches_the_cache_free_oracle(
     for i, (a, e) in enumerate(zip(actual, expected)):
         torch.testing.assert_close(a, e, atol=2e-5, rtol=2e-5, msg=lambda m, i=i: f"forward {i}: {m}")
     # The memory chunks are really resident (more than sinks + window once enough chunks passed).
-    visible = library.state.visible_chunks("cond")
-    assert len(visible) == min(spec.max_resident_chunks, len(visible)) and len(visible) > sink + window
+    visible = library.state.history_chunks("cond")
+    assert len(visible) == min(spec.max_history_chunks, len(visible)) and len(visible) > sink + window
     library.state.close()
     assert library.cache.allocator.num_free == pages
 
@@ -166,29 +166,29 @@ def tiny_spec(policy: RetentionPolicy, branches: tuple[str, ...] = ("cond", "unc
 
 
 class Declares:
-    """A policy declaring ``sink_chunks`` / ``max_resident_chunks`` as given (its answers: the sinks)."""
+    """A policy declaring ``sink_chunks`` / ``max_history_chunks`` as given (its answers: the sinks)."""
 
-    def __init__(self, sink_chunks: Any, max_resident_chunks: Any) -> None:
+    def __init__(self, sink_chunks: Any, max_history_chunks: Any) -> None:
         self.sink_chunks = sink_chunks
-        self.max_resident_chunks = max_resident_chunks
+        self.max_history_chunks = max_history_chunks
 
-    def visible_indices(self, num_committed: int) -> list[int]:
+    def history_indices(self, num_committed: int) -> list[int]:
         return list(range(min(self.sink_chunks, num_committed)))
 
 
 @pytest.mark.parametrize(
     "sinks,bound,message",
     [
-        (0, -1, "max_resident_chunks: expected None or an int >= 0, got -1"),
-        (0, "3", "max_resident_chunks: expected None or an int >= 0, got '3' (str)"),
-        (0, 2.5, "max_resident_chunks: expected None or an int >= 0, got 2.5 (float)"),
-        (0, 3.0, "max_resident_chunks: expected None or an int >= 0, got 3.0 (float)"),
-        (0, True, "max_resident_chunks: expected None or an int >= 0, got True (bool)"),
+        (0, -1, "max_history_chunks: expected None or an int >= 0, got -1"),
+        (0, "3", "max_history_chunks: expected None or an int >= 0, got '3' (str)"),
+        (0, 2.5, "max_history_chunks: expected None or an int >= 0, got 2.5 (float)"),
+        (0, 3.0, "max_history_chunks: expected None or an int >= 0, got 3.0 (float)"),
+        (0, True, "max_history_chunks: expected None or an int >= 0, got True (bool)"),
         (-1, 2, "sink_chunks: expected an int >= 0, got -1"),
         ("1", 2, "sink_chunks: expected an int >= 0, got '1' (str)"),
         (True, 2, "sink_chunks: expected an int >= 0, got True (bool)"),
         (None, 2, "sink_chunks: expected an int >= 0, got None (NoneType)"),
-        (3, 2, "max_resident_chunks: expected None or at least sink_chunks=3 (sinks are never evicted), got 2"),
+        (3, 2, "max_history_chunks: expected None or at least sink_chunks=3 (sinks are never evicted), got 2"),
     ],
 )
 def test_spec_refuses_bad_declared_counts(sinks: Any, bound: Any, message: str) -> None:
@@ -201,7 +201,7 @@ def test_spec_refuses_bad_declared_counts(sinks: Any, bound: Any, message: str) 
 @pytest.mark.parametrize("bound", [None, 0, 1, 5])
 def test_spec_takes_good_declared_counts(bound: int | None) -> None:
     spec = tiny_spec(Declares(0, bound))
-    assert spec.max_resident_chunks == bound and check_declared(spec.policy) == (0, bound)
+    assert spec.max_history_chunks == bound and check_declared(spec.policy) == (0, bound)
     # The shipped policies at their smallest keep working (0: each chunk sees only itself).
     for policy in (SinkWindowPolicy(0, 0), SinkWindowMemoryPolicy(0, 0, 1, 0), SinkWindowPolicy(2, None)):
         assert tiny_spec(policy).policy is policy
@@ -212,13 +212,13 @@ def test_spec_reports_a_declaration_that_raises() -> None:
         sink_chunks = 0
 
         @property
-        def max_resident_chunks(self) -> int:
+        def max_history_chunks(self) -> int:
             return {}["bound"]  # a user bug: KeyError
 
-        def visible_indices(self, num_committed: int) -> list[int]:
+        def history_indices(self, num_committed: int) -> list[int]:
             return []
 
-    with pytest.raises(am.SpecError, match=r"Broken\.max_resident_chunks: expected an answer, got KeyError: .bound."):
+    with pytest.raises(am.SpecError, match=r"Broken\.max_history_chunks: expected an answer, got KeyError: .bound."):
         tiny_spec(Broken())
 
 
@@ -241,9 +241,9 @@ def test_checker_accepts_exactly_the_contract(
     """Any answer: accepted iff the contract (written independently, ``contract_holds``) holds; then as given."""
     total = committed + new
     # A real resident set: what the policy kept of `committed` chunks.
-    resident = policy.visible_indices(committed)
+    resident = policy.history_indices(committed)
     if honest:  # mostly-valid answers: the policy's own, with one index maybe dropped or added
-        answer = list(policy.visible_indices(total))
+        answer = list(policy.history_indices(total))
         edit = data.draw(st.sampled_from(["none", "drop", "add"]))
         if edit == "drop" and answer:
             answer.pop(data.draw(st.integers(0, len(answer) - 1)))
@@ -252,19 +252,19 @@ def test_checker_accepts_exactly_the_contract(
 
     class Answers:
         sink_chunks = policy.sink_chunks
-        max_resident_chunks = policy.max_resident_chunks
+        max_history_chunks = policy.max_history_chunks
 
-        def visible_indices(self, n: int) -> Any:
+        def history_indices(self, n: int) -> Any:
             assert n == total
             return answer
 
-    ok = contract_holds(answer, total, resident, committed, policy.sink_chunks, policy.max_resident_chunks)
+    ok = contract_holds(answer, total, resident, committed, policy.sink_chunks, policy.max_history_chunks)
     if ok:
-        assert checked_visible_indices(Answers(), total, resident, committed) == tuple(answer)
+        assert checked_history_indices(Answers(), total, resident, committed) == tuple(answer)
         assert retain(Answers(), resident, resident, committed, range(committed, total)).indices == tuple(answer)
     else:
-        with pytest.raises(am.SpecError, match=r"^retention policy Answers\.visible_indices\(\d+\): expected"):
-            checked_visible_indices(Answers(), total, resident, committed)
+        with pytest.raises(am.SpecError, match=r"^retention policy Answers\.history_indices\(\d+\): expected"):
+            checked_history_indices(Answers(), total, resident, committed)
 
 
 def write_layers(fwd: am.ForwardContext, seed: int) -> None:
@@ -277,15 +277,15 @@ def write_layers(fwd: am.ForwardContext, seed: int) -> None:
             am.chunk_attention(q, k, v, layer)
 
 
-def branch_state(h: BranchHistory) -> tuple:
-    return (h.resident, h.resident_index, h.resident_start, h.committed_chunks, h.committed_tokens, h.extent)
+def branch_state(h: BranchPages) -> tuple:
+    return (h.history, h.history_index, h.history_start, h.committed_chunks, h.committed_tokens, h.extent)
 
 
 def cache_state(cache: am.KVCache, states: list[am.KVState]) -> tuple:
     """Allocator (free order, refcounts) and every branch's history and pending chunks (the pool: separately)."""
     alloc = cache.allocator
     histories = tuple(
-        (branch_state(s.history(b)), s.history(b).pending) for s in states for b in cache.spec.branches
+        (branch_state(s.branch_pages(b)), s.branch_pages(b).pending) for s in states for b in cache.spec.branches
     )
     return alloc.free_pages(), tuple(alloc.refcount(p) for p in range(alloc.num_pages)), histories
 
@@ -300,7 +300,7 @@ def assert_refused_unchanged(
     A caller checking a policy before committing (``abort_if_uncommittable``) would leave it open instead.
     """
     before, pool = cache_state(cache, states), cache.pool.kv.clone()
-    pending = [p for s, b in fwd.transaction.members for p in s.history(b).pending_pages()]
+    pending = [p for s, b in fwd.transaction.members for p in s.branch_pages(b).pending_pages()]
     with pytest.raises(am.SpecError) as info:
         call()
     for text in matches:
@@ -313,7 +313,7 @@ def assert_refused_unchanged(
         assert fwd.transaction.status == "aborted"
         assert [h for h, _ in after[2]] == [h for h, _ in before[2]], "a refused commit changed history"
         assert all(p == () for _, p in after[2]), "an aborted commit kept pending chunks"
-        history_pages = {p for s in states for b in cache.spec.branches for p in s.history(b).history_pages()}
+        history_pages = {p for s in states for b in cache.spec.branches for p in s.branch_pages(b).history_pages()}
         for page, (was, now) in enumerate(zip(before[1], after[1])):  # only pending pages let go
             assert now == was or (page in pending and page not in history_pages and now < was), (page, was, now)
     cache.allocator.check_invariants()
@@ -341,11 +341,11 @@ def test_a_policy_breaking_its_contract_at_commit_changes_nothing(kind: str, via
     """
     policy = Misbehaving(SinkWindowPolicy(1, 2))
     cache, state = rolled_cache(policy, 5, extents=extents)  # 5 committed: sink 0, window 3 4; 1 2 evicted
-    history = state.history("uncond")
-    assert history.resident_index == (0, 3, 4)
+    history = state.branch_pages("uncond")
+    assert history.history_index == (0, 3, 4)
     fwd = state.prepare_forward(None, 4, True)  # two chunks per branch: too_many keeps all 5 > 3
     write_layers(fwd, 99)
-    policy.arm(kind, resident=history.resident_index, committed=history.committed_chunks, on_call=2)
+    policy.arm(kind, resident=history.history_index, committed=history.committed_chunks, on_call=2)
 
     def call() -> None:
         if via == "commit_paged_context":
@@ -363,7 +363,7 @@ def test_a_policy_breaking_its_contract_at_commit_changes_nothing(kind: str, via
     policy.disarm()
     if fwd.transaction.is_open:  # the same forward commits once the policy behaves
         fwd.commit()
-        assert history.resident_index == (0, 5, 6) and state.history("cond").resident_index == (0, 5, 6)
+        assert history.history_index == (0, 5, 6) and state.branch_pages("cond").history_index == (0, 5, 6)
     state.close()
     assert cache.allocator.num_free == cache.allocator.num_pages
 
@@ -380,8 +380,8 @@ def test_a_failing_policy_in_a_multi_session_forward_commits_no_session() -> Non
         fwd.commit()
     fwd = cache.prepare_forward(streams, 2, True)
     write_layers(fwd, 7)
-    h = b.history("uncond")
-    policy.arm("resurrect", resident=h.resident_index, committed=h.committed_chunks, on_call=4)
+    h = b.branch_pages("uncond")
+    policy.arm("resurrect", resident=h.history_index, committed=h.committed_chunks, on_call=4)
     assert_refused_unchanged(cache, [a, b], fwd, fwd.commit, "[1] already evicted")
     assert policy.calls == 4
 
@@ -392,7 +392,7 @@ def test_a_policy_keeping_more_than_it_declared_is_refused_before_admission_brea
 
     class Undercounts(EvenMemoryPolicy):
         @property
-        def max_resident_chunks(self) -> int:
+        def max_history_chunks(self) -> int:
             return self.sink_chunks + self.evens  # the newest chunk forgotten
 
     spec = tiny_spec(Undercounts(1, 2))
@@ -409,7 +409,7 @@ def test_a_policy_keeping_more_than_it_declared_is_refused_before_admission_brea
     fwd = cache.prepare_forward(streams, 2, True)
     write_layers(fwd, 5)
     error = assert_refused_unchanged(
-        cache, states, fwd, fwd.commit, "Undercounts.visible_indices(6): expected at most max_resident_chunks=3",
+        cache, states, fwd, fwd.commit, "Undercounts.history_indices(6): expected at most max_history_chunks=3",
         "got 4: [0, 2, 4, 5]",
     )
     assert not isinstance(error, am.CapacityError)
@@ -441,10 +441,10 @@ def test_admission_agrees_with_a_valid_user_policy(extents: bool) -> None:
         fwd.commit()
         for s in states:
             for b in spec.branches:
-                h = s.history(b)
-                assert list(h.resident_index) == policy.visible_indices(h.committed_chunks)
-                peak_resident = max(peak_resident, len(h.resident))
-    assert peak_resident == policy.max_resident_chunks
+                h = s.branch_pages(b)
+                assert list(h.history_index) == policy.history_indices(h.committed_chunks)
+                peak_resident = max(peak_resident, len(h.history))
+    assert peak_resident == policy.max_history_chunks
     assert cache.allocator.peak_used == cache.allocator.num_pages  # the promise is tight, not only safe
     for s in states:
         s.close()

@@ -206,7 +206,7 @@ def test_to_dense_and_key_positions_several_sessions_windows_filling_and_evicted
     cache = am.KVCache(_spec(page), num_pages=200)
     old, fresh = cache.open_session("old"), cache.open_session("fresh")
     _commit(old, 4)  # 4 chunks in one bidirectional-or-not commit: sink 0, window 2..3, chunk 1 evicted
-    assert old.committed_chunks("cond") == 4 and len(old.visible_chunks("cond")) == 3
+    assert old.committed_chunks("cond") == 4 and len(old.history_chunks("cond")) == 3
     for n in (1, 2, 3, 4):
         fwd = cache.prepare_forward([(old, "cond"), (fresh, "uncond"), (old, "uncond")], 4 * n,
                                     pending_attention="bidirectional")
@@ -244,7 +244,7 @@ def test_commits_are_the_same_under_both_rules() -> None:
             with state.prepare_forward(None, 4 * n, False, pending_attention=rule):
                 pass
             _commit(state, n, pending_attention=rule)
-        views.append((state.visible_chunks("cond"), state.token_offset("cond"), state.committed_chunks("uncond"),
+        views.append((state.history_chunks("cond"), state.token_offset("cond"), state.committed_chunks("uncond"),
                       cache.allocator.free_pages(), cache.pool.kv.clone()))
     assert views[0][:4] == views[1][:4]
     assert torch.equal(views[0][4], views[1][4])
@@ -262,7 +262,7 @@ def test_a_bad_rule_raises_and_changes_nothing(bad: object, via: str) -> None:
     with state.prepare_forward(None, 8, False):  # a denoising forward left open (superseded by a good prepare)
         pass
     before = (cache.allocator.free_pages(), cache.allocator.peak_used, state.pending_chunks("cond"),
-              state.visible_chunks("cond"), state.token_offset("cond"), cache.num_forward_contexts)
+              state.history_chunks("cond"), state.token_offset("cond"), cache.num_forward_contexts)
     calls = {
         "cache": lambda: cache.prepare_forward([(state, "cond")], 8, pending_attention=bad),
         "state": lambda: state.prepare_forward(None, 8, pending_attention=bad),
@@ -273,7 +273,7 @@ def test_a_bad_rule_raises_and_changes_nothing(bad: object, via: str) -> None:
                        rf", got {__import__('re').escape(repr(bad))}"):
         calls[via]()
     after = (cache.allocator.free_pages(), cache.allocator.peak_used, state.pending_chunks("cond"),
-             state.visible_chunks("cond"), state.token_offset("cond"), cache.num_forward_contexts)
+             state.history_chunks("cond"), state.token_offset("cond"), cache.num_forward_contexts)
     assert after == before
     cache.allocator.check_invariants()
 
@@ -406,7 +406,7 @@ def test_gpu_flashinfer_bidirectional_token_mask_and_static_plans() -> None:
     g = torch.Generator(device="cuda").manual_seed(2)
     for n in (1, 2, 3, 2, 1, 3):
         q, k, v = _gpu_qkv((2, n * chunk), g)
-        keys = max(len(states[0].visible_chunks(b)) for b in ("cond", "uncond")) * chunk + n * chunk
+        keys = max(len(states[0].history_chunks(b)) for b in ("cond", "uncond")) * chunk + n * chunk
         mask = torch.rand(2, n * chunk, keys, device="cuda", generator=g) > 0.3
         masked = []
         for cache, state in ((ref, states[0]), (fi, states[1])):

@@ -40,9 +40,9 @@ def test_fork_shares_pages_by_refcount_and_copies_nothing(extents: bool) -> None
     assert cache.allocator.num_used == used_before  # zero pages allocated
     assert torch.equal(cache.pool.kv, kv_before)  # zero bytes written
     for branch in ("cond", "uncond"):
-        assert child.visible_chunks(branch) == parent.visible_chunks(branch)
+        assert child.history_chunks(branch) == parent.history_chunks(branch)
         assert child.token_offset(branch) == parent.token_offset(branch)
-        for chunk in child.visible_chunks(branch):
+        for chunk in child.history_chunks(branch):
             for page in chunk:
                 assert cache.allocator.refcount(page) >= 2
 
@@ -92,13 +92,13 @@ def test_share_sinks_and_cross_attention_between_sessions() -> None:
     b = cache.open_session("b")
     b.share_sinks_from(a, "cond")
     b.share_cross_attention_from(a, "text")
-    assert b.visible_chunks("cond") == a.visible_chunks("cond")[:1]
-    assert b.token_offset("cond") == CHUNK and b.visible_chunks("uncond") == ()
+    assert b.history_chunks("cond") == a.history_chunks("cond")[:1]
+    assert b.token_offset("cond") == CHUNK and b.history_chunks("uncond") == ()
     assert b.get_cross_attention_kv("cond", "text")[0]["k"].data_ptr() == a.get_cross_attention_kv("cond", "text")[0]["k"].data_ptr()
     with pytest.raises(am.SpecError, match="expected branch 'cond' to be empty"):
         b.share_sinks_from(a, "cond")
     a.close()
-    assert b.visible_chunks("cond")[0] == (0, 1) and cache.allocator.refcount(0) == 1
+    assert b.history_chunks("cond")[0] == (0, 1) and cache.allocator.refcount(0) == 1
     b.close()
     assert cache.allocator.num_free == 64
 

@@ -229,10 +229,10 @@ class Soak:
         refs: Counter[int] = Counter()
         for s in self.sessions:
             for b in BOTH:
-                for chunk in s.state.visible_chunks(b) + s.state.pending_chunks(b):
+                for chunk in s.state.history_chunks(b) + s.state.pending_chunks(b):
                     refs.update(chunk)
                 assert s.state.token_offset(b) == len(s.oracle.committed[b]) * CHUNK
-                assert len(s.state.visible_chunks(b)) == len(s.oracle.visible(b))
+                assert len(s.state.history_chunks(b)) == len(s.oracle.visible(b))
         alloc = self.cache.allocator
         held = {p: alloc.refcount(p) for p in range(alloc.num_pages) if alloc.refcount(p)}
         assert held == dict(refs), "allocator references that no session accounts for (leak) or vice versa"

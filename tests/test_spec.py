@@ -37,7 +37,7 @@ def test_minimal_spec_defaults():
     assert spec.cross_attention == ()
     assert spec.dtype == "bfloat16"
     assert spec.pages_per_chunk == 2
-    assert spec.max_resident_chunks is None
+    assert spec.max_history_chunks is None
     assert spec.pages_per_branch() is None
     assert spec.pages_per_branch(3) is None
     assert spec.cross_attention_names == ()
@@ -59,7 +59,7 @@ def test_full_spec():
         dtype="float16",
     )
     assert spec.pages_per_chunk == 39
-    assert spec.max_resident_chunks == 7
+    assert spec.max_history_chunks == 7
     assert spec.pages_per_branch() == 8 * 39
     assert spec.pages_per_branch(1) == 8 * 39
     assert spec.pages_per_branch(2) == 9 * 39
@@ -96,13 +96,13 @@ def test_pages_per_chunk(chunk_size, page_size, expected):
 )
 def test_pages_per_branch(sink, window, pending, expected):
     spec = make(sink_chunks=sink, window_chunks=window)
-    assert spec.max_resident_chunks == sink + window
+    assert spec.max_history_chunks == sink + window
     assert spec.pages_per_branch(pending) == expected
 
 
 def test_window_none_means_unbounded_even_with_sinks():
     spec = make(sink_chunks=3, window_chunks=None)
-    assert spec.max_resident_chunks is None
+    assert spec.max_history_chunks is None
     assert spec.pages_per_branch(1) is None
 
 

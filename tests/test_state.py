@@ -96,7 +96,7 @@ def cross_pairs(name: str = "text", seed: float = 1.0, layers: int = 2):
 
 def branch_snapshot(state: KVState, branch: str):
     return (
-        state.visible_chunks(branch),
+        state.history_chunks(branch),
         state.pending_chunks(branch),
         state.token_offset(branch),
         state.committed_chunks(branch),
@@ -128,7 +128,7 @@ def test_lazy_per_branch_allocation_unused_branch_holds_no_pages():
     assert [layer.layer_index for layer in layers] == [0, 1]
     assert state.pending_chunks("cond") == ((0, 1),)
     assert state.pending_chunks("uncond") == ()
-    assert state.visible_chunks("uncond") == ()
+    assert state.history_chunks("uncond") == ()
     assert cache.allocator.free_pages() == tuple(range(2, 16))
     assert cache.stats().sessions == {"a": {"cond": 2, "uncond": 0}}
     for _ in range(3):
@@ -159,7 +159,7 @@ def test_denoise_forwards_reuse_pending_pages():
         layers = state.get_kv_caches("cond", CHUNK, commit_current=False)
         write_layers(layers, 100 + step)
         assert state.pending_chunks("cond") == ((0, 1),)
-        assert state.visible_chunks("cond") == ()
+        assert state.history_chunks("cond") == ()
         assert cache.allocator.free_pages() == tuple(range(2, 16))  # no churn
         if step % 2:  # closing a denoising forward keeps its pages reserved
             state.commit_paged_context("cond")
@@ -171,7 +171,7 @@ def test_denoise_forwards_reuse_pending_pages():
     assert cache.allocator.free_pages() == tuple(range(2, 16))
     write_layers(layers, 7)
     state.commit_paged_context("cond")
-    assert state.visible_chunks("cond") == ((0, 1),)
+    assert state.history_chunks("cond") == ((0, 1),)
     assert state.pending_chunks("cond") == ()
     assert cache.allocator.free_pages() == tuple(range(2, 16))
     assert [cache.allocator.refcount(p) for p in (0, 1)] == [1, 1]
@@ -188,7 +188,7 @@ def test_forward_context_is_reused_across_forwards_of_the_same_streams():
     assert fwd2.layers[0] is fwd1.layers[0]
     write_every_layer(fwd2.layers)
     fwd2.commit()
-    assert state.visible_chunks("cond") == ((0, 1),)
+    assert state.history_chunks("cond") == ((0, 1),)
 
 
 def test_release_idle_forward_contexts_keeps_open_ones():
@@ -221,7 +221,7 @@ def test_commit_turns_pending_into_history_without_copying():
     assert pending == ((0, 1),)
     write_layers(layers, 5)
     state.commit_paged_context("cond")
-    assert state.visible_chunks("cond") == pending  # same page ids
+    assert state.history_chunks("cond") == pending  # same page ids
     assert_pages_hold(cache, (0, 1), 5)  # same data, in place
     assert cache.pool.kv.data_ptr() == kv_ptr
     assert state.token_offset("cond") == CHUNK
@@ -247,25 +247,25 @@ def test_eviction_frees_oldest_window_chunk_and_next_allocation_reuses_it():
     commit_chunks(state)  # c0 -> sink
     commit_chunks(state)  # c1
     commit_chunks(state)  # c2
-    assert state.visible_chunks("cond") == ((0, 1), (2, 3), (4, 5))
+    assert state.history_chunks("cond") == ((0, 1), (2, 3), (4, 5))
     assert cache.allocator.free_pages() == (6, 7)
 
     write_every_layer(state.get_kv_caches("cond", CHUNK, commit_current=True))
     assert state.pending_chunks("cond") == ((6, 7),)
     assert cache.allocator.free_pages() == ()
     state.commit_paged_context("cond")  # c3 evicts c1
-    assert state.visible_chunks("cond") == ((0, 1), (4, 5), (6, 7))
+    assert state.history_chunks("cond") == ((0, 1), (4, 5), (6, 7))
     assert cache.allocator.free_pages() == (2, 3)
     assert cache.allocator.refcount(2) == 0
 
     write_every_layer(state.get_kv_caches("cond", CHUNK, commit_current=True))
     assert state.pending_chunks("cond") == ((2, 3),)  # the evicted chunk's pages
     state.commit_paged_context("cond")  # c4 evicts c2
-    assert state.visible_chunks("cond") == ((0, 1), (6, 7), (2, 3))
+    assert state.history_chunks("cond") == ((0, 1), (6, 7), (2, 3))
     assert cache.allocator.free_pages() == (4, 5)
 
     commit_chunks(state)  # c5 evicts c3
-    assert state.visible_chunks("cond") == ((0, 1), (2, 3), (4, 5))
+    assert state.history_chunks("cond") == ((0, 1), (2, 3), (4, 5))
     assert cache.allocator.free_pages() == (6, 7)
     assert state.committed_chunks("cond") == 6  # evicted chunks included
     assert state.token_offset("cond") == 6 * CHUNK
@@ -280,7 +280,7 @@ def test_sinks_are_never_evicted_and_offsets_keep_advancing():
         assert torch.equal(layers[0].positions, torch.arange((n - 1) * CHUNK, n * CHUNK)[None])
         write_every_layer(layers)
         state.commit_paged_context("cond")
-        visible = state.visible_chunks("cond")
+        visible = state.history_chunks("cond")
         assert visible[0] == (0, 1)
         assert len(visible) == min(n, 3)
         assert state.committed_chunks("cond") == n
@@ -293,7 +293,7 @@ def test_window_none_never_evicts():
     state = cache.open_session("a")
     for _ in range(5):
         commit_chunks(state)
-    assert state.visible_chunks("cond") == ((0, 1), (2, 3), (4, 5), (6, 7), (8, 9))
+    assert state.history_chunks("cond") == ((0, 1), (2, 3), (4, 5), (6, 7), (8, 9))
     assert cache.allocator.free_pages() == (10, 11)
 
 
@@ -305,7 +305,7 @@ def test_window_zero_and_sink_zero_keeps_nothing_but_advances_offsets():
         assert layers[0].forward.layout.streams[0].history_pages == ()
         write_every_layer(layers)
         state.commit_paged_context("cond")
-        assert state.visible_chunks("cond") == ()
+        assert state.history_chunks("cond") == ()
         assert state.token_offset("cond") == n * CHUNK
         assert cache.allocator.num_free == 4
 
@@ -321,7 +321,7 @@ def test_multi_chunk_forwards_commit_and_evict():
     assert state.pending_chunks("cond") == ((0, 1), (2, 3))
     write_every_layer(fwd.layers)
     state.commit_paged_context("cond")
-    assert state.visible_chunks("cond") == ((0, 1), (2, 3))
+    assert state.history_chunks("cond") == ((0, 1), (2, 3))
     assert state.token_offset("cond") == 8
 
     fwd = state.prepare_forward("cond", 3 * CHUNK, commit_current=True)
@@ -334,7 +334,7 @@ def test_multi_chunk_forwards_commit_and_evict():
     assert rows.kv_page_indices.tolist() == [0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
     write_every_layer(fwd.layers)
     state.commit_paged_context("cond")
-    assert state.visible_chunks("cond") == ((0, 1), (6, 7), (8, 9))
+    assert state.history_chunks("cond") == ((0, 1), (6, 7), (8, 9))
     assert cache.allocator.free_pages() == (10, 11, 12, 13, 14, 15, 2, 3, 4, 5)
     assert state.committed_chunks("cond") == 5
     assert state.token_offset("cond") == 20
@@ -351,7 +351,7 @@ def test_multi_chunk_denoise_shrinks_and_grows_pending():
     write_every_layer(state.get_kv_caches("cond", 2 * CHUNK, commit_current=True))  # more: the first is reused
     assert state.pending_chunks("cond") == ((0, 1), (4, 5))
     state.commit_paged_context("cond")
-    assert state.visible_chunks("cond") == ((0, 1), (4, 5))
+    assert state.history_chunks("cond") == ((0, 1), (4, 5))
     assert state.pending_chunks("cond") == ()
 
 
@@ -424,7 +424,7 @@ def test_abort_restores_history_exactly_and_frees_pending_pages():
         layers = state.get_kv_caches("cond", CHUNK, commit_current=True)
         write_layers(layers, value)
         state.commit_paged_context("cond")
-    history = state.visible_chunks("cond")
+    history = state.history_chunks("cond")
     assert history == ((0, 1), (2, 3))
     hist_before = page_values(cache, (0, 1, 2, 3))
     snap = branch_snapshot(state, "cond")
@@ -443,7 +443,7 @@ def test_abort_restores_history_exactly_and_frees_pending_pages():
         assert torch.equal(k0, k1) and torch.equal(v0, v1)
     # The next forward of the chunk works normally.
     commit_chunks(state)
-    assert state.visible_chunks("cond") == ((0, 1), (2, 3), (8, 9))
+    assert state.history_chunks("cond") == ((0, 1), (2, 3), (8, 9))
 
 
 def test_abort_all_branches():
@@ -455,7 +455,7 @@ def test_abort_all_branches():
     assert state.pending_chunks("uncond") == ((4, 5),)
     state.abort()
     assert state.pending_chunks("cond") == () and state.pending_chunks("uncond") == ()
-    assert state.visible_chunks("uncond") == ((0, 1),)
+    assert state.history_chunks("uncond") == ((0, 1),)
     assert state.pages_in_use() == 2
     state.abort()  # nothing pending: a no-op
     assert state.pages_in_use() == 2
@@ -482,8 +482,8 @@ def test_context_manager_commits_on_success():
         assert isinstance(fwd, ForwardContext)
         assert fwd.streams == (("a", "cond"), ("a", "uncond"))
         write_layers(fwd.layers, 3)
-    assert state.visible_chunks("cond") == ((0, 1),)
-    assert state.visible_chunks("uncond") == ((2, 3),)
+    assert state.history_chunks("cond") == ((0, 1),)
+    assert state.history_chunks("uncond") == ((2, 3),)
     assert state.pending_chunks("cond") == state.pending_chunks("uncond") == ()
     assert state.token_offset("cond") == state.token_offset("uncond") == CHUNK
     assert_pages_hold(cache, (0, 1, 2, 3), 3)
@@ -520,7 +520,7 @@ def test_context_manager_denoise_success_keeps_pending_and_exception_drops_it():
     with state.prepare_forward("cond", CHUNK, commit_current=False):
         pass
     assert state.pending_chunks("cond") == ((0, 1),)
-    assert state.visible_chunks("cond") == ()
+    assert state.history_chunks("cond") == ()
     with pytest.raises(ValueError):
         with state.prepare_forward("cond", CHUNK, commit_current=False):
             raise ValueError("bad step")
@@ -534,11 +534,11 @@ def test_context_manager_exit_skips_branches_committed_by_hand():
     with state.prepare_forward(("cond", "uncond"), CHUNK, commit_current=True) as fwd:
         write_every_layer(fwd.layers)
         state.commit_paged_context("cond")  # issue 10: one forward commits all its streams together
-        assert state.visible_chunks("cond") == ((0, 1),)
-        assert state.visible_chunks("uncond") == ((2, 3),) and state.pending_chunks("uncond") == ()
+        assert state.history_chunks("cond") == ((0, 1),)
+        assert state.history_chunks("uncond") == ((2, 3),) and state.pending_chunks("uncond") == ()
         state.commit_paged_context("uncond")  # the seed's per-branch loop: already committed, a no-op
-    assert state.visible_chunks("cond") == ((0, 1),)
-    assert state.visible_chunks("uncond") == ((2, 3),)
+    assert state.history_chunks("cond") == ((0, 1),)
+    assert state.history_chunks("uncond") == ((2, 3),)
     assert state.committed_chunks("cond") == 1  # not committed twice
 
 
@@ -589,12 +589,12 @@ def test_batched_multi_branch_forward_and_per_branch_commit():
 
     write_every_layer(fwd.layers)
     state.commit_paged_context("cond")  # commits the whole forward: cond and uncond together (issue 10)
-    assert state.visible_chunks("cond") == ((2, 3),)
-    assert state.visible_chunks("uncond") == ((0, 1), (4, 5)) and state.pending_chunks("uncond") == ()
+    assert state.history_chunks("cond") == ((2, 3),)
+    assert state.history_chunks("uncond") == ((0, 1), (4, 5)) and state.pending_chunks("uncond") == ()
     with pytest.raises(ForwardFinishedError):
         fwd.layers[0].forward.check_usable()
     state.commit_paged_context("uncond")  # the seed's per-branch loop: already committed, a no-op
-    assert state.visible_chunks("uncond") == ((0, 1), (4, 5))
+    assert state.history_chunks("uncond") == ((0, 1), (4, 5))
     assert state.token_offset("uncond") == 8 and state.token_offset("cond") == 4
 
 
@@ -619,8 +619,8 @@ def test_batched_forward_over_two_sessions():
     assert b.pending_chunks("cond") == ((4, 5),)
     write_layers(fwd.layers, 8)
     fwd.commit()
-    assert a.visible_chunks("cond") == ((2, 3),)
-    assert b.visible_chunks("cond") == ((0, 1), (4, 5))
+    assert a.history_chunks("cond") == ((2, 3),)
+    assert b.history_chunks("cond") == ((0, 1), (4, 5))
     assert_pages_hold(cache, (2, 3, 4, 5), 8)
     assert cache.stats().sessions == {"a": {"cond": 2, "uncond": 0}, "b": {"cond": 4, "uncond": 0}}
 
@@ -711,7 +711,7 @@ def test_reset_reopens_a_closed_session():
     assert not state.is_closed
     assert cache.sessions == {"a": state}
     commit_chunks(state)
-    assert state.visible_chunks("cond") == ((2, 3),)
+    assert state.history_chunks("cond") == ((2, 3),)
 
 
 def test_reset_of_a_closed_session_whose_id_was_reused_raises():
@@ -741,7 +741,7 @@ def test_close_frees_every_page_and_is_idempotent():
     state.close()
     assert state.is_closed
     assert state.pages_in_use() == 0
-    assert cache.allocator.used_pages() == other.visible_chunks("cond")[0]
+    assert cache.allocator.used_pages() == other.history_chunks("cond")[0]
     assert cache.sessions == {"b": other}
     assert "a" not in cache.stats().sessions
     assert branch_snapshot(other, "cond") == other_snap
@@ -762,7 +762,7 @@ CLOSED_CALLS = {
     "abort_branch": lambda s: s.abort("cond"),
     "token_offset": lambda s: s.token_offset("cond"),
     "committed_chunks": lambda s: s.committed_chunks("cond"),
-    "visible_chunks": lambda s: s.visible_chunks("cond"),
+    "history_chunks": lambda s: s.history_chunks("cond"),
     "pending_chunks": lambda s: s.pending_chunks("cond"),
     "is_cross_attention_populated": lambda s: s.is_cross_attention_populated("cond", "text"),
     "populate_cross_attention": lambda s: s.populate_cross_attention("cond", "text", cross_pairs()),
@@ -786,7 +786,7 @@ def test_every_call_after_close_raises_session_closed(call):
         CLOSED_CALLS[call](state)
     assert "'a'" in str(exc_info.value) and "closed" in str(exc_info.value)
     assert cache.allocator.free_pages() == free
-    assert other.visible_chunks("cond") == ((2, 3),)
+    assert other.history_chunks("cond") == ((2, 3),)
 
 
 def test_close_during_a_context_manager_forward():
@@ -1033,7 +1033,7 @@ def test_open_session_duplicate_id():
     assert "'a'" in str(exc_info.value) and "already open" in str(exc_info.value)
     assert cache.sessions == {"a": a}
     assert cache.allocator.free_pages() == free
-    assert a.visible_chunks("cond") == ((0, 1),)
+    assert a.history_chunks("cond") == ((0, 1),)
     a.close()
     b = cache.open_session("a")  # the id is free again after close
     assert b is not a and cache.sessions == {"a": b}

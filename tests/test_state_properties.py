@@ -64,7 +64,7 @@ or ``ChunkSelfAttention``, finished
 through any member or left open); ``with`` blocks that raise (``Exception``, a custom
 ``BaseException``, ``KeyboardInterrupt``) or finish the forward inside and keep running; stale
 contexts (committed, completed, aborted, superseded, released by the LRU / ``close``); exceptions
-injected into a commit or abort (``BranchHistory.plan_commit`` on the 2nd stream,
+injected into a commit or abort (``BranchPages.preview_commit`` on the 2nd stream,
 ``PageAllocator.decref``) and a real SIGINT while a commit is applied; a user retention policy
 breaking its contract at a commit (``tests/_policies.py``: bad types, unsorted, duplicates, an evicted
 chunk brought back, more than declared, ...: ``SpecError``, nothing changed); NaN/Inf K/V under
@@ -142,8 +142,8 @@ from ardiff_modules.errors import (
     UnknownBranchError,
     UnknownCacheError,
 )
-from ardiff_modules.forward import ForwardTransaction
-from ardiff_modules.history import BranchHistory
+from ardiff_modules.core.transaction import ForwardTransaction
+from ardiff_modules.core.branch import BranchPages
 from ardiff_modules.quant import dequantize, quantize
 
 BRANCHES = ("cond", "uncond")
@@ -566,13 +566,13 @@ class SessionStateMachine(RuleBasedStateMachine):
                     cross = [(d["k"].tolist(), d["v"].tolist()) for d in st_.get_cross_attention_kv(b, "text")]
                 branches.append(
                     (
-                        st_.visible_chunks(b),
+                        st_.history_chunks(b),
                         st_.pending_chunks(b),
                         st_.token_offset(b),
                         st_.committed_chunks(b),
                         None if forward is None else (id(forward), forward.status),
                         cross,
-                        st_.history(b).extent,
+                        st_.branch_pages(b).extent,
                     )
                 )
             sessions.append((st_.session_id, tuple(branches)))
@@ -757,7 +757,7 @@ class SessionStateMachine(RuleBasedStateMachine):
                 event("pending chunks of other lengths replaced")
             grown = new[keep:]
             if cm.extents:
-                extent = sm.state.history(b).extent
+                extent = sm.state.branch_pages(b).extent
                 if sm.extent[b] is None:
                     # Reserved now: S + W + 1 chunk slots of consecutive, previously free pages.
                     assert len(extent) == cm.extent_chunks * self.ppc, f"extent {extent}"
@@ -1499,7 +1499,7 @@ class SessionStateMachine(RuleBasedStateMachine):
         index=st.integers(0, 8),
         others=st.lists(st.integers(1, 2), max_size=2, unique=True),
         branch_sets=st.lists(st.sampled_from(BRANCH_SETS), min_size=3, max_size=3),
-        where=st.sampled_from(["plan_commit", "decref", "sigint"]),
+        where=st.sampled_from(["preview_commit", "decref", "sigint"]),
         exc=st.sampled_from(["boom", "halt", "keyboard"]),
         via=st.sampled_from(["cpc", "ctx.commit", "with", "with_boom", "state.abort"]),
         then=st.sampled_from(["commit", "abort", "later"]),
@@ -1511,7 +1511,7 @@ class SessionStateMachine(RuleBasedStateMachine):
     ) -> None:
         """An exception injected while a forward commits or aborts: all streams are finished, or none.
 
-        ``plan_commit`` raises on the 2nd stream (the 1st if there is one): no stream commits and the
+        ``preview_commit`` raises on the 2nd stream (the 1st if there is one): no stream commits and the
         forward is aborted (a failed commit never leaves it open; an ``Exception`` surfaces as
         ``CommitFailedError`` chained to it). ``PageAllocator.decref`` raises on its first call (the abort
         that follows a failed commit too): nothing may change (the forward stays open). ``sigint``: a real
@@ -1521,30 +1521,30 @@ class SessionStateMachine(RuleBasedStateMachine):
         streams = self.pick_streams(self.open_sessions, index, others, branch_sets)
         self.settle(streams, then == "commit")
         cm = streams[0][0].cm
-        if where in ("plan_commit", "sigint") and via in ("with_boom", "state.abort"):
+        if where in ("preview_commit", "sigint") and via in ("with_boom", "state.abort"):
             via = "cpc"  # these hooks are on the commit path
         if where == "sigint" and not self.can_defer_sigint():
             where = "decref"
         injected = KeyboardInterrupt if where == "sigint" else INTERRUPTS[exc]
         # What the caller sees: a failed commit's Exception comes wrapped (CommitFailedError, chained).
-        raised_as = (injected, CommitFailedError) if where == "plan_commit" and issubclass(injected, Exception) else injected
+        raised_as = (injected, CommitFailedError) if where == "preview_commit" and issubclass(injected, Exception) else injected
         lengths = self.shape(shape)
         calls = {"n": 0}
         patches: list[tuple[Any, str, Any]] = []
 
         def install() -> None:
-            if where == "plan_commit":
-                original = BranchHistory.plan_commit
+            if where == "preview_commit":
+                original = BranchPages.preview_commit
                 fail_at = min(2, len(streams))
 
-                def plan_commit(h):
+                def preview_commit(h):
                     calls["n"] += 1
                     if calls["n"] == fail_at:
-                        raise injected("injected into plan_commit")
+                        raise injected("injected into preview_commit")
                     return original(h)
 
-                patches.append((BranchHistory, "plan_commit", original))
-                BranchHistory.plan_commit = plan_commit
+                patches.append((BranchPages, "preview_commit", original))
+                BranchPages.preview_commit = preview_commit
             elif where == "decref":
                 alloc = cm.cache.allocator
 
@@ -1554,7 +1554,7 @@ class SessionStateMachine(RuleBasedStateMachine):
                 patches.append((alloc, "decref", None))
                 alloc.decref = decref
             else:
-                original = BranchHistory.apply_commit
+                original = BranchPages.apply_commit
 
                 def apply_commit(h, result):
                     calls["n"] += 1
@@ -1562,8 +1562,8 @@ class SessionStateMachine(RuleBasedStateMachine):
                         os.kill(os.getpid(), signal.SIGINT)  # delivered at the next bytecode: must be deferred
                     return original(h, result)
 
-                patches.append((BranchHistory, "apply_commit", original))
-                BranchHistory.apply_commit = apply_commit
+                patches.append((BranchPages, "apply_commit", original))
+                BranchPages.apply_commit = apply_commit
 
         def uninstall() -> None:
             while patches:
@@ -1621,8 +1621,8 @@ class SessionStateMachine(RuleBasedStateMachine):
         if where == "sigint":
             event("SIGINT during a commit: deferred, all streams committed")
             self.m_finish(tx, True)
-        elif where == "plan_commit":
-            event(f"{injected.__name__} injected into plan_commit: no stream committed, the forward aborted")
+        elif where == "preview_commit":
+            event(f"{injected.__name__} injected into preview_commit: no stream committed, the forward aborted")
             assert tx.tx.status == "aborted", f"a failed commit left the forward {tx.tx.status}"
             self.m_finish(tx, False)
         else:
@@ -1780,10 +1780,10 @@ class SessionStateMachine(RuleBasedStateMachine):
                 return
         self.run(tx, "op")
         sm, b = streams[-1]
-        history = sm.state.history(b)
+        history = sm.state.branch_pages(b)
         real = history.policy
         bad = Misbehaving(real)
-        bad.arm(kind, resident=history.resident_index, committed=history.committed_chunks)
+        bad.arm(kind, resident=history.history_index, committed=history.committed_chunks)
 
         def call() -> None:
             if via == "cpc":
@@ -1968,7 +1968,7 @@ class SessionStateMachine(RuleBasedStateMachine):
             "abort": (state.abort,),
             "populate": (state.populate_cross_attention, "cond", "text", [cross_value(0.0, 0)] * NUM_LAYERS),
             "clear": (state.clear_cross_attention,),
-            "visible": (state.visible_chunks, "uncond"),
+            "visible": (state.history_chunks, "uncond"),
             "fork": (state.fork,),
         }
         if self.open_sessions:
@@ -2066,10 +2066,10 @@ class SessionStateMachine(RuleBasedStateMachine):
     @rule(index=st.integers(0, 8))
     def clear_cross(self, index: int) -> None:
         sm = self.pick(self.open_sessions, index)
-        visible = {b: sm.state.visible_chunks(b) for b in BRANCHES}
+        visible = {b: sm.state.history_chunks(b) for b in BRANCHES}
         sm.state.clear_cross_attention()
         sm.cross.clear()
-        assert {b: sm.state.visible_chunks(b) for b in BRANCHES} == visible  # self-attention untouched
+        assert {b: sm.state.history_chunks(b) for b in BRANCHES} == visible  # self-attention untouched
 
     @precondition(lambda self: self.open_sessions)
     @rule(i=st.integers(0, 8), j=st.integers(0, 8), branch=st.sampled_from((None,) + BRANCHES))
@@ -2410,8 +2410,8 @@ class SessionStateMachine(RuleBasedStateMachine):
                 continue
             for b in BRANCHES:
                 expected = self.visible(sm, b)
-                assert list(state.visible_chunks(b)) == expected, (
-                    f"{state.session_id}/{b}: visible {state.visible_chunks(b)}, expected first "
+                assert list(state.history_chunks(b)) == expected, (
+                    f"{state.session_id}/{b}: visible {state.history_chunks(b)}, expected first "
                     f"{self.spec.sink_chunks} + last {self.spec.window_chunks} of {[r.pages for r in sm.committed[b]]}"
                 )
                 assert list(state.pending_chunks(b)) == sm.pending[b]
@@ -2420,7 +2420,7 @@ class SessionStateMachine(RuleBasedStateMachine):
                     f"{state.session_id}/{b}: token_offset {state.token_offset(b)}, model {sm.committed_tokens(b)} "
                     f"(committed lengths {[r.tokens for r in sm.committed[b]]})"
                 )
-                history = state.history(b)
+                history = state.branch_pages(b)
                 assert history.committed_tokens == sm.committed_tokens(b)
                 records = self.visible_data(sm, b)
                 assert history.history_spans() == [(r.start, r.tokens) for r in records], (
@@ -2446,7 +2446,7 @@ class SessionStateMachine(RuleBasedStateMachine):
                     for layer, d in enumerate(got):
                         ek, ev = cross_value(sm.cross[b], layer)
                         assert torch.equal(d["k"], ek) and torch.equal(d["v"], ev)
-                assert tuple(state.history(b).extent) == (sm.extent[b] or ())
+                assert tuple(state.branch_pages(b).extent) == (sm.extent[b] or ())
             held = sum(len(c) for b in BRANCHES for c in self.visible(sm, b) + sm.pending[b])
             held += sum(len(sm.extent[b] or ()) for b in BRANCHES)
             assert state.pages_in_use() == held
@@ -2703,9 +2703,9 @@ def test_fork_keeps_its_pages_when_the_parent_reuses_its_extent() -> None:
     step(parent)
     step(parent)  # sink + window full, 2 of the 3 extent slots used
     child = parent.fork()
-    seen = {c: cache.pool.kv[:, :, list(c)].clone() for c in child.visible_chunks("main")}
+    seen = {c: cache.pool.kv[:, :, list(c)].clone() for c in child.history_chunks("main")}
     for _ in range(4):  # evicts the shared window chunk; the parent must not reuse its slot while the child sees it
         step(parent)
         for c, data in seen.items():
             assert same_bits(cache.pool.kv[:, :, list(c)], data), f"the child's chunk {c} was overwritten"
-    assert list(child.visible_chunks("main")) == list(seen)
+    assert list(child.history_chunks("main")) == list(seen)

@@ -48,16 +48,16 @@ from typing import Any
 
 import torch
 
-from ardiff_modules.allocator import PageAllocator
+from ardiff_modules.core.allocator import PageAllocator
 from ardiff_modules.cache import KVCache
 from ardiff_modules.context import ForwardContext, LayerContext
 from ardiff_modules.distributed.digest import StateDigest, _h64, check_consistency
 from ardiff_modules.distributed.errors import DistributedForwardError, RankDivergenceError
 from ardiff_modules.distributed.mesh import HOST_WORDS, ParallelMesh, Vote, check_same_vote
 from ardiff_modules.errors import SequenceLengthError, SpecError
-from ardiff_modules.forward import deferred_interrupts
+from ardiff_modules.core.transaction import deferred_interrupts
 from ardiff_modules.spec import KVCacheSpec
-from ardiff_modules.state import KVState
+from ardiff_modules.session import KVState
 
 logger = logging.getLogger(__name__)
 
@@ -297,7 +297,7 @@ class DistributedKVCache:
                 forward = state.open_forward(branch)
                 if forward is not None:
                     touched += [s for s, _ in forward.members if s not in touched]
-                history = state.history(branch)
+                history = state.branch_pages(branch)
                 if history.needs_extent:
                     bare.append(history)
         return tuple(touched), tuple(bare)
@@ -460,7 +460,7 @@ class DistributedForward:
         """What could make this rank's commit fail, checked before the vote (pure; changes nothing on success)."""
         try:
             for history in transaction.live_histories():
-                history.plan_commit()  # pure: may raise, changes nothing
+                history.preview_commit()  # pure: may raise, changes nothing
             # Every layer wrote, FP8 scales it would fix not degenerate, and (check_finite) no NaN/Inf: on a
             # failure it aborts this rank's forward and raises; the vote then aborts everyone else's.
             self.owner.cache.abort_if_uncommittable(transaction, check_finite=self.owner.check_finite)

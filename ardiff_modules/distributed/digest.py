@@ -51,11 +51,11 @@ def describe_state(cache: KVCache) -> tuple[str, str]:
             replica.append(f"session {sid!r}")
             steps = set()
             for branch in state.kv_branch_names:
-                h = state.history(branch)
+                h = state.branch_pages(branch)
                 forward = state.open_forward(branch)
                 replica.append(
                     f"  {branch!r}: offset={h.token_offset} committed={h.committed_chunks} "
-                    f"resident={list(h.resident_chunks)} pending={list(h.pending)} extent={list(h.extent)} "
+                    f"resident={list(h.history_chunks)} pending={list(h.pending)} extent={list(h.extent)} "
                     f"open={forward.commit_current if forward is not None else None}"
                 )
                 steps.add((h.committed_chunks, h.token_offset, len(h.pending)))

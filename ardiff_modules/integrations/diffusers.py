@@ -27,7 +27,7 @@ What the hook does, per :class:`~diffusers.models.transformers.transformer_wan.W
 - ``attn2`` (cross-attention): the prompt's K/V are projected once per branch with the model's own
   ``text_embedder``, ``to_k/to_v`` and ``norm_k`` (and, for I2V models, ``image_embedder``,
   ``add_k_proj/add_v_proj`` and ``norm_added_k``) and published with
-  :meth:`~ardiff_modules.state.KVState.populate_cross_attention`; every forward reads them through the
+  :meth:`~ardiff_modules.session.KVState.populate_cross_attention`; every forward reads them through the
   layer context (:func:`ardiff_modules.cached_cross_attention`); the ``encoder_hidden_states`` the
   model receives are not used.
 
@@ -59,7 +59,7 @@ from ardiff_modules.context import ForwardContext, LayerContext
 from ardiff_modules.errors import SpecError, TensorMismatchError
 from ardiff_modules.modules.functional import cached_cross_attention, chunk_attention, rotate
 from ardiff_modules.spec import CrossAttentionSpec, KVCacheSpec
-from ardiff_modules.state import KVState
+from ardiff_modules.session import KVState
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers only
     from diffusers.models.transformers.transformer_wan import WanAttention

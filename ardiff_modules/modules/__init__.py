@@ -9,17 +9,10 @@
 ``loading``         ``from_wan`` / ``from_diffusers``: a layer from an existing module (config + weights);
                     the layers' checked ``load_state_dict`` (a failed load changes nothing)
 ``common``          shared checks, q / k norms, head split / merge
-``attention``       the historical import path: re-exports the layers and their helpers
 ==================  =================================================================================
 """
 
-from ardiff_modules.modules.attention import (
-    ATTENTION_PARAM_NAMES,
-    CachedCrossAttention,
-    ChunkSelfAttention,
-    ParamNames,
-    populate_cross_attention,
-)
+from ardiff_modules.modules.cross_attention import CachedCrossAttention, populate_cross_attention
 from ardiff_modules.modules.functional import (
     Rope,
     RopeLayout,
@@ -29,7 +22,9 @@ from ardiff_modules.modules.functional import (
     rotate,
     rotate_half,
 )
+from ardiff_modules.modules.naming import ATTENTION_PARAM_NAMES, ParamNames
 from ardiff_modules.modules.rotary import RotaryEmbedding, VideoRotaryEmbedding
+from ardiff_modules.modules.self_attention import ChunkSelfAttention
 
 __all__ = [
     "ATTENTION_PARAM_NAMES",

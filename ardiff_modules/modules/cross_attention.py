@@ -30,7 +30,7 @@ from ardiff_modules.modules.loading import _copy_from_source, _CheckpointLayer, 
 from ardiff_modules.modules.naming import ParamNames
 from ardiff_modules.modules.self_attention import SequenceParallelHook
 from ardiff_modules.spec import _require_int
-from ardiff_modules.state import KVState
+from ardiff_modules.session import KVState
 
 
 class CachedCrossAttention(_CheckpointLayer):

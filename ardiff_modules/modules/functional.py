@@ -280,12 +280,12 @@ def chunk_attention(
         # computes K/V (no separate write pass); the op then only reads the pool.
         pool, scales, layer_id = kv.kv_pool, kv.kv_scales, kv.layer_id
         assert pool is not None and scales is not None and layer_id is not None  # set by the cache, every layer
-        write_kv_in_graph(k_rows, v_rows, pool, scales, layer_id, kv.forward.plan_id)
+        write_kv_in_graph(k_rows, v_rows, pool, scales, layer_id, kv.forward.handle_id)
         op = torch.ops.ardiff_modules.paged_attention_lse if return_lse else torch.ops.ardiff_modules.paged_attention
-        result = op(q_rows, kv.kv_pool, kv.layer_id, kv.forward.plan_id, scale, q_sink)
+        result = op(q_rows, kv.kv_pool, kv.layer_id, kv.forward.handle_id, scale, q_sink)
     else:
         op = torch.ops.ardiff_modules.chunk_attention_lse if return_lse else torch.ops.ardiff_modules.chunk_attention
-        result = op(q_rows, k_rows, v_rows, kv.kv_pool, kv.layer_id, kv.forward.plan_id, scale, q_sink)
+        result = op(q_rows, k_rows, v_rows, kv.kv_pool, kv.layer_id, kv.forward.handle_id, scale, q_sink)
     out, lse = result if return_lse else (result, None)
     if needs_grad:
         out = _InferenceOnly.apply(out, *graph_inputs)

@@ -26,7 +26,7 @@ from ardiff_modules.modules.naming import (
     ATTENTION_PARAM_NAMES,
     PARAM_NAMES,
     _CheckpointNamed,
-    _rename_attention_keys,
+    rename_attention_keys,
 )
 from ardiff_modules.spec import _require_int
 
@@ -225,7 +225,7 @@ def _copy_from_source(owner: str, layer: _Layer, module: nn.Module, source: str)
             state[f"{path}.weight"] = projection.weight
             if projection.bias is not None:
                 state[f"{path}.bias"] = projection.bias
-    mapped = _rename_attention_keys(state, source, layer.param_names)
+    mapped = rename_attention_keys(state, source, layer.param_names)
     expected = layer.state_dict()
     missing, unexpected = sorted(set(expected) - set(mapped)), sorted(set(mapped) - set(expected))
     if missing or unexpected:
@@ -269,7 +269,7 @@ def _naming_hint(layer: _CheckpointNamed, keys: set[Any], expected: set[str]) ->
         if other == layer.param_names:
             continue
         try:
-            renamed = set(_rename_attention_keys(placeholders, other, layer.param_names))
+            renamed = set(rename_attention_keys(placeholders, other, layer.param_names))
         except SpecError:  # two keys collide in that naming: not it
             continue
         if renamed == expected:

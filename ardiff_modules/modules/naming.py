@@ -68,7 +68,7 @@ ATTENTION_PARAM_NAMES: Mapping[str, Mapping[str, str]] = MappingProxyType(
 _DIFFUSERS_IGNORED_PREFIXES = ("to_qkv.", "to_kv.", "to_added_kv.", "norm_added_q.")
 
 
-def _check_param_names(owner: str, param_names: Any) -> str:
+def check_param_names(owner: str, param_names: Any) -> str:
     if not isinstance(param_names, str) or param_names not in PARAM_NAMES:
         raise SpecError(f"{owner}.param_names: expected 'ardiff', 'wan' or 'diffusers', got {param_names!r}")
     return param_names
@@ -91,7 +91,7 @@ class _CheckpointNamed(nn.Module):
     _paths: dict[str, str]
 
     def _init_names(self, owner: str, param_names: Any) -> None:
-        self.param_names = _check_param_names(owner, param_names)
+        self.param_names = check_param_names(owner, param_names)
         self._paths = dict(ATTENTION_PARAM_NAMES[self.param_names])  # a plain dict: constant under compile
 
     def _register(self, role: str, module: nn.Module) -> None:
@@ -136,7 +136,7 @@ class _CheckpointNamed(nn.Module):
 
 
 
-def _rename_attention_keys(
+def rename_attention_keys(
     state_dict: Mapping[str, torch.Tensor], source: str, target: str, prefix: str = ""
 ) -> dict[str, torch.Tensor]:
     """Keys ``prefix + <source path>.<param>`` -> ``prefix + <target path>.<param>``; other keys unchanged."""

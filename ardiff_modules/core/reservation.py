@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ardiff_modules.allocator import PageAllocator
-from ardiff_modules.history import BranchHistory, PageChunk
+from ardiff_modules.core.allocator import PageAllocator
+from ardiff_modules.core.branch import BranchPages, PageChunk
 
 
 class Reservation:
@@ -32,7 +32,7 @@ class Reservation:
     """
 
     def __init__(
-        self, histories: Sequence[BranchHistory], chunk_pages: Sequence[int], allocator: PageAllocator,
+        self, histories: Sequence[BranchPages], chunk_pages: Sequence[int], allocator: PageAllocator,
         extent_pages: int,
     ) -> None:
         self.histories = list(histories)

@@ -2,8 +2,8 @@
 
 A chunk is a tuple of page ids (``pages_per_chunk`` of them). The branch holds
 one reference on every page it lists; all page bookkeeping goes through the
-:class:`~ardiff_modules.allocator.PageAllocator`, eviction through the branch's
-:class:`~ardiff_modules.window.RetentionPolicy` (sink + window by default)::
+:class:`~ardiff_modules.core.allocator.PageAllocator`, eviction through the branch's
+:class:`~ardiff_modules.core.retention.RetentionPolicy` (sink + window by default)::
 
     sinks (never evicted) | window (last W committed) | pending (being denoised)
           written once          committed = immutable      overwritten by every
@@ -26,20 +26,20 @@ so a one-chunk forward's visible keys are always one contiguous token range,
 attended without paging. The extent holds one reference on each of its pages
 (the reservation); resident and pending chunks inside it hold one more. A
 re-cache fills the free slots first and, at commit, copies the rebuilt chunks
-that did not fit back into the slots it frees (:meth:`BranchHistory.plan_recache_copies`).
+that did not fit back into the slots it frees (:meth:`BranchPages.recache_copies`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from ardiff_modules.allocator import PageAllocator
-from ardiff_modules.window import RetentionPolicy, Retained, retain
+from ardiff_modules.core.allocator import PageAllocator
+from ardiff_modules.core.retention import RetentionPolicy, Retained, retain
 
 PageChunk = tuple[int, ...]
 
 
-class BranchHistory:
+class BranchPages:
     """Resident committed chunks, pending chunks and the absolute token offset of one branch."""
 
     def __init__(
@@ -52,10 +52,10 @@ class BranchHistory:
         self.extent_chunks = extent_chunks
         self.extent: tuple[int, ...] = ()
         #: Resident committed chunks, oldest first, and their commit indices (what the policy keeps).
-        self.resident: tuple[PageChunk, ...] = ()
-        self.resident_index: tuple[int, ...] = ()
+        self.history: tuple[PageChunk, ...] = ()
+        self.history_index: tuple[int, ...] = ()
         #: Absolute position of the first token of each resident chunk.
-        self.resident_start: tuple[int, ...] = ()
+        self.history_start: tuple[int, ...] = ()
         self.pending: tuple[PageChunk, ...] = ()
         #: Chunks ever committed (evicted ones included).
         self.committed_chunks = 0
@@ -63,7 +63,7 @@ class BranchHistory:
         #: differ in length (e.g. a 1-frame first chunk), so this is not chunks x chunk_size.
         self.committed_tokens = 0
         #: The open forward whose pending chunks these are (opaque here; see ``forward.py``).
-        self.forward: object | None = None
+        self.transaction: object | None = None
         #: Clean latents kept on request (``keep_latents``), by commit index: opaque here (tensors), only
         #: ever of resident chunks -- pruned in the same step as eviction. Read by a re-cache.
         self.latents: dict[int, object] = {}
@@ -79,26 +79,26 @@ class BranchHistory:
         return self.committed_tokens
 
     @property
-    def resident_chunks(self) -> tuple[PageChunk, ...]:
+    def history_chunks(self) -> tuple[PageChunk, ...]:
         """Visible committed chunks, oldest first (sinks, then whatever the policy keeps)."""
-        return self.resident
+        return self.history
 
     @property
     def sinks(self) -> tuple[PageChunk, ...]:
         """The resident chunks the policy never evicts (its first ``sink_chunks``)."""
-        return tuple(c for c, i in zip(self.resident, self.resident_index) if i < self.policy.sink_chunks)
+        return tuple(c for c, i in zip(self.history, self.history_index) if i < self.policy.sink_chunks)
 
     def history_spans(self) -> list[tuple[int, int]]:
         """``(first absolute position, tokens)`` of each resident chunk, in :meth:`history_pages` order."""
         size = self.page_size
-        return [(start, len(chunk) * size) for chunk, start in zip(self.resident, self.resident_start)]
+        return [(start, len(chunk) * size) for chunk, start in zip(self.history, self.history_start)]
 
     def history_positions(self) -> list[int]:
         """Absolute position of every token of the resident chunks, in :meth:`history_pages` order."""
         return [start + t for start, tokens in self.history_spans() for t in range(tokens)]
 
     def history_pages(self) -> list[int]:
-        return [page for chunk in self.resident_chunks for page in chunk]
+        return [page for chunk in self.history_chunks for page in chunk]
 
     def pending_pages(self) -> list[int]:
         return [page for chunk in self.pending for page in chunk]
@@ -125,7 +125,7 @@ class BranchHistory:
         committed pages are immutable, so its slot waits until that fork lets go (meanwhile new
         chunks come from the general pool and run paged).
         """
-        used = {page for chunk in self.resident + self.pending for page in chunk}
+        used = {page for chunk in self.history + self.pending for page in chunk}
         return [slot for slot in self.extent_slots() if used.isdisjoint(slot) and allocator.exclusive(slot)]
 
     def reusable_pending(self, chunk_pages: Sequence[int]) -> int:
@@ -207,38 +207,38 @@ class BranchHistory:
 
     def commit_pending(self, allocator: PageAllocator) -> list[int]:
         """Turn pending chunks into history (no copy), evict per the policy; return freed pages."""
-        result = self.plan_commit()
+        result = self.preview_commit()
         freed = allocator.decref(page for chunk in result.evicted for page in chunk)
         self.apply_commit(result)
         return freed
 
-    def plan_commit(self) -> Retained[PageChunk]:
+    def preview_commit(self) -> Retained[PageChunk]:
         """What committing the pending chunks would do (pure: nothing changes).
 
         Raises :class:`~ardiff_modules.errors.SpecError` when the policy breaks its contract
-        (:func:`~ardiff_modules.window.retain` checks its answer): the branch and the pool stay as
+        (:func:`~ardiff_modules.core.retention.retain` checks its answer): the branch and the pool stay as
         they were. With :meth:`apply_commit`, lets a forward over several branches compute every
         branch's commit first and apply them all with one allocator call (all or none).
         """
-        return retain(self.policy, self.resident, self.resident_index, self.committed_chunks, self.pending)
+        return retain(self.policy, self.history, self.history_index, self.committed_chunks, self.pending)
 
     def apply_commit(self, result: Retained[PageChunk], latents: Sequence[object] = ()) -> None:
-        """Adopt a :meth:`plan_commit` result; the caller drops the references of ``result.evicted``.
+        """Adopt a :meth:`preview_commit` result; the caller drops the references of ``result.evicted``.
 
         ``latents``: the committed chunks' clean latents to keep (one per pending chunk), or ``()``.
         """
         kept = dict(self.latents)
         kept.update({self.committed_chunks + i: latent for i, latent in enumerate(latents)})
         self.latents = {i: kept[i] for i in result.indices if i in kept}  # evicted chunks' latents go too
-        starts = dict(zip(self.resident_index, self.resident_start))
+        starts = dict(zip(self.history_index, self.history_start))
         position = self.committed_tokens
         for offset, chunk in enumerate(self.pending):
             starts[self.committed_chunks + offset] = position
             position += len(chunk) * self.page_size
         self.committed_chunks += len(self.pending)
         self.committed_tokens = position
-        self.resident, self.resident_index, self.pending = result.resident, result.indices, ()
-        self.resident_start = tuple(starts[i] for i in result.indices)
+        self.history, self.history_index, self.pending = result.history, result.indices, ()
+        self.history_start = tuple(starts[i] for i in result.indices)
 
     # ------------------------------------------------------------------ re-cache
     def recache_targets(self, keep_sinks: bool) -> list[int]:
@@ -248,7 +248,7 @@ class BranchHistory:
                                               keep_sinks=False -> rebuild s0 c5 c6 c7
         """
         sinks = self.policy.sink_chunks if keep_sinks else 0
-        return [i for i, index in enumerate(self.resident_index) if index >= sinks]
+        return [i for i, index in enumerate(self.history_index) if index >= sinks]
 
     def recache_layout_parts(
         self, keep_sinks: bool
@@ -260,18 +260,18 @@ class BranchHistory:
         """
         targets = set(self.recache_targets(keep_sinks))
         spans = self.history_spans()
-        kept = [i for i in range(len(self.resident)) if i not in targets]
-        pages = tuple(p for i in kept for p in self.resident[i])
-        return pages, tuple(spans[i] for i in kept), tuple(self.resident_start[i] for i in sorted(targets))
+        kept = [i for i in range(len(self.history)) if i not in targets]
+        pages = tuple(p for i in kept for p in self.history[i])
+        return pages, tuple(spans[i] for i in kept), tuple(self.history_start[i] for i in sorted(targets))
 
-    def plan_recache_commit(self, keep_sinks: bool) -> tuple[tuple[PageChunk, ...], list[int]]:
+    def preview_recache_commit(self, keep_sinks: bool) -> tuple[tuple[PageChunk, ...], list[int]]:
         """The resident chunks after swapping the rebuilt (pending) chunks in, and the old pages to release.
 
         Pure. Commit indices and starts are unchanged: the same chunks, re-computed.
         """
         targets = self.recache_targets(keep_sinks)
         assert len(targets) == len(self.pending), "re-cache pending chunks do not match the resident chunks"
-        resident = list(self.resident)
+        resident = list(self.history)
         old: list[int] = []
         for i, fresh in zip(targets, self.pending):
             assert len(fresh) == len(resident[i])
@@ -279,12 +279,12 @@ class BranchHistory:
             resident[i] = fresh
         return tuple(resident), old
 
-    def plan_recache_copies(
+    def recache_copies(
         self, swapped: tuple[PageChunk, ...], released: Mapping[int, int], allocator: PageAllocator
     ) -> tuple[tuple[PageChunk, ...], list[tuple[PageChunk, PageChunk]]]:
         """Move rebuilt chunks that sit in fresh pages into ring slots free once the commit is applied (pure).
 
-        ``swapped``: :meth:`plan_recache_commit`'s resident chunks; ``released``: how many references
+        ``swapped``: :meth:`preview_recache_commit`'s resident chunks; ``released``: how many references
         the whole commit drops from each page (every stream's old chunks). Returns the resident chunks
         after the moves and the ``(fresh chunk, ring slot chunk)`` copies they need. A slot is free
         after the commit when only the extent's reservation still references its pages (refcount minus
@@ -304,13 +304,13 @@ class BranchHistory:
         extent = set(self.extent)
         refcount = allocator.refcount
         free = [slot for slot in self.extent_slots() if all(refcount(p) - released.get(p, 0) == 1 for p in slot)]
-        moving = [i for i, chunk in enumerate(swapped) if chunk != self.resident[i] and chunk[0] not in extent]
+        moving = [i for i, chunk in enumerate(swapped) if chunk != self.history[i] and chunk[0] not in extent]
         resident = list(swapped)
         copies: list[tuple[PageChunk, PageChunk]] = []
         by_start = {slot[0]: slot for slot in free}
         rest = []
         for i in moving:  # first pass: back into the slot of the chunk it replaces
-            slot = by_start.get(self.resident[i][0])
+            slot = by_start.get(self.history[i][0])
             if slot is None:
                 rest.append(i)
                 continue
@@ -335,8 +335,8 @@ class BranchHistory:
         return ring, fresh
 
     def apply_recache_commit(self, resident: tuple[PageChunk, ...]) -> None:
-        """Adopt :meth:`plan_recache_commit`'s resident chunks; the caller drops the old pages' references."""
-        self.resident, self.pending = resident, ()
+        """Adopt :meth:`preview_recache_commit`'s resident chunks; the caller drops the old pages' references."""
+        self.history, self.pending = resident, ()
 
     def clear_pending(self) -> None:
         """Forget the pending chunks; the caller drops their references (see :meth:`drop_pending`)."""
@@ -351,26 +351,26 @@ class BranchHistory:
     def release(self, allocator: PageAllocator) -> list[int]:
         """Drop every reference (history, pending, extent) and start over at offset 0."""
         freed = allocator.decref(self.referenced_pages())
-        self.resident = self.pending = ()
-        self.resident_index = self.resident_start = ()
+        self.history = self.pending = ()
+        self.history_index = self.history_start = ()
         self.latents = {}
         self.extent = ()
         self.committed_chunks = 0
         self.committed_tokens = 0
-        self.forward = None
+        self.transaction = None
         return freed
 
-    def adopt(self, other: BranchHistory, allocator: PageAllocator, *, sinks_only: bool = False) -> None:
+    def adopt(self, other: BranchPages, allocator: PageAllocator, *, sinks_only: bool = False) -> None:
         """Share ``other``'s committed history by refcount (a fork): zero pages copied.
 
         ``sinks_only`` shares just the sink chunks (e.g. sessions that start from the same
         first frame): the branch then continues after them, with an empty window.
         """
-        count = len(other.sinks) if sinks_only else len(other.resident)
-        resident, indices, starts = other.resident[:count], other.resident_index[:count], other.resident_start[:count]
+        count = len(other.sinks) if sinks_only else len(other.history)
+        resident, indices, starts = other.history[:count], other.history_index[:count], other.history_start[:count]
         allocator.incref(p for chunk in resident for p in chunk)
         self.release(allocator)
-        self.resident, self.resident_index, self.resident_start = resident, indices, starts
+        self.history, self.history_index, self.history_start = resident, indices, starts
         self.latents = {i: other.latents[i] for i in indices if i in other.latents}  # shared: never mutated
         self.committed_chunks = len(resident) if sinks_only else other.committed_chunks
         self.committed_tokens = (

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from ardiff_modules.allocator import PageAllocator
+from ardiff_modules.core.allocator import PageAllocator
 from ardiff_modules.checks import is_int, require_bool
 from ardiff_modules.errors import (
     CapacityError,
@@ -19,11 +19,11 @@ from ardiff_modules.errors import (
     SpecError,
     TensorMismatchError,
 )
-from ardiff_modules.forward import ForwardTransaction
-from ardiff_modules.history import BranchHistory
+from ardiff_modules.core.transaction import ForwardTransaction
+from ardiff_modules.core.branch import BranchPages
 from ardiff_modules.layout import StreamLayout
 from ardiff_modules.spec import KVCacheSpec, PendingAttention, check_pending_attention
-from ardiff_modules.state import KVState
+from ardiff_modules.session import KVState
 
 
 def validate_streams(streams: Sequence[tuple[KVState, str]], cache: object) -> tuple[tuple[KVState, str], ...]:
@@ -44,7 +44,7 @@ def validate_streams(streams: Sequence[tuple[KVState, str]], cache: object) -> t
         state, branch = item
         if state.cache is not cache:
             raise SpecError(f"prepare_forward: expected sessions of this KVCache, got {state.session_id!r} of another")
-        state.history(branch)  # raises on closed session / unknown branch
+        state.branch_pages(branch)  # raises on closed session / unknown branch
         key = (state.session_id, branch)
         if key in seen:
             raise SpecError(f"prepare_forward: stream {key} appears twice; expected distinct streams")
@@ -59,7 +59,7 @@ def chunk_lengths_of(
     chunk, page = spec.chunk_size, spec.page_size
     require_bool("prepare_forward.commit_current", commit_current)
     require_bool("prepare_forward.static", static)
-    if static and spec.max_resident_chunks is None:
+    if static and spec.max_history_chunks is None:
         raise SpecError(
             "prepare_forward(static=True): expected a bounded window (window_chunks is not None) so the "
             "fixed buffers can be sized, got window_chunks=None"
@@ -118,7 +118,7 @@ def check_token_mask(token_mask: torch.Tensor, expected: tuple[int, int, int], d
 
 
 def check_capacity(
-    histories: Sequence[BranchHistory], chunk_pages: Sequence[int], allocator: PageAllocator, extent_pages: int
+    histories: Sequence[BranchPages], chunk_pages: Sequence[int], allocator: PageAllocator, extent_pages: int
 ) -> None:
     """Raise :class:`CapacityError` unless the forward's pages (and new extents) fit."""
     needed = sum(h.pages_needed(chunk_pages, allocator) for h in histories)
@@ -144,9 +144,9 @@ def check_capacity(
             )
 
 
-def check_no_open_commit(state: KVState, branch: str, history: BranchHistory) -> None:
+def check_no_open_commit(state: KVState, branch: str, history: BranchPages) -> None:
     """A committing forward must be committed or aborted before its streams run again."""
-    open_forward = history.forward
+    open_forward = history.transaction
     if isinstance(open_forward, ForwardTransaction) and open_forward.is_open and open_forward.commit_current:
         raise PendingContextError(
             f"Branch {branch!r} of session {state.session_id!r} has a committing forward of "
@@ -156,7 +156,7 @@ def check_no_open_commit(state: KVState, branch: str, history: BranchHistory) ->
 
 
 def recache_chunk_pages(
-    members: Sequence[tuple[KVState, str]], histories: Sequence[BranchHistory], keep_sinks: bool,
+    members: Sequence[tuple[KVState, str]], histories: Sequence[BranchPages], keep_sinks: bool,
     *, idle: bool = True,
 ) -> list[int]:
     """Validate a re-cache request; return the pages of each chunk it rebuilds (the same for every stream).
@@ -168,7 +168,7 @@ def recache_chunk_pages(
     require_bool("prepare_recache.keep_sinks", keep_sinks)
     shapes = []
     for (state, branch), h in zip(members, histories):
-        forward = h.forward
+        forward = h.transaction
         if idle and ((isinstance(forward, ForwardTransaction) and forward.is_open) or h.pending):
             what = "an open forward" if isinstance(forward, ForwardTransaction) and forward.is_open else (
                 f"{len(h.pending)} pending chunk(s) kept by a denoising forward"
@@ -181,10 +181,10 @@ def recache_chunk_pages(
         if not targets:
             raise SpecError(
                 f"prepare_recache: expected at least one resident chunk to rebuild on {state.session_id!r}/{branch!r} "
-                f"(keep_sinks={keep_sinks}), got {len(h.resident)} resident chunk(s), "
+                f"(keep_sinks={keep_sinks}), got {len(h.history)} resident chunk(s), "
                 f"{len(h.sinks)} of them sinks"
             )
-        shapes.append(tuple(len(h.resident[i]) for i in targets))
+        shapes.append(tuple(len(h.history[i]) for i in targets))
     if len(set(shapes)) != 1:
         page = histories[0].page_size
         got = {f"{s.session_id}/{b}": [n * page for n in shape] for (s, b), shape in zip(members, shapes)}
@@ -259,7 +259,7 @@ def check_recache_latents(members: Sequence[tuple[KVState, str]], rows: Sequence
             )
 
 
-def recache_fresh_pages(history: BranchHistory, chunk_pages: Sequence[int], allocator: PageAllocator) -> int:
+def recache_fresh_pages(history: BranchPages, chunk_pages: Sequence[int], allocator: PageAllocator) -> int:
     """Pool pages a re-cache of ``history`` (idle) takes: its free ring slots hold the first rebuilt chunks.
 
     What ``Reservation(..., extent_pages=0)`` allocates: no new extent, ``0`` slots without one.
@@ -267,7 +267,7 @@ def recache_fresh_pages(history: BranchHistory, chunk_pages: Sequence[int], allo
     return sum(chunk_pages[len(history.free_extent_slots(allocator)) :])
 
 
-def check_recache_capacity(histories: Sequence[BranchHistory], chunk_pages: Sequence[int], allocator: PageAllocator) -> None:
+def check_recache_capacity(histories: Sequence[BranchPages], chunk_pages: Sequence[int], allocator: PageAllocator) -> None:
     """Raise :class:`CapacityError` unless the rebuilt chunks of every stream fit: free ring slots, then fresh pages.
 
     Consistent with admission (``KVCache.recache_reserve``): with every other session at its peak, one
@@ -286,7 +286,7 @@ def check_recache_capacity(histories: Sequence[BranchHistory], chunk_pages: Sequ
         )
 
 
-def check_recache_sinks_in_place(members: Sequence[tuple[KVState, str]], histories: Sequence[BranchHistory]) -> None:
+def check_recache_sinks_in_place(members: Sequence[tuple[KVState, str]], histories: Sequence[BranchPages]) -> None:
     """With relative sinks, a re-cache that rebuilds the sinks (``keep_sinks=False``) must not need them moved.
 
     A rebuilt sink is a pending chunk, which its stream's other rebuilt chunks attend at natural
@@ -295,7 +295,7 @@ def check_recache_sinks_in_place(members: Sequence[tuple[KVState, str]], histori
     """
     for (state, branch), h in zip(members, histories):
         sinks = h.sinks
-        if not sinks or len(sinks) >= len(h.resident):  # nothing but sinks is rebuilt: no distance to keep
+        if not sinks or len(sinks) >= len(h.history):  # nothing but sinks is rebuilt: no distance to keep
             continue
         stream = StreamLayout(
             tuple(h.history_pages()), (), h.token_offset, tuple(h.history_spans()), sink_pages=sum(map(len, sinks))

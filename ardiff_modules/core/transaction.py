@@ -36,8 +36,8 @@ from typing import Any, Literal
 
 from ardiff_modules.errors import ForwardFinishedError, IncompleteForwardError
 
-from ardiff_modules.allocator import PageAllocator
-from ardiff_modules.history import BranchHistory
+from ardiff_modules.core.allocator import PageAllocator
+from ardiff_modules.core.branch import BranchPages
 
 #: ``completed``: a denoising forward that finished (nothing joins history; "committed" is
 #: reserved for forwards whose chunks did).
@@ -75,7 +75,7 @@ class ForwardTransaction:
     latents: tuple[tuple[object, ...], ...] = field(default=(), repr=False)
     #: Why the forward finished, for error messages.
     reason: str = ""
-    histories: tuple[BranchHistory, ...] = field(default=(), repr=False)
+    histories: tuple[BranchPages, ...] = field(default=(), repr=False)
     #: Layers whose K/V this forward wrote into its pending pages (the custom ops record each write;
     #: a CUDA-graph replay records what its capture wrote). A commit needs every layer.
     written: set[int] = field(default_factory=set, repr=False)
@@ -124,15 +124,15 @@ class ForwardTransaction:
                 " ran. The forward was aborted and history is unchanged"
             )
 
-    def live_histories(self) -> list[BranchHistory]:
+    def live_histories(self) -> list[BranchPages]:
         """The member branches this forward still holds (a closed member session let go of its own)."""
-        return [h for h in self.histories if h.forward is self]
+        return [h for h in self.histories if h.transaction is self]
 
     def close(self, status: Status, reason: str = "") -> None:
         """Mark finished and detach from the branches (their pending pages stay as they are)."""
         for h in self.histories:
-            if h.forward is self:
-                h.forward = None
+            if h.transaction is self:
+                h.transaction = None
         self.status = status
         self.reason = reason
         listeners, self.on_close = self.on_close, []
@@ -154,7 +154,7 @@ class ForwardTransaction:
         if self.recache:
             self._commit_recache(live, allocator)
             return
-        results = [h.plan_commit() for h in live]
+        results = [h.preview_commit() for h in live]
         evicted = [page for result in results for chunk in result.evicted for page in chunk]
         kept = {id(h): latents for h, latents in zip(self.histories, self.latents)}
         with deferred_interrupts():
@@ -167,22 +167,22 @@ class ForwardTransaction:
                     h.apply_commit(result)
             self.close("committed")
 
-    def _commit_recache(self, live: list[BranchHistory], allocator: PageAllocator) -> None:
+    def _commit_recache(self, live: list[BranchPages], allocator: PageAllocator) -> None:
         """Swap every stream's rebuilt chunks in for the old ones, all at once (offsets, indices unchanged).
 
         The old pages lose this branch's reference only: a fork sharing them keeps the old history.
         With contiguous extents, a rebuilt chunk in fresh pages is then copied into a ring slot that
         the commit leaves free -- the slot of the chunk it replaces when no fork shares that one
-        (:meth:`BranchHistory.plan_recache_copies`) -- and its fresh pages are freed: pool use is back
+        (:meth:`BranchPages.recache_copies`) -- and its fresh pages are freed: pool use is back
         at the steady state at commit and the ring stays whole (one-chunk forwards keep their one
         contiguous key range). One device copy call for the whole forward, host work once.
         """
         # Pure: may raise, nothing changed. References dropped are counted over every stream at once:
         # two streams of this forward sharing old pages (a fork re-cached with its parent) both let go.
-        swaps = [h.plan_recache_commit(self.keep_sinks) for h in live]
+        swaps = [h.preview_recache_commit(self.keep_sinks) for h in live]
         released = Counter(page for _, old in swaps for page in old)
         plans = (
-            [h.plan_recache_copies(resident, released, allocator) for h, (resident, _) in zip(live, swaps)]
+            [h.recache_copies(resident, released, allocator) for h, (resident, _) in zip(live, swaps)]
             if self.copy_pages is not None else [(resident, []) for resident, _ in swaps]
         )
         src = [p for _, copies in plans for fresh, _ in copies for p in fresh]

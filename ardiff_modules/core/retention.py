@@ -50,10 +50,10 @@ class RetentionPolicy(Protocol):
     """What stays resident after a commit.
 
     Contract (property-tested for the policies here): ``sink_chunks`` is an int >= 0 and
-    ``max_resident_chunks`` ``None`` or an int >= ``sink_chunks`` (``bool`` is not an int);
-    ``visible_indices(n)`` is a sequence of strictly ascending ints within ``range(n)``, holds at
-    most ``max_resident_chunks`` indices, always starts with ``range(min(sink_chunks, n))``, and is
-    *monotone*: ``visible_indices(n + 1)`` is a subset of ``visible_indices(n) + [n]`` (an evicted
+    ``max_history_chunks`` ``None`` or an int >= ``sink_chunks`` (``bool`` is not an int);
+    ``history_indices(n)`` is a sequence of strictly ascending ints within ``range(n)``, holds at
+    most ``max_history_chunks`` indices, always starts with ``range(min(sink_chunks, n))``, and is
+    *monotone*: ``history_indices(n + 1)`` is a subset of ``history_indices(n) + [n]`` (an evicted
     chunk never comes back, so its pages can be freed).
 
     Both are checked, for any policy: the declared values when a ``KVCacheSpec`` takes the policy
@@ -67,10 +67,10 @@ class RetentionPolicy(Protocol):
         """Leading chunks never evicted (what ``share_sinks_from`` shares); 0 if none."""
 
     @property
-    def max_resident_chunks(self) -> int | None:
+    def max_history_chunks(self) -> int | None:
         """Most chunks ever resident at once (``None``: unbounded); sizes extents, admission, buffers."""
 
-    def visible_indices(self, num_committed: int) -> list[int]:
+    def history_indices(self, num_committed: int) -> list[int]:
         """Indices (0-based, commit order) of the resident chunks among ``num_committed``."""
 
 
@@ -78,7 +78,7 @@ class RetentionPolicy(Protocol):
 class Retained(Generic[Chunk]):
     """Resident chunks after a commit with their commit indices, and the chunks it evicted."""
 
-    resident: tuple[Chunk, ...]
+    history: tuple[Chunk, ...]
     indices: tuple[int, ...]
     evicted: tuple[Chunk, ...]
 
@@ -94,22 +94,22 @@ def _declared(policy: object, name: str) -> object:
 
 
 def check_declared(policy: RetentionPolicy) -> tuple[int, int | None]:
-    """``(sink_chunks, max_resident_chunks)`` a policy declares, checked: :class:`SpecError` otherwise.
+    """``(sink_chunks, max_history_chunks)`` a policy declares, checked: :class:`SpecError` otherwise.
 
-    ``sink_chunks``: an int >= 0; ``max_resident_chunks``: ``None`` or an int >= ``sink_chunks``
+    ``sink_chunks``: an int >= 0; ``max_history_chunks``: ``None`` or an int >= ``sink_chunks``
     (the sinks are resident forever). NOTE: 0 is a valid bound (``SinkWindowPolicy(0, 0)``: each
     chunk sees only itself); -1, ``"3"``, ``2.5`` or ``True`` would size admission and extents
     with nonsense (a division by zero, a ``TypeError``, float page counts), so they stop here.
     """
-    sinks, bound = _declared(policy, "sink_chunks"), _declared(policy, "max_resident_chunks")
+    sinks, bound = _declared(policy, "sink_chunks"), _declared(policy, "max_history_chunks")
     # NOTE: `type(x) is int` on the hot path (every commit) is the cheap form of is_int (no bool).
     if type(sinks) is int and sinks >= 0 and (bound is None or (type(bound) is int and bound >= sinks)):
         return sinks, bound
     name = type(policy).__name__
     require_int(f"retention policy {name}.sink_chunks", sinks, minimum=0)
-    require_int(f"retention policy {name}.max_resident_chunks", bound, minimum=0, what="None or an int")
+    require_int(f"retention policy {name}.max_history_chunks", bound, minimum=0, what="None or an int")
     raise SpecError(
-        f"retention policy {name}.max_resident_chunks: expected None or at least sink_chunks={sinks} "
+        f"retention policy {name}.max_history_chunks: expected None or at least sink_chunks={sinks} "
         f"(sinks are never evicted), got {bound}"
     )
 
@@ -122,24 +122,24 @@ def _raised(policy: RetentionPolicy, what: str, exc: Exception) -> SpecError:
     )
 
 
-def checked_visible_indices(
+def checked_history_indices(
     policy: RetentionPolicy, total: int, resident_indices: Sequence[int], num_committed: int
 ) -> tuple[int, ...]:
-    """``policy.visible_indices(total)`` after checking it against the contract (:class:`SpecError` if not).
+    """``policy.history_indices(total)`` after checking it against the contract (:class:`SpecError` if not).
 
     ``resident_indices`` (ascending) are the chunks still resident among the first
     ``num_committed``; chunks ``num_committed .. total - 1`` are the ones being committed. The
     answer must be a sequence (not a string) of strictly ascending ints, each resident or new
-    (an evicted chunk never comes back), starting with the sinks, at most ``max_resident_chunks``
+    (an evicted chunk never comes back), starting with the sinks, at most ``max_history_chunks``
     of them. Host ints only, O(resident chunks): run once per branch and commit, never per layer.
     """
     sinks, bound = check_declared(policy)
     try:
-        answer = policy.visible_indices(total)
+        answer = policy.history_indices(total)
     except ARDiffError:
         raise
     except Exception as exc:
-        raise _raised(policy, f"visible_indices({total})", exc) from exc
+        raise _raised(policy, f"history_indices({total})", exc) from exc
     # NOTE: one pass over the answer on the hot path (every branch of every commit); the messages
     # are only built by _refuse, when something is wrong.
     if (type(answer) is list or type(answer) is tuple) and (bound is None or len(answer) <= bound):
@@ -166,7 +166,7 @@ def _refuse(
     sinks: int, bound: int | None,
 ) -> None:
     """Raise the :class:`SpecError` saying which rule ``answer`` breaks (or return if it breaks none)."""
-    where = f"retention policy {type(policy).__name__}.visible_indices({total})"
+    where = f"retention policy {type(policy).__name__}.history_indices({total})"
     if not isinstance(answer, Sequence) or isinstance(answer, (str, bytes, bytearray)):
         raise SpecError(f"{where}: expected a sequence of chunk indices, got {answer!r} ({type(answer).__name__})")
     keep = tuple(answer)
@@ -201,7 +201,7 @@ def _refuse(
         )
     if bound is not None and len(keep) > bound:
         raise SpecError(
-            f"{where}: expected at most max_resident_chunks={bound} indices (what admission and extents are "
+            f"{where}: expected at most max_history_chunks={bound} indices (what admission and extents are "
             f"sized for), got {len(keep)}: {list(keep)}"
         )
 
@@ -216,15 +216,15 @@ def retain(
     """Commit ``new_chunks`` after ``num_committed`` chunks and apply ``policy`` (pure).
 
     ``resident`` / ``indices`` are the currently resident chunks and their commit indices.
-    Raises :class:`SpecError` if the policy breaks its contract (see :func:`checked_visible_indices`):
+    Raises :class:`SpecError` if the policy breaks its contract (see :func:`checked_history_indices`):
     e.g. it asks to keep a chunk that was already evicted, or more than it declared.
     """
     total = num_committed + len(new_chunks)
-    wanted = set(checked_visible_indices(policy, total, indices, num_committed))
+    wanted = set(checked_history_indices(policy, total, indices, num_committed))
     candidates = list(zip(indices, resident)) + list(zip(range(num_committed, total), new_chunks))
     kept = [(i, c) for i, c in candidates if i in wanted]
     return Retained(
-        resident=tuple(c for _, c in kept),
+        history=tuple(c for _, c in kept),
         indices=tuple(i for i, _ in kept),
         evicted=tuple(c for i, c in candidates if i not in wanted),
     )
@@ -243,10 +243,10 @@ class SinkWindowPolicy:
             require_int("SinkWindowPolicy.window_chunks", self.window_chunks, minimum=0, what="None or an int")
 
     @property
-    def max_resident_chunks(self) -> int | None:
+    def max_history_chunks(self) -> int | None:
         return None if self.window_chunks is None else self.sink_chunks + self.window_chunks
 
-    def visible_indices(self, num_committed: int) -> list[int]:
+    def history_indices(self, num_committed: int) -> list[int]:
         """Indices (0-based, in commit order) of the visible chunks among ``num_committed``."""
         sinks = min(self.sink_chunks, num_committed)
         if self.window_chunks is None:
@@ -257,7 +257,7 @@ class SinkWindowPolicy:
 
     def visible(self, committed: Sequence[Chunk]) -> list[Chunk]:
         """The visible chunks of a full committed history (the plain-list model)."""
-        return [committed[i] for i in self.visible_indices(len(committed))]
+        return [committed[i] for i in self.history_indices(len(committed))]
 
     def commit(
         self, sinks: Sequence[Chunk], window: Sequence[Chunk], new_chunks: Sequence[Chunk]
@@ -305,10 +305,10 @@ class SinkWindowMemoryPolicy:
             require_int(f"SinkWindowMemoryPolicy.{name}", getattr(self, name), minimum=minimum)
 
     @property
-    def max_resident_chunks(self) -> int:
+    def max_history_chunks(self) -> int:
         return self.sink_chunks + self.window_chunks + self.memory_chunks
 
-    def visible_indices(self, num_committed: int) -> list[int]:
+    def history_indices(self, num_committed: int) -> list[int]:
         s, every = self.sink_chunks, self.memory_every
         sinks = min(s, num_committed)
         start = max(s, num_committed - self.window_chunks)  # first window chunk

@@ -12,7 +12,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
 from ardiff_modules.context import ForwardContext
-from ardiff_modules.ops import PLANS
+from ardiff_modules.ops import HANDLES
 
 #: ``((session id, branch), ...), static sequence length or None``.
 ContextKey = tuple[tuple[tuple[str, str], ...], int | None]
@@ -40,8 +40,8 @@ class ContextRegistry:
         if key in self._contexts:
             self._contexts.move_to_end(key)
             return
-        ctx.handle = PLANS.register(ctx)
-        ctx.plan_id.fill_(ctx.handle)
+        ctx.handle = HANDLES.register(ctx)
+        ctx.handle_id.fill_(ctx.handle)
         self._contexts[key] = ctx
         for old in list(self._contexts):
             if len(self._contexts) <= self.limit:
@@ -52,7 +52,7 @@ class ContextRegistry:
 
     def release(self, key: ContextKey) -> None:
         ctx = self._contexts.pop(key)
-        PLANS.unregister(ctx.handle)
+        HANDLES.unregister(ctx.handle)
         ctx.release()
 
     def release_where(self, predicate: Callable[[ContextKey], bool]) -> None:

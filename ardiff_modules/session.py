@@ -20,7 +20,7 @@ from typing import Protocol
 
 import torch
 
-from ardiff_modules.allocator import PageAllocator
+from ardiff_modules.core.allocator import PageAllocator
 from ardiff_modules.checks import require_bool
 from ardiff_modules.context import ForwardContext, LayerContext, short_name, short_tuple
 from ardiff_modules.cross import CrossEntry, CrossKey, build_entry, check_cache_name, not_populated
@@ -32,10 +32,10 @@ from ardiff_modules.errors import (
     UnknownBranchError,
     UnknownCacheError,
 )
-from ardiff_modules.forward import ForwardTransaction
-from ardiff_modules.history import BranchHistory
+from ardiff_modules.core.transaction import ForwardTransaction
+from ardiff_modules.core.branch import BranchPages
 from ardiff_modules.spec import KVCacheSpec, PendingAttention
-from ardiff_modules.window import RetentionPolicy
+from ardiff_modules.core.retention import RetentionPolicy
 
 #: Branches (and cross caches) a ``KVState`` repr names before eliding the rest.
 _REPR_BRANCHES = 4
@@ -107,8 +107,8 @@ class KVState:
         self.cache = cache
         self.session_id = session_id
         spec = cache.spec
-        self._branches: dict[str, BranchHistory] = {
-            b: BranchHistory(cache.policy, spec.pages_per_chunk, spec.chunk_size, cache.extent_chunks)
+        self._branches: dict[str, BranchPages] = {
+            b: BranchPages(cache.policy, spec.pages_per_chunk, spec.chunk_size, cache.extent_chunks)
             for b in spec.branches
         }
         self._cross: dict[tuple[str, str], CrossEntry] = {}  # (cache name, branch) -> entry
@@ -120,7 +120,7 @@ class KVState:
         shown = list(self._branches.items())[:_REPR_BRANCHES]
         more = len(self._branches) - len(shown)
 
-        def per_branch(count: Callable[[BranchHistory], int]) -> str:
+        def per_branch(count: Callable[[BranchPages], int]) -> str:
             items = ", ".join(f"{short_name(name)}: {count(h)}" for name, h in shown)
             return "{" + items + (f", ... +{more}" if more else "") + "}"
 
@@ -153,7 +153,7 @@ class KVState:
         if self._closed:
             raise SessionClosedError(f"Session {self.session_id!r} is closed; expected an open session")
 
-    def history(self, branch: str) -> BranchHistory:
+    def branch_pages(self, branch: str) -> BranchPages:
         """The pure bookkeeping of one branch (pages, offsets, its open forward); raises if unknown/closed."""
         self._check_open()
         if not isinstance(branch, str):
@@ -170,23 +170,23 @@ class KVState:
 
     def token_offset(self, branch: str) -> int:
         """Absolute position of the branch's next pending token (tokens ever committed, evicted included)."""
-        return self.history(branch).token_offset
+        return self.branch_pages(branch).token_offset
 
     def committed_chunks(self, branch: str) -> int:
         """Chunks ever committed on ``branch``."""
-        return self.history(branch).committed_chunks
+        return self.branch_pages(branch).committed_chunks
 
-    def visible_chunks(self, branch: str) -> tuple[tuple[int, ...], ...]:
+    def history_chunks(self, branch: str) -> tuple[tuple[int, ...], ...]:
         """Page ids of each visible committed chunk (sinks then window), oldest first."""
-        return self.history(branch).resident_chunks
+        return self.branch_pages(branch).history_chunks
 
     def pending_chunks(self, branch: str) -> tuple[tuple[int, ...], ...]:
         """Page ids of each pending chunk of ``branch``."""
-        return self.history(branch).pending
+        return self.branch_pages(branch).pending
 
     def open_forward(self, branch: str) -> ForwardTransaction | None:
         """The open (not yet committed or aborted) forward ``branch`` belongs to, if any."""
-        forward = self.history(branch).forward
+        forward = self.branch_pages(branch).transaction
         return forward if isinstance(forward, ForwardTransaction) and forward.is_open else None
 
     @property
@@ -255,7 +255,7 @@ class KVState:
 
         Which chunks' clean latents a re-cache needs (:meth:`prepare_recache`).
         """
-        return self.history(branch).resident_index
+        return self.branch_pages(branch).history_index
 
     def recache_latents(self, branches: Sequence[str] | None = None, *, keep_sinks: bool = True) -> torch.Tensor:
         """The kept latents :meth:`prepare_recache` of ``branches`` runs over, ``[num_branches, seq_len, ...]``.
@@ -299,7 +299,7 @@ class KVState:
         """
         with self.cache.lock:
             names = self.kv_branch_names if kv_branch is None else (kv_branch,)
-            histories = [self.history(b) for b in names]
+            histories = [self.branch_pages(b) for b in names]
             for branch in names:
                 transaction = self.open_forward(branch)
                 if transaction is not None:
@@ -311,7 +311,7 @@ class KVState:
 
     # ------------------------------------------------------------------ cross-attention
     def _cross_key(self, kv_branch: str, cache_name: str) -> CrossKey:
-        self.history(kv_branch)
+        self.branch_pages(kv_branch)
         check_cache_name(self.cache.spec, cache_name)
         return cache_name, kv_branch
 
@@ -382,11 +382,11 @@ class KVState:
             if not names or len(set(names)) != len(names):
                 raise SpecError(f"fork.branches: expected distinct branch names, at least one, got {names}")
             for branch in names:
-                self.history(branch)
+                self.branch_pages(branch)
             require_bool("fork.share_cross_attention", share_cross_attention)
             child = self.cache.open_session(session_id)
             for branch in names:
-                child.history(branch).adopt(self._branches[branch], self.cache.allocator)
+                child.branch_pages(branch).adopt(self._branches[branch], self.cache.allocator)
             if share_cross_attention:
                 child.adopt_cross_entries({k: e for k, e in self._cross.items() if k[1] in names})
             return child
@@ -405,8 +405,8 @@ class KVState:
             got = "a session of another cache" if isinstance(other, KVState) else type(other).__name__
             raise SpecError(f"share_sinks_from: expected a session of the same KVCache, got {got}")
         with self.cache.lock:
-            history = self.history(kv_branch)
-            source = other.history(kv_branch)
+            history = self.branch_pages(kv_branch)
+            source = other.branch_pages(kv_branch)
             if history.committed_chunks or history.pending:
                 raise SpecError(
                     f"share_sinks_from: expected branch {kv_branch!r} to be empty, got {history.committed_chunks} "
