@@ -23,6 +23,7 @@ from ardiff_modules.cross import CrossStack
 from ardiff_modules.errors import CrossAttentionNotPopulatedError, ForwardFinishedError, UnknownCacheError
 from ardiff_modules.core.transaction import ForwardTransaction
 from ardiff_modules.layout import ForwardLayout
+from ardiff_modules.pool import KVPool
 
 #: Characters of stream names a ``ForwardContext`` repr shows before eliding the rest.
 _STREAMS_WIDTH = 80
@@ -198,6 +199,64 @@ class ForwardContext:
     #: ``CUDAGraphStep`` last cleared it: what a captured graph reads.
     cross_reads: CrossReads = field(default_factory=lambda: CrossReads())
     _entered: list[ForwardTransaction] = field(default_factory=list)
+
+    @classmethod
+    def create(
+        cls, streams: tuple[tuple[str, str], ...], pool: KVPool, *, dtype: torch.dtype, static: bool,
+        owner: TransactionOwner,
+    ) -> ForwardContext:
+        """A context for ``streams`` over ``pool``: one :class:`LayerContext` per layer, no forward yet."""
+        spec = pool.spec
+        ctx = cls(streams=streams, handle=0, handle_id=torch.zeros((), dtype=torch.int64), chunk_size=spec.chunk_size,
+                  dtype=dtype, static=static, owner=owner)
+        ctx.layers = [
+            LayerContext(
+                i, pool.k_pages(i), pool.v_pages(i), ctx,
+                kv_pool=pool.kv, layer_id=torch.tensor(i, dtype=torch.int64), kv_scales=pool.scales,
+            )
+            for i in range(spec.num_layers)
+        ]
+        return ctx
+
+    def assign_handle(self, handle: int) -> None:
+        """Registered under ``handle`` in :data:`~ardiff_modules.ops.HANDLES` (the ops find the plan by it)."""
+        self.handle = handle
+        self.handle_id.fill_(handle)
+
+    def begin(
+        self,
+        transaction: ForwardTransaction,
+        plan: AttentionPlan,
+        layout: ForwardLayout,
+        positions: tuple[torch.Tensor, torch.Tensor | None],
+        cross: tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, str], dict[str, tuple[int, ...]]],
+        token_mask: torch.Tensor | None,
+    ) -> None:
+        """Describe a new forward: its transaction (open), plan, layout, positions, cross caches, mask.
+
+        Supersedes the forward this context described if it is still open (a denoising forward: its
+        pending pages stay for reuse).
+        """
+        if self.transaction is not None and self.transaction.is_open:
+            self.transaction.close("superseded", "a later forward of one of its streams was prepared")
+        if plan is not self.plan:
+            self.plan_epoch += 1
+        self.plan, self.layout, self.commit_current = plan, layout, transaction.commit_current
+        self.positions, self.sink_positions = positions
+        self.token_mask = token_mask
+        self.set_cross(cross[0], cross[1])
+        self.cross_stack.adopt(cross[2])
+        self.transaction = transaction
+
+    def drop_plan(self, reason: str) -> None:
+        """After ``plan()`` raised on a backend that re-plans in place: the plan may be half-updated, so the
+        forward that used it can never run again (superseded) and the next one plans afresh."""
+        if self.plan is None:
+            return
+        if self.transaction is not None and self.transaction.is_open:
+            self.transaction.close("superseded", reason)
+        self.plan = None
+        self.plan_epoch += 1
 
     @property
     def num_streams(self) -> int:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ardiff_modules.errors import BackendUnavailableError, SpecError, TensorMismatchError
+from ardiff_modules.errors import BackendUnavailableError, KVScalesFixedError, SpecError, TensorMismatchError
 from ardiff_modules.quant import KVQuantizer, is_quantized
 from ardiff_modules.spec import KVCacheSpec, _require_int
 
@@ -113,6 +113,40 @@ class KVPool:
         self.scales = torch.ones((spec.num_layers, 2, spec.num_kv_heads), dtype=torch.float32, device=self.device)
         #: The FP8 scales' calibration (``None`` for the float formats, stored as they are).
         self.quantizer = KVQuantizer(self.scales, self.dtype) if is_quantized(self.dtype) else None
+
+    def set_kv_scales(self, scales: torch.Tensor) -> None:
+        """Fix the FP8 scales ``[num_layers, 2 (K, V), num_kv_heads]`` (``KVCache.set_kv_scales``): checked
+        (FP8 pool, shape, real values with data, positive and finite, nothing written yet) before any change."""
+        quantizer = self.quantizer
+        if quantizer is None:
+            raise SpecError(
+                f"set_kv_scales: expected a cache with kv_dtype='float8_e4m3fn' (scales only apply to FP8 "
+                f"K/V), got kv_dtype={self.spec.cache_dtype!r}"
+            )
+        expected = tuple(self.scales.shape)
+        if not isinstance(scales, torch.Tensor) or tuple(scales.shape) != expected:
+            got = tuple(scales.shape) if isinstance(scales, torch.Tensor) else type(scales).__name__
+            raise TensorMismatchError(
+                f"set_kv_scales: expected a tensor of shape {list(expected)} [num_layers, 2 (K, V), "
+                f"num_kv_heads], got {got}"
+            )
+        if scales.is_meta or scales.is_complex() or scales.dtype == torch.bool:
+            raise TensorMismatchError(  # NOTE: a meta tensor has no values to read, complex ones no order
+                f"set_kv_scales: expected a real-valued tensor with data (any device but meta), got dtype "
+                f"{scales.dtype} on {scales.device}"
+            )
+        values = scales.detach().to("cpu", torch.float32)
+        if not bool(torch.isfinite(values).all()) or not bool((values > 0).all()):
+            raise TensorMismatchError(
+                f"set_kv_scales: expected positive finite scales, got min {float(values.min())}, "
+                f"max {float(values.max())}"
+            )
+        if quantizer.written:
+            raise KVScalesFixedError(
+                "set_kv_scales: expected to be called before any K/V is written (pages already hold K/V "
+                "quantized with the current scales), got a pool that was written to; open a new cache"
+            )
+        quantizer.set_scales(values)
 
     @property
     def bytes_per_page(self) -> int:

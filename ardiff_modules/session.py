@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -33,21 +34,75 @@ from ardiff_modules.errors import (
     UnknownCacheError,
 )
 from ardiff_modules.core.transaction import ForwardTransaction
-from ardiff_modules.core.branch import BranchPages
+from ardiff_modules.core.branch import BranchPages, drop_pending
 from ardiff_modules.spec import KVCacheSpec, PendingAttention
-from ardiff_modules.core.retention import RetentionPolicy
 
 #: Branches (and cross caches) a ``KVState`` repr names before eliding the rest.
 _REPR_BRANCHES = 4
 
 
+@dataclass(frozen=True)
+class ForwardOptions:
+    """The options of one forward beyond its streams, ``seq_len`` and ``commit_current``
+    (``KVCache.prepare_forward``, ``KVState.prepare_forward``).
+
+    Attributes
+    ----------
+    token_mask:
+        Optional bool ``[num_streams, seq_len, max_keys]`` over the keys in the order of
+        :meth:`ForwardContext.to_dense` (visible history, then pending tokens), ANDed with
+        the visibility rule: the masked path for masks that are not chunk-structured.
+        ``max_keys`` is ``max_visible_keys(...)`` of this forward. A query that sees no
+        key at all gets a zero output.
+    static:
+        Keep every device input of this forward in fixed buffers so that a CUDA graph
+        captured once replays correctly after re-planning (see :class:`CUDAGraphStep`).
+        Needs the FlashInfer backend and a bounded window.
+    chunk_lengths:
+        Tokens of each pending chunk when they are not all ``chunk_size`` (e.g. image-to-video's
+        1-latent-frame first chunk): multiples of ``page_size``, at most ``chunk_size``, summing
+        to ``seq_len``. Default: ``seq_len // chunk_size`` full chunks, or one shorter chunk when
+        ``seq_len`` is a multiple of ``page_size`` below ``chunk_size``. Sinks and windows count
+        chunks whatever their lengths; positions count tokens.
+    pending_attention:
+        How the pending chunks of a multi-chunk forward see each other: ``"block_causal"``
+        (pending chunk ``c`` sees pending chunks ``0..c``) or ``"bidirectional"`` (every pending
+        chunk sees all pending chunks of its stream: Rolling Forcing's jointly denoised window;
+        one kernel row per stream). ``None`` (default): the spec's ``pending_attention``. The
+        history (sinks and window) and what a commit does are the same under both.
+    keep_latents:
+        A committing forward only: the clean latents ``[num_streams, seq_len, ...]`` of its chunks
+        (the model's input). On commit a copy of each chunk's slice is kept per branch, for as long
+        as that chunk is resident, so a prompt switch can re-cache without the caller storing them
+        (:meth:`recache_latents`, :meth:`prepare_recache`). Dropped on abort.
+    """
+
+    token_mask: torch.Tensor | None = None
+    static: bool = False
+    chunk_lengths: Sequence[int] | None = None
+    pending_attention: PendingAttention | None = None
+    keep_latents: torch.Tensor | None = None
+
+
+class ForwardsHost(Protocol):
+    """What a session asks of the forward manager (``KVCache.forwards``)."""
+
+    def prepare(
+        self, streams: Sequence[tuple[KVState, str]], seq_len: int, commit_current: bool, options: ForwardOptions
+    ) -> ForwardContext: ...
+    def prepare_recache(self, streams: Sequence[tuple[KVState, str]], keep_sinks: bool) -> ForwardContext: ...
+    def recache_latents(self, streams: Sequence[tuple[KVState, str]], keep_sinks: bool) -> torch.Tensor: ...
+    def finish_forward(self, transaction: ForwardTransaction, success: bool) -> None: ...
+    def abort_forwards_of(self, state: KVState) -> None: ...
+
+
 class SessionHost(Protocol):
-    """The small public interface a session uses to reach its cache (``KVCache`` implements it)."""
+    """What a session uses of its cache (``KVCache`` implements it): the spec, the pages' allocator (handed to
+    ``core`` calls), the lock, where cross caches live, the forward manager, and the session table."""
 
     spec: KVCacheSpec
     allocator: PageAllocator
-    policy: RetentionPolicy
-    extent_chunks: int | None
+    forwards: ForwardsHost
 
     @property
     def lock(self) -> threading.RLock: ...
@@ -55,29 +110,10 @@ class SessionHost(Protocol):
     def device(self) -> torch.device: ...
     @property
     def dtype(self) -> torch.dtype: ...
+    def new_branch_pages(self) -> BranchPages: ...
     def open_session(self, session_id: str | None = None) -> KVState: ...
     def reopen_session(self, state: KVState) -> None: ...
     def session_closed(self, state: KVState) -> None: ...
-    def prepare_forward(
-        self,
-        streams: Sequence[tuple[KVState, str]],
-        seq_len: int,
-        commit_current: bool = False,
-        *,
-        token_mask: torch.Tensor | None = None,
-        static: bool = False,
-        chunk_lengths: Sequence[int] | None = None,
-        pending_attention: PendingAttention | None = None,
-        keep_latents: torch.Tensor | None = None,
-    ) -> ForwardContext: ...
-    def recache_latents(
-        self, streams: Sequence[tuple[KVState, str]], *, keep_sinks: bool = True
-    ) -> torch.Tensor: ...
-    def prepare_recache(
-        self, streams: Sequence[tuple[KVState, str]], *, keep_sinks: bool = True
-    ) -> ForwardContext: ...
-    def finish_forward(self, transaction: ForwardTransaction, success: bool) -> None: ...
-    def abort_forwards_of(self, state: KVState) -> None: ...
 
 
 def branch_names(owner: str, branches: Sequence[str] | str | None, default: tuple[str, ...]) -> tuple[str, ...]:
@@ -107,10 +143,7 @@ class KVState:
         self.cache = cache
         self.session_id = session_id
         spec = cache.spec
-        self._branches: dict[str, BranchPages] = {
-            b: BranchPages(cache.policy, spec.pages_per_chunk, spec.chunk_size, cache.extent_chunks)
-            for b in spec.branches
-        }
+        self._branches: dict[str, BranchPages] = {b: cache.new_branch_pages() for b in spec.branches}
         self._cross: dict[tuple[str, str], CrossEntry] = {}  # (cache name, branch) -> entry
         self._closed = False
 
@@ -245,10 +278,8 @@ class KVState:
             raise SequenceLengthError(
                 f"prepare_forward: expected seq_len (a multiple of chunk_size={self.cache.spec.chunk_size}), got None"
             )
-        return self.cache.prepare_forward(
-            [(self, b) for b in names], seq_len, commit_current, token_mask=token_mask, static=static,
-            chunk_lengths=chunk_lengths, pending_attention=pending_attention, keep_latents=keep_latents,
-        )
+        options = ForwardOptions(token_mask, static, chunk_lengths, pending_attention, keep_latents)
+        return self.cache.forwards.prepare([(self, b) for b in names], seq_len, commit_current, options)
 
     def resident_chunk_indices(self, branch: str) -> tuple[int, ...]:
         """Commit index (0-based, evicted chunks counted) of each resident chunk of ``branch``, oldest first.
@@ -264,7 +295,7 @@ class KVState:
         """
         self._check_open()
         names = branch_names("recache_latents", branches, self.kv_branch_names)
-        return self.cache.recache_latents([(self, b) for b in names], keep_sinks=keep_sinks)
+        return self.cache.forwards.recache_latents([(self, b) for b in names], keep_sinks)
 
     def prepare_recache(self, branches: Sequence[str] | None = None, *, keep_sinks: bool = True) -> ForwardContext:
         """Re-cache several branches of this session under the current (new) prompt, in one launch.
@@ -275,7 +306,7 @@ class KVState:
         """
         self._check_open()
         names = branch_names("prepare_recache", branches, self.kv_branch_names)
-        return self.cache.prepare_recache([(self, b) for b in names], keep_sinks=keep_sinks)
+        return self.cache.forwards.prepare_recache([(self, b) for b in names], keep_sinks)
 
     def commit_paged_context(self, kv_branch: str) -> None:
         """After a successful forward: a committing forward's pending chunks join history (no copy).
@@ -290,7 +321,7 @@ class KVState:
         with self.cache.lock:
             transaction = self.open_forward(kv_branch)
             if transaction is not None:
-                self.cache.finish_forward(transaction, True)
+                self.cache.forwards.finish_forward(transaction, True)
 
     def abort(self, kv_branch: str | None = None) -> None:
         """Drop the pending work of ``kv_branch`` (or of every branch); history stays exactly as before.
@@ -303,11 +334,9 @@ class KVState:
             for branch in names:
                 transaction = self.open_forward(branch)
                 if transaction is not None:
-                    self.cache.finish_forward(transaction, False)
+                    self.cache.forwards.finish_forward(transaction, False)
             # Pending pages kept by finished denoising forwards (reused by the next one).
-            self.cache.allocator.decref(p for h in histories for p in h.pending_pages())
-            for history in histories:
-                history.clear_pending()
+            drop_pending(histories, self.cache.allocator)
 
     # ------------------------------------------------------------------ cross-attention
     def _cross_key(self, kv_branch: str, cache_name: str) -> CrossKey:
@@ -412,7 +441,7 @@ class KVState:
                     f"share_sinks_from: expected branch {kv_branch!r} to be empty, got {history.committed_chunks} "
                     f"committed and {len(history.pending)} pending chunk(s)"
                 )
-            sinks = self.cache.policy.sink_chunks
+            sinks = self.cache.spec.policy.sink_chunks
             if sinks == 0 or len(source.sinks) < sinks:
                 raise SpecError(
                     f"share_sinks_from: expected {other.session_id!r}/{kv_branch!r} to hold its {sinks} sink "
@@ -451,7 +480,7 @@ class KVState:
         with self.cache.lock:
             if self._closed:
                 return
-            self.cache.abort_forwards_of(self)
+            self.cache.forwards.abort_forwards_of(self)
             for history in self._branches.values():
                 history.release(self.cache.allocator)
             self._cross.clear()
@@ -484,7 +513,7 @@ class KVState:
             if self._closed:
                 self.cache.reopen_session(self)  # raises (nothing changed) if the id was taken
             else:
-                self.cache.abort_forwards_of(self)
+                self.cache.forwards.abort_forwards_of(self)
             for history in self._branches.values():
                 history.release(self.cache.allocator)
             self._cross = {k: e for k, e in self._cross.items() if k[0] in keep_cross_attention}

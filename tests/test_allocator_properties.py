@@ -24,7 +24,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from ardiff_modules.core.allocator import PageAllocator
+from ardiff_modules.core.allocator import AllocatorCheckpoint, PageAllocator
 from ardiff_modules.errors import AllocatorError, CapacityError, SpecError
 from ardiff_modules.core.branch import BranchPages
 from ardiff_modules.core.retention import SinkWindowPolicy
@@ -203,9 +203,9 @@ class AllocatorMachine(RuleBasedStateMachine):
         if bad_order:  # a free_order that does not match free + returned pages: rejected, nothing changed
             mid = self.snapshot()
             with pytest.raises(AllocatorError):
-                self.alloc.unallocate(pages, free_order=free_order[1:])
+                self.alloc.unallocate(pages, AllocatorCheckpoint(self.alloc.peak_used, free_order[1:]))
             assert self.snapshot() == mid
-        self.alloc.unallocate(pages, free_order=free_order if contiguous else None)
+        self.alloc.unallocate(pages, AllocatorCheckpoint(self.alloc.peak_used, free_order if contiguous else None))
         assert self.snapshot() == before
 
     @precondition(lambda self: any(rc >= 2 for rc in self.model.values()))
@@ -272,7 +272,7 @@ def test_unallocate_rejects_duplicates(case: str) -> None:
         if case == "duplicate_pages":
             alloc.unallocate([pages[0], pages[0]])
         else:
-            alloc.unallocate(pages, free_order=(free_order[0],) + free_order)
+            alloc.unallocate(pages, AllocatorCheckpoint(alloc.peak_used, (free_order[0],) + free_order))
     assert (alloc.free_pages(), [alloc.refcount(p) for p in range(4)]) == before
     alloc.check_invariants()
 
@@ -512,7 +512,7 @@ class BranchHistoryMachine(RuleBasedStateMachine):
             h.extent = ()
             self.extent[name] = ()
         if fresh:
-            self.alloc.unallocate(fresh, free_order=free_order if reserved else None)
+            self.alloc.unallocate(fresh, AllocatorCheckpoint(self.alloc.peak_used, free_order if reserved else None))
         self.alloc.peak_used = peak
         assert self.snapshot() == before, "a rolled-back grow must leave allocator and branch exactly as before"
         event("rolled back a grow" + (" (with a new extent)" if reserved else ""))

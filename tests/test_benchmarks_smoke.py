@@ -241,7 +241,7 @@ def test_host_time_cpu_run_writes_counts(tmp_path: Path, capsys: pytest.CaptureF
     for p in points:
         assert p["n"] == 2 and p["p25_ms"] <= p["median_ms"] <= p["p75_ms"] and p["kernel_plans_timed"] == 0
         assert p["calls_per_forward"] <= HOST_CALL_CEILINGS["extents" if p["extents"] else "paging"]
-    assert profile.read_text().count("==== layers=2") == 2 and "cache.py" in profile.read_text()
+    assert profile.read_text().count("==== layers=2") == 2 and "forwards/manager.py" in profile.read_text()
 
 
 # --------------------------------------------------------------------------------- replot

@@ -15,9 +15,19 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from ardiff_modules.checks import is_int, require_int
 from ardiff_modules.errors import AllocatorError, CapacityError
+
+
+@dataclass(frozen=True)
+class AllocatorCheckpoint:
+    """What :meth:`PageAllocator.unallocate` needs to undo allocations exactly: the peak, and (when
+    taken with ``free_order=True``) the free queue's order."""
+
+    peak_used: int
+    free_order: tuple[int, ...] | None = None
 
 
 class PageAllocator:
@@ -119,14 +129,20 @@ class PageAllocator:
         self.peak_used = max(self.peak_used, self.num_used)
         return list(range(start, start + count))
 
-    def unallocate(self, pages: Sequence[int], free_order: Sequence[int] | None = None) -> None:
-        """Undo the latest allocation of ``pages`` exactly (free-queue order included).
+    def checkpoint(self, *, free_order: bool = False) -> AllocatorCheckpoint:
+        """The peak now and, with ``free_order``, the free queue's order (O(free pages): only when an
+        :meth:`allocate_contiguous` may follow), for :meth:`unallocate` to restore."""
+        return AllocatorCheckpoint(self.peak_used, tuple(self._free) if free_order else None)
 
-        For rolling back a failed multi-step operation; every page must hold exactly
-        the one reference the allocation gave it. ``free_order`` is the free queue as
-        it was before (:meth:`free_pages`), needed after :meth:`allocate_contiguous`;
-        without it the pages go back to the front, undoing :meth:`allocate`.
+    def unallocate(self, pages: Sequence[int], checkpoint: AllocatorCheckpoint | None = None) -> None:
+        """Undo the latest allocation of ``pages`` exactly (free-queue order and peak included).
+
+        For rolling back a failed multi-step operation; every page must hold exactly the one
+        reference the allocation gave it. Without a ``checkpoint`` the pages go back to the front,
+        undoing :meth:`allocate`; a checkpoint taken before (:meth:`checkpoint`) also restores the
+        peak, and its free order (needed after :meth:`allocate_contiguous`) the queue's order.
         """
+        free_order = checkpoint.free_order if checkpoint is not None else None
         self._check_ids(pages)
         if len(set(pages)) != len(pages):
             raise AllocatorError(f"unallocate: expected distinct page ids, got {list(pages)}")
@@ -145,6 +161,17 @@ class PageAllocator:
             self._free = deque(free_order)
         else:
             self._free.extendleft(reversed(pages))
+        if checkpoint is not None:
+            self.peak_used = checkpoint.peak_used
+
+    def reorder_free(self, first: Sequence[int]) -> None:
+        """Put the free queue in a canonical order: the free pages of ``first`` in that order, then every
+        other free page by id. Refcounts and the peak are unchanged (ranks that freed the same pages in
+        different orders agree again on which ids the next allocations take)."""
+        free = set(self._free)
+        order = [p for p in first if p in free]
+        order += sorted(free.difference(order))
+        self._free = deque(order)
 
     def incref(self, pages: Iterable[int]) -> None:
         """Add one reference to each page (sharing); every page must be in use."""

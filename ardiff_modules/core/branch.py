@@ -68,6 +68,15 @@ class BranchPages:
         #: ever of resident chunks -- pruned in the same step as eviction. Read by a re-cache.
         self.latents: dict[int, object] = {}
 
+    def attach(self, transaction: object) -> None:
+        """The branch's pending chunks now belong to ``transaction`` (an open forward)."""
+        self.transaction = transaction
+
+    def detach(self, transaction: object) -> None:
+        """``transaction`` finished: the branch belongs to no forward (unless a later one took it already)."""
+        if self.transaction is transaction:
+            self.transaction = None
+
     # ------------------------------------------------------------------ queries
     @property
     def page_size(self) -> int:
@@ -150,6 +159,12 @@ class BranchPages:
         assert self.extent_chunks is not None and not self.extent
         assert len(pages) == self.extent_chunks * self.pages_per_chunk
         self.extent = pages
+
+    def release_extent(self) -> list[int]:
+        """Forget the extent (undoing a reservation); return its pages, still referenced, for the caller to
+        unallocate."""
+        pages, self.extent = list(self.extent), ()
+        return pages
 
     def _chunk_pages(self, chunks: int | Sequence[int]) -> list[int]:
         """``chunks`` full chunks, or the size in pages of each chunk."""
@@ -376,3 +391,12 @@ class BranchPages:
         self.committed_tokens = (
             sum(map(len, resident)) * self.page_size if sinks_only else other.committed_tokens
         )
+
+
+def drop_pending(branches: Sequence[BranchPages], allocator: PageAllocator) -> list[int]:
+    """Release the pending chunks of ``branches`` (kept by finished denoising forwards) with one allocator call,
+    in branch order; history is untouched. Returns the pages that became free."""
+    freed = allocator.decref(p for b in branches for p in b.pending_pages())
+    for b in branches:
+        b.clear_pending()
+    return freed

@@ -1,10 +1,12 @@
-"""A forward's page reservation and its exact rollback (pure Python, next to ``history.py``).
+"""A forward's page reservation and its exact undo (pure Python).
 
 Reserving for a forward of ``num_chunks`` pending chunks over several branches may take a
 contiguous extent for branches that have none yet and grows each branch's pending chunks
 (reusing those of earlier denoising forwards). Everything after the reservation (planning the
-kernels, stacking caches) may still fail; :meth:`Reservation.rollback` then puts every branch,
-every refcount, the free-list order and the allocator's peak back exactly as they were.
+kernels, stacking caches, a distributed forward's vote) may still fail; until :meth:`Reservation.keep`,
+:meth:`Reservation.rollback` puts every branch, every refcount, the free-queue order and the
+allocator's peak back exactly as they were. Forwards, re-caches and a distributed forward whose
+vote failed all undo through it.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ class Reservation:
 
     Parameters
     ----------
-    histories:
+    branches:
         The forward's branches, in batch order.
     chunk_pages:
         Pages of each pending chunk every branch must hold (chunks may differ in length).
@@ -32,43 +34,58 @@ class Reservation:
     """
 
     def __init__(
-        self, histories: Sequence[BranchPages], chunk_pages: Sequence[int], allocator: PageAllocator,
+        self, branches: Sequence[BranchPages], chunk_pages: Sequence[int], allocator: PageAllocator,
         extent_pages: int,
     ) -> None:
-        self.histories = list(histories)
+        self.branches = list(branches)
         self.allocator = allocator
         #: Pending chunks each branch held that this forward replaces (released by :meth:`keep`).
         self._stale: list[tuple[tuple[int, ...], ...]] = []
-        self._before: list[tuple[PageChunk, ...]] = [h.pending for h in self.histories]
-        self._peak = allocator.peak_used
-        self._new_extents = [h for h in self.histories if h.needs_extent] if extent_pages else []
-        self._free_order = allocator.free_pages() if self._new_extents else None
+        self._before: list[tuple[PageChunk, ...]] = [b.pending for b in self.branches]
+        self._new_extents = [b for b in self.branches if b.needs_extent] if extent_pages else []
+        # NOTE: the free order only when an extent is taken (allocate_contiguous reorders the queue);
+        # copying it costs O(free pages), once per forward that reserves an extent.
+        self._checkpoint = allocator.checkpoint(free_order=bool(self._new_extents))
+        self.is_kept = False
         try:
             if self._new_extents:
                 # One run for all new branches of the forward: CFG pairs end up adjacent (one ragged launch).
                 run = allocator.allocate_contiguous(len(self._new_extents) * extent_pages)
-                for i, h in enumerate(self._new_extents):
-                    h.assign_extent(tuple(run[i * extent_pages : (i + 1) * extent_pages]))
-            for h in self.histories:
-                self._stale.append(h.replace_pending(chunk_pages, allocator))
+                for i, b in enumerate(self._new_extents):
+                    b.assign_extent(tuple(run[i * extent_pages : (i + 1) * extent_pages]))
+            for b in self.branches:
+                self._stale.append(b.replace_pending(chunk_pages, allocator))
         except BaseException:
             self.rollback()
             raise
 
     def rollback(self) -> None:
-        """Undo the reservation exactly (branches, refcounts, free-list order, peak)."""
+        """Undo the reservation exactly (branches, refcounts, free-queue order, peak). Only before :meth:`keep`."""
+        assert not self.is_kept, "a kept reservation cannot be rolled back"
         fresh: list[int] = []
-        for h, old in reversed(list(zip(self.histories, self._before))):
-            fresh = h.undo_grow(old, self.allocator) + fresh
-        for h in self._new_extents:
-            if h.extent:
-                fresh += list(h.extent)
-                h.extent = ()
-        if fresh:
-            self.allocator.unallocate(fresh, free_order=self._free_order)
-        self.allocator.peak_used = self._peak
+        for b, old in reversed(list(zip(self.branches, self._before))):
+            fresh = b.undo_grow(old, self.allocator) + fresh
+        for b in self._new_extents:
+            fresh += b.release_extent()
+        self.allocator.unallocate(fresh, self._checkpoint)
+        self._stale = []
+        self.is_kept = True  # spent: nothing left to undo or to keep
 
     def keep(self) -> None:
-        """The forward was published: release the pending chunks it replaced (surplus or resized)."""
+        """The forward stands: release the pending chunks it replaced (surplus or resized). Idempotent."""
+        if self.is_kept:
+            return
         self.allocator.decref(page for stale in self._stale for chunk in stale for page in chunk)
         self._stale = []
+        self.is_kept = True
+
+
+def settle_free_order(allocator: PageAllocator, before: Sequence[int]) -> None:
+    """After a distributed forward failed: put the free queue in the order every rank agrees on.
+
+    Ranks that prepared and ranks that did not end a failed forward with the same free page *set*
+    but may have freed them in different orders; the next allocations would then pick other ids.
+    ``before`` is the free queue before the forward (the same on every rank): its pages first, in
+    that order, then the others by id (:meth:`PageAllocator.reorder_free`).
+    """
+    allocator.reorder_free(before)

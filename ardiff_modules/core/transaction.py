@@ -38,6 +38,7 @@ from ardiff_modules.errors import ForwardFinishedError, IncompleteForwardError
 
 from ardiff_modules.core.allocator import PageAllocator
 from ardiff_modules.core.branch import BranchPages
+from ardiff_modules.core.reservation import Reservation
 
 #: ``completed``: a denoising forward that finished (nothing joins history; "committed" is
 #: reserved for forwards whose chunks did).
@@ -75,13 +76,26 @@ class ForwardTransaction:
     latents: tuple[tuple[object, ...], ...] = field(default=(), repr=False)
     #: Why the forward finished, for error messages.
     reason: str = ""
-    histories: tuple[BranchPages, ...] = field(default=(), repr=False)
+    branches: tuple[BranchPages, ...] = field(default=(), repr=False)
+    #: The forward's page reservation while it may still be undone exactly (a distributed forward holds
+    #: it until every rank voted); ``None`` once kept. An abort then rolls it back instead of dropping.
+    reservation: Reservation | None = field(default=None, repr=False)
     #: Layers whose K/V this forward wrote into its pending pages (the custom ops record each write;
     #: a CUDA-graph replay records what its capture wrote). A commit needs every layer.
     written: set[int] = field(default_factory=set, repr=False)
     #: Called with this transaction once it finishes, whatever the outcome (e.g. the FP8 calibration
     #: that this forward's writes started is fixed by its commit and undone by anything else).
     on_close: list[Callable[[ForwardTransaction], None]] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        for b in self.branches:  # the branches now belong to this forward (until it finishes)
+            b.attach(self)
+
+    def keep_reservation(self) -> None:
+        """The forward stands (a distributed forward's prepare vote passed): release what it replaced."""
+        if self.reservation is not None:
+            self.reservation.keep()
+            self.reservation = None
 
     @property
     def is_open(self) -> bool:
@@ -124,15 +138,14 @@ class ForwardTransaction:
                 " ran. The forward was aborted and history is unchanged"
             )
 
-    def live_histories(self) -> list[BranchPages]:
+    def live_branches(self) -> list[BranchPages]:
         """The member branches this forward still holds (a closed member session let go of its own)."""
-        return [h for h in self.histories if h.transaction is self]
+        return [b for b in self.branches if b.transaction is self]
 
     def close(self, status: Status, reason: str = "") -> None:
         """Mark finished and detach from the branches (their pending pages stay as they are)."""
-        for h in self.histories:
-            if h.transaction is self:
-                h.transaction = None
+        for h in self.branches:
+            h.detach(self)
         self.status = status
         self.reason = reason
         listeners, self.on_close = self.on_close, []
@@ -147,16 +160,17 @@ class ForwardTransaction:
         """
         if not self.is_open:
             return
+        self.keep_reservation()
         if not self.commit_current:
             self.close("completed")  # a denoising forward: pending pages stay for the next one
             return
-        live = self.live_histories()
+        live = self.live_branches()
         if self.recache:
             self._commit_recache(live, allocator)
             return
         results = [h.preview_commit() for h in live]
         evicted = [page for result in results for chunk in result.evicted for page in chunk]
-        kept = {id(h): latents for h, latents in zip(self.histories, self.latents)}
+        kept = {id(h): latents for h, latents in zip(self.branches, self.latents)}
         with deferred_interrupts():
             allocator.decref(evicted)
             for h, result in zip(live, results):
@@ -208,9 +222,18 @@ class ForwardTransaction:
         """Drop every stream's pending chunks, all at once; history stays exactly as before."""
         if not self.is_open:
             return
-        live = self.live_histories()
+        live = self.live_branches()
+        if self.reservation is not None and len(live) < len(self.branches):
+            self.keep_reservation()  # a member let go of its branch meanwhile: no exact undo left, drop instead
         pages = [page for h in live for page in h.pending_pages()]
         with deferred_interrupts():
+            if self.reservation is not None:
+                # Never kept (a distributed forward before its vote passed): undo it exactly -- the pending
+                # chunks it replaced come back, extents it took are given back, free order and peak as before.
+                self.reservation.rollback()
+                self.reservation = None
+                self.close("aborted", reason)
+                return
             if self.recache:
                 # NOTE: a re-cache's fresh pages are never shared (pending pages are not forked): undo
                 # their allocation exactly, so the free list is as before the re-cache too; the ring

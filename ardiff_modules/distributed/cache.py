@@ -26,11 +26,14 @@ again). The first vote compares a digest of the arguments (session ids, ``seq_le
 nothing to undo.
 
 A failed second vote undoes on every rank what the ranks that prepared did and the others did not: the
-denoising forwards it superseded are aborted with every session they span, a contiguous extent it
-reserved is given back, and every idle forward context is released (the ranks that prepared had
-published one; plans are rebuilt on next use). A vote whose collective itself fails (a peer killed, or
-silent past the mesh's ``timeout``) aborts this rank's streams of the forward and raises
-:class:`DistributedForwardError` chained from the collective's error.
+local forward is prepared holding its reservation (``ForwardManager.prepare(..., hold=True)``), so the
+ranks that prepared roll it back exactly (pending chunks, extents, free order and peak as before); then
+every rank aborts the denoising forwards it superseded with every session they span, settles the free
+queue in one canonical order, and releases every idle forward context (the ranks that prepared had
+published one; plans are rebuilt on next use). Once the vote passed, each rank keeps its reservation.
+A vote whose collective itself fails (a peer killed, or silent past the mesh's ``timeout``) aborts this
+rank's streams of the forward and raises :class:`DistributedForwardError` chained from the collective's
+error.
 
 NOTE: a rank that fails *inside* the model between two collectives of an SP group (the all-to-alls)
 leaves its peers waiting in that collective; they surface it as that group's timeout and the group is
@@ -48,7 +51,6 @@ from typing import Any
 
 import torch
 
-from ardiff_modules.core.allocator import PageAllocator
 from ardiff_modules.cache import KVCache
 from ardiff_modules.context import ForwardContext, LayerContext
 from ardiff_modules.distributed.digest import StateDigest, _h64, check_consistency
@@ -57,7 +59,7 @@ from ardiff_modules.distributed.mesh import HOST_WORDS, ParallelMesh, Vote, chec
 from ardiff_modules.errors import SequenceLengthError, SpecError
 from ardiff_modules.core.transaction import deferred_interrupts
 from ardiff_modules.spec import KVCacheSpec
-from ardiff_modules.session import KVState
+from ardiff_modules.session import ForwardOptions, KVState
 
 logger = logging.getLogger(__name__)
 
@@ -193,31 +195,34 @@ class DistributedKVCache:
                 f"different ones on rank(s) {list(differ)}; this rank's: {arguments}. Nothing was prepared on any rank",
                 ranks=differ,
             )
-        # 2. The local prepare, then its outcome.
+        # 2. The local prepare (its reservation held until the vote), then its outcome.
         touched: tuple[KVState, ...] = ()
-        bare: tuple[Any, ...] = ()
         free_before = self.cache.allocator.free_pages()  # identical on every rank (same calls so far)
         ctx: ForwardContext | None = None
         error: BaseException | None = None
 
         def undo() -> None:
-            # What a failed vote undoes on every rank alike (see _undo_scope); the prepared ranks had
-            # published a context (registered, made most recent, maybe evicting an idle one), the others
-            # had not: releasing every idle context makes the sets equal again.
-            self._abort_streams(touched, free_before, bare)
+            # What a failed vote undoes on every rank alike: this rank's forward rolled back exactly (its
+            # reservation was held), then the sessions the prepare touched aborted and the free queue settled
+            # (see _abort_streams); the prepared ranks had published a context (registered, made most recent,
+            # maybe evicting an idle one), the others had not: releasing every idle context makes them equal.
+            if ctx is not None and ctx.transaction is not None:
+                self.cache.finish_forward(ctx.transaction, False)
+            self._abort_streams(touched, free_before)
             self.cache.release_idle_forward_contexts()
 
         try:
-            # What a failed vote must undo identically on every rank: the kept denoising forwards this
-            # prepare supersedes (with every session they span) and the extents it reserves.
-            touched, bare = self._undo_scope(states)
+            # What a failed vote must abort identically on every rank: the kept denoising forwards this
+            # prepare supersedes, with every session they span.
+            touched = self._undo_scope(states)
             if isinstance(seq_len, int) and seq_len % self.mesh.sp_size:
                 raise SequenceLengthError(
                     f"DistributedKVCache.prepare_forward: expected seq_len a multiple of the sequence-parallel "
                     f"degree {self.mesh.sp_size}, got {seq_len}"
                 )
             streams = [(s, b) for s in states for b in self.local_branches]
-            ctx = self.cache.prepare_forward(streams, seq_len, commit_current, static=static, **kwargs)
+            options = ForwardOptions(static=static, **kwargs)
+            ctx = self.cache.forwards.prepare(streams, seq_len, commit_current, options, hold=True)
         except Exception as e:  # noqa: BLE001 - every local failure is voted, then re-raised
             error = e
         except BaseException:
@@ -244,7 +249,8 @@ class DistributedKVCache:
                 "rank's streams were aborted too (history unchanged)",
                 failed_ranks=failed,
             )
-        assert ctx is not None
+        assert ctx is not None and ctx.transaction is not None
+        ctx.transaction.keep_reservation()  # every rank prepared: the forward stands
         return DistributedForward(self, ctx, states, free_before, number)
 
     def _vote(
@@ -283,13 +289,11 @@ class DistributedKVCache:
             raise
         return rows
 
-    def _undo_scope(self, states: Sequence[KVState]) -> tuple[tuple[KVState, ...], tuple[Any, ...]]:
-        """Before a local prepare over ``states``: every session a failed vote must abort (``states`` and
-        the other sessions of denoising forwards still open on them, which the prepare would supersede
-        here but a rank whose prepare failed aborts whole), and the local histories without a contiguous
-        extent yet (the prepare may reserve one there, never on a rank that failed first)."""
+    def _undo_scope(self, states: Sequence[KVState]) -> tuple[KVState, ...]:
+        """Before a local prepare over ``states``: every session a failed vote must abort -- ``states`` and the
+        other sessions of denoising forwards still open on them, which the prepare would supersede here but a
+        rank whose prepare failed aborts whole."""
         touched = list(states)
-        bare = []
         for state in states:
             if state.is_closed:
                 continue
@@ -297,32 +301,18 @@ class DistributedKVCache:
                 forward = state.open_forward(branch)
                 if forward is not None:
                     touched += [s for s, _ in forward.members if s not in touched]
-                history = state.branch_pages(branch)
-                if history.needs_extent:
-                    bare.append(history)
-        return tuple(touched), tuple(bare)
+        return tuple(touched)
 
-    def _abort_streams(
-        self, states: Sequence[KVState], free_before: Sequence[int], bare: Sequence[Any] = ()
-    ) -> None:
+    def _abort_streams(self, states: Sequence[KVState], free_before: Sequence[int]) -> None:
         """Every rank ends a failed forward in the same state: open forwards aborted, kept pending pages
-        dropped, extents reserved by the failed forward given back (``bare``: histories that had none and
-        hold nothing now), and the free queue in one canonical order.
+        dropped, and the free queue in one canonical order.
 
-        NOTE: the page *set* is then the same on every rank, but not the free-queue *order*: a rank whose
-        prepare failed allocated nothing, the others allocated and freed pages (which go to the back of the
-        queue), so their next allocations would pick other ids. The order is therefore reset to: pages free
-        before the forward, in their order then, followed by the others by id.
+        NOTE: the page *set* is then the same on every rank, but not the free-queue *order*: ranks may have
+        freed the same pages in other orders (a forward aborted whole on one rank, session by session on
+        another), so their next allocations would pick other ids. The order is therefore settled to: pages
+        free before the forward, in their order then, followed by the others by id.
         """
-        with self.cache.lock:
-            for state in states:
-                if isinstance(state, KVState) and state.cache is self.cache and not state.is_closed:
-                    state.abort()
-            for history in bare:
-                if history.extent and not history.history_pages() and not history.pending_pages():
-                    self.cache.allocator.decref(history.extent)
-                    history.extent = ()
-            _reorder_free_pages(self.cache.allocator, free_before)
+        self.cache.forwards.abort_sessions(states, free_order=free_before)
 
     def check_consistency(self) -> tuple[StateDigest, ...]:
         """Debug: raise :class:`RankDivergenceError` unless every rank made the same decisions (collective).
@@ -523,25 +513,6 @@ def _arguments_text(
         for name, value in sorted(options.items())
     )
     return f"sessions={ids} seq_len={seq_len!r} commit_current={commit_current!r} static={static!r}{extra}"
-
-
-def _reorder_free_pages(allocator: PageAllocator, before: Sequence[int]) -> None:
-    """Put the free queue in the canonical order (see ``DistributedKVCache._abort_streams``).
-
-    NOTE: through the allocator's public API only -- take every free page, give them back with
-    ``free_order`` -- restoring ``peak_used``, which that round trip would raise. A
-    ``PageAllocator.reorder_free(order)`` would say this directly.
-    """
-    current = allocator.free_pages()
-    free = set(current)
-    order = [p for p in before if p in free]
-    order += sorted(free.difference(order))
-    if list(current) == order:
-        return
-    peak = allocator.peak_used
-    pages = allocator.allocate(len(order))
-    allocator.unallocate(pages, free_order=order)
-    allocator.peak_used = peak
 
 
 #: A rank's word in the finish vote.

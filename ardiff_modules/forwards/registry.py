@@ -40,8 +40,7 @@ class ContextRegistry:
         if key in self._contexts:
             self._contexts.move_to_end(key)
             return
-        ctx.handle = HANDLES.register(ctx)
-        ctx.handle_id.fill_(ctx.handle)
+        ctx.assign_handle(HANDLES.register(ctx))
         self._contexts[key] = ctx
         for old in list(self._contexts):
             if len(self._contexts) <= self.limit:

@@ -1,0 +1,83 @@
+"""Admission arithmetic on plain ints: what one session can hold at its peak, what stays promised.
+
+``KVCache.pages_per_session`` / ``recache_reserve`` / ``sessions_that_fit`` / ``can_admit`` /
+``admit_session`` are these functions over the live counts (open sessions, pages free and in use).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ardiff_modules.checks import require_int
+from ardiff_modules.errors import CapacityError, SpecError
+
+
+@dataclass(frozen=True)
+class Admission:
+    """The geometry admission needs: branches per session, the most history chunks a branch holds
+    (``None``: unbounded window, no peak), pages per chunk, and extent slots (``None``: plain paging)."""
+
+    branches: int
+    max_history_chunks: int | None
+    pages_per_chunk: int
+    extent_chunks: int | None
+
+    def _bounded(self, what: str) -> int:
+        if self.max_history_chunks is None:
+            raise SpecError(f"{what}: expected a bounded window (window_chunks), got None")
+        return self.max_history_chunks
+
+    def pages_per_session(self, branches: int | None = None, pending_chunks: int = 1) -> int:
+        """Peak pages one session holds: per branch (history + pending) chunks, or its extent."""
+        history = self._bounded("pages_per_session")
+        require_int("pages_per_session.pending_chunks", pending_chunks, minimum=1)
+        if branches is not None:
+            require_int("pages_per_session.branches", branches, minimum=1, below=self.branches + 1)
+        branches = self.branches if branches is None else branches
+        chunks = history + pending_chunks
+        if self.extent_chunks is not None:
+            chunks = max(chunks, self.extent_chunks)
+        return branches * chunks * self.pages_per_chunk
+
+    def recache_reserve(self) -> int:
+        """Pages admission keeps free, once for the pool, so that one session can re-cache at its peak.
+
+        ``branches x (max_history_chunks - 1) x pages_per_chunk``: the most a re-cache of one whole
+        session (every branch, sinks included) holds beyond that session's peak. An idle branch holds at
+        most ``R = max_history_chunks`` history chunks; the re-cache adds up to ``R`` rebuilt ones,
+        less what the peak already counts -- the pending chunk (plain paging), or the ring's free slot
+        (contiguous extents, ``R + 1`` slots). So with every open session at its peak, any *one* of them
+        can re-cache (:meth:`prepare_recache`'s capacity check passes); several sessions re-caching at the
+        same moment may not fit (:class:`CapacityError`, nothing changed: re-cache them one after another).
+        Raises :class:`SpecError` for an unbounded window.
+        """
+        history = self._bounded("recache_reserve")
+        return self.branches * max(0, history - 1) * self.pages_per_chunk
+
+    def unpromised(self, free: int, used: int, sessions: int, recache: bool) -> int:
+        """Free pages not promised to ``sessions`` open sessions' peaks (nor, with ``recache``, to the reserve).
+
+        NOTE: the reserve is counted against the same promise as the peaks (``max`` with the pages in
+        use), so a re-cache in flight, whose transient is in use, does not count twice.
+        """
+        promised = sessions * self.pages_per_session() + (self.recache_reserve() if recache else 0)
+        return free - max(0, promised - used)
+
+    def sessions_that_fit(self, free: int, used: int, sessions: int, pending_chunks: int, recache: bool) -> int:
+        """How many more sessions can run to their peak alongside ``sessions`` open ones."""
+        per_session = self.pages_per_session(pending_chunks=pending_chunks)
+        return max(0, self.unpromised(free, used, sessions, recache) // per_session)
+
+    def check_admit(self, free: int, used: int, sessions: int, pending_chunks: int, recache: bool) -> None:
+        """Raise :class:`CapacityError` unless one more session fits at its peak (``KVCache.admit_session``)."""
+        if self.sessions_that_fit(free, used, sessions, pending_chunks, recache) >= 1:
+            return
+        needed = self.pages_per_session(pending_chunks=pending_chunks)
+        unpromised = max(self.unpromised(free, used, sessions, recache), 0)
+        reserve = f" nor to one session's re-cache ({self.recache_reserve()} pages)" if recache else ""
+        raise CapacityError(
+            f"admit_session: a session needs up to {needed} pages, only {unpromised} are free and not "
+            f"promised to the {sessions} open session(s){reserve}",
+            needed=needed,
+            free=unpromised,
+        )

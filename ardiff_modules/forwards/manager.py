@@ -1,0 +1,418 @@
+"""The forward manager: prepares every forward and re-cache of one cache, and finishes them.
+
+One build path for both (:meth:`ForwardManager.build`)::
+
+    validated request (Build) -> reservation -> layouts -> plan -> cross stacks -> context.begin
+                                     ^ rolled back exactly if anything after it raises
+
+All host work of a forward happens here, once, under the cache's lock; a layer's forward only
+launches kernels. The manager owns the context registry (one reused context per batch of streams)
+and is the only code that opens and finishes transactions; the pages themselves change only in
+``core`` (allocator, branch, reservation, transaction).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from typing import cast
+
+import torch
+
+from ardiff_modules.backends import AttentionBackend, PlanRequest
+from ardiff_modules.backends.segmented import plan_forward
+from ardiff_modules.context import ForwardContext
+from ardiff_modules.core.allocator import PageAllocator
+from ardiff_modules.core.branch import BranchPages
+from ardiff_modules.core.reservation import Reservation, settle_free_order
+from ardiff_modules.core.transaction import ForwardTransaction
+from ardiff_modules.errors import ARDiffError, CacheClosedError, CommitFailedError, LatentsNotKeptError, SpecError
+from ardiff_modules.forwards.commit_checks import check_pending_finite
+from ardiff_modules.forwards.registry import ContextKey, ContextRegistry
+from ardiff_modules.forwards.request import Build
+from ardiff_modules.forwards.validation import (
+    check_capacity,
+    check_no_open_commit,
+    check_recache_capacity,
+    check_recache_latents,
+    check_recache_sinks_in_place,
+    check_token_mask,
+    chunk_lengths_of,
+    kept_latents,
+    pending_attention_of,
+    recache_chunk_pages,
+    validate_streams,
+)
+from ardiff_modules.layout import ForwardLayout
+from ardiff_modules.pool import KVPool
+from ardiff_modules.session import ForwardOptions, KVState
+from ardiff_modules.spec import KVCacheSpec
+
+#: DEBUG: each forward prepared / committed / aborted (host side, once per forward; nothing per layer).
+#: NOTE: under the cache's logger name, where users filter a cache's forwards (the manager is its part).
+logger = logging.getLogger("ardiff_modules.cache")
+
+Streams = Sequence[tuple[KVState, str]]
+
+
+class ForwardManager:
+    """Prepares and finishes the forwards of one cache's sessions (see the module docstring).
+
+    ``host`` is the cache the sessions belong to (streams of other caches are refused).
+    """
+
+    def __init__(
+        self, host: object, spec: KVCacheSpec, pool: KVPool, allocator: PageAllocator, backend: AttentionBackend,
+        *, dtype: torch.dtype, extent_chunks: int | None, max_contexts: int, check_finite: bool, lock: threading.RLock,
+    ) -> None:
+        self.host = host
+        self.spec = spec
+        self.pool = pool
+        self.allocator = allocator
+        self.backend = backend
+        #: The compute dtype (queries, outputs, cross caches); the pool may store K/V in another.
+        self.dtype = dtype
+        self.extent_chunks = extent_chunks
+        self.check_finite = check_finite
+        self.lock = lock
+        self.registry = ContextRegistry(max_contexts)
+        self.closed = False
+
+    def _check_open(self, what: str) -> None:
+        if self.closed:
+            raise CacheClosedError(f"{what}: expected an open KVCache, got one that was closed")
+
+    def close(self) -> None:
+        """The cache closed: release every context; every later request raises :class:`CacheClosedError`."""
+        with self.lock:
+            self.release_contexts_of(None)
+            self.closed = True
+
+    @property
+    def extent_pages(self) -> int:
+        return (self.extent_chunks or 0) * self.spec.pages_per_chunk
+
+    # ------------------------------------------------------------------ requests
+    def prepare(
+        self, streams: Streams, seq_len: int, commit_current: bool, options: ForwardOptions = ForwardOptions(),
+        *, hold: bool = False,
+    ) -> ForwardContext:
+        """Validate, then build one forward over ``streams`` (``KVCache.prepare_forward``).
+
+        ``hold``: keep the reservation undoable (``ForwardTransaction.keep_reservation`` releases what it
+        replaced; an abort before that rolls it back exactly) -- a distributed forward's prepare vote.
+        """
+        with self.lock:
+            self._check_open("prepare_forward")
+            return self.build(self.forward_request(streams, seq_len, commit_current, options), hold=hold)
+
+    def forward_request(
+        self, streams: Streams, seq_len: int, commit_current: bool, options: ForwardOptions
+    ) -> Build:
+        """A forward's request, validated (raises before anything changed)."""
+        members = validate_streams(streams, self.host)
+        lengths = chunk_lengths_of(self.spec, seq_len, commit_current, options.static, options.chunk_lengths)
+        pending = pending_attention_of(self.spec, options.pending_attention)
+        branches = tuple(state.branch_pages(branch) for state, branch in members)
+        for (state, branch), pages in zip(members, branches):
+            check_no_open_commit(state, branch, pages)
+        if options.token_mask is not None:
+            expected = (len(branches), seq_len, self.max_visible_keys(branches, seq_len))
+            check_token_mask(options.token_mask, expected, self.pool.device)
+        chunk_pages = tuple(length // self.spec.page_size for length in lengths)
+        check_capacity(branches, chunk_pages, self.allocator, self.extent_pages)
+        latents = (
+            () if options.keep_latents is None
+            else kept_latents(options.keep_latents, commit_current, len(members), lengths)
+        )
+        return Build(
+            members=members, branches=branches, chunk_pages=chunk_pages, commit_current=commit_current,
+            pending_attention=pending, extent_pages=self.extent_pages, token_mask=options.token_mask,
+            static=options.static, latents=latents,
+        )
+
+    def prepare_recache(self, streams: Streams, keep_sinks: bool = True) -> ForwardContext:
+        """Prepare a prompt-switch re-cache: one forward that rebuilds the history of ``streams``.
+
+        After ``clear_cross_attention()`` and populating the new prompt, run the model over the clean
+        latents of each stream's rebuilt chunks -- every history chunk (sinks + window) in commit
+        order, or all but the sinks with ``keep_sinks=True`` -- concatenated along the sequence,
+        ``[num_streams, seq_len, ...]`` with ``seq_len = sum(ctx.layout.chunk_lengths)``. The forward
+        writes pages no chunk uses only -- with contiguous extents the branch's free ring slots first
+        (one once the window is full), then fresh pages from the pool -- and, block-causally, rebuilt
+        chunk ``j`` attends to the kept sinks and rebuilt chunks ``0..j``; ``ctx.positions`` are each
+        chunk's original absolute positions (RoPE). While it is pending it holds, per stream, the
+        rebuilt chunks' pages minus the free ring slots on top of the old history.
+
+        On commit (``ctx.commit()``, leaving ``with ctx:`` normally, ``commit_paged_context``) every
+        stream's rebuilt chunks replace the old ones at once; offsets, commit indices and the window
+        are unchanged, the old pages lose this session's reference (a fork keeps reading them). With
+        contiguous extents, rebuilt chunks in fresh pages are then copied (one host call for the whole
+        forward: all layers, K and V, a strided copy per run of pages) into the ring slots the commit
+        frees -- the old chunk's own slot when no fork shares it -- and the fresh pages are freed: pool
+        use returns to the steady state at commit and the ring stays whole. Where a fork shares the old
+        pages the rebuilt chunk stays in its fresh pages (the fork keeps the old ones) until it is
+        evicted. On abort or an exception only the re-cache's pages are released (fresh pages
+        unallocated, ring slots free again): the old history is untouched.
+
+        Raises before changing anything: :class:`PendingContextError` if a stream has an open forward
+        or pending chunks, :class:`SpecError` if a stream has nothing to rebuild,
+        :class:`SequenceLengthError` if batched streams' rebuilt chunk lengths differ,
+        :class:`CapacityError` if the fresh pages do not fit (old and new history coexist until commit;
+        admission keeps room for one session's re-cache at a time, ``KVCache.recache_reserve``).
+        """
+        with self.lock:
+            self._check_open("prepare_recache")
+            members = validate_streams(streams, self.host)
+            branches = tuple(state.branch_pages(branch) for state, branch in members)
+            chunk_pages = recache_chunk_pages(members, branches, keep_sinks)
+            if self.spec.relative_sinks and not keep_sinks:
+                check_recache_sinks_in_place(members, branches)
+            check_recache_capacity(branches, chunk_pages, self.allocator)
+            # NOTE: the rebuilt chunks ride as pending (abort/close/reset release them): free ring slots first,
+            # then fresh pages; no new extent (extent_pages=0): a branch without one (a fork that has not run
+            # since) rebuilds into fresh pages only.
+            request = Build(
+                members=members, branches=branches, chunk_pages=tuple(chunk_pages), commit_current=True,
+                pending_attention="block_causal", recache=True, keep_sinks=keep_sinks, what="prepare_recache",
+            )
+            return self.build(request)
+
+    def recache_latents(self, streams: Streams, keep_sinks: bool = True) -> torch.Tensor:
+        """The kept clean latents a re-cache of ``streams`` runs over (``KVCache.recache_latents``)."""
+        with self.lock:
+            self._check_open("recache_latents")
+            members = validate_streams(streams, self.host)
+            branches = [state.branch_pages(branch) for state, branch in members]
+            recache_chunk_pages(members, branches, keep_sinks, idle=False)
+            rows = []
+            for (state, branch), b in zip(members, branches):
+                indices = [b.history_index[i] for i in b.recache_targets(keep_sinks)]
+                missing = [i for i in indices if i not in b.latents]
+                if missing:
+                    raise LatentsNotKeptError(
+                        f"recache_latents: expected kept latents of chunks {indices} of {state.session_id!r}/"
+                        f"{branch!r}, got none for chunk(s) {missing}; pass keep_latents= to their committing "
+                        "forwards, or feed the model your own latents"
+                    )
+                rows.append([cast(torch.Tensor, b.latents[i]) for i in indices])
+            check_recache_latents(members, rows)
+            return torch.stack([torch.cat(row) for row in rows])
+
+    # ------------------------------------------------------------------ the build path
+    def build(self, request: Build, *, hold: bool = False) -> ForwardContext:
+        """Reserve, lay out, plan and begin ``request``'s forward; on any failure undo the reservation exactly.
+
+        A denoising forward still open on one of its streams is superseded (closed, its pending pages
+        kept for reuse) once this one begins; if planning itself fails on a backend that re-plans in
+        place, that forward is superseded too (its plan is no longer trustworthy), and nothing else changes.
+        """
+        key = request.key
+        ctx = self._context(key)
+        reservation = Reservation(request.branches, request.chunk_pages, self.allocator, request.extent_pages)
+        planning = False
+        try:
+            layout = ForwardLayout(
+                streams=request.stream_layouts(self.spec.relative_sinks), chunk_size=self.spec.chunk_size,
+                page_size=self.spec.page_size, pending_attention=request.pending_attention,
+            )
+            planning = True
+            plan = plan_forward(self.backend, self._plan_request(layout, request), ctx.plan)
+            positions = self._positions(ctx, layout, request.static)
+            cross = self._stack_cross(ctx, request.members, request.static)
+        except BaseException:
+            reservation.rollback()
+            if planning and getattr(self.backend, "replans_in_place", True):
+                ctx.drop_plan(f"a later {request.what} failed while planning")
+            raise
+        if not hold:
+            reservation.keep()
+        for b in request.branches:  # supersede the open denoising forwards of these streams
+            if isinstance(b.transaction, ForwardTransaction) and b.transaction.is_open:
+                b.transaction.close("superseded", "a later forward of one of its streams was prepared")
+        self.registry.publish(key, ctx)  # registers a new context; most recently used; evicts idle ones
+        transaction = ForwardTransaction(
+            members=request.members, commit_current=request.commit_current, num_chunks=layout.num_chunks,
+            branches=request.branches, recache=request.recache, keep_sinks=request.keep_sinks,
+            latents=request.latents, copy_pages=self.pool.copy_pages if request.recache else None,
+            reservation=None if not hold else reservation,
+        )
+        ctx.begin(transaction, plan, layout, positions, cross, request.token_mask)
+        if logger.isEnabledFor(logging.DEBUG):
+            if request.recache:
+                fresh = sum(len(b.split_pending()[1]) for b in request.branches)
+                logger.debug("re-cache prepared: %s, %d fresh pages", ctx, fresh)
+            else:
+                logger.debug("forward prepared: %s, %d free pages left, plan %r", ctx, self.allocator.num_free, ctx.plan)
+        return ctx
+
+    def _context(self, key: ContextKey) -> ForwardContext:
+        """The persistent context of these streams, or a new one (registered only once its forward begins).
+
+        Static contexts (CUDA-graph replay) are separate per sequence length: their buffers are fixed.
+        """
+        ctx = self.registry.get(key)
+        if ctx is not None:
+            return ctx  # marked most recently used only once its forward begins
+        return ForwardContext.create(key[0], self.pool, dtype=self.dtype, static=key[1] is not None, owner=self)
+
+    def _plan_request(self, layout: ForwardLayout, request: Build) -> PlanRequest:
+        return PlanRequest(
+            layout=layout,
+            device=self.pool.device,
+            dtype=self.dtype,
+            kv_dtype=self.pool.dtype,
+            num_qo_heads=self.spec.query_heads,
+            num_kv_heads=self.spec.num_kv_heads,
+            head_dim=self.spec.head_dim,
+            quantizer=self.pool.quantizer,
+            token_mask=request.token_mask,
+            static=request.static,
+            max_pages=self._max_plan_pages(layout.num_streams, layout.num_chunks) if request.static else None,
+        )
+
+    def _max_plan_pages(self, num_streams: int, num_chunks: int) -> int:
+        """Upper bound of the page list of a structural plan (rows of one forward), for fixed buffers.
+
+        NOTE: the block-causal bound; a bidirectional forward lists fewer pages (one row per stream of
+        ``history + num_chunks`` chunks), so the same buffers serve both rules.
+        """
+        history = self.spec.max_history_chunks
+        assert history is not None
+        chunks = sum(history + c for c in range(1, num_chunks + 1))
+        return num_streams * chunks * self.spec.pages_per_chunk
+
+    def _positions(
+        self, ctx: ForwardContext, layout: ForwardLayout, static: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(positions, sink_positions)`` on the pool's device (fixed buffers when ``static``); the second
+        only with relative sinks (the positions where the sink query is rotated)."""
+        positions = _to_device(layout.positions, self.pool.device, ctx.positions if static else None)
+        if not self.spec.relative_sinks:
+            return positions, None
+        buffer = ctx.sink_positions if static else None
+        return positions, _to_device(layout.sink_positions, self.pool.device, buffer)
+
+    def _stack_cross(
+        self, ctx: ForwardContext, streams: Sequence[tuple[object, str]], static: bool
+    ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, str], dict[str, tuple[int, ...]]]:
+        """Per cache name, the streams' cross K/V stacked to ``[layers, streams, tokens, heads, dim]``."""
+        names = self.spec.cross_attention_names
+        members = cast(Sequence[tuple[KVState, str]], streams)
+        entries = {name: [state.cross_entry(branch, name) for state, branch in members] for name in names}
+        who = [f"{state.session_id!r}/{branch!r}" for state, branch in members]
+        return ctx.cross_stack.restack(names, entries, who, ctx.cross, static)
+
+    def max_visible_keys(self, branches: Sequence[BranchPages], seq_len: int) -> int:
+        """Keys of the widest stream of a forward: its history plus all ``seq_len`` pending tokens."""
+        return max(len(b.history_pages()) * self.spec.page_size for b in branches) + seq_len
+
+    # ------------------------------------------------------------------ finishing
+    def finish_forward(self, transaction: ForwardTransaction, success: bool) -> None:
+        """Commit (``success``) or abort every stream of ``transaction``, all or none (``KVCache.finish_forward``)."""
+        with self.lock:
+            if not transaction.is_open:
+                return
+            if not success:
+                transaction.abort(self.allocator)
+            else:
+                try:
+                    self.abort_if_uncommittable(transaction)
+                    transaction.commit(self.allocator)
+                except BaseException as error:
+                    transaction.abort(self.allocator, f"its commit raised {type(error).__name__}")
+                    if isinstance(error, ARDiffError) or not isinstance(error, Exception):
+                        raise  # names its cause already / KeyboardInterrupt, SystemExit as they are
+                    raise CommitFailedError(
+                        f"commit: expected the forward's streams {stream_names(transaction.members)} to commit, got "
+                        f"{type(error).__name__}: {error}; the forward was aborted and history is unchanged"
+                    ) from error
+            if logger.isEnabledFor(logging.DEBUG):
+                logger.debug(
+                    "forward %s: %d stream(s) %s, %d pages in use", transaction.status, len(transaction.members),
+                    stream_names(transaction.members), self.allocator.num_used,
+                )
+
+    def abort_if_uncommittable(self, transaction: ForwardTransaction, check_finite: bool | None = None) -> None:
+        """Every pre-commit check; on a failure abort the forward and raise (``KVCache.abort_if_uncommittable``)."""
+        _require_transaction("abort_if_uncommittable", transaction)
+        with self.lock:
+            if not transaction.is_open or not transaction.commit_current:
+                return
+            try:
+                transaction.check_complete(self.spec.num_layers)
+                if self.pool.quantizer is not None:
+                    self.pool.quantizer.check_commit(transaction)
+            except ARDiffError:
+                transaction.abort(self.allocator, "its commit was refused")
+                raise
+            if self.check_finite if check_finite is None else check_finite:
+                self.abort_if_non_finite(transaction)
+
+    def abort_if_non_finite(self, transaction: ForwardTransaction) -> None:
+        """Abort the forward and raise on NaN/Inf in its pending K/V (``KVCache.abort_if_non_finite``)."""
+        _require_transaction("abort_if_non_finite", transaction)
+        if any(state.cache is not self.host for state, _ in transaction.members):
+            raise SpecError("KVCache.abort_if_non_finite: expected a forward of this cache, got one of another cache")
+        with self.lock:
+            if transaction.is_open:
+                check_pending_finite(transaction, self.pool, self.allocator)
+
+    def abort_forwards_of(self, state: KVState) -> None:
+        """Abort every open forward one of ``state``'s branches belongs to (all of their streams)."""
+        with self.lock:
+            for branch in state.kv_branch_names:
+                transaction = state.open_forward(branch)
+                if transaction is not None:
+                    self.finish_forward(transaction, False)
+
+    def abort_sessions(self, states: Sequence[KVState], free_order: Sequence[int] | None = None) -> None:
+        """Abort the open forwards and drop the kept pending chunks of ``states`` (``KVState.abort``); with
+        ``free_order`` (the free queue before a failed distributed forward), then settle the free queue in the
+        order every rank agrees on (:func:`~ardiff_modules.core.reservation.settle_free_order`)."""
+        with self.lock:
+            for state in states:
+                if isinstance(state, KVState) and state.cache is self.host and not state.is_closed:
+                    state.abort()
+            if free_order is not None:
+                settle_free_order(self.allocator, free_order)
+
+    # ------------------------------------------------------------------ contexts
+    def release_idle_contexts(self) -> int:
+        """Release every kept context whose forward is not open; returns how many."""
+        with self.lock:
+            kept = len(self.registry)
+            self.registry.release_where(lambda key: not cast(ForwardContext, self.registry.get(key)).is_active)
+            return kept - len(self.registry)
+
+    def release_contexts_of(self, session_id: str | None) -> None:
+        """Release the contexts of one session's streams (``None``: every context)."""
+        with self.lock:
+            self.registry.release_where(lambda key: session_id is None or any(sid == session_id for sid, _ in key[0]))
+
+
+def _require_transaction(what: str, transaction: object) -> None:
+    if not isinstance(transaction, ForwardTransaction):
+        raise SpecError(
+            f"KVCache.{what}: expected a ForwardTransaction (fwd.transaction), got {type(transaction).__name__}"
+        )
+
+
+def _to_device(cpu: torch.Tensor, device: torch.device, out: torch.Tensor | None) -> torch.Tensor:
+    """Copy a host tensor to ``device`` without a sync (pinned staging); into ``out`` when given (fixed buffer)."""
+    if device.type == "cpu":
+        if out is not None and out.shape == cpu.shape:
+            return out.copy_(cpu)
+        return cpu
+    staged = cpu.pin_memory()
+    if out is not None and out.shape == cpu.shape and out.device == device:
+        return out.copy_(staged, non_blocking=True)
+    return staged.to(device, non_blocking=True)
+
+
+def stream_names(members: Sequence[tuple[object, str]], limit: int = 4) -> str:
+    """``[s0/cond, s0/uncond, ...]`` for messages (at most ``limit`` named)."""
+    names = [f"{getattr(state, 'session_id', state)}/{branch}" for state, branch in members[:limit]]
+    more = f", ... (+{len(members) - limit})" if len(members) > limit else ""
+    return "[" + ", ".join(names) + more + "]"

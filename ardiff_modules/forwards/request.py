@@ -1,0 +1,73 @@
+"""What the manager builds from a forward's request (:class:`Build`: validated, nothing changed yet).
+
+A forward and a re-cache differ only in their validated request -- which pages each stream
+reserves, how its layout reads the history, whether the commit swaps chunks in -- so both run
+through one build path (:meth:`ForwardManager.build`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ardiff_modules.core.branch import BranchPages
+from ardiff_modules.layout import StreamLayout
+from ardiff_modules.spec import PendingAttention
+
+
+@dataclass(frozen=True)
+class Build:
+    """A validated request, ready to reserve, lay out, plan and begin (nothing changed yet)."""
+
+    #: ``(session, branch)`` per stream, in batch order, and their pages.
+    members: tuple[tuple[object, str], ...]
+    branches: tuple[BranchPages, ...]
+    #: Pages of each pending chunk every stream reserves.
+    chunk_pages: tuple[int, ...]
+    commit_current: bool
+    pending_attention: PendingAttention
+    #: Pages of a new contiguous extent (``0``: none is reserved -- plain paging, or a re-cache).
+    extent_pages: int = 0
+    token_mask: torch.Tensor | None = None
+    static: bool = False
+    #: Per member: clean latents of each pending chunk to keep on commit, or ``()``.
+    latents: tuple[tuple[object, ...], ...] = ()
+    #: A prompt-switch re-cache (its commit swaps the rebuilt chunks in); ``keep_sinks``: sinks not rebuilt.
+    recache: bool = False
+    keep_sinks: bool = True
+    #: "prepare_forward" / "prepare_recache": names the call in errors and logs.
+    what: str = "prepare_forward"
+
+    @property
+    def key(self) -> tuple[tuple[tuple[str, str], ...], int | None]:
+        """The context registry's key: the streams, and the sequence length of a static (CUDA-graph) forward."""
+        streams = tuple((getattr(state, "session_id"), branch) for state, branch in self.members)
+        return streams, (self.seq_len if self.static else None)
+
+    @property
+    def seq_len(self) -> int:
+        return sum(self.chunk_pages) * (self.branches[0].page_size if self.branches else 0)
+
+    def stream_layouts(self, relative_sinks: bool) -> tuple[StreamLayout, ...]:
+        """Each stream's layout once its pending chunks are reserved.
+
+        A forward reads the whole history; a re-cache reads only the kept sinks, and each rebuilt
+        chunk keeps the absolute start it was generated at (so RoPE positions are the original ones).
+        """
+        if not self.recache:
+            num_chunks = len(self.chunk_pages)
+            return tuple(
+                StreamLayout(
+                    tuple(b.history_pages()), b.pending[:num_chunks], b.token_offset, tuple(b.history_spans()),
+                    sink_pages=sum(map(len, b.sinks)) if relative_sinks else 0,
+                )
+                for b in self.branches
+            )
+        layouts = []
+        for b in self.branches:
+            history_pages, spans, starts = b.recache_layout_parts(self.keep_sinks)
+            sink_pages = len(history_pages) if relative_sinks else 0  # the kept sinks
+            layouts.append(StreamLayout(history_pages, b.pending, starts[0], spans, starts, sink_pages))
+        return tuple(layouts)
