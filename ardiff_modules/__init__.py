@@ -13,11 +13,10 @@ Typical use::
         out = model(x, fwd.layers)      # layers: am.ChunkSelfAttention / am.CachedCrossAttention
 
 ``__all__`` lists the public API. Internals (``ForwardLayout``, ``KVPool``, ``PageAllocator``,
-transactions, reservations, registries) stay importable from their own modules.
+transactions, reservations, the context registry) are importable from their own modules only.
 
 The torch-dependent names are imported lazily (PEP 562 ``__getattr__``): ``import ardiff_modules``
-and the pure-Python layers (``spec``, ``errors``, ``allocator``, ``window``, ``history``) do not
-import torch.
+and the pure-Python layers (``core``, ``spec``, ``checks``, ``errors``) do not import torch.
 
 Logging: every module logs under the ``ardiff_modules`` logger (``logging.getLogger(__name__)``),
 with no handler installed by the library; see :mod:`ardiff_modules._logging`.
@@ -26,7 +25,6 @@ with no handler installed by the library; see :mod:`ardiff_modules._logging`.
 from __future__ import annotations
 
 import importlib
-import warnings
 from typing import TYPE_CHECKING, Any
 
 # Pure Python (no torch): imported eagerly.
@@ -103,35 +101,12 @@ _LAZY: dict[str, str] = {
     "populate_cross_attention": "ardiff_modules.modules",
 }
 
-# Internals that 0.1 also exported at the top level: still resolved (with a DeprecationWarning
-# naming their module), but not part of ``__all__`` or ``dir()``.
-_MOVED: dict[str, str] = {
-    "ATTENTION_PARAM_NAMES": "ardiff_modules.modules",
-    "ForwardLayout": "ardiff_modules.layout",
-    "KVPool": "ardiff_modules.pool",
-    "PageAllocator": "ardiff_modules.core.allocator",
-    "ParamNames": "ardiff_modules.modules",
-    "RopeLayout": "ardiff_modules.modules",
-    "StreamLayout": "ardiff_modules.layout",
-    "rotate": "ardiff_modules.modules",
-}
-
-
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is not None:
         value = getattr(importlib.import_module(module), name)
         globals()[name] = value  # cache: later lookups are plain module attributes
         return value
-    module = _MOVED.get(name)
-    if module is not None:
-        warnings.warn(
-            f"ardiff_modules.{name} is internal and no longer exported at the top level; "
-            f"import it from {module} instead",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return getattr(importlib.import_module(module), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

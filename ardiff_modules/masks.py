@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from ardiff_modules.errors import SpecError
-from ardiff_modules.spec import PendingAttention, _require_int, check_pending_attention
+from ardiff_modules.spec import PendingAttention, require_field_int, check_pending_attention
 from ardiff_modules.core.retention import RetentionPolicy, SinkWindowMemoryPolicy, SinkWindowPolicy
 
 
@@ -34,9 +34,9 @@ def _policy(
                 f"({sink_chunks}, {window_chunks})"
             )
         return policy
-    _require_int(owner, "sink_chunks", sink_chunks, minimum=0)
+    require_field_int(owner, "sink_chunks", sink_chunks, minimum=0)
     if window_chunks is not None:
-        _require_int(owner, "window_chunks", window_chunks, minimum=0)
+        require_field_int(owner, "window_chunks", window_chunks, minimum=0)
     return SinkWindowPolicy(sink_chunks, window_chunks)
 
 
@@ -56,9 +56,9 @@ def chunk_visibility(
     visible with ``pending_attention="bidirectional"``). The history rule is sink + window, or any
     :class:`RetentionPolicy` given as ``policy``.
     """
-    _require_int("chunk_visibility", "num_committed", num_committed, minimum=0)
+    require_field_int("chunk_visibility", "num_committed", num_committed, minimum=0)
     # A forward always has at least one pending (query) chunk.
-    _require_int("chunk_visibility", "num_pending", num_pending, minimum=1)
+    require_field_int("chunk_visibility", "num_pending", num_pending, minimum=1)
     policy = _policy("chunk_visibility", sink_chunks, window_chunks, policy)
     rule = check_pending_attention("chunk_visibility.pending_attention", pending_attention)
     mask = torch.zeros(num_pending, num_committed + num_pending, dtype=torch.bool)

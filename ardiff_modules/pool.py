@@ -16,7 +16,7 @@ import torch
 
 from ardiff_modules.errors import BackendUnavailableError, KVScalesFixedError, SpecError, TensorMismatchError
 from ardiff_modules.quant import KVQuantizer, is_quantized
-from ardiff_modules.spec import KVCacheSpec, _require_int
+from ardiff_modules.spec import KVCacheSpec, require_field_int
 
 _DTYPES = {
     "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
@@ -69,7 +69,7 @@ def bytes_per_page(spec: KVCacheSpec) -> int:
 def pages_for_budget(spec: KVCacheSpec, budget_bytes: int) -> int:
     """Whole pages that fit in ``budget_bytes``."""
     _require_spec("pages_for_budget", spec)
-    _require_int("pages_for_budget", "budget_bytes", budget_bytes, minimum=1)
+    require_field_int("pages_for_budget", "budget_bytes", budget_bytes, minimum=1)
     pages = budget_bytes // bytes_per_page(spec)
     if pages < 1:
         raise SpecError(
@@ -94,7 +94,7 @@ class KVPool:
 
     def __init__(self, spec: KVCacheSpec, num_pages: int, device: torch.device | str = "cpu") -> None:
         _require_spec("KVPool", spec)
-        _require_int("KVPool", "num_pages", num_pages, minimum=1)
+        require_field_int("KVPool", "num_pages", num_pages, minimum=1)
         self.spec = spec
         self.num_pages = num_pages
         self.device = _resolve_device("KVPool", device)
@@ -159,12 +159,12 @@ class KVPool:
     def k_pages(self, layer: int) -> torch.Tensor:
         """K pages of one layer, ``[num_pages, page_size, num_kv_heads, head_dim]`` (a view)."""
         # No negative indexing: layer -1 would silently alias the last layer's pages.
-        _require_int("KVPool.k_pages", "layer", layer, minimum=0, below=self.spec.num_layers)
+        require_field_int("KVPool.k_pages", "layer", layer, minimum=0, below=self.spec.num_layers)
         return self.kv[layer, 0]
 
     def v_pages(self, layer: int) -> torch.Tensor:
         """V pages of one layer, ``[num_pages, page_size, num_kv_heads, head_dim]`` (a view)."""
-        _require_int("KVPool.v_pages", "layer", layer, minimum=0, below=self.spec.num_layers)
+        require_field_int("KVPool.v_pages", "layer", layer, minimum=0, below=self.spec.num_layers)
         return self.kv[layer, 1]
 
     @staticmethod

@@ -44,11 +44,11 @@ def dtype_name(value: Any) -> Any:
     return value
 
 
-def _require_int(owner: str, name: str, value: Any, *, minimum: int, below: int | None = None) -> int:
+def require_field_int(owner: str, name: str, value: Any, *, minimum: int, below: int | None = None) -> int:
     return require_int(f"{owner}.{name}", value, minimum=minimum, below=below)
 
 
-def _require_positive_float(owner: str, name: str, value: Any) -> float:
+def require_field_float(owner: str, name: str, value: Any) -> float:
     return require_positive_float(f"{owner}.{name}", value)
 
 
@@ -85,11 +85,11 @@ class CrossAttentionSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise SpecError(f"CrossAttentionSpec.name: expected a non-empty string, got {self.name!r}")
-        _require_int("CrossAttentionSpec", "tokens", self.tokens, minimum=1)
+        require_field_int("CrossAttentionSpec", "tokens", self.tokens, minimum=1)
         if self.num_kv_heads is not None:
-            _require_int("CrossAttentionSpec", "num_kv_heads", self.num_kv_heads, minimum=1)
+            require_field_int("CrossAttentionSpec", "num_kv_heads", self.num_kv_heads, minimum=1)
         if self.head_dim is not None:
-            _require_int("CrossAttentionSpec", "head_dim", self.head_dim, minimum=1)
+            require_field_int("CrossAttentionSpec", "head_dim", self.head_dim, minimum=1)
 
 
 @dataclass(frozen=True)
@@ -167,10 +167,10 @@ class KVCacheSpec:
     def __post_init__(self) -> None:
         owner = "KVCacheSpec"
         for name in ("num_layers", "num_kv_heads", "head_dim", "chunk_size", "page_size"):
-            _require_int(owner, name, getattr(self, name), minimum=1)
-        _require_int(owner, "sink_chunks", self.sink_chunks, minimum=0)
+            require_field_int(owner, name, getattr(self, name), minimum=1)
+        require_field_int(owner, "sink_chunks", self.sink_chunks, minimum=0)
         if self.window_chunks is not None:
-            _require_int(owner, "window_chunks", self.window_chunks, minimum=0)
+            require_field_int(owner, "window_chunks", self.window_chunks, minimum=0)
         if self.chunk_size % self.page_size != 0:
             raise SpecError(
                 f"{owner}.page_size: expected a divisor of chunk_size={self.chunk_size}, got {self.page_size} "
@@ -209,7 +209,7 @@ class KVCacheSpec:
         if len(set(cross_names)) != len(cross_names):
             raise SpecError(f"{owner}.cross_attention: expected unique cache names, got {cross_names}")
         if self.num_qo_heads is not None:
-            _require_int(owner, "num_qo_heads", self.num_qo_heads, minimum=1)
+            require_field_int(owner, "num_qo_heads", self.num_qo_heads, minimum=1)
             if self.num_qo_heads % self.num_kv_heads:
                 raise SpecError(
                     f"{owner}.num_qo_heads: expected a multiple of num_kv_heads={self.num_kv_heads}, "
@@ -299,7 +299,7 @@ class KVCacheSpec:
 
     def pages_per_branch(self, pending_chunks: int = 1) -> int | None:
         """Peak pages one branch holds: (sinks + window + pending) chunks; ``None`` if unbounded."""
-        _require_int("KVCacheSpec.pages_per_branch", "pending_chunks", pending_chunks, minimum=0)
+        require_field_int("KVCacheSpec.pages_per_branch", "pending_chunks", pending_chunks, minimum=0)
         resident = self.max_history_chunks
         if resident is None:
             return None

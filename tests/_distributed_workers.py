@@ -285,12 +285,12 @@ def _check_same_state_everywhere(cache: DistributedKVCache, what: str) -> None:
 def _prepare_failing_on(cache: DistributedKVCache, bad: int, *args: Any, **kwargs: Any) -> None:
     """``cache.prepare_forward(*args, **kwargs)`` with the local prepare failing on rank ``bad`` only."""
     me = dist.get_rank()
-    original = cache.cache.prepare_forward
+    original = cache.cache.forwards.prepare  # what the distributed prepare calls (holding the reservation)
     if me == bad:
         def failing(*a: Any, **k: Any) -> None:
             raise CapacityError("injected on one rank", needed=4, free=0)
 
-        cache.cache.prepare_forward = failing  # type: ignore[method-assign]
+        cache.cache.forwards.prepare = failing  # type: ignore[method-assign]
     try:
         cache.prepare_forward(*args, **kwargs)
     except (CapacityError, DistributedForwardError) as e:
@@ -298,7 +298,7 @@ def _prepare_failing_on(cache: DistributedKVCache, bad: int, *args: Any, **kwarg
     else:
         raise AssertionError("expected the prepare to fail on every rank")
     finally:
-        cache.cache.prepare_forward = original  # type: ignore[method-assign]
+        cache.cache.forwards.prepare = original  # type: ignore[method-assign]
 
 
 def check_vote_undo() -> None:

@@ -90,16 +90,11 @@ def test_documented_top_level_names_are_exported(path: str) -> None:
     assert not missing, f"{path} uses ardiff_modules.{missing} which __all__ does not export"
 
 
-def test_former_top_level_internals_still_resolve_with_a_deprecation_warning() -> None:
-    from ardiff_modules.layout import ForwardLayout
-    from ardiff_modules.pool import KVPool
-
-    with pytest.warns(DeprecationWarning, match="ardiff_modules.pool"):
-        assert am.KVPool is KVPool
-    with pytest.warns(DeprecationWarning, match="ardiff_modules.layout"):
-        assert am.ForwardLayout is ForwardLayout
-    with pytest.raises(AttributeError, match="no attribute 'NoSuchThing'"):
-        am.NoSuchThing  # noqa: B018
+def test_internals_are_not_top_level_names() -> None:
+    """The 0.1 deprecation shims are gone: internals resolve from their own modules only."""
+    for name in ("KVPool", "ForwardLayout", "PageAllocator", "StreamLayout", "ParamNames", "rotate", "NoSuchThing"):
+        with pytest.raises(AttributeError, match=f"no attribute '{name}'"):
+            getattr(am, name)
 
 
 def test_import_without_torch_keeps_the_pure_python_surface() -> None:

@@ -53,7 +53,7 @@ import torch
 
 from ardiff_modules.cache import KVCache
 from ardiff_modules.context import ForwardContext, LayerContext
-from ardiff_modules.distributed.digest import StateDigest, _h64, check_consistency
+from ardiff_modules.distributed.digest import StateDigest, h64, check_consistency
 from ardiff_modules.distributed.errors import DistributedForwardError, RankDivergenceError
 from ardiff_modules.distributed.mesh import HOST_WORDS, ParallelMesh, Vote, check_same_vote
 from ardiff_modules.errors import SequenceLengthError, SpecError
@@ -175,7 +175,7 @@ class DistributedKVCache:
         # has superseded the kept denoising forwards of the sessions *it* named, and ranks that named other
         # sessions could not undo the same. One more all-reduce per forward buys "nothing changed anywhere".
         arguments = _arguments_text(states if refused is None else sessions, seq_len, commit_current, static, kwargs)
-        rows = self._vote(Vote.PREPARE, number, _h64(arguments), refused is not None, "nothing was prepared here")
+        rows = self._vote(Vote.PREPARE, number, h64(arguments), refused is not None, "nothing was prepared here")
         failed = _flagged(self.mesh.ranks, rows)
         if failed:
             if self.debug_checks:  # collective: every rank is on this path
@@ -449,8 +449,8 @@ class DistributedForward:
     def _precommit(self, transaction: Any) -> BaseException | None:
         """What could make this rank's commit fail, checked before the vote (pure; changes nothing on success)."""
         try:
-            for history in transaction.live_histories():
-                history.preview_commit()  # pure: may raise, changes nothing
+            for branch in transaction.live_branches():
+                branch.preview_commit()  # pure: may raise, changes nothing
             # Every layer wrote, FP8 scales it would fix not degenerate, and (check_finite) no NaN/Inf: on a
             # failure it aborts this rank's forward and raises; the vote then aborts everyone else's.
             self.owner.cache.abort_if_uncommittable(transaction, check_finite=self.owner.check_finite)

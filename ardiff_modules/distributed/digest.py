@@ -36,7 +36,7 @@ class StateDigest:
     progress: int
 
 
-def _h64(text: str) -> int:
+def h64(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
 
 
@@ -67,7 +67,7 @@ def describe_state(cache: KVCache) -> tuple[str, str]:
 def state_digest(cache: KVCache) -> StateDigest:
     """This rank's :class:`StateDigest` (local, no communication)."""
     replica, progress = describe_state(cache)
-    return StateDigest(_h64(replica), _h64(progress))
+    return StateDigest(h64(replica), h64(progress))
 
 
 def check_consistency(

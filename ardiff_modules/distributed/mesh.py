@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ardiff_modules.distributed.errors import RankDivergenceError
 from ardiff_modules.distributed.heads import HeadSharding
 from ardiff_modules.distributed.placement import place_branches
-from ardiff_modules.distributed.ulysses import CrossMode, SequenceParallel, _all_gather, _wait, check_cross_mode
+from ardiff_modules.distributed.ulysses import CrossMode, SequenceParallel, all_gather_shards, wait_collective, check_cross_mode
 from ardiff_modules.errors import SpecError, TensorMismatchError
 from ardiff_modules.spec import KVCacheSpec
 
@@ -283,7 +283,7 @@ class ParallelMesh:
                 f"{owner} x: expected a multiple of {local} local branch rows, got shape {tuple(x.shape)}"
             )
         sessions = x.shape[0] // local
-        stacked = _wait(_all_gather(x.contiguous(), 0, self.cfg_group))  # [cfg * sessions * local]
+        stacked = wait_collective(all_gather_shards(x.contiguous(), 0, self.cfg_group))  # [cfg * sessions * local]
         return stacked.index_select(0, self._index("gather", sessions, stacked.device))
 
     def _local_rows(self, owner: str, x: torch.Tensor) -> torch.Tensor | None:

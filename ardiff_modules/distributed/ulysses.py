@@ -64,7 +64,7 @@ def check_cross_mode(owner: str, mode: Any) -> None:
 
 
 # torch 2.13 renamed the gather (same signature); older torch has only the old name.
-_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+all_gather_shards = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 
 
 class SequenceParallel:
@@ -128,7 +128,7 @@ class SequenceParallel:
         _check_dim("SequenceParallel.gather_tokens", "x", x, dim)
         if self.size == 1:
             return x
-        return _wait(_all_gather(x.contiguous(), dim, self.group))
+        return wait_collective(all_gather_shards(x.contiguous(), dim, self.group))
 
     def local_positions(self, positions: torch.Tensor) -> torch.Tensor:
         """``positions`` ``[streams, seq_len]`` (a forward's) -> this rank's ``[streams, seq_len / P]``."""
@@ -155,8 +155,8 @@ class SequenceParallel:
         """
         if send.requires_grad and torch.is_grad_enabled():
             # Differentiable (cross-attention is, w.r.t. its query); the plain collective has no backward.
-            return _wait(funcol.all_to_all_single_autograd(send, None, None, self.group))
-        return _wait(funcol.all_to_all_single(send, None, None, self.group))
+            return wait_collective(funcol.all_to_all_single_autograd(send, None, None, self.group))
+        return wait_collective(funcol.all_to_all_single(send, None, None, self.group))
 
     def to_head_shards(self, t: torch.Tensor, replicate: int = 1) -> torch.Tensor:
         """``[S, n/P, h, D]`` (this rank's tokens, all heads) -> ``[S, n, h*replicate/P, D]`` (all tokens,
@@ -303,7 +303,7 @@ def _cat(tensors: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
     return torch.cat(words, dim=dim).view(tensors[0].dtype)  # type: ignore[arg-type]
 
 
-def _wait(t: torch.Tensor) -> torch.Tensor:
+def wait_collective(t: torch.Tensor) -> torch.Tensor:
     # Eager funcol returns an AsyncCollectiveTensor; wait here so views of it are plain tensors.
     # Under torch.compile the result is a plain tensor and this is a no-op.
     if isinstance(t, funcol.AsyncCollectiveTensor):

@@ -7,7 +7,6 @@ through one build path (:meth:`ForwardManager.build`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch

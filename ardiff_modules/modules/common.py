@@ -9,13 +9,13 @@ from torch import nn
 
 from ardiff_modules.checks import require_bool
 from ardiff_modules.errors import SpecError, TensorMismatchError
-from ardiff_modules.spec import _require_int, _require_positive_float
+from ardiff_modules.spec import require_field_int, require_field_float
 
 #: The RMSNorm of q / k: over all heads (``"full"``, Wan), per head (``"head"``), or none.
 QKNorm = Literal["full", "head"] | None
 
 
-def _qk_norm(owner: str, kind: QKNorm, num_heads: int, head_dim: int, eps: float) -> nn.Module:
+def apply_qk_norm(owner: str, kind: QKNorm, num_heads: int, head_dim: int, eps: float) -> nn.Module:
     """The RMSNorm of Q or K: over all heads (``"full"``, Wan) or per head (``"head"``, SD3 / Qwen)."""
     if kind is None:
         return nn.Identity()
@@ -26,15 +26,15 @@ def _qk_norm(owner: str, kind: QKNorm, num_heads: int, head_dim: int, eps: float
     raise SpecError(f"{owner}.qk_norm: expected None, 'full' or 'head', got {kind!r}")
 
 
-def _head_geometry(
+def head_geometry(
     owner: str, dim: int, num_heads: int, num_kv_heads: int | None, head_dim: int | None
 ) -> tuple[int, int]:
     """Validated ``(num_kv_heads, head_dim)`` with their defaults filled in."""
-    _require_int(owner, "dim", dim, minimum=1)
-    _require_int(owner, "num_heads", num_heads, minimum=1)
+    require_field_int(owner, "dim", dim, minimum=1)
+    require_field_int(owner, "num_heads", num_heads, minimum=1)
     if num_kv_heads is None:
         num_kv_heads = num_heads
-    _require_int(owner, "num_kv_heads", num_kv_heads, minimum=1)
+    require_field_int(owner, "num_kv_heads", num_kv_heads, minimum=1)
     if num_heads % num_kv_heads:
         raise SpecError(f"{owner}.num_heads: expected a multiple of num_kv_heads={num_kv_heads}, got {num_heads}")
     if head_dim is None:
@@ -44,18 +44,18 @@ def _head_geometry(
                 f"{owner}.dim: expected a multiple of num_heads={num_heads} (or an explicit head_dim), got {dim}"
             )
         head_dim = dim // num_heads
-    _require_int(owner, "head_dim", head_dim, minimum=1)
+    require_field_int(owner, "head_dim", head_dim, minimum=1)
     return num_kv_heads, head_dim
 
 
-def _check_options(owner: str, bias: Any, eps: Any) -> float:
+def check_options(owner: str, bias: Any, eps: Any) -> float:
     """``bias`` is a bool and ``eps`` a finite number > 0 (checked even without qk_norm: both are config)."""
     require_bool(f"{owner}.bias", bias)
-    return _require_positive_float(owner, "eps", eps)
+    return require_field_float(owner, "eps", eps)
 
 
 
-def _check_input(owner: str, name: str, x: Any, rank: str, width: int, weight: torch.Tensor) -> None:
+def check_input(owner: str, name: str, x: Any, rank: str, width: int, weight: torch.Tensor) -> None:
     """``x`` is a floating tensor ``[..., width]`` of the rank ``rank`` names, on ``weight``'s device.
 
     A dtype other than the weights' is allowed only under autocast (which casts both).
@@ -76,7 +76,7 @@ def _check_device_dtype(owner: str, name: str, x: torch.Tensor, weight: torch.Te
         )
 
 
-def _check_context(
+def check_context(
     owner: str, name: str, context: Any, width: int, weight: torch.Tensor, streams: int | None = None
 ) -> torch.Tensor:
     """``context`` ``[tokens, width]`` or ``[1, tokens, width]`` (diffusers' batch of one), or with
@@ -94,7 +94,7 @@ def _check_context(
     return context if context.dim() == 3 else context.unsqueeze(0)
 
 
-def _check_layer_context(owner: str, kv: Any, needs: str) -> None:
+def check_layer_context(owner: str, kv: Any, needs: str) -> None:
     """``kv`` has the ``LayerContext`` attribute this layer uses (duck-typed: benchmarks pass look-alikes)."""
     if not hasattr(kv, needs):
         raise SpecError(
@@ -104,7 +104,7 @@ def _check_layer_context(owner: str, kv: Any, needs: str) -> None:
 
 
 
-def _split_heads(
+def split_heads(
     t: torch.Tensor, heads: int, head_dim: int, kind: QKNorm = None, norm: nn.Module | None = None
 ) -> torch.Tensor:
     """``[b, n, heads * head_dim]`` -> ``[b, n, heads, head_dim]``, normalised before (``kind="full"``) or
@@ -122,7 +122,7 @@ def _split_heads(
     return t
 
 
-def _merge_heads(t: torch.Tensor) -> torch.Tensor:
+def merge_heads(t: torch.Tensor) -> torch.Tensor:
     """``[b, n, heads, head_dim]`` -> ``[b, n, heads * head_dim]`` (``"b n h d -> b n (h d)"``; a reshape for
-    the reason :func:`_split_heads` gives)."""
+    the reason :func:`split_heads` gives)."""
     return t.reshape(*t.shape[:-2], -1)

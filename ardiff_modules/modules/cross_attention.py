@@ -16,24 +16,24 @@ from ardiff_modules.context import LayerContext
 from ardiff_modules.errors import SpecError
 from ardiff_modules.modules.common import (
     QKNorm,
-    _check_context,
-    _check_input,
-    _check_layer_context,
-    _check_options,
-    _head_geometry,
-    _merge_heads,
-    _qk_norm,
-    _split_heads,
+    check_context,
+    check_input,
+    check_layer_context,
+    check_options,
+    head_geometry,
+    merge_heads,
+    apply_qk_norm,
+    split_heads,
 )
 from ardiff_modules.modules.functional import cached_cross_attention
-from ardiff_modules.modules.loading import _copy_from_source, _CheckpointLayer, _read_source, _SourceConfig
+from ardiff_modules.modules.loading import copy_from_source, CheckpointLayer, read_source, SourceConfig
 from ardiff_modules.modules.naming import ParamNames
 from ardiff_modules.modules.self_attention import SequenceParallelHook
-from ardiff_modules.spec import _require_int
+from ardiff_modules.spec import require_field_int
 from ardiff_modules.session import KVState
 
 
-class CachedCrossAttention(_CheckpointLayer):
+class CachedCrossAttention(CheckpointLayer):
     """Cross-attention to a named per-session cache (e.g. ``"text"``) of projected K/V.
 
     The context is projected once per prompt with :meth:`project_kv` and published for all
@@ -83,10 +83,10 @@ class CachedCrossAttention(_CheckpointLayer):
         owner = "CachedCrossAttention"
         if not isinstance(cache_name, str) or not cache_name:
             raise SpecError(f"{owner}.cache_name: expected a non-empty string, got {cache_name!r}")
-        self.num_kv_heads, self.head_dim = _head_geometry(owner, dim, num_heads, num_kv_heads, head_dim)
+        self.num_kv_heads, self.head_dim = head_geometry(owner, dim, num_heads, num_kv_heads, head_dim)
         if context_dim is None:
             context_dim = dim
-        _require_int(owner, "context_dim", context_dim, minimum=1)
+        require_field_int(owner, "context_dim", context_dim, minimum=1)
         if image_cache_name is not None and (not isinstance(image_cache_name, str) or not image_cache_name
                                              or image_cache_name == cache_name):
             raise SpecError(
@@ -99,8 +99,8 @@ class CachedCrossAttention(_CheckpointLayer):
             )
         if image_cache_name is not None:
             image_context_dim = context_dim if image_context_dim is None else image_context_dim
-            _require_int(owner, "image_context_dim", image_context_dim, minimum=1)
-        self.eps = _check_options(owner, bias, eps)
+            require_field_int(owner, "image_context_dim", image_context_dim, minimum=1)
+        self.eps = check_options(owner, bias, eps)
         self._init_names(owner, param_names)
         self.cache_name = cache_name
         self.image_cache_name = image_cache_name
@@ -110,8 +110,8 @@ class CachedCrossAttention(_CheckpointLayer):
         self.num_heads = num_heads
         self.qk_norm = qk_norm
         kv_width = self.num_kv_heads * self.head_dim
-        self.norm_q = _qk_norm(owner, qk_norm, num_heads, self.head_dim, self.eps)
-        self.norm_k = _qk_norm(owner, qk_norm, self.num_kv_heads, self.head_dim, self.eps)
+        self.norm_q = apply_qk_norm(owner, qk_norm, num_heads, self.head_dim, self.eps)
+        self.norm_k = apply_qk_norm(owner, qk_norm, self.num_kv_heads, self.head_dim, self.eps)
         self._register("q", nn.Linear(dim, num_heads * self.head_dim, bias=bias))
         self._register("k", nn.Linear(context_dim, kv_width, bias=bias))
         self._register("v", nn.Linear(context_dim, kv_width, bias=bias))
@@ -119,7 +119,7 @@ class CachedCrossAttention(_CheckpointLayer):
         if image_context_dim is not None:
             self._register("k_img", nn.Linear(image_context_dim, kv_width, bias=bias))
             self._register("v_img", nn.Linear(image_context_dim, kv_width, bias=bias))
-            self._register("norm_k_img", _qk_norm(owner, qk_norm, self.num_kv_heads, self.head_dim, self.eps))
+            self._register("norm_k_img", apply_qk_norm(owner, qk_norm, self.num_kv_heads, self.head_dim, self.eps))
         #: Ulysses hook (``ardiff_modules.distributed.parallelize`` sets it): the cached path attends over
         #: head shards and ``populate_cross_attention`` publishes this rank's kv heads. ``None``: one process.
         self.sequence_parallel: SequenceParallelHook | None = None
@@ -156,7 +156,7 @@ class CachedCrossAttention(_CheckpointLayer):
         reads the image context from ``image_cache_name``), holding a copy of its weights. With the
         default ``param_names="wan"`` its ``state_dict()`` keys equal the module's."""
         owner = "CachedCrossAttention.from_wan"
-        config = _read_source(owner, module, "wan", "num_heads", cross=True)
+        config = read_source(owner, module, "wan", "num_heads", cross=True)
         return cls._from_source(owner, module, "wan", config, cache_name, image_cache_name, param_names)
 
     @classmethod
@@ -173,12 +173,12 @@ class CachedCrossAttention(_CheckpointLayer):
         owner = "CachedCrossAttention.from_diffusers"
         if getattr(module, "is_cross_attention", True) is False:
             raise SpecError(f"{owner}: expected a cross-attention WanAttention (attn2), got a self-attention one")
-        config = _read_source(owner, module, "diffusers", "heads", cross=True)
+        config = read_source(owner, module, "diffusers", "heads", cross=True)
         return cls._from_source(owner, module, "diffusers", config, cache_name, image_cache_name, param_names)
 
     @classmethod
     def _from_source(
-        cls, owner: str, module: nn.Module, source: str, c: _SourceConfig, cache_name: Any, image_cache_name: Any,
+        cls, owner: str, module: nn.Module, source: str, c: SourceConfig, cache_name: Any, image_cache_name: Any,
         param_names: Any,
     ) -> CachedCrossAttention:
         with torch.device("meta"):
@@ -188,7 +188,7 @@ class CachedCrossAttention(_CheckpointLayer):
                 image_cache_name=image_cache_name if c.image_context_dim is not None else None,
                 image_context_dim=c.image_context_dim,
             )
-        return _copy_from_source(owner, layer, module, source)
+        return copy_from_source(owner, layer, module, source)
 
     def _kv(self, context: torch.Tensor, image: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """3-D ``context`` ``[b, tokens, width]`` -> ``(k, v)`` each ``[b, tokens, kv_heads, head_dim]``."""
@@ -226,7 +226,7 @@ class CachedCrossAttention(_CheckpointLayer):
     def _project_kv(self, owner: str, context: Any, image: bool) -> tuple[torch.Tensor, torch.Tensor]:
         width = self.image_context_dim if image else self.context_dim
         weight = (self.to_k_img if image else self.to_k).weight
-        context = _check_context(owner, "context", context, width, weight)  # type: ignore[arg-type]
+        context = check_context(owner, "context", context, width, weight)  # type: ignore[arg-type]
         k, v = self._kv(context, image)
         return k[0], v[0]
 
@@ -248,11 +248,11 @@ class CachedCrossAttention(_CheckpointLayer):
         width ``image_context_dim``).
         """
         owner = "CachedCrossAttention"
-        _check_input(owner, "x", x, "[streams, seq_len, dim]", self.dim, self.to_q.weight)
+        check_input(owner, "x", x, "[streams, seq_len, dim]", self.dim, self.to_q.weight)
         s = x.shape[0]
-        q = _split_heads(self.to_q(x), self.num_heads, self.head_dim, self.qk_norm, self.norm_q)
+        q = split_heads(self.to_q(x), self.num_heads, self.head_dim, self.qk_norm, self.norm_q)
         if context is None and image_context is None:
-            _check_layer_context(owner, kv, "cross_kv")
+            check_layer_context(owner, kv, "cross_kv")
             sp = self.sequence_parallel
             if sp is not None:  # x holds this rank's tokens; the cache this rank's heads
                 q = sp.heads_in(q)
@@ -261,18 +261,18 @@ class CachedCrossAttention(_CheckpointLayer):
                 out = out + cached_cross_attention(q, kv, self.image_cache_name)  # type: ignore[arg-type]
             if sp is not None:
                 out = sp.heads_out(out)
-            return self.to_out(_merge_heads(out))
+            return self.to_out(merge_heads(out))
         if kv is not None:
             raise SpecError(f"{owner}: expected either kv (the cache) or context, got both")
         if context is None or (self.image_cache_name is None) != (image_context is None):
             needs = "context and image_context (an I2V layer)" if self.image_cache_name else "context only"
             got = ", ".join(n for n, t in (("context", context), ("image_context", image_context)) if t is not None)
             raise SpecError(f"{owner}: expected {needs} without kv, got {got}")
-        out = self._attend(q, _check_context(owner, "context", context, self.context_dim, self.to_k.weight, s), False)
+        out = self._attend(q, check_context(owner, "context", context, self.context_dim, self.to_k.weight, s), False)
         if image_context is not None:
-            ctx = _check_context(owner, "image_context", image_context, self.image_context_dim, self.to_k_img.weight, s)  # type: ignore[arg-type]
+            ctx = check_context(owner, "image_context", image_context, self.image_context_dim, self.to_k_img.weight, s)  # type: ignore[arg-type]
             out = out + self._attend(q, ctx, True)
-        return self.to_out(_merge_heads(out))
+        return self.to_out(merge_heads(out))
 
     def _attend(self, q: torch.Tensor, context: torch.Tensor, image: bool) -> torch.Tensor:
         """``q`` ``[S, n, heads, head_dim]`` to a 3-D context (batch 1 or S) -> ``[S, n, heads, head_dim]``."""

@@ -23,7 +23,7 @@ RopeLayout = Literal["interleaved", "half"]
 ROPE_LAYOUTS: tuple[str, ...] = ("interleaved", "half")
 
 
-def _check_rope_layout(where: str, layout: Any) -> RopeLayout:
+def check_rope_layout(where: str, layout: Any) -> RopeLayout:
     """``layout`` is ``"interleaved"`` or ``"half"`` (:data:`RopeLayout`); ``where`` names the argument."""
     if not isinstance(layout, str) or layout not in ROPE_LAYOUTS:
         raise SpecError(f"{where}: expected 'interleaved' or 'half', got {layout!r}")
@@ -56,7 +56,7 @@ def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: RopeLa
     rotates ``(i, i + dim / 2)`` with :func:`rotate_half`. Computed in float32 (float64 for a float64
     ``t``) whatever the dtypes of ``t``, ``cos`` and ``sin``.
     """
-    layout = _check_rope_layout("rotate.layout", layout)
+    layout = check_rope_layout("rotate.layout", layout)
     if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[-1] % 2:
         got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
         raise TensorMismatchError(f"rotate t: expected a tensor whose last dim is even, got {got}")
@@ -77,7 +77,7 @@ def apply_rope(
     ``layout`` (default ``"interleaved"``, Wan's / diffusers' pairs ``(2i, 2i + 1)``; ``"half"`` for
     GPT-NeoX's ``(i, i + dim / 2)``). ``layout`` is ignored for a callable.
     """
-    layout = _check_rope_layout("apply_rope.layout", layout)
+    layout = check_rope_layout("apply_rope.layout", layout)
     if rope is None:
         return t
     if not isinstance(t, torch.Tensor) or t.dim() != 4:

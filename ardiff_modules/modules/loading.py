@@ -6,7 +6,7 @@
   of :mod:`ardiff_modules.modules.rotary`: no weight permutation. diffusers' fused projections
   (``fuse_projections()``: ``to_qkv`` / ``to_kv`` / ``to_added_kv``, what its processor then runs) are
   the source of those weights, not the unfused ``to_q`` / ``to_k`` / ``to_v`` they were made from.
-- :class:`_CheckpointLayer`: the layers' ``load_state_dict`` validates the whole dict before copying any
+- :class:`CheckpointLayer`: the layers' ``load_state_dict`` validates the whole dict before copying any
   tensor, so a failed load leaves the layer unchanged.
 """
 
@@ -22,17 +22,17 @@ from torch import nn
 from ardiff_modules.errors import SpecError, StateDictMismatchError, TensorMismatchError
 from ardiff_modules.modules.common import QKNorm
 from ardiff_modules.modules.naming import (
-    _DIFFUSERS_IGNORED_PREFIXES,
+    DIFFUSERS_IGNORED_PREFIXES,
     ATTENTION_PARAM_NAMES,
     PARAM_NAMES,
-    _CheckpointNamed,
+    CheckpointNamed,
     rename_attention_keys,
 )
-from ardiff_modules.spec import _require_int
+from ardiff_modules.spec import require_field_int
 
 
 @dataclass(frozen=True)
-class _SourceConfig:
+class SourceConfig:
     """What ``from_wan`` / ``from_diffusers`` read off an existing attention module."""
 
     dim: int
@@ -149,7 +149,7 @@ def _source_norm(
     return kind, float(eps)
 
 
-def _read_source(owner: str, module: Any, source: str, heads_attr: str, cross: bool) -> _SourceConfig:
+def read_source(owner: str, module: Any, source: str, heads_attr: str, cross: bool) -> SourceConfig:
     """Geometry, bias, qk-norm kind and eps of a Wan (``source="wan"``) or diffusers attention module."""
     if not isinstance(module, nn.Module):
         raise SpecError(f"{owner}: expected a {source} attention nn.Module, got {type(module).__name__}")
@@ -160,7 +160,7 @@ def _read_source(owner: str, module: Any, source: str, heads_attr: str, cross: b
     if missing:
         raise SpecError(f"{owner}: expected a {source} attention module with {', '.join(missing)}, got {kind}")
     linears = {r: m for r, m in found.items() if m is not None}  # all of them (none missing)
-    heads = _require_int(f"{owner}: {kind}", heads_attr, getattr(module, heads_attr, None), minimum=1)
+    heads = require_field_int(f"{owner}: {kind}", heads_attr, getattr(module, heads_attr, None), minimum=1)
     q_w, k_w, v_w, o_w = (_weight(linears[r]) for r in ("q", "k", "v", "o"))
     dim, inner = q_w.shape[1], q_w.shape[0]
     if inner % heads:
@@ -203,21 +203,21 @@ def _read_source(owner: str, module: Any, source: str, heads_attr: str, cross: b
     qk_norm, eps = norms[0]
     if eps is None:
         eps = getattr(module, "eps", None) or 1e-6
-    return _SourceConfig(
+    return SourceConfig(
         dim=dim, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, context_dim=k_w.shape[1],
         qk_norm=qk_norm, bias=biases.pop(), eps=float(eps), image_context_dim=image_context_dim,
     )
 
 
 
-_Layer = TypeVar("_Layer", bound="_CheckpointNamed")
+_Layer = TypeVar("_Layer", bound="CheckpointNamed")
 
 
-def _copy_from_source(owner: str, layer: _Layer, module: nn.Module, source: str) -> _Layer:
+def copy_from_source(owner: str, layer: _Layer, module: nn.Module, source: str) -> _Layer:
     """Load a copy of ``module``'s parameters into the meta-built ``layer`` (strict: every key maps)."""
     state = {
         k: v for k, v in module.state_dict().items()
-        if not (source == "diffusers" and k.startswith(_DIFFUSERS_IGNORED_PREFIXES))
+        if not (source == "diffusers" and k.startswith(DIFFUSERS_IGNORED_PREFIXES))
     }
     if source == "diffusers":  # fused projections: their slices replace the (stale or deleted) unfused copies
         for role, projection in _fused_projections(owner, module).items():
@@ -260,7 +260,7 @@ def _loads_like_stock_torch(layer: nn.Module) -> bool:
     )
 
 
-def _naming_hint(layer: _CheckpointNamed, keys: set[Any], expected: set[str]) -> str:
+def _naming_hint(layer: CheckpointNamed, keys: set[Any], expected: set[str]) -> str:
     """A hint when ``keys`` renamed from another ``param_names`` naming (a Wan or diffusers dict) are the layer's."""
     if not all(isinstance(k, str) for k in keys):
         return ""
@@ -280,7 +280,7 @@ def _naming_hint(layer: _CheckpointNamed, keys: set[Any], expected: set[str]) ->
     return ""
 
 
-def _check_state_dict(layer: _CheckpointNamed, state_dict: Any, strict: bool, assign: bool) -> None:
+def _check_state_dict(layer: CheckpointNamed, state_dict: Any, strict: bool, assign: bool) -> None:
     """Raise :class:`StateDictMismatchError` if ``layer.load_state_dict(state_dict, strict, assign)`` would fail.
 
     The failures torch's loader reports only after copying every tensor that did match: with ``strict``
@@ -317,7 +317,7 @@ def _check_state_dict(layer: _CheckpointNamed, state_dict: Any, strict: bool, as
         raise StateDictMismatchError(f"{owner}: expected " + "; expected ".join(problems) + "; nothing was loaded")
 
 
-class _CheckpointLayer(_CheckpointNamed):
+class CheckpointLayer(CheckpointNamed):
     """The layers' base: checkpoint naming, and a ``load_state_dict`` that checks the whole dict first
     (a failed load changes no parameter or buffer).
 

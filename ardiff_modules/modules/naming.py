@@ -65,7 +65,7 @@ ATTENTION_PARAM_NAMES: Mapping[str, Mapping[str, str]] = MappingProxyType(
 )
 
 #: diffusers keys that duplicate others (fused projections) or that its own loader ignores.
-_DIFFUSERS_IGNORED_PREFIXES = ("to_qkv.", "to_kv.", "to_added_kv.", "norm_added_q.")
+DIFFUSERS_IGNORED_PREFIXES = ("to_qkv.", "to_kv.", "to_added_kv.", "norm_added_q.")
 
 
 def check_param_names(owner: str, param_names: Any) -> str:
@@ -84,7 +84,7 @@ class _OutProjection(nn.ModuleList):
         return x
 
 
-class _CheckpointNamed(nn.Module):
+class CheckpointNamed(nn.Module):
     """Registers projections under the names of ``param_names`` and reads them back by role."""
 
     param_names: str

@@ -30,8 +30,8 @@ import torch
 from torch import nn
 
 from ardiff_modules.errors import SpecError, TensorMismatchError
-from ardiff_modules.modules.functional import RopeLayout, _check_rope_layout, rotate
-from ardiff_modules.spec import _require_int, _require_positive_float
+from ardiff_modules.modules.functional import RopeLayout, check_rope_layout, rotate
+from ardiff_modules.spec import require_field_int, require_field_float
 
 
 def _angle_dtype(device: torch.device) -> torch.dtype:
@@ -56,7 +56,7 @@ def _full_width(half: torch.Tensor, layout: RopeLayout) -> torch.Tensor:
 def _require_even_head_dim(owner: str, head_dim: int, minimum: int, why: str = "") -> None:
     expected = f"an even int >= {minimum}{why}"
     try:
-        _require_int(owner, "head_dim", head_dim, minimum=minimum)
+        require_field_int(owner, "head_dim", head_dim, minimum=minimum)
     except SpecError:  # one message for every bad head_dim, naming the evenness too
         got = f"{head_dim!r} ({type(head_dim).__name__})"
         raise SpecError(f"{owner}.head_dim: expected {expected}, got {got}") from None
@@ -74,7 +74,7 @@ def _check_positions(owner: str, positions: Any) -> None:
         )
 
 
-def _check_inputs(owner: str, t: Any, positions: Any, head_dim: int) -> None:
+def check_rope_inputs(owner: str, t: Any, positions: Any, head_dim: int) -> None:
     """``t`` ``[streams, seq, heads, head_dim]`` and integer ``positions`` ``[streams, seq]`` on ``t``'s device."""
     if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[-1] != head_dim:
         got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
@@ -91,7 +91,7 @@ def _check_inputs(owner: str, t: Any, positions: Any, head_dim: int) -> None:
         )
 
 
-class _Rotary(nn.Module):
+class RotaryBase(nn.Module):
     """Shared forward: ``angles(positions)`` -> float32 ``(cos, sin)`` -> :func:`rotate` in ``layout``."""
 
     head_dim: int
@@ -115,13 +115,13 @@ class _Rotary(nn.Module):
     def forward(self, t: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``t`` ``[streams, seq, heads, head_dim]`` rotated at integer ``positions`` ``[streams, seq]``;
         same shape and dtype as ``t`` (computed in float32; in float64 for a float64 ``t``)."""
-        _check_inputs(type(self).__name__, t, positions, self.head_dim)
+        check_rope_inputs(type(self).__name__, t, positions, self.head_dim)
         compute = torch.float64 if t.dtype == torch.float64 else torch.float32
         cos, sin = self.cos_sin(positions, compute)  # [S, n, 1, D]
         return rotate(t, cos, sin, self.layout)
 
 
-class RotaryEmbedding(_Rotary):
+class RotaryEmbedding(RotaryBase):
     """1-D RoPE over the absolute token position.
 
     ``forward(t [streams, seq, heads, head_dim], positions [streams, seq]) -> t``.
@@ -142,8 +142,8 @@ class RotaryEmbedding(_Rotary):
     def __init__(self, head_dim: int, theta: float = 10000.0, *, layout: RopeLayout = "interleaved") -> None:
         super().__init__()
         _require_even_head_dim("RotaryEmbedding", head_dim, 2)
-        self.theta = _require_positive_float("RotaryEmbedding", "theta", theta)
-        self.layout = _check_rope_layout("RotaryEmbedding.layout", layout)
+        self.theta = require_field_float("RotaryEmbedding", "theta", theta)
+        self.layout = check_rope_layout("RotaryEmbedding.layout", layout)
         self.head_dim = head_dim
 
     @property
@@ -162,7 +162,7 @@ class RotaryEmbedding(_Rotary):
         return f"head_dim={self.head_dim}, theta={self.theta}, layout={self.layout!r}"
 
 
-class VideoRotaryEmbedding(_Rotary):
+class VideoRotaryEmbedding(RotaryBase):
     """3-D RoPE over (frame, row, column) of latent video tokens, as in Wan2.1.
 
     A token's absolute position ``p`` is mapped to frame ``p // (height * width)``
@@ -194,10 +194,10 @@ class VideoRotaryEmbedding(_Rotary):
         super().__init__()
         # Below 6 the row and column axes would get 0 dims: silently no spatial rotation.
         _require_even_head_dim("VideoRotaryEmbedding", head_dim, 6, " (2 dims each for time, row and column)")
-        _require_int("VideoRotaryEmbedding", "height", height, minimum=1)
-        _require_int("VideoRotaryEmbedding", "width", width, minimum=1)
-        self.theta = _require_positive_float("VideoRotaryEmbedding", "theta", theta)
-        self.layout = _check_rope_layout("VideoRotaryEmbedding.layout", layout)
+        require_field_int("VideoRotaryEmbedding", "height", height, minimum=1)
+        require_field_int("VideoRotaryEmbedding", "width", width, minimum=1)
+        self.theta = require_field_float("VideoRotaryEmbedding", "theta", theta)
+        self.layout = check_rope_layout("VideoRotaryEmbedding.layout", layout)
         self.head_dim = head_dim
         self.height, self.width = height, width
         axis = 2 * (head_dim // 6)

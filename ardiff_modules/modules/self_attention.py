@@ -11,25 +11,25 @@ from ardiff_modules.context import LayerContext
 from ardiff_modules.errors import SpecError
 from ardiff_modules.modules.common import (
     QKNorm,
-    _check_input,
-    _check_layer_context,
-    _check_options,
-    _head_geometry,
-    _merge_heads,
-    _qk_norm,
-    _split_heads,
+    check_input,
+    check_layer_context,
+    check_options,
+    head_geometry,
+    merge_heads,
+    apply_qk_norm,
+    split_heads,
 )
 from ardiff_modules.modules.functional import (
     Rope,
     RopeLayout,
-    _check_rope_layout,
+    check_rope_layout,
     apply_rope,
     chunk_attention,
     rotate,
 )
-from ardiff_modules.modules.loading import _copy_from_source, _CheckpointLayer, _read_source, _SourceConfig
+from ardiff_modules.modules.loading import copy_from_source, CheckpointLayer, read_source, SourceConfig
 from ardiff_modules.modules.naming import ParamNames
-from ardiff_modules.modules.rotary import _check_inputs, _Rotary
+from ardiff_modules.modules.rotary import check_rope_inputs, RotaryBase
 
 
 class SequenceParallelHook(Protocol):
@@ -59,7 +59,7 @@ class SequenceParallelHook(Protocol):
     def shard_kv_heads(self, t: torch.Tensor, num_heads: int, dim: int = -2) -> torch.Tensor: ...
 
 
-class ChunkSelfAttention(_CheckpointLayer):
+class ChunkSelfAttention(CheckpointLayer):
     """Self-attention over the current chunk(s) and the cached sink + window history.
 
     Projects Q/K/V, optionally RMS-normalises Q and K, applies the RoPE hook at
@@ -102,15 +102,15 @@ class ChunkSelfAttention(_CheckpointLayer):
     ) -> None:
         super().__init__()
         owner = "ChunkSelfAttention"
-        self.num_kv_heads, self.head_dim = _head_geometry(owner, dim, num_heads, num_kv_heads, head_dim)
-        self.eps = _check_options(owner, bias, eps)
+        self.num_kv_heads, self.head_dim = head_geometry(owner, dim, num_heads, num_kv_heads, head_dim)
+        self.eps = check_options(owner, bias, eps)
         self._init_names(owner, param_names)
-        self.rope_layout = _check_rope_layout(f"{owner}.rope_layout", rope_layout)
+        self.rope_layout = check_rope_layout(f"{owner}.rope_layout", rope_layout)
         self.dim = dim
         self.num_heads = num_heads
         self.qk_norm = qk_norm
-        self.norm_q = _qk_norm(owner, qk_norm, num_heads, self.head_dim, self.eps)
-        self.norm_k = _qk_norm(owner, qk_norm, self.num_kv_heads, self.head_dim, self.eps)
+        self.norm_q = apply_qk_norm(owner, qk_norm, num_heads, self.head_dim, self.eps)
+        self.norm_k = apply_qk_norm(owner, qk_norm, self.num_kv_heads, self.head_dim, self.eps)
         self._register("q", nn.Linear(dim, num_heads * self.head_dim, bias=bias))
         self._register("k", nn.Linear(dim, self.num_kv_heads * self.head_dim, bias=bias))
         self._register("v", nn.Linear(dim, self.num_kv_heads * self.head_dim, bias=bias))
@@ -132,7 +132,7 @@ class ChunkSelfAttention(_CheckpointLayer):
         (interleaved, as Wan) as its ``rope``.
         """
         owner = "ChunkSelfAttention.from_wan"
-        config = _read_source(owner, module, "wan", "num_heads", cross=False)
+        config = read_source(owner, module, "wan", "num_heads", cross=False)
         return cls._from_source(owner, module, "wan", config, param_names, rope_layout)
 
     @classmethod
@@ -150,27 +150,27 @@ class ChunkSelfAttention(_CheckpointLayer):
         owner = "ChunkSelfAttention.from_diffusers"
         if getattr(module, "is_cross_attention", False) is True:
             raise SpecError(f"{owner}: expected a self-attention WanAttention (attn1), got a cross-attention one")
-        config = _read_source(owner, module, "diffusers", "heads", cross=False)
+        config = read_source(owner, module, "diffusers", "heads", cross=False)
         return cls._from_source(owner, module, "diffusers", config, param_names, rope_layout)
 
     @classmethod
     def _from_source(
-        cls, owner: str, module: nn.Module, source: str, c: _SourceConfig, param_names: Any, rope_layout: Any
+        cls, owner: str, module: nn.Module, source: str, c: SourceConfig, param_names: Any, rope_layout: Any
     ) -> ChunkSelfAttention:
         with torch.device("meta"):
             layer = cls(
                 c.dim, c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, qk_norm=c.qk_norm,
                 bias=c.bias, eps=c.eps, param_names=param_names, rope_layout=rope_layout,
             )
-        return _copy_from_source(owner, layer, module, source)
+        return copy_from_source(owner, layer, module, source)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x`` ``[streams, seq_len, dim]`` -> normalised ``q`` ``[streams, seq_len, heads, head_dim]`` and
         ``k``, ``v`` ``[streams, seq_len, kv_heads, head_dim]``, before RoPE (what models with their own
         attention path, and oracles, reuse)."""
-        q = _split_heads(self.to_q(x), self.num_heads, self.head_dim, self.qk_norm, self.norm_q)
-        k = _split_heads(self.to_k(x), self.num_kv_heads, self.head_dim, self.qk_norm, self.norm_k)
-        v = _split_heads(self.to_v(x), self.num_kv_heads, self.head_dim)
+        q = split_heads(self.to_q(x), self.num_heads, self.head_dim, self.qk_norm, self.norm_q)
+        k = split_heads(self.to_k(x), self.num_kv_heads, self.head_dim, self.qk_norm, self.norm_k)
+        v = split_heads(self.to_v(x), self.num_kv_heads, self.head_dim)
         return q, k, v
 
     def forward(self, x: torch.Tensor, kv: LayerContext, rope: Rope | None = None) -> torch.Tensor:
@@ -179,8 +179,8 @@ class ChunkSelfAttention(_CheckpointLayer):
         ``rope``: a RoPE module / callable ``(t, positions) -> t`` evaluated at ``kv.positions``, or a
         ``(cos, sin)`` pair broadcastable to ``[streams, seq_len, 1, head_dim]`` in ``rope_layout``.
         """
-        _check_input("ChunkSelfAttention", "x", x, "[streams, seq_len, dim]", self.dim, self.to_q.weight)
-        _check_layer_context("ChunkSelfAttention", kv, "k_cache")
+        check_input("ChunkSelfAttention", "x", x, "[streams, seq_len, dim]", self.dim, self.to_q.weight)
+        check_layer_context("ChunkSelfAttention", kv, "k_cache")
         q, k, v = self.project(x)
         positions = kv.forward.positions
         sp = self.sequence_parallel
@@ -189,7 +189,7 @@ class ChunkSelfAttention(_CheckpointLayer):
         sink_positions = kv.forward.sink_positions
         sink_query: torch.Tensor | None
         # the shared table needs the package's rotation itself (a subclass overriding forward goes the generic way)
-        if sink_positions is not None and isinstance(rope, _Rotary) and type(rope).forward is _Rotary.forward:
+        if sink_positions is not None and isinstance(rope, RotaryBase) and type(rope).forward is RotaryBase.forward:
             q, k, sink_query = self._rotate_with_sink_query(q, k, positions, sink_positions, rope, sp)
         else:
             sink_query = self._sink_query(q, kv, rope, sp)
@@ -201,7 +201,7 @@ class ChunkSelfAttention(_CheckpointLayer):
             out = sp.chunk_attention(q, k, v, kv)
         else:
             out = sp.chunk_attention(q, k, v, kv, sink_query=sink_query)
-        return self.to_out(_merge_heads(out))
+        return self.to_out(merge_heads(out))
 
     @staticmethod
     def _rotate_with_sink_query(
@@ -209,7 +209,7 @@ class ChunkSelfAttention(_CheckpointLayer):
         k: torch.Tensor,
         positions: torch.Tensor,
         sink_positions: torch.Tensor,
-        rope: _Rotary,
+        rope: RotaryBase,
         sp: SequenceParallelHook | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(q, k, sink query)`` rotated from one ``(cos, sin)`` table over both position sets.
@@ -220,8 +220,8 @@ class ChunkSelfAttention(_CheckpointLayer):
         """
         if sp is not None:
             sink_positions = sp.local_positions(sink_positions)
-        _check_inputs(type(rope).__name__, q, positions, rope.head_dim)  # what rope.forward checks
-        _check_inputs(type(rope).__name__, k, positions, rope.head_dim)
+        check_rope_inputs(type(rope).__name__, q, positions, rope.head_dim)  # what rope.forward checks
+        check_rope_inputs(type(rope).__name__, k, positions, rope.head_dim)
         streams = positions.shape[0]
         compute = torch.float64 if q.dtype == torch.float64 else torch.float32
         cos, sin = rope.cos_sin(torch.cat([positions, sink_positions]), compute)  # [2 S, n, 1, D]
