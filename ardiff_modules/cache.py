@@ -82,32 +82,15 @@ class KVCache:
         max_forward_contexts: int = 64,
         check_finite: bool = False,
     ) -> None:
-        if not isinstance(spec, KVCacheSpec):
-            raise SpecError(f"KVCache.spec: expected a KVCacheSpec, got {type(spec).__name__}")
-        if contiguous_extents is not None:
-            require_bool("KVCache.contiguous_extents", contiguous_extents)
-        require_bool("KVCache.check_finite", check_finite)
-        require_int("KVCache.max_forward_contexts", max_forward_contexts, minimum=1)
-        if (num_pages is None) == (budget_bytes is None):
-            raise SpecError(
-                f"KVCache: expected exactly one of num_pages / budget_bytes, got num_pages={num_pages!r}, "
-                f"budget_bytes={budget_bytes!r}"
-            )
-        if num_pages is None:
-            num_pages = pages_for_budget(spec, budget_bytes)  # type: ignore[arg-type]
+        num_pages = _checked_arguments(spec, num_pages, budget_bytes, contiguous_extents, max_forward_contexts, check_finite)
         self.spec = spec
         self.pool = KVPool(spec, num_pages, device)
         self.allocator = PageAllocator(num_pages)
         self._dtype = torch_dtype(spec.dtype)
         self.backend = resolve_backend(backend, self.pool.device, self._dtype, spec.head_dim, kv_dtype=self.pool.dtype)
-        if contiguous_extents is None:
-            contiguous_extents = self.backend.name == "flashinfer" and spec.max_history_chunks is not None
-        if contiguous_extents and spec.max_history_chunks is None:
-            raise SpecError("contiguous_extents=True: expected a bounded window (window_chunks), got None")
         #: Chunk slots of each branch's contiguous extent, or ``None`` for plain paging.
-        self.extent_chunks = spec.max_history_chunks + 1 if contiguous_extents else None  # type: ignore[operator]
+        self.extent_chunks = _extent_chunks(spec, self.backend.name, contiguous_extents)
         self.max_forward_contexts = max_forward_contexts
-        self.check_finite = check_finite
         self._lock = threading.RLock()
         self.forwards = ForwardManager(
             self, spec, self.pool, self.allocator, self.backend, dtype=self._dtype, extent_chunks=self.extent_chunks,
@@ -117,12 +100,7 @@ class KVCache:
         self._sessions = SessionTable()
         self._closed = False
         if logger.isEnabledFor(logging.DEBUG):
-            logger.debug(
-                "KVCache: %d pages of %d bytes (%.1f MiB) on %s, backend %r, %s",
-                num_pages, self.pool.bytes_per_page, self.pool.nbytes / 2**20, self.pool.device, self.backend.name,
-                f"contiguous extents of {self.extent_chunks} chunks per branch" if self.extent_chunks
-                else "plain paging (no contiguous extents)",
-            )
+            logger.debug("KVCache: %s", _geometry(self))
 
     def __repr__(self) -> str:
         """One line; reads counters without the lock and never touches the device."""
@@ -150,6 +128,16 @@ class KVCache:
     def kv_dtype(self) -> torch.dtype:
         """Storage dtype of the paged K/V."""
         return self.pool.dtype
+
+    @property
+    def check_finite(self) -> bool:
+        """Whether a commit first checks the pending K/V for NaN/Inf (settable; see the class docstring)."""
+        return self.forwards.check_finite
+
+    @check_finite.setter
+    def check_finite(self, value: bool) -> None:
+        require_bool("KVCache.check_finite", value)
+        self.forwards.check_finite = value
 
     @property
     def lock(self) -> threading.RLock:
@@ -388,3 +376,47 @@ class KVCache:
         """A consistent snapshot of pool usage (taken under the cache lock)."""
         with self._lock:
             return cache_stats(self.allocator, self.pool, self._sessions)
+
+
+def _checked_arguments(
+    spec: object, num_pages: int | None, budget_bytes: int | None, contiguous_extents: bool | None,
+    max_forward_contexts: int, check_finite: bool,
+) -> int:
+    """``KVCache``'s arguments checked (before anything is built); returns the pool's page count."""
+    if not isinstance(spec, KVCacheSpec):
+        raise SpecError(f"KVCache.spec: expected a KVCacheSpec, got {type(spec).__name__}")
+    if contiguous_extents is not None:
+        require_bool("KVCache.contiguous_extents", contiguous_extents)
+    require_bool("KVCache.check_finite", check_finite)
+    require_int("KVCache.max_forward_contexts", max_forward_contexts, minimum=1)
+    if (num_pages is None) == (budget_bytes is None):
+        raise SpecError(
+            f"KVCache: expected exactly one of num_pages / budget_bytes, got num_pages={num_pages!r}, "
+            f"budget_bytes={budget_bytes!r}"
+        )
+    if num_pages is None:
+        num_pages = pages_for_budget(spec, budget_bytes)  # type: ignore[arg-type]
+    return num_pages
+
+
+def _extent_chunks(spec: KVCacheSpec, backend: str, contiguous_extents: bool | None) -> int | None:
+    """Chunk slots of each branch's contiguous extent (``None``: plain paging); by default on with FlashInfer
+    and a bounded window."""
+    if contiguous_extents is None:
+        contiguous_extents = backend == "flashinfer" and spec.max_history_chunks is not None
+    if contiguous_extents and spec.max_history_chunks is None:
+        raise SpecError("contiguous_extents=True: expected a bounded window (window_chunks), got None")
+    return spec.max_history_chunks + 1 if contiguous_extents else None  # type: ignore[operator]
+
+
+def _geometry(cache: KVCache) -> str:
+    """The DEBUG line of a new cache: pages, bytes, device, backend, extents."""
+    pool = cache.pool
+    extents = (
+        f"contiguous extents of {cache.extent_chunks} chunks per branch" if cache.extent_chunks
+        else "plain paging (no contiguous extents)"
+    )
+    return (
+        f"{pool.num_pages} pages of {pool.bytes_per_page} bytes ({pool.nbytes / 2**20:.1f} MiB) on {pool.device}, "
+        f"backend {cache.backend.name!r}, {extents}"
+    )

@@ -164,16 +164,26 @@ class DistributedKVCache:
         fails (a peer gone, or silent past ``mesh.timeout``): this rank's forward is aborted.
         """
         number = self._forward_number + 1
+        states = self._vote_arguments(number, sessions, seq_len, commit_current, static, kwargs)
+        free_before = self.cache.allocator.free_pages()  # identical on every rank (same calls so far)
+        ctx = self._prepare_and_vote(number, states, seq_len, commit_current, static, kwargs, free_before)
+        return DistributedForward(self, ctx, states, free_before, number)
+
+    def _vote_arguments(
+        self, number: int, sessions: object, seq_len: int, commit_current: bool, static: bool, kwargs: Mapping[str, Any]
+    ) -> tuple[KVState, ...]:
+        """Vote 1, before anything changes: every rank at this vote, with the same arguments (or nothing happens).
+
+        NOTE: a vote of its own, not a digest in the outcome vote: by then each rank's local prepare has
+        superseded the kept denoising forwards of the sessions *it* named, and ranks that named other
+        sessions could not undo the same. One more all-reduce per forward buys "nothing changed anywhere".
+        """
         states: tuple[KVState, ...] = ()
         refused: Exception | None = None
         try:
             states = _sessions_of(sessions, self.cache)
         except Exception as e:  # noqa: BLE001 - voted, then re-raised
             refused = e
-        # 1. Before anything changes: every rank at this vote, with the same arguments (or nothing happens).
-        # NOTE: a vote of its own, not a digest in the outcome vote below: by then each rank's local prepare
-        # has superseded the kept denoising forwards of the sessions *it* named, and ranks that named other
-        # sessions could not undo the same. One more all-reduce per forward buys "nothing changed anywhere".
         arguments = _arguments_text(states if refused is None else sessions, seq_len, commit_current, static, kwargs)
         rows = self._vote(Vote.PREPARE, number, h64(arguments), refused is not None, "nothing was prepared here")
         failed = _flagged(self.mesh.ranks, rows)
@@ -195,9 +205,14 @@ class DistributedKVCache:
                 f"different ones on rank(s) {list(differ)}; this rank's: {arguments}. Nothing was prepared on any rank",
                 ranks=differ,
             )
-        # 2. The local prepare (its reservation held until the vote), then its outcome.
+        return states
+
+    def _prepare_and_vote(
+        self, number: int, states: tuple[KVState, ...], seq_len: int, commit_current: bool, static: bool,
+        kwargs: Mapping[str, Any], free_before: Sequence[int],
+    ) -> ForwardContext:
+        """Vote 2: the local prepare (its reservation held until the vote), then its outcome on every rank."""
         touched: tuple[KVState, ...] = ()
-        free_before = self.cache.allocator.free_pages()  # identical on every rank (same calls so far)
         ctx: ForwardContext | None = None
         error: BaseException | None = None
 
@@ -221,7 +236,7 @@ class DistributedKVCache:
                     f"degree {self.mesh.sp_size}, got {seq_len}"
                 )
             streams = [(s, b) for s in states for b in self.local_branches]
-            options = ForwardOptions(static=static, **kwargs)
+            options = ForwardOptions(static=static, **kwargs)  # unknown options raise here: voted too
             ctx = self.cache.forwards.prepare(streams, seq_len, commit_current, options, hold=True)
         except Exception as e:  # noqa: BLE001 - every local failure is voted, then re-raised
             error = e
@@ -251,7 +266,7 @@ class DistributedKVCache:
             )
         assert ctx is not None and ctx.transaction is not None
         ctx.transaction.keep_reservation()  # every rank prepared: the forward stands
-        return DistributedForward(self, ctx, states, free_before, number)
+        return ctx
 
     def _vote(
         self, kind: Vote, number: int, digest: int, value: int, undone: str,
