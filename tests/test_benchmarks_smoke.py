@@ -251,7 +251,7 @@ def test_replot_redraws_from_stored_json(tmp_path: Path) -> None:
 
     results = BENCHMARKS / "results"
     for name in ("end_to_end_compiled.json", "sessions.json"):  # old JSON, without spreads
-        shutil.copy(results / name, tmp_path / name)
+        shutil.copy(results / name.replace(".json", "_h200.json"), tmp_path / name)
     written = replot.replot(tmp_path, tmp_path / "png")
     assert sorted(p.name for p in written) == ["end_to_end_compiled.png", "sessions.png"]
     for p in written:
