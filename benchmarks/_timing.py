@@ -26,8 +26,13 @@ launches back to back as in a model.
 
 Output: :func:`save_json` adds :func:`environment` (versions, GPU) and :func:`run_metadata` (git commit
 and dirty flag, UTC time, command line, a cheap ``torch.utils.collect_env`` summary) to every payload.
-:func:`require_gpu` / :func:`fail` give the scripts' one-line exit-2 messages. Nothing here imports
-torch or FlashInfer at import time, so every script's ``--help`` stays fast.
+:func:`require_gpu` / :func:`fail` give the scripts' one-line exit-2 messages.
+
+Paths: :data:`RESULTS` is the folder of the committed results, one file per benchmark (configuration)
+and device; :func:`result_path` gives a script's output path: ``DIR/<name>`` under ``--out DIR``, by
+default the committed one, ``results/<stem>_<device><suffix>`` with :func:`device_tag` (``h200``,
+``h200x2`` for two of them, ``cpu``). Nothing here imports torch or FlashInfer at import time, so every
+script's ``--help`` stays fast.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -54,6 +60,8 @@ METHOD = (
     "median and IQR (p25..p75) per call; ratios between medians"
 )
 PREVIOUS_METHOD = "CUDA events, median of 15 round-robin samples of 10 back-to-back calls each (no spread recorded)"
+#: The committed results: ``<benchmark>[_<configuration>]_<device>.<ext>``, the newest of each (git keeps the rest).
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 # --------------------------------------------------------------------------------- statistics
@@ -222,8 +230,12 @@ def stats_dict(stats: Mapping[str, Stats], *, samples: bool = True) -> dict[str,
 
 # --------------------------------------------------------------------------------- CLI helpers
 def fail(prog: str, message: str) -> None:
-    """Print ``prog: message`` on one line to stderr and exit with status 2 (a usage / environment error)."""
-    print(f"{Path(prog).name}: {message}", file=sys.stderr, flush=True)
+    """Print ``prog: message`` on one line to stderr and exit with status 2 (a usage / environment error).
+
+    ``prog`` is argparse's: the script's file name, or from Python 3.14 on ``python -m benchmarks.<name>``;
+    both print as ``<name>.py``."""
+    name = prog.rsplit(".", 1)[-1] + ".py" if " -m " in prog else Path(prog).name
+    print(f"{name}: {message}", file=sys.stderr, flush=True)
     raise SystemExit(2)
 
 
@@ -243,6 +255,30 @@ def require_gpu(prog: str, *, flashinfer: bool = True) -> None:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         hint = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
         fail(prog, f"needs {need}: CUDA is not available, torch.cuda.is_available() is False{hint}")
+
+
+def device_tag(device: str = "cuda", world: int = 1) -> str:
+    """The device part of a committed result's name: the GPU's name without its vendor, lower case
+    (``NVIDIA H200`` -> ``h200``), ``x<world>`` appended for a run over several GPUs (``h200x2``);
+    ``cpu`` for ``device="cpu"`` or where CUDA is missing."""
+    import torch
+
+    if device == "cpu" or not torch.cuda.is_available():
+        name = "cpu"
+    else:
+        name = torch.cuda.get_device_name().lower().removeprefix("nvidia ").removeprefix("amd ")
+        name = re.sub(r"[^a-z0-9]+", "-", name).strip("-") or "gpu"
+    return name if world <= 1 else f"{name}x{world}"
+
+
+def result_path(out: Path | None, filename: str, *, device: str = "cuda", world: int = 1) -> Path:
+    """Where a script writes ``filename`` (e.g. ``attention.json``): ``out / filename`` when ``--out`` names a
+    folder; by default (``out is None``) the committed result, ``RESULTS / <stem>_<device_tag><suffix>``
+    (``results/attention_h200.json``)."""
+    if out is not None:
+        return Path(out) / filename
+    name = Path(filename)
+    return RESULTS / f"{name.stem}_{device_tag(device, world)}{name.suffix}"
 
 
 def parser(description: str | None, **kwargs: Any) -> Any:

@@ -27,12 +27,14 @@ Timing (``_timing.py``): every path is sampled round-robin with the others, ``--
 ``--inner`` back-to-back calls each (``torch.utils.benchmark.Timer``); medians with IQR; the ratios to
 ``ragged_fa3`` are ratios of medians. Needs CUDA and FlashInfer (exit status 2 otherwise).
 
-Writes ``OUT/attention.json`` (config, ``attention_ms`` medians + ``attention_stats`` median / IQR /
-p25 / p75 / samples per path, ratios, TFLOP/s, KV write costs with their stats, host times, run
-metadata), ``OUT/attention.png`` (ratios with IQR error bars) and ``OUT/host_profile.txt`` (cProfile of
-the host path).
+Writes ``attention.json`` (config, ``attention_ms`` medians + ``attention_stats`` median / IQR / p25 /
+p75 / samples per path, ratios, TFLOP/s, KV write costs with their stats, host times, run metadata),
+``attention.png`` (ratios with IQR error bars) and ``host_profile.txt`` (cProfile of the host path) into
+``--out DIR``; by default the committed results, ``benchmarks/results/attention_<device>.json`` / ``.png``
+and ``host_profile_<device>.txt`` (``attention_h200.json`` on an H200). The contiguous peers are
+``baselines.contiguous_attention`` / ``flex_sink_window`` / ``rolling_memmove``.
 
-    bash .gpu/run.sh python3 benchmarks/attention.py --out benchmarks/results
+    bash .gpu/run.sh python3 -m benchmarks.attention --out $OUT
 """
 
 from __future__ import annotations
@@ -44,11 +46,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-if str(HERE.parent) not in sys.path:  # this checkout's package, unless one is installed or on PYTHONPATH
-    sys.path.append(str(HERE.parent))
-from _timing import each_call, interleaved, measure, once, parser, require_gpu, save_json, stats_dict  # noqa: E402
+from benchmarks._timing import (
+    each_call, interleaved, measure, once, parser, require_gpu, result_path, save_json, stats_dict,
+)
 
 SHAPES = {
     "wan1.3b": dict(heads=12, chunk=4680, sink=1, window=6, streams=2, page=120),
@@ -59,157 +59,163 @@ D = 128
 PLOT_METHODS = ("ragged_fa3", "library", "library_attend", "library_graph", "library_paged",
                 "library_paged_attend", "ragged_fa3_fp8", "library_fp8", "library_fp8_attend", "library_fp8_graph",
                 "library_fp8_paged", "gather_ragged", "sdpa", "flex", "fa2_mask")
+#: The library's paths: (label, contiguous extents, KV storage dtype); with extents also ``<label>_graph``.
+LIBRARY_PATHS = (("library", True, None), ("library_paged", False, None),
+                 ("library_fp8", True, "float8_e4m3fn"), ("library_fp8_paged", False, "float8_e4m3fn"))
 
 
 def flops(streams: int, q: int, keys: int, heads: int) -> float:
     return 4.0 * streams * q * keys * heads * D
 
 
-def bench_shape(name: str, heads: int, chunk: int, sink: int, window: int, streams: int, page: int, *,
-                inner: int = 10, rounds: int = 15) -> dict[str, Any]:
-    import flashinfer
+# --------------------------------------------------------------------------------- one shape
+@dataclasses.dataclass
+class _Shape:
+    """One shape's geometry, device and seeded inputs (one pending chunk per stream, the window full)."""
+
+    heads: int
+    chunk: int
+    sink: int
+    window: int
+    streams: int
+    page: int
+    torch: Any = None
+    am: Any = None
+    dev: Any = None
+    spec: Any = None
+    rand: Callable[..., Any] | None = None  #: seeded ``randn(*shape)`` on the device, bf16
+    q: Any = None  #: [streams, chunk, heads, D], likewise k and v
+    k: Any = None
+    v: Any = None
+    qf: Any = None  #: q as [streams * chunk, heads, D]
+
+    @property
+    def resident(self) -> int:
+        return self.sink + self.window
+
+    @property
+    def keys(self) -> int:
+        """Visible keys per stream: the resident chunks and the pending one."""
+        return (self.resident + 1) * self.chunk
+
+
+def _shape(heads: int, chunk: int, sink: int, window: int, streams: int, page: int) -> _Shape:
+    """The shape's spec and its seeded q / k / v (the generator's first draws)."""
     import torch
-    import torch.nn.functional as F
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     import ardiff_modules as am
-    from ardiff_modules.pool import KVPool
 
-    dt = torch.bfloat16
-    dev = torch.device("cuda")
-    resident = sink + window
-    keys = (resident + 1) * chunk
-    spec = am.KVCacheSpec(
+    s = _Shape(heads, chunk, sink, window, streams, page, torch=torch, am=am, dev=torch.device("cuda"))
+    s.spec = am.KVCacheSpec(
         num_layers=1, num_kv_heads=heads, head_dim=D, chunk_size=chunk, page_size=page, sink_chunks=sink,
         window_chunks=window, branches=tuple(f"b{i}" for i in range(streams)), dtype="bfloat16",
     )
-    g = torch.Generator(device=dev).manual_seed(0)
+    g = torch.Generator(device=s.dev).manual_seed(0)
+    s.rand = lambda *shape: torch.randn(*shape, device=s.dev, dtype=torch.bfloat16, generator=g)
+    s.q, s.k, s.v = (s.rand(streams, chunk, heads, D) for _ in range(3))
+    s.qf = s.q.reshape(-1, heads, D)
+    return s
 
-    def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, device=dev, dtype=dt, generator=g)
 
-    q, k, v = rand(streams, chunk, heads, D), rand(streams, chunk, heads, D), rand(streams, chunk, heads, D)
-    qf = q.reshape(-1, heads, D)
-    fns: dict[str, Callable[[], object]] = {}  # every attention path, timed round-robin at the end
-    modes = {}
-    states = []
-    outputs: dict[str, torch.Tensor] = {}
-    pool_bytes: dict[str, int] = {}
-    layers_by_label: dict[str, Any] = {}
-    static_forwards: list[Any] = []
-    for label, extents, kv_dtype in (
-        ("library", True, None), ("library_paged", False, None),
-        ("library_fp8", True, "float8_e4m3fn"), ("library_fp8_paged", False, "float8_e4m3fn"),
-    ):
-        lspec = dataclasses.replace(spec, kv_dtype=kv_dtype)
-        cache = am.KVCache(lspec, num_pages=streams * (resident + 2) * spec.pages_per_chunk, device=dev,
-                           backend="flashinfer", contiguous_extents=extents)
-        pool_bytes[label] = cache.pool.nbytes
-        state = cache.open_session()
-        states.append(state)
-        for _ in range(resident + 2):  # fill the window and evict once
-            with state.prepare_forward(None, chunk, commit_current=True) as fwd:
-                am.chunk_attention(q, k, v, fwd.layers[0])
-        fwd = state.prepare_forward(None, chunk, commit_current=False)
-        layer = fwd.layers[0]
-        plan = fwd.plan
-        modes[label] = plan.mode
-        outputs[label] = am.chunk_attention(q, k, v, layer)
-        fns[label] = lambda layer=layer: am.chunk_attention(q, k, v, layer)
-        # The kernel alone (K/V already written): the plan's public attend(), default scale.
-        fns[label + "_attend"] = lambda plan=plan, layer=layer: plan.attend(
-            qf, layer.k_cache, layer.v_cache, D**-0.5
-        )
-        layers_by_label[label] = layer
-        if label == "library_paged":
-            paged = (cache, fwd, layer)
-        if extents:
-            # The same forward as a CUDA graph: a static plan replays ragged FA3 with absolute key offsets.
-            sfwd = state.prepare_forward(None, chunk, commit_current=False, static=True)
-            modes[label + "_graph"] = sfwd.plan.mode
-            fns[label + "_graph"] = _graphed(lambda layer=sfwd.layers[0]: am.chunk_attention(q, k, v, layer))
-            static_forwards.append(sfwd)
-            fwd = state.prepare_forward(None, chunk, commit_current=False)  # back to the eager forward
-            layers_by_label[label] = layer = fwd.layers[0]
-            fns[label] = lambda layer=layer: am.chunk_attention(q, k, v, layer)
-            fns[label + "_attend"] = lambda plan=fwd.plan, layer=layer: plan.attend(
-                qf, layer.k_cache, layer.v_cache, D**-0.5
-            )
-    # From here on, `cache` / `fwd` / `layer` are the plain-paged bf16 ones.
-    cache, fwd, layer = paged
+@dataclasses.dataclass
+class _Library:
+    """The library's paths of one shape: what is timed and what the summary reads."""
 
-    # Contiguous K/V holding exactly the visible keys of each stream.
-    kc, vc = rand(streams * keys, heads, D), rand(streams * keys, heads, D)
-    ws = torch.empty(128 << 20, dtype=torch.uint8, device=dev)
-    ragged = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")
-    qo_indptr = torch.arange(streams + 1, dtype=torch.int32) * chunk
-    kv_indptr = torch.arange(streams + 1, dtype=torch.int32) * keys
-    ragged.plan(qo_indptr, kv_indptr, heads, heads, D, causal=False, q_data_type=dt, kv_data_type=dt)
-    fns["ragged_fa3"] = lambda: ragged.run(qf, kc, vc)
-    # FA3's FP8 kernel over the same contiguous keys (per-head scales, query quantized beforehand): the
-    # FP8 limit, to read the library's FP8 path against.
-    fp8 = torch.float8_e4m3fn
-    ragged8 = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend="fa3")
-    ragged8.plan(qo_indptr, kv_indptr, heads, heads, D, causal=False, q_data_type=fp8, kv_data_type=fp8,
-                 o_data_type=dt)
-    unit = torch.ones(heads, device=dev)
-    q8, k8, v8 = qf.to(fp8), kc.to(fp8), vc.to(fp8)
-    fns["ragged_fa3_fp8"] = lambda: ragged8.run(q8, k8, v8, unit, unit, unit)
-    # The same call again under a second name: the spread between the two is the timing noise.
-    fns["ragged_fa3_again"] = lambda: ragged.run(qf, kc, vc)
+    fns: dict[str, Callable[[], object]] = dataclasses.field(default_factory=dict)
+    modes: dict[str, str] = dataclasses.field(default_factory=dict)
+    outputs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    pool_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
+    layers: dict[str, Any] = dataclasses.field(default_factory=dict)  #: label -> the timed eager forward's layer
+    states: list[Any] = dataclasses.field(default_factory=list)
+    static_forwards: list[Any] = dataclasses.field(default_factory=list)
+    paged: tuple[Any, Any, Any] | None = None  #: (cache, forward, layer) of ``library_paged`` (bf16, plain paging)
 
-    qs = qf.view(streams, chunk, heads, D).transpose(1, 2)
-    ks = kc.view(streams, keys, heads, D).transpose(1, 2)
-    vs = vc.view(streams, keys, heads, D).transpose(1, 2)
-    fns["sdpa"] = lambda: F.scaled_dot_product_attention(qs, ks, vs)
 
-    # FlexAttention over a whole timeline of chunks with a sink + window block mask.
-    total_chunks = resident + 4
-    current = total_chunks - 1
-    kt = rand(streams, heads, total_chunks * chunk, D)
-    vt = rand(streams, heads, total_chunks * chunk, D)
+def _library_paths(s: _Shape) -> _Library:
+    lib = _Library()
+    for label, extents, kv_dtype in LIBRARY_PATHS:
+        _add_library_path(s, lib, label, extents, kv_dtype)
+    return lib
 
-    def sink_window(b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202
-        kv_chunk = kv_idx // chunk
-        return (kv_chunk < sink) | ((kv_chunk >= current - window) & (kv_chunk <= current))
 
-    def offset_mask(b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202
-        return sink_window(b, h, q_idx + current * chunk, kv_idx)
+def _add_library_path(s: _Shape, lib: _Library, label: str, extents: bool, kv_dtype: str | None) -> None:
+    """A cache whose window is full (filled, one eviction), then an open forward of the pending chunk:
+    ``label`` (write + kernel) and ``label_attend`` (the kernel alone); with extents also ``label_graph``."""
+    am, q, k, v = s.am, s.q, s.k, s.v
+    cache = am.KVCache(dataclasses.replace(s.spec, kv_dtype=kv_dtype),
+                       num_pages=s.streams * (s.resident + 2) * s.spec.pages_per_chunk, device=s.dev,
+                       backend="flashinfer", contiguous_extents=extents)
+    lib.pool_bytes[label] = cache.pool.nbytes
+    state = cache.open_session()
+    lib.states.append(state)
+    for _ in range(s.resident + 2):  # fill the window and evict once
+        with state.prepare_forward(None, s.chunk, commit_current=True) as fwd:
+            am.chunk_attention(q, k, v, fwd.layers[0])
+    fwd = state.prepare_forward(None, s.chunk, commit_current=False)
+    lib.modes[label] = fwd.plan.mode
+    lib.outputs[label] = am.chunk_attention(q, k, v, fwd.layers[0])
+    _time_forward(s, lib, label, fwd)
+    if label == "library_paged":
+        lib.paged = (cache, fwd, fwd.layers[0])
+    if extents:
+        # The same forward as a CUDA graph: a static plan replays ragged FA3 with absolute key offsets.
+        sfwd = state.prepare_forward(None, s.chunk, commit_current=False, static=True)
+        lib.modes[label + "_graph"] = sfwd.plan.mode
+        lib.fns[label + "_graph"] = _graphed(lambda layer=sfwd.layers[0]: am.chunk_attention(q, k, v, layer))
+        lib.static_forwards.append(sfwd)
+        _time_forward(s, lib, label, state.prepare_forward(None, s.chunk, commit_current=False))  # back to eager
 
-    block_mask = create_block_mask(offset_mask, None, None, chunk, total_chunks * chunk, device="cuda")
-    flex = torch.compile(flex_attention)
-    fns["flex"] = lambda: flex(qs, kt, vt, block_mask=block_mask)
 
-    # This library's masked path (FA2 + custom mask), all-true mask.
-    masked_cache = am.KVCache(spec, num_pages=cache.allocator.num_pages, device=dev, backend="flashinfer")
+def _time_forward(s: _Shape, lib: _Library, label: str, fwd: Any) -> None:
+    """``label``: ``chunk_attention`` through ``fwd``'s layer; ``label_attend``: its plan's public
+    ``attend()`` alone (K/V already written), default scale."""
+    am, q, k, v, qf = s.am, s.q, s.k, s.v, s.qf
+    layer = lib.layers[label] = fwd.layers[0]
+    lib.fns[label] = lambda layer=layer: am.chunk_attention(q, k, v, layer)
+    lib.fns[label + "_attend"] = lambda plan=fwd.plan, layer=layer: plan.attend(
+        qf, layer.k_cache, layer.v_cache, D**-0.5
+    )
+
+
+def _masked_path(s: _Shape, num_pages: int) -> tuple[Callable[[], object], Any, float]:
+    """This library's masked path (FA2 + packed custom mask, all true): ``(fn, session, plan seconds)``."""
+    am, q, k, v = s.am, s.q, s.k, s.v
+    masked_cache = am.KVCache(s.spec, num_pages=num_pages, device=s.dev, backend="flashinfer")
     mstate = masked_cache.open_session()
-    for _ in range(resident + 1):
-        with mstate.prepare_forward(None, chunk, commit_current=True) as f2:
+    for _ in range(s.resident + 1):
+        with mstate.prepare_forward(None, s.chunk, commit_current=True) as f2:
             am.chunk_attention(q, k, v, f2.layers[0])
-    mask = torch.ones(streams, chunk, keys, dtype=torch.bool, device=dev)
+    mask = s.torch.ones(s.streams, s.chunk, s.keys, dtype=s.torch.bool, device=s.dev)
     # One-off: FA2 packs the mask in plan() (device synchronised before and after).
-    mfwd, masked_plan_s = once(lambda: mstate.prepare_forward(None, chunk, commit_current=False, token_mask=mask))
-    fns["fa2_mask"] = lambda: am.chunk_attention(q, k, v, mfwd.layers[0])
+    mfwd, masked_plan_s = once(lambda: mstate.prepare_forward(None, s.chunk, commit_current=False, token_mask=mask))
+    return (lambda: am.chunk_attention(q, k, v, mfwd.layers[0])), mstate, masked_plan_s
 
-    # Gather the visible pages contiguous each forward, then ragged FA3.
-    gather = fwd.layout.dense_keys[0].to(dev)
-    kslots = KVPool.token_slots(layer.k_cache)
-    vslots = KVPool.token_slots(layer.v_cache)
 
-    def gather_ragged() -> torch.Tensor:
+def _gather_paths(s: _Shape, fwd: Any, kslots: Any, vslots: Any, ragged: Any) -> dict[str, Callable[[], object]]:
+    """Gather the visible pages into a contiguous buffer each forward, then ragged FA3 (and the gather alone)."""
+    gather = fwd.layout.dense_keys[0].to(s.dev)
+    heads, qf = s.heads, s.qf
+
+    def gather_ragged() -> Any:
         kg = kslots[gather].view(-1, heads, D)
         vg = vslots[gather].view(-1, heads, D)
         return ragged.run(qf, kg, vg)
 
-    fns["gather_ragged"] = gather_ragged
-    fns["gather_only"] = lambda: (kslots[gather], vslots[gather])
-    attention = interleaved(fns, inner=inner, rounds=rounds)
+    return {"gather_ragged": gather_ragged, "gather_only": lambda: (kslots[gather], vslots[gather])}
 
-    # KV write cost per layer (K and V of every stream's current chunk), the ways side by side.
+
+def _eager_write_fns(s: _Shape, fwd: Any, layer: Any, kslots: Any, vslots: Any) -> dict[str, Callable[[], object]]:
+    """KV write per layer (K and V of every stream's current chunk) into the plain-paged pool, the ways
+    side by side: page / token ``index_copy_``, FlashInfer ``append_paged_kv_cache``, the peers' rolling
+    buffer memmove, per-stream slice copies."""
+    import flashinfer
+
+    from benchmarks.baselines import rolling_memmove
+
+    torch, dev, heads, chunk, page, streams, k, v = s.torch, s.dev, s.heads, s.chunk, s.page, s.streams, s.k, s.v
     pages = fwd.layout.write_pages.to(dev)
     slots = fwd.layout.write_slots.to(dev)
     kflat, vflat = k.reshape(-1, heads, D), v.reshape(-1, heads, D)
-    write_fns: dict[str, Callable[[], object]] = {}
 
     def page_copy() -> None:
         layer.k_cache.index_copy_(0, pages, kflat.view(-1, page, heads, D))
@@ -219,14 +225,12 @@ def bench_shape(name: str, heads: int, chunk: int, sink: int, window: int, strea
         kslots.index_copy_(0, slots, kflat)
         vslots.index_copy_(0, slots, vflat)
 
-    write_fns["page_index_copy"] = page_copy
-    write_fns["token_index_copy"] = token_copy
+    write_fns: dict[str, Callable[[], object]] = {"page_index_copy": page_copy, "token_index_copy": token_copy}
     append_indptr = (torch.arange(streams + 1, dtype=torch.int32) * chunk).to(dev)
     # Append into each stream's pending chunk: a per-stream page table of just that chunk.
-    ppc = chunk // page
-    pend = torch.tensor([p for s in fwd.layout.streams for c in s.pending_pages for p in c], dtype=torch.int32,
+    pend = torch.tensor([p for st in fwd.layout.streams for c in st.pending_pages for p in c], dtype=torch.int32,
                         device=dev)
-    kv_indptr_pages = (torch.arange(streams + 1, dtype=torch.int32) * ppc).to(dev)
+    kv_indptr_pages = (torch.arange(streams + 1, dtype=torch.int32) * (chunk // page)).to(dev)
     last_len = torch.full((streams,), page, dtype=torch.int32, device=dev)
     seq_lens = torch.full((streams,), chunk, dtype=torch.int32, device=dev)
     bi, pos = flashinfer.get_batch_indices_positions(append_indptr, seq_lens, streams * chunk)
@@ -234,18 +238,10 @@ def bench_shape(name: str, heads: int, chunk: int, sink: int, window: int, strea
         kflat, vflat, bi, pos, (layer.k_cache, layer.v_cache), pend, kv_indptr_pages, last_len
     )
     # Rolling buffer as Self-Forcing / LongLive: shift the window by one chunk, write the new chunk at the end.
-    roll_k = rand(streams, keys, heads, D)
-    roll_v = rand(streams, keys, heads, D)
-    keep = sink * chunk
-
-    def rolling() -> None:
-        for buf, new in ((roll_k, k), (roll_v, v)):
-            buf[:, keep:-chunk].copy_(buf[:, keep + chunk :].clone())
-            buf[:, -chunk:].copy_(new)
-
-    write_fns["rolling_memmove"] = rolling
+    roll_k, roll_v = s.rand(streams, s.keys, heads, D), s.rand(streams, s.keys, heads, D)
+    write_fns["rolling_memmove"] = rolling_memmove(k, v, roll_k, roll_v, sink_tokens=s.sink * chunk)
     # Contiguous pending slots (contiguous extents): plain per-stream slice copies.
-    starts = [min(s.pending_pages[0][0] * page, kslots.shape[0] - chunk) for s in fwd.layout.streams]
+    starts = [min(st.pending_pages[0][0] * page, kslots.shape[0] - chunk) for st in fwd.layout.streams]
 
     def slice_copy() -> None:
         for i, a in enumerate(starts):
@@ -253,48 +249,54 @@ def bench_shape(name: str, heads: int, chunk: int, sink: int, window: int, strea
             vslots[a : a + chunk].copy_(v[i])
 
     write_fns["contiguous_slice_copy"] = slice_copy
-    # Compiled path: K/V written by the graph that computes them (RMSNorm + RoPE of k, then the store,
-    # fused by inductor) vs the same graph returning k and v for a separate write. The difference is
-    # what the write costs on the compiled path.
-    compiled_fns = compiled_write_fns(layers_by_label, k, v, heads, chunk, streams)
-    write_fns.update(compiled_fns)
-    write_stats = interleaved(write_fns, inner=inner, rounds=rounds)
-    writes = {name: st.median_ms for name, st in write_stats.items()}
-    # The floor of any separate write: read K and V once, write them once, at the measured copy bandwidth.
-    big = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
-    big_out = torch.empty_like(big)
+    return write_fns
+
+
+def _copy_bandwidth(s: _Shape) -> tuple[Any, float]:
+    """The device copy bandwidth (GB/s, bytes read + written) of a 1 GiB copy: ``(stats, gbps)``."""
+    big = s.torch.empty(1 << 30, dtype=s.torch.uint8, device=s.dev)
+    big_out = s.torch.empty_like(big)
     copy_stats = measure(functools.partial(big_out.copy_, big), inner=None)  # Timer.adaptive_autorange
-    copy_gbps = 2 * big.numel() / (copy_stats.median_ms * 1e-3) / 1e9
-    del big, big_out
-    kv_bytes = 2 * k.numel() * k.element_size()
-    writes["bandwidth_floor"] = 2 * kv_bytes / (copy_gbps * 1e9) * 1e3
-    for st in (*states, mstate):
-        st.abort()
-    del static_forwards
+    return copy_stats, 2 * big.numel() / (copy_stats.median_ms * 1e-3) / 1e9
 
-    results = {name: st.median_ms for name, st in attention.items()}
 
-    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-        return float((a.float() - b.float()).norm() / b.float().norm())
-
-    # Accuracy on these random inputs (one layer): FP8 and bf16 against an fp32 recomputation, for scale.
+def _accuracy(s: _Shape, contig: Any, kc: Any, vc: Any, outputs: dict[str, Any]) -> dict[str, float]:
+    """Accuracy on these random inputs (one layer): FP8 and bf16 against an fp32 recomputation, for scale."""
     from ardiff_modules.quant import DEFAULT_HEADROOM, amax_scale, quantize, quantize_query
 
-    exact = F.scaled_dot_product_attention(qs.float(), ks.float(), vs.float()).transpose(1, 2).reshape(-1, heads, D)
+    F, heads, qf = s.torch.nn.functional, s.heads, s.qf
+
+    def rel(a: Any, b: Any) -> float:
+        return float((a.float() - b.float()).norm() / b.float().norm())
+
+    exact = F.scaled_dot_product_attention(contig.qs.float(), contig.ks.float(), contig.vs.float())
+    exact = exact.transpose(1, 2).reshape(-1, heads, D)
     sk, sv = amax_scale(kc, DEFAULT_HEADROOM), amax_scale(vc, DEFAULT_HEADROOM)
     q8s, sq = quantize_query(qf)
-    fp8_out = ragged8.run(q8s, quantize(kc, sk), quantize(vc, sv), sq, sk, sv)
-    accuracy = {
-        "bf16_vs_fp32_rel": rel(ragged.run(qf, kc, vc), exact),
+    fp8_out = contig.ragged8.run(q8s, quantize(kc, sk), quantize(vc, sv), sq, sk, sv)
+    return {
+        "bf16_vs_fp32_rel": rel(contig.ragged.run(qf, kc, vc), exact),
         "fp8_vs_fp32_rel": rel(fp8_out, exact),
         "fp8_vs_bf16_rel": rel(outputs["library_fp8"], outputs["library"]),
         "fp8_paged_vs_bf16_rel": rel(outputs["library_fp8_paged"], outputs["library"]),
     }
+
+
+def _summary(s: _Shape, attention: dict[str, Any], write_stats: dict[str, Any], writes: dict[str, float],
+             extras: dict[str, Any], *, inner: int, rounds: int) -> dict[str, Any]:
+    """One shape's result: medians, stats, ratios, write costs and their shares of the kernel, and ``extras``
+    (``copy_bandwidth_gbps``, ``copy_stats``, ``modes``, ``accuracy``, ``pool_bytes``, ``fa2_mask_plan_ms``)."""
+    results = {name: st.median_ms for name, st in attention.items()}
     limit = results["ragged_fa3"]
-    fl = flops(streams, chunk, keys, heads)
+    fl = flops(s.streams, s.chunk, s.keys, s.heads)
+
+    def share(write: str, minus: str | None = None, kernel: str = "library_attend") -> float:
+        """A write's time (less ``minus``'s) over the kernel's."""
+        return (writes[write] - writes[minus] if minus else writes[write]) / results[kernel]
+
     return {
-        "config": dict(heads=heads, head_dim=D, chunk=chunk, sink=sink, window=window, streams=streams, page=page,
-                       visible_keys=keys),
+        "config": dict(heads=s.heads, head_dim=D, chunk=s.chunk, sink=s.sink, window=s.window, streams=s.streams,
+                       page=s.page, visible_keys=s.keys),
         "attention_ms": results,
         "attention_stats": stats_dict(attention),
         "timing": f"torch.utils.benchmark, median (IQR in attention_stats) of {rounds} round-robin samples of "
@@ -304,34 +306,69 @@ def bench_shape(name: str, heads: int, chunk: int, sink: int, window: int, strea
         "ratio_vs_ragged_fa3": {k_: limit / ms for k_, ms in results.items() if k_ != "gather_only"},
         "kv_write_ms": writes,
         "kv_write_stats": stats_dict(write_stats),
-        "write_fraction_of_attention": writes["flashinfer_append"] / results["library_attend"],
+        "write_fraction_of_attention": share("flashinfer_append"),
         # Compiled: (norm + RoPE + write into the pool) - (norm + RoPE returning k, v), over the kernel.
-        "compiled_write_fraction_of_attention": (
-            writes["compiled_produce_and_write"] - writes["compiled_produce"]
-        ) / results["library_attend"],
-        "compiled_fp8_write_fraction_of_attention": (
-            writes["compiled_produce_and_write_fp8"] - writes["compiled_produce"]
-        ) / results["library_fp8_attend"],
+        "compiled_write_fraction_of_attention": share("compiled_produce_and_write", "compiled_produce"),
+        "compiled_fp8_write_fraction_of_attention": share("compiled_produce_and_write_fp8", "compiled_produce",
+                                                          "library_fp8_attend"),
         # Device time alone (CUDA-graph replays of the compiled functions).
-        "compiled_write_device_fraction_of_attention": (
-            writes["compiled_produce_and_write_graph"] - writes["compiled_produce_graph"]
-        ) / results["library_attend"],
-        "compiled_fp8_write_device_fraction_of_attention": (
-            writes["compiled_produce_and_write_fp8_graph"] - writes["compiled_produce_graph"]
-        ) / results["library_fp8_attend"],
-        "eager_write_fraction_of_attention": writes["flashinfer_append"] / results["library_attend"],
+        "compiled_write_device_fraction_of_attention": share("compiled_produce_and_write_graph",
+                                                             "compiled_produce_graph"),
+        "compiled_fp8_write_device_fraction_of_attention": share("compiled_produce_and_write_fp8_graph",
+                                                                 "compiled_produce_graph", "library_fp8_attend"),
+        "eager_write_fraction_of_attention": share("flashinfer_append"),
         "graph_ratio_vs_eager": results["library"] / results["library_graph"],
         "fp8_graph_ratio_vs_eager": results["library_fp8"] / results["library_fp8_graph"],
-        "write_floor_fraction_of_attention": writes["bandwidth_floor"] / results["library_attend"],
-        "copy_bandwidth_gbps": copy_gbps,
-        "copy_stats": copy_stats.as_dict(),
-        "modes": modes,
-        "accuracy": accuracy,
-        "pool_bytes": pool_bytes,
+        "write_floor_fraction_of_attention": share("bandwidth_floor"),
+        **{key: extras[key] for key in ("copy_bandwidth_gbps", "copy_stats", "modes", "accuracy", "pool_bytes")},
         "fp8_ratio_vs_ragged_fa3": limit / results["library_fp8"],
         "fp8_attend_ratio_vs_ragged_fa3": limit / results["library_fp8_attend"],
-        "fa2_mask_plan_ms": masked_plan_s * 1e3,
+        "fa2_mask_plan_ms": extras["fa2_mask_plan_ms"],
     }
+
+
+def bench_shape(name: str, heads: int, chunk: int, sink: int, window: int, streams: int, page: int, *,
+                inner: int = 10, rounds: int = 15) -> dict[str, Any]:
+    """Every attention path of one shape timed side by side, then the KV writes, the copy floor, accuracy."""
+    from ardiff_modules.pool import KVPool
+    from benchmarks.baselines import contiguous_attention, flex_sink_window
+
+    s = _shape(heads, chunk, sink, window, streams, page)
+    lib = _library_paths(s)
+    cache, fwd, layer = lib.paged  # from here on: the plain-paged bf16 cache, its open forward and layer
+    fns = dict(lib.fns)  # every attention path, timed round-robin below
+    # Contiguous K/V holding exactly the visible keys of each stream: the limits.
+    kc, vc = s.rand(streams * s.keys, heads, D), s.rand(streams * s.keys, heads, D)
+    contig = contiguous_attention(s.qf, kc, vc, streams=streams, chunk=chunk, keys=s.keys)
+    fns.update(contig.fns)
+    # FlexAttention over a whole timeline of chunks (the resident ones and 4 more) with a sink + window block mask.
+    total = (s.resident + 4) * chunk
+    kt, vt = s.rand(streams, heads, total, D), s.rand(streams, heads, total, D)
+    fns["flex"] = flex_sink_window(contig.qs, kt, vt, chunk=chunk, sink=sink, window=window)
+    fns["fa2_mask"], mstate, masked_plan_s = _masked_path(s, cache.allocator.num_pages)
+    kslots, vslots = KVPool.token_slots(layer.k_cache), KVPool.token_slots(layer.v_cache)
+    fns.update(_gather_paths(s, fwd, kslots, vslots, contig.ragged))
+    attention = interleaved(fns, inner=inner, rounds=rounds)
+
+    # KV write cost per layer (K and V of every stream's current chunk), the ways side by side, and the
+    # compiled path: K/V written by the graph that computes them (RMSNorm + RoPE of k, then the store,
+    # fused by inductor) vs the same graph returning k and v for a separate write. The difference is
+    # what the write costs on the compiled path.
+    write_fns = _eager_write_fns(s, fwd, layer, kslots, vslots)
+    write_fns.update(compiled_write_fns(lib.layers, s.k, s.v, heads, chunk, streams))
+    write_stats = interleaved(write_fns, inner=inner, rounds=rounds)
+    writes = {name_: st.median_ms for name_, st in write_stats.items()}
+    # The floor of any separate write: read K and V once, write them once, at the measured copy bandwidth.
+    copy_stats, copy_gbps = _copy_bandwidth(s)
+    kv_bytes = 2 * s.k.numel() * s.k.element_size()
+    writes["bandwidth_floor"] = 2 * kv_bytes / (copy_gbps * 1e9) * 1e3
+    for st in (*lib.states, mstate):
+        st.abort()
+    lib.static_forwards.clear()
+    extras = {"copy_bandwidth_gbps": copy_gbps, "copy_stats": copy_stats.as_dict(), "modes": lib.modes,
+              "accuracy": _accuracy(s, contig, kc, vc, lib.outputs), "pool_bytes": lib.pool_bytes,
+              "fa2_mask_plan_ms": masked_plan_s * 1e3}
+    return _summary(s, attention, write_stats, writes, extras, inner=inner, rounds=rounds)
 
 
 def _graphed(fn: Callable[[], object]) -> Callable[[], None]:
@@ -436,7 +473,7 @@ def profile_host(path: Path) -> None:
 
 def plot(payload: dict[str, Any], path: Path) -> Path | None:
     """Speed relative to ragged FA3 per path and shape; error bars: the path's IQR mapped onto the ratio."""
-    from _plotting import bars, legend_below, pyplot, save
+    from benchmarks._plotting import bars, legend_below, pyplot, save
 
     plt = pyplot()
     if plt is None:
@@ -473,7 +510,9 @@ def plot(payload: dict[str, Any], path: Path) -> Path | None:
 
 def build_parser() -> Any:
     p = parser(__doc__)
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="folder for the outputs")
+    p.add_argument("--out", type=Path, default=None,
+                   help="folder for attention.json / .png, host_profile.txt (default: the committed results, "
+                        "benchmarks/results/attention_<device>.json, ...)")
     p.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES), help="shapes to run")
     p.add_argument("--inner", type=int, default=10, help="back-to-back calls per sample (default 10)")
     p.add_argument("--rounds", type=int, default=15, help="round-robin samples per path (default 15)")
@@ -500,10 +539,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         for extents in (True, False):
             payload["host"].append(host_time(layers, extents, iters=args.host_iters))
             print("host", {k: v for k, v in payload["host"][-1].items() if k != "stats"})
-    save_json(args.out / "attention.json", payload, args=args)
+    save_json(result_path(args.out, "attention.json"), payload, args=args)
     if not args.no_profile:
-        profile_host(args.out / "host_profile.txt")
-    plot(payload, args.out / "attention.png")
+        profile_host(result_path(args.out, "host_profile.txt"))
+    plot(payload, result_path(args.out, "attention.png"))
     return 0
 
 

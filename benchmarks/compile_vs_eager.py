@@ -7,11 +7,12 @@ forward's relative output error (compiled vs eager), the relative difference of 
 the pool, and whether the token positions agree. No timing.
 
 Used to find (and then verify the fix of) cache corruption when the custom op mutated aliased
-per-layer views; the log of the verifying run is ``results/compile_vs_eager_gpu.log``. Needs CUDA and
-FlashInfer (exit status 2 otherwise). With ``--out DIR`` the results also go to
-``DIR/compile_vs_eager.json`` (with run metadata: git commit, UTC time, versions, command line).
+per-layer views; the log of the verifying run is ``results/compile_vs_eager_h200.log``. The model is
+``_models.TinyStreamingModel`` (the tests' tiny streaming DiT). Needs CUDA and FlashInfer (exit status 2
+otherwise). Prints the rows; with ``--out DIR`` the results also go to ``DIR/compile_vs_eager.json``
+(with run metadata: git commit, UTC time, versions, command line).
 
-    bash .gpu/run.sh python3 benchmarks/compile_vs_eager.py
+    bash .gpu/run.sh python3 -m benchmarks.compile_vs_eager
 """
 
 from __future__ import annotations
@@ -21,11 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-if str(HERE.parent) not in sys.path:  # this checkout's package, unless one is installed or on PYTHONPATH
-    sys.path.append(str(HERE.parent))
-from _timing import parser, require_gpu, save_json  # noqa: E402
+from benchmarks._timing import parser, require_gpu, save_json
 
 CASES = (("flashinfer", True), ("flashinfer", False), ("reference", False))
 
@@ -57,9 +54,7 @@ def compare(chunks: int) -> list[dict[str, Any]]:
     import torch
 
     import ardiff_modules as am
-
-    sys.path.insert(0, str(HERE.parent / "tests"))
-    from streaming_model import TinyStreamingModel
+    from benchmarks._models import TinyStreamingModel
 
     dt = torch.bfloat16
     torch.manual_seed(0)

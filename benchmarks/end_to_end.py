@@ -4,7 +4,7 @@ One **chunk step** = 4 denoising forwards (``commit_current=False``, timesteps 1
 + 1 committing forward (timestep 0) of one chunk (3 latent frames = 4680 tokens at 480x832), at
 sink 1 + window 6 chunks, with classifier-free guidance on (cond + uncond batched in one forward,
 2 streams) and off (1 stream). The SAME model (``examples/wan_causal_dit.py``, random weights from
-one seed) runs under three attention variants:
+one seed) runs under three attention variants (the rolling ones are the peers of ``baselines.py``):
 
 * ``library``       -- this library: ``ChunkSelfAttention`` over the paged pool (``KVCache``,
                        ``backend="auto"``: FlashInfer on CUDA with contiguous extents -> ragged FA3,
@@ -46,15 +46,17 @@ peak allocated memory (``torch.cuda.max_memory_allocated`` delta over the varian
 cache / buffers, warm-up, timed steps) and KV bytes: the library's peak pages in use x bytes per page
 (its pool is sized to exactly (sinks + window + pending) chunks per branch) vs the rolling buffers.
 
-    python benchmarks/end_to_end.py                                    # CUDA: wan2.1-1.3b, bf16
-    python benchmarks/end_to_end.py --preset tiny --device cpu --dtype float32 --out /tmp/e2e
-    python benchmarks/end_to_end.py --compile                          # + library_compiled row
-    python benchmarks/end_to_end.py --cfg on --variants library,rolling_sdpa   # a subset
+    python -m benchmarks.end_to_end                                    # CUDA: wan2.1-1.3b, bf16
+    python -m benchmarks.end_to_end --preset tiny --device cpu --dtype float32 --out /tmp/e2e
+    python -m benchmarks.end_to_end --compile                          # + library_compiled row
+    python -m benchmarks.end_to_end --cfg on --variants library,rolling_sdpa   # a subset
 
-Writes ``OUT/end_to_end.json`` (config, per CFG setting and variant: ``ms_per_chunk_step`` (median),
+Writes ``end_to_end.json`` (config, per CFG setting and variant: ``ms_per_chunk_step`` (median),
 ``ms_per_chunk_step_stats`` (median, IQR, p25, p75, samples), speed-up, frames/s, memory, errors vs the
-library; targets; run metadata: git commit, UTC time, versions, command line) and ``OUT/end_to_end.png``
-(bars with IQR error bars; skipped if matplotlib is missing). ``--device cuda`` without CUDA, or
+library; targets; run metadata: git commit, UTC time, versions, command line) and ``end_to_end.png``
+(bars with IQR error bars; skipped if matplotlib is missing) into ``--out DIR``; by default the
+committed results, ``benchmarks/results/end_to_end_<device>.json`` / ``.png``. The rolling buffers are
+``baselines.RollingKVCache`` & co. ``--device cuda`` without CUDA, or
 ``--backend flashinfer`` without FlashInfer, exits 2 with one line.
 A baseline that fails (compile error, out of memory) is recorded in the JSON with its traceback and
 the run goes on (exit status 1). Sizes at wan2.1-1.3b / bf16: weights 2.8 GB; KV per branch 8 chunks
@@ -66,38 +68,25 @@ CFG setting), which is most of the run's wall time.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import functools
 import gc
 import importlib.util
 import sys
 import traceback
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-HERE = Path(__file__).resolve().parent
-for _path in (HERE, HERE.parent / "examples"):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
-if str(HERE.parent) not in sys.path:  # this checkout's package, unless one is installed or on PYTHONPATH
-    sys.path.append(str(HERE.parent))
-
-from _plotting import bars, legend_below, pyplot, save, spread, wrap  # noqa: E402
-from _timing import Stats, each_call, environment, fail, once, save_json  # noqa: E402
-from wan_causal_dit import (  # noqa: E402
-    PRESETS, TEXT, WanConfig, build_model, kv_pool_pages, make_kv_spec, torch_threads,
-)
-
-import ardiff_modules as am  # noqa: E402
-from ardiff_modules.modules.functional import apply_rope  # noqa: E402
-from ardiff_modules.pool import bytes_per_page  # noqa: E402
+import ardiff_modules as am
+from ardiff_modules.pool import bytes_per_page
+from benchmarks._plotting import bars, legend_below, pyplot, save, spread, wrap
+from benchmarks._timing import Stats, each_call, environment, fail, once, result_path, save_json
+from benchmarks.baselines import RollingRunner, make_flex_attend, sdpa_attend, swapped_attention
+from examples.wan_causal_dit import PRESETS, WanConfig, build_model, kv_pool_pages, make_kv_spec, torch_threads
 
 VARIANTS = ("library", "rolling_sdpa", "rolling_flex")
 #: Variants the flags add (``--compile``, ``--fp8``, ``--graph``); ``--variants`` may also name them directly.
@@ -114,9 +103,8 @@ CFG_BRANCHES = {"cfg_on": ("cond", "uncond"), "cfg_off": ("cond",)}
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    prog = p.prog
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
                    help="model geometry (default: wan2.1-1.3b on CUDA, tiny on CPU)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
@@ -148,199 +136,60 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads for this run (default: 1 for tiny on CPU, else torch's default)")
     p.add_argument("--allow-big-cpu", action="store_true", help="allow a large preset on CPU")
-    p.add_argument("--out", type=Path, default=HERE / "results", help="folder for end_to_end.json / .png")
+    p.add_argument("--out", type=Path, default=None,
+                   help="folder for end_to_end.json / .png (default: the committed results, "
+                        "benchmarks/results/end_to_end_<device>.json / .png)")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(argv)
-    if args.device is None:
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.device == "cuda" and not torch.cuda.is_available():
-        fail(prog, "--device cuda: CUDA is not available (torch.cuda.is_available() is False); "
-                   "use --device cpu --preset tiny for a smoke run")
-    if args.backend == "flashinfer" and importlib.util.find_spec("flashinfer") is None:
-        fail(prog, "--backend flashinfer: the flashinfer package is not installed "
-                   "(pip install 'ardiff_modules[flashinfer]'; or --backend auto / reference)")
-    if args.preset is None:
-        args.preset = "wan2.1-1.3b" if args.device == "cuda" else "tiny"
-    if args.dtype is None:
-        args.dtype = "bfloat16" if args.device == "cuda" else "float32"
+    _check_device(p, args)
     if args.preset != "tiny" and args.device == "cpu" and not args.allow_big_cpu:
         p.error(f"--preset {args.preset} on CPU: expected --device cuda (or pass --allow-big-cpu)")
     if args.chunks_timed < 1:
         p.error(f"--chunks-timed: expected >= 1, got {args.chunks_timed}")
     if args.warmup_chunks is not None and args.warmup_chunks < 0:
         p.error(f"--warmup-chunks: expected >= 0, got {args.warmup_chunks}")
-    variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
-    unknown = [v for v in variants if v not in VARIANTS + EXTRA_VARIANTS]
-    if unknown:
-        p.error(f"--variants: expected names from {VARIANTS + EXTRA_VARIANTS}, got {unknown}")
-    args.variants = ("library",) + tuple(v for v in variants if v != "library")
-    if args.compile:
-        args.variants += ("library_compiled", "rolling_sdpa_compiled")
-    if args.fp8:
-        args.variants += ("library_fp8",) + (("library_fp8_compiled",) if args.compile else ())
-    if args.graph:
-        args.variants += ("library_compiled_graph",) if args.compile else ("library_graph",)
-        if args.fp8:
-            args.variants += ("library_fp8_compiled_graph",) if args.compile else ("library_fp8_graph",)
-    args.variants = tuple(dict.fromkeys(args.variants))  # each once, in order
+    args.variants = _variants(p, args)
     if any(v.endswith("_graph") for v in args.variants) and args.device != "cuda":
         p.error("--graph / *_graph variants: expected --device cuda (CUDA graphs)")
     return args
 
 
-# --------------------------------------------------------------------------------- rolling baseline
-class RollingForward:
-    """The baseline's per-forward context: what the blocks read from ``kv.forward`` (``positions``)."""
-
-    def __init__(self, chunk_size: int, sink_chunks: int) -> None:
-        self.chunk_size = chunk_size
-        self.sink_tokens = sink_chunks * chunk_size
-        self.positions = torch.empty(0, dtype=torch.int64)  #: [streams, seq] absolute token positions
-        self.roll = False  #: shift the window left by one chunk before writing (first forward of a chunk)
-        self.slot = 0  #: chunk slot the current chunk's K/V go to
-
-
-class RollingLayer:
-    """One layer's contiguous K / V buffers and cross K / V (the ``LayerContext`` surface the blocks use)."""
-
-    def __init__(self, forward: RollingForward, k: torch.Tensor, v: torch.Tensor,
-                 cross: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        self.forward, self.k, self.v, self.cross = forward, k, v, cross
-
-    @property
-    def positions(self) -> torch.Tensor:
-        return self.forward.positions
-
-    def cross_kv(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cross[name]
-
-    def write(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Roll if due, write the current chunk's K/V, return the visible prefix (Self-Forcing style)."""
-        f = self.forward
-        c, n = f.chunk_size, k.shape[1]
-        if f.roll:  # evict the oldest window chunk: memmove the rest of the window left by one chunk
-            keep = f.sink_tokens
-            for buf in (self.k, self.v):
-                buf[:, keep:-c].copy_(buf[:, keep + c :].clone())
-        start = f.slot * c
-        self.k[:, start : start + n].copy_(k)
-        self.v[:, start : start + n].copy_(v)
-        return self.k[:, : start + n], self.v[:, : start + n]
+def _check_device(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Fill in ``--device`` / ``--preset`` / ``--dtype``; exit 2 with one line where CUDA or FlashInfer is missing."""
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        fail(p.prog, "--device cuda: CUDA is not available (torch.cuda.is_available() is False); "
+                     "use --device cpu --preset tiny for a smoke run")
+    if args.backend == "flashinfer" and importlib.util.find_spec("flashinfer") is None:
+        fail(p.prog, "--backend flashinfer: the flashinfer package is not installed "
+                     "(pip install 'ardiff_modules[flashinfer]'; or --backend auto / reference)")
+    if args.preset is None:
+        args.preset = "wan2.1-1.3b" if args.device == "cuda" else "tiny"
+    if args.dtype is None:
+        args.dtype = "bfloat16" if args.device == "cuda" else "float32"
 
 
-class RollingKVCache:
-    """Per-layer contiguous buffers of ``sink + window + 1`` chunks for ``streams`` streams, rolled by memmove.
-
-    ``begin_forward`` / ``end_forward`` keep the bookkeeping on the host: the buffer holds ``filled``
-    committed chunks (sinks first, then the window oldest first); the current chunk goes to slot
-    ``filled``; when a new chunk starts with all ``sink + window + 1`` slots committed, the layers
-    roll during that forward.
-    """
-
-    def __init__(self, model: nn.Module, config: WanConfig, branches_text: Sequence[torch.Tensor],
-                 device: torch.device, dtype: torch.dtype) -> None:
-        c = config
-        self.chunk = c.chunk_size
-        self.slots = c.sink_chunks + c.window_chunks + 1
-        self.streams = len(branches_text)
-        self.forward = RollingForward(self.chunk, c.sink_chunks)
-        self.layers: list[RollingLayer] = []
-        shape = (self.streams, self.slots * self.chunk, c.num_heads, c.head_dim)
-        with torch.no_grad():
-            for block in model.blocks:
-                ks, vs = zip(*(block.cross.project_kv(t) for t in branches_text))  # once per layer, like populate
-                cross = {TEXT: (torch.stack(ks), torch.stack(vs))}
-                k = torch.zeros(shape, device=device, dtype=dtype)
-                v = torch.zeros(shape, device=device, dtype=dtype)
-                self.layers.append(RollingLayer(self.forward, k, v, cross))
-        self.filled = 0  #: committed chunks in the buffer
-        self.committed = 0  #: chunks ever committed (absolute positions)
-        self.in_chunk = False
-        self._arange = torch.arange(self.chunk, device=device, dtype=torch.int64)
-
-    def begin_forward(self) -> None:
-        f = self.forward
-        if not self.in_chunk:  # first forward of a new chunk
-            f.roll = self.filled == self.slots
-            if f.roll:
-                self.filled -= 1
-            f.positions = (self._arange + self.committed * self.chunk).expand(self.streams, self.chunk)
-            self.in_chunk = True
-        f.slot = self.filled
-
-    def end_forward(self, commit: bool) -> None:
-        self.forward.roll = False  # later forwards of this chunk overwrite its slot in place
-        if commit:
-            self.filled += 1
-            self.committed += 1
-            self.in_chunk = False
-
-    @property
-    def kv_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for layer in self.layers for t in (layer.k, layer.v))
-
-
-class RollingSelfAttention(nn.Module):
-    """Drop-in for a block's ``ChunkSelfAttention``: the same projections, norms and RoPE, a rolling buffer."""
-
-    def __init__(self, inner: am.ChunkSelfAttention, attend: Callable[..., torch.Tensor]) -> None:
-        super().__init__()
-        self.inner = inner
-        self.attend = attend
-
-    def forward(self, x: torch.Tensor, kv: RollingLayer, rope: Any = None) -> torch.Tensor:
-        a = self.inner
-        s, n, _ = x.shape
-        q, k, v = a.project(x)
-        positions = kv.forward.positions
-        q, k = apply_rope(q, positions, rope), apply_rope(k, positions, rope)
-        out = self.cached_attention(q, k, v, kv)  # [s, n, heads, dim]
-        return a.to_out(out.reshape(s, n, -1))
-
-    def cached_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: RollingLayer) -> torch.Tensor:
-        keys, values = kv.write(k, v)
-        return self.attend(q, keys, values)
-
-
-def sdpa_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """``[s, n, h, d]`` layouts (flash-attn's, as the peers use) through SDPA's ``[s, h, n, d]`` views."""
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=q.shape[2] != k.shape[2]
-    )
-    return out.transpose(1, 2)
-
-
-def make_flex_attend(compiled: bool) -> Callable[..., torch.Tensor]:
-    from torch.nn.attention.flex_attention import flex_attention
-
-    fn = torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
-
-    def flex_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        with warnings.catch_warnings():  # eager (CPU) flex warns that it is unfused: known, noted in the JSON
-            warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
-            out = fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=q.shape[2] != k.shape[2])
-        return out.transpose(1, 2)
-
-    return flex_attend
-
-
-@contextlib.contextmanager
-def swapped_attention(model: nn.Module, attend: Callable[..., torch.Tensor], *, opaque: bool = False) -> Iterator[None]:
-    """Replace every block's ``attn`` by a :class:`RollingSelfAttention` around it; restore on exit.
-
-    ``opaque``: hide the cache write + attention from torch.compile (one graph break per layer), as
-    the peers' compiled scripts do with a rolling buffer of host-side offsets: traced, every fill
-    level and every roll would recompile the whole model.
-    """
-    originals = [block.attn for block in model.blocks]
-    try:
-        for block, attn in zip(model.blocks, originals):
-            block.attn = RollingSelfAttention(attn, attend)
-            if opaque:
-                block.attn.cached_attention = torch.compiler.disable(block.attn.cached_attention)
-        yield
-    finally:
-        for block, attn in zip(model.blocks, originals):
-            block.attn = attn
+def _variants(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[str, ...]:
+    """``--variants`` plus what ``--compile`` / ``--fp8`` / ``--graph`` add, ``library`` first, each once."""
+    variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
+    unknown = [v for v in variants if v not in VARIANTS + EXTRA_VARIANTS]
+    if unknown:
+        p.error(f"--variants: expected names from {VARIANTS + EXTRA_VARIANTS}, got {unknown}")
+    names = ("library",) + tuple(v for v in variants if v != "library")
+    if args.compile:
+        names += ("library_compiled", "rolling_sdpa_compiled")
+    if args.fp8:
+        names += ("library_fp8",) + (("library_fp8_compiled",) if args.compile else ())
+    if args.graph:
+        names += ("library_compiled_graph",) if args.compile else ("library_graph",)
+        if args.fp8:
+            names += ("library_fp8_compiled_graph",) if args.compile else ("library_fp8_graph",)
+    return tuple(dict.fromkeys(names))  # each once, in order
 
 
 # --------------------------------------------------------------------------------- runners
@@ -386,26 +235,6 @@ class LibraryRunner:
 
     def close(self) -> None:
         self.state.close()
-
-
-class RollingRunner:
-    def __init__(self, model: nn.Module, config: WanConfig, texts: Sequence[torch.Tensor], device: torch.device,
-                 dtype: torch.dtype, step: Callable[..., torch.Tensor] | None = None) -> None:
-        self.step = model if step is None else step
-        self.cache = RollingKVCache(model, config, texts, device, dtype)
-
-    def forward(self, x: torch.Tensor, t: torch.Tensor, commit: bool) -> torch.Tensor:
-        self.cache.begin_forward()
-        out = self.step(x, t, self.cache.layers)
-        self.cache.end_forward(commit)
-        return out
-
-    def kv_info(self) -> dict[str, Any]:
-        return {"kv_peak_bytes": self.cache.kv_bytes, "kv_allocated_bytes": self.cache.kv_bytes,
-                "layout": "contiguous per-layer buffer, memmove roll"}
-
-    def close(self) -> None:
-        self.cache.layers.clear()
 
 
 # --------------------------------------------------------------------------------- measurement
@@ -465,11 +294,94 @@ def run_variant(name: str, make_runner: Callable[[], Any], latents: Sequence[tor
     return {"result": result, "outputs": outputs}
 
 
-def _measure(name: str, args: argparse.Namespace, model: nn.Module, config: WanConfig, branches: tuple[str, ...],
-             branch_texts: Sequence[torch.Tensor], latents: Sequence[torch.Tensor], ts: Sequence[torch.Tensor],
-             t_commit: torch.Tensor, warmup: int, timed: int, device: torch.device, dtype: torch.dtype,
-             flex_compiled: bool) -> dict[str, Any]:
-    """One variant at one CFG setting (see :func:`run_variant`)."""
+@dataclasses.dataclass
+class _Bench:
+    """One run's settings and the inputs every variant shares: the model, text embeddings, seeded latents."""
+
+    args: argparse.Namespace
+    device: torch.device
+    dtype: torch.dtype
+    config: WanConfig
+    warmup: int  #: chunk steps before timing
+    timed: int  #: chunk steps timed
+    flex_compiled: bool
+    tolerance: float
+    model: nn.Module = None  # type: ignore[assignment]
+    params: int = 0
+    texts: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  #: branch -> text embedding
+    latent_shape: tuple[int, ...] = ()  #: one stream's latents of one chunk, [1, frames, channels, h, w]
+    base_latents: list[torch.Tensor] = dataclasses.field(default_factory=list)  #: one per chunk step
+    kv_target_per_branch: int = 0  #: bytes of (sinks + window + pending) chunks of one branch
+
+
+@dataclasses.dataclass
+class _Setting:
+    """One CFG setting: its branches (streams) and their inputs, the same for every variant."""
+
+    name: str
+    branches: tuple[str, ...]
+    texts: list[torch.Tensor]
+    latents: list[torch.Tensor]
+    ts: list[torch.Tensor]  #: the denoising forwards' timesteps
+    t_commit: torch.Tensor
+
+    @property
+    def streams(self) -> int:
+        return len(self.branches)
+
+
+def _bench(args: argparse.Namespace) -> _Bench:
+    """The model (seeded weights), the text embeddings and the latents, drawn in this order from one seed."""
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype]
+    cuda = device.type == "cuda"
+    config = WanConfig.preset(args.preset)
+    resident = config.sink_chunks + config.window_chunks
+    tolerance = args.tolerance
+    if tolerance is None:
+        tolerance = 3e-2 if dtype in (torch.bfloat16, torch.float16) else (1e-3 if cuda else 1e-4)
+    b = _Bench(args, device, dtype, config, warmup=resident + 2 if args.warmup_chunks is None else args.warmup_chunks,
+               timed=args.chunks_timed, tolerance=tolerance,
+               flex_compiled=args.flex_compile == "on" or (args.flex_compile == "auto" and cuda))
+    b.model = build_model(config, seed=args.seed, device=device, dtype=dtype)
+    b.params = sum(p.numel() for p in b.model.parameters())
+    g = torch.Generator().manual_seed(args.seed + 1)
+    with torch.no_grad():
+        text_cond = b.model.embed_text(torch.randn(config.text_tokens, config.text_dim, generator=g).to(device))
+        text_uncond = b.model.embed_text(torch.zeros(config.text_tokens, config.text_dim, device=device))
+    b.texts = {"cond": text_cond, "uncond": text_uncond}
+    b.latent_shape = (1, config.frames_per_chunk, config.in_channels, config.latent_height, config.latent_width)
+    b.base_latents = [torch.randn(b.latent_shape, generator=g).to(device=device, dtype=dtype)
+                      for _ in range(b.warmup + b.timed)]
+    bpp_spec = dataclasses.replace(make_kv_spec(config, device, ("cond",)), dtype=args.dtype)
+    b.kv_target_per_branch = bpp_spec.pages_per_branch(1) * bytes_per_page(bpp_spec)
+    return b
+
+
+def _print_header(b: _Bench) -> None:
+    config, resident = b.config, b.config.sink_chunks + b.config.window_chunks
+    print(
+        f"model {config.name}: {b.params / 1e6:.1f}M params, {config.num_layers} layers, {config.num_heads} heads x "
+        f"{config.head_dim}, chunk {config.chunk_size} tokens ({config.frames_per_chunk} latent frames), sink "
+        f"{config.sink_chunks} + window {config.window_chunks} chunks; {b.dtype}, {b.device}; warm-up {b.warmup} "
+        f"chunk steps, {b.timed} timed; flex {'compiled' if b.flex_compiled else 'eager'}"
+    )
+    if b.warmup < resident + 1:
+        print(f"note: --warmup-chunks {b.warmup} < sink + window + 1 = {resident + 1}: "
+              "timed steps are not all steady state")
+
+
+def _setting(b: _Bench, name: str) -> _Setting:
+    branches = CFG_BRANCHES[name]
+    streams = len(branches)
+    latents = [x.expand(streams, *b.latent_shape[1:]).contiguous() for x in b.base_latents]
+    ts = [torch.full((streams,), t, device=b.device) for t in TIMESTEPS]
+    return _Setting(name, branches, [b.texts[br] for br in branches], latents, ts, torch.zeros(streams, device=b.device))
+
+
+def _measure(name: str, b: _Bench, st: _Setting) -> dict[str, Any]:
+    """One variant at one CFG setting (see :func:`run_variant`): the library's, or a peer's rolling buffer."""
+    model = b.model
     if name.startswith("library"):
         step: Callable[..., torch.Tensor] = model
         if "_compiled" in name:
@@ -480,15 +392,15 @@ def _measure(name: str, args: argparse.Namespace, model: nn.Module, config: WanC
         relative = "relative_sinks" in name
 
         def make(step: Callable[..., torch.Tensor] = step) -> LibraryRunner:
-            return LibraryRunner(model, config, branches, branch_texts, device, dtype, args.backend, step, kv_dtype,
-                                 graph=graph, relative_sinks=relative)
+            return LibraryRunner(model, b.config, st.branches, st.texts, b.device, b.dtype, b.args.backend, step,
+                                 kv_dtype, graph=graph, relative_sinks=relative)
 
-        return run_variant(name, make, latents, ts, t_commit, warmup, timed, device)
+        return run_variant(name, make, st.latents, st.ts, st.t_commit, b.warmup, b.timed, b.device)
     rolling_step: Callable[..., torch.Tensor] | None = None
     if name == "rolling_flex":
-        if flex_compiled:
+        if b.flex_compiled:
             torch._dynamo.reset()
-        attend = make_flex_attend(flex_compiled)
+        attend = make_flex_attend(b.flex_compiled)
     else:
         attend = sdpa_attend
         if name == "rolling_sdpa_compiled":
@@ -496,13 +408,140 @@ def _measure(name: str, args: argparse.Namespace, model: nn.Module, config: WanC
             rolling_step = torch.compile(model, dynamic=False)
     with swapped_attention(model, attend, opaque=rolling_step is not None):
         return run_variant(
-            name, lambda: RollingRunner(model, config, branch_texts, device, dtype, rolling_step),
-            latents, ts, t_commit, warmup, timed, device,
+            name, lambda: RollingRunner(model, b.config, st.texts, b.device, b.dtype, rolling_step),
+            st.latents, st.ts, st.t_commit, b.warmup, b.timed, b.device,
         )
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _annotate(name: str, res: dict[str, Any], errs: list[float], b: _Bench, streams: int) -> bool | None:
+    """Add a measured variant's errors vs the library, agreement, rates and notes to ``res``; returns
+    whether it agrees (``None``: other semantics, reported only)."""
+    res["rel_err_vs_library"] = max(errs)
+    res["rel_err_vs_library_per_step"] = errs
+    res["agrees"] = res["rel_err_vs_library"] <= (b.args.fp8_tolerance if "fp8" in name else b.tolerance)
+    if name in OTHER_SEMANTICS:
+        res["agrees"] = None
+        res["note"] = ("relative-position sinks (KVCacheSpec.relative_sinks): different outputs once the "
+                       "window slides, by design; timed for the cost of the second key segment")
+    res["latent_frames_per_s"] = b.config.frames_per_chunk / (res["ms_per_chunk_step"] / 1e3)
+    res["kv_peak_bytes_per_branch"] = res["kv_peak_bytes"] / streams
+    if name == "rolling_flex":
+        res["flex_compiled"] = b.flex_compiled
+        if not b.flex_compiled:
+            res["note"] = "eager flex_attention (unfused: materialises the scores); compiled on CUDA"
+    if name.endswith("_compiled") and name.startswith("library"):
+        res["note"] = "torch.compile(model, fullgraph=True, dynamic=False)"
+    if name.endswith("_graph"):
+        res["note"] = ("static forwards, each replayed from a CUDA graph (CUDAGraphStep"
+                       + (" over torch.compile(model, fullgraph=True))" if "_compiled" in name else ")"))
+    if "fp8" in name:
+        res["kv_dtype"] = "float8_e4m3fn"
+    if name == "rolling_sdpa_compiled":
+        res["note"] = ("torch.compile(model, dynamic=False) with the rolling cache write + SDPA opaque "
+                       "(one graph break per layer)")
+    return res["agrees"]
+
+
+def _run_setting(b: _Bench, st: _Setting) -> tuple[dict[str, Any], bool]:
+    """Every variant at one CFG setting, one after another: ``(result, whether all agree)``."""
+    variants: dict[str, Any] = {}
+    reference: list[torch.Tensor] | None = None
+    agree = True
+    for name in b.args.variants:
+        try:
+            measured = _measure(name, b, st)
+        except Exception as exc:  # a failing baseline (compile, OOM) is recorded; the library is the reference
+            if name == "library":
+                raise
+            print(f"  {st.name} {name}: FAILED {exc!r:.300}", flush=True)
+            variants[name] = {"error": f"{type(exc).__name__}: {exc}"[:2000], "agrees": False,
+                              "traceback": traceback.format_exc()[-4000:]}
+            agree = False
+            gc.collect()
+            if b.device.type == "cuda":
+                torch.cuda.empty_cache()
+            continue
+        res = measured["result"]
+        if name == "library":
+            reference = measured["outputs"]
+        assert reference is not None
+        agrees = _annotate(name, res, [rel_err(o, r) for o, r in zip(measured["outputs"], reference)], b, st.streams)
+        if agrees is not None:
+            agree &= agrees
+        variants[name] = res
+        iqr = res["ms_per_chunk_step_stats"]["iqr_ms"]
+        print(
+            f"  {st.name} {name}: {res['ms_per_chunk_step']:.2f} ms per chunk step (IQR {iqr:.2g}; "
+            f"setup {res['setup_s']:.1f} s, "
+            f"warm-up {res['warmup_s']:.1f} s), rel err vs library {res['rel_err_vs_library']:.1e}",
+            flush=True,
+        )
+    if "ms_per_chunk_step" in variants.get(BASELINE, {}):
+        for res in variants.values():
+            if "error" in res:
+                continue
+            res["speedup_vs_rolling_sdpa"] = variants[BASELINE]["ms_per_chunk_step"] / res["ms_per_chunk_step"]
+    return {"branches": list(st.branches), "streams": st.streams, "variants": variants}, agree
+
+
+def _targets(results: dict[str, Any], kv_target_per_branch: int) -> dict[str, Any]:
+    """The speed-ups and KV checks against their targets, per CFG setting where both sides ran."""
+    def ratio(slow: str, fast: str) -> dict[str, float]:
+        """``slow``'s median chunk step over ``fast``'s, per CFG setting where both ran."""
+        return {
+            s: r["variants"][slow]["ms_per_chunk_step"] / r["variants"][fast]["ms_per_chunk_step"]
+            for s, r in results.items()
+            if all("ms_per_chunk_step" in r["variants"].get(n, {}) for n in (slow, fast))
+        }
+
+    library_speedups = {s: r["variants"]["library"].get("speedup_vs_rolling_sdpa") for s, r in results.items()}
+    graph_speedups = {
+        "library_graph_vs_library": ratio("library", "library_graph"),
+        "library_compiled_graph_vs_library_compiled": ratio("library_compiled", "library_compiled_graph"),
+        "library_fp8_compiled_graph_vs_library_fp8_compiled": ratio("library_fp8_compiled",
+                                                                    "library_fp8_compiled_graph"),
+    }
+    relative_sinks_cost = {  # chunk step with relative sinks over the same step without: the second key segment
+        "library_relative_sinks_vs_library": ratio("library_relative_sinks", "library"),
+        "library_relative_sinks_compiled_vs_library_compiled": ratio("library_relative_sinks_compiled",
+                                                                      "library_compiled"),
+    }
+    return {
+        "library_speedup_vs_rolling_sdpa": TARGET_SPEEDUP,
+        "library_speedup": library_speedups,
+        "speedup_met": {s: (v is not None and v >= TARGET_SPEEDUP) for s, v in library_speedups.items()},
+        # both sides compiled: what torch.compile-native buys over the compiled baseline
+        "library_compiled_speedup_vs_rolling_sdpa_compiled": ratio("rolling_sdpa_compiled", "library_compiled"),
+        "library_fp8_compiled_speedup_vs_rolling_sdpa_compiled": ratio("rolling_sdpa_compiled",
+                                                                       "library_fp8_compiled"),
+        "graph_speedups": {k: v for k, v in graph_speedups.items() if v},
+        "relative_sinks_cost": {k: v for k, v in relative_sinks_cost.items() if v},
+        "relative_sinks_cost_target": 1.02,
+        "kv_peak_bytes_per_branch_target": kv_target_per_branch,
+        "kv_peak_equals_target": {
+            s: r["variants"]["library"]["kv_peak_bytes_per_branch"] == kv_target_per_branch for s, r in results.items()
+        },
+    }
+
+
+def _config(b: _Bench) -> dict[str, Any]:
+    config, args = b.config, b.args
+    return {
+        "preset": config.name, "params": b.params, "num_layers": config.num_layers, "dim": config.dim,
+        "num_heads": config.num_heads, "head_dim": config.head_dim, "chunk_size": config.chunk_size,
+        "frames_per_chunk": config.frames_per_chunk, "page_size": config.kv_page_size,
+        "sink_chunks": config.sink_chunks, "window_chunks": config.window_chunks, "dtype": args.dtype,
+        "device": str(b.device), "backend_requested": args.backend, "timesteps": list(TIMESTEPS) + [0.0],
+        "forwards_per_chunk_step": len(TIMESTEPS) + 1, "warmup_chunks": b.warmup, "chunks_timed": b.timed,
+        "flex_compiled": b.flex_compiled, "tolerance": b.tolerance, "seed": args.seed,
+        "timing": "each timed chunk step one sample between two device-synchronising clock reads "
+                  "(torch.utils.benchmark's timer); median and IQR over the timed steps",
+        "torch_threads": torch.get_num_threads(),
+    }
 
 
 def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -523,183 +562,19 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 def _run(args: argparse.Namespace) -> dict[str, Any]:
-    device = torch.device(args.device)
-    dtype = DTYPES[args.dtype]
-    cuda = device.type == "cuda"
-    config = WanConfig.preset(args.preset)
-    resident = config.sink_chunks + config.window_chunks
-    warmup = resident + 2 if args.warmup_chunks is None else args.warmup_chunks
-    timed = args.chunks_timed
-    flex_compiled = args.flex_compile == "on" or (args.flex_compile == "auto" and cuda)
-    tolerance = args.tolerance
-    if tolerance is None:
-        tolerance = 3e-2 if dtype in (torch.bfloat16, torch.float16) else (1e-3 if cuda else 1e-4)
-
-    model = build_model(config, seed=args.seed, device=device, dtype=dtype)
-    params = sum(p.numel() for p in model.parameters())
-    g = torch.Generator().manual_seed(args.seed + 1)
-    with torch.no_grad():
-        text_cond = model.embed_text(torch.randn(config.text_tokens, config.text_dim, generator=g).to(device))
-        text_uncond = model.embed_text(torch.zeros(config.text_tokens, config.text_dim, device=device))
-    texts = {"cond": text_cond, "uncond": text_uncond}
-    shape = (1, config.frames_per_chunk, config.in_channels, config.latent_height, config.latent_width)
-    base_latents = [torch.randn(shape, generator=g).to(device=device, dtype=dtype) for _ in range(warmup + timed)]
-
-    bpp_spec = dataclasses.replace(make_kv_spec(config, device, ("cond",)), dtype=args.dtype)
-    kv_target_per_branch = bpp_spec.pages_per_branch(1) * bytes_per_page(bpp_spec)
-
-    print(
-        f"model {config.name}: {params / 1e6:.1f}M params, {config.num_layers} layers, {config.num_heads} heads x "
-        f"{config.head_dim}, chunk {config.chunk_size} tokens ({config.frames_per_chunk} latent frames), sink "
-        f"{config.sink_chunks} + window {config.window_chunks} chunks; {dtype}, {device}; warm-up {warmup} chunk "
-        f"steps, {timed} timed; flex {'compiled' if flex_compiled else 'eager'}"
-    )
-    if warmup < resident + 1:
-        print(f"note: --warmup-chunks {warmup} < sink + window + 1 = {resident + 1}: "
-              "timed steps are not all steady state")
-
+    b = _bench(args)
+    _print_header(b)
     settings = ("cfg_on", "cfg_off") if args.cfg == "both" else (f"cfg_{args.cfg}",)
     results: dict[str, Any] = {}
     agree = True
-    for setting in settings:
-        branches = CFG_BRANCHES[setting]
-        streams = len(branches)
-        branch_texts = [texts[b] for b in branches]
-        latents = [x.expand(streams, *shape[1:]).contiguous() for x in base_latents]
-        ts = [torch.full((streams,), t, device=device) for t in TIMESTEPS]
-        t_commit = torch.zeros(streams, device=device)
-        variants: dict[str, Any] = {}
-        reference: list[torch.Tensor] | None = None
-        for name in args.variants:
-            try:
-                measured = _measure(name, args, model, config, branches, branch_texts, latents, ts, t_commit,
-                                    warmup, timed, device, dtype, flex_compiled)
-            except Exception as exc:  # a failing baseline (compile, OOM) is recorded; the library is the reference
-                if name == "library":
-                    raise
-                print(f"  {setting} {name}: FAILED {exc!r:.300}", flush=True)
-                variants[name] = {"error": f"{type(exc).__name__}: {exc}"[:2000], "agrees": False,
-                                  "traceback": traceback.format_exc()[-4000:]}
-                agree = False
-                gc.collect()
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-                continue
-            res = measured["result"]
-            if name == "library":
-                reference = measured["outputs"]
-            assert reference is not None
-            errs = [rel_err(o, r) for o, r in zip(measured["outputs"], reference)]
-            res["rel_err_vs_library"] = max(errs)
-            res["rel_err_vs_library_per_step"] = errs
-            res["agrees"] = res["rel_err_vs_library"] <= (args.fp8_tolerance if "fp8" in name else tolerance)
-            if name in OTHER_SEMANTICS:
-                res["agrees"] = None
-                res["note"] = ("relative-position sinks (KVCacheSpec.relative_sinks): different outputs once the "
-                               "window slides, by design; timed for the cost of the second key segment")
-            else:
-                agree &= res["agrees"]
-            res["latent_frames_per_s"] = config.frames_per_chunk / (res["ms_per_chunk_step"] / 1e3)
-            res["kv_peak_bytes_per_branch"] = res["kv_peak_bytes"] / streams
-            if name == "rolling_flex":
-                res["flex_compiled"] = flex_compiled
-                if not flex_compiled:
-                    res["note"] = "eager flex_attention (unfused: materialises the scores); compiled on CUDA"
-            if name.endswith("_compiled") and name.startswith("library"):
-                res["note"] = "torch.compile(model, fullgraph=True, dynamic=False)"
-            if name.endswith("_graph"):
-                res["note"] = ("static forwards, each replayed from a CUDA graph (CUDAGraphStep"
-                               + (" over torch.compile(model, fullgraph=True))" if "_compiled" in name else ")"))
-            if "fp8" in name:
-                res["kv_dtype"] = "float8_e4m3fn"
-            if name == "rolling_sdpa_compiled":
-                res["note"] = ("torch.compile(model, dynamic=False) with the rolling cache write + SDPA opaque "
-                               "(one graph break per layer)")
-            variants[name] = res
-            iqr = res["ms_per_chunk_step_stats"]["iqr_ms"]
-            print(
-                f"  {setting} {name}: {res['ms_per_chunk_step']:.2f} ms per chunk step (IQR {iqr:.2g}; "
-                f"setup {res['setup_s']:.1f} s, "
-                f"warm-up {res['warmup_s']:.1f} s), rel err vs library {res['rel_err_vs_library']:.1e}",
-                flush=True,
-            )
-        if "ms_per_chunk_step" in variants.get(BASELINE, {}):
-            for res in variants.values():
-                if "error" in res:
-                    continue
-                res["speedup_vs_rolling_sdpa"] = variants[BASELINE]["ms_per_chunk_step"] / res["ms_per_chunk_step"]
-        results[setting] = {"branches": list(branches), "streams": streams, "variants": variants}
-
-    library_speedups = {s: r["variants"]["library"].get("speedup_vs_rolling_sdpa") for s, r in results.items()}
-    compiled_speedups = {  # both sides compiled: what torch.compile-native buys over the compiled baseline
-        s: (r["variants"]["rolling_sdpa_compiled"]["ms_per_chunk_step"]
-            / r["variants"]["library_compiled"]["ms_per_chunk_step"])
-        for s, r in results.items()
-        if all("ms_per_chunk_step" in r["variants"].get(n, {}) for n in ("library_compiled", "rolling_sdpa_compiled"))
-    }
-    fp8_compiled_speedups = {
-        s: (r["variants"]["rolling_sdpa_compiled"]["ms_per_chunk_step"]
-            / r["variants"]["library_fp8_compiled"]["ms_per_chunk_step"])
-        for s, r in results.items()
-        if all("ms_per_chunk_step" in r["variants"].get(n, {})
-               for n in ("library_fp8_compiled", "rolling_sdpa_compiled"))
-    }
-    def ratio(slow: str, fast: str) -> dict[str, float]:
-        """``slow``'s median chunk step over ``fast``'s, per CFG setting where both ran."""
-        return {
-            s: r["variants"][slow]["ms_per_chunk_step"] / r["variants"][fast]["ms_per_chunk_step"]
-            for s, r in results.items()
-            if all("ms_per_chunk_step" in r["variants"].get(n, {}) for n in (slow, fast))
-        }
-
-    graph_speedups = {
-        "library_graph_vs_library": ratio("library", "library_graph"),
-        "library_compiled_graph_vs_library_compiled": ratio("library_compiled", "library_compiled_graph"),
-        "library_fp8_compiled_graph_vs_library_fp8_compiled": ratio("library_fp8_compiled",
-                                                                    "library_fp8_compiled_graph"),
-    }
-    kv_ok = {
-        s: r["variants"]["library"]["kv_peak_bytes_per_branch"] == kv_target_per_branch for s, r in results.items()
-    }
-    payload: dict[str, Any] = {
-        "env": environment(),
-        "config": {
-            "preset": config.name, "params": params, "num_layers": config.num_layers, "dim": config.dim,
-            "num_heads": config.num_heads, "head_dim": config.head_dim, "chunk_size": config.chunk_size,
-            "frames_per_chunk": config.frames_per_chunk, "page_size": config.kv_page_size,
-            "sink_chunks": config.sink_chunks, "window_chunks": config.window_chunks, "dtype": args.dtype,
-            "device": str(device), "backend_requested": args.backend, "timesteps": list(TIMESTEPS) + [0.0],
-            "forwards_per_chunk_step": len(TIMESTEPS) + 1, "warmup_chunks": warmup, "chunks_timed": timed,
-            "flex_compiled": flex_compiled, "tolerance": tolerance, "seed": args.seed,
-            "timing": "each timed chunk step one sample between two device-synchronising clock reads "
-                      "(torch.utils.benchmark's timer); median and IQR over the timed steps",
-            "torch_threads": torch.get_num_threads(),
-        },
-        "results": results,
-        "targets": {
-            "library_speedup_vs_rolling_sdpa": TARGET_SPEEDUP,
-            "library_speedup": library_speedups,
-            "speedup_met": {s: (v is not None and v >= TARGET_SPEEDUP) for s, v in library_speedups.items()},
-            "library_compiled_speedup_vs_rolling_sdpa_compiled": compiled_speedups,
-            "library_fp8_compiled_speedup_vs_rolling_sdpa_compiled": fp8_compiled_speedups,
-            "graph_speedups": {k: v for k, v in graph_speedups.items() if v},
-            # chunk step with relative sinks over the same step without: the second key segment's cost
-            "relative_sinks_cost": {k: v for k, v in {
-                "library_relative_sinks_vs_library": ratio("library_relative_sinks", "library"),
-                "library_relative_sinks_compiled_vs_library_compiled": ratio("library_relative_sinks_compiled",
-                                                                              "library_compiled"),
-            }.items() if v},
-            "relative_sinks_cost_target": 1.02,
-            "kv_peak_bytes_per_branch_target": kv_target_per_branch,
-            "kv_peak_equals_target": kv_ok,
-        },
-        "agree": agree,
-    }
-
+    for name in settings:
+        results[name], setting_agrees = _run_setting(b, _setting(b, name))
+        agree &= setting_agrees
+    payload: dict[str, Any] = {"env": environment(), "config": _config(b), "results": results,
+                               "targets": _targets(results, b.kv_target_per_branch), "agree": agree}
     print_table(payload)
-    out = args.out
-    save_json(out / "end_to_end.json", payload, args=args)
-    png = plot(payload, out / "end_to_end.png")
+    save_json(result_path(args.out, "end_to_end.json", device=args.device), payload, args=args)
+    png = plot(payload, result_path(args.out, "end_to_end.png", device=args.device))
     payload["png"] = str(png) if png else None
     return payload
 

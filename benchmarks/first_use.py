@@ -7,12 +7,12 @@ structural paged path) and two masked (FA2) forwards, each of 2 layers at Wan2.1
 phase runs exactly once and is timed alone (``_timing.once``: wall time, the device synchronised
 before and after it), so there is no spread: run the script several times in fresh processes for one.
 
-Printed per phase (seconds) and in total since the interpreter started this script. With ``--out DIR``
-also ``DIR/first_use.json`` (phases, kernel modes, run metadata: git commit, UTC time, versions,
-command line). Needs CUDA and FlashInfer (exit status 2 otherwise; checked without importing either,
-so the import phases stay cold).
+Printed per phase (seconds) and in total since the interpreter started this script (the committed
+output: ``results/first_use_h200.log``). With ``--out DIR`` also ``DIR/first_use.json`` (phases, kernel
+modes, run metadata: git commit, UTC time, versions, command line). Needs CUDA and FlashInfer (exit
+status 2 otherwise; checked without importing either, so the import phases stay cold).
 
-    bash .gpu/run.sh python3 benchmarks/first_use.py [--out benchmarks/results]
+    bash .gpu/run.sh python3 -m benchmarks.first_use [--out DIR]
 """
 
 from __future__ import annotations
@@ -27,11 +27,7 @@ from collections.abc import Callable, Sequence  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-if str(HERE.parent) not in sys.path:  # this checkout's package, unless one is installed or on PYTHONPATH
-    sys.path.append(str(HERE.parent))
-from _timing import fail, once, parser, save_json  # noqa: E402
+from benchmarks._timing import fail, once, parser, save_json  # noqa: E402
 
 
 def main(argv: Sequence[str] | None = None) -> int:

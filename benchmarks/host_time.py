@@ -19,17 +19,20 @@ host path -- layouts, ragged/paged rows, the plan skip, write metadata -- runs a
 FlashInfer's ``plan()`` itself and the host-to-device copies. ``tests/test_benchmarks_smoke.py`` keeps
 its call counts under a ceiling.
 
-Measures whichever ``ardiff_modules`` is first on ``PYTHONPATH``, so two versions can be compared
-side by side in one run (alternate invocations)::
+Measures whichever ``ardiff_modules`` comes first on ``sys.path``: run from the repository root as
+``python -m benchmarks.host_time``, that is this checkout's (``-m`` puts the current folder first). To
+compare two versions side by side in one run (alternate invocations), put the measured tree first and
+keep the current folder off the path with ``-P`` (Python >= 3.11; this checkout's ``benchmarks`` package
+still comes from ``$PWD``)::
 
     for r in 1 2 3; do for tree in /path/to/old $PWD; do
-        PYTHONPATH=$tree:$PYTHONPATH python3 benchmarks/host_time.py --label $(basename $tree); done; done
+        PYTHONPATH=$tree:$PWD python3 -P -m benchmarks.host_time --label $(basename $tree); done; done
 
 Prints JSON lines: first one ``{"label", "run", "env", "package_git"}`` line (run metadata: git commit
 and dirty flag of this checkout and of the measured package's tree, UTC time, versions, command line),
 then one line per (layout, layers): median, IQR, p25, p75 of milliseconds per forward and the counts
-above. ``--out FILE`` appends the same lines to FILE; ``--profile FILE`` writes the cProfile listing of
-each counted forward.
+above. ``--out FILE`` appends the same lines to FILE (the committed ones: ``results/host_time_h200.jsonl``);
+``--profile FILE`` writes the cProfile listing of each counted forward.
 """
 
 from __future__ import annotations
@@ -43,11 +46,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-if str(HERE.parent) not in sys.path:  # this checkout's package, unless one is installed or on PYTHONPATH
-    sys.path.append(str(HERE.parent))
-from _timing import each_call, environment, git_info, parser, require_gpu, run_metadata  # noqa: E402
+from benchmarks._timing import each_call, environment, git_info, parser, require_gpu, run_metadata
 
 #: The Wan2.1-1.3B geometry of the measured forwards (2 branches, 4680-token chunks, 1 sink + 6 window chunks).
 CHUNK, PAGE, SINKS, WINDOW, BRANCHES = 4680, 120, 1, 6, ("cond", "uncond")

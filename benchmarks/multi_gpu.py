@@ -46,14 +46,15 @@ the 14B shape >= 1.8x), and, for layouts with an SP group, the **all-to-all shar
 Checked: the last committed forward's outputs (gathered) agree with ``single``'s (relative error
 norm <= 3e-2 in bf16); exit status 1 otherwise.
 
-    python benchmarks/multi_gpu.py                                # spawns one process per visible GPU
-    torchrun --nproc-per-node 2 benchmarks/multi_gpu.py          # or under torchrun
-    python benchmarks/multi_gpu.py --shapes wan-14b --steps 5 --out /tmp/mgpu
-    python benchmarks/multi_gpu.py --graph --layouts single,cfg,ulysses --out /tmp/mgpu-graph
+    python -m benchmarks.multi_gpu                                # spawns one process per visible GPU
+    torchrun --nproc-per-node 2 -m benchmarks.multi_gpu          # or under torchrun
+    python -m benchmarks.multi_gpu --shapes wan-14b --steps 5 --out /tmp/mgpu
+    python -m benchmarks.multi_gpu --graph --layouts single,cfg,ulysses --out /tmp/mgpu-graph
 
-Writes ``OUT/multi_gpu.json`` (config, per shape and layout: mesh, ms per chunk step (median, IQR,
-samples), speed-up vs single, all-to-all ms and shares, agreement; run metadata) and ``OUT/multi_gpu.png``
-(``multi_gpu_graph.json`` / ``.png`` with ``--graph``).
+Writes ``multi_gpu.json`` (config, per shape and layout: mesh, ms per chunk step (median, IQR,
+samples), speed-up vs single, all-to-all ms and shares, agreement; run metadata) and ``multi_gpu.png``
+(``multi_gpu_graph.json`` / ``.png`` with ``--graph``) into ``--out DIR``; by default the committed
+results, ``benchmarks/results/multi_gpu_<device>x<N>.json`` / ``.png`` (``multi_gpu_h200x2.json``).
 Needs CUDA, FlashInfer and at least 2 GPUs; exits 2 with one line otherwise.
 """
 
@@ -70,14 +71,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
-if str(HERE.parent) not in sys.path:  # this checkout's package, unless one is installed or on PYTHONPATH
-    sys.path.append(str(HERE.parent))
-
-from _plotting import bars, legend_below, pyplot, save, spread, wrap
-from _timing import Stats, each_call, fail, parser, require_gpu, save_json
+from benchmarks._plotting import bars, legend_below, pyplot, save, spread, wrap
+from benchmarks._timing import Stats, each_call, fail, parser, require_gpu, result_path, save_json
 
 LAYOUTS = ("single", "cfg", "ulysses")
 BRANCHES = ("cond", "uncond")
@@ -140,11 +135,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "rank's tokens with every head (no all-to-all, every head cached)")
     p.add_argument("--profile", action="store_true",
                    help="after timing, profile one chunk step per layout on every rank (torch.profiler): writes "
-                        "OUT/profile_<shape>_<layout>_rank<r>.txt, the top device kernels by total time")
+                        "OUT/profile_<shape>_<layout>_rank<r>.txt (default: benchmarks/results/multi_gpu_profile_"
+                        "<shape>_<layout>_rank<r>_<device>x<N>.txt), the top device kernels by total time")
     p.add_argument("--no-removal", action="store_true",
                    help="skip the all-to-alls-replaced-by-local-copies variant (saves --steps steps per SP layout)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=HERE / "results", help="folder for multi_gpu.json / .png")
+    p.add_argument("--out", type=Path, default=None,
+                   help="folder for multi_gpu.json / .png (default: the committed results, "
+                        "benchmarks/results/multi_gpu_<device>x<N>.json / .png)")
     args = p.parse_args(argv)
     args.prog = p.prog
     if args.shapes is None:
@@ -435,6 +433,49 @@ def profile_step(runner: _Runner, path: Path) -> None:
     path.write_text(prof.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=70))
 
 
+def _a2a_by_events(runner: _Runner, step_ms: float) -> dict[str, Any]:
+    """The all-to-alls' time in one extra step, from events around them (slowest rank), and its share of ``step_ms``.
+
+    On the eager, uncompiled model (a compiled graph or a CUDA graph would not see the timing wrappers);
+    one step, dynamic forwards.
+    """
+    import torch
+    import torch.distributed as dist
+
+    compiled, graph, runner.fn, runner.graph = runner.fn, runner.graph, runner.model, False
+    with a2a_events(runner) as pairs:
+        runner.step()
+    runner.fn, runner.graph = compiled, graph
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize()
+    result: dict[str, Any] = {}
+    for kind, key in (("collective", "a2a"), ("with_layout", "a2a_with_layout")):
+        ms = torch.tensor(sum(s.elapsed_time(e) for s, e in pairs[kind]), dtype=torch.float64, device=runner.device)
+        dist.all_reduce(ms, op=dist.ReduceOp.MAX)
+        result[f"{key}_ms_per_step"] = float(ms)
+        result[f"{key}_share"] = float(ms) / step_ms
+    result["a2a_calls_per_step"] = len(pairs["collective"])
+    return result
+
+
+def _a2a_by_removal(runner: _Runner, steps: int, step_ms: float) -> dict[str, Any]:
+    """The same ``steps`` steps, as timed (eager / compiled / graph), with local copies for the collectives."""
+    import torch
+    import torch.distributed as dist
+
+    runner.reset_graphs()  # a graph captured with the collectives would keep running them
+    with local_copies_instead_of_all_to_all(runner):
+        runner.step()  # (re)capture, recompile
+        dist.barrier()
+        removed, _ = each_call(runner.step, steps)
+    runner.reset_graphs()
+    mine = torch.tensor(removed.samples_ms, dtype=torch.float64, device=runner.device)
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    no_comm = Stats.from_ms(mine.tolist())
+    return {"no_comm_ms_per_chunk_step": no_comm.median_ms, "no_comm_ms_per_chunk_step_stats": no_comm.as_dict(),
+            "a2a_share_by_removal": 1.0 - no_comm.median_ms / step_ms}
+
+
 def measure_layout(layout: str, shape: Shape, args: argparse.Namespace, world: int,
                    reference: Any) -> tuple[dict[str, Any], Any]:
     """Time ``layout`` on every rank; returns (rank 0's result dict, the gathered last output)."""
@@ -462,37 +503,13 @@ def measure_layout(layout: str, shape: Shape, args: argparse.Namespace, world: i
         # The last timed step's output, before the profiling steps below advance the stream once more.
         out = runner.gathered_last() if runner.active else None
         if args.profile and runner.active:
-            profile_step(runner, args.out / f"profile_{shape.name}_{layout}_rank{dist.get_rank()}.txt")
+            name = f"profile_{shape.name}_{layout}_rank{dist.get_rank()}.txt"
+            profile_step(runner, args.out / name if args.out is not None
+                         else result_path(None, f"multi_gpu_{name}", device=args.device, world=world))
         if runner.mesh is not None and runner.mesh.sp is not None:
-            # Events: on the eager, uncompiled model (a compiled graph or a CUDA graph would not see the
-            # timing wrappers); one step, dynamic forwards.
-            compiled, graph, runner.fn, runner.graph = runner.fn, runner.graph, runner.model, False
-            with a2a_events(runner) as pairs:
-                runner.step()
-            runner.fn, runner.graph = compiled, graph
-            if runner.device.type == "cuda":
-                torch.cuda.synchronize()
-            for kind, key in (("collective", "a2a"), ("with_layout", "a2a_with_layout")):
-                ms = torch.tensor(sum(s.elapsed_time(e) for s, e in pairs[kind]), dtype=torch.float64,
-                                  device=runner.device)
-                dist.all_reduce(ms, op=dist.ReduceOp.MAX)
-                result[f"{key}_ms_per_step"] = float(ms)
-                result[f"{key}_share"] = float(ms) / step.median_ms
-            result["a2a_calls_per_step"] = len(pairs["collective"])
+            result.update(_a2a_by_events(runner, step.median_ms))
             if not args.no_removal:
-                # The same steps, as timed (eager / compiled / graph), with local copies for the collectives.
-                runner.reset_graphs()  # a graph captured with the collectives would keep running them
-                with local_copies_instead_of_all_to_all(runner):
-                    runner.step()  # (re)capture, recompile
-                    dist.barrier()
-                    removed, _ = each_call(runner.step, args.steps)
-                runner.reset_graphs()
-                mine = torch.tensor(removed.samples_ms, dtype=torch.float64, device=runner.device)
-                dist.all_reduce(mine, op=dist.ReduceOp.MAX)
-                no_comm = Stats.from_ms(mine.tolist())
-                result["no_comm_ms_per_chunk_step"] = no_comm.median_ms
-                result["no_comm_ms_per_chunk_step_stats"] = no_comm.as_dict()
-                result["a2a_share_by_removal"] = 1.0 - no_comm.median_ms / step.median_ms
+                result.update(_a2a_by_removal(runner, args.steps, step.median_ms))
         if layout != "single" and reference is not None and out is not None:
             err = float((out.float() - reference.float()).norm() / reference.float().norm().clamp_min(1e-12))
             result["rel_error_vs_single"] = err
@@ -637,10 +654,9 @@ def _run_distributed(rank: int, local_rank: int, world: int, args: argparse.Name
     try:
         payload = run_rank(args)
         if payload is not None:
-            out = Path(args.out)
             name = "multi_gpu_graph" if args.graph else "multi_gpu"
-            save_json(out / f"{name}.json", payload, args=args)
-            plot(payload, out / f"{name}.png")
+            save_json(result_path(args.out, f"{name}.json", device=args.device, world=world), payload, args=args)
+            plot(payload, result_path(args.out, f"{name}.png", device=args.device, world=world))
             if not payload["agree"]:
                 print("ERROR: a layout failed or its outputs disagree with single", file=sys.stderr)
         ok = torch.tensor(1 if payload is None or payload["agree"] else 0, device=args.device)

@@ -1,13 +1,16 @@
 """Diagnose CUDA-graph capture of NCCL functional collectives, stage by stage (run with torchrun).
 
-    torchrun --nproc-per-node 2 benchmarks/nccl_graph_probe.py [--stages raw,raw_thread_local,library]
+    torchrun --nproc-per-node 2 -m benchmarks.nccl_graph_probe [--stages raw,raw_thread_local,library]
 
 Stages:
   raw               an all_to_all_single (functional collective) captured in a CUDA graph with the default
                     capture_error_mode, replayed 3 times, checked against an eager all-to-all.
   raw_thread_local  the same with capture_error_mode="thread_local".
-  library           DistributedCUDAGraphStep over a tiny parallelized model (FlashInfer, Ulysses), replayed
-                    over committing forwards, checked against the eager distributed step.
+  library           DistributedCUDAGraphStep over a tiny parallelized model (``_models.TinyStreamingModel``,
+                    FlashInfer, Ulysses over every rank): whole steps captured once per static forward
+                    context and replayed over a rollout of denoising and committing forwards, checked
+                    forward by forward against the same rollout run eagerly. (``tests/test_distributed.py``
+                    holds the full check: prompt switch, the single-GPU run, page tables across ranks.)
 
 Every rank prints a line per step with a timestamp, and dumps every thread's Python stack if it is still
 running after ``--dump-after`` seconds (a hang shows where each rank waits). Not a test: a tool to find
@@ -17,9 +20,10 @@ where a capture hangs on a given torch / NCCL.
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
 import faulthandler
 import os
-import sys
 import time
 from datetime import timedelta
 
@@ -77,12 +81,74 @@ def stage_raw(mode: str) -> None:
     say(f"raw/{mode}: all-gather graph then a2a graph replayed: equal={torch.equal(g, gathered)}")
 
 
-def stage_library() -> None:
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-    import _distributed_workers as workers
+#: The library stage's model and cache (the tests' sizes: FlashInfer builds head_dim 64).
+CHUNK, PAGE, HEADS, KV_HEADS, HEAD_DIM, CONTEXT_DIM = 8, 4, 4, 2, 64, 12
+BRANCHES = ("cond", "uncond")
 
-    say(f"library: check_graph_rollout(({dist.get_world_size()},), ('sp',)) starting")
-    workers.check_graph_rollout((dist.get_world_size(),), ("sp",))
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
+
+
+def _library_setup(device: str) -> tuple[torch.nn.Module, list, list, object]:
+    """A parallelized tiny model, Ulysses over every rank, two distributed caches (eager, graphed) with the
+    prompt populated: ``(parallel model, caches, sessions, mesh)``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import ardiff_modules as am
+    from ardiff_modules.distributed import DistributedKVCache, ParallelMesh, parallelize
+    from benchmarks._models import TinyStreamingModel
+
+    cuda = device == "cuda"
+    backend, dtype = ("flashinfer", "bfloat16") if cuda else ("reference", "float32")
+    head_dim = HEAD_DIM if cuda else 8
+    torch.manual_seed(0)
+    model = TinyStreamingModel(dim=head_dim * HEADS, heads=HEADS, kv_heads=KV_HEADS, layers=2,
+                               context_dim=CONTEXT_DIM).eval().to(device, getattr(torch, dtype))
+    spec = dataclasses.replace(model.spec(CHUNK, PAGE, 1, 2, branches=BRANCHES), dtype=dtype, num_qo_heads=HEADS)
+    world = dist.get_world_size()
+    mesh = ParallelMesh(init_device_mesh(device, (world,), mesh_dim_names=("sp",)), BRANCHES, cfg_dim=None,
+                        sp_dim="sp")
+    parallel = copy.deepcopy(model)
+    parallelize(parallel, mesh)
+    caches = [DistributedKVCache(spec, mesh, num_pages=96, device=device, backend=backend, debug_checks=True)
+              for _ in range(2)]
+    states = [cache.open_session("s0") for cache in caches]
+    text = torch.randn(len(BRANCHES), 5, CONTEXT_DIM, generator=torch.Generator().manual_seed(6))
+    for state in states:
+        for i, branch in enumerate(BRANCHES):
+            if branch in mesh.local_branches:  # each rank populates only its branches (its heads)
+                am.populate_cross_attention(state, branch, [blk.cross for blk in parallel.blocks],
+                                            text[i].to(device, getattr(torch, dtype)))
+    return parallel, caches, states, mesh
+
+
+def stage_library(device: str = "cuda", steps: int = 7) -> None:
+    """``steps`` x (2 denoising + 1 committing forward) of one chunk, eager and as graph replays, compared."""
+    from ardiff_modules.distributed import DistributedCUDAGraphStep
+
+    say(f"library: graph rollout, Ulysses over ({dist.get_world_size()},) ranks, starting")
+    parallel, (eager_cache, graph_cache), (eager_state, graph_state), mesh = _library_setup(device)
+    dtype = next(parallel.parameters()).dtype
+    g = torch.Generator().manual_seed(7)
+
+    def whole_step(x: torch.Tensor, layers: list) -> torch.Tensor:  # this rank's tokens in, every token out
+        return mesh.gather(parallel(x, layers))
+
+    with DistributedCUDAGraphStep(whole_step, mesh) as step, torch.no_grad():  # graphs freed before the group
+        for i in range(3 * steps):
+            x = torch.randn(len(BRANCHES), CHUNK, parallel.dim, generator=g).to(device, dtype)
+            commit = i % 3 == 2
+            with eager_cache.prepare_forward(eager_state, CHUNK, commit) as fwd:
+                eager = whole_step(mesh.scatter(x), fwd.layers)
+            with graph_cache.prepare_forward(graph_state, CHUNK, commit, static=True) as fwd:
+                what = "capture" if step.will_capture(fwd) else "replay"
+                graphed = step(fwd, mesh.scatter(x))
+            err = _rel(graphed, eager)
+            say(f"library: forward {i} ({what}, commit={commit}): rel err vs eager {err:.1e}")
+            assert err < 3e-2, f"forward {i}: graph vs eager, rel err {err:.2e}"
+    for cache in (eager_cache, graph_cache):
+        cache.close()
     say("library: passed")
 
 

@@ -1,18 +1,18 @@
 """Redraw every benchmark PNG from the JSON already in a results folder (no GPU, no re-measuring).
 
-Writes one PNG per known JSON, next to it (or into ``--out``):
+Writes one PNG per known JSON, next to it (or into ``--out``), drawn by the ``plot(payload, path)`` of the
+benchmark module its name starts with:
 
-    attention.json            -> attention.png            (attention.plot)
-    end_to_end.json           -> end_to_end.png           (end_to_end.plot)
-    end_to_end_compiled.json  -> end_to_end_compiled.png  (end_to_end.plot)
-    sessions.json             -> sessions.png             (sessions.plot)
+    attention*.json     -> attention*.png     (attention.plot)
+    end_to_end*.json    -> end_to_end*.png    (end_to_end.plot: every configuration, e.g. end_to_end_compiled_h200)
+    multi_gpu*.json     -> multi_gpu*.png     (multi_gpu.plot)
+    sessions*.json      -> sessions*.png      (sessions.plot)
 
-Any other ``end_to_end*.json`` is drawn by ``end_to_end.plot`` too. Results written before the timing
-helper recorded spreads are drawn without error bars (``end_to_end`` results, which kept every timed
-step, get their IQR from those steps). Needs matplotlib; runs on the CPU.
+Results written before the timing helper recorded spreads are drawn without error bars (``end_to_end``
+results, which kept every timed step, get their IQR from those steps). Needs matplotlib; runs on the CPU.
 
-    python benchmarks/replot.py                                  # benchmarks/results in place
-    python benchmarks/replot.py --results DIR --out /tmp/plots
+    python -m benchmarks.replot                                  # benchmarks/results in place
+    python -m benchmarks.replot --results DIR --out /tmp/plots
 """
 
 from __future__ import annotations
@@ -23,14 +23,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-if str(HERE.parent) not in sys.path:  # this checkout's package, unless one is installed or on PYTHONPATH
-    sys.path.append(str(HERE.parent))
-from _timing import fail, parser  # noqa: E402
+from benchmarks._timing import RESULTS, fail, parser
 
 #: JSON stem prefix -> the benchmark module whose ``plot(payload, path)`` draws it.
-PLOTTERS = (("attention", "attention"), ("sessions", "sessions"), ("end_to_end", "end_to_end"))
+PLOTTERS = (("attention", "benchmarks.attention"), ("sessions", "benchmarks.sessions"),
+            ("end_to_end", "benchmarks.end_to_end"), ("multi_gpu", "benchmarks.multi_gpu"))
 
 
 def replot(results: Path, out: Path | None = None) -> list[Path]:
@@ -49,7 +46,7 @@ def replot(results: Path, out: Path | None = None) -> list[Path]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = parser(__doc__)
-    p.add_argument("--results", type=Path, default=HERE / "results", help="folder holding the JSON")
+    p.add_argument("--results", type=Path, default=RESULTS, help="folder holding the JSON (default benchmarks/results)")
     p.add_argument("--out", type=Path, default=None, help="folder for the PNGs (default: the results folder)")
     args = p.parse_args(argv)
     if not args.results.is_dir():

@@ -3,10 +3,13 @@
 #   bash .gpu/run.sh bash benchmarks/run_h200.sh tests attention sessions     (device run 1)
 #   bash .gpu/run.sh bash benchmarks/run_h200.sh end_to_end example           (device run 2)
 #   bash .gpu/run.sh bash benchmarks/run_h200.sh tests_multi_gpu multi_gpu    (kind nvidia-h200-x2)
-# A step that fails or overruns its time limit is reported and the next one still runs.
+# A step that fails or overruns its time limit is reported and the next one still runs. Results keep the
+# scripts' plain names under $OUT (attention.json, ...); committed, they become benchmarks/results/<name>_<device>.*
+# (benchmarks/README.md, "Results").
 # The device gets a copy of the tree without .git: pass the commit for the JSON's run metadata, e.g.
 #   ARDIFF_BENCH_GIT=$(git rev-parse HEAD)$(git diff --quiet HEAD || echo -dirty) bash .gpu/run.sh bash ...
 set -u
+cd "$(dirname "$0")/.." || exit 2  # the repository root: python -m benchmarks.X and the tests' paths need it
 out=${OUT:-/tmp/ardiff-out}
 mkdir -p "$out"
 status=0
@@ -26,54 +29,54 @@ for what in "$@"; do
     tests) step gpu_tests 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests -rs ;;
     tests_plan_skip) step gpu_tests_plan_skip 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py \
                -k plan_skipped -rs ;;
-    attention) step attention 200 python3 benchmarks/attention.py --out "$out" ;;
-    sessions) step sessions 240 python3 benchmarks/sessions.py --out "$out" ;;
-    end_to_end) step end_to_end 480 python3 benchmarks/end_to_end.py --out "$out" ;;
-    end_to_end_compiled) step end_to_end_compiled 540 python3 benchmarks/end_to_end.py --compile --fp8 --cfg on \
+    attention) step attention 200 python3 -m benchmarks.attention --out "$out" ;;
+    sessions) step sessions 240 python3 -m benchmarks.sessions --out "$out" ;;
+    end_to_end) step end_to_end 480 python3 -m benchmarks.end_to_end --out "$out" ;;
+    end_to_end_compiled) step end_to_end_compiled 540 python3 -m benchmarks.end_to_end --compile --fp8 --cfg on \
                --variants library,rolling_sdpa --chunks-timed 3 --out "$out/compiled" ;;
-    end_to_end_fp8) step end_to_end_fp8 330 python3 benchmarks/end_to_end.py --cfg on \
+    end_to_end_fp8) step end_to_end_fp8 330 python3 -m benchmarks.end_to_end --cfg on \
                --variants library,rolling_sdpa_compiled,library_fp8_compiled --chunks-timed 3 --out "$out/compiled_fp8" ;;
-    end_to_end_graph_14b) step end_to_end_graph_14b 250 python3 benchmarks/end_to_end.py --preset wan14b-like \
+    end_to_end_graph_14b) step end_to_end_graph_14b 250 python3 -m benchmarks.end_to_end --preset wan14b-like \
                --compile --graph --cfg on --variants library --chunks-timed 5 --out "$out/graph_14b" ;;
     tests_graphs) step gpu_tests_graphs 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_graphs.py -rs ;;
-    nccl_graph_probe_1) step nccl_graph_probe_1 120 torchrun --nproc-per-node 1 benchmarks/nccl_graph_probe.py ;;
+    nccl_graph_probe_1) step nccl_graph_probe_1 120 torchrun --nproc-per-node 1 -m benchmarks.nccl_graph_probe ;;
     example_distributed) step example_distributed 200 torchrun --nproc-per-node 2 examples/distributed_generation.py \
                --device cuda --preset wan2.1-1.3b --chunks 4 --check --json "$out/distributed_generation.json" ;;
-    ulysses_rank) step ulysses_rank 240 python3 benchmarks/ulysses_rank.py --profile --out "$out/ulysses_rank" ;;
-    ulysses_rank_compiled) step ulysses_rank_compiled 240 python3 benchmarks/ulysses_rank.py --compile --layers 4 \
+    ulysses_rank) step ulysses_rank 240 python3 -m benchmarks.ulysses_rank --profile --out "$out/ulysses_rank" ;;
+    ulysses_rank_compiled) step ulysses_rank_compiled 240 python3 -m benchmarks.ulysses_rank --compile --layers 4 \
                --out "$out/ulysses_rank" ;;
     tests_multi_gpu) step gpu_tests_multi_gpu 330 python3 -m pytest -m gpu -q -p no:cacheprovider \
                tests/test_distributed.py -rs ;;
     tests_multi_gpu_graphs) step gpu_tests_multi_gpu_graphs 200 python3 -m pytest -m gpu -q \
                -p no:cacheprovider tests/test_distributed.py -k graph -rs ;;
-    multi_gpu) step multi_gpu 300 python3 benchmarks/multi_gpu.py --steps 3 --out "$out" ;;
+    multi_gpu) step multi_gpu 300 python3 -m benchmarks.multi_gpu --steps 3 --out "$out" ;;
     tests_relative_sinks) step gpu_tests_relative_sinks 200 python3 -m pytest -m gpu -q -p no:cacheprovider \
                tests/test_gpu_relative_sinks.py tests/test_rolling.py tests/test_recache.py -rs ;;
-    end_to_end_relative) step end_to_end_relative 420 python3 benchmarks/end_to_end.py --cfg on \
+    end_to_end_relative) step end_to_end_relative 420 python3 -m benchmarks.end_to_end --cfg on \
                --variants library,library_relative_sinks,library_compiled,library_relative_sinks_compiled \
                --chunks-timed 6 --out "$out/relative_sinks" ;;
     example_recache) step example_recache 150 python3 examples/streaming_generation.py --preset wan2.1-1.3b \
                --device cuda --chunks 12 --switch-at 9 --recache-on-switch --relative-sinks --no-progress \
                --no-plot --out "$out/recache/stream.png" ;;
-    multi_gpu_14b) step multi_gpu_14b 300 python3 benchmarks/multi_gpu.py --shapes wan-14b --steps 3 --out "$out/mg14" ;;
-    multi_gpu_14b_tokens) step multi_gpu_14b_tokens 250 python3 benchmarks/multi_gpu.py --shapes wan-14b --layouts single,ulysses --steps 3 \
+    multi_gpu_14b) step multi_gpu_14b 300 python3 -m benchmarks.multi_gpu --shapes wan-14b --steps 3 --out "$out/mg14" ;;
+    multi_gpu_14b_tokens) step multi_gpu_14b_tokens 250 python3 -m benchmarks.multi_gpu --shapes wan-14b --layouts single,ulysses --steps 3 \
                --cross-attention tokens --out "$out/mg14_tokens" ;;
-    nccl_graph_probe) step nccl_graph_probe 120 torchrun --nproc-per-node 2 benchmarks/nccl_graph_probe.py ;;
+    nccl_graph_probe) step nccl_graph_probe 120 torchrun --nproc-per-node 2 -m benchmarks.nccl_graph_probe ;;
     tests_gpu_relative_sinks) step gpu_tests_gpu_relative_sinks 150 python3 -m pytest -m gpu -q -p no:cacheprovider \
                tests/test_gpu_relative_sinks.py -rs ;;
-    multi_gpu_14b_tokens_compiled) step multi_gpu_14b_tokens_compiled 300 python3 benchmarks/multi_gpu.py --shapes wan-14b \
+    multi_gpu_14b_tokens_compiled) step multi_gpu_14b_tokens_compiled 300 python3 -m benchmarks.multi_gpu --shapes wan-14b \
                --layouts single,ulysses --steps 3 --cross-attention tokens --compile --out "$out/mg14_tokens_compiled" ;;
-    multi_gpu_graph) step multi_gpu_graph 300 python3 benchmarks/multi_gpu.py --graph --steps 3 --out "$out/mg_graph" ;;
-    multi_gpu_13b) step multi_gpu_13b 150 python3 benchmarks/multi_gpu.py --shapes wan2.1-1.3b --steps 3 --out "$out/mg13" ;;
-    multi_gpu_14b_graph) step multi_gpu_14b_graph 200 python3 benchmarks/multi_gpu.py --shapes wan-14b --graph --steps 3 \
+    multi_gpu_graph) step multi_gpu_graph 300 python3 -m benchmarks.multi_gpu --graph --steps 3 --out "$out/mg_graph" ;;
+    multi_gpu_13b) step multi_gpu_13b 150 python3 -m benchmarks.multi_gpu --shapes wan2.1-1.3b --steps 3 --out "$out/mg13" ;;
+    multi_gpu_14b_graph) step multi_gpu_14b_graph 200 python3 -m benchmarks.multi_gpu --shapes wan-14b --graph --steps 3 \
                --out "$out/mg14_graph" ;;
-    multi_gpu_14b_tokens_graph) step multi_gpu_14b_tokens_graph 200 python3 benchmarks/multi_gpu.py --shapes wan-14b \
+    multi_gpu_14b_tokens_graph) step multi_gpu_14b_tokens_graph 200 python3 -m benchmarks.multi_gpu --shapes wan-14b \
                --layouts single,ulysses --graph --steps 3 --cross-attention tokens --out "$out/mg14_tokens_graph" ;;
-    multi_gpu_14b_compiled) step multi_gpu_14b_compiled 300 python3 benchmarks/multi_gpu.py --shapes wan-14b \
+    multi_gpu_14b_compiled) step multi_gpu_14b_compiled 300 python3 -m benchmarks.multi_gpu --shapes wan-14b \
                --layouts single,ulysses --steps 3 --compile --out "$out/mg14_compiled" ;;
-    first_use) step first_use 200 python3 benchmarks/first_use.py --out "$out" ;;
-    host_time) step host_time 120 python3 benchmarks/host_time.py --out "$out/host_time.jsonl" ;;
-    compile_vs_eager) step compile_vs_eager 300 python3 benchmarks/compile_vs_eager.py --out "$out" ;;
+    first_use) step first_use 200 python3 -m benchmarks.first_use --out "$out" ;;
+    host_time) step host_time 120 python3 -m benchmarks.host_time --out "$out/host_time.jsonl" ;;
+    compile_vs_eager) step compile_vs_eager 300 python3 -m benchmarks.compile_vs_eager --out "$out" ;;
     example) step example 150 python3 examples/streaming_generation.py --preset wan2.1-1.3b --device cuda \
                --chunks 10 --switch-at 6 --compile --no-progress --out /tmp/stream_wan.png ;;
     example_graph) step example_graph 150 python3 examples/streaming_generation.py --preset wan2.1-1.3b \

@@ -17,26 +17,22 @@ cost of ``fork`` (host time; pages allocated and bytes written must both be 0).
 Runs on CUDA (FlashInfer through ``backend="auto"``, bf16) or on the CPU (the reference backend,
 float32; a smoke run: CPU timings say nothing about the GPU). ``--device cuda`` without CUDA exits 2.
 
-Writes ``OUT/sessions.json`` (per shape and session count: medians, ``batched_stats`` /
-``serial_stats`` with IQR, p25, p75 and samples, speed-up, KV bytes, fork cost; run metadata) and
-``OUT/sessions.png`` (throughput with IQR error bars, and the speed-up).
+Writes ``sessions.json`` (per shape and session count: medians, ``batched_stats`` / ``serial_stats``
+with IQR, p25, p75 and samples, speed-up, KV bytes, fork cost; run metadata) and ``sessions.png``
+(throughput with IQR error bars, and the speed-up) into ``--out DIR``; by default the committed results,
+``benchmarks/results/sessions_<device>.json`` / ``.png``.
 
-    bash .gpu/run.sh python3 benchmarks/sessions.py --out benchmarks/results          # H200
-    python benchmarks/sessions.py --shape tiny --device cpu --out /tmp/sessions        # CPU smoke
+    bash .gpu/run.sh python3 -m benchmarks.sessions                                # H200: sessions_h200.*
+    python -m benchmarks.sessions --shape tiny --device cpu --out /tmp/sessions    # CPU smoke
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-if str(HERE.parent) not in sys.path:  # this checkout's package, unless one is installed or on PYTHONPATH
-    sys.path.append(str(HERE.parent))
-from _timing import fail, interleaved, once, parser, save_json  # noqa: E402
+from benchmarks._timing import fail, interleaved, once, parser, result_path, save_json
 
 SHAPES = {
     "wan1.3b": dict(heads=12, head_dim=128, chunk=4680, page=120, sink=1, window=6),
@@ -135,7 +131,7 @@ def _throughput_bounds(row: dict[str, Any], key: str) -> tuple[float, float] | N
 
 def plot(payload: dict[str, Any], path: Path) -> Path | None:
     """Top: aggregate throughput, batched vs serial (IQR error bars); bottom: the speed-up (ratio of medians)."""
-    from _plotting import bars, legend_below, pyplot, save, wrap, yerr
+    from benchmarks._plotting import bars, legend_below, pyplot, save, wrap, yerr
 
     plt = pyplot()
     if plt is None:
@@ -185,7 +181,9 @@ def build_parser() -> Any:
     p.add_argument("--rounds", "--iters", dest="rounds", type=int, default=15,
                    help="round-robin samples per variant (default 15; --iters is an alias)")
     p.add_argument("--inner", type=int, default=3, help="back-to-back forwards per sample (default 3)")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="folder for sessions.json / .png")
+    p.add_argument("--out", type=Path, default=None,
+                   help="folder for sessions.json / .png (default: the committed results, "
+                        "benchmarks/results/sessions_<device>.json / .png)")
     return p
 
 
@@ -216,8 +214,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                   f"serial {r['serial_ms']:.3g} ms (IQR {iqr_s:.2g}), "
                   f"speed-up {r['speedup']:.2f}x, fork {r['fork_host_ms']:.3f} ms / {r['fork_pages_allocated']} pages")
         payload["shapes"][name] = rows
-    save_json(args.out / "sessions.json", payload, args=args)
-    plot(payload, args.out / "sessions.png")
+    save_json(result_path(args.out, "sessions.json", device=args.device), payload, args=args)
+    plot(payload, result_path(args.out, "sessions.png", device=args.device))
     return payload
 
 

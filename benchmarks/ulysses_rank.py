@@ -1,6 +1,6 @@
 """One Ulysses rank's work on one GPU, without communication: where the non-communication overhead goes.
 
-``multi_gpu.py`` measures Ulysses on 2 GPUs; its ``a2a_share_by_removal`` replaces the all-to-alls by
+``multi_gpu`` measures Ulysses on 2 GPUs; its ``a2a_share_by_removal`` replaces the all-to-alls by
 local copies and still leaves the step slower than half of one GPU's. This script runs, in one process,
 the work of **rank 0 of a 2-way Ulysses group** -- half the tokens outside attention, half the heads in
 its pool, both CFG branches -- with every all-to-all replaced by a copy of the same size
@@ -14,24 +14,26 @@ its pool, both CFG branches -- with every all-to-all replaced by a copy of the s
 
 Reported: ms per chunk step (4 denoising + 1 committing forward) and ``rank / (single / 2)``, the
 overhead factor a perfect interconnect would still leave; ``--profile`` writes the top device kernels
-of one step of each variant. The model and step are ``multi_gpu.py``'s (``build_stack``, Wan-14B width by
+of one step of each variant. The model and step are ``multi_gpu``'s (``build_stack``, Wan-14B width by
 default, ``--layers`` blocks).
 
-    python benchmarks/ulysses_rank.py --out /tmp/ulysses_rank            # CUDA + FlashInfer
+Writes ``ulysses_rank.json`` (``ulysses_rank_compiled.json`` with ``--compile``) and, with ``--profile``,
+``profile_ulysses_<variant>.txt`` into ``--out DIR``; by default the committed results,
+``benchmarks/results/ulysses_rank_<device>.json`` (``ulysses_rank_compiled_<device>.json``) and
+``ulysses_rank_profile_<variant>_<device>.txt``.
+
+    python -m benchmarks.ulysses_rank --out /tmp/ulysses_rank            # CUDA + FlashInfer
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
-
-from _timing import each_call, parser, require_gpu, save_json
-from multi_gpu import BRANCHES, DENOISING_FORWARDS, build_stack, kv_spec, pages_needed, profile_step, shapes
+from benchmarks._timing import each_call, parser, require_gpu, result_path, save_json
+from benchmarks.multi_gpu import (
+    BRANCHES, DENOISING_FORWARDS, build_stack, kv_spec, pages_needed, profile_step, shapes,
+)
 
 
 class _LocalSequenceParallel:
@@ -106,7 +108,9 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--compile", action="store_true", help="torch.compile(fullgraph=True) every variant's stack")
-    p.add_argument("--out", type=Path, default=HERE / "results")
+    p.add_argument("--out", type=Path, default=None,
+                   help="folder for the JSON and profiles (default: the committed results, "
+                        "benchmarks/results/ulysses_rank_<device>.json, ulysses_rank_profile_<variant>_<device>.txt)")
     args = p.parse_args()
     if args.device == "cuda":
         require_gpu(p.prog)
@@ -133,7 +137,8 @@ def main() -> int:
         stats, _ = each_call(variant.step, args.steps)
         results[name] = {"ms_per_chunk_step": stats.median_ms, "stats": stats.as_dict()}
         if args.profile:
-            profile_step(variant, args.out / f"profile_ulysses_{name}.txt")  # type: ignore[arg-type]
+            profile_step(variant, args.out / f"profile_ulysses_{name}.txt" if args.out is not None  # type: ignore[arg-type]
+                         else result_path(None, f"ulysses_rank_profile_{name}.txt", device=args.device))
         if plain is not None:
             plain.stop()
         print(f"{args.shape} {name:18s} {stats.median_ms:9.2f} ms/step", flush=True)
@@ -146,7 +151,9 @@ def main() -> int:
         results[name]["overhead_vs_half_single"] = results[name]["ms_per_chunk_step"] / half
         print(f"{name}: {results[name]['overhead_vs_half_single']:.3f}x half of single "
               f"(an ideal 2-GPU Ulysses speed-up without communication: {2 / results[name]['overhead_vs_half_single']:.2f}x)")
-    save_json(args.out / ("ulysses_rank_compiled.json" if args.compile else "ulysses_rank.json"), {"config": vars(args) | {"out": str(args.out)}, "results": results})
+    path = result_path(args.out, "ulysses_rank_compiled.json" if args.compile else "ulysses_rank.json",
+                       device=args.device)
+    save_json(path, {"config": vars(args) | {"out": str(path.parent)}, "results": results})
     return 0
 
 

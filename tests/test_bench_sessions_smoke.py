@@ -1,10 +1,11 @@
-"""CPU smoke run of benchmarks/sessions.py (tiny shapes): it runs, saves JSON (with spreads and run
+"""CPU smoke run of ``benchmarks.sessions`` (tiny shapes): it runs, saves JSON (with spreads and run
 metadata) + PNG, forks copy nothing; ``--device cuda`` without CUDA exits 2 with one line."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,10 +15,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _load_sessions():  # noqa: ANN202
-    spec = importlib.util.spec_from_file_location("bench_sessions", ROOT / "benchmarks" / "sessions.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    if str(ROOT) not in sys.path:  # the benchmarks package (`python -m pytest` from the root has it already)
+        sys.path.insert(0, str(ROOT))
+    return importlib.import_module("benchmarks.sessions")
 
 
 def test_sessions_benchmark_smoke(tmp_path: Path) -> None:

@@ -1,17 +1,17 @@
-"""Smoke tests of the benchmark scripts on the CPU (fast: no GPU, tiny shapes).
+"""Smoke tests of the benchmark scripts (the ``benchmarks`` package) on the CPU (fast: no GPU, tiny shapes).
 
-* ``benchmarks/end_to_end.py`` (tiny preset, float32): the three attention variants (this library,
+* ``benchmarks.end_to_end`` (tiny preset, float32): the three attention variants (this library,
   rolling buffer + SDPA, rolling buffer + FlexAttention, eager on CPU) must produce the same committed
   outputs after the window has filled and the timed chunk step has evicted (the rolling buffers
   memmove), CFG on and off, and the library's KV peak must be exactly (sinks + window + pending)
   chunks per branch, the size of the rolling buffers. The JSON carries the spread and run metadata.
-* ``benchmarks/_timing.py``: median and IQR for a CPU callable, side by side and alone; stateful
+* ``benchmarks._timing``: median and IQR for a CPU callable, side by side and alone; stateful
   sequences run each call exactly once; metadata tolerant of a tree without git.
-* Every script: ``--help`` exits 0 (as a subprocess; ``end_to_end.py`` in-process, its imports take
-  seconds); the GPU-only ones exit 2 with one line (no traceback) when CUDA / FlashInfer are missing
-  (subprocesses with ``CUDA_VISIBLE_DEVICES=""``).
-* ``benchmarks/replot.py`` redraws PNGs from stored JSON.
-* ``benchmarks/host_time.py --cpu``: the host function calls of one steady-state prepare + commit (the
+* Every script: ``--help`` exits 0 (as a subprocess, ``python -m benchmarks.<script>`` from the repository
+  root; ``end_to_end`` in-process, its imports take seconds); the GPU-only ones exit 2 with one line (no
+  traceback) when CUDA / FlashInfer are missing (subprocesses with ``CUDA_VISIBLE_DEVICES=""``).
+* ``benchmarks.replot`` redraws PNGs from stored JSON.
+* ``python -m benchmarks.host_time --cpu``: the host function calls of one steady-state prepare + commit (the
   FlashInfer backend's host path at Wan shapes, its wrappers stubbed) stay under a ceiling, do not grow
   with the model's depth, and FlashInfer's ``plan()`` is skipped once the windows are full.
 """
@@ -29,14 +29,14 @@ from pathlib import Path
 import pytest
 import torch
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
+ROOT = Path(__file__).resolve().parent.parent
+BENCHMARKS = ROOT / "benchmarks"
+if str(ROOT) not in sys.path:  # the benchmarks package (`python -m pytest` from the root has it already)
+    sys.path.insert(0, str(ROOT))
 
-import _timing  # noqa: E402
-import end_to_end  # noqa: E402
-import host_time  # noqa: E402
+from benchmarks import _timing, end_to_end, host_time  # noqa: E402
 
-# end_to_end.py's --help is checked in-process (its module imports torch and the example model: seconds).
+# end_to_end's --help is checked in-process (its module imports torch and the example model: seconds).
 SCRIPTS = ("attention", "sessions", "compile_vs_eager", "first_use", "host_time", "replot", "ulysses_rank")
 GPU_ONLY = ("attention", "compile_vs_eager", "first_use", "host_time", "ulysses_rank")
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
@@ -164,7 +164,7 @@ def test_run_metadata_tolerates_no_git(tmp_path: Path, monkeypatch: pytest.Monke
 def _run_all(cases: dict[str, list[str]], env: dict[str, str]) -> dict[str, subprocess.CompletedProcess[str]]:
     """Run the scripts side by side (each is mostly interpreter start-up): name -> completed process."""
     procs = {
-        key: subprocess.Popen([sys.executable, str(BENCHMARKS / f"{key.split(':')[0]}.py"), *argv], env=env,
+        key: subprocess.Popen([sys.executable, "-m", f"benchmarks.{key.split(':')[0]}", *argv], cwd=ROOT, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for key, argv in cases.items()
     }
@@ -195,11 +195,11 @@ def test_scripts_help_and_no_cuda_exit() -> None:
 
 # --------------------------------------------------------------------------------- host cost per forward
 #: Function calls (cProfile: Python and builtin) of one steady-state prepare + commit at the Wan shapes of
-#: ``benchmarks/host_time.py --cpu``, a little above this code's counts on CPython 3.11 (extents 858, plain
+#: ``python -m benchmarks.host_time --cpu``, a little above this code's counts on CPython 3.11 (extents 858, plain
 #: paging 815; 3.12 inlines comprehensions: fewer). A count, not a time: deterministic, and a host path that
 #: doubles (work per layer or per page, a layout or plan built twice, FlashInfer's plan() no longer skipped)
 #: goes far over. The ragged-rows generator of 75b9f93 -- one call per pending page -- alone gave 936 / 854.
-#: After a change that adds host work on purpose, re-read the counts (``python3 benchmarks/host_time.py --cpu``)
+#: After a change that adds host work on purpose, re-read the counts (``python3 -m benchmarks.host_time --cpu``)
 #: and raise these in the same commit, saying why.
 HOST_CALL_CEILINGS = {"extents": 900, "paging": 850}
 
@@ -222,12 +222,12 @@ def test_host_calls_per_forward_stay_under_their_ceiling(layout: str) -> None:
     assert (three["calls_per_forward"], three["library_calls"]) == (one["calls_per_forward"], one["library_calls"])
     assert one["calls_per_forward"] <= HOST_CALL_CEILINGS[layout], (
         f"{layout}: {one['calls_per_forward']} host calls per prepare + commit, ceiling {HOST_CALL_CEILINGS[layout]}"
-        " (profile it: python3 benchmarks/host_time.py --cpu --profile /tmp/host.txt)"
+        " (profile it: python3 -m benchmarks.host_time --cpu --profile /tmp/host.txt)"
     )
 
 
 def test_host_time_cpu_run_writes_counts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """``host_time.py --cpu`` (no GPU): one JSON line per (layout, depth) with the times and the counts, saved
+    """``host_time --cpu`` (no GPU): one JSON line per (layout, depth) with the times and the counts, saved
     with ``--out`` beside the run metadata; ``--profile`` writes each counted forward's cProfile listing."""
     out, profile = tmp_path / "host_time.jsonl", tmp_path / "host_profile.txt"
     argv = ["--cpu", "--iters", "2", "--warmup", "9", "--layers", "2", "--label", "t", "--out", str(out),
@@ -247,11 +247,11 @@ def test_host_time_cpu_run_writes_counts(tmp_path: Path, capsys: pytest.CaptureF
 # --------------------------------------------------------------------------------- replot
 @pytest.mark.skipif(not HAS_MATPLOTLIB, reason="matplotlib not installed")
 def test_replot_redraws_from_stored_json(tmp_path: Path) -> None:
-    import replot
+    from benchmarks import replot
 
     results = BENCHMARKS / "results"
     for name in ("end_to_end_compiled.json", "sessions.json"):  # old JSON, without spreads
-        shutil.copy(results / name, tmp_path / name)
+        shutil.copy(results / name.replace(".json", "_h200.json"), tmp_path / name)
     written = replot.replot(tmp_path, tmp_path / "png")
     assert sorted(p.name for p in written) == ["end_to_end_compiled.png", "sessions.png"]
     for p in written:
@@ -259,11 +259,11 @@ def test_replot_redraws_from_stored_json(tmp_path: Path) -> None:
 
 
 def test_ulysses_rank_cpu_dry_run(tmp_path: Path) -> None:
-    """``ulysses_rank.py --device cpu``: every variant runs (one Ulysses rank with local copies for the
+    """``ulysses_rank --device cpu``: every variant runs (one Ulysses rank with local copies for the
     all-to-alls, the word and plain layout copies) and the JSON has each variant's time and overhead."""
     proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "ulysses_rank.py"), "--device", "cpu", "--steps", "1", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=300, check=False,
+        [sys.executable, "-m", "benchmarks.ulysses_rank", "--device", "cpu", "--steps", "1", "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((tmp_path / "ulysses_rank.json").read_text())["results"]
