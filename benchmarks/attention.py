@@ -96,7 +96,7 @@ class _Shape:
     @property
     def keys(self) -> int:
         """Visible keys per stream: the resident chunks and the pending one."""
-        return (self.resident + 1) * self.chunk
+        return (self.history + 1) * self.chunk
 
 
 def _shape(heads: int, chunk: int, sink: int, window: int, streams: int, page: int) -> _Shape:
@@ -143,12 +143,12 @@ def _add_library_path(s: _Shape, lib: _Library, label: str, extents: bool, kv_dt
     ``label`` (write + kernel) and ``label_attend`` (the kernel alone); with extents also ``label_graph``."""
     am, q, k, v = s.am, s.q, s.k, s.v
     cache = am.KVCache(dataclasses.replace(s.spec, kv_dtype=kv_dtype),
-                       num_pages=s.streams * (s.resident + 2) * s.spec.pages_per_chunk, device=s.dev,
+                       num_pages=s.streams * (s.history + 2) * s.spec.pages_per_chunk, device=s.dev,
                        backend="flashinfer", contiguous_extents=extents)
     lib.pool_bytes[label] = cache.pool.nbytes
     state = cache.open_session()
     lib.states.append(state)
-    for _ in range(s.resident + 2):  # fill the window and evict once
+    for _ in range(s.history + 2):  # fill the window and evict once
         with state.prepare_forward(None, s.chunk, commit_current=True) as fwd:
             am.chunk_attention(q, k, v, fwd.layers[0])
     fwd = state.prepare_forward(None, s.chunk, commit_current=False)
@@ -182,7 +182,7 @@ def _masked_path(s: _Shape, num_pages: int) -> tuple[Callable[[], object], Any, 
     am, q, k, v = s.am, s.q, s.k, s.v
     masked_cache = am.KVCache(s.spec, num_pages=num_pages, device=s.dev, backend="flashinfer")
     mstate = masked_cache.open_session()
-    for _ in range(s.resident + 1):
+    for _ in range(s.history + 1):
         with mstate.prepare_forward(None, s.chunk, commit_current=True) as f2:
             am.chunk_attention(q, k, v, f2.layers[0])
     mask = s.torch.ones(s.streams, s.chunk, s.keys, dtype=s.torch.bool, device=s.dev)
@@ -342,7 +342,7 @@ def bench_shape(name: str, heads: int, chunk: int, sink: int, window: int, strea
     contig = contiguous_attention(s.qf, kc, vc, streams=streams, chunk=chunk, keys=s.keys)
     fns.update(contig.fns)
     # FlexAttention over a whole timeline of chunks (the resident ones and 4 more) with a sink + window block mask.
-    total = (s.resident + 4) * chunk
+    total = (s.history + 4) * chunk
     kt, vt = s.rand(streams, heads, total, D), s.rand(streams, heads, total, D)
     fns["flex"] = flex_sink_window(contig.qs, kt, vt, chunk=chunk, sink=sink, window=window)
     fns["fa2_mask"], mstate, masked_plan_s = _masked_path(s, cache.allocator.num_pages)

@@ -112,17 +112,18 @@ def test_importing_the_library_does_not_import_the_distributed_package() -> None
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
 
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "multi_gpu.py"
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = [sys.executable, "-m", "benchmarks.multi_gpu"]  # from the repository root (cwd=ROOT)
 
 
 def test_multi_gpu_benchmark_help_and_one_line_exit_without_gpus() -> None:
     import torch
 
-    run = subprocess.run([sys.executable, str(BENCH), "--help"], check=False, capture_output=True, text=True, timeout=120)
+    run = subprocess.run([*BENCH, "--help"], cwd=ROOT, check=False, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and "--layouts" in run.stdout, run.stderr
     if torch.cuda.device_count() >= 2:
         pytest.skip("2 GPUs present: the exit-2 path is not reachable here")
-    run = subprocess.run([sys.executable, str(BENCH), "--steps", "1"], check=False, capture_output=True, text=True, timeout=120)
+    run = subprocess.run([*BENCH, "--steps", "1"], cwd=ROOT, check=False, capture_output=True, text=True, timeout=120)
     assert run.returncode == 2, run.stderr
     lines = [ln for ln in run.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("multi_gpu.py: needs"), run.stderr
@@ -133,9 +134,9 @@ def test_multi_gpu_benchmark_cpu_dry_run_measures_the_all_to_all(tmp_path: Path)
     the share with layout copies and the share by removal; q/k/v go in one all-to-all (2 streams per rank)."""
     import json
 
-    cmd = [sys.executable, str(BENCH), "--device", "cpu", "--layouts", "single,ulysses", "--steps", "1",
+    cmd = [*BENCH, "--device", "cpu", "--layouts", "single,ulysses", "--steps", "1",
            "--warmup-steps", "1", "--out", str(tmp_path)]
-    run = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(cmd, cwd=ROOT, check=False, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     result = json.loads((tmp_path / "multi_gpu.json").read_text())["results"]["tiny"]["layouts"]["ulysses"]
     assert result["agrees"], result
@@ -144,6 +145,6 @@ def test_multi_gpu_benchmark_cpu_dry_run_measures_the_all_to_all(tmp_path: Path)
     for key in ("a2a_share", "a2a_with_layout_share", "a2a_share_by_removal", "no_comm_ms_per_chunk_step"):
         assert isinstance(result[key], float), (key, result)
     assert 0 < result["a2a_ms_per_step"] <= result["a2a_with_layout_ms_per_step"], result
-    run = subprocess.run([sys.executable, str(BENCH), "--device", "cpu", "--graph"], check=False,
+    run = subprocess.run([*BENCH, "--device", "cpu", "--graph"], cwd=ROOT, check=False,
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "--graph: CUDA graphs need --device cuda" in run.stderr, run.stderr
