@@ -58,7 +58,7 @@ Outputs (beside ``--out``, default ``outputs/``):
   the dense mask would be hundreds of MB); (c) wall ms per chunk, warm-up and window filling marked; (d)
   the latent strip.
 * ``streaming_generation.json`` (``--json``): the printed summary plus the per-chunk record
-  (:class:`StreamRecorder`: pages per branch from ``state.history``, pool use from ``cache.stats()``,
+  (:class:`StreamRecorder`: pages per branch from ``state.branch_pages``, pool use from ``cache.stats()``,
   visible key chunks, ms per chunk) and the geometry the figure uses.
 """
 
