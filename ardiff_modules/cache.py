@@ -21,6 +21,7 @@ from ardiff_modules.context import ForwardContext
 from ardiff_modules.core.admission import Admission
 from ardiff_modules.core.allocator import PageAllocator
 from ardiff_modules.core.branch import BranchPages
+from ardiff_modules.core.retention import RetentionPolicy
 from ardiff_modules.core.transaction import ForwardTransaction
 from ardiff_modules.errors import CacheClosedError, SpecError
 from ardiff_modules.forwards import ForwardManager
@@ -123,6 +124,11 @@ class KVCache:
     def dtype(self) -> torch.dtype:
         """Compute dtype: queries, outputs, cross-attention caches."""
         return self._dtype
+
+    @property
+    def policy(self) -> RetentionPolicy:
+        """The retention policy every branch follows (``spec.policy``)."""
+        return self.spec.policy
 
     @property
     def kv_dtype(self) -> torch.dtype:
