@@ -176,6 +176,36 @@ class KVCacheSpec:
                 f"{owner}.page_size: expected a divisor of chunk_size={self.chunk_size}, got {self.page_size} "
                 f"(remainder {self.chunk_size % self.page_size})"
             )
+        self._normalise_names(owner)
+        if self.num_qo_heads is not None:
+            require_field_int(owner, "num_qo_heads", self.num_qo_heads, minimum=1)
+            if self.num_qo_heads % self.num_kv_heads:
+                raise SpecError(
+                    f"{owner}.num_qo_heads: expected a multiple of num_kv_heads={self.num_kv_heads}, "
+                    f"got {self.num_qo_heads}"
+                )
+        # Frozen: normalise torch dtypes to their names through object.__setattr__.
+        object.__setattr__(self, "dtype", dtype_name(self.dtype))
+        object.__setattr__(self, "kv_dtype", dtype_name(self.kv_dtype))
+        if not isinstance(self.dtype, str) or self.dtype not in SUPPORTED_DTYPES:
+            raise SpecError(f"{owner}.dtype: expected one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+        kv_dtype = self.kv_dtype
+        if kv_dtype is not None and (not isinstance(kv_dtype, str) or kv_dtype not in SUPPORTED_KV_DTYPES):
+            raise SpecError(
+                f"{owner}.kv_dtype: expected None or one of {SUPPORTED_KV_DTYPES}, got {self.kv_dtype!r}"
+            )
+        self._check_retention(owner)
+        check_pending_attention(f"{owner}.pending_attention", self.pending_attention)
+        if not isinstance(self.relative_sinks, bool):
+            raise SpecError(f"{owner}.relative_sinks: expected a bool, got {self.relative_sinks!r}")
+        if self.relative_sinks and self.policy.sink_chunks < 1:
+            raise SpecError(
+                f"{owner}.relative_sinks: expected sink chunks to move (sink_chunks >= 1), got "
+                f"sink_chunks={self.policy.sink_chunks}"
+            )
+
+    def _normalise_names(self, owner: str) -> None:
+        """``branches`` and ``cross_attention`` as checked tuples (frozen: through ``object.__setattr__``)."""
         # Accept lists (and one bare branch name) for convenience; store tuples so the spec stays hashable.
         if isinstance(self.branches, str):
             object.__setattr__(self, "branches", (self.branches,))
@@ -208,32 +238,6 @@ class KVCacheSpec:
         cross_names = tuple(c.name for c in self.cross_attention)
         if len(set(cross_names)) != len(cross_names):
             raise SpecError(f"{owner}.cross_attention: expected unique cache names, got {cross_names}")
-        if self.num_qo_heads is not None:
-            require_field_int(owner, "num_qo_heads", self.num_qo_heads, minimum=1)
-            if self.num_qo_heads % self.num_kv_heads:
-                raise SpecError(
-                    f"{owner}.num_qo_heads: expected a multiple of num_kv_heads={self.num_kv_heads}, "
-                    f"got {self.num_qo_heads}"
-                )
-        # Frozen: normalise torch dtypes to their names through object.__setattr__.
-        object.__setattr__(self, "dtype", dtype_name(self.dtype))
-        object.__setattr__(self, "kv_dtype", dtype_name(self.kv_dtype))
-        if not isinstance(self.dtype, str) or self.dtype not in SUPPORTED_DTYPES:
-            raise SpecError(f"{owner}.dtype: expected one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
-        kv_dtype = self.kv_dtype
-        if kv_dtype is not None and (not isinstance(kv_dtype, str) or kv_dtype not in SUPPORTED_KV_DTYPES):
-            raise SpecError(
-                f"{owner}.kv_dtype: expected None or one of {SUPPORTED_KV_DTYPES}, got {self.kv_dtype!r}"
-            )
-        self._check_retention(owner)
-        check_pending_attention(f"{owner}.pending_attention", self.pending_attention)
-        if not isinstance(self.relative_sinks, bool):
-            raise SpecError(f"{owner}.relative_sinks: expected a bool, got {self.relative_sinks!r}")
-        if self.relative_sinks and self.policy.sink_chunks < 1:
-            raise SpecError(
-                f"{owner}.relative_sinks: expected sink chunks to move (sink_chunks >= 1), got "
-                f"sink_chunks={self.policy.sink_chunks}"
-            )
 
     def _check_retention(self, owner: str) -> None:
         if self.retention is None:

@@ -61,10 +61,9 @@ def _pinned(t: torch.Tensor) -> torch.Tensor:
 class FlashInferPlan(AttentionPlan):
     """Kernel plans of one forward, re-planned in place for later forwards of the same streams.
 
-    Per forward, one of three kernels runs: ragged FA3 over one contiguous key range per
-    stream (contiguous extents, one pending chunk), paged FA3 with one request per
-    (stream, pending chunk) otherwise, or paged FA2 with a custom mask (``token_mask``).
-    Current K/V are written with FlashInfer's ``append_paged_kv_cache`` into the pending pages.
+    Per forward, one of three kernels runs: ragged FA3 over one contiguous key range per stream (contiguous
+    extents, one pending chunk), paged FA3 with one request per (stream, pending chunk) otherwise, or paged
+    FA2 with a custom mask (``token_mask``). Current K/V go into the pending pages (``append_paged_kv_cache``).
     """
 
     def __init__(self, backend: FlashInferBackend, request: PlanRequest) -> None:
@@ -74,8 +73,7 @@ class FlashInferPlan(AttentionPlan):
         self.masked = request.token_mask is not None
         self.static = request.static
         layout = request.layout
-        #: Whether this plan writes the current K/V: not a history-only plan (the sink segment of relative
-        #: sinks), whose forward's other plan writes them -- so it skips the write metadata.
+        #: Whether this plan writes the current K/V: not a history-only plan (the sink segment of relative sinks).
         self.writes = layout.pending_visible
         # One row per (stream, pending chunk), or one per stream under pending_attention="bidirectional".
         self.rows = layout.num_rows

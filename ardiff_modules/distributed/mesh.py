@@ -94,43 +94,7 @@ class ParallelMesh:
         cross_attention: CrossMode = "heads",
         timeout: timedelta | None = None,
     ) -> None:
-        if timeout is not None and (not isinstance(timeout, timedelta) or timeout <= timedelta(0)):
-            raise SpecError(
-                f"ParallelMesh.timeout: expected a positive timedelta (or None: the process group's), got {timeout!r}"
-            )
-        if not isinstance(mesh, DeviceMesh):
-            raise SpecError(f"ParallelMesh.mesh: expected a torch DeviceMesh, got {type(mesh).__name__}")
-        if (
-            isinstance(branches, str)
-            or not isinstance(branches, Sequence)
-            or not branches
-            or not all(isinstance(b, str) and b for b in branches)
-            or len(set(branches)) != len(branches)
-        ):
-            raise SpecError(
-                f"ParallelMesh.branches: expected a sequence of distinct branch names (the spec's), got {branches!r}"
-            )
-        names = tuple(mesh.mesh_dim_names or ())
-        wanted = tuple(d for d in (cfg_dim, sp_dim) if d is not None)
-        if len(set(wanted)) != len(wanted):
-            raise SpecError(f"ParallelMesh: expected different cfg_dim and sp_dim, got both {cfg_dim!r}")
-        if names != wanted:
-            # Another dimension (data parallel, ...) would put independent work under one vote; and the
-            # rank order below (rows = cfg coordinates) assumes cfg before sp.
-            raise SpecError(
-                f"ParallelMesh.mesh: expected mesh dimensions named exactly {wanted}, in that order (cfg_dim, "
-                f"sp_dim), got {names}"
-            )
-        layout = mesh.mesh.tolist()
-        flat = mesh.mesh.flatten().tolist()
-        if flat != sorted(flat):
-            # torch orders a group's members by rank: only then is a rank's coordinate its place in its cfg
-            # column and in its sp row (which branches it holds, which token block, how gather orders them).
-            raise SpecError(
-                "ParallelMesh.mesh: expected ranks ascending in row-major (cfg, sp) order, as init_device_mesh "
-                f"lays them out, got {layout}"
-            )
-        check_cross_mode("ParallelMesh.cross_attention", cross_attention)
+        names = _checked_mesh(mesh, branches, cfg_dim, sp_dim, cross_attention, timeout)
         self.mesh = mesh
         self.cfg_dim, self.sp_dim = cfg_dim, sp_dim
         #: How the sp dimension runs cross-attention (``"heads"`` or ``"tokens"``).
@@ -365,3 +329,48 @@ def default_group_timeout() -> timedelta:
         "(pass ParallelMesh(timeout=...))", fallback,
     )
     return fallback
+
+
+def _checked_mesh(
+    mesh: DeviceMesh, branches: Sequence[str], cfg_dim: str | None, sp_dim: str | None, cross_attention: CrossMode,
+    timeout: timedelta | None,
+) -> tuple[str, ...]:
+    """``ParallelMesh``'s arguments checked before anything is built; returns the mesh's dimension names."""
+    if timeout is not None and (not isinstance(timeout, timedelta) or timeout <= timedelta(0)):
+        raise SpecError(
+            f"ParallelMesh.timeout: expected a positive timedelta (or None: the process group's), got {timeout!r}"
+        )
+    if not isinstance(mesh, DeviceMesh):
+        raise SpecError(f"ParallelMesh.mesh: expected a torch DeviceMesh, got {type(mesh).__name__}")
+    if (
+        isinstance(branches, str)
+        or not isinstance(branches, Sequence)
+        or not branches
+        or not all(isinstance(b, str) and b for b in branches)
+        or len(set(branches)) != len(branches)
+    ):
+        raise SpecError(
+            f"ParallelMesh.branches: expected a sequence of distinct branch names (the spec's), got {branches!r}"
+        )
+    names = tuple(mesh.mesh_dim_names or ())
+    wanted = tuple(d for d in (cfg_dim, sp_dim) if d is not None)
+    if len(set(wanted)) != len(wanted):
+        raise SpecError(f"ParallelMesh: expected different cfg_dim and sp_dim, got both {cfg_dim!r}")
+    if names != wanted:
+        # Another dimension (data parallel, ...) would put independent work under one vote; and the
+        # rank order below (rows = cfg coordinates) assumes cfg before sp.
+        raise SpecError(
+            f"ParallelMesh.mesh: expected mesh dimensions named exactly {wanted}, in that order (cfg_dim, "
+            f"sp_dim), got {names}"
+        )
+    layout = mesh.mesh.tolist()
+    flat = mesh.mesh.flatten().tolist()
+    if flat != sorted(flat):
+        # torch orders a group's members by rank: only then is a rank's coordinate its place in its cfg
+        # column and in its sp row (which branches it holds, which token block, how gather orders them).
+        raise SpecError(
+            "ParallelMesh.mesh: expected ranks ascending in row-major (cfg, sp) order, as init_device_mesh "
+            f"lays them out, got {layout}"
+        )
+    check_cross_mode("ParallelMesh.cross_attention", cross_attention)
+    return names
