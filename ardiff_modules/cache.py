@@ -234,8 +234,7 @@ class KVCache:
             return tuple(self.forwards.registry)
 
     def release_idle_forward_contexts(self) -> int:
-        """Release every kept forward context whose forward is not open (their plans are rebuilt, and graphs of
-        them captured again, on next use); returns how many. Contexts of open forwards stay."""
+        """Release every kept context whose forward is not open (plans rebuilt, graphs recaptured on next use)."""
         return self.forwards.release_idle_contexts()
 
     def prepare_forward(
@@ -344,8 +343,7 @@ class KVCache:
         self._check_open("recache_reserve")
         return self.admission.recache_reserve()
 
-    def _counts(self) -> tuple[int, int, int]:
-        """``(pages free, pages in use, open sessions)``: what admission decides on."""
+    def _counts(self) -> tuple[int, int, int]:  # what admission decides on
         return self.allocator.num_free, self.allocator.num_used, len(self._sessions)
 
     def sessions_that_fit(self, pending_chunks: int = 1, *, recache: bool = True) -> int:
