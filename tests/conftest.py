@@ -21,6 +21,7 @@ Markers:
 Fixtures:
 
     fresh_dynamo    ``torch._dynamo.reset()`` before and after the test (compile tests).
+    small_cache     a 32-page cache of :data:`tests.support.small_cache.SMALL_SPEC` (reference backend).
     two_sessions    ``(cache, a, b)`` of :func:`tests.support.two_sessions.build`: two sessions with
                     history, an open denoising forward and populated cross caches (the misuse tests).
 """
@@ -113,3 +114,11 @@ def two_sessions() -> tuple:
     from tests.support.two_sessions import build
 
     return build()
+
+
+@pytest.fixture
+def small_cache():  # noqa: ANN201
+    """A 32-page :data:`tests.support.small_cache.SMALL_SPEC` cache on the reference backend."""
+    from tests.support.small_cache import make_small_cache
+
+    return make_small_cache()

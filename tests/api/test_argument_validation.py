@@ -21,7 +21,6 @@ from ardiff_modules import (
     BackendUnavailableError,
     CachedCrossAttention,
     ChunkSelfAttention,
-    CrossAttentionSpec,
     KVCache,
     KVCacheSpec,
     RotaryEmbedding,
@@ -36,29 +35,18 @@ from ardiff_modules import (
 from ardiff_modules.masks import chunk_visibility, chunk_visibility_name, render_chunk_mask
 from ardiff_modules.modules import rotate_half
 from ardiff_modules.pool import KVPool, bytes_per_page, pages_for_budget, torch_dtype
+from tests.support.small_cache import SMALL_SPEC
 
-SPEC = KVCacheSpec(
-    num_layers=2,
-    num_kv_heads=2,
-    head_dim=4,
-    chunk_size=4,
-    page_size=2,
-    sink_chunks=1,
-    window_chunks=2,
-    branches=("cond", "uncond"),
-    cross_attention=(CrossAttentionSpec("text", 3),),
-    dtype="float32",
-)
-DIM = 8  # 2 heads x head_dim 4, matching SPEC
+DIM = 8  # 2 heads x head_dim 4, matching SMALL_SPEC
 T = torch.zeros(1, 4, 2, 4)  # [streams, seq_len, heads, head_dim]
 POS = torch.arange(4)[None]
 
 
 def make_env() -> SimpleNamespace:
     """A cache with one session whose "cond" cross cache is populated and one open forward."""
-    cache = KVCache(SPEC, num_pages=16, backend="reference")
+    cache = KVCache(SMALL_SPEC, num_pages=16, backend="reference")
     state = cache.open_session("a")
-    cross = [CachedCrossAttention(DIM, 2, "text") for _ in range(SPEC.num_layers)]
+    cross = [CachedCrossAttention(DIM, 2, "text") for _ in range(SMALL_SPEC.num_layers)]
     populate_cross_attention(state, "cond", cross, torch.randn(3, DIM))
     forward = state.prepare_forward(("cond",), 4)
     return SimpleNamespace(cache=cache, state=state, cross=cross, forward=forward, layer=forward.layers[0])
@@ -216,24 +204,24 @@ CASES = [
          "KVCacheSpec.branches: expected an ordered tuple", "got {'cond': 1} (a dict)"),
     Case("spec-cross-attention-name", lambda e: KVCacheSpec(2, 2, 4, 4, 2, cross_attention="text"), SpecError,
          "KVCacheSpec.cross_attention: expected a tuple of CrossAttentionSpec", "got 'text'"),
-    Case("spec-pages-per-branch-negative", lambda e: SPEC.pages_per_branch(-1), SpecError,
+    Case("spec-pages-per-branch-negative", lambda e: SMALL_SPEC.pages_per_branch(-1), SpecError,
          "pending_chunks: expected an int >= 0", "got -1"),
-    Case("spec-pages-per-branch-float", lambda e: SPEC.pages_per_branch(1.5), SpecError,
+    Case("spec-pages-per-branch-float", lambda e: SMALL_SPEC.pages_per_branch(1.5), SpecError,
          "pending_chunks: expected an int >= 0", "got 1.5 (float)"),
     # ------------------------------------------------------------------ pool
-    Case("pool-pages-0", lambda e: KVPool(SPEC, 0), SpecError, "KVPool.num_pages: expected an int >= 1", "got 0"),
-    Case("pool-pages-float", lambda e: KVPool(SPEC, 2.0), SpecError,
+    Case("pool-pages-0", lambda e: KVPool(SMALL_SPEC, 0), SpecError, "KVPool.num_pages: expected an int >= 1", "got 0"),
+    Case("pool-pages-float", lambda e: KVPool(SMALL_SPEC, 2.0), SpecError,
          "KVPool.num_pages: expected an int >= 1", "got 2.0 (float)"),
     Case("pool-spec-none", lambda e: KVPool(None, 4), SpecError, "KVPool.spec: expected a KVCacheSpec", "got None"),
-    Case("pool-device-unknown", lambda e: KVPool(SPEC, 4, "gpu"), SpecError,
+    Case("pool-device-unknown", lambda e: KVPool(SMALL_SPEC, 4, "gpu"), SpecError,
          "KVPool.device: expected a torch.device or a device string", "got 'gpu'"),
-    Case("pool-device-none", lambda e: KVPool(SPEC, 4, None), SpecError,
+    Case("pool-device-none", lambda e: KVPool(SMALL_SPEC, 4, None), SpecError,
          "KVPool.device: expected a torch.device or a device string", "got None"),
-    Case("pool-device-absent", lambda e: KVPool(SPEC, 4, "cuda:99"), BackendUnavailableError,
+    Case("pool-device-absent", lambda e: KVPool(SMALL_SPEC, 4, "cuda:99"), BackendUnavailableError,
          "KVPool.device: expected an available device", "got 'cuda:99'"),
-    Case("pool-device-meta", lambda e: KVPool(SPEC, 4, "meta"), SpecError,
+    Case("pool-device-meta", lambda e: KVPool(SMALL_SPEC, 4, "meta"), SpecError,
          "KVPool.device: expected a device that holds data", "got 'meta'"),
-    Case("cache-device-meta", lambda e: KVCache(SPEC, num_pages=4, device=torch.device("meta")), SpecError,
+    Case("cache-device-meta", lambda e: KVCache(SMALL_SPEC, num_pages=4, device=torch.device("meta")), SpecError,
          "KVPool.device: expected a device that holds data", "got device(type='meta')"),
     Case("pool-k-pages-out-of-range", lambda e: e.cache.pool.k_pages(2), SpecError,
          "KVPool.k_pages.layer: expected an int in [0, 2)", "got 2"),
@@ -249,7 +237,7 @@ CASES = [
          "expected a contiguous [num_pages, page_size, heads, head_dim] tensor", "got (4, 2, 2, 4) (contiguous=False)"),
     Case("pool-dtype-list", lambda e: torch_dtype([]), SpecError,
          "dtype: expected one of ('bfloat16', 'float16', 'float32', 'float8_e4m3fn')", "got []"),
-    Case("pool-budget-float", lambda e: pages_for_budget(SPEC, 1.5e9), SpecError,
+    Case("pool-budget-float", lambda e: pages_for_budget(SMALL_SPEC, 1.5e9), SpecError,
          "pages_for_budget.budget_bytes: expected an int >= 1", "got 1500000000.0 (float)"),
     Case("pool-bytes-per-page-str", lambda e: bytes_per_page("float32"), SpecError,
          "bytes_per_page.spec: expected a KVCacheSpec", "got 'float32' (str)"),
@@ -326,13 +314,13 @@ def test_valid_edge_inputs_still_work() -> None:
     assert cross.to_k.in_features == 12 and cross.head_dim == 4
     assert RotaryEmbedding(2, theta=500).inv_freq.shape == (1,)
     assert VideoRotaryEmbedding(6, 1, 1).dims == (2, 2, 2)
-    assert SPEC.pages_per_branch(0) == 3 * SPEC.pages_per_chunk
+    assert SMALL_SPEC.pages_per_branch(0) == 3 * SMALL_SPEC.pages_per_chunk
     assert KVCacheSpec(1, 1, 1, 1, 1, branches=iter(["b", "a"])).branches == ("b", "a")
-    pool = KVPool(SPEC, 1, torch.device("cpu"))
-    assert pool.k_pages(SPEC.num_layers - 1).shape == (1, 2, 2, 4)
+    pool = KVPool(SMALL_SPEC, 1, torch.device("cpu"))
+    assert pool.k_pages(SMALL_SPEC.num_layers - 1).shape == (1, 2, 2, 4)
     assert chunk_visibility(0, 1, 0, 0).tolist() == [[True]]
     assert chunk_visibility_name(0, None) == "sink0_windowall"
-    assert pages_for_budget(SPEC, bytes_per_page(SPEC)) == 1
+    assert pages_for_budget(SMALL_SPEC, bytes_per_page(SMALL_SPEC)) == 1
     # A (cos, sin) pair broadcast over heads, and the identity pair.
     torch.testing.assert_close(apply_rope(T + 1, POS, (torch.ones(1, 4, 1, 4), torch.zeros(1, 4, 1, 4))), T + 1)
 

@@ -13,7 +13,7 @@ import torch
 from ardiff_modules import KVCache
 from ardiff_modules.context import ForwardContext
 from ardiff_modules.graphs import CUDAGraphStep, _Captured
-from tests.support.two_sessions import SPEC
+from tests.support.two_sessions import TWO_SESSIONS_SPEC
 
 
 class _FakeGraph:
@@ -36,9 +36,9 @@ def _step_with_graphs(contexts: list[ForwardContext]) -> tuple[CUDAGraphStep, li
 
 def _contexts() -> tuple[KVCache, list, list[ForwardContext]]:
     """Two open forwards of two sessions (their contexts: what graphs are keyed by)."""
-    cache = KVCache(SPEC, num_pages=32, backend="reference")
+    cache = KVCache(TWO_SESSIONS_SPEC, num_pages=32, backend="reference")
     states = [cache.open_session("a"), cache.open_session("b")]
-    forwards = [cache.prepare_forward([(s, "cond")], SPEC.chunk_size) for s in states]
+    forwards = [cache.prepare_forward([(s, "cond")], TWO_SESSIONS_SPEC.chunk_size) for s in states]
     return cache, states, forwards
 
 

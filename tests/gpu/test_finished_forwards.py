@@ -50,6 +50,7 @@ def test_finished_forward_cannot_touch_the_pool(seq_chunks: int, compiled: bool)
     torch.cuda.synchronize()
     assert torch.equal(cache.pool.kv, before)
 
+
 def test_graph_replay_refuses_finished_forward_and_cleared_prompt() -> None:
     model, spec = gpu_model_and_spec()
     cache = am.KVCache(spec, num_pages=64, device="cuda", backend="flashinfer")
@@ -86,6 +87,7 @@ def test_graph_replay_refuses_finished_forward_and_cleared_prompt() -> None:
     assert step.num_graphs == 1
     assert_close_model(replayed, eager)
 
+
 def test_graphs_are_released_with_their_contexts() -> None:
     model, spec = gpu_model_and_spec()
     cache = am.KVCache(spec, num_pages=256, device="cuda", backend="flashinfer", max_forward_contexts=2)
@@ -107,6 +109,7 @@ def test_graphs_are_released_with_their_contexts() -> None:
     assert max(counts) <= 2 + 1, counts  # bounded by the context LRU, not by the stream's length
     cache.close()
     assert step.num_graphs == 0
+
 
 def test_failed_replan_ends_the_forward_and_recaptures(monkeypatch: pytest.MonkeyPatch) -> None:
     model, spec = gpu_model_and_spec()
@@ -142,6 +145,7 @@ def test_failed_replan_ends_the_forward_and_recaptures(monkeypatch: pytest.Monke
     assert step.num_graphs == 1
     assert_close_model(replayed, eager)
 
+
 def _self_attention_only(x: torch.Tensor, layers: list) -> torch.Tensor:
     """A step that reads no cross-attention cache: q = k = v = x split into 4 heads of 128, per layer."""
     s, n, _ = x.shape
@@ -149,6 +153,7 @@ def _self_attention_only(x: torch.Tensor, layers: list) -> torch.Tensor:
         h = x.view(s, n, 4, 128)
         x = x + am.chunk_attention(h, h, h, layer).reshape(s, n, 512)
     return x
+
 
 def test_graph_replay_after_clear_cross_attention_when_the_step_reads_no_cross_cache() -> None:
     """Issue 24: the replay check concerns only the caches the captured step read; eager runs there too."""
@@ -177,6 +182,7 @@ def test_graph_replay_after_clear_cross_attention_when_the_step_reads_no_cross_c
             with eager_state.prepare_forward(None, spec.chunk_size, True) as fwd:
                 assert_close_model(got, _self_attention_only(x, fwd.layers))
 
+
 def test_fp8_graph_captured_in_an_aborted_calibrating_forward_is_captured_again() -> None:
     """The capturing forward calibrated the FP8 scales provisionally, then aborted (undone): a replay cannot
     calibrate, so the next call captures again; the commit then fixes scales from its own K/V."""
@@ -204,6 +210,7 @@ def test_fp8_graph_captured_in_an_aborted_calibrating_forward_is_captured_again(
         _self_attention_only(x, fwd.layers)
     # from x, not from the aborted 100x (same kernels on the same inputs as the eager run)
     torch.testing.assert_close(cache.pool.scales, eager_cache.pool.scales, rtol=1e-2, atol=1e-6)
+
 
 def test_a_capture_alone_writes_nothing_so_its_forward_cannot_commit() -> None:
     """``capture()`` launches nothing: its recorded writes count only when a replay runs them (issue 24 review)."""

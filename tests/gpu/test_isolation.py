@@ -49,6 +49,7 @@ def test_no_stream_reads_another_streams_nan(mode: str) -> None:
         assert torch.isfinite(out[2:]).all(), f"{backend}: session A's NaN/Inf reached session B"
     assert_close_bf16(outs["flashinfer"], outs["reference"])
 
+
 def test_query_that_sees_no_key_outputs_zeros() -> None:
     chunk = 240
     spec = gpu_spec(chunk, 120, 1, 2)

@@ -30,7 +30,8 @@ from ardiff_modules import (
     populate_cross_attention,
 )
 from tests.support.kv_writes import write_every_layer
-from tests.support.two_sessions import CHUNK, SPEC, assert_sessions_unchanged, build, session_snapshot, text_pairs
+from tests.support.small_cache import CHUNK
+from tests.support.two_sessions import TWO_SESSIONS_SPEC, assert_sessions_unchanged, build, session_snapshot, text_pairs
 
 def message(exc_info) -> str:
     return str(exc_info.value)
@@ -527,7 +528,7 @@ def test_session_of_another_cache_in_a_forward(two_sessions):
     """A session belongs to the cache that opened it: mixing caches would take pages from one
     allocator and return them to another."""
     cache, a, b = two_sessions
-    other_cache = KVCache(SPEC, num_pages=16, backend="reference")
+    other_cache = KVCache(TWO_SESSIONS_SPEC, num_pages=16, backend="reference")
     foreign = other_cache.open_session("a")  # same id, other cache
     before, other_before = session_snapshot(cache), session_snapshot(other_cache)
     with pytest.raises(SpecError) as exc_info:
@@ -559,8 +560,8 @@ def test_recache_latents_of_mismatched_kept_chunks(second, fragments, two_sessio
     TensorMismatchError naming both, not torch.cat's RuntimeError (or a silent dtype promotion)."""
     cache, a, _ = two_sessions
     a.reset()
-    commit_kept(a, SPEC.branches, torch.zeros(2, CHUNK, 3))
-    commit_kept(a, SPEC.branches, second)
+    commit_kept(a, TWO_SESSIONS_SPEC.branches, torch.zeros(2, CHUNK, 3))
+    commit_kept(a, TWO_SESSIONS_SPEC.branches, second)
     before = session_snapshot(cache)
     with pytest.raises(TensorMismatchError) as exc_info:
         a.recache_latents(keep_sinks=False)

@@ -13,13 +13,15 @@ from ardiff_modules import (
     CacheClosedError,
     CrossAttentionNotPopulatedError,
     ForwardFinishedError,
+    KVCache,
     SpecError,
     TensorMismatchError,
     UnknownBranchError,
 )
 from ardiff_modules.graphs import CUDAGraphStep
 from tests.support.kv_writes import write_every_layer
-from tests.support.two_sessions import SPEC, assert_sessions_unchanged, session_snapshot
+from tests.support.small_cache import BOTH, CHUNK, SMALL_SPEC, bookkeeping, commit_chunk, make_small_cache, run_layers
+from tests.support.two_sessions import TWO_SESSIONS_SPEC, assert_sessions_unchanged, session_snapshot
 
 CASES: list[tuple[str, Callable[[Any, Any, Any], Any], type[Exception], str]] = [
     ("branch-as-list", lambda c, a, b: a.token_offset(["cond"]), UnknownBranchError, "expected a branch name (str)"),
@@ -85,7 +87,7 @@ def test_admission_queries_on_a_closed_cache_raise(two_sessions: tuple) -> None:
 
 def test_a_finished_forward_cannot_be_entered_again(two_sessions: tuple) -> None:
     cache, a, _ = two_sessions
-    fwd = a.prepare_forward(("cond",), SPEC.chunk_size, True)
+    fwd = a.prepare_forward(("cond",), TWO_SESSIONS_SPEC.chunk_size, True)
     write_every_layer(fwd.layers)
     fwd.commit()
     with pytest.raises(ForwardFinishedError, match="committed"):
@@ -119,3 +121,105 @@ def test_bad_chunk_lengths_raise_and_change_nothing(seq_len: int, lengths, text:
         a.prepare_forward(("uncond",), seq_len, chunk_lengths=lengths)
     assert text in str(info.value), str(info.value)
     assert_sessions_unchanged(cache, before)
+
+
+# ---------------------------------------------------------------------- arguments of the session API (issue 10)
+def test_generator_of_streams_is_prepared_and_committed(small_cache: KVCache) -> None:
+    cache = small_cache
+    a, b = cache.open_session("a"), cache.open_session("b")
+    with cache.prepare_forward(((s, "cond") for s in (a, b)), CHUNK, commit_current=True) as fwd:
+        assert fwd.num_streams == 2
+        run_layers(fwd.layers, 2)
+    assert a.committed_chunks("cond") == b.committed_chunks("cond") == 1
+    assert cache.allocator.num_used == 2 * SMALL_SPEC.pages_per_chunk
+
+
+@pytest.mark.parametrize("value", ["no", 1, None])
+def test_commit_current_must_be_a_bool(value, small_cache: KVCache) -> None:
+    cache = small_cache
+    s = cache.open_session("s")
+    before = bookkeeping(cache)
+    with pytest.raises(SpecError, match="commit_current"):
+        s.prepare_forward(BOTH, CHUNK, commit_current=value)
+    with pytest.raises(SpecError, match="commit_current"):
+        cache.prepare_forward([(s, "cond")], CHUNK, value)
+    assert bookkeeping(cache) == before
+
+
+def test_branches_as_a_set_raise(small_cache: KVCache) -> None:
+    cache = small_cache
+    s = cache.open_session("s")
+    before = bookkeeping(cache)
+    with pytest.raises(SpecError):
+        s.prepare_forward({"cond", "uncond"}, CHUNK)
+    with pytest.raises(SpecError):
+        cache.prepare_forward({(s, "cond"), (s, "uncond")}, CHUNK)
+    with pytest.raises(SpecError):
+        s.fork(branches={"cond"})
+    assert bookkeeping(cache) == before and cache.sessions.keys() == {"s"}
+
+
+def test_fork_with_one_branch_name_forks_only_that_branch(small_cache: KVCache) -> None:
+    cache = small_cache
+    s = cache.open_session("s")
+    for branch in BOTH:
+        s.populate_cross_attention(branch, "text", [(torch.ones(3, 2, 4), torch.ones(3, 2, 4))] * 2)
+    commit_chunk(s)
+    child = s.fork(branches="cond")
+    assert child.visible_chunks("cond") == s.visible_chunks("cond")
+    assert child.committed_chunks("cond") == 1
+    assert child.visible_chunks("uncond") == () and child.committed_chunks("uncond") == 0
+    assert child.is_cross_attention_populated("cond", "text")
+    assert not child.is_cross_attention_populated("uncond", "text")
+
+
+def test_share_cross_attention_from_another_cache_raises() -> None:
+    cache, other_cache = make_small_cache(), make_small_cache()
+    s, other = cache.open_session("s"), other_cache.open_session("o")
+    other.populate_cross_attention("cond", "text", [(torch.ones(3, 2, 4), torch.ones(3, 2, 4))] * 2)
+    with pytest.raises(SpecError):
+        s.share_cross_attention_from(other, "text", "cond")
+    assert not s.is_cross_attention_populated("cond", "text")
+
+
+@pytest.mark.parametrize("streams", ["none", "none-second", "none-session"])
+def test_none_stream_raises(streams: str, small_cache: KVCache) -> None:
+    cache = small_cache
+    s = cache.open_session("s")
+    before = bookkeeping(cache)
+    bad = {"none": [None], "none-second": [(s, "cond"), None], "none-session": [(None, "cond")]}[streams]
+    with pytest.raises(SpecError):
+        cache.prepare_forward(bad, CHUNK)
+    assert bookkeeping(cache) == before
+
+
+@pytest.mark.parametrize("pending_chunks", [0, -1])
+def test_admission_rejects_non_positive_pending_chunks(pending_chunks: int, small_cache: KVCache) -> None:
+    cache = small_cache
+    with pytest.raises(SpecError, match="pending_chunks"):
+        cache.sessions_that_fit(pending_chunks=pending_chunks)
+    with pytest.raises(SpecError, match="pending_chunks"):
+        cache.can_admit(1, pending_chunks=pending_chunks)
+    with pytest.raises(SpecError, match="pending_chunks"):
+        cache.admit_session(pending_chunks=pending_chunks)
+    assert cache.sessions == {}
+
+
+def test_failed_plan_leaves_peak_and_forward_contexts_unchanged(monkeypatch, small_cache: KVCache) -> None:
+    cache = small_cache
+    a, b = cache.open_session("a"), cache.open_session("b")
+    commit_chunk(a)
+    peak, contexts, before = cache.stats().peak_pages_used, cache.num_forward_contexts, bookkeeping(cache)
+
+    def broken_plan(request, previous):
+        raise RuntimeError("injected plan failure")
+
+    monkeypatch.setattr(cache.backend, "plan", broken_plan)
+    with pytest.raises(RuntimeError, match="injected"):
+        cache.prepare_forward([(a, "cond"), (b, "cond"), (b, "uncond")], 2 * CHUNK, commit_current=True)
+    assert cache.stats().peak_pages_used == peak
+    assert cache.num_forward_contexts == contexts
+    assert bookkeeping(cache) == before
+    monkeypatch.undo()
+    commit_chunk(b)  # and the cache still works
+    assert cache.num_forward_contexts == contexts + 1

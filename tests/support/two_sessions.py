@@ -4,24 +4,18 @@ a refused call must leave as it was (:func:`session_snapshot`, :func:`assert_ses
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from ardiff_modules import CrossAttentionSpec, KVCache, KVCacheSpec, KVState
+from ardiff_modules import CrossAttentionSpec, KVCache, KVState
 from tests.support.kv_writes import write_every_layer
+from tests.support.small_cache import CHUNK, SMALL_SPEC
 
-SPEC = KVCacheSpec(
-    num_layers=2,
-    num_kv_heads=2,
-    head_dim=4,
-    chunk_size=4,
-    page_size=2,
-    sink_chunks=1,
-    window_chunks=2,
-    branches=("cond", "uncond"),
-    cross_attention=(CrossAttentionSpec("text", 3), CrossAttentionSpec("image", 2)),
-    dtype="float32",
+#: :data:`~tests.support.small_cache.SMALL_SPEC` with a second cross cache, ``"image"`` of 2 tokens.
+TWO_SESSIONS_SPEC = dataclasses.replace(
+    SMALL_SPEC, cross_attention=(CrossAttentionSpec("text", 3), CrossAttentionSpec("image", 2))
 )
-CHUNK = 4
 
 
 def _commit_seed_chunk(state: KVState, branch: str) -> None:
@@ -39,7 +33,7 @@ def build(num_pages: int = 16):
     Pages: a/cond history (0,1) (2,3); a/uncond history (4,5); b/cond history (6,7);
     a/cond pending (8,9) from an open denoising forward. Free: 10..15.
     """
-    cache = KVCache(SPEC, num_pages=num_pages, backend="reference")
+    cache = KVCache(TWO_SESSIONS_SPEC, num_pages=num_pages, backend="reference")
     a = cache.open_session("a")
     b = cache.open_session("b")
     _commit_seed_chunk(a, "cond")
@@ -68,7 +62,7 @@ def session_snapshot(cache: KVCache) -> dict:
                 state.token_offset(branch),
                 state.committed_chunks(branch),
                 None if record is None else (record.commit_current, record.num_chunks, id(record)),
-                tuple(n for n in SPEC.cross_attention_names if state.is_cross_attention_populated(branch, n)),
+                tuple(n for n in TWO_SESSIONS_SPEC.cross_attention_names if state.is_cross_attention_populated(branch, n)),
             )
         cross = {key: (e.version, e.k.clone(), e.v.clone()) for key, e in state.cross_entries().items()}
         sessions[sid] = (branches, cross, state.is_closed)
