@@ -25,7 +25,7 @@ REPO = REPO_ROOT
 CUDA = torch.device("cuda")  # only named: resolve_backend never touches the device when falling back
 
 
-def _spec(layers: int = 30, **kw: object) -> am.KVCacheSpec:
+def _repr_spec(layers: int = 30, **kw: object) -> am.KVCacheSpec:
     kw = {
         "num_layers": layers, "num_kv_heads": 2, "head_dim": 8, "chunk_size": 4, "page_size": 2,
         "sink_chunks": 1, "window_chunks": 2, "branches": ("cond", "uncond"),
@@ -129,7 +129,7 @@ def test_import_without_torch_keeps_the_pure_python_surface() -> None:
 
 
 def test_reprs_are_one_short_line_naming_the_key_facts() -> None:
-    cache = am.KVCache(_spec(), num_pages=64)
+    cache = am.KVCache(_repr_spec(), num_pages=64)
     state = cache.open_session("s0")
     for branch in ("cond", "uncond"):
         state.populate_cross_attention(branch, "text", ((torch.zeros(3, 2, 8),) * 2 for _ in range(30)))
@@ -160,7 +160,7 @@ def test_reprs_are_one_short_line_naming_the_key_facts() -> None:
 
 
 def test_repr_of_a_wide_batch_stays_bounded() -> None:
-    cache = am.KVCache(_spec(layers=2, branches=tuple(f"branch-{i}" for i in range(6))), num_pages=256)
+    cache = am.KVCache(_repr_spec(layers=2, branches=tuple(f"branch-{i}" for i in range(6))), num_pages=256)
     states = [cache.open_session(f"a-rather-long-session-identifier-{i:04d}") for i in range(8)]
     fwd = cache.prepare_forward([(s, b) for s in states for b in s.kv_branch_names], 4)
     assert len(repr(fwd)) < 300 and "streams=48" in repr(fwd) and "... +" in repr(fwd), repr(fwd)
@@ -168,7 +168,7 @@ def test_repr_of_a_wide_batch_stays_bounded() -> None:
 
 
 def test_reprs_do_not_wait_for_the_cache_lock() -> None:
-    cache = am.KVCache(_spec(layers=2), num_pages=16)
+    cache = am.KVCache(_repr_spec(layers=2), num_pages=16)
     state = cache.open_session()
     fwd = state.prepare_forward(("cond",), 4)
     held, release = threading.Event(), threading.Event()
@@ -291,7 +291,7 @@ def test_fallback_warning_is_once_across_threads(
 def test_debug_logs_once_per_forward_never_per_layer(caplog: pytest.LogCaptureFixture) -> None:
     counts = []
     for layers in (1, 30):
-        cache = am.KVCache(_spec(layers=layers), num_pages=64)
+        cache = am.KVCache(_repr_spec(layers=layers), num_pages=64)
         state = cache.open_session("s0")
         caplog.clear()
         with caplog.at_level(logging.DEBUG, logger="ardiff_modules"):
@@ -306,7 +306,7 @@ def test_debug_logs_once_per_forward_never_per_layer(caplog: pytest.LogCaptureFi
 
 
 def test_disabled_debug_logging_formats_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    cache = am.KVCache(_spec(layers=2), num_pages=16)
+    cache = am.KVCache(_repr_spec(layers=2), num_pages=16)
     state = cache.open_session()
     logging.getLogger("ardiff_modules").setLevel(logging.INFO)
     try:

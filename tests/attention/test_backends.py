@@ -12,15 +12,15 @@ from ardiff_modules.backends.flashinfer import FlashInferBackend
 from ardiff_modules.pool import KVPool
 
 
-def _spec(window: int | None = 2) -> am.KVCacheSpec:
+def _backend_spec(window: int | None = 2) -> am.KVCacheSpec:
     return am.KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=8, chunk_size=4, page_size=2, sink_chunks=1,
                           window_chunks=window, branches=("cond", "uncond"), dtype="float32")
 
 
 def test_auto_is_reference_on_cpu_and_flashinfer_is_refused_with_the_reason() -> None:
-    assert am.KVCache(_spec(), num_pages=8).backend.name == "reference"
+    assert am.KVCache(_backend_spec(), num_pages=8).backend.name == "reference"
     with pytest.raises(am.BackendUnavailableError, match="expected a CUDA device, got cpu"):
-        am.KVCache(_spec(), num_pages=8, backend="flashinfer")
+        am.KVCache(_backend_spec(), num_pages=8, backend="flashinfer")
     with pytest.raises(am.BackendUnavailableError, match="expected a CUDA device, got cpu"):
         FlashInferBackend().check_supported(torch.device("cpu"), torch.bfloat16, 128)
     with pytest.raises(am.BackendUnavailableError, match=r"expected one of \('auto', 'reference', 'flashinfer'\), got 'fa9'"):
@@ -30,22 +30,22 @@ def test_auto_is_reference_on_cpu_and_flashinfer_is_refused_with_the_reason() ->
 
 
 def test_static_forwards_need_flashinfer_and_a_bounded_window() -> None:
-    cache = am.KVCache(_spec(), num_pages=16)
+    cache = am.KVCache(_backend_spec(), num_pages=16)
     state = cache.open_session()
     free = cache.allocator.free_pages()
     with pytest.raises(am.BackendUnavailableError, match="static plans"):
         state.prepare_forward(None, 4, static=True)
     assert cache.allocator.free_pages() == free and state.pending_chunks("cond") == ()
-    unbounded = am.KVCache(_spec(None), num_pages=16).open_session()
+    unbounded = am.KVCache(_backend_spec(None), num_pages=16).open_session()
     with pytest.raises(am.SpecError, match="bounded window"):
         unbounded.prepare_forward(None, 4, static=True)
     with pytest.raises(am.SpecError, match="bounded window"):
-        am.KVCache(_spec(None), num_pages=16, contiguous_extents=True)
+        am.KVCache(_backend_spec(None), num_pages=16, contiguous_extents=True)
 
 
 def test_extents_default_off_on_reference_and_usable_when_asked() -> None:
-    assert am.KVCache(_spec(), num_pages=16).extent_chunks is None
-    cache = am.KVCache(_spec(), num_pages=16, contiguous_extents=True)
+    assert am.KVCache(_backend_spec(), num_pages=16).extent_chunks is None
+    cache = am.KVCache(_backend_spec(), num_pages=16, contiguous_extents=True)
     assert cache.extent_chunks == 1 + 2 + 1
     state = cache.open_session()
     state.prepare_forward(None, 4).commit()
@@ -58,7 +58,7 @@ def test_extents_default_off_on_reference_and_usable_when_asked() -> None:
 
 @pytest.mark.parametrize("history", [0, 2])
 def test_token_mask_on_the_reference_backend(history: int) -> None:
-    cache = am.KVCache(_spec(), num_pages=32)
+    cache = am.KVCache(_backend_spec(), num_pages=32)
     state = cache.open_session()
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 8, 2, 8, generator=g)

@@ -112,7 +112,7 @@ def test_only_the_last_pending_chunk_agrees_across_rules() -> None:
 
 
 # ---------------------------------------------------------------------- layout rows (exact)
-def _layout(streams: list[tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]], rule: str) -> ForwardLayout:
+def _rule_layout(streams: list[tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]], rule: str) -> ForwardLayout:
     return ForwardLayout(
         streams=tuple(StreamLayout(h, p, token_offset=0) for h, p in streams), chunk_size=4, page_size=2,
         pending_attention=rule,  # type: ignore[arg-type]
@@ -123,13 +123,13 @@ STREAMS = [((10, 11, 12, 13), ((20, 21), (22, 23), (24, 25))), ((), ((30, 31), (
 
 
 def test_structural_rows_are_one_per_stream_when_bidirectional() -> None:
-    rows = _layout(STREAMS, "bidirectional").structural_rows
+    rows = _rule_layout(STREAMS, "bidirectional").structural_rows
     assert rows.qo_indptr.tolist() == [0, 12, 24]
     assert rows.kv_page_indptr.tolist() == [0, 10, 16]
     assert rows.kv_page_indices.tolist() == [10, 11, 12, 13, 20, 21, 22, 23, 24, 25, 30, 31, 32, 33, 34, 35]
     assert rows.kv_last_page_len.tolist() == [2, 2] and rows.num_rows == 2
     assert all(t.dtype == torch.int32 for t in (rows.qo_indptr, rows.kv_page_indptr, rows.kv_page_indices))
-    causal = _layout(STREAMS, "block_causal").structural_rows  # unchanged: one row per (stream, chunk)
+    causal = _rule_layout(STREAMS, "block_causal").structural_rows  # unchanged: one row per (stream, chunk)
     assert causal.qo_indptr.tolist() == [0, 4, 8, 12, 16, 20, 24]
     assert causal.kv_page_indptr.tolist() == [0, 6, 14, 24, 26, 30, 36]
     assert causal.kv_page_indices.tolist()[:24] == [10, 11, 12, 13, 20, 21] + [10, 11, 12, 13, 20, 21, 22, 23] + [
@@ -137,7 +137,7 @@ def test_structural_rows_are_one_per_stream_when_bidirectional() -> None:
 
 
 def test_row_spans_and_row_counts() -> None:
-    bidirectional, causal = _layout(STREAMS, "bidirectional"), _layout(STREAMS, "block_causal")
+    bidirectional, causal = _rule_layout(STREAMS, "bidirectional"), _rule_layout(STREAMS, "block_causal")
     assert (bidirectional.rows_per_stream, bidirectional.num_rows) == (1, 2)
     assert (causal.rows_per_stream, causal.num_rows) == (3, 6)
     assert bidirectional.row_spans == ((0, 0, 12, 20), (1, 0, 12, 12))
@@ -152,7 +152,7 @@ def test_row_spans_and_row_counts() -> None:
 
 @pytest.mark.parametrize("single", [((0, 1), ((2, 3),)), ((), ((5, 6),)), ((7, 8), ((2, 3),))])
 def test_one_chunk_forwards_are_the_same_under_both_rules(single) -> None:  # noqa: ANN001
-    a, b = _layout([single], "bidirectional"), _layout([single], "block_causal")
+    a, b = _rule_layout([single], "bidirectional"), _rule_layout([single], "block_causal")
     for name in ("qo_indptr", "kv_page_indptr", "kv_page_indices", "kv_last_page_len"):
         assert torch.equal(getattr(a.structural_rows, name), getattr(b.structural_rows, name))
     assert torch.equal(a.to_dense(), b.to_dense())
@@ -168,18 +168,18 @@ def test_one_chunk_forwards_are_the_same_under_both_rules(single) -> None:  # no
 def test_ragged_rows_cover_multi_chunk_bidirectional_forwards() -> None:
     """Contiguous pages -> one contiguous key range per stream (ragged FA3), gap rows between streams."""
     streams = [((0, 1, 2, 3), ((4, 5), (6, 7))), ((10, 11), ((12, 13), (14, 15)))]
-    ragged = _layout(streams, "bidirectional").ragged_rows
+    ragged = _rule_layout(streams, "bidirectional").ragged_rows
     assert ragged is not None
     assert ragged.qo_indptr.tolist() == [0, 8, 8, 16]
     assert ragged.kv_indptr.tolist() == [0, 16, 20, 32]
     assert (ragged.kv_start, ragged.kv_end, ragged.gap_rows) == (0, 32, 1)
-    assert _layout(streams, "block_causal").ragged_rows is None  # overlapping block-causal rows
-    assert _layout(STREAMS, "bidirectional").ragged_rows is None  # 10..13 then 20..25: not one run
-    assert _layout([((4, 5), ((0, 1), (2, 3)))], "bidirectional").ragged_rows is not None  # order inside: free
+    assert _rule_layout(streams, "block_causal").ragged_rows is None  # overlapping block-causal rows
+    assert _rule_layout(STREAMS, "bidirectional").ragged_rows is None  # 10..13 then 20..25: not one run
+    assert _rule_layout([((4, 5), ((0, 1), (2, 3)))], "bidirectional").ragged_rows is not None  # order inside: free
 
 
 def test_dense_mask_is_history_plus_every_pending_key() -> None:
-    layout = _layout(STREAMS, "bidirectional")
+    layout = _rule_layout(STREAMS, "bidirectional")
     gather, mask = layout.dense_keys
     assert tuple(mask.shape) == (2, 12, 20)
     assert mask[0].all()
@@ -188,12 +188,12 @@ def test_dense_mask_is_history_plus_every_pending_key() -> None:
 
 
 # ---------------------------------------------------------------------- through the cache
-def _spec(page: int = 2, sink: int = 1, window: int | None = 2, **kw) -> am.KVCacheSpec:  # noqa: ANN003
+def _rolling_spec(page: int = 2, sink: int = 1, window: int | None = 2, **kw) -> am.KVCacheSpec:  # noqa: ANN003
     return am.KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=4, chunk_size=4, page_size=page, sink_chunks=sink,
                           window_chunks=window, branches=("cond", "uncond"), dtype="float32", **kw)
 
 
-def _commit(state: am.KVState, chunks: int, branches=None, **kw) -> None:  # noqa: ANN001, ANN003
+def _commit_chunks(state: am.KVState, chunks: int, branches=None, **kw) -> None:  # noqa: ANN001, ANN003
     x = torch.randn(1, 4 * chunks, 1, 4)
     with state.prepare_forward(branches, 4 * chunks, True, **kw) as fwd:
         for layer in fwd.layers:
@@ -202,9 +202,9 @@ def _commit(state: am.KVState, chunks: int, branches=None, **kw) -> None:  # noq
 
 @pytest.mark.parametrize("page", [1, 2, 4])
 def test_to_dense_and_key_positions_several_sessions_windows_filling_and_evicted(page: int) -> None:
-    cache = am.KVCache(_spec(page), num_pages=200)
+    cache = am.KVCache(_rolling_spec(page), num_pages=200)
     old, fresh = cache.open_session("old"), cache.open_session("fresh")
-    _commit(old, 4)  # 4 chunks in one bidirectional-or-not commit: sink 0, window 2..3, chunk 1 evicted
+    _commit_chunks(old, 4)  # 4 chunks in one bidirectional-or-not commit: sink 0, window 2..3, chunk 1 evicted
     assert old.committed_chunks("cond") == 4 and len(old.visible_chunks("cond")) == 3
     for n in (1, 2, 3, 4):
         fwd = cache.prepare_forward([(old, "cond"), (fresh, "uncond"), (old, "uncond")], 4 * n,
@@ -222,7 +222,7 @@ def test_to_dense_and_key_positions_several_sessions_windows_filling_and_evicted
 
 
 def test_the_spec_default_and_a_per_forward_override() -> None:
-    cache = am.KVCache(_spec(pending_attention="bidirectional"), num_pages=64)
+    cache = am.KVCache(_rolling_spec(pending_attention="bidirectional"), num_pages=64)
     state = cache.open_session()
     assert state.prepare_forward(None, 8).layout.pending_attention == "bidirectional"
     assert state.prepare_forward(None, 8, pending_attention="block_causal").layout.pending_attention == "block_causal"
@@ -236,13 +236,13 @@ def test_commits_are_the_same_under_both_rules() -> None:
     """What joins history (pages, offsets, eviction) does not depend on the rule."""
     views = []
     for rule in ("block_causal", "bidirectional"):
-        cache = am.KVCache(_spec(), num_pages=64)
+        cache = am.KVCache(_rolling_spec(), num_pages=64)
         state = cache.open_session()
         torch.manual_seed(0)
         for n in (2, 3, 1, 4):
             with state.prepare_forward(None, 4 * n, False, pending_attention=rule):
                 pass
-            _commit(state, n, pending_attention=rule)
+            _commit_chunks(state, n, pending_attention=rule)
         views.append((state.visible_chunks("cond"), state.token_offset("cond"), state.committed_chunks("uncond"),
                       cache.allocator.free_pages(), cache.pool.kv.clone()))
     assert views[0][:4] == views[1][:4]
@@ -255,9 +255,9 @@ BAD_RULES = ["causal", "Bidirectional", "", 1, True, ("bidirectional",)]
 @pytest.mark.parametrize("bad", BAD_RULES)
 @pytest.mark.parametrize("via", ["cache", "state", "get_kv_caches", "prepare_paged_context"])
 def test_a_bad_rule_raises_and_changes_nothing(bad: object, via: str) -> None:
-    cache = am.KVCache(_spec(), num_pages=64)
+    cache = am.KVCache(_rolling_spec(), num_pages=64)
     state = cache.open_session("s")
-    _commit(state, 3)
+    _commit_chunks(state, 3)
     with state.prepare_forward(None, 8, False):  # a denoising forward left open (superseded by a good prepare)
         pass
     before = (cache.allocator.free_pages(), cache.allocator.peak_used, state.pending_chunks("cond"),
@@ -279,7 +279,7 @@ def test_a_bad_rule_raises_and_changes_nothing(bad: object, via: str) -> None:
 
 def test_a_bad_spec_default_and_bad_mask_arguments_raise() -> None:
     with pytest.raises(am.SpecError, match=r"KVCacheSpec.pending_attention: expected one of .*, got 'rolling'"):
-        _spec(pending_attention="rolling")
+        _rolling_spec(pending_attention="rolling")
     with pytest.raises(am.SpecError, match=r"chunk_visibility.pending_attention: expected one of .*, got None"):
         chunk_visibility(2, 2, pending_attention=None)  # type: ignore[arg-type]
 
@@ -288,18 +288,18 @@ def test_chunk_visibility_bidirectional_matches_to_dense() -> None:
     chunks = chunk_visibility(5, 3, 1, 2, pending_attention="bidirectional")
     assert chunks[:, 5:].all() and torch.equal(chunks[:, :5], chunk_visibility(5, 3, 1, 2)[:, :5])
     assert chunk_visibility_name(1, 2, pending_attention="bidirectional") == "sink1_window2_bidirectional"
-    state = am.KVCache(_spec(window=2), num_pages=64).open_session()
+    state = am.KVCache(_rolling_spec(window=2), num_pages=64).open_session()
     for _ in range(5):
-        _commit(state, 1)
+        _commit_chunks(state, 1)
     dense = state.prepare_forward(("cond",), 12, pending_attention="bidirectional").to_dense()[0]
     compact = torch.cat([chunks[:, :5][:, chunks[0, :5]], chunks[:, 5:]], dim=1)
     assert torch.equal(dense, compact.repeat_interleave(4, 0).repeat_interleave(4, 1))
 
 
 def test_a_token_mask_is_anded_with_the_bidirectional_rule() -> None:
-    cache = am.KVCache(_spec(), num_pages=64)
+    cache = am.KVCache(_rolling_spec(), num_pages=64)
     state = cache.open_session()
-    _commit(state, 2)
+    _commit_chunks(state, 2)
     mask = torch.rand(2, 8, 16, generator=torch.Generator().manual_seed(0)) < 0.7
     fwd = state.prepare_forward(None, 8, token_mask=mask, pending_attention="bidirectional")
     assert torch.equal(fwd.to_dense(), mask)  # the rule is all True over both streams' 8 + 8 keys

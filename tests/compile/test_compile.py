@@ -7,7 +7,13 @@ import torch
 from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
 
 from ardiff_modules import populate_cross_attention
-from tests.support.streaming_model import LibraryStreaming, TinyStreamingModel, play, play_event, rollout_events
+from tests.support.streaming_model import (
+    LibraryStreaming,
+    play,
+    play_event,
+    rollout_events,
+    tiny_model_and_spec,
+)
 
 # torch.compile (inductor) runs; each test starts from a clean dynamo cache
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fresh_dynamo")]
@@ -15,15 +21,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fresh_dynamo")]
 CHUNK = 4
 
 
-def _setup(sink: int = 1, window: int = 2):  # noqa: ANN202
-    torch.manual_seed(0)
-    model = TinyStreamingModel().eval()
-    spec = model.spec(CHUNK, 2, sink, window)
-    return model, spec
-
-
 def test_inductor_fullgraph_matches_eager_over_rollout() -> None:
-    model, spec = _setup()
+    model, spec = tiny_model_and_spec()
     events = rollout_events(12, CHUNK, model.dim, model.context_dim, fixed_shape=True)
     counter = CompileCounterWithBackend("inductor")
     compiled = torch.compile(model, backend=counter, fullgraph=True)
@@ -36,7 +35,7 @@ def test_inductor_fullgraph_matches_eager_over_rollout() -> None:
 
 @pytest.mark.parametrize("dynamic", [None, False])
 def test_no_recompiles_across_sessions_eviction_prompt_switch_reset_and_abort(dynamic: bool | None) -> None:
-    model, spec = _setup(sink=1, window=2)
+    model, spec = tiny_model_and_spec(sink=1, window=2)
     counter = CompileCounter()
     compiled = torch.compile(model, backend=counter, fullgraph=True, dynamic=dynamic)
     runners = [LibraryStreaming(model, spec, 64, fn=compiled), LibraryStreaming(model, spec, 64, fn=compiled)]
@@ -64,7 +63,7 @@ def test_no_recompiles_across_sessions_eviction_prompt_switch_reset_and_abort(dy
 
 def test_one_graph_per_block_when_blocks_are_compiled_separately() -> None:
     """Per-block compilation (a common pattern) shares one graph: the layer is data, not a constant."""
-    model, spec = _setup()
+    model, spec = tiny_model_and_spec()
     counter = CompileCounter()
     for block in model.blocks:
         block.compile(backend=counter, fullgraph=True)
@@ -76,7 +75,7 @@ def test_one_graph_per_block_when_blocks_are_compiled_separately() -> None:
 
 def test_multi_chunk_forward_is_one_new_shape_only() -> None:
     """A forward of a different chunk count is a new input shape: at most one extra graph, then stable."""
-    model, spec = _setup()
+    model, spec = tiny_model_and_spec()
     counter = CompileCounter()
     compiled = torch.compile(model, backend=counter, fullgraph=True)
     runner = LibraryStreaming(model, spec, 200, fn=compiled)

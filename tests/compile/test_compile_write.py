@@ -11,7 +11,6 @@ Guards three things a compiled model relies on:
 
 from __future__ import annotations
 
-import dataclasses
 import re
 
 import pytest
@@ -19,20 +18,18 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 from ardiff_modules import ForwardFinishedError
-from tests.support.streaming_model import LibraryStreaming, TinyStreamingModel, play, rollout_events
+from tests.support.streaming_model import (
+    LibraryStreaming,
+    play,
+    rollout_events,
+    tiny_model_and_spec,
+)
 
 # inductor compiles; each test starts from a clean dynamo cache
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fresh_dynamo")]
 
 CHUNK = 4
 _ALLOC = re.compile(r"empty_strided_cpu\(\(([0-9, ]*)\)")
-
-
-def _setup(kv_dtype: str | None = None):  # noqa: ANN202
-    torch.manual_seed(0)
-    model = TinyStreamingModel().eval()
-    spec = dataclasses.replace(model.spec(CHUNK, 2, 1, 2), kv_dtype=kv_dtype)
-    return model, spec
 
 
 def _allocated_numels(code: str) -> list[int]:
@@ -47,7 +44,7 @@ def _allocated_numels(code: str) -> list[int]:
 
 @pytest.mark.parametrize("kv_dtype", [None, "float8_e4m3fn"])
 def test_compiled_graph_writes_the_pool_in_place(kv_dtype: str | None) -> None:
-    model, spec = _setup(kv_dtype)
+    model, spec = tiny_model_and_spec(kv_dtype=kv_dtype)
     compiled = torch.compile(model, backend="inductor", fullgraph=True)
     runner = LibraryStreaming(model, spec, 64, fn=compiled)
     events = rollout_events(3, CHUNK, model.dim, model.context_dim, fixed_shape=True)
@@ -65,7 +62,7 @@ def test_compiled_graph_writes_the_pool_in_place(kv_dtype: str | None) -> None:
 
 @pytest.mark.parametrize("kv_dtype", [None, "float8_e4m3fn"])
 def test_compiled_write_equals_eager_over_rollout(kv_dtype: str | None) -> None:
-    model, spec = _setup(kv_dtype)
+    model, spec = tiny_model_and_spec(kv_dtype=kv_dtype)
     events = rollout_events(10, CHUNK, model.dim, model.context_dim, fixed_shape=True)
     eager_runner = LibraryStreaming(model, spec, 64)
     eager = play(eager_runner, events)
@@ -86,7 +83,7 @@ def test_compiled_write_equals_eager_over_rollout(kv_dtype: str | None) -> None:
 
 
 def test_finished_forward_cannot_write_through_a_compiled_graph() -> None:
-    model, spec = _setup()
+    model, spec = tiny_model_and_spec()
     compiled = torch.compile(model, backend="inductor", fullgraph=True)
     runner = LibraryStreaming(model, spec, 64, fn=compiled)
     events = rollout_events(3, CHUNK, model.dim, model.context_dim, fixed_shape=True)
@@ -105,7 +102,7 @@ def test_finished_forward_cannot_write_through_a_compiled_graph() -> None:
 def test_fp8_calibration_in_a_compiled_graph_reaches_the_pool(backend: str) -> None:
     """The gate op calibrates the scales the graph quantizes with *and* the pool's, whatever the backend
     (aot_eager keeps the functional copy of the scales that inductor rewrites in place)."""
-    model, spec = _setup("float8_e4m3fn")
+    model, spec = tiny_model_and_spec(kv_dtype="float8_e4m3fn")
     events = rollout_events(4, CHUNK, model.dim, model.context_dim, fixed_shape=True)
     eager_runner = LibraryStreaming(model, spec, 64)
     eager = play(eager_runner, events)

@@ -1,4 +1,4 @@
-"""PageAllocator and SinkWindowPolicy: exact-id scenarios (pure Python, no torch needed)."""
+"""PageAllocator: exact-id scenarios (pure Python, no torch needed)."""
 
 from __future__ import annotations
 
@@ -8,16 +8,14 @@ import textwrap
 
 import pytest
 
-
 from ardiff_modules.allocator import PageAllocator
-from ardiff_modules.errors import AllocatorError, ARDiffError, CapacityError, SpecError
-from ardiff_modules.window import CommitResult, SinkWindowPolicy
+from ardiff_modules.errors import AllocatorError, ARDiffError, CapacityError
 from tests.support import paths
 
 REPO_ROOT = str(paths.REPO_ROOT)
 
 
-def snapshot(alloc: PageAllocator):
+def allocator_snapshot(alloc: PageAllocator):
     return (
         alloc.free_pages(),
         tuple(alloc.refcount(p) for p in range(alloc.num_pages)),
@@ -66,9 +64,9 @@ def test_allocate_takes_lowest_ids_first():
 
 def test_allocate_zero_is_a_noop():
     alloc = PageAllocator(3)
-    before = snapshot(alloc)
+    before = allocator_snapshot(alloc)
     assert alloc.allocate(0) == []
-    assert snapshot(alloc) == before
+    assert allocator_snapshot(alloc) == before
 
 
 def test_freed_pages_go_to_the_back_of_the_queue():
@@ -139,10 +137,10 @@ def test_decref_freed_order_follows_argument_order():
 def test_empty_incref_and_decref_are_noops():
     alloc = PageAllocator(3)
     alloc.allocate(1)
-    before = snapshot(alloc)
+    before = allocator_snapshot(alloc)
     alloc.incref([])
     assert alloc.decref([]) == []
-    assert snapshot(alloc) == before
+    assert allocator_snapshot(alloc) == before
 
 
 # ---------------------------------------------------------------------- capacity errors change nothing
@@ -152,7 +150,7 @@ def test_capacity_error_changes_nothing():
     alloc = PageAllocator(5)
     alloc.allocate(3)
     alloc.decref([1])
-    before = snapshot(alloc)
+    before = allocator_snapshot(alloc)
     with pytest.raises(CapacityError) as exc_info:
         alloc.allocate(4)
     err = exc_info.value
@@ -160,7 +158,7 @@ def test_capacity_error_changes_nothing():
     assert err.needed == 4
     assert err.free == 3
     assert "needed 4" in str(err) and "only 3 of 5" in str(err)
-    assert snapshot(alloc) == before
+    assert allocator_snapshot(alloc) == before
     # And the pool still works exactly as if nothing had happened.
     assert alloc.allocate(3) == [3, 4, 1]
 
@@ -168,23 +166,23 @@ def test_capacity_error_changes_nothing():
 def test_capacity_error_when_full():
     alloc = PageAllocator(2)
     alloc.allocate(2)
-    before = snapshot(alloc)
+    before = allocator_snapshot(alloc)
     with pytest.raises(CapacityError) as exc_info:
         alloc.allocate(1)
     assert (exc_info.value.needed, exc_info.value.free) == (1, 0)
-    assert snapshot(alloc) == before
+    assert allocator_snapshot(alloc) == before
 
 
 @pytest.mark.parametrize("bad", [-1, 1.0, "2", True, None])
 def test_allocate_bad_count(bad):
     alloc = PageAllocator(3)
     alloc.allocate(1)
-    before = snapshot(alloc)
+    before = allocator_snapshot(alloc)
     with pytest.raises(AllocatorError) as exc_info:
         alloc.allocate(bad)
     assert "expected a page count >= 0" in str(exc_info.value)
     assert repr(bad) in str(exc_info.value)
-    assert snapshot(alloc) == before
+    assert allocator_snapshot(alloc) == before
 
 
 # ---------------------------------------------------------------------- allocator errors change nothing
@@ -194,183 +192,51 @@ def test_double_free_raises_and_changes_nothing():
     alloc = PageAllocator(4)
     alloc.allocate(3)
     alloc.decref([1])
-    before = snapshot(alloc)
+    before = allocator_snapshot(alloc)
     with pytest.raises(AllocatorError) as exc_info:
         alloc.decref([1])
     assert "page 1" in str(exc_info.value) and "refcount 0" in str(exc_info.value)
-    assert snapshot(alloc) == before
+    assert allocator_snapshot(alloc) == before
 
 
 def test_decref_more_than_held_in_one_call_changes_nothing():
     alloc = PageAllocator(4)
     alloc.allocate(3)
     alloc.incref([2])
-    before = snapshot(alloc)
+    before = allocator_snapshot(alloc)
     # page 0 is fine, page 2 has refcount 2 but 3 drops are requested: nothing may change, not even page 0.
     with pytest.raises(AllocatorError) as exc_info:
         alloc.decref([0, 2, 2, 2])
     msg = str(exc_info.value)
     assert "page 2" in msg and "refcount 2" in msg and "cannot drop 3" in msg
-    assert snapshot(alloc) == before
+    assert allocator_snapshot(alloc) == before
 
 
 @pytest.mark.parametrize("bad", [-1, 4, 100, 1.0, "0", None, True])
 def test_bad_page_ids_change_nothing(bad):
     alloc = PageAllocator(4)
     alloc.allocate(2)
-    before = snapshot(alloc)
+    before = allocator_snapshot(alloc)
     for op in (alloc.decref, alloc.incref):
         with pytest.raises(AllocatorError) as exc_info:
             op([0, bad])  # a valid id first: it must not be touched either
         assert "expected a page id in [0, 4)" in str(exc_info.value)
         assert repr(bad) in str(exc_info.value)
-        assert snapshot(alloc) == before
+        assert allocator_snapshot(alloc) == before
     with pytest.raises(AllocatorError):
         alloc.refcount(bad)
-    assert snapshot(alloc) == before
+    assert allocator_snapshot(alloc) == before
 
 
 def test_incref_of_free_page_changes_nothing():
     alloc = PageAllocator(4)
     alloc.allocate(2)
-    before = snapshot(alloc)
+    before = allocator_snapshot(alloc)
     with pytest.raises(AllocatorError) as exc_info:
         alloc.incref([0, 1, 3])
     msg = str(exc_info.value)
     assert "page 3 is free" in msg and "refcount >= 1" in msg
-    assert snapshot(alloc) == before
-
-
-# ---------------------------------------------------------------------- SinkWindowPolicy
-
-
-@pytest.mark.parametrize(
-    "sink,window,n,expected",
-    [
-        (2, 3, 0, []),
-        (2, 3, 1, [0]),
-        (2, 3, 2, [0, 1]),
-        (2, 3, 4, [0, 1, 2, 3]),
-        (2, 3, 5, [0, 1, 2, 3, 4]),
-        (2, 3, 6, [0, 1, 3, 4, 5]),
-        (2, 3, 10, [0, 1, 7, 8, 9]),
-        (0, 3, 2, [0, 1]),
-        (0, 3, 7, [4, 5, 6]),
-        (3, 2, 2, [0, 1]),
-        (3, 2, 3, [0, 1, 2]),
-        (3, 2, 9, [0, 1, 2, 7, 8]),
-        # window 0: only sinks are ever visible
-        (0, 0, 0, []),
-        (0, 0, 5, []),
-        (2, 0, 1, [0]),
-        (2, 0, 5, [0, 1]),
-        # window None: everything stays visible
-        (0, None, 0, []),
-        (0, None, 4, [0, 1, 2, 3]),
-        (1, None, 6, [0, 1, 2, 3, 4, 5]),
-        (1, 1, 6, [0, 5]),
-    ],
-)
-def test_visible_indices(sink, window, n, expected):
-    policy = SinkWindowPolicy(sink, window)
-    assert policy.visible_indices(n) == expected
-    assert policy.visible([f"c{i}" for i in range(n)]) == [f"c{i}" for i in expected]
-
-
-def test_commit_single_chunks_sink_1_window_2():
-    policy = SinkWindowPolicy(1, 2)
-    r = policy.commit((), (), ["a"])
-    assert r == CommitResult(("a",), (), ())
-    r = policy.commit(r.sinks, r.window, ["b"])
-    assert r == CommitResult(("a",), ("b",), ())
-    r = policy.commit(r.sinks, r.window, ["c"])
-    assert r == CommitResult(("a",), ("b", "c"), ())
-    r = policy.commit(r.sinks, r.window, ["d"])
-    assert r == CommitResult(("a",), ("c", "d"), ("b",))
-    r = policy.commit(r.sinks, r.window, ["e"])
-    assert r == CommitResult(("a",), ("d", "e"), ("c",))
-
-
-def test_commit_multi_chunk_fills_sinks_first_then_evicts_oldest():
-    policy = SinkWindowPolicy(1, 2)
-    r = policy.commit((), (), ["a", "b", "c", "d"])
-    assert r == CommitResult(("a",), ("c", "d"), ("b",))
-    r = policy.commit(r.sinks, r.window, ["e", "f", "g"])
-    assert r == CommitResult(("a",), ("f", "g"), ("c", "d", "e"))
-
-
-def test_commit_multi_chunk_spanning_sinks():
-    policy = SinkWindowPolicy(2, 1)
-    r = policy.commit((), (), ["a"])
-    assert r == CommitResult(("a",), (), ())
-    r = policy.commit(r.sinks, r.window, ["b", "c", "d"])
-    assert r == CommitResult(("a", "b"), ("d",), ("c",))
-
-
-def test_commit_sink_0():
-    policy = SinkWindowPolicy(0, 2)
-    r = policy.commit((), (), ["a", "b"])
-    assert r == CommitResult((), ("a", "b"), ())
-    r = policy.commit(r.sinks, r.window, ["c"])
-    assert r == CommitResult((), ("b", "c"), ("a",))
-
-
-def test_commit_window_0_evicts_every_non_sink_chunk_at_once():
-    policy = SinkWindowPolicy(0, 0)
-    r = policy.commit((), (), ["a"])
-    assert r == CommitResult((), (), ("a",))
-    r = policy.commit(r.sinks, r.window, ["b", "c"])
-    assert r == CommitResult((), (), ("b", "c"))
-
-    policy = SinkWindowPolicy(1, 0)
-    r = policy.commit((), (), ["a", "b"])
-    assert r == CommitResult(("a",), (), ("b",))
-    r = policy.commit(r.sinks, r.window, ["c"])
-    assert r == CommitResult(("a",), (), ("c",))
-
-
-def test_commit_window_none_never_evicts():
-    policy = SinkWindowPolicy(1, None)
-    r = policy.commit((), (), ["a", "b"])
-    for name in "cdefg":
-        r = policy.commit(r.sinks, r.window, [name])
-    assert r == CommitResult(("a",), tuple("bcdefg"), ())
-
-
-def test_commit_of_nothing_changes_nothing():
-    policy = SinkWindowPolicy(1, 2)
-    assert policy.commit(("a",), ("b", "c"), []) == CommitResult(("a",), ("b", "c"), ())
-
-
-@pytest.mark.parametrize("sink,window", [(0, 0), (0, 1), (1, 0), (1, 2), (2, 3), (3, 1), (1, None), (0, None)])
-@pytest.mark.parametrize("batch", [1, 2, 3])
-def test_commit_matches_visible_of_full_history(sink, window, batch):
-    policy = SinkWindowPolicy(sink, window)
-    sinks: tuple = ()
-    win: tuple = ()
-    history: list[int] = []
-    evicted: list[int] = []
-    for step in range(12):
-        new = list(range(step * batch, (step + 1) * batch))
-        history.extend(new)
-        r = policy.commit(sinks, win, new)
-        sinks, win = r.sinks, r.window
-        evicted.extend(r.evicted)
-        assert list(sinks + win) == policy.visible(history)
-        assert sorted(evicted + list(sinks + win)) == history  # nothing lost, nothing duplicated
-
-
-@pytest.mark.parametrize(
-    "sink,window,field_name",
-    [(-1, 2, "sink_chunks"), (True, 2, "sink_chunks"), (1.0, 2, "sink_chunks"), (None, 2, "sink_chunks"),
-     (0, -1, "window_chunks"), (0, 1.5, "window_chunks"), (0, True, "window_chunks")],
-)
-def test_policy_validation(sink, window, field_name):
-    with pytest.raises(SpecError) as exc_info:
-        SinkWindowPolicy(sink, window)
-    msg = str(exc_info.value)
-    assert f"SinkWindowPolicy.{field_name}" in msg
-    assert repr(sink if field_name == "sink_chunks" else window) in msg
+    assert allocator_snapshot(alloc) == before
 
 
 # ---------------------------------------------------------------------- no torch
@@ -410,8 +276,8 @@ def test_exclusive_tracks_refcounts_and_rejects_bad_ids():
     alloc.incref([1])
     assert not alloc.exclusive([0, 1]) and alloc.exclusive([0, 2])
     assert not alloc.exclusive([3])  # free: refcount 0
-    before = snapshot(alloc)
+    before = allocator_snapshot(alloc)
     for bad in ([4], [-1], [0, 9]):
         with pytest.raises(AllocatorError, match=r"expected a page id in \[0, 4\)"):
             alloc.exclusive(bad)
-    assert snapshot(alloc) == before
+    assert allocator_snapshot(alloc) == before

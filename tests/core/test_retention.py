@@ -267,7 +267,7 @@ def test_checker_accepts_exactly_the_contract(
             checked_visible_indices(Answers(), total, resident, committed)
 
 
-def write_layers(fwd: am.ForwardContext, seed: int) -> None:
+def write_random_layers(fwd: am.ForwardContext, seed: int) -> None:
     """Run every layer's attention op once: the forward writes its pending K/V into the pool."""
     gen = torch.Generator().manual_seed(seed)
     s, n = fwd.positions.shape
@@ -326,7 +326,7 @@ def rolled_cache(policy: RetentionPolicy, chunks: int, *, extents: bool = False,
     state = cache.open_session("s")
     for i in range(chunks):
         fwd = state.prepare_forward(None, 2, True)
-        write_layers(fwd, i)
+        write_random_layers(fwd, i)
         fwd.commit()
     return cache, state
 
@@ -344,7 +344,7 @@ def test_a_policy_breaking_its_contract_at_commit_changes_nothing(kind: str, via
     history = state.history("uncond")
     assert history.resident_index == (0, 3, 4)
     fwd = state.prepare_forward(None, 4, True)  # two chunks per branch: too_many keeps all 5 > 3
-    write_layers(fwd, 99)
+    write_random_layers(fwd, 99)
     policy.arm(kind, resident=history.resident_index, committed=history.committed_chunks, on_call=2)
 
     def call() -> None:
@@ -376,10 +376,10 @@ def test_a_failing_policy_in_a_multi_session_forward_commits_no_session() -> Non
     streams = [(a, "cond"), (a, "uncond"), (b, "cond"), (b, "uncond")]
     for i in range(3):
         fwd = cache.prepare_forward(streams, 2, True)
-        write_layers(fwd, i)
+        write_random_layers(fwd, i)
         fwd.commit()
     fwd = cache.prepare_forward(streams, 2, True)
-    write_layers(fwd, 7)
+    write_random_layers(fwd, 7)
     h = b.history("uncond")
     policy.arm("resurrect", resident=h.resident_index, committed=h.committed_chunks, on_call=4)
     assert_refused_unchanged(cache, [a, b], fwd, fwd.commit, "[1] already evicted")
@@ -404,10 +404,10 @@ def test_a_policy_keeping_more_than_it_declared_is_refused_before_admission_brea
     streams = [(s, b) for s in states for b in spec.branches]
     for i in range(5):
         fwd = cache.prepare_forward(streams, 2, True)
-        write_layers(fwd, i)
+        write_random_layers(fwd, i)
         fwd.commit()
     fwd = cache.prepare_forward(streams, 2, True)
-    write_layers(fwd, 5)
+    write_random_layers(fwd, 5)
     error = assert_refused_unchanged(
         cache, states, fwd, fwd.commit, "Undercounts.visible_indices(6): expected at most max_resident_chunks=3",
         "got 4: [0, 2, 4, 5]",
@@ -437,7 +437,7 @@ def test_admission_agrees_with_a_valid_user_policy(extents: bool) -> None:
         else:  # every session at once, each with a denoising forward first
             cache.prepare_forward(streams, 2, False).commit()
             fwd = cache.prepare_forward(streams, 2, True)
-        write_layers(fwd, i)
+        write_random_layers(fwd, i)
         fwd.commit()
         for s in states:
             for b in spec.branches:

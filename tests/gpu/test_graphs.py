@@ -24,7 +24,7 @@ from tests.support.gpu import DTYPE, FP8, GPU, gpu_model_and_spec, rel_error
 pytestmark = list(GPU)
 
 
-def _graph_rollout(model, spec, step_fn, *, static: bool, extents: bool = True, sessions: int = 1, chunks: int = 7):  # noqa: ANN001, ANN202
+def _flashinfer_rollout(model, spec, step_fn, *, static: bool, extents: bool = True, sessions: int = 1, chunks: int = 7):  # noqa: ANN001, ANN202
     """``chunks`` chunk steps (2 denoising + 1 committing forward) of ``sessions`` sessions batched."""
     cache = am.KVCache(spec, num_pages=64 * sessions, device="cuda", backend="flashinfer",
                        contiguous_extents=extents)
@@ -53,10 +53,10 @@ def _graph_rollout(model, spec, step_fn, *, static: bool, extents: bool = True, 
 @pytest.mark.parametrize("sessions", [1, 2])
 def test_static_forwards_replay_ragged_and_equal_eager(kv_dtype: str | None, sessions: int) -> None:
     model, spec = gpu_model_and_spec(kv_dtype=kv_dtype)
-    eager, eager_modes, eager_cache = _graph_rollout(model, spec, lambda fwd, x: model(x, fwd.layers), static=False,
+    eager, eager_modes, eager_cache = _flashinfer_rollout(model, spec, lambda fwd, x: model(x, fwd.layers), static=False,
                                                sessions=sessions)
     step = CUDAGraphStep(model)
-    graphed, modes, cache = _graph_rollout(model, spec, lambda fwd, x: step(fwd, x), static=True, sessions=sessions)
+    graphed, modes, cache = _flashinfer_rollout(model, spec, lambda fwd, x: step(fwd, x), static=True, sessions=sessions)
     assert set(eager_modes) == {"ragged"}
     assert set(modes) == {"ragged"}, f"expected ragged FA3 replays, got {set(modes)}"
     assert step.num_graphs == 1
@@ -71,7 +71,7 @@ def test_static_forwards_replay_ragged_and_equal_eager(kv_dtype: str | None, ses
 def test_static_plan_switches_kernel_and_recaptures(monkeypatch: pytest.MonkeyPatch) -> None:
     """A static forward that cannot run ragged gets a new (paged) plan: the graph is captured again."""
     model, spec = gpu_model_and_spec()
-    eager, _, _ = _graph_rollout(model, spec, lambda fwd, x: model(x, fwd.layers), static=False, chunks=4)
+    eager, _, _ = _flashinfer_rollout(model, spec, lambda fwd, x: model(x, fwd.layers), static=False, chunks=4)
     step = CUDAGraphStep(model)
     calls = {"n": 0}
     original = FlashInferPlan._ragged_eligible
@@ -82,7 +82,7 @@ def test_static_plan_switches_kernel_and_recaptures(monkeypatch: pytest.MonkeyPa
         return original(self, request) and request.layout.streams[0].token_offset < 2 * spec.chunk_size
 
     monkeypatch.setattr(FlashInferPlan, "_ragged_eligible", eligible)
-    graphed, modes, _ = _graph_rollout(model, spec, lambda fwd, x: step(fwd, x), static=True, chunks=4)
+    graphed, modes, _ = _flashinfer_rollout(model, spec, lambda fwd, x: step(fwd, x), static=True, chunks=4)
     assert modes[:6] == ["ragged"] * 6 and set(modes[6:]) == {"paged"}, modes
     assert step.num_graphs == 1  # the ragged graph was dropped with its plan
     for g, e in zip(graphed, eager):
@@ -98,7 +98,7 @@ def test_compiled_write_is_in_the_graph_and_equals_eager(kv_dtype: str | None) -
     from torch._inductor.utils import run_and_get_code
 
     model, spec = gpu_model_and_spec(kv_dtype=kv_dtype)
-    eager, _, eager_cache = _graph_rollout(model, spec, lambda fwd, x: model(x, fwd.layers), static=False)
+    eager, _, eager_cache = _flashinfer_rollout(model, spec, lambda fwd, x: model(x, fwd.layers), static=False)
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("inductor")
     compiled = torch.compile(model, backend=counter, fullgraph=True)
@@ -111,7 +111,7 @@ def test_compiled_write_is_in_the_graph_and_equals_eager(kv_dtype: str | None) -
             return out
         return compiled(x, fwd.layers)
 
-    comp, _, cache = _graph_rollout(model, spec, step, static=False)
+    comp, _, cache = _flashinfer_rollout(model, spec, step, static=False)
     assert counter.frame_count == 1
     code = "\n".join(codes)
     assert "kv_write_slots" in code and "chunk_attention" not in code
@@ -132,10 +132,10 @@ def test_compiled_write_is_in_the_graph_and_equals_eager(kv_dtype: str | None) -
 def test_compiled_cuda_graph_step_replays_in_graph_writes() -> None:
     """CUDAGraphStep over a compiled model: the in-graph write reads the static plan's slot buffer."""
     model, spec = gpu_model_and_spec()
-    eager, _, _ = _graph_rollout(model, spec, lambda fwd, x: model(x, fwd.layers), static=False)
+    eager, _, _ = _flashinfer_rollout(model, spec, lambda fwd, x: model(x, fwd.layers), static=False)
     torch._dynamo.reset()
     step = CUDAGraphStep(torch.compile(model, fullgraph=True))
-    graphed, modes, _ = _graph_rollout(model, spec, lambda fwd, x: step(fwd, x), static=True)
+    graphed, modes, _ = _flashinfer_rollout(model, spec, lambda fwd, x: step(fwd, x), static=True)
     assert set(modes) == {"ragged"} and step.num_graphs == 1
     errors = [rel_error(g, e) for g, e in zip(graphed, eager)]
     assert max(errors) < 3e-2, errors

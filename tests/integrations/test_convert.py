@@ -132,7 +132,7 @@ def diffusers_wan():  # noqa: ANN201
 
 
 # ------------------------------------------------------------------ harness
-def make_cache(cross: tuple[CrossAttentionSpec, ...] = (), branches: tuple[str, ...] = ("cond",)) -> KVCache:
+def make_layer_cache(cross: tuple[CrossAttentionSpec, ...] = (), branches: tuple[str, ...] = ("cond",)) -> KVCache:
     spec = KVCacheSpec(
         num_layers=1, num_kv_heads=HEADS, head_dim=HEAD_DIM, chunk_size=CHUNK, page_size=H * W,
         sink_chunks=1, window_chunks=4, branches=branches, cross_attention=cross, dtype="float32",
@@ -142,7 +142,7 @@ def make_cache(cross: tuple[CrossAttentionSpec, ...] = (), branches: tuple[str, 
 
 def stream_self_attention(layer: ChunkSelfAttention, x: torch.Tensor) -> torch.Tensor:
     """``x`` ``[1, chunks * CHUNK, DIM]`` through the paged cache one committed chunk at a time."""
-    state = make_cache().open_session()
+    state = make_layer_cache().open_session()
     rope = VideoRotaryEmbedding(HEAD_DIM, H, W)
     outs = []
     with torch.no_grad():
@@ -223,7 +223,7 @@ def cross_outputs(layer: CachedCrossAttention, x: torch.Tensor, contexts: dict[s
     first = next(iter(contexts.values()))
     cross = tuple(CrossAttentionSpec(name, c.shape[-2]) for name, c in first.items())
     branches = tuple(contexts)
-    state = make_cache(cross, branches).open_session()
+    state = make_layer_cache(cross, branches).open_session()
     for branch, caches in contexts.items():
         for name, context in caches.items():
             populate_cross_attention(state, branch, [layer], context, cache_name=name)
@@ -488,7 +488,7 @@ def test_conversion_and_layer_misuse() -> None:
         CachedCrossAttention(DIM, HEADS, image_context_dim=8)
     with pytest.raises(SpecError, match="expected a layer built with image_cache_name"):
         CachedCrossAttention(DIM, HEADS).to_k_img  # noqa: B018
-    state = make_cache((CrossAttentionSpec("text", 3), CrossAttentionSpec("clip", 3))).open_session()
+    state = make_layer_cache((CrossAttentionSpec("text", 3), CrossAttentionSpec("clip", 3))).open_session()
     with pytest.raises(SpecError, match="populate_cross_attention.cache_name: expected 'text' or 'image'"):
         populate_cross_attention(state, "cond", [layer], torch.randn(3, DIM), cache_name="clip")
     with state.prepare_forward(("cond",), CHUNK, commit_current=False) as fwd, pytest.raises(SpecError, match="both"):
@@ -643,7 +643,7 @@ def test_checkpoint_named_layers_compile_fullgraph_one_frame(param_names: str) -
 
         counter = CompileCounter()
         compiled = torch.compile(step, backend=counter, fullgraph=True)
-        state = make_cache((CrossAttentionSpec("text", 3), CrossAttentionSpec("image", 2))).open_session()
+        state = make_layer_cache((CrossAttentionSpec("text", 3), CrossAttentionSpec("image", 2))).open_session()
         populate_cross_attention(state, "cond", [cross], torch.randn(1, 3, DIM))
         populate_cross_attention(state, "cond", [cross], torch.randn(2, DIM), cache_name="image")
         with torch.no_grad():

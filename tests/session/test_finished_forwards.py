@@ -29,7 +29,7 @@ from tests.support.small_cache import (
     run_layers,
     tensors,
 )
-from tests.support.streaming_model import TinyStreamingModel
+from tests.support.streaming_model import tiny_model_and_spec
 
 
 def assert_refused(cache: KVCache, layers, streams: int, n: int = CHUNK, errors=ForwardFinishedError) -> None:
@@ -188,9 +188,7 @@ def test_abort_inside_the_with_block_stops_the_model(small_cache: KVCache) -> No
 
 
 def _compiled_setup(backend):
-    torch.manual_seed(0)
-    model = TinyStreamingModel().eval()
-    spec = model.spec(CHUNK, 2, 1, 2)
+    model, spec = tiny_model_and_spec()
     cache = KVCache(spec, num_pages=64, backend="reference")
     state = cache.open_session("s")
     for branch in spec.branches:

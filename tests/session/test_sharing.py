@@ -13,7 +13,7 @@ from tests.support.streaming_model import LibraryStreaming, NaiveStreaming, Tiny
 CHUNK = 4
 
 
-def _spec(extents_window: int = 2, branches=("cond", "uncond")) -> am.KVCacheSpec:  # noqa: ANN001
+def _sharing_spec(extents_window: int = 2, branches=("cond", "uncond")) -> am.KVCacheSpec:  # noqa: ANN001
     return am.KVCacheSpec(
         num_layers=2, num_kv_heads=2, head_dim=4, chunk_size=CHUNK, page_size=2, sink_chunks=1,
         window_chunks=extents_window, branches=branches, cross_attention=(am.CrossAttentionSpec("text", 3),),
@@ -21,7 +21,7 @@ def _spec(extents_window: int = 2, branches=("cond", "uncond")) -> am.KVCacheSpe
     )
 
 
-def _commit(state: am.KVState, x: torch.Tensor | None = None) -> None:
+def _commit_forward(state: am.KVState, x: torch.Tensor | None = None) -> None:
     x = torch.randn(len(state.kv_branch_names), CHUNK, 2, 4) if x is None else x
     with state.prepare_forward(None, CHUNK, commit_current=True) as fwd:
         for layer in fwd.layers:
@@ -30,10 +30,10 @@ def _commit(state: am.KVState, x: torch.Tensor | None = None) -> None:
 
 @pytest.mark.parametrize("extents", [False, True])
 def test_fork_shares_pages_by_refcount_and_copies_nothing(extents: bool) -> None:
-    cache = am.KVCache(_spec(), num_pages=64, backend="reference", contiguous_extents=extents)
+    cache = am.KVCache(_sharing_spec(), num_pages=64, backend="reference", contiguous_extents=extents)
     parent = cache.open_session("parent")
     for _ in range(3):
-        _commit(parent)
+        _commit_forward(parent)
     used_before = cache.allocator.num_used
     kv_before = cache.pool.kv.clone()
     child = parent.fork("child")
@@ -82,13 +82,13 @@ def test_forks_diverge_and_closing_one_never_changes_the_other(extents: bool) ->
 
 
 def test_share_sinks_and_cross_attention_between_sessions() -> None:
-    cache = am.KVCache(_spec(), num_pages=64, backend="reference")
+    cache = am.KVCache(_sharing_spec(), num_pages=64, backend="reference")
     a = cache.open_session("a")
     k = torch.randn(3, 2, 4)
     for branch in ("cond", "uncond"):
         a.populate_cross_attention(branch, "text", [(k, k), (k, k)])
-    _commit(a)
-    _commit(a)
+    _commit_forward(a)
+    _commit_forward(a)
     b = cache.open_session("b")
     b.share_sinks_from(a, "cond")
     b.share_cross_attention_from(a, "text")
@@ -104,7 +104,7 @@ def test_share_sinks_and_cross_attention_between_sessions() -> None:
 
 
 def test_admission_and_stats() -> None:
-    spec = _spec()
+    spec = _sharing_spec()
     per_session = 2 * (1 + 2 + 1) * 2  # branches x (sink + window + pending) x pages per chunk
     reserve = 2 * (1 + 2 - 1) * 2  # once for the pool: one session's re-cache beyond its peak
     cache = am.KVCache(spec, num_pages=3 * per_session + reserve + 5, backend="reference")
@@ -116,7 +116,7 @@ def test_admission_and_stats() -> None:
     with pytest.raises(am.CapacityError, match=f"needs up to {per_session} pages"):
         cache.admit_session("too-many")
     assert cache.allocator.free_pages() == free_before and "too-many" not in cache.sessions
-    _commit(sessions[0])  # using admitted capacity does not change what else fits
+    _commit_forward(sessions[0])  # using admitted capacity does not change what else fits
     assert cache.sessions_that_fit() == 0
     stats = cache.stats()
     assert stats.pages_used == 2 * 2 and stats.sessions[sessions[0].session_id] == {"cond": 2, "uncond": 2}

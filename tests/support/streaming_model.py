@@ -8,6 +8,7 @@ It shares only the model's projection weights with the library path.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from collections.abc import Sequence
 
@@ -68,6 +69,20 @@ class TinyStreamingModel(nn.Module):
             branches=branches, cross_attention=(CrossAttentionSpec(TEXT, text_tokens),), dtype="float32",
             pending_attention=pending_attention, relative_sinks=relative_sinks,
         )
+
+
+def tiny_model_and_spec(
+    sink: int = 1, window: int | None = 2, kv_dtype: str | None = None, chunk: int = 4, page: int = 2
+) -> tuple[TinyStreamingModel, KVCacheSpec]:
+    """The default :class:`TinyStreamingModel` (weights seeded with 0, eval mode) and its spec: chunks of ``chunk``
+    tokens in pages of ``page``, ``sink`` + ``window`` chunks, CFG branches, float32 (``kv_dtype``: the K/V storage
+    dtype, else the same)."""
+    torch.manual_seed(0)
+    model = TinyStreamingModel().eval()
+    spec = model.spec(chunk, page, sink, window)
+    if kv_dtype is not None:
+        spec = dataclasses.replace(spec, kv_dtype=kv_dtype)
+    return model, spec
 
 
 class LibraryStreaming:
