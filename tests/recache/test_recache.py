@@ -18,7 +18,6 @@ import torch
 
 import ardiff_modules as am
 from ardiff_modules import KVCache, populate_cross_attention
-from ardiff_modules.backends.reference import ReferenceBackend
 from ardiff_modules.errors import (
     CapacityError,
     LatentsNotKeptError,
@@ -29,29 +28,13 @@ from ardiff_modules.errors import (
     TensorMismatchError,
     UnknownBranchError,
 )
+from tests.support.failures import Boom, FlakyPlanBackend
 from tests.support.kv_writes import write_every_layer
 from tests.support.streaming_model import NaiveStreaming, TEXT, TinyStreamingModel
 
 CHUNK = 4
 BRANCHES = ("cond", "uncond")
 TOL = {"atol": 2e-5, "rtol": 2e-5}
-
-
-class Boom(Exception):
-    pass
-
-
-class FlakyPlanBackend(ReferenceBackend):
-    """The reference backend whose ``plan()`` raises while ``fail`` is set."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fail = False
-
-    def plan(self, *args, **kwargs):  # signature-agnostic on purpose
-        if self.fail:
-            raise Boom("injected failure while planning")
-        return super().plan(*args, **kwargs)
 
 
 @dataclass
@@ -304,10 +287,10 @@ def test_plan_failure_keeps_everything_unchanged() -> None:
         rig.step()
     rig.prompt()
     before = snapshot(rig.cache)
-    backend.fail = True
+    backend.fail = Boom
     with pytest.raises(Boom):
         rig.cache.prepare_recache(rig.members())
-    backend.fail = False
+    backend.fail = None
     assert_unchanged(rig.cache, before)
     rig.recache(keep_sinks=False)
     rig.step()
@@ -576,10 +559,10 @@ def test_extents_recache_abort_exception_and_plan_failure_restore_pages_and_free
     rig.cache.prepare_recache(rig.members(), keep_sinks=False).abort()
     assert_unchanged(rig.cache, before, peak=False)
     before = snapshot(rig.cache)
-    backend.fail = True
+    backend.fail = Boom
     with pytest.raises(Boom):
         rig.cache.prepare_recache(rig.members())
-    backend.fail = False
+    backend.fail = None
     assert_unchanged(rig.cache, before)
     for _ in range(2):  # the old history still gives the oracle's outputs
         rig.step()

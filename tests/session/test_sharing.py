@@ -1,16 +1,23 @@
-"""Fork, shared sinks / cross caches, admission and stats (serving-grade KV)."""
+"""Fork, shared sinks / cross caches, admission and stats, the forward-context registry (serving-grade KV)."""
 
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 import torch
 
 import ardiff_modules as am
+from ardiff_modules import CapacityError, KVCache, KVCacheSpec, KVState, chunk_attention
+from tests.support.failures import Boom, FlakyPlanBackend
+from tests.support.kv_writes import write_every_layer
+from tests.support.pool_model import same_bits, token_kv
 from tests.support.streaming_model import LibraryStreaming, NaiveStreaming, TinyStreamingModel
 
 CHUNK = 4
+#: chunk_size and head_dim of the one-layer, one-head specs of the last tests (found by the session machine)
+TINY_CHUNK = TINY_HEAD_DIM = 2
 
 
 def _sharing_spec(extents_window: int = 2, branches=("cond", "uncond")) -> am.KVCacheSpec:  # noqa: ANN001
@@ -182,3 +189,77 @@ def test_forward_contexts_are_bounded_lru_and_pending_ones_survive() -> None:
     am.chunk_attention(x.repeat(4, 1, 1, 1), x.repeat(4, 1, 1, 1), x.repeat(4, 1, 1, 1), batched.layers[0])
     with pytest.raises(am.SpecError, match="max_forward_contexts"):
         am.KVCache(spec, num_pages=4, max_forward_contexts=0)
+
+
+def test_admission_keeps_its_promise_with_forks() -> None:
+    """``sessions_that_fit``: admitted sessions *and the open ones* can all run to their peak.
+
+    (Refusing the admission would also be correct; accepting it and then running out is not.)
+    """
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=2, chunk_size=TINY_CHUNK, page_size=TINY_CHUNK,
+                       sink_chunks=0, window_chunks=2, branches=("main",), dtype="float32")
+    cache = KVCache(spec, num_pages=8, backend="reference", contiguous_extents=False)
+
+    def commit_one(state: KVState) -> None:
+        write_every_layer(state.prepare_forward(("main",), TINY_CHUNK, True).layers)
+        state.commit_paged_context("main")
+
+    parent = cache.open_session("parent")
+    commit_one(parent)
+    commit_one(parent)  # window full: 2 pages
+    child = parent.fork("child")  # shares both pages
+    try:
+        admitted = [cache.admit_session("admitted")]  # the cache says one more session fits at its peak
+    except CapacityError:
+        admitted = []
+    for state in [child, *admitted]:  # each runs to its peak: 2 committed + 1 pending, all pages its own
+        commit_one(state)
+        commit_one(state)
+        state.prepare_forward(("main",), TINY_CHUNK, False)
+    # The parent is still within its own peak (2 committed + 1 pending): this must not run out of pages.
+    parent.prepare_forward(("main",), TINY_CHUNK, False)
+
+
+def test_failed_plan_keeps_the_context_registry() -> None:
+    """Rule 6: a ``prepare_forward`` whose ``plan()`` raises leaves ``forward_contexts()`` as it was,
+    LRU order included (the order decides which context the next new batch releases)."""
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=2, chunk_size=TINY_CHUNK, page_size=TINY_CHUNK,
+                       sink_chunks=0, window_chunks=2, branches=("a", "b"), dtype="float32")
+    backend = FlakyPlanBackend()
+    cache = KVCache(spec, num_pages=8, backend=backend, contiguous_extents=False, max_forward_contexts=2)
+    state = cache.open_session()
+    state.prepare_forward(("a",), TINY_CHUNK, False).commit()
+    state.prepare_forward(("b",), TINY_CHUNK, False).commit()
+    before = cache.forward_contexts()
+    backend.fail = Boom
+    with pytest.raises(Boom):
+        state.prepare_forward(("a",), TINY_CHUNK, False)
+    backend.fail = None
+    after = cache.forward_contexts()
+    assert [c.streams for c in after] == [c.streams for c in before], "a failed prepare_forward reordered the LRU"
+    assert all(x is y for x, y in zip(after, before))
+
+
+def test_fork_keeps_its_pages_when_the_parent_reuses_its_extent() -> None:
+    """A fork still sees a chunk its parent evicted from a contiguous extent: the parent's next chunks
+    must not take (and overwrite) that slot; the fork's pages keep exactly what was committed."""
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=TINY_HEAD_DIM, chunk_size=TINY_CHUNK, page_size=TINY_CHUNK,
+                       sink_chunks=1, window_chunks=1, branches=("main",), dtype="float32")
+    cache = KVCache(spec, num_pages=12, backend="reference", contiguous_extents=True)
+    parent = cache.open_session()
+    first_id = itertools.count(1, 2 * TINY_CHUNK)
+
+    def step(state: KVState) -> None:
+        with state.prepare_forward(("main",), TINY_CHUNK, True) as fwd:
+            k, v = token_kv(next(first_id), 1, TINY_CHUNK, 0, TINY_HEAD_DIM)
+            chunk_attention(torch.zeros(1, TINY_CHUNK, 1, TINY_HEAD_DIM), k, v, fwd.layers[0])
+
+    step(parent)
+    step(parent)  # sink + window full, 2 of the 3 extent slots used
+    child = parent.fork()
+    seen = {c: cache.pool.kv[:, :, list(c)].clone() for c in child.visible_chunks("main")}
+    for _ in range(4):  # evicts the shared window chunk; the parent must not reuse its slot while the child sees it
+        step(parent)
+        for c, data in seen.items():
+            assert same_bits(cache.pool.kv[:, :, list(c)], data), f"the child's chunk {c} was overwritten"
+    assert list(child.visible_chunks("main")) == list(seen)
