@@ -20,7 +20,9 @@ from tests.support.gpu import DTYPE, FP8, GPU, HEAD_DIM, gpu_model_and_spec, gpu
 pytestmark = list(GPU)
 
 
-def _fp8_spec(chunk: int, page: int, sink: int, window: int | None, qo_heads: int = 4, kv_heads: int = 2) -> am.KVCacheSpec:
+def _fp8_spec(
+    chunk: int, page: int, sink: int, window: int | None, qo_heads: int = 4, kv_heads: int = 2
+) -> am.KVCacheSpec:
     return gpu_spec(chunk, page, sink, window, qo_heads, kv_heads, kv_dtype=FP8)
 
 

@@ -24,7 +24,9 @@ from tests.support.gpu import DTYPE, FP8, GPU, gpu_model_and_spec, rel_error
 pytestmark = list(GPU)
 
 
-def _flashinfer_rollout(model, spec, step_fn, *, static: bool, extents: bool = True, sessions: int = 1, chunks: int = 7):  # noqa: ANN001, ANN202
+def _flashinfer_rollout(  # noqa: ANN202
+    model, spec, step_fn, *, static: bool, extents: bool = True, sessions: int = 1, chunks: int = 7  # noqa: ANN001
+):
     """``chunks`` chunk steps (2 denoising + 1 committing forward) of ``sessions`` sessions batched."""
     cache = am.KVCache(spec, num_pages=64 * sessions, device="cuda", backend="flashinfer",
                        contiguous_extents=extents)
@@ -53,10 +55,11 @@ def _flashinfer_rollout(model, spec, step_fn, *, static: bool, extents: bool = T
 @pytest.mark.parametrize("sessions", [1, 2])
 def test_static_forwards_replay_ragged_and_equal_eager(kv_dtype: str | None, sessions: int) -> None:
     model, spec = gpu_model_and_spec(kv_dtype=kv_dtype)
-    eager, eager_modes, eager_cache = _flashinfer_rollout(model, spec, lambda fwd, x: model(x, fwd.layers), static=False,
-                                               sessions=sessions)
+    eager, eager_modes, eager_cache = _flashinfer_rollout(model, spec, lambda fwd, x: model(x, fwd.layers),
+                                                          static=False, sessions=sessions)
     step = CUDAGraphStep(model)
-    graphed, modes, cache = _flashinfer_rollout(model, spec, lambda fwd, x: step(fwd, x), static=True, sessions=sessions)
+    graphed, modes, cache = _flashinfer_rollout(model, spec, lambda fwd, x: step(fwd, x), static=True,
+                                                sessions=sessions)
     assert set(eager_modes) == {"ragged"}
     assert set(modes) == {"ragged"}, f"expected ragged FA3 replays, got {set(modes)}"
     assert step.num_graphs == 1

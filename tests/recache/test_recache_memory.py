@@ -89,7 +89,8 @@ def test_extents_recache_abort_exception_and_plan_failure_restore_pages_and_free
         assert any(in_ring(state, b, c) for b in BRANCHES for c in state.pending_chunks(b))  # a free slot taken
         rig.model(rig.recache_input(True), fwd.layers)  # writes the free ring slot and the fresh pages
         raise Boom
-    assert_recache_unchanged(rig.cache, before, peak=False)  # the ring slot is free again (refcount 1), fresh unallocated
+    # the ring slot is free again (refcount 1), fresh unallocated
+    assert_recache_unchanged(rig.cache, before, peak=False)
     rig.cache.prepare_recache(rig.members(), keep_sinks=False).abort()
     assert_recache_unchanged(rig.cache, before, peak=False)
     before = recache_snapshot(rig.cache)

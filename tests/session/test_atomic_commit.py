@@ -27,7 +27,9 @@ from tests.support.small_cache import (
 
 @pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt])
 @pytest.mark.parametrize("how", ["commit_paged_context", "with"])
-def test_batched_commit_is_atomic_when_interrupted_between_streams(monkeypatch, exc, how: str, small_cache: KVCache) -> None:
+def test_batched_commit_is_atomic_when_interrupted_between_streams(
+    monkeypatch, exc, how: str, small_cache: KVCache
+) -> None:
     """A commit that raises between the streams commits neither, and finishes the forward (aborted: issue 24)
     instead of leaving it open for every later forward to trip over."""
     cache = small_cache
@@ -69,7 +71,9 @@ def test_batched_commit_is_atomic_when_interrupted_between_streams(monkeypatch, 
     assert s.open_forward("cond") is None
 
 
-def test_sigint_during_a_batched_commit_waits_until_both_streams_are_committed(monkeypatch, small_cache: KVCache) -> None:
+def test_sigint_during_a_batched_commit_waits_until_both_streams_are_committed(
+    monkeypatch, small_cache: KVCache
+) -> None:
     cache = small_cache
     s = cache.open_session("s")
     for i in range(3):

@@ -68,7 +68,9 @@ CASES: list[tuple[str, Callable[[Any, Any, Any], Any], type[Exception], str]] = 
 
 
 @pytest.mark.parametrize("name,call,exc,text", CASES, ids=[c[0] for c in CASES])
-def test_session_misuse_raises_and_changes_nothing(name: str, call: Callable, exc: type, text: str, two_sessions: tuple) -> None:
+def test_session_misuse_raises_and_changes_nothing(
+    name: str, call: Callable, exc: type, text: str, two_sessions: tuple
+) -> None:
     cache, a, b = two_sessions
     before = session_snapshot(cache)
     with pytest.raises(exc) as info:
@@ -112,7 +114,9 @@ def test_reading_a_cross_cache_never_populated_raises(two_sessions: tuple) -> No
         (3, None, "for mixed chunk sizes pass chunk_lengths"),
     ],
 )
-def test_bad_chunk_lengths_raise_and_change_nothing(seq_len: int, lengths, text: str, two_sessions: tuple) -> None:  # noqa: ANN001
+def test_bad_chunk_lengths_raise_and_change_nothing(
+    seq_len: int, lengths, text: str, two_sessions: tuple  # noqa: ANN001
+) -> None:
     from ardiff_modules import SequenceLengthError
 
     cache, a, _ = two_sessions

@@ -243,8 +243,8 @@ def test_failed_plan_keeps_the_context_registry() -> None:
 def test_fork_keeps_its_pages_when_the_parent_reuses_its_extent() -> None:
     """A fork still sees a chunk its parent evicted from a contiguous extent: the parent's next chunks
     must not take (and overwrite) that slot; the fork's pages keep exactly what was committed."""
-    spec = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=TINY_HEAD_DIM, chunk_size=TINY_CHUNK, page_size=TINY_CHUNK,
-                       sink_chunks=1, window_chunks=1, branches=("main",), dtype="float32")
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=TINY_HEAD_DIM, chunk_size=TINY_CHUNK,
+                       page_size=TINY_CHUNK, sink_chunks=1, window_chunks=1, branches=("main",), dtype="float32")
     cache = KVCache(spec, num_pages=12, backend="reference", contiguous_extents=True)
     parent = cache.open_session()
     first_id = itertools.count(1, 2 * TINY_CHUNK)

@@ -1,4 +1,5 @@
-"""Worker functions of the multi-process tests (``tests/distributed/test_multi_process.py``), importable by spawned children.
+"""Worker functions of the multi-process tests (``tests/distributed/test_multi_process.py``), importable by spawned
+children (as ``tests.support.distributed_workers``).
 
 Each ``check_*`` runs on every rank of a gloo (CPU) or NCCL (GPU) group created by :func:`run_worker`
 and asserts there; ``torch.multiprocessing.spawn`` re-raises a rank's failure (with its traceback) in the

@@ -62,7 +62,9 @@ def session_snapshot(cache: KVCache) -> dict:
                 state.token_offset(branch),
                 state.committed_chunks(branch),
                 None if record is None else (record.commit_current, record.num_chunks, id(record)),
-                tuple(n for n in TWO_SESSIONS_SPEC.cross_attention_names if state.is_cross_attention_populated(branch, n)),
+                tuple(
+                    n for n in TWO_SESSIONS_SPEC.cross_attention_names if state.is_cross_attention_populated(branch, n)
+                ),
             )
         cross = {key: (e.version, e.k.clone(), e.v.clone()) for key, e in state.cross_entries().items()}
         sessions[sid] = (branches, cross, state.is_closed)
