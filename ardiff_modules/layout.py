@@ -309,7 +309,7 @@ class ForwardLayout:
         gaps = 0
         for stream in self.streams:
             # NOTE: chain, not a generator: this runs every forward and a generator costs one Python call
-            # per page (~80 of a Wan-shaped forward's ~900 host calls; tests/test_benchmarks_smoke.py)
+            # per page (~80 of a Wan-shaped forward's ~900 host calls; tests/docs/test_benchmarks_smoke.py)
             pending = tuple(chain.from_iterable(stream.pending_pages)) if self.pending_visible else ()
             pages = sorted(stream.history_pages + pending)
             if not pages:  # a stream that sees no key (a sink segment without sinks): paged

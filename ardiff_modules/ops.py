@@ -223,7 +223,7 @@ def write_kv_in_graph(
     NOTE: the ``index_put_`` indexes the pool tensor itself with (layer, K|V, page, offset). Writing
     through a view of it (``pool.view(-1, heads, dim)[slots]``) makes functionalization rebuild the
     base from the view, and inductor then clones and copies back the *whole pool* each call;
-    ``tests/test_compile_write.py`` checks the generated code for that.
+    ``tests/compile/test_compile_write.py`` checks the generated code for that.
     """
     slots, layer_index = torch.ops.ardiff_modules.kv_write_slots(k, v, kv_scales, layer, handle_id)
     page_size = kv_pool.shape[3]

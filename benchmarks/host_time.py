@@ -16,7 +16,7 @@ Counts are deterministic where times are noisy: a host path that doubles doubles
 work does not depend on the head shape) and FlashInfer's prefill wrappers replaced by host-only stand-ins
 (:func:`stub_flashinfer`: ``plan()`` is recorded, nothing is launched), so the FlashInfer backend's own
 host path -- layouts, ragged/paged rows, the plan skip, write metadata -- runs as on the H200 minus
-FlashInfer's ``plan()`` itself and the host-to-device copies. ``tests/test_benchmarks_smoke.py`` keeps
+FlashInfer's ``plan()`` itself and the host-to-device copies. ``tests/docs/test_benchmarks_smoke.py`` keeps
 its call counts under a ceiling.
 
 Measures whichever ``ardiff_modules`` comes first on ``sys.path``: run from the repository root as

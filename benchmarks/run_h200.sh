@@ -27,7 +27,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw -
 for what in "$@"; do
   case $what in
     tests) step gpu_tests 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests -rs ;;
-    tests_plan_skip) step gpu_tests_plan_skip 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py \
+    tests_plan_skip) step gpu_tests_plan_skip 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_flashinfer.py \
                -k plan_skipped -rs ;;
     attention) step attention 200 python3 -m benchmarks.attention --out "$out" ;;
     sessions) step sessions 240 python3 -m benchmarks.sessions --out "$out" ;;
@@ -38,7 +38,7 @@ for what in "$@"; do
                --variants library,rolling_sdpa_compiled,library_fp8_compiled --chunks-timed 3 --out "$out/compiled_fp8" ;;
     end_to_end_graph_14b) step end_to_end_graph_14b 250 python3 -m benchmarks.end_to_end --preset wan14b-like \
                --compile --graph --cfg on --variants library --chunks-timed 5 --out "$out/graph_14b" ;;
-    tests_graphs) step gpu_tests_graphs 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_graphs.py -rs ;;
+    tests_graphs) step gpu_tests_graphs 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_graphs.py -rs ;;
     nccl_graph_probe_1) step nccl_graph_probe_1 120 torchrun --nproc-per-node 1 -m benchmarks.nccl_graph_probe ;;
     example_distributed) step example_distributed 200 torchrun --nproc-per-node 2 examples/distributed_generation.py \
                --device cuda --preset wan2.1-1.3b --chunks 4 --check --json "$out/distributed_generation.json" ;;
@@ -46,12 +46,12 @@ for what in "$@"; do
     ulysses_rank_compiled) step ulysses_rank_compiled 240 python3 -m benchmarks.ulysses_rank --compile --layers 4 \
                --out "$out/ulysses_rank" ;;
     tests_multi_gpu) step gpu_tests_multi_gpu 330 python3 -m pytest -m gpu -q -p no:cacheprovider \
-               tests/test_distributed.py -rs ;;
+               tests/distributed/test_multi_process.py -rs ;;
     tests_multi_gpu_graphs) step gpu_tests_multi_gpu_graphs 200 python3 -m pytest -m gpu -q \
-               -p no:cacheprovider tests/test_distributed.py -k graph -rs ;;
+               -p no:cacheprovider tests/distributed/test_multi_process.py -k graph -rs ;;
     multi_gpu) step multi_gpu 300 python3 -m benchmarks.multi_gpu --steps 3 --out "$out" ;;
     tests_relative_sinks) step gpu_tests_relative_sinks 200 python3 -m pytest -m gpu -q -p no:cacheprovider \
-               tests/test_gpu_relative_sinks.py tests/test_rolling.py tests/test_recache.py -rs ;;
+               tests/gpu/test_relative_sinks.py tests/attention/test_rolling.py tests/recache/test_recache.py -rs ;;
     end_to_end_relative) step end_to_end_relative 420 python3 -m benchmarks.end_to_end --cfg on \
                --variants library,library_relative_sinks,library_compiled,library_relative_sinks_compiled \
                --chunks-timed 6 --out "$out/relative_sinks" ;;
@@ -63,7 +63,7 @@ for what in "$@"; do
                --cross-attention tokens --out "$out/mg14_tokens" ;;
     nccl_graph_probe) step nccl_graph_probe 120 torchrun --nproc-per-node 2 -m benchmarks.nccl_graph_probe ;;
     tests_gpu_relative_sinks) step gpu_tests_gpu_relative_sinks 150 python3 -m pytest -m gpu -q -p no:cacheprovider \
-               tests/test_gpu_relative_sinks.py -rs ;;
+               tests/gpu/test_relative_sinks.py -rs ;;
     multi_gpu_14b_tokens_compiled) step multi_gpu_14b_tokens_compiled 300 python3 -m benchmarks.multi_gpu --shapes wan-14b \
                --layouts single,ulysses --steps 3 --cross-attention tokens --compile --out "$out/mg14_tokens_compiled" ;;
     multi_gpu_graph) step multi_gpu_graph 300 python3 -m benchmarks.multi_gpu --graph --steps 3 --out "$out/mg_graph" ;;

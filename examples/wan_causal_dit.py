@@ -46,7 +46,7 @@ which :func:`ardiff_modules.convert.convert_wan_state_dict` renames. No weight i
 (:class:`~ardiff_modules.modules.rotary.VideoRotaryEmbedding`) pairs channels ``(2i, 2i + 1)`` exactly like
 Wan's complex ``rope_apply``. Checkpoints of Self-Forcing & co. wrap the same keys (e.g. a ``model.``
 prefix): strip it first. Equivalence is checked against a reference implementation of Wan's attention
-and RoPE (tests/test_examples.py, tests/test_convert.py), not against released weights.
+and RoPE (tests/docs/test_examples.py, tests/integrations/test_convert.py), not against released weights.
 """
 
 from __future__ import annotations

@@ -1,11 +1,14 @@
-"""Shared pytest configuration: hypothesis profiles and the ``gpu`` marker's skip rule.
+"""Shared pytest configuration: hypothesis profiles, the ``gpu`` marker's skip rule, and the shared fixtures.
+
+The tests are laid out by subject (``core/``, ``session/``, ``attention/``, ...); their shared models and
+helpers live in ``tests/support/`` (imported as ``tests.support.<module>``), the fixtures here.
 
 Hypothesis profiles (pick one with ``ARDIFF_HYPOTHESIS_PROFILE``, default ``ci``)::
 
     ci    derandomized (same examples every run), modest example counts: the whole
           property suite stays well under a minute on a 2-core CI runner.
     long  randomized, many more examples and longer stateful runs: for a nightly or
-          a local soak, e.g. ``ARDIFF_HYPOTHESIS_PROFILE=long pytest tests/test_*_properties.py``.
+          a local soak, e.g. ``ARDIFF_HYPOTHESIS_PROFILE=long pytest tests/*/test_*_properties.py``.
 
 Markers:
 
@@ -14,12 +17,20 @@ Markers:
     slow  torch.compile runs, stateful property machines, the soak and the thread
           hammer. ``python -m pytest -q -m "not slow"`` is the quick local loop; CI
           runs everything (plain ``python -m pytest -q``).
+
+Fixtures:
+
+    fresh_dynamo    ``torch._dynamo.reset()`` before and after the test (compile tests).
+    small_cache     a 32-page cache of :data:`tests.support.small_cache.SMALL_SPEC` (reference backend).
+    two_sessions    ``(cache, a, b)`` of :func:`tests.support.two_sessions.build`: two sessions with
+                    history, an open denoising forward and populated cross caches (the misuse tests).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Iterator
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -84,3 +95,30 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip = pytest.mark.skip(reason=reason)
     for item in gpu_items:
         item.add_marker(skip)
+
+
+# ---------------------------------------------------------------------------- fixtures
+@pytest.fixture
+def fresh_dynamo() -> Iterator[None]:
+    """A clean dynamo cache (and compile counters' frames) for the test, and none left behind."""
+    import torch
+
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
+def two_sessions() -> tuple:
+    """``(cache, a, b)``: see :func:`tests.support.two_sessions.build` (16 pages)."""
+    from tests.support.two_sessions import build
+
+    return build()
+
+
+@pytest.fixture
+def small_cache():  # noqa: ANN201
+    """A 32-page :data:`tests.support.small_cache.SMALL_SPEC` cache on the reference backend."""
+    from tests.support.small_cache import make_small_cache
+
+    return make_small_cache()

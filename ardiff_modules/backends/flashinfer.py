@@ -463,7 +463,7 @@ class FlashInferPlan(AttentionPlan):
 #: FlashInfer versions whose paged prefill wrapper was checked to (a) keep reading, at run time, the very
 #: ``paged_kv_indices`` tensor handed to ``plan()`` (eager) or its ``paged_kv_indices_buf`` (CUDA graphs),
 #: in the private field ``_paged_kv_indices_buf``, and (b) schedule from the indptrs alone, never the
-#: page ids. ``tests/test_gpu.py::test_flashinfer_reads_the_page_table_it_was_planned_with`` checks both;
+#: page ids. ``tests/gpu/test_flashinfer.py::test_flashinfer_reads_the_page_table_it_was_planned_with`` checks both;
 #: a version outside this list simply re-plans every forward (correct, ~0.5 ms slower).
 PLAN_SKIP_VERSIONS = ("0.7.2.post1",)
 

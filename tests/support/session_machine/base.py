@@ -1,0 +1,320 @@
+"""The machine's state and setup, the hooks the FP8 machine overrides, and helpers: picking caches, sessions and
+streams; chunk lengths; snapshots of everything a failed call must leave unchanged."""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import event
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize
+
+from ardiff_modules import ChunkSelfAttention, CrossAttentionSpec, ForwardContext, KVCache, KVCacheSpec
+from tests.support.pool_model import PoolContents, expected_visible
+from tests.support.failures import FlakyPlanBackend
+from tests.support.session_model import (
+    BRANCHES,
+    CROSS_TOKENS,
+    CacheModel,
+    Chunk,
+    ChunkRecord,
+    GEOMETRIES,
+    HEAD_DIM,
+    MAX_SESSIONS,
+    NUM_LAYERS,
+    SessionModel,
+    Shape,
+    TRACKED_CONTEXTS,
+    TxModel,
+)
+
+
+class MachineBase(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.caches: list[CacheModel] = []
+        self.sessions: list[SessionModel] = []
+        self.contexts: list[ForwardContext] = []  # recently prepared contexts, for stale use / ctx.commit()
+        self.ctx_tx: dict[ForwardContext, TxModel] = {}  # every context seen -> its latest transaction
+        self.released: set[ForwardContext] = set()  # contexts the model says the cache released
+        self.txs: list[TxModel] = []  # recent transactions, whose status is checked
+        self.tags = itertools.count(1)
+        self.next_id = 1  # K/V ids: one per (forward, stream, token, layer)
+        self.gen = torch.Generator().manual_seed(0)
+        with torch.random.fork_rng():  # deterministic weights without touching the global RNG
+            torch.manual_seed(0)
+            # 2 query heads over 1 KV head (GQA), head_dim 2: the layer writes K/V into the tiny pool.
+            self.attn = ChunkSelfAttention(2 * HEAD_DIM, 2, num_kv_heads=1, head_dim=HEAD_DIM)
+
+    # ================================================================== setup
+    @initialize(
+        sink=st.integers(0, 2),
+        window=st.sampled_from([0, 1, 2, 3, None]),
+        geometry=st.sampled_from(GEOMETRIES),
+        pending_default=st.sampled_from(["block_causal", "bidirectional"]),
+        pool_chunks=st.integers(3, 18),
+        extents=st.booleans(),
+        max_contexts=st.sampled_from([1, 2, 3, 64]),
+        check_finite=st.booleans(),
+        sessions=st.integers(1, MAX_SESSIONS),
+        relative=st.booleans(),
+    )
+    def setup(
+        self, sink: int, window: int | None, geometry: tuple[int, int], pending_default: str, pool_chunks: int,
+        extents: bool, max_contexts: int, check_finite: bool, sessions: int, relative: bool,
+    ) -> None:
+        self.chunk, page_size = geometry
+        self.spec = KVCacheSpec(
+            num_layers=NUM_LAYERS,
+            num_kv_heads=1,
+            head_dim=HEAD_DIM,
+            chunk_size=self.chunk,
+            page_size=page_size,
+            sink_chunks=sink,
+            window_chunks=window,
+            branches=BRANCHES,
+            cross_attention=(CrossAttentionSpec("text", CROSS_TOKENS),),
+            dtype="float32",
+            pending_attention=pending_default,
+            relative_sinks=relative and sink > 0,
+            **self.spec_extra(),
+        )
+        if self.spec.relative_sinks:
+            event("relative-position sinks")
+        self.ppc = self.spec.pages_per_chunk
+        self.page = page_size
+        event(f"geometry: chunk_size={self.chunk} page_size={page_size}, pending rule default {pending_default}")
+        cm = self.new_cache(pool_chunks, extents, max_contexts, check_finite)
+        for _ in range(sessions):
+            self.sessions.append(SessionModel(cm.cache.open_session(), cm))
+
+    def new_cache(self, pool_chunks: int, extents: bool, max_contexts: int, check_finite: bool) -> CacheModel:
+        window = self.spec.window_chunks
+        extents = extents and window is not None
+        extent_chunks = self.spec.sink_chunks + window + 1 if extents else 0
+        if extents:
+            pool_chunks += extent_chunks  # room for at least one extent
+        backend = FlakyPlanBackend()
+        cache = KVCache(
+            self.spec, num_pages=pool_chunks * self.ppc, device="cpu", backend=backend, contiguous_extents=extents,
+            max_forward_contexts=max_contexts, check_finite=check_finite,
+        )
+        self.configure_cache(cache)
+        assert cache.num_forward_contexts == 0 and cache.forward_contexts() == ()
+        cm = CacheModel(
+            cache, backend, extents, extent_chunks, max_contexts, check_finite, self.pool_model(cache),
+            label=f"cache{len(self.caches)}",
+        )
+        self.caches.append(cm)
+        event(f"cache: extents={extents} max_contexts={max_contexts} check_finite={check_finite}")
+        return cm
+
+    # ================================================================== hooks (the FP8 machine overrides them)
+    def spec_extra(self) -> dict[str, Any]:
+        """Extra ``KVCacheSpec`` fields (the float machine: none, a float32 pool)."""
+        return {}
+
+    def configure_cache(self, cache: KVCache) -> None:
+        """Runs right after a cache is created, before anything is written to it."""
+
+    def pool_model(self, cache: KVCache) -> PoolContents:
+        """The model of ``cache``'s pool contents (float32 values, compared bit for bit)."""
+        return PoolContents(cache.pool.kv)
+
+    def pool_values(self, cm: CacheModel) -> torch.Tensor:
+        """The pool as float32 values ``[layers, 2, pages, page_size, heads, dim]`` (what the model compares)."""
+        return cm.cache.pool.kv
+
+    def read_back(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a forward's keys read back of the ``k``/``v`` ``[..., heads, dim]`` it wrote (float: themselves)."""
+        return k, v
+
+    # ================================================================== helpers: selection
+    @property
+    def open_caches(self) -> list[CacheModel]:
+        return [c for c in self.caches if not c.closed]
+
+    @property
+    def open_sessions(self) -> list[SessionModel]:
+        return [s for s in self.sessions if not s.closed]
+
+    @property
+    def closed_sessions(self) -> list[SessionModel]:
+        return [s for s in self.sessions if s.closed]
+
+    def sessions_of(self, cm: CacheModel) -> list[SessionModel]:
+        return [s for s in self.sessions if s.cm is cm and not s.closed]
+
+    @staticmethod
+    def pick(pool: list, index: int):
+        return pool[index % len(pool)]
+
+    def pick_streams(
+        self, candidates: list[SessionModel], index: int, others: list[int], branch_sets: list[tuple[str, ...]]
+    ) -> list[tuple[SessionModel, str]]:
+        """Up to three distinct sessions of one cache (the first from ``candidates``), each with a branch set."""
+        first = self.pick(candidates, index)
+        same = self.sessions_of(first.cm)
+        chosen = [first]
+        pos = same.index(first)
+        for off in others:
+            sm = same[(pos + off) % len(same)]
+            if sm not in chosen:
+                chosen.append(sm)
+        return [(sm, b) for sm, bs in zip(chosen, branch_sets) for b in bs]
+
+    def visible_data(self, sm: SessionModel, branch: str) -> list[ChunkRecord]:
+        return expected_visible(sm.committed[branch], self.spec.sink_chunks, self.spec.window_chunks)
+
+    def visible(self, sm: SessionModel, branch: str) -> list[Chunk]:
+        return [rec.pages for rec in self.visible_data(sm, branch)]
+
+    def m_sink_shift(self, records: list[ChunkRecord], sm: SessionModel, branch: str, first_pending: int) -> int:
+        """Tokens the forward adds to the sinks' positions: they end just before the first visible non-sink
+        token (the oldest window chunk's, else the first pending one); 0 without relative sinks."""
+        if not self.spec.relative_sinks:
+            return 0
+        sink_ids = {id(r) for r in sm.committed[branch][: self.spec.sink_chunks]}
+        sinks = [r for r in records if id(r) in sink_ids]
+        rest = [r for r in records if id(r) not in sink_ids]
+        if not sinks:
+            return 0
+        return (rest[0].start if rest else first_pending) - (sinks[-1].start + sinks[-1].tokens)
+
+    def sink_query(self, ctx: ForwardContext, q: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``sink_query=`` for ``chunk_attention`` when the cache has relative sinks: ``q`` itself (no RoPE
+        here, so the merged two-segment attention must equal the single softmax the model checks)."""
+        return {"sink_query": q} if ctx.relative_sinks else {}
+
+    # ================================================================== helpers: chunk lengths
+    def shape(self, raw: tuple) -> Shape:
+        """A drawn shape ``(pages, explicit[, rule])``: ``None`` a full chunk, ``k`` a chunk of
+        ``min(k, pages_per_chunk)`` pages; ``rule`` the ``pending_attention`` the call passes (``None``: none)."""
+        pages, explicit, *rest = raw
+        rule = rest[0] if rest else None
+        lengths = tuple(self.chunk if p is None else min(p, self.ppc) * self.page for p in pages)
+        implied = all(n == self.chunk for n in lengths) or len(lengths) == 1
+        shape = Shape(lengths, explicit or not implied, rule, (rule or self.spec.pending_attention) == "bidirectional")
+        if len(lengths) > 1:
+            event(f"multi-chunk forward, pending rule {rule or 'default ' + self.spec.pending_attention}")
+        kind = "mixed" if len(set(lengths)) > 1 else "full" if lengths[0] == self.chunk else "short"
+        event(f"chunk lengths {kind}, passed as {'chunk_lengths' if shape.explicit else 'seq_len'}")
+        return shape
+
+    @property
+    def default_bidirectional(self) -> bool:
+        return self.spec.pending_attention == "bidirectional"
+
+    def full(self, num_chunks: int = 1) -> Shape:
+        return Shape((self.chunk,) * num_chunks, bidirectional=self.default_bidirectional)
+
+    def short(self, pages: int) -> Shape:
+        """One chunk of ``pages`` pages (capped): e.g. an image-to-video first chunk of one latent frame."""
+        return Shape((min(pages, self.ppc) * self.page,), bidirectional=self.default_bidirectional)
+
+    def reused(self, sm: SessionModel, b: str, shape: Shape) -> int:
+        """Leading pending chunks a forward of ``shape`` keeps as they are: those of the same length."""
+        k = 0
+        old = sm.pending_tokens[b]
+        while k < min(len(old), shape.num_chunks) and old[k] == shape.lengths[k]:
+            k += 1
+        return k
+
+    def chunk_references(self, cm: CacheModel) -> Counter[int]:
+        """References to each page of ``cm``'s pool from chunks (visible or pending) of its open sessions."""
+        refs: Counter[int] = Counter()
+        for sm in self.sessions_of(cm):
+            for b in BRANCHES:
+                refs.update(p for c in self.visible(sm, b) + sm.pending[b] for p in c)
+        return refs
+
+    def slots_of(self, sm: SessionModel, b: str) -> list[Chunk]:
+        ext = sm.extent[b] or ()
+        return [tuple(ext[i : i + self.ppc]) for i in range(0, len(ext), self.ppc)]
+
+    def free_slots(self, sm: SessionModel, b: str) -> list[Chunk]:
+        """Extent slots of a branch that no chunk anywhere references (a fork may still see an evicted one)."""
+        refs = self.chunk_references(sm.cm)
+        return [slot for slot in self.slots_of(sm, b) if not any(refs[p] for p in slot)]
+
+    def track(self, ctx: ForwardContext) -> None:
+        self.contexts = [c for c in self.contexts if c is not ctx][-(TRACKED_CONTEXTS - 1) :] + [ctx]
+
+    # ================================================================== helpers: snapshots
+    def snapshot(self) -> tuple:
+        """Everything a failed operation must leave untouched (all caches, contexts and transactions)."""
+        caches = []
+        for cm in self.caches:
+            c, alloc = cm.cache, cm.cache.allocator
+            head = (
+                c.is_closed,
+                alloc.free_pages(),
+                tuple(alloc.refcount(p) for p in range(alloc.num_pages)),
+                alloc.peak_used,
+                c.num_forward_contexts,
+                tuple(id(x) for x in c.forward_contexts()),
+                tuple(sorted(c.sessions)),
+            )
+            # bit-exact (NaN payloads too); as bytes, as numpy has no float8
+            pool = None if c.is_closed else c.pool.kv.view(torch.uint8).numpy().tobytes()
+            caches.append((head, pool))
+        sessions = []
+        for sm in self.sessions:
+            st_ = sm.state
+            if st_.is_closed:
+                sessions.append(("closed", st_.session_id))
+                continue
+            branches = []
+            for b in BRANCHES:
+                forward = st_.open_forward(b)
+                cross = None
+                if st_.is_cross_attention_populated(b, "text"):
+                    cross = [(d["k"].tolist(), d["v"].tolist()) for d in st_.get_cross_attention_kv(b, "text")]
+                branches.append(
+                    (
+                        st_.history_chunks(b),
+                        st_.pending_chunks(b),
+                        st_.token_offset(b),
+                        st_.committed_chunks(b),
+                        None if forward is None else (id(forward), forward.status),
+                        cross,
+                        st_.branch_pages(b).extent,
+                    )
+                )
+            sessions.append((st_.session_id, tuple(branches)))
+        contexts = tuple(
+            (id(ctx), id(ctx.transaction), ctx.transaction.status if ctx.transaction else None, ctx.released)
+            for ctx in self.ctx_tx
+        )
+        txs = tuple((id(t.tx), t.tx.status) for t in self.txs)
+        return tuple(caches), tuple(sessions), contexts, txs
+
+    def expect_failure(self, exc, fn: Callable, *args, match: str | None = None, **kwargs) -> BaseException:
+        before = self.snapshot()
+        with pytest.raises(exc) as info:
+            fn(*args, **kwargs)
+        if match is not None:
+            assert match in str(info.value), f"{info.type.__name__} message {str(info.value)!r} lacks {match!r}"
+        after = self.snapshot()
+        name = getattr(fn, "__name__", repr(fn))
+        assert after == before, f"failed {name} ({info.type.__name__}) changed state: {self.diff(before, after)}"
+        return info.value
+
+    @staticmethod
+    def diff(before: tuple, after: tuple) -> str:
+        """Which parts of two snapshots differ (for failure messages)."""
+        labels = ("closed", "free pages", "refcounts", "peak_pages_used", "num_forward_contexts",
+                  "forward_contexts() (identity, LRU order)", "session ids")
+        out = []
+        for i, (a, b) in enumerate(zip(before[0], after[0])):
+            out += [f"cache{i} {label}: {x} -> {y}" for label, x, y in zip(labels, a[0], b[0]) if x != y]
+            if a[1] != b[1]:
+                out.append(f"cache{i} pool contents")
+        rest = zip(("sessions", "contexts", "transactions"), before[1:], after[1:])
+        out += [f"{label} differ" for label, a, b in rest if a != b]
+        return "; ".join(out)

@@ -1,0 +1,520 @@
+"""How the model sees a forward: which exception ``prepare_forward`` must raise, the library call that prepares
+it, what its attention must see (positions, key positions, mask, gathered K/V), what finishing it does, and
+running its layers with K/V that carry their own ids."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import event
+
+from ardiff_modules import CrossAttentionNotPopulatedError, ForwardContext, LayerContext, chunk_attention
+from ardiff_modules.backends.reference import ReferencePlan
+from ardiff_modules.backends.segmented import RelativeSinkPlan
+from ardiff_modules.errors import (
+    CacheClosedError,
+    CapacityError,
+    IncompleteForwardError,
+    NonFiniteKVError,
+    PendingContextError,
+    SessionClosedError,
+    SpecError,
+    TensorMismatchError,
+    UnknownBranchError,
+    UnknownCacheError,
+)
+from ardiff_modules.core.transaction import ForwardTransaction
+from tests.support.pool_model import bits, longest_run, same_bits, token_kv
+from tests.support.session_model import (
+    BRANCHES,
+    CacheModel,
+    ChunkRecord,
+    HEAD_DIM,
+    NUM_LAYERS,
+    SessionModel,
+    Shape,
+    TxModel,
+    cross_value,
+)
+
+
+class ForwardModel:
+    # ================================================================== helpers: prepare
+    def predict_prepare(
+        self, cm: CacheModel, streams: list[tuple[SessionModel, str]], shape: Shape, *, via: str,
+        mask_ok: bool = True, static: bool = False,
+    ) -> type[BaseException] | None:
+        """The exception ``prepare_forward`` must raise (in the library's order of checks), or ``None``."""
+        if via not in ("cache", "cache_gen") and streams[0][0].closed:
+            return SessionClosedError
+        if cm.closed:
+            return CacheClosedError
+        seen = set()
+        for sm, b in streams:
+            if sm.cm is not cm:
+                return SpecError
+            if sm.closed:
+                return SessionClosedError
+            if b not in BRANCHES:
+                return UnknownBranchError
+            key = (id(sm), b)
+            if key in seen:
+                return SpecError
+            seen.add(key)
+        if static and self.spec.window_chunks is None:
+            return SpecError
+        for sm, b in streams:
+            tx = sm.forward[b]
+            if tx is not None and tx.commit:
+                return PendingContextError
+        if not mask_ok:
+            return TensorMismatchError
+        alloc = cm.cache.allocator
+        pages = [n // self.page for n in shape.lengths]
+        if not cm.extents:
+            # Pending chunks of other lengths are replaced (after the new ones are allocated).
+            needed = sum(sum(pages[self.reused(sm, b, shape) :]) for sm, b in streams)
+            return CapacityError if needed > alloc.num_free else None
+        needed = new_extents = 0
+        for sm, b in streams:
+            missing = pages[self.reused(sm, b, shape) :]
+            if sm.extent[b] is None:
+                new_extents += 1
+                needed += cm.extent_chunks * self.ppc + sum(missing[cm.extent_chunks :])
+            else:  # a free slot takes any chunk (a shorter one uses its first pages)
+                needed += sum(missing[len(self.free_slots(sm, b)) :])
+        if needed > alloc.num_free:
+            return CapacityError
+        if new_extents and new_extents * cm.extent_chunks * self.ppc > longest_run(alloc.free_pages()):
+            event("extents: no consecutive run for a new extent")
+            return CapacityError  # enough pages, but no consecutive run for the new extents
+        return None
+
+    def history_tokens(self, sm: SessionModel, b: str) -> int:
+        """Keys of a stream's visible history (the sum of its visible chunks' lengths)."""
+        return sum(rec.tokens for rec in self.visible_data(sm, b))
+
+    def max_keys(self, streams: list[tuple[SessionModel, str]], shape: Shape) -> int:
+        return max(self.history_tokens(sm, b) for sm, b in streams) + shape.seq_len
+
+    def make_mask(self, streams: list[tuple[SessionModel, str]], shape: Shape, bad: str | None = None):
+        dims = [len(streams), shape.seq_len, self.max_keys(streams, shape)]
+        if bad == "shape":
+            dims[2] += 1
+        mask = torch.rand(dims, generator=self.gen) < 0.75
+        return mask.float() if bad == "dtype" else mask
+
+    def prepare_call(
+        self, streams: list[tuple[SessionModel, str]], shape: Shape, commit: bool, via: str,
+        token_mask: torch.Tensor | None = None,
+    ) -> tuple[Callable[..., Any], tuple, dict]:
+        """The library call for this forward: ``state.prepare_forward``, ``cache.prepare_forward`` or the seed's
+        ``get_kv_caches`` (which returns the layer list)."""
+        seq_len = shape.seq_len
+        sm0 = streams[0][0]
+        kwargs: dict[str, Any] = {"token_mask": token_mask}
+        rule = {} if shape.rule is None else {"pending_attention": shape.rule}
+        kwargs.update(rule)
+        if shape.explicit:
+            # A tuple or a list: any sequence of ints.
+            kwargs["chunk_lengths"] = shape.lengths if len(shape.lengths) % 2 else list(shape.lengths)
+        if via == "get_kv_caches":
+            assert not shape.explicit
+            return sm0.state.get_kv_caches, (streams[0][1], seq_len, commit), rule
+        if via == "state":
+            branches = tuple(b for _, b in streams)
+            return sm0.state.prepare_forward, (branches, seq_len, commit), kwargs
+        pairs = [(sm.state, b) for sm, b in streams]
+        return (
+            sm0.cm.cache.prepare_forward,
+            ((p for p in pairs) if via == "cache_gen" else pairs, seq_len, commit),  # a generator is consumed once
+            kwargs,
+        )
+
+    def choose_via(self, streams: list[tuple[SessionModel, str]], via: str, masked: bool, shape: Shape) -> str:
+        if len({id(sm) for sm, _ in streams}) > 1:
+            return "cache_gen" if via == "cache_gen" else "cache"
+        if via == "get_kv_caches" and (len(streams) > 1 or masked or shape.explicit):
+            return "state"
+        return via
+
+    def start_forward(
+        self, streams: list[tuple[SessionModel, str]], shape: Shape, commit: bool, *, via: str = "state",
+        masked: bool = False,
+    ) -> TxModel | None:
+        """Prepare a forward (or check that it fails, changing nothing) and record it in the model."""
+        via = self.choose_via(streams, via, masked, shape)
+        cm = streams[0][0].cm
+        failure = self.predict_prepare(cm, streams, shape, via=via)
+        mask = self.make_mask(streams, shape) if masked and failure is None else None
+        fn, args, kwargs = self.prepare_call(streams, shape, commit, via, mask)
+        if failure is not None:
+            event(f"prepare raised {failure.__name__}")
+            self.expect_failure(failure, fn, *args, **kwargs)
+            return None
+        free_before = set(cm.cache.allocator.free_pages())
+        used_before = cm.cache.allocator.num_used
+        result = fn(*args, **kwargs)
+        ctx = result[0].forward if via == "get_kv_caches" else result
+        if via == "get_kv_caches":
+            assert result is ctx.layers
+        return self.m_prepared(streams, shape, commit, ctx, free_before, used_before, mask)
+
+    def m_prepared(
+        self, streams: list[tuple[SessionModel, str]], shape: Shape, commit: bool, ctx: ForwardContext,
+        free_before: set[int], used_before: int, mask: torch.Tensor | None = None,
+    ) -> TxModel:
+        """Check a prepared forward against the model and record it (supersede, pages, registry, transaction)."""
+        cm = streams[0][0].cm
+        # Open denoising forwards of these streams are superseded as a whole (pending pages kept).
+        for sm, b in streams:
+            old = sm.forward[b]
+            if old is not None:
+                assert not old.commit, "a stream of an open committing forward was prepared again"
+                self.m_finished(old, "superseded")
+                event("prepare superseded an open denoising forward")
+        fresh: list[int] = []
+        num_chunks = shape.num_chunks
+        for i, (sm, b) in enumerate(streams):
+            old = sm.pending[b]
+            new = list(sm.state.pending_chunks(b))
+            assert len(new) == num_chunks, f"{b}: {len(new)} pending chunks, expected {num_chunks}"
+            assert [len(c) * self.page for c in new] == list(shape.lengths), (
+                f"{b}: pending chunks {new} of {self.page}-token pages, expected lengths {shape.lengths}"
+            )
+            keep = self.reused(sm, b, shape)
+            assert new[:keep] == old[:keep], "pending pages of earlier denoising forwards must be reused"
+            if keep < min(len(old), num_chunks):
+                event("pending chunks of other lengths replaced")
+            grown = new[keep:]
+            if cm.extents:
+                extent = sm.state.branch_pages(b).extent
+                if sm.extent[b] is None:
+                    # Reserved now: S + W + 1 chunk slots of consecutive, previously free pages.
+                    assert len(extent) == cm.extent_chunks * self.ppc, f"extent {extent}"
+                    assert list(extent) == list(range(extent[0], extent[0] + len(extent))), f"extent {extent}"
+                    fresh += list(extent)
+                    sm.extent[b] = tuple(extent)
+                assert tuple(extent) == sm.extent[b], "a branch's extent must not move until reset/close"
+                slots = self.free_slots(sm, b)  # model pending not updated yet: slots free before
+                own = {p for c in self.visible(sm, b) + sm.pending[b] for p in c}
+                if any(own.isdisjoint(slot) and slot not in slots for slot in self.slots_of(sm, b)):
+                    event("extents: an evicted slot waits for a fork that still sees it")
+                # The ring takes the lowest free slots first (a shorter chunk their first pages); the
+                # overflow is paged.
+                ring = grown[: len(slots)]
+                assert ring == [slot[: len(c)] for slot, c in zip(slots, ring)], (
+                    f"{b}: grew {grown}, free extent slots were {slots}"
+                )
+                if any(len(c) < self.ppc for c in ring):
+                    event("extents: a shorter chunk took part of a ring slot")
+                if ring:
+                    event("extents: pending chunk took a ring slot")
+                if grown[len(ring) :]:
+                    event("extents: overflow chunk paged outside the extent")
+                grown = grown[len(ring) :]
+            fresh += [p for c in grown for p in c]
+            sm.pending[b] = new
+            sm.pending_tokens[b] = list(shape.lengths)
+            # The plan sees exactly the model's visible pages and pending chunks.
+            layout = ctx.layout.streams[i]
+            assert list(layout.history_pages) == [p for c in self.visible(sm, b) for p in c]
+            assert list(layout.pending_pages) == new
+            offset = sm.committed_tokens(b)
+            assert layout.token_offset == offset, f"{b}: token_offset {layout.token_offset}, model {offset}"
+        assert len(set(fresh)) == len(fresh) and set(fresh) <= free_before, (
+            f"newly allocated pages {fresh} were not all free ({sorted(free_before)})"
+        )
+        cm.peak = max(cm.peak, used_before + len(fresh))
+        key = tuple((sm.state.session_id, b) for sm, b in streams)
+        assert ctx.streams == key
+        assert ctx.num_chunks == num_chunks and ctx.seq_len == shape.seq_len
+        assert ctx.layout.chunk_lengths == shape.lengths
+        assert ctx.commit_current is commit
+        assert len(ctx.layers) == NUM_LAYERS
+        # The registry: the same streams reuse their context; a new one may evict idle ones (LRU).
+        if key in cm.registry:
+            assert ctx is cm.registry[key], "the same streams (same order) must get the same ForwardContext"
+            cm.registry.move_to_end(key)
+            event("context reused")
+        else:
+            assert ctx not in self.ctx_tx, "a released context was handed out again"
+            cm.registry[key] = ctx
+            for k in list(cm.registry):
+                if len(cm.registry) <= cm.max_contexts:
+                    break
+                other = cm.registry[k]
+                if other is not ctx and not self.model_active(other):
+                    del cm.registry[k]
+                    self.released.add(other)
+                    event("LRU released an idle context")
+        lib = ctx.transaction
+        assert isinstance(lib, ForwardTransaction) and lib.is_open
+        tx = TxModel(cm, list(streams), commit, shape, ctx, lib, mask)
+        for sm, b in streams:
+            sm.forward[b] = tx
+        self.ctx_tx[ctx] = tx
+        self.track(ctx)
+        self.txs = self.txs[-15:] + [tx]
+        event(f"forward over {len({id(sm) for sm, _ in streams})} session(s), {len(streams)} stream(s)")
+        self.check_view(tx)
+        return tx
+
+    def check_view(self, tx: TxModel) -> None:
+        """What an open forward attends to, against the model, stream by stream.
+
+        ``positions`` are the model's next positions (tokens committed before, whatever the chunks'
+        lengths); ``key_positions()`` lists each visible chunk's positions (sinks keep theirs after
+        evictions) then the pending ones, ``-1`` padding; ``to_dense()`` is the rule over the model's
+        chunk lengths (and the token mask); the reference backend's gathered K/V are, key by key,
+        what the model says each visible chunk held when committed, then the pending chunks' contents.
+        """
+        ctx, shape, cm = tx.ctx, tx.shape, tx.cm
+        assert tx.is_open and ctx.is_active
+        n = shape.seq_len
+        key_positions, dense = ctx.key_positions(), ctx.to_dense()
+        plan = ctx.plan
+        assert isinstance(plan, (ReferencePlan, RelativeSinkPlan)), type(plan)
+        width = self.max_keys(tx.streams, shape)
+        assert tuple(key_positions.shape) == (len(tx.streams), width), (key_positions.shape, width)
+        assert tuple(dense.shape) == (len(tx.streams), n, width), (dense.shape, n, width)
+        pool = self.pool_values(cm)
+        slots = pool.reshape(NUM_LAYERS, 2, -1, pool.shape[-2] * pool.shape[-1])  # [layers, K/V, token slots, H*D]
+        causal = shape.pending_mask()
+        for i, (sm, b) in enumerate(tx.streams):
+            records = self.visible_data(sm, b)
+            offset = sm.committed_tokens(b)
+            committed = [r.tokens for r in sm.committed[b]]
+            where = f"{sm.state.session_id}/{b} (lengths {shape.lengths}, committed {committed})"
+            assert ctx.positions[i].tolist() == list(range(offset, offset + n)), (
+                f"{where}: positions {ctx.positions[i].tolist()}, expected from {offset}"
+            )
+            shift = self.m_sink_shift(records, sm, b, offset)
+            assert ctx.sink_shifts[i] == shift, f"{where}: sink shift {ctx.sink_shifts[i]}, expected {shift}"
+            if self.spec.relative_sinks:
+                assert ctx.sink_positions is not None
+                assert ctx.sink_positions[i].tolist() == list(range(offset - shift, offset - shift + n)), where
+            else:
+                assert ctx.sink_positions is None
+            expected = [p for rec in records for p in rec.positions()] + list(range(offset, offset + n))
+            keys = len(expected)
+            got = key_positions[i].tolist()
+            assert got == expected + [-1] * (width - keys), f"{where}: key_positions {got}, expected {expected}"
+            mask = torch.zeros(n, width, dtype=torch.bool)
+            mask[:, : keys - n] = True
+            mask[:, keys - n : keys] = causal
+            if tx.token_mask is not None:
+                mask &= tx.token_mask[i]
+            assert torch.equal(dense[i], mask), f"{where}: to_dense() differs from the rule over the model's lengths"
+            # Every layer's K and V at once: [layers, 2, keys, H*D], keys in position order.
+            pending = [p for c in sm.pending[b] for p in c]
+            want = torch.cat(
+                [rec.token_data() for rec in records] + [cm.pool.pages(pending).reshape(NUM_LAYERS, 2, n, -1)], dim=2
+            )
+            if isinstance(plan, RelativeSinkPlan):  # two segments: the sink keys, then window + pending
+                assert isinstance(plan.sinks, ReferencePlan) and isinstance(plan.rest, ReferencePlan)
+                sink_ids = {id(r) for r in sm.committed[b][: self.spec.sink_chunks]}
+                sink_keys = sum(r.tokens for r in records if id(r) in sink_ids)
+                gathered = torch.cat([plan.sinks.gather[i, :sink_keys], plan.rest.gather[i, : keys - sink_keys]])
+            else:
+                gathered = plan.gather[i, :keys]
+            seen = slots[:, :, gathered]
+            if not same_bits(seen, want):
+                bad = (bits(seen) != bits(want)).any(-1).any(0).any(0).nonzero().flatten().tolist()
+                raise AssertionError(
+                    f"{where}: the K/V the forward gathers for the keys at positions {[expected[j] for j in bad]} "
+                    "are not what the model says was written there"
+                )
+
+    def model_active(self, ctx: ForwardContext) -> bool:
+        tx = self.ctx_tx.get(ctx)
+        return ctx not in self.released and tx is not None and tx.is_open
+
+    # ================================================================== helpers: finishing
+    def m_finished(self, tx: TxModel, status: str) -> None:
+        """A transaction finishes: every stream at once (model side)."""
+        if not tx.is_open:
+            return
+        for sm, b in tx.streams:
+            assert sm.forward[b] is tx
+            sm.forward[b] = None
+            if status == "aborted":
+                sm.drop_pending(b)
+            elif status == "committed":
+                before = len(self.visible(sm, b)) + len(sm.pending[b])
+                assert sm.pending_tokens[b] == list(tx.shape.lengths)
+                start = sm.committed_tokens(b)
+                for pages, tokens in zip(sm.pending[b], sm.pending_tokens[b]):
+                    sm.committed[b].append(ChunkRecord(pages, tokens, start, tx.cm.pool.pages(pages)))
+                    start += tokens
+                sm.drop_pending(b)
+                event("commit evicted chunks" if len(self.visible(sm, b)) < before else "commit without eviction")
+                lengths = {rec.tokens for rec in self.visible_data(sm, b)}
+                if len(lengths) > 1:
+                    event("visible history of mixed chunk lengths")
+        tx.status = status
+
+    def m_finish(self, tx: TxModel | None, success: bool) -> None:
+        """Success: a committing forward is ``committed``; a denoising one ``completed`` (pending pages kept)."""
+        if tx is not None:
+            self.m_finished(tx, ("committed" if tx.commit else "completed") if success else "aborted")
+
+    def predict_finish(self, tx: TxModel | None, success: bool) -> type[BaseException] | None:
+        """The error when finishing ``tx`` must abort it instead of committing: ``IncompleteForwardError`` (not
+        every layer wrote), then ``NonFiniteKVError`` (``check_finite``)."""
+        if tx is None or not tx.is_open or not success or not tx.commit:
+            return None
+        if tx.written != set(range(NUM_LAYERS)):
+            return IncompleteForwardError
+        if not tx.cm.check_finite:
+            return None
+        return None if tx.cm.pool.finite(tx.pending_pages()) else NonFiniteKVError
+
+    def finish_call(self, fn: Callable[[], Any], tx: TxModel | None, success: bool) -> None:
+        """Run a call that finishes ``tx`` (commit or abort, all streams); a finished ``tx``: a no-op."""
+        if tx is None or not tx.is_open:
+            before = self.snapshot()
+            fn()
+            assert self.snapshot() == before, "finishing a finished forward (or none) must change nothing"
+            return
+        expected = self.predict_finish(tx, success)
+        try:
+            fn()
+            raised = None
+        except (NonFiniteKVError, IncompleteForwardError) as exc:
+            raised = exc
+        if expected is not None:
+            assert isinstance(raised, expected), f"a commit that must raise {expected.__name__} gave {raised!r}"
+            event("check_finite aborted a commit" if expected is NonFiniteKVError else "an incomplete forward's commit was refused")
+            assert tx.tx.status == "aborted", "a refused commit must finish (abort) the forward"
+            self.m_finish(tx, False)
+        else:
+            assert raised is None, f"unexpected {raised!r}"
+            self.m_finish(tx, success)
+
+    def settle(self, streams: list[tuple[SessionModel, str]], commit: bool) -> None:
+        """Finish (commit or abort) the open committing forwards of ``streams``, so a new forward can run."""
+        for sm, b in streams:
+            tx = sm.forward[b]
+            if tx is not None and tx.commit:
+                self.finish(tx, "cpc" if commit else "ctx.abort", tx.streams.index((sm, b)))
+
+    def state_abort(self, sm: SessionModel, branch: str | None) -> None:
+        """``state.abort(branch)``: its open forward (all streams) and its leftover pending pages are dropped."""
+        names = BRANCHES if branch is None else (branch,)
+        sm.state.abort(branch)
+        for b in names:
+            self.m_finish(sm.forward[b], False)
+        for b in names:
+            sm.drop_pending(b)
+
+    def finish(self, tx: TxModel, how: str, member: int) -> None:
+        sm, b = tx.streams[member % len(tx.streams)]
+        if how == "cpc":
+            self.finish_call(lambda: sm.state.commit_paged_context(b), sm.forward[b], True)
+        elif how == "ctx.commit":
+            self.finish_call(tx.ctx.commit, self.ctx_tx[tx.ctx], True)
+        elif how == "ctx.abort":
+            self.finish_call(tx.ctx.abort, self.ctx_tx[tx.ctx], False)
+        elif how == "state.abort":
+            self.state_abort(sm, b)
+        elif how == "state.abort_all":
+            self.state_abort(sm, None)
+
+    def m_session_gone(self, sm: SessionModel) -> None:
+        """``close()``/``reset()``: every open forward the session belongs to is aborted (all its streams)."""
+        for b in BRANCHES:
+            self.m_finish(sm.forward[b], False)
+
+    def m_release_contexts_of(self, sm: SessionModel) -> None:
+        sid = sm.state.session_id
+        for key in [k for k in sm.cm.registry if any(s == sid for s, _ in k)]:
+            self.released.add(sm.cm.registry.pop(key))
+
+    # ================================================================== helpers: running layers
+    def layer_inputs(self, ctx: ForwardContext, layer: int, mode: str):
+        s, n = ctx.positions.shape
+        if mode == "module":
+            return (torch.randn(s, n, 2 * HEAD_DIM, generator=self.gen),)
+        q = torch.randn(s, n, 2, HEAD_DIM, generator=self.gen)
+        k, v = token_kv(self.next_id, s, n, layer, HEAD_DIM)
+        self.next_id += s * n
+        return q, k, v
+
+    def call_layer(self, ctx: ForwardContext, layer: int, mode: str, inputs=None):
+        """One layer's forward without any model bookkeeping (for calls that must fail)."""
+        inputs = inputs or self.layer_inputs(ctx, layer, mode)
+        with torch.no_grad():
+            if mode == "module":
+                return self.attn(inputs[0], ctx.layers[layer])
+            return chunk_attention(*inputs, ctx.layers[layer], **self.sink_query(ctx, inputs[0]))
+
+    def run_layer(self, tx: TxModel, layer: int, mode: str, nan: tuple[int, int, int, float] | None = None) -> None:
+        """One layer of an open forward: the write lands in the model's pending pages; the output is checked."""
+        assert tx.is_open
+        ctx = tx.ctx
+        inputs = self.layer_inputs(ctx, layer, mode)
+        s, n = ctx.positions.shape
+        if mode == "module":
+            x = inputs[0]
+            with torch.no_grad():
+                y = self.attn(x, ctx.layers[layer])
+                k = self.attn.to_k(x).view(s, n, 1, HEAD_DIM)
+                v = self.attn.to_v(x).view(s, n, 1, HEAD_DIM)
+            assert y.shape == x.shape
+        else:
+            q, k, v = inputs
+            if nan is not None and nan[0] == layer:
+                _, stream, token, value = nan
+                k[stream % s, token % n, 0, 0] = value
+                event("wrote a non-finite K")
+            out = chunk_attention(q, k, v, ctx.layers[layer], **self.sink_query(ctx, q))
+        for i, (sm, b) in enumerate(tx.streams):
+            tx.cm.pool.write(layer, [p for c in sm.pending[b] for p in c], k[i], v[i])
+        tx.written.add(layer)
+        if mode != "module" and (nan is None or nan[0] != layer):
+            self.check_output(tx, layer, q, k, v, out)
+            self.check_cross_in_forward(tx, ctx.layers[layer])
+
+    def run(self, tx: TxModel, mode: str, nan: tuple[int, int, int, float] | None = None) -> None:
+        if mode == "none":
+            return
+        layers = [0] if mode == "partial" else range(NUM_LAYERS)
+        for layer in layers:
+            self.run_layer(tx, layer, "module" if mode == "module" else "op", nan)
+        self.check_view(tx)  # what it wrote is what its keys now gather (distinct ids: any mix-up shows)
+
+    def check_output(self, tx: TxModel, layer: int, q, k, v, out) -> None:
+        """The output equals a hand-written masked softmax over the model's pages (and the token mask)."""
+        n = tx.shape.seq_len
+        causal = tx.shape.pending_mask()  # block-causal (or all) over the model's own chunk lengths
+        for i, (sm, b) in enumerate(tx.streams):
+            hist = [p for c in self.visible(sm, b) for p in c]
+            k_now, v_now = self.read_back(layer, k[i], v[i])  # [n, 1, dim]
+            keys = torch.cat([tx.cm.pool.tokens(layer, 0, hist), k_now[:, 0]])
+            values = torch.cat([tx.cm.pool.tokens(layer, 1, hist), v_now[:, 0]])
+            h = self.history_tokens(sm, b)
+            assert h == len(hist) * self.page
+            mask = torch.cat([torch.ones(n, h, dtype=torch.bool), causal], dim=1)
+            if tx.token_mask is not None:
+                mask &= tx.token_mask[i, :, : h + n]
+            logits = torch.einsum("thd,kd->thk", q[i], keys) * HEAD_DIM**-0.5
+            w = torch.softmax(logits.masked_fill(~mask[:, None, :], float("-inf")), dim=-1)
+            expect = torch.einsum("thk,kd->thd", w.nan_to_num(0.0), values)
+            torch.testing.assert_close(out[i], expect, rtol=1e-5, atol=1e-5)
+
+    def check_cross_in_forward(self, tx: TxModel, layer: LayerContext) -> None:
+        """The forward sees each stream's current cross cache, or raises when any stream lacks it."""
+        if all(b in sm.cross for sm, b in tx.streams):
+            k, v = layer.cross_kv("text")
+            for i, (sm, b) in enumerate(tx.streams):
+                ek, ev = cross_value(sm.cross[b], layer.layer_index)
+                assert torch.equal(k[i], ek) and torch.equal(v[i], ev)
+        else:
+            with pytest.raises(CrossAttentionNotPopulatedError):
+                layer.cross_kv("text")
+        with pytest.raises(UnknownCacheError):
+            layer.cross_kv("image")

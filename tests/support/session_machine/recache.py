@@ -1,0 +1,251 @@
+"""Rules: prompt-switch re-caches over 1-3 sessions (``keep_sinks`` either way), committed, aborted, raising
+inside, or refused unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import event
+from hypothesis import strategies as st
+from hypothesis.stateful import precondition, rule
+
+from ardiff_modules import chunk_attention
+from ardiff_modules.backends.reference import ReferencePlan
+from ardiff_modules.backends.segmented import RelativeSinkPlan
+from ardiff_modules.errors import (
+    CapacityError,
+    IncompleteForwardError,
+    PendingContextError,
+    SequenceLengthError,
+    SpecError,
+)
+from ardiff_modules.core.transaction import ForwardTransaction
+from tests.support.pool_model import same_bits
+from tests.support.failures import Boom
+from tests.support.session_model import BRANCH_SETS, ChunkRecord, NUM_LAYERS, SessionModel, Shape, TxModel
+
+
+class RecacheRules:
+    # ================================================================== prompt-switch re-cache
+    def m_recache_targets(self, sm: SessionModel, b: str, keep_sinks: bool) -> list[ChunkRecord]:
+        """The visible records a re-cache rebuilds: all of them, or all but the sinks (commit order)."""
+        sinks = sm.committed[b][: self.spec.sink_chunks] if keep_sinks else []
+        return [rec for rec in self.visible_data(sm, b) if not any(rec is s_ for s_ in sinks)]
+
+    def predict_recache(self, streams: list[tuple[SessionModel, str]], keep_sinks: bool) -> type[BaseException] | None:
+        cm = streams[0][0].cm
+        for sm, b in streams:
+            if sm.forward[b] is not None or sm.pending[b]:
+                return PendingContextError
+            if not self.m_recache_targets(sm, b, keep_sinks):
+                return SpecError
+        shapes = {tuple(r.tokens for r in self.m_recache_targets(sm, b, keep_sinks)) for sm, b in streams}
+        if len(shapes) > 1:
+            return SequenceLengthError
+        if self.spec.relative_sinks and not keep_sinks:  # rebuilt sinks would sit at their natural distance
+            for sm, b in streams:
+                records = self.visible_data(sm, b)
+                sinks = len(sm.committed[b][: self.spec.sink_chunks])
+                if len(records) > sinks and self.m_sink_shift(records, sm, b, sm.committed_tokens(b)):
+                    return SpecError
+        pages = [n // self.page for n in shapes.pop()]
+        # Free ring slots take the first rebuilt chunks (a shorter chunk a slot's first pages), the pool the rest.
+        need = sum(sum(pages[len(self.free_slots(sm, b)) :]) for sm, b in streams)
+        return CapacityError if need > cm.cache.allocator.num_free else None
+
+    @precondition(lambda self: self.open_sessions)
+    @rule(
+        index=st.integers(0, 8),
+        others=st.lists(st.integers(1, 2), max_size=2, unique=True),
+        branch_sets=st.lists(st.sampled_from(BRANCH_SETS), min_size=3, max_size=3),
+        keep_sinks=st.booleans(),
+        pre_steps=st.integers(0, 3),
+        via=st.sampled_from(["state", "cache"]),
+        variant=st.sampled_from(["with", "with", "ctx.commit", "cpc", "boom", "ctx.abort", "state.abort", "plan"]),
+        layers=st.sampled_from(["all", "partial"]),
+    )
+    def recache(
+        self, index: int, others: list[int], branch_sets: list, keep_sinks: bool, pre_steps: int, via: str,
+        variant: str, layers: str,
+    ) -> None:
+        """Prompt-switch re-cache (``prepare_recache``): rebuild the resident chunks of 1-3 sessions into free
+        ring slots then fresh pages, block-causally at their original positions; commit swaps them in on every
+        stream at once (offsets, indices unchanged; a fork keeps the old pages), copying those in fresh pages
+        into ring slots the commit frees; abort, an exception inside the block or a ``plan()`` failure leave
+        the old history bit for bit (free order included); misuse changes nothing."""
+        streams = self.pick_streams(self.open_sessions, index, others, branch_sets)
+        if via == "state":  # one session
+            streams = [(sm, b) for sm, b in streams if sm is streams[0][0]]
+        for sm in dict.fromkeys(sm for sm, _ in streams):
+            self.roll(sm, tuple(b for s_, b in streams if s_ is sm), pre_steps)
+        cm = streams[0][0].cm
+        if via == "state":
+            fn, args = streams[0][0].state.prepare_recache, (tuple(b for _, b in streams),)
+        else:
+            fn, args = cm.cache.prepare_recache, ([(sm.state, b) for sm, b in streams],)
+        failure = self.predict_recache(streams, keep_sinks)
+        if failure is not None or variant == "plan":
+            cm.backend.fail = None if failure is not None else Boom
+            try:
+                self.expect_failure(failure or Boom, fn, *args, keep_sinks=keep_sinks)
+            finally:
+                cm.backend.fail = None
+            event(f"re-cache refused: {(failure or Boom).__name__}")
+            return
+        targets = {(id(sm), b): self.m_recache_targets(sm, b, keep_sinks) for sm, b in streams}
+        free_before, used_before = set(cm.cache.allocator.free_pages()), cm.cache.allocator.num_used
+        before = self.snapshot()
+        ctx = fn(*args, keep_sinks=keep_sinks)
+        lib = ctx.transaction
+        assert isinstance(lib, ForwardTransaction) and lib.is_open and lib.recache
+        # The forward: fresh pages, original positions, kept sinks visible (never written), block-causal.
+        lengths = tuple(r.tokens for r in targets[(id(streams[0][0]), streams[0][1])])
+        shape = Shape(lengths)
+        fresh: list[int] = []
+        for i, (sm, b) in enumerate(streams):
+            recs = targets[(id(sm), b)]
+            new = list(sm.state.pending_chunks(b))
+            assert [len(c) * self.page for c in new] == list(lengths)
+            slots = self.free_slots(sm, b)  # this branch's ring: no earlier stream's pending is in it
+            ring = new[: len(slots)]
+            assert ring == [slot[: len(c)] for slot, c in zip(slots, ring)], f"{b}: re-cache {new}, free slots {slots}"
+            if ring:
+                event("re-cache: a rebuilt chunk took a free ring slot")
+            fresh += [p for c in new[len(ring) :] for p in c]
+            kept = [r for r in self.visible_data(sm, b) if not any(r is t for t in recs)]
+            positions = [p for r in recs for p in r.positions()]
+            assert ctx.positions[i].tolist() == positions, (ctx.positions[i].tolist(), positions)
+            history = [p for r in kept for p in r.positions()]
+            keys = history + positions
+            got = ctx.key_positions()[i].tolist()
+            assert got[: len(keys)] == keys and set(got[len(keys) :]) <= {-1}, (got, keys)
+            dense = ctx.to_dense()[i]
+            assert dense[:, : len(history)].all()
+            assert torch.equal(dense[:, len(history) : len(keys)], shape.pending_mask())
+            assert {p for r in kept for p in r.pages}.isdisjoint(ctx.layout.write_pages.tolist())
+            sm.pending[b], sm.pending_tokens[b] = new, list(lengths)
+        assert len(set(fresh)) == len(fresh) and set(fresh) <= free_before, "re-cache pages beyond the ring: fresh"
+        cm.peak = max(cm.peak, used_before + len(fresh))
+        # The registry (same streams -> same context, LRU), as for any forward.
+        key = tuple((sm.state.session_id, b) for sm, b in streams)
+        if key in cm.registry:
+            assert ctx is cm.registry[key]
+            cm.registry.move_to_end(key)
+        else:
+            cm.registry[key] = ctx
+            for k in list(cm.registry):
+                if len(cm.registry) <= cm.max_contexts:
+                    break
+                other = cm.registry[k]
+                if other is not ctx and not self.model_active(other):
+                    del cm.registry[k]
+                    self.released.add(other)
+        tx = TxModel(cm, list(streams), True, shape, ctx, lib)
+        for sm, b in streams:
+            sm.forward[b] = tx
+        self.ctx_tx[ctx] = tx
+        self.track(ctx)
+        self.txs = self.txs[-15:] + [tx]
+        # Run the layers (the op): writes land in the fresh pages only.
+        plan = ctx.plan
+        assert isinstance(plan, (ReferencePlan, RelativeSinkPlan)), type(plan)
+        for layer in range(NUM_LAYERS if layers == "all" or cm.check_finite else 1):
+            q, k, v = self.layer_inputs(ctx, layer, "op")
+            chunk_attention(q, k, v, ctx.layers[layer], **self.sink_query(ctx, q))
+            for i, (sm, b) in enumerate(streams):
+                cm.pool.write(layer, [p for c in sm.pending[b] for p in c], k[i], v[i])
+        pool = self.pool_values(cm)
+        slots = pool.reshape(NUM_LAYERS, 2, -1, pool.shape[-2] * pool.shape[-1])
+        for i, (sm, b) in enumerate(streams):  # gathered keys: kept sinks as committed, then the fresh pages
+            recs = targets[(id(sm), b)]
+            kept = [r for r in self.visible_data(sm, b) if not any(r is t for t in recs)]
+            pending = [p for c in sm.pending[b] for p in c]
+            want = torch.cat(
+                [r.token_data() for r in kept] + [cm.pool.pages(pending).reshape(NUM_LAYERS, 2, shape.seq_len, -1)],
+                dim=2,
+            )
+            if isinstance(plan, RelativeSinkPlan):  # kept sinks in the sink segment, the rest in the other
+                assert isinstance(plan.sinks, ReferencePlan) and isinstance(plan.rest, ReferencePlan)
+                sink_keys = sum(r.tokens for r in kept)
+                gathered = torch.cat([plan.sinks.gather[i, :sink_keys], plan.rest.gather[i, : want.shape[2] - sink_keys]])
+            else:
+                gathered = plan.gather[i, : want.shape[2]]
+            assert same_bits(slots[:, :, gathered], want)
+        sm0, b0 = streams[0]
+        incomplete = not (layers == "all" or cm.check_finite)
+        if variant in ("boom", "ctx.abort", "state.abort") or incomplete:
+            if variant not in ("boom", "ctx.abort", "state.abort"):  # a commit of a partial re-cache: refused
+                with pytest.raises(IncompleteForwardError):
+                    if variant == "with":
+                        with ctx:
+                            pass
+                    elif variant == "ctx.commit":
+                        ctx.commit()
+                    else:
+                        sm0.state.commit_paged_context(b0)
+                assert lib.status == "aborted", "a refused re-cache commit must abort it"
+                event("re-cache of a partial forward refused")
+            elif variant == "boom":
+                with pytest.raises(Boom), ctx:
+                    raise Boom("inside a re-cache")
+            elif variant == "ctx.abort":
+                ctx.abort()
+            else:
+                sm0.state.abort(b0)
+            for sm, b in streams:
+                sm.forward[b] = None
+                sm.drop_pending(b)
+            tx.status = "aborted"
+            after, ci = self.snapshot(), self.caches.index(cm)
+            # As before -- free order and refcounts included -- but for the fresh pages' contents (written,
+            # then freed: the pool model has them), the peak and the registry (a new forward was prepared).
+            assert after[0][ci][0][1:3] == before[0][ci][0][1:3], "an aborted re-cache changed the free list"
+            assert after[1] == before[1], "an aborted re-cache changed a session"
+            event(f"re-cache aborted ({variant})")
+            return
+        if variant == "with":
+            with ctx:
+                pass
+        elif variant == "ctx.commit":
+            ctx.commit()
+        else:
+            sm0.state.commit_paged_context(b0)
+        assert lib.status == "committed"
+        # References once the rebuilt chunks are swapped in (every stream's old chunks let go at once): a ring
+        # slot nobody references then is free, and a rebuilt chunk in fresh pages is copied into one -- the old
+        # chunk's own slot first, else the lowest -- its fresh pages freed.
+        after = self.chunk_references(cm)
+        for sm, b in streams:
+            after.subtract(p for rec in targets[(id(sm), b)] for p in rec.pages)
+        for sm, b in streams:
+            ext = set(sm.extent[b] or ())
+            free = [slot for slot in self.slots_of(sm, b) if not any(after[p] for p in slot)]
+            placed = list(sm.pending[b])
+            moving = [j for j, c in enumerate(placed) if c[0] not in ext]
+            rest = []
+            for j in moving:
+                own = targets[(id(sm), b)][j].pages[0]
+                slot = next((sl for sl in free if sl[0] == own), None)
+                if slot is None:
+                    rest.append(j)
+                    continue
+                free.remove(slot)
+                placed[j] = slot[: len(placed[j])]
+                event("re-cache: rebuilt chunk copied back into its own ring slot")
+            for j in rest:
+                if not free:
+                    if ext:
+                        event("re-cache: rebuilt chunk stays outside the ring (no free slot: a fork shares the old)")
+                    continue
+                placed[j] = free.pop(0)[: len(placed[j])]
+                event("re-cache: rebuilt chunk copied into another free ring slot")
+            for src, dst in zip(sm.pending[b], placed):
+                if src != dst:
+                    cm.pool.copy(src, dst)
+            for rec, pages in zip(targets[(id(sm), b)], placed):
+                at = next(j for j, r in enumerate(sm.committed[b]) if r is rec)
+                sm.committed[b][at] = ChunkRecord(pages, rec.tokens, rec.start, cm.pool.pages(pages))
+            sm.forward[b] = None
+            sm.drop_pending(b)
+        tx.status = "committed"
+        event(f"re-cache committed over {len({id(sm) for sm, _ in streams})} session(s), keep_sinks={keep_sinks}")
