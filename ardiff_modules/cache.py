@@ -89,15 +89,14 @@ class KVCache:
         self.allocator = PageAllocator(num_pages)
         self._dtype = torch_dtype(spec.dtype)
         self.backend = resolve_backend(backend, self.pool.device, self._dtype, spec.head_dim, kv_dtype=self.pool.dtype)
-        #: Chunk slots of each branch's contiguous extent, or ``None`` for plain paging.
-        self.extent_chunks = _extent_chunks(spec, self.backend.name, contiguous_extents)
+        self._extent_chunks = _extent_chunks(spec, self.backend.name, contiguous_extents)
         self.max_forward_contexts = max_forward_contexts
         self._lock = threading.RLock()
         self.forwards = ForwardManager(
-            self, spec, self.pool, self.allocator, self.backend, dtype=self._dtype, extent_chunks=self.extent_chunks,
+            self, spec, self.pool, self.allocator, self.backend, dtype=self._dtype, extent_chunks=self._extent_chunks,
             max_contexts=max_forward_contexts, check_finite=check_finite, lock=self._lock,
         )
-        self.admission = Admission(len(spec.branches), spec.max_history_chunks, spec.pages_per_chunk, self.extent_chunks)
+        self.admission = Admission(len(spec.branches), spec.max_history_chunks, spec.pages_per_chunk, self._extent_chunks)
         self._sessions = SessionTable()
         self._closed = False
         if logger.isEnabledFor(logging.DEBUG):
@@ -124,6 +123,11 @@ class KVCache:
     def dtype(self) -> torch.dtype:
         """Compute dtype: queries, outputs, cross-attention caches."""
         return self._dtype
+
+    @property
+    def extent_chunks(self) -> int | None:
+        """Chunk slots of each branch's contiguous extent, or ``None`` for plain paging (fixed at construction)."""
+        return self._extent_chunks
 
     @property
     def policy(self) -> RetentionPolicy:

@@ -11,7 +11,7 @@ once per forward and shared by every layer, we derive:
   ``pending_attention="bidirectional"`` one request per stream (all its pending
   tokens over history + every pending page);
 * the dense oracle: per stream, the gathered key slots and the boolean mask of
-  the visibility rule (pending query chunk ``c`` sees the resident committed chunks --
+  the visibility rule (pending query chunk ``c`` sees the committed history chunks --
   sinks and window -- and pending chunks ``0..c``, or every pending chunk under
   ``"bidirectional"``), used by the reference backend.
 
@@ -55,7 +55,7 @@ class StreamLayout:
         is asked for (never on the hot path).
     pending_starts:
         Absolute position of the first token of each pending chunk when they are not consecutive
-        from ``token_offset`` (a re-cache forward rebuilds resident chunks at their original
+        from ``token_offset`` (a re-cache forward rebuilds history chunks at their original
         positions: sinks + the last W chunks are not one run); ``()``: consecutive.
     sink_pages:
         How many leading ``history_pages`` belong to sink chunks. Only set when the sinks are

@@ -281,8 +281,8 @@ class KVState:
         options = ForwardOptions(token_mask, static, chunk_lengths, pending_attention, keep_latents)
         return self.cache.forwards.prepare([(self, b) for b in names], seq_len, commit_current, options)
 
-    def resident_chunk_indices(self, branch: str) -> tuple[int, ...]:
-        """Commit index (0-based, evicted chunks counted) of each resident chunk of ``branch``, oldest first.
+    def history_chunk_indices(self, branch: str) -> tuple[int, ...]:
+        """Commit index (0-based, evicted chunks counted) of each history chunk of ``branch``, oldest first.
 
         Which chunks' clean latents a re-cache needs (:meth:`prepare_recache`).
         """
@@ -301,7 +301,7 @@ class KVState:
         """Re-cache several branches of this session under the current (new) prompt, in one launch.
 
         ``branches`` defaults to every branch of the spec. Rebuilds the chunks of
-        :meth:`resident_chunk_indices` (all but the sinks with ``keep_sinks=True``); feed their clean
+        :meth:`history_chunk_indices` (all but the sinks with ``keep_sinks=True``); feed their clean
         latents concatenated in that order. See :meth:`KVCache.prepare_recache` for the semantics.
         """
         self._check_open()
@@ -399,7 +399,7 @@ class KVState:
     ) -> KVState:
         """A new session sharing this one's committed history by refcount: zero bytes of KV copied.
 
-        Each forked branch starts from this session's resident chunks (sinks + window) and
+        Each forked branch starts from this session's history chunks (sinks + window) and
         absolute offset; the two sessions then diverge independently (committed pages are
         immutable, so sharing them is safe). Pending work is not shared. ``branches`` limits
         which branches are forked (the others start empty); cross-attention caches are shared

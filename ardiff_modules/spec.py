@@ -259,7 +259,7 @@ class KVCacheSpec:
                 f"is given, got ({self.sink_chunks}, {self.window_chunks})"
             )
         # NOTE: the declared counts size admission, extents and fixed buffers; a bad one is refused here,
-        # each answer of history_indices() is checked at every commit (window.retain).
+        # each answer of history_indices() is checked at every commit (core.retention.retain).
         check_declared(self.retention)
 
     @property

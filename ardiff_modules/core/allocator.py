@@ -41,6 +41,9 @@ class PageAllocator:
         self._free: deque[int] = deque(range(num_pages))
         #: High-water mark of pages in use (see :meth:`reset_peak`).
         self.peak_used = 0
+        #: Mutations so far (any allocation, reference change, undo or reorder): an undo recorded at
+        #: change ``n`` is exact only while this is still ``n`` (``Reservation.can_roll_back``).
+        self.changes = 0
 
     # ------------------------------------------------------------------ queries
     @property
@@ -87,6 +90,7 @@ class PageAllocator:
         for page in pages:
             self._refcounts[page] = 1
         self.peak_used = max(self.peak_used, self.num_used)
+        self.changes += 1
         return pages
 
     def longest_free_run(self) -> int:
@@ -127,6 +131,7 @@ class PageAllocator:
         for page in taken:
             self._refcounts[page] = 1
         self.peak_used = max(self.peak_used, self.num_used)
+        self.changes += 1
         return list(range(start, start + count))
 
     def checkpoint(self, *, free_order: bool = False) -> AllocatorCheckpoint:
@@ -163,6 +168,7 @@ class PageAllocator:
             self._free.extendleft(reversed(pages))
         if checkpoint is not None:
             self.peak_used = checkpoint.peak_used
+        self.changes += 1
 
     def reorder_free(self, first: Sequence[int]) -> None:
         """Put the free queue in a canonical order: the free pages of ``first`` in that order, then every
@@ -172,6 +178,7 @@ class PageAllocator:
         order = [p for p in first if p in free]
         order += sorted(free.difference(order))
         self._free = deque(order)
+        self.changes += 1
 
     def incref(self, pages: Iterable[int]) -> None:
         """Add one reference to each page (sharing); every page must be in use."""
@@ -182,6 +189,7 @@ class PageAllocator:
                 raise AllocatorError(f"incref: page {page} is free; expected a page in use (refcount >= 1)")
         for page in pages:
             self._refcounts[page] += 1
+        self.changes += 1
 
     def decref(self, pages: Iterable[int]) -> list[int]:
         """Drop one reference from each page; return the pages that became free.
@@ -209,11 +217,13 @@ class PageAllocator:
             if self._refcounts[page] == 0:
                 self._free.append(page)
                 freed.append(page)
+        self.changes += 1
         return freed
 
     def reset_peak(self) -> None:
         """Restart the high-water mark from the pages in use now."""
         self.peak_used = self.num_used
+        self.changes += 1
 
     # ------------------------------------------------------------------ checks
     def _check_ids(self, pages: Sequence[int]) -> None:

@@ -1,4 +1,4 @@
-"""One KV branch's pages: resident committed chunks and pending chunks (pure Python).
+"""One KV branch's pages: committed history chunks and pending chunks (pure Python).
 
 A chunk is a tuple of page ids (``pages_per_chunk`` of them). The branch holds
 one reference on every page it lists; all page bookkeeping goes through the
@@ -54,7 +54,7 @@ class BranchPages:
         #: Resident committed chunks, oldest first, and their commit indices (what the policy keeps).
         self.history: tuple[PageChunk, ...] = ()
         self.history_index: tuple[int, ...] = ()
-        #: Absolute position of the first token of each resident chunk.
+        #: Absolute position of the first token of each history chunk.
         self.history_start: tuple[int, ...] = ()
         self.pending: tuple[PageChunk, ...] = ()
         #: Chunks ever committed (evicted ones included).
@@ -62,10 +62,10 @@ class BranchPages:
         #: Tokens ever committed (evicted ones included): drives absolute positions. Chunks may
         #: differ in length (e.g. a 1-frame first chunk), so this is not chunks x chunk_size.
         self.committed_tokens = 0
-        #: The open forward whose pending chunks these are (opaque here; see ``forward.py``).
+        #: The open forward whose pending chunks these are (opaque here; see ``core/transaction.py``).
         self.transaction: object | None = None
         #: Clean latents kept on request (``keep_latents``), by commit index: opaque here (tensors), only
-        #: ever of resident chunks -- pruned in the same step as eviction. Read by a re-cache.
+        #: ever of history chunks -- pruned in the same step as eviction. Read by a re-cache.
         self.latents: dict[int, object] = {}
 
     def attach(self, transaction: object) -> None:
@@ -94,16 +94,16 @@ class BranchPages:
 
     @property
     def sinks(self) -> tuple[PageChunk, ...]:
-        """The resident chunks the policy never evicts (its first ``sink_chunks``)."""
+        """The history chunks the policy never evicts (its first ``sink_chunks``)."""
         return tuple(c for c, i in zip(self.history, self.history_index) if i < self.policy.sink_chunks)
 
     def history_spans(self) -> list[tuple[int, int]]:
-        """``(first absolute position, tokens)`` of each resident chunk, in :meth:`history_pages` order."""
+        """``(first absolute position, tokens)`` of each history chunk, in :meth:`history_pages` order."""
         size = self.page_size
         return [(start, len(chunk) * size) for chunk, start in zip(self.history, self.history_start)]
 
     def history_positions(self) -> list[int]:
-        """Absolute position of every token of the resident chunks, in :meth:`history_pages` order."""
+        """Absolute position of every token of the history chunks, in :meth:`history_pages` order."""
         return [start + t for start, tokens in self.history_spans() for t in range(tokens)]
 
     def history_pages(self) -> list[int]:
@@ -257,9 +257,9 @@ class BranchPages:
 
     # ------------------------------------------------------------------ re-cache
     def recache_targets(self, keep_sinks: bool) -> list[int]:
-        """Positions in :attr:`resident` of the chunks a re-cache rebuilds (all, or all but the sinks)::
+        """Positions in :attr:`history` of the chunks a re-cache rebuilds (all, or all but the sinks)::
 
-            resident:  [s0 | c5  c6  c7]      keep_sinks=True  -> rebuild c5 c6 c7 (s0 read, never written)
+            history:   [s0 | c5  c6  c7]      keep_sinks=True  -> rebuild c5 c6 c7 (s0 read, never written)
                                               keep_sinks=False -> rebuild s0 c5 c6 c7
         """
         sinks = self.policy.sink_chunks if keep_sinks else 0
@@ -280,12 +280,12 @@ class BranchPages:
         return pages, tuple(spans[i] for i in kept), tuple(self.history_start[i] for i in sorted(targets))
 
     def preview_recache_commit(self, keep_sinks: bool) -> tuple[tuple[PageChunk, ...], list[int]]:
-        """The resident chunks after swapping the rebuilt (pending) chunks in, and the old pages to release.
+        """The history chunks after swapping the rebuilt (pending) chunks in, and the old pages to release.
 
         Pure. Commit indices and starts are unchanged: the same chunks, re-computed.
         """
         targets = self.recache_targets(keep_sinks)
-        assert len(targets) == len(self.pending), "re-cache pending chunks do not match the resident chunks"
+        assert len(targets) == len(self.pending), "re-cache pending chunks do not match the history chunks"
         resident = list(self.history)
         old: list[int] = []
         for i, fresh in zip(targets, self.pending):
@@ -299,8 +299,8 @@ class BranchPages:
     ) -> tuple[tuple[PageChunk, ...], list[tuple[PageChunk, PageChunk]]]:
         """Move rebuilt chunks that sit in fresh pages into ring slots free once the commit is applied (pure).
 
-        ``swapped``: :meth:`preview_recache_commit`'s resident chunks; ``released``: how many references
-        the whole commit drops from each page (every stream's old chunks). Returns the resident chunks
+        ``swapped``: :meth:`preview_recache_commit`'s history chunks; ``released``: how many references
+        the whole commit drops from each page (every stream's old chunks). Returns the history chunks
         after the moves and the ``(fresh chunk, ring slot chunk)`` copies they need. A slot is free
         after the commit when only the extent's reservation still references its pages (refcount minus
         released == 1): the old chunk it held was this branch's alone (no fork shares it), or it was
@@ -350,7 +350,7 @@ class BranchPages:
         return ring, fresh
 
     def apply_recache_commit(self, resident: tuple[PageChunk, ...]) -> None:
-        """Adopt :meth:`preview_recache_commit`'s resident chunks; the caller drops the old pages' references."""
+        """Adopt :meth:`preview_recache_commit`'s history chunks; the caller drops the old pages' references."""
         self.history, self.pending = resident, ()
 
     def clear_pending(self) -> None:

@@ -46,7 +46,9 @@ class Reservation:
         # NOTE: the free order only when an extent is taken (allocate_contiguous reorders the queue);
         # copying it costs O(free pages), once per forward that reserves an extent.
         self._checkpoint = allocator.checkpoint(free_order=bool(self._new_extents))
-        self.is_kept = False
+        #: Kept or rolled back: nothing is left to undo or to release.
+        self.spent = False
+        self._changes = -1  # the allocator's change count once reserved
         try:
             if self._new_extents:
                 # One run for all new branches of the forward: CFG pairs end up adjacent (one ragged launch).
@@ -58,10 +60,16 @@ class Reservation:
         except BaseException:
             self.rollback()
             raise
+        self._changes = allocator.changes
+
+    def can_roll_back(self) -> bool:
+        """Whether :meth:`rollback` is still exact: not spent, and the allocator unchanged since the reservation
+        (another forward's pages in between would make the recorded free order and peak wrong)."""
+        return not self.spent and self.allocator.changes == self._changes
 
     def rollback(self) -> None:
         """Undo the reservation exactly (branches, refcounts, free-queue order, peak). Only before :meth:`keep`."""
-        assert not self.is_kept, "a kept reservation cannot be rolled back"
+        assert not self.spent, "a kept reservation cannot be rolled back"
         fresh: list[int] = []
         for b, old in reversed(list(zip(self.branches, self._before))):
             fresh = b.undo_grow(old, self.allocator) + fresh
@@ -69,15 +77,15 @@ class Reservation:
             fresh += b.release_extent()
         self.allocator.unallocate(fresh, self._checkpoint)
         self._stale = []
-        self.is_kept = True  # spent: nothing left to undo or to keep
+        self.spent = True
 
     def keep(self) -> None:
         """The forward stands: release the pending chunks it replaced (surplus or resized). Idempotent."""
-        if self.is_kept:
+        if self.spent:
             return
         self.allocator.decref(page for stale in self._stale for chunk in stale for page in chunk)
         self._stale = []
-        self.is_kept = True
+        self.spent = True
 
 
 def settle_free_order(allocator: PageAllocator, before: Sequence[int]) -> None:

@@ -71,7 +71,7 @@ class RetentionPolicy(Protocol):
         """Most chunks ever resident at once (``None``: unbounded); sizes extents, admission, buffers."""
 
     def history_indices(self, num_committed: int) -> list[int]:
-        """Indices (0-based, commit order) of the resident chunks among ``num_committed``."""
+        """Indices (0-based, commit order) of the history chunks among ``num_committed``."""
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,7 @@ def checked_history_indices(
     ``num_committed``; chunks ``num_committed .. total - 1`` are the ones being committed. The
     answer must be a sequence (not a string) of strictly ascending ints, each resident or new
     (an evicted chunk never comes back), starting with the sinks, at most ``max_history_chunks``
-    of them. Host ints only, O(resident chunks): run once per branch and commit, never per layer.
+    of them. Host ints only, O(history chunks): run once per branch and commit, never per layer.
     """
     sinks, bound = check_declared(policy)
     try:
@@ -215,7 +215,7 @@ def retain(
 ) -> Retained[Chunk]:
     """Commit ``new_chunks`` after ``num_committed`` chunks and apply ``policy`` (pure).
 
-    ``resident`` / ``indices`` are the currently resident chunks and their commit indices.
+    ``resident`` / ``indices`` are the chunks now in the history and their commit indices.
     Raises :class:`SpecError` if the policy breaks its contract (see :func:`checked_history_indices`):
     e.g. it asks to keep a chunk that was already evicted, or more than it declared.
     """
@@ -264,7 +264,7 @@ class SinkWindowPolicy:
     ) -> CommitResult[Chunk]:
         """Append ``new_chunks`` to a resident history and evict what leaves the window.
 
-        ``sinks``/``window`` are the currently resident chunks (as returned by a
+        ``sinks``/``window`` are the chunks now in the history (as returned by a
         previous commit). New chunks fill the sinks first, then the window; the
         oldest window chunks are evicted once it holds more than ``window_chunks``.
         """

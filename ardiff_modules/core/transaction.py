@@ -66,7 +66,7 @@ class ForwardTransaction:
     num_chunks: int
     status: Status = "open"
     #: A prompt-switch re-cache (``KVCache.prepare_recache``): its pending chunks (free ring slots, then
-    #: fresh pages) rebuild resident chunks, swapped in on commit (``keep_sinks``: the sinks were not rebuilt).
+    #: fresh pages) rebuild history chunks, swapped in on commit (``keep_sinks``: the sinks were not rebuilt).
     recache: bool = False
     keep_sinks: bool = True
     #: A re-cache's device copy ``copy_pages(src, dst)``: page ``src[i]`` -> ``dst[i]`` in every layer, K and V
@@ -87,8 +87,9 @@ class ForwardTransaction:
     #: that this forward's writes started is fixed by its commit and undone by anything else).
     on_close: list[Callable[[ForwardTransaction], None]] = field(default_factory=list, repr=False)
 
-    def __post_init__(self) -> None:
-        for b in self.branches:  # the branches now belong to this forward (until it finishes)
+    def attach(self) -> None:
+        """The forward begins: its branches belong to it (until it finishes)."""
+        for b in self.branches:
             b.attach(self)
 
     def keep_reservation(self) -> None:
@@ -144,6 +145,7 @@ class ForwardTransaction:
 
     def close(self, status: Status, reason: str = "") -> None:
         """Mark finished and detach from the branches (their pending pages stay as they are)."""
+        self.keep_reservation()  # a held forward superseded (or closed) before its vote: release what it replaced
         for h in self.branches:
             h.detach(self)
         self.status = status
@@ -223,9 +225,10 @@ class ForwardTransaction:
         if not self.is_open:
             return
         live = self.live_branches()
-        if self.reservation is not None and len(live) < len(self.branches):
-            self.keep_reservation()  # a member let go of its branch meanwhile: no exact undo left, drop instead
-        pages = [page for h in live for page in h.pending_pages()]
+        if self.reservation is not None and (len(live) < len(self.branches) or not self.reservation.can_roll_back()):
+            # The pool changed since the prepare (another forward ran), or a member let go of its branch: the
+            # recorded undo is no longer exact. Release what it replaced and drop the pending chunks instead.
+            self.keep_reservation()
         with deferred_interrupts():
             if self.reservation is not None:
                 # Never kept (a distributed forward before its vote passed): undo it exactly -- the pending
@@ -242,7 +245,7 @@ class ForwardTransaction:
                 allocator.decref(p for ring, _ in split for p in ring)
                 allocator.unallocate([p for _, fresh in split for p in fresh])
             else:
-                allocator.decref(pages)
+                allocator.decref(page for h in live for page in h.pending_pages())
             for h in live:
                 h.clear_pending()
             self.close("aborted", reason)

@@ -22,7 +22,7 @@ import torch
 
 from ardiff_modules.backends import AttentionBackend, PlanRequest
 from ardiff_modules.backends.segmented import plan_forward
-from ardiff_modules.context import ForwardContext
+from ardiff_modules.context import ForwardContext, TransactionOwner
 from ardiff_modules.core.allocator import PageAllocator
 from ardiff_modules.core.branch import BranchPages
 from ardiff_modules.core.reservation import Reservation, settle_free_order
@@ -59,7 +59,8 @@ Streams = Sequence[tuple[KVState, str]]
 class ForwardManager:
     """Prepares and finishes the forwards of one cache's sessions (see the module docstring).
 
-    ``host`` is the cache the sessions belong to (streams of other caches are refused).
+    ``host`` is the cache the sessions belong to (streams of other caches are refused); it owns the contexts:
+    ``ForwardContext.commit()`` / ``abort()`` finish through ``host.finish_forward``.
     """
 
     def __init__(
@@ -228,17 +229,23 @@ class ForwardManager:
             raise
         if not hold:
             reservation.keep()
-        for b in request.branches:  # supersede the open denoising forwards of these streams
-            if isinstance(b.transaction, ForwardTransaction) and b.transaction.is_open:
-                b.transaction.close("superseded", "a later forward of one of its streams was prepared")
-        self.registry.publish(key, ctx)  # registers a new context; most recently used; evicts idle ones
-        transaction = ForwardTransaction(
-            members=request.members, commit_current=request.commit_current, num_chunks=layout.num_chunks,
-            branches=request.branches, recache=request.recache, keep_sinks=request.keep_sinks,
-            latents=request.latents, copy_pages=self.pool.copy_pages if request.recache else None,
-            reservation=None if not hold else reservation,
-        )
-        ctx.begin(transaction, plan, layout, positions, cross, request.token_mask)
+        try:
+            for b in request.branches:  # supersede the open denoising forwards of these streams
+                if isinstance(b.transaction, ForwardTransaction) and b.transaction.is_open:
+                    b.transaction.close("superseded", "a later forward of one of its streams was prepared")
+            self.registry.publish(key, ctx)  # registers a new context; most recently used; evicts idle ones
+            transaction = ForwardTransaction(
+                members=request.members, commit_current=request.commit_current, num_chunks=layout.num_chunks,
+                branches=request.branches, recache=request.recache, keep_sinks=request.keep_sinks,
+                latents=request.latents, copy_pages=self.pool.copy_pages if request.recache else None,
+                reservation=reservation if hold else None,
+            )
+            transaction.attach()
+            ctx.begin(transaction, plan, layout, positions, cross, request.token_mask)
+        except BaseException:
+            if hold and reservation.can_roll_back():  # (a kept reservation is the forward's own pending pages)
+                reservation.rollback()
+            raise
         if logger.isEnabledFor(logging.DEBUG):
             if request.recache:
                 fresh = sum(len(b.split_pending()[1]) for b in request.branches)
@@ -255,7 +262,9 @@ class ForwardManager:
         ctx = self.registry.get(key)
         if ctx is not None:
             return ctx  # marked most recently used only once its forward begins
-        return ForwardContext.create(key[0], self.pool, dtype=self.dtype, static=key[1] is not None, owner=self)
+        return ForwardContext.create(
+            key[0], self.pool, dtype=self.dtype, static=key[1] is not None, owner=cast(TransactionOwner, self.host)
+        )
 
     def _plan_request(self, layout: ForwardLayout, request: Build) -> PlanRequest:
         return PlanRequest(

@@ -133,3 +133,41 @@ def test_a_kept_reservation_is_not_rolled_back():
     cache.finish_forward(ctx.transaction, False)  # an ordinary abort: the pending chunks are dropped
     assert state.pending_chunks("cond") == () and cache.allocator.num_used == used - 2 * CHUNK // PAGE
     cache.allocator.check_invariants()
+
+
+@pytest.mark.parametrize("extents", [False, True])
+def test_a_held_reservation_whose_pool_changed_is_dropped_not_rolled_back(extents):
+    """Another forward between a held prepare and its abort changes the pool: the recorded free order and peak are
+    stale, so the abort drops the forward's pages (and releases what it replaced) instead of restoring them."""
+    cache = _cache(extents)
+    held_state, other = cache.open_session("held"), cache.open_session("other")
+    kept = held_state.prepare_forward(("cond",), CHUNK, commit_current=False)
+    write_every_layer(kept.layers)
+    held = cache.forwards.prepare([(held_state, "cond")], 2 * CHUNK, True, ForwardOptions(chunk_lengths=(CHUNK, CHUNK)),
+                                  hold=True)
+    with other.prepare_forward(("cond", "uncond"), CHUNK, commit_current=True) as fwd:  # the pool changes
+        write_every_layer(fwd.layers)
+    assert held.transaction is not None and not held.transaction.reservation.can_roll_back()
+    cache.finish_forward(held.transaction, False)
+    assert held.transaction.status == "aborted" and held_state.pending_chunks("cond") == ()
+    assert cache.allocator.peak_used >= cache.allocator.num_used
+    cache.allocator.check_invariants()
+    held_state.close()
+    other.close()
+    assert cache.allocator.num_used == 0, "no page of the held forward (nor of what it replaced) leaked"
+
+
+def test_a_held_forward_superseded_before_its_vote_leaks_nothing():
+    """A held denoising forward replaced a longer kept one; a later prepare supersedes it before any keep: closing
+    it releases the replaced chunk, so closing the session frees every page."""
+    cache = _cache(extents=False)
+    state = cache.open_session("s")
+    kept = state.prepare_forward(("cond",), 2 * CHUNK, commit_current=False, chunk_lengths=(CHUNK, CHUNK))
+    write_every_layer(kept.layers)
+    cache.forwards.prepare([(state, "cond")], CHUNK, False, ForwardOptions(), hold=True)  # 2 chunks -> 1
+    later = state.prepare_forward(("cond",), CHUNK, commit_current=False)  # supersedes the held one
+    assert later.transaction is not None and later.transaction.is_open
+    later.abort()
+    state.close()
+    assert cache.allocator.num_used == 0
+    cache.allocator.check_invariants()

@@ -265,15 +265,17 @@ def _has_relative_sinks() -> bool:
 
 
 def _whole_state(cache: DistributedKVCache) -> Any:
-    """Every session's page tables, pending pages and extents of this rank, its free-page queue, and its kept
-    forward contexts in recency order."""
+    """Every session's page tables, pending pages and extents of this rank, its free-page queue, every page's
+    refcount, the allocator's peak, and its kept forward contexts in recency order."""
     sessions = {
         sid: {b: (st.history_chunks(b), st.pending_chunks(b), st.token_offset(b), tuple(st.branch_pages(b).extent))
               for b in st.kv_branch_names}
         for sid, st in sorted(cache.cache.sessions.items())
     }
     contexts = tuple((ctx.streams, ctx.status) for ctx in cache.cache.forward_contexts())
-    return sessions, tuple(cache.cache.allocator.free_pages()), contexts
+    allocator = cache.cache.allocator
+    refcounts = tuple(allocator.refcount(p) for p in range(allocator.num_pages))
+    return sessions, tuple(allocator.free_pages()), refcounts, allocator.peak_used, contexts
 
 
 def _check_same_state_everywhere(cache: DistributedKVCache, what: str) -> None:

@@ -77,7 +77,7 @@ class Rig:
                         s.latents[b].append(x[i])
 
     def rebuilt(self, s: Stream, branch: str, keep_sinks: bool) -> list[int]:
-        return [i for i in s.state.resident_chunk_indices(branch) if not (keep_sinks and i < self.sink)]
+        return [i for i in s.state.history_chunk_indices(branch) if not (keep_sinks and i < self.sink)]
 
     def recache_input(self, keep_sinks: bool, streams: list[Stream] | None = None) -> torch.Tensor:
         """``[streams * branches, tokens, dim]``: each stream's rebuilt chunks' latents, in commit order."""
