@@ -145,7 +145,8 @@ class ForwardTransaction:
 
     def close(self, status: Status, reason: str = "") -> None:
         """Mark finished and detach from the branches (their pending pages stay as they are)."""
-        self.keep_reservation()  # a held forward superseded (or closed) before its vote: release what it replaced
+        if self.reservation is not None:  # a held forward superseded (or closed) before its vote
+            self.keep_reservation()  # releases what it replaced
         for h in self.branches:
             h.detach(self)
         self.status = status
@@ -162,7 +163,8 @@ class ForwardTransaction:
         """
         if not self.is_open:
             return
-        self.keep_reservation()
+        if self.reservation is not None:
+            self.keep_reservation()
         if not self.commit_current:
             self.close("completed")  # a denoising forward: pending pages stay for the next one
             return

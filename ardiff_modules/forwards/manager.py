@@ -75,6 +75,8 @@ class ForwardManager:
         #: The compute dtype (queries, outputs, cross caches); the pool may store K/V in another.
         self.dtype = dtype
         self.extent_chunks = extent_chunks
+        #: Pages of one contiguous extent (``0``: plain paging).
+        self.extent_pages = (extent_chunks or 0) * spec.pages_per_chunk
         self.check_finite = check_finite
         self.lock = lock
         self.registry = ContextRegistry(max_contexts)
@@ -90,10 +92,6 @@ class ForwardManager:
             self.release_contexts_of(None)
             self.closed = True
 
-    @property
-    def extent_pages(self) -> int:
-        return (self.extent_chunks or 0) * self.spec.pages_per_chunk
-
     # ------------------------------------------------------------------ requests
     def prepare(
         self, streams: Streams, seq_len: int, commit_current: bool, options: ForwardOptions = ForwardOptions(),
@@ -105,7 +103,8 @@ class ForwardManager:
         replaced; an abort before that rolls it back exactly) -- a distributed forward's prepare vote.
         """
         with self.lock:
-            self._check_open("prepare_forward")
+            if self.closed:
+                self._check_open("prepare_forward")
             return self.build(self.forward_request(streams, seq_len, commit_current, options), hold=hold)
 
     def forward_request(
@@ -304,11 +303,10 @@ class ForwardManager:
         return positions, _to_device(layout.sink_positions, self.pool.device, buffer)
 
     def _stack_cross(
-        self, ctx: ForwardContext, streams: Sequence[tuple[object, str]], static: bool
+        self, ctx: ForwardContext, members: Sequence[tuple[KVState, str]], static: bool
     ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, str], dict[str, tuple[int, ...]]]:
         """Per cache name, the streams' cross K/V stacked to ``[layers, streams, tokens, heads, dim]``."""
         names = self.spec.cross_attention_names
-        members = cast(Sequence[tuple[KVState, str]], streams)
         entries = {name: [state.cross_entry(branch, name) for state, branch in members] for name in names}
         who = [f"{state.session_id!r}/{branch!r}" for state, branch in members]
         return ctx.cross_stack.restack(names, entries, who, ctx.cross, static)

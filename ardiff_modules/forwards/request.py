@@ -13,6 +13,7 @@ import torch
 
 from ardiff_modules.core.branch import BranchPages
 from ardiff_modules.layout import StreamLayout
+from ardiff_modules.session import KVState
 from ardiff_modules.spec import PendingAttention
 
 
@@ -21,7 +22,7 @@ class Build:
     """A validated request, ready to reserve, lay out, plan and begin (nothing changed yet)."""
 
     #: ``(session, branch)`` per stream, in batch order, and their pages.
-    members: tuple[tuple[object, str], ...]
+    members: tuple[tuple[KVState, str], ...]
     branches: tuple[BranchPages, ...]
     #: Pages of each pending chunk every stream reserves.
     chunk_pages: tuple[int, ...]
@@ -42,7 +43,7 @@ class Build:
     @property
     def key(self) -> tuple[tuple[tuple[str, str], ...], int | None]:
         """The context registry's key: the streams, and the sequence length of a static (CUDA-graph) forward."""
-        streams = tuple((getattr(state, "session_id"), branch) for state, branch in self.members)
+        streams = tuple((state.session_id, branch) for state, branch in self.members)
         return streams, (self.seq_len if self.static else None)
 
     @property
