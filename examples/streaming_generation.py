@@ -466,7 +466,7 @@ def _generate(args: argparse.Namespace) -> dict[str, Any]:
 
     def recache() -> float:
         """Rebuild the window's K/V under the new prompt from its chunks' clean latents; returns seconds."""
-        indices = state.resident_chunk_indices(BRANCHES[0])[spec.sink_chunks :]  # keep_sinks=True rebuilds these
+        indices = state.history_chunk_indices(BRANCHES[0])[spec.sink_chunks :]  # keep_sinks=True rebuilds these
         if not indices:
             return 0.0
         xs = torch.cat([clean[i] for i in indices], dim=1).to(device=device, dtype=dtype).repeat(streams, 1, 1, 1, 1)
@@ -491,7 +491,7 @@ def _generate(args: argparse.Namespace) -> dict[str, Any]:
                 seconds = recache()
                 events.append(
                     f"prompt switch before chunk {k}, window re-cached under the new prompt in {1e3 * seconds:.1f} ms "
-                    f"(chunks {list(state.resident_chunk_indices('cond')[spec.sink_chunks:])}, sink kept)"
+                    f"(chunks {list(state.history_chunk_indices('cond')[spec.sink_chunks:])}, sink kept)"
                 )
             else:
                 events.append(f"prompt switch before chunk {k} (history kept, offset {state.token_offset('cond')})")
@@ -513,7 +513,7 @@ def _generate(args: argparse.Namespace) -> dict[str, Any]:
         recorder.end_chunk()
         if args.recache_on_switch:  # the clean latents a re-cache needs, resident chunks only
             clean[state.committed_chunks(BRANCHES[0]) - 1] = x.cpu()
-            resident = set(state.resident_chunk_indices(BRANCHES[0]))
+            resident = set(state.history_chunk_indices(BRANCHES[0]))
             for i in [i for i in clean if i not in resident]:
                 del clean[i]
         pages_report.append(cache.stats().pages_used)
