@@ -72,9 +72,11 @@ class ForwardOptions:
         history (sinks and window) and what a commit does are the same under both.
     keep_latents:
         A committing forward only: the clean latents ``[num_streams, seq_len, ...]`` of its chunks
-        (the model's input). On commit a copy of each chunk's slice is kept per branch, for as long
-        as that chunk is resident, so a prompt switch can re-cache without the caller storing them
-        (:meth:`recache_latents`, :meth:`prepare_recache`). Dropped on abort.
+        (the model's input), or in the model's frame-major layout ``[num_streams, frames, C, H, W]``
+        (4+ dims; every chunk holds whole frames). On commit a copy of each chunk's slice is kept per
+        branch, for as long as that chunk is in the history, so a prompt switch can re-cache without
+        the caller storing them (:meth:`recache_latents` returns them in the same layout,
+        :meth:`prepare_recache`). Dropped on abort.
     """
 
     token_mask: torch.Tensor | None = None

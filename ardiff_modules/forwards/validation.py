@@ -198,7 +198,13 @@ def recache_chunk_pages(
 def kept_latents(
     keep_latents: torch.Tensor, commit_current: bool, num_streams: int, lengths: Sequence[int]
 ) -> tuple[tuple[torch.Tensor, ...], ...]:
-    """Validate ``keep_latents`` ``[num_streams, seq_len, ...]``; return per stream a copy of each chunk's slice.
+    """Validate ``keep_latents``; return per stream a copy of each chunk's slice along dim 1.
+
+    Dim 1 is either the forward's tokens (``[num_streams, seq_len, ...]``, token-major) or, for 4+ dims, its
+    latent frames in the model's own layout (``[num_streams, frames, C, H, W]``, Self-Forcing's ``[B, F, C, H, W]``;
+    Wan's channel-first ``[B, C, F, H, W]``: pass ``x.transpose(1, 2)``):
+    ``frames`` divides ``seq_len`` and every chunk holds whole frames (``seq_len / frames`` tokens each), so a
+    1-frame first chunk (image-to-video) keeps 1 frame. ``recache_latents`` hands them back in the same layout.
 
     NOTE: copies, not views: denoising loops commonly reuse their latent buffer in place, and a view of
     one chunk would also keep the whole forward's tensor alive until the last of its chunks is evicted.
@@ -213,18 +219,33 @@ def kept_latents(
             "prepare_forward.keep_latents: expected a committing forward (commit_current=True: the clean "
             "latents of the chunks that join history), got commit_current=False"
         )
-    seq_len = sum(lengths)
-    if keep_latents.dim() < 2 or tuple(keep_latents.shape[:2]) != (num_streams, seq_len):
-        raise TensorMismatchError(
-            f"prepare_forward.keep_latents: expected shape [num_streams={num_streams}, seq_len={seq_len}, ...], "
-            f"got {tuple(keep_latents.shape)}"
-        )
+    sizes = _latent_units(keep_latents, num_streams, lengths)
     latents = keep_latents.detach()
     bounds = [0]
-    for n in lengths:
+    for n in sizes:
         bounds.append(bounds[-1] + n)
     return tuple(
         tuple(latents[s, a:b].clone() for a, b in zip(bounds, bounds[1:])) for s in range(num_streams)
+    )
+
+
+def _latent_units(keep_latents: torch.Tensor, num_streams: int, lengths: Sequence[int]) -> list[int]:
+    """Each chunk's extent along ``keep_latents``' dim 1: its tokens (token-major) or its frames (frame-major)."""
+    seq_len = sum(lengths)
+    shape = tuple(keep_latents.shape)
+    units = shape[1] if len(shape) >= 2 else 0
+    if len(shape) >= 2 and shape[0] == num_streams and units == seq_len:
+        return list(lengths)
+    per_frame = seq_len // units if units and seq_len % units == 0 else 0
+    # NOTE: frame-major only from 4 dims ([B, F, C, H, W]): a 3-D [B, L, D] with a wrong L that divides seq_len
+    # is a token-major mistake, never silently read as frames.
+    if len(shape) >= 4 and shape[0] == num_streams and per_frame and all(n % per_frame == 0 for n in lengths):
+        return [n // per_frame for n in lengths]
+    raise TensorMismatchError(
+        f"prepare_forward.keep_latents: expected shape [num_streams={num_streams}, seq_len={seq_len}, ...], got "
+        f"{shape}; or frame-major [num_streams={num_streams}, frames, C, H, W, ...] (4+ dims: the model's layout, e.g. "
+        f"[B, F, C, H, W]) "
+        f"where every chunk holds whole frames (chunk tokens {list(lengths)})"
     )
 
 

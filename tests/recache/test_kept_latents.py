@@ -84,3 +84,46 @@ def test_recache_latents_readable_while_a_denoising_forward_is_open() -> None:
     with pytest.raises(PendingContextError):
         state.prepare_recache(keep_sinks=True)
     fwd.abort()
+
+
+def test_kept_latents_in_the_models_frame_major_layout() -> None:
+    """``keep_latents`` in the model's own layout ``[B, F, C, H, W]`` (issue 26 item 4): each chunk keeps its whole
+    frames -- a 1-frame first chunk (image-to-video) keeps 1 -- and ``recache_latents`` returns the rebuilt chunks'
+    frames concatenated in that layout; token-major and frame-major kept latents do not mix silently."""
+    import ardiff_modules as am
+    from tests.support.kv_writes import write_every_layer
+
+    spec = am.KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, chunk_size=8, page_size=2, sink_chunks=1,
+                          window_chunks=2, branches=("cond", "uncond"), dtype="float32")
+    cache = am.KVCache(spec, num_pages=64, backend="reference")
+    state = cache.open_session("s")
+    per_frame = 2  # tokens per latent frame: a full chunk is 4 frames, the first (i2v) chunk 1
+    frames = [torch.randn(2, n, 3, 1, 2, generator=torch.Generator().manual_seed(n + 10 * k))
+              for k, n in enumerate((1, 8, 4))]
+    # Forwards of 1 frame (the i2v first chunk), 8 frames over two chunks in one forward, then 4 frames.
+    for latents, lengths in zip(frames, ((2,), (8, 8), (8,))):
+        with state.prepare_forward(("cond", "uncond"), sum(lengths), True, chunk_lengths=lengths,
+                                   keep_latents=latents) as fwd:
+            write_every_layer(fwd.layers)
+    # History: the 1-frame sink chunk 0 and the window chunks 2, 3 (chunk 1, the first half of the second
+    # forward, evicted): chunk 2 is the second forward's frames 4..7.
+    assert state.history_chunk_indices("cond") == (0, 2, 3)
+    window = [frames[1][:, 4:], frames[2]]
+    torch.testing.assert_close(state.recache_latents(keep_sinks=True), torch.cat(window, dim=1), rtol=0, atol=0)
+    torch.testing.assert_close(state.recache_latents(keep_sinks=False), torch.cat([frames[0], *window], dim=1),
+                               rtol=0, atol=0)
+    # The re-cache forward runs over those frames' tokens.
+    with state.prepare_recache(keep_sinks=True) as fwd:
+        assert fwd.seq_len == 16 and fwd.layout.chunk_lengths == (8, 8)  # two rebuilt chunks of 4 frames
+        write_every_layer(fwd.layers)
+    # Misuse: a 3-D tensor whose length is not seq_len is never read as frames; frames that split a chunk refused.
+    with pytest.raises(TensorMismatchError, match=r"expected shape \[num_streams=2, seq_len=8, ...\], got \(2, 4, 3\)"):
+        state.prepare_forward(("cond", "uncond"), 8, True, keep_latents=torch.zeros(2, 4, 3))
+    with pytest.raises(TensorMismatchError, match=r"every chunk holds whole frames \(chunk tokens \[8\]\)"):
+        state.prepare_forward(("cond", "uncond"), 8, True, keep_latents=torch.zeros(2, 3, 3, 1, 2))
+    assert state.pending_chunks("cond") == () and state.history_chunk_indices("cond") == (0, 2, 3)
+    # A token-major chunk next to frame-major ones: their trailing shapes differ, so the re-cache refuses them.
+    with state.prepare_forward(("cond", "uncond"), 8, True, keep_latents=torch.zeros(2, 8, 6)) as fwd:
+        write_every_layer(fwd.layers)
+    with pytest.raises(TensorMismatchError, match="to share one trailing shape"):
+        state.recache_latents(keep_sinks=True)
