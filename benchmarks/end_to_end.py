@@ -82,7 +82,14 @@ import torch
 from torch import nn
 
 import ardiff_modules as am
-from ardiff_modules.models.wan_causal_dit import PRESETS, WanConfig, build_model, kv_pool_pages, make_kv_spec, torch_threads
+from ardiff_modules.models.wan_causal_dit import (
+    PRESETS,
+    WanConfig,
+    build_model,
+    kv_pool_pages,
+    make_kv_spec,
+    torch_threads,
+)
 from ardiff_modules.pool import bytes_per_page
 from benchmarks._plotting import bars, legend_below, pyplot, save, spread, wrap
 from benchmarks._timing import Stats, each_call, environment, fail, once, result_path, save_json

@@ -48,7 +48,8 @@ Outputs (beside ``--out``, default ``outputs/``):
 
 * ``stream.png`` (``--out``): the first three latent channels of each generated frame as RGB (normalised
   over the whole video), frames side by side, a white bar between chunks, 8 chunks per row. With random
-  weights it is a smoke picture, not a video: load real weights as ``wan_causal_dit`` explains.
+  weights it is a smoke picture, not a video: load real weights as ``ardiff_modules.models.wan_causal_dit``
+  explains.
 * ``streaming_generation.png`` (``--figure``; ``--no-plot`` skips it): the library at work over this run,
   drawn by ``_report_figure.py`` from the data below: (a) KV memory while each chunk is denoised, per
   branch (committed history + pending chunk) and the pool's total, against a contiguous rolling buffer
