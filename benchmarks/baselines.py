@@ -39,8 +39,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import ardiff_modules as am
+from ardiff_modules.models.wan_causal_dit import TEXT, WanConfig
 from ardiff_modules.modules.functional import apply_rope
-from examples.wan_causal_dit import TEXT, WanConfig
 
 
 # --------------------------------------------------------------------------------- the rolling buffer

@@ -3,7 +3,7 @@
 One **chunk step** = 4 denoising forwards (``commit_current=False``, timesteps 1000, 750, 500, 250)
 + 1 committing forward (timestep 0) of one chunk (3 latent frames = 4680 tokens at 480x832), at
 sink 1 + window 6 chunks, with classifier-free guidance on (cond + uncond batched in one forward,
-2 streams) and off (1 stream). The SAME model (``examples/wan_causal_dit.py``, random weights from
+2 streams) and off (1 stream). The SAME model (``ardiff_modules.models.wan_causal_dit``, random weights from
 one seed) runs under three attention variants (the rolling ones are the peers of ``baselines.py``):
 
 * ``library``       -- this library: ``ChunkSelfAttention`` over the paged pool (``KVCache``,
@@ -82,11 +82,18 @@ import torch
 from torch import nn
 
 import ardiff_modules as am
+from ardiff_modules.models.wan_causal_dit import (
+    PRESETS,
+    WanConfig,
+    build_model,
+    kv_pool_pages,
+    make_kv_spec,
+    torch_threads,
+)
 from ardiff_modules.pool import bytes_per_page
 from benchmarks._plotting import bars, legend_below, pyplot, save, spread, wrap
 from benchmarks._timing import Stats, each_call, environment, fail, once, result_path, save_json
 from benchmarks.baselines import RollingRunner, make_flex_attend, sdpa_attend, swapped_attention
-from examples.wan_causal_dit import PRESETS, WanConfig, build_model, kv_pool_pages, make_kv_spec, torch_threads
 
 VARIANTS = ("library", "rolling_sdpa", "rolling_flex")
 #: Variants the flags add (``--compile``, ``--fp8``, ``--graph``); ``--variants`` may also name them directly.

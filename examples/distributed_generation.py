@@ -1,9 +1,9 @@
 """Streaming video generation over several processes: CFG-parallel and/or Ulysses sequence parallelism.
 
-The Wan2.1-style causal DiT of ``wan_causal_dit.py`` (random weights) generates a latent video chunk by
-chunk exactly like ``streaming_generation.py`` -- ``--steps`` denoising forwards of both CFG branches plus
-one committing forward per chunk, sink + window eviction, an optional prompt switch -- but every forward
-runs on a ``DeviceMesh`` of ``torchrun``'s processes::
+The Wan2.1-style causal DiT of ``ardiff_modules.models.wan_causal_dit`` (random weights) generates a latent
+video chunk by chunk exactly like ``streaming_generation.py`` -- ``--steps`` denoising forwards of both CFG
+branches plus one committing forward per chunk, sink + window eviction, an optional prompt switch -- but
+every forward runs on a ``DeviceMesh`` of ``torchrun``'s processes::
 
     torchrun --nproc-per-node 2 examples/distributed_generation.py --mesh sp            # CPU (gloo), Ulysses
     torchrun --nproc-per-node 2 examples/distributed_generation.py --mesh cfg           # CPU, CFG-parallel
@@ -42,10 +42,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script from anywhere
-from wan_causal_dit import BRANCHES, PRESETS, WanConfig, build_model, default_dtype, kv_pool_pages, make_kv_spec
-
 from ardiff_modules import KVCache, populate_cross_attention
+from ardiff_modules.models.wan_causal_dit import (
+    BRANCHES,
+    PRESETS,
+    WanConfig,
+    build_model,
+    default_dtype,
+    kv_pool_pages,
+    make_kv_spec,
+)
 
 MESHES = ("sp", "cfg", "cfg,sp")
 

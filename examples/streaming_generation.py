@@ -1,6 +1,6 @@
 """Streaming video generation, Self-Forcing style, over ``ardiff_modules``' paged sink + window KV cache.
 
-A Wan2.1-style causal DiT (``examples/wan_causal_dit.py``, random weights) generates a latent video chunk
+A Wan2.1-style causal DiT (``ardiff_modules.models.wan_causal_dit``, random weights) generates a latent video chunk
 by chunk. Per chunk:
 
 1. start from Gaussian noise and take ``--steps`` Euler steps of a flow-matching sampler over the
@@ -48,7 +48,8 @@ Outputs (beside ``--out``, default ``outputs/``):
 
 * ``stream.png`` (``--out``): the first three latent channels of each generated frame as RGB (normalised
   over the whole video), frames side by side, a white bar between chunks, 8 chunks per row. With random
-  weights it is a smoke picture, not a video: load real weights as ``wan_causal_dit`` explains.
+  weights it is a smoke picture, not a video: load real weights as ``ardiff_modules.models.wan_causal_dit``
+  explains.
 * ``streaming_generation.png`` (``--figure``; ``--no-plot`` skips it): the library at work over this run,
   drawn by ``_report_figure.py`` from the data below: (a) KV memory while each chunk is denoised, per
   branch (committed history + pending chunk) and the pool's total, against a contiguous rolling buffer
@@ -77,9 +78,8 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script from anywhere
-
-from wan_causal_dit import (  # noqa: E402
+from ardiff_modules import ForwardContext, KVCache, KVState, populate_cross_attention
+from ardiff_modules.models.wan_causal_dit import (
     BRANCHES,
     PRESETS,
     WanConfig,
@@ -89,9 +89,9 @@ from wan_causal_dit import (  # noqa: E402
     make_kv_spec,
     torch_threads,
 )
+from ardiff_modules.pool import bytes_per_page
 
-from ardiff_modules import ForwardContext, KVCache, KVState, populate_cross_attention  # noqa: E402
-from ardiff_modules.pool import bytes_per_page  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _report_figure, when run as a script from anywhere
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -16,7 +16,7 @@ sys.path.insert(0, str(EXAMPLES))
 import _report_figure  # noqa: E402
 import compiled_generation  # noqa: E402
 import streaming_generation  # noqa: E402
-from wan_causal_dit import (  # noqa: E402
+from ardiff_modules.models.wan_causal_dit import (  # noqa: E402
     BRANCHES,
     WanConfig,
     build_model,

@@ -1066,7 +1066,7 @@ def _check_example_model_per_frame_timesteps(example: Any) -> None:
     block of tokens is modulated by its own tokens' frames (a rank block straddles frames), as in one process."""
     from ardiff_modules.distributed import DistributedKVCache, parallelize
 
-    w = example  # the example module imported wan_causal_dit
+    w = example  # the example module imported ardiff_modules.models.wan_causal_dit
     config = w.WanConfig.preset("tiny")
     mesh = example.build_mesh(example.parse_args(["--mesh", "sp", "--device", _device()]))
     device = torch.device(_device(), torch.cuda.current_device()) if _gpu() else torch.device("cpu")

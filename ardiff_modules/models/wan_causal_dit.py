@@ -1,4 +1,7 @@
-"""A compact Wan2.1-style *causal* video DiT built from ``ardiff_modules`` layers.
+"""A compact Wan2.1-style *causal* video DiT built from ``ardiff_modules`` layers: the reference model.
+
+Shipped in the package (``from ardiff_modules.models.wan_causal_dit import WanConfig, build_model``); the
+examples, benchmarks and tests all run this one model.
 
 The architecture follows Wan2.1's ``WanModel`` (text-to-video) block for block, made causal the
 way Self-Forcing / CausVid make it causal: self-attention goes through the paged sink + window KV
@@ -60,15 +63,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ardiff_modules import (
-    CachedCrossAttention,
-    ChunkSelfAttention,
-    CrossAttentionSpec,
-    KVCacheSpec,
-    LayerContext,
-    TensorMismatchError,
-)
+from ardiff_modules.context import LayerContext
+from ardiff_modules.errors import TensorMismatchError
+from ardiff_modules.modules import CachedCrossAttention, ChunkSelfAttention
 from ardiff_modules.modules.rotary import VideoRotaryEmbedding
+from ardiff_modules.spec import CrossAttentionSpec, KVCacheSpec
 
 TEXT = "text"  #: name of the cross-attention cache
 BRANCHES = ("cond", "uncond")  #: CFG branches, batched in one forward
