@@ -56,6 +56,21 @@ def require_positive_float(
     return float(value)
 
 
+def compute_dtype_mismatch(where: str, expected: Any, got: Any) -> str:
+    """The message for a tensor that is not in the cache's compute dtype (``KVCacheSpec.dtype``).
+
+    ``expected`` / ``got``: dtypes (``torch.bfloat16``) or names. The spec's default is bfloat16, so an
+    fp32 model that leaves ``dtype`` out lands here at its first forward: the message names both fixes.
+    """
+    want, have = (str(d).removeprefix("torch.") for d in (expected, got))
+    default = ", the default" if want == "bfloat16" else ""
+    return (
+        f"{where}: expected dtype torch.{want} (the cache's compute dtype, KVCacheSpec.dtype={want!r}{default}), "
+        f"got torch.{have}: build the cache with KVCacheSpec(..., dtype={have!r}) to match the model, or run "
+        f"the model in {want} (model.to(torch.{want}) and {want} inputs)"
+    )
+
+
 def needs_gqa(num_qo_heads: int, num_kv_heads: int) -> bool:
     """SDPA's ``enable_gqa``: whether the query heads differ from the kv heads.
 

@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from ardiff_modules.checks import needs_gqa, require_positive_float
+from ardiff_modules.checks import compute_dtype_mismatch, needs_gqa, require_positive_float
 from ardiff_modules.errors import CrossAttentionNotPopulatedError, SpecError, TensorMismatchError, UnknownCacheError
 from ardiff_modules.spec import KVCacheSpec
 
@@ -214,10 +214,10 @@ def cached_cross_attention(
             f"cached_cross_attention q: expected shape ({k.shape[0]}, seq_len, a multiple of {k.shape[2]} heads, "
             f"{k.shape[3]}), got {tuple(q.shape)}"
         )
-    if q.dtype != k.dtype or q.device != k.device:
-        raise TensorMismatchError(
-            f"cached_cross_attention q: expected dtype {k.dtype} on {k.device}, got {q.dtype} on {q.device}"
-        )
+    if q.dtype != k.dtype:  # the cross cache is stored in the compute dtype
+        raise TensorMismatchError(compute_dtype_mismatch("cached_cross_attention q", k.dtype, q.dtype))
+    if q.device != k.device:
+        raise TensorMismatchError(f"cached_cross_attention q: expected device {k.device}, got {q.device}")
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale, enable_gqa=needs_gqa(q.shape[2], k.shape[2])
     )

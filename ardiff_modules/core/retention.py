@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
-from ardiff_modules.checks import is_int, require_int
+from ardiff_modules.checks import is_int, require_bool, require_int
 from ardiff_modules.errors import ARDiffError, SpecError
 
 Chunk = TypeVar("Chunk")
@@ -255,6 +255,29 @@ class SinkWindowPolicy:
             start = max(sinks, num_committed - self.window_chunks)
         return list(range(sinks)) + list(range(start, num_committed))
 
+    @classmethod
+    def from_frames(
+        cls, *, sink_size: int, local_attn_size: int | None, frames_per_chunk: int,
+        independent_first_frame: bool = False,
+    ) -> SinkWindowPolicy:
+        """The policy equal to Self-Forcing / LongLive's rolling KV buffer, given in frames.
+
+        Their buffer holds ``local_attn_size`` latent frames, the first ``sink_size`` of them never
+        evicted, the current chunk included; ``frames_per_chunk`` (``F``, their
+        ``num_frame_per_block``) frames per chunk; ``local_attn_size`` ``None`` or ``-1``: no eviction.
+        With ``independent_first_frame`` (image-to-video) the first chunk holds 1 frame, every later
+        one ``F``. The rolling part (``local_attn_size - sink_size`` frames) then holds whole chunks
+        whatever the first chunk's size, so ``window_chunks = (local_attn_size - sink_size) / F - 1``
+        in both cases, and ``sink_chunks`` is the number of leading chunks the sink frames fill:
+        ``sink_size / F``, or with a 1-frame first chunk ``1 + (sink_size - 1) / F`` (0 for no sink).
+
+        Raises :class:`SpecError` naming expected and actual when the frames do not fall on chunk
+        boundaries (a sink or a window that cuts a chunk): no chunk rule equals that buffer, so none
+        is returned (keep the closest one and pass the exact rule as ``token_mask``).
+        """
+        sinks, window = _chunks_from_frames(sink_size, local_attn_size, frames_per_chunk, independent_first_frame)
+        return cls(sinks, window)
+
     def visible(self, committed: Sequence[Chunk]) -> list[Chunk]:
         """The visible chunks of a full committed history (the plain-list model)."""
         return [committed[i] for i in self.history_indices(len(committed))]
@@ -280,6 +303,49 @@ class SinkWindowPolicy:
             cut = len(window_out) - self.window_chunks
             evicted, window_out = window_out[:cut], window_out[cut:]
         return CommitResult(tuple(sinks_out), tuple(window_out), tuple(evicted))
+
+
+def _chunks_from_frames(
+    sink_size: Any, local_attn_size: Any, frames_per_chunk: Any, independent_first_frame: Any
+) -> tuple[int, int | None]:
+    """``(sink_chunks, window_chunks)`` of :meth:`SinkWindowPolicy.from_frames` (its checks and messages)."""
+    where = "SinkWindowPolicy.from_frames"
+    f = require_int(f"{where}.frames_per_chunk", frames_per_chunk, minimum=1)
+    s = require_int(f"{where}.sink_size", sink_size, minimum=0)
+    i2v = require_bool(f"{where}.independent_first_frame", independent_first_frame)
+    if i2v:
+        # Chunk 0 is frames [0, 1), chunk j >= 1 frames [1 + (j-1)F, 1 + jF): chunk ends at 1, 1+F, 1+2F, ...
+        if s != 0 and (s - 1) % f:
+            raise SpecError(
+                f"{where}.sink_size: expected whole leading chunks (independent_first_frame: a 1-frame first "
+                f"chunk, then {f}-frame chunks, so 0, 1, {1 + f}, {1 + 2 * f}, ... frames), got {s} frames "
+                f"(the sink would end inside chunk {1 + (s - 1) // f})"
+            )
+        sinks = 0 if s == 0 else 1 + (s - 1) // f
+    else:
+        if s % f:
+            raise SpecError(
+                f"{where}.sink_size: expected a multiple of frames_per_chunk={f} (whole chunks: 0, {f}, "
+                f"{2 * f}, ... frames), got {s} = {s // f} x {f} + {s % f} frames"
+            )
+        sinks = s // f
+    if local_attn_size is None or (is_int(local_attn_size) and local_attn_size == -1):
+        return sinks, None  # their -1: global attention, nothing evicted
+    size = require_int(f"{where}.local_attn_size", local_attn_size, minimum=1, what="None, -1 or an int")
+    rolling = size - s  # frames of the buffer that roll: the window and the current chunk
+    if rolling < f:
+        raise SpecError(
+            f"{where}.local_attn_size: expected at least sink_size + frames_per_chunk = {s + f} (the buffer "
+            f"holds the sinks and the current chunk), got {size}"
+        )
+    if rolling % f:
+        below, above = s + rolling // f * f, s + (rolling // f + 1) * f
+        raise SpecError(
+            f"{where}.local_attn_size: expected sink_size + a multiple of frames_per_chunk={f} (the rolling "
+            f"part of the buffer holds whole chunks, the current one included), got {size} = {s} + {rolling} "
+            f"frames; the nearest chunk rules: local_attn_size={below} or {above}"
+        )
+    return sinks, rolling // f - 1
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from typing import Any, Literal, Union, overload
 
 import torch
 
-from ardiff_modules.checks import require_positive_float
+from ardiff_modules.checks import compute_dtype_mismatch, require_positive_float
 from ardiff_modules.context import LayerContext
 from ardiff_modules.cross import cached_cross_attention  # noqa: F401  (re-exported: the functional forms)
 from ardiff_modules.errors import InferenceOnlyError, SpecError, TensorMismatchError
@@ -116,13 +116,20 @@ def apply_rope(
     return rotate(t, cos, sin, layout)
 
 
-def _check(name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+def _check(
+    name: str, t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+    dtype_of: str = "",
+) -> None:
+    """``t`` is a tensor of ``shape``, ``dtype`` and ``device``; ``dtype_of`` names whose dtype it must match
+    (empty: the cache's compute dtype, whose message names the fix)."""
     if not isinstance(t, torch.Tensor):
         raise TensorMismatchError(f"chunk_attention {name}: expected a tensor of shape {shape}, got {type(t).__name__}")
     if tuple(t.shape) != shape:
         raise TensorMismatchError(f"chunk_attention {name}: expected shape {shape}, got {tuple(t.shape)}")
+    if t.dtype != dtype and dtype_of:
+        raise TensorMismatchError(f"chunk_attention {name}: expected dtype {dtype} ({dtype_of}), got {t.dtype}")
     if t.dtype != dtype:
-        raise TensorMismatchError(f"chunk_attention {name}: expected dtype {dtype} (the spec's dtype), got {t.dtype}")
+        raise TensorMismatchError(compute_dtype_mismatch(f"chunk_attention {name}", dtype, t.dtype))
     if t.device != device:
         raise TensorMismatchError(f"chunk_attention {name}: expected device {device}, got {t.device}")
 
@@ -184,7 +191,7 @@ def _check_sink_query(sink_query: torch.Tensor | None, q: torch.Tensor, kv: Laye
             "positions), got a tensor"
         )
     if sink_query is not None:
-        _check("sink_query", sink_query, tuple(q.shape), q.dtype, q.device)
+        _check("sink_query", sink_query, tuple(q.shape), q.dtype, q.device, dtype_of="q's")
 
 
 @overload

@@ -11,6 +11,8 @@ Models and oracles:
   says they must be, K/V that carry their ids.
 * ``session_model`` + ``session_machine/`` -- the session state machine (one mixin per subject) and its model.
 * ``policies`` -- user retention policies (a valid one, a misbehaving wrapper) and the contract as a predicate.
+* ``rolling_buffer`` -- Self-Forcing / LongLive's rolling KV buffer in frames (sink + ``local_attn_size``, the
+  current chunk counted; a 1-frame first chunk for image-to-video) and as a contiguous tensor buffer.
 * ``wan_rope`` -- Wan2.1's RoPE written independently; ``diffusers_wan`` -- a tiny stock diffusers Wan (needs the
   ``diffusers`` extra).
 
