@@ -54,6 +54,7 @@ from ardiff_modules.errors import (
     UnknownCacheError,
 )
 from ardiff_modules.spec import CrossAttentionSpec, KVCacheSpec
+from ardiff_modules.core.recache import RecacheRule
 from ardiff_modules.core.retention import RetentionPolicy, SinkWindowMemoryPolicy, SinkWindowPolicy
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
@@ -143,6 +144,7 @@ __all__ = [
     "NonFiniteKVError",
     "PendingContextError",
     "PlanNotFoundError",
+    "RecacheRule",
     "ReferenceBackend",
     "RetentionPolicy",
     "RotaryEmbedding",

@@ -21,6 +21,7 @@ from ardiff_modules.context import ForwardContext
 from ardiff_modules.core.admission import Admission
 from ardiff_modules.core.allocator import PageAllocator
 from ardiff_modules.core.branch import BranchPages
+from ardiff_modules.core.recache import RecacheRule
 from ardiff_modules.core.retention import RetentionPolicy
 from ardiff_modules.core.transaction import ForwardTransaction
 from ardiff_modules.errors import CacheClosedError, SpecError
@@ -35,6 +36,10 @@ from ardiff_modules.stats import CacheStats, cache_stats
 #: once per forward; nothing per layer). WARNINGs of the backend choice come from ``ardiff_modules.backends``.
 logger = logging.getLogger(__name__)
 
+
+#: ``(session, branch)`` streams of one call, and an optional re-cache rule.
+Streams = Sequence[tuple[KVState, str]]
+Rule = RecacheRule | None
 
 class KVCache:
     """Paged sink+window KV storage for any number of sessions.
@@ -96,7 +101,10 @@ class KVCache:
             self, spec, self.pool, self.allocator, self.backend, dtype=self._dtype, extent_chunks=self._extent_chunks,
             max_contexts=max_forward_contexts, check_finite=check_finite, lock=self._lock,
         )
-        self.admission = Admission(len(spec.branches), spec.max_history_chunks, spec.pages_per_chunk, self._extent_chunks)
+        self.admission = Admission(
+            len(spec.branches), spec.max_history_chunks, spec.pages_per_chunk, self._extent_chunks,
+            spec.recache.context_chunks,
+        )
         self._sessions = SessionTable()
         self._closed = False
         if logger.isEnabledFor(logging.DEBUG):
@@ -189,7 +197,8 @@ class KVCache:
 
     def new_branch_pages(self) -> BranchPages:
         """A branch's empty page bookkeeping under this cache's policy and extents (what a session holds)."""
-        return BranchPages(self.spec.policy, self.spec.pages_per_chunk, self.spec.chunk_size, self.extent_chunks)
+        horizon = self.spec.recache.horizon(self.spec.policy.sink_chunks)
+        return BranchPages(self.spec.policy, self.spec.pages_per_chunk, self.spec.chunk_size, self.extent_chunks, horizon)
 
     def reopen_session(self, state: KVState) -> None:
         """Called by ``KVState.reset`` of a closed session: register it again under its id."""
@@ -272,29 +281,22 @@ class KVCache:
         options = ForwardOptions(token_mask, static, chunk_lengths, pending_attention, keep_latents)
         return self.forwards.prepare(streams, seq_len, commit_current, options)
 
-    def recache_latents(self, streams: Sequence[tuple[KVState, str]], *, keep_sinks: bool = True) -> torch.Tensor:
-        """The kept clean latents a re-cache of ``streams`` runs over, ``[num_streams, seq_len, ...]``.
+    def recache_latents(self, streams: Streams, *, keep_sinks: bool | None = None, rule: Rule = None) -> torch.Tensor:
+        """The kept clean latents (``keep_latents``) a re-cache of ``streams`` runs over, ``[num_streams, seq_len,
+        ...]``, in commit order. Raises :class:`LatentsNotKeptError` naming the chunks not kept; nothing changes."""
+        return self.forwards.recache_latents(streams, keep_sinks, rule)
 
-        Per stream, the latents (``keep_latents`` of their committing forwards) of the chunks
-        :meth:`prepare_recache` rebuilds, concatenated in commit order. Raises
-        :class:`LatentsNotKeptError` naming the chunks whose latents were not kept; nothing changes.
-        """
-        return self.forwards.recache_latents(streams, keep_sinks)
-
-    def prepare_recache(self, streams: Sequence[tuple[KVState, str]], *, keep_sinks: bool = True) -> ForwardContext:
+    def prepare_recache(self, streams: Streams, *, keep_sinks: bool | None = None, rule: Rule = None) -> ForwardContext:
         """Prepare a prompt-switch re-cache: one forward that rebuilds the history of ``streams``.
 
         After ``clear_cross_attention()`` and populating the new prompt, run the model over the clean
-        latents of each stream's rebuilt chunks (:meth:`recache_latents`) -- every history chunk in commit
-        order, or all but the sinks with ``keep_sinks=True`` -- ``[num_streams, seq_len, ...]`` with
-        ``seq_len = sum(ctx.layout.chunk_lengths)``; rebuilt chunk ``j`` attends to the kept sinks and rebuilt
-        chunks ``0..j`` at their original positions. On commit every stream's rebuilt chunks replace the old
-        ones at once (offsets, indices and window unchanged; a fork keeps reading the old pages); on abort
-        only the re-cache's pages are released. Raises before changing anything (:class:`PendingContextError`,
-        :class:`SpecError`, :class:`SequenceLengthError`, :class:`CapacityError`). The whole contract, memory
-        included: :meth:`ForwardManager.prepare_recache <ardiff_modules.forwards.ForwardManager.prepare_recache>`.
+        latents of each stream's rebuilt chunks (:meth:`recache_latents`). ``rule`` (:class:`RecacheRule`,
+        default ``spec.recache``; ``keep_sinks=`` the historical switch) says which chunks are rebuilt and
+        how they see each other. Commit swaps every stream's rebuilt chunks in at once; abort releases only
+        the re-cache's pages. The contract: :meth:`ForwardManager.prepare_recache
+        <ardiff_modules.forwards.ForwardManager.prepare_recache>`.
         """
-        return self.forwards.prepare_recache(streams, keep_sinks)
+        return self.forwards.prepare_recache(streams, keep_sinks, rule)
 
     def finish_forward(self, transaction: ForwardTransaction, success: bool) -> None:
         """Commit (``success``) or abort every stream of ``transaction``, all or none. Idempotent.

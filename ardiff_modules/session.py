@@ -35,6 +35,7 @@ from ardiff_modules.errors import (
 )
 from ardiff_modules.core.transaction import ForwardTransaction
 from ardiff_modules.core.branch import BranchPages, drop_pending
+from ardiff_modules.core.recache import RecacheRule
 from ardiff_modules.spec import KVCacheSpec, PendingAttention
 
 #: Branches (and cross caches) a ``KVState`` repr names before eliding the rest.
@@ -92,8 +93,15 @@ class ForwardsHost(Protocol):
     def prepare(
         self, streams: Sequence[tuple[KVState, str]], seq_len: int, commit_current: bool, options: ForwardOptions
     ) -> ForwardContext: ...
-    def prepare_recache(self, streams: Sequence[tuple[KVState, str]], keep_sinks: bool) -> ForwardContext: ...
-    def recache_latents(self, streams: Sequence[tuple[KVState, str]], keep_sinks: bool) -> torch.Tensor: ...
+    def prepare_recache(
+        self, streams: Sequence[tuple[KVState, str]], keep_sinks: bool | None, rule: RecacheRule | None
+    ) -> ForwardContext: ...
+    def recache_latents(
+        self, streams: Sequence[tuple[KVState, str]], keep_sinks: bool | None, rule: RecacheRule | None
+    ) -> torch.Tensor: ...
+    def recache_chunk_indices(
+        self, streams: Sequence[tuple[KVState, str]], keep_sinks: bool | None, rule: RecacheRule | None
+    ) -> list[tuple[int, ...]]: ...
     def finish_forward(self, transaction: ForwardTransaction, success: bool) -> None: ...
     def abort_forwards_of(self, state: KVState) -> None: ...
 
@@ -290,25 +298,39 @@ class KVState:
         """
         return self.branch_pages(branch).history_index
 
-    def recache_latents(self, branches: Sequence[str] | None = None, *, keep_sinks: bool = True) -> torch.Tensor:
+    def recache_chunk_indices(
+        self, branch: str, *, keep_sinks: bool | None = None, rule: RecacheRule | None = None
+    ) -> tuple[int, ...]:
+        """Commit indices of the chunks :meth:`prepare_recache` of ``branch`` rebuilds under ``rule``, in the
+        order the model is fed their latents (commit order: moved sinks, context chunks, window)."""
+        self._check_open()
+        names = branch_names("recache_chunk_indices", [branch], self.kv_branch_names)
+        return self.cache.forwards.recache_chunk_indices([(self, names[0])], keep_sinks, rule)[0]
+
+    def recache_latents(
+        self, branches: Sequence[str] | None = None, *, keep_sinks: bool | None = None, rule: RecacheRule | None = None
+    ) -> torch.Tensor:
         """The kept latents :meth:`prepare_recache` of ``branches`` runs over, ``[num_branches, seq_len, ...]``.
 
         See :meth:`KVCache.recache_latents`.
         """
         self._check_open()
         names = branch_names("recache_latents", branches, self.kv_branch_names)
-        return self.cache.forwards.recache_latents([(self, b) for b in names], keep_sinks)
+        return self.cache.forwards.recache_latents([(self, b) for b in names], keep_sinks, rule)
 
-    def prepare_recache(self, branches: Sequence[str] | None = None, *, keep_sinks: bool = True) -> ForwardContext:
+    def prepare_recache(
+        self, branches: Sequence[str] | None = None, *, keep_sinks: bool | None = None, rule: RecacheRule | None = None
+    ) -> ForwardContext:
         """Re-cache several branches of this session under the current (new) prompt, in one launch.
 
         ``branches`` defaults to every branch of the spec. Rebuilds the chunks of
-        :meth:`history_chunk_indices` (all but the sinks with ``keep_sinks=True``); feed their clean
-        latents concatenated in that order. See :meth:`KVCache.prepare_recache` for the semantics.
+        :meth:`recache_chunk_indices` under ``rule`` (default the spec's ``recache``: the history but
+        the sinks, block-causal); feed their clean latents concatenated in that order. See
+        :meth:`KVCache.prepare_recache` for the semantics.
         """
         self._check_open()
         names = branch_names("prepare_recache", branches, self.kv_branch_names)
-        return self.cache.forwards.prepare_recache([(self, b) for b in names], keep_sinks)
+        return self.cache.forwards.prepare_recache([(self, b) for b in names], keep_sinks, rule)
 
     def commit_paged_context(self, kv_branch: str) -> None:
         """After a successful forward: a committing forward's pending chunks join history (no copy).

@@ -14,6 +14,7 @@ from typing import Any, Literal, get_args
 
 from ardiff_modules.checks import require_int, require_positive_float
 from ardiff_modules.errors import SpecError, UnknownCacheError
+from ardiff_modules.core.recache import RecacheRule
 from ardiff_modules.core.retention import RetentionPolicy, SinkWindowPolicy, check_declared
 
 #: dtype names accepted by :class:`KVCacheSpec` (resolved to torch dtypes by the pool).
@@ -146,6 +147,11 @@ class KVCacheSpec:
         ``sink_chunks >= 1`` (or a retention policy with sinks) and a RoPE the layers can evaluate at
         other positions: the layers then also attend with the query rotated at
         ``ForwardContext.sink_positions`` (``chunk_attention(..., sink_query=...)``).
+    recache:
+        The default :class:`~ardiff_modules.core.recache.RecacheRule` of ``prepare_recache`` (which chunks a
+        prompt-switch re-cache rebuilds, how they see each other): block-causal with the sinks kept, or
+        ``RecacheRule.longlive()``. It also sizes what a branch remembers of evicted chunks (a rule with
+        context chunks or moving sinks rebuilds chunks the window evicted) and admission's re-cache reserve.
     """
 
     num_layers: int
@@ -163,6 +169,7 @@ class KVCacheSpec:
     retention: RetentionPolicy | None = None
     pending_attention: PendingAttention = "block_causal"
     relative_sinks: bool = False
+    recache: RecacheRule = field(default_factory=RecacheRule)
 
     def __post_init__(self) -> None:
         owner = "KVCacheSpec"
@@ -198,6 +205,8 @@ class KVCacheSpec:
         check_pending_attention(f"{owner}.pending_attention", self.pending_attention)
         if not isinstance(self.relative_sinks, bool):
             raise SpecError(f"{owner}.relative_sinks: expected a bool, got {self.relative_sinks!r}")
+        if not isinstance(self.recache, RecacheRule):
+            raise SpecError(f"{owner}.recache: expected a RecacheRule, got {type(self.recache).__name__}")
         if self.relative_sinks and self.policy.sink_chunks < 1:
             raise SpecError(
                 f"{owner}.relative_sinks: expected sink chunks to move (sink_chunks >= 1), got "

@@ -15,12 +15,14 @@ from ardiff_modules.errors import CapacityError, SpecError
 @dataclass(frozen=True)
 class Admission:
     """The geometry admission needs: branches per session, the most history chunks a branch holds
-    (``None``: unbounded window, no peak), pages per chunk, and extent slots (``None``: plain paging)."""
+    (``None``: unbounded window, no peak), pages per chunk, extent slots (``None``: plain paging), and the
+    evicted chunks the cache's re-cache rule rebuilds as context (``RecacheRule.context_chunks``)."""
 
     branches: int
     max_history_chunks: int | None
     pages_per_chunk: int
     extent_chunks: int | None
+    recache_context_chunks: int = 0
 
     def _bounded(self, what: str) -> int:
         if self.max_history_chunks is None:
@@ -42,9 +44,10 @@ class Admission:
     def recache_reserve(self) -> int:
         """Pages admission keeps free, once for the pool, so that one session can re-cache at its peak.
 
-        ``branches x (max_history_chunks - 1) x pages_per_chunk``: the most a re-cache of one whole
+        ``branches x (max_history_chunks + context - 1) x pages_per_chunk``: the most a re-cache of one whole
         session (every branch, sinks included) holds beyond that session's peak. An idle branch holds at
-        most ``R = max_history_chunks`` history chunks; the re-cache adds up to ``R`` rebuilt ones,
+        most ``R = max_history_chunks`` history chunks; the re-cache adds up to ``R`` rebuilt ones (moved
+        sinks replace the sinks) and the rule's context chunks,
         less what the peak already counts -- the pending chunk (plain paging), or the ring's free slot
         (contiguous extents, ``R + 1`` slots). So with every open session at its peak, any *one* of them
         can re-cache (:meth:`prepare_recache`'s capacity check passes); several sessions re-caching at the
@@ -52,7 +55,7 @@ class Admission:
         Raises :class:`SpecError` for an unbounded window.
         """
         history = self._bounded("recache_reserve")
-        return self.branches * max(0, history - 1) * self.pages_per_chunk
+        return self.branches * max(0, history + self.recache_context_chunks - 1) * self.pages_per_chunk
 
     def unpromised(self, free: int, used: int, sessions: int, recache: bool) -> int:
         """Free pages not promised to ``sessions`` open sessions' peaks (nor, with ``recache``, to the reserve).

@@ -34,6 +34,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from ardiff_modules.core.allocator import PageAllocator
+from ardiff_modules.core.recache import RecachePlan, RecacheRule
 from ardiff_modules.core.retention import RetentionPolicy, Retained, retain
 
 PageChunk = tuple[int, ...]
@@ -43,7 +44,8 @@ class BranchPages:
     """Resident committed chunks, pending chunks and the absolute token offset of one branch."""
 
     def __init__(
-        self, policy: RetentionPolicy, pages_per_chunk: int, chunk_size: int, extent_chunks: int | None = None
+        self, policy: RetentionPolicy, pages_per_chunk: int, chunk_size: int, extent_chunks: int | None = None,
+        recache_horizon: int = 0,
     ) -> None:
         self.policy = policy
         self.pages_per_chunk = pages_per_chunk
@@ -65,8 +67,12 @@ class BranchPages:
         #: The open forward whose pending chunks these are (opaque here; see ``core/transaction.py``).
         self.transaction: object | None = None
         #: Clean latents kept on request (``keep_latents``), by commit index: opaque here (tensors), only
-        #: ever of history chunks -- pruned in the same step as eviction. Read by a re-cache.
+        #: ever of history chunks and remembered evicted ones -- pruned in the same step. Read by a re-cache.
         self.latents: dict[int, object] = {}
+        #: Evicted chunks a re-cache rule may rebuild as context or new sinks (``RecacheRule.horizon``): the
+        #: last ``recache_horizon`` non-sink chunks evicted, commit index -> (absolute start, pages).
+        self.recache_horizon = recache_horizon
+        self.recent: dict[int, tuple[int, int]] = {}
 
     def attach(self, transaction: object) -> None:
         """The branch's pending chunks now belong to ``transaction`` (an open forward)."""
@@ -244,55 +250,77 @@ class BranchPages:
         """
         kept = dict(self.latents)
         kept.update({self.committed_chunks + i: latent for i, latent in enumerate(latents)})
-        self.latents = {i: kept[i] for i in result.indices if i in kept}  # evicted chunks' latents go too
         starts = dict(zip(self.history_index, self.history_start))
+        pages = dict(zip(self.history_index, map(len, self.history)))
         position = self.committed_tokens
         for offset, chunk in enumerate(self.pending):
             starts[self.committed_chunks + offset] = position
+            pages[self.committed_chunks + offset] = len(chunk)
             position += len(chunk) * self.page_size
         self.committed_chunks += len(self.pending)
         self.committed_tokens = position
         self.history, self.history_index, self.pending = result.history, result.indices, ()
         self.history_start = tuple(starts[i] for i in result.indices)
+        if self.recache_horizon:
+            resident = set(result.indices)
+            evicted = {i: (starts[i], pages[i]) for i in starts if i not in resident}
+            recent = {**self.recent, **evicted}
+            keep = sorted(i for i in recent if i >= self.policy.sink_chunks)[-self.recache_horizon :]
+            self.recent = {i: recent[i] for i in keep}
+        # Evicted chunks' latents go in the same step (but those a re-cache rule still remembers).
+        self.latents = {i: kept[i] for i in (*result.indices, *self.recent) if i in kept}
 
     # ------------------------------------------------------------------ re-cache
-    def recache_targets(self, keep_sinks: bool) -> list[int]:
-        """Positions in :attr:`history` of the chunks a re-cache rebuilds (all, or all but the sinks)::
+    def recache_plan(self, rule: RecacheRule) -> RecachePlan:
+        """Which chunks a re-cache under ``rule`` rebuilds, and what each replaces (pure)::
 
-            history:   [s0 | c5  c6  c7]      keep_sinks=True  -> rebuild c5 c6 c7 (s0 read, never written)
-                                              keep_sinks=False -> rebuild s0 c5 c6 c7
+            history:   [s0 | c5  c6  c7]      RecacheRule()               -> rebuild c5 c6 c7 (s0 read, never written)
+                                              RecacheRule(sinks="rebuild") -> rebuild s0 c5 c6 c7
+                                              RecacheRule.longlive()       -> rebuild c4 (context) c5 c6 c7
         """
-        sinks = self.policy.sink_chunks if keep_sinks else 0
-        return [i for i, index in enumerate(self.history_index) if index >= sinks]
+        return rule.plan(self.history_index, self.committed_chunks, self.policy.sink_chunks, self.recent.keys())
+
+    def recache_chunk(self, index: int) -> tuple[int, int]:
+        """``(absolute start, pages)`` of committed chunk ``index``: resident, or remembered after eviction."""
+        if index in self.history_index:
+            position = self.history_index.index(index)
+            return self.history_start[position], len(self.history[position])
+        return self.recent[index]
 
     def recache_layout_parts(
-        self, keep_sinks: bool
+        self, plan: RecachePlan
     ) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...], tuple[int, ...]]:
         """``(history pages, history spans, starts of the rebuilt chunks)`` of a re-cache forward.
 
-        The history is the kept sinks (none with ``keep_sinks=False``); each rebuilt chunk keeps
+        The history is the kept sinks (none when the plan rebuilds them); each rebuilt chunk keeps
         its original absolute start, so positions (RoPE) are those it was generated at.
         """
-        targets = set(self.recache_targets(keep_sinks))
         spans = self.history_spans()
-        kept = [i for i in range(len(self.history)) if i not in targets]
-        pages = tuple(p for i in kept for p in self.history[i])
-        return pages, tuple(spans[i] for i in kept), tuple(self.history_start[i] for i in sorted(targets))
+        pages = tuple(p for i in plan.kept for p in self.history[i])
+        starts = tuple(self.recache_chunk(i)[0] for i in plan.rebuilt)
+        return pages, tuple(spans[i] for i in plan.kept), starts
 
-    def preview_recache_commit(self, keep_sinks: bool) -> tuple[tuple[PageChunk, ...], list[int]]:
-        """The history chunks after swapping the rebuilt (pending) chunks in, and the old pages to release.
+    def preview_recache_commit(
+        self, plan: RecachePlan
+    ) -> tuple[tuple[PageChunk, ...], tuple[int, ...], list[int], tuple[PageChunk, ...]]:
+        """The history after swapping the rebuilt (pending) chunks in (pure).
 
-        Pure. Commit indices and starts are unchanged: the same chunks, re-computed.
+        Returns ``(history chunks, history starts, old pages to release, pending chunks to drop)``: a
+        context chunk's pending pages are dropped; a moved sink takes its slot with its own start.
+        Commit indices are unchanged: the same slots, re-computed.
         """
-        targets = self.recache_targets(keep_sinks)
-        assert len(targets) == len(self.pending), "re-cache pending chunks do not match the history chunks"
-        resident = list(self.history)
+        assert len(plan.rebuilt) == len(self.pending), "re-cache pending chunks do not match the plan"
+        resident, starts = list(self.history), list(self.history_start)
         old: list[int] = []
-        for i, fresh in zip(targets, self.pending):
-            assert len(fresh) == len(resident[i])
-            old.extend(resident[i])
-            resident[i] = fresh
-        return tuple(resident), old
+        dropped: list[PageChunk] = []
+        for index, slot, fresh in zip(plan.rebuilt, plan.replaces, self.pending):
+            if slot is None:
+                dropped.append(fresh)
+                continue
+            old.extend(resident[slot])
+            resident[slot] = fresh
+            starts[slot] = self.recache_chunk(index)[0]
+        return tuple(resident), tuple(starts), old, tuple(dropped)
 
     def recache_copies(
         self, swapped: tuple[PageChunk, ...], released: Mapping[int, int], allocator: PageAllocator
@@ -349,9 +377,22 @@ class BranchPages:
         fresh = [p for chunk in self.pending if not (chunk and chunk[0] in extent) for p in chunk]
         return ring, fresh
 
-    def apply_recache_commit(self, resident: tuple[PageChunk, ...]) -> None:
-        """Adopt :meth:`preview_recache_commit`'s history chunks; the caller drops the old pages' references."""
-        self.history, self.pending = resident, ()
+    def apply_recache_commit(self, resident: tuple[PageChunk, ...], starts: tuple[int, ...], plan: RecachePlan) -> None:
+        """Adopt :meth:`preview_recache_commit`'s history; the caller drops the old and dropped pages' references.
+
+        A moved sink's slot keeps its commit index (the policy keeps sinks by index) but holds the moved
+        chunk's K/V at that chunk's positions: its kept latents follow it into the slot.
+        """
+        if plan.moved:
+            latents = dict(self.latents)
+            for index, slot in zip(plan.rebuilt, plan.replaces):
+                if slot is not None and slot < len(self.sinks):
+                    sink = self.history_index[slot]
+                    latents.pop(sink, None)
+                    if index in self.latents:
+                        latents[sink] = self.latents[index]
+            self.latents = latents
+        self.history, self.history_start, self.pending = resident, starts, ()
 
     def clear_pending(self) -> None:
         """Forget the pending chunks; the caller drops their references (see :meth:`drop_pending`)."""
@@ -369,6 +410,7 @@ class BranchPages:
         self.history = self.pending = ()
         self.history_index = self.history_start = ()
         self.latents = {}
+        self.recent = {}
         self.extent = ()
         self.committed_chunks = 0
         self.committed_tokens = 0
@@ -386,7 +428,8 @@ class BranchPages:
         allocator.incref(p for chunk in resident for p in chunk)
         self.release(allocator)
         self.history, self.history_index, self.history_start = resident, indices, starts
-        self.latents = {i: other.latents[i] for i in indices if i in other.latents}  # shared: never mutated
+        self.recent = {} if sinks_only else dict(other.recent)
+        self.latents = {i: other.latents[i] for i in (*indices, *self.recent) if i in other.latents}  # shared
         self.committed_chunks = len(resident) if sinks_only else other.committed_chunks
         self.committed_tokens = (
             sum(map(len, resident)) * self.page_size if sinks_only else other.committed_tokens

@@ -37,6 +37,7 @@ from typing import Any, Literal
 from ardiff_modules.errors import ForwardFinishedError, IncompleteForwardError
 
 from ardiff_modules.core.allocator import PageAllocator
+from ardiff_modules.core.recache import RecachePlan
 from ardiff_modules.core.branch import BranchPages
 from ardiff_modules.core.reservation import Reservation
 
@@ -66,9 +67,10 @@ class ForwardTransaction:
     num_chunks: int
     status: Status = "open"
     #: A prompt-switch re-cache (``KVCache.prepare_recache``): its pending chunks (free ring slots, then
-    #: fresh pages) rebuild history chunks, swapped in on commit (``keep_sinks``: the sinks were not rebuilt).
+    #: fresh pages) rebuild history chunks, swapped in on commit; ``recache_plans``: per member (batch
+    #: order), which chunk each pending chunk replaces (``None``: context, dropped at commit).
     recache: bool = False
-    keep_sinks: bool = True
+    recache_plans: tuple[RecachePlan, ...] = field(default=(), repr=False)
     #: A re-cache's device copy ``copy_pages(src, dst)``: page ``src[i]`` -> ``dst[i]`` in every layer, K and V
     #: (``KVPool.copy_pages``); ``None``: rebuilt chunks are only swapped in, never copied into the ring.
     copy_pages: Callable[[Sequence[int], Sequence[int]], None] | None = field(default=None, repr=False)
@@ -197,14 +199,23 @@ class ForwardTransaction:
         """
         # Pure: may raise, nothing changed. References dropped are counted over every stream at once:
         # two streams of this forward sharing old pages (a fork re-cached with its parent) both let go.
-        swaps = [h.preview_recache_commit(self.keep_sinks) for h in live]
-        released = Counter(page for _, old in swaps for page in old)
-        plans = (
-            [h.recache_copies(resident, released, allocator) for h, (resident, _) in zip(live, swaps)]
-            if self.copy_pages is not None else [(resident, []) for resident, _ in swaps]
+        plans = {id(h): plan for h, plan in zip(self.branches, self.recache_plans)}
+        swaps = [h.preview_recache_commit(plans[id(h)]) for h in live]
+        # Context chunks are dropped: ring slots lose the reference the re-cache added, fresh pages are returned.
+        ring = {p for h in live for p in h.split_pending()[0]}
+        dropped = [p for _, _, _, chunks in swaps for chunk in chunks for p in chunk]
+        released = Counter(page for _, _, old, _ in swaps for page in old)
+        released.update(p for p in dropped if p in ring)  # a context chunk's ring slot is free after the commit
+        moves = (
+            [h.recache_copies(resident, released, allocator) for h, (resident, *_) in zip(live, swaps)]
+            if self.copy_pages is not None else [(resident, []) for resident, *_ in swaps]
         )
-        src = [p for _, copies in plans for fresh, _ in copies for p in fresh]
-        dst = [p for _, copies in plans for _, slot in copies for p in slot]
+        src = [p for _, copies in moves for fresh, _ in copies for p in fresh]
+        dst = [p for _, copies in moves for _, slot in copies for p in slot]
+        returned = set(src) | {p for p in dropped if p not in ring}
+        # NOTE: unallocate, not decref: the fresh pages go back to the front of the free list in their
+        # allocation order, so a fully copied re-cache leaves the free list as it found it.
+        fresh_order = [p for h in live for p in h.split_pending()[1] if p in returned]
         with deferred_interrupts():
             if src:
                 # NOTE: the copy comes first: if it raises, no bookkeeping changed and the cache aborts the
@@ -214,12 +225,10 @@ class ForwardTransaction:
                 assert self.copy_pages is not None
                 self.copy_pages(src, dst)
             allocator.incref(dst)  # before the decref: a slot's pages never pass through the free list
-            allocator.decref(page for _, old in swaps for page in old)
-            # NOTE: unallocate, not decref: the fresh pages go back to the front of the free list in their
-            # allocation order, so a fully copied re-cache leaves the free list as it found it.
-            allocator.unallocate(src)
-            for h, (resident, _) in zip(live, plans):
-                h.apply_recache_commit(resident)
+            allocator.decref([page for _, _, old, _ in swaps for page in old] + [p for p in dropped if p in ring])
+            allocator.unallocate(fresh_order)
+            for h, (resident, _), (_, starts, _, _) in zip(live, moves, swaps):
+                h.apply_recache_commit(resident, starts, plans[id(h)])
             self.close("committed")
 
     def abort(self, allocator: PageAllocator, reason: str = "") -> None:

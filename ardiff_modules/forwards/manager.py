@@ -25,6 +25,7 @@ from ardiff_modules.backends.segmented import plan_forward
 from ardiff_modules.context import ForwardContext, TransactionOwner
 from ardiff_modules.core.allocator import PageAllocator
 from ardiff_modules.core.branch import BranchPages
+from ardiff_modules.core.recache import RecacheRule
 from ardiff_modules.core.reservation import Reservation, settle_free_order
 from ardiff_modules.core.transaction import ForwardTransaction
 from ardiff_modules.errors import ARDiffError, CacheClosedError, CommitFailedError, LatentsNotKeptError, SpecError
@@ -41,7 +42,8 @@ from ardiff_modules.forwards.validation import (
     chunk_lengths_of,
     kept_latents,
     pending_attention_of,
-    recache_chunk_pages,
+    recache_plans,
+    resolve_recache_rule,
     validate_streams,
 )
 from ardiff_modules.layout import ForwardLayout
@@ -132,63 +134,72 @@ class ForwardManager:
             static=options.static, latents=latents,
         )
 
-    def prepare_recache(self, streams: Streams, keep_sinks: bool = True) -> ForwardContext:
+    def prepare_recache(
+        self, streams: Streams, keep_sinks: bool | None = None, rule: RecacheRule | None = None
+    ) -> ForwardContext:
         """Prepare a prompt-switch re-cache: one forward that rebuilds the history of ``streams``.
 
         After ``clear_cross_attention()`` and populating the new prompt, run the model over the clean
-        latents of each stream's rebuilt chunks -- every history chunk (sinks + window) in commit
-        order, or all but the sinks with ``keep_sinks=True`` -- concatenated along the sequence,
-        ``[num_streams, seq_len, ...]`` with ``seq_len = sum(ctx.layout.chunk_lengths)``. The forward
-        writes pages no chunk uses only -- with contiguous extents the branch's free ring slots first
-        (one once the window is full), then fresh pages from the pool -- and, block-causally, rebuilt
-        chunk ``j`` attends to the kept sinks and rebuilt chunks ``0..j``; ``ctx.positions`` are each
-        chunk's original absolute positions (RoPE). While it is pending it holds, per stream, the
-        rebuilt chunks' pages minus the free ring slots on top of the old history.
+        latents of each stream's rebuilt chunks (:meth:`recache_latents`), concatenated along the
+        sequence in commit order, ``[num_streams, seq_len, ...]`` with ``seq_len =
+        sum(ctx.layout.chunk_lengths)``. Which chunks are rebuilt and how they see each other is the
+        ``rule`` (:class:`~ardiff_modules.core.recache.RecacheRule`; default the spec's ``recache``, which
+        defaults to block-causal with the sinks kept; ``keep_sinks=`` is the historical switch):
 
-        On commit (``ctx.commit()``, leaving ``with ctx:`` normally, ``commit_paged_context``) every
-        stream's rebuilt chunks replace the old ones at once; offsets, commit indices and the window
-        are unchanged, the old pages lose this session's reference (a fork keeps reading them). With
-        contiguous extents, rebuilt chunks in fresh pages are then copied (one host call for the whole
-        forward: all layers, K and V, a strided copy per run of pages) into the ring slots the commit
-        frees -- the old chunk's own slot when no fork shares it -- and the fresh pages are freed: pool
-        use returns to the steady state at commit and the ring stays whole. Where a fork shares the old
-        pages the rebuilt chunk stays in its fresh pages (the fork keeps the old ones) until it is
-        evicted. On abort or an exception only the re-cache's pages are released (fresh pages
-        unallocated, ring slots free again): the old history is untouched.
+        * block-causal: rebuilt chunk ``j`` attends to the kept sinks and rebuilt chunks ``0..j``;
+          bidirectional (LongLive): every rebuilt chunk attends to all of them and the kept sinks;
+        * context chunks (LongLive's chunk about to leave its buffer) are rebuilt and attended by
+          this forward only, their pages released at commit;
+        * ``ctx.positions`` are each chunk's original absolute positions (RoPE); a moved sink keeps
+          its own positions.
+
+        The forward writes pages no chunk uses only -- with contiguous extents the branch's free ring
+        slots first, then fresh pages from the pool. On commit (``ctx.commit()``, leaving ``with ctx:``
+        normally, ``commit_paged_context``) every stream's rebuilt chunks replace the old ones at once;
+        offsets, commit indices and the window are unchanged, the old pages lose this session's
+        reference (a fork keeps reading them). With contiguous extents, rebuilt chunks in fresh pages
+        are then copied (one host call for the whole forward) into the ring slots the commit frees and
+        the fresh pages freed: pool use returns to the steady state at commit. On abort or an exception
+        only the re-cache's pages are released: the old history is untouched.
 
         Raises before changing anything: :class:`PendingContextError` if a stream has an open forward
-        or pending chunks, :class:`SpecError` if a stream has nothing to rebuild,
+        or pending chunks, :class:`SpecError` if a stream has nothing to rebuild or the rule cannot run
+        (an evicted chunk it needs is not remembered, a sink would change length, relative sinks moved),
         :class:`SequenceLengthError` if batched streams' rebuilt chunk lengths differ,
         :class:`CapacityError` if the fresh pages do not fit (old and new history coexist until commit;
         admission keeps room for one session's re-cache at a time, ``KVCache.recache_reserve``).
         """
         with self.lock:
             self._check_open("prepare_recache")
+            rule = resolve_recache_rule(keep_sinks, rule, self.spec.recache, self.spec.policy.sink_chunks)
             members = validate_streams(streams, self.host)
             branches = tuple(state.branch_pages(branch) for state, branch in members)
-            chunk_pages = recache_chunk_pages(members, branches, keep_sinks)
-            if self.spec.relative_sinks and not keep_sinks:
-                check_recache_sinks_in_place(members, branches)
+            plans, chunk_pages = recache_plans(members, branches, rule)
+            if self.spec.relative_sinks:
+                check_recache_sinks_in_place(members, branches, plans)
             check_recache_capacity(branches, chunk_pages, self.allocator)
             # NOTE: the rebuilt chunks ride as pending (abort/close/reset release them): free ring slots first,
             # then fresh pages; no new extent (extent_pages=0): a branch without one (a fork that has not run
             # since) rebuilds into fresh pages only.
             request = Build(
                 members=members, branches=branches, chunk_pages=tuple(chunk_pages), commit_current=True,
-                pending_attention="block_causal", recache=True, keep_sinks=keep_sinks, what="prepare_recache",
+                pending_attention=rule.attention, recache=True, recache_plans=plans, what="prepare_recache",
             )
             return self.build(request)
 
-    def recache_latents(self, streams: Streams, keep_sinks: bool = True) -> torch.Tensor:
-        """The kept clean latents a re-cache of ``streams`` runs over (``KVCache.recache_latents``)."""
+    def recache_latents(
+        self, streams: Streams, keep_sinks: bool | None = None, rule: RecacheRule | None = None
+    ) -> torch.Tensor:
+        """The kept clean latents a re-cache of ``streams`` under ``rule`` runs over (``KVCache.recache_latents``)."""
         with self.lock:
             self._check_open("recache_latents")
+            rule = resolve_recache_rule(keep_sinks, rule, self.spec.recache, self.spec.policy.sink_chunks)
             members = validate_streams(streams, self.host)
             branches = [state.branch_pages(branch) for state, branch in members]
-            recache_chunk_pages(members, branches, keep_sinks, idle=False)
+            plans, _ = recache_plans(members, branches, rule, idle=False)
             rows = []
-            for (state, branch), b in zip(members, branches):
-                indices = [b.history_index[i] for i in b.recache_targets(keep_sinks)]
+            for (state, branch), b, plan in zip(members, branches, plans):
+                indices = list(plan.rebuilt)
                 missing = [i for i in indices if i not in b.latents]
                 if missing:
                     raise LatentsNotKeptError(
@@ -199,6 +210,17 @@ class ForwardManager:
                 rows.append([cast(torch.Tensor, b.latents[i]) for i in indices])
             check_recache_latents(members, rows)
             return torch.stack([torch.cat(row) for row in rows])
+
+    def recache_chunk_indices(
+        self, streams: Streams, keep_sinks: bool | None = None, rule: RecacheRule | None = None
+    ) -> list[tuple[int, ...]]:
+        """Per stream, the commit indices a re-cache under ``rule`` rebuilds, in forward order (nothing changes)."""
+        with self.lock:
+            self._check_open("recache_chunk_indices")
+            rule = resolve_recache_rule(keep_sinks, rule, self.spec.recache, self.spec.policy.sink_chunks)
+            members = validate_streams(streams, self.host)
+            branches = [state.branch_pages(branch) for state, branch in members]
+            return [plan.rebuilt for plan in recache_plans(members, branches, rule, idle=False)[0]]
 
     # ------------------------------------------------------------------ the build path
     def build(self, request: Build, *, hold: bool = False) -> ForwardContext:
@@ -235,7 +257,7 @@ class ForwardManager:
             self.registry.publish(key, ctx)  # registers a new context; most recently used; evicts idle ones
             transaction = ForwardTransaction(
                 members=request.members, commit_current=request.commit_current, num_chunks=layout.num_chunks,
-                branches=request.branches, recache=request.recache, keep_sinks=request.keep_sinks,
+                branches=request.branches, recache=request.recache, recache_plans=request.recache_plans,
                 latents=request.latents, copy_pages=self.pool.copy_pages if request.recache else None,
                 reservation=reservation if hold else None,
             )

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ardiff_modules.core.branch import BranchPages
+from ardiff_modules.core.recache import RecachePlan
 from ardiff_modules.layout import StreamLayout
 from ardiff_modules.session import KVState
 from ardiff_modules.spec import PendingAttention
@@ -34,9 +35,10 @@ class Build:
     static: bool = False
     #: Per member: clean latents of each pending chunk to keep on commit, or ``()``.
     latents: tuple[tuple[object, ...], ...] = ()
-    #: A prompt-switch re-cache (its commit swaps the rebuilt chunks in); ``keep_sinks``: sinks not rebuilt.
+    #: A prompt-switch re-cache (its commit swaps the rebuilt chunks in); ``recache_plans``: per member, which
+    #: chunks it rebuilds and what each replaces (``RecacheRule.plan``).
     recache: bool = False
-    keep_sinks: bool = True
+    recache_plans: tuple[RecachePlan, ...] = ()
     #: "prepare_forward" / "prepare_recache": names the call in errors and logs.
     what: str = "prepare_forward"
 
@@ -66,8 +68,8 @@ class Build:
                 for b in self.branches
             )
         layouts = []
-        for b in self.branches:
-            history_pages, spans, starts = b.recache_layout_parts(self.keep_sinks)
+        for b, plan in zip(self.branches, self.recache_plans):
+            history_pages, spans, starts = b.recache_layout_parts(plan)
             sink_pages = len(history_pages) if relative_sinks else 0  # the kept sinks
             layouts.append(StreamLayout(history_pages, b.pending, starts[0], spans, starts, sink_pages))
         return tuple(layouts)

@@ -21,6 +21,7 @@ from ardiff_modules.errors import (
 )
 from ardiff_modules.core.transaction import ForwardTransaction
 from ardiff_modules.core.branch import BranchPages
+from ardiff_modules.core.recache import RecachePlan, RecacheRule
 from ardiff_modules.layout import StreamLayout
 from ardiff_modules.spec import KVCacheSpec, PendingAttention, check_pending_attention
 from ardiff_modules.session import KVState
@@ -155,18 +156,42 @@ def check_no_open_commit(state: KVState, branch: str, history: BranchPages) -> N
         )
 
 
-def recache_chunk_pages(
-    members: Sequence[tuple[KVState, str]], histories: Sequence[BranchPages], keep_sinks: bool,
+def resolve_recache_rule(keep_sinks: bool | None, rule: RecacheRule | None, spec_rule: RecacheRule, sink_chunks: int) -> RecacheRule:
+    """The rule a re-cache runs under: ``rule``, the historical ``keep_sinks=`` switch, or the spec's.
+
+    Raises :class:`SpecError` for both at once, a non-rule, or a rule needing evicted chunks the cache's
+    branches do not remember (``KVCacheSpec(recache=...)`` sizes that memory).
+    """
+    if keep_sinks is not None and rule is not None:
+        raise SpecError(f"prepare_recache: expected keep_sinks= or rule=, got both (keep_sinks={keep_sinks}, rule={rule})")
+    if keep_sinks is not None:
+        require_bool("prepare_recache.keep_sinks", keep_sinks)
+        return RecacheRule.from_keep_sinks(keep_sinks)
+    if rule is None:
+        return spec_rule
+    if not isinstance(rule, RecacheRule):
+        raise SpecError(f"prepare_recache.rule: expected a RecacheRule, got {type(rule).__name__}")
+    if rule.horizon(sink_chunks) > spec_rule.horizon(sink_chunks):
+        raise SpecError(
+            f"prepare_recache: expected a rule that needs at most {spec_rule.horizon(sink_chunks)} evicted chunk(s) "
+            f"(what KVCacheSpec(recache={spec_rule}) remembers), got {rule} needing {rule.horizon(sink_chunks)}; "
+            "build the cache with KVCacheSpec(recache=<this rule>)"
+        )
+    return rule
+
+
+def recache_plans(
+    members: Sequence[tuple[KVState, str]], histories: Sequence[BranchPages], rule: RecacheRule,
     *, idle: bool = True,
-) -> list[int]:
-    """Validate a re-cache request; return the pages of each chunk it rebuilds (the same for every stream).
+) -> tuple[tuple[RecachePlan, ...], list[int]]:
+    """Validate a re-cache request: each stream's plan, and the pages of each chunk it rebuilds (the same for all).
 
     Each stream must be idle (no open forward, no pending chunk kept by a denoising forward: the
-    rebuilt chunks take the pending slot; not checked with ``idle=False``) and hold at least one chunk
-    to rebuild; streams batched in one launch must rebuild chunks of the same lengths.
+    rebuilt chunks take the pending slot; not checked with ``idle=False``) and keep at least one rebuilt
+    chunk; streams batched in one launch must rebuild chunks of the same lengths; a moved sink must have
+    the length of the sink it replaces.
     """
-    require_bool("prepare_recache.keep_sinks", keep_sinks)
-    shapes = []
+    shapes, plans = [], []
     for (state, branch), h in zip(members, histories):
         forward = h.transaction
         if idle and ((isinstance(forward, ForwardTransaction) and forward.is_open) or h.pending):
@@ -177,14 +202,23 @@ def recache_chunk_pages(
                 f"prepare_recache: expected branch {branch!r} of session {state.session_id!r} to be idle (no open "
                 f"forward, no pending chunk), got {what}; commit_paged_context({branch!r}) or abort({branch!r}) first"
             )
-        targets = h.recache_targets(keep_sinks)
-        if not targets:
+        plan = h.recache_plan(rule)
+        if not plan.num_kept_chunks:
             raise SpecError(
                 f"prepare_recache: expected at least one resident chunk to rebuild on {state.session_id!r}/{branch!r} "
-                f"(keep_sinks={keep_sinks}), got {len(h.history)} resident chunk(s), "
-                f"{len(h.sinks)} of them sinks"
+                f"({rule}), got {len(h.history)} resident chunk(s), {len(h.sinks)} of them sinks"
             )
-        shapes.append(tuple(len(h.history[i]) for i in targets))
+        pages = tuple(h.recache_chunk(i)[1] for i in plan.rebuilt)
+        for index, slot, n in zip(plan.rebuilt, plan.replaces, pages):
+            if plan.moved and slot is not None and slot < len(h.sinks) and n != len(h.history[slot]):
+                size = h.page_size
+                raise SpecError(
+                    f"prepare_recache: expected the chunk moving into sink slot {slot} of {state.session_id!r}/{branch!r} "
+                    f"to have the sink's {len(h.history[slot]) * size} tokens, got chunk {index} of {n * size} (sinks "
+                    "of another length than the chunks, e.g. a 1-frame image-to-video first chunk, cannot move)"
+                )
+        shapes.append(pages)
+        plans.append(plan)
     if len(set(shapes)) != 1:
         page = histories[0].page_size
         got = {f"{s.session_id}/{b}": [n * page for n in shape] for (s, b), shape in zip(members, shapes)}
@@ -192,7 +226,7 @@ def recache_chunk_pages(
             f"prepare_recache: expected every stream to rebuild chunks of the same lengths (one launch), got "
             f"token lengths {got}; re-cache them in separate calls"
         )
-    return list(shapes[0])
+    return tuple(plans), list(shapes[0])
 
 
 def kept_latents(
@@ -307,16 +341,26 @@ def check_recache_capacity(histories: Sequence[BranchPages], chunk_pages: Sequen
         )
 
 
-def check_recache_sinks_in_place(members: Sequence[tuple[KVState, str]], histories: Sequence[BranchPages]) -> None:
-    """With relative sinks, a re-cache that rebuilds the sinks (``keep_sinks=False``) must not need them moved.
+def check_recache_sinks_in_place(
+    members: Sequence[tuple[KVState, str]], histories: Sequence[BranchPages], plans: Sequence[RecachePlan]
+) -> None:
+    """With relative sinks, a re-cache that rebuilds the sinks must not need them moved.
 
     A rebuilt sink is a pending chunk, which its stream's other rebuilt chunks attend at natural
     distance; once the window has slid (the sinks' shift is not 0, :meth:`StreamLayout.sink_shift`)
     that is not where relative sinks sit, so such a re-cache is refused: keep the sinks (the default).
     """
-    for (state, branch), h in zip(members, histories):
+    for (state, branch), h, plan in zip(members, histories, plans):
         sinks = h.sinks
-        if not sinks or len(sinks) >= len(h.history):  # nothing but sinks is rebuilt: no distance to keep
+        if not sinks or not plan.rebuilds_sinks(len(sinks)):
+            continue
+        if plan.moved:
+            raise SpecError(
+                f"prepare_recache: expected a rule that keeps the sinks in place for {state.session_id!r}/{branch!r} "
+                "with relative_sinks, got one that moves them (sinks=\"move\"): relative sinks are attended at a "
+                "shifted position, moved ones would not be"
+            )
+        if len(sinks) >= len(h.history):  # nothing but sinks is rebuilt: no distance to keep
             continue
         stream = StreamLayout(
             tuple(h.history_pages()), (), h.token_offset, tuple(h.history_spans()), sink_pages=sum(map(len, sinks))
@@ -324,7 +368,7 @@ def check_recache_sinks_in_place(members: Sequence[tuple[KVState, str]], histori
         shift = stream.sink_shift(h.page_size)
         if shift:
             raise SpecError(
-                f"prepare_recache: expected keep_sinks=True for {state.session_id!r}/{branch!r} with relative_sinks "
+                f"prepare_recache: expected the sinks kept (keep_sinks=True) for {state.session_id!r}/{branch!r} with relative_sinks "
                 f"(its sinks sit {shift} tokens before its oldest window chunk: rebuilt sinks would be attended "
                 "at their natural distance)"
             )

@@ -210,7 +210,7 @@ def test_misuse_raises_specific_errors_and_changes_nothing() -> None:
     assert_recache_unchanged(rig.cache, before)
     rig.step(CHUNK)
     before = recache_snapshot(rig.cache)
-    with pytest.raises(SpecError, match=r"keep_sinks=True\), got 1 resident chunk\(s\), 1 of them sinks"):
+    with pytest.raises(SpecError, match=r"sinks='keep'.*\), got 1 resident chunk\(s\), 1 of them sinks"):
         state.prepare_recache()  # only the sink is resident: nothing to rebuild when it is kept
     with pytest.raises(SpecError, match="prepare_recache.keep_sinks: expected a bool, got 1"):
         state.prepare_recache(keep_sinks=1)  # type: ignore[arg-type]
