@@ -368,7 +368,7 @@ def check_recache_sinks_in_place(
         shift = stream.sink_shift(h.page_size)
         if shift:
             raise SpecError(
-                f"prepare_recache: expected the sinks kept (keep_sinks=True) for {state.session_id!r}/{branch!r} with relative_sinks "
+                f"prepare_recache: expected keep_sinks=True (the sinks kept) for {state.session_id!r}/{branch!r} with relative_sinks "
                 f"(its sinks sit {shift} tokens before its oldest window chunk: rebuilt sinks would be attended "
                 "at their natural distance)"
             )

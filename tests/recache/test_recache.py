@@ -266,3 +266,54 @@ def test_batched_streams_must_rebuild_the_same_lengths() -> None:
     with pytest.raises(SequenceLengthError, match=r"same lengths.*'s0/cond': \[4, 2\].*'s1/cond': \[4, 4\]"):
         rig.cache.prepare_recache(rig.members())
     assert_recache_unchanged(rig.cache, before)
+
+
+# ---------------------------------------------------------------------- the rules (issue 26, item 1)
+RULES = [
+    am.RecacheRule("bidirectional", "keep", 0),
+    am.RecacheRule("block_causal", "keep", 1),
+    am.RecacheRule("bidirectional", "rebuild", 2),
+    am.RecacheRule("block_causal", "keep_after_slide", 1),
+    am.RecacheRule.longlive(),
+]
+
+
+@pytest.mark.parametrize("extents", [False, True])
+@pytest.mark.parametrize("rule", RULES, ids=str)
+@pytest.mark.parametrize("page,sink,window", [(2, 1, 2), (4, 0, 3), (1, 2, 1)])
+def test_each_rule_matches_a_cache_free_recomputation(
+    page: int, sink: int, window: int, rule: am.RecacheRule, extents: bool
+) -> None:
+    """Every combination of attention / sinks / context chunks equals the oracle's own reading of the rule,
+    at switches before, right after and long after the first eviction, and so do the chunks after each."""
+    rig = Rig(sink=sink, window=window, page=page, rule=rule, extents=extents, num_pages=600)
+    for n in range(1, sink + window + 6):
+        rig.step(keep=True)
+        if n in (sink + window, sink + window + 1, sink + window + 4):
+            rig.prompt()
+            rig.recache(True)
+            rig.cache.allocator.check_invariants()
+    for _ in range(2):
+        rig.step()
+    rig.cache.close()
+    assert rig.cache.allocator.num_free == rig.cache.allocator.num_pages
+
+
+def test_context_chunks_are_attended_then_released() -> None:
+    """A context chunk is rebuilt and attended (the oracle match above) but never kept: after the commit the
+    history is sinks + window as before, its pages free again, the reserve counts it."""
+    rule = am.RecacheRule("block_causal", "keep", 1)
+    rig = Rig(sink=1, window=2, page=2, rule=rule)
+    for _ in range(6):
+        rig.step(keep=True)
+    state = rig.streams[0].state
+    assert state.recache_chunk_indices("cond") == (3, 4, 5)  # chunk 3 left the window at the last commit
+    used = rig.cache.allocator.num_used
+    fwd = state.prepare_recache()
+    assert fwd.layout.chunk_lengths == (CHUNK,) * 3
+    assert rig.cache.allocator.num_used == used + 2 * 3 * 2  # 2 branches x 3 chunks x 2 pages, context included
+    fwd.abort()
+    rig.prompt()
+    rig.recache(True)
+    assert state.history_chunk_indices("cond") == (0, 4, 5) and rig.cache.allocator.num_used == used
+    assert rig.cache.recache_reserve() == 2 * (3 + 1 - 1) * 2

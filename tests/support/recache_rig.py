@@ -5,6 +5,7 @@ must leave as it was."""
 from __future__ import annotations
 
 from collections.abc import Callable
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -32,10 +33,15 @@ class Rig:
     def __init__(
         self, *, sink: int = 1, window: int = 2, page: int = 2, num_pages: int = 400, sessions: int = 1,
         backend: am.AttentionBackend | str = "reference", seed: int = 0, extents: bool = False,
+        rule: am.RecacheRule | None = None,
     ) -> None:
+        """``rule``: the cache's re-cache rule (``KVCacheSpec.recache``), used by :meth:`recache` when given."""
         torch.manual_seed(seed)
         self.model = TinyStreamingModel().eval()
         self.spec = self.model.spec(CHUNK, page, sink, window)
+        self.rule = rule
+        if rule is not None:
+            self.spec = dataclasses.replace(self.spec, recache=rule)
         self.cache = KVCache(self.spec, num_pages=num_pages, backend=backend, contiguous_extents=extents)
         #: The layout of the last committing forward :meth:`step` ran (its kernel's view of the keys).
         self.last_layout: am.ForwardLayout | None = None
@@ -77,6 +83,8 @@ class Rig:
                         s.latents[b].append(x[i])
 
     def rebuilt(self, s: Stream, branch: str, keep_sinks: bool) -> list[int]:
+        if self.rule is not None:
+            return list(s.state.recache_chunk_indices(branch, rule=self.rule))
         return [i for i in s.state.history_chunk_indices(branch) if not (keep_sinks and i < self.sink)]
 
     def recache_input(self, keep_sinks: bool, streams: list[Stream] | None = None) -> torch.Tensor:
@@ -98,19 +106,25 @@ class Rig:
 
         ``inside(fwd)`` runs after the model wrote the rebuilt chunks, before the commit."""
         x = self.recache_input(keep_sinks)
-        with self.cache.prepare_recache(self.members(), keep_sinks=keep_sinks) as fwd:
+        how = {"rule": self.rule} if self.rule is not None else {"keep_sinks": keep_sinks}
+        with self.cache.prepare_recache(self.members(), **how) as fwd:
             out = self.model(x, fwd.layers)
             if inside is not None:
                 inside(fwd)
         n = len(BRANCHES)
         expected = torch.cat([
             s.naive.recache(BRANCHES, {b: [s.latents[b][i] for i in self.rebuilt(s, b, keep_sinks)] for b in BRANCHES},
-                            keep_sinks)
+                            keep_sinks, self._oracle_rule())
             for s in self.streams
         ])
         assert out.shape == expected.shape == (n * len(self.streams), x.shape[1], self.model.dim)
         torch.testing.assert_close(out, expected, **TOL)
         return out
+
+
+    def _oracle_rule(self) -> tuple[str, str, int] | None:
+        r = self.rule
+        return None if r is None else (r.attention, r.sinks, r.context_chunks)
 
 
 def recache_snapshot(cache: KVCache) -> dict:

@@ -176,14 +176,22 @@ class NaiveStreaming:
 
     @torch.no_grad()
     def recache(
-        self, branches: Sequence[str], latents: dict[str, list[torch.Tensor]], keep_sinks: bool = True
+        self, branches: Sequence[str], latents: dict[str, list[torch.Tensor]], keep_sinks: bool = True,
+        rule: tuple[str, str, int] | None = None,
     ) -> torch.Tensor:
-        """Prompt-switch re-cache, cache-free: regenerate the resident chunks' K/V under the current prompt.
+        """Prompt-switch re-cache, cache-free: regenerate chunks' K/V under the current prompt.
 
-        ``latents[branch][j]`` ``[tokens, dim]`` is the clean latent of the ``j``-th rebuilt chunk (every
-        resident chunk, or every non-sink one with ``keep_sinks``). Rebuilt chunk ``j`` sees the kept sinks
-        (old K/V) and rebuilt chunks ``0..j``, at its original positions; its K/V replace the old ones.
+        ``latents[branch][j]`` ``[tokens, dim]`` is the clean latent of the ``j``-th rebuilt chunk in commit
+        order. Without ``rule``: every resident chunk, or every non-sink one with ``keep_sinks``; rebuilt chunk
+        ``j`` sees the kept sinks (old K/V) and rebuilt chunks ``0..j``. ``rule = (attention, sinks, context)``
+        (``sinks`` one of ``"keep"``, ``"rebuild"``, ``"keep_after_slide"``; moving sinks are not modelled
+        here): also the last ``context`` evicted non-sink chunks, attended but not stored; the sinks rebuilt
+        (``"rebuild"``, or ``"keep_after_slide"`` while nothing older than the context was evicted) or kept;
+        ``"bidirectional"``: every rebuilt chunk sees all of them. Positions: the original ones.
         """
+        attention, sink_mode, context_count = rule if rule is not None else (
+            "block_causal", "keep" if keep_sinks else "rebuild", 0
+        )
         outs = []
         for branch in branches:
             chunks = self.committed[branch]
@@ -191,14 +199,22 @@ class NaiveStreaming:
             for c in chunks:
                 starts.append(starts[-1] + c[0][0].shape[0])
             indices = self.resident_indices(branch)
-            kept = [i for i in indices if keep_sinks and i < self.sink]
-            rebuilt = [i for i in indices if i not in kept]
+            sinks = [i for i in indices if i < self.sink]
+            evicted = [i for i in range(len(sinks), len(chunks)) if i not in indices]
+            context = evicted[len(evicted) - context_count :] if context_count else []
+            slid = len(context) < len(evicted)
+            rebuild_sinks = sink_mode == "rebuild" or (sink_mode == "keep_after_slide" and not slid)
+            kept = [] if rebuild_sinks else sinks
+            rebuilt = sorted(set(indices) - set(kept) | set(context))
             lengths = [chunks[i][0][0].shape[0] for i in rebuilt]
             positions = torch.cat([torch.arange(starts[i], starts[i] + n) for i, n in zip(rebuilt, lengths)])[None]
             x = torch.cat(latents[branch])[None]
-            out, chunk_kv = self._stream(branch, x, lengths, False, positions=positions, history=[chunks[i] for i in kept])
+            out, chunk_kv = self._stream(
+                branch, x, lengths, attention == "bidirectional", positions=positions, history=[chunks[i] for i in kept]
+            )
             for i, kv in zip(rebuilt, chunk_kv):
-                chunks[i] = kv
+                if i not in context:
+                    chunks[i] = kv
             outs.append(out)
         return torch.cat(outs)
 
