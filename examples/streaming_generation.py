@@ -78,7 +78,7 @@ from typing import Any
 
 import torch
 
-from ardiff_modules import ForwardContext, KVCache, KVState, populate_cross_attention
+from ardiff_modules import ForwardContext, KVCache, KVState, RecacheRule, populate_cross_attention
 from ardiff_modules.models.wan_causal_dit import (
     BRANCHES,
     PRESETS,
@@ -92,6 +92,13 @@ from ardiff_modules.models.wan_causal_dit import (
 from ardiff_modules.pool import bytes_per_page
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _report_figure, when run as a script from anywhere
+
+#: ``--recache-rule``: the library's historical re-cache and LongLive 1.x's two (see ``RecacheRule``).
+RECACHE_RULES = {
+    "library": RecacheRule(),
+    "longlive": RecacheRule.longlive(global_sink=True),
+    "longlive-moving-sink": RecacheRule.longlive(global_sink=False),
+}
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -109,8 +116,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reset-at", type=int, default=None, metavar="K", help="reset the session before chunk K")
     p.add_argument(
         "--recache-on-switch", action="store_true",
-        help="at --switch-at, rebuild the resident window's K/V under the new prompt (one transactional "
-        "forward over the window chunks' clean latents; the sink kept)",
+        help="at --switch-at, rebuild the history's K/V under the new prompt (one transactional forward over "
+        "the rebuilt chunks' clean latents, under --recache-rule)",
+    )
+    p.add_argument(
+        "--recache-rule", choices=sorted(RECACHE_RULES), default="library",
+        help="which chunks the re-cache rebuilds and how they see each other: 'library' (the window, block-causal, "
+        "the sink kept), 'longlive' (LongLive 1.x, global_sink=True: window + the chunk about to leave, "
+        "bidirectional), 'longlive-moving-sink' (global_sink=False: the sink moves to the buffer's head)",
     )
     p.add_argument(
         "--relative-sinks", action="store_true",
@@ -396,9 +409,12 @@ def _generate(args: argparse.Namespace) -> dict[str, Any]:
     # ---- model, cache, session
     t0 = time.perf_counter()
     model = build_model(config, seed=args.seed, device=device, dtype=dtype)
-    spec = dataclasses.replace(make_kv_spec(config, device), relative_sinks=args.relative_sinks)
-    # A re-cache holds the new window beside the old one until it commits: room for one more window per branch.
-    num_pages = kv_pool_pages(spec, slack_chunks=1 + (len(BRANCHES) * spec.window_chunks if args.recache_on_switch else 0))
+    spec = dataclasses.replace(
+        make_kv_spec(config, device), relative_sinks=args.relative_sinks, recache=RECACHE_RULES[args.recache_rule]
+    )
+    # A re-cache holds the rebuilt chunks beside the old history until it commits: room for them per branch.
+    rebuilt_chunks = spec.window_chunks + spec.recache.horizon(spec.sink_chunks)
+    num_pages = kv_pool_pages(spec, slack_chunks=1 + (len(BRANCHES) * rebuilt_chunks if args.recache_on_switch else 0))
     cache = KVCache(spec, num_pages=num_pages, device=device)
     if args.cuda_graph and cache.backend.name != "flashinfer":
         raise SystemExit(
@@ -465,15 +481,15 @@ def _generate(args: argparse.Namespace) -> dict[str, Any]:
     reports: list[dict[str, Any]] = []
 
     def recache() -> float:
-        """Rebuild the window's K/V under the new prompt from its chunks' clean latents; returns seconds."""
-        indices = state.history_chunk_indices(BRANCHES[0])[spec.sink_chunks :]  # keep_sinks=True rebuilds these
-        if not indices:
+        """Rebuild the history's K/V under the new prompt from its chunks' clean latents; returns seconds."""
+        if not state.committed_chunks(BRANCHES[0]):
             return 0.0
+        indices = state.recache_chunk_indices(BRANCHES[0])  # what the spec's rule rebuilds, in commit order
         xs = torch.cat([clean[i] for i in indices], dim=1).to(device=device, dtype=dtype).repeat(streams, 1, 1, 1, 1)
         ts = torch.zeros((streams,), device=device)
         sync()
         start = time.perf_counter()
-        with torch.no_grad(), state.prepare_recache(BRANCHES, keep_sinks=True) as fwd:  # commits on success
+        with torch.no_grad(), state.prepare_recache(BRANCHES) as fwd:  # the spec's rule; commits on success
             model(xs, ts, fwd.layers)  # eager: a multi-chunk shape the compiled step has not seen
         sync()
         return time.perf_counter() - start
@@ -490,8 +506,8 @@ def _generate(args: argparse.Namespace) -> dict[str, Any]:
             if args.recache_on_switch:
                 seconds = recache()
                 events.append(
-                    f"prompt switch before chunk {k}, window re-cached under the new prompt in {1e3 * seconds:.1f} ms "
-                    f"(chunks {list(state.history_chunk_indices('cond')[spec.sink_chunks:])}, sink kept)"
+                    f"prompt switch before chunk {k}, history re-cached under the new prompt in {1e3 * seconds:.1f} ms "
+                    f"(rule {args.recache_rule}: chunks {list(state.recache_chunk_indices('cond'))})"
                 )
             else:
                 events.append(f"prompt switch before chunk {k} (history kept, offset {state.token_offset('cond')})")
@@ -511,10 +527,12 @@ def _generate(args: argparse.Namespace) -> dict[str, Any]:
         forward(x, 0.0, commit=True)  # clean forward at t=0: its K/V become history
         frames.append(x[0].cpu())
         recorder.end_chunk()
-        if args.recache_on_switch:  # the clean latents a re-cache needs, resident chunks only
-            clean[state.committed_chunks(BRANCHES[0]) - 1] = x.cpu()
-            resident = set(state.history_chunk_indices(BRANCHES[0]))
-            for i in [i for i in clean if i not in resident]:
+        if args.recache_on_switch:  # the clean latents a re-cache may need: resident chunks and the rule's horizon
+            committed = state.committed_chunks(BRANCHES[0])
+            clean[committed - 1] = x.cpu()
+            keep = set(state.history_chunk_indices(BRANCHES[0]))
+            keep |= set(range(committed - rebuilt_chunks - spec.sink_chunks - 1, committed))
+            for i in [i for i in clean if i not in keep]:
                 del clean[i]
         pages_report.append(cache.stats().pages_used)
         if args.report_every and (k + 1) % args.report_every == 0:
