@@ -50,6 +50,7 @@ from ardiff_modules.errors import (
     SpecError,
     StateDictMismatchError,
     TensorMismatchError,
+    TrainingScopeError,
     UnknownBranchError,
     UnknownCacheError,
 )
@@ -76,6 +77,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         populate_cross_attention,
     )
     from ardiff_modules.session import KVState
+    from ardiff_modules.training import TrainingScope
 
 __version__ = "0.1.0"
 
@@ -92,6 +94,7 @@ _LAZY: dict[str, str] = {
     "KVState": "ardiff_modules.session",
     "LayerContext": "ardiff_modules.context",
     "ReferenceBackend": "ardiff_modules.backends.reference",
+    "TrainingScope": "ardiff_modules.training",
     "RotaryEmbedding": "ardiff_modules.modules",
     "VideoRotaryEmbedding": "ardiff_modules.modules",
     "apply_rope": "ardiff_modules.modules",
@@ -155,6 +158,8 @@ __all__ = [
     "SpecError",
     "StateDictMismatchError",
     "TensorMismatchError",
+    "TrainingScope",
+    "TrainingScopeError",
     "UnknownBranchError",
     "UnknownCacheError",
     "VideoRotaryEmbedding",

@@ -198,6 +198,9 @@ class ForwardContext:
     #: The cross-attention caches its layers read (``LayerContext.cross_kv``) since the context was made or
     #: ``CUDAGraphStep`` last cleared it: what a captured graph reads.
     cross_reads: CrossReads = field(default_factory=lambda: CrossReads())
+    #: The spec's bound on a stream's history tokens (sinks + window + memory; ``0``: unbounded): what the
+    #: compiled gradient path pads the gathered history to.
+    max_history_tokens: int = 0
     _entered: list[ForwardTransaction] = field(default_factory=list)
 
     @classmethod
@@ -207,8 +210,10 @@ class ForwardContext:
     ) -> ForwardContext:
         """A context for ``streams`` over ``pool``: one :class:`LayerContext` per layer, no forward yet."""
         spec = pool.spec
+        history = spec.max_history_chunks
         ctx = cls(streams=streams, handle=0, handle_id=torch.zeros((), dtype=torch.int64), chunk_size=spec.chunk_size,
-                  dtype=dtype, static=static, owner=owner)
+                  dtype=dtype, static=static, owner=owner,
+                  max_history_tokens=0 if history is None else history * spec.chunk_size)
         ctx.layers = [
             LayerContext(
                 i, pool.k_pages(i), pool.v_pages(i), ctx,

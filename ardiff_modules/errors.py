@@ -129,4 +129,9 @@ class LatentsNotKeptError(ARDiffError, LookupError):
 
 
 class InferenceOnlyError(ARDiffError, RuntimeError):
-    """Backward through the paged attention op: it is inference-only (it writes the KV pool in place)."""
+    """Backward through a path that has no gradient (e.g. a CUDA-graph replay of a forward with gradients)."""
+
+
+class TrainingScopeError(ARDiffError, RuntimeError):
+    """A gradient forward's history could not be read again as it was: a recomputation (activation
+    checkpointing) outside :meth:`TrainingScope.checkpoint`, after the scope ended, or in another order."""

@@ -68,6 +68,10 @@ class HandleTable:
         holder.record_write(layer, k, v)
         return holder.plan  # type: ignore[return-value]
 
+    def holder(self, handle: int) -> PlanHolder:
+        """What ``handle`` names, once its forward was checked to be open (the gradient path's ops)."""
+        return self._holder(handle)
+
     def _holder(self, handle: int) -> PlanHolder:
         with self._lock:
             holder = self._holders.get(handle)

@@ -262,6 +262,33 @@ class ForwardTransaction:
             self.close("aborted", reason)
 
 
+class PageHold:
+    """One extra reference on each of a set of pages, so they are neither freed nor reused while held.
+
+    A training scope holds the history pages a forward with gradients attended until the backward
+    (which may recompute that forward) has run: eviction drops the branch's reference, the hold keeps
+    the K/V in place. The caller holds the cache's lock around :meth:`take` and :meth:`release`.
+    """
+
+    def __init__(self, allocator: PageAllocator, pages: Sequence[int]) -> None:
+        self._allocator = allocator
+        self.pages = tuple(pages)
+        self.held = False
+
+    def take(self) -> None:
+        """Add the references (every page must be in use: it is some branch's history)."""
+        if not self.held:
+            self._allocator.incref(self.pages)
+            self.held = True
+
+    def release(self) -> list[int]:
+        """Drop the references (idempotent); returns the pages that became free."""
+        if not self.held:
+            return []
+        self.held = False
+        return self._allocator.decref(self.pages)
+
+
 def _ranges(values: list[int]) -> str:
     """``[0, 1, 2, 5, 7, 8]`` -> ``"0-2, 5, 7-8"`` (sorted ints)."""
     parts: list[str] = []

@@ -10,8 +10,9 @@ import torch
 from ardiff_modules.checks import compute_dtype_mismatch, require_positive_float
 from ardiff_modules.context import LayerContext
 from ardiff_modules.cross import cached_cross_attention  # noqa: F401  (re-exported: the functional forms)
-from ardiff_modules.errors import InferenceOnlyError, SpecError, TensorMismatchError
+from ardiff_modules.errors import SpecError, TensorMismatchError
 from ardiff_modules.ops import write_kv_in_graph
+from ardiff_modules.training import attend_with_grad
 
 #: A RoPE hook: ``(t [streams, seq, heads, dim], positions [streams, seq]) -> t`` or a ``(cos, sin)`` pair.
 Rope = Union[Callable[[torch.Tensor, torch.Tensor], torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -132,21 +133,6 @@ def _check(
         raise TensorMismatchError(compute_dtype_mismatch(f"chunk_attention {name}", dtype, t.dtype))
     if t.device != device:
         raise TensorMismatchError(f"chunk_attention {name}: expected device {device}, got {t.device}")
-
-
-class _InferenceOnly(torch.autograd.Function):
-    """Identity whose backward raises :class:`InferenceOnlyError` (the paged op has no gradient)."""
-
-    @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, out: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:  # noqa: ARG004
-        return out.view_as(out)
-
-    @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, *grads: torch.Tensor) -> torch.Tensor:  # noqa: ARG004
-        raise InferenceOnlyError(
-            "chunk_attention: expected inference (torch.no_grad / inference_mode), got a backward pass; the "
-            "paged attention op writes K/V into the pool in place and has no gradient"
-        )
 
 
 def _check_chunk_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerContext) -> tuple[int, ...]:
@@ -275,10 +261,9 @@ def chunk_attention(
     scale = head_dim**-0.5 if scale is None else require_positive_float("chunk_attention.scale", scale, optional=True)
     tokens = streams * seq_len
     sink_grad = sink_query is not None and sink_query.requires_grad
-    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or sink_grad)
-    graph_inputs = (q, k, v) if sink_query is None else (q, k, v, sink_query)
-    if needs_grad:  # the op writes the pool in place and has no backward: make that failure explicit
-        q, k, v = q.detach(), k.detach(), v.detach()
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or sink_grad):
+        # History is a constant, this forward's own K/V are live (the pool copy is written detached).
+        return attend_with_grad(q, k, v, kv, scale=scale, sink_query=sink_query, return_lse=return_lse)
     q_rows = q.reshape(tokens, q.shape[2], head_dim)
     q_sink = None if sink_query is None else sink_query.detach().reshape(tokens, q.shape[2], head_dim)
     k_rows, v_rows = k.reshape(tokens, kv_heads, head_dim), v.reshape(tokens, kv_heads, head_dim)
@@ -294,8 +279,6 @@ def chunk_attention(
         op = torch.ops.ardiff_modules.chunk_attention_lse if return_lse else torch.ops.ardiff_modules.chunk_attention
         result = op(q_rows, k_rows, v_rows, kv.kv_pool, kv.layer_id, kv.forward.handle_id, scale, q_sink)
     out, lse = result if return_lse else (result, None)
-    if needs_grad:
-        out = _InferenceOnly.apply(out, *graph_inputs)
     out = out.view(streams, seq_len, q.shape[2], head_dim)
     if lse is None:
         return out

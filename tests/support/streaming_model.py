@@ -139,6 +139,9 @@ class NaiveStreaming:
         self.relative_sinks = relative_sinks
         self.committed: dict[str, list[list[tuple[torch.Tensor, torch.Tensor]]]] = defaultdict(list)
         self.text: dict[str, torch.Tensor] = {}
+        #: With gradients on (the training oracle): forwards carry autograd to q and their own K/V; committed
+        #: K/V are stored detached (history is a constant, as in every peer).
+        self.grad = False
 
     def visible(self, branch: str) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
         chunks = self.committed[branch]
@@ -166,7 +169,7 @@ class NaiveStreaming:
             out, chunk_kv = self._stream(branch, x[s : s + 1], list(chunk_lengths), bidirectional)
             outs.append(out)
             if commit:
-                self.committed[branch].extend(chunk_kv)
+                self.committed[branch].extend([[(k.detach(), v.detach()) for k, v in c] for c in chunk_kv])
         return torch.cat(outs)
 
     def resident_indices(self, branch: str) -> list[int]:
@@ -218,10 +221,16 @@ class NaiveStreaming:
             outs.append(out)
         return torch.cat(outs)
 
-    @torch.no_grad()
     def _stream(  # noqa: ANN202
         self, branch: str, x: torch.Tensor, lengths: list[int] | None = None, bidirectional: bool = False,
         positions: torch.Tensor | None = None, history: list | None = None,
+    ):
+        with torch.set_grad_enabled(self.grad and torch.is_grad_enabled()):
+            return self._stream_layers(branch, x, lengths, bidirectional, positions, history)
+
+    def _stream_layers(  # noqa: ANN202
+        self, branch: str, x: torch.Tensor, lengths: list[int] | None, bidirectional: bool,
+        positions: torch.Tensor | None, history: list | None,
     ):
         n = x.shape[1]
         if lengths is None:
@@ -262,7 +271,8 @@ class NaiveStreaming:
             ).transpose(1, 2)
             h = h + a.to_out(o.reshape(1, n, -1))
             c = block.cross
-            ck, cv = c.project_kv(self.text[branch])
+            with torch.no_grad():  # the prompt's K/V are published once: a constant, like the history
+                ck, cv = c.project_kv(self.text[branch])
             qc = c.to_q(block.norm2(h)).view(1, n, c.num_heads, c.head_dim)
             oc = F.scaled_dot_product_attention(
                 qc.transpose(1, 2), ck[None].transpose(1, 2), cv[None].transpose(1, 2),
