@@ -78,7 +78,8 @@ class HistoryRead:
     sink_keys: torch.Tensor | None
     empty_rows: torch.Tensor | None
     visible: torch.Tensor | None  # the mask before empty rows were opened (for the LSE)
-    #: bool ``[seq_len, seq_len]``: which pending keys each pending query sees (block-causal or bidirectional).
+    #: bool ``[seq_len, seq_len]`` on the CPU: which pending keys each pending query sees (block-causal or
+    #: bidirectional); what compiled graphs build their mask from.
     pending: torch.Tensor
     #: Every stream's history pages (what a scope holds; a page two streams share appears twice).
     history_pages: tuple[int, ...] = ()
@@ -120,7 +121,7 @@ class HistoryRead:
             transaction=fwd.transaction, gather=gather.to(device), valid=valid[:, :, None, None].to(device),
             mask=None if opened is None else opened[:, None].to(device), sink_keys=sink_keys,
             empty_rows=None if empty is None or not bool(empty.any()) else empty[:, None].to(device),
-            visible=None if mask is None else mask[:, None].to(device), pending=pending.to(device),
+            visible=None if mask is None else mask[:, None].to(device), pending=pending,
             history_pages=tuple(p for s in layout.streams for p in s.history_pages),
         )
 
@@ -176,6 +177,8 @@ def _visibility(fwd: ForwardContext, valid: torch.Tensor, pending: torch.Tensor,
 # Which record a layer call reads: its forward's (first call), or the original call's (recomputation).
 
 _RECORDS: weakref.WeakKeyDictionary[ForwardTransaction, HistoryRead] = weakref.WeakKeyDictionary()
+#: One frozen copy of each forward's context that ``TrainingScope.checkpoint`` handed out (while it is open).
+_FROZEN: weakref.WeakKeyDictionary[ForwardTransaction, ForwardContext] = weakref.WeakKeyDictionary()
 _RECORDS_LOCK = threading.Lock()
 _SCOPES: contextvars.ContextVar[tuple[TrainingScope, ...]] = contextvars.ContextVar("ardiff_training_scopes", default=())
 _CAPTURE: contextvars.ContextVar[list[tuple[HistoryRead, int]] | None] = contextvars.ContextVar("ardiff_capture", default=None)
@@ -234,7 +237,16 @@ def _record_of(fwd: ForwardContext, pad_to: int | None) -> HistoryRead:
             break
     with _RECORDS_LOCK:
         _RECORDS[transaction] = record
+    # NOTE: the record refers to its transaction, so the weak key alone would never let the entry go: drop it
+    # when the forward finishes (no first call can come after; replays hold their records themselves).
+    transaction.on_close.append(_forget)
     return record
+
+
+def _forget(transaction: ForwardTransaction) -> None:
+    with _RECORDS_LOCK:
+        _RECORDS.pop(transaction, None)
+        _FROZEN.pop(transaction, None)
 
 
 class _Replay:
@@ -362,7 +374,6 @@ class TrainingScope:
         return checkpoint(fn, *frozen, use_reentrant=False, context_fn=self._contexts, **kwargs)  # type: ignore[no-any-return]
 
 
-_FROZEN: weakref.WeakKeyDictionary[ForwardTransaction, ForwardContext] = weakref.WeakKeyDictionary()
 
 
 def frozen_forward(fwd: ForwardContext) -> ForwardContext:
@@ -380,6 +391,7 @@ def frozen_forward(fwd: ForwardContext) -> ForwardContext:
         frozen.layers.extend(dataclasses.replace(layer, forward=frozen, cross=dict(layer.cross)) for layer in fwd.layers)
         with _RECORDS_LOCK:
             _FROZEN[transaction] = frozen
+        transaction.on_close.append(_forget)
     return frozen
 
 
@@ -503,7 +515,7 @@ def history_kv_op(
     streams, n = k.shape[0], k.shape[1]
     scales = record.scales.get(index)
     return (
-        view.k, view.v, record.valid[:, :, 0, 0].clone(), record.pending.clone(),
+        view.k, view.v, record.valid[:, :, 0, 0].clone(), record.pending.to(k.device, copy=True),
         torch.zeros((streams, bound), dtype=torch.bool, device=k.device) if record.sink_keys is None
         else record.sink_keys[:, 0, :bound, 0].clone(),
         torch.ones((2, k.shape[2]), dtype=torch.float32, device=k.device) if scales is None else scales.clone(),

@@ -175,3 +175,7 @@ def test_a_long_rollout_with_one_scope_per_step_stays_at_sink_plus_window() -> N
     bound = 2 * (1 + 2 + 1 + 1) * ppc  # both branches: sink + window + the pending chunk + the chunk just evicted
     assert max(peaks) <= bound, peaks
     assert library.cache.allocator.num_used == 2 * 3 * ppc
+    # nothing per forward outlives it: the records and frozen contexts of finished forwards are gone
+    from ardiff_modules import training
+
+    assert len(training._RECORDS) == 0 and len(training._FROZEN) == 0

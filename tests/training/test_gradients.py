@@ -49,7 +49,7 @@ def play_with_grad(runner, events: list[tuple], with_grad: list[bool], seed: int
         _, rows, x, commit, lengths, *rule = event
         x = x.clone().requires_grad_()
         out = runner.forward(rows, x, commit, lengths, *rule)
-        loss = loss + (out * torch.randn(out.shape, generator=g)).sum()
+        loss = loss + (out.float() * torch.randn(out.shape, generator=g).to(out.device)).sum()
         outputs.append(out.detach())
         inputs.append(x)
     loss.backward()
