@@ -449,3 +449,47 @@ def test_missing_diffusers_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setitem(__import__("sys").modules, "diffusers.models.transformers.transformer_wan", None)
     with pytest.raises(ImportError, match=r"pip install 'ardiff_modules\[diffusers\]'"):
         integration.wan_cache_spec(object(), frames_per_chunk=1, latent_height=2, latent_width=2)
+
+
+def test_gradient_to_the_current_chunk_equals_the_stock_model() -> None:
+    """Training through the processors (issue 27): a denoising forward with gradients after the window slid.
+    The gradient of its output w.r.t. its own latents equals the cache-free stock model's over the whole history
+    (the history's K/V do not depend on the current latents: block-causal, so the comparison is exact at any
+    depth)."""
+    model = tiny_wan(2, rope_max_seq_len=16)
+    events, prompts = make_events(7)
+    grad_at = max(i for i, e in enumerate(events) if e[0] == "forward" and not e[3])  # last chunk's last denoising
+    g = torch.Generator().manual_seed(5)
+    x = events[grad_at][1].clone().requires_grad_()
+    t = events[grad_at][2]
+    paged, cache = streamed_setup(model)
+    state = cache.open_session()
+    with torch.no_grad():
+        for event in events[:grad_at]:
+            if event[0] == "prompt":
+                paged.set_prompt(state, event[1], event[2])
+                continue
+            with state.prepare_forward(BRANCHES, paged.spec.chunk_size, commit_current=event[3]) as fwd:
+                paged(event[1], event[2], fwd)
+    with state.prepare_forward(BRANCHES, paged.spec.chunk_size, commit_current=False) as fwd:
+        out = paged(x, t, fwd)
+    weight = torch.randn(out.shape, generator=g)
+    (out * weight).sum().backward()
+    # reference: the whole history without gradients, this piece with
+    ref_model, ref = reference_model(model)
+    current, committed = {"cond": 0, "uncond": 0}, []
+    for event in events[:grad_at]:
+        if event[0] == "prompt":
+            current[event[1]] = event[3]
+        elif event[3]:
+            committed.append({"x": event[1], "t": event[2], "chunk": event[4], "sees": visible_before(event[4], SINK, WINDOW),
+                              "prompt": torch.tensor([current["cond"], current["uncond"]])})
+    chunk = events[grad_at][4]
+    x_ref = events[grad_at][1].clone().requires_grad_()
+    piece = {"x": x_ref, "t": t, "chunk": chunk, "sees": visible_before(chunk, SINK, WINDOW),
+             "prompt": torch.tensor([current["cond"], current["uncond"]])}
+    expected = run_reference(ref_model, ref, committed + [piece], torch.stack(prompts))
+    (expected * weight).sum().backward()
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(x.grad, x_ref.grad, atol=1e-5, rtol=1e-4)
+    assert x.grad.abs().sum() > 0
