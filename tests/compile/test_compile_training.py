@@ -78,3 +78,38 @@ def test_compiled_training_refuses_global_attention() -> None:
     with pytest.raises(Exception, match="bounded history"):
         library.forward(("cond", "uncond"), torch.randn(2, CHUNK, model.dim, requires_grad=True), False)
     assert am.KVCache  # the cache is still usable eagerly
+
+
+def test_compiled_blocks_under_scope_checkpoint_equal_eager() -> None:
+    """Blocks compiled (fullgraph) and checkpointed from outside through ``scope.checkpoint``: the recomputation
+    runs the compiled block again and reads the history its first run read (the free pages poisoned first)."""
+    torch.manual_seed(0)
+    model = TinyStreamingModel()
+    spec = model.spec(CHUNK, 2, 1, 2)
+    compiled_blocks = [torch.compile(block, backend=CompileCounterWithBackend("inductor"), fullgraph=True)
+                       for block in model.blocks]
+    runs = []
+    for blocks in (list(model.blocks), compiled_blocks):
+        library = LibraryStreaming(model, spec, 96)
+        with am.TrainingScope(library.cache) as scope:
+
+            def run(x, layers, blocks=blocks):  # noqa: ANN001, ANN202
+                for block, kv in zip(blocks, layers):
+                    x = scope.checkpoint(block, x, kv, model.rope)
+                return x
+
+            library.fn = run
+            real_backward = torch.Tensor.backward
+
+            def backward(self, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+                library.cache.pool.kv[:, :, list(library.cache.allocator.free_pages())] = float("nan")
+                return real_backward(self, *a, **k)
+
+            torch.Tensor.backward = backward  # type: ignore[method-assign]
+            try:
+                runs.append(_rollout(library, model, chunks=6))
+            finally:
+                torch.Tensor.backward = real_backward  # type: ignore[method-assign]
+    (_, eager), (_, compiled) = runs
+    for name, e in eager.items():
+        torch.testing.assert_close(compiled[name], e, atol=1e-4, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
