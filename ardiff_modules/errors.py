@@ -62,6 +62,14 @@ class SequenceLengthError(ARDiffError, ValueError):
     """``seq_len`` is not a positive multiple of ``chunk_size``."""
 
 
+class StreamPositionError(ARDiffError, ValueError):
+    """A forward's start position does not continue its stream (a model that passes positions itself).
+
+    E.g. Self-Forcing's ``current_start``: neither the open chunk's start (a re-run), the next chunk's
+    start, nor 0 (a new video); the message names the positions expected and the one given.
+    """
+
+
 class TensorMismatchError(ARDiffError, ValueError):
     """A tensor has the wrong shape, dtype or device."""
 

@@ -1,0 +1,549 @@
+"""Self-Forcing's own ``CausalWanModel`` and inference loop over the paged KV cache, unchanged.
+
+One call replaces every block's ``self_attn`` and returns the driver of the cache session::
+
+    from ardiff_modules.integrations.self_forcing import swap_self_attention
+
+    spec = am.KVCacheSpec(num_layers=30, num_kv_heads=12, head_dim=128, chunk_size=3 * 1560, page_size=120,
+                          branches=("video",), dtype="bfloat16")      # Self-Forcing's local_attn_size=-1, F=3
+    sf = swap_self_attention(pipeline.generator.model, spec, budget_bytes=16 << 30)
+    video = pipeline.inference(noise, text_prompts)                  # CausalInferencePipeline, as it is
+    sf.finish()                                                      # commit the last chunk's clean forward
+
+Each new ``self_attn`` is a :class:`SelfForcingSelfAttention`: a
+:class:`~ardiff_modules.ChunkSelfAttention` made with ``from_wan`` from the block's upstream
+``CausalWanSelfAttention`` (same parameter names, so the model's ``state_dict`` and checkpoint loading are
+unchanged) whose ``forward`` takes upstream's arguments exactly: ``x, seq_lens, grid_sizes, freqs,
+block_mask, kv_cache, current_start, cache_start``.
+
+The binding rule (how upstream's calls become the library's transactional forwards)
+-----------------------------------------------------------------------------------
+Every model forward is one forward over the pending chunk, prepared by block 0's layer (host work once
+per model forward; the other blocks read their layer's context from the shared
+:class:`SelfForcingSession`). By its ``current_start`` (tokens, ``frame * frame_seq_length``):
+
+- **the open forward's start**: the open forward is aborted and reopened (a denoising step, or the clean
+  re-run: upstream overwrites the chunk's slots each time, so the last overwrite wins);
+- **the open start + its length**: the open forward is committed (it was the chunk's clean re-run), then
+  the next chunk's forward opens;
+- **0** (a new video; after a **replaced** ``kv_cache`` the only start accepted): the session is reset
+  (the open forward aborted, the history dropped);
+- anything else (a skipped or rewound chunk, a start off the chunk boundaries): refused with
+  :class:`~ardiff_modules.errors.StreamPositionError` naming the starts expected.
+
+The last chunk's clean forward stays open until :meth:`SelfForcingSession.finish` commits it (or the
+next video resets the session). A replaced ``kv_cache`` is what ``CausalInferencePipeline`` does between
+videos: it puts new ``global_end_index`` tensors into the dicts; the layers compare block 0's dict and
+that entry by identity (no device read).
+
+What is left to upstream, and what is ignored
+---------------------------------------------
+- **Cross-attention stays upstream's**: only ``self_attn`` is swapped; each block's ``cross_attn`` keeps
+  filling and reading its ``crossattn_cache`` dict as before.
+- ``kv_cache``'s tensors are neither read nor written (the K/V live in the paged pool): the pipeline may
+  keep allocating them, or pass small placeholder dicts. ``kv_cache=None`` (upstream's cache-free
+  training path) is refused.
+- ``seq_lens``, ``block_mask`` (the cache-free path's mask) and ``cache_start`` (unused by upstream's
+  cached path too) are accepted and ignored.
+- **RoPE** is upstream's: each forward's ``(cos, sin)`` comes from the ``freqs`` table it is given, at
+  frames ``current_start // (h * w) ..`` and the rows / columns of ``grid_sizes``, as upstream's
+  ``causal_rope_apply`` indexes it; computed once per model forward, in float64, then rounded once.
+
+Self-Forcing's hard-coded sizes go into the spec: its 30 blocks are ``num_layers``, its 12 x 128 cache
+shape ``num_kv_heads`` x ``head_dim``, ``frame_seq_length`` (1560) times ``num_frame_per_block`` is
+``chunk_size``; ``sink_size`` / ``local_attn_size`` (frames) become chunks with
+:meth:`~ardiff_modules.SinkWindowPolicy.from_frames`, checked against the upstream modules' own values on
+the first forward (``check_window=False`` to run another rule on purpose). Each batch row of upstream's
+``x`` is one branch of the session (``branches``, in order; batch ``B`` = ``len(branches)``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import nn
+
+from ardiff_modules.cache import KVCache
+from ardiff_modules.checks import is_int
+from ardiff_modules.context import ForwardContext, LayerContext
+from ardiff_modules.core.retention import SinkWindowPolicy
+from ardiff_modules.errors import (
+    ForwardFinishedError,
+    SequenceLengthError,
+    SessionClosedError,
+    SpecError,
+    StreamPositionError,
+    TensorMismatchError,
+    UnknownBranchError,
+)
+from ardiff_modules.modules import ChunkSelfAttention
+from ardiff_modules.session import KVState
+from ardiff_modules.spec import KVCacheSpec
+
+__all__ = ["SelfForcingSelfAttention", "SelfForcingSession", "self_forcing_rope", "swap_self_attention"]
+
+#: ``(cos, sin)``, each ``[1, seq_len, 1, head_dim]`` (interleaved pairs): one forward's RoPE.
+RopePair = tuple[torch.Tensor, torch.Tensor]
+
+
+def self_forcing_rope(freqs: torch.Tensor, grid: tuple[int, int, int], start_frame: int, *, device: torch.device,
+                      dtype: torch.dtype) -> RopePair:
+    """Upstream's RoPE of one chunk as a ``(cos, sin)`` pair for :func:`~ardiff_modules.apply_rope`.
+
+    ``freqs``: Wan's complex table ``[rows, head_dim // 2]`` (time, row and column sub-tables side by
+    side: ``c - 2 (c // 3)``, ``c // 3``, ``c // 3`` columns of ``c = head_dim // 2``); ``grid`` the chunk's
+    ``(frames, height, width)`` in tokens; token ``(f, r, w)`` of the chunk turns by the time table at frame
+    ``start_frame + f``, the row table at ``r`` and the column table at ``w``. Returns cos and sin
+    ``[1, f * h * w, 1, head_dim]``, each pair's value repeated twice (``"interleaved"``), in ``dtype``
+    (float32; float64 for a float64 model), on ``device``.
+    """
+    if not isinstance(freqs, torch.Tensor) or freqs.dim() != 2 or not freqs.is_complex():
+        got = f"{tuple(freqs.shape)} {freqs.dtype}" if isinstance(freqs, torch.Tensor) else type(freqs).__name__
+        raise TensorMismatchError(f"self_forcing_rope freqs: expected a complex [rows, head_dim // 2] table, got {got}")
+    frames, height, width = grid
+    rows, c = freqs.shape
+    needed = max(start_frame + frames, height, width)
+    if needed > rows:
+        raise TensorMismatchError(
+            f"self_forcing_rope freqs: expected at least {needed} rows (frames {start_frame}.."
+            f"{start_frame + frames - 1}, a {height}x{width} grid), got {rows}"
+        )
+    time, row, col = freqs.split([c - 2 * (c // 3), c // 3, c // 3], dim=1)
+    per_frame = height * width
+    token = torch.arange(frames * per_frame, device=freqs.device)
+    frame_of, inner = token // per_frame, token % per_frame
+    angles = torch.cat([time[start_frame + frame_of], row[inner // width], col[inner % width]], dim=-1)
+    angles = angles.to(device=device, dtype=torch.complex128)  # [seq_len, c]
+    cos = angles.real.repeat_interleave(2, dim=-1).to(dtype)
+    sin = angles.imag.repeat_interleave(2, dim=-1).to(dtype)
+    return cos[None, :, None], sin[None, :, None]
+
+
+class SelfForcingSelfAttention(ChunkSelfAttention):
+    """A :class:`~ardiff_modules.ChunkSelfAttention` called the way Self-Forcing calls its
+    ``CausalWanSelfAttention``; made by :func:`swap_self_attention` (``from_wan`` of the upstream module,
+    then bound to the model's :class:`SelfForcingSession` as layer ``layer_index``).
+
+    NOTE: a subclass, not a wrapper holding the layer as a child: a child would prefix every key of the
+    block's state dict (``self_attn.layer.q.weight``) and the checkpoint would no longer load as it is.
+    """
+
+    session: SelfForcingSession | None = None
+    layer_index: int = 0
+
+    def bind(self, session: SelfForcingSession, layer_index: int) -> None:
+        """Attend through ``session``'s forwards as layer ``layer_index`` (0 prepares each model forward)."""
+        self.session, self.layer_index = session, layer_index
+
+    def forward(  # type: ignore[override]  # upstream's signature, on purpose
+        self,
+        x: torch.Tensor,
+        seq_lens: Any,
+        grid_sizes: torch.Tensor,
+        freqs: torch.Tensor,
+        block_mask: Any,
+        kv_cache: Any = None,
+        current_start: int = 0,
+        cache_start: int | None = None,
+    ) -> torch.Tensor:
+        """``x`` ``[B, L, dim]`` (B = the session's branches, L = one chunk) -> ``[B, L, dim]``.
+
+        ``grid_sizes`` int ``[B, 3]`` (frames, height, width of the chunk in tokens, on the CPU as
+        upstream makes it), ``freqs`` Wan's complex RoPE table, ``kv_cache`` this block's dict (only block
+        0's identity is read), ``current_start`` the chunk's first token. ``seq_lens``, ``block_mask`` and
+        ``cache_start`` are ignored.
+        """
+        session = self.session
+        if session is None:
+            raise SpecError(
+                "SelfForcingSelfAttention: expected a layer bound to a SelfForcingSession (made by "
+                "swap_self_attention), got an unbound one"
+            )
+        if self.layer_index == 0:
+            session.advance(x, grid_sizes, freqs, kv_cache, current_start)
+        kv, rope = session.layer(self.layer_index, x, current_start)
+        return super().forward(x, kv, rope)
+
+
+@dataclass
+class _Open:
+    """The model forward in progress: where it starts, how long it is, its context and RoPE."""
+
+    start: int
+    seq_len: int
+    forward: ForwardContext
+    rope: RopePair
+
+
+class SelfForcingSession:
+    """The cache session one swapped model drives, and the forward its current chunk is in.
+
+    Made by :func:`swap_self_attention`. Block 0's layer calls :meth:`advance` once per model forward
+    (the binding rule of the module docstring); every layer reads its context with :meth:`layer`.
+    """
+
+    def __init__(
+        self, cache: KVCache, *, branches: Sequence[str] | None = None, owns_cache: bool = False,
+        upstream_window: tuple[int, int] | None = None,
+    ) -> None:
+        if cache.spec.relative_sinks:
+            raise SpecError(
+                "SelfForcingSession: expected a spec with relative_sinks=False (Self-Forcing attends its sinks at "
+                "their own positions), got relative_sinks=True"
+            )
+        self.branches = _branches(cache.spec, branches)  # checked before the session opens: nothing to undo
+        self.cache = cache
+        self.state: KVState = cache.open_session()
+        self.owns_cache = owns_cache
+        #: upstream's ``(sink_size, local_attn_size)`` in frames, checked on the first forward (None: not).
+        self.upstream_window = upstream_window
+        self._open: _Open | None = None
+        self._marker: tuple[Any, Any] | None = None  # block 0's kv_cache dict and its global_end_index
+        self._closed = False
+
+    def __repr__(self) -> str:
+        opened = "none" if self._open is None else f"start={self._open.start}, seq_len={self._open.seq_len}"
+        return (f"SelfForcingSession(branches={self.branches}, committed_tokens={self.committed_tokens}, "
+                f"open=({opened}), closed={self._closed})")
+
+    # ------------------------------------------------------------------ what users read
+    @property
+    def forward(self) -> ForwardContext | None:
+        """The open forward (the chunk being denoised or its clean re-run), or ``None``."""
+        return self._open.forward if self._open is not None else None
+
+    @property
+    def current_start(self) -> int | None:
+        """``current_start`` of the open forward, or ``None``."""
+        return self._open.start if self._open is not None else None
+
+    @property
+    def committed_tokens(self) -> int:
+        """Tokens committed per branch so far (evicted ones counted): where the next chunk starts."""
+        return 0 if self._closed else self.state.token_offset(self.branches[0])
+
+    @property
+    def is_closed(self) -> bool:
+        return self._closed
+
+    # ------------------------------------------------------------------ called by the layers
+    def advance(self, x: torch.Tensor, grid_sizes: torch.Tensor, freqs: torch.Tensor, kv_cache: Any,
+                current_start: int) -> None:
+        """Block 0 of a model forward: finish the open forward per the binding rule, open this one."""
+        self._check_open("advance")
+        start = self._start(current_start)
+        seq_len = self._check_input(x)
+        grid = self._grid(grid_sizes, seq_len)
+        replaced = self._kv_cache_replaced(kv_cache)
+        self._check_window(grid[0])
+        dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+        rope = self_forcing_rope(freqs, grid, start // (grid[1] * grid[2]), device=x.device, dtype=dtype)
+        self._settle(start, seq_len, replaced)  # the first change: every check above raised before it
+        forward = self.state.prepare_forward(self.branches, seq_len, commit_current=True)
+        if any(offset != start for offset in forward.token_offsets):
+            forward.abort()
+            raise StreamPositionError(
+                f"SelfForcingSession: expected the session's branches at token {start}, got {forward.token_offsets}"
+            )
+        self._open = _Open(start, seq_len, forward, rope)
+        self._marker = (kv_cache, kv_cache.get("global_end_index") if isinstance(kv_cache, Mapping) else None)
+
+    def layer(self, index: int, x: torch.Tensor, current_start: int) -> tuple[LayerContext, RopePair]:
+        """Layer ``index``'s context in the open forward and the forward's RoPE pair."""
+        self._check_open("layer")
+        opened = self._open
+        if opened is None:
+            raise ForwardFinishedError(
+                f"SelfForcingSelfAttention (layer {index}): expected block 0 to have opened the model forward, "
+                "got none open (a block called on its own, or after finish())"
+            )
+        if current_start != opened.start:
+            raise StreamPositionError(
+                f"SelfForcingSelfAttention (layer {index}): expected current_start={opened.start} (the model "
+                f"forward block 0 opened), got {current_start!r}"
+            )
+        if x.dim() != 3 or x.shape[1] != opened.seq_len:
+            raise SequenceLengthError(
+                f"SelfForcingSelfAttention (layer {index}): expected x of {opened.seq_len} tokens [B, L, dim], "
+                f"got {tuple(x.shape)}"
+            )
+        return opened.forward.layers[index], opened.rope
+
+    # ------------------------------------------------------------------ the binding rule
+    def _settle(self, start: int, seq_len: int, replaced: bool) -> None:
+        """Finish the open forward as ``start`` says: re-run (abort), next chunk (commit) or new video (reset)."""
+        opened = self._open
+        following = opened.start + opened.seq_len if opened is not None else self.committed_tokens
+        if replaced and start != 0:
+            raise StreamPositionError(
+                f"SelfForcingSession: expected current_start=0 after the kv_cache was reset (block 0's dict or "
+                f"its global_end_index replaced, as between videos), got {start}"
+            )
+        if opened is not None and start == opened.start and not replaced:
+            if seq_len != opened.seq_len:
+                raise SequenceLengthError(
+                    f"SelfForcingSession: expected a re-run of the chunk at {start} to be {opened.seq_len} tokens, "
+                    f"got {seq_len}"
+                )
+            self._finish(success=False)  # a later overwrite of the same slots: the last one wins
+        elif start == following and not replaced:
+            self._finish(success=True)  # the open forward was the chunk's clean re-run
+        elif start == 0:
+            self.reset()  # a new video
+        else:
+            expected: dict[int, str] = {}  # the first reason of each start, in this order
+            if opened is not None:
+                expected[opened.start] = "a re-run of the open chunk"
+            expected.setdefault(following, "the next chunk")
+            expected.setdefault(0, "a new video")
+            listed = ", ".join(f"{where} ({what})" for where, what in expected.items())
+            raise StreamPositionError(f"SelfForcingSession: expected current_start {listed}, got {start}")
+
+    def _finish(self, success: bool) -> None:
+        opened, self._open = self._open, None  # cleared first: a refused commit leaves nothing open
+        if opened is None:
+            return
+        if success:
+            opened.forward.commit()
+        else:
+            opened.forward.abort()
+
+    # ------------------------------------------------------------------ checks (host ints only)
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise SessionClosedError(f"SelfForcingSession.{what}: expected an open session, got one closed by close()")
+
+    @staticmethod
+    def _start(current_start: Any) -> int:
+        if isinstance(current_start, torch.Tensor) and current_start.numel() == 1:
+            current_start = int(current_start)  # one read per model forward (upstream passes an int)
+        if not is_int(current_start) or current_start < 0:
+            raise StreamPositionError(f"SelfForcingSession: expected current_start an int >= 0, got {current_start!r}")
+        return int(current_start)
+
+    def _check_input(self, x: Any) -> int:
+        spec = self.cache.spec
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[0] != len(self.branches):
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise TensorMismatchError(
+                f"SelfForcingSelfAttention x: expected [{len(self.branches)} (one row per branch {self.branches}), "
+                f"seq_len, dim], got {got}"
+            )
+        if x.shape[1] != spec.chunk_size:
+            raise SequenceLengthError(
+                f"SelfForcingSelfAttention x: expected one chunk of chunk_size={spec.chunk_size} tokens "
+                f"(num_frame_per_block x frame_seq_length), got {x.shape[1]}"
+            )
+        return int(x.shape[1])
+
+    @staticmethod
+    def _grid(grid_sizes: Any, seq_len: int) -> tuple[int, int, int]:
+        rows = grid_sizes.tolist() if isinstance(grid_sizes, torch.Tensor) else None
+        if not rows or any(not isinstance(r, list) or len(r) != 3 for r in rows) or any(r != rows[0] for r in rows):
+            got = tuple(grid_sizes.shape) if isinstance(grid_sizes, torch.Tensor) else type(grid_sizes).__name__
+            raise TensorMismatchError(
+                f"SelfForcingSelfAttention grid_sizes: expected an int [B, 3] tensor of one (frames, height, width) "
+                f"for every row, got {rows if rows is not None else got}"
+            )
+        frames, height, width = (int(v) for v in rows[0])
+        if frames * height * width != seq_len:
+            raise TensorMismatchError(
+                f"SelfForcingSelfAttention grid_sizes: expected frames x height x width = {seq_len} tokens, got "
+                f"{frames} x {height} x {width}"
+            )
+        return frames, height, width
+
+    def _kv_cache_replaced(self, kv_cache: Any) -> bool:
+        if kv_cache is None:
+            raise SpecError(
+                "SelfForcingSelfAttention: expected kv_cache (a dict per block: the cached inference path), got None "
+                "(upstream's cache-free training path is not bound)"
+            )
+        if self._marker is None:
+            return False
+        entry = kv_cache.get("global_end_index") if isinstance(kv_cache, Mapping) else None
+        return kv_cache is not self._marker[0] or entry is not self._marker[1]
+
+    def _check_window(self, frames_per_chunk: int) -> None:
+        """Once: the spec's sink + window must be upstream's rolling buffer at this chunk length."""
+        if self.upstream_window is None:
+            return
+        sink_size, local_attn_size = self.upstream_window
+        policy = self.cache.spec.policy
+        expected = SinkWindowPolicy.from_frames(
+            sink_size=sink_size, local_attn_size=local_attn_size, frames_per_chunk=frames_per_chunk
+        )
+        if policy != expected:
+            raise SpecError(
+                f"SelfForcingSession: expected the spec's retention to be upstream's buffer (sink_size={sink_size}, "
+                f"local_attn_size={local_attn_size} frames, {frames_per_chunk} per chunk: {expected}), got {policy}; "
+                "pass check_window=False to swap_self_attention to run another rule on purpose"
+            )
+        self.upstream_window = None
+
+    # ------------------------------------------------------------------ lifetime
+    def finish(self) -> None:
+        """Commit the open forward (the last chunk's clean re-run). No-op when none is open."""
+        self._check_open("finish")
+        self._finish(success=True)
+
+    def reset(self) -> None:
+        """Abort the open forward and drop the session's history: the next chunk starts at 0."""
+        self._check_open("reset")
+        self._finish(success=False)
+        self.state.reset()
+        self._marker = None
+
+    def close(self) -> None:
+        """Abort the open forward, close the session (and the cache :func:`swap_self_attention` made).
+
+        Idempotent; every later call of the layers raises :class:`~ardiff_modules.errors.SessionClosedError`.
+        """
+        if self._closed:
+            return
+        self._finish(success=False)
+        self.state.close()
+        if self.owns_cache:
+            self.cache.close()
+        self._closed = True
+
+    def __enter__(self) -> SelfForcingSession:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        """Commit the last chunk on success (abort on an exception), then :meth:`close`."""
+        try:
+            if exc_type is None and not self._closed:
+                self.finish()
+        finally:
+            self.close()
+
+
+def swap_self_attention(
+    model: nn.Module,
+    cache_or_spec: KVCache | KVCacheSpec,
+    *,
+    branches: Sequence[str] | None = None,
+    num_pages: int | None = None,
+    budget_bytes: int | None = None,
+    backend: str = "auto",
+    check_window: bool = True,
+) -> SelfForcingSession:
+    """Replace ``model.blocks[i].self_attn`` (Self-Forcing's ``CausalWanSelfAttention``) by
+    :class:`SelfForcingSelfAttention` layers driven by one new :class:`SelfForcingSession`.
+
+    ``cache_or_spec``: a :class:`KVCache` (the session opens in it), or a :class:`KVCacheSpec` for a cache
+    made on the model's device (``num_pages`` / ``budget_bytes``; default: one session's peak,
+    ``spec.pages_per_branch() x len(branches)``, which needs a bounded window) and closed with the
+    session. ``branches``: the session's branches, one per batch row (default ``spec.branches``).
+    ``check_window``: on the first forward, refuse a spec whose sink + window is not the upstream modules'
+    ``sink_size`` / ``local_attn_size`` buffer. Every layer is made before any is swapped: a refusal
+    (:class:`SpecError` naming expected and actual) leaves the model as it was.
+    """
+    blocks = getattr(model, "blocks", None)
+    upstream: list[Any] = [getattr(b, "self_attn", None) for b in blocks] if isinstance(blocks, nn.ModuleList) else []
+    if not upstream or not all(isinstance(m, nn.Module) for m in upstream):
+        raise SpecError(
+            f"swap_self_attention: expected a CausalWanModel-shaped model (model.blocks[i].self_attn), got "
+            f"{type(model).__name__}"
+        )
+    if any(isinstance(m, SelfForcingSelfAttention) for m in upstream):
+        raise SpecError("swap_self_attention: expected upstream self-attention modules, got a model already swapped")
+    weights = list(upstream[0].parameters())
+    device = weights[0].device if weights else torch.device("cpu")  # the cache lives where the model does
+    cache, owns = _cache_for(cache_or_spec, device, branches, num_pages, budget_bytes, backend)
+    try:
+        layers = [_adapter(m) for m in upstream]
+        _check_geometry(cache, layers)
+        window = _upstream_window(upstream[0]) if check_window else None
+        session = SelfForcingSession(cache, branches=branches, owns_cache=owns, upstream_window=window)
+    except BaseException:
+        if owns:
+            cache.close()
+        raise
+    assert isinstance(blocks, nn.ModuleList)  # upstream was read from it
+    for index, layer in enumerate(layers):
+        layer.bind(session, index)
+        blocks[index].self_attn = layer
+    return session
+
+
+def _adapter(module: nn.Module) -> SelfForcingSelfAttention:
+    """``from_wan`` of one upstream ``CausalWanSelfAttention``: a copy of its weights, its names, its device."""
+    layer = SelfForcingSelfAttention.from_wan(module)
+    assert isinstance(layer, SelfForcingSelfAttention)  # from_wan builds ``cls``
+    return layer
+
+
+def _cache_for(
+    cache_or_spec: Any, device: torch.device, branches: Sequence[str] | None, num_pages: int | None,
+    budget_bytes: int | None, backend: str,
+) -> tuple[KVCache, bool]:
+    """The cache to open the session in, and whether it was made here (then the session closes it)."""
+    if isinstance(cache_or_spec, KVCache):
+        if num_pages is not None or budget_bytes is not None:
+            raise SpecError(
+                "swap_self_attention: expected num_pages / budget_bytes only with a KVCacheSpec (a KVCache has its "
+                f"pool), got num_pages={num_pages}, budget_bytes={budget_bytes}"
+            )
+        return cache_or_spec, False
+    if not isinstance(cache_or_spec, KVCacheSpec):
+        raise SpecError(f"swap_self_attention: expected a KVCache or a KVCacheSpec, got {type(cache_or_spec).__name__}")
+    spec = cache_or_spec
+    if num_pages is None and budget_bytes is None:
+        per_branch = spec.pages_per_branch(1)
+        if per_branch is None:
+            raise SpecError(
+                "swap_self_attention: expected num_pages or budget_bytes for an unbounded window (window_chunks=None, "
+                "Self-Forcing's local_attn_size=-1), got neither"
+            )
+        num_pages = per_branch * len(_branches(spec, branches))
+    return KVCache(spec, num_pages=num_pages, budget_bytes=budget_bytes, device=device, backend=backend), True
+
+
+def _branches(spec: KVCacheSpec, branches: Sequence[str] | None) -> tuple[str, ...]:
+    """The session's branches, one per batch row: distinct names of the spec's branches."""
+    names = spec.branches if branches is None else tuple(branches) if not isinstance(branches, str) else (branches,)
+    if not names or len(set(names)) != len(names):
+        raise SpecError(f"SelfForcingSession.branches: expected distinct branch names, one per batch row, got {names}")
+    unknown = [b for b in names if b not in spec.branches]
+    if unknown:
+        raise UnknownBranchError(f"SelfForcingSession.branches: expected names from {spec.branches}, got {unknown}")
+    return names
+
+
+def _check_geometry(cache: KVCache, layers: Sequence[ChunkSelfAttention]) -> None:
+    spec = cache.spec
+    if len(layers) != spec.num_layers:
+        raise SpecError(
+            f"swap_self_attention: expected a model of spec.num_layers={spec.num_layers} blocks (Self-Forcing's "
+            f"num_transformer_blocks), got {len(layers)}"
+        )
+    expected = (spec.num_qo_heads or spec.num_kv_heads, spec.num_kv_heads, spec.head_dim)
+    for index, layer in enumerate(layers):
+        got = (layer.num_heads, layer.num_kv_heads, layer.head_dim)
+        if got != expected:
+            raise SpecError(
+                f"swap_self_attention: expected self-attention of (heads, kv_heads, head_dim)={expected} (the spec; "
+                f"Self-Forcing's 12 x 128 cache shape), got {got} in block {index}"
+            )
+    weight = layers[0].to_q.weight
+    if weight.dtype != cache.dtype or weight.device != cache.device:
+        raise SpecError(
+            f"swap_self_attention: expected the model on the cache's {cache.device} / {cache.dtype}, got "
+            f"{weight.device} / {weight.dtype}"
+        )
+
+
+def _upstream_window(module: nn.Module) -> tuple[int, int] | None:
+    """Upstream's ``(sink_size, local_attn_size)`` in frames, when the module carries them."""
+    sink_size, local_attn_size = getattr(module, "sink_size", None), getattr(module, "local_attn_size", None)
+    if is_int(sink_size) and is_int(local_attn_size):
+        return int(sink_size), int(local_attn_size)  # type: ignore[arg-type]  # is_int: not None
+    return None
