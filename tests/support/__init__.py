@@ -13,6 +13,8 @@ Models and oracles:
 * ``policies`` -- user retention policies (a valid one, a misbehaving wrapper) and the contract as a predicate.
 * ``rolling_buffer`` -- Self-Forcing / LongLive's rolling KV buffer in frames (sink + ``local_attn_size``, the
   current chunk counted; a 1-frame first chunk for image-to-video) and as a contiguous tensor buffer.
+* ``training_peers`` -- the reference Wan model over the library, over a cache-free recomputation and over
+  Self-Forcing's rolling contiguous buffer, with autograd (one interface; stand-in layer contexts).
 * ``wan_rope`` -- Wan2.1's RoPE written independently; ``diffusers_wan`` -- a tiny stock diffusers Wan (needs the
   ``diffusers`` extra).
 
