@@ -130,3 +130,15 @@ class LatentsNotKeptError(ARDiffError, LookupError):
 
 class InferenceOnlyError(ARDiffError, RuntimeError):
     """Backward through the paged attention op: it is inference-only (it writes the KV pool in place)."""
+
+
+class CompileInputError(ARDiffError, TypeError):
+    """A compile pitfall :class:`~ardiff_modules.CompiledStep` saw: a Python number where the compiled model
+    needs a tensor, a library tensor turned into a Python number inside it, or host-side bookkeeping
+    (``prepare_forward``) traced into it. Names the argument or the tensor and the fix; a dynamo error it
+    stands for is chained as ``__cause__``.
+    """
+
+
+class CompileInputWarning(UserWarning):
+    """:class:`~ardiff_modules.CompiledStep` recompiled after its first frame; names the likely cause."""
