@@ -264,9 +264,11 @@ def find_library_conversion(
     labels: dict[torch.fx.Node, str] = {}
     for node, value in zip(placeholders, example_inputs):
         label = library.get(id(value)) if isinstance(value, torch.Tensor) else None
-        labels_in_name = names_in_text(node.name)  # dynamo names a placeholder after its source
-        if label is None and labels_in_name:
-            label = labels_in_name[0]
+        # Else its name: dynamo names a graph input after its source, e.g. L['layers'][0].forward.positions ->
+        # l_layers_0_forward_positions (a user's own tensor called "positions" is not the library's).
+        from_context = "forward_" in node.name or "layout_" in node.name
+        if label is None and from_context and names_in_text(node.name):
+            label = names_in_text(node.name)[0]
         if label is not None:
             labels[node] = label
     for node in gm.graph.nodes:

@@ -107,7 +107,7 @@ def test_a_library_tensor_made_a_python_number_is_refused_naming_it(how: str, na
         forward(runner, step, torch.tensor(0.5), key_positions=True)
     message = str(info.value)
     assert f"turns {name} (a library tensor) into a Python number" in message, message
-    assert f"test_compile_pitfalls.py:" in message and code in message, message  # where, in the user's code
+    assert "test_compile_pitfalls.py:" in message and code in message, message  # where, in the user's code
     assert "Keep it a tensor" in message and "fwd.token_offsets" in message
     assert isinstance(info.value.__cause__, torch._dynamo.exc.TorchDynamoException)  # dynamo's error, chained
     assert runner.state.committed_chunks("cond") == 0
