@@ -35,6 +35,8 @@ from ardiff_modules.errors import (
     CacheClosedError,
     CapacityError,
     CommitFailedError,
+    CompileInputError,
+    CompileInputWarning,
     CrossAttentionNotPopulatedError,
     ForwardFinishedError,
     IncompleteForwardError,
@@ -64,6 +66,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from ardiff_modules.backends.flashinfer import FlashInferBackend
     from ardiff_modules.backends.reference import ReferenceBackend
     from ardiff_modules.cache import CacheStats, KVCache
+    from ardiff_modules.compiled import CompiledStep
     from ardiff_modules.context import ForwardContext, LayerContext
     from ardiff_modules.convert import convert_attention_state_dict, convert_wan_state_dict
     from ardiff_modules.graphs import CUDAGraphStep
@@ -87,6 +90,7 @@ _LAZY: dict[str, str] = {
     "AttentionBackend": "ardiff_modules.backends.base",
     "CUDAGraphStep": "ardiff_modules.graphs",
     "CacheStats": "ardiff_modules.cache",
+    "CompiledStep": "ardiff_modules.compiled",
     "CachedCrossAttention": "ardiff_modules.modules",
     "ChunkSelfAttention": "ardiff_modules.modules",
     "FlashInferBackend": "ardiff_modules.backends.flashinfer",
@@ -131,6 +135,9 @@ __all__ = [
     "CapacityError",
     "ChunkSelfAttention",
     "CommitFailedError",
+    "CompileInputError",
+    "CompileInputWarning",
+    "CompiledStep",
     "CrossAttentionNotPopulatedError",
     "CrossAttentionSpec",
     "FlashInferBackend",

@@ -100,7 +100,14 @@ def _check_layer_tensor(
     where = f"populate_cross_attention({cache_name!r}) layer {layer} {label}"
     if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
         got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-        raise TensorMismatchError(f"{where}: expected shape {shape} [tokens, heads, head_dim], got {got}")
+        hint = ""
+        if isinstance(t, torch.Tensor) and t.dim() == 3 and tuple(t.shape[1:]) == shape[1:]:
+            # The cache holds a fixed token count: a trimmed or over-long prompt would attend to other keys.
+            hint = (
+                f": {t.shape[0]} tokens where CrossAttentionSpec({cache_name!r}).tokens is {shape[0]} (publish "
+                "exactly the tokens the model attends to, e.g. the prompt padded to text_len)"
+            )
+        raise TensorMismatchError(f"{where}: expected shape {shape} [tokens, heads, head_dim], got {got}{hint}")
     if t.device != device and not (t.device.type == device.type == "cpu"):
         raise TensorMismatchError(f"{where}: expected device {device}, got {t.device}")
     if not t.dtype.is_floating_point:

@@ -143,3 +143,15 @@ class InferenceOnlyError(ARDiffError, RuntimeError):
 class TrainingScopeError(ARDiffError, RuntimeError):
     """A gradient forward's history could not be read again as it was: a recomputation (activation
     checkpointing) outside :meth:`TrainingScope.checkpoint`, after the scope ended, or in another order."""
+
+
+class CompileInputError(ARDiffError, TypeError):
+    """A compile pitfall :class:`~ardiff_modules.CompiledStep` saw: a Python number where the compiled model
+    needs a tensor, a library tensor turned into a Python number inside it, or host-side bookkeeping
+    (``prepare_forward``) traced into it. Names the argument or the tensor and the fix; a dynamo error it
+    stands for is chained as ``__cause__``.
+    """
+
+
+class CompileInputWarning(UserWarning):
+    """:class:`~ardiff_modules.CompiledStep` recompiled after its first frame; names the likely cause."""

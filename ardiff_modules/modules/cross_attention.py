@@ -294,15 +294,27 @@ class CachedCrossAttention(CheckpointLayer):
         )
 
 
+#: What :func:`populate_cross_attention` takes as ``layers``, at the type level: any iterable of modules
+#: (an ``nn.ModuleList`` too). ``Tensor`` is there because ``nn.Module.__getattr__`` is typed
+#: ``Tensor | Module``, so ``[b.cross_attn for b in model.blocks]`` is a ``list[Tensor | Module]`` to a
+#: type checker; every element is checked at run time to be a :class:`CachedCrossAttention`.
+CrossAttentionLayers = Iterable[nn.Module | torch.Tensor]
+
+
 def populate_cross_attention(
     state: KVState,
     kv_branch: str,
-    layers: Iterable[CachedCrossAttention],
+    layers: CrossAttentionLayers,
     context: torch.Tensor,
     cache_name: str | None = None,
 ) -> None:
     """Project ``context`` (``[tokens, context_dim]`` or ``[1, tokens, context_dim]``) through every layer
     and publish atomically.
+
+    ``layers``: one :class:`CachedCrossAttention` per attention layer of the spec, in layer order (a list,
+    a generator, an ``nn.ModuleList``); typed as any modules so that ``[b.cross_attn for b in
+    model.blocks]`` type-checks. An element of another type raises :class:`SpecError` naming its index
+    and type before anything is projected or published (the previous cache stays).
 
     ``cache_name`` defaults to the layers' (common) ``cache_name``. Naming a layer's
     ``image_cache_name`` projects ``context`` with that layer's image projections (I2V).
@@ -313,28 +325,17 @@ def populate_cross_attention(
     owner = "populate_cross_attention"
     if not isinstance(state, KVState):
         raise SpecError(f"{owner}.state: expected a KVState, got {type(state).__name__}")
-    try:
-        layers = list(layers)
-    except TypeError:  # e.g. a single layer
-        raise SpecError(
-            f"{owner}.layers: expected an iterable of CachedCrossAttention (one per layer), "
-            f"got a {type(layers).__name__}"
-        ) from None
-    if not layers:
-        raise SpecError(f"{owner}.layers: expected at least one CachedCrossAttention (one per layer), got none")
-    for i, layer in enumerate(layers):
-        if not isinstance(layer, CachedCrossAttention):
-            raise SpecError(f"{owner}.layers: expected CachedCrossAttention items, got {type(layer).__name__} at {i}")
+    cross = cross_attention_layers(owner, layers)
     if cache_name is None:
         # Publishing under layer 0's name while another layer reads another cache would be silently wrong.
-        names = tuple(layer.cache_name for layer in layers)
+        names = tuple(layer.cache_name for layer in cross)
         if len(set(names)) != 1:
             raise SpecError(
                 f"{owner}.layers: expected one cache_name for all layers (or an explicit cache_name), got {names}"
             )
         cache_name = names[0]
     image = []
-    for i, layer in enumerate(layers):
+    for i, layer in enumerate(cross):
         # An I2V layer must know which of its projections the name means; a text-only layer may
         # publish its projections under any name (as before image caches existed).
         if layer.image_cache_name is not None and cache_name not in (layer.cache_name, layer.image_cache_name):
@@ -346,10 +347,30 @@ def populate_cross_attention(
 
     def projections() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         with torch.no_grad():
-            for layer, is_image in zip(layers, image):
+            for layer, is_image in zip(cross, image):
                 k, v = layer._project_kv("CachedCrossAttention.project_kv", context, is_image)
                 if layer.sequence_parallel is not None:  # Ulysses: this rank's cache holds its kv heads only
                     k, v = (layer.sequence_parallel.shard_kv_heads(t, layer.num_heads) for t in (k, v))
                 yield k, v
 
     state.populate_cross_attention(kv_branch, cache_name, projections())
+
+
+def cross_attention_layers(owner: str, layers: object) -> list[CachedCrossAttention]:
+    """``layers`` (any iterable) as a list of :class:`CachedCrossAttention`, or :class:`SpecError` naming
+    the first element of another type by its index and type (nothing else is touched)."""
+    try:
+        items = list(layers)  # type: ignore[call-overload]
+    except TypeError:  # e.g. a single layer (a Module is not iterable)
+        raise SpecError(
+            f"{owner}.layers: expected an iterable of CachedCrossAttention (one per layer), got a {type(layers).__name__}"
+        ) from None
+    if not items:
+        raise SpecError(f"{owner}.layers: expected at least one CachedCrossAttention (one per layer), got none")
+    for i, layer in enumerate(items):
+        if not isinstance(layer, CachedCrossAttention):
+            raise SpecError(
+                f"{owner}.layers[{i}]: expected CachedCrossAttention items (each block's cross-attention layer), "
+                f"got {type(layer).__name__} at {i}"
+            )
+    return items

@@ -60,6 +60,7 @@ def test_all_names_what_users_use_and_no_internals() -> None:
         "KVCache", "KVCacheSpec", "CrossAttentionSpec", "KVState", "ForwardContext", "LayerContext", "CacheStats",
         "ChunkSelfAttention", "CachedCrossAttention", "RotaryEmbedding", "VideoRotaryEmbedding",
         "chunk_attention", "cached_cross_attention", "apply_rope", "populate_cross_attention", "CUDAGraphStep",
+        "CompiledStep", "CompileInputWarning",
         "RetentionPolicy", "SinkWindowPolicy", "SinkWindowMemoryPolicy",
         "AttentionBackend", "ReferenceBackend", "FlashInferBackend",
         "convert_attention_state_dict", "convert_wan_state_dict",
