@@ -139,3 +139,27 @@ def test_compiled_training_example_is_two_frames_and_equals_eager(tmp_path: Path
     for a, b in zip(eager["per_step"], compiled["per_step"], strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+
+
+def test_training_example_bf16_compute_updates_float32_masters(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU's precision on the CPU: with bf16 as the default dtype (model and KV pool, as on CUDA) AdamW
+    updates float32 masters and the model holds their bf16 rounding; the masters keep what bf16 loses."""
+    import torch
+
+    import ardiff_modules.models.wan_causal_dit as wan
+
+    monkeypatch.setattr(wan, "default_dtype", lambda device: torch.bfloat16)
+    args = training_rollout.parse_args([*SMALL, "--json", str(tmp_path / "bf16.json")])
+    trainer, _ = training_rollout.build_trainer(args)
+    assert trainer.cache.spec.dtype == "bfloat16" and trainer.model.patch_embedding.weight.dtype == torch.bfloat16
+    before = [p.detach().clone() for p in trainer.optimizer.params]
+    row = trainer.train_step(0)
+    assert torch.isfinite(torch.tensor(row["loss"])) and row["grad_norm"] > 0
+    optimizer = trainer.optimizer
+    assert all(m.dtype == torch.float32 and m is not p for p, m in zip(optimizer.params, optimizer.masters))
+    assert all(torch.equal(p, m.to(torch.bfloat16)) for p, m in zip(optimizer.params, optimizer.masters))
+    # Updates below bf16's resolution: the masters moved where the bf16 weights could not.
+    moved = sum(int(((m - b.float()) != 0).sum()) for b, m in zip(before, optimizer.masters))
+    visible = sum(int((p != b).sum()) for b, p in zip(before, optimizer.params))
+    assert moved > visible > 0
+    trainer.state.close()
