@@ -167,15 +167,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         k = getattr(args, flag)
         if k is not None and not 0 < k < args.chunks:
             p.error(f"--{flag.replace('_', '-')}: expected a chunk index in 1..{args.chunks - 1}, got {k}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: CUDA is not available in this torch build / machine")
-    if args.preset != "tiny" and args.device == "cpu" and not args.allow_big_cpu:
-        spec = make_kv_spec(WanConfig.preset(args.preset), "cpu")
-        gib = kv_pool_pages(spec) * bytes_per_page(spec) / 2**30
-        p.error(
-            f"--preset {args.preset} on CPU: the float32 KV pool alone needs {gib:.1f} GiB; expected --device cuda "
-            "(or pass --allow-big-cpu)"
-        )
+    check_device_and_preset(p, args)
     if args.cuda_graph and args.device != "cuda":
         p.error("--cuda-graph: expected --device cuda (CUDA graphs need a GPU)")
     if args.recache_on_switch and args.switch_at is None:
@@ -193,6 +185,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def check_device_and_preset(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--device cuda`` needs CUDA; a preset other than tiny needs the GPU unless ``--allow-big-cpu``."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: CUDA is not available in this torch build / machine")
+    if args.preset != "tiny" and args.device == "cpu" and not args.allow_big_cpu:
+        spec = make_kv_spec(WanConfig.preset(args.preset), "cpu")
+        gib = kv_pool_pages(spec) * bytes_per_page(spec) / 2**30
+        p.error(
+            f"--preset {args.preset} on CPU: the float32 KV pool alone needs {gib:.1f} GiB; expected --device cuda "
+            "(or pass --allow-big-cpu)"
+        )
+
+
 # ------------------------------------------------------------------------------------ helpers
 class Prompts:
     """Random stand-ins for text-encoder states (seeded), and publishing them into a session."""
@@ -205,12 +210,13 @@ class Prompts:
         self.current = 0
 
     @torch.no_grad()
-    def publish(self, state: KVState) -> None:
-        """Populate the "text" cache of both branches: the current prompt (cond) and the negative (uncond)."""
+    def publish(self, state: KVState, branches: Sequence[str] = BRANCHES) -> None:
+        """Populate the "text" cache of ``branches``: the current prompt (cond), the negative (uncond)."""
         device = next(self.model.parameters()).device
         crosses = [block.cross for block in self.model.blocks]
-        for branch, text in (("cond", self.prompts[self.current]), ("uncond", self.negative)):
-            populate_cross_attention(state, branch, crosses, self.model.embed_text(text.to(device)))
+        texts = {"cond": self.prompts[self.current], "uncond": self.negative}
+        for branch in branches:
+            populate_cross_attention(state, branch, crosses, self.model.embed_text(texts[branch].to(device)))
 
 
 def save_strip(

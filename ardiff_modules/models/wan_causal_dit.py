@@ -319,6 +319,10 @@ class WanCausalDiT(nn.Module):
         forcing); values in ``[0, 1000]``, a tensor (a Python float would specialise a compiled graph).
     layers:
         ``ForwardContext.layers`` of a ``prepare_forward`` over those streams, one per block.
+    run_block:
+        how each block is called: ``run_block(block, x, e0, kv, rope, token_frames)`` -> ``x``; ``None`` calls
+        the block. Training passes :meth:`ardiff_modules.TrainingScope.checkpoint` to recompute every block in
+        the backward instead of keeping its activations (``examples/training_rollout.py --checkpoint``).
 
     Returns the flow prediction ``[S, F, C_out, H, W]`` (float, the model's dtype).
     """
@@ -379,7 +383,10 @@ class WanCausalDiT(nn.Module):
         return u.reshape(s, frames, c.out_channels, c.grid_height * ph, c.grid_width * pw)
 
     # ---------------------------------------------------------------- forward
-    def forward(self, latents: torch.Tensor, timestep: torch.Tensor, layers: Sequence[LayerContext]) -> torch.Tensor:
+    def forward(
+        self, latents: torch.Tensor, timestep: torch.Tensor, layers: Sequence[LayerContext],
+        run_block: Callable[..., torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         c = self.config
         if latents.dim() != 5 or tuple(latents.shape[2:]) != (c.in_channels, c.latent_height, c.latent_width):
             raise TensorMismatchError(
@@ -407,7 +414,10 @@ class WanCausalDiT(nn.Module):
             x = sp.shard_tokens(x, dim=1)
             token_frames = sp.shard_tokens(torch.arange(frames * c.tokens_per_frame, device=x.device) // c.tokens_per_frame, dim=0)
         for block, kv in zip(self.blocks, layers):
-            x = block(x, e0, kv, self.rope, token_frames)
+            if run_block is None:
+                x = block(x, e0, kv, self.rope, token_frames)
+            else:  # e.g. TrainingScope.checkpoint: the block is recomputed in the backward
+                x = run_block(block, x, e0, kv, self.rope, token_frames)
         x = self.head(x, e, token_frames)
         if sp is not None:
             x = sp.gather_tokens(x, dim=1)  # every rank returns the whole chunk
