@@ -316,7 +316,11 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
         f"sink {spec.sink_chunks} + window {spec.window_chunks} chunks; rollout {args.chunks} chunks x {args.steps} "
         f"steps, gradients through the last {args.grad_chunks}, checkpoint {args.checkpoint}, compile {args.compile}"
     )
-    resident = (spec.sink_chunks + min(spec.window_chunks, max(0, args.chunks - spec.sink_chunks))) * spec.pages_per_chunk
+    window_used = min(spec.window_chunks, max(0, args.chunks - spec.sink_chunks))
+    # with contiguous extents (FlashInfer on CUDA) a branch's sinks and window live in one ring of
+    # extent_chunks slots (sink + window + the pending chunk's slot), allocated whole
+    extent = trainer.cache.extent_chunks
+    resident = (extent if extent is not None else spec.sink_chunks + window_used) * spec.pages_per_chunk
     rows = []
     for step in range(args.train_steps):
         row = trainer.train_step(step)
@@ -324,7 +328,7 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
         print(
             f"step {step}: loss {row['loss']:.5f}  grad norm {row['grad_norm']:.4g}  {row['step_s']:.2f} s  "
             f"peak {row['peak_pages']} pages  held {row['held_pages']} page refs at the backward  "
-            f"{row['pages_after_step']} pages after (sink + window: {resident})"
+            f"{row['pages_after_step']} pages after (sink + window{' ring' if trainer.cache.extent_chunks else ''}: {resident})"
             + (f"  CUDA peak {row['cuda_peak_gib']:.1f} GiB" if row["cuda_peak_gib"] is not None else ""),
             flush=True,
         )
@@ -361,7 +365,7 @@ def _summary(
         "pages_per_chunk": spec.pages_per_chunk,
         "sink_chunks": spec.sink_chunks,
         "window_chunks": spec.window_chunks,
-        "resident_pages": resident,  # sink + window chunks: what a session holds after each step
+        "resident_pages": resident,  # sink + window chunks (the window's ring with extents): held after each step
         "per_step": rows,
     }
 
@@ -375,7 +379,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             problems.append(f"step {row['step']}: loss {row['loss']}, grad norm {row['grad_norm']}")
         if row["pages_after_step"] != summary["resident_pages"]:
             problems.append(f"step {row['step']}: expected {summary['resident_pages']} pages in use after the step "
-                            f"(sink + window), got {row['pages_after_step']}")
+                            f"(sink + window, the window's ring with contiguous extents), got {row['pages_after_step']}")
     if summary["compiled_frames"] not in (None, COMPILED_FRAMES):
         problems.append(f"expected {COMPILED_FRAMES} compiled frames, got {summary['compiled_frames']}")
     if summary["pages_used_after_close"] != 0:
