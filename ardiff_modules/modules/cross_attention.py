@@ -346,12 +346,14 @@ def populate_cross_attention(
         image.append(layer.image_cache_name is not None and cache_name == layer.image_cache_name)
 
     def projections() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        with torch.no_grad():
-            for layer, is_image in zip(cross, image):
+        for layer, is_image in zip(cross, image):
+            # NOTE: no_grad per layer, never around the yield: a consumer that raises part-way leaves this
+            # generator suspended, and a no_grad held across the yield would keep grad mode off for the thread.
+            with torch.no_grad():
                 k, v = layer._project_kv("CachedCrossAttention.project_kv", context, is_image)
                 if layer.sequence_parallel is not None:  # Ulysses: this rank's cache holds its kv heads only
                     k, v = (layer.sequence_parallel.shard_kv_heads(t, layer.num_heads) for t in (k, v))
-                yield k, v
+            yield k, v
 
     state.populate_cross_attention(kv_branch, cache_name, projections())
 

@@ -463,6 +463,7 @@ def test_populate_cross_attention_module_helper_wrong_shapes(two_sessions):
     with pytest.raises(TensorMismatchError) as exc_info:
         populate_cross_attention(a, "cond", bad_layers, torch.randn(3, 6))
     assert "layer 1" in message(exc_info) and "(3, 1, 4)" in message(exc_info)
+    assert torch.is_grad_enabled()  # a failure part-way leaves the caller's grad mode as it was (training)
     assert_sessions_unchanged(cache, before)
     populate_cross_attention(a, "cond", layers, torch.randn(3, 6))  # the right shapes work
     assert a.get_cross_attention_kv("cond", "text")[1]["k"].shape == (3, 2, 4)
