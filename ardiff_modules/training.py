@@ -36,6 +36,7 @@ from ardiff_modules.context import ForwardContext, LayerContext
 from ardiff_modules.core.transaction import ForwardTransaction, PageHold
 from ardiff_modules.core.allocator import PageAllocator
 from ardiff_modules.errors import InferenceOnlyError, SpecError, TrainingScopeError
+from ardiff_modules.layout import page_token_slots
 from ardiff_modules.ops import HANDLES, write_kv_in_graph
 from ardiff_modules.quant import dequantize, is_quantized, quantize
 
@@ -95,9 +96,7 @@ class HistoryRead:
         layout = fwd.layout
         assert layout is not None and fwd.transaction is not None  # the write gate checked the forward
         page_size, n, device = layout.page_size, layout.seq_len, fwd.positions.device
-        offsets = torch.arange(page_size, dtype=torch.int64)
-        slots = [(torch.tensor(s.history_pages, dtype=torch.int64)[:, None] * page_size + offsets).reshape(-1)
-                 for s in layout.streams]
+        slots = [page_token_slots(torch.tensor(s.history_pages, dtype=torch.int64), page_size) for s in layout.streams]
         lengths = [t.numel() for t in slots]
         width = max(lengths) if pad_to is None else pad_to
         if max(lengths) > width:
@@ -124,7 +123,6 @@ class HistoryRead:
             visible=None if mask is None else mask[:, None].to(device), pending=pending,
             history_pages=tuple(p for s in layout.streams for p in s.history_pages),
         )
-
 
     def check_readable(self, what: str) -> None:
         """Raise :class:`TrainingScopeError` unless the pages hold what the forward read."""
@@ -374,14 +372,11 @@ class TrainingScope:
         return checkpoint(fn, *frozen, use_reentrant=False, context_fn=self._contexts, **kwargs)  # type: ignore[no-any-return]
 
 
-
-
 def frozen_forward(fwd: ForwardContext) -> ForwardContext:
     """A copy of ``fwd`` that keeps describing its current forward (one per forward, shared by its layers)."""
+    fwd.check_usable("TrainingScope.checkpoint")
     transaction = fwd.transaction
-    if transaction is None or not fwd.is_active:
-        fwd.check_usable("TrainingScope.checkpoint")
-    assert transaction is not None
+    assert transaction is not None  # check_usable raised otherwise
     with _RECORDS_LOCK:
         frozen = _FROZEN.get(transaction)
     if frozen is None:
@@ -511,8 +506,13 @@ def history_kv_op(
         layer_context = holder.layers[index]
         rows = (-1, k.shape[2], k.shape[3])
         record = read_history(layer_context, k.reshape(rows), v.reshape(rows), pad_to=bound)
+    if record.gather.shape[1] != bound:  # a forward whose first layers ran eagerly (exact width), then compiled
+        raise SpecError(
+            f"chunk_attention (gradients, compiled): expected the forward's history padded to {bound} keys, got a "
+            f"forward read eagerly ({record.gather.shape[1]} keys): run all of a forward's layers compiled or eager"
+        )
     view = record.view(index, kv_pool, k.dtype)
-    streams, n = k.shape[0], k.shape[1]
+    streams = k.shape[0]
     scales = record.scales.get(index)
     return (
         view.k, view.v, record.valid[:, :, 0, 0].clone(), record.pending.to(k.device, copy=True),

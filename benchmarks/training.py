@@ -45,6 +45,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from benchmarks._plotting import pyplot, save
+from benchmarks.baselines import RollingSelfAttention
 from benchmarks._timing import Stats, clock, parser, require_gpu, result_path, save_json
 
 TIMESTEPS = (1000.0, 750.0, 500.0, 250.0)
@@ -121,33 +122,19 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
 
 
-class PeerSelfAttention(nn.Module):
-    """A block's ``ChunkSelfAttention`` projections / norms / RoPE over the whole-clip buffer."""
+class PeerSelfAttention(RollingSelfAttention):
+    """A block's ``ChunkSelfAttention`` projections / norms / RoPE (``RollingSelfAttention``'s) over the
+    whole-clip buffer: ``attend`` (FA3) for forwards without gradients, SDPA over ``[history ; live K/V]`` with."""
 
-    def __init__(self, inner: Any, fa3: Callable[..., torch.Tensor]) -> None:
-        super().__init__()
-        self.inner, self.fa3 = inner, fa3
-
-    def forward(self, x: torch.Tensor, kv: PeerLayer, rope: Any = None) -> torch.Tensor:
-        from ardiff_modules.modules.functional import apply_rope
-
-        a = self.inner
-        s, n, _ = x.shape
-        q, k, v = a.project(x)
-        positions = kv.forward.positions
-        q, k = apply_rope(q, positions, rope), apply_rope(k, positions, rope)
-        start = kv.forward.start
+    def cached_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: PeerLayer) -> torch.Tensor:  # type: ignore[override]
+        start, n = kv.forward.start, q.shape[1]
         with torch.no_grad():  # the buffer holds the last write of each slot, detached
             kv.k[:, start : start + n].copy_(k)
             kv.v[:, start : start + n].copy_(v)
         keys, values = kv.forward.history(kv.k), kv.forward.history(kv.v)
         if torch.is_grad_enabled() and q.requires_grad:
-            keys, values = torch.cat([keys, k], dim=1), torch.cat([values, v], dim=1)
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2))
-            out = out.transpose(1, 2)
-        else:
-            out = self.fa3(q, torch.cat([keys, kv.k[:, start : start + n]], 1), torch.cat([values, kv.v[:, start : start + n]], 1))
-        return a.to_out(out.reshape(s, n, -1))
+            return _sdpa(q, torch.cat([keys, k], dim=1), torch.cat([values, v], dim=1))
+        return self.attend(q, torch.cat([keys, kv.k[:, start : start + n]], 1), torch.cat([values, kv.v[:, start : start + n]], 1))
 
 
 class PeerRunner:

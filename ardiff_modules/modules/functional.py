@@ -265,7 +265,7 @@ def chunk_attention(
         # History is a constant, this forward's own K/V are live (the pool copy is written detached).
         return attend_with_grad(q, k, v, kv, scale=scale, sink_query=sink_query, return_lse=return_lse)
     q_rows = q.reshape(tokens, q.shape[2], head_dim)
-    q_sink = None if sink_query is None else sink_query.detach().reshape(tokens, q.shape[2], head_dim)
+    q_sink = None if sink_query is None else sink_query.reshape(tokens, q.shape[2], head_dim)
     k_rows, v_rows = k.reshape(tokens, kv_heads, head_dim), v.reshape(tokens, kv_heads, head_dim)
     if torch.compiler.is_compiling():
         # In a compiled graph the K/V write is plain torch, fused by inductor into the kernel that

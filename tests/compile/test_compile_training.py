@@ -16,6 +16,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import ardiff_modules as am
 from tests.support.streaming_model import LibraryStreaming, TinyStreamingModel
+from tests.support.training_peers import poisoned_before_backward
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fresh_dynamo")]
 
@@ -99,17 +100,9 @@ def test_compiled_blocks_under_scope_checkpoint_equal_eager() -> None:
                 return x
 
             library.fn = run
-            real_backward = torch.Tensor.backward
-
-            def backward(self, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
-                library.cache.pool.kv[:, :, list(library.cache.allocator.free_pages())] = float("nan")
-                return real_backward(self, *a, **k)
-
-            torch.Tensor.backward = backward  # type: ignore[method-assign]
-            try:
+            with poisoned_before_backward(library.cache) as poisoned:
                 runs.append(_rollout(library, model, chunks=6))
-            finally:
-                torch.Tensor.backward = real_backward  # type: ignore[method-assign]
+            assert poisoned and all(count > 0 for count in poisoned)
     (_, eager), (_, compiled) = runs
     for name, e in eager.items():
         torch.testing.assert_close(compiled[name], e, atol=1e-4, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")

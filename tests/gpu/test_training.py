@@ -14,6 +14,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import ardiff_modules as am
 from tests.support.gpu import GPU, gpu_model_and_spec, rel_error
 from tests.support.streaming_model import LibraryStreaming, rollout_events
+from tests.support.training_peers import poisoned_before_backward
 from tests.training.test_gradients import _grad_events, play_with_grad
 
 pytestmark = list(GPU)
@@ -91,17 +92,9 @@ def test_checkpointed_training_reads_the_held_pages_on_cuda() -> None:
             return x
 
         library.fn = run
-        real_backward = torch.Tensor.backward
-
-        def backward(self, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
-            library.cache.pool.kv[:, :, list(library.cache.allocator.free_pages())] = float("nan")
-            return real_backward(self, *a, **k)
-
-        torch.Tensor.backward = backward  # type: ignore[method-assign]
-        try:
+        with poisoned_before_backward(library.cache) as poisoned:
             play_with_grad(library, events, with_grad)
-        finally:
-            torch.Tensor.backward = real_backward  # type: ignore[method-assign]
+        assert poisoned and all(count > 0 for count in poisoned)
     actual = _grads(model)
     worst = max(rel_error(actual[n], expected[n]) for n in expected)
     assert worst < 1e-2, f"checkpointed gradients differ by {worst:.2e}"

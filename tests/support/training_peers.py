@@ -94,6 +94,21 @@ def poison_free_pages(cache: am.KVCache) -> int:
     return len(free)
 
 
+@contextmanager
+def poisoned_before_backward(cache: am.KVCache) -> Iterator[list[int]]:
+    """``Tensor.backward`` first overwrites every free page of ``cache`` with NaN (what reuse would leave there);
+    yields the list of pages poisoned at each backward."""
+    poisoned: list[int] = []
+    real = torch.Tensor.backward
+
+    def backward(self: torch.Tensor, *args: object, **kwargs: object) -> None:
+        poisoned.append(poison_free_pages(cache))
+        real(self, *args, **kwargs)
+
+    with mock.patch.object(torch.Tensor, "backward", backward):
+        yield poisoned
+
+
 # ---------------------------------------------------------------------------------------------------
 # The peers' stand-in layer contexts.
 

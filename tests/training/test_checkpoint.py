@@ -15,6 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 import ardiff_modules as am
 from tests.support.streaming_model import LibraryStreaming, NaiveStreaming, TinyStreamingModel, rollout_events
+from tests.support.training_peers import poison_free_pages, poisoned_before_backward
 from tests.training.test_gradients import CHUNK, _grad_events, _param_grads, _rel, play_with_grad
 
 
@@ -25,13 +26,6 @@ def _checkpointed(model: TinyStreamingModel, scope: am.TrainingScope):  # noqa: 
         return x
 
     return run
-
-
-def _poison_free_pages(cache: am.KVCache) -> int:
-    """What reuse would do to the pages nobody holds: every free page now reads NaN."""
-    free = list(cache.allocator.free_pages())
-    cache.pool.kv[:, :, free] = float("nan")
-    return len(free)
 
 
 def _rollout(model: TinyStreamingModel, sink: int = 1, window: int = 2):  # noqa: ANN202
@@ -57,7 +51,7 @@ def test_checkpointed_rollout_recomputes_from_the_held_pages() -> None:
 
         def forward_then_poison(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
             out = original(*args, **kwargs)
-            _poison_free_pages(library.cache)  # every forward: reuse, as early as it could happen
+            poison_free_pages(library.cache)  # every forward: reuse, as early as it could happen
             return out
 
         library.forward = forward_then_poison
@@ -73,17 +67,10 @@ def test_checkpointed_rollout_recomputes_from_the_held_pages() -> None:
 
 def _play_with_backward_hook(library: LibraryStreaming, events, with_grad):  # noqa: ANN001, ANN202
     """``play_with_grad`` with the free pages poisoned once more just before the backward."""
-    real_backward = torch.Tensor.backward
-
-    def backward(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-        assert _poison_free_pages(library.cache) > 0
-        return real_backward(self, *args, **kwargs)
-
-    torch.Tensor.backward = backward  # type: ignore[method-assign]
-    try:
-        return play_with_grad(library, events, with_grad)
-    finally:
-        torch.Tensor.backward = real_backward  # type: ignore[method-assign]
+    with poisoned_before_backward(library.cache) as poisoned:
+        result = play_with_grad(library, events, with_grad)
+    assert poisoned and all(count > 0 for count in poisoned)
+    return result
 
 
 def test_without_holds_the_recomputation_would_read_reused_pages(monkeypatch: pytest.MonkeyPatch) -> None:

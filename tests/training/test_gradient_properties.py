@@ -11,9 +11,7 @@ and every parameter's gradient must equal ``NaiveStreaming(grad=True)``'s.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from unittest import mock
+from collections.abc import Callable, Sequence
 
 import pytest
 import torch
@@ -23,7 +21,7 @@ from hypothesis import strategies as st
 import ardiff_modules as am
 from tests.support.streaming_model import LibraryStreaming, NaiveStreaming, TinyStreamingModel
 from tests.training.test_gradients import play_with_grad
-from tests.support.training_peers import poison_free_pages
+from tests.support.training_peers import poisoned_before_backward
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -82,19 +80,6 @@ def checkpointed(model: TinyStreamingModel, scope: am.TrainingScope) -> Callable
         return x
 
     return run
-
-
-@contextmanager
-def poisoned_before_backward(cache: am.KVCache) -> Iterator[None]:
-    """``Tensor.backward`` first overwrites every free page with NaN (what reuse would leave there)."""
-    real = torch.Tensor.backward
-
-    def backward(self: torch.Tensor, *args: object, **kwargs: object) -> None:
-        poison_free_pages(cache)
-        real(self, *args, **kwargs)
-
-    with mock.patch.object(torch.Tensor, "backward", backward):
-        yield
 
 
 def param_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
