@@ -60,6 +60,7 @@ from ardiff_modules.errors import (
 from ardiff_modules.spec import CrossAttentionSpec, KVCacheSpec
 from ardiff_modules.core.recache import RecacheRule
 from ardiff_modules.core.retention import RetentionPolicy, SinkWindowMemoryPolicy, SinkWindowPolicy
+from ardiff_modules.core.head_retention import HeadPart, HeadRetention
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from ardiff_modules.backends.base import AttentionBackend
@@ -70,6 +71,8 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from ardiff_modules.context import ForwardContext, LayerContext
     from ardiff_modules.convert import convert_attention_state_dict, convert_wan_state_dict
     from ardiff_modules.graphs import CUDAGraphStep
+    from ardiff_modules.head_cache import HeadGroupedKVCache, HeadGroupedSession
+    from ardiff_modules.head_forward import HeadGroupedForward, HeadGroupedLayer
     from ardiff_modules.modules import (
         CachedCrossAttention,
         ChunkSelfAttention,
@@ -96,6 +99,10 @@ _LAZY: dict[str, str] = {
     "FlashInferBackend": "ardiff_modules.backends.flashinfer",
     "ForwardContext": "ardiff_modules.context",
     "KVCache": "ardiff_modules.cache",
+    "HeadGroupedKVCache": "ardiff_modules.head_cache",
+    "HeadGroupedSession": "ardiff_modules.head_cache",
+    "HeadGroupedForward": "ardiff_modules.head_forward",
+    "HeadGroupedLayer": "ardiff_modules.head_forward",
     "KVState": "ardiff_modules.session",
     "LayerContext": "ardiff_modules.context",
     "ReferenceBackend": "ardiff_modules.backends.reference",
@@ -143,6 +150,12 @@ __all__ = [
     "FlashInferBackend",
     "ForwardContext",
     "ForwardFinishedError",
+    "HeadGroupedForward",
+    "HeadGroupedKVCache",
+    "HeadGroupedLayer",
+    "HeadGroupedSession",
+    "HeadPart",
+    "HeadRetention",
     "IncompleteForwardError",
     "InferenceOnlyError",
     "KVCache",

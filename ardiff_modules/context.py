@@ -63,6 +63,29 @@ class CrossReads:
         return f"CrossReads({sorted(vars(self))})"
 
 
+class CrossHolder(Protocol):
+    """A layer context's cross-attention views (what :func:`publish_cross` updates)."""
+
+    layer_index: int
+    cross: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+def publish_cross(
+    layers: Iterable[CrossHolder],
+    current: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    cross: dict[str, tuple[torch.Tensor, torch.Tensor]],
+) -> None:
+    """Point each layer's ``cross`` at its view of the stacked caches ``cross`` (name -> K, V ``[layers, ...]``);
+    views are rebuilt only for caches not already ``current``; names ``cross`` lacks are dropped."""
+    changed = [name for name in cross if current.get(name) is not cross[name]]
+    for layer in layers:
+        for name in list(layer.cross):
+            if name not in cross:
+                del layer.cross[name]
+        for name in changed:
+            layer.cross[name] = (cross[name][0][layer.layer_index], cross[name][1][layer.layer_index])
+
+
 @dataclass(eq=False, repr=False)
 class LayerContext:
     """What one attention layer needs for one forward.
@@ -341,13 +364,7 @@ class ForwardContext:
 
     def set_cross(self, cross: dict[str, tuple[torch.Tensor, torch.Tensor]], missing: dict[str, str]) -> None:
         """Publish stacked cross caches; per-layer views are rebuilt only for caches that changed."""
-        changed = [name for name in cross if self.cross.get(name) is not cross[name]]
-        for layer in self.layers:
-            for name in list(layer.cross):
-                if name not in cross:
-                    del layer.cross[name]
-            for name in changed:
-                layer.cross[name] = (cross[name][0][layer.layer_index], cross[name][1][layer.layer_index])
+        publish_cross(self.layers, self.cross, cross)
         self.cross, self.cross_missing = cross, missing
 
     def to_dense(self) -> torch.Tensor:

@@ -36,17 +36,27 @@ import torch
 
 from ardiff_modules.checks import require_bool, require_int
 from ardiff_modules.context import ForwardContext
+from ardiff_modules.core.transaction import ForwardTransaction
 from ardiff_modules.errors import SpecError, TensorMismatchError
+from ardiff_modules.head_forward import HeadGroupedForward
+
+#: What a graph step replays: a forward of a ``KVCache`` or of a ``HeadGroupedKVCache`` (one context per part).
+Forward = ForwardContext | HeadGroupedForward
 
 #: ``torch.cuda.graph(capture_error_mode=...)`` values (see :class:`CUDAGraphStep`).
 CaptureErrorMode = Literal["global", "thread_local", "relaxed"]
 CAPTURE_ERROR_MODES: tuple[str, ...] = ("global", "thread_local", "relaxed")
 
 
-def _require_context(owner: str, forward: object) -> ForwardContext:
-    if not isinstance(forward, ForwardContext):
+def _require_context(owner: str, forward: object) -> Forward:
+    if not isinstance(forward, (ForwardContext, HeadGroupedForward)):
         raise SpecError(f"{owner}: expected a ForwardContext, got {type(forward).__name__}")
     return forward
+
+
+def _parts(forward: Forward) -> tuple[ForwardContext, ...]:
+    """The part contexts whose plans, transactions and pools a graph of ``forward`` uses."""
+    return forward.parts if isinstance(forward, HeadGroupedForward) else (forward,)
 
 
 @dataclass
@@ -54,12 +64,12 @@ class _Captured:
     graph: torch.cuda.CUDAGraph
     inputs: list[torch.Tensor]
     output: torch.Tensor
-    #: ``ForwardContext.plan_epoch`` at capture: the plan buffers the graph reads.
-    plan_epoch: int
+    #: ``ForwardContext.plan_epoch`` of each part at capture: the plan buffers the graph reads.
+    plan_epoch: tuple[int, ...]
     #: Cross-attention caches the captured step read (their fixed buffers are baked in).
     cross_names: frozenset[str]
-    #: Layers whose K/V the captured step writes (each replay marks them written on its forward).
-    written: frozenset[int] = frozenset()
+    #: Per part, the layers whose K/V the captured step writes (each replay marks them written on its forward).
+    written: tuple[frozenset[int], ...] = ()
 
 
 class CUDAGraphStep:
@@ -94,7 +104,7 @@ class CUDAGraphStep:
         #: (what a process with a NCCL watchdog or other CUDA threads wants).
         self.capture_error_mode = capture_error_mode
         # Keyed weakly by context: a context dropped by everyone takes its graph with it.
-        self._captured: weakref.WeakKeyDictionary[ForwardContext, _Captured] = weakref.WeakKeyDictionary()
+        self._captured: weakref.WeakKeyDictionary[Forward, _Captured] = weakref.WeakKeyDictionary()
 
     @property
     def num_graphs(self) -> int:
@@ -102,10 +112,10 @@ class CUDAGraphStep:
         return len(self._captured)
 
     def _drop_released(self) -> None:
-        for forward in [f for f in self._captured if f.released]:
+        for forward in [f for f in self._captured if any(p.released for p in _parts(f))]:
             self._release(forward)
 
-    def _release(self, forward: ForwardContext) -> None:
+    def _release(self, forward: Forward) -> None:
         captured = self._captured.pop(forward, None)
         # reset() frees the CUDA graph now, not when the last reference (a cycle, a traceback) goes: a live
         # graph that captured NCCL kernels makes dist.destroy_process_group() hang (pytorch/pytorch#115388).
@@ -118,8 +128,8 @@ class CUDAGraphStep:
         for forward in list(self._captured):
             self._release(forward)
 
-    def __call__(self, forward: ForwardContext, *inputs: torch.Tensor) -> torch.Tensor:
-        if not isinstance(forward, ForwardContext):
+    def __call__(self, forward: Forward, *inputs: torch.Tensor) -> torch.Tensor:
+        if not isinstance(forward, (ForwardContext, HeadGroupedForward)):
             raise SpecError(f"CUDAGraphStep: expected a ForwardContext (static=True), got {type(forward).__name__}")
         if not forward.static:
             raise SpecError("CUDAGraphStep: expected a forward prepared with static=True, got a dynamic one")
@@ -139,13 +149,13 @@ class CUDAGraphStep:
         captured.graph.replay()
         return captured.output.clone() if self.clone_outputs else captured.output
 
-    def will_capture(self, forward: ForwardContext) -> bool:
+    def will_capture(self, forward: Forward) -> bool:
         """Whether the next call with ``forward`` captures (``True``: a context without a graph, or whose
         plan object was rebuilt since) or replays (``False``)."""
         captured = self._captured.get(_require_context("CUDAGraphStep.will_capture", forward))
         return captured is None or _stale(captured, forward)
 
-    def check_replay(self, forward: ForwardContext, *inputs: torch.Tensor) -> None:
+    def check_replay(self, forward: Forward, *inputs: torch.Tensor) -> None:
         """Raise what a replay of ``forward`` with ``inputs`` would raise before running anything (inputs as
         captured; the cross-attention caches the graph reads still published); nothing if it would capture.
         """
@@ -154,7 +164,7 @@ class CUDAGraphStep:
             self._check_replay(captured, forward, inputs)
 
     @staticmethod
-    def _check_replay(captured: _Captured, forward: ForwardContext, inputs: tuple[torch.Tensor, ...]) -> None:
+    def _check_replay(captured: _Captured, forward: Forward, inputs: tuple[torch.Tensor, ...]) -> None:
         for name in sorted(captured.cross_names):
             if name not in forward.cross:
                 forward.raise_missing_cross(name)
@@ -167,24 +177,23 @@ class CUDAGraphStep:
                     f"CUDAGraphStep: expected input {tuple(static.shape)} {static.dtype} as captured, got {got}"
                 )
 
-    def discard(self, forward: ForwardContext) -> None:
+    def discard(self, forward: Forward) -> None:
         """Drop ``forward``'s graph if there is one (its next call captures again)."""
         self._release(_require_context("CUDAGraphStep.discard", forward))
 
-    def capture(self, forward: ForwardContext, *inputs: torch.Tensor) -> None:
+    def capture(self, forward: Forward, *inputs: torch.Tensor) -> None:
         """Warm up and capture ``fn(*inputs, forward.layers)`` for ``forward`` now, without replaying it
         (the next call replays). Replaces an existing graph of ``forward``. A failed capture raises and
         leaves no graph for ``forward``."""
-        if not isinstance(forward, ForwardContext) or not forward.static:
+        if not isinstance(forward, (ForwardContext, HeadGroupedForward)) or not forward.static:
             raise SpecError("CUDAGraphStep.capture: expected a ForwardContext prepared with static=True")
         forward.check_usable("CUDAGraphStep.capture")
         self.discard(forward)
         self._capture(forward, inputs)
 
-    def _capture(self, forward: ForwardContext, inputs: tuple[torch.Tensor, ...]) -> _Captured:
+    def _capture(self, forward: Forward, inputs: tuple[torch.Tensor, ...]) -> _Captured:
         layers = forward.layers
-        transaction = forward.transaction
-        assert transaction is not None  # check_usable ran
+        parts = _parts(forward)
         static_inputs = [t.clone() for t in inputs]
         forward.cross_reads.clear()  # what this step reads, recorded by the layers as they run
         # Warm up on a side stream (kernel loading, autotuning, allocator pools), as PyTorch recommends.
@@ -198,7 +207,8 @@ class CUDAGraphStep:
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # NOTE: the capture launches nothing: its writes count for a forward only when a replay runs them.
-        with transaction.recording_writes() as written:
+        with contextlib.ExitStack() as recording:
+            written = [recording.enter_context(_transaction(p).recording_writes()) for p in parts]
             try:
                 with torch.cuda.graph(graph, capture_error_mode=self.capture_error_mode):
                     output = self.fn(*static_inputs, layers)
@@ -209,26 +219,38 @@ class CUDAGraphStep:
                     graph.reset()
                 raise
         captured = _Captured(
-            graph, static_inputs, output, forward.plan_epoch, forward.cross_reads.names(), frozenset(written)
+            graph, static_inputs, output, tuple(p.plan_epoch for p in parts), forward.cross_reads.names(),
+            tuple(frozenset(w) for w in written),
         )
         self._captured[forward] = captured
         return captured
 
 
-def _stale(captured: _Captured, forward: ForwardContext) -> bool:
-    """Whether ``captured`` must be captured again for ``forward``: its plan object was rebuilt (the buffers
+def _transaction(part: ForwardContext) -> ForwardTransaction:
+    transaction = part.transaction
+    assert transaction is not None  # check_usable ran
+    return transaction
+
+
+def _stale(captured: _Captured, forward: Forward) -> bool:
+    """Whether ``captured`` must be captured again for ``forward``: a part's plan object was rebuilt (the buffers
     the graph reads moved), or an FP8 layer it writes lost its (provisional) scales, which only a Python
     run of the layer sets again."""
-    if captured.plan_epoch != forward.plan_epoch:
+    parts = _parts(forward)
+    if captured.plan_epoch != tuple(p.plan_epoch for p in parts):
         return True
-    quantizer = forward.plan.quantizer if forward.plan is not None else None
-    return quantizer is not None and not all(quantizer.calibrated(layer) for layer in captured.written)
+    for part, written in zip(parts, captured.written):
+        quantizer = part.plan.quantizer if part.plan is not None else None
+        if quantizer is not None and not all(quantizer.calibrated(layer) for layer in written):
+            return True
+    return False
 
 
-def _record_replay_writes(captured: _Captured, forward: ForwardContext) -> None:
+def _record_replay_writes(captured: _Captured, forward: Forward) -> None:
     """A replay writes what its capture wrote: record it on the open forward (host work once per replay)."""
-    transaction = forward.transaction
-    assert transaction is not None and forward.plan is not None
-    transaction.mark_written(captured.written)
-    if forward.plan.quantizer is not None:
-        forward.plan.quantizer.note_writes(captured.written, transaction)
+    for part, written in zip(_parts(forward), captured.written):
+        transaction = _transaction(part)
+        assert part.plan is not None
+        transaction.mark_written(written)
+        if part.plan.quantizer is not None:
+            part.plan.quantizer.note_writes(written, transaction)

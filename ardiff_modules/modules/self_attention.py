@@ -180,7 +180,7 @@ class ChunkSelfAttention(CheckpointLayer):
         ``(cos, sin)`` pair broadcastable to ``[streams, seq_len, 1, head_dim]`` in ``rope_layout``.
         """
         check_input("ChunkSelfAttention", "x", x, "[streams, seq_len, dim]", self.dim, self.to_q.weight)
-        check_layer_context("ChunkSelfAttention", kv, "k_cache")
+        check_layer_context("ChunkSelfAttention", kv, "forward")
         q, k, v = self.project(x)
         positions = kv.forward.positions
         sp = self.sequence_parallel

@@ -1,0 +1,295 @@
+"""Per-head and per-layer retention: which K/V heads of which layers keep which chunks (pure Python).
+
+Heads of a video DiT specialise: some look mostly at the current and the previous frames ("local"
+heads), others at the first frame and the whole window. Forcing-KV keeps a short window for the local
+heads (halving Causal Forcing's cache), LightX2V sets a window per layer. A :class:`HeadRetention` names
+retention *groups* (each a :class:`~ardiff_modules.core.retention.RetentionPolicy`, e.g. sink 0 + window 1
+for local heads, sink 1 + window 6 for the rest) and assigns every (layer, K/V head) to one group::
+
+    layer 0:  kv heads  0 1 2 3 4 5 6 7 8 9 10 11
+              group     G L L G L L G L L G  L  L       L: local (window 1)   G: global (sink 1 + window 6)
+    layer 1:            G G L L L L L L L L  G  G
+
+Storage follows from it. The heads of one group that a layer has form that layer's share of one
+*part*; the layers where a group has the same number of heads share one part: one paged pool of
+``[part layers, 2, pages, page_size, heads, dim]`` with its own allocator and page ids, its own
+retention (so a short group really frees its pages early), its own plan per forward::
+
+    part ("L", 8 heads): layers 0, 1 ...   part ("G", 4 heads): layers 0, 1 ...
+
+so every kernel launch covers heads that share their key ranges (one row set per group, no mask),
+and memory is exact: a part stores only the heads it holds, in only the layers that have them.
+(A group with a different head count in each layer makes one part per count: more plans per forward,
+never more memory.) ``KVCacheSpec`` is the rest of the geometry; :mod:`ardiff_modules.head_cache`
+builds the parts.
+
+File format (``to_json`` / ``from_json``)::
+
+    {"format": "ardiff_modules.head_retention/1",
+     "groups": {"local": {"sink_chunks": 0, "window_chunks": 1},
+                "global": {"sink_chunks": 1, "window_chunks": 6}},
+     "layers": [["global", "local", ...], ...]}      # one group name per kv head, per layer
+
+A per-head classification such as Forcing-KV's (for each layer, the indices of its local heads) goes
+through :meth:`HeadRetention.from_local_heads`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ardiff_modules.checks import is_int, require_int
+from ardiff_modules.core.retention import RetentionPolicy, SinkWindowPolicy, check_declared
+from ardiff_modules.errors import SpecError
+
+#: The ``"format"`` tag of the JSON files this module writes and reads.
+FILE_FORMAT = "ardiff_modules.head_retention/1"
+
+
+@dataclass(frozen=True)
+class HeadPart:
+    """The heads of one retention group that several layers hold in equal number: one paged pool.
+
+    ``layers`` are model layer indices, ascending; ``heads[i]`` are the K/V head indices (ascending) of
+    the group in layer ``layers[i]``, all of length :attr:`num_heads`.
+    """
+
+    group: str
+    policy: RetentionPolicy
+    layers: tuple[int, ...]
+    heads: tuple[tuple[int, ...], ...]
+
+    @property
+    def num_heads(self) -> int:
+        return len(self.heads[0])
+
+    @property
+    def name(self) -> str:
+        """``"<group>/<heads>h"``, e.g. ``"local/8h"`` (the part's key in stats and errors)."""
+        return f"{self.group}/{self.num_heads}h"
+
+
+def _policy(owner: str, value: Any) -> RetentionPolicy:
+    """A group's policy from a policy object, ``(sink, window)`` or ``{"sink_chunks", "window_chunks"}``."""
+    if isinstance(value, Mapping):
+        unknown = set(value) - {"sink_chunks", "window_chunks"}
+        if unknown:
+            raise SpecError(f"{owner}: expected keys sink_chunks / window_chunks, got also {sorted(unknown)}")
+        value = (value.get("sink_chunks", 0), value.get("window_chunks"))
+    if isinstance(value, tuple) and len(value) == 2:
+        sinks, window = value
+        require_int(f"{owner}.sink_chunks", sinks, minimum=0)
+        if window is not None:
+            require_int(f"{owner}.window_chunks", window, minimum=0)
+        return SinkWindowPolicy(sinks, window)
+    if isinstance(value, RetentionPolicy):
+        check_declared(value)
+        return value
+    raise SpecError(
+        f"{owner}: expected a RetentionPolicy, a (sink_chunks, window_chunks) pair or a mapping of them, "
+        f"got {type(value).__name__}"
+    )
+
+
+class HeadRetention:
+    """Retention groups and the group of every ``(layer, kv head)``.
+
+    Parameters
+    ----------
+    groups:
+        Group name -> its retention: a :class:`~ardiff_modules.core.retention.RetentionPolicy`, a
+        ``(sink_chunks, window_chunks)`` pair, or ``{"sink_chunks": ..., "window_chunks": ...}``.
+    layers:
+        One sequence per layer with one group name per K/V head (every layer the same head count).
+    """
+
+    def __init__(self, groups: Mapping[str, Any], layers: Sequence[Sequence[str]]) -> None:
+        owner = "HeadRetention"
+        if not isinstance(groups, Mapping) or not groups:
+            raise SpecError(f"{owner}.groups: expected a non-empty mapping of group names, got {groups!r}")
+        self.groups: dict[str, RetentionPolicy] = {}
+        for name, value in groups.items():
+            if not isinstance(name, str) or not name:
+                raise SpecError(f"{owner}.groups: expected non-empty string names, got {name!r}")
+            self.groups[name] = _policy(f"{owner}.groups[{name!r}]", value)
+        if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence) or not layers:
+            raise SpecError(f"{owner}.layers: expected one sequence of group names per layer, got {layers!r}")
+        rows = tuple(tuple(row) if isinstance(row, Sequence) and not isinstance(row, str) else row for row in layers)
+        for i, row in enumerate(rows):
+            if not isinstance(row, tuple) or not row:
+                raise SpecError(f"{owner}.layers[{i}]: expected a non-empty sequence of group names, got {row!r}")
+            if len(row) != len(rows[0]):
+                raise SpecError(
+                    f"{owner}.layers[{i}]: expected {len(rows[0])} kv heads (as layer 0), got {len(row)}"
+                )
+            unknown = sorted({str(g) for g in row if g not in self.groups})
+            if unknown:
+                raise SpecError(f"{owner}.layers[{i}]: expected group names from {tuple(self.groups)}, got {unknown}")
+        self.layers: tuple[tuple[str, ...], ...] = rows
+
+    # ------------------------------------------------------------------ geometry
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return len(self.layers[0])
+
+    def group_of(self, layer: int, head: int) -> str:
+        """The group of K/V head ``head`` of layer ``layer``."""
+        require_int("HeadRetention.group_of.layer", layer, minimum=0, below=self.num_layers)
+        require_int("HeadRetention.group_of.head", head, minimum=0, below=self.num_kv_heads)
+        return self.layers[layer][head]
+
+    def parts(self) -> tuple[HeadPart, ...]:
+        """The pools this assignment needs: one per (group, heads per layer), groups in declaration order."""
+        found: dict[tuple[str, int], tuple[list[int], list[tuple[int, ...]]]] = {}
+        for layer, row in enumerate(self.layers):
+            for group in self.groups:
+                heads = tuple(h for h, g in enumerate(row) if g == group)
+                if heads:
+                    layers, per_layer = found.setdefault((group, len(heads)), ([], []))
+                    layers.append(layer)
+                    per_layer.append(heads)
+        order = list(self.groups)
+        keys = sorted(found, key=lambda key: (order.index(key[0]), key[1]))
+        return tuple(
+            HeadPart(group, self.groups[group], tuple(found[(group, n)][0]), tuple(found[(group, n)][1]))
+            for group, n in keys
+        )
+
+    def check_geometry(self, owner: str, num_layers: int, num_kv_heads: int) -> None:
+        """:class:`SpecError` unless this assignment covers ``num_layers`` layers of ``num_kv_heads`` heads."""
+        if (self.num_layers, self.num_kv_heads) != (num_layers, num_kv_heads):
+            raise SpecError(
+                f"{owner}: expected a head assignment of {num_layers} layers x {num_kv_heads} kv heads (the "
+                f"spec's), got {self.num_layers} x {self.num_kv_heads}"
+            )
+
+    def resident_head_chunks(self, pending_chunks: int = 1) -> int | None:
+        """Peak (layer, kv head, chunk) triples one branch stores: the memory to compare with a uniform cache."""
+        total = 0
+        for row in self.layers:
+            for group in row:
+                bound = self.groups[group].max_history_chunks
+                if bound is None:
+                    return None
+                total += bound + pending_chunks
+        return total
+
+    # ------------------------------------------------------------------ construction helpers
+    @classmethod
+    def uniform(cls, num_layers: int, num_kv_heads: int, policy: Any, name: str = "all") -> HeadRetention:
+        """Every head of every layer in one group (a plain cache, as a head assignment)."""
+        require_int("HeadRetention.uniform.num_layers", num_layers, minimum=1)
+        require_int("HeadRetention.uniform.num_kv_heads", num_kv_heads, minimum=1)
+        return cls({name: policy}, [[name] * num_kv_heads for _ in range(num_layers)])
+
+    @classmethod
+    def per_layer(cls, policies: Sequence[Any], num_kv_heads: int) -> HeadRetention:
+        """One retention per layer (LightX2V-style windows): layers with equal retention share a group."""
+        require_int("HeadRetention.per_layer.num_kv_heads", num_kv_heads, minimum=1)
+        checked = [_policy(f"HeadRetention.per_layer.policies[{i}]", p) for i, p in enumerate(policies)]
+        groups: dict[str, RetentionPolicy] = {}
+        names: list[str] = []
+        for policy in checked:
+            name = next((n for n, p in groups.items() if p == policy), None)
+            if name is None:
+                name = _policy_name(policy, len(groups))
+                groups[name] = policy
+            names.append(name)
+        return cls(groups, [[name] * num_kv_heads for name in names])
+
+    @classmethod
+    def from_local_heads(
+        cls,
+        num_layers: int,
+        num_kv_heads: int,
+        local_heads: Mapping[Any, Sequence[int]],
+        *,
+        local: Any = (0, 1),
+        other: Any = (1, 6),
+    ) -> HeadRetention:
+        """From a per-layer list of "local" heads (Forcing-KV's classification): those get ``local``, the rest ``other``.
+
+        ``local_heads`` maps a layer index (an int or its decimal string, as JSON keys are) to head indices;
+        layers it does not name keep every head in ``other``.
+        """
+        require_int("HeadRetention.from_local_heads.num_layers", num_layers, minimum=1)
+        require_int("HeadRetention.from_local_heads.num_kv_heads", num_kv_heads, minimum=1)
+        rows = [["other"] * num_kv_heads for _ in range(num_layers)]
+        for key, heads in local_heads.items():
+            layer = _layer_key(key, num_layers)
+            for head in heads:
+                require_int(f"HeadRetention.from_local_heads.local_heads[{key!r}]", head, minimum=0, below=num_kv_heads)
+                rows[layer][head] = "local"
+        return cls({"local": local, "other": other}, rows)
+
+    # ------------------------------------------------------------------ files
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form (module docstring); only sink + window groups can be written."""
+        groups = {}
+        for name, policy in self.groups.items():
+            if not isinstance(policy, SinkWindowPolicy):
+                raise SpecError(
+                    f"HeadRetention.to_dict: expected sink + window groups (SinkWindowPolicy), got group {name!r} "
+                    f"with a {type(policy).__name__}"
+                )
+            groups[name] = {"sink_chunks": policy.sink_chunks, "window_chunks": policy.window_chunks}
+        return {"format": FILE_FORMAT, "groups": groups, "layers": [list(row) for row in self.layers]}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> HeadRetention:
+        if not isinstance(data, Mapping) or data.get("format") != FILE_FORMAT:
+            got = data.get("format") if isinstance(data, Mapping) else type(data).__name__
+            raise SpecError(f"HeadRetention.from_dict: expected format {FILE_FORMAT!r}, got {got!r}")
+        return cls(data.get("groups", {}), data.get("layers", ()))
+
+    def to_json(self, path: str | os.PathLike[str]) -> None:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self.to_dict(), f, indent=1)
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike[str]) -> HeadRetention:
+        """Load a head configuration written by :meth:`to_json` (or by hand in that format)."""
+        with open(path, encoding="utf-8") as f:
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError as exc:
+                raise SpecError(f"HeadRetention.from_json: expected JSON in {os.fspath(path)!r}, got {exc}") from exc
+        return cls.from_dict(data)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, HeadRetention):
+            return NotImplemented
+        return self.groups == other.groups and self.layers == other.layers
+
+    def __hash__(self) -> int:
+        return hash(self.layers)
+
+    def __repr__(self) -> str:
+        counts = {g: sum(row.count(g) for row in self.layers) for g in self.groups}
+        return (
+            f"HeadRetention(layers={self.num_layers}, kv_heads={self.num_kv_heads}, "
+            f"groups={ {g: (p.sink_chunks, p.max_history_chunks) for g, p in self.groups.items()} }, "
+            f"heads_per_group={counts}, parts={len(self.parts())})"
+        )
+
+
+def _layer_key(key: Any, num_layers: int) -> int:
+    if isinstance(key, str) and key.isdigit():
+        key = int(key)
+    if not is_int(key):
+        raise SpecError(f"HeadRetention.from_local_heads: expected layer indices (ints or digit strings), got {key!r}")
+    return require_int("HeadRetention.from_local_heads layer", key, minimum=0, below=num_layers)
+
+
+def _policy_name(policy: RetentionPolicy, index: int) -> str:
+    if isinstance(policy, SinkWindowPolicy):
+        return f"sink{policy.sink_chunks}_window{policy.window_chunks}"
+    return f"group{index}"

@@ -1,0 +1,587 @@
+"""``HeadGroupedKVCache``: per-head and per-layer retention, one paged cache per part.
+
+Build it from the model's :class:`~ardiff_modules.spec.KVCacheSpec` (geometry, branches, cross caches,
+dtypes; its ``sink_chunks`` / ``window_chunks`` left at their defaults) and a
+:class:`~ardiff_modules.core.head_retention.HeadRetention` (which heads keep which chunks)::
+
+    heads = am.HeadRetention.from_json("forcing_kv_heads.json")
+    cache = am.HeadGroupedKVCache(spec, heads, max_sessions=4, device="cuda")
+    state = cache.open_session()
+    with state.prepare_forward(("cond", "uncond"), seq_len, commit_current=True) as fwd:
+        out = model(x, t, fwd.layers)          # the same modules: chunk_attention splits the heads
+
+Each part (:class:`~ardiff_modules.core.head_retention.HeadPart`: the heads of one group that some layers
+hold in equal number) is a plain :class:`~ardiff_modules.cache.KVCache` over those layers and heads, with
+the group's retention: its own pool, pages, eviction, contiguous extents (ragged FA3), plan and FP8
+scales. Sessions, forwards and commits span every part: a forward is prepared in every part or in none,
+and commits in every part or in none. Memory is split between the parts by what one session holds at
+its peak in each, so admission (``sessions_that_fit``) answers for all of them.
+
+Not supported here (refused with :class:`~ardiff_modules.errors.SpecError`): relative sinks, token
+masks, re-cache, ``share_sinks_from``, gradients through the cache, the distributed wrappers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections import OrderedDict
+from collections.abc import Collection, Iterable, Sequence
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from ardiff_modules.backends import AttentionBackend, resolve_backend
+from ardiff_modules.cache import KVCache
+from ardiff_modules.checks import require_bool, require_int
+from ardiff_modules.context import ForwardContext
+from ardiff_modules.core.admission import Admission
+from ardiff_modules.core.head_retention import HeadPart, HeadRetention
+from ardiff_modules.core.transaction import ForwardTransaction
+from ardiff_modules.cross import CrossEntry, build_entry, check_cache_name, not_populated
+from ardiff_modules.errors import CacheClosedError, CapacityError, SequenceLengthError, SessionClosedError, SpecError
+from ardiff_modules.head_forward import HeadGroupedForward, HeadGroupedLayer, abort_all, head_selector
+from ardiff_modules.pool import KVPool, bytes_per_page, torch_dtype
+from ardiff_modules.session import KVState, branch_names
+from ardiff_modules.session_table import check_session_id
+from ardiff_modules.spec import KVCacheSpec, PendingAttention
+
+Streams = Sequence[tuple["HeadGroupedSession", str]]
+
+
+def part_spec(spec: KVCacheSpec, part: HeadPart) -> KVCacheSpec:
+    """The :class:`KVCacheSpec` of one part: its layers and heads, the group's retention, no cross caches."""
+    group = spec.query_heads // spec.num_kv_heads
+    return dataclasses.replace(
+        spec, num_layers=len(part.layers), num_kv_heads=part.num_heads,
+        num_qo_heads=None if spec.num_qo_heads is None else part.num_heads * group,
+        sink_chunks=0, window_chunks=None, retention=part.policy, cross_attention=(),
+    )
+
+
+def _check_spec(spec: Any, heads: Any) -> None:
+    owner = "HeadGroupedKVCache"
+    if not isinstance(spec, KVCacheSpec):
+        raise SpecError(f"{owner}.spec: expected a KVCacheSpec, got {type(spec).__name__}")
+    if not isinstance(heads, HeadRetention):
+        raise SpecError(f"{owner}.heads: expected a HeadRetention, got {type(heads).__name__}")
+    heads.check_geometry(f"{owner}.heads", spec.num_layers, spec.num_kv_heads)
+    if (spec.sink_chunks, spec.window_chunks, spec.retention) != (0, None, None):
+        raise SpecError(
+            f"{owner}.spec: expected sink_chunks/window_chunks/retention left at (0, None, None) (each head group "
+            f"has its own retention), got ({spec.sink_chunks}, {spec.window_chunks}, {spec.retention!r})"
+        )
+    if spec.relative_sinks:
+        raise SpecError(f"{owner}.spec.relative_sinks: expected False (not supported with head groups), got True")
+
+
+def _part_pages(
+    specs: Sequence[KVCacheSpec], max_sessions: int | None, budget_bytes: int | None, extents: bool
+) -> list[int]:
+    """Pages of each part's pool: ``max_sessions`` sessions at their peak (plus one re-cache reserve), or
+    ``budget_bytes`` split by what one session holds at its peak in each part."""
+    if (max_sessions is None) == (budget_bytes is None):
+        raise SpecError(
+            "HeadGroupedKVCache: expected exactly one of max_sessions / budget_bytes, got "
+            f"max_sessions={max_sessions!r}, budget_bytes={budget_bytes!r}"
+        )
+    admissions = []
+    for spec in specs:
+        history = spec.max_history_chunks
+        if history is None:
+            raise SpecError(
+                "HeadGroupedKVCache: expected every head group to have a bounded window (pools are split by "
+                "each part's peak), got a group with window_chunks=None"
+            )
+        admissions.append(Admission(len(spec.branches), history, spec.pages_per_chunk, history + 1 if extents else None,
+                                    spec.recache.context_chunks))
+    if max_sessions is not None:
+        require_int("HeadGroupedKVCache.max_sessions", max_sessions, minimum=1)
+        return [max_sessions * a.pages_per_session() + a.recache_reserve() for a in admissions]
+    require_int("HeadGroupedKVCache.budget_bytes", budget_bytes, minimum=1)
+    peaks = [a.pages_per_session() * bytes_per_page(s) for a, s in zip(admissions, specs)]
+    total = sum(peaks)
+    return [max(1, int(budget_bytes * peak / total) // bytes_per_page(s)) for peak, s in zip(peaks, specs)]
+
+
+class HeadGroupedKVCache:
+    """Per-head / per-layer retention over one :class:`KVCache` per part (see the module docstring).
+
+    Parameters
+    ----------
+    spec:
+        The model's geometry and options (``sink_chunks`` / ``window_chunks`` / ``retention`` at defaults).
+    heads:
+        The group of every (layer, kv head) and each group's retention.
+    max_sessions, budget_bytes:
+        Size the parts' pools for this many sessions at their peak, or split this many bytes between
+        them in proportion to one session's peak (exactly one).
+    device, backend, contiguous_extents, max_forward_contexts, check_finite:
+        As for :class:`KVCache` (one backend instance shared by every part).
+    """
+
+    def __init__(
+        self,
+        spec: KVCacheSpec,
+        heads: HeadRetention,
+        *,
+        max_sessions: int | None = None,
+        budget_bytes: int | None = None,
+        device: torch.device | str = "cpu",
+        backend: str | AttentionBackend = "auto",
+        contiguous_extents: bool | None = None,
+        max_forward_contexts: int = 64,
+        check_finite: bool = False,
+    ) -> None:
+        _check_spec(spec, heads)
+        self.spec, self.heads = spec, heads
+        self.part_list = heads.parts()
+        specs = [part_spec(spec, part) for part in self.part_list]
+        probe = KVPool(specs[0], 1, device)  # resolves the device and dtypes once, as KVCache would
+        shared = resolve_backend(backend, probe.device, torch_dtype(spec.dtype), spec.head_dim, kv_dtype=probe.dtype)
+        extents = contiguous_extents if contiguous_extents is not None else shared.name == "flashinfer"
+        pages = _part_pages(specs, max_sessions, budget_bytes, extents)
+        self.caches: tuple[KVCache, ...] = tuple(
+            KVCache(s, num_pages=n, device=probe.device, backend=shared, contiguous_extents=contiguous_extents,
+                    max_forward_contexts=max_forward_contexts, check_finite=check_finite)
+            for s, n in zip(specs, pages)
+        )
+        probe.release()
+        self.max_forward_contexts = max_forward_contexts
+        self._lock = threading.RLock()
+        self._sessions: dict[str, HeadGroupedSession] = {}
+        self._forwards: OrderedDict[tuple[int, ...], HeadGroupedForward] = OrderedDict()
+        self._layer_shares = self._build_layer_shares()
+        self._closed = False
+
+    def _build_layer_shares(self) -> list[list[tuple[int, int, Any, Any]]]:
+        """Per model layer: ``(part, layer in the part, q heads, kv heads)`` for each part holding heads there."""
+        group = self.spec.query_heads // self.spec.num_kv_heads
+        device = self.caches[0].device
+        shares: list[list[tuple[int, int, Any, Any]]] = [[] for _ in range(self.spec.num_layers)]
+        for p, part in enumerate(self.part_list):
+            for inner, (layer, kv_heads) in enumerate(zip(part.layers, part.heads)):
+                q_heads = [h * group + j for h in kv_heads for j in range(group)]
+                shares[layer].append((p, inner, head_selector(q_heads, device), head_selector(kv_heads, device)))
+        return shares
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def device(self) -> torch.device:
+        return self.caches[0].device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.caches[0].dtype
+
+    @property
+    def lock(self) -> threading.RLock:
+        return self._lock
+
+    @property
+    def part_names(self) -> tuple[str, ...]:
+        return tuple(part.name for part in self.part_list)
+
+    @property
+    def is_closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise CacheClosedError(f"HeadGroupedKVCache.{what}: expected an open cache, got a closed one")
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"{p.name}: {len(p.layers)} layers, {c.pool.num_pages} pages"
+                          for p, c in zip(self.part_list, self.caches))
+        return f"HeadGroupedKVCache({parts}; sessions={len(self._sessions)}, closed={self._closed})"
+
+    # ------------------------------------------------------------------ sessions
+    @property
+    def sessions(self) -> dict[str, HeadGroupedSession]:
+        with self._lock:
+            return dict(self._sessions)
+
+    def open_session(self, session_id: str | None = None) -> HeadGroupedSession:
+        """A new session: one :class:`KVState` per part under one id (all or none)."""
+        with self._lock:
+            self._check_open("open_session")
+            check_session_id(session_id)
+            opened: list[KVState] = []
+            try:
+                for cache in self.caches:
+                    opened.append(cache.open_session(session_id if not opened else opened[0].session_id))
+            except BaseException:
+                for state in opened:
+                    state.close()
+                raise
+            session = HeadGroupedSession(self, tuple(opened))
+            self._sessions[session.session_id] = session
+            return session
+
+    def register(self, session: HeadGroupedSession) -> None:
+        """Track a session made from parts opened elsewhere (``fork``)."""
+        with self._lock:
+            self._sessions[session.session_id] = session
+
+    def session_closed(self, session: HeadGroupedSession) -> None:
+        with self._lock:
+            self._sessions.pop(session.session_id, None)
+            stale = [key for key, fwd in self._forwards.items() if any(p.released for p in fwd.parts)]
+            for key in stale:
+                del self._forwards[key]
+
+    def close(self) -> None:
+        """Close every session and every part (idempotent)."""
+        with self._lock:
+            if self._closed:
+                return
+            for session in list(self._sessions.values()):
+                session.close()
+            for cache in self.caches:
+                cache.close()
+            self._forwards.clear()
+            self._closed = True
+
+    def __enter__(self) -> HeadGroupedKVCache:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ forwards
+    def prepare_forward(
+        self,
+        streams: Streams,
+        seq_len: int,
+        commit_current: bool = False,
+        *,
+        static: bool = False,
+        chunk_lengths: Sequence[int] | None = None,
+        pending_attention: PendingAttention | None = None,
+    ) -> HeadGroupedForward:
+        """One forward over ``streams`` (``(session, branch)`` pairs) in every part, or in none.
+
+        As :meth:`KVCache.prepare_forward`; a part that refuses (capacity, validation) raises after the
+        parts prepared before it were aborted, so no part keeps an open forward.
+        """
+        with self._lock:
+            self._check_open("prepare_forward")
+            members = self._members(streams)
+            contexts: list[ForwardContext] = []
+            try:
+                for p, cache in enumerate(self.caches):
+                    contexts.append(cache.prepare_forward(
+                        [(s.parts[p], b) for s, b in members], seq_len, commit_current, static=static,
+                        chunk_lengths=chunk_lengths, pending_attention=pending_attention,
+                    ))
+                _check_offsets(contexts)
+            except BaseException:
+                abort_all(contexts)
+                raise
+            forward = self._forward_for(tuple(contexts), static)
+            forward.set_cross(*self._stack_cross(forward, members, static))
+            for session, branch in members:
+                session.opened(branch, forward)
+            return forward
+
+    def _members(self, streams: Streams) -> list[tuple[HeadGroupedSession, str]]:
+        if isinstance(streams, (str, bytes)) or not isinstance(streams, Sequence) or not streams:
+            raise SpecError(f"prepare_forward.streams: expected a non-empty sequence of (session, branch), got {streams!r}")
+        members = []
+        for item in streams:
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], HeadGroupedSession)):
+                raise SpecError(f"prepare_forward.streams: expected (HeadGroupedSession, branch) pairs, got {item!r}")
+            if item[0].cache is not self:
+                raise SpecError("prepare_forward.streams: expected sessions of this HeadGroupedKVCache, got another's")
+            members.append(item)
+        return members
+
+    def _forward_for(self, contexts: tuple[ForwardContext, ...], static: bool) -> HeadGroupedForward:
+        """The reused grouped forward over these part contexts (the parts reuse theirs per batch of streams)."""
+        key = tuple(id(c) for c in contexts)
+        forward = self._forwards.get(key)
+        if forward is not None and all(a is b for a, b in zip(forward.parts, contexts)):
+            self._forwards.move_to_end(key)
+            return forward
+        forward = HeadGroupedForward.create(contexts, self.part_names, self._finish, self._layer_shares,
+                                            self.spec.query_heads, static=static)
+        self._forwards[key] = forward
+        while len(self._forwards) > self.max_forward_contexts:
+            self._forwards.popitem(last=False)
+        return forward
+
+    def _stack_cross(
+        self, forward: HeadGroupedForward, members: Sequence[tuple[HeadGroupedSession, str]], static: bool
+    ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, str]]:
+        names = self.spec.cross_attention_names
+        entries = {name: [s.cross_entry(b, name) for s, b in members] for name in names}
+        who = [f"{s.session_id!r}/{b!r}" for s, b in members]
+        stacked, missing, versions = forward.cross_stack.restack(names, entries, who, forward.cross, static)
+        forward.cross_stack.adopt(versions)
+        return stacked, missing
+
+    def _finish(self, transactions: Sequence[ForwardTransaction | None], success: bool) -> None:
+        """Commit every part's forward or none: each part's pre-commit checks first, then the commits."""
+        with self._lock:
+            live = [(c, t) for c, t in zip(self.caches, transactions) if t is not None and t.is_open]
+            if not success:
+                for cache, transaction in live:
+                    cache.finish_forward(transaction, False)
+                return
+            try:
+                for cache, transaction in live:
+                    cache.abort_if_uncommittable(transaction)
+            except BaseException:
+                for cache, transaction in live:
+                    if transaction.is_open:
+                        cache.finish_forward(transaction, False)
+                raise
+            for cache, transaction in live:
+                cache.finish_forward(transaction, True)
+
+    # ------------------------------------------------------------------ admission and stats
+    def sessions_that_fit(self, pending_chunks: int = 1, *, recache: bool = True) -> int:
+        """How many more sessions fit at their peak in every part."""
+        with self._lock:
+            self._check_open("sessions_that_fit")
+            return min(c.sessions_that_fit(pending_chunks, recache=recache) for c in self.caches)
+
+    def can_admit(self, num_sessions: int = 1, pending_chunks: int = 1, *, recache: bool = True) -> bool:
+        require_int("can_admit.num_sessions", num_sessions, minimum=1)
+        return self.sessions_that_fit(pending_chunks, recache=recache) >= num_sessions
+
+    def admit_session(self, session_id: str | None = None, pending_chunks: int = 1, *, recache: bool = True
+                      ) -> HeadGroupedSession:
+        """Open a session only if it fits at its peak in every part; :class:`CapacityError` before any change."""
+        with self._lock:
+            self._check_open("admit_session")
+            check_session_id(session_id)
+            if self.sessions_that_fit(pending_chunks, recache=recache) < 1:
+                needed = [c.pages_per_session(pending_chunks=pending_chunks) for c in self.caches]
+                raise CapacityError(
+                    f"admit_session: a session needs {dict(zip(self.part_names, needed))} pages per part; some part "
+                    f"has too few free pages not promised to the {len(self._sessions)} open session(s)",
+                    needed=max(needed), free=0,
+                )
+            return self.open_session(session_id)
+
+    def pool_bytes(self) -> int:
+        """Bytes of every part's pool (what the cache allocated)."""
+        return sum(c.pool.nbytes for c in self.caches)
+
+    def bytes_in_use(self) -> int:
+        """Bytes of the pages in use in every part."""
+        with self._lock:
+            return sum(c.allocator.num_used * c.pool.bytes_per_page for c in self.caches)
+
+    def stats(self) -> dict[str, Any]:
+        """Per part name, that part's :meth:`KVCache.stats` snapshot."""
+        with self._lock:
+            return {name: cache.stats() for name, cache in zip(self.part_names, self.caches)}
+
+
+def _check_offsets(contexts: Sequence[ForwardContext]) -> None:
+    """Every part sees each stream at the same token offset (they commit and reset together)."""
+    offsets = {c.token_offsets for c in contexts}
+    assert len(offsets) == 1, f"head-grouped parts out of step: token offsets {sorted(offsets)}"
+
+
+class HeadGroupedSession:
+    """One generation stream of a :class:`HeadGroupedKVCache`: a :class:`KVState` per part, cross caches here.
+
+    The session API of :class:`KVState` for what head groups support: ``prepare_forward`` /
+    ``get_kv_caches`` / ``commit_paged_context`` / ``abort``, cross-attention populate / clear,
+    ``fork``, ``reset``, ``close``, and the per-branch counters.
+    """
+
+    def __init__(self, cache: HeadGroupedKVCache, parts: tuple[KVState, ...]) -> None:
+        self.cache = cache
+        self.parts = parts
+        self.session_id = parts[0].session_id
+        self._cross: dict[tuple[str, str], CrossEntry] = {}
+        self._open: dict[str, HeadGroupedForward] = {}
+        self._closed = False
+
+    def __repr__(self) -> str:
+        status = "closed" if self._closed else "open"
+        return f"HeadGroupedSession({self.session_id!r}, parts={len(self.parts)}, status={status!r})"
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def kv_branch_names(self) -> tuple[str, ...]:
+        return self.cache.spec.branches
+
+    @property
+    def num_layers(self) -> int:
+        return self.cache.spec.num_layers
+
+    @property
+    def is_closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SessionClosedError(f"Session {self.session_id!r} is closed; expected an open session")
+
+    def _check_branch(self, branch: str) -> None:
+        self._check_open()
+        self.parts[0].branch_pages(branch)  # unknown branch -> UnknownBranchError
+
+    def token_offset(self, branch: str) -> int:
+        return self.parts[0].token_offset(branch)
+
+    def committed_chunks(self, branch: str) -> int:
+        return self.parts[0].committed_chunks(branch)
+
+    def pages_in_use(self) -> dict[str, int]:
+        """Pages this session references in each part (part name -> pages)."""
+        return {name: state.pages_in_use() for name, state in zip(self.cache.part_names, self.parts)}
+
+    def bytes_in_use(self) -> int:
+        """Bytes of the pages this session references, over every part."""
+        return sum(state.pages_in_use() * c.pool.bytes_per_page for state, c in zip(self.parts, self.cache.caches))
+
+    # ------------------------------------------------------------------ self-attention
+    def prepare_forward(
+        self,
+        branches: Sequence[str] | None = None,
+        seq_len: int | None = None,
+        commit_current: bool = False,
+        *,
+        static: bool = False,
+        chunk_lengths: Sequence[int] | None = None,
+        pending_attention: PendingAttention | None = None,
+    ) -> HeadGroupedForward:
+        """One forward over several branches of this session (as :meth:`KVState.prepare_forward`)."""
+        self._check_open()
+        names = branch_names("prepare_forward", branches, self.kv_branch_names)
+        if seq_len is None:
+            raise SequenceLengthError(
+                f"prepare_forward: expected seq_len (a multiple of chunk_size={self.cache.spec.chunk_size}), got None"
+            )
+        return self.cache.prepare_forward([(self, b) for b in names], seq_len, commit_current, static=static,
+                                          chunk_lengths=chunk_lengths, pending_attention=pending_attention)
+
+    def get_kv_caches(self, kv_branch: str, seq_len: int | None = None, commit_current: bool = False
+                      ) -> list[HeadGroupedLayer]:
+        """Per-layer contexts for one forward of ``kv_branch`` (commit with :meth:`commit_paged_context`)."""
+        return self.prepare_forward((kv_branch,), seq_len, commit_current).layers
+
+    def opened(self, branch: str, forward: HeadGroupedForward) -> None:
+        self._open[branch] = forward
+
+    def open_forward(self, branch: str) -> HeadGroupedForward | None:
+        """The open forward ``branch`` belongs to, if any."""
+        self._check_branch(branch)
+        forward = self._open.get(branch)
+        return forward if forward is not None and forward.is_active else None
+
+    def commit_paged_context(self, kv_branch: str) -> None:
+        """Commit the open forward ``kv_branch`` belongs to (every part, with its other streams)."""
+        forward = self.open_forward(kv_branch)
+        if forward is None:
+            return
+        forward.commit()
+
+    def abort(self, kv_branch: str | None = None) -> None:
+        """Abort the open forward of ``kv_branch`` (or of every branch); history is unchanged."""
+        names = self.kv_branch_names if kv_branch is None else (kv_branch,)
+        for branch in names:
+            forward = self.open_forward(branch)
+            if forward is not None:
+                forward.abort()
+
+    # ------------------------------------------------------------------ cross-attention
+    def _cross_key(self, kv_branch: str, cache_name: str) -> tuple[str, str]:
+        self._check_branch(kv_branch)
+        check_cache_name(self.cache.spec, cache_name)
+        return cache_name, kv_branch
+
+    def cross_entry(self, kv_branch: str, cache_name: str) -> CrossEntry | None:
+        return self._cross.get(self._cross_key(kv_branch, cache_name))
+
+    def is_cross_attention_populated(self, kv_branch: str, cache_name: str) -> bool:
+        return self._cross_key(kv_branch, cache_name) in self._cross
+
+    def populate_cross_attention(
+        self, kv_branch: str, cache_name: str, layer_kv: Iterable[tuple[torch.Tensor, torch.Tensor]]
+    ) -> None:
+        """Publish one named cache (every layer, every head) for one branch, atomically (as :class:`KVState`)."""
+        key = self._cross_key(kv_branch, cache_name)
+        entry = build_entry(self.cache.spec, cache_name, layer_kv, self.cache.device, self.cache.dtype)
+        with self.cache.lock:
+            self._check_open()
+            self._cross[key] = entry
+
+    def get_cross_attention_kv(self, kv_branch: str, cache_name: str) -> list[dict[str, torch.Tensor]]:
+        entry = self.cross_entry(kv_branch, cache_name)
+        if entry is None:
+            raise not_populated(cache_name, kv_branch, self.session_id)
+        return [{"k": entry.k[i], "v": entry.v[i]} for i in range(self.num_layers)]
+
+    def clear_cross_attention(self) -> None:
+        with self.cache.lock:
+            self._check_open()
+            self._cross.clear()
+
+    def cross_attention_bytes(self) -> int:
+        return sum(e.nbytes for e in self._cross.values())
+
+    # ------------------------------------------------------------------ sharing and lifetime
+    def fork(self, session_id: str | None = None, *, branches: Sequence[str] | None = None,
+             share_cross_attention: bool = True) -> HeadGroupedSession:
+        """A new session sharing this one's committed history in every part (zero bytes copied)."""
+        require_bool("fork.share_cross_attention", share_cross_attention)
+        with self.cache.lock:
+            self._check_open()
+            children: list[KVState] = []
+            try:
+                for state in self.parts:
+                    sid = session_id if not children else children[0].session_id
+                    children.append(state.fork(sid, branches=branches, share_cross_attention=False))
+            except BaseException:
+                for child in children:
+                    child.close()
+                raise
+            child = HeadGroupedSession(self.cache, tuple(children))
+            names = branch_names("fork", branches, self.kv_branch_names)
+            if share_cross_attention:
+                child._cross.update({k: e for k, e in self._cross.items() if k[1] in names})
+            self.cache.register(child)
+            return child
+
+    def share_sinks_from(self, other: HeadGroupedSession, kv_branch: str) -> None:
+        raise SpecError(
+            "share_sinks_from: not supported on a HeadGroupedKVCache (groups without sinks would not advance "
+            "their offset); fork the session instead"
+        )
+
+    def close(self) -> None:
+        """Release every page of every part and the cross caches (idempotent)."""
+        with self.cache.lock:
+            if self._closed:
+                return
+            for state in self.parts:
+                state.close()
+            self._cross.clear()
+            self._open.clear()
+            self._closed = True
+            self.cache.session_closed(self)
+
+    def reset(self, *, keep_cross_attention: Collection[str] = ()) -> None:
+        """Release every part's self-attention pages, restart at offset 0; keep the named cross caches."""
+        keep = (keep_cross_attention,) if isinstance(keep_cross_attention, str) else tuple(keep_cross_attention)
+        unknown = set(keep) - set(self.cache.spec.cross_attention_names)
+        if unknown:
+            raise SpecError(f"reset.keep_cross_attention: expected names from "
+                            f"{self.cache.spec.cross_attention_names}, got {sorted(unknown)}")
+        with self.cache.lock:
+            if self._closed:
+                raise SessionClosedError(f"Session {self.session_id!r} is closed; open a new one")
+            for state in self.parts:
+                state.reset()
+            self._open.clear()
+            self._cross = {k: e for k, e in self._cross.items() if k[0] in keep}

@@ -1,0 +1,301 @@
+"""One forward of a head-grouped cache: a forward per part, and per layer the heads each part holds.
+
+A :class:`~ardiff_modules.head_cache.HeadGroupedKVCache` keeps one paged cache per *part* (the heads of
+one retention group that some layers hold: :mod:`ardiff_modules.core.head_retention`). A forward over
+it is one :class:`~ardiff_modules.context.ForwardContext` per part, prepared together, committed all
+together or aborted all together (:class:`HeadGroupedForward`); each model layer gets a
+:class:`HeadGroupedLayer` naming, for each part that holds some of its heads, which query and K/V
+heads those are and that part's :class:`~ardiff_modules.context.LayerContext`.
+:func:`~ardiff_modules.chunk_attention` splits q/k/v along the heads, runs each part's kernels (one
+plan per part: heads of a part share their key ranges, so no mask), and puts the outputs back in
+head order::
+
+    q [streams, n, 12 heads, d] --split--> part "local/8h": heads 1 2 4 5 7 8 10 11 -> ragged FA3, 2 chunks
+                                           part "global/4h": heads 0 3 6 9          -> ragged FA3, 8 chunks
+                                --merge--> out [streams, n, 12, d]
+
+Cross-attention caches hold every head of every layer and live on the grouped session; the forward
+stacks them as a plain forward does (:class:`~ardiff_modules.cross.CrossStack`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, NoReturn
+
+import torch
+
+from ardiff_modules.context import CrossReads, ForwardContext, LayerContext, publish_cross
+from ardiff_modules.cross import CrossStack
+from ardiff_modules.errors import CrossAttentionNotPopulatedError, ForwardFinishedError, UnknownCacheError
+
+
+@dataclass(frozen=True, eq=False)
+class LayerShare:
+    """The heads one part holds in one layer and that part's layer context.
+
+    ``q_heads`` / ``kv_heads``: a ``slice`` when the heads are one contiguous run (a view, no copy),
+    else an int64 index tensor on the pool's device.
+    """
+
+    part: int  #: index of the part in the cache (``HeadGroupedForward.parts``)
+    q_heads: slice | torch.Tensor
+    kv_heads: slice | torch.Tensor
+    context: LayerContext
+
+
+def take_heads(t: torch.Tensor, heads: slice | torch.Tensor) -> torch.Tensor:
+    """``t [streams, n, heads, d]`` restricted to ``heads`` (dim 2)."""
+    if isinstance(heads, slice):
+        return t[:, :, heads]
+    return t.index_select(2, heads)
+
+
+def head_selector(heads: Sequence[int], device: torch.device) -> slice | torch.Tensor:
+    """A ``slice`` for a contiguous ascending run of head indices, else an index tensor."""
+    if list(heads) == list(range(heads[0], heads[0] + len(heads))):
+        return slice(heads[0], heads[0] + len(heads))
+    return torch.tensor(list(heads), dtype=torch.int64, device=device)
+
+
+@dataclass(eq=False, repr=False)
+class HeadGroupedLayer:
+    """What one attention layer of a head-grouped cache needs for one forward (the ``LayerContext`` surface).
+
+    Attributes
+    ----------
+    layer_index:
+        The model layer.
+    forward:
+        The shared :class:`HeadGroupedForward`.
+    shares:
+        One :class:`LayerShare` per part holding heads of this layer, in part order.
+    merge_order:
+        ``None`` when concatenating the shares' outputs along the heads gives head order; else the int64
+        permutation that restores it (``index_select(2, merge_order)``).
+    cross:
+        Cache name -> this layer's ``(k, v)``, each ``[num_streams, tokens, heads, dim]``.
+    """
+
+    layer_index: int
+    forward: HeadGroupedForward
+    shares: tuple[LayerShare, ...]
+    merge_order: torch.Tensor | None
+    cross: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """Absolute positions of the current tokens, int64 ``[num_streams, seq_len]``."""
+        return self.forward.positions
+
+    @property
+    def sink_positions(self) -> None:
+        return None
+
+    @property
+    def num_streams(self) -> int:
+        return self.forward.num_streams
+
+    @property
+    def seq_len(self) -> int:
+        return self.forward.seq_len
+
+    def cross_kv(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's cross-attention K and V for cache ``name``, each ``[num_streams, tokens, heads, dim]``."""
+        pair = self.cross.get(name)
+        if pair is None:
+            self.forward.raise_missing_cross(name)
+        setattr(self.forward.cross_reads, name, True)  # see ForwardContext.note_cross_read
+        return pair
+
+    def merge(self, outputs: Sequence[torch.Tensor], dim: int = 2) -> torch.Tensor:
+        """The shares' outputs (``[streams, n, share heads, ...]``) as one tensor in head order."""
+        out = outputs[0] if len(outputs) == 1 else torch.cat(list(outputs), dim=dim)
+        return out if self.merge_order is None else out.index_select(dim, self.merge_order)
+
+    def __repr__(self) -> str:
+        parts = ", ".join(self.forward.part_names[s.part] for s in self.shares)
+        return f"HeadGroupedLayer(layer={self.layer_index}, parts=[{parts}], status={self.forward.status!r})"
+
+
+@dataclass(eq=False, repr=False)
+class HeadGroupedForward:
+    """One forward over ``streams`` of a head-grouped cache: one :class:`ForwardContext` per part.
+
+    Use as a context manager (commit on success, abort on an exception), like a ``ForwardContext``.
+    Reused by every forward of the same streams (compiled models see the same objects).
+    """
+
+    streams: tuple[tuple[str, str], ...]
+    parts: tuple[ForwardContext, ...]
+    part_names: tuple[str, ...]
+    finish_parts: Any  #: ``(forward, success) -> None``: the cache's all-or-nothing finish
+    layers: list[HeadGroupedLayer] = field(default_factory=list)
+    cross: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    cross_missing: dict[str, str] = field(default_factory=dict)
+    cross_stack: CrossStack = field(default_factory=CrossStack)
+    cross_reads: CrossReads = field(default_factory=lambda: CrossReads())
+    static: bool = False
+    _entered: list[tuple[Any, ...]] = field(default_factory=list)
+
+    @classmethod
+    def create(
+        cls,
+        contexts: tuple[ForwardContext, ...],
+        part_names: tuple[str, ...],
+        finish_parts: Any,
+        layer_shares: Sequence[Sequence[tuple[int, int, Any, Any]]],
+        query_heads: int,
+        *,
+        static: bool,
+    ) -> HeadGroupedForward:
+        """A forward over the part ``contexts``; ``layer_shares[layer]`` lists ``(part, layer in the part, q heads,
+        kv heads)`` for each part holding heads of that model layer."""
+        forward = cls(contexts[0].streams, contexts, part_names, finish_parts, static=static)
+        device = contexts[0].layers[0].k_cache.device
+        forward.layers = [
+            HeadGroupedLayer(
+                layer, forward,
+                tuple(LayerShare(p, q, kv, contexts[p].layers[inner]) for p, inner, q, kv in shares),
+                _merge_order([q for _, _, q, _ in shares], query_heads, device),
+            )
+            for layer, shares in enumerate(layer_shares)
+        ]
+        return forward
+
+    # ------------------------------------------------------------------ what layers read
+    @property
+    def positions(self) -> torch.Tensor:
+        """int64 ``[num_streams, seq_len]`` absolute token positions (every part's are equal)."""
+        return self.parts[0].positions
+
+    @property
+    def sink_positions(self) -> None:
+        return None  # relative sinks are refused for head-grouped caches
+
+    @property
+    def relative_sinks(self) -> bool:
+        return False
+
+    @property
+    def chunk_size(self) -> int:
+        return self.parts[0].chunk_size
+
+    @property
+    def num_streams(self) -> int:
+        return len(self.streams)
+
+    @property
+    def seq_len(self) -> int:
+        return self.parts[0].seq_len
+
+    @property
+    def num_chunks(self) -> int:
+        return self.parts[0].num_chunks
+
+    @property
+    def commit_current(self) -> bool:
+        return self.parts[0].commit_current
+
+    @property
+    def token_offsets(self) -> tuple[int, ...]:
+        return self.parts[0].token_offsets
+
+    @property
+    def transactions(self) -> tuple[Any, ...]:
+        """The parts' current transactions (what a commit finishes)."""
+        return tuple(p.transaction for p in self.parts)
+
+    @property
+    def is_active(self) -> bool:
+        return all(p.is_active for p in self.parts)
+
+    @property
+    def released(self) -> bool:
+        """Whether a part's context was released by its cache (this forward never runs again)."""
+        return any(p.released for p in self.parts)
+
+    @property
+    def status(self) -> str:
+        """``"open"`` or how the forward finished (every part finishes the same way)."""
+        states = {p.status for p in self.parts}
+        return states.pop() if len(states) == 1 else "mixed:" + ",".join(sorted(states))
+
+    def check_usable(self, what: str = "chunk_attention") -> None:
+        for part in self.parts:
+            part.check_usable(what)
+
+    def raise_missing_cross(self, name: str) -> NoReturn:
+        if name in self.cross_missing:
+            raise CrossAttentionNotPopulatedError(self.cross_missing[name])
+        known = tuple(self.cross) + tuple(self.cross_missing)
+        raise UnknownCacheError(f"Unknown cross-attention cache {name!r}; expected one of {known}")
+
+    def set_cross(self, cross: dict[str, tuple[torch.Tensor, torch.Tensor]], missing: dict[str, str]) -> None:
+        publish_cross(self.layers, self.cross, cross)
+        self.cross, self.cross_missing = cross, missing
+
+    def to_dense(self, part: int) -> torch.Tensor:
+        """Part ``part``'s visibility mask, bool ``[num_streams, seq_len, max_keys]`` (``ForwardContext.to_dense``)."""
+        return self.parts[part].to_dense()
+
+    # ------------------------------------------------------------------ commit / abort
+    def commit(self) -> None:
+        """Commit every part of this forward, all together (a denoising forward just closes). Idempotent."""
+        self.finish_parts(self.transactions, True)
+
+    def abort(self) -> None:
+        """Drop every part's pending work; history stays exactly as before. Idempotent."""
+        self.finish_parts(self.transactions, False)
+
+    def __enter__(self) -> HeadGroupedForward:
+        self.check_usable("HeadGroupedForward.__enter__")
+        self._entered.append(self.transactions)
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        transactions = self._entered.pop() if self._entered else ()
+        if transactions:
+            self.finish_parts(transactions, exc_type is None)
+
+    def __repr__(self) -> str:
+        return (
+            f"HeadGroupedForward(streams={self.num_streams}, seq_len={self.seq_len}, commit={self.commit_current}, "
+            f"parts={list(self.part_names)}, status={self.status!r}, layers={len(self.layers)})"
+        )
+
+
+def abort_all(contexts: Sequence[ForwardContext]) -> None:
+    """Abort each context's open forward; the first error is raised after every one was tried."""
+    first: BaseException | None = None
+    for ctx in contexts:
+        try:
+            ctx.abort()
+        except BaseException as exc:  # noqa: BLE001 -- keep aborting the others
+            first = first or exc
+    if first is not None:
+        raise first
+
+
+def check_open_forward(forward: HeadGroupedForward, what: str) -> None:
+    """:class:`ForwardFinishedError` unless every part of ``forward`` is open."""
+    if not forward.is_active:
+        raise ForwardFinishedError(f"{what}: expected an open forward, got status {forward.status!r}")
+
+
+def _merge_order(q_heads: Sequence[slice | torch.Tensor], query_heads: int, device: torch.device
+                 ) -> torch.Tensor | None:
+    """The permutation restoring head order after concatenating the shares' outputs (``None``: identity)."""
+    order: list[int] = []
+    for heads in q_heads:
+        order.extend(range(heads.start, heads.stop) if isinstance(heads, slice) else heads.tolist())
+    if order == list(range(query_heads)):
+        return None
+    inverse = [0] * query_heads
+    for position, head in enumerate(order):
+        inverse[head] = position
+    return torch.tensor(inverse, dtype=torch.int64, device=device)
