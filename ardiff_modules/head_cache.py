@@ -307,7 +307,7 @@ class HeadGroupedKVCache:
             self._forwards.move_to_end(key)
             return forward
         forward = HeadGroupedForward.create(contexts, self.part_names, self._finish, self._layer_shares,
-                                            self.spec.query_heads, static=static)
+                                            self.spec.query_heads, self.spec.num_kv_heads, static=static)
         self._forwards[key] = forward
         while len(self._forwards) > self.max_forward_contexts:
             self._forwards.popitem(last=False)

@@ -83,6 +83,9 @@ class HeadGroupedLayer:
     forward: HeadGroupedForward
     shares: tuple[LayerShare, ...]
     merge_order: torch.Tensor | None
+    #: Query and K/V heads of the whole layer (what q / k / v must carry).
+    num_heads: int = 0
+    num_kv_heads: int = 0
     cross: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @property
@@ -148,6 +151,7 @@ class HeadGroupedForward:
         finish_parts: Any,
         layer_shares: Sequence[Sequence[tuple[int, int, Any, Any]]],
         query_heads: int,
+        kv_heads: int,
         *,
         static: bool,
     ) -> HeadGroupedForward:
@@ -159,7 +163,7 @@ class HeadGroupedForward:
             HeadGroupedLayer(
                 layer, forward,
                 tuple(LayerShare(p, q, kv, contexts[p].layers[inner]) for p, inner, q, kv in shares),
-                _merge_order([q for _, _, q, _ in shares], query_heads, device),
+                _merge_order([q for _, _, q, _ in shares], query_heads, device), query_heads, kv_heads,
             )
             for layer, shares in enumerate(layer_shares)
         ]

@@ -323,7 +323,8 @@ def populate_cross_attention(
     failure part-way (e.g. out of memory) leaves the previous cache visible.
     """
     owner = "populate_cross_attention"
-    if not isinstance(state, KVState):
+    # NOTE: duck-typed on the one method it calls: a HeadGroupedSession (head_cache, a layer above) publishes too.
+    if not isinstance(state, KVState) and not callable(getattr(state, "populate_cross_attention", None)):
         raise SpecError(f"{owner}.state: expected a KVState, got {type(state).__name__}")
     cross = cross_attention_layers(owner, layers)
     if cache_name is None:

@@ -304,10 +304,12 @@ def _head_grouped_attention(
     where a part's heads are contiguous), each part's share runs the plain path (its own write, plan and
     kernel), and the outputs (and LSEs) are put back in head order.
     """
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or (q.shape[2], k.shape[2], v.shape[2]) != (
+        kv.num_heads, kv.num_kv_heads, kv.num_kv_heads
+    ):
         raise TensorMismatchError(
-            f"chunk_attention: expected q/k/v of rank 4 ([streams, seq_len, heads, head_dim]), got "
-            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+            f"chunk_attention: expected q [streams, seq_len, {kv.num_heads}, head_dim] and k/v [streams, seq_len, "
+            f"{kv.num_kv_heads}, head_dim], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
     if sink_query is not None:
         raise SpecError("chunk_attention: expected no sink_query (head-grouped caches have no relative sinks), got one")

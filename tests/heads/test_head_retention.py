@@ -1,0 +1,95 @@
+"""HeadRetention: parts, files, constructors and their refusals (pure Python)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ardiff_modules as am
+from ardiff_modules.core.head_retention import FILE_FORMAT
+
+
+def test_parts_group_equal_head_counts_across_layers_and_keep_exact_heads() -> None:
+    heads = am.HeadRetention(
+        {"local": (0, 1), "global": (1, 6)},
+        [["global", "local", "local", "global"], ["local"] * 4, ["local", "global", "global", "local"]],
+    )
+    parts = heads.parts()
+    assert [(p.name, p.layers, p.heads) for p in parts] == [
+        ("local/2h", (0, 2), ((1, 2), (0, 3))),
+        ("local/4h", (1,), ((0, 1, 2, 3),)),
+        ("global/2h", (0, 2), ((0, 3), (1, 2))),
+    ]
+    assert parts[2].policy == am.SinkWindowPolicy(1, 6)
+    # (layer, head, chunk) triples one branch holds at its peak: 8 local heads x 2 + 4 global x 8.
+    assert heads.resident_head_chunks() == 8 * 2 + 4 * 8
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 4).flatmap(
+        lambda h: st.lists(st.lists(st.sampled_from("abc"), min_size=h, max_size=h), min_size=1, max_size=5)
+    )
+)
+def test_parts_cover_every_layer_head_exactly_once(rows: list[list[str]]) -> None:
+    heads = am.HeadRetention({"a": (0, 1), "b": (1, 2), "c": (2, 0)}, rows)
+    seen: list[tuple[int, int]] = []
+    for part in heads.parts():
+        assert all(len(h) == part.num_heads for h in part.heads)
+        for layer, layer_heads in zip(part.layers, part.heads):
+            assert all(rows[layer][h] == part.group for h in layer_heads)
+            seen.extend((layer, h) for h in layer_heads)
+    assert sorted(seen) == [(layer, h) for layer in range(len(rows)) for h in range(len(rows[0]))]
+
+
+def test_json_round_trip_and_the_file_format(tmp_path) -> None:
+    heads = am.HeadRetention.from_local_heads(3, 4, {"0": [1, 3], 2: [0]}, local=(0, 1), other=(1, 6))
+    path = tmp_path / "heads.json"
+    heads.to_json(path)
+    data = json.loads(path.read_text())
+    assert data["format"] == FILE_FORMAT
+    assert data["groups"] == {"local": {"sink_chunks": 0, "window_chunks": 1},
+                              "other": {"sink_chunks": 1, "window_chunks": 6}}
+    assert data["layers"][0] == ["other", "local", "other", "local"]
+    assert data["layers"][1] == ["other"] * 4
+    assert am.HeadRetention.from_json(path) == heads
+
+
+def test_per_layer_windows_share_groups_by_retention() -> None:
+    heads = am.HeadRetention.per_layer([(1, 6), (0, 2), (1, 6)], num_kv_heads=2)
+    assert [(p.name, p.layers) for p in heads.parts()] == [("sink1_window6/2h", (0, 2)), ("sink0_window2/2h", (1,))]
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: am.HeadRetention({}, [["a"]]), "non-empty mapping"),
+        (lambda: am.HeadRetention({"a": (0, 1)}, [["a", "b"]]), r"group names from \('a',\), got \['b'\]"),
+        (lambda: am.HeadRetention({"a": (0, 1)}, [["a", "a"], ["a"]]), "expected 2 kv heads"),
+        (lambda: am.HeadRetention({"a": (-1, 1)}, [["a"]]), "sink_chunks"),
+        (lambda: am.HeadRetention({"a": {"sink": 1}}, [["a"]]), "sink_chunks / window_chunks"),
+        (lambda: am.HeadRetention({"a": 3}, [["a"]]), "RetentionPolicy"),
+        (lambda: am.HeadRetention.from_local_heads(2, 2, {5: [0]}), r"layer: expected an int in \[0, 2\)"),
+        (lambda: am.HeadRetention.from_local_heads(2, 2, {0: [2]}), r"expected an int in \[0, 2\)"),
+        (lambda: am.HeadRetention.from_dict({"groups": {}}), "expected format"),
+    ],
+)
+def test_bad_configurations_name_what_was_expected(make, match) -> None:
+    with pytest.raises(am.SpecError, match=match):
+        make()
+
+
+def test_a_file_that_is_not_json_is_a_spec_error(tmp_path) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text("{not json")
+    with pytest.raises(am.SpecError, match="expected JSON"):
+        am.HeadRetention.from_json(path)
+
+
+def test_only_sink_window_groups_are_written() -> None:
+    heads = am.HeadRetention({"m": am.SinkWindowMemoryPolicy(1, 2, 2, 1)}, [["m"]])
+    with pytest.raises(am.SpecError, match="SinkWindowMemoryPolicy"):
+        heads.to_dict()
