@@ -319,17 +319,19 @@ def attend_in_graph(
     the scale maps the amax to 448), so the FP8 query differs at most by inductor's float32 rounding of
     the fused intermediates.
     """
+    ops = torch.ops.ardiff_modules
+    Result = "torch.Tensor | tuple[torch.Tensor, torch.Tensor]"
     if not fp8_query:
-        op = torch.ops.ardiff_modules.paged_attention_lse if return_lse else torch.ops.ardiff_modules.paged_attention
-        return op(q, kv_pool, layer, handle_id, scale, q_sink)  # type: ignore[no-any-return]
+        op = ops.paged_attention_lse if return_lse else ops.paged_attention
+        return cast(Result, op(q, kv_pool, layer, handle_id, scale, q_sink))
     if q_sink is not None:
         raise SpecError(
             "attend_in_graph: expected no q_sink with fp8_query=True (relative-sinks forwards take the 16-bit "
             "query: ForwardContext.fp8_query is False for them), got a tensor"
         )
     q8, q_scale = quantize_query(fold_softmax_scale(q, scale))
-    op = torch.ops.ardiff_modules.paged_attention_fp8_lse if return_lse else torch.ops.ardiff_modules.paged_attention_fp8
-    return op(q8, q_scale, kv_pool, layer, handle_id, q.dtype)  # type: ignore[no-any-return]
+    op = ops.paged_attention_fp8_lse if return_lse else ops.paged_attention_fp8
+    return cast(Result, op(q8, q_scale, kv_pool, layer, handle_id, q.dtype))
 
 
 def _check_fp8_query(plan: AttentionPlan, q8: torch.Tensor, q_scale: torch.Tensor) -> None:

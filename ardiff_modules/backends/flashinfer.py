@@ -253,7 +253,7 @@ class FlashInferPlan(AttentionPlan):
 
     def _q_dtype(self, request: PlanRequest) -> torch.dtype:
         """FA3 over FP8 K/V needs an FP8 query too; the masked FA2 path keeps the 16-bit query."""
-        return request.kv_dtype if self.fp8 and not self.masked else request.dtype
+        return request.kv_dtype if self.takes_fp8_query else request.dtype
 
     def _plan_ragged(self, request: PlanRequest, ragged: RaggedRows) -> None:
         key = (

@@ -90,10 +90,11 @@ SPEC = am.KVCacheSpec(
 )
 
 
-def _qkv(seed: int, streams: int = 2, tokens: int = CHUNK, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
+def _qkv(seed: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
+    """``q [2, CHUNK, 4 heads, 8]`` (heads of very different ranges), ``k``, ``v`` ``[2, CHUNK, 2, 8]``."""
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(streams, tokens, 4, 8, generator=g) * torch.tensor([1.0, 3.0, 0.2, 7.0])[:, None]
-    k, v = torch.randn(streams, tokens, 2, 8, generator=g), torch.randn(streams, tokens, 2, 8, generator=g)
+    q = torch.randn(2, CHUNK, 4, 8, generator=g) * torch.tensor([1.0, 3.0, 0.2, 7.0])[:, None]
+    k, v = torch.randn(2, CHUNK, 2, 8, generator=g), torch.randn(2, CHUNK, 2, 8, generator=g)
     return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
@@ -325,3 +326,35 @@ def test_no_recompiles_of_the_op_path_across_a_rollout_with_the_eager_counter() 
         play_event(runner, event)
     assert counter.frame_count == 1
     assert {c[:2] for c in runner.backend.calls} == {(torch.float8_e4m3fn, (torch.float32, (model.heads,)))}
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_the_benchmark_rows_compiled_layer_functions_trace_and_take_the_paths_they_name() -> None:
+    """``benchmarks.attention``'s "library FP8, compiled q quantization" rows on the CPU (spy backend, no
+    timing): ``layer`` hands the op an FP8 query, ``layer_op_q`` the bf16 one (the op quantizes), and they agree."""
+    from benchmarks.attention import D, _compiled_layer, _Shape
+
+    heads, chunk = 2, 16
+    shape = _Shape(heads, chunk, 1, 1, 2, 8, torch=torch, am=am, dev=torch.device("cpu"))
+    spec = am.KVCacheSpec(num_layers=1, num_kv_heads=heads, head_dim=D, chunk_size=chunk, page_size=8,
+                          sink_chunks=1, window_chunks=1, branches=("b0", "b1"), dtype="bfloat16", kv_dtype=FP8)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, chunk, heads, D, generator=g).bfloat16() for _ in range(3))
+    layer, layer_op_q, produce = _compiled_layer(shape)
+    cache = am.KVCache(spec, num_pages=32, backend=SpyBackend())
+    state = cache.open_session()
+    for _ in range(3):  # the window full
+        with state.prepare_forward(None, chunk, commit_current=True) as fwd:
+            am.chunk_attention(q, k, v, fwd.layers[0])
+    fwd = state.prepare_forward(None, chunk, commit_current=False)
+    calls = cache.backend.calls
+    calls.clear()
+    out = layer(q, k, v, fwd.layers[0])
+    out_op_q = layer_op_q(q, k, v, fwd.layers[0])
+    qr, kr = produce(q, k)
+    assert [c[0] for c in calls] == [torch.float8_e4m3fn, torch.bfloat16]
+    assert out.shape == out_op_q.shape == qr.shape == (2, chunk, heads, D) and kr.shape == qr.shape
+    # fused vs materialized bf16 RoPE output before the FP8 cast: a few query values one FP8 step apart
+    assert float((out.float() - out_op_q.float()).norm() / out_op_q.float().norm()) < 3e-2
+    fwd.abort()
