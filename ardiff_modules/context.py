@@ -206,6 +206,10 @@ class ForwardContext:
     cross_missing: dict[str, str] = field(default_factory=dict)
     #: Whether device inputs live in fixed buffers (CUDA-graph replay).
     static: bool = False
+    #: Whether this forward's kernel attends with an FP8 query (FA3 over an FP8 pool): a compiled layer then
+    #: quantizes q in its own graph and the op only launches the kernel (``ops.attend_in_graph``). Set by
+    #: :meth:`begin` from the plan (see the NOTE there).
+    fp8_query: bool = False
     #: The forward's ``token_mask`` (``None``: the visibility rule alone).
     token_mask: torch.Tensor | None = None
     #: Bumped whenever ``plan`` is replaced by a new object (captured CUDA graphs read its buffers).
@@ -271,6 +275,13 @@ class ForwardContext:
             self.plan_epoch += 1
         self.plan, self.layout, self.commit_current = plan, layout, transaction.commit_current
         self.positions, self.sink_positions = positions
+        # NOTE: a Python bool the compiled graph branches on (dynamo guards on it), so it must not flip within
+        # a rollout: it is fixed by the cache and the kernel family -- an FP8 pool on FlashInfer FA3 says True
+        # in ragged and paged forwards alike; float pools, the reference backend and masked FA2 say False.
+        # Relative sinks say False in every forward: their two-segment plan takes the 16-bit query, and the
+        # one-segment forwards before a sink is resident would otherwise flip it. A token_mask forward inside
+        # an FA3 rollout flips it (FA2): one more compiled graph, kept by dynamo for later such forwards.
+        self.fp8_query = plan.takes_fp8_query and self.sink_positions is None
         self.token_mask = token_mask
         self.set_cross(cross[0], cross[1])
         self.cross_stack.adopt(cross[2])

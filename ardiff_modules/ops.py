@@ -9,7 +9,9 @@ resolved in the single :data:`HANDLES` registry.
 
 Under ``torch.compile`` the write leaves the opaque op (:func:`write_kv_in_graph`): inductor fuses
 it into the kernel that produces K/V (norm, RoPE, FP8 quantization, store into the pool) and the
-attention op only reads the pool (:func:`paged_attention_op`).
+attention op only reads the pool (:func:`paged_attention_op`). On FA3 over an FP8 pool the query's
+quantization leaves it too (:func:`attend_in_graph`): the graph quantizes q next to the norm / RoPE
+that produce it and :func:`paged_attention_fp8_op` only launches the FP8 kernel.
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ from typing import Any, Protocol, cast
 
 import torch
 
-from ardiff_modules.backends.base import AttentionPlan
-from ardiff_modules.errors import PlanNotFoundError
-from ardiff_modules.quant import is_quantized, quantize
+from ardiff_modules.backends.base import AttentionPlan, fold_softmax_scale
+from ardiff_modules.errors import PlanNotFoundError, SpecError, TensorMismatchError
+from ardiff_modules.quant import is_quantized, quantize, quantize_query
 
 
 class PlanHolder(Protocol):
@@ -284,4 +286,117 @@ def _paged_attention_lse_fake(q, kv_pool, layer, handle_id, scale, q_sink=None):
     return (
         q.new_empty((q.shape[0], q.shape[1], kv_pool.shape[-1])),
         q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32),
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Compiled path over FA3 with an FP8 pool: the query quantized by the graph, the op launches the kernel.
+
+
+def attend_in_graph(
+    q: torch.Tensor,
+    kv_pool: torch.Tensor,
+    layer: torch.Tensor,
+    handle_id: torch.Tensor,
+    scale: float,
+    q_sink: torch.Tensor | None = None,
+    *,
+    fp8_query: bool = False,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attend ``q`` ``[tokens, heads, head_dim]`` over layer ``layer`` of ``kv_pool`` from a compiled graph
+    (the current K/V written by :func:`write_kv_in_graph` first); ``[tokens, heads, head_dim_v]`` and, with
+    ``return_lse``, the float32 ``[tokens, heads]`` LSE.
+
+    ``fp8_query`` (``ForwardContext.fp8_query``: FA3 over an FP8 pool): the query is quantized here, in
+    traced torch -- :func:`~ardiff_modules.backends.base.fold_softmax_scale` then
+    :func:`~ardiff_modules.quant.quantize_query`, the math the plan runs eagerly -- and
+    :func:`paged_attention_fp8_op` gets ``(q8, q_scale)``. Otherwise :func:`paged_attention_op` gets ``q``.
+
+    NOTE: in the graph, inductor fuses the per-head amax and the FP8 cast into the kernels of the norm /
+    RoPE that produce q; inside the opaque op they were several more kernels per layer, each a full pass
+    over q. The reduction and the cast are the same ops in the same order as the eager path (no clamp:
+    the scale maps the amax to 448), so the FP8 query differs at most by inductor's float32 rounding of
+    the fused intermediates.
+    """
+    ops = torch.ops.ardiff_modules
+    Result = "torch.Tensor | tuple[torch.Tensor, torch.Tensor]"
+    if not fp8_query:
+        op = ops.paged_attention_lse if return_lse else ops.paged_attention
+        return cast(Result, op(q, kv_pool, layer, handle_id, scale, q_sink))
+    if q_sink is not None:
+        raise SpecError(
+            "attend_in_graph: expected no q_sink with fp8_query=True (relative-sinks forwards take the 16-bit "
+            "query: ForwardContext.fp8_query is False for them), got a tensor"
+        )
+    q8, q_scale = quantize_query(fold_softmax_scale(q, scale))
+    op = ops.paged_attention_fp8_lse if return_lse else ops.paged_attention_fp8
+    return cast(Result, op(q8, q_scale, kv_pool, layer, handle_id, q.dtype))
+
+
+def _check_fp8_query(plan: AttentionPlan, q8: torch.Tensor, q_scale: torch.Tensor) -> None:
+    """Host checks before an FP8 query reaches ``plan`` (no device sync: metadata only)."""
+    if not plan.takes_fp8_query:
+        raise SpecError(
+            f"paged_attention_fp8: expected a plan whose kernel takes an FP8 query (FA3 over an FP8 pool, "
+            f"ForwardContext.fp8_query), got {plan!r}"
+        )
+    if q8.dtype != torch.float8_e4m3fn or q8.dim() != 3:
+        raise TensorMismatchError(
+            f"paged_attention_fp8 q8: expected a float8_e4m3fn [tokens, heads, head_dim] tensor, got "
+            f"{q8.dtype} of shape {tuple(q8.shape)}"
+        )
+    if q_scale.dtype != torch.float32 or tuple(q_scale.shape) != (q8.shape[1],) or q_scale.device != q8.device:
+        raise TensorMismatchError(
+            f"paged_attention_fp8 q_scale: expected float32 of shape ({q8.shape[1]},) on {q8.device} (one scale "
+            f"per query head), got {q_scale.dtype} of shape {tuple(q_scale.shape)} on {q_scale.device}"
+        )
+
+
+@torch.library.custom_op("ardiff_modules::paged_attention_fp8", mutates_args=())
+def paged_attention_fp8_op(
+    q8: torch.Tensor,
+    q_scale: torch.Tensor,
+    kv_pool: torch.Tensor,
+    layer: torch.Tensor,
+    handle_id: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """:func:`paged_attention_op` with the query quantized already: ``q8`` float8_e4m3fn ``[tokens, heads,
+    head_dim]`` and ``q_scale`` float32 ``[heads]`` (``q8 * q_scale`` is the query, any custom softmax scale
+    folded in: the kernel applies ``head_dim ** -0.5``); returns ``[tokens, heads, head_dim_v]`` in
+    ``out_dtype`` (the compute dtype). Only for plans that take an FP8 query (``ForwardContext.fp8_query``)."""
+    plan, index, k_cache, v_cache = _resolve(kv_pool, layer, handle_id)
+    _check_fp8_query(plan, q8, q_scale)
+    return cast(torch.Tensor, plan.attend(q8, k_cache, v_cache, q8.shape[-1] ** -0.5, layer=index, q_scale=q_scale))
+
+
+@paged_attention_fp8_op.register_fake
+def _paged_attention_fp8_fake(q8, q_scale, kv_pool, layer, handle_id, out_dtype):  # noqa: ANN001, ANN202
+    return q8.new_empty((q8.shape[0], q8.shape[1], kv_pool.shape[-1]), dtype=out_dtype)
+
+
+@torch.library.custom_op("ardiff_modules::paged_attention_fp8_lse", mutates_args=())
+def paged_attention_fp8_lse_op(
+    q8: torch.Tensor,
+    q_scale: torch.Tensor,
+    kv_pool: torch.Tensor,
+    layer: torch.Tensor,
+    handle_id: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`paged_attention_fp8_op` that also returns the float32 ``[tokens, heads]`` natural-log LSE."""
+    plan, index, k_cache, v_cache = _resolve(kv_pool, layer, handle_id)
+    _check_fp8_query(plan, q8, q_scale)
+    return cast(
+        "tuple[torch.Tensor, torch.Tensor]",
+        plan.attend(q8, k_cache, v_cache, q8.shape[-1] ** -0.5, return_lse=True, layer=index, q_scale=q_scale),
+    )
+
+
+@paged_attention_fp8_lse_op.register_fake
+def _paged_attention_fp8_lse_fake(q8, q_scale, kv_pool, layer, handle_id, out_dtype):  # noqa: ANN001, ANN202
+    return (
+        q8.new_empty((q8.shape[0], q8.shape[1], kv_pool.shape[-1]), dtype=out_dtype),
+        q8.new_empty((q8.shape[0], q8.shape[1]), dtype=torch.float32),
     )

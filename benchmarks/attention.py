@@ -10,6 +10,15 @@ Per shape (one layer, bf16, head_dim 128, one pending chunk per stream, the wind
 * ``library_paged``    -- ``chunk_attention`` with plain paging (structural paged FA3), as used for
                           multi-chunk forwards and shared pages
 * ``library_paged_attend`` -- that kernel alone
+* ``library_compiled`` -- the layer path compiled: RMSNorm + RoPE of q and k, the in-graph K/V write and the
+                          attention op (bf16 pool); ``library_fp8_compiled`` -- "library FP8, compiled q
+                          quantization": the same over the FP8 pool, q quantized by the graph next to its
+                          RoPE (``ops.attend_in_graph``) and the op launching FA3's FP8 kernel alone;
+                          ``library_fp8_compiled_op_q`` -- the same with q quantized inside the op (the
+                          compiled path before issue 28 item 3); each also ``<label>_graph`` (replayed from a
+                          CUDA graph: device time alone). Read them against ``ragged_fa3_fp8`` (FA3's FP8
+                          kernel alone on pre-quantized q/k/v) and ``compiled_produce_qk`` (the norm + RoPE
+                          alone, among the writes)
 * ``ragged_fa3``       -- FlashInfer ragged FA3 over the same visible keys held contiguous (the practical limit);
                           ``ragged_fa3_again`` times the same call under a second name: their spread is the noise
 * ``sdpa``             -- torch SDPA on contiguous K/V
@@ -56,12 +65,15 @@ SHAPES = {
 }
 D = 128
 #: Paths drawn in attention.png, in this order.
-PLOT_METHODS = ("ragged_fa3", "library", "library_attend", "library_graph", "library_paged",
-                "library_paged_attend", "ragged_fa3_fp8", "library_fp8", "library_fp8_attend", "library_fp8_graph",
+PLOT_METHODS = ("ragged_fa3", "library", "library_attend", "library_graph", "library_compiled_graph",
+                "library_paged", "library_paged_attend", "ragged_fa3_fp8", "library_fp8", "library_fp8_attend",
+                "library_fp8_graph", "library_fp8_compiled_graph", "library_fp8_compiled_op_q_graph",
                 "library_fp8_paged", "gather_ragged", "sdpa", "flex", "fa2_mask")
 #: The library's paths: (label, contiguous extents, KV storage dtype); with extents also ``<label>_graph``.
 LIBRARY_PATHS = (("library", True, None), ("library_paged", False, None),
                  ("library_fp8", True, "float8_e4m3fn"), ("library_fp8_paged", False, "float8_e4m3fn"))
+#: The library paths also timed as a compiled layer (norm + RoPE + write + attention): ``<label>_compiled``.
+COMPILED_PATHS = ("library", "library_fp8")
 
 
 def flops(streams: int, q: int, keys: int, heads: int) -> float:
@@ -123,6 +135,9 @@ class _Library:
     """The library's paths of one shape: what is timed and what the summary reads."""
 
     fns: dict[str, Callable[[], object]] = dataclasses.field(default_factory=dict)
+    #: Timed with the KV writes (not attention): ``compiled_produce_qk`` and its graph.
+    write_fns: dict[str, Callable[[], object]] = dataclasses.field(default_factory=dict)
+    compiled: tuple[Any, ...] | None = None  #: ``_compiled_layer(shape)``, made on first use
     modes: dict[str, str] = dataclasses.field(default_factory=dict)
     outputs: dict[str, Any] = dataclasses.field(default_factory=dict)
     pool_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -164,6 +179,8 @@ def _add_library_path(s: _Shape, lib: _Library, label: str, extents: bool, kv_dt
         lib.modes[label + "_graph"] = sfwd.plan.mode
         lib.fns[label + "_graph"] = _graphed(lambda layer=sfwd.layers[0]: am.chunk_attention(q, k, v, layer))
         lib.static_forwards.append(sfwd)
+        if label in COMPILED_PATHS:
+            _add_compiled_paths(s, lib, label, sfwd)  # its graphs captured while the static forward is open
         _time_forward(s, lib, label, state.prepare_forward(None, s.chunk, commit_current=False))  # back to eager
 
 
@@ -176,6 +193,61 @@ def _time_forward(s: _Shape, lib: _Library, label: str, fwd: Any) -> None:
     lib.fns[label + "_attend"] = lambda plan=fwd.plan, layer=layer: plan.attend(
         qf, layer.k_cache, layer.v_cache, D**-0.5
     )
+
+
+def _add_compiled_paths(s: _Shape, lib: _Library, label: str, static_forward: Any) -> None:
+    """``<label>_compiled`` (and, over an FP8 pool, ``<label>_compiled_op_q``): the compiled layer path from the
+    pre-norm q / k (``s.q``, ``s.k``) through the timed eager forward's layer (``lib.layers[label]``, read at
+    call time: it is re-prepared after this); each also ``_graph``, captured now over ``static_forward``."""
+    if lib.compiled is None:  # one set of compiled functions per shape (dynamo guards on the pool's dtype)
+        lib.compiled = _compiled_layer(s)
+    layer_c, layer_op_q_c, produce_c = lib.compiled
+    q, k, v = s.q, s.k, s.v
+    variants = {label + "_compiled": layer_c}
+    if static_forward.fp8_query:
+        variants[label + "_compiled_op_q"] = layer_op_q_c
+    for name, fn in variants.items():
+        lib.fns[name] = lambda fn=fn: fn(q, k, v, lib.layers[label])
+        lib.fns[name + "_graph"] = _graphed(lambda fn=fn, layer=static_forward.layers[0]: fn(q, k, v, layer))
+    if "compiled_produce_qk" not in lib.write_fns:
+        lib.write_fns["compiled_produce_qk"] = lambda: produce_c(q, k)
+        lib.write_fns["compiled_produce_qk_graph"] = _graphed(lib.write_fns["compiled_produce_qk"])
+
+
+def _compiled_layer(s: _Shape) -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
+    """``(layer, layer_op_q, produce)`` compiled (``fullgraph``): ``layer(q, k, v, kv)``
+    RMSNorm + RoPE of q and k then ``chunk_attention`` (over an FP8 pool the graph quantizes q:
+    ``ops.attend_in_graph``); ``layer_op_q``: the same with q handed to the op in bf16 (the op quantizes it:
+    the compiled path before); ``produce(q, k)``: the norm + RoPE alone."""
+    import torch
+
+    from ardiff_modules.modules.functional import rotate
+    from ardiff_modules.ops import write_kv_in_graph
+
+    am, heads, dev = s.am, s.heads, s.dev
+    g = torch.Generator(device=dev).manual_seed(2)
+    angles = torch.rand(1, s.chunk, 1, D // 2, device=dev, generator=g) * 6.28
+    cos = angles.cos().repeat_interleave(2, -1).to(torch.bfloat16)
+    sin = angles.sin().repeat_interleave(2, -1).to(torch.bfloat16)
+    weight = torch.ones(D, device=dev, dtype=torch.bfloat16)
+
+    def produce(qx: torch.Tensor, kx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        norm = torch.nn.functional.rms_norm
+        return rotate(norm(qx, (D,), weight, 1e-6), cos, sin), rotate(norm(kx, (D,), weight, 1e-6), cos, sin)
+
+    def layer(qx: torch.Tensor, kx: torch.Tensor, vx: torch.Tensor, kv: Any) -> torch.Tensor:
+        qr, kr = produce(qx, kx)
+        return am.chunk_attention(qr, kr, vx, kv)
+
+    def layer_op_q(qx: torch.Tensor, kx: torch.Tensor, vx: torch.Tensor, kv: Any) -> torch.Tensor:
+        qr, kr = produce(qx, kx)
+        write_kv_in_graph(kr.reshape(-1, heads, D), vx.reshape(-1, heads, D), kv.kv_pool, kv.kv_scales, kv.layer_id,
+                          kv.handle_id)
+        out = torch.ops.ardiff_modules.paged_attention(qr.reshape(-1, heads, D), kv.kv_pool, kv.layer_id,
+                                                       kv.handle_id, D**-0.5, None)
+        return out.view(qr.shape)
+
+    return tuple(torch.compile(fn, fullgraph=True, dynamic=False) for fn in (layer, layer_op_q, produce))
 
 
 def _masked_path(s: _Shape, num_pages: int) -> tuple[Callable[[], object], Any, float]:
@@ -280,6 +352,9 @@ def _accuracy(s: _Shape, contig: Any, kc: Any, vc: Any, outputs: dict[str, Any])
         "fp8_vs_fp32_rel": rel(fp8_out, exact),
         "fp8_vs_bf16_rel": rel(outputs["library_fp8"], outputs["library"]),
         "fp8_paged_vs_bf16_rel": rel(outputs["library_fp8_paged"], outputs["library"]),
+        # the same layer compiled, q quantized by the graph vs inside the op (same math; fused rounding only)
+        "fp8_compiled_q_vs_op_q_rel": rel(outputs["library_fp8_compiled"], outputs["library_fp8_compiled_op_q"]),
+        "fp8_compiled_vs_bf16_compiled_rel": rel(outputs["library_fp8_compiled"], outputs["library_compiled"]),
     }
 
 
@@ -324,7 +399,27 @@ def _summary(s: _Shape, attention: dict[str, Any], write_stats: dict[str, Any], 
         **{key: extras[key] for key in ("copy_bandwidth_gbps", "copy_stats", "modes", "accuracy", "pool_bytes")},
         "fp8_ratio_vs_ragged_fa3": limit / results["library_fp8"],
         "fp8_attend_ratio_vs_ragged_fa3": limit / results["library_fp8_attend"],
+        **_compiled_fp8_summary(results, writes),
         "fa2_mask_plan_ms": extras["fa2_mask_plan_ms"],
+    }
+
+
+def _compiled_fp8_summary(results: dict[str, float], writes: dict[str, float]) -> dict[str, float]:
+    """The compiled layer paths' figures (device time: CUDA-graph replays): the FP8 one against the FA3 FP8
+    kernel alone on pre-quantized q/k/v, against q quantized inside the op, and against bf16."""
+    fp8, op_q = results["library_fp8_compiled_graph"], results["library_fp8_compiled_op_q_graph"]
+    produce = writes["compiled_produce_qk_graph"]
+    kernel = results["ragged_fa3_fp8"]
+    return {
+        # > 1: quantizing q in the graph is faster than in the op
+        "fp8_compiled_q_speedup_vs_op_q": op_q / fp8,
+        "fp8_compiled_vs_bf16_compiled_speedup": results["library_compiled_graph"] / fp8,
+        # the FP8 kernel alone over the whole compiled FP8 layer path (norm + RoPE + q quantization + write)
+        "fp8_kernel_over_fp8_compiled_layer": kernel / fp8,
+        "fp8_kernel_over_fp8_compiled_layer_op_q": kernel / op_q,
+        # what the layer adds beyond the norm + RoPE, over the kernel (0: nothing but the kernel)
+        "fp8_compiled_layer_overhead_vs_kernel": (fp8 - produce - kernel) / kernel,
+        "fp8_compiled_layer_op_q_overhead_vs_kernel": (op_q - produce - kernel) / kernel,
     }
 
 
@@ -338,6 +433,8 @@ def bench_shape(name: str, heads: int, chunk: int, sink: int, window: int, strea
     lib = _library_paths(s)
     cache, fwd, layer = lib.paged  # from here on: the plain-paged bf16 cache, its open forward and layer
     fns = dict(lib.fns)  # every attention path, timed round-robin below
+    for label in ("library_compiled", "library_fp8_compiled", "library_fp8_compiled_op_q"):
+        lib.outputs[label] = lib.fns[label]()
     # Contiguous K/V holding exactly the visible keys of each stream: the limits.
     kc, vc = s.rand(streams * s.keys, heads, D), s.rand(streams * s.keys, heads, D)
     contig = contiguous_attention(s.qf, kc, vc, streams=streams, chunk=chunk, keys=s.keys)
@@ -357,6 +454,7 @@ def bench_shape(name: str, heads: int, chunk: int, sink: int, window: int, strea
     # what the write costs on the compiled path.
     write_fns = _eager_write_fns(s, fwd, layer, kslots, vslots)
     write_fns.update(compiled_write_fns(lib.layers, s.k, s.v, heads, chunk, streams))
+    write_fns.update(lib.write_fns)
     write_stats = interleaved(write_fns, inner=inner, rounds=rounds)
     writes = {name_: st.median_ms for name_, st in write_stats.items()}
     # The floor of any separate write: read K and V once, write them once, at the measured copy bandwidth.

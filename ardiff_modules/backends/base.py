@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -74,6 +75,19 @@ def merge_attention(
     return (part_a + part_b).to(out_a.dtype).contiguous(), lse
 
 
+def fold_softmax_scale(q: torch.Tensor, scale: float) -> torch.Tensor:
+    """``q`` ``[tokens, heads, head_dim]`` for a kernel that applies the default softmax scale
+    ``head_dim ** -0.5``: ``q`` itself for that scale, else ``q * (scale * sqrt(head_dim))`` in ``q``'s dtype.
+
+    The one place a custom scale is folded: eagerly inside a plan's ``attend``, and in a compiled graph
+    before the FP8 query is quantized (:func:`ardiff_modules.ops.attend_in_graph`), so both round alike.
+    """
+    default = 1.0 / math.sqrt(q.shape[-1])
+    if math.isclose(scale, default, rel_tol=1e-6):
+        return q
+    return q * (scale / default)
+
+
 class AttentionPlan(ABC):
     """Device-ready indices for one forward, shared by every layer.
 
@@ -94,6 +108,19 @@ class AttentionPlan(ABC):
     @property
     def uses_sink_query(self) -> bool:
         """Whether ``run`` / ``attend`` take the sink query ``q_sink`` (relative-position sinks)."""
+        return False
+
+    @property
+    def takes_fp8_query(self) -> bool:
+        """Whether this plan's kernel attends with an FP8 query (FA3 over an FP8 pool).
+
+        If so, ``attend`` also takes a query the caller quantized already: ``q`` float8_e4m3fn
+        ``[tokens, heads, head_dim]`` with ``q_scale=`` float32 ``[heads]`` (:func:`~ardiff_modules.quant.
+        quantize_query` of the query, any custom softmax scale folded in first by :func:`fold_softmax_scale`;
+        ``scale`` is then the default ``head_dim ** -0.5``). Without ``q_scale`` it quantizes the query itself.
+        ``False`` (the default): the kernel attends the compute-dtype query (the reference backend, FA2 with a
+        mask, float pools, the two-segment plans of relative sinks).
+        """
         return False
 
     @property

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ardiff_modules.backends.base import AttentionBackend, AttentionPlan, PlanRequest
+from ardiff_modules.backends.base import AttentionBackend, AttentionPlan, PlanRequest, fold_softmax_scale
 from ardiff_modules.errors import BackendUnavailableError, TensorMismatchError
 from ardiff_modules.layout import RaggedRows, page_token_slots
 from ardiff_modules.quant import is_quantized, quantize_query
@@ -245,9 +245,15 @@ class FlashInferPlan(AttentionPlan):
         """Whether the pool stores FP8 K/V (the plan then quantizes on write and runs FP8 kernels)."""
         return self.quantizer is not None
 
+    @property
+    def takes_fp8_query(self) -> bool:
+        """FA3 over an FP8 pool (ragged or paged: fixed for this plan object, whatever its mode); not the
+        masked FA2 path, whose 16-bit query carries the K scales folded in."""
+        return self.fp8 and not self.masked
+
     def _q_dtype(self, request: PlanRequest) -> torch.dtype:
         """FA3 over FP8 K/V needs an FP8 query too; the masked FA2 path keeps the 16-bit query."""
-        return request.kv_dtype if self.fp8 and not self.masked else request.dtype
+        return request.kv_dtype if self.takes_fp8_query else request.dtype
 
     def _plan_ragged(self, request: PlanRequest, ragged: RaggedRows) -> None:
         key = (
@@ -410,28 +416,16 @@ class FlashInferPlan(AttentionPlan):
         return_lse: bool = False,
         *,
         layer: int = 0,
+        q_scale: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """The attention kernel alone over one layer's pages (K/V already written); see :meth:`run`."""
+        """The attention kernel alone over one layer's pages (K/V already written); see :meth:`run`.
+
+        ``q_scale`` (float32 ``[heads]``): ``q`` is already the FP8 query of an FA3 plan over an FP8 pool
+        (:attr:`takes_fp8_query`; a compiled graph quantized it, ``ops.paged_attention_fp8_op``), so only the
+        kernel runs; without it an FP8 plan quantizes ``q`` here.
+        """
         self._check_heads(q)  # also here: compiled graphs call attend() directly (ops.paged_attention_op)
-        q = q.contiguous()
-        default = 1.0 / math.sqrt(self.head_dim)
-        if not math.isclose(scale, default, rel_tol=1e-6):
-            # Plans use FlashInfer's default 1/sqrt(d); a custom scale folds into q (its q_scale
-            # argument means different things on different kernel paths).
-            q = q * (scale / default)
-        extra: tuple[torch.Tensor, ...] = ()
-        v_head_scale = None
-        if self.quantizer is not None:
-            k_scale, v_scale = self.quantizer.layer_scales(layer)
-            if self.mode == "masked":
-                # FA2: a 16-bit query over raw FP8 K/V. Per-head scales fold in exactly:
-                # softmax(q . (s_k k8)) = softmax((s_k q) . k8) and sum p (s_v v8) = s_v sum p v8.
-                group = self.num_qo_heads // self.num_kv_heads
-                q = (q * k_scale.repeat_interleave(group)[:, None]).to(q.dtype)
-                v_head_scale = v_scale.repeat_interleave(group)[:, None]
-            else:
-                q, q_scale = quantize_query(q)
-                extra = (q_scale, k_scale, v_scale)  # FA3's DefaultFP8Attention: per-head scales
+        q, extra, v_head_scale = _kernel_query(self, q.contiguous(), scale, layer, q_scale)
         if self.mode == "ragged":
             start, end = self.kv_range
             k_slots = k_cache.view(-1, k_cache.shape[-2], k_cache.shape[-1])
@@ -458,6 +452,39 @@ class FlashInferPlan(AttentionPlan):
         if empty_rows is not None:
             lse = lse.masked_fill(empty_rows[:, :, 0], float("-inf"))
         return out, lse
+
+
+def _kernel_query(
+    plan: FlashInferPlan, q: torch.Tensor, scale: float, layer: int, q_scale: torch.Tensor | None
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor | None]:
+    """The query ``plan``'s kernel takes, its extra scale arguments and the per-head output scale (masked FP8).
+
+    ``q`` ``[tokens, heads, head_dim]``; with ``q_scale`` it is already FP8 (quantized by the caller, the
+    custom softmax scale folded in before), else it is folded and, on FA3 over an FP8 pool, quantized here.
+    """
+    quantizer = plan.quantizer
+    if q_scale is not None:
+        default = math.isclose(scale, plan.head_dim**-0.5, rel_tol=1e-6)
+        if quantizer is None or not plan.takes_fp8_query or not default:
+            raise TensorMismatchError(
+                f"flashinfer attend: expected q_scale only for an FA3 plan over an FP8 pool with the default "
+                f"softmax scale (folded into q before quantizing), got {plan!r} with scale {scale}"
+            )
+        return q, (q_scale, *quantizer.layer_scales(layer)), None  # FA3's DefaultFP8Attention: per-head scales
+    # Plans use FlashInfer's default 1/sqrt(d); a custom scale folds into q (its q_scale argument means
+    # different things on different kernel paths).
+    q = fold_softmax_scale(q, scale)
+    if quantizer is None:
+        return q, (), None
+    k_scale, v_scale = quantizer.layer_scales(layer)
+    if plan.mode == "masked":
+        # FA2: a 16-bit query over raw FP8 K/V. Per-head scales fold in exactly:
+        # softmax(q . (s_k k8)) = softmax((s_k q) . k8) and sum p (s_v v8) = s_v sum p v8.
+        group = plan.num_qo_heads // plan.num_kv_heads
+        q = (q * k_scale.repeat_interleave(group)[:, None]).to(q.dtype)
+        return q, (), v_scale.repeat_interleave(group)[:, None]
+    q8, q_scale = quantize_query(q)
+    return q8, (q_scale, k_scale, v_scale), None
 
 
 #: FlashInfer versions whose paged prefill wrapper was checked to (a) keep reading, at run time, the very

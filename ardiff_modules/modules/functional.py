@@ -12,7 +12,7 @@ from ardiff_modules.context import LayerContext
 from ardiff_modules.cross import cached_cross_attention  # noqa: F401  (re-exported: the functional forms)
 from ardiff_modules.errors import SpecError, TensorMismatchError
 from ardiff_modules.head_forward import HeadGroupedLayer, take_heads
-from ardiff_modules.ops import write_kv_in_graph
+from ardiff_modules.ops import attend_in_graph, write_kv_in_graph
 from ardiff_modules.training import attend_with_grad
 
 #: A RoPE hook: ``(t [streams, seq, heads, dim], positions [streams, seq]) -> t`` or a ``(cos, sin)`` pair.
@@ -276,8 +276,11 @@ def chunk_attention(
         pool, scales, layer_id = kv.kv_pool, kv.kv_scales, kv.layer_id
         assert pool is not None and scales is not None and layer_id is not None  # set by the cache, every layer
         write_kv_in_graph(k_rows, v_rows, pool, scales, layer_id, kv.forward.handle_id)
-        op = torch.ops.ardiff_modules.paged_attention_lse if return_lse else torch.ops.ardiff_modules.paged_attention
-        result = op(q_rows, kv.kv_pool, kv.layer_id, kv.forward.handle_id, scale, q_sink)
+        # FA3 over an FP8 pool: the query is quantized here too, fused with the norm / RoPE that produced it.
+        result = attend_in_graph(
+            q_rows, pool, layer_id, kv.forward.handle_id, scale, q_sink,
+            fp8_query=kv.forward.fp8_query, return_lse=return_lse,
+        )
     else:
         op = torch.ops.ardiff_modules.chunk_attention_lse if return_lse else torch.ops.ardiff_modules.chunk_attention
         result = op(q_rows, k_rows, v_rows, kv.kv_pool, kv.layer_id, kv.forward.handle_id, scale, q_sink)
