@@ -12,9 +12,11 @@ baseline keeps its indices on the host, which only favours it.)
   surface the blocks read) holds the buffers of a model; :func:`swapped_attention` swaps every block's
   ``attn`` for a :class:`RollingSelfAttention` that reuses its projections, norms and RoPE;
   :class:`RollingRunner` drives a chunk step over them (``end_to_end``'s runner interface).
-* :func:`sdpa_attend` / :func:`make_flex_attend`: the attention over that prefix, in the peers'
-  ``[streams, tokens, heads, dim]`` layout, with SDPA or ``flex_attention`` (no mask: the prefix holds
-  exactly the visible keys).
+* :class:`RaggedFA3Attend` / :func:`sdpa_attend` / :func:`make_flex_attend`: the attention over that prefix,
+  in the peers' ``[streams, tokens, heads, dim]`` layout, with FlashInfer's ragged FA3 (the stand-in for
+  ``flash_attn_interface``, what Self-Forcing runs on Hopper: the honest peer), SDPA or ``flex_attention``
+  (no mask: the prefix holds exactly the visible keys). :func:`fa3_unavailable_reason` says why FA3
+  cannot run here (no CUDA, no FlashInfer, not Hopper, not half precision).
 * :func:`rolling_memmove`: one layer's write of that buffer, timed beside the library's writes.
 
 **The contiguous limits** (``attention``): every stream's visible keys held contiguous, attended by
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -168,6 +171,82 @@ def sdpa_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tens
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=q.shape[2] != k.shape[2]
     )
     return out.transpose(1, 2)
+
+
+#: Head dims FlashInfer's FA3 kernels are built for (others have no FA3 kernel).
+FA3_HEAD_DIMS = (64, 128, 256)
+
+
+def fa3_unavailable_reason(device: torch.device | str, dtype: torch.dtype, head_dim: int | None = None) -> str | None:
+    """Why :class:`RaggedFA3Attend` cannot run on ``device`` in ``dtype`` (at ``head_dim``); ``None`` where it can.
+
+    FlashInfer's FA3 backend needs CUDA, the ``flashinfer`` package, a Hopper GPU (sm90),
+    bfloat16 / float16 q/k/v and a head dim of :data:`FA3_HEAD_DIMS`. FlashInfer is looked up without
+    importing it.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"needs CUDA and FlashInfer's FA3 kernels, running on {device.type}"
+    if importlib.util.find_spec("flashinfer") is None:
+        return "needs the flashinfer package (FA3 kernels): not installed (pip install 'ardiff_modules[flashinfer]')"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major != 9:
+        return f"FlashInfer's FA3 backend needs a Hopper GPU (sm90), got sm{major}{minor}"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"FA3 needs bfloat16 or float16 q/k/v, got {dtype}"
+    if head_dim is not None and head_dim not in FA3_HEAD_DIMS:
+        return f"FA3 kernels exist for head_dim in {FA3_HEAD_DIMS}, got {head_dim}"
+    return None
+
+
+class RaggedFA3Attend:
+    """:func:`sdpa_attend` with FlashInfer's ragged FA3 (``backend="fa3"``, ``causal=False``): the stand-in
+    for ``flash_attn_interface`` over the rolling buffer, what Self-Forcing / LongLive run on Hopper.
+
+    Called per layer as ``attend(q, k, v)``: ``q`` ``[streams, q_len, heads, dim]`` over the visible prefix
+    ``k`` / ``v`` ``[streams, kv_len, kv_heads, dim]`` (a view of the layer's buffer); returns
+    ``[streams, q_len, heads, dim]``. Every stream attends to its own keys (one ragged request each).
+
+    **One** ``plan()`` per (streams, q_len, kv_len, heads, kv_heads, dim, dtype), shared by every layer:
+    the first layer of a forward that sees a new shape plans, the other layers of that forward and later
+    forwards of the same shape reuse it. Every layer of a forward has the same shape, so this is one plan
+    per new visible-key length (``sink + window + 1`` while the buffer fills) and none once it is full;
+    ``plans`` counts them. Indptrs go to ``plan()`` as CPU int32 tensors (CUDA ones force a sync).
+    """
+
+    def __init__(self, workspace_bytes: int = 128 << 20) -> None:
+        self.workspace_bytes = workspace_bytes
+        self.wrapper: Any = None  #: the ragged wrapper, made on the first call (on the query's device)
+        self.key: tuple[Any, ...] | None = None  #: the shape the wrapper is planned for
+        self.plans = 0  #: plan() calls so far
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        s, n, heads, d = q.shape
+        keys, kv_heads = k.shape[1], k.shape[2]
+        key = (s, n, keys, heads, kv_heads, d, q.dtype)
+        if key != self.key:
+            self._plan(q.device, key)
+        # NOTE: k / v are the prefix buf[:, :kv_len] of a [streams, slots * C, h, d] buffer. With the window
+        # full (kv_len == slots * C: every timed step) the prefix is the whole buffer, contiguous, and the
+        # reshape is a view (no copy). While the buffer fills, the prefix of 2+ streams is strided: reshape
+        # copies it then, as flash_attn's varlen interface would need too.
+        out = self.wrapper.run(q.reshape(s * n, heads, d), k.reshape(s * keys, kv_heads, d),
+                               v.reshape(s * keys, kv_heads, d))
+        return out.view(s, n, heads, d)
+
+    def _plan(self, device: torch.device, key: tuple[Any, ...]) -> None:
+        import flashinfer
+
+        s, n, keys, heads, kv_heads, d, dtype = key
+        if self.wrapper is None:
+            self.workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=device)
+            self.wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self.workspace, "NHD", backend="fa3")
+        qo_indptr = torch.arange(s + 1, dtype=torch.int32) * n  # CPU: plan() copies them without a sync
+        kv_indptr = torch.arange(s + 1, dtype=torch.int32) * keys
+        self.wrapper.plan(qo_indptr, kv_indptr, heads, kv_heads, d, causal=False, q_data_type=dtype,
+                          kv_data_type=dtype, o_data_type=dtype)
+        self.key = key
+        self.plans += 1
 
 
 def make_flex_attend(compiled: bool) -> Callable[..., torch.Tensor]:

@@ -3,66 +3,110 @@
 One **chunk step** = 4 denoising forwards (``commit_current=False``, timesteps 1000, 750, 500, 250)
 + 1 committing forward (timestep 0) of one chunk (3 latent frames = 4680 tokens at 480x832), at
 sink 1 + window 6 chunks, with classifier-free guidance on (cond + uncond batched in one forward,
-2 streams) and off (1 stream). The SAME model (``ardiff_modules.models.wan_causal_dit``, random weights from
-one seed) runs under three attention variants (the rolling ones are the peers of ``baselines.py``):
+2 streams) and off (1 stream). ``--commit-forward last_step`` makes it 4 forwards (below). The SAME
+model (``ardiff_modules.models.wan_causal_dit``, random weights from one seed) runs under these
+attention variants (the rolling ones are the peers of ``baselines.py``):
 
 * ``library``       -- this library: ``ChunkSelfAttention`` over the paged pool (``KVCache``,
                        ``backend="auto"``: FlashInfer on CUDA with contiguous extents -> ragged FA3,
                        the reference SDPA backend on CPU), ``state.prepare_forward`` per forward.
-* ``rolling_sdpa``  -- what Self-Forcing / LongLive do: each block's ``attn`` is swapped for a wrapper
+* ``rolling_fa3``   -- **the baseline** (the peer a user really runs on Hopper): what Self-Forcing /
+                       LongLive do, with flash-attn 3. Each block's ``attn`` is swapped for a wrapper
                        that reuses the same projections / norms / RoPE but keeps, per layer, one
                        contiguous K and V buffer ``[streams, (sink + window + 1) * chunk, heads, dim]``;
                        before the first forward of a new chunk, once the buffer is full, the window is
                        shifted left by one chunk with a memmove (``buf[:, s:-C].copy_(buf[:, s+C:].clone())``);
                        every forward writes its K/V into the slot after the resident chunks and attends
-                       over the prefix ``buf[:, :resident * C + C]`` with ``F.scaled_dot_product_attention``.
+                       over the prefix ``buf[:, :resident * C + C]`` with FlashInfer's ragged FA3
+                       (``BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD", backend="fa3")``,
+                       ``causal=False``; the stand-in for ``flash_attn_interface``): one ``plan()`` per
+                       (streams, q_len, kv_len) shape, shared by every layer and every later forward of
+                       that shape (``baselines.RaggedFA3Attend``). With the window full the prefix is
+                       the whole buffer and is flattened to ``[streams * L, h, d]`` without a copy.
                        (The peers also call ``.item()`` on device indices each layer; this baseline
-                       keeps its indices on the host, which only favours it.)
+                       keeps its indices on the host, which only favours it.) CUDA + FlashInfer + Hopper
+                       + bf16/fp16 only: elsewhere it is reported as skipped (with the reason).
+* ``rolling_sdpa``  -- the same buffers attended with ``F.scaled_dot_product_attention`` (the baseline
+                       where FA3 cannot run, e.g. on the CPU; a secondary ratio otherwise).
 * ``rolling_flex``  -- the same buffers, attended with ``flex_attention`` (no mask: the prefix holds
                        exactly the visible keys), compiled (``dynamic=False``) on CUDA, eager on CPU
                        unless ``--flex-compile on`` (compiled flex on CPU costs seconds per key length).
 * ``library_compiled`` (``--compile``, off by default) -- ``torch.compile(model, fullgraph=True)`` over
                        the library's contexts.
-* ``rolling_sdpa_compiled`` (``--compile``) -- ``rolling_sdpa`` with the model compiled
-                       (``dynamic=False``) around an opaque cache write + SDPA (one graph break per
-                       layer), the best a rolling buffer with host-side offsets gets from torch.compile.
+* ``rolling_fa3_compiled`` / ``rolling_sdpa_compiled`` (``--compile``) -- ``rolling_fa3`` /
+                       ``rolling_sdpa`` with the model compiled (``dynamic=False``) around an opaque cache
+                       write + attention (``torch.compiler.disable``: one graph break per layer), the best a
+                       rolling buffer with host-side offsets gets from torch.compile.
 
-Every variant gets identical inputs: seeded latents per chunk (the same latents for all forwards of
-a chunk: the sampler arithmetic between forwards is left out, it is negligible next to a forward),
-the same text embeddings (cond: seeded random, uncond: zeros), projected once per layer. Each variant
-warms up until its window is full and has evicted once (default ``sink + window + 2`` chunks), then
-times ``--chunks-timed`` chunk steps one by one (``_timing.each_call``: each step between two reads of
-``torch.utils.benchmark``'s clock, which synchronises the device; a chunk step advances the stream, so
-every step runs exactly once and is one sample). Reported: the median with its IQR (p25..p75); the
-speed-ups are ratios of medians. The variants run one after another in one process (each holds its own
-KV: 7-14 GB at wan2.1-1.3b, and the rolling ones swap the model's attention modules), not interleaved.
+**Baselines.** Every variant's speed-up is stated against a baseline: eager rows (``library``,
+``library_fp8``, ``library_graph``, ...) against ``rolling_fa3``, compiled rows (``library_compiled``,
+``library_fp8_compiled``, ...) against ``rolling_fa3_compiled``; where those did not run (CPU, no
+FlashInfer, not requested, failed) against ``rolling_sdpa`` / ``rolling_sdpa_compiled``
+(:func:`select_baselines`). ``speedup_vs_rolling_sdpa`` is kept as a secondary ratio. Every ratio
+is a ratio of medians and carries its spread: ``[slow p25 / fast p75, slow p75 / fast p25]``, the
+range the ratio takes with both variants' steps anywhere in their IQRs (:func:`speedup`).
+
+**Model FLOP utilisation.** Each variant reports ``flops_per_chunk_step`` (analytic,
+:func:`flops_per_chunk_step`: the DiT blocks' linear layers -- self-attention q/k/v/o, cross-attention
+q/o (the text K/V are cached), FFN -- plus self-attention ``QK^T`` and ``PV`` over the visible keys and
+cross-attention over the text tokens, times forwards per chunk step and streams) and ``mfu`` =
+FLOPs / seconds / peak, the peak 989.4 TFLOP/s (H200 SXM, dense bf16) on CUDA (``--peak-tflops``;
+recorded in ``config``), ``null`` on the CPU. FP8 variants are read against the same bf16 peak.
+
+**The committing forward** (``--commit-forward``; vllm-omni #7816). ``clean`` (default): the 4
+denoising forwards, then one clean forward at t=0 with ``commit_current=True`` (5 forwards per chunk).
+``last_step``: the last denoising forward (t=250) is the committing one and there is no clean forward
+(4 forwards per chunk); the rolling peers commit the same way (``end_forward(commit=True)`` on that
+forward). A last-step commit keeps the K/V of the t=250 forward (of a still noisy input) as history,
+so later chunks see a different history. ``both``: the library variants and the ``rolling_fa3``
+variants run both ways (the others clean only), each chunk step then follows the sampler (a
+flow-matching Euler step after each denoising forward, CFG-combined at ``--cfg-scale``, from seeded
+noise over the same timesteps) so that each run produces latents; reported per variant: ms per chunk
+step both ways, the speed-up of ``last_step`` (with its spread) and the relative error of the
+produced latents chunk by chunk over the measured chunks (warm-up + timed: one rollout), max and final.
+
+Every variant gets identical inputs: seeded latents per chunk (without ``both``, the same latents for
+all forwards of a chunk: the sampler arithmetic between forwards is left out, it is negligible next to
+a forward), the same text embeddings (cond: seeded random, uncond: zeros), projected once per layer.
+Each variant warms up until its window is full and has evicted once (default ``sink + window + 2``
+chunks), then times ``--chunks-timed`` chunk steps one by one (``_timing.each_call``: each step between
+two reads of ``torch.utils.benchmark``'s clock, which synchronises the device; a chunk step advances
+the stream, so every step runs exactly once and is one sample). Reported: the median with its IQR
+(p25..p75); the speed-ups are ratios of medians. The variants run one after another in one process
+(each holds its own KV: 7-14 GB at wan2.1-1.3b, and the rolling ones swap the model's attention
+modules), not interleaved; a variant run both ways is compiled once.
 
 Checked: the outputs of the committing forwards of the timed chunk steps of every variant agree with
-the library's by relative error norm (<= 3e-2 in bf16 / fp16, <= 1e-4 in float32 on CPU, 1e-3 in
-float32 on CUDA); the exit status is 1 if not. Reported per variant and CFG setting: ms per chunk
-step, speedup vs ``rolling_sdpa`` (target for the library: >= 1.3x), latent frames/s
-(``frames_per_chunk / step seconds``; a Wan VAE decodes about 4 video frames per latent frame),
-peak allocated memory (``torch.cuda.max_memory_allocated`` delta over the variant's whole run:
-cache / buffers, warm-up, timed steps) and KV bytes: the library's peak pages in use x bytes per page
-(its pool is sized to exactly (sinks + window + pending) chunks per branch) vs the rolling buffers.
+the library's (same commit setting) by relative error norm (<= 3e-2 in bf16 / fp16, <= 1e-4 in float32
+on CPU, 1e-3 in float32 on CUDA); the exit status is 1 if not. Reported per variant and CFG setting:
+ms per chunk step, speed-up vs the baseline and vs ``rolling_sdpa`` (target for the library: >= 1.3x
+vs ``rolling_sdpa``), FLOPs and MFU, latent frames/s (``frames_per_chunk / step seconds``; a Wan VAE
+decodes about 4 video frames per latent frame), peak allocated memory
+(``torch.cuda.max_memory_allocated`` delta over the variant's whole run: cache / buffers, warm-up,
+timed steps) and KV bytes: the library's peak pages in use x bytes per page (its pool is sized to
+exactly (sinks + window + pending) chunks per branch) vs the rolling buffers.
 
     python -m benchmarks.end_to_end                                    # CUDA: wan2.1-1.3b, bf16
     python -m benchmarks.end_to_end --preset tiny --device cpu --dtype float32 --out /tmp/e2e
-    python -m benchmarks.end_to_end --compile                          # + library_compiled row
-    python -m benchmarks.end_to_end --cfg on --variants library,rolling_sdpa   # a subset
+    python -m benchmarks.end_to_end --compile                          # + the compiled rows
+    python -m benchmarks.end_to_end --cfg on --variants library,rolling_fa3   # a subset
+    python -m benchmarks.end_to_end --commit-forward both --cfg on --variants library,rolling_fa3
 
-Writes ``end_to_end.json`` (config, per CFG setting and variant: ``ms_per_chunk_step`` (median),
-``ms_per_chunk_step_stats`` (median, IQR, p25, p75, samples), speed-up, frames/s, memory, errors vs the
-library; targets; run metadata: git commit, UTC time, versions, command line) and ``end_to_end.png``
-(bars with IQR error bars; skipped if matplotlib is missing) into ``--out DIR``; by default the
-committed results, ``benchmarks/results/end_to_end_<device>.json`` / ``.png``. The rolling buffers are
+Writes ``end_to_end.json`` (config, per CFG setting: the baselines, per variant ``ms_per_chunk_step``
+(median), ``ms_per_chunk_step_stats`` (median, IQR, p25, p75), speed-ups with their spreads, FLOPs,
+MFU, frames/s, memory, errors vs the library; with ``both`` the ``last_step`` rows and the
+``commit_forward_comparison``; targets; run metadata: git commit, UTC time, versions, command line)
+and ``end_to_end.png`` (bars with IQR error bars, the baseline drawn as the reference; skipped if
+matplotlib is missing) into ``--out DIR``; by default the committed results,
+``benchmarks/results/end_to_end_<device>.json`` / ``.png``. The rolling buffers are
 ``baselines.RollingKVCache`` & co. ``--device cuda`` without CUDA, or
 ``--backend flashinfer`` without FlashInfer, exits 2 with one line.
 A baseline that fails (compile error, out of memory) is recorded in the JSON with its traceback and
-the run goes on (exit status 1). Sizes at wan2.1-1.3b / bf16: weights 2.8 GB; KV per branch 8 chunks
-x 4680 tokens x 30 layers x 12 heads x 128 x K,V x 2 B = 6.9 GB (13.8 GB with CFG), held by one
-variant at a time. Compiled flex compiles one graph per key length during the warm-up (8 lengths per
-CFG setting), which is most of the run's wall time.
+the run goes on (exit status 1); one that cannot run here (FA3 without CUDA / FlashInfer / Hopper) is
+recorded as skipped with the reason (exit status unaffected). Sizes at wan2.1-1.3b / bf16: weights
+2.8 GB; KV per branch 8 chunks x 4680 tokens x 30 layers x 12 heads x 128 x K,V x 2 B = 6.9 GB
+(13.8 GB with CFG), held by one variant at a time. Compiled flex compiles one graph per key length
+during the warm-up (8 lengths per CFG setting), which is most of the run's wall time.
 """
 
 from __future__ import annotations
@@ -72,9 +116,10 @@ import dataclasses
 import functools
 import gc
 import importlib.util
+import statistics
 import sys
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -92,22 +137,50 @@ from ardiff_modules.models.wan_causal_dit import (
 )
 from ardiff_modules.pool import bytes_per_page
 from benchmarks._plotting import bars, legend_below, pyplot, save, spread, wrap
-from benchmarks._timing import Stats, each_call, environment, fail, once, result_path, save_json
-from benchmarks.baselines import RollingRunner, make_flex_attend, sdpa_attend, swapped_attention
+from benchmarks._timing import each_call, environment, fail, once, result_path, save_json
+from benchmarks.baselines import (
+    RaggedFA3Attend,
+    RollingRunner,
+    fa3_unavailable_reason,
+    make_flex_attend,
+    sdpa_attend,
+    swapped_attention,
+)
 
-VARIANTS = ("library", "rolling_sdpa", "rolling_flex")
+VARIANTS = ("library", "rolling_fa3", "rolling_sdpa", "rolling_flex")
 #: Variants the flags add (``--compile``, ``--fp8``, ``--graph``); ``--variants`` may also name them directly.
-EXTRA_VARIANTS = ("library_compiled", "rolling_sdpa_compiled", "library_fp8", "library_fp8_compiled",
-                  "library_graph", "library_compiled_graph", "library_fp8_graph", "library_fp8_compiled_graph",
-                  "library_relative_sinks", "library_relative_sinks_compiled")
+EXTRA_VARIANTS = ("library_compiled", "rolling_fa3_compiled", "rolling_sdpa_compiled", "library_fp8",
+                  "library_fp8_compiled", "library_graph", "library_compiled_graph", "library_fp8_graph",
+                  "library_fp8_compiled_graph", "library_relative_sinks", "library_relative_sinks_compiled")
+#: The peers attended with FlashInfer's ragged FA3 (CUDA + FlashInfer + Hopper only; skipped elsewhere).
+FA3_VARIANTS = ("rolling_fa3", "rolling_fa3_compiled")
 #: Variants whose semantics differ from ``library`` once the window slides (sinks at relative positions):
 #: their outputs are reported, not required to agree.
 OTHER_SEMANTICS = ("library_relative_sinks", "library_relative_sinks_compiled")
-BASELINE = "rolling_sdpa"
+#: The baseline of the eager rows and of the compiled rows: the first of each that was measured.
+EAGER_BASELINES = ("rolling_fa3", "rolling_sdpa")
+COMPILED_BASELINES = ("rolling_fa3_compiled", "rolling_sdpa_compiled")
+SECONDARY_BASELINE = "rolling_sdpa"  #: ``speedup_vs_rolling_sdpa``, kept beside the baseline's ratio
 TIMESTEPS = (1000.0, 750.0, 500.0, 250.0)  #: denoising forwards of a chunk step; then one at 0 (commit)
-TARGET_SPEEDUP = 1.3
+SCHEDULE = TIMESTEPS + (0.0,)  #: the sampler's timesteps (``--commit-forward both``): each step goes to the next
+COMMIT_FORWARDS = ("clean", "last_step")
+TARGET_SPEEDUP = 1.3  #: the library vs rolling_sdpa (the issue's original target)
+#: H200 SXM, dense bf16 tensor-core peak (FLOP/s): the MFU's denominator on CUDA unless --peak-tflops.
+PEAK_FLOPS_H200 = 989.4e12
 CFG_BRANCHES = {"cfg_on": ("cond", "uncond"), "cfg_off": ("cond",)}
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+#: (fast, slow) pairs of the targets block: fast's speed-up over slow where both ran (with its spread).
+SPEEDUP_PAIRS = (
+    ("library", "rolling_fa3"), ("library_fp8", "rolling_fa3"), ("library_graph", "rolling_fa3"),
+    ("library_fp8_graph", "rolling_fa3"),
+    ("library_compiled", "rolling_fa3_compiled"), ("library_fp8_compiled", "rolling_fa3_compiled"),
+    ("library_compiled_graph", "rolling_fa3_compiled"), ("library_fp8_compiled_graph", "rolling_fa3_compiled"),
+    ("library", "rolling_sdpa"), ("rolling_fa3", "rolling_sdpa"),
+    ("library_compiled", "rolling_sdpa_compiled"), ("library_fp8_compiled", "rolling_sdpa_compiled"),
+    ("rolling_fa3_compiled", "rolling_sdpa_compiled"),
+    ("library_graph", "library"), ("library_compiled_graph", "library_compiled"),
+    ("library_fp8_compiled_graph", "library_fp8_compiled"),
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,7 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help=f"comma-separated subset of {VARIANTS} (library is always run: it is the reference); "
                         f"may also name any of {EXTRA_VARIANTS} without their flags")
-    p.add_argument("--compile", action="store_true", help="also run library_compiled and rolling_sdpa_compiled")
+    p.add_argument("--compile", action="store_true",
+                   help="also run library_compiled, rolling_fa3_compiled and rolling_sdpa_compiled")
     p.add_argument("--graph", action="store_true",
                    help="also run library_graph: every forward a static plan replayed from one CUDA graph per "
                         "forward shape (CUDAGraphStep; over the compiled model with --compile: "
@@ -133,6 +207,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "'float8_e4m3fn'), FP8 attention on FlashInfer; agreement checked at --fp8-tolerance")
     p.add_argument("--fp8-tolerance", type=float, default=0.1,
                    help="largest relative error of an FP8 variant's outputs vs library (default 0.1)")
+    p.add_argument("--commit-forward", choices=(*COMMIT_FORWARDS, "both"), default="clean",
+                   help="which forward commits a chunk: 'clean' (default: the denoising forwards, then a clean "
+                        "forward at t=0 that commits), 'last_step' (the last denoising forward commits: one "
+                        "forward fewer per chunk), 'both' (library and rolling_fa3 variants both ways, side by "
+                        "side, with the produced latents compared chunk by chunk)")
+    p.add_argument("--cfg-scale", type=float, default=5.0,
+                   help="guidance scale of the sampler that --commit-forward both runs (default 5.0)")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="peak TFLOP/s for the MFU (default: 989.4, H200 SXM dense bf16, on CUDA; none on CPU)")
     p.add_argument("--flex-compile", choices=("auto", "on", "off"), default="auto",
                    help="compile flex_attention (auto: on CUDA only)")
     p.add_argument("--backend", default="auto", help="the library's KVCache backend")
@@ -159,6 +242,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error(f"--chunks-timed: expected >= 1, got {args.chunks_timed}")
     if args.warmup_chunks is not None and args.warmup_chunks < 0:
         p.error(f"--warmup-chunks: expected >= 0, got {args.warmup_chunks}")
+    if args.peak_tflops is not None and args.peak_tflops <= 0:
+        p.error(f"--peak-tflops: expected > 0, got {args.peak_tflops}")
     args.variants = _variants(p, args)
     if any(v.endswith("_graph") for v in args.variants) and args.device != "cuda":
         p.error("--graph / *_graph variants: expected --device cuda (CUDA graphs)")
@@ -189,7 +274,7 @@ def _variants(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[str
         p.error(f"--variants: expected names from {VARIANTS + EXTRA_VARIANTS}, got {unknown}")
     names = ("library",) + tuple(v for v in variants if v != "library")
     if args.compile:
-        names += ("library_compiled", "rolling_sdpa_compiled")
+        names += ("library_compiled", "rolling_fa3_compiled", "rolling_sdpa_compiled")
     if args.fp8:
         names += ("library_fp8",) + (("library_fp8_compiled",) if args.compile else ())
     if args.graph:
@@ -197,6 +282,120 @@ def _variants(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[str
         if args.fp8:
             names += ("library_fp8_compiled_graph",) if args.compile else ("library_fp8_graph",)
     return tuple(dict.fromkeys(names))  # each once, in order
+
+
+# --------------------------------------------------------------------------------- FLOPs
+def flop_terms(config: WanConfig, visible_keys: int) -> dict[str, int]:
+    """FLOPs of ONE forward of ONE stream over one chunk, per term, summed over the ``num_layers`` DiT blocks.
+
+    A matmul ``[m, k] @ [k, n]`` counts ``2 m k n``. With ``q = chunk_size`` query tokens, ``D = dim``
+    (= heads x head_dim), ``F = ffn_dim``, ``T = text_tokens`` and ``keys = visible_keys``, per block:
+
+    * ``self_attn_qkvo``: the q, k, v and o projections, ``4 x 2 q D D``;
+    * ``cross_attn_qo``: cross-attention's q and o projections, ``2 x 2 q D D`` (its K/V over the text
+      are cached per prompt: not recomputed per forward);
+    * ``ffn``: ``Linear(D, F)`` and ``Linear(F, D)``, ``2 x 2 q D F``;
+    * ``self_attention``: ``QK^T`` + ``PV`` over the visible keys, ``4 q keys D``;
+    * ``cross_attention``: the same over the text tokens, ``4 q T D``.
+
+    Not counted (each well under 1 % at Wan2.1-1.3B): the patch embedding, time embedding and
+    projection, the head, norms, RoPE, modulation, softmax.
+    """
+    q, d, layers = config.chunk_size, config.dim, config.num_layers
+    inner = config.num_heads * config.head_dim
+    return {
+        "self_attn_qkvo": layers * 4 * 2 * q * d * d,
+        "cross_attn_qo": layers * 2 * 2 * q * d * d,
+        "ffn": layers * 2 * 2 * q * d * config.ffn_dim,
+        "self_attention": layers * 4 * q * visible_keys * inner,
+        "cross_attention": layers * 4 * q * config.text_tokens * inner,
+    }
+
+
+def flops_per_chunk_step(config: WanConfig, *, streams: int, visible_keys: int, forwards: int) -> int:
+    """FLOPs of one chunk step: :func:`flop_terms` summed, times ``forwards`` per chunk step and ``streams``.
+
+    ``visible_keys``: the keys each stream's forward attends to (:func:`visible_keys`); every forward
+    of a chunk step attends to the same ones.
+    """
+    return streams * forwards * sum(flop_terms(config, visible_keys).values())
+
+
+def visible_keys(config: WanConfig, committed: int) -> int:
+    """Keys one stream's forward attends to after ``committed`` chunks: the resident sinks + window chunks
+    (every committed chunk until the window is full) and the pending chunk itself."""
+    return (min(committed, config.sink_chunks + config.window_chunks) + 1) * config.chunk_size
+
+
+def forwards_per_chunk_step(mode: str) -> int:
+    """``clean``: the denoising forwards + the clean committing forward; ``last_step``: the denoising ones."""
+    return len(TIMESTEPS) + (mode == "clean")
+
+
+# --------------------------------------------------------------------------------- baselines and ratios
+def is_compiled(name: str) -> bool:
+    """Whether a variant is a compiled row (stated against the compiled baseline)."""
+    return "_compiled" in name
+
+
+def select_baselines(measured: Iterable[str]) -> dict[str, str | None]:
+    """The baseline of the eager rows and of the compiled rows, given the variants that were measured.
+
+    Eager rows: ``rolling_fa3``, else ``rolling_sdpa``. Compiled rows: ``rolling_fa3_compiled``, else
+    ``rolling_sdpa_compiled``, else the eager rows' baseline. ``None`` where no peer was measured.
+    """
+    have = set(measured)
+    eager = next((n for n in EAGER_BASELINES if n in have), None)
+    compiled = next((n for n in COMPILED_BASELINES if n in have), eager)
+    return {"eager": eager, "compiled": compiled}
+
+
+def baseline_of(name: str, baselines: Mapping[str, str | None]) -> str | None:
+    """The baseline ``name``'s speed-up is stated against (:func:`select_baselines`' choice for its kind)."""
+    return baselines["compiled" if is_compiled(name) else "eager"]
+
+
+def _step_stats(res: Mapping[str, Any]) -> dict[str, float]:
+    """Median / p25 / p75 ms per chunk step (older results without stats: from the steps, else the median)."""
+    stats = res.get("ms_per_chunk_step_stats")
+    if stats and "p25_ms" in stats:
+        return {k: float(stats[k]) for k in ("median_ms", "p25_ms", "p75_ms")}
+    ms = float(res["ms_per_chunk_step"])
+    low, high = spread(None, res.get("ms_per_chunk_step_all")) or (ms, ms)
+    return {"median_ms": ms, "p25_ms": low, "p75_ms": high}
+
+
+def speedup(slow: Mapping[str, Any], fast: Mapping[str, Any]) -> dict[str, float]:
+    """``slow``'s median ms per chunk step over ``fast``'s (> 1: ``fast`` is faster), with its spread.
+
+    ``iqr_low`` = slow p25 / fast p75 and ``iqr_high`` = slow p75 / fast p25: the range of the ratio
+    with both variants' steps anywhere in their IQRs (one timed step each: the ratio itself).
+    """
+    a, b = _step_stats(slow), _step_stats(fast)
+    return {"ratio": a["median_ms"] / b["median_ms"], "iqr_low": a["p25_ms"] / b["p75_ms"],
+            "iqr_high": a["p75_ms"] / b["p25_ms"]}
+
+
+def measured(res: Mapping[str, Any] | None) -> bool:
+    """Whether a variant's result holds a timing (not skipped, not failed)."""
+    return res is not None and "ms_per_chunk_step" in res
+
+
+def add_speedups(variants: dict[str, dict[str, Any]], baselines: Mapping[str, str | None]) -> None:
+    """Per measured variant: ``baseline``, ``speedup_vs_baseline`` (+ ``_iqr``) and, where ``rolling_sdpa``
+    ran, ``speedup_vs_rolling_sdpa`` (+ ``_iqr``)."""
+    for name, res in variants.items():
+        if not measured(res):
+            continue
+        for field, base in (("baseline", baseline_of(name, baselines)), (SECONDARY_BASELINE, SECONDARY_BASELINE)):
+            if base is None or not measured(variants.get(base)):
+                continue
+            r = speedup(variants[base], res)
+            key = "speedup_vs_baseline" if field == "baseline" else f"speedup_vs_{base}"
+            if field == "baseline":
+                res["baseline"] = base
+            res[key] = r["ratio"]
+            res[f"{key}_iqr"] = [r["iqr_low"], r["iqr_high"]]
 
 
 # --------------------------------------------------------------------------------- runners
@@ -245,41 +444,63 @@ class LibraryRunner:
 
 
 # --------------------------------------------------------------------------------- measurement
-def _chunk_step(runner: Any, latents: Iterator[torch.Tensor], timesteps: Sequence[torch.Tensor],
-                t_commit: torch.Tensor) -> torch.Tensor:
-    """One chunk step on the next latent: the denoising forwards, then the committing one (its output)."""
+def _euler(x: torch.Tensor, v: torch.Tensor, i: int, cfg_scale: float) -> torch.Tensor:
+    """The sampler's step after denoising forward ``i``: flow-matching Euler from ``SCHEDULE[i]`` to
+    ``SCHEDULE[i + 1]`` with ``v`` CFG-combined (stream 0 cond, 1 uncond); ``x`` ``[streams, F, C, H, W]``
+    keeps one latent per stream (all the same)."""
+    if v.shape[0] == 2:
+        v = v[1:2] + cfg_scale * (v[0:1] - v[1:2])
+    return x + (SCHEDULE[i + 1] - SCHEDULE[i]) / 1000.0 * v
+
+
+def chunk_step(runner: Any, latents: Iterator[torch.Tensor], st: _Setting, mode: str,
+                cfg_scale: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One chunk step on the next latent: ``(the committing forward's output, the produced latent)``.
+
+    ``clean``: the denoising forwards, then the clean forward at t=0 commits; ``last_step``: the last
+    denoising forward commits. With ``cfg_scale`` (``--commit-forward both``) the sampler moves the latent
+    after each denoising forward (:func:`_euler`) and the produced latent is returned; else every forward
+    of the chunk gets the same latent and the second item is ``None``.
+    """
     x = next(latents)
-    for t in timesteps:
-        runner.forward(x, t, False)
-    return runner.forward(x, t_commit, True)
+    last = len(st.ts) - 1
+    out = x
+    for i, t in enumerate(st.ts):
+        out = runner.forward(x, t, mode == "last_step" and i == last)
+        if cfg_scale is not None:
+            x = _euler(x, out, i, cfg_scale)
+    if mode == "clean":
+        out = runner.forward(x, st.t_commit, True)
+    return out, (x if cfg_scale is not None else None)
 
 
-def run_variant(name: str, make_runner: Callable[[], Any], latents: Sequence[torch.Tensor],
-                timesteps: Sequence[torch.Tensor], t_commit: torch.Tensor, warmup: int, timed: int,
-                device: torch.device) -> dict[str, Any]:
-    """Warm up, then time ``timed`` chunk steps one by one; returns timings, memory and the timed commit outputs.
+def run_variant(make_runner: Callable[[], Any], b: _Bench, st: _Setting, mode: str) -> dict[str, Any]:
+    """Warm up, then time ``b.timed`` chunk steps one by one; returns timings, memory, the timed commit
+    outputs and (``--commit-forward both``) the produced latents of every chunk of the run.
 
     Set-up, each warm-up step and each timed step are timed with ``_timing`` (the device synchronised
     before and after each); a chunk step runs exactly once per latent, in the same order for every
     variant, so the timed steps' outputs line up across variants.
     """
-    cuda = device.type == "cuda"
+    cuda = b.device.type == "cuda"
     gc.collect()
     if cuda:
-        torch.cuda.synchronize(device)
+        torch.cuda.synchronize(b.device)
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(b.device)
+        base = torch.cuda.memory_allocated(b.device)
     runner, setup_s = once(make_runner)
-    step = functools.partial(_chunk_step, runner, iter(latents[: warmup + timed]), timesteps, t_commit)
+    step = functools.partial(chunk_step, runner, iter(st.latents[: b.warmup + b.timed]), st, mode, b.cfg_scale)
     with torch.no_grad():
-        warm: Stats | None = each_call(step, warmup)[0] if warmup else None  # one-time costs show here
-        stats, outs = each_call(step, timed)
-    outputs = [out.detach().float().cpu() for out in outs]  # after timing: the copies would sync inside it
-    del outs, step
+        warm, warm_outs = each_call(step, b.warmup) if b.warmup else (None, [])  # one-time costs show here
+        stats, outs = each_call(step, b.timed)
+    # After timing: the copies to the host would synchronise inside it.
+    outputs = [out.detach().float().cpu() for out, _ in outs]
+    latents = [x.float().cpu() for _, x in [*warm_outs, *outs] if x is not None]
+    del outs, warm_outs, step
     if cuda:
-        torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device) - base
+        torch.cuda.synchronize(b.device)
+        peak = torch.cuda.max_memory_allocated(b.device) - base
     warmup_steps_s = [ms / 1e3 for ms in warm.samples_ms] if warm else []
     result: dict[str, Any] = {
         "ms_per_chunk_step": stats.median_ms,
@@ -298,7 +519,7 @@ def run_variant(name: str, make_runner: Callable[[], Any], latents: Sequence[tor
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
-    return {"result": result, "outputs": outputs}
+    return {"result": result, "outputs": outputs, "latents": latents}
 
 
 @dataclasses.dataclass
@@ -313,6 +534,9 @@ class _Bench:
     timed: int  #: chunk steps timed
     flex_compiled: bool
     tolerance: float
+    modes: tuple[str, ...] = ("clean",)  #: commit settings measured; the first one is the primary
+    cfg_scale: float | None = None  #: the sampler's guidance scale (``--commit-forward both``), else None
+    peak_flops: float | None = None  #: the MFU's denominator (FLOP/s); None on the CPU
     model: nn.Module = None  # type: ignore[assignment]
     params: int = 0
     texts: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  #: branch -> text embedding
@@ -347,9 +571,13 @@ def _bench(args: argparse.Namespace) -> _Bench:
     tolerance = args.tolerance
     if tolerance is None:
         tolerance = 3e-2 if dtype in (torch.bfloat16, torch.float16) else (1e-3 if cuda else 1e-4)
+    both = args.commit_forward == "both"
+    peak = args.peak_tflops * 1e12 if args.peak_tflops is not None else (PEAK_FLOPS_H200 if cuda else None)
     b = _Bench(args, device, dtype, config, warmup=resident + 2 if args.warmup_chunks is None else args.warmup_chunks,
                timed=args.chunks_timed, tolerance=tolerance,
-               flex_compiled=args.flex_compile == "on" or (args.flex_compile == "auto" and cuda))
+               flex_compiled=args.flex_compile == "on" or (args.flex_compile == "auto" and cuda),
+               modes=COMMIT_FORWARDS if both else (args.commit_forward,),
+               cfg_scale=args.cfg_scale if both else None, peak_flops=peak)
     b.model = build_model(config, seed=args.seed, device=device, dtype=dtype)
     b.params = sum(p.numel() for p in b.model.parameters())
     g = torch.Generator().manual_seed(args.seed + 1)
@@ -367,11 +595,13 @@ def _bench(args: argparse.Namespace) -> _Bench:
 
 def _print_header(b: _Bench) -> None:
     config, resident = b.config, b.config.sink_chunks + b.config.window_chunks
+    forwards = ", ".join(f"{m}: {forwards_per_chunk_step(m)}" for m in b.modes)
     print(
         f"model {config.name}: {b.params / 1e6:.1f}M params, {config.num_layers} layers, {config.num_heads} heads x "
         f"{config.head_dim}, chunk {config.chunk_size} tokens ({config.frames_per_chunk} latent frames), sink "
         f"{config.sink_chunks} + window {config.window_chunks} chunks; {b.dtype}, {b.device}; warm-up {b.warmup} "
-        f"chunk steps, {b.timed} timed; flex {'compiled' if b.flex_compiled else 'eager'}"
+        f"chunk steps, {b.timed} timed; flex {'compiled' if b.flex_compiled else 'eager'}; forwards per chunk "
+        f"step ({forwards})" + ("; sampler on (produced latents compared)" if b.cfg_scale is not None else "")
     )
     if b.warmup < resident + 1:
         print(f"note: --warmup-chunks {b.warmup} < sink + window + 1 = {resident + 1}: "
@@ -386,8 +616,21 @@ def _setting(b: _Bench, name: str) -> _Setting:
     return _Setting(name, branches, [b.texts[br] for br in branches], latents, ts, torch.zeros(streams, device=b.device))
 
 
-def _measure(name: str, b: _Bench, st: _Setting) -> dict[str, Any]:
-    """One variant at one CFG setting (see :func:`run_variant`): the library's, or a peer's rolling buffer."""
+def skip_reason(name: str, device: torch.device, dtype: torch.dtype, head_dim: int | None = None) -> str | None:
+    """Why variant ``name`` cannot run here (reported as skipped, the run goes on); ``None`` if it can."""
+    if name in FA3_VARIANTS:
+        return fa3_unavailable_reason(device, dtype, head_dim)
+    return None
+
+
+def runs_every_mode(name: str) -> bool:
+    """Whether ``--commit-forward both`` runs ``name`` both ways: the library variants and ``rolling_fa3*``."""
+    return name.startswith("library") or name in FA3_VARIANTS
+
+
+def _measure(name: str, b: _Bench, st: _Setting, modes: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """One variant at one CFG setting, per commit setting in ``modes`` (see :func:`run_variant`): the
+    library's, or a peer's rolling buffer. A compiled variant is compiled once for all of ``modes``."""
     model = b.model
     if name.startswith("library"):
         step: Callable[..., torch.Tensor] = model
@@ -395,158 +638,256 @@ def _measure(name: str, b: _Bench, st: _Setting) -> dict[str, Any]:
             torch._dynamo.reset()
             step = torch.compile(model, fullgraph=True, dynamic=False)
         kv_dtype = "float8_e4m3fn" if "fp8" in name else None
-        graph = name.endswith("_graph")
-        relative = "relative_sinks" in name
+        graph, relative = name.endswith("_graph"), "relative_sinks" in name
 
-        def make(step: Callable[..., torch.Tensor] = step) -> LibraryRunner:
+        def make() -> LibraryRunner:
             return LibraryRunner(model, b.config, st.branches, st.texts, b.device, b.dtype, b.args.backend, step,
                                  kv_dtype, graph=graph, relative_sinks=relative)
 
-        return run_variant(name, make, st.latents, st.ts, st.t_commit, b.warmup, b.timed, b.device)
-    rolling_step: Callable[..., torch.Tensor] | None = None
+        return {mode: run_variant(make, b, st, mode) for mode in modes}
+    attend, rolling_step = _rolling_attention(name, b)
+    out: dict[str, dict[str, Any]] = {}
+    with swapped_attention(model, attend, opaque=rolling_step is not None):
+        for mode in modes:
+            plans = getattr(attend, "plans", 0)
+            out[mode] = run_variant(lambda: RollingRunner(model, b.config, st.texts, b.device, b.dtype, rolling_step),
+                                    b, st, mode)
+            if isinstance(attend, RaggedFA3Attend):
+                out[mode]["result"]["fa3_plans"] = attend.plans - plans
+    return out
+
+
+def _rolling_attention(name: str, b: _Bench) -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor] | None]:
+    """A rolling variant's attention over the buffer's prefix, and its compiled model (``*_compiled``) or None."""
     if name == "rolling_flex":
         if b.flex_compiled:
             torch._dynamo.reset()
-        attend = make_flex_attend(b.flex_compiled)
-    else:
-        attend = sdpa_attend
-        if name == "rolling_sdpa_compiled":
-            torch._dynamo.reset()
-            rolling_step = torch.compile(model, dynamic=False)
-    with swapped_attention(model, attend, opaque=rolling_step is not None):
-        return run_variant(
-            name, lambda: RollingRunner(model, b.config, st.texts, b.device, b.dtype, rolling_step),
-            st.latents, st.ts, st.t_commit, b.warmup, b.timed, b.device,
-        )
+        return make_flex_attend(b.flex_compiled), None
+    attend: Callable[..., torch.Tensor] = RaggedFA3Attend() if name.startswith("rolling_fa3") else sdpa_attend
+    if not name.endswith("_compiled"):
+        return attend, None
+    torch._dynamo.reset()
+    return attend, torch.compile(b.model, dynamic=False)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def _annotate(name: str, res: dict[str, Any], errs: list[float], b: _Bench, streams: int) -> bool | None:
-    """Add a measured variant's errors vs the library, agreement, rates and notes to ``res``; returns
-    whether it agrees (``None``: other semantics, reported only)."""
+def _note(name: str, b: _Bench) -> str | None:
+    """What a variant's row means beyond its name (the JSON's ``note``)."""
+    if name in OTHER_SEMANTICS:
+        return ("relative-position sinks (KVCacheSpec.relative_sinks): different outputs once the window slides, "
+                "by design; timed for the cost of the second key segment")
+    if name == "rolling_flex" and not b.flex_compiled:
+        return "eager flex_attention (unfused: materialises the scores); compiled on CUDA"
+    if name.endswith("_graph"):
+        return ("static forwards, each replayed from a CUDA graph (CUDAGraphStep"
+                + (" over torch.compile(model, fullgraph=True))" if "_compiled" in name else ")"))
+    if name.startswith("library") and name.endswith("_compiled"):
+        return "torch.compile(model, fullgraph=True, dynamic=False)"
+    if name == "rolling_fa3":
+        return ("FlashInfer ragged FA3 (backend='fa3', causal=False) over the buffer's prefix, the stand-in for "
+                "flash_attn_interface; one plan() per (streams, q_len, kv_len) shape shared by every layer")
+    if name in ("rolling_sdpa_compiled", "rolling_fa3_compiled"):
+        return ("torch.compile(model, dynamic=False) with the rolling cache write + attention opaque "
+                "(one graph break per layer)")
+    return None
+
+
+def _annotate(name: str, res: dict[str, Any], errs: list[float], b: _Bench, st: _Setting, mode: str) -> bool | None:
+    """Add a measured variant's errors vs the library, agreement, FLOPs / MFU, rates and notes to ``res``;
+    returns whether it agrees (``None``: other semantics, reported only)."""
+    res["commit_forward"] = mode
     res["rel_err_vs_library"] = max(errs)
     res["rel_err_vs_library_per_step"] = errs
-    res["agrees"] = res["rel_err_vs_library"] <= (b.args.fp8_tolerance if "fp8" in name else b.tolerance)
-    if name in OTHER_SEMANTICS:
-        res["agrees"] = None
-        res["note"] = ("relative-position sinks (KVCacheSpec.relative_sinks): different outputs once the "
-                       "window slides, by design; timed for the cost of the second key segment")
+    res["agrees"] = None if name in OTHER_SEMANTICS else (
+        res["rel_err_vs_library"] <= (b.args.fp8_tolerance if "fp8" in name else b.tolerance))
     res["latent_frames_per_s"] = b.config.frames_per_chunk / (res["ms_per_chunk_step"] / 1e3)
-    res["kv_peak_bytes_per_branch"] = res["kv_peak_bytes"] / streams
+    res["kv_peak_bytes_per_branch"] = res["kv_peak_bytes"] / st.streams
+    # NOTE: the timed steps all see the same visible keys once the window is full (the default warm-up);
+    # after a shorter warm-up their FLOPs differ, and the mean is read against the median time.
+    keys = [visible_keys(b.config, b.warmup + i) for i in range(b.timed)]
+    flops = [flops_per_chunk_step(b.config, streams=st.streams, visible_keys=k, forwards=forwards_per_chunk_step(mode))
+             for k in keys]
+    res["visible_keys_per_timed_step"] = keys
+    res["flops_per_chunk_step"] = statistics.fmean(flops)
+    seconds = res["ms_per_chunk_step"] / 1e3
+    res["mfu"] = res["flops_per_chunk_step"] / seconds / b.peak_flops if b.peak_flops else None
+    note = _note(name, b)
+    if note:
+        res["note"] = note
     if name == "rolling_flex":
         res["flex_compiled"] = b.flex_compiled
-        if not b.flex_compiled:
-            res["note"] = "eager flex_attention (unfused: materialises the scores); compiled on CUDA"
-    if name.endswith("_compiled") and name.startswith("library"):
-        res["note"] = "torch.compile(model, fullgraph=True, dynamic=False)"
-    if name.endswith("_graph"):
-        res["note"] = ("static forwards, each replayed from a CUDA graph (CUDAGraphStep"
-                       + (" over torch.compile(model, fullgraph=True))" if "_compiled" in name else ")"))
     if "fp8" in name:
         res["kv_dtype"] = "float8_e4m3fn"
-    if name == "rolling_sdpa_compiled":
-        res["note"] = ("torch.compile(model, dynamic=False) with the rolling cache write + SDPA opaque "
-                       "(one graph break per layer)")
     return res["agrees"]
 
 
-def _run_setting(b: _Bench, st: _Setting) -> tuple[dict[str, Any], bool]:
-    """Every variant at one CFG setting, one after another: ``(result, whether all agree)``."""
-    variants: dict[str, Any] = {}
-    reference: list[torch.Tensor] | None = None
+def _failure(exc: BaseException) -> dict[str, Any]:
+    return {"error": f"{type(exc).__name__}: {exc}"[:2000], "agrees": False, "traceback": traceback.format_exc()[-4000:]}
+
+
+def _measure_setting(b: _Bench, st: _Setting) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]], bool]:
+    """Every variant at one CFG setting, one after another, in every commit setting it runs in.
+
+    Returns ``(rows, runs, agree)``: per commit setting the variants' result rows (measured, skipped or
+    failed), per commit setting the measured runs (their outputs and latents), whether all agree.
+    """
+    rows: dict[str, dict[str, Any]] = {m: {} for m in b.modes}
+    runs: dict[str, dict[str, Any]] = {m: {} for m in b.modes}
     agree = True
     for name in b.args.variants:
+        modes = b.modes if runs_every_mode(name) else b.modes[:1]
+        reason = skip_reason(name, b.device, b.dtype, b.config.head_dim)
+        if reason is not None:
+            print(f"  {st.name} {name}: skipped ({reason})", flush=True)
+            for mode in modes:
+                rows[mode][name] = {"skipped": reason, "agrees": None}
+            continue
         try:
-            measured = _measure(name, b, st)
+            measured_modes = _measure(name, b, st, modes)
         except Exception as exc:  # a failing baseline (compile, OOM) is recorded; the library is the reference
             if name == "library":
                 raise
             print(f"  {st.name} {name}: FAILED {exc!r:.300}", flush=True)
-            variants[name] = {"error": f"{type(exc).__name__}: {exc}"[:2000], "agrees": False,
-                              "traceback": traceback.format_exc()[-4000:]}
+            for mode in modes:
+                rows[mode][name] = _failure(exc)
             agree = False
             gc.collect()
             if b.device.type == "cuda":
                 torch.cuda.empty_cache()
             continue
-        res = measured["result"]
-        if name == "library":
-            reference = measured["outputs"]
-        assert reference is not None
-        agrees = _annotate(name, res, [rel_err(o, r) for o, r in zip(measured["outputs"], reference)], b, st.streams)
-        if agrees is not None:
-            agree &= agrees
-        variants[name] = res
-        iqr = res["ms_per_chunk_step_stats"]["iqr_ms"]
-        print(
-            f"  {st.name} {name}: {res['ms_per_chunk_step']:.2f} ms per chunk step (IQR {iqr:.2g}; "
-            f"setup {res['setup_s']:.1f} s, "
-            f"warm-up {res['warmup_s']:.1f} s), rel err vs library {res['rel_err_vs_library']:.1e}",
-            flush=True,
-        )
-    if "ms_per_chunk_step" in variants.get(BASELINE, {}):
-        for res in variants.values():
-            if "error" in res:
-                continue
-            res["speedup_vs_rolling_sdpa"] = variants[BASELINE]["ms_per_chunk_step"] / res["ms_per_chunk_step"]
-    return {"branches": list(st.branches), "streams": st.streams, "variants": variants}, agree
+        for mode, run in measured_modes.items():
+            res, reference = run["result"], runs[mode].get("library", run)["outputs"]
+            agrees = _annotate(name, res, [rel_err(o, r) for o, r in zip(run["outputs"], reference)], b, st, mode)
+            agree &= agrees is not False
+            rows[mode][name], runs[mode][name] = res, run
+            print(f"  {st.name} {name} [{mode}]: {res['ms_per_chunk_step']:.2f} ms per chunk step (IQR "
+                  f"{res['ms_per_chunk_step_stats']['iqr_ms']:.2g}; setup {res['setup_s']:.1f} s, warm-up "
+                  f"{res['warmup_s']:.1f} s), rel err vs library {res['rel_err_vs_library']:.1e}", flush=True)
+    return rows, runs, agree
+
+
+def _view(variants: dict[str, dict[str, Any]], mode: str) -> dict[str, Any]:
+    """One commit setting's rows with their baselines chosen and every speed-up added."""
+    baselines = select_baselines(n for n, res in variants.items() if measured(res))
+    add_speedups(variants, baselines)
+    return {"commit_forward": mode, "forwards_per_chunk_step": forwards_per_chunk_step(mode),
+            "baselines": baselines, "variants": variants}
+
+
+def compare_commit_forwards(clean: Mapping[str, Any], last: Mapping[str, Any]) -> dict[str, Any]:
+    """One variant run both ways (``run_variant``'s results): ms per chunk step each way, the speed-up of
+    ``last_step`` (with its spread) and the relative error of its produced latents vs ``clean``'s, chunk
+    by chunk over the run (warm-up + timed: one rollout from the same noise), max and final."""
+    errs = [rel_err(x, ref) for x, ref in zip(last["latents"], clean["latents"])]
+    if not errs:
+        raise ValueError("compare_commit_forwards: expected produced latents (the sampler of --commit-forward both)")
+    r = speedup(clean["result"], last["result"])
+    return {
+        "ms_per_chunk_step": {"clean": clean["result"]["ms_per_chunk_step"],
+                              "last_step": last["result"]["ms_per_chunk_step"]},
+        "forwards_per_chunk_step": {m: forwards_per_chunk_step(m) for m in COMMIT_FORWARDS},
+        "speedup_last_step_vs_clean": r["ratio"],
+        "speedup_last_step_vs_clean_iqr": [r["iqr_low"], r["iqr_high"]],
+        "latent_rel_err_per_chunk": errs,
+        "latent_rel_err_max": max(errs),
+        "latent_rel_err_final": errs[-1],
+    }
+
+
+def _run_setting(b: _Bench, st: _Setting) -> tuple[dict[str, Any], bool]:
+    """Every variant at one CFG setting: ``(result, whether all agree)``. The result holds the primary
+    commit setting's rows (``variants``, ``baselines``); with ``--commit-forward both`` also the
+    ``last_step`` rows and the ``commit_forward_comparison`` per variant run both ways."""
+    rows, runs, agree = _measure_setting(b, st)
+    result = {"branches": list(st.branches), "streams": st.streams, **_view(rows[b.modes[0]], b.modes[0])}
+    if len(b.modes) > 1:
+        result["last_step"] = _view(rows["last_step"], "last_step")
+        result["commit_forward_comparison"] = {
+            name: compare_commit_forwards(run, runs["last_step"][name])
+            for name, run in runs["clean"].items() if name in runs["last_step"]
+        }
+        for name, cmp in result["commit_forward_comparison"].items():
+            print(f"  {st.name} {name}: last_step {cmp['speedup_last_step_vs_clean']:.3f}x clean "
+                  f"(IQR {cmp['speedup_last_step_vs_clean_iqr'][0]:.3f}..{cmp['speedup_last_step_vs_clean_iqr'][1]:.3f}); "
+                  f"latents vs clean: rel err max {cmp['latent_rel_err_max']:.2e}, final "
+                  f"{cmp['latent_rel_err_final']:.2e}", flush=True)
+    return result, agree
+
+
+def _speedups(variants_by_setting: Mapping[str, Mapping[str, Any]],
+              pairs: Sequence[tuple[str, str]] = SPEEDUP_PAIRS) -> dict[str, dict[str, dict[str, float]]]:
+    """``<fast>_vs_<slow>``: per CFG setting where both were measured, :func:`speedup` (ratio + spread)."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for fast, slow in pairs:
+        per = {s: speedup(v[slow], v[fast]) for s, v in variants_by_setting.items()
+               if measured(v.get(fast)) and measured(v.get(slow))}
+        if per:
+            out[f"{fast}_vs_{slow}"] = per
+    return out
 
 
 def _targets(results: dict[str, Any], kv_target_per_branch: int) -> dict[str, Any]:
-    """The speed-ups and KV checks against their targets, per CFG setting where both sides ran."""
-    def ratio(slow: str, fast: str) -> dict[str, float]:
-        """``slow``'s median chunk step over ``fast``'s, per CFG setting where both ran."""
-        return {
-            s: r["variants"][slow]["ms_per_chunk_step"] / r["variants"][fast]["ms_per_chunk_step"]
-            for s, r in results.items()
-            if all("ms_per_chunk_step" in r["variants"].get(n, {}) for n in (slow, fast))
-        }
-
-    library_speedups = {s: r["variants"]["library"].get("speedup_vs_rolling_sdpa") for s, r in results.items()}
-    graph_speedups = {
-        "library_graph_vs_library": ratio("library", "library_graph"),
-        "library_compiled_graph_vs_library_compiled": ratio("library_compiled", "library_compiled_graph"),
-        "library_fp8_compiled_graph_vs_library_fp8_compiled": ratio("library_fp8_compiled",
-                                                                    "library_fp8_compiled_graph"),
-    }
-    relative_sinks_cost = {  # chunk step with relative sinks over the same step without: the second key segment
-        "library_relative_sinks_vs_library": ratio("library_relative_sinks", "library"),
-        "library_relative_sinks_compiled_vs_library_compiled": ratio("library_relative_sinks_compiled",
-                                                                      "library_compiled"),
-    }
-    return {
-        "library_speedup_vs_rolling_sdpa": TARGET_SPEEDUP,
-        "library_speedup": library_speedups,
-        "speedup_met": {s: (v is not None and v >= TARGET_SPEEDUP) for s, v in library_speedups.items()},
-        # both sides compiled: what torch.compile-native buys over the compiled baseline
-        "library_compiled_speedup_vs_rolling_sdpa_compiled": ratio("rolling_sdpa_compiled", "library_compiled"),
-        "library_fp8_compiled_speedup_vs_rolling_sdpa_compiled": ratio("rolling_sdpa_compiled",
-                                                                       "library_fp8_compiled"),
-        "graph_speedups": {k: v for k, v in graph_speedups.items() if v},
-        "relative_sinks_cost": {k: v for k, v in relative_sinks_cost.items() if v},
+    """The speed-ups (each with its spread) and the KV checks, per CFG setting where both sides ran."""
+    primary = {s: r["variants"] for s, r in results.items()}
+    library_vs_sdpa = {s: v["library"].get("speedup_vs_rolling_sdpa") for s, v in primary.items()}
+    targets: dict[str, Any] = {
+        "baselines": {s: r["baselines"] for s, r in results.items()},
+        "library_speedup_vs_baseline": {
+            s: {"baseline": base, **speedup(r["variants"][base], r["variants"]["library"])}
+            for s, r in results.items() if (base := r["baselines"]["eager"]) is not None
+        },
+        "speedups": _speedups(primary),
+        "library_speedup_vs_rolling_sdpa": TARGET_SPEEDUP,  # the target, against rolling_sdpa
+        "library_speedup": library_vs_sdpa,
+        "speedup_met": {s: (v is not None and v >= TARGET_SPEEDUP) for s, v in library_vs_sdpa.items()},
+        # time with relative sinks over the same step without: the cost of the second key segment
+        "relative_sinks_cost": _speedups(primary, (("library", "library_relative_sinks"),
+                                                   ("library_compiled", "library_relative_sinks_compiled"))),
         "relative_sinks_cost_target": 1.02,
         "kv_peak_bytes_per_branch_target": kv_target_per_branch,
         "kv_peak_equals_target": {
-            s: r["variants"]["library"]["kv_peak_bytes_per_branch"] == kv_target_per_branch for s, r in results.items()
+            s: v["library"]["kv_peak_bytes_per_branch"] == kv_target_per_branch for s, v in primary.items()
         },
     }
+    if any("last_step" in r for r in results.values()):
+        targets["last_step"] = {"speedups": _speedups({s: r["last_step"]["variants"] for s, r in results.items()})}
+        targets["last_step_vs_clean"] = {
+            s: {n: {"ratio": c["speedup_last_step_vs_clean"], "iqr": c["speedup_last_step_vs_clean_iqr"],
+                    "latent_rel_err_max": c["latent_rel_err_max"], "latent_rel_err_final": c["latent_rel_err_final"]}
+                for n, c in r["commit_forward_comparison"].items()}
+            for s, r in results.items()
+        }
+    return targets
 
 
 def _config(b: _Bench) -> dict[str, Any]:
     config, args = b.config, b.args
     return {
         "preset": config.name, "params": b.params, "num_layers": config.num_layers, "dim": config.dim,
-        "num_heads": config.num_heads, "head_dim": config.head_dim, "chunk_size": config.chunk_size,
+        "num_heads": config.num_heads, "head_dim": config.head_dim, "ffn_dim": config.ffn_dim,
+        "text_tokens": config.text_tokens, "chunk_size": config.chunk_size,
         "frames_per_chunk": config.frames_per_chunk, "page_size": config.kv_page_size,
         "sink_chunks": config.sink_chunks, "window_chunks": config.window_chunks, "dtype": args.dtype,
-        "device": str(b.device), "backend_requested": args.backend, "timesteps": list(TIMESTEPS) + [0.0],
-        "forwards_per_chunk_step": len(TIMESTEPS) + 1, "warmup_chunks": b.warmup, "chunks_timed": b.timed,
+        "device": str(b.device), "backend_requested": args.backend,
+        "commit_forward": args.commit_forward, "commit_forwards_measured": list(b.modes),
+        "timesteps": list(TIMESTEPS) + ([0.0] if b.modes[0] == "clean" else []),
+        "forwards_per_chunk_step": forwards_per_chunk_step(b.modes[0]),
+        "sampler": (f"flow-matching Euler over {list(SCHEDULE)}, CFG scale {b.cfg_scale}" if b.cfg_scale is not None
+                    else "off: every forward of a chunk step gets the same seeded latent"),
+        "warmup_chunks": b.warmup, "chunks_timed": b.timed,
         "flex_compiled": b.flex_compiled, "tolerance": b.tolerance, "seed": args.seed,
         "timing": "each timed chunk step one sample between two device-synchronising clock reads "
                   "(torch.utils.benchmark's timer); median and IQR over the timed steps",
+        "ratio_spread": "speed-ups are ratios of medians; *_iqr = [slow p25 / fast p75, slow p75 / fast p25]",
+        "flops": "analytic (end_to_end.flop_terms): DiT blocks' linears (self-attn q/k/v/o, cross-attn q/o, FFN), "
+                 "self-attention QK^T+PV over the visible keys, cross-attention over the text tokens; "
+                 "x forwards per chunk step x streams",
+        "peak_flops": b.peak_flops,
+        "peak_flops_source": (None if b.peak_flops is None else "--peak-tflops" if args.peak_tflops is not None
+                              else "H200 SXM dense bf16 (989.4 TFLOP/s)"),
         "torch_threads": torch.get_num_threads(),
     }
 
@@ -555,7 +896,8 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run the benchmark per ``argv``; writes the JSON (+ PNG) and returns the payload."""
     args = parse_args(argv)
     limits = {}
-    compiles = args.compile or args.flex_compile == "on" or (args.flex_compile == "auto" and args.device == "cuda")
+    compiles = any(is_compiled(v) for v in args.variants) or args.flex_compile == "on" or (
+        args.flex_compile == "auto" and args.device == "cuda" and "rolling_flex" in args.variants)
     for key in ("recompile_limit", "cache_size_limit") if compiles else ():  # compiled flex: a graph per key length
         if hasattr(torch._dynamo.config, key):
             limits[key] = getattr(torch._dynamo.config, key)
@@ -591,43 +933,55 @@ def _mib(b: float | None) -> str:
     return "-" if b is None else f"{b / 2**20:.1f}"
 
 
-def _rounded(d: dict[str, float | None]) -> dict[str, float | None]:
-    return {k: None if v is None else round(v, 2) for k, v in d.items()}
+def _ratio_text(r: Mapping[str, float] | None) -> str:
+    return "-" if r is None else f"{r['ratio']:.3f}x (IQR {r['iqr_low']:.3f}..{r['iqr_high']:.3f})"
+
+
+def _row(setting: str, name: str, res: Mapping[str, Any]) -> str:
+    """One variant's line of the table."""
+    if "skipped" in res:
+        return f"{setting:<8}{name:<27}  skipped: {res['skipped'][:90]}"
+    if "error" in res:
+        return f"{setting:<8}{name:<27}  FAILED: {res['error'][:80]}"
+    iqr = res.get("ms_per_chunk_step_stats", {}).get("iqr_ms")
+    vs_base, vs_sdpa, mfu = res.get("speedup_vs_baseline"), res.get("speedup_vs_rolling_sdpa"), res.get("mfu")
+    ok = "n/a" if res["agrees"] is None else "yes" if res["agrees"] else "NO"
+    return (f"{setting:<8}{name:<27}{res['ms_per_chunk_step']:>10.2f}{('-' if iqr is None else f'{iqr:.3g}'):>8}"
+            f"{('-' if vs_base is None else f'{vs_base:.3f}x'):>9} {res.get('baseline', '-'):<21}"
+            f"{('-' if vs_sdpa is None else f'{vs_sdpa:.2f}x'):>8}{('-' if mfu is None else f'{100 * mfu:.1f}%'):>7}"
+            f"{res['latent_frames_per_s']:>9.2f}{_mib(res['peak_memory_bytes']):>10}{_mib(res['kv_peak_bytes']):>10}"
+            f"{res['rel_err_vs_library']:>9.1e}  {ok}")
 
 
 def print_table(payload: dict[str, Any]) -> None:
-    head = (f"{'cfg':<8}{'variant':<23}{'ms/step':>10}{'IQR':>8}{'vs sdpa':>9}{'latent fr/s':>13}{'peak MiB':>10}"
-            f"{'KV MiB':>10}{'rel err':>10}  ok")
-    print(head)
-    print("-" * len(head))
-    for setting, r in payload["results"].items():
-        for name, res in r["variants"].items():
-            if "error" in res:
-                print(f"{setting:<8}{name:<23}  FAILED: {res['error'][:80]}")
-                continue
-            speed = res.get("speedup_vs_rolling_sdpa")
-            iqr = res.get("ms_per_chunk_step_stats", {}).get("iqr_ms")
-            print(
-                f"{setting:<8}{name:<23}{res['ms_per_chunk_step']:>10.2f}{('-' if iqr is None else f'{iqr:.3g}'):>8}"
-                f"{('-' if speed is None else f'{speed:.2f}x'):>9}{res['latent_frames_per_s']:>13.2f}"
-                f"{_mib(res['peak_memory_bytes']):>10}{_mib(res['kv_peak_bytes']):>10}"
-                f"{res['rel_err_vs_library']:>10.1e}  {'n/a' if res['agrees'] is None else 'yes' if res['agrees'] else 'NO'}"
-            )
+    head = (f"{'cfg':<8}{'variant':<27}{'ms/step':>10}{'IQR':>8}{'vs base':>9} {'baseline':<21}{'vs sdpa':>8}"
+            f"{'MFU':>7}{'lat fr/s':>9}{'peak MiB':>10}{'KV MiB':>10}{'rel err':>9}  ok")
+    for view in ("primary", "last_step"):
+        rows = [(s, r if view == "primary" else r.get("last_step")) for s, r in payload["results"].items()]
+        rows = [(s, r) for s, r in rows if r is not None]
+        if not rows:
+            continue
+        print(f"commit forward: {rows[0][1]['commit_forward']} ({rows[0][1]['forwards_per_chunk_step']} forwards "
+              f"per chunk step)")
+        print(head)
+        print("-" * len(head))
+        for setting, r in rows:
+            for name, res in r["variants"].items():
+                print(_row(setting, name, res))
     t = payload["targets"]
+    print(f"baselines (eager rows / compiled rows): {t['baselines']}")
+    for key, per in t["speedups"].items():
+        print(f"  {key}: " + "; ".join(f"{s} {_ratio_text(r)}" for s, r in per.items()))
+    speedups = {s: None if v is None else round(v, 2) for s, v in t["library_speedup"].items()}
     print(
-        f"library speedup vs rolling_sdpa: {_rounded(t['library_speedup'])} "
-        f"(target >= {t['library_speedup_vs_rolling_sdpa']}); "
+        f"library speedup vs rolling_sdpa: {speedups} (target >= {t['library_speedup_vs_rolling_sdpa']}); "
         f"library KV peak per branch == (sinks + window + pending) chunks: {t['kv_peak_equals_target']} "
         f"({_mib(t['kv_peak_bytes_per_branch_target'])} MiB); outputs agree: {payload['agree']}"
     )
-    if t["library_compiled_speedup_vs_rolling_sdpa_compiled"]:
-        print(f"compiled vs compiled (library_compiled vs rolling_sdpa_compiled): "
-              f"{_rounded(t['library_compiled_speedup_vs_rolling_sdpa_compiled'])}")
-    for label, value in t.get("graph_speedups", {}).items():
-        print(f"CUDA-graph step ({label}): {_rounded(value)}")
-    if t.get("library_fp8_compiled_speedup_vs_rolling_sdpa_compiled"):
-        print(f"compiled vs compiled, FP8 KV (library_fp8_compiled vs rolling_sdpa_compiled): "
-              f"{_rounded(t['library_fp8_compiled_speedup_vs_rolling_sdpa_compiled'])}")
+    for setting, per in t.get("last_step_vs_clean", {}).items():
+        for name, c in per.items():
+            print(f"  {setting} {name}: last_step vs clean {c['ratio']:.3f}x (IQR {c['iqr'][0]:.3f}..{c['iqr'][1]:.3f}), "
+                  f"latents rel err max {c['latent_rel_err_max']:.2e}, final {c['latent_rel_err_final']:.2e}")
 
 
 def _step_spread(res: dict[str, Any]) -> tuple[float, float] | None:
@@ -635,46 +989,99 @@ def _step_spread(res: dict[str, Any]) -> tuple[float, float] | None:
     return spread(res.get("ms_per_chunk_step_stats"), res.get("ms_per_chunk_step_all"))
 
 
-def plot(payload: dict[str, Any], path: Path) -> Path | None:
-    """ms per chunk step per variant and CFG setting, IQR error bars; labels: median ms and speed-up."""
-    plt = pyplot()
-    if plt is None:
-        return None
-    settings = list(payload["results"])
-    names: list[str] = []
-    for r in payload["results"].values():
-        names += [n for n in r["variants"] if n not in names]
-    fig, ax = plt.subplots(figsize=(max(7.0, 2.2 + 1.1 * len(names) * len(settings)), 5.2), layout="constrained")
+def _baselines(r: Mapping[str, Any]) -> dict[str, str | None]:
+    """A setting's baselines as recorded; older results (rolling_sdpa then): chosen from what they measured."""
+    return dict(r.get("baselines") or select_baselines(n for n, res in r["variants"].items() if measured(res)))
+
+
+def _draw_view(ax: Any, views: Mapping[str, Mapping[str, Any]], names: Sequence[str],
+               vs_clean: Mapping[str, Mapping[str, Any]] | None = None) -> bool:
+    """One commit setting's bars on ``ax``: per CFG setting a group of bars (ms per chunk step, IQR error
+    bars; labels: the median and the speed-up vs the row's baseline). The baselines are the reference:
+    their bars hatched, their medians drawn across the group (dashed: eager, dotted: compiled).
+    ``vs_clean`` (the ``last_step`` panel): per CFG setting the ``commit_forward_comparison``, whose
+    speed-up over the same variant's clean run is added to its label."""
     width = 0.8 / len(names)
-    has_spread = False
-    top = 0.0
+    has_spread, top = False, 0.0
     for i, name in enumerate(names):
-        xs, ms, bounds, labels = [], [], [], []
-        for j, setting in enumerate(settings):
-            res = payload["results"][setting]["variants"].get(name)
-            if res is None or "error" in res:
+        xs, ms, bounds, labels, is_base = [], [], [], [], []
+        for j, (setting, r) in enumerate(views.items()):
+            res, base = r["variants"].get(name), _baselines(r)
+            if not measured(res):
                 continue
+            ref = baseline_of(name, base)
             xs.append(j + i * width)
             ms.append(res["ms_per_chunk_step"])
             bounds.append(_step_spread(res))
-            speed = res.get("speedup_vs_rolling_sdpa")
             ms_label = f"{ms[-1]:.0f}" if ms[-1] >= 100 else f"{ms[-1]:.3g}"
-            labels.append(ms_label + ("" if speed is None else f"\n{speed:.2f}x"))
+            if name in base.values():
+                labels.append(ms_label + "\nbaseline")
+            else:
+                ratio = speedup(r["variants"][ref], res)["ratio"] if measured(r["variants"].get(ref)) else None
+                labels.append(ms_label + ("" if ratio is None else f"\n{ratio:.2f}x"))
+            cmp = (vs_clean or {}).get(setting, {}).get(name)
+            if cmp is not None:
+                labels[-1] += f"\n{cmp['speedup_last_step_vs_clean']:.2f}x clean"
+            is_base.append(name in base.values())
             top = max(top, ms[-1], bounds[-1][1] if bounds[-1] else 0.0)
         has_spread |= any(b is not None for b in bounds)
-        bars(ax, xs, ms, width, bounds=bounds, labels=labels, fontsize=8, label=name)
-    ticks = [f"CFG {s.removeprefix('cfg_')} ({payload['results'][s]['streams']} stream"
-             f"{'s' if payload['results'][s]['streams'] != 1 else ''})" for s in settings]
-    ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(settings))], ticks)
-    ax.set_ylim(0, top * 1.18)  # room for the two-line labels above the tallest bar
-    cfg = payload["config"]
+        container = bars(ax, xs, ms, width, bounds=bounds, labels=labels, fontsize=7, label=name)
+        for patch, base_bar in zip(container.patches, is_base):
+            if base_bar:
+                patch.set_hatch("//")
+                patch.set_edgecolor("black")
+    for j, r in enumerate(views.values()):
+        for kind, style in (("eager", "--"), ("compiled", ":")):
+            ref = _baselines(r)[kind]
+            if measured(r["variants"].get(ref)) and (kind == "eager" or ref != _baselines(r)["eager"]):
+                ax.hlines(r["variants"][ref]["ms_per_chunk_step"], j - width / 2, j + 0.8 - width / 2,
+                          colors="black", linestyles=style, linewidth=0.9, zorder=4)
+    ticks = [f"CFG {s.removeprefix('cfg_')} ({r['streams']} stream{'s' if r['streams'] != 1 else ''})"
+             for s, r in views.items()]
+    ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(views))], ticks)
+    ax.set_ylim(0, top * 1.22)  # room for the two-line labels above the tallest bar
     ax.set_ylabel("ms per chunk step (lower is better)")
+    return has_spread
+
+
+def plot(payload: dict[str, Any], path: Path) -> Path | None:
+    """ms per chunk step per variant and CFG setting, IQR error bars, the baselines as the reference
+    (hatched bars, lines across each group); with ``--commit-forward both`` a second panel for ``last_step``."""
+    plt = pyplot()
+    if plt is None:
+        return None
+    results = payload["results"]
+    panels = {"primary": results}
+    if any("last_step" in r for r in results.values()):
+        panels["last_step"] = {s: {"streams": r["streams"], **r["last_step"]} for s, r in results.items()
+                               if "last_step" in r}
+    names_per_panel = []
+    for views in panels.values():
+        names: list[str] = []
+        for r in views.values():
+            names += [n for n, res in r["variants"].items() if measured(res) and n not in names]
+        names_per_panel.append(names)
+    widest = max(len(n) for n in names_per_panel) * len(results)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(max(7.0, 2.2 + 1.1 * widest), 5.2 * len(panels)),
+                             layout="constrained", squeeze=False)
+    cfg = payload["config"]
+    has_spread = False
+    for ax, (panel, views), names in zip(axes[:, 0], panels.items(), names_per_panel):
+        vs_clean = {s: r.get("commit_forward_comparison", {}) for s, r in results.items()} if panel == "last_step" else None
+        has_spread |= _draw_view(ax, views, names, vs_clean)
+        mode = next(iter(views.values())).get("commit_forward", cfg.get("commit_forward", "clean"))
+        forwards = "4 denoising + 1 commit forward" if mode == "clean" else "4 forwards, the last one commits"
+        ax.set_title(f"commit forward: {mode} ({forwards})", fontsize=9, loc="left")
+        if len(panels) == 1:
+            legend_below(fig, ax, ncol=min(len(names), 4))
+        else:  # one legend per panel: their variants differ (last_step runs the library and FA3 rows only)
+            ax.legend(fontsize=7, ncol=min(len(names), 4), loc="upper right")
     note = "error bars: IQR over the timed steps" if has_spread else "medians (no spread recorded)"
-    title = (f"{cfg['preset']}: one chunk step = 4 denoising + 1 commit forward; sink {cfg['sink_chunks']} + window "
-             f"{cfg['window_chunks']} chunks; {cfg['dtype']}, {payload.get('env', {}).get('gpu', cfg['device'])}\n"
-             f"bar labels: median ms, speed-up vs rolling_sdpa; {note}")
-    ax.set_title(wrap(title, fig, 9), fontsize=9)
-    legend_below(fig, ax, ncol=min(len(names), 4))
+    title = (f"{cfg['preset']}: one chunk step; sink {cfg['sink_chunks']} + window {cfg['window_chunks']} chunks; "
+             f"{cfg['dtype']}, {payload.get('env', {}).get('gpu', cfg['device'])}\n"
+             f"bar labels: median ms, speed-up vs the baseline (hatched; line across the group: dashed eager, "
+             f"dotted compiled baseline); {note}")
+    fig.suptitle(wrap(title, fig, 9), fontsize=9)
     return save(plt, fig, path)
 
 

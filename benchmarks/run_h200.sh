@@ -2,6 +2,10 @@
 # The GPU session's batches: each step logged to $OUT/<step>.log, results written under $OUT.
 #   bash .gpu/run.sh bash benchmarks/run_h200.sh tests attention sessions     (device run 1)
 #   bash .gpu/run.sh bash benchmarks/run_h200.sh end_to_end example           (device run 2)
+#   bash .gpu/run.sh bash benchmarks/run_h200.sh end_to_end_fa3              (issue 28; limit 300 s, ~3 min est.)
+#   bash .gpu/run.sh bash benchmarks/run_h200.sh end_to_end_four_forwards    (issue 28; limit 450 s, ~5 min est.)
+#   bash .gpu/run.sh bash benchmarks/run_h200.sh end_to_end_fa3_compiled     (issue 28; limits 290 + 280 s)
+#   (one device command each: a command may run 600 s at most)
 #   bash .gpu/run.sh bash benchmarks/run_h200.sh tests_multi_gpu multi_gpu    (kind nvidia-h200-x2)
 # A step that fails or overruns its time limit is reported and the next one still runs. Results keep the
 # scripts' plain names under $OUT (attention.json, ...); committed, they become benchmarks/results/<name>_<device>.*
@@ -23,6 +27,11 @@ step() {
   tail -n 25 "$out/$name.log"
   [ $rc -eq 0 ] || status=1
 }
+fa3_compiled() {  # end_to_end_fa3_compiled for one CFG setting ($1: on / off) within $2 seconds
+  step "end_to_end_fa3_compiled_cfg_$1" "$2" python3 -m benchmarks.end_to_end --cfg "$1" \
+    --variants library,rolling_fa3,library_compiled,rolling_fa3_compiled,library_fp8_compiled --chunks-timed 3 \
+    --out "$out/fa3_compiled_cfg_$1"
+}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv
 for what in "$@"; do
   case $what in
@@ -31,12 +40,35 @@ for what in "$@"; do
                -k plan_skipped -rs ;;
     attention) step attention 200 python3 -m benchmarks.attention --out "$out" ;;
     sessions) step sessions 240 python3 -m benchmarks.sessions --out "$out" ;;
-    end_to_end) step end_to_end 480 python3 -m benchmarks.end_to_end --out "$out" ;;
-    end_to_end_compiled) step end_to_end_compiled 540 python3 -m benchmarks.end_to_end --compile --fp8 --cfg on \
-               --variants library,rolling_sdpa --chunks-timed 3 --out "$out/compiled" ;;
+    # The default set (library, rolling_fa3, rolling_sdpa, rolling_flex), CFG on and off: ~8 min before rolling_fa3
+    # joined it (compiled flex is most of it); rolling_fa3 adds ~1 min (estimate, not measured yet).
+    end_to_end) step end_to_end 570 python3 -m benchmarks.end_to_end --out "$out" ;;
+    # The issue-14 configuration, its rows pinned (--compile now also adds rolling_fa3_compiled): the committed
+    # results/end_to_end_compiled_h200.* came from it.
+    end_to_end_compiled) step end_to_end_compiled 540 python3 -m benchmarks.end_to_end --cfg on --variants \
+               library,rolling_sdpa,library_compiled,rolling_sdpa_compiled,library_fp8,library_fp8_compiled \
+               --chunks-timed 3 --out "$out/compiled" ;;
+    # Issue 28: the honest baseline, rolling buffer + FlashInfer ragged FA3 (flash_attn_interface's stand-in).
+    # Eager, CFG on and off: library vs rolling_fa3 (the baseline) and rolling_sdpa (secondary). Estimate ~3 min.
+    end_to_end_fa3) step end_to_end_fa3 300 python3 -m benchmarks.end_to_end \
+               --variants library,rolling_fa3,rolling_sdpa --chunks-timed 3 --out "$out/fa3" ;;
+    # Compiled (+ FP8 KV) vs rolling_fa3_compiled, CFG on and off: --compile --fp8's rows without the secondary
+    # rolling_sdpa_compiled and the eager library_fp8 (one compile and ~1 min less per CFG setting). One process
+    # per CFG setting, so a setting that overruns loses only its own JSON; both fit one device command (< 600 s,
+    # estimated: 3 compiles per setting at ~1 min each). Or run end_to_end_fa3_compiled_on / _off alone.
+    end_to_end_fa3_compiled) fa3_compiled on 290; fa3_compiled off 280 ;;
+    end_to_end_fa3_compiled_on) fa3_compiled on 330 ;;
+    end_to_end_fa3_compiled_off) fa3_compiled off 330 ;;
+    # vllm-omni #7816: 4 forwards per chunk (the last denoising forward commits) vs 5 (a clean commit forward),
+    # compiled, CFG on: the library and the FA3 baseline both ways (each compiled once), the produced latents
+    # compared chunk by chunk (--commit-forward both). Estimate ~5 min.
+    end_to_end_four_forwards) step end_to_end_four_forwards 450 python3 -m benchmarks.end_to_end --cfg on \
+               --commit-forward both --variants library,rolling_fa3,library_compiled,rolling_fa3_compiled \
+               --chunks-timed 3 --out "$out/four_forwards" ;;
     end_to_end_fp8) step end_to_end_fp8 330 python3 -m benchmarks.end_to_end --cfg on \
                --variants library,rolling_sdpa_compiled,library_fp8_compiled --chunks-timed 3 --out "$out/compiled_fp8" ;;
-    end_to_end_graph_14b) step end_to_end_graph_14b 250 python3 -m benchmarks.end_to_end --preset wan14b-like \
+    # --compile adds rolling_fa3_compiled here too since issue 28 (+1 compile and its steps: limit 250 -> 330).
+    end_to_end_graph_14b) step end_to_end_graph_14b 330 python3 -m benchmarks.end_to_end --preset wan14b-like \
                --compile --graph --cfg on --variants library --chunks-timed 5 --out "$out/graph_14b" ;;
     tests_graphs) step gpu_tests_graphs 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_graphs.py -rs ;;
     nccl_graph_probe_1) step nccl_graph_probe_1 120 torchrun --nproc-per-node 1 -m benchmarks.nccl_graph_probe ;;

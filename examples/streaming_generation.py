@@ -17,6 +17,15 @@ by chunk. Per chunk:
 2. one clean forward at timestep 0 with ``commit_current=True``: leaving the ``with`` block commits the
    chunk's K/V of both branches into their history (sink + sliding window; older chunks are evicted).
 
+``--commit-forward`` picks which forward commits: ``clean`` (default, the loop above: ``steps + 1``
+forwards per chunk) or ``last_step`` (vllm-omni #7816: the last denoising forward is run with
+``commit_current=True`` and there is no clean forward, ``steps`` forwards per chunk). With
+``last_step`` the history keeps the K/V of that last denoising forward (its input is still noisy), so
+later chunks attend to a different history than with ``clean``: one forward fewer per chunk, slightly
+different frames (``python -m benchmarks.end_to_end --commit-forward both`` measures both, and the
+latents' difference chunk by chunk). A re-cache (``--recache-on-switch``) still rebuilds from the
+chunks' clean latents at t=0.
+
 The "text" cross-attention cache is populated per branch (random "prompt embeddings" for ``cond``, a
 zero negative prompt for ``uncond``) with :func:`ardiff_modules.populate_cross_attention`.
 ``--switch-at K`` switches the prompt before chunk K (``state.clear_cross_attention()`` + populate; the
@@ -31,6 +40,7 @@ Commands
     python examples/streaming_generation.py                         # tiny preset, CPU, 8 chunks (a few seconds)
     python examples/streaming_generation.py --no-plot               # the same without the figure
     python examples/streaming_generation.py --switch-at 4 --reset-at 6 --out outputs/stream.png
+    python examples/streaming_generation.py --commit-forward last_step   # the last denoising forward commits
     python examples/streaming_generation.py --compile               # the torch.compile'd generation script
     python examples/compiled_generation.py                          # the same, as a separate entry point
     python examples/streaming_generation.py --preset wan2.1-1.3b --device cuda --chunks 8
@@ -109,7 +119,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="model / cache geometry")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--chunks", type=int, default=8, help="chunks to generate (frames_per_chunk latent frames each)")
-    p.add_argument("--steps", type=int, default=4, help="denoising forwards per chunk (plus one committing forward)")
+    p.add_argument("--steps", type=int, default=4,
+                   help="denoising forwards per chunk (plus the clean committing forward with --commit-forward clean)")
+    p.add_argument(
+        "--commit-forward", choices=("clean", "last_step"), default="clean",
+        help="which forward commits a chunk's K/V: 'clean' (one extra forward at t=0 on the denoised latent, "
+        "steps + 1 forwards per chunk) or 'last_step' (the last denoising forward commits: steps forwards per chunk)",
+    )
     p.add_argument("--cfg-scale", type=float, default=5.0, help="classifier-free guidance scale")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights, the prompts and the noise")
     p.add_argument("--switch-at", type=int, default=None, metavar="K", help="switch the prompt before chunk K")
@@ -293,7 +309,8 @@ class StreamRecorder:
     """Per-chunk measurements of the run, read through the library's public API only.
 
     For each chunk, right after its last denoising forward (whose pending pages the commit forward reuses,
-    so this is what the pool holds while the chunk is denoised and committed):
+    so this is what the pool holds while the chunk is denoised and committed; with ``--commit-forward
+    last_step``, inside the committing forward before it commits):
 
     * ``pages``: per branch, ``state.branch_pages(branch)``'s resident (committed, visible) and pending pages,
       the contiguous-extent reservation, and ``cache.stats().sessions`` (every page the branch references);
@@ -462,16 +479,24 @@ def _generate(args: argparse.Namespace) -> dict[str, Any]:
     forward_times: list[float] = []
     recorder = StreamRecorder(cache, state, BRANCHES, seq_len)
 
+    last_step = args.commit_forward == "last_step"
+
     def forward(x: torch.Tensor, t: float, commit: bool) -> torch.Tensor:
         """One batched CFG forward of both branches; returns the flow prediction of each [2, F, C, H, W]."""
         xs = x.to(device=device, dtype=dtype).repeat(streams, 1, 1, 1, 1)
         ts = torch.full((streams,), float(t), device=device)
         sync()
         start = time.perf_counter()
+        recording = 0.0
         with torch.no_grad(), state.prepare_forward(BRANCHES, seq_len, commit_current=commit, static=args.cuda_graph) as fwd:
             out = graph_step(fwd, xs, ts) if graph_step is not None else step_fn(xs, ts, fwd.layers)
+            if commit and last_step:  # NOTE: the chunk's last forward commits: snapshot it before the commit
+                sync()
+                mark = time.perf_counter()
+                recorder.during_chunk(fwd)
+                recording = time.perf_counter() - mark
         sync()
-        forward_times.append(time.perf_counter() - start)
+        forward_times.append(time.perf_counter() - start - recording)
         if not commit:  # pending pages are kept for the next forward; fwd still describes this one
             recorder.during_chunk(fwd)
         return out.float()
@@ -526,11 +551,12 @@ def _generate(args: argparse.Namespace) -> dict[str, Any]:
             recorder.rows[-1]["committed_before"] = {b: state.committed_chunks(b) for b in BRANCHES}
             recorder.rows[-1]["stream_start_chunk"] = k
         x = torch.randn(shape, generator=noise).to(device)
-        for t, t_next in zip(timesteps[:-1], timesteps[1:]):
-            v = forward(x, t, commit=False)
+        for i, (t, t_next) in enumerate(zip(timesteps[:-1], timesteps[1:])):
+            v = forward(x, t, commit=last_step and i == args.steps - 1)  # last_step: this forward's K/V -> history
             v = v[1:2] + args.cfg_scale * (v[0:1] - v[1:2])
             x = x + (t_next - t) / 1000.0 * v
-        forward(x, 0.0, commit=True)  # clean forward at t=0: its K/V become history
+        if not last_step:
+            forward(x, 0.0, commit=True)  # clean forward at t=0: its K/V become history
         frames.append(x[0].cpu())
         recorder.end_chunk()
         if args.recache_on_switch:  # the clean latents a re-cache may need: resident chunks and the rule's horizon
@@ -559,6 +585,8 @@ def _generate(args: argparse.Namespace) -> dict[str, Any]:
         "chunks": args.chunks,
         "frames": args.chunks * config.frames_per_chunk,
         "forwards": len(forward_times),
+        "commit_forward": args.commit_forward,
+        "forwards_per_chunk": args.steps + (0 if last_step else 1),
         "setup_s": setup_s,
         "seconds": elapsed,
         "chunks_per_s": args.chunks / elapsed,
@@ -625,7 +653,9 @@ def _generate(args: argparse.Namespace) -> dict[str, Any]:
     print(
         f"generated {summary['chunks']} chunks / {summary['frames']} latent frames in {elapsed:.2f} s: "
         f"{summary['chunks_per_s']:.2f} chunks/s, {summary['frames_per_s']:.2f} frames/s "
-        f"({summary['forwards']} batched CFG forwards, {args.steps} denoising + 1 commit per chunk)"
+        f"({summary['forwards']} batched CFG forwards: {summary['forwards_per_chunk']} per chunk, "
+        + (f"{args.steps} denoising, the last one committing)" if last_step
+           else f"{args.steps} denoising + 1 clean committing forward)")
     )
     print(f"step (one forward of {streams} branches x {seq_len} tokens): {summary['step_ms']:.2f} ms median after the first (windows fill during the first sink + window chunks), "
           f"first {1e3 * summary['first_step_s']:.1f} ms")

@@ -1,10 +1,17 @@
 """Smoke tests of the benchmark scripts (the ``benchmarks`` package) on the CPU (fast: no GPU, tiny shapes).
 
-* ``benchmarks.end_to_end`` (tiny preset, float32): the three attention variants (this library,
-  rolling buffer + SDPA, rolling buffer + FlexAttention, eager on CPU) must produce the same committed
-  outputs after the window has filled and the timed chunk step has evicted (the rolling buffers
-  memmove), CFG on and off, and the library's KV peak must be exactly (sinks + window + pending)
-  chunks per branch, the size of the rolling buffers. The JSON carries the spread and run metadata.
+* ``benchmarks.end_to_end`` (tiny preset, float32): the attention variants that run on the CPU (this
+  library, rolling buffer + SDPA, rolling buffer + FlexAttention, eager on CPU) must produce the same
+  committed outputs after the window has filled and the timed chunk step has evicted (the rolling
+  buffers memmove), CFG on and off, and the library's KV peak must be exactly (sinks + window +
+  pending) chunks per branch, the size of the rolling buffers; ``rolling_fa3`` (the FA3 baseline) is
+  reported as skipped with its reason and the ratios fall back to ``rolling_sdpa``. The JSON carries
+  the spread of every ratio, FLOPs, and run metadata. ``--commit-forward last_step`` (the peers commit
+  on the last denoising forward too: they still agree) and ``both`` (both settings side by side, the
+  produced latents compared chunk by chunk); the FLOP counter against a hand count; the choice of
+  the baseline; the FA3 baseline's attention (``baselines.RaggedFA3Attend``) over a stub FlashInfer:
+  one plan per shape shared by every layer, CPU indptrs, no copy of a full buffer (and, marked
+  ``gpu``, against SDPA on the real kernels).
 * ``benchmarks._timing``: median and IQR for a CPU callable, side by side and alone; stateful
   sequences run each call exactly once; metadata tolerant of a tree without git.
 * Every script: ``--help`` exits 0 (as a subprocess, ``python -m benchmarks.<script>`` from the repository
@@ -25,11 +32,13 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from benchmarks import _timing, end_to_end, host_time
+from ardiff_modules.models.wan_causal_dit import WanConfig
+from benchmarks import _timing, baselines, end_to_end, host_time
 from tests.support.paths import BENCHMARKS, REPO_ROOT as ROOT
 
 
@@ -39,22 +48,34 @@ GPU_ONLY = ("attention", "compile_vs_eager", "first_use", "host_time", "ulysses_
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 
+E2E_TINY = ["--preset", "tiny", "--device", "cpu", "--dtype", "float32"]
+
+
 def test_end_to_end_cpu_smoke(tmp_path: Path) -> None:
     # warm-up 4 = sink 1 + window 2 + 1 chunks: the buffers are full, so the timed step rolls / evicts.
-    argv = ["--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--chunks-timed", "1",
-            "--warmup-chunks", "4", "--out", str(tmp_path)]
+    argv = [*E2E_TINY, "--chunks-timed", "1", "--warmup-chunks", "4", "--out", str(tmp_path)]
     assert end_to_end.main(argv) == 0
     path = tmp_path / "end_to_end.json"
     assert path.exists()
     payload = json.loads(path.read_text())
-    assert payload["agree"] is True
+    assert payload["agree"] is True  # the skipped FA3 baseline does not fail the run
     assert set(payload["results"]) == {"cfg_on", "cfg_off"}
+    config = payload["config"]
+    assert config["commit_forward"] == "clean" and config["forwards_per_chunk_step"] == 5
+    assert config["peak_flops"] is None and config["peak_flops_source"] is None  # no MFU on the CPU
     for setting, streams in (("cfg_on", 2), ("cfg_off", 1)):
         result = payload["results"][setting]
         assert result["streams"] == streams
         variants = result["variants"]
-        assert set(variants) == {"library", "rolling_sdpa", "rolling_flex"}
-        for name, res in variants.items():
+        assert set(variants) == {"library", "rolling_fa3", "rolling_sdpa", "rolling_flex"}
+        # FA3 cannot run here: reported as skipped, with the reason; the baseline stays rolling_sdpa.
+        assert variants["rolling_fa3"] == {"skipped": variants["rolling_fa3"]["skipped"], "agrees": None}
+        assert "needs CUDA" in variants["rolling_fa3"]["skipped"]
+        assert result["baselines"] == {"eager": "rolling_sdpa", "compiled": "rolling_sdpa"}
+        flops = end_to_end.flops_per_chunk_step(WanConfig.preset("tiny"), streams=streams, forwards=5,
+                                                visible_keys=(1 + 2 + 1) * 48)  # window full: sink + window + self
+        for name in ("library", "rolling_sdpa", "rolling_flex"):
+            res = variants[name]
             assert res["rel_err_vs_library"] <= 1e-4, (setting, name, res["rel_err_vs_library"])
             assert len(res["rel_err_vs_library_per_step"]) == 1
             assert len(res["ms_per_chunk_step_all"]) == 1 and res["ms_per_chunk_step"] > 0
@@ -65,11 +86,25 @@ def test_end_to_end_cpu_smoke(tmp_path: Path) -> None:
             assert stats["n_samples"] == 1  # one timed step: no spread (IQR 0)
             assert len(res["warmup_steps_s"]) == 4
             assert res["latent_frames_per_s"] > 0 and res["speedup_vs_rolling_sdpa"] > 0
+            # Every ratio carries its spread; the baseline's own ratio is 1.
+            assert res["baseline"] == "rolling_sdpa"
+            low, high = res["speedup_vs_baseline_iqr"]
+            assert low <= res["speedup_vs_baseline"] <= high
+            assert res["speedup_vs_baseline"] == pytest.approx(
+                variants["rolling_sdpa"]["ms_per_chunk_step"] / res["ms_per_chunk_step"])
+            assert res["flops_per_chunk_step"] == flops and res["mfu"] is None
+        assert variants["rolling_sdpa"]["speedup_vs_baseline"] == 1.0
         assert variants["rolling_flex"]["flex_compiled"] is False  # eager flex on CPU by default
         assert variants["library"]["backend"] == "reference"
         # KV: the library's peak equals the rolling buffers, (sinks + window + pending) chunks per branch.
         assert variants["library"]["kv_peak_bytes"] == variants["rolling_sdpa"]["kv_peak_bytes"]
         assert payload["targets"]["kv_peak_equals_target"][setting] is True
+    targets = payload["targets"]
+    assert targets["baselines"]["cfg_on"]["eager"] == "rolling_sdpa"
+    assert set(targets["speedups"]) == {"library_vs_rolling_sdpa"}  # no FA3 pair: rolling_fa3 was skipped
+    pair = targets["speedups"]["library_vs_rolling_sdpa"]["cfg_on"]
+    assert pair["iqr_low"] <= pair["ratio"] <= pair["iqr_high"]
+    assert targets["library_speedup_vs_baseline"]["cfg_off"]["baseline"] == "rolling_sdpa"
     run = payload["run"]
     assert set(run) >= {"git", "utc", "argv", "args", "collect_env", "timing_method"}
     assert run["args"]["chunks_timed"] == 1 and run["utc"].endswith("+00:00")
@@ -93,6 +128,222 @@ def test_end_to_end_cuda_missing_exits_2(capsys: pytest.CaptureFixture[str]) -> 
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "CUDA is not available" in err[0], err
+
+
+def test_end_to_end_commit_forward_both_cpu(tmp_path: Path) -> None:
+    """``--commit-forward both``: the library runs clean and last_step side by side (rolling_sdpa clean only,
+    rolling_fa3 skipped in both); one forward fewer per chunk; the produced latents agree on the first chunk
+    (no history yet) and differ from the second on (a last-step commit changes the history)."""
+    argv = [*E2E_TINY, "--chunks-timed", "1", "--warmup-chunks", "4", "--cfg", "on", "--commit-forward", "both",
+            "--variants", "library,rolling_fa3,rolling_sdpa", "--peak-tflops", "1", "--out", str(tmp_path)]
+    assert end_to_end.main(argv) == 0
+    payload = json.loads((tmp_path / "end_to_end.json").read_text())
+    assert payload["agree"] is True and payload["config"]["commit_forwards_measured"] == ["clean", "last_step"]
+    assert "Euler" in payload["config"]["sampler"] and payload["config"]["peak_flops"] == 1e12
+    result = payload["results"]["cfg_on"]
+    clean, last = result["variants"], result["last_step"]["variants"]
+    assert (result["commit_forward"], result["forwards_per_chunk_step"]) == ("clean", 5)
+    assert (result["last_step"]["commit_forward"], result["last_step"]["forwards_per_chunk_step"]) == ("last_step", 4)
+    assert set(clean) == {"library", "rolling_fa3", "rolling_sdpa"} and set(last) == {"library", "rolling_fa3"}
+    assert "skipped" in last["rolling_fa3"] and last["library"]["commit_forward"] == "last_step"
+    assert last["library"]["flops_per_chunk_step"] * 5 == clean["library"]["flops_per_chunk_step"] * 4
+    for res in (clean["library"], last["library"]):  # MFU = FLOPs / seconds / peak
+        assert res["mfu"] == pytest.approx(res["flops_per_chunk_step"] / (res["ms_per_chunk_step"] / 1e3) / 1e12)
+    cmp = result["commit_forward_comparison"]
+    assert set(cmp) == {"library"}  # the variants run both ways and measured
+    lib = cmp["library"]
+    assert lib["ms_per_chunk_step"] == {"clean": clean["library"]["ms_per_chunk_step"],
+                                        "last_step": last["library"]["ms_per_chunk_step"]}
+    low, high = lib["speedup_last_step_vs_clean_iqr"]
+    assert low <= lib["speedup_last_step_vs_clean"] <= high
+    errs = lib["latent_rel_err_per_chunk"]
+    assert len(errs) == 4 + 1  # every chunk of the rollout: warm-up + timed
+    assert errs[0] <= 1e-6, errs  # chunk 0: same noise, same timesteps, no history yet
+    assert all(e > 1e-5 for e in errs[1:]), errs  # later chunks see the t=250 forward's K/V as history
+    assert (lib["latent_rel_err_max"], lib["latent_rel_err_final"]) == (max(errs), errs[-1])
+    assert payload["targets"]["last_step_vs_clean"]["cfg_on"]["library"]["ratio"] == lib["speedup_last_step_vs_clean"]
+    if HAS_MATPLOTLIB:
+        assert (tmp_path / "end_to_end.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_end_to_end_last_step_peers_agree_with_the_library(tmp_path: Path) -> None:
+    """``--commit-forward last_step``: the rolling buffer commits on the last denoising forward too, so its
+    committed outputs still equal the library's after the window filled and evicted."""
+    argv = [*E2E_TINY, "--chunks-timed", "2", "--warmup-chunks", "4", "--cfg", "off", "--commit-forward",
+            "last_step", "--variants", "library,rolling_sdpa", "--out", str(tmp_path)]
+    assert end_to_end.main(argv) == 0
+    payload = json.loads((tmp_path / "end_to_end.json").read_text())
+    assert payload["config"]["forwards_per_chunk_step"] == 4 and payload["config"]["timesteps"] == [1000, 750, 500, 250]
+    variants = payload["results"]["cfg_off"]["variants"]
+    assert variants["rolling_sdpa"]["commit_forward"] == "last_step"
+    assert variants["rolling_sdpa"]["rel_err_vs_library"] <= 1e-4 and payload["agree"] is True
+    assert "last_step" not in payload["results"]["cfg_off"]  # one commit setting: no comparison
+
+
+@pytest.mark.parametrize("mode", ["clean", "last_step"])
+def test_chunk_step_commits_on_the_chosen_forward(mode: str) -> None:
+    calls: list[tuple[float, bool]] = []
+
+    class Runner:
+        def forward(self, x: torch.Tensor, t: torch.Tensor, commit: bool) -> torch.Tensor:
+            calls.append((float(t[0]), commit))
+            return torch.full_like(x, float(t[0]))
+
+    st = SimpleNamespace(ts=[torch.full((2,), t) for t in end_to_end.TIMESTEPS], t_commit=torch.zeros(2))
+    out, latent = end_to_end.chunk_step(Runner(), iter([torch.ones(2, 1)]), st, mode, None)
+    expected = [(1000.0, False), (750.0, False), (500.0, False), (250.0, mode == "last_step")]
+    assert calls == expected + ([(0.0, True)] if mode == "clean" else [])
+    assert latent is None and float(out[0, 0]) == (0.0 if mode == "clean" else 250.0)
+    # With the sampler: x moves by (t_next - t) / 1000 * v after each denoising forward, v CFG-combined.
+    calls.clear()
+    _, latent = end_to_end.chunk_step(Runner(), iter([torch.ones(2, 1)]), st, mode, 5.0)
+    moved = 1.0 - 0.25 * (1000 + 750 + 500 + 250)  # dt = -0.25; v = the timestep on both rows (CFG keeps it)
+    assert latent is not None and latent.shape == (2, 1) and torch.allclose(latent, torch.full((2, 1), moved))
+    assert calls[-1] == ((0.0, True) if mode == "clean" else (250.0, True))
+
+
+def test_flop_counter_matches_a_hand_count_on_the_tiny_preset() -> None:
+    tiny = WanConfig.preset("tiny")
+    assert (tiny.num_layers, tiny.dim, tiny.num_heads, tiny.head_dim, tiny.ffn_dim, tiny.chunk_size,
+            tiny.text_tokens) == (2, 64, 4, 16, 256, 48, 8)
+    # One block, one stream, one forward of a 48-token chunk over 96 visible keys (2 FLOPs per multiply-add):
+    qkvo = 4 * (2 * 48 * 64 * 64)  # q, k, v, o: [48, 64] @ [64, 64]          = 1_572_864
+    cross_qo = 2 * (2 * 48 * 64 * 64)  # cross q, o (text K/V cached)         =   786_432
+    ffn = 2 * 48 * 64 * 256 + 2 * 48 * 256 * 64  # Linear(64, 256), (256, 64) = 3_145_728
+    self_attention = 2 * (2 * 48 * 96 * 16) * 4  # QK^T and PV, 4 heads of 16 = 1_179_648
+    cross_attention = 2 * (2 * 48 * 8 * 16) * 4  # the same over 8 text tokens =    98_304
+    assert (qkvo, cross_qo, ffn, self_attention, cross_attention) == (1_572_864, 786_432, 3_145_728, 1_179_648, 98_304)
+    assert end_to_end.flop_terms(tiny, 96) == {
+        "self_attn_qkvo": 2 * qkvo, "cross_attn_qo": 2 * cross_qo, "ffn": 2 * ffn,
+        "self_attention": 2 * self_attention, "cross_attention": 2 * cross_attention,
+    }
+    # 2 blocks x 2 streams x 5 forwards: 2 * 6_782_976 * 2 * 5
+    assert end_to_end.flops_per_chunk_step(tiny, streams=2, visible_keys=96, forwards=5) == 135_659_520
+    assert end_to_end.flops_per_chunk_step(tiny, streams=1, visible_keys=96, forwards=4) == 54_263_808
+    # Visible keys: every committed chunk until sink 1 + window 2 are resident, then those; plus the chunk itself.
+    assert [end_to_end.visible_keys(tiny, c) for c in (0, 1, 2, 3, 4, 50)] == [48, 96, 144, 192, 192, 192]
+    assert [end_to_end.forwards_per_chunk_step(m) for m in ("clean", "last_step")] == [5, 4]
+
+
+def test_baseline_selection_and_ratios_with_spread() -> None:
+    select, of = end_to_end.select_baselines, end_to_end.baseline_of
+    everything = ["library", "rolling_fa3", "rolling_sdpa", "rolling_flex", "library_compiled", "rolling_fa3_compiled",
+                  "rolling_sdpa_compiled"]
+    assert select(everything) == {"eager": "rolling_fa3", "compiled": "rolling_fa3_compiled"}
+    # The CPU (FA3 skipped), or FA3 not requested: SDPA.
+    assert select(["library", "rolling_sdpa", "rolling_sdpa_compiled"]) == {"eager": "rolling_sdpa",
+                                                                            "compiled": "rolling_sdpa_compiled"}
+    assert select(["library", "rolling_sdpa", "rolling_fa3_compiled"]) == {"eager": "rolling_sdpa",
+                                                                           "compiled": "rolling_fa3_compiled"}
+    # No compiled peer measured: compiled rows fall back to the eager baseline; no peer at all: none.
+    assert select(["library", "rolling_fa3", "library_compiled"]) == {"eager": "rolling_fa3", "compiled": "rolling_fa3"}
+    assert select(["library", "library_compiled"]) == {"eager": None, "compiled": None}
+    base = select(everything)
+    rows = ["library", "library_fp8", "library_graph", "rolling_sdpa", "library_compiled", "library_fp8_compiled",
+            "library_compiled_graph", "library_relative_sinks_compiled", "rolling_sdpa_compiled"]
+    assert [of(n, base) for n in rows] == ["rolling_fa3"] * 4 + ["rolling_fa3_compiled"] * 5
+
+    def row(ms: float) -> dict:
+        return {"ms_per_chunk_step": ms, "ms_per_chunk_step_stats": {"median_ms": ms, "p25_ms": ms - 1, "p75_ms": ms + 1}}
+
+    variants = {"library": row(90.0), "rolling_fa3": row(100.0), "rolling_sdpa": row(120.0),
+                "library_compiled": row(80.0), "rolling_fa3_compiled": row(88.0),
+                "rolling_flex": {"error": "boom", "agrees": False}, "library_fp8": {"skipped": "why", "agrees": None}}
+    end_to_end.add_speedups(variants, select(n for n, r in variants.items() if end_to_end.measured(r)))
+    lib, comp = variants["library"], variants["library_compiled"]
+    assert (lib["baseline"], lib["speedup_vs_baseline"]) == ("rolling_fa3", pytest.approx(100 / 90))
+    assert lib["speedup_vs_baseline_iqr"] == [pytest.approx(99 / 91), pytest.approx(101 / 89)]
+    assert lib["speedup_vs_rolling_sdpa"] == pytest.approx(120 / 90)  # the secondary ratio, kept
+    assert lib["speedup_vs_rolling_sdpa_iqr"] == [pytest.approx(119 / 91), pytest.approx(121 / 89)]
+    assert (comp["baseline"], comp["speedup_vs_baseline"]) == ("rolling_fa3_compiled", pytest.approx(88 / 80))
+    assert variants["rolling_fa3"]["speedup_vs_baseline"] == 1.0
+    assert "baseline" not in variants["rolling_flex"] and "baseline" not in variants["library_fp8"]
+
+
+def test_fa3_is_unavailable_on_the_cpu() -> None:
+    reason = baselines.fa3_unavailable_reason("cpu", torch.bfloat16)
+    assert reason is not None and "CUDA" in reason
+    assert end_to_end.skip_reason("rolling_fa3_compiled", torch.device("cpu"), torch.float32) is not None
+    assert end_to_end.skip_reason("rolling_sdpa", torch.device("cpu"), torch.float32) is None
+
+
+def _stub_ragged_wrapper(made: list) -> type:
+    """A stand-in for ``flashinfer.BatchPrefillWithRaggedKVCacheWrapper``: records ``plan()`` and computes
+    ``run()`` request by request with SDPA over the planned indptrs."""
+
+    class Ragged:
+        def __init__(self, workspace: torch.Tensor, layout: str, backend: str = "auto") -> None:
+            self.layout, self.backend, self.plans, self.runs = layout, backend, [], []
+            made.append(self)
+
+        def plan(self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, heads: int, kv_heads: int, dim: int,
+                 **kwargs: object) -> None:
+            self.plans.append({"qo": qo_indptr, "kv": kv_indptr, "heads": (heads, kv_heads, dim), **kwargs})
+
+        def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            self.runs.append((q, k, v))
+            qo, kv = self.plans[-1]["qo"].tolist(), self.plans[-1]["kv"].tolist()
+            return torch.cat([
+                torch.nn.functional.scaled_dot_product_attention(
+                    *(t[a:b].transpose(0, 1) for t, (a, b) in ((q, qo[i : i + 2]), (k, kv[i : i + 2]), (v, kv[i : i + 2])))
+                ).transpose(0, 1)
+                for i in range(len(qo) - 1)
+            ])
+
+    return Ragged
+
+
+def test_ragged_fa3_attend_plans_once_per_shape_over_a_stub(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The FA3 baseline's attention: one plan() per (streams, q_len, kv_len), shared by every layer and by
+    later forwards of that shape, with CPU int32 indptrs; a full buffer is attended in place (no copy)."""
+    made: list = []
+    monkeypatch.setitem(sys.modules, "flashinfer", SimpleNamespace(BatchPrefillWithRaggedKVCacheWrapper=_stub_ragged_wrapper(made)))
+    attend = baselines.RaggedFA3Attend(workspace_bytes=64)
+    streams, chunk, slots, heads, dim = 2, 6, 3, 2, 8
+    g = torch.Generator().manual_seed(0)
+    layers = [(torch.randn(streams, slots * chunk, heads, dim, generator=g),
+               torch.randn(streams, slots * chunk, heads, dim, generator=g)) for _ in range(3)]
+    for visible_chunks, forwards in ((1, 2), (2, 3), (3, 3), (3, 2)):  # the buffer fills, then stays full
+        keys = visible_chunks * chunk
+        for _ in range(forwards):
+            for k, v in layers:
+                q = torch.randn(streams, chunk, heads, dim, generator=g)
+                out = attend(q, k[:, :keys], v[:, :keys])
+                torch.testing.assert_close(out, baselines.sdpa_attend(q, k[:, :keys], v[:, :keys]))
+    assert len(made) == 1 and (made[0].layout, made[0].backend) == ("NHD", "fa3")
+    wrapper = made[0]
+    assert attend.plans == len(wrapper.plans) == 3  # one per new visible-key length, none once full
+    for plan, keys in zip(wrapper.plans, (chunk, 2 * chunk, 3 * chunk)):
+        for name, length in (("qo", chunk), ("kv", keys)):
+            assert plan[name].device.type == "cpu" and plan[name].dtype == torch.int32
+            assert plan[name].tolist() == [0, length, 2 * length]
+        assert plan["causal"] is False and plan["heads"] == (heads, heads, dim)
+        assert plan["q_data_type"] == plan["kv_data_type"] == plan["o_data_type"] == torch.float32
+    full_k = wrapper.runs[-1][1]  # the last layer's full buffer, flattened to [streams * keys, h, d]: a view
+    assert full_k.shape == (streams * slots * chunk, heads, dim) and full_k.data_ptr() == layers[-1][0].data_ptr()
+    filling_k = wrapper.runs[0][1]  # while filling, two streams' prefix is strided: copied
+    assert filling_k.untyped_storage().data_ptr() != layers[0][0].untyped_storage().data_ptr()
+
+
+@pytest.mark.gpu
+def test_ragged_fa3_attend_matches_sdpa_on_the_gpu() -> None:
+    """The FA3 baseline's attention on FlashInfer's FA3 kernels (bf16, head_dim 128) equals SDPA over the
+    same prefix while the buffer fills (a copied prefix) and once full (attended in place), 1 and 2 streams."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for streams in (1, 2):
+        attend = baselines.RaggedFA3Attend()
+        chunk, slots, heads, dim = 480, 4, 12, 128
+        k, v = (torch.randn(streams, slots * chunk, heads, dim, generator=g, device="cuda", dtype=torch.bfloat16)
+                for _ in range(2))
+        for visible_chunks in (1, 2, slots, slots):
+            keys = visible_chunks * chunk
+            for _layer in range(3):
+                q = torch.randn(streams, chunk, heads, dim, generator=g, device="cuda", dtype=torch.bfloat16)
+                out = attend(q, k[:, :keys], v[:, :keys])
+                ref = baselines.sdpa_attend(q.float(), k[:, :keys].float(), v[:, :keys].float())
+                err = ((out.float() - ref).norm() / ref.norm()).item()
+                assert out.shape == q.shape and err < 2e-2, (streams, visible_chunks, err)
+        assert attend.plans == 3, attend.plans  # lengths chunk, 2 chunks, full: each planned once
 
 
 # --------------------------------------------------------------------------------- the timing helper

@@ -265,6 +265,24 @@ def test_streaming_example_large_shapes_read_history_spans(tmp_path: Path, monke
     _check_per_chunk_record(summary, source="history_spans")
 
 
+@pytest.mark.parametrize("steps", [1, 2])
+def test_streaming_example_last_step_commit(tmp_path: Path, steps: int) -> None:
+    """``--commit-forward last_step``: the last denoising forward commits, no clean forward (``steps`` forwards
+    per chunk instead of ``steps + 1``). The per-chunk record still follows the spec's rule (the snapshot is
+    taken inside the committing forward: with one step, the only one); chunk 0 equals the clean run's (no
+    history yet), later chunks differ (their history holds the last denoising forward's K/V)."""
+    common = ["--chunks", "6", "--steps", str(steps), "--no-progress", "--no-plot"]
+    clean = streaming_generation.run([*common, "--out", str(tmp_path / "clean.png")])
+    last = streaming_generation.run([*common, "--commit-forward", "last_step", "--out", str(tmp_path / "last.png")])
+    assert (clean["commit_forward"], clean["forwards_per_chunk"], clean["forwards"]) == ("clean", steps + 1, 6 * (steps + 1))
+    assert (last["commit_forward"], last["forwards_per_chunk"], last["forwards"]) == ("last_step", steps, 6 * steps)
+    _check_per_chunk_record(last)
+    assert last["committed_chunks"] == clean["committed_chunks"] == {"cond": 6, "uncond": 6}
+    assert last["peak_pages"] == clean["peak_pages"] and last["pages_used_after_close"] == 0
+    assert last["chunk_norms"][0] == clean["chunk_norms"][0]
+    assert all(a != b for a, b in zip(last["chunk_norms"][1:], clean["chunk_norms"][1:]))
+
+
 def test_streaming_example_main_exit_status(tmp_path: Path) -> None:
     out = tmp_path / "s.png"
     argv = ["--chunks", "2", "--steps", "1", "--out", str(out), "--no-progress", "--no-plot"]
