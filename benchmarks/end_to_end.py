@@ -138,6 +138,7 @@ from ardiff_modules.models.wan_causal_dit import (
 from ardiff_modules.pool import bytes_per_page
 from benchmarks._plotting import bars, legend_below, pyplot, save, spread, wrap
 from benchmarks._timing import each_call, environment, fail, once, result_path, save_json
+from benchmarks.head_retention import forcing_kv_like
 from benchmarks.baselines import (
     RaggedFA3Attend,
     RollingRunner,
@@ -151,12 +152,16 @@ VARIANTS = ("library", "rolling_fa3", "rolling_sdpa", "rolling_flex")
 #: Variants the flags add (``--compile``, ``--fp8``, ``--graph``); ``--variants`` may also name them directly.
 EXTRA_VARIANTS = ("library_compiled", "rolling_fa3_compiled", "rolling_sdpa_compiled", "library_fp8",
                   "library_fp8_compiled", "library_graph", "library_compiled_graph", "library_fp8_graph",
-                  "library_fp8_compiled_graph", "library_relative_sinks", "library_relative_sinks_compiled")
+                  "library_fp8_compiled_graph", "library_relative_sinks", "library_relative_sinks_compiled",
+                  "library_heads", "library_heads_compiled", "library_heads_fp8_compiled",
+                  "library_heads_compiled_graph")
 #: The peers attended with FlashInfer's ragged FA3 (CUDA + FlashInfer + Hopper only; skipped elsewhere).
 FA3_VARIANTS = ("rolling_fa3", "rolling_fa3_compiled")
 #: Variants whose semantics differ from ``library`` once the window slides (sinks at relative positions):
 #: their outputs are reported, not required to agree.
-OTHER_SEMANTICS = ("library_relative_sinks", "library_relative_sinks_compiled")
+#: The ``library_heads*`` variants attend with per-head retention (``--heads``): fewer keys for the local heads.
+OTHER_SEMANTICS = ("library_relative_sinks", "library_relative_sinks_compiled", "library_heads",
+                   "library_heads_compiled", "library_heads_fp8_compiled", "library_heads_compiled_graph")
 #: The baseline of the eager rows and of the compiled rows: the first of each that was measured.
 EAGER_BASELINES = ("rolling_fa3", "rolling_sdpa")
 COMPILED_BASELINES = ("rolling_fa3_compiled", "rolling_sdpa_compiled")
@@ -180,6 +185,9 @@ SPEEDUP_PAIRS = (
     ("rolling_fa3_compiled", "rolling_sdpa_compiled"),
     ("library_graph", "library"), ("library_compiled_graph", "library_compiled"),
     ("library_fp8_compiled_graph", "library_fp8_compiled"),
+    ("library_heads", "rolling_fa3"), ("library_heads_compiled", "rolling_fa3_compiled"),
+    ("library_heads_fp8_compiled", "rolling_fa3_compiled"), ("library_heads_compiled_graph", "rolling_fa3_compiled"),
+    ("library_heads", "library"), ("library_heads_compiled", "library_compiled"),
 )
 
 
@@ -212,6 +220,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "forward at t=0 that commits), 'last_step' (the last denoising forward commits: one "
                         "forward fewer per chunk), 'both' (library and rolling_fa3 variants both ways, side by "
                         "side, with the produced latents compared chunk by chunk)")
+    p.add_argument("--heads", type=Path, default=None,
+                   help="head configuration of the library_heads* variants (HeadRetention JSON, per-head retention); "
+                        "default: a synthetic Forcing-KV-like split (--local-fraction)")
+    p.add_argument("--local-fraction", type=float, default=2 / 3,
+                   help="without --heads: the share of each layer's heads kept local (sink 0 + window 1); "
+                        "the rest keep the preset's sink + window (default 2/3)")
     p.add_argument("--cfg-scale", type=float, default=5.0,
                    help="guidance scale of the sampler that --commit-forward both runs (default 5.0)")
     p.add_argument("--peak-tflops", type=float, default=None,
@@ -404,14 +418,20 @@ class LibraryRunner:
 
     def __init__(self, model: nn.Module, config: WanConfig, branches: tuple[str, ...], texts: Sequence[torch.Tensor],
                  device: torch.device, dtype: torch.dtype, backend: str, step: Callable[..., torch.Tensor],
-                 kv_dtype: str | None = None, graph: bool = False, relative_sinks: bool = False) -> None:
+                 kv_dtype: str | None = None, graph: bool = False, relative_sinks: bool = False,
+                 heads: am.HeadRetention | None = None) -> None:
         spec = dataclasses.replace(make_kv_spec(config, device, branches), dtype=dtype,
                                    kv_dtype=kv_dtype, relative_sinks=relative_sinks)
         self.spec, self.branches, self.step = spec, branches, step
         #: ``graph``: static forwards replayed from CUDA graphs (one per forward shape: commit or not
         #: share one static context, so one graph serves the whole chunk step).
         self.graph = am.CUDAGraphStep(step) if graph else None
-        self.cache = am.KVCache(spec, num_pages=kv_pool_pages(spec, slack_chunks=0), device=device, backend=backend)
+        self.cache: Any
+        if heads is None:
+            self.cache = am.KVCache(spec, num_pages=kv_pool_pages(spec, slack_chunks=0), device=device, backend=backend)
+        else:  # per-head retention: the spec's sink + window become the head groups'
+            grouped = dataclasses.replace(spec, sink_chunks=0, window_chunks=None)
+            self.cache = am.HeadGroupedKVCache(grouped, heads, max_sessions=1, device=device, backend=backend)
         self.state = self.cache.open_session()
         crosses = [block.cross for block in model.blocks]
         for branch, text in zip(branches, texts):
@@ -419,7 +439,8 @@ class LibraryRunner:
 
     @property
     def backend(self) -> str:
-        return self.cache.backend.name
+        caches = getattr(self.cache, "caches", (self.cache,))
+        return caches[0].backend.name
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, commit: bool) -> torch.Tensor:
         static = self.graph is not None
@@ -430,14 +451,21 @@ class LibraryRunner:
             return self.step(x, t, fwd.layers)
 
     def kv_info(self) -> dict[str, Any]:
-        stats = self.cache.stats()
-        return {
-            "kv_peak_bytes": stats.peak_pages_used * stats.bytes_per_page,
-            "kv_allocated_bytes": stats.pool_bytes,
-            "peak_pages_used": stats.peak_pages_used,
-            "pool_pages": stats.num_pages,
-            "layout": "contiguous extents (ring)" if self.cache.extent_chunks is not None else "plain paging",
+        caches = getattr(self.cache, "caches", (self.cache,))  # a HeadGroupedKVCache: one KVCache per part
+        stats = [c.stats() for c in caches]
+        info = {
+            "kv_peak_bytes": sum(s.peak_pages_used * s.bytes_per_page for s in stats),
+            "kv_allocated_bytes": sum(s.pool_bytes for s in stats),
+            "peak_pages_used": sum(s.peak_pages_used for s in stats),
+            "pool_pages": sum(s.num_pages for s in stats),
+            "layout": "contiguous extents (ring)" if caches[0].extent_chunks is not None else "plain paging",
         }
+        if len(caches) > 1 or hasattr(self.cache, "caches"):
+            info["parts"] = {name: {"heads_per_layer": p.num_heads, "layers": len(p.layers),
+                                    "retention": [p.policy.sink_chunks, p.policy.max_history_chunks],
+                                    "kv_peak_bytes": s.peak_pages_used * s.bytes_per_page}
+                             for name, p, s in zip(self.cache.part_names, self.cache.part_list, stats)}
+        return info
 
     def close(self) -> None:
         self.state.close()
@@ -543,6 +571,7 @@ class _Bench:
     latent_shape: tuple[int, ...] = ()  #: one stream's latents of one chunk, [1, frames, channels, h, w]
     base_latents: list[torch.Tensor] = dataclasses.field(default_factory=list)  #: one per chunk step
     kv_target_per_branch: int = 0  #: bytes of (sinks + window + pending) chunks of one branch
+    heads: Any = None  #: the ``library_heads*`` variants' HeadRetention (``--heads``)
 
 
 @dataclasses.dataclass
@@ -590,7 +619,27 @@ def _bench(args: argparse.Namespace) -> _Bench:
                       for _ in range(b.warmup + b.timed)]
     bpp_spec = dataclasses.replace(make_kv_spec(config, device, ("cond",)), dtype=args.dtype)
     b.kv_target_per_branch = bpp_spec.pages_per_branch(1) * bytes_per_page(bpp_spec)
+    b.heads = head_config(args, config)
     return b
+
+
+def head_config(args: argparse.Namespace, config: WanConfig) -> am.HeadRetention:
+    """``--heads FILE`` loaded, else the synthetic Forcing-KV-like split (``--local-fraction`` of each layer's heads
+    sink 0 + window 1, drawn per layer with ``--seed``; the rest the preset's sink + window)."""
+    if args.heads is not None:
+        return am.HeadRetention.from_json(args.heads)
+    return forcing_kv_like(config.num_layers, config.num_heads, args.local_fraction,
+                           (config.sink_chunks, config.window_chunks), seed=args.seed)
+
+
+def head_visible_keys(heads: am.HeadRetention, config: WanConfig, committed: int) -> float:
+    """Mean over (layer, head) of the keys a head attends to after ``committed`` chunks (its group's resident
+    chunks + the pending one): what the FLOPs of a per-head-retention step are counted with."""
+    total = 0
+    for row in heads.layers:
+        for group in row:
+            total += len(heads.groups[group].history_indices(committed)) + 1
+    return total / (heads.num_layers * heads.num_kv_heads) * config.chunk_size
 
 
 def _print_header(b: _Bench) -> None:
@@ -639,10 +688,11 @@ def _measure(name: str, b: _Bench, st: _Setting, modes: Sequence[str]) -> dict[s
             step = torch.compile(model, fullgraph=True, dynamic=False)
         kv_dtype = "float8_e4m3fn" if "fp8" in name else None
         graph, relative = name.endswith("_graph"), "relative_sinks" in name
+        heads = b.heads if "_heads" in name else None
 
         def make() -> LibraryRunner:
             return LibraryRunner(model, b.config, st.branches, st.texts, b.device, b.dtype, b.args.backend, step,
-                                 kv_dtype, graph=graph, relative_sinks=relative)
+                                 kv_dtype, graph=graph, relative_sinks=relative, heads=heads)
 
         return {mode: run_variant(make, b, st, mode) for mode in modes}
     attend, rolling_step = _rolling_attention(name, b)
@@ -707,7 +757,8 @@ def _annotate(name: str, res: dict[str, Any], errs: list[float], b: _Bench, st: 
     res["kv_peak_bytes_per_branch"] = res["kv_peak_bytes"] / st.streams
     # NOTE: the timed steps all see the same visible keys once the window is full (the default warm-up);
     # after a shorter warm-up their FLOPs differ, and the mean is read against the median time.
-    keys = [visible_keys(b.config, b.warmup + i) for i in range(b.timed)]
+    keys = [head_visible_keys(b.heads, b.config, b.warmup + i) if "_heads" in name else visible_keys(b.config, b.warmup + i)
+            for i in range(b.timed)]
     flops = [flops_per_chunk_step(b.config, streams=st.streams, visible_keys=k, forwards=forwards_per_chunk_step(mode))
              for k in keys]
     res["visible_keys_per_timed_step"] = keys
@@ -851,6 +902,12 @@ def _targets(results: dict[str, Any], kv_target_per_branch: int) -> dict[str, An
         "kv_peak_equals_target": {
             s: v["library"]["kv_peak_bytes_per_branch"] == kv_target_per_branch for s, v in primary.items()
         },
+        # per-head retention: the heads variants' peak KV over the uniform library's (issue 28: <= 0.6)
+        "heads_kv_ratio": {
+            s: {n: res["kv_peak_bytes"] / v["library"]["kv_peak_bytes"] for n, res in v.items()
+                if n.startswith("library_heads") and measured(res)}
+            for s, v in primary.items()
+        },
     }
     if any("last_step" in r for r in results.values()):
         targets["last_step"] = {"speedups": _speedups({s: r["last_step"]["variants"] for s, r in results.items()})}
@@ -889,6 +946,9 @@ def _config(b: _Bench) -> dict[str, Any]:
         "peak_flops_source": (None if b.peak_flops is None else "--peak-tflops" if args.peak_tflops is not None
                               else "H200 SXM dense bf16 (989.4 TFLOP/s)"),
         "torch_threads": torch.get_num_threads(),
+        "heads": {"source": str(args.heads) if args.heads is not None else
+                  f"synthetic Forcing-KV-like: {args.local_fraction:.3f} of each layer's heads sink 0 + window 1 "
+                  f"(seed {args.seed})", "config": b.heads.to_dict()} if b.heads is not None else None,
     }
 
 
