@@ -43,8 +43,9 @@ from tests.support.paths import BENCHMARKS, REPO_ROOT as ROOT
 
 
 # end_to_end's --help is checked in-process (its module imports torch and the example model: seconds).
-SCRIPTS = ("attention", "sessions", "compile_vs_eager", "first_use", "host_time", "replot", "ulysses_rank")
-GPU_ONLY = ("attention", "compile_vs_eager", "first_use", "host_time", "ulysses_rank")
+SCRIPTS = ("attention", "sessions", "compile_vs_eager", "first_use", "host_time", "replot", "ulysses_rank",
+           "head_retention")
+GPU_ONLY = ("attention", "compile_vs_eager", "first_use", "host_time", "ulysses_rank", "head_retention")
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 
@@ -517,3 +518,22 @@ def test_ulysses_rank_cpu_dry_run(tmp_path: Path) -> None:
     results = json.loads((tmp_path / "ulysses_rank.json").read_text())["results"]
     assert set(results) == {"single", "rank", "rank_tokens", "rank_plain_copies"}
     assert all(results[name]["overhead_vs_half_single"] > 0 for name in ("rank", "rank_tokens", "rank_plain_copies"))
+
+
+def test_end_to_end_head_variants_hold_less_kv_and_count_fewer_flops(tmp_path: Path) -> None:
+    """The library_heads rows on the CPU: per-head retention from a file, less KV than the uniform library,
+    FLOPs counted per head (fewer), and their outputs reported, not required to agree (other semantics)."""
+    import ardiff_modules as am
+
+    heads = am.HeadRetention.from_local_heads(2, 4, {0: [0, 2, 3], 1: [1, 2, 3]}, local=(0, 1), other=(1, 2))
+    path = tmp_path / "heads.json"
+    heads.to_json(path)
+    payload = end_to_end.run([*E2E_TINY, "--cfg", "on", "--variants", "library,library_heads", "--chunks-timed", "1",
+                              "--heads", str(path), "--out", str(tmp_path)])
+    rows = payload["results"]["cfg_on"]["variants"]
+    assert rows["library_heads"]["agrees"] is None and rows["library_heads"]["rel_err_vs_library"] > 0
+    ratio = payload["targets"]["heads_kv_ratio"]["cfg_on"]["library_heads"]
+    # tiny: sink 1 + window 2 -> 4 chunks for the 2 "other" heads, 2 for the 6 local ones, of 4 x 8 uniform
+    assert ratio == pytest.approx((2 * 4 + 6 * 2) / (8 * 4))
+    assert rows["library_heads"]["flops_per_chunk_step"] < rows["library"]["flops_per_chunk_step"]
+    assert payload["config"]["heads"]["config"] == heads.to_dict()

@@ -901,7 +901,7 @@ def check_graph_votes() -> None:
             """A stand-in graph of ``ctx`` on ``ranks`` (what the capture vote and the replay checks read)."""
             step.step.discard(ctx)
             if me in ranks:
-                step.step._captured[ctx] = _Captured(None, [inputs.clone()], x, ctx.plan_epoch, frozenset())
+                step.step._captured[ctx] = _Captured(None, [inputs.clone()], x, (ctx.plan_epoch,), frozenset())
 
         # The per-call vote: capture if any rank must (its plan was rebuilt), else replay everywhere.
         assert step._decide(ctx, (x,)) is True  # no graph anywhere
@@ -936,7 +936,7 @@ def check_graph_votes() -> None:
     resets = []
     with step:
         step.step._captured[ctx] = _Captured(type("G", (), {"reset": lambda self: resets.append(1)})(), [x], x,
-                                             ctx.plan_epoch, frozenset())
+                                             (ctx.plan_epoch,), frozenset())
     assert resets == [1] and step.num_graphs == 0
     for bad in ({"warmup_iters": 0}, {"verify": 1}):
         try:
