@@ -23,10 +23,11 @@ masks, re-cache, ``share_sinks_from``, gradients through the cache, the distribu
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 from collections import OrderedDict
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -38,12 +39,20 @@ from ardiff_modules.checks import require_bool, require_int
 from ardiff_modules.context import ForwardContext
 from ardiff_modules.core.admission import Admission
 from ardiff_modules.core.head_retention import HeadPart, HeadRetention
-from ardiff_modules.core.transaction import ForwardTransaction
+from ardiff_modules.core.transaction import ForwardTransaction, deferred_interrupts
 from ardiff_modules.cross import CrossEntry, build_entry, check_cache_name, not_populated
-from ardiff_modules.errors import CacheClosedError, CapacityError, SequenceLengthError, SessionClosedError, SpecError
+from ardiff_modules.errors import (
+    CacheClosedError,
+    CapacityError,
+    ForwardFinishedError,
+    SequenceLengthError,
+    SessionClosedError,
+    SpecError,
+    UnknownCacheError,
+)
 from ardiff_modules.head_forward import HeadGroupedForward, HeadGroupedLayer, abort_all, head_selector
 from ardiff_modules.pool import KVPool, bytes_per_page, torch_dtype
-from ardiff_modules.session import KVState, branch_names
+from ardiff_modules.session import ForwardOptions, KVState, branch_names
 from ardiff_modules.session_table import check_session_id
 from ardiff_modules.spec import KVCacheSpec, PendingAttention
 
@@ -99,10 +108,10 @@ def _part_pages(
     if max_sessions is not None:
         require_int("HeadGroupedKVCache.max_sessions", max_sessions, minimum=1)
         return [max_sessions * a.pages_per_session() + a.recache_reserve() for a in admissions]
-    require_int("HeadGroupedKVCache.budget_bytes", budget_bytes, minimum=1)
+    budget = require_int("HeadGroupedKVCache.budget_bytes", budget_bytes, minimum=1)
     peaks = [a.pages_per_session() * bytes_per_page(s) for a, s in zip(admissions, specs)]
     total = sum(peaks)
-    return [max(1, int(budget_bytes * peak / total) // bytes_per_page(s)) for peak, s in zip(peaks, specs)]
+    return [max(1, int(budget * peak / total) // bytes_per_page(s)) for peak, s in zip(peaks, specs)]
 
 
 class HeadGroupedKVCache:
@@ -252,6 +261,19 @@ class HeadGroupedKVCache:
         self.close()
 
     # ------------------------------------------------------------------ forwards
+    @contextlib.contextmanager
+    def _all_locks(self) -> Iterator[None]:
+        """This cache's lock, then every part's in part order, for a step that spans the parts.
+
+        NOTE: the parts' locks too, so that a caller driving a part directly (``caches[p]``) never sees a forward
+        validated but not built, or committed in one part but not yet in the next. Always taken in this order
+        (a part never calls back into this cache), so two such steps cannot deadlock.
+        """
+        with self._lock, contextlib.ExitStack() as stack:
+            for cache in self.caches:
+                stack.enter_context(cache.lock)
+            yield
+
     def prepare_forward(
         self,
         streams: Streams,
@@ -264,25 +286,39 @@ class HeadGroupedKVCache:
     ) -> HeadGroupedForward:
         """One forward over ``streams`` (``(session, branch)`` pairs) in every part, or in none.
 
-        As :meth:`KVCache.prepare_forward`; a part that refuses (capacity, validation) raises after the
-        parts prepared before it were aborted, so no part keeps an open forward.
+        As :meth:`KVCache.prepare_forward`. Every part validates the request before any part builds, so
+        a refusal by any part (capacity, an open commit, a length, a closed session) raises with every
+        part, session and the pool unchanged. Each part then builds holding its reservation; if a build
+        (or the grouped forward's own host work) raises, the parts already built are rolled back exactly
+        (pending chunks, free order), and a denoising forward open on one of the streams that some part
+        superseded meanwhile is aborted in every part, its streams' kept pending chunks dropped (history
+        unchanged): every part ends in the same state.
         """
-        with self._lock:
+        options = ForwardOptions(static=static, chunk_lengths=chunk_lengths, pending_attention=pending_attention)
+        with self._all_locks():
             self._check_open("prepare_forward")
             members = self._members(streams)
+            # NOTE: validate in every part first: a refusal by a later part must not find an earlier part's
+            # denoising forward already superseded and its pending chunks reshaped (the parts out of step).
+            requests = [
+                cache.forwards.forward_request([(s.parts[p], b) for s, b in members], seq_len, commit_current, options)
+                for p, cache in enumerate(self.caches)
+            ]
+            previous = _open_transactions(members)
             contexts: list[ForwardContext] = []
             try:
-                for p, cache in enumerate(self.caches):
-                    contexts.append(cache.prepare_forward(
-                        [(s.parts[p], b) for s, b in members], seq_len, commit_current, static=static,
-                        chunk_lengths=chunk_lengths, pending_attention=pending_attention,
-                    ))
+                for cache, request in zip(self.caches, requests):
+                    contexts.append(cache.forwards.build(request, hold=True))
                 _check_offsets(contexts)
+                forward = self._forward_for(tuple(contexts), static)
+                self._stack_cross(forward, members, static)
             except BaseException:
-                abort_all(contexts)
+                abort_all(contexts)  # held reservations: each part's undo is exact
+                _abort_split(previous)
                 raise
-            forward = self._forward_for(tuple(contexts), static)
-            forward.set_cross(*self._stack_cross(forward, members, static))
+            for ctx in contexts:
+                assert ctx.transaction is not None
+                ctx.transaction.keep_reservation()  # every part built: the forward stands
             for session, branch in members:
                 session.opened(branch, forward)
             return forward
@@ -308,39 +344,69 @@ class HeadGroupedKVCache:
             return forward
         forward = HeadGroupedForward.create(contexts, self.part_names, self._finish, self._layer_shares,
                                             self.spec.query_heads, self.spec.num_kv_heads, static=static)
+        # NOTE: as the parts' registries: a forward over a released part context never runs again (dropped), and
+        # beyond the limit only idle ones go. An open one evicted would get a new object on its next prepare (the
+        # parts keep their open contexts): a compiled model would recompile, a CUDAGraphStep capture again.
+        for old in [k for k, f in self._forwards.items() if f.released]:
+            del self._forwards[old]
         self._forwards[key] = forward
-        while len(self._forwards) > self.max_forward_contexts:
-            self._forwards.popitem(last=False)
+        for old in list(self._forwards):
+            if len(self._forwards) <= self.max_forward_contexts:
+                break
+            if self._forwards[old] is not forward and not self._forwards[old].is_active:
+                del self._forwards[old]
         return forward
 
-    def _stack_cross(
-        self, forward: HeadGroupedForward, members: Sequence[tuple[HeadGroupedSession, str]], static: bool
-    ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, str]]:
+    def _stack_cross(self, forward: HeadGroupedForward, members: Sequence[tuple[HeadGroupedSession, str]],
+                     static: bool) -> None:
+        """Stack the streams' cross caches and publish them on ``forward`` (what it was stacked from last)."""
         names = self.spec.cross_attention_names
         entries = {name: [s.cross_entry(b, name) for s, b in members] for name in names}
         who = [f"{s.session_id!r}/{b!r}" for s, b in members]
         stacked, missing, versions = forward.cross_stack.restack(names, entries, who, forward.cross, static)
-        forward.cross_stack.adopt(versions)
-        return stacked, missing
+        forward.set_cross(stacked, missing)
+        forward.cross_stack.adopt(versions)  # only once published: a failure above leaves the stack as it was
 
-    def _finish(self, transactions: Sequence[ForwardTransaction | None], success: bool) -> None:
-        """Commit every part's forward or none: each part's pre-commit checks first, then the commits."""
-        with self._lock:
+    def _finish(self, transactions: Sequence[ForwardTransaction | None] | HeadGroupedForward, success: bool) -> None:
+        """Commit every part's forward or none: each part's pre-commit checks first, then the commits.
+
+        ``transactions``: one per part, or a grouped forward whose parts' current ones are read under the lock.
+
+        Raises :class:`ForwardFinishedError` (the open parts aborted) when asked to commit a forward that some
+        part finished on its own (e.g. a part context committed or aborted directly): committing the others
+        would put their offsets out of step with that part's.
+        """
+        with self._all_locks():
+            if isinstance(transactions, HeadGroupedForward):
+                transactions = transactions.transactions
             live = [(c, t) for c, t in zip(self.caches, transactions) if t is not None and t.is_open]
-            if not success:
-                for cache, transaction in live:
-                    cache.finish_forward(transaction, False)
+            if not live:
                 return
+            if not success:
+                _abort_parts(live)
+                return
+            if len(live) < len(transactions):
+                statuses = {n: (t.status if t is not None else None) for n, t in zip(self.part_names, transactions)}
+                _abort_parts(live)
+                raise ForwardFinishedError(
+                    f"commit: expected the forward open in every part, got statuses {statuses}; the open parts were "
+                    "aborted and history is unchanged"
+                )
             try:
                 for cache, transaction in live:
                     cache.abort_if_uncommittable(transaction)
             except BaseException:
-                for cache, transaction in live:
-                    if transaction.is_open:
-                        cache.finish_forward(transaction, False)
+                _abort_parts(live)
                 raise
-            for cache, transaction in live:
-                cache.finish_forward(transaction, True)
+            # NOTE: SIGINT held over all the parts' commits (each holds it over its own): a Ctrl-C between two
+            # would leave the first part's offsets past the second's for good.
+            with deferred_interrupts():
+                try:
+                    for cache, transaction in live:
+                        cache.finish_forward(transaction, True)
+                except BaseException:
+                    _abort_parts(live)  # no part keeps an open forward (those committed stay committed)
+                    raise
 
     # ------------------------------------------------------------------ admission and stats
     def sessions_that_fit(self, pending_chunks: int = 1, *, recache: bool = True) -> int:
@@ -383,10 +449,44 @@ class HeadGroupedKVCache:
             return {name: cache.stats() for name, cache in zip(self.part_names, self.caches)}
 
 
+def _abort_parts(live: Sequence[tuple[KVCache, ForwardTransaction]]) -> None:
+    """Abort each still open part transaction (a no-op for those finished)."""
+    for cache, transaction in live:
+        if transaction.is_open:
+            cache.finish_forward(transaction, False)
+
+
 def _check_offsets(contexts: Sequence[ForwardContext]) -> None:
     """Every part sees each stream at the same token offset (they commit and reset together)."""
     offsets = {c.token_offsets for c in contexts}
     assert len(offsets) == 1, f"head-grouped parts out of step: token offsets {sorted(offsets)}"
+
+
+#: Per grouped forward open on a stream of a prepare: its part transactions (what a part's build supersedes).
+OpenTransactions = list[tuple[ForwardTransaction, ...]]
+
+
+def _open_transactions(members: Sequence[tuple[HeadGroupedSession, str]]) -> OpenTransactions:
+    """The part transactions of every grouped forward open on one of ``members`` (validated streams)."""
+    found: dict[int, tuple[ForwardTransaction, ...]] = {}
+    for session, branch in members:
+        forward = session.open_forward(branch)
+        if forward is not None:
+            found[id(forward)] = tuple(t for t in forward.transactions if t is not None)
+    return list(found.values())
+
+
+def _abort_split(previous: OpenTransactions) -> None:
+    """After a failed prepare: a grouped forward some part superseded but others still hold open is aborted in
+    every part, and its streams' kept pending chunks dropped in every part (``KVState.abort``), so the parts
+    agree again (a part that superseded it kept its pending chunks, one that aborted the new forward did not)."""
+    for transactions in previous:
+        if all(t.is_open for t in transactions):
+            continue  # no part superseded it: every part still holds it as it was
+        for transaction in transactions:
+            for state, branch in transaction.members:
+                if not state.is_closed:
+                    state.abort(branch)
 
 
 class HeadGroupedSession:
@@ -437,12 +537,14 @@ class HeadGroupedSession:
         return self.parts[0].committed_chunks(branch)
 
     def pages_in_use(self) -> dict[str, int]:
-        """Pages this session references in each part (part name -> pages)."""
-        return {name: state.pages_in_use() for name, state in zip(self.cache.part_names, self.parts)}
+        """Pages this session references in each part (part name -> pages; one snapshot of every part)."""
+        with self.cache.lock:  # NOTE: not between two parts' commits of another thread's forward
+            return {name: state.pages_in_use() for name, state in zip(self.cache.part_names, self.parts)}
 
     def bytes_in_use(self) -> int:
         """Bytes of the pages this session references, over every part."""
-        return sum(state.pages_in_use() * c.pool.bytes_per_page for state, c in zip(self.parts, self.cache.caches))
+        with self.cache.lock:
+            return sum(state.pages_in_use() * c.pool.bytes_per_page for state, c in zip(self.parts, self.cache.caches))
 
     # ------------------------------------------------------------------ self-attention
     def prepare_forward(
@@ -487,12 +589,15 @@ class HeadGroupedSession:
         forward.commit()
 
     def abort(self, kv_branch: str | None = None) -> None:
-        """Abort the open forward of ``kv_branch`` (or of every branch); history is unchanged."""
-        names = self.kv_branch_names if kv_branch is None else (kv_branch,)
-        for branch in names:
-            forward = self.open_forward(branch)
-            if forward is not None:
-                forward.abort()
+        """Abort the open forward of ``kv_branch`` (or of every branch) as a whole, in every part, and drop the
+        pending chunks its finished denoising forwards kept (as :meth:`KVState.abort`); history is unchanged."""
+        with self.cache.lock:
+            if kv_branch is None:
+                self._check_open()
+            else:
+                self._check_branch(kv_branch)  # unknown branch / closed session: raises before any part changed
+            for state in self.parts:
+                state.abort(kv_branch)
 
     # ------------------------------------------------------------------ cross-attention
     def _cross_key(self, kv_branch: str, cache_name: str) -> tuple[str, str]:
@@ -543,8 +648,8 @@ class HeadGroupedSession:
                     sid = session_id if not children else children[0].session_id
                     children.append(state.fork(sid, branches=branches, share_cross_attention=False))
             except BaseException:
-                for child in children:
-                    child.close()
+                for opened in children:
+                    opened.close()
                 raise
             child = HeadGroupedSession(self.cache, tuple(children))
             names = branch_names("fork", branches, self.kv_branch_names)
@@ -573,11 +678,14 @@ class HeadGroupedSession:
 
     def reset(self, *, keep_cross_attention: Collection[str] = ()) -> None:
         """Release every part's self-attention pages, restart at offset 0; keep the named cross caches."""
-        keep = (keep_cross_attention,) if isinstance(keep_cross_attention, str) else tuple(keep_cross_attention)
+        keep = (keep_cross_attention,) if isinstance(keep_cross_attention, str) else keep_cross_attention
+        keep = tuple(keep) if isinstance(keep, Iterable) else ()
+        if not isinstance(keep_cross_attention, Iterable) or not all(isinstance(n, str) for n in keep):
+            raise SpecError(f"reset.keep_cross_attention: expected a collection of cache names, got {keep_cross_attention!r}")
         unknown = set(keep) - set(self.cache.spec.cross_attention_names)
-        if unknown:
-            raise SpecError(f"reset.keep_cross_attention: expected names from "
-                            f"{self.cache.spec.cross_attention_names}, got {sorted(unknown)}")
+        if unknown:  # NOTE: the error KVState.reset raises
+            raise UnknownCacheError(f"Unknown cross-attention caches to keep: {sorted(unknown)}; expected names from "
+                                    f"{self.cache.spec.cross_attention_names}")
         with self.cache.lock:
             if self._closed:
                 raise SessionClosedError(f"Session {self.session_id!r} is closed; open a new one")

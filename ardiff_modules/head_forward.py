@@ -134,7 +134,9 @@ class HeadGroupedForward:
     streams: tuple[tuple[str, str], ...]
     parts: tuple[ForwardContext, ...]
     part_names: tuple[str, ...]
-    finish_parts: Any  #: ``(forward, success) -> None``: the cache's all-or-nothing finish
+    #: ``(transactions or this forward, success) -> None``: the cache's all-or-nothing finish (given the forward, it
+    #: reads the parts' current transactions under its lock: never half of a prepare running in another thread)
+    finish_parts: Any
     layers: list[HeadGroupedLayer] = field(default_factory=list)
     cross: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     cross_missing: dict[str, str] = field(default_factory=dict)
@@ -248,11 +250,11 @@ class HeadGroupedForward:
     # ------------------------------------------------------------------ commit / abort
     def commit(self) -> None:
         """Commit every part of this forward, all together (a denoising forward just closes). Idempotent."""
-        self.finish_parts(self.transactions, True)
+        self.finish_parts(self, True)
 
     def abort(self) -> None:
         """Drop every part's pending work; history stays exactly as before. Idempotent."""
-        self.finish_parts(self.transactions, False)
+        self.finish_parts(self, False)
 
     def __enter__(self) -> HeadGroupedForward:
         self.check_usable("HeadGroupedForward.__enter__")
