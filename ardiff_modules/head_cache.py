@@ -427,10 +427,15 @@ class HeadGroupedKVCache:
             check_session_id(session_id)
             if self.sessions_that_fit(pending_chunks, recache=recache) < 1:
                 needed = [c.pages_per_session(pending_chunks=pending_chunks) for c in self.caches]
+                p = next(p for p, c in enumerate(self.caches) if c.sessions_that_fit(pending_chunks, recache=recache) < 1)
+                full = self.caches[p]
+                free = max(0, full.admission.unpromised(full.allocator.num_free, full.allocator.num_used,
+                                                        len(full.sessions), recache))
                 raise CapacityError(
-                    f"admit_session: a session needs {dict(zip(self.part_names, needed))} pages per part; some part "
-                    f"has too few free pages not promised to the {len(self._sessions)} open session(s)",
-                    needed=max(needed), free=0,
+                    f"admit_session: a session needs {dict(zip(self.part_names, needed))} pages per part; part "
+                    f"{self.part_names[p]!r} has {free} free pages not promised to the {len(self._sessions)} open "
+                    f"session(s), expected at least {needed[p]}",
+                    needed=needed[p], free=free,
                 )
             return self.open_session(session_id)
 

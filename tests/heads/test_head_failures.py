@@ -3,7 +3,7 @@
 Each test here is the regression test of one fix: a refusal by a later part, a build or the grouped host
 work failing after some parts built, an open grouped forward evicted, ``abort()`` keeping pending pages, a
 commit of a forward one part finished alone, a Ctrl-C or a failure between two parts' commits, a commit
-racing a prepare in another thread, and the misuse errors of ``reset``.
+racing a prepare in another thread, the misuse errors of ``reset``, and what an admission refusal reports.
 """
 
 from __future__ import annotations
@@ -245,3 +245,12 @@ def test_an_id_taken_in_one_part_refuses_open_and_fork_and_changes_nothing() -> 
         s.fork("x")
     assert snapshot(cache) + [[sorted(c.sessions) for c in cache.caches]] == before
     assert sorted(cache.sessions) == ["a"]
+
+
+def test_admission_refusal_names_the_full_part_and_its_unpromised_pages() -> None:
+    _, cache = make_cache(max_sessions=1)
+    cache.admit_session("a", recache=False)
+    with pytest.raises(am.CapacityError, match=r"part 'l/1h' has 0 free pages .* expected at least 8") as info:
+        cache.admit_session("b", recache=False)
+    assert (info.value.needed, info.value.free) == (8, 0)
+    assert sorted(cache.sessions) == ["a"] and all(sorted(c.sessions) == ["a"] for c in cache.caches)
