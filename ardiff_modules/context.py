@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import NoReturn, Protocol
+from typing import Any, NoReturn, Protocol
 
 import torch
 
@@ -86,8 +86,69 @@ def publish_cross(
             layer.cross[name] = (cross[name][0][layer.layer_index], cross[name][1][layer.layer_index])
 
 
+class LayerViews:
+    """What a layer context reads through its ``forward`` (``LayerContext``, ``HeadGroupedLayer``): positions,
+    stream counts and its ``cross`` views; the forward provides ``raise_missing_cross`` / ``note_cross_read``."""
+
+    forward: Any
+    cross: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """Absolute positions of the current tokens, int64 ``[num_streams, seq_len]``."""
+        return self.forward.positions
+
+    @property
+    def sink_positions(self) -> torch.Tensor | None:
+        """Where to rotate the sink query, int64 ``[num_streams, seq_len]`` (relative sinks only, else ``None``)."""
+        return self.forward.sink_positions
+
+    @property
+    def num_streams(self) -> int:
+        return self.forward.num_streams
+
+    @property
+    def seq_len(self) -> int:
+        return self.forward.seq_len
+
+    def cross_kv(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's cross-attention K and V for cache ``name``, each ``[num_streams, tokens, heads, dim]``."""
+        pair = self.cross.get(name)
+        if pair is None:
+            self.forward.raise_missing_cross(name)
+        self.forward.note_cross_read(name)  # a Python side effect dynamo replays after a compiled graph
+        return pair
+
+
+
+class CrossPublisher:
+    """A forward's stacked cross caches and their per-layer views (``ForwardContext``, ``HeadGroupedForward``)."""
+
+    layers: Any
+    cross: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    cross_missing: dict[str, str]
+    cross_reads: CrossReads
+
+    def raise_missing_cross(self, name: str) -> NoReturn:
+        if name in self.cross_missing:
+            raise CrossAttentionNotPopulatedError(self.cross_missing[name])
+        known = tuple(self.cross) + tuple(self.cross_missing)
+        raise UnknownCacheError(f"Unknown cross-attention cache {name!r}; expected one of {known}")
+
+    def set_cross(self, cross: dict[str, tuple[torch.Tensor, torch.Tensor]], missing: dict[str, str]) -> None:
+        """Publish stacked cross caches; per-layer views are rebuilt only for caches that changed."""
+        publish_cross(self.layers, self.cross, cross)
+        self.cross, self.cross_missing = cross, missing
+
+    def note_cross_read(self, name: str) -> None:
+        """A layer read cross-attention cache ``name`` (what a captured CUDA graph then depends on)."""
+        # NOTE: an attribute store, not ``set.add``: dynamo replays it after a compiled graph without
+        # reading (so without guarding on) what was recorded before -- a set would recompile once filled.
+        setattr(self.cross_reads, name, True)
+
+
 @dataclass(eq=False, repr=False)
-class LayerContext:
+class LayerContext(LayerViews):
     """What one attention layer needs for one forward.
 
     Attributes
@@ -120,32 +181,6 @@ class LayerContext:
         """CPU int64 scalar naming this forward's plan in :data:`ardiff_modules.ops.HANDLES`."""
         return self.forward.handle_id
 
-    @property
-    def positions(self) -> torch.Tensor:
-        """Absolute positions of the current tokens, int64 ``[num_streams, seq_len]``."""
-        return self.forward.positions
-
-    @property
-    def sink_positions(self) -> torch.Tensor | None:
-        """Where to rotate the sink query, int64 ``[num_streams, seq_len]`` (relative sinks only, else ``None``)."""
-        return self.forward.sink_positions
-
-    @property
-    def num_streams(self) -> int:
-        return self.forward.num_streams
-
-    @property
-    def seq_len(self) -> int:
-        return self.forward.seq_len
-
-    def cross_kv(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """This layer's cross-attention K and V for cache ``name``, each ``[num_streams, tokens, heads, dim]``."""
-        pair = self.cross.get(name)
-        if pair is None:
-            self.forward.raise_missing_cross(name)
-        self.forward.note_cross_read(name)  # a Python side effect dynamo replays after a compiled graph
-        return pair
-
     def __repr__(self) -> str:
         """One line, e.g. ``LayerContext(layer=3/30, streams=2, seq_len=4680, cross=('text',), status='open')``."""
         fwd = self.forward
@@ -156,7 +191,7 @@ class LayerContext:
 
 
 @dataclass(eq=False, repr=False)
-class ForwardContext:
+class ForwardContext(CrossPublisher):
     """One forward over ``num_streams`` streams (branches of sessions) of ``seq_len`` tokens each.
 
     Use as a context manager to commit on success and abort on an exception::
@@ -367,17 +402,6 @@ class ForwardContext:
         """Absolute position of each stream's first current token."""
         return tuple(s.token_offset for s in self.layout.streams) if self.layout is not None else ()
 
-    def raise_missing_cross(self, name: str) -> NoReturn:
-        if name in self.cross_missing:
-            raise CrossAttentionNotPopulatedError(self.cross_missing[name])
-        known = tuple(self.cross) + tuple(self.cross_missing)
-        raise UnknownCacheError(f"Unknown cross-attention cache {name!r}; expected one of {known}")
-
-    def set_cross(self, cross: dict[str, tuple[torch.Tensor, torch.Tensor]], missing: dict[str, str]) -> None:
-        """Publish stacked cross caches; per-layer views are rebuilt only for caches that changed."""
-        publish_cross(self.layers, self.cross, cross)
-        self.cross, self.cross_missing = cross, missing
-
     def to_dense(self) -> torch.Tensor:
         """The mask this forward attends with, bool ``[num_streams, seq_len, max_keys]`` on the CPU.
 
@@ -423,12 +447,6 @@ class ForwardContext:
         transaction.written.add(layer)  # (not mark_written: this runs once per layer call)
         if self.plan.quantizer is not None:
             self.plan.quantizer.calibrate(layer, k, v, transaction)
-
-    def note_cross_read(self, name: str) -> None:
-        """A layer read cross-attention cache ``name`` (what a captured CUDA graph then depends on)."""
-        # NOTE: an attribute store, not ``set.add``: dynamo replays it after a compiled graph without
-        # reading (so without guarding on) what was recorded before -- a set would recompile once filled.
-        setattr(self.cross_reads, name, True)
 
     def release(self) -> None:
         """Called by the cache: this context never runs again (plan buffers freed)."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -229,3 +229,80 @@ def cached_cross_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale, enable_gqa=needs_gqa(q.shape[2], k.shape[2])
     )
     return out.transpose(1, 2)
+
+
+class SessionCrossCaches:
+    """A session's published cross-attention caches, ``(cache name, branch) -> CrossEntry`` in ``_cross``
+    (``KVState``, ``HeadGroupedSession``).
+
+    The session provides ``cache`` (``spec``, ``device``, ``dtype``, ``lock``), ``session_id``, ``num_layers``,
+    ``_check_open()`` and ``_check_branch(branch)`` (raises for an unknown branch or a closed session).
+    """
+
+    cache: Any
+    session_id: str
+    _cross: dict[CrossKey, CrossEntry]
+
+    @property
+    def num_layers(self) -> int:
+        return self.cache.spec.num_layers
+
+    def _check_open(self) -> None:  # pragma: no cover - every session defines it
+        raise NotImplementedError
+
+    def _check_branch(self, branch: str) -> None:  # pragma: no cover - every session defines it
+        raise NotImplementedError
+
+    def _cross_key(self, kv_branch: str, cache_name: str) -> CrossKey:
+        self._check_branch(kv_branch)
+        check_cache_name(self.cache.spec, cache_name)
+        return cache_name, kv_branch
+
+    def cross_entries(self) -> dict[CrossKey, CrossEntry]:
+        """Every published cross cache of this session, ``(cache name, branch) -> entry`` (a copy)."""
+        return dict(self._cross)
+
+    def cross_entry(self, kv_branch: str, cache_name: str) -> CrossEntry | None:
+        """The published cache ``cache_name`` of ``kv_branch`` (``None`` if not populated)."""
+        return self._cross.get(self._cross_key(kv_branch, cache_name))
+
+    def is_cross_attention_populated(self, kv_branch: str, cache_name: str) -> bool:
+        return self._cross_key(kv_branch, cache_name) in self._cross
+
+    def populate_cross_attention(
+        self,
+        kv_branch: str,
+        cache_name: str,
+        layer_kv: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    ) -> None:
+        """Publish one named cache for one branch after every layer was written.
+
+        ``layer_kv`` yields ``num_layers`` ``(k, v)`` pairs, each ``[tokens, heads, head_dim]``,
+        consumed once in layer order. If producing, validating or copying any layer fails,
+        the previous complete cache (if any) stays visible and nothing changes.
+        """
+        key = self._cross_key(kv_branch, cache_name)
+        entry = build_entry(self.cache.spec, cache_name, layer_kv, self.cache.device, self.cache.dtype)
+        with self.cache.lock:
+            self._check_open()  # closed by another thread while the layers were produced
+            self._cross[key] = entry
+
+    def get_cross_attention_kv(self, kv_branch: str, cache_name: str) -> list[dict[str, torch.Tensor]]:
+        """Every layer's ``{"k", "v"}`` (each ``[tokens, heads, head_dim]``) of a populated cache."""
+        entry = self.cross_entry(kv_branch, cache_name)
+        if entry is None:
+            raise not_populated(cache_name, kv_branch, self.session_id)
+        return [{"k": entry.k[i], "v": entry.v[i]} for i in range(self.num_layers)]
+
+    def clear_cross_attention(self) -> None:
+        """Drop every named cross-attention cache (prompt switch); self-attention history is kept."""
+        with self.cache.lock:
+            self._check_open()
+            self._cross.clear()
+
+    def cross_attention_bytes(self) -> int:
+        return sum(e.nbytes for e in self._cross.values())
+
+    def adopt_cross_entries(self, entries: Mapping[tuple[str, str], CrossEntry]) -> None:
+        """Share populated cross caches ``(name, branch) -> entry`` by reference (fork, prompt sharing)."""
+        self._cross.update(entries)

@@ -40,7 +40,7 @@ from ardiff_modules.context import ForwardContext
 from ardiff_modules.core.admission import Admission
 from ardiff_modules.core.head_retention import HeadPart, HeadRetention
 from ardiff_modules.core.transaction import ForwardTransaction, deferred_interrupts
-from ardiff_modules.cross import CrossEntry, build_entry, check_cache_name, not_populated
+from ardiff_modules.cross import CrossEntry, SessionCrossCaches
 from ardiff_modules.errors import (
     CacheClosedError,
     CapacityError,
@@ -50,7 +50,7 @@ from ardiff_modules.errors import (
     SpecError,
     UnknownCacheError,
 )
-from ardiff_modules.head_forward import HeadGroupedForward, HeadGroupedLayer, abort_all, head_selector
+from ardiff_modules.head_forward import HeadGroupedForward, HeadGroupedLayer, abort_all, head_selector, merge_order
 from ardiff_modules.pool import KVPool, bytes_per_page, torch_dtype
 from ardiff_modules.session import ForwardOptions, KVState, branch_names
 from ardiff_modules.session_table import check_session_id
@@ -153,27 +153,35 @@ class HeadGroupedKVCache:
         pages = _part_pages(specs, max_sessions, budget_bytes, extents)
         self.caches: tuple[KVCache, ...] = tuple(
             KVCache(s, num_pages=n, device=probe.device, backend=shared, contiguous_extents=contiguous_extents,
-                    max_forward_contexts=max_forward_contexts, check_finite=check_finite)
+                    max_forward_contexts=max_forward_contexts, check_finite=False)
             for s, n in zip(specs, pages)
         )
         probe.release()
         self.max_forward_contexts = max_forward_contexts
+        # NOTE: the parts are built with check_finite=False and _finish runs the check once, before any part
+        # commits (as DistributedKVCache does before its vote): a part's own check would run it a second time,
+        # after an earlier part had committed.
+        self.check_finite = require_bool("HeadGroupedKVCache.check_finite", check_finite)
         self._lock = threading.RLock()
         self._sessions: dict[str, HeadGroupedSession] = {}
         self._forwards: OrderedDict[tuple[int, ...], HeadGroupedForward] = OrderedDict()
-        self._layer_shares = self._build_layer_shares()
+        self._layer_shares, self._merge_orders = self._build_layer_shares()
         self._closed = False
 
-    def _build_layer_shares(self) -> list[list[tuple[int, int, Any, Any]]]:
-        """Per model layer: ``(part, layer in the part, q heads, kv heads)`` for each part holding heads there."""
+    def _build_layer_shares(self) -> tuple[list[list[tuple[int, int, Any, Any]]], list[torch.Tensor | None]]:
+        """Per model layer: ``(part, layer in the part, q heads, kv heads)`` for each part holding heads there,
+        and the permutation restoring head order after its parts' outputs are concatenated (built once, from
+        host lists: a grouped forward never reads a device tensor back)."""
         group = self.spec.query_heads // self.spec.num_kv_heads
         device = self.caches[0].device
         shares: list[list[tuple[int, int, Any, Any]]] = [[] for _ in range(self.spec.num_layers)]
+        order: list[list[int]] = [[] for _ in range(self.spec.num_layers)]
         for p, part in enumerate(self.part_list):
             for inner, (layer, kv_heads) in enumerate(zip(part.layers, part.heads)):
                 q_heads = [h * group + j for h in kv_heads for j in range(group)]
                 shares[layer].append((p, inner, head_selector(q_heads, device), head_selector(kv_heads, device)))
-        return shares
+                order[layer].extend(q_heads)
+        return shares, [merge_order(heads, device) for heads in order]
 
     # ------------------------------------------------------------------ properties
     @property
@@ -343,7 +351,8 @@ class HeadGroupedKVCache:
             self._forwards.move_to_end(key)
             return forward
         forward = HeadGroupedForward.create(contexts, self.part_names, self._finish, self._layer_shares,
-                                            self.spec.query_heads, self.spec.num_kv_heads, static=static)
+                                            self._merge_orders, self.spec.query_heads, self.spec.num_kv_heads,
+                                            static=static)
         # NOTE: as the parts' registries: a forward over a released part context never runs again (dropped), and
         # beyond the limit only idle ones go. An open one evicted would get a new object on its next prepare (the
         # parts keep their open contexts): a compiled model would recompile, a CUDAGraphStep capture again.
@@ -394,7 +403,7 @@ class HeadGroupedKVCache:
                 )
             try:
                 for cache, transaction in live:
-                    cache.abort_if_uncommittable(transaction)
+                    cache.abort_if_uncommittable(transaction, check_finite=self.check_finite)
             except BaseException:
                 _abort_parts(live)
                 raise
@@ -494,7 +503,7 @@ def _abort_split(previous: OpenTransactions) -> None:
                     state.abort(branch)
 
 
-class HeadGroupedSession:
+class HeadGroupedSession(SessionCrossCaches):
     """One generation stream of a :class:`HeadGroupedKVCache`: a :class:`KVState` per part, cross caches here.
 
     The session API of :class:`KVState` for what head groups support: ``prepare_forward`` /
@@ -518,10 +527,6 @@ class HeadGroupedSession:
     @property
     def kv_branch_names(self) -> tuple[str, ...]:
         return self.cache.spec.branches
-
-    @property
-    def num_layers(self) -> int:
-        return self.cache.spec.num_layers
 
     @property
     def is_closed(self) -> bool:
@@ -604,43 +609,7 @@ class HeadGroupedSession:
             for state in self.parts:
                 state.abort(kv_branch)
 
-    # ------------------------------------------------------------------ cross-attention
-    def _cross_key(self, kv_branch: str, cache_name: str) -> tuple[str, str]:
-        self._check_branch(kv_branch)
-        check_cache_name(self.cache.spec, cache_name)
-        return cache_name, kv_branch
-
-    def cross_entry(self, kv_branch: str, cache_name: str) -> CrossEntry | None:
-        return self._cross.get(self._cross_key(kv_branch, cache_name))
-
-    def is_cross_attention_populated(self, kv_branch: str, cache_name: str) -> bool:
-        return self._cross_key(kv_branch, cache_name) in self._cross
-
-    def populate_cross_attention(
-        self, kv_branch: str, cache_name: str, layer_kv: Iterable[tuple[torch.Tensor, torch.Tensor]]
-    ) -> None:
-        """Publish one named cache (every layer, every head) for one branch, atomically (as :class:`KVState`)."""
-        key = self._cross_key(kv_branch, cache_name)
-        entry = build_entry(self.cache.spec, cache_name, layer_kv, self.cache.device, self.cache.dtype)
-        with self.cache.lock:
-            self._check_open()
-            self._cross[key] = entry
-
-    def get_cross_attention_kv(self, kv_branch: str, cache_name: str) -> list[dict[str, torch.Tensor]]:
-        entry = self.cross_entry(kv_branch, cache_name)
-        if entry is None:
-            raise not_populated(cache_name, kv_branch, self.session_id)
-        return [{"k": entry.k[i], "v": entry.v[i]} for i in range(self.num_layers)]
-
-    def clear_cross_attention(self) -> None:
-        with self.cache.lock:
-            self._check_open()
-            self._cross.clear()
-
-    def cross_attention_bytes(self) -> int:
-        return sum(e.nbytes for e in self._cross.values())
-
-    # ------------------------------------------------------------------ sharing and lifetime
+    # ------------------------------------------------------------------ sharing and lifetime (cross caches: SessionCrossCaches)
     def fork(self, session_id: str | None = None, *, branches: Sequence[str] | None = None,
              share_cross_attention: bool = True) -> HeadGroupedSession:
         """A new session sharing this one's committed history in every part (zero bytes copied)."""
@@ -659,7 +628,7 @@ class HeadGroupedSession:
             child = HeadGroupedSession(self.cache, tuple(children))
             names = branch_names("fork", branches, self.kv_branch_names)
             if share_cross_attention:
-                child._cross.update({k: e for k, e in self._cross.items() if k[1] in names})
+                child.adopt_cross_entries({k: e for k, e in self._cross.items() if k[1] in names})
             self.cache.register(child)
             return child
 

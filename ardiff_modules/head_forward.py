@@ -23,13 +23,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 
-from ardiff_modules.context import CrossReads, ForwardContext, LayerContext, publish_cross
+from ardiff_modules.context import CrossPublisher, CrossReads, ForwardContext, LayerContext, LayerViews
 from ardiff_modules.cross import CrossStack
-from ardiff_modules.errors import CrossAttentionNotPopulatedError, ForwardFinishedError, UnknownCacheError
+from ardiff_modules.errors import ForwardFinishedError
 
 
 @dataclass(frozen=True, eq=False)
@@ -61,7 +61,7 @@ def head_selector(heads: Sequence[int], device: torch.device) -> slice | torch.T
 
 
 @dataclass(eq=False, repr=False)
-class HeadGroupedLayer:
+class HeadGroupedLayer(LayerViews):
     """What one attention layer of a head-grouped cache needs for one forward (the ``LayerContext`` surface).
 
     Attributes
@@ -88,31 +88,6 @@ class HeadGroupedLayer:
     num_kv_heads: int = 0
     cross: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
-    @property
-    def positions(self) -> torch.Tensor:
-        """Absolute positions of the current tokens, int64 ``[num_streams, seq_len]``."""
-        return self.forward.positions
-
-    @property
-    def sink_positions(self) -> None:
-        return None
-
-    @property
-    def num_streams(self) -> int:
-        return self.forward.num_streams
-
-    @property
-    def seq_len(self) -> int:
-        return self.forward.seq_len
-
-    def cross_kv(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """This layer's cross-attention K and V for cache ``name``, each ``[num_streams, tokens, heads, dim]``."""
-        pair = self.cross.get(name)
-        if pair is None:
-            self.forward.raise_missing_cross(name)
-        setattr(self.forward.cross_reads, name, True)  # see ForwardContext.note_cross_read
-        return pair
-
     def merge(self, outputs: Sequence[torch.Tensor], dim: int = 2) -> torch.Tensor:
         """The shares' outputs (``[streams, n, share heads, ...]``) as one tensor in head order."""
         out = outputs[0] if len(outputs) == 1 else torch.cat(list(outputs), dim=dim)
@@ -124,7 +99,7 @@ class HeadGroupedLayer:
 
 
 @dataclass(eq=False, repr=False)
-class HeadGroupedForward:
+class HeadGroupedForward(CrossPublisher):
     """One forward over ``streams`` of a head-grouped cache: one :class:`ForwardContext` per part.
 
     Use as a context manager (commit on success, abort on an exception), like a ``ForwardContext``.
@@ -152,22 +127,23 @@ class HeadGroupedForward:
         part_names: tuple[str, ...],
         finish_parts: Any,
         layer_shares: Sequence[Sequence[tuple[int, int, Any, Any]]],
+        merge_orders: Sequence[torch.Tensor | None],
         query_heads: int,
         kv_heads: int,
         *,
         static: bool,
     ) -> HeadGroupedForward:
         """A forward over the part ``contexts``; ``layer_shares[layer]`` lists ``(part, layer in the part, q heads,
-        kv heads)`` for each part holding heads of that model layer."""
+        kv heads)`` for each part holding heads of that model layer, ``merge_orders[layer]`` its
+        :attr:`HeadGroupedLayer.merge_order`."""
         forward = cls(contexts[0].streams, contexts, part_names, finish_parts, static=static)
-        device = contexts[0].layers[0].k_cache.device
         forward.layers = [
             HeadGroupedLayer(
                 layer, forward,
                 tuple(LayerShare(p, q, kv, contexts[p].layers[inner]) for p, inner, q, kv in shares),
-                _merge_order([q for _, _, q, _ in shares], query_heads, device), query_heads, kv_heads,
+                order, query_heads, kv_heads,
             )
-            for layer, shares in enumerate(layer_shares)
+            for layer, (shares, order) in enumerate(zip(layer_shares, merge_orders))
         ]
         return forward
 
@@ -233,16 +209,6 @@ class HeadGroupedForward:
         for part in self.parts:
             part.check_usable(what)
 
-    def raise_missing_cross(self, name: str) -> NoReturn:
-        if name in self.cross_missing:
-            raise CrossAttentionNotPopulatedError(self.cross_missing[name])
-        known = tuple(self.cross) + tuple(self.cross_missing)
-        raise UnknownCacheError(f"Unknown cross-attention cache {name!r}; expected one of {known}")
-
-    def set_cross(self, cross: dict[str, tuple[torch.Tensor, torch.Tensor]], missing: dict[str, str]) -> None:
-        publish_cross(self.layers, self.cross, cross)
-        self.cross, self.cross_missing = cross, missing
-
     def to_dense(self, part: int) -> torch.Tensor:
         """Part ``part``'s visibility mask, bool ``[num_streams, seq_len, max_keys]`` (``ForwardContext.to_dense``)."""
         return self.parts[part].to_dense()
@@ -293,15 +259,12 @@ def check_open_forward(forward: HeadGroupedForward, what: str) -> None:
         raise ForwardFinishedError(f"{what}: expected an open forward, got status {forward.status!r}")
 
 
-def _merge_order(q_heads: Sequence[slice | torch.Tensor], query_heads: int, device: torch.device
-                 ) -> torch.Tensor | None:
-    """The permutation restoring head order after concatenating the shares' outputs (``None``: identity)."""
-    order: list[int] = []
-    for heads in q_heads:
-        order.extend(range(heads.start, heads.stop) if isinstance(heads, slice) else heads.tolist())
-    if order == list(range(query_heads)):
+def merge_order(order: Sequence[int], device: torch.device) -> torch.Tensor | None:
+    """The permutation restoring head order after concatenating the shares' outputs, whose query heads are
+    ``order`` (host ints, in concatenation order); ``None`` when that is already head order."""
+    if list(order) == list(range(len(order))):
         return None
-    inverse = [0] * query_heads
+    inverse = [0] * len(order)
     for position, head in enumerate(order):
         inverse[head] = position
     return torch.tensor(inverse, dtype=torch.int64, device=device)

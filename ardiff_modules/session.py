@@ -24,7 +24,7 @@ import torch
 from ardiff_modules.core.allocator import PageAllocator
 from ardiff_modules.checks import require_bool
 from ardiff_modules.context import ForwardContext, LayerContext, short_name, short_tuple
-from ardiff_modules.cross import CrossEntry, CrossKey, build_entry, check_cache_name, not_populated
+from ardiff_modules.cross import CrossEntry, SessionCrossCaches
 from ardiff_modules.errors import (
     CrossAttentionNotPopulatedError,
     SequenceLengthError,
@@ -142,7 +142,7 @@ def branch_names(owner: str, branches: Sequence[str] | str | None, default: tupl
     return tuple(branches)
 
 
-class KVState:
+class KVState(SessionCrossCaches):
     """KV state of one session: any number of branches (e.g. CFG's cond/uncond) and named cross caches.
 
     Created by :meth:`KVCache.open_session`. Branches allocate lazily: a worker
@@ -185,10 +185,6 @@ class KVState:
         return tuple(self._branches)
 
     @property
-    def num_layers(self) -> int:
-        return self.cache.spec.num_layers
-
-    @property
     def is_closed(self) -> bool:
         return self._closed
 
@@ -210,6 +206,9 @@ class KVState:
             raise UnknownBranchError(
                 f"Unknown KV branch {branch!r}; expected one of {self.kv_branch_names}"
             ) from None
+
+    def _check_branch(self, branch: str) -> None:
+        self.branch_pages(branch)
 
     def token_offset(self, branch: str) -> int:
         """Absolute position of the branch's next pending token (tokens ever committed, evicted included)."""
@@ -362,58 +361,7 @@ class KVState:
             # Pending pages kept by finished denoising forwards (reused by the next one).
             drop_pending(histories, self.cache.allocator)
 
-    # ------------------------------------------------------------------ cross-attention
-    def _cross_key(self, kv_branch: str, cache_name: str) -> CrossKey:
-        self.branch_pages(kv_branch)
-        check_cache_name(self.cache.spec, cache_name)
-        return cache_name, kv_branch
-
-    def cross_entries(self) -> dict[CrossKey, CrossEntry]:
-        """Every published cross cache of this session, ``(cache name, branch) -> entry`` (a copy)."""
-        return dict(self._cross)
-
-    def cross_entry(self, kv_branch: str, cache_name: str) -> CrossEntry | None:
-        """The published cache ``cache_name`` of ``kv_branch`` (``None`` if not populated)."""
-        return self._cross.get(self._cross_key(kv_branch, cache_name))
-
-    def is_cross_attention_populated(self, kv_branch: str, cache_name: str) -> bool:
-        return self._cross_key(kv_branch, cache_name) in self._cross
-
-    def populate_cross_attention(
-        self,
-        kv_branch: str,
-        cache_name: str,
-        layer_kv: Iterable[tuple[torch.Tensor, torch.Tensor]],
-    ) -> None:
-        """Publish one named cache for one branch after every layer was written.
-
-        ``layer_kv`` yields ``num_layers`` ``(k, v)`` pairs, each ``[tokens, heads, head_dim]``,
-        consumed once in layer order. If producing, validating or copying any layer fails,
-        the previous complete cache (if any) stays visible and nothing changes.
-        """
-        key = self._cross_key(kv_branch, cache_name)
-        entry = build_entry(self.cache.spec, cache_name, layer_kv, self.cache.device, self.cache.dtype)
-        with self.cache.lock:
-            self._check_open()  # closed by another thread while the layers were produced
-            self._cross[key] = entry
-
-    def get_cross_attention_kv(self, kv_branch: str, cache_name: str) -> list[dict[str, torch.Tensor]]:
-        """Every layer's ``{"k", "v"}`` (each ``[tokens, heads, head_dim]``) of a populated cache."""
-        entry = self.cross_entry(kv_branch, cache_name)
-        if entry is None:
-            raise not_populated(cache_name, kv_branch, self.session_id)
-        return [{"k": entry.k[i], "v": entry.v[i]} for i in range(self.num_layers)]
-
-    def clear_cross_attention(self) -> None:
-        """Drop every named cross-attention cache (prompt switch); self-attention history is kept."""
-        with self.cache.lock:
-            self._check_open()
-            self._cross.clear()
-
-    def cross_attention_bytes(self) -> int:
-        return sum(e.nbytes for e in self._cross.values())
-
-    # ------------------------------------------------------------------ sharing
+    # ------------------------------------------------------------------ sharing (cross-attention caches: SessionCrossCaches)
     def fork(
         self,
         session_id: str | None = None,
@@ -443,10 +391,6 @@ class KVState:
             if share_cross_attention:
                 child.adopt_cross_entries({k: e for k, e in self._cross.items() if k[1] in names})
             return child
-
-    def adopt_cross_entries(self, entries: Mapping[tuple[str, str], CrossEntry]) -> None:
-        """Share populated cross caches ``(name, branch) -> entry`` by reference (fork, prompt sharing)."""
-        self._cross.update(entries)
 
     def share_sinks_from(self, other: KVState, kv_branch: str) -> None:
         """Start ``kv_branch`` from ``other``'s sink chunks (same first frames), shared by refcount.

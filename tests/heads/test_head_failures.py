@@ -254,3 +254,31 @@ def test_admission_refusal_names_the_full_part_and_its_unpromised_pages() -> Non
         cache.admit_session("b", recache=False)
     assert (info.value.needed, info.value.free) == (8, 0)
     assert sorted(cache.sessions) == ["a"] and all(sorted(c.sessions) == ["a"] for c in cache.caches)
+
+
+def test_check_finite_runs_once_per_part_before_any_part_commits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NaN K/V in the last part: NonFiniteKVError, no part committed; each part's pending K/V read once."""
+    spec, cache = make_cache(check_finite=True)
+    s = cache.open_session()
+    gen = torch.Generator().manual_seed(7)
+    oracle = PerHeadOracle(HEADS)
+    one_forward(s, oracle, spec.branches, 4, True, gen, spec)
+    calls: list[int] = []
+    for p, part in enumerate(cache.caches):
+        original = part.forwards.abort_if_non_finite  # what every pre-commit check calls
+        monkeypatch.setattr(part.forwards, "abort_if_non_finite", lambda t, p=p, f=original: (calls.append(p), f(t))[1])
+    before = snapshot(cache)
+    with pytest.raises(am.NonFiniteKVError):
+        with s.prepare_forward(None, 4, commit_current=True) as fwd:
+            for layer in fwd.layers:
+                q, k, v = random_qkv(2, 4, 2, 2, 8, gen, torch.float32)
+                if layer.layer_index == 1:
+                    k[:, :, 0] = float("nan")  # layer 1's head 0 is in the last part ("l" of layer 1)
+                am.chunk_attention(q, k, v, layer)
+    assert [p.committed_chunks("cond") for p in s.parts] == [1] * len(s.parts)
+    # the aborted forward's pending pages are free again (in the queue's order of an abort, as for a KVCache)
+    assert [sorted(f) for f in snapshot(cache)[: len(cache.caches)]] == [sorted(f) for f in before[: len(cache.caches)]]
+    assert sorted(calls) == sorted(set(calls)), calls  # no part checked twice
+    calls.clear()
+    one_forward(s, oracle, spec.branches, 4, True, gen, spec)  # a finite forward commits, each part checked once
+    assert sorted(calls) == list(range(len(cache.caches)))
