@@ -26,6 +26,7 @@ from ardiff_modules.core.retention import RetentionPolicy
 from ardiff_modules.core.transaction import ForwardTransaction
 from ardiff_modules.errors import CacheClosedError, SpecError
 from ardiff_modules.forwards import ForwardManager
+from ardiff_modules.forwards.host_tier import HostTier, TierReport
 from ardiff_modules.pool import KVPool, pages_for_budget, torch_dtype
 from ardiff_modules.session import ForwardOptions, KVState
 from ardiff_modules.session_table import SessionTable, check_session_id
@@ -69,6 +70,8 @@ class KVCache:
         Before a committing forward's chunks join history, check their K/V (every layer) for
         NaN/Inf; on any, abort the forward and raise :class:`NonFiniteKVError`. Costs one device
         sync and a read of the pending pages per commit; off by default.
+    host_budget_bytes:
+        Bytes the host tier of suspended sessions may hold (``None``: unbounded; ``KVState.suspend``).
 
     Thread safety: every host-side operation of the cache and its sessions (prepare, commit,
     abort, open/close/reset/fork, populate, stats, admission) holds one re-entrant lock, so
@@ -87,8 +90,11 @@ class KVCache:
         contiguous_extents: bool | None = None,
         max_forward_contexts: int = 64,
         check_finite: bool = False,
+        host_budget_bytes: int | None = None,
     ) -> None:
-        num_pages = _checked_arguments(spec, num_pages, budget_bytes, contiguous_extents, max_forward_contexts, check_finite)
+        num_pages = _checked_arguments(
+            spec, num_pages, budget_bytes, contiguous_extents, max_forward_contexts, check_finite, host_budget_bytes
+        )
         self.spec = spec
         self.pool = KVPool(spec, num_pages, device)
         self.allocator = PageAllocator(num_pages)
@@ -97,30 +103,23 @@ class KVCache:
         self._extent_chunks = _extent_chunks(spec, self.backend.name, contiguous_extents)
         self.max_forward_contexts = max_forward_contexts
         self._lock = threading.RLock()
+        self._sessions = SessionTable()
+        self.host_tier = HostTier(self.pool, self.allocator, self._lock, self._sessions, host_budget_bytes)
         self.forwards = ForwardManager(
             self, spec, self.pool, self.allocator, self.backend, dtype=self._dtype, extent_chunks=self._extent_chunks,
-            max_contexts=max_forward_contexts, check_finite=check_finite, lock=self._lock,
+            max_contexts=max_forward_contexts, check_finite=check_finite, lock=self._lock, host_tier=self.host_tier,
         )
         self.admission = Admission(
             len(spec.branches), spec.max_history_chunks, spec.pages_per_chunk, self._extent_chunks,
             spec.recache.context_chunks,
         )
-        self._sessions = SessionTable()
         self._closed = False
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("KVCache: %s", _geometry(self))
 
     def __repr__(self) -> str:
         """One line; reads counters without the lock and never touches the device."""
-        spec, allocator = self.spec, self.allocator
-        kv_dtype = f", kv_dtype={spec.cache_dtype}" if spec.cache_dtype != spec.dtype else ""
-        closed = ", closed" if self._closed else ""
-        return (
-            f"KVCache(layers={spec.num_layers}, kv_heads={spec.num_kv_heads}, head_dim={spec.head_dim}, "
-            f"pages={allocator.num_used}/{allocator.num_pages} used, sessions={len(self._sessions)}, "
-            f"backend={self.backend.name!r}, device='{self.pool.device}', dtype={spec.dtype}"
-            f"{kv_dtype}{closed})"
-        )
+        return _describe(self)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -211,6 +210,7 @@ class KVCache:
         with self._lock:
             self._sessions.remove(state)
             self.forwards.release_contexts_of(state.session_id)
+            self.host_tier.forget(state)
 
     def close(self) -> None:
         """Close every session, release every forward context and the pool's memory. Idempotent.
@@ -333,24 +333,20 @@ class KVCache:
 
     # ------------------------------------------------------------------ admission (ints: core.admission)
     def pages_per_session(self, branches: int | None = None, pending_chunks: int = 1) -> int:
-        """Peak pages one session holds: per branch (sinks + window + pending) chunks, or its extent.
-
-        Raises :class:`SpecError` for an unbounded window (no peak exists).
-        """
+        """Peak pages one session holds: per branch (sinks + window + pending) chunks, or its extent (raises
+        :class:`SpecError` for an unbounded window: no peak exists)."""
         self._check_open("pages_per_session")
         return self.admission.pages_per_session(branches, pending_chunks)
 
     def recache_reserve(self) -> int:
         """Pages admission keeps free, once for the pool, so that one session can re-cache at its peak
         (``branches x (max_history_chunks - 1) x pages_per_chunk``; see :meth:`Admission.recache_reserve
-        <ardiff_modules.core.admission.Admission.recache_reserve>`). Raises :class:`SpecError` for an
-        unbounded window.
-        """
+        <ardiff_modules.core.admission.Admission.recache_reserve>`); :class:`SpecError` for an unbounded window."""
         self._check_open("recache_reserve")
         return self.admission.recache_reserve()
 
-    def _counts(self) -> tuple[int, int, int]:  # what admission decides on
-        return self.allocator.num_free, self.allocator.num_used, len(self._sessions)
+    def _counts(self) -> tuple[int, int, int]:  # what admission decides on (suspended sessions promise nothing)
+        return self.allocator.num_free, self.allocator.num_used, len(self._sessions) - self.host_tier.num_suspended
 
     def sessions_that_fit(self, pending_chunks: int = 1, *, recache: bool = True) -> int:
         """How many more sessions of this spec can run to their peak alongside the open ones.
@@ -370,16 +366,24 @@ class KVCache:
         return self.sessions_that_fit(pending_chunks, recache=recache) >= num_sessions
 
     def admit_session(
-        self, session_id: str | None = None, pending_chunks: int = 1, *, recache: bool = True
+        self, session_id: str | None = None, pending_chunks: int = 1, *, recache: bool = True,
+        suspend_idle: bool = False,
     ) -> KVState:
-        """Open a session only if it fits at its peak (see :meth:`sessions_that_fit`); raises
-        :class:`CapacityError` before any change."""
+        """Open a session only if it fits at its peak (see :meth:`sessions_that_fit`); raises :class:`CapacityError`
+        before any change. ``suspend_idle``: first suspend least recently used idle sessions to make room
+        (:meth:`HostTier.suspend_idle <ardiff_modules.forwards.host_tier.HostTier.suspend_idle>`)."""
         with self._lock:
             self._check_open("admit_session")
             check_session_id(session_id)
             self.sessions_that_fit(pending_chunks, recache=recache)  # the argument checks, in their order
+            if require_bool("admit_session.suspend_idle", suspend_idle):
+                self.host_tier.suspend_idle(self.admission, self._counts(), pending_chunks, recache)
             self.admission.check_admit(*self._counts(), pending_chunks, recache)
             return self.open_session(session_id)
+
+    def tiers(self) -> TierReport:
+        """Device and host tiers: pages and bytes used, the host budget, sessions resident and suspended."""
+        return self.host_tier.report()
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> CacheStats:
@@ -390,7 +394,7 @@ class KVCache:
 
 def _checked_arguments(
     spec: object, num_pages: int | None, budget_bytes: int | None, contiguous_extents: bool | None,
-    max_forward_contexts: int, check_finite: bool,
+    max_forward_contexts: int, check_finite: bool, host_budget_bytes: int | None,
 ) -> int:
     """``KVCache``'s arguments checked (before anything is built); returns the pool's page count."""
     if not isinstance(spec, KVCacheSpec):
@@ -399,6 +403,8 @@ def _checked_arguments(
         require_bool("KVCache.contiguous_extents", contiguous_extents)
     require_bool("KVCache.check_finite", check_finite)
     require_int("KVCache.max_forward_contexts", max_forward_contexts, minimum=1)
+    if host_budget_bytes is not None:
+        require_int("KVCache.host_budget_bytes", host_budget_bytes, minimum=0)
     if (num_pages is None) == (budget_bytes is None):
         raise SpecError(
             f"KVCache: expected exactly one of num_pages / budget_bytes, got num_pages={num_pages!r}, "
@@ -429,4 +435,17 @@ def _geometry(cache: KVCache) -> str:
     return (
         f"{pool.num_pages} pages of {pool.bytes_per_page} bytes ({pool.nbytes / 2**20:.1f} MiB) on {pool.device}, "
         f"backend {cache.backend.name!r}, {extents}"
+    )
+
+
+def _describe(cache: KVCache) -> str:
+    """``repr(cache)``: one line; reads counters without the lock and never touches the device."""
+    spec, allocator = cache.spec, cache.allocator
+    kv_dtype = f", kv_dtype={spec.cache_dtype}" if spec.cache_dtype != spec.dtype else ""
+    closed = ", closed" if cache.is_closed else ""
+    return (
+        f"KVCache(layers={spec.num_layers}, kv_heads={spec.num_kv_heads}, head_dim={spec.head_dim}, "
+        f"pages={allocator.num_used}/{allocator.num_pages} used, sessions={len(cache._sessions)}, "
+        f"backend={cache.backend.name!r}, device='{cache.pool.device}', dtype={spec.dtype}"
+        f"{kv_dtype}{closed})"
     )

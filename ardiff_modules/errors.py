@@ -36,6 +36,11 @@ class SessionClosedError(ARDiffError, RuntimeError):
     """An operation was attempted on a closed session."""
 
 
+class SessionSuspendedError(ARDiffError, RuntimeError):
+    """An operation needs a session's pages on the device, but the session is suspended to the host tier
+    (``KVState.suspend``); resume it first (``KVState.resume``)."""
+
+
 class UnknownBranchError(ARDiffError, KeyError):
     """A KV branch name is not one of the spec's branches."""
 

@@ -29,6 +29,7 @@ from ardiff_modules.errors import (
     CrossAttentionNotPopulatedError,
     SequenceLengthError,
     SessionClosedError,
+    SessionSuspendedError,
     SpecError,
     UnknownBranchError,
     UnknownCacheError,
@@ -106,6 +107,15 @@ class ForwardsHost(Protocol):
     def abort_forwards_of(self, state: KVState) -> None: ...
 
 
+class SuspendHost(Protocol):
+    """What a session asks of the cache's host tier (``KVCache.host_tier``)."""
+
+    def suspend(self, state: KVState) -> None: ...
+    def resume(self, state: KVState) -> object: ...
+    def is_suspended(self, state: KVState) -> bool: ...
+    def forget(self, state: KVState) -> None: ...
+
+
 class SessionHost(Protocol):
     """What a session uses of its cache (``KVCache`` implements it): the spec, the pages' allocator (handed to
     ``core`` calls), the lock, where cross caches live, the forward manager, and the session table."""
@@ -113,6 +123,7 @@ class SessionHost(Protocol):
     spec: KVCacheSpec
     allocator: PageAllocator
     forwards: ForwardsHost
+    host_tier: SuspendHost
 
     @property
     def lock(self) -> threading.RLock: ...
@@ -160,24 +171,7 @@ class KVState(SessionCrossCaches):
     def __repr__(self) -> str:
         """One line, e.g. ``KVState('s0', committed={'cond': 7, 'uncond': 7}, pending={'cond': 1, 'uncond': 1},
         pages=96, cross=('text',), status='open')``; reads counters without the cache lock."""
-        shown = list(self._branches.items())[:_REPR_BRANCHES]
-        more = len(self._branches) - len(shown)
-
-        def per_branch(count: Callable[[BranchPages], int]) -> str:
-            items = ", ".join(f"{short_name(name)}: {count(h)}" for name, h in shown)
-            return "{" + items + (f", ... +{more}" if more else "") + "}"
-
-        cross = short_tuple(sorted({name for name, _ in list(self._cross)}), _REPR_BRANCHES)
-        pages: int | str
-        try:
-            pages = self.pages_in_use()
-        except Exception:  # noqa: BLE001 - a repr must not raise (e.g. another thread mid-update)
-            pages = "?"
-        return (
-            f"KVState({short_name(self.session_id)}, committed={per_branch(lambda h: h.committed_chunks)}, "
-            f"pending={per_branch(lambda h: len(h.pending))}, pages={pages}, cross={cross}, "
-            f"status={'closed' if self._closed else 'open'!r})"
-        )
+        return _describe(self, self._branches, self._cross, self._closed)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -187,6 +181,19 @@ class KVState(SessionCrossCaches):
     @property
     def is_closed(self) -> bool:
         return self._closed
+
+    @property
+    def is_suspended(self) -> bool:
+        """Whether the session's K/V is in the host tier (:meth:`suspend`): no forward until :meth:`resume`."""
+        return self.cache.host_tier.is_suspended(self)
+
+    def suspend(self) -> None:
+        """Move this session's pages, cross caches and latents to the host tier (see ``forwards/host_tier.py``)."""
+        self.cache.host_tier.suspend(self)
+
+    def resume(self) -> object:
+        """Bring them back into fresh device pages; returns the copies' handle (``.ready()``, ``.wait()``)."""
+        return self.cache.host_tier.resume(self)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -379,6 +386,8 @@ class KVState(SessionCrossCaches):
         """
         with self.cache.lock:
             self._check_open()
+            if self.is_suspended:
+                raise SessionSuspendedError(f"fork: expected a resident session, got {self.session_id!r} suspended")
             names = branch_names("fork", branches, self.kv_branch_names)
             if not names or len(set(names)) != len(names):
                 raise SpecError(f"fork.branches: expected distinct branch names, at least one, got {names}")
@@ -404,10 +413,11 @@ class KVState(SessionCrossCaches):
         with self.cache.lock:
             history = self.branch_pages(kv_branch)
             source = other.branch_pages(kv_branch)
-            if history.committed_chunks or history.pending:
+            if history.committed_chunks or history.pending or self.is_suspended:
                 raise SpecError(
-                    f"share_sinks_from: expected branch {kv_branch!r} to be empty, got {history.committed_chunks} "
-                    f"committed and {len(history.pending)} pending chunk(s)"
+                    f"share_sinks_from: expected branch {kv_branch!r} to be empty (and resident), got "
+                    f"{history.committed_chunks} committed, {len(history.pending)} pending chunk(s)"
+                    f"{', suspended' * self.is_suspended}"
                 )
             sinks = self.cache.spec.policy.sink_chunks
             if sinks == 0 or len(source.sinks) < sinks:
@@ -482,7 +492,32 @@ class KVState(SessionCrossCaches):
                 self.cache.reopen_session(self)  # raises (nothing changed) if the id was taken
             else:
                 self.cache.forwards.abort_forwards_of(self)
+                self.cache.host_tier.forget(self)  # a suspended session's host copy goes too
             for history in self._branches.values():
                 history.release(self.cache.allocator)
             self._cross = {k: e for k, e in self._cross.items() if k[0] in keep_cross_attention}
             self._closed = False
+
+
+def _describe(
+    state: KVState, branches: Mapping[str, BranchPages], cross: Mapping[CrossKey, CrossEntry], closed: bool
+) -> str:
+    """``repr(state)`` (see :meth:`KVState.__repr__`)."""
+    shown = list(branches.items())[:_REPR_BRANCHES]
+    more = len(branches) - len(shown)
+
+    def per_branch(count: Callable[[BranchPages], int]) -> str:
+        items = ", ".join(f"{short_name(name)}: {count(h)}" for name, h in shown)
+        return "{" + items + (f", ... +{more}" if more else "") + "}"
+
+    names = short_tuple(sorted({name for name, _ in list(cross)}), _REPR_BRANCHES)
+    pages: int | str
+    try:
+        pages = state.pages_in_use()
+    except Exception:  # noqa: BLE001 - a repr must not raise (e.g. another thread mid-update)
+        pages = "?"
+    status = "closed" if closed else "suspended" if state.is_suspended else "open"
+    return (
+        f"KVState({short_name(state.session_id)}, committed={per_branch(lambda h: h.committed_chunks)}, "
+        f"pending={per_branch(lambda h: len(h.pending))}, pages={pages}, cross={names}, status={status!r})"
+    )

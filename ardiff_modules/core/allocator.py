@@ -37,6 +37,9 @@ class PageAllocator:
         require_int("PageAllocator.num_pages", num_pages, minimum=1, error=AllocatorError)
         self.num_pages = num_pages
         self._refcounts = [0] * num_pages
+        # NOTE: bumped on every allocation of a page: a (page, generation) pair names one lifetime of a
+        # page, so the host tier can tell a page it copied from a later reuse of the same id.
+        self._generations = [0] * num_pages
         # NOTE: a deque, not a set: allocation order is deterministic (tests pin exact ids).
         self._free: deque[int] = deque(range(num_pages))
         #: High-water mark of pages in use (see :meth:`reset_peak`).
@@ -57,6 +60,11 @@ class PageAllocator:
     def refcount(self, page: int) -> int:
         self._check_ids((page,))
         return self._refcounts[page]
+
+    def generation(self, page: int) -> int:
+        """How many times ``page`` was allocated (its current lifetime while in use)."""
+        self._check_ids((page,))
+        return self._generations[page]
 
     def exclusive(self, pages: Sequence[int]) -> bool:
         """Whether every page in ``pages`` has exactly one reference (hot path: range-checked in bulk)."""
@@ -89,6 +97,7 @@ class PageAllocator:
         pages = [self._free.popleft() for _ in range(count)]
         for page in pages:
             self._refcounts[page] = 1
+            self._generations[page] += 1
         self.peak_used = max(self.peak_used, self.num_used)
         self.changes += 1
         return pages
@@ -130,6 +139,7 @@ class PageAllocator:
         self._free = deque(p for p in self._free if p not in taken)
         for page in taken:
             self._refcounts[page] = 1
+            self._generations[page] += 1
         self.peak_used = max(self.peak_used, self.num_used)
         self.changes += 1
         return list(range(start, start + count))

@@ -32,6 +32,7 @@ that did not fit back into the slots it frees (:meth:`BranchPages.recache_copies
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from ardiff_modules.core.allocator import PageAllocator
 from ardiff_modules.core.recache import RecachePlan, RecacheRule
@@ -443,3 +444,86 @@ def drop_pending(branches: Sequence[BranchPages], allocator: PageAllocator) -> l
     for b in branches:
         b.clear_pending()
     return freed
+
+
+# ------------------------------------------------------------------ host tier (suspend / resume)
+@dataclass(frozen=True)
+class BranchImage:
+    """What a suspended branch keeps of its :class:`BranchPages` besides page references (:func:`unload_branch`).
+
+    ``history`` lists the device page ids the chunks had when suspended (released since: names, not
+    references); the rest is the bookkeeping a resume restores as it was.
+    """
+
+    history: tuple[PageChunk, ...]
+    history_index: tuple[int, ...]
+    history_start: tuple[int, ...]
+    committed_chunks: int
+    committed_tokens: int
+    latents: Mapping[int, object]
+    recent: Mapping[int, tuple[int, int]]
+
+
+def unload_branch(branch: BranchPages, allocator: PageAllocator) -> tuple[BranchImage, list[int]]:
+    """Suspend ``branch``: its image, and every reference it held dropped (the pages that became free).
+
+    The branch must have no pending chunk (the caller refuses a session with pending work); it is left
+    empty at offset 0, holding nothing (a close while suspended releases nothing twice).
+    """
+    assert not branch.pending, "unload_branch: pending chunks must be finished first"
+    image = BranchImage(
+        branch.history, branch.history_index, branch.history_start, branch.committed_chunks,
+        branch.committed_tokens, dict(branch.latents), dict(branch.recent),
+    )
+    return image, branch.release(allocator)
+
+
+def load_branch(
+    branch: BranchPages, image: BranchImage, chunks: Sequence[PageChunk], extent: tuple[int, ...] = ()
+) -> None:
+    """Resume ``branch`` from ``image`` with its chunks in ``chunks`` (references already taken by the caller:
+    :class:`ResumeHold`), inside ``extent`` (its reservation's references taken too) or plain paged."""
+    assert not branch.history and not branch.pending and not branch.extent, "load_branch: expected an empty branch"
+    assert list(map(len, chunks)) == list(map(len, image.history)), "load_branch: chunk sizes changed"
+    branch.extent = extent
+    branch.history, branch.history_index = tuple(chunks), image.history_index
+    branch.history_start = image.history_start
+    branch.committed_chunks, branch.committed_tokens = image.committed_chunks, image.committed_tokens
+    branch.latents, branch.recent = dict(image.latents), dict(image.recent)
+
+
+class ResumeHold:
+    """Fresh device pages for a resume, undoable until kept: allocate -> copy into them -> :meth:`keep` | :meth:`undo`.
+
+    ``fresh`` plain pages (refcount 1 each) and one contiguous run per entry of ``extents`` (its pages'
+    refcount 1 is the extent's reservation). Raises :class:`~ardiff_modules.errors.CapacityError` with
+    nothing allocated when they do not fit (fragmentation included).
+    """
+
+    def __init__(self, allocator: PageAllocator, fresh: int, extents: Sequence[int]) -> None:
+        self.allocator = allocator
+        # NOTE: the free order only with extents (allocate_contiguous reorders the queue).
+        self._checkpoint = allocator.checkpoint(free_order=bool(extents))
+        self.extents: list[list[int]] = []
+        self.fresh: list[int] = []
+        self.spent = False
+        try:
+            for count in extents:
+                self.extents.append(allocator.allocate_contiguous(count))
+            self.fresh = allocator.allocate(fresh)
+        except BaseException:
+            self.undo()
+            raise
+
+    def undo(self) -> None:
+        """Give every page back exactly (free order and peak included). Only before :meth:`keep`."""
+        assert not self.spent, "ResumeHold: already kept or undone"
+        self.allocator.unallocate([p for run in self.extents for p in run] + self.fresh, self._checkpoint)
+        self.spent = True
+
+    def keep(self, shared: Sequence[int]) -> None:
+        """The copies stand: take one more reference per entry of ``shared`` (aliased live pages, chunks inside
+        an extent on top of its reservation, repeated pages)."""
+        assert not self.spent, "ResumeHold: already kept or undone"
+        self.allocator.incref(shared)
+        self.spent = True

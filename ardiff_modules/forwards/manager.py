@@ -30,6 +30,7 @@ from ardiff_modules.core.reservation import Reservation, settle_free_order
 from ardiff_modules.core.transaction import ForwardTransaction
 from ardiff_modules.errors import ARDiffError, CacheClosedError, CommitFailedError, LatentsNotKeptError, SpecError
 from ardiff_modules.forwards.commit_checks import check_pending_finite
+from ardiff_modules.forwards.host_tier import HostTier
 from ardiff_modules.forwards.registry import ContextKey, ContextRegistry
 from ardiff_modules.forwards.request import Build
 from ardiff_modules.forwards.validation import (
@@ -68,8 +69,11 @@ class ForwardManager:
     def __init__(
         self, host: object, spec: KVCacheSpec, pool: KVPool, allocator: PageAllocator, backend: AttentionBackend,
         *, dtype: torch.dtype, extent_chunks: int | None, max_contexts: int, check_finite: bool, lock: threading.RLock,
+        host_tier: HostTier,
     ) -> None:
         self.host = host
+        #: Suspended sessions (refused here) and the resume copies a forward waits for.
+        self.host_tier = host_tier
         self.spec = spec
         self.pool = pool
         self.allocator = allocator
@@ -95,6 +99,12 @@ class ForwardManager:
             self.closed = True
 
     # ------------------------------------------------------------------ requests
+    def resident(self, streams: Streams, what: str) -> tuple[tuple[KVState, str], ...]:
+        """The validated streams, every session resident (:class:`SessionSuspendedError` otherwise)."""
+        members = validate_streams(streams, self.host)
+        self.host_tier.check_resident(members, what)
+        return members
+
     def prepare(
         self, streams: Streams, seq_len: int, commit_current: bool, options: ForwardOptions = ForwardOptions(),
         *, hold: bool = False,
@@ -113,7 +123,7 @@ class ForwardManager:
         self, streams: Streams, seq_len: int, commit_current: bool, options: ForwardOptions
     ) -> Build:
         """A forward's request, validated (raises before anything changed)."""
-        members = validate_streams(streams, self.host)
+        members = self.resident(streams, "prepare_forward")
         lengths = chunk_lengths_of(self.spec, seq_len, commit_current, options.static, options.chunk_lengths)
         pending = pending_attention_of(self.spec, options.pending_attention)
         branches = tuple(state.branch_pages(branch) for state, branch in members)
@@ -172,7 +182,7 @@ class ForwardManager:
         with self.lock:
             self._check_open("prepare_recache")
             rule = resolve_recache_rule(keep_sinks, rule, self.spec.recache, self.spec.policy.sink_chunks)
-            members = validate_streams(streams, self.host)
+            members = self.resident(streams, "prepare_recache")
             branches = tuple(state.branch_pages(branch) for state, branch in members)
             plans, chunk_pages = recache_plans(members, branches, rule)
             if self.spec.relative_sinks:
@@ -194,7 +204,7 @@ class ForwardManager:
         with self.lock:
             self._check_open("recache_latents")
             rule = resolve_recache_rule(keep_sinks, rule, self.spec.recache, self.spec.policy.sink_chunks)
-            members = validate_streams(streams, self.host)
+            members = self.resident(streams, "recache_latents")
             branches = [state.branch_pages(branch) for state, branch in members]
             plans, _ = recache_plans(members, branches, rule, idle=False)
             rows = []
@@ -218,7 +228,7 @@ class ForwardManager:
         with self.lock:
             self._check_open("recache_chunk_indices")
             rule = resolve_recache_rule(keep_sinks, rule, self.spec.recache, self.spec.policy.sink_chunks)
-            members = validate_streams(streams, self.host)
+            members = self.resident(streams, "recache_chunk_indices")
             branches = [state.branch_pages(branch) for state, branch in members]
             return [plan.rebuilt for plan in recache_plans(members, branches, rule, idle=False)[0]]
 

@@ -1,0 +1,457 @@
+"""The host tier: suspend a session's K/V to host memory, resume it into fresh device pages.
+
+``KVState.suspend()`` copies the session's committed pages (every branch, every layer, K and V, as raw
+bytes: FP8 pages stay FP8, the pool's scales are pool-level and stay), its cross-attention entries and
+its kept latents to the host (pinned memory when the pool is on CUDA), then drops its device references:
+pages shared with resident sessions (a fork, ``share_sinks_from``) stay resident for them.
+``KVState.resume()`` copies them back into fresh device pages and returns a :class:`TransferHandle`::
+
+    resident --suspend()--> suspended --resume()--> resident        (forwards refused while suspended:
+        \\                      |                                    SessionSuspendedError)
+         `---- close() / reset() (a suspended session's host pages are dropped) ----'
+
+Both are transactional: everything is copied first, the bookkeeping switched after, so an exception
+or a ``KeyboardInterrupt`` during the copy leaves the session fully resident (suspend) or fully
+suspended (resume), and refusals (pending work, no device room, a full host budget) change nothing.
+
+Sharing survives the trip (:class:`~ardiff_modules.core.host_pages.HostPages`): a page two suspended
+sessions shared is copied to the host once; a resume takes a reference on a live device twin of a host
+page (the fork that never left, or a session resumed first) instead of a fresh page. A branch with a
+contiguous extent comes back as a ring: a fresh extent, its history chunks re-laid in slot order (those
+pages are its own, never shared: a ring must be contiguous).
+
+On CUDA the copies run on a side stream. A suspend makes the current stream wait for its device-to-host
+copies before any later kernel may reuse the pages; a resume's handle holds an event that the session's
+next ``prepare_forward`` makes the current stream wait on (no host sync). On CPU the handle is complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from ardiff_modules.core.admission import Admission
+from ardiff_modules.core.allocator import PageAllocator
+from ardiff_modules.core.branch import BranchImage, PageChunk, ResumeHold, load_branch, unload_branch
+from ardiff_modules.core.host_pages import HostPages
+from ardiff_modules.cross import CrossEntry, CrossKey
+from ardiff_modules.errors import CapacityError, PendingContextError, SessionSuspendedError
+from ardiff_modules.pool import KVPool
+from ardiff_modules.session import KVState
+
+
+class TransferHandle:
+    """A resume's host-to-device copies: :meth:`ready` polls, :meth:`wait` blocks the host until done.
+
+    The session's next ``prepare_forward`` orders the current CUDA stream after the copies by itself;
+    ``wait()`` is for reading the resumed tensors some other way (e.g. ``get_cross_attention_kv``).
+    """
+
+    def __init__(self, event: torch.cuda.Event | None = None, keep: tuple[object, ...] = ()) -> None:
+        self._event = event
+        self._keep = keep  # NOTE: the pinned sources must outlive the asynchronous copies that read them
+
+    def ready(self) -> bool:
+        return self._event is None or bool(self._event.query())
+
+    def wait(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
+        self._keep = ()
+
+    def order_current_stream(self) -> None:
+        """Make the current CUDA stream wait for the copies (no host sync); a no-op on CPU."""
+        if self._event is not None:
+            torch.cuda.current_stream(self._event.device).wait_event(self._event)
+
+
+@dataclass(frozen=True)
+class Suspended:
+    """One suspended session: per branch its image and its chunks as host page ids; its host cross entries."""
+
+    images: dict[str, BranchImage]
+    chunks: dict[str, tuple[PageChunk, ...]]
+    cross: dict[CrossKey, CrossEntry]
+    extra_bytes: int
+
+    def host_refs(self) -> list[int]:
+        """One entry per host page reference this session holds."""
+        return [h for chunks in self.chunks.values() for chunk in chunks for h in chunk]
+
+
+@dataclass(frozen=True)
+class TierReport:
+    """Both tiers at a glance (``KVCache.tiers()``)."""
+
+    device_pages_used: int
+    device_pages_free: int
+    device_bytes_used: int
+    host_pages: int
+    host_bytes: int
+    host_budget_bytes: int | None
+    resident: tuple[str, ...]
+    suspended: tuple[str, ...]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class HostTier:
+    """Suspended sessions' K/V in host memory, keyed by host page id (see the module docstring).
+
+    Parameters
+    ----------
+    pool, allocator, lock:
+        The cache's device pool, its allocator and its lock.
+    sessions:
+        The cache's open sessions, a live view (their contiguous extents are never aliased).
+    budget_bytes:
+        The most bytes the host tier holds (``None``: unbounded).
+    """
+
+    def __init__(
+        self, pool: KVPool, allocator: PageAllocator, lock: threading.RLock,
+        sessions: Iterable[KVState], budget_bytes: int | None = None,
+    ) -> None:
+        self.pool = pool
+        self.allocator = allocator
+        self.lock = lock
+        self._sessions = sessions
+        self.pages = HostPages(pool.bytes_per_page, budget_bytes)
+        #: Host page id -> (its block ``[n, layers, 2, page_size, heads, head_dim * itemsize]`` uint8, its row).
+        self._store: dict[int, tuple[torch.Tensor, int]] = {}
+        self._suspended: dict[KVState, Suspended] = {}
+        self._handles: dict[KVState, TransferHandle] = {}
+        self._last_used: dict[KVState, int] = {}
+        self._clock = 0
+        self._pinned = pool.device.type == "cuda"
+        self._stream: torch.cuda.Stream | None = None
+
+    # ------------------------------------------------------------------ queries
+    def is_suspended(self, state: KVState) -> bool:
+        return state in self._suspended
+
+    @property
+    def num_suspended(self) -> int:
+        return len(self._suspended)
+
+    def suspended_ids(self) -> tuple[str, ...]:
+        return tuple(s.session_id for s in self._suspended)
+
+    def host_page_tensor(self, host_page: int) -> torch.Tensor:
+        """The raw bytes of one held host page, ``[layers, 2, page_size, heads, head_dim * itemsize]`` uint8."""
+        block, row = self._store[host_page]
+        return block[row]
+
+    def last_used(self, state: KVState) -> int:
+        """The tick of the session's last ``prepare_forward`` (0: never)."""
+        return self._last_used.get(state, 0)
+
+    def check_resident(self, members: Sequence[tuple[KVState, str]], what: str) -> None:
+        """Refuse a forward over a suspended session; otherwise tick the LRU clock and order the current stream
+        after a resume's copies (called by every prepare, after the streams were validated)."""
+        for state, _ in members:
+            if state in self._suspended:
+                raise SessionSuspendedError(
+                    f"{what}: expected a resident session, got {state.session_id!r} suspended to the host tier "
+                    f"(call resume() first)"
+                )
+        self._clock += 1
+        for state, _ in members:
+            self._last_used[state] = self._clock
+            handle = self._handles.pop(state, None)
+            if handle is not None:
+                handle.order_current_stream()
+
+    # ------------------------------------------------------------------ suspend
+    def suspend(self, state: KVState) -> None:
+        """Move ``state`` to the host tier (see the module docstring); refuses, changing nothing, a closed or
+        suspended session, one with an open forward or pending chunks, or a host budget too small."""
+        with self.lock:
+            branches = self._check_suspendable(state)
+            alloc, extents = self.allocator, self._extent_pages()
+            order = list(dict.fromkeys(p for b in branches.values() for p in b.history_pages()))
+            keys = {p: (p, alloc.generation(p)) for p in order}
+            reused = {p: h for p in order if (h := self.pages.host_copy_of(keys[p])) is not None}
+            new = [p for p in order if p not in reused]
+            cross = state.cross_entries()
+            latents = {name: dict(b.latents) for name, b in branches.items()}
+            extra = sum(e.nbytes for e in cross.values()) + sum(
+                _nbytes(t) for kept in latents.values() for t in kept.values() if isinstance(t, torch.Tensor)
+            )
+            self.pages.check_fits(f"suspend {state.session_id!r}", len(new), extra)
+            # Copy first: an exception (or an interrupt) in here leaves the session fully resident.
+            block = self._copy_pages_to_host(new)
+            host_cross = {k: CrossEntry(self._to_host(e.k), self._to_host(e.v), e.version) for k, e in cross.items()}
+            host_latents = {name: {i: self._to_host(t) for i, t in kept.items()} for name, kept in latents.items()}
+            self._after_host_copies()
+            # Then switch the bookkeeping (pure Python, nothing left that can fail on the user's input).
+            host_of = dict(reused)
+            for row, (h, p) in enumerate(zip(self.pages.take(len(new)), new)):
+                self._store[h] = (block, row)
+                host_of[p] = h
+                if p not in extents:  # NOTE: an extent slot is rewritten in place when the ring wraps
+                    self.pages.link(h, keys[p])
+            occurrences = [host_of[p] for b in branches.values() for p in b.history_pages()]
+            self.pages.share((Counter(occurrences) - Counter(host_of[p] for p in new)).elements())
+            chunks = {name: tuple(tuple(host_of[p] for p in c) for c in b.history) for name, b in branches.items()}
+            images = {
+                name: replace(unload_branch(b, alloc)[0], latents=host_latents[name]) for name, b in branches.items()
+            }
+            state.clear_cross_attention()
+            self.pages.hold_bytes(extra)
+            self._suspended[state] = Suspended(images, chunks, host_cross, extra)
+            self._handles.pop(state, None)
+
+    def _check_suspendable(self, state: KVState) -> dict[str, object]:
+        names = state.kv_branch_names
+        branches = {name: state.branch_pages(name) for name in names}  # raises on a closed session
+        if state in self._suspended:
+            raise SessionSuspendedError(
+                f"suspend: expected a resident session, got {state.session_id!r} already suspended"
+            )
+        busy = [name for name in names if state.open_forward(name) is not None or branches[name].pending]
+        if busy:
+            raise PendingContextError(
+                f"suspend {state.session_id!r}: expected no open forward and no pending chunk, got pending work on "
+                f"branch(es) {busy} (commit or abort it first)"
+            )
+        return branches  # type: ignore[return-value]
+
+    def _extent_pages(self) -> set[int]:
+        return {p for s in list(self._sessions) for name in s.kv_branch_names for p in s.branch_pages(name).extent}
+
+    # ------------------------------------------------------------------ resume
+    def resume(self, state: KVState) -> TransferHandle:
+        """Bring ``state`` back into device pages; a resident session is a no-op (a complete handle).
+
+        Raises :class:`CapacityError` naming the pages needed and free, changing nothing, when they do not fit.
+        """
+        with self.lock:
+            record = self._suspended.get(state)
+            if record is None:
+                state.branch_pages(state.kv_branch_names[0])  # raises on a closed session
+                return TransferHandle()
+            branches = {name: state.branch_pages(name) for name in record.images}
+            # Pages per ring slot of each branch that comes back as a ring (0: plain paging).
+            ring = {n: b.pages_per_chunk if b.extent_chunks is not None and record.chunks[n] else 0
+                    for n, b in branches.items()}
+            aliases = {h: p for h in set(record.host_refs()) if (p := self._live_twin(h)) is not None}
+            plain = [h for name in branches if not ring[name] for c in record.chunks[name] for h in c]
+            fresh_hosts = [h for h in dict.fromkeys(plain) if h not in aliases]
+            extent_sizes = [b.extent_chunks * ring[n] for n, b in branches.items() if ring[n]]  # type: ignore[operator]
+            self._check_device_room(state, len(fresh_hosts), extent_sizes)
+            hold = ResumeHold(self.allocator, len(fresh_hosts), extent_sizes)
+            try:
+                fresh = dict(zip(fresh_hosts, hold.fresh))
+                chunks, extents, copies = _lay_out(record, ring, aliases, fresh, hold.extents)
+                handle, cross, latents = self._copy_to_device(copies, record)
+            except BaseException:
+                hold.undo()
+                raise
+            # Then switch: one reference per chunk page, less the one each fresh page already has.
+            shared = Counter(p for cs in chunks.values() for c in cs for p in c) - Counter(hold.fresh)
+            hold.keep(list(shared.elements()))
+            for name, b in branches.items():
+                load_branch(b, replace(record.images[name], latents=latents[name]), chunks[name], extents.get(name, ()))
+            for h, q in fresh.items():
+                self.pages.link(h, (q, self.allocator.generation(q)))
+            self._drop_record(state, record)
+            state.adopt_cross_entries(cross)
+            self._handles[state] = handle
+            return handle
+
+    def _live_twin(self, host_page: int) -> int | None:
+        """A device page still holding ``host_page``'s bytes (the same lifetime, in use), if any."""
+        key = self.pages.device_copy_of(host_page)
+        if key is None:
+            return None
+        page, generation = key
+        alloc = self.allocator
+        return page if alloc.refcount(page) > 0 and alloc.generation(page) == generation else None
+
+    def _check_device_room(self, state: KVState, fresh: int, extents: Sequence[int]) -> None:
+        needed, free = fresh + sum(extents), self.allocator.num_free
+        if needed > free:
+            raise CapacityError(
+                f"resume {state.session_id!r}: needed {needed} free device pages ({fresh} pages + "
+                f"{len(extents)} extent(s) of {extents[0] if extents else 0}), got {free} free of "
+                f"{self.allocator.num_pages}",
+                needed=needed,
+                free=free,
+            )
+
+    # ------------------------------------------------------------------ copies (the only torch work)
+    def _raw(self) -> torch.Tensor:
+        """The pool's K/V as raw bytes ``[layers, 2, pages, page_size, heads, head_dim * itemsize]`` uint8."""
+        return self.pool.kv.view(torch.uint8)
+
+    def _side_stream(self) -> torch.cuda.Stream:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.pool.device)
+        self._stream.wait_stream(torch.cuda.current_stream(self.pool.device))  # after kernels writing the pages
+        return self._stream
+
+    def _copy_pages_to_host(self, pages: Sequence[int]) -> torch.Tensor:
+        """Device pages -> one host block ``[len(pages), layers, 2, page_size, heads, head_dim * itemsize]``."""
+        raw = self._raw()
+        shape = (len(pages), raw.shape[0], raw.shape[1], *raw.shape[3:])
+        block = torch.empty(shape, dtype=torch.uint8, pin_memory=self._pinned)
+        if not pages:
+            return block
+        index = torch.tensor(pages, dtype=torch.long).to(raw.device)
+        if self._pinned:
+            with torch.cuda.stream(self._side_stream()):
+                block.copy_(raw.index_select(2, index).movedim(2, 0), non_blocking=True)
+        else:
+            block.copy_(raw.index_select(2, index).movedim(2, 0))
+        return block
+
+    def _to_host(self, t: object) -> object:
+        """A host copy of a cross cache or latent tensor (pinned, on the side stream) -- on CPU the tensor itself.
+
+        NOTE: on a CPU pool the "device" already is host memory and these tensors are never rewritten in
+        place (a populate publishes a new entry, a commit keeps a new latent), so no copy is needed.
+        """
+        if not self._pinned or not isinstance(t, torch.Tensor) or t.device.type != "cuda":
+            return t
+        with torch.cuda.stream(self._side_stream()):
+            out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            out.copy_(t, non_blocking=True)
+        return out
+
+    def _after_host_copies(self) -> None:
+        """Order the current stream after the device-to-host copies (the pages are released next: a later
+        kernel may rewrite them)."""
+        if self._pinned and self._stream is not None:
+            torch.cuda.current_stream(self.pool.device).wait_stream(self._stream)
+
+    def _copy_to_device(
+        self, copies: Sequence[tuple[int, int]], record: Suspended
+    ) -> tuple[TransferHandle, dict[CrossKey, CrossEntry], dict[str, dict[int, object]]]:
+        """Host pages -> their device pages, cross entries and latents back; the handle of the copies."""
+        raw = self._raw()
+        device = self.pool.device
+        stream = self._side_stream() if self._pinned else None
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            staging = torch.empty((len(copies), *raw.shape[:2], *raw.shape[3:]), dtype=torch.uint8,
+                                  pin_memory=self._pinned)
+            for i, (h, _) in enumerate(copies):
+                staging[i].copy_(self.host_page_tensor(h))
+            if copies:
+                index = torch.tensor([q for _, q in copies], dtype=torch.long).to(device)
+                raw.index_copy_(2, index, staging.to(device, non_blocking=True).movedim(0, 2))
+
+            def back(t: object) -> object:
+                return t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t
+
+            cross = {k: CrossEntry(back(e.k), back(e.v), e.version)  # type: ignore[arg-type]
+                     for k, e in record.cross.items()}
+            latents = {n: {i: back(t) for i, t in img.latents.items()} for n, img in record.images.items()}
+        event = None
+        if stream is not None:
+            event = torch.cuda.Event()
+            event.record(stream)
+        return TransferHandle(event, (staging, record)), cross, latents
+
+    # ------------------------------------------------------------------ lifetime and policy
+    def _drop_record(self, state: KVState, record: Suspended) -> None:
+        for h in self.pages.drop(record.host_refs()):
+            del self._store[h]
+        self.pages.release_bytes(record.extra_bytes)
+        del self._suspended[state]
+
+    def forget(self, state: KVState) -> None:
+        """``state`` was closed or reset: drop its host pages (a suspended session's K/V is gone)."""
+        with self.lock:
+            record = self._suspended.get(state)
+            if record is not None:
+                self._drop_record(state, record)
+            self._handles.pop(state, None)
+            self._last_used.pop(state, None)
+
+    def report(self) -> TierReport:
+        with self.lock:
+            alloc = self.allocator
+            resident = tuple(s.session_id for s in list(self._sessions) if s not in self._suspended)
+            return TierReport(
+                alloc.num_used, alloc.num_free, alloc.num_used * self.pool.bytes_per_page, self.pages.num_pages,
+                self.pages.nbytes, self.pages.budget_bytes, resident, self.suspended_ids(),
+            )
+
+    def suspend_idle(
+        self, admission: Admission, counts: tuple[int, int, int], pending_chunks: int, recache: bool
+    ) -> None:
+        """Suspend least recently used idle sessions until one more session fits (``KVCache.admit_session``).
+
+        Idle: resident, no open forward, no pending chunk; LRU by the last ``prepare_forward``. The choice is
+        planned first (the pages a set frees: those only it references; the host bytes it needs): raises
+        :class:`CapacityError`, nothing changed, when suspending every idle session would not make room or
+        would not fit the host budget. ``counts``: free pages, used pages, resident sessions.
+        """
+        free, used, resident = counts
+        what = "admit_session(suspend_idle=True)"
+
+        def fits(freed: int, suspended: int) -> bool:
+            fit = admission.sessions_that_fit(free + freed, used - freed, resident - suspended, pending_chunks, recache)
+            return fit >= 1
+
+        with self.lock:
+            if fits(0, 0):
+                return
+            idle = sorted((s for s in list(self._sessions) if self._idle(s)), key=self.last_used)
+            for k in range(1, len(idle) + 1):
+                chosen = idle[:k]
+                refs = Counter(p for s in chosen for n in s.kv_branch_names for p in s.branch_pages(n).history_pages())
+                freed = sum(1 for p, n in refs.items() if self.allocator.refcount(p) == n)
+                if fits(freed, k):
+                    self.pages.check_fits(f"{what}: suspending {[s.session_id for s in chosen]}", len(refs), 0)
+                    for s in chosen:
+                        self.suspend(s)
+                    return
+            raise CapacityError(
+                f"{what}: expected idle sessions whose suspension makes room, got {len(idle)} idle session(s) "
+                f"{[s.session_id for s in idle]} that do not free enough device pages",
+                needed=1,
+                free=0,
+            )
+
+    def _idle(self, state: KVState) -> bool:
+        if state in self._suspended:
+            return False
+        names = state.kv_branch_names
+        return not any(state.open_forward(n) is not None or state.branch_pages(n).pending for n in names)
+
+
+def _lay_out(
+    record: Suspended, ring: dict[str, int], aliases: dict[int, int], fresh: dict[int, int], runs: list[list[int]]
+) -> tuple[dict[str, tuple[PageChunk, ...]], dict[str, tuple[int, ...]], list[tuple[int, int]]]:
+    """Each branch's device chunks, its extent, and the ``(host page, device page)`` copies (by device page).
+
+    A ring branch's chunk ``i`` takes the first pages of slot ``i`` of its fresh extent (ring order, each slot
+    ``ring[name]`` pages); a plain branch takes the aliased (no copy) or the fresh page of each host page.
+    """
+    chunks: dict[str, tuple[PageChunk, ...]] = {}
+    extents: dict[str, tuple[int, ...]] = {}
+    copies: set[tuple[int, int]] = set()
+    run_of = iter(runs)
+    for name, host_chunks in record.chunks.items():
+        step = ring[name]
+        if step:
+            run = next(run_of)
+            laid = tuple(tuple(run[i * step : i * step + len(c)]) for i, c in enumerate(host_chunks))
+            copies.update(zip((h for c in host_chunks for h in c), (p for c in laid for p in c)))
+            chunks[name], extents[name] = laid, tuple(run)
+        else:
+            device_of = {**aliases, **fresh}
+            chunks[name] = tuple(tuple(device_of[h] for h in c) for c in host_chunks)
+            copies.update((h, fresh[h]) for c in host_chunks for h in c if h in fresh)
+    return chunks, extents, sorted(copies, key=lambda hp: hp[1])
+
+

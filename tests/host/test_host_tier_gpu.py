@@ -1,0 +1,35 @@
+"""The CUDA side of the host tier (pinned host pages, side-stream copies, the resume handle's event)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ardiff_modules as am
+from tests.support.gpu import GPU
+from tests.support.small_cache import BOTH, CHUNK, SMALL_SPEC
+
+pytestmark = list(GPU)
+
+
+@pytest.mark.parametrize("extents", [False, True])
+def test_cuda_suspend_resume_matches_a_twin(extents):
+    caches = [am.KVCache(SMALL_SPEC, num_pages=64, device="cuda", backend="reference", contiguous_extents=extents)
+              for _ in range(2)]
+    state, twin = (c.open_session("s") for c in caches)
+    g = torch.Generator().manual_seed(0)
+    for seed in range(4):
+        with state.prepare_forward(BOTH, CHUNK, commit_current=True) as f1, \
+                twin.prepare_forward(BOTH, CHUNK, commit_current=True) as f2:
+            for l1, l2 in zip(f1.layers, f2.layers):
+                q, k, v = (torch.randn(2, CHUNK, 2, 4, generator=g).cuda() for _ in range(3))
+                assert torch.equal(am.chunk_attention(q, k, v, l1), am.chunk_attention(q, k, v, l2))
+        if seed == 1:
+            state.suspend()
+            assert caches[0].allocator.num_used == 0
+            tier = caches[0].host_tier
+            assert tier.host_page_tensor(tier.pages.pages()[0]).is_pinned()
+            handle = state.resume()
+            assert handle.ready() in (True, False)  # an event; the next prepare orders the stream after it
+    handle.wait()
+    assert handle.ready()

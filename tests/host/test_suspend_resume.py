@@ -1,0 +1,319 @@
+"""Suspend / resume to the host tier (issue 29): the oracle is a twin cache whose session never left.
+
+Outputs are compared bit for bit (``torch.equal``) on the reference backend; sharing is checked on the
+allocator's refcounts and on the host tier's pages; "unchanged" on the pool bytes and the bookkeeping.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import ardiff_modules as am
+from ardiff_modules.forwards.host_tier import HostTier
+from tests.support.small_cache import (
+    BOTH, CHUNK, SMALL_SPEC, bit_copy, bookkeeping, make_small_cache, pages_of, run_layers,
+)
+
+
+def step(state: am.KVState, seed: int, commit: bool = True, latents: bool = False) -> list[torch.Tensor]:
+    """One forward of both branches (its outputs per layer); ``latents`` keeps a latent per chunk."""
+    keep = torch.full((2, CHUNK, 3), float(seed)) if latents and commit else None
+    with state.prepare_forward(BOTH, CHUNK, commit_current=commit, keep_latents=keep) as fwd:
+        return run_layers(fwd.layers, 2, CHUNK, seed)
+
+
+def populate(state: am.KVState, seed: int = 7) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for branch in BOTH:
+        layers = [(torch.randn(3, 2, 4, generator=g), torch.randn(3, 2, 4, generator=g)) for _ in range(2)]
+        state.populate_cross_attention(branch, "text", layers)
+
+
+def history_bytes(cache: am.KVCache, state: am.KVState) -> dict[str, torch.Tensor]:
+    """The K/V of each branch's history pages in history order, every layer: what suspend must preserve."""
+    return {b: cache.pool.kv[:, :, pages_of(state, b)].clone() for b in BOTH}
+
+
+def assert_clean(cache: am.KVCache) -> None:
+    cache.allocator.check_invariants()
+    cache.host_tier.pages.check_invariants()
+
+
+@pytest.mark.parametrize("extents", [False, True], ids=["paged", "extents"])
+def test_a_suspended_and_resumed_session_continues_bit_identically(extents):
+    twin_cache, cache = (make_small_cache(contiguous_extents=extents) for _ in range(2))
+    twin, state = twin_cache.open_session("s"), cache.open_session("s")
+    populate(twin), populate(state)
+    for seed in range(9):
+        if seed % 2 == 1:
+            before = history_bytes(cache, state)
+            offsets = [state.token_offset(b) for b in BOTH]
+            state.suspend()
+            assert state.is_suspended and state.pages_in_use() == 0 and cache.allocator.num_used == 0
+            handle = state.resume()
+            assert handle.ready() and not state.is_suspended
+            handle.wait()
+            assert [state.token_offset(b) for b in BOTH] == offsets
+            after = history_bytes(cache, state)
+            assert all(torch.equal(before[b], after[b]) for b in BOTH)
+            if extents:  # back as a ring: a fresh extent, chunk i in slot i
+                for b in BOTH:
+                    bp = state.branch_pages(b)
+                    slots = bp.extent_slots()
+                    assert bp.extent and list(bp.history) == [s[: len(c)] for s, c in zip(slots, bp.history)]
+        for commit in (False, True):
+            out, ref = step(state, seed, commit, latents=True), step(twin, seed, commit, latents=True)
+            assert all(torch.equal(a, b) for a, b in zip(out, ref))
+        assert [state.history_chunk_indices(b) for b in BOTH] == [twin.history_chunk_indices(b) for b in BOTH]
+    for b in BOTH:
+        mine, ref = state.get_cross_attention_kv(b, "text"), twin.get_cross_attention_kv(b, "text")
+        assert torch.equal(mine[1]["v"], ref[1]["v"])
+    assert torch.equal(state.recache_latents(), twin.recache_latents())
+    assert_clean(cache)
+    state.close()
+    assert cache.allocator.num_used == 0 and cache.host_tier.pages.num_pages == 0
+
+
+def test_forks_stay_shared_after_suspend_and_resume_of_one_or_both():
+    cache = make_small_cache()
+    a = cache.open_session("a")
+    for seed in range(3):
+        step(a, seed)
+    child = a.fork("child")
+    shared = {b: pages_of(a, b) for b in BOTH}
+    distinct = len({p for b in BOTH for p in shared[b]})
+    alloc, host = cache.allocator, cache.host_tier.pages
+    # one: the pages stay resident for the parent; resume takes a reference on them again (no copy)
+    child.suspend()
+    assert all(alloc.refcount(p) == 1 for b in BOTH for p in shared[b]) and host.num_pages == distinct
+    child.resume()
+    assert {b: pages_of(child, b) for b in BOTH} == shared
+    assert all(alloc.refcount(p) == 2 for b in BOTH for p in shared[b]) and host.num_pages == 0
+    # both: copied to the host once, back shared in fresh pages
+    used_before = alloc.num_used
+    child.suspend()
+    a.suspend()
+    assert alloc.num_used == 0 and host.num_pages == distinct
+    assert host.nbytes == distinct * cache.pool.bytes_per_page
+    assert all(host.refcount(h) == 2 for h in host.pages())
+    a.resume()
+    child.resume()
+    assert {b: pages_of(child, b) for b in BOTH} == {b: pages_of(a, b) for b in BOTH}
+    assert all(alloc.refcount(p) == 2 for b in BOTH for p in pages_of(a, b))
+    assert alloc.num_used == used_before and host.num_pages == 0
+    # and they diverge correctly afterwards: the child continues as a twin fork would
+    twin = make_small_cache().open_session("a")
+    for seed in range(3):
+        step(twin, seed)
+    twin_child = twin.fork("child")
+    assert all(torch.equal(x, y) for x, y in zip(step(child, 5), step(twin_child, 5)))
+    assert_clean(cache)
+
+
+def test_shared_sinks_come_back_shared():
+    cache = make_small_cache()
+    a, b = cache.open_session("a"), cache.open_session("b")
+    step(a, 0)
+    step(a, 1)
+    for branch in BOTH:
+        b.share_sinks_from(a, branch)
+    sink = a.history_chunks("cond")[0]
+    distinct = {p for s in (a, b) for br in BOTH for p in pages_of(s, br)}
+    b.suspend()
+    a.suspend()
+    assert cache.host_tier.pages.num_pages == len(distinct)  # the shared sinks copied once
+    b.resume()
+    a.resume()
+    assert a.history_chunks("cond")[0] == b.history_chunks("cond")[0]
+    assert all(cache.allocator.refcount(p) == 2 for p in a.history_chunks("cond")[0])
+    assert sink != () and len(a.history_chunks("cond")) == 2
+    assert_clean(cache)
+
+
+def test_a_page_reused_after_its_copy_is_not_taken_for_it():
+    """A host page remembers one device page lifetime: once that page is freed and reallocated, resume copies."""
+    cache = make_small_cache(num_pages=12)
+    a, filler, other = (cache.open_session(n) for n in ("a", "filler", "other"))
+    step(a, 0)
+    step(a, 1)  # pages 0..7
+    child = a.fork("child")
+    child.suspend()  # the child's host pages alias a's live pages
+    step(filler, 0)  # takes pages 8..11: the next allocation reuses a freed page of a
+    a.close()  # a's pages are free now
+    step(other, 10)  # and 4 of them are reallocated with other bytes
+    assert set(pages_of(other, "cond") + pages_of(other, "uncond")) <= set(range(8))
+    filler.close()
+    child.resume()
+    assert not set(pages_of(child, "cond") + pages_of(child, "uncond")) & set(pages_of(other, "cond"))
+    other.close()
+    twin = make_small_cache().open_session("a")
+    step(twin, 0)
+    step(twin, 1)
+    twin_child = twin.fork("child")
+    assert all(torch.equal(x, y) for x, y in zip(step(child, 5), step(twin_child, 5)))
+    assert_clean(cache)
+
+
+def test_misuse_is_refused_and_changes_nothing():
+    cache = make_small_cache()
+    s = cache.open_session("s")
+    step(s, 0)
+    s.suspend()
+    with pytest.raises(am.SessionSuspendedError, match="'s' suspended") as info:
+        s.prepare_forward(BOTH, CHUNK, commit_current=True)
+    assert isinstance(info.value, RuntimeError)
+    with pytest.raises(am.SessionSuspendedError, match="already suspended"):
+        s.suspend()
+    with pytest.raises(am.SessionSuspendedError, match="fork"):
+        s.fork()
+    with pytest.raises(am.SessionSuspendedError):
+        s.prepare_recache()
+    assert "suspended" in repr(s)
+    s.resume()
+    assert s.resume().ready()  # resident: a no-op
+    # pending work: a denoising forward left its pending chunk; an open forward
+    step(s, 1, commit=False)
+    with pytest.raises(am.PendingContextError, match=r"pending work on branch\(es\) \['cond', 'uncond'\]"):
+        s.suspend()
+    fwd = s.prepare_forward(BOTH, CHUNK, commit_current=True)
+    with pytest.raises(am.PendingContextError):
+        s.suspend()
+    fwd.abort()
+    s.abort()
+    s.close()
+    with pytest.raises(am.SessionClosedError):
+        s.suspend()
+
+
+def test_resume_without_device_room_and_suspend_over_the_host_budget_change_nothing():
+    cache = make_small_cache(num_pages=12, host_budget_bytes=10**9)
+    s = cache.open_session("s")
+    for seed in range(3):
+        step(s, seed)
+    s.suspend()
+    hog = cache.open_session("hog")
+    step(hog, 0)
+    step(hog, 1)  # 8 of 12 pages: s needs 12
+    before, host = bookkeeping(cache), cache.host_tier.pages.nbytes
+    with pytest.raises(am.CapacityError, match="resume 's': needed 12 free device pages .* got 4 free of 12"):
+        s.resume()
+    assert bookkeeping(cache) == before and cache.host_tier.pages.nbytes == host and s.is_suspended
+    hog.close()
+    s.resume()
+    small = make_small_cache(host_budget_bytes=cache.pool.bytes_per_page)
+    t = small.open_session("t")
+    step(t, 0)
+    before, pool = bookkeeping(small), bit_copy(small.pool.kv)
+    with pytest.raises(am.CapacityError, match="host tier needs .* only .* of its budget"):
+        t.suspend()
+    assert bookkeeping(small) == before and torch.equal(bit_copy(small.pool.kv), pool) and not t.is_suspended
+
+
+def test_close_and_reset_of_a_suspended_session_drop_its_host_pages():
+    cache = make_small_cache()
+    s, r = cache.open_session("s"), cache.open_session("r")
+    populate(r)
+    step(s, 0), step(r, 0)
+    s.suspend(), r.suspend()
+    s.close()
+    assert cache.host_tier.num_suspended == 1
+    r.reset()
+    assert not r.is_suspended and r.token_offset("cond") == 0 and cache.host_tier.pages.nbytes == 0
+    assert cache.allocator.num_used == 0
+    report = cache.tiers()
+    assert report.suspended == () and report.resident == ("r",) and report.host_bytes == 0
+
+
+@pytest.mark.parametrize("stage", ["suspend", "resume"])
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_an_interrupted_transfer_leaves_the_session_fully_on_one_side(monkeypatch, stage, error):
+    cache = make_small_cache(contiguous_extents=True)
+    s = cache.open_session("s")
+    populate(s)
+    for seed in range(3):
+        step(s, seed, latents=True)
+    if stage == "resume":
+        s.suspend()
+    before, pool, host = bookkeeping(cache), bit_copy(cache.pool.kv), cache.host_tier.pages.nbytes
+
+    def boom(*args, **kwargs):
+        raise error("copy failed")
+
+    name = "_copy_pages_to_host" if stage == "suspend" else "_copy_to_device"
+    monkeypatch.setattr(HostTier, name, boom)
+    with pytest.raises(error, match="copy failed"):
+        s.suspend() if stage == "suspend" else s.resume()
+    monkeypatch.undo()
+    assert bookkeeping(cache) == before and torch.equal(bit_copy(cache.pool.kv), pool)
+    assert cache.host_tier.pages.nbytes == host and s.is_suspended == (stage == "resume")
+    assert_clean(cache)
+    if stage == "resume":
+        s.resume()
+    twin = make_small_cache(contiguous_extents=True).open_session("s")
+    populate(twin)
+    for seed in range(3):
+        step(twin, seed, latents=True)
+    assert all(torch.equal(x, y) for x, y in zip(step(s, 9), step(twin, 9)))
+
+
+def test_admission_suspends_the_least_recently_used_idle_session():
+    cache = make_small_cache(num_pages=2 * 16 + 8)  # two sessions at their peak (16 pages) + the re-cache reserve (8)
+    a = cache.admit_session("a")
+    b = cache.admit_session("b")
+    for s in (a, b, a):
+        step(s, 0)
+    with pytest.raises(am.CapacityError):
+        cache.admit_session("c")
+    assert cache.tiers().suspended == ()
+    c = cache.admit_session("c", suspend_idle=True)  # b was used least recently
+    report = cache.tiers()
+    assert report.suspended == ("b",) and set(report.resident) == {"a", "c"} and report.host_bytes > 0
+    # none idle: a has pending work, c is new but b cannot be resumed on top -> refused, nothing changed
+    step(a, 1, commit=False)
+    step(c, 0, commit=False)
+    before = bookkeeping(cache)
+    with pytest.raises(am.CapacityError, match="idle"):
+        cache.admit_session("d", suspend_idle=True)
+    assert bookkeeping(cache) == before and cache.tiers().suspended == ("b",)
+    with pytest.raises(am.SpecError):
+        cache.admit_session("d", suspend_idle=1)
+
+
+def test_fp8_pages_travel_as_raw_bytes_and_the_scales_stay():
+    spec = dataclasses.replace(SMALL_SPEC, kv_dtype="float8_e4m3fn")
+    cache, twin_cache = (am.KVCache(spec, num_pages=32, backend="reference") for _ in range(2))
+    s, twin = cache.open_session("s"), twin_cache.open_session("s")
+    for seed in range(3):
+        step(s, seed), step(twin, seed)
+    scales = cache.pool.scales.clone()
+    before = {b: cache.pool.kv[:, :, pages_of(s, b)].view(torch.uint8).clone() for b in BOTH}
+    s.suspend()
+    s.resume()
+    assert torch.equal(cache.pool.scales, scales)
+    assert all(torch.equal(cache.pool.kv[:, :, pages_of(s, b)].view(torch.uint8), before[b]) for b in BOTH)
+    assert all(torch.equal(x, y) for x, y in zip(step(s, 5), step(twin, 5)))
+
+
+def test_a_fork_of_a_ring_is_not_aliased_to_slots_the_ring_rewrites():
+    """Extent slots are rewritten in place when the ring wraps (same page, same lifetime): never aliased."""
+    caches = [make_small_cache(64, contiguous_extents=True) for _ in range(2)]
+    children = []
+    for i, cache in enumerate(caches):
+        a = cache.open_session("a")
+        for seed in range(3):
+            step(a, seed)
+        children.append(a.fork("child"))
+        if i == 0:
+            children[0].suspend()
+        for seed in range(3, 6):
+            step(a, seed)  # wraps the ring: the slots the child read are rewritten (it no longer holds them)
+    parents = [cache.sessions["a"] for cache in caches]
+    parents[0].suspend()  # its rewritten slots must be copied, not taken for the child's old host pages
+    children[0].resume()
+    parents[0].resume()
+    for mine, twin in ((children[0], children[1]), (parents[0], parents[1])):
+        assert all(torch.equal(x, y) for x, y in zip(step(mine, 9), step(twin, 9)))
+    assert_clean(caches[0])
