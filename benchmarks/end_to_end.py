@@ -240,6 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads for this run (default: 1 for tiny on CPU, else torch's default)")
     p.add_argument("--allow-big-cpu", action="store_true", help="allow a large preset on CPU")
+    p.add_argument("--profile", type=Path, default=None, metavar="DIR",
+                   help="after timing, profile one more chunk step of every variant (torch.profiler) into DIR")
     p.add_argument("--out", type=Path, default=None,
                    help="folder for end_to_end.json / .png (default: the committed results, "
                         "benchmarks/results/end_to_end_<device>.json / .png)")
@@ -502,7 +504,9 @@ def chunk_step(runner: Any, latents: Iterator[torch.Tensor], st: _Setting, mode:
     return out, (x if cfg_scale is not None else None)
 
 
-def run_variant(make_runner: Callable[[], Any], b: _Bench, st: _Setting, mode: str) -> dict[str, Any]:
+def run_variant(
+    make_runner: Callable[[], Any], b: _Bench, st: _Setting, mode: str, name: str = "variant"
+) -> dict[str, Any]:
     """Warm up, then time ``b.timed`` chunk steps one by one; returns timings, memory, the timed commit
     outputs and (``--commit-forward both``) the produced latents of every chunk of the run.
 
@@ -518,10 +522,14 @@ def run_variant(make_runner: Callable[[], Any], b: _Bench, st: _Setting, mode: s
         torch.cuda.reset_peak_memory_stats(b.device)
         base = torch.cuda.memory_allocated(b.device)
     runner, setup_s = once(make_runner)
-    step = functools.partial(chunk_step, runner, iter(st.latents[: b.warmup + b.timed]), st, mode, b.cfg_scale)
+    used = st.latents[: b.warmup + b.timed]
+    # NOTE: --profile runs one chunk step more, after the timed ones, on the last latents again (its output unused).
+    step = functools.partial(chunk_step, runner, iter([*used, used[-1]]), st, mode, b.cfg_scale)
     with torch.no_grad():
         warm, warm_outs = each_call(step, b.warmup) if b.warmup else (None, [])  # one-time costs show here
         stats, outs = each_call(step, b.timed)
+        if b.args.profile is not None:
+            profile_step(step, b.args.profile / f"profile_{st.name}_{name}_{mode}.txt", cuda)
     # After timing: the copies to the host would synchronise inside it.
     outputs = [out.detach().float().cpu() for out, _ in outs]
     latents = [x.float().cpu() for _, x in [*warm_outs, *outs] if x is not None]
@@ -548,6 +556,24 @@ def run_variant(make_runner: Callable[[], Any], b: _Bench, st: _Setting, mode: s
     if cuda:
         torch.cuda.empty_cache()
     return {"result": result, "outputs": outputs, "latents": latents}
+
+
+def profile_step(step: Callable[[], Any], path: Path, cuda: bool) -> None:
+    """One chunk step under ``torch.profiler``: wall time, device-busy time and the top operators, into ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    with profile(activities=activities) as prof:
+        _, seconds = once(step)
+    events = prof.key_averages()
+    device_us = sum(e.self_device_time_total for e in events)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        f.write(f"wall {seconds * 1e3:.2f} ms, device busy (sum of kernel self times) {device_us / 1e3:.2f} ms\n\n")
+        sort = "self_device_time_total" if cuda else "self_cpu_time_total"
+        f.write(events.table(sort_by=sort, row_limit=30) + "\n")
+        f.write(events.table(sort_by="self_cpu_time_total", row_limit=30) + "\n")
+    print(f"  profile: {path} (wall {seconds * 1e3:.1f} ms, device busy {device_us / 1e3:.1f} ms)")
 
 
 @dataclasses.dataclass
@@ -694,14 +720,14 @@ def _measure(name: str, b: _Bench, st: _Setting, modes: Sequence[str]) -> dict[s
             return LibraryRunner(model, b.config, st.branches, st.texts, b.device, b.dtype, b.args.backend, step,
                                  kv_dtype, graph=graph, relative_sinks=relative, heads=heads)
 
-        return {mode: run_variant(make, b, st, mode) for mode in modes}
+        return {mode: run_variant(make, b, st, mode, name) for mode in modes}
     attend, rolling_step = _rolling_attention(name, b)
     out: dict[str, dict[str, Any]] = {}
     with swapped_attention(model, attend, opaque=rolling_step is not None):
         for mode in modes:
             plans = getattr(attend, "plans", 0)
             out[mode] = run_variant(lambda: RollingRunner(model, b.config, st.texts, b.device, b.dtype, rolling_step),
-                                    b, st, mode)
+                                    b, st, mode, name)
             if isinstance(attend, RaggedFA3Attend):
                 out[mode]["result"]["fa3_plans"] = attend.plans - plans
     return out
