@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from types import TracebackType
 
 import torch
 
 from ardiff_modules.backends import AttentionBackend, resolve_backend
-from ardiff_modules.checks import require_bool, require_int
+from ardiff_modules.checks import require_bool, require_choice, require_int
 from ardiff_modules.context import ForwardContext
 from ardiff_modules.core.admission import Admission
 from ardiff_modules.core.allocator import PageAllocator
@@ -348,16 +348,15 @@ class KVCache:
     def _counts(self) -> tuple[int, int, int]:  # what admission decides on (suspended sessions promise nothing)
         return self.allocator.num_free, self.allocator.num_used, len(self._sessions) - self.host_tier.num_suspended
 
-    def sessions_that_fit(self, pending_chunks: int = 1, *, recache: bool = True) -> int:
-        """How many more sessions of this spec can run to their peak alongside the open ones.
-
-        ``recache`` (default): also keep :meth:`recache_reserve` free, once for the pool, so that
-        every session, at its peak, can re-cache one at a time; ``False`` for a pool that never
-        re-caches (admits more sessions).
-        """
+    def sessions_that_fit(self, pending_chunks: int = 1, *, recache: bool = True, tier: str = "device") -> int:
+        """How many more sessions can run to their peak alongside the open ones; ``tier="host"``: how many more
+        the host tier holds suspended at their peak (their pages; cross caches and latents add bytes: :meth:`tiers`).
+        ``recache`` (default): keep :meth:`recache_reserve` free, so every session can re-cache one at a time."""
         with self._lock:
             self.pages_per_session(pending_chunks=pending_chunks)  # open, bounded, pending_chunks checked first
             require_bool("sessions_that_fit.recache", recache)
+            if require_choice("sessions_that_fit.tier", tier, ("device", "host")) == "host":
+                return self.host_tier.sessions_that_fit(self.admission)
             return self.admission.sessions_that_fit(*self._counts(), pending_chunks, recache)
 
     def can_admit(self, num_sessions: int = 1, pending_chunks: int = 1, *, recache: bool = True) -> bool:
@@ -367,17 +366,18 @@ class KVCache:
 
     def admit_session(
         self, session_id: str | None = None, pending_chunks: int = 1, *, recache: bool = True,
-        suspend_idle: bool = False,
+        suspend_idle: bool | Iterable[KVState] = False,
     ) -> KVState:
         """Open a session only if it fits at its peak (see :meth:`sessions_that_fit`); raises :class:`CapacityError`
-        before any change. ``suspend_idle``: first suspend least recently used idle sessions to make room
-        (:meth:`HostTier.suspend_idle <ardiff_modules.forwards.host_tier.HostTier.suspend_idle>`)."""
+        before any change. ``suspend_idle``: first suspend least recently used idle sessions to make room -- any
+        (``True``) or only those given (the ones the server knows are paused; :meth:`HostTier.suspend_idle
+        <ardiff_modules.forwards.host_tier.HostTier.suspend_idle>`)."""
         with self._lock:
             self._check_open("admit_session")
             check_session_id(session_id)
             self.sessions_that_fit(pending_chunks, recache=recache)  # the argument checks, in their order
-            if require_bool("admit_session.suspend_idle", suspend_idle):
-                self.host_tier.suspend_idle(self.admission, self._counts(), pending_chunks, recache)
+            if suspend_idle is not False:
+                self.host_tier.suspend_idle(self.admission, self._counts(), pending_chunks, recache, suspend_idle)
             self.admission.check_admit(*self._counts(), pending_chunks, recache)
             return self.open_session(session_id)
 

@@ -41,6 +41,13 @@ def require_bool(where: str, value: Any, error: type[ARDiffError] = SpecError) -
     return value
 
 
+def require_choice(where: str, value: Any, choices: tuple[str, ...], error: type[ARDiffError] = SpecError) -> str:
+    """``value`` is one of ``choices`` (strings)."""
+    if not isinstance(value, str) or value not in choices:
+        raise error(f"{where}: expected one of {choices}, got {value!r}")
+    return value
+
+
 def require_positive_float(
     where: str, value: Any, *, optional: bool = False, error: type[ARDiffError] = SpecError
 ) -> float:

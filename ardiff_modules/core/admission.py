@@ -41,6 +41,21 @@ class Admission:
             chunks = max(chunks, self.extent_chunks)
         return branches * chunks * self.pages_per_chunk
 
+    def host_pages_per_session(self) -> int:
+        """Peak host pages one suspended session holds: per branch its committed history (no pending chunk:
+        a session with pending work cannot suspend; an extent comes back as a ring, only its chunks travel)."""
+        return self.branches * self._bounded("sessions_that_fit(tier='host')") * self.pages_per_chunk
+
+    def sessions_that_fit_host(self, free_bytes: int | None, bytes_per_page: int) -> int:
+        """How many more sessions at their peak the host tier's ``free_bytes`` hold (pages only)."""
+        per_session = self.host_pages_per_session()
+        if free_bytes is None:
+            raise SpecError(
+                "sessions_that_fit(tier='host'): expected a bounded host tier (KVCache(host_budget_bytes=...)), "
+                "got host_budget_bytes=None (unbounded: every session fits)"
+            )
+        return max(0, free_bytes // (per_session * bytes_per_page))
+
     def recache_reserve(self) -> int:
         """Pages admission keeps free, once for the pool, so that one session can re-cache at its peak.
 

@@ -40,7 +40,9 @@ from ardiff_modules.core.allocator import PageAllocator
 from ardiff_modules.core.branch import BranchImage, PageChunk, ResumeHold, load_branch, unload_branch
 from ardiff_modules.core.host_pages import HostPages
 from ardiff_modules.cross import CrossEntry, CrossKey
-from ardiff_modules.errors import CapacityError, PendingContextError, SessionSuspendedError
+from ardiff_modules.errors import (
+    CapacityError, PendingContextError, SessionSuspendedError, SpecError,
+)
 from ardiff_modules.pool import KVPool
 from ardiff_modules.session import KVState
 
@@ -339,14 +341,24 @@ class HostTier:
         raw = self._raw()
         device = self.pool.device
         stream = self._side_stream() if self._pinned else None
+        # Per host block, its rows and their device pages: a block that comes back whole (a session suspended
+        # and resumed alone) is copied as it is; only a partial one is first gathered into a staging block.
+        groups: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
+        for h, q in copies:
+            block, row = self._store[h]
+            group = groups.setdefault(id(block), (block, [], []))
+            group[1].append(row)
+            group[2].append(q)
+        sources = []
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            staging = torch.empty((len(copies), *raw.shape[:2], *raw.shape[3:]), dtype=torch.uint8,
-                                  pin_memory=self._pinned)
-            for i, (h, _) in enumerate(copies):
-                staging[i].copy_(self.host_page_tensor(h))
-            if copies:
-                index = torch.tensor([q for _, q in copies], dtype=torch.long).to(device)
-                raw.index_copy_(2, index, staging.to(device, non_blocking=True).movedim(0, 2))
+            for block, rows, pages in groups.values():
+                source = block
+                if rows != list(range(block.shape[0])):
+                    source = torch.empty((len(rows), *block.shape[1:]), dtype=torch.uint8, pin_memory=self._pinned)
+                    torch.index_select(block, 0, torch.tensor(rows, dtype=torch.long), out=source)
+                index = torch.tensor(pages, dtype=torch.long).to(device)
+                raw.index_copy_(2, index, source.to(device, non_blocking=True).movedim(0, 2))
+                sources.append(source)
 
             def back(t: object) -> object:
                 return t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t
@@ -358,7 +370,7 @@ class HostTier:
         if stream is not None:
             event = torch.cuda.Event()
             event.record(stream)
-        return TransferHandle(event, (staging, record)), cross, latents
+        return TransferHandle(event, (*sources, record)), cross, latents
 
     # ------------------------------------------------------------------ lifetime and policy
     def _drop_record(self, state: KVState, record: Suspended) -> None:
@@ -385,12 +397,20 @@ class HostTier:
                 self.pages.nbytes, self.pages.budget_bytes, resident, self.suspended_ids(),
             )
 
+    def sessions_that_fit(self, admission: Admission) -> int:
+        """How many more suspended sessions at their peak the host budget holds (``KVCache.sessions_that_fit``)."""
+        return admission.sessions_that_fit_host(self.pages.free_bytes(), self.pool.bytes_per_page)
+
     def suspend_idle(
-        self, admission: Admission, counts: tuple[int, int, int], pending_chunks: int, recache: bool
+        self, admission: Admission, counts: tuple[int, int, int], pending_chunks: int, recache: bool,
+        candidates: bool | Iterable[KVState] = True,
     ) -> None:
         """Suspend least recently used idle sessions until one more session fits (``KVCache.admit_session``).
 
-        Idle: resident, no open forward, no pending chunk; LRU by the last ``prepare_forward``. The choice is
+        Idle: resident, no open forward, no pending chunk; LRU by the last ``prepare_forward``. ``candidates``:
+        ``True`` for any open session, else only these (sessions of this cache: the server's paused ones --
+        NOTE: a session streaming chunk after chunk is idle between two forwards, and the sessions of one
+        batched forward share its tick, so only the server can tell "paused" from "between chunks"). The choice is
         planned first (the pages a set frees: those only it references; the host bytes it needs): raises
         :class:`CapacityError`, nothing changed, when suspending every idle session would not make room or
         would not fit the host budget. ``counts``: free pages, used pages, resident sessions.
@@ -403,9 +423,10 @@ class HostTier:
             return fit >= 1
 
         with self.lock:
+            pool = self._candidates(what, candidates)
             if fits(0, 0):
                 return
-            idle = sorted((s for s in list(self._sessions) if self._idle(s)), key=self.last_used)
+            idle = sorted((s for s in pool if self._idle(s)), key=self.last_used)
             for k in range(1, len(idle) + 1):
                 chosen = idle[:k]
                 refs = Counter(p for s in chosen for n in s.kv_branch_names for p in s.branch_pages(n).history_pages())
@@ -421,6 +442,23 @@ class HostTier:
                 needed=1,
                 free=0,
             )
+
+    def _candidates(self, what: str, candidates: bool | Iterable[KVState]) -> list[KVState]:
+        """The sessions ``suspend_idle`` may suspend: every open one (``True``) or the given ones, checked."""
+        sessions = list(self._sessions)
+        if candidates is True:
+            return sessions
+        if isinstance(candidates, (bool, KVState)) or not isinstance(candidates, Iterable):
+            raise SpecError(
+                f"{what}: expected True, False or an iterable of this cache's sessions, got {candidates!r}"
+            )
+        chosen = list(dict.fromkeys(candidates))
+        foreign = [s for s in chosen if not isinstance(s, KVState) or s not in sessions]
+        if foreign:
+            raise SpecError(
+                f"{what}: expected open sessions of this KVCache, got {[getattr(s, 'session_id', s) for s in foreign]}"
+            )
+        return chosen
 
     def _idle(self, state: KVState) -> bool:
         if state in self._suspended:

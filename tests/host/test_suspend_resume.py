@@ -282,6 +282,24 @@ def test_admission_suspends_the_least_recently_used_idle_session():
         cache.admit_session("d", suspend_idle=1)
 
 
+def test_admission_suspends_only_the_sessions_the_server_names():
+    cache = make_small_cache(num_pages=2 * 16 + 8)  # two sessions at their peak + the re-cache reserve
+    a, b = cache.admit_session("a"), cache.admit_session("b")
+    for s in (a, b):  # a is the least recently used, but the server knows b is the paused one
+        step(s, 0)
+    other = make_small_cache().open_session("x")
+    before = bookkeeping(cache)
+    for bad, error in ((other, am.SpecError), ([other], am.SpecError), (a, am.SpecError), ("b", am.SpecError)):
+        with pytest.raises(error, match="admit_session"):
+            cache.admit_session("c", suspend_idle=bad)
+        assert bookkeeping(cache) == before and cache.tiers().suspended == ()
+    c = cache.admit_session("c", suspend_idle=[b])
+    assert cache.tiers().suspended == ("b",) and not a.is_suspended and c.cache is cache
+    with pytest.raises(am.CapacityError, match="idle"):  # the only candidate is suspended already
+        cache.admit_session("d", suspend_idle=[b])
+    assert cache.tiers().suspended == ("b",)
+
+
 def test_fp8_pages_travel_as_raw_bytes_and_the_scales_stay():
     spec = dataclasses.replace(SMALL_SPEC, kv_dtype="float8_e4m3fn")
     cache, twin_cache = (am.KVCache(spec, num_pages=32, backend="reference") for _ in range(2))
@@ -317,3 +335,32 @@ def test_a_fork_of_a_ring_is_not_aliased_to_slots_the_ring_rewrites():
     for mine, twin in ((children[0], children[1]), (parents[0], parents[1])):
         assert all(torch.equal(x, y) for x, y in zip(step(mine, 9), step(twin, 9)))
     assert_clean(caches[0])
+
+
+def test_sessions_that_fit_on_the_host_tier_counts_peak_sessions_against_the_budget():
+    probe = make_small_cache()
+    per_session = probe.admission.host_pages_per_session() * probe.pool.bytes_per_page
+    probe.close()
+    cache = make_small_cache(host_budget_bytes=2 * per_session + per_session // 2)
+    assert cache.sessions_that_fit(tier="host") == 2
+    states = [cache.open_session(f"s{i}") for i in range(2)]
+    for state in states:  # to the peak: sinks + window committed on both branches
+        for seed in range(6):
+            step(state, seed)
+    states[0].suspend()
+    # The estimate is the true peak: a suspended session at its peak holds exactly that many host bytes.
+    assert cache.tiers().host_bytes == per_session
+    assert cache.sessions_that_fit(tier="host") == 1
+    states[1].suspend()
+    assert cache.sessions_that_fit(tier="host") == 0
+    assert cache.sessions_that_fit() >= 1  # the device tier is counted on its own
+    cache.close()
+
+
+def test_sessions_that_fit_refuses_an_unbounded_host_tier_and_an_unknown_tier():
+    cache = make_small_cache()
+    with pytest.raises(am.SpecError, match="host_budget_bytes=None"):
+        cache.sessions_that_fit(tier="host")
+    with pytest.raises(am.SpecError, match=r"expected one of \('device', 'host'\), got 'disk'"):
+        cache.sessions_that_fit(tier="disk")
+    cache.close()

@@ -156,6 +156,8 @@ class SessionModel:
     forward: dict[str, TxModel | None] = field(default_factory=lambda: dict.fromkeys(BRANCHES))
     cross: dict[str, float] = field(default_factory=dict)  # branch -> tag of the populated "text" cache
     extent: dict[str, tuple[int, ...] | None] = field(default_factory=lambda: dict.fromkeys(BRANCHES))
+    #: In the host tier (``suspend``): it references no device page until resumed.
+    suspended: bool = False
 
     def clear_self_attention(self) -> None:
         for b in BRANCHES:

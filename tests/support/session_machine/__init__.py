@@ -5,7 +5,7 @@ over an FP8 pool).
 
 One module per subject, each a mixin of the machine: ``base`` (state, setup, hooks, selection, snapshots),
 ``forward_model`` (predicting, preparing, checking and finishing forwards), then the rules -- ``sessions``,
-``forwards``, ``failing_calls``, ``cross_attention``, ``sharing``, ``recache`` -- and ``invariants``. Hypothesis
+``forwards``, ``failing_calls``, ``cross_attention``, ``sharing``, ``host_tier``, ``recache`` -- and ``invariants``. Hypothesis
 collects the rules, preconditions and invariants of every base class, in name order, so where a rule lives does
 not change the machine.
 """
@@ -17,6 +17,7 @@ from tests.support.session_machine.cross_attention import CrossAttentionRules
 from tests.support.session_machine.failing_calls import FailingCallRules
 from tests.support.session_machine.forward_model import ForwardModel
 from tests.support.session_machine.forwards import ForwardRules
+from tests.support.session_machine.host_tier import HostTierRules
 from tests.support.session_machine.invariants import Invariants
 from tests.support.session_machine.recache import RecacheRules
 from tests.support.session_machine.sessions import CacheAndSessionRules
@@ -31,6 +32,7 @@ class SessionStateMachine(
     FailingCallRules,
     CrossAttentionRules,
     SharingRules,
+    HostTierRules,
     RecacheRules,
     Invariants,
     ForwardModel,

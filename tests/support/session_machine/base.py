@@ -229,6 +229,8 @@ class MachineBase(RuleBasedStateMachine):
         """References to each page of ``cm``'s pool from chunks (visible or pending) of its open sessions."""
         refs: Counter[int] = Counter()
         for sm in self.sessions_of(cm):
+            if sm.suspended:
+                continue
             for b in BRANCHES:
                 refs.update(p for c in self.visible(sm, b) + sm.pending[b] for p in c)
         return refs
