@@ -21,10 +21,11 @@ pages (admission without the re-cache reserve, ``recache=False``):
   used paused session is closed. When it comes back it is reopened (a new session, its text caches
   populated again) and rebuilds its K/V by re-running its retained chunks (the sinks + window it held,
   ``history_chunk_indices``) through committing forwards, one per chunk (sessions rebuilding in the same
-  tick batched together): the **re-prefill**; then it streams in the same tick. (A reopened session
-  counts its positions from 0, so after a rebuild the RoPE positions of the ``model`` compute differ from
-  a session that never left; the cost -- the forwards -- is the same. Its outputs are compared only
-  before its first rebuild in ``model`` mode; ``attention`` mode has no positions.)
+  tick batched together): the **re-prefill**; then it streams in the same tick. (With the ``model``
+  compute the rebuilt K/V are not the original ones: a reopened session counts its positions from 0 (the
+  library has no start offset), and a chunk's deeper layers see only the replayed history, not the evicted
+  chunks its first computation saw; the cost -- the forwards -- is the same. So its outputs are compared
+  only before its first rebuild there; ``attention`` mode's K/V are its inputs: compared throughout.)
 * ``queue`` -- no host tier: a paused session keeps its room; a new session waits until a resident
   one leaves.
 
@@ -152,12 +153,12 @@ POLICIES = ("suspend", "close_idle", "queue")
 BRANCHES = ("cond", "uncond")
 ALIASES = {"wan1.3b": "wan2.1-1.3b", "wan14b": "wan14b-like"}
 SHORT = {"wan2.1-1.3b": "13b", "wan14b-like": "14b"}
-#: Trace defaults per (device, compute): sessions, resident, burst chunks, pause ticks (see ``--help``).
+#: ``--sessions`` / ``--resident`` defaults per (device, compute).
 DEFAULTS = {
-    ("cpu", "model"): dict(sessions=8, resident=2),
-    ("cpu", "attention"): dict(sessions=8, resident=2),
-    ("cuda", "model"): dict(sessions=5, resident=2),
-    ("cuda", "attention"): dict(sessions=10, resident=3),
+    ("cpu", "model"): {"sessions": 8, "resident": 2},
+    ("cpu", "attention"): {"sessions": 8, "resident": 2},
+    ("cuda", "model"): {"sessions": 5, "resident": 2},
+    ("cuda", "attention"): {"sessions": 10, "resident": 3},
 }
 
 
@@ -272,8 +273,8 @@ class Engine:
         n = len(streams)
         with cache.prepare_forward(streams, self.spec.chunk_size, commit_current=commit) as fwd:
             if self.model is not None:
-                x = torch.cat([self._randn(self.latent_shape, index, chunk).expand(len(BRANCHES), *self.latent_shape[1:])
-                               for _, index, chunk in members])
+                shape = (len(BRANCHES), *self.latent_shape[1:])  # one latent per session, both streams
+                x = torch.cat([self._randn(self.latent_shape, i, chunk).expand(shape) for _, i, chunk in members])
                 t = torch.full((n,), self.timesteps[step], device=self.device)
                 return self.model(x, t, fwd.layers)
             x = torch.cat([self._randn(self.qkv_shape, index, chunk, step) for _, index, chunk in members])
@@ -525,7 +526,8 @@ class Server:
         e1 = self.clock_dev.event()
         rec["reprefill_forwards"] += forwards
         # K/V rebuilt: the history pages (not a contiguous extent's reserved slots)
-        pages = sum(len(c) for s in rebuilding for b in BRANCHES for c in s.state.history_chunks(b))  # type: ignore[union-attr]
+        states = [s.state for s in rebuilding]
+        pages = sum(len(c) for st in states for b in BRANCHES for c in st.history_chunks(b))  # type: ignore[union-attr]
         self.transfers.append({
             "kind": "reprefill", "sids": [s.sid for s in rebuilding], "tick": tick, "host_ms": host * 1e3,
             "forwards": forwards, "chunks": sum(len(s.replay) for s in rebuilding),
@@ -535,7 +537,8 @@ class Server:
 
     # ------------------------------------------------------------------ one tick
     def tick(self, t: int, check: bool) -> dict[str, Any]:
-        rec: dict[str, Any] = dict(tick=t, suspends=0, resumes=0, closes=0, reprefill_forwards=0, admitted=0)
+        rec: dict[str, Any] = {"tick": t, "suspends": 0, "resumes": 0, "closes": 0, "reprefill_forwards": 0,
+                               "admitted": 0}
         start = self.clock
         h0 = time.perf_counter()
         ev0 = self.clock_dev.event()
@@ -888,7 +891,8 @@ def play_policy(policy: str, engine: Engine, trace: Sequence[SessionTrace], run:
     server = Server(policy, engine, trace, run)
     warm = server.warmup()
     print(f"policy {policy}: warm-up tick {warm:.2f} s (untimed); playing {len(trace)} sessions, "
-          f"{sum(t.chunks for t in trace)} chunks, pool of {run.resident} sessions ({run.pool_pages} pages)", flush=True)
+          f"{sum(t.chunks for t in trace)} chunks, pool of {run.resident} sessions ({run.pool_pages} pages)",
+          flush=True)
     t0 = time.perf_counter()
     server.play(run.max_ticks, run.check, args.policy_time_limit, progress=True)
     played = time.perf_counter() - t0
@@ -900,7 +904,7 @@ def play_policy(policy: str, engine: Engine, trace: Sequence[SessionTrace], run:
     m = result_metrics
     print(f"policy {policy}: {m['chunks_delivered']} chunks in {m['ticks']} ticks, {m['clock_s']:.2f} s on its clock, "
           f"{m['busy_s']:.2f} s busy "
-          f"({played:.1f} s with the check's copies), {m['sessions_finished']}/{m['sessions_total']} sessions finished; "
+          f"({played:.1f} s with the check's copies), {m['sessions_finished']}/{m['sessions_total']} finished; "
           f"{m['suspends']} suspends, {m['resumes']} resumes, {m['closes']} closes; leak check "
           f"{'ok' if leak['ok'] else 'FAILED'}", flush=True)
     result = {"metrics": m, "leak_check": leak, "warmup_s": warm, "ticks": server.ticks,
@@ -1067,7 +1071,8 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     payload: dict[str, Any] = {
         "env": environment(),
         "config": {
-            "preset": config.name, "compute": args.compute, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
+            "preset": config.name, "compute": args.compute, "device": str(device),
+            "dtype": str(dtype).removeprefix("torch."),
             "backend": backend_name, "contiguous_extents": extents is not None, "params": engine.params,
             "num_layers": config.num_layers, "num_heads": config.num_heads, "head_dim": config.head_dim,
             "chunk_size": config.chunk_size, "page_size": config.kv_page_size, "sink_chunks": config.sink_chunks,
@@ -1153,9 +1158,12 @@ def print_table(payload: dict[str, Any]) -> None:
               f"D2H {link['d2h_gbps']:.1f} GB/s")
     check = payload["check"]
     if check["enabled"]:
-        pairs = "; ".join(f"{k}: {v['equal']}/{v['compared']} equal ({v['after_resume']} after a resume/rebuild"
-                          f"{', ' + str(v['skipped_after_rebuild']) + ' skipped after a rebuild' if v['skipped_after_rebuild'] else ''}"
-                          f", max |diff| {v['max_abs_diff']:.2g})" for k, v in check["pairs"].items())
+        def pair(k: str, v: dict[str, Any]) -> str:
+            skipped = f", {v['skipped_after_rebuild']} skipped after a rebuild" if v["skipped_after_rebuild"] else ""
+            return (f"{k}: {v['equal']}/{v['compared']} equal ({v['after_resume']} after a resume/rebuild{skipped}, "
+                    f"max |diff| {v['max_abs_diff']:.2g})")
+
+        pairs = "; ".join(pair(k, v) for k, v in check["pairs"].items())
         print(f"outputs check ({'torch.equal' if check['exact'] else 'rel err <= ' + str(check['tolerance'])}): "
               f"{'ok' if check['ok'] else 'FAILED'} -- {pairs}")
     else:
@@ -1200,7 +1208,7 @@ def plot(payload: dict[str, Any], path: Path) -> Path | None:
     for k, n in enumerate(names):  # the first policy's lines widest: equal counts overlap
         ticks = policies[n]["ticks"]
         x = [r["tick"] for r in ticks]
-        style = dict(color=colors.get(n, "0.5"), drawstyle="steps-post", lw=3.0 - 0.9 * k, alpha=0.8)
+        style = {"color": colors.get(n, "0.5"), "drawstyle": "steps-post", "lw": 3.0 - 0.9 * k, "alpha": 0.8}
         ax.plot(x, [r["resident"] for r in ticks], "-", label=f"{n}: resident", **style)
         if any(r["suspended"] for r in ticks):
             ax.plot(x, [r["suspended"] for r in ticks], "--", label=f"{n}: suspended", **style)
@@ -1213,7 +1221,7 @@ def plot(payload: dict[str, Any], path: Path) -> Path | None:
     for k, n in enumerate(names):
         ticks = policies[n]["ticks"]
         x = [r["tick"] for r in ticks]
-        style = dict(color=colors.get(n, "0.5"), drawstyle="steps-post", lw=3.0 - 0.9 * k, alpha=0.8)
+        style = {"color": colors.get(n, "0.5"), "drawstyle": "steps-post", "lw": 3.0 - 0.9 * k, "alpha": 0.8}
         ax.plot(x, [r["device_bytes"] / 2**20 for r in ticks], "-", label=f"{n}: device", **style)
         if any(r["host_bytes"] for r in ticks):
             ax.plot(x, [r["host_bytes"] / 2**20 for r in ticks], "--", label=f"{n}: host tier", **style)
