@@ -5,6 +5,7 @@
 #   bash .gpu/run.sh bash benchmarks/run_h200.sh end_to_end_fa3              (issue 28; limit 300 s, ~3 min est.)
 #   bash .gpu/run.sh bash benchmarks/run_h200.sh end_to_end_four_forwards    (issue 28; limit 450 s, ~5 min est.)
 #   bash .gpu/run.sh bash benchmarks/run_h200.sh end_to_end_fa3_compiled     (issue 28; limits 290 + 280 s)
+#   bash .gpu/run.sh bash benchmarks/run_h200.sh serving serving_14b         (host tier; limits 300 + 200 s, ~2 + ~1 min est.)
 #   (one device command each: a command may run 600 s at most)
 #   bash .gpu/run.sh bash benchmarks/run_h200.sh tests_multi_gpu multi_gpu    (kind nvidia-h200-x2)
 # A step that fails or overruns its time limit is reported and the next one still runs. Results keep the
@@ -106,6 +107,12 @@ for what in "$@"; do
                --layouts single,ulysses --graph --steps 3 --cross-attention tokens --out "$out/mg14_tokens_graph" ;;
     multi_gpu_14b_compiled) step multi_gpu_14b_compiled 300 python3 -m benchmarks.multi_gpu --shapes wan-14b \
                --layouts single,ulysses --steps 3 --compile --out "$out/mg14_compiled" ;;
+    # The host tier in a serving trace (suspend vs close_idle vs queue): the Wan2.1-1.3B model per tick (5 sessions,
+    # a pool for 2; estimate ~2 min: ~25 s of chunk steps per policy, the suspend / resume copies, a 9-step
+    # calibration) and the 14B-like attention shape (10 sessions, a pool for 3; estimate ~1 min). Not measured yet.
+    serving) step serving 300 python3 -m benchmarks.serving --out "$out" ;;
+    serving_14b) step serving_14b 200 python3 -m benchmarks.serving --preset wan14b-like --compute attention \
+               --out "$out/serving_14b" ;;
     first_use) step first_use 200 python3 -m benchmarks.first_use --out "$out" ;;
     host_time) step host_time 120 python3 -m benchmarks.host_time --out "$out/host_time.jsonl" ;;
     compile_vs_eager) step compile_vs_eager 300 python3 -m benchmarks.compile_vs_eager --out "$out" ;;
