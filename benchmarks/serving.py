@@ -13,10 +13,11 @@ pages (admission without the re-cache reserve, ``recache=False``):
   stream and its next ``prepare_forward`` makes the compute stream wait for them on the device, no host
   sync) as soon as there is device room (made by suspending the least recently used paused session),
   and it streams in the same tick; otherwise it waits.
-  The scheduler picks the victim itself and calls ``suspend()`` before ``admit_session``: the library's
-  LRU clock ticks once per ``prepare_forward``, so every session of one batched forward has the same
-  age, and ``suspend_idle`` (idle = no open forward, no pending chunk) could pick a session that is
-  between two chunks of an active stream. ``admit_session(suspend_idle=True)`` then finds the room.
+  The scheduler picks the victim itself (its least recently used *paused* session) and calls
+  ``suspend()`` before ``admit_session``, so that each suspend is timed alone; a server would write
+  ``admit_session(sid, suspend_idle=paused_sessions)``, which does the same in one call. (Plain
+  ``suspend_idle=True`` may pick a session that is between two chunks of an active stream: idle means
+  no open forward and no pending chunk, and the sessions of one batched forward share its LRU tick.)
 * ``close_idle`` -- vllm-omni's behaviour, the baseline to beat: when room is needed the least recently
   used paused session is closed. When it comes back it is reopened (a new session, its text caches
   populated again) and rebuilds its K/V by re-running its retained chunks (the sinks + window it held,
