@@ -35,11 +35,13 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ardiff_modules.checks import require_int
 from ardiff_modules.core.admission import Admission
 from ardiff_modules.core.allocator import PageAllocator
 from ardiff_modules.core.branch import BranchImage, PageChunk, ResumeHold, load_branch, unload_branch
 from ardiff_modules.core.host_pages import HostPages
 from ardiff_modules.cross import CrossEntry, CrossKey
+from ardiff_modules.forwards.host_arena import HostArena, Row
 from ardiff_modules.errors import (
     CapacityError, PendingContextError, SessionSuspendedError, SpecError,
 )
@@ -98,6 +100,8 @@ class TierReport:
     host_budget_bytes: int | None
     resident: tuple[str, ...]
     suspended: tuple[str, ...]
+    #: Host memory the tier's arena holds (pinned on CUDA), used or kept for the next suspend (>= host_bytes' pages).
+    host_arena_bytes: int = 0
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -126,13 +130,17 @@ class HostTier:
         self.lock = lock
         self._sessions = sessions
         self.pages = HostPages(pool.bytes_per_page, budget_bytes)
-        #: Host page id -> (its block ``[n, layers, 2, page_size, heads, head_dim * itemsize]`` uint8, its row).
-        self._store: dict[int, tuple[torch.Tensor, int]] = {}
+        raw = self._raw()
+        self._pinned = pool.device.type == "cuda"
+        max_rows = None if budget_bytes is None else budget_bytes // pool.bytes_per_page
+        #: The page memory: pinned slabs of rows, kept and reused (pinning is slower than copying).
+        self.arena = HostArena((*raw.shape[:2], *raw.shape[3:]), self._pinned, (1 << 30) * self._pinned, max_rows)
+        #: Host page id -> its row in the arena.
+        self._store: dict[int, Row] = {}
         self._suspended: dict[KVState, Suspended] = {}
         self._handles: dict[KVState, TransferHandle] = {}
         self._last_used: dict[KVState, int] = {}
         self._clock = 0
-        self._pinned = pool.device.type == "cuda"
         self._stream: torch.cuda.Stream | None = None
 
     # ------------------------------------------------------------------ queries
@@ -148,8 +156,7 @@ class HostTier:
 
     def host_page_tensor(self, host_page: int) -> torch.Tensor:
         """The raw bytes of one held host page, ``[layers, 2, page_size, heads, head_dim * itemsize]`` uint8."""
-        block, row = self._store[host_page]
-        return block[row]
+        return self.arena.row(self._store[host_page])
 
     def last_used(self, state: KVState) -> int:
         """The tick of the session's last ``prepare_forward`` (0: never)."""
@@ -171,6 +178,17 @@ class HostTier:
             if handle is not None:
                 handle.order_current_stream()
 
+    def reserve(self, nbytes: int) -> int:
+        """Pin host page memory ahead of time, enough for ``nbytes`` of suspended pages (a server's warm start:
+        the first suspends then pay only their copies); returns the arena's bytes. Capped by the host budget."""
+        require_int("HostTier.reserve", nbytes, minimum=0)
+        with self.lock:
+            rows = -(-nbytes // self.pool.bytes_per_page)
+            if self.arena.max_rows is not None:
+                rows = min(rows, self.arena.max_rows - self.arena.capacity_rows + self.arena.free_rows)
+            self.arena.reserve(rows)
+            return self.arena.nbytes
+
     # ------------------------------------------------------------------ suspend
     def suspend(self, state: KVState) -> None:
         """Move ``state`` to the host tier (see the module docstring); refuses, changing nothing, a closed or
@@ -189,14 +207,19 @@ class HostTier:
             )
             self.pages.check_fits(f"suspend {state.session_id!r}", len(new), extra)
             # Copy first: an exception (or an interrupt) in here leaves the session fully resident.
-            block = self._copy_pages_to_host(new)
-            host_cross = {k: CrossEntry(self._to_host(e.k), self._to_host(e.v), e.version) for k, e in cross.items()}
-            host_latents = {name: {i: self._to_host(t) for i, t in kept.items()} for name, kept in latents.items()}
-            self._after_host_copies()
+            rows = self.arena.take(len(new))
+            try:
+                self._copy_pages_to_host(new, rows)
+                host_cross = {k: CrossEntry(self._to_host(e.k), self._to_host(e.v), e.version) for k, e in cross.items()}
+                host_latents = {name: {i: self._to_host(t) for i, t in kept.items()} for name, kept in latents.items()}
+                self._after_host_copies()
+            except BaseException:
+                self.arena.give_back(rows)
+                raise
             # Then switch the bookkeeping (pure Python, nothing left that can fail on the user's input).
             host_of = dict(reused)
-            for row, (h, p) in enumerate(zip(self.pages.take(len(new)), new)):
-                self._store[h] = (block, row)
+            for row, (h, p) in zip(rows, zip(self.pages.take(len(new)), new)):
+                self._store[h] = row
                 host_of[p] = h
                 if p not in extents:  # NOTE: an extent slot is rewritten in place when the ring wraps
                     self.pages.link(h, keys[p])
@@ -300,20 +323,15 @@ class HostTier:
         self._stream.wait_stream(torch.cuda.current_stream(self.pool.device))  # after kernels writing the pages
         return self._stream
 
-    def _copy_pages_to_host(self, pages: Sequence[int]) -> torch.Tensor:
-        """Device pages -> one host block ``[len(pages), layers, 2, page_size, heads, head_dim * itemsize]``."""
-        raw = self._raw()
-        shape = (len(pages), raw.shape[0], raw.shape[1], *raw.shape[3:])
-        block = torch.empty(shape, dtype=torch.uint8, pin_memory=self._pinned)
+    def _copy_pages_to_host(self, pages: Sequence[int], rows: Sequence[Row]) -> None:
+        """Device pages -> their arena rows (on the side stream, asynchronously, when pinned)."""
         if not pages:
-            return block
+            return
+        raw = self._raw()
         index = torch.tensor(pages, dtype=torch.long).to(raw.device)
-        if self._pinned:
-            with torch.cuda.stream(self._side_stream()):
-                block.copy_(raw.index_select(2, index).movedim(2, 0), non_blocking=True)
-        else:
-            block.copy_(raw.index_select(2, index).movedim(2, 0))
-        return block
+        with torch.cuda.stream(self._side_stream()) if self._pinned else contextlib.nullcontext():
+            # NOTE: index_select over the page dim of a page-major view: one contiguous [n, layers, 2, ...] gather.
+            self.arena.copy_in(rows, raw.movedim(2, 0).index_select(0, index))
 
     def _to_host(self, t: object) -> object:
         """A host copy of a cross cache or latent tensor (pinned, on the side stream) -- on CPU the tensor itself.
@@ -341,24 +359,13 @@ class HostTier:
         raw = self._raw()
         device = self.pool.device
         stream = self._side_stream() if self._pinned else None
-        # Per host block, its rows and their device pages: a block that comes back whole (a session suspended
-        # and resumed alone) is copied as it is; only a partial one is first gathered into a staging block.
-        groups: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
-        for h, q in copies:
-            block, row = self._store[h]
-            group = groups.setdefault(id(block), (block, [], []))
-            group[1].append(row)
-            group[2].append(q)
-        sources = []
+        # Run by run of consecutive arena rows: each run moves in one host-to-device copy, no staging.
+        copies = sorted(copies, key=lambda hp: self._store[hp[0]])
+        places = [self._store[h] for h, _ in copies]
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            for block, rows, pages in groups.values():
-                source = block
-                if rows != list(range(block.shape[0])):
-                    source = torch.empty((len(rows), *block.shape[1:]), dtype=torch.uint8, pin_memory=self._pinned)
-                    torch.index_select(block, 0, torch.tensor(rows, dtype=torch.long), out=source)
-                index = torch.tensor(pages, dtype=torch.long).to(device)
-                raw.index_copy_(2, index, source.to(device, non_blocking=True).movedim(0, 2))
-                sources.append(source)
+            for first, count, rows in self.arena.runs(places):
+                index = torch.tensor([q for _, q in copies[first : first + count]], dtype=torch.long).to(device)
+                raw.index_copy_(2, index, rows.to(device, non_blocking=True).movedim(0, 2))
 
             def back(t: object) -> object:
                 return t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t
@@ -370,12 +377,11 @@ class HostTier:
         if stream is not None:
             event = torch.cuda.Event()
             event.record(stream)
-        return TransferHandle(event, (*sources, record)), cross, latents
+        return TransferHandle(event, (record,)), cross, latents
 
     # ------------------------------------------------------------------ lifetime and policy
     def _drop_record(self, state: KVState, record: Suspended) -> None:
-        for h in self.pages.drop(record.host_refs()):
-            del self._store[h]
+        self.arena.give_back([self._store.pop(h) for h in self.pages.drop(record.host_refs())])
         self.pages.release_bytes(record.extra_bytes)
         del self._suspended[state]
 
@@ -394,7 +400,7 @@ class HostTier:
             resident = tuple(s.session_id for s in list(self._sessions) if s not in self._suspended)
             return TierReport(
                 alloc.num_used, alloc.num_free, alloc.num_used * self.pool.bytes_per_page, self.pages.num_pages,
-                self.pages.nbytes, self.pages.budget_bytes, resident, self.suspended_ids(),
+                self.pages.nbytes, self.pages.budget_bytes, resident, self.suspended_ids(), self.arena.nbytes,
             )
 
     def sessions_that_fit(self, admission: Admission) -> int:

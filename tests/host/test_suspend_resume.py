@@ -364,3 +364,26 @@ def test_sessions_that_fit_refuses_an_unbounded_host_tier_and_an_unknown_tier():
     with pytest.raises(am.SpecError, match=r"expected one of \('device', 'host'\), got 'disk'"):
         cache.sessions_that_fit(tier="disk")
     cache.close()
+
+
+def test_the_arena_keeps_its_rows_for_the_next_suspend_and_reserve_pins_ahead():
+    cache = make_small_cache()
+    s = cache.open_session("s")
+    for seed in range(4):
+        step(s, seed)
+    arena = cache.host_tier.arena
+    assert cache.host_tier.reserve(3 * cache.pool.bytes_per_page) == arena.nbytes == 3 * arena.page_bytes
+    s.suspend()
+    grown, slabs = arena.capacity_rows, len(arena.slabs)
+    assert grown == len(cache.host_tier.pages.pages()) > 3  # the reserved rows first, then one slab more
+    assert arena.free_rows == 0 and cache.tiers().host_arena_bytes == arena.nbytes
+    s.resume()
+    assert arena.free_rows == grown  # every row back, none unpinned
+    for _ in range(3):  # round trips reuse the same rows: no new slab
+        s.suspend()
+        s.resume()
+    assert arena.capacity_rows == grown and len(arena.slabs) == slabs == 2
+    twin = make_small_cache().open_session("s")
+    for seed in range(4):
+        step(twin, seed)
+    assert all(torch.equal(x, y) for x, y in zip(step(s, 9), step(twin, 9)))
