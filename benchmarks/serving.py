@@ -418,7 +418,7 @@ class Server:
         self.args = run.args
         self.clock_dev = Clock(run.device)
         self.cache = am.KVCache(engine.spec, num_pages=run.pool_pages, device=run.device, backend=run.backend,
-                                host_budget_bytes=run.host_budget)
+                                host_budget_bytes=run.host_budget, contiguous_extents=run.args.extents)
         self.sessions = [Live(t) for t in trace]
         self.arrivals: dict[int, list[Live]] = collections.defaultdict(list)
         for s in self.sessions:
@@ -643,6 +643,9 @@ class Server:
         self.engine.open(state, 10_000)
         self.engine.chunk_step(self.cache, [(state, 10_000, 0)])
         if self.policy == "suspend":
+            # A server's warm start: pin the host pages the trace's extra sessions need ahead of time.
+            extra = max(0, len(self.sessions) - self.run.resident) + 1
+            self.cache.host_tier.reserve(extra * self.cache.pages_per_session() * self.cache.pool.bytes_per_page)
             state.suspend()
             state.resume()
         elif self.policy == "close_idle":
@@ -954,6 +957,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the tick floor: a tick lasts at least this long on the policy clock (default: one session's "
                         "chunk step, measured)")
     p.add_argument("--fps", type=float, default=16.0, help="video frames per second (default 16)")
+    p.add_argument("--extents", action=argparse.BooleanOptionalAction, default=None,
+                   help="contiguous extents (default: the library's choice; --no-extents: plain paging, which a "
+                        "pool sized for R sessions at peak needs once suspends fragment it -- admission counts pages, "
+                        "not runs)")
     p.add_argument("--host-budget-gib", type=float, default=None, help="host tier budget (default: unbounded)")
     p.add_argument("--backend", default=None, help="KVCache backend (default: auto on CUDA, reference on the CPU)")
     p.add_argument("--check", action=argparse.BooleanOptionalAction, default=None,
@@ -1034,7 +1041,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     else:
         r.link = link_bandwidth(device, args.link_sizes_mib)
     engine = Engine(args, config, device, dtype)
-    probe = am.KVCache(engine.spec, num_pages=1, device=device, backend=args.backend)
+    probe = am.KVCache(engine.spec, num_pages=1, device=device, backend=args.backend, contiguous_extents=args.extents)
     r.pages_per_session, bpp, backend_name = probe.pages_per_session(), probe.pool.bytes_per_page, probe.backend.name
     extents = probe.extent_chunks
     probe.close()
