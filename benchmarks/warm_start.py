@@ -31,7 +31,7 @@ or ``tiny`` (default on the CPU, float32, the reference backend: a smoke run, CP
 GPU). ``--layers N`` cuts the model to its first N blocks (said in the output and the JSON): a cold compile of
 the 30-block model takes about 96 s on an H200, one of 10 blocks about a third. On the CPU the compiled rows
 need a C++ compiler (skipped otherwise, with the reason). Measured on a 2-core CPU (torch 2.13), a loaded
-process hits the FX-graph cache yet still spends most of the cold compile time (its C++ kernels are built again
+process hits the FX-graph cache yet still spends half or more of the cold compile time (its C++ kernels are built again
 in the fresh cache dir); on CUDA inductor bundles the built Triton kernels into those entries (torch's default,
 ``bundle_triton_into_fx_graph_cache``), which is where a loaded compile saves its time.
 
