@@ -35,6 +35,7 @@ from ardiff_modules.errors import (
     CacheClosedError,
     CapacityError,
     CommitFailedError,
+    CompileCacheError,
     CompileInputError,
     CompileInputWarning,
     CrossAttentionNotPopulatedError,
@@ -86,6 +87,14 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     )
     from ardiff_modules.session import KVState
     from ardiff_modules.training import TrainingScope
+    from ardiff_modules.warm_start import (
+        ForwardShape,
+        WarmUpReport,
+        WarmUpStage,
+        load_compile_cache,
+        save_compile_cache,
+        warm_up,
+    )
 
 __version__ = "0.1.0"
 
@@ -116,6 +125,12 @@ _LAZY: dict[str, str] = {
     "convert_attention_state_dict": "ardiff_modules.convert",
     "convert_wan_state_dict": "ardiff_modules.convert",
     "populate_cross_attention": "ardiff_modules.modules",
+    "ForwardShape": "ardiff_modules.warm_start",
+    "WarmUpReport": "ardiff_modules.warm_start",
+    "WarmUpStage": "ardiff_modules.warm_start",
+    "load_compile_cache": "ardiff_modules.warm_start",
+    "save_compile_cache": "ardiff_modules.warm_start",
+    "warm_up": "ardiff_modules.warm_start",
 }
 
 def __getattr__(name: str) -> Any:
@@ -143,6 +158,7 @@ __all__ = [
     "CapacityError",
     "ChunkSelfAttention",
     "CommitFailedError",
+    "CompileCacheError",
     "CompileInputError",
     "CompileInputWarning",
     "CompiledStep",
@@ -151,6 +167,7 @@ __all__ = [
     "FlashInferBackend",
     "ForwardContext",
     "ForwardFinishedError",
+    "ForwardShape",
     "HeadGroupedForward",
     "HeadGroupedKVCache",
     "HeadGroupedLayer",
@@ -187,10 +204,15 @@ __all__ = [
     "UnknownBranchError",
     "UnknownCacheError",
     "VideoRotaryEmbedding",
+    "WarmUpReport",
+    "WarmUpStage",
     "apply_rope",
     "cached_cross_attention",
     "chunk_attention",
     "convert_attention_state_dict",
     "convert_wan_state_dict",
+    "load_compile_cache",
     "populate_cross_attention",
+    "save_compile_cache",
+    "warm_up",
 ]

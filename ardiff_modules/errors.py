@@ -158,5 +158,10 @@ class CompileInputError(ARDiffError, TypeError):
     """
 
 
+class CompileCacheError(ARDiffError, ValueError):
+    """A compile-cache file (``load_compile_cache``) is not one ``save_compile_cache`` wrote, is truncated or
+    corrupt, or holds artifacts torch cannot read; names the file."""
+
+
 class CompileInputWarning(UserWarning):
     """:class:`~ardiff_modules.CompiledStep` recompiled after its first frame; names the likely cause."""

@@ -6,7 +6,7 @@
 Modules (``benchmarks/README.md`` has what each measures and the recorded results):
 
 * ``attention``, ``end_to_end``, ``sessions``, ``multi_gpu``, ``ulysses_rank``, ``host_time``,
-  ``first_use``, ``compile_vs_eager``, ``nccl_graph_probe``: the scripts;
+  ``first_use``, ``warm_start``, ``compile_vs_eager``, ``nccl_graph_probe``: the scripts;
 * ``replot``: redraws the PNGs in ``results/`` from their JSON;
 * ``baselines``: the peers this library is timed against (the Self-Forcing / LongLive rolling buffer,
   attention over contiguous K/V), in one place;

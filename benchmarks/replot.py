@@ -8,6 +8,7 @@ benchmark module its name starts with:
     multi_gpu*.json     -> multi_gpu*.png     (multi_gpu.plot)
     sessions*.json      -> sessions*.png      (sessions.plot)
     serving*.json       -> serving*.png       (serving.plot)
+    warm_start*.json    -> warm_start*.png    (warm_start.plot)
 
 Results written before the timing helper recorded spreads are drawn without error bars (``end_to_end``
 results, which kept every timed step, get their IQR from those steps). Needs matplotlib; runs on the CPU.
@@ -29,7 +30,7 @@ from benchmarks._timing import RESULTS, fail, parser
 #: JSON stem prefix -> the benchmark module whose ``plot(payload, path)`` draws it.
 PLOTTERS = (("attention", "benchmarks.attention"), ("sessions", "benchmarks.sessions"),
             ("end_to_end", "benchmarks.end_to_end"), ("multi_gpu", "benchmarks.multi_gpu"),
-            ("serving", "benchmarks.serving"))
+            ("serving", "benchmarks.serving"), ("warm_start", "benchmarks.warm_start"))
 
 
 def replot(results: Path, out: Path | None = None) -> list[Path]:
