@@ -148,7 +148,12 @@ def count_calls(fn: Callable[[], Any]) -> tuple[Any, dict[str, int], Any]:
         profiler.disable()
     stats = pstats.Stats(profiler)
     counts = {"calls": 0, "library_calls": 0, "flashinfer_calls": 0}
-    for (filename, _, name), (_, calls, *_) in stats.stats.items():  # type: ignore[attr-defined]
+    # NOTE: counted from the profiler's raw entries, one per code object: pstats keys them by (file, line,
+    # name), so the generated __init__ of every dataclass ("<string>", 2, "__init__") collapses into one.
+    for entry in profiler.getstats():
+        code, calls = entry.code, entry.callcount
+        filename = code if isinstance(code, str) else code.co_filename
+        name = code if isinstance(code, str) else code.co_name
         if name == "<method 'disable' of '_lsprof.Profiler' objects>":
             continue  # the profiler's own stop
         counts["calls"] += calls

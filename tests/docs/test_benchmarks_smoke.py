@@ -449,8 +449,10 @@ def test_scripts_help_and_no_cuda_exit() -> None:
 #: doubles (work per layer or per page, a layout or plan built twice, FlashInfer's plan() no longer skipped)
 #: goes far over. The ragged-rows generator of 75b9f93 -- one call per pending page -- alone gave 936 / 854.
 #: After a change that adds host work on purpose, re-read the counts (``python3 -m benchmarks.host_time --cpu``)
-#: and raise these in the same commit, saying why.
-HOST_CALL_CEILINGS = {"extents": 900, "paging": 850}
+#: and raise these in the same commit, saying why. Raised to 940 / 890 when the counter stopped merging the
+#: dataclass __init__s that pstats keys alike (exact counts 906 / 860 with the host tier's residency check; the
+#: merged count moved by 1-3 with whatever ran earlier in the process, which made the test order-dependent).
+HOST_CALL_CEILINGS = {"extents": 940, "paging": 890}
 
 
 @pytest.mark.parametrize("layout", ["extents", "paging"])
