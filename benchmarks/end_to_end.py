@@ -115,7 +115,9 @@ import argparse
 import dataclasses
 import functools
 import gc
+import gzip
 import importlib.util
+import shutil
 import statistics
 import sys
 import traceback
@@ -573,6 +575,12 @@ def profile_step(step: Callable[[], Any], path: Path, cuda: bool) -> None:
         sort = "self_device_time_total" if cuda else "self_cpu_time_total"
         f.write(events.table(sort_by=sort, row_limit=30) + "\n")
         f.write(events.table(sort_by="self_cpu_time_total", row_limit=30) + "\n")
+    # The timeline (gaps between kernels show where the host, not the device, sets the pace), gzipped.
+    trace = path.with_suffix(".trace.json")
+    prof.export_chrome_trace(str(trace))
+    with trace.open("rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    trace.unlink()
     print(f"  profile: {path} (wall {seconds * 1e3:.1f} ms, device busy {device_us / 1e3:.1f} ms)")
 
 

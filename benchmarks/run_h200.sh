@@ -113,6 +113,14 @@ for what in "$@"; do
     serving) step serving 300 python3 -m benchmarks.serving --out "$out" ;;
     serving_14b) step serving_14b 200 python3 -m benchmarks.serving --preset wan14b-like --compute attention \
                --out "$out/serving_14b" ;;
+    # Issue 28: where the 14B-like chunk step's time goes, library compiled vs the compiled FA3 peer (and head groups):
+    # torch.profiler tables and a gzipped chrome trace per variant under $OUT/e14p. Estimate ~2.5 min.
+    profile_14b) step profile_14b 240 python3 -m benchmarks.end_to_end --preset wan14b-like --cfg off \
+               --variants rolling_fa3_compiled,library_compiled,library_heads_compiled --chunks-timed 3 \
+               --profile "$out/e14p" --out "$out/e14p" ;;
+    tests_host) step gpu_tests_host 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/host tests/warm_start -rs ;;
+    # Issue 29 item 4: time to first chunk of fresh processes, cold / warm_up / compile cache loaded (10 blocks).
+    warm_start) step warm_start 300 python3 -m benchmarks.warm_start --layers 10 --out "$out" ;;
     first_use) step first_use 200 python3 -m benchmarks.first_use --out "$out" ;;
     host_time) step host_time 120 python3 -m benchmarks.host_time --out "$out/host_time.jsonl" ;;
     compile_vs_eager) step compile_vs_eager 300 python3 -m benchmarks.compile_vs_eager --out "$out" ;;
