@@ -102,15 +102,25 @@ class PageAllocator:
         self.changes += 1
         return pages
 
+    def free_runs(self) -> list[tuple[int, int]]:
+        """``(first page, length)`` of every run of consecutive free page ids, lowest first."""
+        runs: list[tuple[int, int]] = []
+        for page in sorted(self._free):
+            if runs and runs[-1][0] + runs[-1][1] == page:
+                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+            else:
+                runs.append((page, 1))
+        return runs
+
     def longest_free_run(self) -> int:
         """Length of the longest run of consecutive free page ids."""
-        best = run = 0
-        previous = -2
-        for page in sorted(self._free):
-            run = run + 1 if page == previous + 1 else 1
-            best = max(best, run)
-            previous = page
-        return best
+        return max((length for _, length in self.free_runs()), default=0)
+
+    def runs_that_fit(self, size: int) -> int:
+        """How many runs of ``size`` consecutive pages the free pages hold side by side (each free run
+        holds ``length // size``): how many contiguous extents of ``size`` pages can still be taken."""
+        require_int("runs_that_fit", size, minimum=1, what="a page count", error=AllocatorError)
+        return sum(length // size for _, length in self.free_runs())
 
     def allocate_contiguous(self, count: int) -> list[int]:
         """Take ``count`` free pages with consecutive ids (the lowest such run), each with refcount 1.

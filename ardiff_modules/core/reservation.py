@@ -51,16 +51,32 @@ class Reservation:
         self._changes = -1  # the allocator's change count once reserved
         try:
             if self._new_extents:
-                # One run for all new branches of the forward: CFG pairs end up adjacent (one ragged launch).
-                run = allocator.allocate_contiguous(len(self._new_extents) * extent_pages)
-                for i, b in enumerate(self._new_extents):
-                    b.assign_extent(tuple(run[i * extent_pages : (i + 1) * extent_pages]))
+                self._take_extents(extent_pages)
             for b in self.branches:
                 self._stale.append(b.replace_pending(chunk_pages, allocator))
         except BaseException:
             self.rollback()
             raise
         self._changes = allocator.changes
+
+    def _take_extents(self, extent_pages: int) -> None:
+        """A contiguous extent of ``extent_pages`` pages for each new branch, in increasing page order.
+
+        One run for all when one is free: the forward's new branches (a CFG pair, sessions arriving
+        together) then sit side by side, one ragged launch without gap rows. Else one run each, lowest
+        first (still increasing: a later extent fits no lower run than the one before), so a pool whose
+        free pages are extent-sized holes (sessions closed between open ones) still admits them; ragged
+        FA3 spans the holes with query-less gap rows. A failure part-way is undone by :meth:`rollback`
+        (the extents taken so far are assigned).
+        """
+        branches, allocator = self._new_extents, self.allocator
+        if allocator.longest_free_run() >= len(branches) * extent_pages:
+            run = allocator.allocate_contiguous(len(branches) * extent_pages)
+            for i, b in enumerate(branches):
+                b.assign_extent(tuple(run[i * extent_pages : (i + 1) * extent_pages]))
+            return
+        for b in branches:
+            b.assign_extent(tuple(allocator.allocate_contiguous(extent_pages)))
 
     def can_roll_back(self) -> bool:
         """Whether :meth:`rollback` is still exact: not spent, and the allocator unchanged since the reservation

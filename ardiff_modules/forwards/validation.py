@@ -132,17 +132,17 @@ def check_capacity(
             needed=needed,
             free=allocator.num_free,
         )
-    need_extent = [h for h in histories if h.needs_extent]
-    if need_extent:
-        extent_pages = len(need_extent) * extent_pages
-        if extent_pages > allocator.longest_free_run():
-            raise CapacityError(
-                f"KV pool out of contiguous pages: {len(need_extent)} new branch extent(s) need {extent_pages} "
-                f"consecutive pages, the longest free run is {allocator.longest_free_run()} "
-                f"({allocator.num_free} free); size the pool larger or pass contiguous_extents=False",
-                needed=extent_pages,
-                free=allocator.num_free,
-            )
+    new_extents = sum(1 for h in histories if h.needs_extent)
+    # NOTE: the extents need not be adjacent (Reservation takes one run for all when it can, else one each).
+    if new_extents and new_extents > allocator.runs_that_fit(extent_pages):
+        raise CapacityError(
+            f"KV pool out of contiguous pages: {new_extents} new branch extent(s) of {extent_pages} consecutive "
+            f"pages each, the free runs {[n for _, n in allocator.free_runs()]} hold only "
+            f"{allocator.runs_that_fit(extent_pages)} ({allocator.num_free} pages free); size the pool larger "
+            f"or pass contiguous_extents=False",
+            needed=new_extents * extent_pages,
+            free=allocator.num_free,
+        )
 
 
 def check_no_open_commit(state: KVState, branch: str, history: BranchPages) -> None:

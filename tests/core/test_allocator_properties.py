@@ -212,6 +212,23 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert self.alloc.num_free == len(free) and self.alloc.num_used == len(used)
         self.alloc.check_invariants()
 
+    @invariant()
+    def free_runs_match_the_model(self) -> None:
+        """``free_runs`` / ``runs_that_fit`` recomputed from the model's free set: maximal runs, lowest first."""
+        if self.alloc is None:
+            return
+        free = sorted(self.model_free())
+        runs: list[list[int]] = []
+        for page in free:
+            if runs and runs[-1][-1] == page - 1:
+                runs[-1].append(page)
+            else:
+                runs.append([page])
+        assert self.alloc.free_runs() == [(r[0], len(r)) for r in runs]
+        assert self.alloc.longest_free_run() == max((len(r) for r in runs), default=0)
+        for size in (1, 2, 3, 5):
+            assert self.alloc.runs_that_fit(size) == sum(len(r) // size for r in runs)
+
     def teardown(self) -> None:
         if self.alloc is None or sys.exc_info()[1] is not None:
             return  # nothing built, or a step failed (hypothesis tears down in a `finally`): keep its report

@@ -1,0 +1,84 @@
+"""Contiguous extents in a fragmented pool: sessions arriving together take extent-sized holes (serving).
+
+Found on the H200 (``benchmarks/serving.py --preset wan14b-like``, policy ``close_idle``): with two sessions
+closed between open ones, two new CFG sessions batched in one forward need four extents; the pool held
+them in two holes of two extents each, yet the forward was refused because all four had to be one run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ardiff_modules as am
+
+CHUNK, HEADS, DIM = 4, 2, 8
+EXTENT = (1 + 2 + 1) * 2  #: pages of one branch's extent: (sink 1 + window 2 + 1 pending) chunks of 2 pages
+
+
+def _spec() -> am.KVCacheSpec:
+    return am.KVCacheSpec(num_layers=1, num_kv_heads=HEADS, head_dim=DIM, chunk_size=CHUNK, page_size=2,
+                          sink_chunks=1, window_chunks=2, branches=("cond", "uncond"), dtype="float32")
+
+
+def _forward(cache: am.KVCache, states: list[am.KVState], x: torch.Tensor, commit: bool) -> torch.Tensor:
+    pairs = [(s, b) for s in states for b in ("cond", "uncond")]
+    with cache.prepare_forward(pairs, CHUNK, commit_current=commit) as fwd:
+        return am.chunk_attention(x, x, x, fwd.layers[0])
+
+
+def _holes(cache: am.KVCache) -> None:
+    """Three sessions fill the 48-page pool (16 pages each); the first and the last close: two 16-page holes."""
+    first = [cache.open_session(f"old{i}") for i in range(3)]
+    for s in first:
+        _forward(cache, [s], torch.randn(2, CHUNK, HEADS, DIM), commit=True)
+    first[0].close()
+    first[2].close()
+    assert cache.allocator.free_runs() == [(0, 16), (32, 16)]
+
+
+def test_sessions_arriving_together_take_the_holes_and_equal_a_fresh_pool() -> None:
+    fragmented = am.KVCache(_spec(), num_pages=48, contiguous_extents=True)
+    _holes(fragmented)
+    fresh = am.KVCache(_spec(), num_pages=48, contiguous_extents=True)
+    pairs = {c: [c.open_session(f"new{i}") for i in range(2)] for c in (fragmented, fresh)}
+    g = torch.Generator().manual_seed(0)
+    for step in range(6):  # fills the window, then evicts (the ring wraps inside the extents)
+        x = torch.randn(4, CHUNK, HEADS, DIM, generator=g)
+        outs = [_forward(c, states, x, commit=step % 2 == 1 or step > 3) for c, states in pairs.items()]
+        torch.testing.assert_close(outs[0], outs[1], rtol=1e-6, atol=1e-6)
+    a, b = pairs[fragmented]
+    # One run each, lowest first, in stream order: the first hole, then the second.
+    assert [a.branch_pages(n).extent for n in ("cond", "uncond")] == [tuple(range(0, 8)), tuple(range(8, 16))]
+    assert [b.branch_pages(n).extent for n in ("cond", "uncond")] == [tuple(range(32, 40)), tuple(range(40, 48))]
+    # The pool holds each stream's K where its extent says (the last committed chunk of session b's uncond).
+    x = torch.randn(4, CHUNK, HEADS, DIM, generator=g)
+    _forward(fragmented, [a, b], x, commit=True)
+    last = b.history_chunks("uncond")[-1]
+    assert set(last) <= set(range(40, 48))
+    k_pages = fragmented.pool.kv[0, 0]  # [pages, page_size, heads, dim]
+    assert torch.equal(k_pages[list(last)].reshape(CHUNK, HEADS, DIM), x[3])
+    # Every forward kept the streams' key ranges in page order: the ragged (unpaged) kernel path stays open.
+    fwd = fragmented.prepare_forward([(s, n) for s in (a, b) for n in ("cond", "uncond")], CHUNK)
+    assert fwd.layout.ragged_rows is not None and fwd.layout.ragged_rows.gap_rows >= 1
+    fwd.abort()
+    for s in (*pairs[fragmented], *pairs[fresh]):
+        s.close()
+
+
+def test_holes_too_small_refuse_before_any_change() -> None:
+    cache = am.KVCache(_spec(), num_pages=64, contiguous_extents=True)
+    runs = [cache.allocator.allocate_contiguous(4) for _ in range(16)]  # pages 4i .. 4i + 3
+    for i in (0, 1, 2, 4, 5, 6, 7, 9, 11, 13, 15):  # free runs of 12, 16, 4, 4, 4, 4 pages: 44 free, 3 extents fit
+        cache.allocator.decref(runs[i])
+    assert cache.allocator.runs_that_fit(EXTENT) == 3 and cache.allocator.num_free == 44
+    states = [cache.open_session(f"new{i}") for i in range(2)]
+    free, kv = cache.allocator.free_pages(), cache.pool.kv.clone()
+    with pytest.raises(am.CapacityError, match=r"4 new branch extent\(s\) of 8 consecutive pages each, "
+                       r"the free runs \[12, 16, 4, 4, 4, 4\] hold only 3 \(44 pages free\)"):
+        _forward(cache, states, torch.randn(4, CHUNK, HEADS, DIM), commit=True)
+    assert cache.allocator.free_pages() == free and torch.equal(cache.pool.kv, kv)
+    assert all(s.branch_pages(n).extent == () and s.pending_chunks(n) == () for s in states for n in ("cond", "uncond"))
+    cache.allocator.decref(runs[3])  # pages 12..15 join the 12 and the 16 into one run of 32
+    _forward(cache, states, torch.randn(4, CHUNK, HEADS, DIM), commit=True)
+    assert sorted(p for s in states for n in ("cond", "uncond") for p in s.branch_pages(n).extent) == list(range(32))
