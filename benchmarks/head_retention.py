@@ -1,7 +1,8 @@
 """One attention layer with per-head retention: a head-grouped cache vs a uniform one and the FA3 limits.
 
 Shapes: Wan2.1-1.3B (12 heads, 4680-token chunks, sink 1 + window 6) and the 14B-like one (40 heads,
-880-token chunks, sink 1 + window 7), CFG's two streams, windows full. Head configuration: a Forcing-KV-
+880-token chunks, sink 1 + window 7), CFG's two streams (``--cfg on``, default) or one (``--cfg off``),
+windows full. Head configuration: a Forcing-KV-
 like split, ``--local-fraction`` of each layer's heads (default 2/3) "local" -- sink 0 + window 1 (the
 previous chunk and the current one) -- the rest keeping the full sink + window; which heads are local is
 drawn per layer with a fixed seed (a synthetic assignment: the speed and memory depend on the counts,
@@ -11,7 +12,9 @@ K/V plus the attention, as a layer runs it:
 * ``uniform``: a :class:`KVCache`, every head sink + window (contiguous extents: ragged FA3);
 * ``grouped``: a :class:`HeadGroupedKVCache` with the split (one ragged FA3 launch per part);
 * ``limit_uniform`` / ``limit_grouped``: FlashInfer's ragged FA3 alone over pre-gathered contiguous keys
-  (every head over the full window; the local heads over 2 chunks + the rest over the full window).
+  (every head over the full window; the local heads over 2 chunks + the rest over the full window);
+* ``limit_grouped_overlap``: the same two launches, the local heads' on a side CUDA stream beside the
+  others' (a part of few heads has fewer query tiles than the H200 has SMs: alone, its last wave idles).
 
 Reports ms per layer call (median, IQR), speed-ups vs ``uniform``, each path against its limit, and the
 KV bytes one session holds (grouped / uniform). Writes ``head_retention.json`` and ``.png``
@@ -76,8 +79,11 @@ def _layer_call(state: Any, chunk: int, streams: int, heads: int, dim: int) -> t
     return (lambda: am.chunk_attention(q, k, v, layer)), fwd
 
 
-def _limit(parts: Sequence[tuple[int, int]], chunk: int, streams: int, dim: int) -> Callable[[], object]:
-    """Ragged FA3 over contiguous keys for each ``(heads, visible chunks)`` group, back to back."""
+def _limit(parts: Sequence[tuple[int, int]], chunk: int, streams: int, dim: int,
+           overlap: bool = False) -> Callable[[], object]:
+    """Ragged FA3 over contiguous keys for each ``(heads, visible chunks)`` group, back to back; ``overlap``: the
+    groups after the first launched on side CUDA streams (forked from and joined back to the current one), so
+    their kernels run beside the first's (one group alone may leave SMs idle: few query tiles)."""
     import flashinfer
     import torch
 
@@ -92,16 +98,33 @@ def _limit(parts: Sequence[tuple[int, int]], chunk: int, streams: int, dim: int)
                      torch.arange(streams + 1, dtype=torch.int32) * keys, heads, heads, dim, causal=False,
                      q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
         calls.append((wrapper, q, k, v))
-    return lambda: [w.run(q, k, v) for w, q, k, v in calls]
+    if not overlap:
+        return lambda: [w.run(q, k, v) for w, q, k, v in calls]
+    sides = [torch.cuda.Stream() for _ in calls[1:]]
+
+    def overlapped() -> object:
+        current = torch.cuda.current_stream()
+        outs = []
+        for side, (w, q, k, v) in zip(sides, calls[1:]):
+            side.wait_stream(current)
+            with torch.cuda.stream(side):
+                outs.append(w.run(q, k, v))
+        w, q, k, v = calls[0]
+        outs.append(w.run(q, k, v))
+        for side in sides:
+            current.wait_stream(side)
+        return outs
+
+    return overlapped
 
 
-def run_shape(name: str, local_fraction: float, rounds: int) -> dict[str, Any]:
+def run_shape(name: str, local_fraction: float, rounds: int, streams: int = 2) -> dict[str, Any]:
     import torch
 
     import ardiff_modules as am
 
     heads, chunk, sink, window, page = SHAPES[name]
-    dim, streams = 128, 2
+    dim = 128
     spec = am.KVCacheSpec(num_layers=1, num_kv_heads=heads, head_dim=dim, chunk_size=chunk, page_size=page,
                           branches=("cond", "uncond"), dtype="bfloat16")
     uniform = am.KVCache(dataclasses.replace(spec, sink_chunks=sink, window_chunks=window),
@@ -119,7 +142,9 @@ def run_shape(name: str, local_fraction: float, rounds: int) -> dict[str, Any]:
         forwards.append(fwd)
     local = round(local_fraction * heads)
     fns["limit_uniform"] = _limit([(heads, full + 1)], chunk, streams, dim)
-    fns["limit_grouped"] = _limit([(local, 2), (heads - local, full + 1)], chunk, streams, dim)
+    # The long part first: the overlapped row launches it on the current stream, the short one beside it.
+    fns["limit_grouped"] = _limit([(heads - local, full + 1), (local, 2)], chunk, streams, dim)
+    fns["limit_grouped_overlap"] = _limit([(heads - local, full + 1), (local, 2)], chunk, streams, dim, overlap=True)
     stats = interleaved(fns, inner=10, rounds=rounds, warmup=3)
     modes = [p.plan.mode for p in forwards[1].parts]
     uniform_bytes = uniform.stats().pages_used * uniform.stats().bytes_per_page
@@ -134,6 +159,7 @@ def run_shape(name: str, local_fraction: float, rounds: int) -> dict[str, Any]:
         "stats": stats_dict(stats),
         "speedup_grouped_vs_uniform": med["uniform"] / med["grouped"],
         "limit_speedup_grouped_vs_uniform": med["limit_uniform"] / med["limit_grouped"],
+        "limit_speedup_grouped_overlap_vs_uniform": med["limit_uniform"] / med["limit_grouped_overlap"],
         "uniform_vs_its_limit": med["limit_uniform"] / med["uniform"],
         "grouped_vs_its_limit": med["limit_grouped"] / med["grouped"],
         "kv_bytes": {"uniform": uniform_bytes, "grouped": grouped_bytes, "ratio": grouped_bytes / uniform_bytes},
@@ -148,10 +174,11 @@ def _plot(results: dict[str, Any], path: Path) -> None:
 
     fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 3.6), squeeze=False)
     for ax, (name, r) in zip(axes[0], results.items()):
-        keys = ["uniform", "grouped", "limit_uniform", "limit_grouped"]
+        keys = [k for k in ("uniform", "grouped", "limit_uniform", "limit_grouped", "limit_grouped_overlap")
+                if k in r["stats"]]
         med = [r["stats"][k]["median_ms"] for k in keys]
         err = [r["stats"][k]["iqr_ms"] / 2 for k in keys]
-        ax.bar(keys, med, yerr=err, color=["#888", "#2a7", "#bbb", "#8c8"])
+        ax.bar(keys, med, yerr=err, color=["#888", "#2a7", "#bbb", "#8c8", "#5b5"][: len(keys)])
         ax.set_title(f"{name}: grouped {r['speedup_grouped_vs_uniform']:.2f}x, KV {r['kv_bytes']['ratio']:.2f}x")
         ax.set_ylabel("ms per layer (write + attention)")
         ax.tick_params(axis="x", rotation=20)
@@ -164,12 +191,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated subset of {tuple(SHAPES)}")
     p.add_argument("--local-fraction", type=float, default=2 / 3, help="share of each layer's heads kept local")
     p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--cfg", default="on", help="on (2 streams, the default), off (1 stream) or on,off")
     p.add_argument("--out", type=Path, default=None, help="write head_retention.json/.png here")
     args = p.parse_args(argv)
     require_gpu("head_retention.py")
-    results = {name: run_shape(name, args.local_fraction, args.rounds) for name in args.shapes.split(",")}
+    cfgs = args.cfg.split(",")
+    results = {
+        name if cfg == "on" else f"{name}/cfg_off": run_shape(name, args.local_fraction, args.rounds, 2 if cfg == "on" else 1)
+        for name in args.shapes.split(",") for cfg in cfgs
+    }
     for name, r in results.items():
-        print(f"{name}: grouped {r['speedup_grouped_vs_uniform']:.3f}x uniform (limits {r['limit_speedup_grouped_vs_uniform']:.3f}x), "
+        print(f"{name}: grouped {r['speedup_grouped_vs_uniform']:.3f}x uniform (limits {r['limit_speedup_grouped_vs_uniform']:.3f}x, "
+              f"overlapped {r['limit_speedup_grouped_overlap_vs_uniform']:.3f}x), "
               f"uniform {r['uniform_vs_its_limit']:.3f} / grouped {r['grouped_vs_its_limit']:.3f} of their limits, "
               f"KV {r['kv_bytes']['ratio']:.3f}x, modes {r['plan_modes_grouped']}")
     path = result_path(args.out, "head_retention.json")
