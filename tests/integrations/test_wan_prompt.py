@@ -30,7 +30,9 @@ from tests.integrations.test_convert import WanT2VCrossAttention, randomize
 
 TEXT_LEN, TEXT_DIM, DIM, HEADS = 512, 32, 48, 4
 CHUNK = 6
-ATOL = 1e-5
+#: float32, SDPA against upstream's attention over 512 keys: summation order differs by CPU (measured 1.4e-5 on one
+#: 2-core machine); the trimmed prompt below is 1e-2 away, so 1e-4 still tells them apart by 100x.
+ATOL = 1e-4
 
 
 def encoder_states(prompt_tokens: int, seed: int) -> torch.Tensor:
