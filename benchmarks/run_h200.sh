@@ -118,6 +118,7 @@ for what in "$@"; do
     profile_14b) step profile_14b 240 python3 -m benchmarks.end_to_end --preset wan14b-like --cfg off \
                --variants rolling_fa3_compiled,library_compiled,library_heads_compiled --chunks-timed 3 \
                --profile "$out/e14p" --out "$out/e14p" ;;
+    head_retention) step head_retention 200 python3 -m benchmarks.head_retention --cfg on,off --out "$out/heads" ;;
     tests_host) step gpu_tests_host 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/host tests/warm_start -rs ;;
     # Issue 29 item 4: time to first chunk of fresh processes, cold / warm_up / compile cache loaded (10 blocks).
     warm_start) step warm_start 300 python3 -m benchmarks.warm_start --layers 10 --out "$out" ;;
