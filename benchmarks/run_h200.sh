@@ -119,6 +119,9 @@ for what in "$@"; do
                --variants rolling_fa3_compiled,library_compiled,library_heads_compiled --chunks-timed 3 \
                --profile "$out/e14p" --out "$out/e14p" ;;
     head_retention) step head_retention 200 python3 -m benchmarks.head_retention --cfg on,off --out "$out/heads" ;;
+    # Issue 28 at the 14B-like shape, CFG on and off, compiled: the peer, the library, per-head retention (~4 min).
+    end_to_end_14b) step end_to_end_14b 330 python3 -m benchmarks.end_to_end --preset wan14b-like \
+               --variants rolling_fa3_compiled,library_compiled,library_heads_compiled --chunks-timed 5 --out "$out/e14" ;;
     tests_host) step gpu_tests_host 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/host tests/warm_start -rs ;;
     # Issue 29 item 4: time to first chunk of fresh processes, cold / warm_up / compile cache loaded (10 blocks).
     warm_start) step warm_start 300 python3 -m benchmarks.warm_start --layers 10 --out "$out" ;;
