@@ -435,10 +435,14 @@ class HostTier:
             idle = sorted((s for s in pool if self._idle(s)), key=self.last_used)
             for k in range(1, len(idle) + 1):
                 chosen = idle[:k]
-                refs = Counter(p for s in chosen for n in s.kv_branch_names for p in s.branch_pages(n).history_pages())
+                branches = [s.branch_pages(n) for s in chosen for n in s.kv_branch_names]
+                # NOTE: every reference the chosen sessions hold (a history page inside a contiguous extent is
+                # held twice: by the extent and by its chunk); a page is freed when they hold all of its.
+                refs = Counter(p for b in branches for p in b.referenced_pages())
                 freed = sum(1 for p, n in refs.items() if self.allocator.refcount(p) == n)
                 if fits(freed, k):
-                    self.pages.check_fits(f"{what}: suspending {[s.session_id for s in chosen]}", len(refs), 0)
+                    history = {p for b in branches for p in b.history_pages()}  # what travels (a ring's free slot stays)
+                    self.pages.check_fits(f"{what}: suspending {[s.session_id for s in chosen]}", len(history), 0)
                     for s in chosen:
                         self.suspend(s)
                     return

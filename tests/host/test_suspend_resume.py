@@ -259,8 +259,11 @@ def test_an_interrupted_transfer_leaves_the_session_fully_on_one_side(monkeypatc
     assert all(torch.equal(x, y) for x, y in zip(step(s, 9), step(twin, 9)))
 
 
-def test_admission_suspends_the_least_recently_used_idle_session():
-    cache = make_small_cache(num_pages=2 * 16 + 8)  # two sessions at their peak (16 pages) + the re-cache reserve (8)
+@pytest.mark.parametrize("extents", [False, True], ids=["paged", "extents"])
+def test_admission_suspends_the_least_recently_used_idle_session(extents):
+    # two sessions at their peak (16 pages) + the re-cache reserve (8). With contiguous extents a suspended session
+    # frees its whole ring, each history page of which it holds twice (extent + chunk): once counted as not freed.
+    cache = make_small_cache(num_pages=2 * 16 + 8, contiguous_extents=extents)
     a = cache.admit_session("a")
     b = cache.admit_session("b")
     for s in (a, b, a):
@@ -271,6 +274,7 @@ def test_admission_suspends_the_least_recently_used_idle_session():
     c = cache.admit_session("c", suspend_idle=True)  # b was used least recently
     report = cache.tiers()
     assert report.suspended == ("b",) and set(report.resident) == {"a", "c"} and report.host_bytes > 0
+    assert b.pages_in_use() == 0 and cache.allocator.num_free >= cache.pages_per_session()
     # none idle: a has pending work, c is new but b cannot be resumed on top -> refused, nothing changed
     step(a, 1, commit=False)
     step(c, 0, commit=False)
@@ -282,8 +286,9 @@ def test_admission_suspends_the_least_recently_used_idle_session():
         cache.admit_session("d", suspend_idle=1)
 
 
-def test_admission_suspends_only_the_sessions_the_server_names():
-    cache = make_small_cache(num_pages=2 * 16 + 8)  # two sessions at their peak + the re-cache reserve
+@pytest.mark.parametrize("extents", [False, True], ids=["paged", "extents"])
+def test_admission_suspends_only_the_sessions_the_server_names(extents):
+    cache = make_small_cache(num_pages=2 * 16 + 8, contiguous_extents=extents)  # two sessions at their peak + reserve
     a, b = cache.admit_session("a"), cache.admit_session("b")
     for s in (a, b):  # a is the least recently used, but the server knows b is the paused one
         step(s, 0)
