@@ -32,7 +32,8 @@ def make_cache(device: str, resident_sessions: int) -> am.KVCache:
     pages = resident_sessions * probe.pages_per_session() + probe.recache_reserve()
     probe.close()
     backend = "reference" if device == "cpu" else "auto"
-    return am.KVCache(spec, num_pages=pages, device=device, backend=backend)
+    # Contiguous extents on both devices: FlashInfer's default layout, so the CPU run admits and suspends as CUDA does.
+    return am.KVCache(spec, num_pages=pages, device=device, backend=backend, contiguous_extents=True)
 
 
 def stream_chunk(cache: am.KVCache, state: am.KVState, seed: int) -> None:
