@@ -345,19 +345,17 @@ class KVCache:
         self._check_open("recache_reserve")
         return self.admission.recache_reserve()
 
-    def _counts(self) -> tuple[int, int, int]:  # what admission decides on (suspended sessions promise nothing)
-        return self.allocator.num_free, self.allocator.num_used, len(self._sessions) - self.host_tier.num_suspended
-
     def sessions_that_fit(self, pending_chunks: int = 1, *, recache: bool = True, tier: str = "device") -> int:
         """How many more sessions can run to their peak alongside the open ones; ``tier="host"``: how many more
         the host tier holds suspended at their peak (their pages; cross caches and latents add bytes: :meth:`tiers`).
-        ``recache`` (default): keep :meth:`recache_reserve` free, so every session can re-cache one at a time."""
+        ``recache`` (default): keep :meth:`recache_reserve` free, so every session can re-cache one at a time.
+        Contiguous extents: also the extents the free runs hold (:mod:`~ardiff_modules.forwards.extent_room`)."""
         with self._lock:
             self.pages_per_session(pending_chunks=pending_chunks)  # open, bounded, pending_chunks checked first
             require_bool("sessions_that_fit.recache", recache)
             if require_choice("sessions_that_fit.tier", tier, ("device", "host")) == "host":
                 return self.host_tier.sessions_that_fit(self.admission)
-            return self.admission.sessions_that_fit(*self._counts(), pending_chunks, recache)
+            return self.admission.sessions_that_fit(*self.host_tier.device_counts(self.admission), pending_chunks, recache)
 
     def can_admit(self, num_sessions: int = 1, pending_chunks: int = 1, *, recache: bool = True) -> bool:
         """Whether ``num_sessions`` more sessions fit at their peak (see :meth:`sessions_that_fit`)."""
@@ -377,8 +375,8 @@ class KVCache:
             check_session_id(session_id)
             self.sessions_that_fit(pending_chunks, recache=recache)  # the argument checks, in their order
             if suspend_idle is not False:
-                self.host_tier.suspend_idle(self.admission, self._counts(), pending_chunks, recache, suspend_idle)
-            self.admission.check_admit(*self._counts(), pending_chunks, recache)
+                self.host_tier.suspend_idle(self.admission, pending_chunks, recache, suspend_idle)
+            self.admission.check_admit(*self.host_tier.device_counts(self.admission), pending_chunks, recache)
             return self.open_session(session_id)
 
     def tiers(self) -> TierReport:

@@ -13,6 +13,16 @@ from ardiff_modules.errors import CapacityError, SpecError
 
 
 @dataclass(frozen=True)
+class ExtentRoom:
+    """Contiguous room for new extents (contiguous extents only): ``runs``, the extents the free page runs hold
+    side by side (``PageAllocator.runs_that_fit``); ``promised``, how many of them open sessions are owed --
+    their branches that have not reserved an extent yet (a session reserves them at its first forward)."""
+
+    runs: int
+    promised: int
+
+
+@dataclass(frozen=True)
 class Admission:
     """The geometry admission needs: branches per session, the most history chunks a branch holds
     (``None``: unbounded window, no peak), pages per chunk, extent slots (``None``: plain paging), and the
@@ -81,15 +91,39 @@ class Admission:
         promised = sessions * self.pages_per_session() + (self.recache_reserve() if recache else 0)
         return free - max(0, promised - used)
 
-    def sessions_that_fit(self, free: int, used: int, sessions: int, pending_chunks: int, recache: bool) -> int:
-        """How many more sessions can run to their peak alongside ``sessions`` open ones."""
+    def sessions_that_fit(
+        self, free: int, used: int, sessions: int, room: ExtentRoom | None, pending_chunks: int, recache: bool
+    ) -> int:
+        """How many more sessions can run to their peak alongside ``sessions`` open ones; with contiguous
+        extents (``room``) also how many sets of ``branches`` extents the free runs hold beyond those owed."""
         per_session = self.pages_per_session(pending_chunks=pending_chunks)
-        return max(0, self.unpromised(free, used, sessions, recache) // per_session)
+        fit = max(0, self.unpromised(free, used, sessions, recache) // per_session)
+        return fit if room is None else min(fit, self.sessions_in_runs(room))
 
-    def check_admit(self, free: int, used: int, sessions: int, pending_chunks: int, recache: bool) -> None:
+    def sessions_in_runs(self, room: ExtentRoom) -> int:
+        """Sessions whose extents (one per branch) the free runs hold after the extents owed to open sessions.
+
+        NOTE: exact for the allocator's placement: every extent has the same size and takes the lowest run
+        that fits, which lowers the runs' count by exactly one whichever run it is.
+        """
+        return max(0, (room.runs - room.promised) // self.branches)
+
+    def check_admit(
+        self, free: int, used: int, sessions: int, room: ExtentRoom | None, pending_chunks: int, recache: bool
+    ) -> None:
         """Raise :class:`CapacityError` unless one more session fits at its peak (``KVCache.admit_session``)."""
-        if self.sessions_that_fit(free, used, sessions, pending_chunks, recache) >= 1:
+        if self.sessions_that_fit(free, used, sessions, room, pending_chunks, recache) >= 1:
             return
+        if room is not None and self.sessions_that_fit(free, used, sessions, None, pending_chunks, recache) >= 1:
+            assert self.extent_chunks is not None  # a room exists only with contiguous extents
+            size = self.extent_chunks * self.pages_per_chunk
+            raise CapacityError(
+                f"admit_session: a session needs {self.branches} contiguous extent(s) of {size} pages, the free "
+                f"runs hold {room.runs}, {room.promised} of them owed to open sessions' branches that have not "
+                f"reserved theirs yet (enough pages are free, not in runs that long)",
+                needed=self.branches * size,
+                free=free,
+            )
         needed = self.pages_per_session(pending_chunks=pending_chunks)
         unpromised = max(self.unpromised(free, used, sessions, recache), 0)
         reserve = f" nor to one session's re-cache ({self.recache_reserve()} pages)" if recache else ""

@@ -102,10 +102,11 @@ class PageAllocator:
         self.changes += 1
         return pages
 
-    def free_runs(self) -> list[tuple[int, int]]:
-        """``(first page, length)`` of every run of consecutive free page ids, lowest first."""
+    def free_runs(self, also_free: Iterable[int] = ()) -> list[tuple[int, int]]:
+        """``(first page, length)`` of every run of consecutive free page ids, lowest first; ``also_free``:
+        pages to count as free too (what the runs would be once they are released)."""
         runs: list[tuple[int, int]] = []
-        for page in sorted(self._free):
+        for page in sorted(set(self._free).union(also_free)):
             if runs and runs[-1][0] + runs[-1][1] == page:
                 runs[-1] = (runs[-1][0], runs[-1][1] + 1)
             else:
@@ -116,11 +117,13 @@ class PageAllocator:
         """Length of the longest run of consecutive free page ids."""
         return max((length for _, length in self.free_runs()), default=0)
 
-    def runs_that_fit(self, size: int) -> int:
+    def runs_that_fit(self, size: int, also_free: Iterable[int] = ()) -> int:
         """How many runs of ``size`` consecutive pages the free pages hold side by side (each free run
-        holds ``length // size``): how many contiguous extents of ``size`` pages can still be taken."""
+        holds ``length // size``): how many contiguous extents of ``size`` pages can still be taken, one
+        after another, lowest first (each take lowers the count by exactly one). ``also_free``: as
+        :meth:`free_runs`."""
         require_int("runs_that_fit", size, minimum=1, what="a page count", error=AllocatorError)
-        return sum(length // size for _, length in self.free_runs())
+        return sum(length // size for _, length in self.free_runs(also_free))
 
     def allocate_contiguous(self, count: int) -> list[int]:
         """Take ``count`` free pages with consecutive ids (the lowest such run), each with refcount 1.

@@ -36,11 +36,12 @@ from dataclasses import dataclass, replace
 import torch
 
 from ardiff_modules.checks import require_int
-from ardiff_modules.core.admission import Admission
+from ardiff_modules.core.admission import Admission, ExtentRoom
 from ardiff_modules.core.allocator import PageAllocator
 from ardiff_modules.core.branch import BranchImage, PageChunk, ResumeHold, load_branch, unload_branch
 from ardiff_modules.core.host_pages import HostPages
 from ardiff_modules.cross import CrossEntry, CrossKey
+from ardiff_modules.forwards.extent_room import extent_room
 from ardiff_modules.forwards.host_arena import HostArena, Row
 from ardiff_modules.errors import (
     CapacityError, PendingContextError, SessionSuspendedError, SpecError,
@@ -408,7 +409,7 @@ class HostTier:
         return admission.sessions_that_fit_host(self.pages.free_bytes(), self.pool.bytes_per_page)
 
     def suspend_idle(
-        self, admission: Admission, counts: tuple[int, int, int], pending_chunks: int, recache: bool,
+        self, admission: Admission, pending_chunks: int, recache: bool,
         candidates: bool | Iterable[KVState] = True,
     ) -> None:
         """Suspend least recently used idle sessions until one more session fits (``KVCache.admit_session``).
@@ -419,18 +420,20 @@ class HostTier:
         batched forward share its tick, so only the server can tell "paused" from "between chunks"). The choice is
         planned first (the pages a set frees: those only it references; the host bytes it needs): raises
         :class:`CapacityError`, nothing changed, when suspending every idle session would not make room or
-        would not fit the host budget. ``counts``: free pages, used pages, resident sessions.
+        would not fit the host budget.
         """
-        free, used, resident = counts
+        free, used, resident, _ = self.device_counts(admission)  # the room: recomputed per choice (what it frees)
         what = "admit_session(suspend_idle=True)"
 
-        def fits(freed: int, suspended: int) -> bool:
-            fit = admission.sessions_that_fit(free + freed, used - freed, resident - suspended, pending_chunks, recache)
-            return fit >= 1
+        def fits(freed: set[int], chosen: Sequence[KVState]) -> bool:
+            # NOTE: with contiguous extents the freed pages must also leave runs long enough for the new extents.
+            room = self.extent_room(admission, freed, chosen)
+            n = len(freed)
+            return admission.sessions_that_fit(free + n, used - n, resident - len(chosen), room, pending_chunks, recache) >= 1
 
         with self.lock:
             pool = self._candidates(what, candidates)
-            if fits(0, 0):
+            if fits(set(), ()):
                 return
             idle = sorted((s for s in pool if self._idle(s)), key=self.last_used)
             for k in range(1, len(idle) + 1):
@@ -439,8 +442,8 @@ class HostTier:
                 # NOTE: every reference the chosen sessions hold (a history page inside a contiguous extent is
                 # held twice: by the extent and by its chunk); a page is freed when they hold all of its.
                 refs = Counter(p for b in branches for p in b.referenced_pages())
-                freed = sum(1 for p, n in refs.items() if self.allocator.refcount(p) == n)
-                if fits(freed, k):
+                freed = {p for p, n in refs.items() if self.allocator.refcount(p) == n}
+                if fits(freed, chosen):
                     history = {p for b in branches for p in b.history_pages()}  # what travels (a ring's free slot stays)
                     self.pages.check_fits(f"{what}: suspending {[s.session_id for s in chosen]}", len(history), 0)
                     for s in chosen:
@@ -452,6 +455,21 @@ class HostTier:
                 needed=1,
                 free=0,
             )
+
+    def device_counts(self, admission: Admission) -> tuple[int, int, int, ExtentRoom | None]:
+        """What device admission decides on: free and used pages, resident sessions (suspended ones are promised
+        nothing) and the contiguous room (:meth:`extent_room`)."""
+        resident = len(list(self._sessions)) - len(self._suspended)
+        return self.allocator.num_free, self.allocator.num_used, resident, self.extent_room(admission)
+
+    def extent_room(
+        self, admission: Admission, freed: Iterable[int] = (), leaving: Sequence[KVState] = ()
+    ) -> ExtentRoom | None:
+        """Contiguous room for admission (``None`` under plain paging): the free runs in extents, less those owed
+        to the resident sessions (:func:`~ardiff_modules.forwards.extent_room.extent_room`); ``freed`` /
+        ``leaving``: pages and sessions a suspension would release."""
+        resident = [s for s in list(self._sessions) if s not in self._suspended and s not in leaving]
+        return extent_room(self.allocator, admission, resident, freed)
 
     def _candidates(self, what: str, candidates: bool | Iterable[KVState]) -> list[KVState]:
         """The sessions ``suspend_idle`` may suspend: every open one (``True``) or the given ones, checked."""

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import ardiff_modules as am
-from ardiff_modules.core.admission import Admission
+from ardiff_modules.core.admission import Admission, ExtentRoom
 from ardiff_modules.core.allocator import PageAllocator
 from ardiff_modules.errors import CapacityError, SpecError
 from ardiff_modules.session import ForwardOptions
@@ -76,11 +76,17 @@ def test_admission_arithmetic_matches_the_cache():
     admission = Admission(2, cache.spec.max_history_chunks, cache.spec.pages_per_chunk, cache.extent_chunks)
     assert admission.pages_per_session() == cache.pages_per_session() == 2 * 4 * 2
     assert admission.recache_reserve() == cache.recache_reserve() == 2 * 2 * 2
-    assert admission.sessions_that_fit(64, 0, 0, 1, True) == cache.sessions_that_fit() == (64 - 8) // 16
-    cache.open_session()
-    assert admission.sessions_that_fit(64, 0, 1, 1, True) == cache.sessions_that_fit() == (64 - 16 - 8) // 16
+    # 64 free pages hold 8 extents of 8 in one run: the page count is the bound here
+    assert admission.sessions_that_fit(64, 0, 0, ExtentRoom(8, 0), 1, True) == cache.sessions_that_fit() == (64 - 8) // 16
+    cache.open_session()  # owed its 2 extents
+    assert cache.host_tier.device_counts(admission) == (64, 0, 1, ExtentRoom(8, 2))
+    assert admission.sessions_that_fit(64, 0, 1, ExtentRoom(8, 2), 1, True) == cache.sessions_that_fit() == (64 - 16 - 8) // 16
     with pytest.raises(CapacityError, match="a session needs up to 16 pages, only 8 are free"):
-        admission.check_admit(28, 4, 1, 1, True)  # 24 promised (a peak + the reserve), 4 of them in use
+        admission.check_admit(28, 4, 1, None, 1, True)  # 24 promised (a peak + the reserve), 4 of them in use
+    # enough pages, too few runs: 3 extents, 2 owed, a session needs 2
+    assert admission.sessions_that_fit(64, 0, 1, ExtentRoom(3, 2), 1, True) == 0
+    with pytest.raises(CapacityError, match=r"needs 2 contiguous extent\(s\) of 8 pages, the free runs hold 3, 2 of"):
+        admission.check_admit(64, 0, 1, ExtentRoom(3, 2), 1, True)
     with pytest.raises(SpecError, match="bounded window"):
         Admission(1, None, 2, None).pages_per_session()
 

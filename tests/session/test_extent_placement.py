@@ -82,3 +82,41 @@ def test_holes_too_small_refuse_before_any_change() -> None:
     cache.allocator.decref(runs[3])  # pages 12..15 join the 12 and the 16 into one run of 32
     _forward(cache, states, torch.randn(4, CHUNK, HEADS, DIM), commit=True)
     assert sorted(p for s in states for n in ("cond", "uncond") for p in s.branch_pages(n).extent) == list(range(32))
+
+
+def test_admission_counts_runs_and_the_extents_owed_to_admitted_sessions() -> None:
+    """Pages alone would admit two sessions here; the runs hold three extents, a session needs two."""
+    cache = am.KVCache(_spec(), num_pages=64, contiguous_extents=True)
+    runs = [cache.allocator.allocate_contiguous(4) for _ in range(16)]
+    for i in (0, 1, 2, 4, 5, 6, 7, 9, 11, 13, 15):  # free runs of 12, 16, 4, 4, 4, 4 pages: 44 free, 3 extents
+        cache.allocator.decref(runs[i])
+    assert cache.sessions_that_fit(recache=False) == 1  # 44 pages hold 2 sessions of 16, the runs 3 extents
+    first = cache.admit_session("first", recache=False)  # owed 2 extents before its first forward
+    assert cache.sessions_that_fit(recache=False) == 0 and not cache.can_admit(recache=False)
+    free, sessions = cache.allocator.free_pages(), cache.stats().sessions
+    with pytest.raises(am.CapacityError, match=r"needs 2 contiguous extent\(s\) of 8 pages, the free runs hold 3, "
+                       r"2 of them owed to open sessions"):
+        cache.admit_session("second", recache=False)
+    assert cache.allocator.free_pages() == free and cache.stats().sessions == sessions
+    _forward(cache, [first], torch.randn(2, CHUNK, HEADS, DIM), commit=True)  # takes its 2 extents: 1 left, none owed
+    assert cache.allocator.runs_that_fit(EXTENT) == 1 and cache.sessions_that_fit(recache=False) == 0
+    cache.allocator.decref(runs[3])  # pages 12..15 join a run of 12 + 4 + 16 - 16 (first's extents): room again
+    fit = cache.sessions_that_fit(recache=False)
+    assert fit == cache.allocator.runs_that_fit(EXTENT) // 2 >= 1
+    second = cache.admit_session("second", recache=False)
+    _forward(cache, [second], torch.randn(2, CHUNK, HEADS, DIM), commit=True)  # what admission promised, it runs
+    first.close(), second.close()
+
+
+def test_suspend_idle_frees_runs_not_only_pages() -> None:
+    """With extents, ``admit_session(suspend_idle=True)`` suspends until the runs (not just the page count) hold
+    the newcomer's extents; the suspended session's whole ring goes back to the free runs."""
+    cache = am.KVCache(_spec(), num_pages=48, contiguous_extents=True, host_budget_bytes=1 << 24)
+    olds = [cache.admit_session(f"old{i}", recache=False) for i in range(3)]
+    for s in olds:
+        _forward(cache, [s], torch.randn(2, CHUNK, HEADS, DIM), commit=True)
+    assert cache.allocator.num_free == 0
+    new = cache.admit_session("new", recache=False, suspend_idle=[olds[1]])
+    assert olds[1].is_suspended and cache.allocator.free_runs() == [(16, 16)]
+    _forward(cache, [new], torch.randn(2, CHUNK, HEADS, DIM), commit=True)
+    assert [new.branch_pages(n).extent for n in ("cond", "uncond")] == [tuple(range(16, 24)), tuple(range(24, 32))]

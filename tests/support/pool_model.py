@@ -1,7 +1,7 @@
 """Plain models the property machines compare the library against (test helpers, no library logic).
 
 * :func:`expected_visible` -- the sink + window rule as list slicing;
-* :func:`longest_run` -- longest run of consecutive page ids;
+* :func:`longest_run` -- longest run of consecutive page ids; :func:`runs_holding` -- extents the runs hold;
 * :class:`PoolContents` -- what every page of a KV pool must hold: a copy of the pool
   updated only by the writes the *model* says a forward makes (its pending pages, in
   token order). Comparing it bit for bit with the real pool after every step catches
@@ -38,6 +38,18 @@ def longest_run(pages: Iterable[int]) -> int:
         run = run + 1 if p == previous + 1 else 1
         best, previous = max(best, run), p
     return best
+
+
+def runs_holding(pages: Iterable[int], size: int) -> int:
+    """How many runs of ``size`` consecutive ids the ids ``pages`` hold side by side (each maximal run of
+    length ``L`` holds ``L // size``): the extents of ``size`` pages that can still be reserved."""
+    total = run = 0
+    previous = -2
+    for p in sorted(pages):
+        if p != previous + 1:
+            total, run = total + run // size, 0
+        run, previous = run + 1, p
+    return total + run // size
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ from ardiff_modules.errors import (
     UnknownCacheError,
 )
 from ardiff_modules.core.transaction import ForwardTransaction
-from tests.support.pool_model import bits, longest_run, same_bits, token_kv
+from tests.support.pool_model import bits, longest_run, runs_holding, same_bits, token_kv
 from tests.support.session_model import (
     BRANCHES,
     CacheModel,
@@ -88,9 +88,12 @@ class ForwardModel:
                 needed += sum(missing[len(self.free_slots(sm, b)) :])
         if needed > alloc.num_free:
             return CapacityError
-        if new_extents and new_extents * cm.extent_chunks * self.ppc > longest_run(alloc.free_pages()):
-            event("extents: no consecutive run for a new extent")
-            return CapacityError  # enough pages, but no consecutive run for the new extents
+        size = cm.extent_chunks * self.ppc
+        if new_extents and new_extents > runs_holding(alloc.free_pages(), size):
+            event("extents: the free runs hold too few new extents")
+            return CapacityError  # enough pages, but too few runs long enough for the new extents
+        if new_extents and new_extents * size > longest_run(alloc.free_pages()):
+            event("extents: new extents take one hole each")  # not one run for all: lowest holes first
         return None
 
     def history_tokens(self, sm: SessionModel, b: str) -> int:

@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
 
 from ardiff_modules.errors import CacheClosedError, CapacityError, SpecError
+from tests.support.pool_model import runs_holding
 from tests.support.session_model import BRANCHES, CacheModel, MAX_CACHES, MAX_OPEN_CACHES, MAX_SESSIONS, SessionModel
 
 
@@ -92,7 +93,8 @@ class CacheAndSessionRules:
 
     def sessions_that_fit(self, cm: CacheModel, pending_chunks: int) -> int:
         """Admission arithmetic: sessions at peak (sinks + window + pending per branch, or the extent), plus
-        the re-cache reserve."""
+        the re-cache reserve; with extents, also the sessions whose extents the free runs hold beyond the
+        extents owed to open sessions' branches that hold none yet."""
         resident = self.spec.sink_chunks + self.spec.window_chunks
 
         def per_session(pending: int) -> int:
@@ -104,7 +106,12 @@ class CacheAndSessionRules:
         # the pending chunk / free ring slot the peak already counts).
         reserve = len(BRANCHES) * max(0, resident - 1) * self.ppc
         promised = max(0, len(self.sessions_of(cm)) * per_session(1) + reserve - alloc.num_used)
-        return max(0, (alloc.num_free - promised) // per_session(pending_chunks))
+        fit = max(0, (alloc.num_free - promised) // per_session(pending_chunks))
+        if not cm.extents:
+            return fit
+        owed = sum(1 for sm in self.sessions_of(cm) for b in BRANCHES if sm.extent[b] is None)
+        runs = runs_holding(alloc.free_pages(), cm.extent_chunks * self.ppc)
+        return min(fit, max(0, (runs - owed) // len(BRANCHES)))
 
     @precondition(lambda self: self.open_sessions)
     @rule(index=st.integers(0, 2 * MAX_SESSIONS), twice=st.booleans())
