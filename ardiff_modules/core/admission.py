@@ -39,6 +39,11 @@ class Admission:
             raise SpecError(f"{what}: expected a bounded window (window_chunks), got None")
         return self.max_history_chunks
 
+    @property
+    def extent_pages(self) -> int | None:
+        """Pages of one branch's contiguous extent (``None``: plain paging)."""
+        return None if self.extent_chunks is None else self.extent_chunks * self.pages_per_chunk
+
     def pages_per_session(self, branches: int | None = None, pending_chunks: int = 1) -> int:
         """Peak pages one session holds: per branch (history + pending) chunks, or its extent."""
         history = self._bounded("pages_per_session")
@@ -115,8 +120,8 @@ class Admission:
         if self.sessions_that_fit(free, used, sessions, room, pending_chunks, recache) >= 1:
             return
         if room is not None and self.sessions_that_fit(free, used, sessions, None, pending_chunks, recache) >= 1:
-            assert self.extent_chunks is not None  # a room exists only with contiguous extents
-            size = self.extent_chunks * self.pages_per_chunk
+            size = self.extent_pages  # a room exists only with contiguous extents
+            assert size is not None
             raise CapacityError(
                 f"admit_session: a session needs {self.branches} contiguous extent(s) of {size} pages, the free "
                 f"runs hold {room.runs}, {room.promised} of them owed to open sessions' branches that have not "

@@ -24,8 +24,8 @@ def extent_room(
     """The room for new extents (``None`` under plain paging): the runs of the free pages (plus ``freed``,
     pages a caller is about to release) in extents, and the branches of the ``resident`` sessions that hold no
     extent yet (suspended sessions are owed nothing: a resume reserves its own room when it runs)."""
-    if admission.extent_chunks is None:
+    size = admission.extent_pages
+    if size is None:
         return None
-    size = admission.extent_chunks * admission.pages_per_chunk
     promised = sum(1 for s in resident for name in s.kv_branch_names if not s.branch_pages(name).extent)
     return ExtentRoom(allocator.runs_that_fit(size, also_free=freed), promised)

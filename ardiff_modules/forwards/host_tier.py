@@ -422,7 +422,8 @@ class HostTier:
         :class:`CapacityError`, nothing changed, when suspending every idle session would not make room or
         would not fit the host budget.
         """
-        free, used, resident, _ = self.device_counts(admission)  # the room: recomputed per choice (what it frees)
+        # NOTE: no room from device_counts here: fits() computes it for each choice, from the pages that choice frees.
+        free, used, resident = self.allocator.num_free, self.allocator.num_used, len(self._resident())
         what = "admit_session(suspend_idle=True)"
 
         def fits(freed: set[int], chosen: Sequence[KVState]) -> bool:
@@ -459,8 +460,7 @@ class HostTier:
     def device_counts(self, admission: Admission) -> tuple[int, int, int, ExtentRoom | None]:
         """What device admission decides on: free and used pages, resident sessions (suspended ones are promised
         nothing) and the contiguous room (:meth:`extent_room`)."""
-        resident = len(list(self._sessions)) - len(self._suspended)
-        return self.allocator.num_free, self.allocator.num_used, resident, self.extent_room(admission)
+        return self.allocator.num_free, self.allocator.num_used, len(self._resident()), self.extent_room(admission)
 
     def extent_room(
         self, admission: Admission, freed: Iterable[int] = (), leaving: Sequence[KVState] = ()
@@ -468,8 +468,11 @@ class HostTier:
         """Contiguous room for admission (``None`` under plain paging): the free runs in extents, less those owed
         to the resident sessions (:func:`~ardiff_modules.forwards.extent_room.extent_room`); ``freed`` /
         ``leaving``: pages and sessions a suspension would release."""
-        resident = [s for s in list(self._sessions) if s not in self._suspended and s not in leaving]
-        return extent_room(self.allocator, admission, resident, freed)
+        return extent_room(self.allocator, admission, [s for s in self._resident() if s not in leaving], freed)
+
+    def _resident(self) -> list[KVState]:
+        """The cache's open sessions that are not suspended."""
+        return [s for s in list(self._sessions) if s not in self._suspended]
 
     def _candidates(self, what: str, candidates: bool | Iterable[KVState]) -> list[KVState]:
         """The sessions ``suspend_idle`` may suspend: every open one (``True``) or the given ones, checked."""
