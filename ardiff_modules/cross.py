@@ -288,11 +288,21 @@ class SessionCrossCaches:
             self._cross[key] = entry
 
     def get_cross_attention_kv(self, kv_branch: str, cache_name: str) -> list[dict[str, torch.Tensor]]:
-        """Every layer's ``{"k", "v"}`` (each ``[tokens, heads, head_dim]``) of a populated cache."""
+        """Every layer's ``{"k", "v"}`` (each ``[tokens, heads, head_dim]``, on the cache's device) of a populated
+        cache."""
         entry = self.cross_entry(kv_branch, cache_name)
         if entry is None:
             raise not_populated(cache_name, kv_branch, self.session_id)
+        entry = self.on_device(entry)
         return [{"k": entry.k[i], "v": entry.v[i]} for i in range(self.num_layers)]
+
+    def on_device(self, entry: CrossEntry) -> CrossEntry:
+        """``entry`` with its tensors on the cache's device: a suspended session's entries are host copies (the
+        host tier), read as a device copy so that every call answers as on a resident session."""
+        device = torch.device(self.cache.device)
+        if entry.k.device.type == device.type:
+            return entry
+        return CrossEntry(entry.k.to(device), entry.v.to(device), entry.version)
 
     def clear_cross_attention(self) -> None:
         """Drop every named cross-attention cache (prompt switch); self-attention history is kept."""

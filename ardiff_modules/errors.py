@@ -41,6 +41,10 @@ class SessionSuspendedError(ARDiffError, RuntimeError):
     (``KVState.suspend``); resume it first (``KVState.resume``)."""
 
 
+class SessionNotSuspendedError(ARDiffError, RuntimeError):
+    """``KVState.resume`` was called on a session that is not suspended (resident, or resumed already)."""
+
+
 class UnknownBranchError(ARDiffError, KeyError):
     """A KV branch name is not one of the spec's branches."""
 

@@ -192,7 +192,10 @@ class KVState(SessionCrossCaches):
         self.cache.host_tier.suspend(self)
 
     def resume(self) -> object:
-        """Bring them back into fresh device pages; returns the copies' handle (``.ready()``, ``.wait()``)."""
+        """Bring them back into fresh device pages; returns the copies' handle (``.ready()``, ``.wait()``).
+
+        Cross caches published or cleared while suspended win over the suspended ones. Raises
+        :class:`~ardiff_modules.errors.SessionNotSuspendedError` when the session is not suspended."""
         return self.cache.host_tier.resume(self)
 
     def _check_open(self) -> None:
@@ -446,7 +449,7 @@ class KVState(SessionCrossCaches):
                         f"share_cross_attention_from: cache {cache_name!r} of branch {branch!r} of session "
                         f"{other.session_id!r} was not populated"
                     )
-                entries.append((key, entry))
+                entries.append((key, other.on_device(entry)))  # a suspended source holds host copies
             self.adopt_cross_entries(dict(entries))
 
     # ------------------------------------------------------------------ lifetime
@@ -490,12 +493,15 @@ class KVState(SessionCrossCaches):
         with self.cache.lock:
             if self._closed:
                 self.cache.reopen_session(self)  # raises (nothing changed) if the id was taken
+                self._cross = {k: e for k, e in self._cross.items() if k[0] in keep_cross_attention}
             else:
                 self.cache.forwards.abort_forwards_of(self)
-                self.cache.host_tier.forget(self)  # a suspended session's host copy goes too
+                # NOTE: drop first, then forget: the host tier brings back to the device only the kept entries
+                # that a suspended session holds as host copies (and its host pages go).
+                self._cross = {k: e for k, e in self._cross.items() if k[0] in keep_cross_attention}
+                self.cache.host_tier.forget(self)
             for history in self._branches.values():
                 history.release(self.cache.allocator)
-            self._cross = {k: e for k, e in self._cross.items() if k[0] in keep_cross_attention}
             self._closed = False
 
 

@@ -7,8 +7,16 @@ pages shared with resident sessions (a fork, ``share_sinks_from``) stay resident
 ``KVState.resume()`` copies them back into fresh device pages and returns a :class:`TransferHandle`::
 
     resident --suspend()--> suspended --resume()--> resident        (forwards refused while suspended:
-        \\                      |                                    SessionSuspendedError)
-         `---- close() / reset() (a suspended session's host pages are dropped) ----'
+        \\                      |                                    SessionSuspendedError; resume() of a
+         `---- close() / reset() (a suspended session's host pages are dropped) ----'   resident session:
+                                                                                         SessionNotSuspendedError)
+
+The prompt stays the user's to change while the session is away. Every cross-attention call answers on a
+suspended session as on a resident one: the session's cross caches are still its ``(name, branch) -> entry``
+map, whose entries the suspend swapped for their host copies. ``populate_cross_attention`` /
+``clear_cross_attention`` / ``share_cross_attention_from`` / ``reset(keep_cross_attention=...)`` change that map
+as usual, and the newer state wins: a resume (or a reset) copies back only the entries that are still the
+suspend's host copies; a prompt published while suspended is kept, a cleared one stays cleared.
 
 Both are transactional: everything is copied first, the bookkeeping switched after, so an exception
 or a ``KeyboardInterrupt`` during the copy leaves the session fully resident (suspend) or fully
@@ -30,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -44,7 +52,7 @@ from ardiff_modules.cross import CrossEntry, CrossKey
 from ardiff_modules.forwards.extent_room import extent_room
 from ardiff_modules.forwards.host_arena import HostArena, Row
 from ardiff_modules.errors import (
-    CapacityError, PendingContextError, SessionSuspendedError, SpecError,
+    CapacityError, PendingContextError, SessionNotSuspendedError, SessionSuspendedError, SpecError,
 )
 from ardiff_modules.pool import KVPool
 from ardiff_modules.session import KVState
@@ -202,8 +210,9 @@ class HostTier:
             reused = {p: h for p in order if (h := self.pages.host_copy_of(keys[p])) is not None}
             new = [p for p in order if p not in reused]
             cross = state.cross_entries()
+            distinct = {id(e): e for e in cross.values()}  # an entry shared by two keys travels once
             latents = {name: dict(b.latents) for name, b in branches.items()}
-            extra = sum(e.nbytes for e in cross.values()) + sum(
+            extra = sum(e.nbytes for e in distinct.values()) + sum(
                 _nbytes(t) for kept in latents.values() for t in kept.values() if isinstance(t, torch.Tensor)
             )
             self.pages.check_fits(f"suspend {state.session_id!r}", len(new), extra)
@@ -211,7 +220,8 @@ class HostTier:
             rows = self.arena.take(len(new))
             try:
                 self._copy_pages_to_host(new, rows)
-                host_cross = {k: CrossEntry(self._to_host(e.k), self._to_host(e.v), e.version) for k, e in cross.items()}
+                host_entry = {i: CrossEntry(self._to_host(e.k), self._to_host(e.v), e.version) for i, e in distinct.items()}
+                host_cross = {k: host_entry[id(e)] for k, e in cross.items()}
                 host_latents = {name: {i: self._to_host(t) for i, t in kept.items()} for name, kept in latents.items()}
                 self._after_host_copies()
             except BaseException:
@@ -230,7 +240,9 @@ class HostTier:
             images = {
                 name: replace(unload_branch(b, alloc)[0], latents=host_latents[name]) for name, b in branches.items()
             }
-            state.clear_cross_attention()
+            # NOTE: the session keeps its cross map, now over the host copies: a prompt given while it is suspended
+            # replaces an entry there and wins at resume (_restore_cross copies back only untouched host copies).
+            state.adopt_cross_entries(host_cross)
             self.pages.hold_bytes(extra)
             self._suspended[state] = Suspended(images, chunks, host_cross, extra)
             self._handles.pop(state, None)
@@ -255,15 +267,19 @@ class HostTier:
 
     # ------------------------------------------------------------------ resume
     def resume(self, state: KVState) -> TransferHandle:
-        """Bring ``state`` back into device pages; a resident session is a no-op (a complete handle).
+        """Bring ``state`` back into device pages.
 
-        Raises :class:`CapacityError` naming the pages needed and free, changing nothing, when they do not fit.
+        Raises :class:`CapacityError` naming the pages needed and free, changing nothing, when they do not fit;
+        :class:`SessionNotSuspendedError` for a session that is not suspended (resident, or resumed already).
         """
         with self.lock:
             record = self._suspended.get(state)
             if record is None:
                 state.branch_pages(state.kv_branch_names[0])  # raises on a closed session
-                return TransferHandle()
+                raise SessionNotSuspendedError(
+                    f"resume: expected a session suspended to the host tier, got {state.session_id!r} resident "
+                    f"(never suspended, or resumed already)"
+                )
             branches = {name: state.branch_pages(name) for name in record.images}
             # Pages per ring slot of each branch that comes back as a ring (0: plain paging).
             ring = {n: b.pages_per_chunk if b.extent_chunks is not None and record.chunks[n] else 0
@@ -277,7 +293,7 @@ class HostTier:
             try:
                 fresh = dict(zip(fresh_hosts, hold.fresh))
                 chunks, extents, copies = _lay_out(record, ring, aliases, fresh, hold.extents)
-                handle, cross, latents = self._copy_to_device(copies, record)
+                handle, cross, latents = self._copy_to_device(copies, record, state.cross_entries())
             except BaseException:
                 hold.undo()
                 raise
@@ -354,9 +370,10 @@ class HostTier:
             torch.cuda.current_stream(self.pool.device).wait_stream(self._stream)
 
     def _copy_to_device(
-        self, copies: Sequence[tuple[int, int]], record: Suspended
+        self, copies: Sequence[tuple[int, int]], record: Suspended, cross_now: dict[CrossKey, CrossEntry]
     ) -> tuple[TransferHandle, dict[CrossKey, CrossEntry], dict[str, dict[int, object]]]:
-        """Host pages -> their device pages, cross entries and latents back; the handle of the copies."""
+        """Host pages -> their device pages, the cross entries still the suspend's host copies (``cross_now``: the
+        session's map today) and the latents back; the handle of the copies."""
         raw = self._raw()
         device = self.pool.device
         stream = self._side_stream() if self._pinned else None
@@ -371,8 +388,7 @@ class HostTier:
             def back(t: object) -> object:
                 return t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t
 
-            cross = {k: CrossEntry(back(e.k), back(e.v), e.version)  # type: ignore[arg-type]
-                     for k, e in record.cross.items()}
+            cross = _restore_cross(record, cross_now, back)
             latents = {n: {i: back(t) for i, t in img.latents.items()} for n, img in record.images.items()}
         event = None
         if stream is not None:
@@ -387,10 +403,13 @@ class HostTier:
         del self._suspended[state]
 
     def forget(self, state: KVState) -> None:
-        """``state`` was closed or reset: drop its host pages (a suspended session's K/V is gone)."""
+        """``state`` was closed or reset: drop its host pages (a suspended session's K/V is gone); the cross
+        entries it still holds as host copies (a reset's ``keep_cross_attention``) come back to the device."""
         with self.lock:
             record = self._suspended.get(state)
             if record is not None:
+                device = self.pool.device
+                state.adopt_cross_entries(_restore_cross(record, state.cross_entries(), lambda t: t.to(device)))
                 self._drop_record(state, record)
             self._handles.pop(state, None)
             self._last_used.pop(state, None)
@@ -496,6 +515,21 @@ class HostTier:
             return False
         names = state.kv_branch_names
         return not any(state.open_forward(n) is not None or state.branch_pages(n).pending for n in names)
+
+
+def _restore_cross(
+    record: Suspended, cross_now: dict[CrossKey, CrossEntry], back: Callable[[torch.Tensor], torch.Tensor]
+) -> dict[CrossKey, CrossEntry]:
+    """Device copies (``back``) of the entries of ``cross_now`` that are still ``record``'s host copies: the others
+    were published while the session was suspended and win (a cleared entry is simply absent)."""
+    copied: dict[int, CrossEntry] = {}
+    out: dict[CrossKey, CrossEntry] = {}
+    for key, entry in cross_now.items():
+        if entry is record.cross.get(key):
+            if id(entry) not in copied:  # an entry shared by two keys comes back once, still shared
+                copied[id(entry)] = CrossEntry(back(entry.k), back(entry.v), entry.version)
+            out[key] = copied[id(entry)]
+    return out
 
 
 def _lay_out(

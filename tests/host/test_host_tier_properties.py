@@ -53,6 +53,10 @@ def test_suspend_resume_sequences_match_a_twin_and_leak_nothing(extents, ops):
                 continue
             s.suspend()
         elif op == "resume":
+            if not s.is_suspended:  # a resident session: refused, nothing changed
+                with pytest.raises(am.SessionNotSuspendedError):
+                    s.resume()
+                continue
             try:
                 s.resume()
             except am.CapacityError:
@@ -70,7 +74,8 @@ def test_suspend_resume_sequences_match_a_twin_and_leak_nothing(extents, ops):
                 if other is not s and not other.is_closed and not other.is_suspended:
                     other.abort()
                     other.suspend()
-            s.resume()
+            if s.is_suspended:
+                s.resume()
             s.abort(), t.abort()
             assert all(torch.equal(a, b) for a, b in zip(_forward(s, True, 99), _forward(t, True, 99)))
     for s in mine:

@@ -173,7 +173,9 @@ def test_misuse_is_refused_and_changes_nothing():
         s.prepare_recache()
     assert "suspended" in repr(s)
     s.resume()
-    assert s.resume().ready()  # resident: a no-op
+    with pytest.raises(am.SessionNotSuspendedError, match="expected a session suspended .* got .s. resident"):
+        s.resume()  # resident: refused, nothing changed
+    assert not s.is_suspended
     # pending work: a denoising forward left its pending chunk; an open forward
     step(s, 1, commit=False)
     with pytest.raises(am.PendingContextError, match=r"pending work on branch\(es\) \['cond', 'uncond'\]"):

@@ -2,24 +2,38 @@
 
 from __future__ import annotations
 
+import torch
 from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
 
-from ardiff_modules.errors import CapacityError, PendingContextError, SessionSuspendedError
-from tests.support.session_model import BRANCHES, ChunkRecord, SessionModel
+from ardiff_modules.errors import (
+    CapacityError, CrossAttentionNotPopulatedError, PendingContextError, SessionNotSuspendedError,
+    SessionSuspendedError,
+)
+from tests.support.session_model import BRANCHES, NUM_LAYERS, ChunkRecord, SessionModel, cross_value
+
+#: What a user may do to a suspended session's prompt (issue 40: the newer state wins at resume).
+PROMPT_OPS = ("populate", "clear", "share_out", "share_in", "reset_keep", "query")
 
 
 class HostTierRules:
     # ================================================================== rules: the host tier
     @precondition(lambda self: self.open_sessions)
-    @rule(index=st.integers(0, 8), others_run=st.booleans(), victim=st.integers(0, 8))
-    def suspend_and_resume(self, index: int, others_run: bool, victim: int) -> None:
+    @rule(
+        index=st.integers(0, 8), others_run=st.booleans(), victim=st.integers(0, 8),
+        prompt_ops=st.lists(st.tuples(st.sampled_from(PROMPT_OPS), st.sampled_from(BRANCHES), st.integers(0, 8)),
+                            max_size=3),
+    )
+    def suspend_and_resume(self, index: int, others_run: bool, victim: int, prompt_ops: list) -> None:
         """A round trip through the host tier. Refused (nothing changed) with pending work; while suspended the
         session refuses forwards, forks and a second suspend, and its device pages are free for others (with
-        ``others_run`` another session commits a chunk, so freed pages get reused); resume brings every visible
-        chunk back bit for bit (the invariants check the pool against the model), shared pages shared again,
-        or -- no room left -- refuses unchanged (then the suspended session is closed, dropping its host copy)."""
+        ``others_run`` another session commits a chunk, so freed pages get reused); its prompt stays the user's
+        to change (``prompt_ops``: publish, clear, share either way, reset keeping it, read it back), the newer
+        state winning at resume; resume brings every visible chunk back bit for bit (the invariants check the pool
+        and the cross caches against the model), shared pages shared again, or -- no room left -- refuses
+        unchanged (then the suspended session is closed, dropping its host copy); a session a reset made resident
+        refuses a resume."""
         sm = self.pick(self.open_sessions, index)
         state, cm = sm.state, sm.cm
         if any(sm.forward[b] is not None or sm.pending[b] for b in BRANCHES):
@@ -37,6 +51,13 @@ class HostTierRules:
         others = [s for s in self.sessions_of(cm) if s is not sm and not any(s.pending[b] for b in BRANCHES)]
         if others_run and others:
             self.roll(self.pick(others, victim), BRANCHES, 1)
+        for op, branch, pick in prompt_ops:
+            if state.is_suspended:
+                self._prompt_while_suspended(sm, op, branch, pick)
+        if not state.is_suspended:  # a reset made it resident
+            self.expect_failure(SessionNotSuspendedError, state.resume, match=repr(state.session_id))
+            event("a reset while suspended: resume refused")
+            return
         records = {b: self.visible_data(sm, b) for b in BRANCHES}
         try:
             handle = state.resume()
@@ -51,6 +72,43 @@ class HostTierRules:
         self._remap_resumed(sm, records)
         cm.peak = max(cm.peak, cm.cache.allocator.num_used)
         event("suspended and resumed a session")
+
+    def _prompt_while_suspended(self, sm: SessionModel, op: str, branch: str, pick: int) -> None:
+        """One prompt change (or read) on the suspended ``sm``, mirrored in the model; answers as if resident."""
+        state = sm.state
+        others = [s for s in self.sessions_of(sm.cm) if s is not sm and not s.suspended]
+        if op == "populate":
+            tag = float(next(self.tags))
+            state.populate_cross_attention(branch, "text", (cross_value(tag, layer) for layer in range(NUM_LAYERS)))
+            sm.cross[branch] = tag
+        elif op == "clear":
+            state.clear_cross_attention()
+            sm.cross.clear()
+        elif op in ("share_out", "share_in") and others:
+            other = self.pick(others, pick)
+            source, target = (sm, other) if op == "share_out" else (other, sm)
+            if branch not in source.cross:
+                self.expect_failure(
+                    CrossAttentionNotPopulatedError, target.state.share_cross_attention_from, source.state, "text",
+                    branch,
+                )
+                return
+            target.state.share_cross_attention_from(source.state, "text", branch)
+            target.cross[branch] = source.cross[branch]
+        elif op == "reset_keep":
+            state.reset(keep_cross_attention=("text",))
+            sm.suspended = False
+            self.m_session_gone(sm)
+            sm.clear_self_attention()
+            assert sm.cm.cache.host_tier.num_suspended == 0 or not state.is_suspended
+        elif op == "query":
+            assert state.is_cross_attention_populated(branch, "text") == (branch in sm.cross)
+            if branch in sm.cross:
+                got = state.get_cross_attention_kv(branch, "text")
+                for layer, d in enumerate(got):
+                    ek, ev = cross_value(sm.cross[branch], layer)
+                    assert torch.equal(d["k"], ek) and torch.equal(d["v"], ev)
+        event(f"suspended prompt op: {op}")
 
     def _remap_resumed(self, sm: SessionModel, records: dict[str, list[ChunkRecord]]) -> None:
         """The model of a resumed session: its visible chunks now live in the pages the library reports (same
