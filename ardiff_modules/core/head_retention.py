@@ -95,6 +95,9 @@ def _policy(owner: str, value: Any) -> RetentionPolicy:
         require_int(f"{owner}.sink_chunks", sinks, minimum=0)
         if window is not None:
             require_int(f"{owner}.window_chunks", window, minimum=0)
+        # Here, not only in SinkWindowPolicy: the message then names the group.
+        check_index_bound(owner, sinks, None if window is None else sinks + window,
+                          lambda: f"sink_chunks={sinks} + window_chunks={window}")
         return SinkWindowPolicy(sinks, window)
     if isinstance(value, RetentionPolicy):
         sinks, bound = check_declared(value)
