@@ -101,7 +101,9 @@ def _policy(owner: str, value: Any) -> RetentionPolicy:
         return SinkWindowPolicy(sinks, window)
     if isinstance(value, RetentionPolicy):
         sinks, bound = check_declared(value)
-        check_index_bound(owner, sinks, bound, lambda: f"{type(value).__name__} with sink_chunks={sinks}, max_history_chunks={bound}")
+        check_index_bound(
+            owner, sinks, bound, lambda: f"{type(value).__name__} with sink_chunks={sinks}, max_history_chunks={bound}"
+        )
         return value
     raise SpecError(
         f"{owner}: expected a RetentionPolicy, a (sink_chunks, window_chunks) pair or a mapping of them, "

@@ -145,6 +145,6 @@ def test_a_group_without_window_chunks_is_refused_naming_the_key_and_the_file(tm
 def test_a_file_window_past_the_int32_offsets_is_refused_naming_the_file(tmp_path) -> None:
     path = tmp_path / "heads.json"
     write_groups(path, {"a": {"sink_chunks": 0, "window_chunks": 10**12}})
-    with pytest.raises(am.SpecError, match=r"from_json\('.*heads.json'\): HeadRetention.groups\['a'\]: expected at most "
-                                           r"2147483646 .*int32.*window_chunks=1000000000000"):
+    with pytest.raises(am.SpecError, match=r"from_json\('.*heads.json'\): HeadRetention.groups\['a'\]: expected at "
+                                           r"most 2147483646 .*int32.*window_chunks=1000000000000"):
         am.HeadRetention.from_json(path)
