@@ -86,7 +86,8 @@ def _check_spec(spec: Any, heads: Any) -> None:
 
 
 def _part_pages(
-    specs: Sequence[KVCacheSpec], max_sessions: int | None, budget_bytes: int | None, extents: bool
+    specs: Sequence[KVCacheSpec], names: Sequence[str], max_sessions: int | None, budget_bytes: int | None,
+    extents: bool,
 ) -> list[int]:
     """Pages of each part's pool: ``max_sessions`` sessions at their peak (plus one re-cache reserve), or
     ``budget_bytes`` split by what one session holds at its peak in each part."""
@@ -109,9 +110,31 @@ def _part_pages(
         require_int("HeadGroupedKVCache.max_sessions", max_sessions, minimum=1)
         return [max_sessions * a.pages_per_session() + a.recache_reserve() for a in admissions]
     budget = require_int("HeadGroupedKVCache.budget_bytes", budget_bytes, minimum=1)
-    peaks = [a.pages_per_session() * bytes_per_page(s) for a, s in zip(admissions, specs)]
+    return _split_budget(budget, [a.pages_per_session() for a in admissions], specs, names)
+
+
+def _split_budget(
+    budget: int, session_pages: Sequence[int], specs: Sequence[KVCacheSpec], names: Sequence[str]
+) -> list[int]:
+    """Pages of each part: ``budget`` bytes split in proportion to one session's peak bytes in each part.
+
+    Raises :class:`SpecError` when a part's share holds no page, as :class:`KVCache` refuses a budget below
+    one page (``pages_for_budget``), naming the smallest budget that gives every part one.
+    """
+    sizes = [bytes_per_page(s) for s in specs]
+    peaks = [pages * size for pages, size in zip(session_pages, sizes)]
     total = sum(peaks)
-    return [max(1, int(budget * peak / total) // bytes_per_page(s)) for peak, s in zip(peaks, specs)]
+    # Integer arithmetic: exact for any budget (a float share can round a page away).
+    pages = [budget * peak // total // size for peak, size in zip(peaks, sizes)]
+    if min(pages) >= 1:
+        return pages
+    # Part p gets a page once budget * peak_p >= size_p * total.
+    need = max(-(-size * total // peak) for peak, size in zip(peaks, sizes))
+    empty = [f"{name} ({size} bytes a page)" for name, size, n in zip(names, sizes, pages) if n < 1]
+    raise SpecError(
+        f"HeadGroupedKVCache.budget_bytes: expected at least {need} bytes (one page in every part, as KVCache "
+        f"needs one page, with the budget split by each part's peak), got {budget}: no page for {', '.join(empty)}"
+    )
 
 
 class HeadGroupedKVCache:
@@ -150,7 +173,7 @@ class HeadGroupedKVCache:
         probe = KVPool(specs[0], 1, device)  # resolves the device and dtypes once, as KVCache would
         shared = resolve_backend(backend, probe.device, torch_dtype(spec.dtype), spec.head_dim, kv_dtype=probe.dtype)
         extents = contiguous_extents if contiguous_extents is not None else shared.name == "flashinfer"
-        pages = _part_pages(specs, max_sessions, budget_bytes, extents)
+        pages = _part_pages(specs, [p.name for p in self.part_list], max_sessions, budget_bytes, extents)
         self.caches: tuple[KVCache, ...] = tuple(
             KVCache(s, num_pages=n, device=probe.device, backend=shared, contiguous_extents=contiguous_extents,
                     max_forward_contexts=max_forward_contexts, check_finite=False)

@@ -15,7 +15,7 @@ from typing import Any, Literal, get_args
 from ardiff_modules.checks import require_int, require_positive_float
 from ardiff_modules.errors import SpecError, UnknownCacheError
 from ardiff_modules.core.recache import RecacheRule
-from ardiff_modules.core.retention import RetentionPolicy, SinkWindowPolicy, check_declared
+from ardiff_modules.core.retention import RetentionPolicy, SinkWindowPolicy, check_declared, check_index_bound
 
 #: dtype names accepted by :class:`KVCacheSpec` (resolved to torch dtypes by the pool).
 SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
@@ -202,6 +202,7 @@ class KVCacheSpec:
                 f"{owner}.kv_dtype: expected None or one of {SUPPORTED_KV_DTYPES}, got {self.kv_dtype!r}"
             )
         self._check_retention(owner)
+        self._check_index_bound(owner)
         check_pending_attention(f"{owner}.pending_attention", self.pending_attention)
         if not isinstance(self.relative_sinks, bool):
             raise SpecError(f"{owner}.relative_sinks: expected a bool, got {self.relative_sinks!r}")
@@ -270,6 +271,23 @@ class KVCacheSpec:
         # NOTE: the declared counts size admission, extents and fixed buffers; a bad one is refused here,
         # each answer of history_indices() is checked at every commit (core.retention.retain).
         check_declared(self.retention)
+
+    def _check_index_bound(self, owner: str) -> None:
+        """The peak tokens of one stream (resident chunks + one pending) fit the kernels' int32 offsets."""
+        # NOTE: before self.policy builds a SinkWindowPolicy, whose own (per chunk) bound words no chunk_size.
+        if self.retention is None:
+            bound = None if self.window_chunks is None else self.sink_chunks + self.window_chunks
+            check_index_bound(
+                f"{owner}.window_chunks" if bound is not None else f"{owner}.sink_chunks", self.sink_chunks, bound,
+                lambda: f"sink_chunks={self.sink_chunks} + window_chunks={self.window_chunks}", self.chunk_size,
+            )
+            return
+        sinks, bound = check_declared(self.retention)
+        check_index_bound(
+            f"{owner}.retention", sinks, bound,
+            lambda: f"{type(self.retention).__name__} with sink_chunks={sinks}, max_history_chunks={bound}",
+            self.chunk_size,
+        )
 
     @property
     def policy(self) -> RetentionPolicy:

@@ -30,6 +30,9 @@ File format (``to_json`` / ``from_json``)::
                 "global": {"sink_chunks": 1, "window_chunks": 6}},
      "layers": [["global", "local", ...], ...]}      # one group name per kv head, per layer
 
+Every group names its ``window_chunks`` (``null`` for an unbounded window: a missing key is refused, not
+read as unbounded); ``sink_chunks`` defaults to 0.
+
 A per-head classification such as Forcing-KV's (for each layer, the indices of its local heads) goes
 through :meth:`HeadRetention.from_local_heads`.
 """
@@ -43,7 +46,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ardiff_modules.checks import is_int, require_int
-from ardiff_modules.core.retention import RetentionPolicy, SinkWindowPolicy, check_declared
+from ardiff_modules.core.retention import RetentionPolicy, SinkWindowPolicy, check_declared, check_index_bound
 from ardiff_modules.errors import SpecError
 
 #: The ``"format"`` tag of the JSON files this module writes and reads.
@@ -79,15 +82,28 @@ def _policy(owner: str, value: Any) -> RetentionPolicy:
         unknown = set(value) - {"sink_chunks", "window_chunks"}
         if unknown:
             raise SpecError(f"{owner}: expected keys sink_chunks / window_chunks, got also {sorted(unknown)}")
-        value = (value.get("sink_chunks", 0), value.get("window_chunks"))
+        # NOTE: no default for window_chunks: a missing key would silently mean "unbounded" (the whole
+        # history resident), which a hand-written file almost never means; null says it explicitly.
+        if "window_chunks" not in value:
+            raise SpecError(
+                f"{owner}: expected key 'window_chunks' (an int, or null / None for an unbounded window), got "
+                f"keys {sorted(map(str, value))}"
+            )
+        value = (value.get("sink_chunks", 0), value["window_chunks"])
     if isinstance(value, tuple) and len(value) == 2:
         sinks, window = value
         require_int(f"{owner}.sink_chunks", sinks, minimum=0)
         if window is not None:
             require_int(f"{owner}.window_chunks", window, minimum=0)
+        # Here, not only in SinkWindowPolicy: the message then names the group.
+        check_index_bound(owner, sinks, None if window is None else sinks + window,
+                          lambda: f"sink_chunks={sinks} + window_chunks={window}")
         return SinkWindowPolicy(sinks, window)
     if isinstance(value, RetentionPolicy):
-        check_declared(value)
+        sinks, bound = check_declared(value)
+        check_index_bound(
+            owner, sinks, bound, lambda: f"{type(value).__name__} with sink_chunks={sinks}, max_history_chunks={bound}"
+        )
         return value
     raise SpecError(
         f"{owner}: expected a RetentionPolicy, a (sink_chunks, window_chunks) pair or a mapping of them, "
@@ -102,7 +118,8 @@ class HeadRetention:
     ----------
     groups:
         Group name -> its retention: a :class:`~ardiff_modules.core.retention.RetentionPolicy`, a
-        ``(sink_chunks, window_chunks)`` pair, or ``{"sink_chunks": ..., "window_chunks": ...}``.
+        ``(sink_chunks, window_chunks)`` pair, or ``{"sink_chunks": ..., "window_chunks": ...}``
+        (``window_chunks`` required, ``None`` for an unbounded window; ``sink_chunks`` defaults to 0).
     layers:
         One sequence per layer with one group name per K/V head (every layer the same head count).
     """
@@ -217,16 +234,29 @@ class HeadRetention:
     ) -> HeadRetention:
         """From a per-layer list of "local" heads (Forcing-KV's classification): those get ``local``, the rest ``other``.
 
-        ``local_heads`` maps a layer index (an int or its decimal string, as JSON keys are) to head indices;
-        layers it does not name keep every head in ``other``.
+        ``local_heads`` maps a layer index (an int or its decimal string, as JSON keys are) to a sequence of
+        head indices (``{0: [1, 3]}``; a bare ``{0: 1}`` is refused); layers it does not name keep every head
+        in ``other``.
         """
-        require_int("HeadRetention.from_local_heads.num_layers", num_layers, minimum=1)
-        require_int("HeadRetention.from_local_heads.num_kv_heads", num_kv_heads, minimum=1)
+        owner = "HeadRetention.from_local_heads"
+        require_int(f"{owner}.num_layers", num_layers, minimum=1)
+        require_int(f"{owner}.num_kv_heads", num_kv_heads, minimum=1)
+        if not isinstance(local_heads, Mapping):
+            raise SpecError(
+                f"{owner}.local_heads: expected a mapping of layer index -> head indices, got "
+                f"{type(local_heads).__name__}"
+            )
         rows = [["other"] * num_kv_heads for _ in range(num_layers)]
         for key, heads in local_heads.items():
             layer = _layer_key(key, num_layers)
+            # NOTE: str / bytes are sequences too, of characters / of ints: b"\x01" would read as head 1.
+            if not isinstance(heads, Sequence) or isinstance(heads, (str, bytes, bytearray)):
+                raise SpecError(
+                    f"{owner}.local_heads[{key!r}]: expected a sequence of head indices (e.g. [1, 3]), got "
+                    f"{heads!r} ({type(heads).__name__})"
+                )
             for head in heads:
-                require_int(f"HeadRetention.from_local_heads.local_heads[{key!r}]", head, minimum=0, below=num_kv_heads)
+                require_int(f"{owner}.local_heads[{key!r}]", head, minimum=0, below=num_kv_heads)
                 rows[layer][head] = "local"
         return cls({"local": local, "other": other}, rows)
 
@@ -257,12 +287,26 @@ class HeadRetention:
     @classmethod
     def from_json(cls, path: str | os.PathLike[str]) -> HeadRetention:
         """Load a head configuration written by :meth:`to_json` (or by hand in that format)."""
-        with open(path, encoding="utf-8") as f:
-            try:
-                data = json.load(f)
-            except json.JSONDecodeError as exc:
-                raise SpecError(f"HeadRetention.from_json: expected JSON in {os.fspath(path)!r}, got {exc}") from exc
-        return cls.from_dict(data)
+        where = f"HeadRetention.from_json({os.fspath(path)!r})"
+        with open(path, "rb") as f:
+            raw = f.read()
+        # Decoded whole (not through a text stream, which decodes in blocks): the offset below is the file's.
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise SpecError(
+                f"{where}: expected UTF-8 JSON text, got byte {raw[exc.start:exc.start + 1]!r} at offset {exc.start} "
+                f"({exc.reason})"
+            ) from exc
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise SpecError(f"{where}: expected JSON, got {exc}") from exc
+        try:
+            return cls.from_dict(data)
+        except SpecError as exc:
+            # The file's content is wrong: name the file (a project may load several).
+            raise SpecError(f"{where}: {exc}") from exc
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, HeadRetention):

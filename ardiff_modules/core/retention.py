@@ -26,7 +26,7 @@ state uses tuples of page ids), so hypothesis can hammer it in microseconds.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
@@ -34,6 +34,39 @@ from ardiff_modules.checks import is_int, require_bool, require_int
 from ardiff_modules.errors import ARDiffError, SpecError
 
 Chunk = TypeVar("Chunk")
+
+#: Most tokens (and pages) one stream may see in a forward: the kernels' row offsets are int32 (FlashInfer's
+#: ``kv_page_indptr`` / ``kv_page_indices`` count pages, the ragged ``kv_indptr`` tokens; ``layout.py``).
+INDEX_LIMIT = 2**31 - 1
+
+
+def check_index_bound(
+    where: str, sinks: int, bound: int | None, counts: Callable[[], str], chunk_size: int | None = None
+) -> None:
+    """:class:`SpecError` unless a stream's peak visible chunks, plus one pending chunk, fit int32 indices.
+
+    The peak is ``bound`` (``max_history_chunks``) chunks, or the ``sinks`` alone when unbounded (only they
+    are promised to stay). Each chunk holds ``chunk_size`` tokens, or (``None``: a policy, which knows no
+    geometry) at least one token and one page. ``counts()`` words the actual values for the message
+    (``"sink_chunks=1 + window_chunks=1000000000000"``); it is only called on a refusal (policies are
+    built on hot paths, e.g. ``KVCacheSpec.policy``).
+
+    NOTE: a larger window could never be attended (its offsets would wrap), and sizing admission, extents
+    or a ``max_sessions`` pool from it asks the allocator for terabytes: refused before anything is built.
+    """
+    chunks = (sinks if bound is None else bound) + 1
+    tokens = chunks * (chunk_size or 1)
+    if tokens <= INDEX_LIMIT:
+        return
+    what = "sink_chunks" if bound is None else "resident chunks (max_history_chunks)"
+    if chunk_size is None:
+        most, unit, got = INDEX_LIMIT - 1, "chunk (each at least one token)", f"{chunks} chunks"
+    else:
+        most, unit, got = INDEX_LIMIT // chunk_size - 1, f"chunk of chunk_size={chunk_size} tokens", f"{tokens} tokens"
+    raise SpecError(
+        f"{where}: expected at most {most} {what}, so that they and one pending {unit} fit the kernels' int32 "
+        f"token and page offsets (2**31 - 1 = {INDEX_LIMIT}), got {counts()} ({got} with the pending one)"
+    )
 
 
 @dataclass(frozen=True)
@@ -241,6 +274,14 @@ class SinkWindowPolicy:
         require_int("SinkWindowPolicy.sink_chunks", self.sink_chunks, minimum=0)
         if self.window_chunks is not None:
             require_int("SinkWindowPolicy.window_chunks", self.window_chunks, minimum=0, what="None or an int")
+        # Bounded per chunk here (a chunk holds at least one token); KVCacheSpec bounds the tokens.
+        check_index_bound("SinkWindowPolicy", self.sink_chunks, self.max_history_chunks, self._counts)
+
+    def _counts(self) -> str:
+        """The two counts as a message words them."""
+        if self.window_chunks is None:
+            return f"sink_chunks={self.sink_chunks} (window_chunks=None)"
+        return f"sink_chunks={self.sink_chunks} + window_chunks={self.window_chunks}"
 
     @property
     def max_history_chunks(self) -> int | None:
@@ -369,6 +410,11 @@ class SinkWindowMemoryPolicy:
     def __post_init__(self) -> None:
         for name, minimum in (("sink_chunks", 0), ("window_chunks", 0), ("memory_every", 1), ("memory_chunks", 0)):
             require_int(f"SinkWindowMemoryPolicy.{name}", getattr(self, name), minimum=minimum)
+        check_index_bound(
+            "SinkWindowMemoryPolicy", self.sink_chunks, self.max_history_chunks,
+            lambda: f"sink_chunks={self.sink_chunks} + window_chunks={self.window_chunks} + "
+                    f"memory_chunks={self.memory_chunks}",
+        )
 
     @property
     def max_history_chunks(self) -> int:

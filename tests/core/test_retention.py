@@ -207,6 +207,17 @@ def test_spec_takes_good_declared_counts(bound: int | None) -> None:
         assert tiny_spec(policy).policy is policy
 
 
+def test_declared_counts_past_the_int32_offsets_are_refused() -> None:
+    """A bound of 10**12 chunks used to pass the spec and fail in the allocator, asking for terabytes."""
+    with pytest.raises(am.SpecError, match=r"KVCacheSpec.retention: expected at most \d+ resident chunks .*int32.*"
+                       r"got Declares with sink_chunks=0, max_history_chunks=1000000000000"):
+        tiny_spec(Declares(0, 10**12))
+    with pytest.raises(am.SpecError, match=r"SinkWindowMemoryPolicy: expected at most 2147483646 .*memory_chunks=10"):
+        SinkWindowMemoryPolicy(1, 2, 3, 10**10)
+    with pytest.raises(am.SpecError, match=r"HeadRetention.groups\['a'\]: expected at most 2147483646 .*Declares"):
+        am.HeadRetention({"a": Declares(0, 10**12)}, [["a"]])
+
+
 def test_spec_reports_a_declaration_that_raises() -> None:
     class Broken:
         sink_chunks = 0

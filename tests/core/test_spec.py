@@ -294,3 +294,33 @@ def test_non_iterable_collection_fields_raise_spec_error(field_name, bad):
     with pytest.raises(SpecError) as exc_info:
         make(**{field_name: bad})
     assert_spec_error(exc_info, f"KVCacheSpec.{field_name}", f"got {bad!r}")
+
+
+# ---------------------------------------------------------------------- int32 index bound (issue 40)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field_name", "actual"),
+    [
+        (dict(window_chunks=10**12), "KVCacheSpec.window_chunks", "sink_chunks=0 + window_chunks=1000000000000"),
+        # chunk_size=4: 2**31 - 1 tokens hold 536870911 chunks, one of them pending.
+        (dict(sink_chunks=1, window_chunks=536870910), "KVCacheSpec.window_chunks", "window_chunks=536870910"),
+        (dict(sink_chunks=10**12), "KVCacheSpec.sink_chunks", "sink_chunks=1000000000000 + window_chunks=None"),
+    ],
+)
+def test_a_window_past_the_kernels_int32_offsets_is_refused_at_the_spec(overrides, field_name, actual):
+    with pytest.raises(SpecError) as exc_info:
+        make(**overrides)
+    assert_spec_error(exc_info, field_name, "expected at most 536870910", "chunk_size=4", "int32", "2147483647", actual)
+
+
+def test_the_largest_window_the_kernels_can_index_is_accepted():
+    assert make(sink_chunks=1, window_chunks=536870909).max_history_chunks == 536870910
+
+
+def test_a_retention_policy_past_the_int32_offsets_is_refused_naming_it():
+    from ardiff_modules.core.retention import SinkWindowMemoryPolicy
+
+    with pytest.raises(SpecError) as exc_info:
+        make(retention=SinkWindowMemoryPolicy(1, 2, 1, 10**9))
+    assert_spec_error(exc_info, "KVCacheSpec.retention", "SinkWindowMemoryPolicy", "max_history_chunks=1000000003")

@@ -135,3 +135,18 @@ def test_policy_validation(sink, window, field_name):
     msg = str(exc_info.value)
     assert f"SinkWindowPolicy.{field_name}" in msg
     assert repr(sink if field_name == "sink_chunks" else window) in msg
+
+
+@pytest.mark.parametrize(
+    "sink,window,actual",
+    [(0, 10**12, "window_chunks=1000000000000"), (1, 2**31 - 2, "sink_chunks=1 + window_chunks=2147483646"),
+     (10**12, None, "sink_chunks=1000000000000")],
+)
+def test_a_window_no_int32_offset_can_index_is_refused(sink, window, actual):
+    # A chunk holds at least one token: 2**31 - 1 tokens are at most 2**31 - 2 resident chunks + 1 pending.
+    with pytest.raises(SpecError) as exc_info:
+        SinkWindowPolicy(sink, window)
+    msg = str(exc_info.value)
+    assert "SinkWindowPolicy: expected at most 2147483646" in msg
+    assert "int32" in msg and actual in msg
+    assert SinkWindowPolicy(0, 2**31 - 2).max_history_chunks == 2**31 - 2

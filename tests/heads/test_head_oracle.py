@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ardiff_modules as am
+from ardiff_modules.head_cache import part_spec
 from tests.heads.oracle import PerHeadOracle, one_forward, random_qkv
 
 
@@ -181,6 +182,25 @@ def test_cross_attention_lives_on_the_grouped_session() -> None:
         torch.testing.assert_close(k[0], layer_kv[1][0])
     s.clear_cross_attention()
     assert not s.is_cross_attention_populated("cond", "text")
+
+
+def test_a_budget_that_leaves_a_part_without_a_page_is_refused_as_kvcache_refuses_it() -> None:
+    """``budget_bytes=10`` used to build 1-page parts (more than the budget) instead of refusing."""
+    spec = make_spec(layers=2, kv_heads=2)
+    heads = am.HeadRetention({"l": (0, 1), "g": (1, 2)}, [["l", "g"], ["g", "l"]])
+    # Each part: 2 layers x 1 head, a page 2 layers x (K, V) x 2 tokens x 8 dims x 4 bytes = 256 bytes. One
+    # session's peak, 2 branches x (history + 1 pending) chunks x 2 pages: l 8 pages (2048 bytes), g 16 (4096).
+    # l's share, budget x 2048 / 6144, holds a page from 768 bytes on.
+    for budget, empty in ((10, r"l/1h \(256 bytes a page\), g/1h \(256 bytes a page\)"),
+                          (767, r"l/1h \(256 bytes a page\)")):
+        with pytest.raises(am.SpecError, match=rf"budget_bytes: expected at least 768 bytes \(one page in every "
+                                               rf"part.*got {budget}: no page for {empty}$"):
+            am.HeadGroupedKVCache(spec, heads, budget_bytes=budget, backend="reference")
+    with pytest.raises(am.SpecError, match="expected at least one page"):
+        am.KVCache(part_spec(spec, heads.parts()[0]), budget_bytes=10)
+    cache = am.HeadGroupedKVCache(spec, heads, budget_bytes=768, backend="reference")
+    assert [c.pool.num_pages for c in cache.caches] == [1, 2]
+    cache.close()
 
 
 def test_misuse_is_refused_with_the_expected_error() -> None:

@@ -93,3 +93,58 @@ def test_only_sink_window_groups_are_written() -> None:
     heads = am.HeadRetention({"m": am.SinkWindowMemoryPolicy(1, 2, 2, 1)}, [["m"]])
     with pytest.raises(am.SpecError, match="SinkWindowMemoryPolicy"):
         heads.to_dict()
+
+
+# ---------------------------------------------------------------------- issue 40: smaller holes
+
+
+@pytest.mark.parametrize(
+    ("local_heads", "match"),
+    [
+        ({0: 1}, r"local_heads\[0\]: expected a sequence of head indices \(e.g. \[1, 3\]\), got 1 \(int\)"),
+        ({"1": "01"}, r"local_heads\['1'\]: expected a sequence of head indices .*got '01' \(str\)"),
+        ({0: b"\x01"}, r"local_heads\[0\]: expected a sequence of head indices .*\(bytes\)"),
+        ([[1], [0]], r"local_heads: expected a mapping of layer index -> head indices, got list"),
+    ],
+)
+def test_from_local_heads_refuses_a_bare_head_or_a_list_of_layers(local_heads, match) -> None:
+    """``{0: 1}`` used to raise a raw TypeError ('int' object is not iterable); b"\\x01" read as head 1."""
+    with pytest.raises(am.SpecError, match=match):
+        am.HeadRetention.from_local_heads(2, 2, local_heads)
+
+
+def test_a_file_that_is_not_utf8_is_a_spec_error_naming_the_file_and_the_byte(tmp_path) -> None:
+    path = tmp_path / "latin1.json"
+    text = json.dumps(am.HeadRetention.uniform(1, 1, (0, 1)).to_dict())
+    path.write_bytes(text.encode()[:-1] + " \"caf\xe9\"}".encode("latin-1"))  # a Latin-1 byte at the end
+    offset = len(text) + 4
+    with pytest.raises(am.SpecError, match=rf"from_json\('.*latin1.json'\): expected UTF-8 JSON text, got byte "
+                                           rf"b'\\xe9' at offset {offset} "):
+        am.HeadRetention.from_json(path)
+
+
+def write_groups(path, groups: dict) -> None:
+    path.write_text(json.dumps({"format": FILE_FORMAT, "groups": groups, "layers": [["a"]]}))
+
+
+def test_a_group_without_window_chunks_is_refused_naming_the_key_and_the_file(tmp_path) -> None:
+    """A missing window_chunks used to load as an unbounded window (the whole history resident)."""
+    path = tmp_path / "heads.json"
+    write_groups(path, {"a": {"sink_chunks": 1}})
+    with pytest.raises(am.SpecError, match=r"from_json\('.*heads.json'\): HeadRetention.groups\['a'\]: expected key "
+                                           r"'window_chunks' \(an int, or null / None for an unbounded window\), "
+                                           r"got keys \['sink_chunks'\]"):
+        am.HeadRetention.from_json(path)
+    with pytest.raises(am.SpecError, match=r"expected key 'window_chunks'.*got keys \[\]"):
+        am.HeadRetention({"a": {}}, [["a"]])
+    # Unbounded stays possible, said explicitly; sink_chunks keeps its default of 0.
+    write_groups(path, {"a": {"window_chunks": None}})
+    assert am.HeadRetention.from_json(path).groups["a"] == am.SinkWindowPolicy(0, None)
+
+
+def test_a_file_window_past_the_int32_offsets_is_refused_naming_the_file(tmp_path) -> None:
+    path = tmp_path / "heads.json"
+    write_groups(path, {"a": {"sink_chunks": 0, "window_chunks": 10**12}})
+    with pytest.raises(am.SpecError, match=r"from_json\('.*heads.json'\): HeadRetention.groups\['a'\]: expected at "
+                                           r"most 2147483646 .*int32.*window_chunks=1000000000000"):
+        am.HeadRetention.from_json(path)
