@@ -1,12 +1,15 @@
-"""``save_compile_cache`` / ``load_compile_cache``: the file (atomic, checked) over torch's own mega-cache, and a
-real round trip -- a fresh process with an empty inductor cache hits the FX-graph cache after loading the file
-another process saved, and misses without it."""
+"""``save_compile_cache`` / ``load_compile_cache``: the file (atomic, checked) over torch's own mega-cache; crafted
+files (entry keys that leave the cache directory, a valid checksum over a hostile payload, signatures: issue 40)
+refused before torch sees a byte; and a real round trip -- a fresh process with an empty inductor cache hits the
+FX-graph cache after loading the file another process saved, and misses without it."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -22,16 +25,47 @@ from ardiff_modules import warm_start
 from tests.support.paths import REPO_ROOT
 
 
+def mega_cache(entries: dict[str, list[tuple[str, bytes]]]) -> bytes:
+    """``{artifact type: [(key, content)]}`` in torch's own encoding, by torch's own serializer (not the library's
+    reader): what ``torch.compiler.save_cache_artifacts`` returns."""
+    from torch.compiler._cache import CacheArtifactFactory, CacheArtifactManager, _serialize_single_cache
+    from torch.utils._appending_byte_serializer import AppendingByteSerializer
+
+    CacheArtifactManager._ensure_cache_artifacts_registered()
+    serializer = AppendingByteSerializer(serialize_fn=_serialize_single_cache)
+    serializer.extend((kind, [CacheArtifactFactory.create(kind, k, c) for k, c in items]) for kind, items in entries.items())
+    return serializer.to_bytes()
+
+
+#: Keys as torch makes them: hashes, autotune's "<dir>/<file>", a PGO job key with colons.
+TORCH_ENTRIES = {
+    "inductor": [("fzr3kq", b"\x80graph" * 8), ("fab12c", b"\x80graph2")],
+    "aot_autograd": [("ak2mz7", b"\x80aot")],
+    "autotune": [("bq/bqd4x.best_config", b"{}")],
+    "pgo": [("myjob:None:", b"\x80code")],
+}
+
+
+def write_cache_file(path: Path, payload: bytes, **header: object) -> None:
+    """A compile-cache file as anyone can write it: this torch, ``payload`` with its correct size and SHA-256."""
+    fields = {"torch": torch.__version__, "bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest(),
+              "artifacts": {}, **header}
+    path.write_bytes(warm_start.COMPILE_CACHE_MAGIC + json.dumps(fields).encode() + b"\n" + payload)
+
+
 class FakeTorchCache:
     """Stands in for ``torch.compiler.save_cache_artifacts`` / ``load_cache_artifacts`` (the wrapper's logic alone)."""
 
-    def __init__(self, payload: bytes | None = b"\x00torch-artifacts\xff" * 8) -> None:
-        self.payload = payload
+    def __init__(self, payload: bytes | None = None) -> None:
+        self.payload = mega_cache(TORCH_ENTRIES) if payload is None else payload
         self.loaded: list[bytes] = []
         self.refuse = False
+        self.nothing = False
+        self.saves = 0
 
     def save(self) -> tuple[bytes, SimpleNamespace] | None:
-        if self.payload is None:
+        self.saves += 1
+        if self.nothing:
             return None
         return self.payload, SimpleNamespace(artifacts={"inductor": ["a", "b"], "aot_autograd": ["c"]})
 
@@ -65,7 +99,7 @@ def test_nothing_to_save_writes_nothing_and_keeps_an_old_file(fake: FakeTorchCac
     path = tmp_path / "compile.bin"
     assert am.save_compile_cache(path) > 0
     old = path.read_bytes()
-    fake.payload = None
+    fake.nothing = True
     assert am.save_compile_cache(path) == 0
     assert path.read_bytes() == old
     assert am.save_compile_cache(tmp_path / "new.bin") == 0 and not (tmp_path / "new.bin").exists()
