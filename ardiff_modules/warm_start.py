@@ -463,8 +463,9 @@ def load_compile_cache(path: str | os.PathLike[str], *, key: bytes | None = None
     returns whether anything was loaded.
 
     **Trust.** Load only files you wrote yourself, or signed (``key=``). A compile-cache file is code: its
-    inductor and AOTAutograd entries are pickles torch unpickles and runs on a later compile hit (on CUDA
-    some already while loading), so loading a file someone else could write gives them this process. The
+    inductor and AOTAutograd entries are pickles, the inductor ones unpickled by torch while loading (to
+    unpack their Triton bundles, on by default), the AOTAutograd ones on a later compile hit; so loading a
+    file someone else could write gives them this process. The
     SHA-256 in the header only detects accidental corruption (a crafted file carries a matching one); the
     checks on entry keys below only stop a file from writing outside torch's cache directory. For a file
     that crosses a trust boundary, save and load it with the same secret ``key``: the HMAC-SHA256 is checked
@@ -634,10 +635,14 @@ def _key_problem(key: str) -> str | None:
     """Why ``key`` is not a plain relative path inside a cache directory, or ``None`` when it is."""
     if not key:
         return "empty"
-    if "\x00" in key or "\\" in key:
-        return "a NUL byte or a backslash"
-    if key.startswith("/") or os.path.isabs(key) or _DRIVE.match(key):
-        return "an absolute path or a drive"
+    if "\x00" in key:
+        return "a NUL byte"
+    if "\\" in key:  # a separator on Windows: "..\\x" climbs there
+        return "a backslash"
+    if key.startswith("/") or os.path.isabs(key):
+        return "an absolute path"
+    if _DRIVE.match(key):
+        return "a drive"
     if ".." in key.split("/"):
         return "a '..' component, which climbs out of the cache directory"
     return None
