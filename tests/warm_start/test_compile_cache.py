@@ -35,7 +35,8 @@ def mega_cache(entries: dict[str, list[tuple[str, bytes]]]) -> bytes:
 
     CacheArtifactManager._ensure_cache_artifacts_registered()
     serializer = AppendingByteSerializer(serialize_fn=_serialize_single_cache)
-    serializer.extend((kind, [CacheArtifactFactory.create(kind, k, c) for k, c in items]) for kind, items in entries.items())
+    for kind, items in entries.items():
+        serializer.append((kind, [CacheArtifactFactory.create(kind, k, c) for k, c in items]))
     return serializer.to_bytes()
 
 
@@ -190,7 +191,8 @@ def test_a_path_that_is_no_path_is_a_spec_error_and_nothing_happens(fake: FakeTo
 
 
 def test_a_directory_is_a_compile_cache_error_naming_it(fake: FakeTorchCache, tmp_path: Path) -> None:
-    with pytest.raises(am.CompileCacheError, match=f"expected a file written by save_compile_cache at {tmp_path}, got a directory"):
+    directory = f"expected a file written by save_compile_cache at {tmp_path}, got a directory"
+    with pytest.raises(am.CompileCacheError, match=directory):
         am.load_compile_cache(tmp_path)
     with pytest.raises(am.CompileCacheError, match=f"expected a file path, got the directory {tmp_path}"):
         am.save_compile_cache(tmp_path)
@@ -307,13 +309,15 @@ def test_a_signed_file_loads_with_its_key_only(fake: FakeTorchCache, tmp_path: P
     assert fake.loaded == [fake.payload, fake.payload]
 
 
-def test_a_signed_file_with_another_payload_and_a_fresh_checksum_is_refused(fake: FakeTorchCache, tmp_path: Path) -> None:
+def test_a_signed_file_with_another_payload_and_a_fresh_checksum_is_refused(
+    fake: FakeTorchCache, tmp_path: Path
+) -> None:
     path = tmp_path / "signed.bin"
     am.save_compile_cache(path, key=KEY)
     header = json.loads(path.read_bytes().split(b"\n")[1])
     hostile = mega_cache({"autotune": [(str(tmp_path / "pwned"), b"{}")]})
     write_cache_file(path, hostile, signed=True, hmac_sha256=header["hmac_sha256"])  # signature kept, SHA-256 redone
-    with pytest.raises(am.CompileCacheError, match="got another HMAC-SHA256: it was signed with another key or altered"):
+    with pytest.raises(am.CompileCacheError, match="got another HMAC-SHA256: it was signed with another key or alt"):
         am.load_compile_cache(path, key=KEY)
     for bad in ("not hex", "é" * 64, 7):  # hmac.compare_digest would raise a TypeError on these
         write_cache_file(path, fake.payload, signed=True, hmac_sha256=bad)
@@ -326,7 +330,9 @@ def test_a_signed_file_with_another_payload_and_a_fresh_checksum_is_refused(fake
 
 
 @pytest.mark.parametrize(("key", "got"), [("hunter2", "got str"), (b"", "got empty bytes"), (1234, "got int")])
-def test_a_bad_key_is_a_spec_error_that_never_shows_it(fake: FakeTorchCache, tmp_path: Path, key: object, got: str) -> None:
+def test_a_bad_key_is_a_spec_error_that_never_shows_it(
+    fake: FakeTorchCache, tmp_path: Path, key: object, got: str
+) -> None:
     am.save_compile_cache(tmp_path / "c.bin")
     fake.saves = 0
     for call in (am.save_compile_cache, am.load_compile_cache):
