@@ -526,7 +526,7 @@ def _checked_path(where: str, path: object) -> Path:
 def _checked_key(where: str, key: object) -> bytes | None:
     """``key`` as bytes, or ``None``; :class:`SpecError` unless it is ``None`` or non-empty bytes.
 
-    NOTE: the message names the key's type and length, never its value: errors end up in logs.
+    NOTE: the message names the key's type (or that it is empty), never its value: errors end up in logs.
     """
     if key is None:
         return None
