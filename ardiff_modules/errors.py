@@ -163,8 +163,10 @@ class CompileInputError(ARDiffError, TypeError):
 
 
 class CompileCacheError(ARDiffError, ValueError):
-    """A compile-cache file (``load_compile_cache``) is not one ``save_compile_cache`` wrote, is truncated or
-    corrupt, or holds artifacts torch cannot read; names the file."""
+    """A compile-cache file (``load_compile_cache``) is not one ``save_compile_cache`` wrote (a directory, another
+    format, an entry key that leaves torch's cache directory, an encoding the library cannot check), is truncated
+    or corrupt, is not signed as ``key=`` says (unsigned, signed without a key given, another key, altered), or
+    holds artifacts torch cannot read; names the file. Nothing was loaded."""
 
 
 class CompileInputWarning(UserWarning):

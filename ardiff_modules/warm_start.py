@@ -18,7 +18,8 @@ takes them on its first user's first chunk stalls that user. Two tools move them
   (``torch.compiler.save_cache_artifacts`` / ``load_cache_artifacts``): the inductor, AOTAutograd, autotuning
   and PGO cache entries a process produced, saved to one file and loaded into a fresh process's caches before
   it compiles, so its compiles hit instead of generating code again (dynamo still traces: run
-  :func:`warm_up` too for a first chunk without any compile stall).
+  :func:`warm_up` too for a first chunk without any compile stall). The file is trusted input -- its
+  entries are pickles torch runs -- so load only files you wrote yourself, or signed with ``key=``.
 
 A server's start-up, then::
 
@@ -32,14 +33,18 @@ A server's start-up, then::
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import hashlib
+import hmac
 import json
 import logging
 import os
+import re
 import tempfile
 import time
 import uuid
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -407,57 +412,98 @@ def _check_room(cache: KVCache, walk: _Walk, chunks: int) -> None:
 
 
 # ------------------------------------------------------------------ torch's compile cache
-def save_compile_cache(path: str | os.PathLike[str]) -> int:
+def save_compile_cache(path: str | os.PathLike[str], *, key: bytes | None = None) -> int:
     """Save this process's compiled artifacts (``torch.compiler.save_cache_artifacts()``) to ``path``; returns the
     bytes written.
 
     What torch saves: every inductor (FX graph, with its Triton kernels on CUDA), AOTAutograd, autotuning and
     PGO cache entry this process created or used since it started -- cumulative, so a later save holds the
     earlier ones too. The file is one header line naming this format, then a JSON line (torch version, size,
-    SHA-256 of the payload, artifact counts), then torch's bytes as they are; it is written to a temporary
-    file in the same folder and renamed over ``path`` (``os.replace``), so a reader never sees half a file.
+    SHA-256 of the payload, artifact counts, whether it is signed and the signature), then torch's bytes as
+    they are; it is written to a temporary file in the same folder and renamed over ``path``
+    (``os.replace``), so a reader never sees half a file.
+
+    Parameters
+    ----------
+    path:
+        The file to write (its folder must exist; not a directory).
+    key:
+        ``None``: an unsigned file, for a process that only loads files it wrote itself. Secret bytes: the file
+        carries an HMAC-SHA256 of torch's bytes under ``key`` (never the key), and only
+        ``load_compile_cache(path, key=<the same key>)`` loads it. Sign files that cross a trust boundary
+        (another machine, a shared folder, a download): see :func:`load_compile_cache`.
 
     Returns ``0`` and writes nothing (an existing file at ``path`` stays) when torch has nothing to save
-    (nothing was compiled, or only by backends without caches, e.g. ``backend="eager"``). The folder must
-    exist. Nothing here changes torch's configuration.
+    (nothing was compiled, or only by backends without caches, e.g. ``backend="eager"``). A ``path`` that is
+    not a ``str`` / ``os.PathLike`` or a ``key`` that is not non-empty bytes is a :class:`SpecError`, a
+    directory at ``path`` a :class:`CompileCacheError`, both before anything is saved. Nothing here changes
+    torch's configuration.
     """
+    path, key = _checked_path("save_compile_cache", path), _checked_key("save_compile_cache", key)
+    if path.is_dir():
+        raise CompileCacheError(f"save_compile_cache: expected a file path, got the directory {path}")
     result = torch.compiler.save_cache_artifacts()
     if result is None:
         return 0
     payload, info = result
     artifacts = getattr(info, "artifacts", {})
-    header = {
+    header: dict[str, object] = {
         "torch": torch.__version__, "bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest(),
-        "artifacts": {str(kind): len(keys) for kind, keys in artifacts.items()},
+        "artifacts": {str(kind): len(keys) for kind, keys in artifacts.items()}, "signed": key is not None,
     }
+    if key is not None:
+        header["hmac_sha256"] = _signature(key, payload)
     data = COMPILE_CACHE_MAGIC + json.dumps(header, sort_keys=True).encode() + b"\n" + payload
-    _write_atomically(Path(path), data)
+    _write_atomically(path, data)
     return len(data)
 
 
-def load_compile_cache(path: str | os.PathLike[str]) -> bool:
+def load_compile_cache(path: str | os.PathLike[str], *, key: bytes | None = None) -> bool:
     """Load a file of :func:`save_compile_cache` into torch's caches (``torch.compiler.load_cache_artifacts``);
     returns whether anything was loaded.
+
+    **Trust.** Load only files you wrote yourself, or signed (``key=``). A compile-cache file is code: its
+    inductor and AOTAutograd entries are pickles, the inductor ones unpickled by torch while loading (to
+    unpack their Triton bundles, on by default), the AOTAutograd ones on a later compile hit; so loading a
+    file someone else could write gives them this process. The
+    SHA-256 in the header only detects accidental corruption (a crafted file carries a matching one); the
+    checks on entry keys below only stop a file from writing outside torch's cache directory. For a file
+    that crosses a trust boundary, save and load it with the same secret ``key``: the HMAC-SHA256 is checked
+    before any byte of the payload is decoded.
 
     Call it before the first compile: compiles of the same code, shapes and configuration then hit the loaded
     entries (on CPU, inductor still builds the C++ of each hit; on CUDA the Triton kernels come with them).
     torch writes the entries into its on-disk caches (``TORCHINDUCTOR_CACHE_DIR``) -- that is what loading
-    is. Returns ``False`` (loading nothing; a WARNING is logged) for a file saved by another torch version,
-    whose entries torch would never use. Raises ``FileNotFoundError`` naming ``path`` when there is no file,
-    and :class:`CompileCacheError` naming it when the file is not one of :func:`save_compile_cache` (another
-    format, truncated, its checksum wrong) or torch cannot read its artifacts. Nothing here changes torch's
-    configuration.
+    is.
+
+    Parameters
+    ----------
+    path:
+        A file :func:`save_compile_cache` wrote.
+    key:
+        The key the file was saved with, or ``None`` for an unsigned file.
+
+    Returns ``False`` (loading nothing; a WARNING is logged) for a file saved by another torch version, whose
+    entries torch would never use.
+
+    **Failures**, all before torch sees a byte (nothing loaded, nothing written): ``FileNotFoundError``
+    naming ``path`` when there is no file; :class:`SpecError` for a ``path`` that is not a ``str`` /
+    ``os.PathLike`` (``None``) or a ``key`` that is not non-empty bytes; :class:`CompileCacheError` naming
+    the file when it is a directory, is not one of :func:`save_compile_cache` (another format, truncated,
+    its checksum wrong), its signature does not match ``key`` (signed but no ``key`` given, unsigned but a
+    ``key`` given, another key, or altered), its payload is not torch's mega-cache encoding this library
+    can check (version 1, as torch 2.13 writes it), or an entry's key is absolute, holds ``..``, a backslash or a
+    drive letter (it would write outside the cache directory). Also a :class:`CompileCacheError` when torch
+    cannot read the artifacts. Nothing here changes torch's configuration.
     """
-    path = Path(path)
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise FileNotFoundError(2, f"load_compile_cache: no compile cache file at {path}", str(path)) from None
-    header, payload = _parse_compile_cache(path, data)
+    path, key = _checked_path("load_compile_cache", path), _checked_key("load_compile_cache", key)
+    header, payload = _parse_compile_cache(path, _read_compile_cache(path))
+    _check_signature(path, header, payload, key)
     if header.get("torch") != torch.__version__:
         logger.warning("load_compile_cache: %s was saved by torch %s, this is torch %s; not loaded (torch only uses "
                        "artifacts of its own version)", path, header.get("torch"), torch.__version__)
         return False
+    _check_entry_keys(path, payload)
     info = torch.compiler.load_cache_artifacts(payload)
     if info is None:
         raise CompileCacheError(
@@ -468,8 +514,52 @@ def load_compile_cache(path: str | os.PathLike[str]) -> bool:
     return True if artifacts is None else any(artifacts.values())
 
 
+def _checked_path(where: str, path: object) -> Path:
+    """``path`` as a :class:`Path`; :class:`SpecError` unless it is a ``str`` or an ``os.PathLike`` of one."""
+    name = os.fspath(path) if isinstance(path, os.PathLike) else path
+    if not isinstance(name, str):
+        raise SpecError(f"{where}.path: expected a str or os.PathLike naming a file, got {path!r} "
+                        f"({type(path).__name__})")
+    return Path(name)
+
+
+def _checked_key(where: str, key: object) -> bytes | None:
+    """``key`` as bytes, or ``None``; :class:`SpecError` unless it is ``None`` or non-empty bytes.
+
+    NOTE: the message names the key's type (or that it is empty), never its value: errors end up in logs.
+    """
+    if key is None:
+        return None
+    if not isinstance(key, (bytes, bytearray)) or not key:
+        got = f"empty {type(key).__name__}" if isinstance(key, (bytes, bytearray)) else type(key).__name__
+        raise SpecError(f"{where}.key: expected None or non-empty bytes (a secret shared by the processes that save "
+                        f"and load the file; a str: .encode() it), got {got}")
+    return bytes(key)
+
+
+def _signature(key: bytes, payload: bytes) -> str:
+    """HMAC-SHA256 of torch's bytes under ``key``, in hex (the header's ``hmac_sha256``)."""
+    return hmac.new(key, payload, hashlib.sha256).hexdigest()
+
+
+def _read_compile_cache(path: Path) -> bytes:
+    """The bytes of the file at ``path``: ``FileNotFoundError`` / :class:`CompileCacheError` (a directory)."""
+    if path.is_dir():
+        raise CompileCacheError(
+            f"load_compile_cache: expected a file written by save_compile_cache at {path}, got a directory"
+        )
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise FileNotFoundError(2, f"load_compile_cache: no compile cache file at {path}", str(path)) from None
+
+
 def _parse_compile_cache(path: Path, data: bytes) -> tuple[dict[str, object], bytes]:
-    """``(header, payload)`` of a compile-cache file, checked: format line, JSON header, size, SHA-256."""
+    """``(header, payload)`` of a compile-cache file, checked: format line, JSON header, size, SHA-256.
+
+    NOTE: the SHA-256 sits in the same file, so it catches accidental corruption (a truncated copy, a flipped
+    bit), never tampering: anyone who writes the payload writes its checksum too. ``key=`` is for that.
+    """
     if not data.startswith(COMPILE_CACHE_MAGIC):
         raise CompileCacheError(
             f"load_compile_cache: expected a file written by save_compile_cache (first line "
@@ -484,9 +574,128 @@ def _parse_compile_cache(path: Path, data: bytes) -> tuple[dict[str, object], by
     if len(payload) != size or hashlib.sha256(payload).hexdigest() != digest:
         raise CompileCacheError(
             f"load_compile_cache: expected {size} payload bytes with SHA-256 {digest[:12]}... in {path}, got "
-            f"{len(payload)} bytes with another checksum: the file is truncated or corrupt"
+            f"{len(payload)} bytes with another checksum: the file is truncated or corrupt (accidental damage; the "
+            "checksum proves nothing about who wrote the file)"
         )
     return header, payload
+
+
+def _check_signature(path: Path, header: dict[str, object], payload: bytes, key: bytes | None) -> None:
+    """:class:`CompileCacheError` unless the file is unsigned and ``key`` is ``None``, or signed with ``key``.
+
+    Files of before the ``signed`` field are unsigned. A signed file loaded without a key is refused too: a
+    caller who passes no key expects a file it wrote itself, and one who passes a key must never be
+    downgraded to an unsigned file.
+    """
+    signed, signature = header.get("signed", False), header.get("hmac_sha256")
+    if not isinstance(signed, bool) or (signed and not (isinstance(signature, str) and _HEX64.fullmatch(signature))):
+        raise CompileCacheError(f"load_compile_cache: the header of {path} is unreadable (expected 'signed' a bool "
+                                f"and, if true, 'hmac_sha256' 64 hex digits; got {signed!r}, {signature!r})")
+    if signed and key is None:
+        raise CompileCacheError(f"load_compile_cache: expected an unsigned file at {path} (no key= given), got a "
+                                "file signed with a key: pass the key it was saved with")
+    if key is not None and not signed:
+        raise CompileCacheError(f"load_compile_cache: expected a file signed with the given key at {path}, got an "
+                                "unsigned file: not loaded (re-save it with save_compile_cache(..., key=))")
+    if key is not None and not hmac.compare_digest(_signature(key, payload), str(signature)):  # constant time
+        raise CompileCacheError(f"load_compile_cache: expected {path} signed with the given key, got another "
+                                "HMAC-SHA256: it was signed with another key or altered; not loaded")
+
+
+# torch's mega-cache payload (torch.utils._appending_byte_serializer, as torch 2.13 writes it), read here without torch
+# and without unpickling anything, to see every entry's key before torch writes a file for it:
+#
+#   crc32 of the rest (4 B) | version = 1 (u64) | per artifact type: type (str), count (u64),
+#                                                  count x [key (str), content (bytes)]
+#   str = bytes of base64(utf-8); bytes = length (u64) + the bytes; integers big-endian
+_MEGA_CACHE_VERSION = 1
+#: How an entry's key starts when it is a Windows drive path (``C:`` / ``C:\``): ``os.path.join`` drops the
+#: cache directory before it on Windows.
+_DRIVE = re.compile(r"[A-Za-z]:")
+#: A header's ``hmac_sha256``: checked before ``hmac.compare_digest``, which refuses non-ASCII strings.
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+def _check_entry_keys(path: Path, payload: bytes) -> None:
+    """:class:`CompileCacheError` if an entry's key could make torch write outside its cache directory.
+
+    torch joins each key to a cache directory (``os.path.join(cache_dir, key)``, some under a subfolder), so
+    an absolute key replaces the directory and a ``..`` climbs out of it: a file of the crafter's choosing.
+    """
+    for kind, entry in _mega_cache_keys(path, payload):
+        problem = _key_problem(entry)
+        if problem is not None:
+            raise CompileCacheError(
+                f"load_compile_cache: expected entry keys relative to torch's cache directory in {path}, got the "
+                f"{kind!r} key {entry[:200]!r} ({problem}): save_compile_cache never writes one; nothing loaded"
+            )
+
+
+def _key_problem(key: str) -> str | None:
+    """Why ``key`` is not a plain relative path inside a cache directory, or ``None`` when it is."""
+    if not key:
+        return "empty"
+    if "\x00" in key:
+        return "a NUL byte"
+    if "\\" in key:  # a separator on Windows: "..\\x" climbs there
+        return "a backslash"
+    if key.startswith("/") or os.path.isabs(key):
+        return "an absolute path"
+    if _DRIVE.match(key):
+        return "a drive"
+    if ".." in key.split("/"):
+        return "a '..' component, which climbs out of the cache directory"
+    return None
+
+
+def _mega_cache_keys(path: Path, payload: bytes) -> list[tuple[str, str]]:
+    """``(artifact type, key)`` of every entry of torch's payload, decoded as torch decodes it (see above);
+    :class:`CompileCacheError` for any other encoding or a malformed one, rather than guessing."""
+    reader = _PayloadReader(memoryview(payload))
+    try:
+        crc = int.from_bytes(reader.take(4), "big")
+        if crc != zlib.crc32(memoryview(payload)[4:]):
+            raise ValueError("its CRC32 does not match")
+        version = reader.uint64()
+        if version != _MEGA_CACHE_VERSION:
+            raise ValueError(f"encoding version {version}, this library checks version {_MEGA_CACHE_VERSION}")
+        keys = []
+        while not reader.finished:
+            kind, count = reader.text(), reader.uint64()
+            for _ in range(count):  # each entry takes >= 16 bytes: a huge count ends at the end of the data
+                keys.append((kind, reader.text()))
+                reader.take(reader.uint64())  # the content, not read
+    except ValueError as error:  # also base64's binascii.Error and UnicodeDecodeError
+        raise CompileCacheError(
+            f"load_compile_cache: expected torch's compile-cache encoding (version {_MEGA_CACHE_VERSION}, as torch "
+            f"2.13 writes it) in {path}, got bytes this library cannot check ({error}); nothing loaded"
+        ) from None
+    return keys
+
+
+class _PayloadReader:
+    """Reads torch's payload front to back; ``ValueError`` for a read past its end."""
+
+    def __init__(self, data: memoryview) -> None:
+        self._data, self._at = data, 0
+
+    @property
+    def finished(self) -> bool:
+        return self._at == len(self._data)
+
+    def take(self, size: int) -> memoryview:
+        if size > len(self._data) - self._at:
+            raise ValueError(f"a record of {size} bytes at byte {self._at} runs past the end ({len(self._data)})")
+        self._at += size
+        return self._data[self._at - size:self._at]
+
+    def uint64(self) -> int:
+        return int.from_bytes(self.take(8), "big")
+
+    def text(self) -> str:
+        # validate=True: an alphabet-only string decodes the same under torch's lax b64decode, so the key
+        # checked here is the key torch writes with.
+        return base64.b64decode(self.take(self.uint64()), validate=True).decode("utf-8")
 
 
 def _write_atomically(path: Path, data: bytes) -> None:

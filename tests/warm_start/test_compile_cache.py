@@ -1,15 +1,20 @@
-"""``save_compile_cache`` / ``load_compile_cache``: the file (atomic, checked) over torch's own mega-cache, and a
-real round trip -- a fresh process with an empty inductor cache hits the FX-graph cache after loading the file
-another process saved, and misses without it."""
+"""``save_compile_cache`` / ``load_compile_cache``: the file (atomic, checked) over torch's own mega-cache; crafted
+files (entry keys that leave the cache directory, a valid checksum over a hostile payload, signatures: issue 40)
+refused before torch sees a byte; and a real round trip -- a fresh process with an empty inductor cache hits the
+FX-graph cache after loading the file another process saved, and misses without it."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
 import os
+import pickle
 import shutil
 import subprocess
 import sys
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,16 +27,48 @@ from ardiff_modules import warm_start
 from tests.support.paths import REPO_ROOT
 
 
+def mega_cache(entries: dict[str, list[tuple[str, bytes]]]) -> bytes:
+    """``{artifact type: [(key, content)]}`` in torch's own encoding, by torch's own serializer (not the library's
+    reader): what ``torch.compiler.save_cache_artifacts`` returns."""
+    from torch.compiler._cache import CacheArtifactFactory, CacheArtifactManager, _serialize_single_cache
+    from torch.utils._appending_byte_serializer import AppendingByteSerializer
+
+    CacheArtifactManager._ensure_cache_artifacts_registered()
+    serializer = AppendingByteSerializer(serialize_fn=_serialize_single_cache)
+    for kind, items in entries.items():
+        serializer.append((kind, [CacheArtifactFactory.create(kind, k, c) for k, c in items]))
+    return serializer.to_bytes()
+
+
+#: Keys as torch makes them: hashes, autotune's "<dir>/<file>", a PGO job key with colons.
+TORCH_ENTRIES = {
+    "inductor": [("fzr3kq", b"\x80graph" * 8), ("fab12c", b"\x80graph2")],
+    "aot_autograd": [("ak2mz7", b"\x80aot")],
+    "autotune": [("bq/bqd4x.best_config", b"{}")],
+    "pgo": [("myjob:None:", b"\x80code")],
+}
+
+
+def write_cache_file(path: Path, payload: bytes, **header: object) -> None:
+    """A compile-cache file as anyone can write it: this torch, ``payload`` with its correct size and SHA-256."""
+    fields = {"torch": torch.__version__, "bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest(),
+              "artifacts": {}, **header}
+    path.write_bytes(warm_start.COMPILE_CACHE_MAGIC + json.dumps(fields).encode() + b"\n" + payload)
+
+
 class FakeTorchCache:
     """Stands in for ``torch.compiler.save_cache_artifacts`` / ``load_cache_artifacts`` (the wrapper's logic alone)."""
 
-    def __init__(self, payload: bytes | None = b"\x00torch-artifacts\xff" * 8) -> None:
-        self.payload = payload
+    def __init__(self, payload: bytes | None = None) -> None:
+        self.payload = mega_cache(TORCH_ENTRIES) if payload is None else payload
         self.loaded: list[bytes] = []
         self.refuse = False
+        self.nothing = False
+        self.saves = 0
 
     def save(self) -> tuple[bytes, SimpleNamespace] | None:
-        if self.payload is None:
+        self.saves += 1
+        if self.nothing:
             return None
         return self.payload, SimpleNamespace(artifacts={"inductor": ["a", "b"], "aot_autograd": ["c"]})
 
@@ -65,7 +102,7 @@ def test_nothing_to_save_writes_nothing_and_keeps_an_old_file(fake: FakeTorchCac
     path = tmp_path / "compile.bin"
     assert am.save_compile_cache(path) > 0
     old = path.read_bytes()
-    fake.payload = None
+    fake.nothing = True
     assert am.save_compile_cache(path) == 0
     assert path.read_bytes() == old
     assert am.save_compile_cache(tmp_path / "new.bin") == 0 and not (tmp_path / "new.bin").exists()
@@ -142,6 +179,167 @@ def test_the_wrappers_leave_torchs_configuration_alone(fake: FakeTorchCache, tmp
     am.save_compile_cache(tmp_path / "c.bin")
     am.load_compile_cache(tmp_path / "c.bin")
     assert (torch._inductor.config.save_config_portable(), torch._dynamo.config.save_config_portable()) == before
+
+
+# ------------------------------------------------------------------ crafted files (issue 40): trusted input
+@pytest.mark.parametrize("bad", [None, 3, b"compile.bin"], ids=["None", "int", "bytes"])
+def test_a_path_that_is_no_path_is_a_spec_error_and_nothing_happens(fake: FakeTorchCache, bad: object) -> None:
+    for call in (am.load_compile_cache, am.save_compile_cache):
+        with pytest.raises(am.SpecError, match=rf"\.path: expected a str or os\.PathLike naming a file, got {bad!r}"):
+            call(bad)  # type: ignore[arg-type]
+    assert fake.loaded == [] and fake.saves == 0
+
+
+def test_a_directory_is_a_compile_cache_error_naming_it(fake: FakeTorchCache, tmp_path: Path) -> None:
+    directory = f"expected a file written by save_compile_cache at {tmp_path}, got a directory"
+    with pytest.raises(am.CompileCacheError, match=directory):
+        am.load_compile_cache(tmp_path)
+    with pytest.raises(am.CompileCacheError, match=f"expected a file path, got the directory {tmp_path}"):
+        am.save_compile_cache(tmp_path)
+    assert fake.loaded == [] and fake.saves == 0 and list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture
+def torch_cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """torch's real on-disk cache directory for this test, two folders below ``tmp_path`` (``../..`` stays inside)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "torch" / "cache"))
+    return tmp_path / "torch" / "cache"
+
+
+@pytest.mark.parametrize(
+    ("kind", "key", "problem"),
+    [
+        ("autotune", "ABSOLUTE", "an absolute path"),
+        ("autotune", "../../outside/pwned", "a '..' component"),
+        ("autotune", "bq/../../../outside/pwned", "a '..' component"),
+        ("inductor", "ABSOLUTE", "an absolute path"),
+        ("aot_autograd", "..", "a '..' component"),
+        ("autotune", "..\\..\\outside\\pwned", "a backslash"),
+        ("autotune", "C:\\outside\\pwned", "a backslash"),
+        ("autotune", "C:outside", "a drive"),
+        ("precompile", "", "empty"),
+        ("pgo", "job\x00", "a NUL byte"),
+    ],
+    ids=["absolute", "dotdot", "dotdot-inside", "absolute-inductor", "dotdot-alone", "backslash", "drive-path",
+         "drive-relative", "empty", "nul"],
+)
+def test_an_entry_key_that_leaves_the_cache_directory_is_refused_before_torch_writes(
+    tmp_path: Path, torch_cache_dir: Path, kind: str, key: str, problem: str
+) -> None:
+    # The real torch.compiler.load_cache_artifacts: an autotune entry is written at os.path.join(cache_dir, key).
+    target = tmp_path / "outside" / "pwned"
+    key = str(target) if key == "ABSOLUTE" else key
+    entries = {"autotune": list(TORCH_ENTRIES["autotune"])}  # one bad entry after a good one
+    entries.setdefault(kind, []).append((key, b"{}"))
+    payload = mega_cache(entries)
+    path = tmp_path / "crafted.bin"
+    write_cache_file(path, payload)  # its SHA-256 is right: the checksum is no defence
+    with pytest.raises(am.CompileCacheError, match="expected entry keys relative to torch's cache directory") as info:
+        am.load_compile_cache(path)
+    assert f"{kind!r} key {key!r} ({problem}" in str(info.value) and str(path) in str(info.value)
+    assert not target.exists() and not (tmp_path / "outside").exists()
+    assert not torch_cache_dir.exists()  # not one entry written, the good ones neither
+
+
+class _RunsOnUnpickle:
+    """A pickle that creates ``marker`` when unpickled: a hostile payload's stand-in for arbitrary code."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return os.mkdir, (str(self.marker),)
+
+
+def _records(*fields: bytes | int) -> bytes:
+    """Hand-made mega-cache records: ints as u64, bytes length-prefixed (strings: pass base64 bytes)."""
+    return b"".join(f.to_bytes(8, "big") if isinstance(f, int) else len(f).to_bytes(8, "big") + f for f in fields)
+
+
+def _with_crc(body: bytes) -> bytes:
+    return zlib.crc32(body).to_bytes(4, "big") + body
+
+
+@pytest.mark.parametrize(
+    ("craft", "why"),
+    [
+        (lambda marker: pickle.dumps(_RunsOnUnpickle(marker)), "its CRC32 does not match"),
+        (lambda marker: _with_crc(_records(2, b"aW5kdWN0b3I=", 0)), "encoding version 2"),
+        (lambda marker: _with_crc(_records(1, b"aW5kdWN0b3I=", 1, b"Zm9v")), "runs past the end"),
+        (lambda marker: _with_crc(_records(1, b"aW5kdWN0b3I=", 2**63, b"Zm9v", b"x")), "runs past the end"),
+        (lambda marker: _with_crc(_records(1, b"aW5kdWN0b3I=", 1, b"Zm9v\n/../x", b"x")), "Non-base64|Only base64"),
+        (lambda marker: _with_crc(_records(1, b"aW5kdWN0b3I=", 1, b"/w==", b"x")), "utf-8"),
+        (lambda marker: b"", "runs past the end"),
+    ],
+    ids=["pickle", "version-2", "truncated", "huge-count", "lax-base64", "not-utf8", "empty"],
+)
+def test_a_payload_this_library_cannot_check_is_refused_unread(
+    fake: FakeTorchCache, tmp_path: Path, craft: Callable[[Path], bytes], why: str
+) -> None:
+    marker = tmp_path / "code-ran"
+    path = tmp_path / "crafted.bin"
+    write_cache_file(path, craft(marker))  # a valid checksum over a hostile payload
+    with pytest.raises(am.CompileCacheError, match=f"got bytes this library cannot check .*({why})") as info:
+        am.load_compile_cache(path)
+    assert str(path) in str(info.value)
+    assert fake.loaded == [] and not marker.exists()  # torch never saw it, nothing unpickled
+
+
+KEY = b"\x13server-fleet secret\xfe"
+
+
+def test_a_signed_file_loads_with_its_key_only(fake: FakeTorchCache, tmp_path: Path) -> None:
+    signed, unsigned = tmp_path / "signed.bin", tmp_path / "unsigned.bin"
+    am.save_compile_cache(signed, key=KEY)
+    am.save_compile_cache(unsigned)
+    data = signed.read_bytes()
+    header = json.loads(data.split(b"\n")[1])
+    assert header["signed"] is True and header["hmac_sha256"] == hmac.new(KEY, fake.payload, hashlib.sha256).hexdigest()
+    assert KEY not in data and json.loads(unsigned.read_bytes().split(b"\n")[1])["signed"] is False
+    refusals = [
+        (signed, None, "expected an unsigned file .* got a file signed with a key"),
+        (signed, b"another key", "signed with the given key, got another HMAC-SHA256"),
+        (unsigned, KEY, "expected a file signed with the given key .* got an unsigned file"),
+    ]
+    for path, key, match in refusals:
+        with pytest.raises(am.CompileCacheError, match=match):
+            am.load_compile_cache(path, key=key)
+    assert fake.loaded == []
+    assert am.load_compile_cache(signed, key=bytearray(KEY)) is True and am.load_compile_cache(unsigned) is True
+    assert fake.loaded == [fake.payload, fake.payload]
+
+
+def test_a_signed_file_with_another_payload_and_a_fresh_checksum_is_refused(
+    fake: FakeTorchCache, tmp_path: Path
+) -> None:
+    path = tmp_path / "signed.bin"
+    am.save_compile_cache(path, key=KEY)
+    header = json.loads(path.read_bytes().split(b"\n")[1])
+    hostile = mega_cache({"autotune": [(str(tmp_path / "pwned"), b"{}")]})
+    write_cache_file(path, hostile, signed=True, hmac_sha256=header["hmac_sha256"])  # signature kept, SHA-256 redone
+    with pytest.raises(am.CompileCacheError, match="got another HMAC-SHA256: it was signed with another key or alt"):
+        am.load_compile_cache(path, key=KEY)
+    for bad in ("not hex", "é" * 64, 7):  # hmac.compare_digest would raise a TypeError on these
+        write_cache_file(path, fake.payload, signed=True, hmac_sha256=bad)
+        with pytest.raises(am.CompileCacheError, match="'hmac_sha256' 64 hex digits"):
+            am.load_compile_cache(path, key=KEY)
+    write_cache_file(path, fake.payload, signed="yes")
+    with pytest.raises(am.CompileCacheError, match="expected 'signed' a bool"):
+        am.load_compile_cache(path)
+    assert fake.loaded == []
+
+
+@pytest.mark.parametrize(("key", "got"), [("hunter2", "got str"), (b"", "got empty bytes"), (1234, "got int")])
+def test_a_bad_key_is_a_spec_error_that_never_shows_it(
+    fake: FakeTorchCache, tmp_path: Path, key: object, got: str
+) -> None:
+    am.save_compile_cache(tmp_path / "c.bin")
+    fake.saves = 0
+    for call in (am.save_compile_cache, am.load_compile_cache):
+        with pytest.raises(am.SpecError, match=f"key: expected None or non-empty bytes .*, {got}$") as info:
+            call(tmp_path / "c.bin", key=key)  # type: ignore[arg-type]
+        assert "hunter2" not in str(info.value) and "1234" not in str(info.value)
+    assert fake.loaded == [] and fake.saves == 0
 
 
 # ------------------------------------------------------------------ the real thing, in fresh processes
