@@ -56,6 +56,7 @@ from ardiff_modules.errors import (
     StreamPositionError,
     TensorMismatchError,
     TrainingScopeError,
+    UncommittedForwardsWarning,
     UnknownBranchError,
     UnknownCacheError,
 )
@@ -201,6 +202,7 @@ __all__ = [
     "TensorMismatchError",
     "TrainingScope",
     "TrainingScopeError",
+    "UncommittedForwardsWarning",
     "UnknownBranchError",
     "UnknownCacheError",
     "VideoRotaryEmbedding",

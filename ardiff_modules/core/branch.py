@@ -65,6 +65,9 @@ class BranchPages:
         #: Tokens ever committed (evicted ones included): drives absolute positions. Chunks may
         #: differ in length (e.g. a 1-frame first chunk), so this is not chunks x chunk_size.
         self.committed_tokens = 0
+        #: Forwards prepared with ``commit_current=False`` since this branch last committed (a diagnostic: the
+        #: forward manager warns when a stream runs many without a commit; see ``forwards/uncommitted.py``).
+        self.uncommitted_forwards = 0
         #: The open forward whose pending chunks these are (opaque here; see ``core/transaction.py``).
         self.transaction: object | None = None
         #: Clean latents kept on request (``keep_latents``), by commit index: opaque here (tensors), only
@@ -260,6 +263,7 @@ class BranchPages:
             position += len(chunk) * self.page_size
         self.committed_chunks += len(self.pending)
         self.committed_tokens = position
+        self.uncommitted_forwards = 0
         self.history, self.history_index, self.pending = result.history, result.indices, ()
         self.history_start = tuple(starts[i] for i in result.indices)
         if self.recache_horizon:
@@ -415,6 +419,7 @@ class BranchPages:
         self.extent = ()
         self.committed_chunks = 0
         self.committed_tokens = 0
+        self.uncommitted_forwards = 0
         self.transaction = None
         return freed
 
