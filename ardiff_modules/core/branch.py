@@ -82,6 +82,10 @@ class BranchPages:
         """The branch's pending chunks now belong to ``transaction`` (an open forward)."""
         self.transaction = transaction
 
+    def count_uncommitted_forward(self) -> None:
+        """A forward with ``commit_current=False`` began on this branch (:attr:`uncommitted_forwards`)."""
+        self.uncommitted_forwards += 1
+
     def detach(self, transaction: object) -> None:
         """``transaction`` finished: the branch belongs to no forward (unless a later one took it already)."""
         if self.transaction is transaction:

@@ -61,7 +61,7 @@ class UncommittedWatch:
         if request.commit_current:
             return
         for pages in request.branches:
-            pages.uncommitted_forwards += 1
+            pages.count_uncommitted_forward()
 
 
 def _message(state: KVState, branch: str, count: int) -> str:
