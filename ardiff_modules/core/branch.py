@@ -65,9 +65,6 @@ class BranchPages:
         #: Tokens ever committed (evicted ones included): drives absolute positions. Chunks may
         #: differ in length (e.g. a 1-frame first chunk), so this is not chunks x chunk_size.
         self.committed_tokens = 0
-        #: Forwards prepared with ``commit_current=False`` since this branch last committed (a diagnostic: the
-        #: forward manager warns when a stream runs many without a commit; see ``forwards/uncommitted.py``).
-        self.uncommitted_forwards = 0
         #: The open forward whose pending chunks these are (opaque here; see ``core/transaction.py``).
         self.transaction: object | None = None
         #: Clean latents kept on request (``keep_latents``), by commit index: opaque here (tensors), only
@@ -81,10 +78,6 @@ class BranchPages:
     def attach(self, transaction: object) -> None:
         """The branch's pending chunks now belong to ``transaction`` (an open forward)."""
         self.transaction = transaction
-
-    def count_uncommitted_forward(self) -> None:
-        """A forward with ``commit_current=False`` began on this branch (:attr:`uncommitted_forwards`)."""
-        self.uncommitted_forwards += 1
 
     def detach(self, transaction: object) -> None:
         """``transaction`` finished: the branch belongs to no forward (unless a later one took it already)."""
@@ -267,7 +260,6 @@ class BranchPages:
             position += len(chunk) * self.page_size
         self.committed_chunks += len(self.pending)
         self.committed_tokens = position
-        self.uncommitted_forwards = 0
         self.history, self.history_index, self.pending = result.history, result.indices, ()
         self.history_start = tuple(starts[i] for i in result.indices)
         if self.recache_horizon:
@@ -423,7 +415,6 @@ class BranchPages:
         self.extent = ()
         self.committed_chunks = 0
         self.committed_tokens = 0
-        self.uncommitted_forwards = 0
         self.transaction = None
         return freed
 

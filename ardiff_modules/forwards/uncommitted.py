@@ -3,9 +3,9 @@
 A generation loop commits each chunk with its last forward (``commit_current=True``: the last denoising
 step, or a clean pass). Forgetting it raises nothing -- every forward only overwrites the same pending
 pages -- so the video silently loses all temporal context. The manager counts, per stream, the forwards
-prepared with ``commit_current=False`` since its last commit (``BranchPages.uncommitted_forwards``; a
-commit resets it) and warns once per session when a stream prepares more than
-:data:`UNCOMMITTED_FORWARDS_LIMIT` of them in a row::
+prepared with ``commit_current=False`` since its last commit (:meth:`UncommittedWatch.count`; a commit, seen
+as a new ``BranchPages.committed_chunks``, restarts it) and warns once per session when a stream prepares
+more than :data:`UNCOMMITTED_FORWARDS_LIMIT` of them in a row::
 
     forward:   1  2  3  4 | 5  6  7  8 | ...            Self-Forcing: 4 steps, the 4th commits
     count:     1  2  3  0 | 1  2  3  0 | ...            -> never near the limit
@@ -22,6 +22,7 @@ import sys
 import warnings
 import weakref
 
+from ardiff_modules.core.branch import BranchPages
 from ardiff_modules.errors import UncommittedForwardsWarning
 from ardiff_modules.forwards.request import Build
 from ardiff_modules.session import KVState
@@ -45,29 +46,39 @@ class UncommittedWatch:
         self.limit = limit
         #: Sessions already warned (weak: a closed, dropped session is forgotten).
         self.warned: weakref.WeakSet[KVState] = weakref.WeakSet()
+        #: Per stream: ``(committed_chunks when last counted, forwards without a commit since)``.
+        # NOTE: kept here, not on BranchPages (core stays free of diagnostics): a commit shows as a changed
+        # committed_chunks (a reset too, unless the stream never committed -- then the count rightly goes on).
+        self.counts: weakref.WeakKeyDictionary[BranchPages, tuple[int, int]] = weakref.WeakKeyDictionary()
+
+    def count(self, pages: BranchPages) -> int:
+        """Forwards with ``commit_current=False`` the stream ``pages`` began since its last commit."""
+        committed, count = self.counts.get(pages, (0, 0))
+        return count if committed == pages.committed_chunks else 0
 
     def before(self, request: Build) -> None:
         """Warn for each session (once) one of whose streams would pass the limit with this forward."""
         if request.commit_current:  # (a re-cache always commits)
             return
         for (state, branch), pages in zip(request.members, request.branches):
-            if pages.uncommitted_forwards >= self.limit and state not in self.warned:
-                warnings.warn(_message(state, branch, pages.uncommitted_forwards + 1), UncommittedForwardsWarning,
+            count = self.count(pages)
+            if count >= self.limit and state not in self.warned:
+                warnings.warn(_message(state, branch, count + 1, self.limit), UncommittedForwardsWarning,
                               stacklevel=_user_stacklevel())
                 self.warned.add(state)
 
     def after(self, request: Build) -> None:
-        """The forward began: count it on each of its streams (a commit resets the count)."""
+        """The forward began: count it on each of its streams."""
         if request.commit_current:
             return
         for pages in request.branches:
-            pages.count_uncommitted_forward()
+            self.counts[pages] = (pages.committed_chunks, self.count(pages) + 1)
 
 
-def _message(state: KVState, branch: str, count: int) -> str:
+def _message(state: KVState, branch: str, count: int, limit: int) -> str:
     return (
         f"prepare_forward: {state.session_id!r}/{branch!r} reached {count} forwards in a row with commit_current=False "
-        f"(more than {UNCOMMITTED_FORWARDS_LIMIT}): its history keeps none of them, so later chunks attend to no "
+        f"(more than {limit}): its history keeps none of them, so later chunks attend to no "
         "earlier chunk. Pass commit_current=True to the forward that finishes each chunk (the last denoising step "
         "or the clean pass). Warned once per session; if these forwards are meant not to commit, silence it with "
         "warnings.filterwarnings('ignore', category=ardiff_modules.UncommittedForwardsWarning)"
