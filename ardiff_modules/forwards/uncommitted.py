@@ -21,6 +21,7 @@ import os
 import sys
 import warnings
 import weakref
+from types import FrameType
 
 from ardiff_modules.core.branch import BranchPages
 from ardiff_modules.errors import UncommittedForwardsWarning
@@ -77,17 +78,18 @@ class UncommittedWatch:
 
 def _message(state: KVState, branch: str, count: int, limit: int) -> str:
     return (
-        f"prepare_forward: {state.session_id!r}/{branch!r} reached {count} forwards in a row with commit_current=False "
-        f"(more than {limit}): its history keeps none of them, so later chunks attend to no "
-        "earlier chunk. Pass commit_current=True to the forward that finishes each chunk (the last denoising step "
-        "or the clean pass). Warned once per session; if these forwards are meant not to commit, silence it with "
-        "warnings.filterwarnings('ignore', category=ardiff_modules.UncommittedForwardsWarning)"
+        f"prepare_forward: {state.session_id!r}/{branch!r} reached {count} forwards in a row with "
+        f"commit_current=False (more than {limit}): none of them joined its history, so later chunks cannot "
+        "attend to them. Pass commit_current=True to the forward that finishes each chunk (the last denoising "
+        "step or the clean pass). Warned once per session; if these forwards are meant not to commit, silence it "
+        "with warnings.filterwarnings('ignore', category=ardiff_modules.UncommittedForwardsWarning)"
     )
 
 
 def _user_stacklevel() -> int:
     """``stacklevel`` (for a ``warnings.warn`` in the caller) of the first frame outside this package."""
-    frame, level = sys._getframe(2), 2
+    frame: FrameType | None = sys._getframe(2)
+    level = 2
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
         frame, level = frame.f_back, level + 1
     return level
