@@ -57,6 +57,7 @@ from ardiff_modules.errors import (
     StreamPositionError,
     TensorMismatchError,
     TrainingScopeError,
+    UncommittedForwardsWarning,
     UnknownBranchError,
     UnknownCacheError,
 )
@@ -203,6 +204,7 @@ __all__ = [
     "TensorMismatchError",
     "TrainingScope",
     "TrainingScopeError",
+    "UncommittedForwardsWarning",
     "UnknownBranchError",
     "UnknownCacheError",
     "VideoRotaryEmbedding",

@@ -33,6 +33,7 @@ from ardiff_modules.forwards.commit_checks import check_pending_finite
 from ardiff_modules.forwards.host_tier import HostTier
 from ardiff_modules.forwards.registry import ContextKey, ContextRegistry
 from ardiff_modules.forwards.request import Build
+from ardiff_modules.forwards.uncommitted import UncommittedWatch
 from ardiff_modules.forwards.validation import (
     check_capacity,
     check_no_open_commit,
@@ -86,6 +87,8 @@ class ForwardManager:
         self.check_finite = check_finite
         self.lock = lock
         self.registry = ContextRegistry(max_contexts)
+        #: Warns once per session when a stream runs many forwards without a commit.
+        self.uncommitted = UncommittedWatch()
         self.closed = False
 
     def _check_open(self, what: str) -> None:
@@ -240,6 +243,7 @@ class ForwardManager:
         kept for reuse) once this one begins; if planning itself fails on a backend that re-plans in
         place, that forward is superseded too (its plan is no longer trustworthy), and nothing else changes.
         """
+        self.uncommitted.before(request)  # before any change: an error filter raising it changes nothing
         key = request.key
         ctx = self._context(key)
         reservation = Reservation(request.branches, request.chunk_pages, self.allocator, request.extent_pages)
@@ -277,6 +281,7 @@ class ForwardManager:
             if hold and reservation.can_roll_back():  # (a kept reservation is the forward's own pending pages)
                 reservation.rollback()
             raise
+        self.uncommitted.after(request)
         if logger.isEnabledFor(logging.DEBUG):
             if request.recache:
                 fresh = sum(len(b.split_pending()[1]) for b in request.branches)
