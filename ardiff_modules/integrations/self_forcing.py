@@ -31,6 +31,11 @@ per model forward; the other blocks read their layer's context from the shared
 - anything else (a skipped or rewound chunk, a start off the chunk boundaries): refused with
   :class:`~ardiff_modules.errors.StreamPositionError` naming the starts expected.
 
+CausVid (the same ``CausalWanModel`` family) binds the same way: its blocks pass ``current_end`` where
+Self-Forcing's pass ``cache_start`` (ignored), its ``kv_cache`` dicts hold ``k`` / ``v`` only and a second video
+simply starts again at ``current_start=0`` (a new video: the session is reset), and its attention is global (the
+window check expects ``sink_size=0``, ``local_attn_size=-1``).
+
 Image-to-video and video extension run as upstream calls them: ``inference(noise, prompts, initial_latent)``
 runs each input block once at timestep 0 (the binding rule commits it when the next block starts), and with
 ``independent_first_frame`` the video's first chunk is one frame (the image, or a generated first frame: blocks of
@@ -563,8 +568,14 @@ def _check_geometry(cache: KVCache, layers: Sequence[ChunkSelfAttention]) -> Non
 
 
 def _upstream_window(module: nn.Module) -> tuple[int, int] | None:
-    """Upstream's ``(sink_size, local_attn_size)`` in frames, when the module carries them."""
+    """Upstream's ``(sink_size, local_attn_size)`` in frames, when the module carries them.
+
+    NOTE: CausVid's ``CausalWanSelfAttention`` carries ``window_size`` and neither of them: its cached path always
+    attends everything written so far (no sink, no rolling), which is ``(0, -1)``.
+    """
     sink_size, local_attn_size = getattr(module, "sink_size", None), getattr(module, "local_attn_size", None)
     if is_int(sink_size) and is_int(local_attn_size):
         return int(sink_size), int(local_attn_size)  # type: ignore[arg-type]  # is_int: not None
+    if sink_size is None and local_attn_size is None and hasattr(module, "window_size"):
+        return 0, -1
     return None
