@@ -46,7 +46,7 @@ import torch
 from ardiff_modules.checks import require_int
 from ardiff_modules.core.admission import Admission, ExtentRoom
 from ardiff_modules.core.allocator import PageAllocator
-from ardiff_modules.core.branch import BranchImage, PageChunk, load_branch, unload_branch
+from ardiff_modules.core.branch import BranchImage, BranchPages, PageChunk, load_branch, unload_branch
 from ardiff_modules.core.host_pages import HostPages
 from ardiff_modules.core.reservation import ResumeReservation
 from ardiff_modules.cross import CrossEntry, CrossKey
@@ -224,7 +224,7 @@ class HostTier:
             self._suspended[state] = Suspended(images, chunks, host_cross, extra)
             self._handles.pop(state, None)
 
-    def _check_suspendable(self, state: KVState) -> dict[str, object]:
+    def _check_suspendable(self, state: KVState) -> dict[str, BranchPages]:
         names = state.kv_branch_names
         branches = {name: state.branch_pages(name) for name in names}  # raises on a closed session
         if state in self._suspended:
@@ -237,7 +237,7 @@ class HostTier:
                 f"suspend {state.session_id!r}: expected no open forward and no pending chunk, got pending work on "
                 f"branch(es) {busy} (commit or abort it first)"
             )
-        return branches  # type: ignore[return-value]
+        return branches
 
     def _extent_pages(self) -> set[int]:
         return {p for s in list(self._sessions) for name in s.kv_branch_names for p in s.branch_pages(name).extent}
