@@ -188,7 +188,7 @@ class KVState(SessionCrossCaches):
         return self.cache.host_tier.is_suspended(self)
 
     def suspend(self) -> None:
-        """Move this session's pages, cross caches and latents to the host tier (see ``forwards/host_tier.py``)."""
+        """Move this session's pages, cross caches and latents to the host tier (see ``host/tier.py``)."""
         self.cache.host_tier.suspend(self)
 
     def resume(self) -> object:

@@ -26,11 +26,11 @@ from ardiff_modules.context import ForwardContext, TransactionOwner
 from ardiff_modules.core.allocator import PageAllocator
 from ardiff_modules.core.branch import BranchPages
 from ardiff_modules.core.recache import RecacheRule
-from ardiff_modules.core.reservation import Reservation, settle_free_order
+from ardiff_modules.core.reservation import ForwardReservation, settle_free_order
 from ardiff_modules.core.transaction import ForwardTransaction
 from ardiff_modules.errors import ARDiffError, CacheClosedError, CommitFailedError, LatentsNotKeptError, SpecError
 from ardiff_modules.forwards.commit_checks import check_pending_finite
-from ardiff_modules.forwards.host_tier import HostTier
+from ardiff_modules.host.tier import HostTier
 from ardiff_modules.forwards.registry import ContextKey, ContextRegistry
 from ardiff_modules.forwards.request import Build
 from ardiff_modules.forwards.uncommitted import UncommittedWatch
@@ -246,7 +246,7 @@ class ForwardManager:
         self.uncommitted.before(request)  # before any change: an error filter raising it changes nothing
         key = request.key
         ctx = self._context(key)
-        reservation = Reservation(request.branches, request.chunk_pages, self.allocator, request.extent_pages)
+        reservation = ForwardReservation(request.branches, request.chunk_pages, self.allocator, request.extent_pages)
         planning = False
         try:
             layout = ForwardLayout(
