@@ -92,7 +92,7 @@ class ForwardTransaction:
     #: that this forward's writes started is fixed by its commit and undone by anything else).
     on_close: list[Callable[[ForwardTransaction], None]] = field(default_factory=list, repr=False)
     #: The multi-participant forward this is one participant of (a part of a grouped forward, a rank's share
-    #: of a distributed one): only it commits this transaction (:func:`~ardiff_modules.core.two_phase.require_coordinated`).
+    #: of a distributed one): only it commits this transaction (``core.two_phase.require_coordinated``).
     coordinator: Coordinator | None = field(default=None, repr=False)
 
     def attach(self) -> None:
@@ -105,6 +105,10 @@ class ForwardTransaction:
         if self.reservation is not None:
             self.reservation.keep()
             self.reservation = None
+
+    def join(self, coordinator: Coordinator) -> None:
+        """This forward is one participant of ``coordinator``'s: only it may commit this one from now on."""
+        self.coordinator = coordinator
 
     @property
     def is_open(self) -> bool:

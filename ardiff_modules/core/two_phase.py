@@ -188,7 +188,7 @@ def prepare_all(
         raise
     if decision.go:
         for _, transaction in held:
-            transaction.coordinator = coordinator
+            transaction.join(coordinator)
             transaction.keep_reservation()  # the forward stands: release what it replaced
         return decision
     _roll_back(held, decision, undo)
