@@ -327,6 +327,14 @@ class DistributedKVCache:
         """
         self.cache.forwards.abort_sessions(states, free_order=free_before)
 
+    def settle_finish(self, decision: Decision) -> None:
+        """After a finish vote's outcome was applied, whatever it was: the optional consistency check.
+
+        Collective: every rank reaches it, whatever the vote said (a rank raising first would hang the rest).
+        """
+        if self.debug_checks:
+            self.check_consistency()
+
     def check_consistency(self) -> tuple[StateDigest, ...]:
         """Debug: raise :class:`RankDivergenceError` unless every rank made the same decisions (collective).
 
@@ -441,8 +449,7 @@ class DistributedForward:
                 [me], owner._decide(Vote.FINISH, self.number, "this rank's streams were aborted"), failure=error,
                 # where this rank's forward was already closed, only the free-queue order is reset
                 undo=lambda decision: owner._abort_streams((), self._free_before),
-                # collective: every rank reaches it, whatever the vote said (a rank raising first would hang the rest)
-                settle=lambda decision: owner.check_consistency() if owner.debug_checks else None,
+                settle=owner.settle_finish,
                 refused=refused,
             )
         except _LocalAbort:
