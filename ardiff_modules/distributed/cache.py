@@ -263,6 +263,8 @@ class DistributedKVCache:
                 failed_ranks=tuple(r for r in decision.failed if isinstance(r, int)),
             )
 
+        # NOTE: a KeyboardInterrupt in the prepare or the vote is not voted on: prepare_all rolls back and undoes
+        # here, and the peers meet this rank's next vote (RankDivergenceError) and undo the same.
         step = Step(self.mesh.rank, prepare, lambda transaction: self.cache.finish_forward(transaction, False))
         decide = self._decide(Vote.PREPARED, number, "this rank's prepared forward was aborted")
         prepare_all(Coordinator(f"DistributedForward {number}"), [step], decide, undo=undo, refused=refused)
