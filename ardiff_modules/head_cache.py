@@ -633,9 +633,16 @@ class HeadGroupedSession(SessionCrossCaches):
         return forward if forward is not None and forward.is_active else None
 
     def commit_paged_context(self, kv_branch: str) -> None:
-        """Commit the open forward ``kv_branch`` belongs to (every part, with its other streams)."""
-        forward = self.open_forward(kv_branch)
-        if forward is None:
+        """Commit the open forward ``kv_branch`` belongs to (every part, with its other streams).
+
+        A forward that some part finished alone (a part context aborted directly) is aborted in every part and
+        :class:`ForwardFinishedError` raised, as :meth:`HeadGroupedForward.commit` does: never a silent no-op
+        that leaves the other parts open.
+        """
+        self._check_branch(kv_branch)
+        forward = self._open.get(kv_branch)
+        # NOTE: any part open, not all (open_forward): a half-open forward must reach the grouped finish.
+        if forward is None or not any(part.is_active for part in forward.parts):
             return
         forward.commit()
 

@@ -305,3 +305,18 @@ def test_committing_one_part_alone_is_refused_and_the_parts_stay_in_step() -> No
     assert_parts_agree(cache)
     one_forward(s, oracle, spec.branches, 4, True, gen, spec)  # later forwards run (and match the oracle)
     assert [p.committed_chunks("uncond") for p in s.parts] == [3, 3]
+
+
+def test_commit_paged_context_after_one_part_aborted_alone_aborts_every_part() -> None:
+    """Aborting a part alone stays allowed (history is unchanged), but the session's commit then reaches the
+    grouped finish (ForwardFinishedError, the other parts aborted) instead of returning with them still open."""
+    _, cache = make_cache()
+    s = cache.open_session()
+    fwd = s.prepare_forward(None, 4, commit_current=True)
+    run_layers(fwd, torch.Generator().manual_seed(9))
+    fwd.parts[0].abort()
+    with pytest.raises(am.ForwardFinishedError, match="expected the forward open in every part"):
+        s.commit_paged_context("cond")
+    assert fwd.status == "aborted" and [p.committed_chunks("cond") for p in s.parts] == [0, 0]
+    assert_parts_agree(cache)
+    s.commit_paged_context("cond")  # nothing open any more: a no-op
