@@ -303,7 +303,8 @@ class KVCache:
 
         A commit is refused -- the forward aborted, history unchanged, the error raised -- unless
         :meth:`abort_if_uncommittable` passes; whatever a commit raises, the forward is aborted before the
-        error propagates (a library error as it is, anything else as :class:`CommitFailedError`).
+        error propagates (a library error as it is, anything else as :class:`CommitFailedError`). A participant of
+        a grouped or distributed forward committed alone raises :class:`ParticipantCommitError`, nothing changed.
         """
         self.forwards.finish_forward(transaction, success)
 
