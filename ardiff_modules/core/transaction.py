@@ -32,7 +32,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from ardiff_modules.errors import ForwardFinishedError, IncompleteForwardError
 
@@ -41,8 +41,35 @@ from ardiff_modules.core.recache import RecachePlan
 from ardiff_modules.core.branch import BranchPages
 from ardiff_modules.core.reservation import Reservation
 
-if TYPE_CHECKING:
-    from ardiff_modules.core.two_phase import Coordinator
+class Coordinator:
+    """The multi-participant forward that alone commits its participants' transactions (``core.two_phase``).
+
+    NOTE: here, not in ``two_phase``: a transaction names its coordinator, and ``two_phase`` drives transactions.
+
+    ``name`` names it in :class:`ParticipantCommitError` (e.g. ``"the HeadGroupedForward over [s0/cond]"``).
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        # NOTE: the thread inside commit_all, not a flag: another thread committing a participant alone
+        # meanwhile is still refused.
+        self._finisher: int | None = None
+
+    def __repr__(self) -> str:
+        return f"Coordinator({self.name!r})"
+
+    @contextmanager
+    def finishing(self) -> Iterator[None]:
+        """Inside the block, this thread may commit the participants (what :func:`commit_all` does)."""
+        outer, self._finisher = self._finisher, threading.get_ident()
+        try:
+            yield
+        finally:
+            self._finisher = outer
+
+    def may_commit(self) -> bool:
+        return self._finisher == threading.get_ident()
+
 
 #: ``completed``: a denoising forward that finished (nothing joins history; "committed" is
 #: reserved for forwards whose chunks did).

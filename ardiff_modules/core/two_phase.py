@@ -22,12 +22,11 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ardiff_modules.core.transaction import deferred_interrupts
+from ardiff_modules.core.transaction import Coordinator, deferred_interrupts
 from ardiff_modules.errors import ParticipantCommitError
 
 if TYPE_CHECKING:
@@ -81,34 +80,6 @@ def decide_locally(words: Sequence[tuple[object, Word]]) -> Decision:
 def worst(words: Sequence[tuple[object, Word]]) -> Word:
     """This process's word in a vote: the worst of its participants' (``READY`` when it has none)."""
     return max((word for _, word in words), default=Word.READY)
-
-
-class Coordinator:
-    """The multi-participant forward that alone commits its participants' transactions.
-
-    ``name`` names it in :class:`ParticipantCommitError` (e.g. ``"the HeadGroupedForward over [s0/cond]"``).
-    """
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        # NOTE: the thread inside commit_all, not a flag: another thread committing a participant alone
-        # meanwhile is still refused.
-        self._finisher: int | None = None
-
-    def __repr__(self) -> str:
-        return f"Coordinator({self.name!r})"
-
-    @contextlib.contextmanager
-    def finishing(self) -> Iterator[None]:
-        """Inside the block, this thread may commit the participants (what :func:`commit_all` does)."""
-        outer, self._finisher = self._finisher, threading.get_ident()
-        try:
-            yield
-        finally:
-            self._finisher = outer
-
-    def may_commit(self) -> bool:
-        return self._finisher == threading.get_ident()
 
 
 def require_coordinated(transaction: ForwardTransaction, streams: str) -> None:
