@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.paths import EXAMPLES
+from tests.support.paths import EXAMPLES, REPO_ROOT
 
 sys.path.insert(0, str(EXAMPLES))
 
@@ -320,9 +320,10 @@ def test_streaming_example_no_plot_runs_alone_without_matplotlib_pil_numpy(tmp_p
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "sitecustomize.py").write_text(BLOCK_EXTRAS)
     argv = ["--chunks", "2", "--steps", "1", "--out", str(tmp_path / "out" / "s.png"), "--no-plot"]
+    path = os.pathsep.join(map(str, (tmp_path / "site", REPO_ROOT)))  # this tree's library, not the examples/
     done = subprocess.run(
         [sys.executable, str(tmp_path / "streaming_generation.py"), *argv], capture_output=True, text=True,
-        timeout=300, env={**os.environ, "PYTHONPATH": str(tmp_path / "site")}, cwd=tmp_path,
+        timeout=300, env={**os.environ, "PYTHONPATH": path}, cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert (tmp_path / "out" / "s.png").read_bytes()[:8] == PNG_MAGIC
