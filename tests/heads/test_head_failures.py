@@ -165,7 +165,9 @@ def test_committing_a_forward_one_part_finished_alone_aborts_the_others() -> Non
     assert [p.committed_chunks("cond") for p in s.parts] == [0, 0]
 
 
-def test_a_ctrl_c_between_two_parts_commits_waits_until_every_part_committed(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_ctrl_c_between_two_parts_commits_waits_until_every_part_committed(
+    monkeypatch: pytest.MonkeyPatch, sigint_raises: None
+) -> None:
     _, cache = make_cache()
     s = cache.open_session()
     first = cache.caches[0]

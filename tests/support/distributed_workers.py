@@ -36,6 +36,7 @@ from ardiff_modules.distributed import (
     ulysses_chunk_attention,
 )
 from ardiff_modules.errors import CapacityError, NonFiniteKVError, SequenceLengthError, TensorMismatchError
+from tests.support.failures import default_sigint
 from tests.support.paths import EXAMPLES
 from tests.support.streaming_model import TinyStreamingModel
 
@@ -720,7 +721,8 @@ def check_ctrl_c_in_the_finish_vote() -> None:
     me, branch = dist.get_rank(), mesh.local_branches[0]
     interrupted = False
     try:
-        with cache.prepare_forward(state, CHUNK, commit_current=True) as fwd:
+        # A rank inherits the suite's SIGINT disposition: ignored when pytest runs in the background / nohup.
+        with default_sigint(), cache.prepare_forward(state, CHUNK, commit_current=True) as fwd:
             write_every_layer(fwd.layers)
             if me == 0:
                 time.sleep(1.5)  # rank 1 reaches the finish vote first and waits there
