@@ -73,6 +73,8 @@ class KVCache:
     host_budget_bytes:
         Bytes the host tier of suspended sessions may hold (``None``: unbounded; ``KVState.suspend``).
 
+    Notes
+    -----
     Thread safety: every host-side operation of the cache and its sessions (prepare, commit,
     abort, open/close/reset/fork, populate, stats, admission) holds one re-entrant lock, so
     threads may each drive their own sessions concurrently. Kernels take no lock. Two threads

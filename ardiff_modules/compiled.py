@@ -98,6 +98,8 @@ class CompiledStep:
     warn_recompiles:
         Warn (once, :class:`CompileInputWarning`) when the model compiles again after its first frame.
 
+    Notes
+    -----
     Calls raise :class:`CompileInputError` (chained from dynamo's error where there is one) for the
     pitfalls in the module docstring. Grad mode is part of the graph: a training step (forwards with and
     without gradients) is two frames, neither a recompile to warn about. A library error raised by library code while dynamo traced it (a shape check, say) is
