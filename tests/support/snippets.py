@@ -22,9 +22,7 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.support.paths import README, REPO_ROOT
-
-DOCS = REPO_ROOT / "docs"
+from tests.support.paths import DOCS, README, REPO_ROOT
 FRAGMENT = "# fragment"
 #: A fenced block: its opening fence (3+ backticks) and info string, its body, the same fence closing it.
 _FENCE = re.compile(r"^(?P<fence>`{3,})(?P<info>[^`\n]*)\n(?P<body>.*?)^(?P=fence)[ \t]*$", re.M | re.S)
