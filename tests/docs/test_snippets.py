@@ -18,10 +18,12 @@ import pytest
 from tests.support.paths import README, REPO_ROOT
 from tests.support.snippets import Block, page_blocks, pages, python_blocks, python_view
 
-#: Seconds one block may take on the CI's CPU (the rule is "well under ~10 s"; the machine is shared).
-BLOCK_SECONDS = 30
-#: Seconds a page's process may take beyond its blocks: the interpreter and the torch import.
-STARTUP_SECONDS = 30
+#: CPU seconds one block may take (the rule is "well under ~10 s" on an idle CPU; the torch import counts).
+#: CPU time, not wall time: the CI machine is shared, and a loaded machine stretches wall time many times.
+BLOCK_CPU_SECONDS = 20
+#: Wall seconds a page's process may take, per runnable block and for the interpreter's start.
+BLOCK_WALL_SECONDS = 120
+STARTUP_WALL_SECONDS = 60
 
 RUNNABLE = [p for p in pages() if any(not b.fragment for b in page_blocks(p))]
 
@@ -48,17 +50,17 @@ def test_page_blocks_run_as_copied(page: Path) -> None:
     try:
         result = subprocess.run(
             [sys.executable, "-m", "tests.support.snippets", str(page)], cwd=REPO_ROOT, env=env,
-            capture_output=True, text=True, timeout=STARTUP_SECONDS + BLOCK_SECONDS * len(runnable),
+            capture_output=True, text=True, timeout=STARTUP_WALL_SECONDS + BLOCK_WALL_SECONDS * len(runnable),
         )
     except subprocess.TimeoutExpired as error:
         pytest.fail(f"{_page_id(page)}: its blocks (lines {[b.line for b in runnable]}) ran past {error.timeout} s\n"
                     f"{error.stdout}")
     output = result.stdout + result.stderr
     assert result.returncode == 0, f"{_page_id(page)}: a python block failed\n{output[-6000:]}"
-    times = {int(line): float(s) for line, s in re.findall(r"^BLOCK (\d+) ([\d.]+)$", result.stdout, re.M)}
-    assert sorted(times) == [b.line for b in runnable], output[-2000:]
-    slow = {line: s for line, s in times.items() if s > BLOCK_SECONDS}
-    assert not slow, f"{_page_id(page)}: blocks at lines {slow} took over {BLOCK_SECONDS} s (seconds by line)"
+    cpu = {int(line): float(s) for line, s in re.findall(r"^BLOCK (\d+) ([\d.]+) [\d.]+$", result.stdout, re.M)}
+    assert sorted(cpu) == [b.line for b in runnable], output[-2000:]
+    slow = {line: s for line, s in cpu.items() if s > BLOCK_CPU_SECONDS}
+    assert not slow, f"{_page_id(page)}: blocks took over {BLOCK_CPU_SECONDS} CPU s (CPU seconds by line): {slow}"
     written = sorted(_tree() - before)
     assert not written, f"{_page_id(page)}: blocks wrote into the repository (use tempfile.mkdtemp()): {written}"
 

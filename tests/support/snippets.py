@@ -8,7 +8,7 @@ not run.
 ``python -m tests.support.snippets PAGE`` runs PAGE's blocks in this one process, each ``exec``'d in a fresh
 namespace dict (a fresh process per page, not per block: the torch import, 2-3 s, is paid once a page).
 Each block is compiled under the page's own path with its real line numbers, so a traceback names the
-markdown file and line. It prints one ``BLOCK <line> <seconds>`` line per block run and exits 1 at the
+markdown file and line. It prints one ``BLOCK <line> <cpu seconds> <wall seconds>`` line per block run and exits 1 at the
 first failing block.
 """
 
@@ -103,14 +103,14 @@ def run_page(path: Path) -> int:
         if block.fragment:
             continue
         _reset_compiler()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         try:
             exec(compile(block.padded(), filename, "exec"), {"__name__": "__main__"})  # noqa: S102
         except BaseException:  # noqa: BLE001 - the report names the block, then the run stops
             traceback.print_exc()
             print(f"FAILED {block.page}:{block.line}", flush=True)
             return 1
-        print(f"BLOCK {block.line} {time.perf_counter() - start:.2f}", flush=True)
+        print(f"BLOCK {block.line} {time.process_time() - cpu:.2f} {time.perf_counter() - start:.2f}", flush=True)
     return 0
 
 
