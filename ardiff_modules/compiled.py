@@ -1,5 +1,5 @@
 """``CompiledStep``: ``torch.compile(model, fullgraph=True)`` that reports a streaming model's compile pitfalls
-as this library's errors, next to their cause (README, porting guide, "3. Compile-friendly inputs").
+as this library's errors, next to their cause (docs/guide/porting.md, "3. Compile-friendly inputs").
 
 The pitfalls, which dynamo reports (when it does at all) far from where they come from:
 
