@@ -26,7 +26,7 @@ from ardiff_modules.core.retention import RetentionPolicy
 from ardiff_modules.core.transaction import ForwardTransaction
 from ardiff_modules.errors import CacheClosedError, SpecError
 from ardiff_modules.forwards import ForwardManager
-from ardiff_modules.forwards.host_tier import HostTier, TierReport
+from ardiff_modules.host.tier import HostTier, TierReport
 from ardiff_modules.pool import KVPool, pages_for_budget, torch_dtype
 from ardiff_modules.session import ForwardOptions, KVState
 from ardiff_modules.session_table import SessionTable, check_session_id
@@ -305,7 +305,8 @@ class KVCache:
 
         A commit is refused -- the forward aborted, history unchanged, the error raised -- unless
         :meth:`abort_if_uncommittable` passes; whatever a commit raises, the forward is aborted before the
-        error propagates (a library error as it is, anything else as :class:`CommitFailedError`).
+        error propagates (a library error as it is, anything else as :class:`CommitFailedError`). A participant of
+        a grouped or distributed forward committed alone raises :class:`ParticipantCommitError`, nothing changed.
         """
         self.forwards.finish_forward(transaction, success)
 
@@ -351,7 +352,7 @@ class KVCache:
         """How many more sessions can run to their peak alongside the open ones; ``tier="host"``: how many more
         the host tier holds suspended at their peak (their pages; cross caches and latents add bytes: :meth:`tiers`).
         ``recache`` (default): keep :meth:`recache_reserve` free, so every session can re-cache one at a time.
-        Contiguous extents: also the extents the free runs hold (:mod:`~ardiff_modules.forwards.extent_room`)."""
+        Contiguous extents: also the extents the free runs hold (:mod:`~ardiff_modules.host.extent_room`)."""
         with self._lock:
             self.pages_per_session(pending_chunks=pending_chunks)  # open, bounded, pending_chunks checked first
             require_bool("sessions_that_fit.recache", recache)
@@ -371,7 +372,7 @@ class KVCache:
         """Open a session only if it fits at its peak (see :meth:`sessions_that_fit`); raises :class:`CapacityError`
         before any change. ``suspend_idle``: first suspend least recently used idle sessions to make room -- any
         (``True``) or only those given (the ones the server knows are paused; :meth:`HostTier.suspend_idle
-        <ardiff_modules.forwards.host_tier.HostTier.suspend_idle>`)."""
+        <ardiff_modules.host.tier.HostTier.suspend_idle>`)."""
         with self._lock:
             self._check_open("admit_session")
             check_session_id(session_id)

@@ -109,6 +109,14 @@ class ForwardFinishedError(ARDiffError, RuntimeError):
     """
 
 
+class ParticipantCommitError(ARDiffError, RuntimeError):
+    """One participant of a multi-participant forward (a part of a ``HeadGroupedForward``, a rank's share of a
+    ``DistributedForward``) was committed alone; refused with nothing changed: commit the whole forward.
+
+    Committing one part alone would leave the parts' histories a chunk apart for good.
+    """
+
+
 class CacheClosedError(ARDiffError, RuntimeError):
     """An operation was attempted on a closed :class:`KVCache`."""
 
@@ -171,3 +179,14 @@ class CompileCacheError(ARDiffError, ValueError):
 
 class CompileInputWarning(UserWarning):
     """:class:`~ardiff_modules.CompiledStep` recompiled after its first frame; names the likely cause."""
+
+
+class UncommittedForwardsWarning(UserWarning):
+    """A stream ran many forwards in a row with ``commit_current=False``: its history keeps none of them.
+
+    Warned once per session, when one of its streams prepares more than 128 such forwards since its last
+    commit (``ardiff_modules.forwards.uncommitted.UNCOMMITTED_FORWARDS_LIMIT``): usually a forgotten
+    ``commit_current=True`` on the forward that finishes a chunk. Where forwards
+    legitimately never commit (benchmarks, repeated re-runs of one chunk), silence it with
+    ``warnings.filterwarnings("ignore", category=ardiff_modules.UncommittedForwardsWarning)``.
+    """

@@ -87,6 +87,11 @@ class HandleTable:
             raise PlanNotFoundError(f"Plan handle {handle} is registered but has no plan yet")
         return holder
 
+    def holders(self) -> list[PlanHolder]:
+        """Every registered holder, a snapshot (error messages look up which forward a tensor belongs to)."""
+        with self._lock:
+            return list(self._holders.values())
+
     def __len__(self) -> int:
         return len(self._holders)
 

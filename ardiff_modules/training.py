@@ -183,6 +183,11 @@ _CAPTURE: contextvars.ContextVar[list[tuple[HistoryRead, int]] | None] = context
 _REPLAY: contextvars.ContextVar[_Replay | None] = contextvars.ContextVar("ardiff_replay", default=None)
 
 
+def _open_scopes() -> tuple[TrainingScope, ...]:
+    """This context's active scopes, less those closed elsewhere (another thread or context)."""
+    return tuple(s for s in _SCOPES.get() if not s.closed)
+
+
 def _in_backward() -> bool:
     """Whether autograd's engine is running (a recomputation under ``torch.utils.checkpoint``)."""
     task = getattr(torch._C, "_current_graph_task_id", None)
@@ -229,9 +234,10 @@ def _record_of(fwd: ForwardContext, pad_to: int | None) -> HistoryRead:
     if record is not None:
         return record
     record = HistoryRead.of(fwd, pad_to)
+    # The innermost open scope of this cache holds it; a closed one still listed (closed in another thread or
+    # context, whose stack it could not edit) refuses, and the next one out takes the record.
     for scope in reversed(_SCOPES.get()):
-        if scope.cache is fwd.owner:
-            scope.hold(record)
+        if scope.cache is fwd.owner and scope.hold(record):
             break
     with _RECORDS_LOCK:
         _RECORDS[transaction] = record
@@ -311,38 +317,49 @@ class TrainingScope:
             raise SpecError(f"TrainingScope.cache: expected a KVCache, got {type(cache).__name__}")
         self.cache = cache
         self.records: list[HistoryRead] = []
-        self._token: contextvars.Token[tuple[TrainingScope, ...]] | None = None
+        self._entered = False
         self.closed = False
 
     def __enter__(self) -> TrainingScope:
-        if self._token is not None or self.closed:
+        if self._entered or self.closed:
             raise TrainingScopeError("TrainingScope: expected a new scope, got one that was already entered")
-        self._token = _SCOPES.set((*_SCOPES.get(), self))
+        self._entered = True
+        _SCOPES.set((*_open_scopes(), self))
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
     def close(self) -> None:
-        """Drop every hold; records read after this raise :class:`TrainingScopeError`. Idempotent."""
-        if self._token is not None:
-            _SCOPES.reset(self._token)
-            self._token = None
-        self.closed = True
+        """Drop every hold and leave the active scopes; records read after this raise
+        :class:`TrainingScopeError`. Idempotent.
+
+        Scopes may close in any order: closing an outer scope before an inner one removes only the outer one
+        (the inner one stays active and keeps holding what its forwards read). A scope closed in another thread
+        or context than the one that entered it releases its holds all the same and holds nothing after.
+        """
+        # NOTE: not ContextVar.reset(token): a token restores the whole stack as it was at __enter__, which
+        # after an out-of-order close would revive the closed outer scope and drop the open inner one (and
+        # it raises in any context but the entering one, before the holds were released).
+        _SCOPES.set(tuple(s for s in _open_scopes() if s is not self))
         with self.cache.lock:
+            self.closed = True  # under the lock: a concurrent hold() sees it and takes nothing
             for record in self.records:
                 record.ended = "a forward of a TrainingScope that has ended (its held pages were released)"
                 if record.hold is not None:
                     record.hold.release()
             self.records.clear()
 
-    def hold(self, record: HistoryRead) -> None:
-        """Hold ``record``'s history pages until the scope ends."""
+    def hold(self, record: HistoryRead) -> bool:
+        """Hold ``record``'s history pages until the scope ends; ``False`` (nothing held) once it has ended."""
         with self.cache.lock:
+            if self.closed:
+                return False
             hold = PageHold(self.cache.allocator, record.history_pages)
             hold.take()
             record.hold = hold
             self.records.append(record)
+            return True
 
     @property
     def held_pages(self) -> int:
@@ -366,7 +383,7 @@ class TrainingScope:
         """
         from torch.utils.checkpoint import checkpoint
 
-        if self.closed or self._token is None:
+        if self.closed or not self._entered:
             raise TrainingScopeError("TrainingScope.checkpoint: expected an entered scope, got one not entered or ended")
         frozen = tuple(_freeze(a) for a in args)
         return checkpoint(fn, *frozen, use_reentrant=False, context_fn=self._contexts, **kwargs)  # type: ignore[no-any-return]

@@ -482,7 +482,7 @@ def load_branch(
     branch: BranchPages, image: BranchImage, chunks: Sequence[PageChunk], extent: tuple[int, ...] = ()
 ) -> None:
     """Resume ``branch`` from ``image`` with its chunks in ``chunks`` (references already taken by the caller:
-    :class:`ResumeHold`), inside ``extent`` (its reservation's references taken too) or plain paged."""
+    :class:`~ardiff_modules.core.reservation.ResumeReservation`), inside ``extent`` (its reservation's references taken too) or plain paged."""
     assert not branch.history and not branch.pending and not branch.extent, "load_branch: expected an empty branch"
     assert list(map(len, chunks)) == list(map(len, image.history)), "load_branch: chunk sizes changed"
     branch.extent = extent
@@ -490,40 +490,3 @@ def load_branch(
     branch.history_start = image.history_start
     branch.committed_chunks, branch.committed_tokens = image.committed_chunks, image.committed_tokens
     branch.latents, branch.recent = dict(image.latents), dict(image.recent)
-
-
-class ResumeHold:
-    """Fresh device pages for a resume, undoable until kept: allocate -> copy into them -> :meth:`keep` | :meth:`undo`.
-
-    ``fresh`` plain pages (refcount 1 each) and one contiguous run per entry of ``extents`` (its pages'
-    refcount 1 is the extent's reservation). Raises :class:`~ardiff_modules.errors.CapacityError` with
-    nothing allocated when they do not fit (fragmentation included).
-    """
-
-    def __init__(self, allocator: PageAllocator, fresh: int, extents: Sequence[int]) -> None:
-        self.allocator = allocator
-        # NOTE: the free order only with extents (allocate_contiguous reorders the queue).
-        self._checkpoint = allocator.checkpoint(free_order=bool(extents))
-        self.extents: list[list[int]] = []
-        self.fresh: list[int] = []
-        self.spent = False
-        try:
-            for count in extents:
-                self.extents.append(allocator.allocate_contiguous(count))
-            self.fresh = allocator.allocate(fresh)
-        except BaseException:
-            self.undo()
-            raise
-
-    def undo(self) -> None:
-        """Give every page back exactly (free order and peak included). Only before :meth:`keep`."""
-        assert not self.spent, "ResumeHold: already kept or undone"
-        self.allocator.unallocate([p for run in self.extents for p in run] + self.fresh, self._checkpoint)
-        self.spent = True
-
-    def keep(self, shared: Sequence[int]) -> None:
-        """The copies stand: take one more reference per entry of ``shared`` (aliased live pages, chunks inside
-        an extent on top of its reservation, repeated pages)."""
-        assert not self.spent, "ResumeHold: already kept or undone"
-        self.allocator.incref(shared)
-        self.spent = True

@@ -1,10 +1,11 @@
 """Host page ids, their refcounts and the host tier's byte budget (pure Python: no torch).
 
-The host tier (``ardiff_modules.forwards.host_tier``) keeps the K/V of suspended sessions in host
-memory, one host page per device page it copied out. This is its bookkeeping, the host twin of
-:class:`~ardiff_modules.core.allocator.PageAllocator`: ids, one reference per holder (a page that
-several suspended sessions shared is copied once and referenced by each), and the bytes held
-(pages plus the extra bytes of cross-attention caches and kept latents) against a budget::
+The host tier (:mod:`ardiff_modules.host`) keeps the K/V of suspended sessions in host memory, one host
+page per device page it copied out. This is its bookkeeping, the host twin of
+:class:`~ardiff_modules.core.allocator.PageAllocator`, with its verbs (:meth:`HostPages.allocate`,
+:meth:`~HostPages.incref`, :meth:`~HostPages.decref`): ids, one reference per holder (a page that several
+suspended sessions shared is copied once and referenced by each), and the bytes in use (pages plus the
+extra bytes of cross-attention caches and kept latents, :meth:`~HostPages.charge`) against a budget::
 
     device page p (generation g)  --suspend-->  host page h      host_of[(p, g)] = h
     host page h                   --resume--->  device page q    device_of[h]    = (q, g')
@@ -28,14 +29,14 @@ DeviceKey = tuple[int, int]
 
 
 class HostPages:
-    """Host page ids with refcounts, alias maps to device page lifetimes, and the bytes held.
+    """Host page ids with refcounts, alias maps to device page lifetimes, and the bytes in use.
 
     Parameters
     ----------
     bytes_per_page:
         Bytes of one page (every layer, K and V), as on the device.
     budget_bytes:
-        The most bytes the tier may hold (pages plus extra bytes), or ``None`` for no bound.
+        The most bytes the tier may use (pages plus extra bytes), or ``None`` for no bound.
     """
 
     def __init__(self, bytes_per_page: int, budget_bytes: int | None = None) -> None:
@@ -46,7 +47,7 @@ class HostPages:
         self.budget_bytes = budget_bytes
         self._refcounts: dict[int, int] = {}
         self._next_id = 0
-        #: Bytes held besides pages (suspended sessions' cross caches and latents).
+        #: Bytes in use besides pages (suspended sessions' cross caches and latents), see :meth:`charge`.
         self.extra_bytes = 0
         self._host_of: dict[DeviceKey, int] = {}
         self._device_of: dict[int, DeviceKey] = {}
@@ -58,7 +59,7 @@ class HostPages:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held now: pages and extra bytes."""
+        """Bytes in use now: pages and extra bytes."""
         return self.num_pages * self.bytes_per_page + self.extra_bytes
 
     def free_bytes(self) -> int | None:
@@ -85,41 +86,46 @@ class HostPages:
             )
 
     def host_copy_of(self, key: DeviceKey) -> int | None:
-        """The live host page holding the bytes of device page lifetime ``key``, if any."""
+        """The live host page with the bytes of device page lifetime ``key``, if any."""
         return self._host_of.get(key)
 
     def device_copy_of(self, host_page: int) -> DeviceKey | None:
-        """The device page lifetime last known to hold ``host_page``'s bytes (the caller checks it still lives)."""
+        """The device page lifetime last known to have ``host_page``'s bytes (the caller checks it still lives)."""
         return self._device_of.get(host_page)
 
     # ------------------------------------------------------------------ mutation
-    def take(self, count: int) -> list[int]:
-        """``count`` new host page ids, each with one reference (the caller checked the budget)."""
-        require_int("HostPages.take", count, minimum=0)
+    def allocate(self, count: int) -> list[int]:
+        """``count`` new host page ids, each with one reference (the caller checked the budget: :meth:`check_fits`).
+
+        NOTE: ids are never reused (a counter, no free list): the host memory behind them is the arena's,
+        whose rows are reused; a fresh id can never be mistaken for a dropped page's aliases.
+        """
+        require_int("HostPages.allocate", count, minimum=0)
         ids = list(range(self._next_id, self._next_id + count))
         self._next_id += count
         for host_page in ids:
             self._refcounts[host_page] = 1
         return ids
 
-    def share(self, host_pages: Iterable[int]) -> None:
-        """One more reference per occurrence; every page must be held."""
+    def incref(self, host_pages: Iterable[int]) -> None:
+        """One more reference per occurrence (sharing); every page must be held. Validated first."""
         host_pages = tuple(host_pages)
         for host_page in host_pages:
             if host_page not in self._refcounts:
-                raise AllocatorError(f"HostPages.share: host page {host_page} is not held; expected a held page")
+                raise AllocatorError(f"HostPages.incref: host page {host_page} is not held; expected a held page")
         for host_page in host_pages:
             self._refcounts[host_page] += 1
 
-    def drop(self, host_pages: Iterable[int]) -> list[int]:
-        """One reference less per occurrence (validated first); return the pages no longer held."""
+    def decref(self, host_pages: Iterable[int]) -> list[int]:
+        """One reference less per occurrence (validated first: nothing changes on an error); return the pages
+        no longer held (their aliases forgotten)."""
         drops: dict[int, int] = {}
         for host_page in host_pages:
             drops[host_page] = drops.get(host_page, 0) + 1
         for host_page, n in drops.items():
             if n > self._refcounts.get(host_page, 0):
                 raise AllocatorError(
-                    f"HostPages.drop: host page {host_page} has {self.refcount(host_page)} reference(s), "
+                    f"HostPages.decref: host page {host_page} has {self.refcount(host_page)} reference(s), "
                     f"cannot drop {n}"
                 )
         freed = []
@@ -134,7 +140,7 @@ class HostPages:
         return freed
 
     def link(self, host_page: int, key: DeviceKey) -> None:
-        """Record that device page lifetime ``key`` and held ``host_page`` hold the same bytes."""
+        """Record that device page lifetime ``key`` and held ``host_page`` have the same bytes."""
         if host_page not in self._refcounts:
             raise AllocatorError(f"HostPages.link: host page {host_page} is not held; expected a held page")
         old = self._device_of.get(host_page)
@@ -143,11 +149,13 @@ class HostPages:
         self._device_of[host_page] = key
         self._host_of[key] = host_page
 
-    def hold_bytes(self, nbytes: int) -> None:
+    def charge(self, nbytes: int) -> None:
+        """Count ``nbytes`` extra bytes (cross caches, latents) against the budget (the caller checked it)."""
         self.extra_bytes += nbytes
 
-    def release_bytes(self, nbytes: int) -> None:
-        assert nbytes <= self.extra_bytes, "releasing more extra bytes than held"
+    def refund(self, nbytes: int) -> None:
+        """Stop counting ``nbytes`` extra bytes (a suspended session left the tier)."""
+        assert nbytes <= self.extra_bytes, "refunding more extra bytes than charged"
         self.extra_bytes -= nbytes
 
     def check_invariants(self) -> None:

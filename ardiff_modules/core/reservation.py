@@ -1,24 +1,83 @@
-"""A forward's page reservation and its exact undo (pure Python).
+"""Reservations: pages taken for one operation, undone exactly until kept (pure Python).
 
-Reserving for a forward of ``num_chunks`` pending chunks over several branches may take a
-contiguous extent for branches that have none yet and grows each branch's pending chunks
-(reusing those of earlier denoising forwards). Everything after the reservation (planning the
-kernels, stacking caches, a distributed forward's vote) may still fail; until :meth:`Reservation.keep`,
-:meth:`Reservation.rollback` puts every branch, every refcount, the free-queue order and the
-allocator's peak back exactly as they were. Forwards, re-caches and a distributed forward whose
-vote failed all undo through it.
+One undo concept for every operation that takes device pages before it knows it will stand: a
+:class:`Reservation` takes its pages at construction, then either :meth:`~Reservation.keep` (the operation
+stands) or :meth:`~Reservation.rollback` (put every refcount, the free-queue order and the allocator's peak
+back exactly as they were). Two kinds::
+
+    ForwardReservation   a forward or a re-cache: contiguous extents for new branches, the pending chunks
+                         grown (reusing those of earlier denoising forwards); keep() releases the chunks
+                         it replaced. A distributed forward whose vote failed rolls back through it too.
+    ResumeReservation    a resume from the host tier: fresh pages and fresh extents to copy into;
+                         keep(shared) adds the references of chunk pages that are not fresh.
+
+Everything after the reservation (planning the kernels, stacking caches, a vote, the host-to-device
+copies) may still fail; until :meth:`~Reservation.keep`, :meth:`~Reservation.rollback` is exact.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from ardiff_modules.core.allocator import PageAllocator
 from ardiff_modules.core.branch import BranchPages, PageChunk
 
 
 class Reservation:
-    """Pages reserved for one forward; :meth:`rollback` until :meth:`keep`.
+    """Pages taken for one operation: :meth:`rollback` until :meth:`keep` (see the module docstring).
+
+    Subclasses take their pages in ``__init__`` after ``super().__init__``, call :meth:`rollback` if that
+    fails part-way, then :meth:`_reserved`; they say what a rollback gives back (:meth:`_undo`) and what a
+    keep releases (:meth:`_settle`).
+
+    Parameters
+    ----------
+    allocator:
+        The pool's allocator.
+    free_order:
+        Record the free queue's order (needed when contiguous runs are taken: they reorder the queue).
+    """
+
+    def __init__(self, allocator: PageAllocator, free_order: bool) -> None:
+        self.allocator = allocator
+        # NOTE: the free order only when asked: copying it costs O(free pages).
+        self._checkpoint = allocator.checkpoint(free_order=free_order)
+        #: Kept or rolled back: nothing is left to undo or to release.
+        self.spent = False
+        self._changes = -1  # the allocator's change count once reserved
+
+    def _reserved(self) -> None:
+        """Every page is taken: from here a rollback is exact while the allocator is unchanged."""
+        self._changes = self.allocator.changes
+
+    def _undo(self) -> list[int]:
+        """Put the operation's own bookkeeping back; return the freshly allocated pages (one reference each)."""
+        raise NotImplementedError
+
+    def _settle(self) -> None:
+        """What :meth:`keep` does before the reservation is spent (release replaced pages, add references)."""
+
+    def can_roll_back(self) -> bool:
+        """Whether :meth:`rollback` is still exact: not spent, and the allocator unchanged since the reservation
+        (another operation's pages in between would make the recorded free order and peak wrong)."""
+        return not self.spent and self.allocator.changes == self._changes
+
+    def rollback(self) -> None:
+        """Undo the reservation exactly (refcounts, free-queue order, peak). Only before :meth:`keep`."""
+        assert not self.spent, "a kept or rolled back reservation cannot be rolled back"
+        self.allocator.unallocate(self._undo(), self._checkpoint)
+        self.spent = True
+
+    def keep(self) -> None:
+        """The operation stands (:meth:`_settle`). Idempotent."""
+        if self.spent:
+            return
+        self._settle()
+        self.spent = True
+
+
+class ForwardReservation(Reservation):
+    """Pages reserved for one forward or re-cache; :meth:`rollback` until :meth:`keep`.
 
     Parameters
     ----------
@@ -38,17 +97,12 @@ class Reservation:
         extent_pages: int,
     ) -> None:
         self.branches = list(branches)
-        self.allocator = allocator
         #: Pending chunks each branch held that this forward replaces (released by :meth:`keep`).
         self._stale: list[tuple[tuple[int, ...], ...]] = []
         self._before: list[tuple[PageChunk, ...]] = [b.pending for b in self.branches]
         self._new_extents = [b for b in self.branches if b.needs_extent] if extent_pages else []
-        # NOTE: the free order only when an extent is taken (allocate_contiguous reorders the queue);
-        # copying it costs O(free pages), once per forward that reserves an extent.
-        self._checkpoint = allocator.checkpoint(free_order=bool(self._new_extents))
-        #: Kept or rolled back: nothing is left to undo or to release.
-        self.spent = False
-        self._changes = -1  # the allocator's change count once reserved
+        # NOTE: the free order only when an extent is taken: once per forward that reserves an extent.
+        super().__init__(allocator, free_order=bool(self._new_extents))
         try:
             if self._new_extents:
                 self._take_extents(extent_pages)
@@ -57,7 +111,7 @@ class Reservation:
         except BaseException:
             self.rollback()
             raise
-        self._changes = allocator.changes
+        self._reserved()
 
     def _take_extents(self, extent_pages: int) -> None:
         """A contiguous extent of ``extent_pages`` pages for each new branch, in increasing page order.
@@ -78,30 +132,66 @@ class Reservation:
         for b in branches:
             b.assign_extent(tuple(allocator.allocate_contiguous(extent_pages)))
 
-    def can_roll_back(self) -> bool:
-        """Whether :meth:`rollback` is still exact: not spent, and the allocator unchanged since the reservation
-        (another forward's pages in between would make the recorded free order and peak wrong)."""
-        return not self.spent and self.allocator.changes == self._changes
-
-    def rollback(self) -> None:
-        """Undo the reservation exactly (branches, refcounts, free-queue order, peak). Only before :meth:`keep`."""
-        assert not self.spent, "a kept reservation cannot be rolled back"
+    def _undo(self) -> list[int]:
+        """Branches back to their pending chunks before the reservation; their fresh pages and new extents."""
         fresh: list[int] = []
         for b, old in reversed(list(zip(self.branches, self._before))):
             fresh = b.undo_grow(old, self.allocator) + fresh
         for b in self._new_extents:
             fresh += b.release_extent()
-        self.allocator.unallocate(fresh, self._checkpoint)
         self._stale = []
-        self.spent = True
+        return fresh
 
-    def keep(self) -> None:
-        """The forward stands: release the pending chunks it replaced (surplus or resized). Idempotent."""
-        if self.spent:
-            return
+    def _settle(self) -> None:
+        """The forward stands: release the pending chunks it replaced (surplus or resized)."""
         self.allocator.decref(page for stale in self._stale for chunk in stale for page in chunk)
         self._stale = []
-        self.spent = True
+
+
+class ResumeReservation(Reservation):
+    """Fresh device pages for a resume: allocate -> copy into them -> :meth:`keep` (``shared``) | :meth:`rollback`.
+
+    ``fresh`` plain pages (one reference each) and one contiguous run per entry of ``extents`` (its pages'
+    one reference is the extent's reservation). Raises :class:`~ardiff_modules.errors.CapacityError` with
+    nothing allocated when they do not fit (fragmentation included).
+
+    Parameters
+    ----------
+    allocator:
+        The pool's allocator.
+    fresh:
+        Plain pages to allocate.
+    extents:
+        Pages of each contiguous extent to allocate, lowest run first.
+    """
+
+    def __init__(self, allocator: PageAllocator, fresh: int, extents: Sequence[int]) -> None:
+        # NOTE: the free order only with extents (allocate_contiguous reorders the queue).
+        super().__init__(allocator, free_order=bool(extents))
+        self.extents: list[list[int]] = []
+        self.fresh: list[int] = []
+        self._shared: tuple[int, ...] = ()
+        try:
+            for count in extents:
+                self.extents.append(allocator.allocate_contiguous(count))
+            self.fresh = allocator.allocate(fresh)
+        except BaseException:
+            self.rollback()
+            raise
+        self._reserved()
+
+    def _undo(self) -> list[int]:
+        return [p for run in self.extents for p in run] + self.fresh
+
+    def keep(self, shared: Iterable[int] = ()) -> None:
+        """The copies stand: take one more reference per entry of ``shared`` (aliased live pages, chunks inside
+        an extent on top of its reservation, repeated pages). Idempotent (a second call adds nothing)."""
+        if not self.spent:
+            self._shared = tuple(shared)
+        super().keep()
+
+    def _settle(self) -> None:
+        self.allocator.incref(self._shared)
 
 
 def settle_free_order(allocator: PageAllocator, before: Sequence[int]) -> None:

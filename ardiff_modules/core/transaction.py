@@ -32,7 +32,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from ardiff_modules.errors import ForwardFinishedError, IncompleteForwardError
 
@@ -40,6 +40,9 @@ from ardiff_modules.core.allocator import PageAllocator
 from ardiff_modules.core.recache import RecachePlan
 from ardiff_modules.core.branch import BranchPages
 from ardiff_modules.core.reservation import Reservation
+
+if TYPE_CHECKING:
+    from ardiff_modules.core.two_phase import Coordinator
 
 #: ``completed``: a denoising forward that finished (nothing joins history; "committed" is
 #: reserved for forwards whose chunks did).
@@ -88,6 +91,9 @@ class ForwardTransaction:
     #: Called with this transaction once it finishes, whatever the outcome (e.g. the FP8 calibration
     #: that this forward's writes started is fixed by its commit and undone by anything else).
     on_close: list[Callable[[ForwardTransaction], None]] = field(default_factory=list, repr=False)
+    #: The multi-participant forward this is one participant of (a part of a grouped forward, a rank's share
+    #: of a distributed one): only it commits this transaction (``core.two_phase.require_coordinated``).
+    coordinator: Coordinator | None = field(default=None, repr=False)
 
     def attach(self) -> None:
         """The forward begins: its branches belong to it (until it finishes)."""
@@ -99,6 +105,10 @@ class ForwardTransaction:
         if self.reservation is not None:
             self.reservation.keep()
             self.reservation = None
+
+    def join(self, coordinator: Coordinator) -> None:
+        """This forward is one participant of ``coordinator``'s: only it may commit this one from now on."""
+        self.coordinator = coordinator
 
     @property
     def is_open(self) -> bool:

@@ -26,13 +26,15 @@ from ardiff_modules.context import ForwardContext, TransactionOwner
 from ardiff_modules.core.allocator import PageAllocator
 from ardiff_modules.core.branch import BranchPages
 from ardiff_modules.core.recache import RecacheRule
-from ardiff_modules.core.reservation import Reservation, settle_free_order
+from ardiff_modules.core.reservation import ForwardReservation, settle_free_order
 from ardiff_modules.core.transaction import ForwardTransaction
+from ardiff_modules.core.two_phase import require_coordinated
 from ardiff_modules.errors import ARDiffError, CacheClosedError, CommitFailedError, LatentsNotKeptError, SpecError
 from ardiff_modules.forwards.commit_checks import check_pending_finite
-from ardiff_modules.forwards.host_tier import HostTier
+from ardiff_modules.host.tier import HostTier
 from ardiff_modules.forwards.registry import ContextKey, ContextRegistry
 from ardiff_modules.forwards.request import Build
+from ardiff_modules.forwards.uncommitted import UncommittedWatch
 from ardiff_modules.forwards.validation import (
     check_capacity,
     check_no_open_commit,
@@ -86,6 +88,8 @@ class ForwardManager:
         self.check_finite = check_finite
         self.lock = lock
         self.registry = ContextRegistry(max_contexts)
+        #: Warns once per session when a stream runs many forwards without a commit.
+        self.uncommitted = UncommittedWatch()
         self.closed = False
 
     def _check_open(self, what: str) -> None:
@@ -240,9 +244,10 @@ class ForwardManager:
         kept for reuse) once this one begins; if planning itself fails on a backend that re-plans in
         place, that forward is superseded too (its plan is no longer trustworthy), and nothing else changes.
         """
+        self.uncommitted.before(request)  # before any change: an error filter raising it changes nothing
         key = request.key
         ctx = self._context(key)
-        reservation = Reservation(request.branches, request.chunk_pages, self.allocator, request.extent_pages)
+        reservation = ForwardReservation(request.branches, request.chunk_pages, self.allocator, request.extent_pages)
         planning = False
         try:
             layout = ForwardLayout(
@@ -277,6 +282,7 @@ class ForwardManager:
             if hold and reservation.can_roll_back():  # (a kept reservation is the forward's own pending pages)
                 reservation.rollback()
             raise
+        self.uncommitted.after(request)
         if logger.isEnabledFor(logging.DEBUG):
             if request.recache:
                 fresh = sum(len(b.split_pending()[1]) for b in request.branches)
@@ -349,10 +355,18 @@ class ForwardManager:
 
     # ------------------------------------------------------------------ finishing
     def finish_forward(self, transaction: ForwardTransaction, success: bool) -> None:
-        """Commit (``success``) or abort every stream of ``transaction``, all or none (``KVCache.finish_forward``)."""
+        """Commit (``success``) or abort every stream of ``transaction``, all or none (``KVCache.finish_forward``).
+
+        Raises :class:`ParticipantCommitError`, nothing changed, when asked to commit one participant of a
+        multi-participant forward alone (:func:`~ardiff_modules.core.two_phase.require_coordinated`).
+        """
         with self.lock:
             if not transaction.is_open:
                 return
+            if success:
+                # NOTE: a part of a grouped forward (a rank's share of a distributed one) commits only with the
+                # others: committed alone, its history would run a chunk ahead of theirs for good.
+                require_coordinated(transaction, stream_names(transaction.members))
             if not success:
                 transaction.abort(self.allocator)
             else:

@@ -133,7 +133,7 @@ def check_capacity(
             free=allocator.num_free,
         )
     new_extents = sum(1 for h in histories if h.needs_extent)
-    # NOTE: the extents need not be adjacent (Reservation takes one run for all when it can, else one each).
+    # NOTE: the extents need not be adjacent (ForwardReservation takes one run for all when it can, else one each).
     if new_extents and new_extents > allocator.runs_that_fit(extent_pages):
         raise CapacityError(
             f"KV pool out of contiguous pages: {new_extents} new branch extent(s) of {extent_pages} consecutive "
@@ -317,7 +317,7 @@ def check_recache_latents(members: Sequence[tuple[KVState, str]], rows: Sequence
 def recache_fresh_pages(history: BranchPages, chunk_pages: Sequence[int], allocator: PageAllocator) -> int:
     """Pool pages a re-cache of ``history`` (idle) takes: its free ring slots hold the first rebuilt chunks.
 
-    What ``Reservation(..., extent_pages=0)`` allocates: no new extent, ``0`` slots without one.
+    What ``ForwardReservation(..., extent_pages=0)`` allocates: no new extent, ``0`` slots without one.
     """
     return sum(chunk_pages[len(history.free_extent_slots(allocator)) :])
 

@@ -31,6 +31,18 @@ per model forward; the other blocks read their layer's context from the shared
 - anything else (a skipped or rewound chunk, a start off the chunk boundaries): refused with
   :class:`~ardiff_modules.errors.StreamPositionError` naming the starts expected.
 
+CausVid (the same ``CausalWanModel`` family) binds the same way: its blocks pass ``current_end`` where
+Self-Forcing's pass ``cache_start`` (ignored), its ``kv_cache`` dicts hold ``k`` / ``v`` only and a second video
+simply starts again at ``current_start=0`` (a new video: the session is reset), and its attention is global (the
+window check expects ``sink_size=0``, ``local_attn_size=-1``).
+
+Image-to-video and video extension run as upstream calls them: ``inference(noise, prompts, initial_latent)``
+runs each input block once at timestep 0 (the binding rule commits it when the next block starts), and with
+``independent_first_frame`` the video's first chunk is one frame (the image, or a generated first frame: blocks of
+``[1, F, F, ...]``). A chunk shorter than ``chunk_size`` is accepted only at ``current_start=0`` (a multiple of
+``page_size`` tokens; the spec's policy from ``SinkWindowPolicy.from_frames(..., independent_first_frame=True)``:
+sinks and windows count chunks, whatever their lengths).
+
 The last chunk's clean forward stays open until :meth:`SelfForcingSession.finish` commits it (or the
 next video resets the session). A replaced ``kv_cache`` is what ``CausalInferencePipeline`` does between
 videos: it puts new ``global_end_index`` tensors into the dicts; the layers compare block 0's dict and
@@ -201,6 +213,7 @@ class SelfForcingSession:
         self.owns_cache = owns_cache
         #: upstream's ``(sink_size, local_attn_size)`` in frames, checked on the first forward (None: not).
         self.upstream_window = upstream_window
+        self._short_first = False  # whether this video's first chunk was shorter (image-to-video)
         self._open: _Open | None = None
         self._marker: tuple[Any, Any] | None = None  # block 0's kv_cache dict and its global_end_index
         self._closed = False
@@ -236,10 +249,10 @@ class SelfForcingSession:
         """Block 0 of a model forward: finish the open forward per the binding rule, open this one."""
         self._check_open("advance")
         start = self._start(current_start)
-        seq_len = self._check_input(x)
+        seq_len = self._check_input(x, start)
         grid = self._grid(grid_sizes, seq_len)
         replaced = self._kv_cache_replaced(kv_cache)
-        self._check_window(grid[0])
+        self._check_window(grid[0], seq_len, start)
         dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
         rope = self_forcing_rope(freqs, grid, start // (grid[1] * grid[2]), device=x.device, dtype=dtype)
         self._settle(start, seq_len, replaced)  # the first change: every check above raised before it
@@ -325,7 +338,9 @@ class SelfForcingSession:
             raise StreamPositionError(f"SelfForcingSession: expected current_start an int >= 0, got {current_start!r}")
         return int(current_start)
 
-    def _check_input(self, x: Any) -> int:
+    def _check_input(self, x: Any, start: int) -> int:
+        """``x``'s tokens: one chunk, or at ``current_start=0`` a shorter first chunk (image-to-video's independent
+        first frame: upstream's ``independent_first_frame``, with or without ``initial_latent``)."""
         spec = self.cache.spec
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[0] != len(self.branches):
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
@@ -333,12 +348,16 @@ class SelfForcingSession:
                 f"SelfForcingSelfAttention x: expected [{len(self.branches)} (one row per branch {self.branches}), "
                 f"seq_len, dim], got {got}"
             )
-        if x.shape[1] != spec.chunk_size:
+        tokens = int(x.shape[1])
+        first_short = start == 0 and 0 < tokens < spec.chunk_size and tokens % spec.page_size == 0
+        if tokens != spec.chunk_size and not first_short:
             raise SequenceLengthError(
                 f"SelfForcingSelfAttention x: expected one chunk of chunk_size={spec.chunk_size} tokens "
-                f"(num_frame_per_block x frame_seq_length), got {x.shape[1]}"
+                f"(num_frame_per_block x frame_seq_length), or at current_start=0 a shorter first chunk of a multiple "
+                f"of page_size={spec.page_size} tokens (image-to-video's independent first frame), got {tokens} "
+                f"tokens at current_start={start}"
             )
-        return int(x.shape[1])
+        return tokens
 
     @staticmethod
     def _grid(grid_sizes: Any, seq_len: int) -> tuple[int, int, int]:
@@ -368,20 +387,27 @@ class SelfForcingSession:
         entry = kv_cache.get("global_end_index") if isinstance(kv_cache, Mapping) else None
         return kv_cache is not self._marker[0] or entry is not self._marker[1]
 
-    def _check_window(self, frames_per_chunk: int) -> None:
-        """Once: the spec's sink + window must be upstream's rolling buffer at this chunk length."""
+    def _check_window(self, frames_per_chunk: int, seq_len: int, start: int) -> None:
+        """Once, at the first full chunk: the spec's sink + window must be upstream's rolling buffer at this chunk
+        length (with a 1-frame first chunk when the video began with one: image-to-video)."""
         if self.upstream_window is None:
             return
+        if start == 0:
+            self._short_first = seq_len < self.cache.spec.chunk_size
+        if seq_len < self.cache.spec.chunk_size:
+            return  # the short first chunk says nothing of F: checked at the next chunk
         sink_size, local_attn_size = self.upstream_window
         policy = self.cache.spec.policy
         expected = SinkWindowPolicy.from_frames(
-            sink_size=sink_size, local_attn_size=local_attn_size, frames_per_chunk=frames_per_chunk
+            sink_size=sink_size, local_attn_size=local_attn_size, frames_per_chunk=frames_per_chunk,
+            independent_first_frame=self._short_first,
         )
         if policy != expected:
+            first = ", after a 1-frame first chunk" if self._short_first else ""
             raise SpecError(
                 f"SelfForcingSession: expected the spec's retention to be upstream's buffer (sink_size={sink_size}, "
-                f"local_attn_size={local_attn_size} frames, {frames_per_chunk} per chunk: {expected}), got {policy}; "
-                "pass check_window=False to swap_self_attention to run another rule on purpose"
+                f"local_attn_size={local_attn_size} frames, {frames_per_chunk} per chunk{first}: {expected}), got "
+                f"{policy}; pass check_window=False to swap_self_attention to run another rule on purpose"
             )
         self.upstream_window = None
 
@@ -542,8 +568,14 @@ def _check_geometry(cache: KVCache, layers: Sequence[ChunkSelfAttention]) -> Non
 
 
 def _upstream_window(module: nn.Module) -> tuple[int, int] | None:
-    """Upstream's ``(sink_size, local_attn_size)`` in frames, when the module carries them."""
+    """Upstream's ``(sink_size, local_attn_size)`` in frames, when the module carries them.
+
+    NOTE: CausVid's ``CausalWanSelfAttention`` carries ``window_size`` and neither of them: its cached path always
+    attends everything written so far (no sink, no rolling), which is ``(0, -1)``.
+    """
     sink_size, local_attn_size = getattr(module, "sink_size", None), getattr(module, "local_attn_size", None)
     if is_int(sink_size) and is_int(local_attn_size):
         return int(sink_size), int(local_attn_size)  # type: ignore[arg-type]  # is_int: not None
+    if sink_size is None and local_attn_size is None and hasattr(module, "window_size"):
+        return 0, -1
     return None

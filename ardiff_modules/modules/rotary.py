@@ -31,6 +31,7 @@ from torch import nn
 
 from ardiff_modules.errors import SpecError, TensorMismatchError
 from ardiff_modules.modules.functional import RopeLayout, check_rope_layout, rotate
+from ardiff_modules.ops import HANDLES
 from ardiff_modules.spec import require_field_int, require_field_float
 
 
@@ -81,6 +82,9 @@ def check_rope_inputs(owner: str, t: Any, positions: Any, head_dim: int) -> None
         raise TensorMismatchError(f"{owner} t: expected shape (streams, seq_len, heads, {head_dim}), got {got}")
     if not isinstance(positions, torch.Tensor) or positions.shape != t.shape[:2]:
         got = tuple(positions.shape) if isinstance(positions, torch.Tensor) else type(positions).__name__
+        forward = _forward_of(positions)
+        if forward is not None:  # the forward's own positions: it is t that is not the forward's tokens
+            raise TensorMismatchError(_forward_mismatch(owner, t, forward, head_dim))
         raise TensorMismatchError(
             f"{owner} positions: expected shape {tuple(t.shape[:2])} (t's [streams, seq_len]), got {got}"
         )
@@ -89,6 +93,34 @@ def check_rope_inputs(owner: str, t: Any, positions: Any, head_dim: int) -> None
         raise TensorMismatchError(
             f"{owner}: expected t and positions on one device, got t on {t.device}, positions on {positions.device}"
         )
+
+
+def _forward_of(positions: Any) -> Any | None:
+    """The forward context whose ``positions`` (or ``sink_positions``) tensor this is, or ``None``.
+
+    Error path only: a linear scan of the registered contexts, matched by identity (``kv.positions`` is the
+    context's own tensor; sequence-parallel ranks pass a slice, which matches none).
+    """
+    if not isinstance(positions, torch.Tensor):
+        return None
+    for holder in HANDLES.holders():
+        if getattr(holder, "positions", None) is positions or getattr(holder, "sink_positions", None) is positions:
+            return holder
+    return None
+
+
+def _forward_mismatch(owner: str, t: torch.Tensor, forward: Any, head_dim: int) -> str:
+    """``t`` is not shaped as the tokens of ``forward`` (whose positions RoPE got): name what was prepared."""
+    streams, seq_len = tuple(forward.positions.shape)
+    names = [f"{sid}/{branch}" for sid, branch in forward.streams[:4]]
+    more = f", ... (+{len(forward.streams) - 4})" if len(forward.streams) > 4 else ""
+    return (
+        f"{owner}: expected t of shape ({streams}, {seq_len}, heads, {head_dim}) -- the tokens of the forward "
+        f"prepared with seq_len={seq_len} over {streams} stream(s) [{', '.join(names)}{more}], whose positions "
+        f"{(streams, seq_len)} RoPE got -- got t of shape {tuple(t.shape)} ({t.shape[0]} stream(s) x "
+        f"{t.shape[1]} tokens); run the model on the tokens the forward was prepared for, or prepare it with "
+        f"seq_len={t.shape[1]} over {t.shape[0]} stream(s)"
+    )
 
 
 class RotaryBase(nn.Module):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import ardiff_modules as am
-from ardiff_modules.forwards.host_tier import HostTier
+from ardiff_modules.host.tier import HostTier
 from tests.support.small_cache import (
     BOTH, CHUNK, SMALL_SPEC, bit_copy, bookkeeping, make_small_cache, pages_of, run_layers,
 )

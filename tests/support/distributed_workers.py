@@ -340,6 +340,15 @@ def check_vote_undo() -> None:
             first.abort()
             assert second.context.transaction.is_open and s1.committed_chunks("cond") == 0
             parallel(mesh.scatter(x[:2]), second.layers)
+            # A rank's share committed alone (issue 41): refused on every rank, nothing changed, still open.
+            for alone in (second.context.commit, lambda: s1.commit_paged_context("cond")):
+                try:
+                    alone()
+                except am.ParticipantCommitError as e:
+                    assert "expected DistributedForward" in str(e), e
+                else:
+                    raise AssertionError("expected a commit of one rank's share alone to be refused")
+            assert second.context.transaction.is_open and s1.committed_chunks("cond") == 0
     assert s1.committed_chunks("cond") == 1
     _check_same_state_everywhere(cache, "after finishing a superseded handle")
     # Misuse: specific errors (a bad sessions argument is voted like any failure: no rank hangs).

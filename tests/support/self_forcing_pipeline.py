@@ -264,6 +264,7 @@ class LoopSettings:
     num_frame_per_block: int = 3
     context_noise: int = 0
     global_cache_frames: int = 21  # upstream's 32760 global-cache tokens = 21 frames of 1560
+    independent_first_frame: bool = False  # image-to-video: the first block is 1 frame (upstream's args)
 
 
 class CausalInferencePipeline:
@@ -285,11 +286,27 @@ class CausalInferencePipeline:
         self.crossattn_cache: list[dict[str, Any]] = []
         self.forwards = 0  # model forwards so far (what the tests count host work against)
 
-    def inference(self, noise: torch.Tensor, prompt_embeds: torch.Tensor) -> torch.Tensor:
-        """``noise`` ``[B, frames, C, H, W]`` (frames a multiple of ``num_frame_per_block``) -> latents, same shape."""
+    def inference(
+        self, noise: torch.Tensor, prompt_embeds: torch.Tensor, initial_latent: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``noise`` ``[B, frames, C, H, W]`` -> latents ``[B, input frames + frames, C, H, W]``.
+
+        As upstream: ``frames`` a multiple of ``num_frame_per_block`` (``F``), or ``1 +`` one with
+        ``independent_first_frame`` and no ``initial_latent`` (blocks of ``[1, F, F, ...]`` frames);
+        ``initial_latent`` ``[B, input frames, C, H, W]`` (image-to-video, video extension) is run once per block
+        at timestep 0 to fill the cache first (with ``independent_first_frame``: its first frame alone, then
+        blocks of ``F``), and copied to the output's first frames.
+        """
         batch, num_frames = noise.shape[:2]
         frames_per_block = self.num_frame_per_block
-        assert num_frames % frames_per_block == 0
+        independent = self.args.independent_first_frame
+        if not independent or initial_latent is not None:
+            assert num_frames % frames_per_block == 0
+            block_frames = [frames_per_block] * (num_frames // frames_per_block)
+        else:  # a [1, F, F, ...] model generating without image conditioning
+            assert (num_frames - 1) % frames_per_block == 0
+            block_frames = [1] + [frames_per_block] * ((num_frames - 1) // frames_per_block)
+        num_input_frames = 0 if initial_latent is None else initial_latent.shape[1]
         if self.kv_cache1 is None:
             self._initialize_caches(batch, noise.dtype, noise.device)
         else:  # upstream's reset between videos: fresh index tensors, cross caches to refill
@@ -299,16 +316,25 @@ class CausalInferencePipeline:
                 block["global_end_index"] = torch.tensor([0], dtype=torch.long, device=noise.device)
                 block["local_end_index"] = torch.tensor([0], dtype=torch.long, device=noise.device)
         conditional = {"prompt_embeds": prompt_embeds}
-        output = torch.zeros_like(noise)
+        output = noise.new_zeros(batch, num_input_frames + num_frames, *noise.shape[2:])
         start_frame = 0
-        for _ in range(num_frames // frames_per_block):
-            noisy = noise[:, start_frame : start_frame + frames_per_block]
+        if initial_latent is not None:  # the context: one forward per input block at timestep 0 ([B, 1], as upstream)
+            timestep = torch.zeros((batch, 1), dtype=torch.int64)
+            input_blocks = [1] * independent + [frames_per_block] * ((num_input_frames - independent) // frames_per_block)
+            assert sum(input_blocks) == num_input_frames
+            for frames in input_blocks:
+                reference = initial_latent[:, start_frame : start_frame + frames]
+                output[:, start_frame : start_frame + frames] = reference
+                self._generator(reference, conditional, timestep, start_frame * self.frame_seq_length)
+                start_frame += frames
+        for frames in block_frames:
+            noisy = noise[:, start_frame - num_input_frames : start_frame + frames - num_input_frames]
             denoised = self._denoise(noisy, conditional, start_frame * self.frame_seq_length)
-            output[:, start_frame : start_frame + frames_per_block] = denoised
-            context_timestep = torch.full((batch, frames_per_block), self.args.context_noise, dtype=torch.int64)
+            output[:, start_frame : start_frame + frames] = denoised
+            context_timestep = torch.full((batch, frames), self.args.context_noise, dtype=torch.int64)
             # the clean re-run: the chunk's K/V rewritten from its output, at the same current_start
             self._generator(denoised, conditional, context_timestep, start_frame * self.frame_seq_length)
-            start_frame += frames_per_block
+            start_frame += frames
         return output
 
     def _denoise(self, noisy: torch.Tensor, conditional: dict[str, torch.Tensor], current_start: int) -> torch.Tensor:
@@ -355,7 +381,7 @@ TINY = WanConfig(
 
 
 def build_pipeline(*, local_attn_size: int, sink_size: int, frames_per_block: int, config: WanConfig = TINY,
-                   seed: int = 0) -> CausalInferencePipeline:
+                   seed: int = 0, independent_first_frame: bool = False) -> CausalInferencePipeline:
     """A pipeline over a :class:`SelfForcingModel` with random weights (norm weights too), fp32, eval mode."""
     with torch.random.fork_rng():
         torch.manual_seed(seed)
@@ -364,7 +390,8 @@ def build_pipeline(*, local_attn_size: int, sink_size: int, frames_per_block: in
             for p in model.parameters():
                 p.copy_(torch.randn_like(p) * (0.3 if p.dim() > 1 else 0.2) + (1.0 if p.dim() == 1 else 0.0))
     generator = DiffusionWrapper(model.eval().requires_grad_(False), FlowMatchScheduler())
-    return CausalInferencePipeline(generator, LoopSettings(num_frame_per_block=frames_per_block))
+    settings = LoopSettings(num_frame_per_block=frames_per_block, independent_first_frame=independent_first_frame)
+    return CausalInferencePipeline(generator, settings)
 
 
 def twin(pipeline: CausalInferencePipeline) -> CausalInferencePipeline:

@@ -3,8 +3,9 @@
 Pinning host memory is slow (``cudaHostAlloc``: about a second per few GiB), far slower than the copy
 itself (~55 GB/s over the H200's link), so a suspend must not pin a fresh block each time. The arena
 keeps slabs ``[rows, layers, 2, page_size, heads, head_dim * itemsize]`` uint8 (pinned when the pool is
-on CUDA) and a free list of rows; a suspend takes rows (lowest first, so one session's pages form long
-runs), a dropped host page gives its row back, and slabs are kept for the next suspend. A slab is grown
+on CUDA) and a free list of rows with the allocator's verbs: a suspend allocates rows (lowest first, so one
+session's pages form long runs), a host page whose last reference goes decrefs its row (each row has one
+reference, its host page's), and slabs are kept for the next suspend. A slab is grown
 for at least ``min_slab_bytes`` (capped by the host budget), and :meth:`reserve` pins ahead of time (a
 server's warm start). Copies go run by run: consecutive rows of one slab move in one ``copy_``.
 """
@@ -44,7 +45,11 @@ class HostArena:
         self.min_slab_rows = max(1, -(-min_slab_bytes // self.page_bytes))
         self.max_rows = max_rows
         self.slabs: list[torch.Tensor] = []
-        self._free: list[Row] = []  # sorted
+        # NOTE: its own free list, not a PageAllocator's: rows are (slab, row) pairs whose number grows with
+        # each slab (the allocator's ids are a fixed range), and a suspend wants the lowest rows (long runs,
+        # one copy_ each) where the allocator hands out pages FIFO. Sorted, so taking and giving back rows in
+        # any order is exact: the list is always the same for the same free set.
+        self._free: list[Row] = []
 
     @property
     def capacity_rows(self) -> int:
@@ -73,13 +78,15 @@ class HostArena:
         self._free.extend((index, r) for r in range(size))
         self._free.sort()
 
-    def take(self, count: int) -> list[Row]:
-        """``count`` free rows, lowest first (the caller gives them back if its copy fails)."""
+    def allocate(self, count: int) -> list[Row]:
+        """``count`` free rows, lowest first, each with its one reference (pinning a slab if needed; the caller
+        decrefs them if its copy fails)."""
         self.reserve(count)
         rows, self._free = self._free[:count], self._free[count:]
         return rows
 
-    def give_back(self, rows: Sequence[Row]) -> None:
+    def decref(self, rows: Sequence[Row]) -> None:
+        """Drop each row's one reference: it is free again (for the next suspend; the slab is kept)."""
         for row in rows:
             bisect.insort(self._free, row)
 

@@ -46,41 +46,18 @@ import torch
 from ardiff_modules.checks import require_int
 from ardiff_modules.core.admission import Admission, ExtentRoom
 from ardiff_modules.core.allocator import PageAllocator
-from ardiff_modules.core.branch import BranchImage, PageChunk, ResumeHold, load_branch, unload_branch
+from ardiff_modules.core.branch import BranchImage, BranchPages, PageChunk, load_branch, unload_branch
 from ardiff_modules.core.host_pages import HostPages
+from ardiff_modules.core.reservation import ResumeReservation
 from ardiff_modules.cross import CrossEntry, CrossKey
-from ardiff_modules.forwards.extent_room import extent_room
-from ardiff_modules.forwards.host_arena import HostArena, Row
 from ardiff_modules.errors import (
     CapacityError, PendingContextError, SessionNotSuspendedError, SessionSuspendedError, SpecError,
 )
+from ardiff_modules.host.arena import HostArena, Row
+from ardiff_modules.host.extent_room import extent_room
+from ardiff_modules.host.transfer import TransferHandle
 from ardiff_modules.pool import KVPool
 from ardiff_modules.session import KVState
-
-
-class TransferHandle:
-    """A resume's host-to-device copies: :meth:`ready` polls, :meth:`wait` blocks the host until done.
-
-    The session's next ``prepare_forward`` orders the current CUDA stream after the copies by itself;
-    ``wait()`` is for reading the resumed tensors some other way (e.g. ``get_cross_attention_kv``).
-    """
-
-    def __init__(self, event: torch.cuda.Event | None = None, keep: tuple[object, ...] = ()) -> None:
-        self._event = event
-        self._keep = keep  # NOTE: the pinned sources must outlive the asynchronous copies that read them
-
-    def ready(self) -> bool:
-        return self._event is None or bool(self._event.query())
-
-    def wait(self) -> None:
-        if self._event is not None:
-            self._event.synchronize()
-        self._keep = ()
-
-    def order_current_stream(self) -> None:
-        """Make the current CUDA stream wait for the copies (no host sync); a no-op on CPU."""
-        if self._event is not None:
-            torch.cuda.current_stream(self._event.device).wait_event(self._event)
 
 
 @dataclass(frozen=True)
@@ -217,7 +194,7 @@ class HostTier:
             )
             self.pages.check_fits(f"suspend {state.session_id!r}", len(new), extra)
             # Copy first: an exception (or an interrupt) in here leaves the session fully resident.
-            rows = self.arena.take(len(new))
+            rows = self.arena.allocate(len(new))
             try:
                 self._copy_pages_to_host(new, rows)
                 host_entry = {i: CrossEntry(self._to_host(e.k), self._to_host(e.v), e.version) for i, e in distinct.items()}
@@ -225,17 +202,17 @@ class HostTier:
                 host_latents = {name: {i: self._to_host(t) for i, t in kept.items()} for name, kept in latents.items()}
                 self._after_host_copies()
             except BaseException:
-                self.arena.give_back(rows)
+                self.arena.decref(rows)
                 raise
             # Then switch the bookkeeping (pure Python, nothing left that can fail on the user's input).
             host_of = dict(reused)
-            for row, (h, p) in zip(rows, zip(self.pages.take(len(new)), new)):
+            for row, (h, p) in zip(rows, zip(self.pages.allocate(len(new)), new)):
                 self._store[h] = row
                 host_of[p] = h
                 if p not in extents:  # NOTE: an extent slot is rewritten in place when the ring wraps
                     self.pages.link(h, keys[p])
             occurrences = [host_of[p] for b in branches.values() for p in b.history_pages()]
-            self.pages.share((Counter(occurrences) - Counter(host_of[p] for p in new)).elements())
+            self.pages.incref((Counter(occurrences) - Counter(host_of[p] for p in new)).elements())
             chunks = {name: tuple(tuple(host_of[p] for p in c) for c in b.history) for name, b in branches.items()}
             images = {
                 name: replace(unload_branch(b, alloc)[0], latents=host_latents[name]) for name, b in branches.items()
@@ -243,11 +220,11 @@ class HostTier:
             # NOTE: the session keeps its cross map, now over the host copies: a prompt given while it is suspended
             # replaces an entry there and wins at resume (_restore_cross copies back only untouched host copies).
             state.adopt_cross_entries(host_cross)
-            self.pages.hold_bytes(extra)
+            self.pages.charge(extra)
             self._suspended[state] = Suspended(images, chunks, host_cross, extra)
             self._handles.pop(state, None)
 
-    def _check_suspendable(self, state: KVState) -> dict[str, object]:
+    def _check_suspendable(self, state: KVState) -> dict[str, BranchPages]:
         names = state.kv_branch_names
         branches = {name: state.branch_pages(name) for name in names}  # raises on a closed session
         if state in self._suspended:
@@ -260,7 +237,7 @@ class HostTier:
                 f"suspend {state.session_id!r}: expected no open forward and no pending chunk, got pending work on "
                 f"branch(es) {busy} (commit or abort it first)"
             )
-        return branches  # type: ignore[return-value]
+        return branches
 
     def _extent_pages(self) -> set[int]:
         return {p for s in list(self._sessions) for name in s.kv_branch_names for p in s.branch_pages(name).extent}
@@ -289,17 +266,17 @@ class HostTier:
             fresh_hosts = [h for h in dict.fromkeys(plain) if h not in aliases]
             extent_sizes = [b.extent_chunks * ring[n] for n, b in branches.items() if ring[n]]  # type: ignore[operator]
             self._check_device_room(state, len(fresh_hosts), extent_sizes)
-            hold = ResumeHold(self.allocator, len(fresh_hosts), extent_sizes)
+            reservation = ResumeReservation(self.allocator, len(fresh_hosts), extent_sizes)
             try:
-                fresh = dict(zip(fresh_hosts, hold.fresh))
-                chunks, extents, copies = _lay_out(record, ring, aliases, fresh, hold.extents)
+                fresh = dict(zip(fresh_hosts, reservation.fresh))
+                chunks, extents, copies = _lay_out(record, ring, aliases, fresh, reservation.extents)
                 handle, cross, latents = self._copy_to_device(copies, record, state.cross_entries())
             except BaseException:
-                hold.undo()
+                reservation.rollback()
                 raise
             # Then switch: one reference per chunk page, less the one each fresh page already has.
-            shared = Counter(p for cs in chunks.values() for c in cs for p in c) - Counter(hold.fresh)
-            hold.keep(list(shared.elements()))
+            shared = Counter(p for cs in chunks.values() for c in cs for p in c) - Counter(reservation.fresh)
+            reservation.keep(shared.elements())
             for name, b in branches.items():
                 load_branch(b, replace(record.images[name], latents=latents[name]), chunks[name], extents.get(name, ()))
             for h, q in fresh.items():
@@ -398,8 +375,8 @@ class HostTier:
 
     # ------------------------------------------------------------------ lifetime and policy
     def _drop_record(self, state: KVState, record: Suspended) -> None:
-        self.arena.give_back([self._store.pop(h) for h in self.pages.drop(record.host_refs())])
-        self.pages.release_bytes(record.extra_bytes)
+        self.arena.decref([self._store.pop(h) for h in self.pages.decref(record.host_refs())])
+        self.pages.refund(record.extra_bytes)
         del self._suspended[state]
 
     def forget(self, state: KVState) -> None:
@@ -485,7 +462,7 @@ class HostTier:
         self, admission: Admission, freed: Iterable[int] = (), leaving: Sequence[KVState] = ()
     ) -> ExtentRoom | None:
         """Contiguous room for admission (``None`` under plain paging): the free runs in extents, less those owed
-        to the resident sessions (:func:`~ardiff_modules.forwards.extent_room.extent_room`); ``freed`` /
+        to the resident sessions (:func:`~ardiff_modules.host.extent_room.extent_room`); ``freed`` /
         ``leaving``: pages and sessions a suspension would release."""
         return extent_room(self.allocator, admission, [s for s in self._resident() if s not in leaving], freed)
 

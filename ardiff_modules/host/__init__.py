@@ -1,0 +1,18 @@
+"""The host tier: suspended sessions' K/V in host memory (one GPU's cache; see ``KVCache.tiers()``).
+
+- :mod:`~ardiff_modules.host.tier`: :class:`HostTier` -- suspend / resume a session, LRU suspension for
+  admission, :class:`TierReport`;
+- :mod:`~ardiff_modules.host.transfer`: :class:`TransferHandle`, a resume's host-to-device copies;
+- :mod:`~ardiff_modules.host.arena`: :class:`HostArena`, pinned page rows allocated once and reused;
+- :mod:`~ardiff_modules.host.extent_room`: what the free page runs hold in contiguous extents, for admission.
+
+Its torch-free bookkeeping sits in the core: :class:`~ardiff_modules.core.host_pages.HostPages` (host page
+ids and refcounts, the allocator's verbs) and
+:class:`~ardiff_modules.core.reservation.ResumeReservation` (a resume's fresh device pages, kept or rolled
+back like a forward's reservation).
+"""
+
+from ardiff_modules.host.tier import HostTier, TierReport
+from ardiff_modules.host.transfer import TransferHandle
+
+__all__ = ["HostTier", "TierReport", "TransferHandle"]
