@@ -115,10 +115,10 @@ def run_page(path: Path) -> int:
 
 
 def _reset_compiler() -> None:
-    """Forget the previous block's compiled frames (as a fresh process would), if torch was imported."""
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        torch._dynamo.reset()
+    """Forget the previous block's compiled frames (as a fresh process would), if dynamo was loaded."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None:
+        dynamo.reset()
 
 
 if __name__ == "__main__":
