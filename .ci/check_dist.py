@@ -26,10 +26,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 MODEL = ("ardiff_modules/models/__init__.py", "ardiff_modules/models/wan_causal_dit.py")
 WHEEL_MUST = (*MODEL, "ardiff_modules/__init__.py", "ardiff_modules/py.typed")
-SDIST_MUST = (*MODEL, "README.md", "pyproject.toml", "LICENSE", "tests/conftest.py", "tests/support/paths.py",
+SDIST_MUST = (*MODEL, "README.md", "pyproject.toml", "LICENSE", "mkdocs.yml", "docs/design.md", "tests/conftest.py",
+              "tests/support/paths.py",
               "examples/streaming_generation.py", "benchmarks/__init__.py", "benchmarks/end_to_end.py")
 SDIST_TREES = ("tests/", "examples/", "benchmarks/", "benchmarks/results/", "docs/")
-#: Fast files run from the unpacked sdist: the layering / README agreement, the packaged model, the examples
+#: Fast files run from the unpacked sdist: the layering / docs/design.md agreement, the packaged model, the examples
 #: (their ``slow`` tests -- a compile, mypy runs -- already ran in the main suite).
 FAST_TESTS = ("tests/api", "tests/docs/test_examples.py")
 

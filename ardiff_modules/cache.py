@@ -45,6 +45,11 @@ Rule = RecacheRule | None
 class KVCache:
     """Paged sink+window KV storage for any number of sessions.
 
+    Thread safety: every host-side operation of the cache and its sessions (prepare, commit,
+    abort, open/close/reset/fork, populate, stats, admission) holds one re-entrant lock, so
+    threads may each drive their own sessions concurrently. Kernels take no lock. Two threads
+    driving the *same* session still race on what it means (which forward comes first).
+
     Parameters
     ----------
     spec:
@@ -72,11 +77,6 @@ class KVCache:
         sync and a read of the pending pages per commit; off by default.
     host_budget_bytes:
         Bytes the host tier of suspended sessions may hold (``None``: unbounded; ``KVState.suspend``).
-
-    Thread safety: every host-side operation of the cache and its sessions (prepare, commit,
-    abort, open/close/reset/fork, populate, stats, admission) holds one re-entrant lock, so
-    threads may each drive their own sessions concurrently. Kernels take no lock. Two threads
-    driving the *same* session still race on what it means (which forward comes first).
     """
 
     def __init__(

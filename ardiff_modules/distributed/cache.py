@@ -95,6 +95,8 @@ class DistributedKVCache:
     debug_checks:
         After every finished forward, run :meth:`check_consistency` (one more small all-gather).
 
+    Notes
+    -----
     All methods that change state are collective: every rank of the mesh calls them, in the same order,
     with the same arguments (session ids, ``seq_len``, ``commit_current``).
     """
