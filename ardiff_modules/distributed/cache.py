@@ -417,7 +417,7 @@ class DistributedForward:
         # later forward prepared on the same streams (which superseded this one) must not be finished here.
         transaction = self._transaction
         live = transaction is not None and transaction.is_open
-        if error is None and live and transaction.commit_current:
+        if error is None and live and transaction is not None and transaction.commit_current:
             try:
                 error = self._precommit(transaction)
             except BaseException:  # KeyboardInterrupt in the check_finite sync: no vote, but not left open
@@ -444,6 +444,7 @@ class DistributedForward:
             # A rank whose forward was already closed cannot commit with its peers: that counts as a failure.
             failed = tuple(r for r, v in zip(self.owner.mesh.ranks, votes) if v != _OPEN)
             if not failed:
+                assert transaction is not None  # this rank voted open: live
                 self.owner.cache.finish_forward(transaction, True)  # checked before the vote: cannot fail now
             else:
                 undo()

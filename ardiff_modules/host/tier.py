@@ -40,6 +40,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
+from typing import overload
 
 import torch
 
@@ -327,6 +328,11 @@ class HostTier:
             # NOTE: index_select over the page dim of a page-major view: one contiguous [n, layers, 2, ...] gather.
             self.arena.copy_in(rows, raw.movedim(2, 0).index_select(0, index))
 
+    @overload
+    def _to_host(self, t: torch.Tensor) -> torch.Tensor: ...
+    @overload
+    def _to_host(self, t: object) -> object: ...
+
     def _to_host(self, t: object) -> object:
         """A host copy of a cross cache or latent tensor (pinned, on the side stream) -- on CPU the tensor itself.
 
@@ -362,11 +368,14 @@ class HostTier:
                 index = torch.tensor([q for _, q in copies[first : first + count]], dtype=torch.long).to(device)
                 raw.index_copy_(2, index, rows.to(device, non_blocking=True).movedim(0, 2))
 
-            def back(t: object) -> object:
-                return t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t
+            def back(t: torch.Tensor) -> torch.Tensor:
+                return t.to(device, non_blocking=True)
 
             cross = _restore_cross(record, cross_now, back)
-            latents = {n: {i: back(t) for i, t in img.latents.items()} for n, img in record.images.items()}
+            latents = {
+                n: {i: back(t) if isinstance(t, torch.Tensor) else t for i, t in img.latents.items()}  # (opaque)
+                for n, img in record.images.items()
+            }
         event = None
         if stream is not None:
             event = torch.cuda.Event()
