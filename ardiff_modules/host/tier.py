@@ -38,9 +38,8 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import overload
 
 import torch
 
@@ -200,7 +199,7 @@ class HostTier:
                 self._copy_pages_to_host(new, rows)
                 host_entry = {i: CrossEntry(self._to_host(e.k), self._to_host(e.v), e.version) for i, e in distinct.items()}
                 host_cross = {k: host_entry[id(e)] for k, e in cross.items()}
-                host_latents = {name: {i: self._to_host(t) for i, t in kept.items()} for name, kept in latents.items()}
+                host_latents = {name: _each_tensor(self._to_host, kept) for name, kept in latents.items()}
                 self._after_host_copies()
             except BaseException:
                 self.arena.decref(rows)
@@ -328,18 +327,13 @@ class HostTier:
             # NOTE: index_select over the page dim of a page-major view: one contiguous [n, layers, 2, ...] gather.
             self.arena.copy_in(rows, raw.movedim(2, 0).index_select(0, index))
 
-    @overload
-    def _to_host(self, t: torch.Tensor) -> torch.Tensor: ...
-    @overload
-    def _to_host(self, t: object) -> object: ...
-
-    def _to_host(self, t: object) -> object:
+    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
         """A host copy of a cross cache or latent tensor (pinned, on the side stream) -- on CPU the tensor itself.
 
         NOTE: on a CPU pool the "device" already is host memory and these tensors are never rewritten in
         place (a populate publishes a new entry, a commit keeps a new latent), so no copy is needed.
         """
-        if not self._pinned or not isinstance(t, torch.Tensor) or t.device.type != "cuda":
+        if not self._pinned or t.device.type != "cuda":
             return t
         with torch.cuda.stream(self._side_stream()):
             out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
@@ -372,10 +366,7 @@ class HostTier:
                 return t.to(device, non_blocking=True)
 
             cross = _restore_cross(record, cross_now, back)
-            latents = {
-                n: {i: back(t) if isinstance(t, torch.Tensor) else t for i, t in img.latents.items()}  # (opaque)
-                for n, img in record.images.items()
-            }
+            latents = {n: _each_tensor(back, img.latents) for n, img in record.images.items()}
         event = None
         if stream is not None:
             event = torch.cuda.Event()
@@ -501,6 +492,11 @@ class HostTier:
             return False
         names = state.kv_branch_names
         return not any(state.open_forward(n) is not None or state.branch_pages(n).pending for n in names)
+
+
+def _each_tensor(move: Callable[[torch.Tensor], torch.Tensor], kept: Mapping[int, object]) -> dict[int, object]:
+    """``kept`` (a branch's latents, opaque: tensors or anything else) with its tensors ``move``d, the rest as is."""
+    return {i: move(t) if isinstance(t, torch.Tensor) else t for i, t in kept.items()}
 
 
 def _restore_cross(
