@@ -388,7 +388,7 @@ class TrainingScope:
         if self.closed or not self._entered:
             raise TrainingScopeError("TrainingScope.checkpoint: expected an entered scope, got one not entered or ended")
         frozen = tuple(_freeze(a) for a in args)
-        return checkpoint(fn, *frozen, use_reentrant=False, context_fn=self._contexts, **kwargs)  # type: ignore[no-any-return]
+        return checkpoint(fn, *frozen, use_reentrant=False, context_fn=self._contexts, **kwargs)
 
 
 def frozen_forward(fwd: ForwardContext) -> ForwardContext:
