@@ -323,7 +323,7 @@ class HostTier:
             return
         raw = self._raw()
         index = torch.tensor(pages, dtype=torch.long).to(raw.device)
-        with torch.cuda.stream(self._side_stream()) if self._pinned else contextlib.nullcontext():
+        with _on_stream(self._side_stream() if self._pinned else None):
             # NOTE: index_select over the page dim of a page-major view: one contiguous [n, layers, 2, ...] gather.
             self.arena.copy_in(rows, raw.movedim(2, 0).index_select(0, index))
 
@@ -357,7 +357,7 @@ class HostTier:
         # Run by run of consecutive arena rows: each run moves in one host-to-device copy, no staging.
         copies = sorted(copies, key=lambda hp: self._store[hp[0]])
         places = [self._store[h] for h, _ in copies]
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        with _on_stream(stream):
             for first, count, rows in self.arena.runs(places):
                 index = torch.tensor([q for _, q in copies[first : first + count]], dtype=torch.long).to(device)
                 raw.index_copy_(2, index, rows.to(device, non_blocking=True).movedim(0, 2))
@@ -492,6 +492,13 @@ class HostTier:
             return False
         names = state.kv_branch_names
         return not any(state.open_forward(n) is not None or state.branch_pages(n).pending for n in names)
+
+
+def _on_stream(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager[object]:
+    """``torch.cuda.stream(stream)``; no context for ``None`` (a CPU pool, or an unpinned arena)."""
+    if stream is None:  # (two returns, not one conditional: older mypy joins the two types to object)
+        return contextlib.nullcontext()
+    return torch.cuda.stream(stream)
 
 
 def _each_tensor(move: Callable[[torch.Tensor], torch.Tensor], kept: Mapping[int, object]) -> dict[int, object]:
