@@ -113,10 +113,11 @@ class LayerViews:
 
     def cross_kv(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's cross-attention K and V for cache ``name``, each ``[num_streams, tokens, heads, dim]``."""
+        forward: CrossPublisher = self.forward  # (both forwards are; typed so that the raise below is NoReturn)
         pair = self.cross.get(name)
         if pair is None:
-            self.forward.raise_missing_cross(name)
-        self.forward.note_cross_read(name)  # a Python side effect dynamo replays after a compiled graph
+            forward.raise_missing_cross(name)
+        forward.note_cross_read(name)  # a Python side effect dynamo replays after a compiled graph
         return pair
 
 

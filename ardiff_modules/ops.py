@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
-from typing import Any, Protocol, cast
+from typing import Any, Protocol, TypeAlias, cast
 
 import torch
 
@@ -298,6 +298,10 @@ def _paged_attention_lse_fake(q, kv_pool, layer, handle_id, scale, q_sink=None):
 # Compiled path over FA3 with an FP8 pool: the query quantized by the graph, the op launches the kernel.
 
 
+#: What an attention op returns: the output, or ``(output, lse)``.
+_Attended: TypeAlias = "torch.Tensor | tuple[torch.Tensor, torch.Tensor]"
+
+
 def attend_in_graph(
     q: torch.Tensor,
     kv_pool: torch.Tensor,
@@ -325,10 +329,9 @@ def attend_in_graph(
     the fused intermediates.
     """
     ops = torch.ops.ardiff_modules
-    Result = "torch.Tensor | tuple[torch.Tensor, torch.Tensor]"
     if not fp8_query:
         op = ops.paged_attention_lse if return_lse else ops.paged_attention
-        return cast(Result, op(q, kv_pool, layer, handle_id, scale, q_sink))
+        return cast(_Attended, op(q, kv_pool, layer, handle_id, scale, q_sink))
     if q_sink is not None:
         raise SpecError(
             "attend_in_graph: expected no q_sink with fp8_query=True (relative-sinks forwards take the 16-bit "
@@ -336,7 +339,7 @@ def attend_in_graph(
         )
     q8, q_scale = quantize_query(fold_softmax_scale(q, scale))
     op = ops.paged_attention_fp8_lse if return_lse else ops.paged_attention_fp8
-    return cast(Result, op(q8, q_scale, kv_pool, layer, handle_id, q.dtype))
+    return cast(_Attended, op(q8, q_scale, kv_pool, layer, handle_id, q.dtype))
 
 
 def _check_fp8_query(plan: AttentionPlan, q8: torch.Tensor, q_scale: torch.Tensor) -> None:

@@ -109,8 +109,10 @@ def quantize_query(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class Writer(Protocol):
     """A forward that writes K/V (``ForwardTransaction``): its outcome fixes or undoes a calibration."""
 
-    status: str
     on_close: list
+
+    @property
+    def status(self) -> str: ...  # read-only here: a forward's status is one of its own Literal values
 
 
 #: Per layer: ``"open"`` (no scales yet), ``"provisional"`` (set by writes of forwards not yet finished),

@@ -24,7 +24,7 @@ import torch
 from ardiff_modules.core.allocator import PageAllocator
 from ardiff_modules.checks import require_bool
 from ardiff_modules.context import ForwardContext, LayerContext, short_name, short_tuple
-from ardiff_modules.cross import CrossEntry, SessionCrossCaches
+from ardiff_modules.cross import CrossEntry, CrossKey, SessionCrossCaches
 from ardiff_modules.errors import (
     CrossAttentionNotPopulatedError,
     SequenceLengthError,
@@ -122,9 +122,12 @@ class SessionHost(Protocol):
 
     spec: KVCacheSpec
     allocator: PageAllocator
-    forwards: ForwardsHost
-    host_tier: SuspendHost
 
+    # (read-only: a session never replaces them, and so the cache's concrete classes satisfy them)
+    @property
+    def forwards(self) -> ForwardsHost: ...
+    @property
+    def host_tier(self) -> SuspendHost: ...
     @property
     def lock(self) -> threading.RLock: ...
     @property

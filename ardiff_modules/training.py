@@ -109,7 +109,9 @@ class HistoryRead:
         pending = torch.ones((n, n), dtype=torch.bool) if layout.bidirectional else chunk[None, :] <= chunk[:, None]
         mask = _visibility(fwd, valid, pending, pad_to is not None)
         empty = None if mask is None else ~mask.any(dim=-1, keepdim=True)  # [S, n, 1]
-        opened = mask if empty is None or not bool(empty.any()) else mask | empty
+        if empty is not None and not bool(empty.any()):
+            empty = None  # no query row sees no key: nothing to open
+        opened = mask if mask is None or empty is None else mask | empty
         sink_keys = None
         if layout.splits_sinks:
             sink_keys = torch.zeros((len(slots), width + n), dtype=torch.bool)
@@ -119,7 +121,7 @@ class HistoryRead:
         return cls(
             transaction=fwd.transaction, gather=gather.to(device), valid=valid[:, :, None, None].to(device),
             mask=None if opened is None else opened[:, None].to(device), sink_keys=sink_keys,
-            empty_rows=None if empty is None or not bool(empty.any()) else empty[:, None].to(device),
+            empty_rows=None if empty is None else empty[:, None].to(device),
             visible=None if mask is None else mask[:, None].to(device), pending=pending,
             history_pages=tuple(p for s in layout.streams for p in s.history_pages),
         )
@@ -386,7 +388,7 @@ class TrainingScope:
         if self.closed or not self._entered:
             raise TrainingScopeError("TrainingScope.checkpoint: expected an entered scope, got one not entered or ended")
         frozen = tuple(_freeze(a) for a in args)
-        return checkpoint(fn, *frozen, use_reentrant=False, context_fn=self._contexts, **kwargs)  # type: ignore[no-any-return]
+        return checkpoint(fn, *frozen, use_reentrant=False, context_fn=self._contexts, **kwargs)
 
 
 def frozen_forward(fwd: ForwardContext) -> ForwardContext:

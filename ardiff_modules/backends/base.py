@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ardiff_modules.errors import SpecError
 from ardiff_modules.layout import ForwardLayout
 from ardiff_modules.quant import KVQuantizer
 
@@ -140,10 +141,13 @@ class AttentionPlan(ABC):
         return_lse: bool = False,
         *,
         layer: int = 0,
+        q_scale: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Attend over the pages alone: the current K/V are already in the pending pages.
 
-        Same arguments and result as :meth:`run`, without ``k`` / ``v``.
+        Same arguments and result as :meth:`run`, without ``k`` / ``v``; and ``q_scale``: float32 ``[heads]``
+        when ``q`` is already the FP8 query (plans that :attr:`takes_fp8_query` only, the others refuse it
+        through :func:`refuse_fp8_query`).
         """
 
     @abstractmethod
@@ -183,6 +187,16 @@ class AttentionPlan(ABC):
         (``log sum_j exp(scale * q . k_j)``; ``-inf`` for a query that sees no key), what merging
         partial attentions (sequence parallelism) needs.
         """
+
+
+def refuse_fp8_query(plan: AttentionPlan, q_scale: torch.Tensor | None) -> None:
+    """:class:`SpecError` if ``q_scale`` is given to ``plan.attend`` of a plan that attends the compute-dtype
+    query (``takes_fp8_query`` is ``False``): an FP8 query would be attended as if it were that query."""
+    if q_scale is not None:
+        raise SpecError(
+            f"{type(plan).__name__}.attend: expected q_scale=None (this plan attends the compute-dtype query: "
+            f"takes_fp8_query is False), got a {q_scale.dtype} tensor of shape {tuple(q_scale.shape)}"
+        )
 
 
 class AttentionBackend(ABC):

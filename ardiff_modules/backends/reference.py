@@ -14,7 +14,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from ardiff_modules.backends.base import AttentionBackend, AttentionPlan, PlanRequest
+from ardiff_modules.backends.base import AttentionBackend, AttentionPlan, PlanRequest, refuse_fp8_query
 from ardiff_modules.checks import needs_gqa
 from ardiff_modules.errors import BackendUnavailableError
 from ardiff_modules.layout import page_token_slots
@@ -97,7 +97,9 @@ class ReferencePlan(AttentionPlan):
         return_lse: bool = False,
         *,
         layer: int = 0,
+        q_scale: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        refuse_fp8_query(self, q_scale)
         k_slots = KVPool.token_slots(k_cache)
         v_slots = KVPool.token_slots(v_cache)
         s, n = self.num_streams, self.seq_len

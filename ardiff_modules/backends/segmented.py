@@ -21,7 +21,7 @@ from dataclasses import replace
 
 import torch
 
-from ardiff_modules.backends.base import AttentionBackend, AttentionPlan, PlanRequest
+from ardiff_modules.backends.base import AttentionBackend, AttentionPlan, PlanRequest, refuse_fp8_query
 from ardiff_modules.errors import SpecError
 from ardiff_modules.layout import ForwardLayout
 
@@ -82,7 +82,9 @@ class RelativeSinkPlan(AttentionPlan):
         *,
         layer: int = 0,
         q_sink: torch.Tensor | None = None,
+        q_scale: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        refuse_fp8_query(self, q_scale)  # relative sinks attend the 16-bit query (ForwardContext.fp8_query)
         _require_sink_query(q_sink)
         rest = self.rest.attend(q, k_cache, v_cache, scale, True, layer=layer)
         return self._merge(rest, q_sink, k_cache, v_cache, scale, return_lse, layer)

@@ -135,18 +135,20 @@ class HeadRetention:
             self.groups[name] = _policy(f"{owner}.groups[{name!r}]", value)
         if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence) or not layers:
             raise SpecError(f"{owner}.layers: expected one sequence of group names per layer, got {layers!r}")
-        rows = tuple(tuple(row) if isinstance(row, Sequence) and not isinstance(row, str) else row for row in layers)
-        for i, row in enumerate(rows):
+        rows: list[tuple[str, ...]] = []
+        for i, layer in enumerate(layers):
+            row = tuple(layer) if isinstance(layer, Sequence) and not isinstance(layer, str) else layer
             if not isinstance(row, tuple) or not row:
                 raise SpecError(f"{owner}.layers[{i}]: expected a non-empty sequence of group names, got {row!r}")
-            if len(row) != len(rows[0]):
+            if rows and len(row) != len(rows[0]):
                 raise SpecError(
                     f"{owner}.layers[{i}]: expected {len(rows[0])} kv heads (as layer 0), got {len(row)}"
                 )
             unknown = sorted({str(g) for g in row if g not in self.groups})
             if unknown:
                 raise SpecError(f"{owner}.layers[{i}]: expected group names from {tuple(self.groups)}, got {unknown}")
-        self.layers: tuple[tuple[str, ...], ...] = rows
+            rows.append(row)
+        self.layers: tuple[tuple[str, ...], ...] = tuple(rows)
 
     # ------------------------------------------------------------------ geometry
     @property

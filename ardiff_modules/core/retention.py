@@ -147,7 +147,7 @@ def check_declared(policy: RetentionPolicy) -> tuple[int, int | None]:
     )
 
 
-def _raised(policy: RetentionPolicy, what: str, exc: Exception) -> SpecError:
+def _raised(policy: object, what: str, exc: Exception) -> SpecError:
     """The error for a read of the user's policy that raised ``exc`` (not a library error: those propagate)."""
     # NOTE: a user's bug surfaces as the library's policy error, chained to the original.
     return SpecError(

@@ -38,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -199,7 +199,7 @@ class HostTier:
                 self._copy_pages_to_host(new, rows)
                 host_entry = {i: CrossEntry(self._to_host(e.k), self._to_host(e.v), e.version) for i, e in distinct.items()}
                 host_cross = {k: host_entry[id(e)] for k, e in cross.items()}
-                host_latents = {name: {i: self._to_host(t) for i, t in kept.items()} for name, kept in latents.items()}
+                host_latents = {name: _each_tensor(self._to_host, kept) for name, kept in latents.items()}
                 self._after_host_copies()
             except BaseException:
                 self.arena.decref(rows)
@@ -323,17 +323,17 @@ class HostTier:
             return
         raw = self._raw()
         index = torch.tensor(pages, dtype=torch.long).to(raw.device)
-        with torch.cuda.stream(self._side_stream()) if self._pinned else contextlib.nullcontext():
+        with _on_stream(self._side_stream() if self._pinned else None):
             # NOTE: index_select over the page dim of a page-major view: one contiguous [n, layers, 2, ...] gather.
             self.arena.copy_in(rows, raw.movedim(2, 0).index_select(0, index))
 
-    def _to_host(self, t: object) -> object:
+    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
         """A host copy of a cross cache or latent tensor (pinned, on the side stream) -- on CPU the tensor itself.
 
         NOTE: on a CPU pool the "device" already is host memory and these tensors are never rewritten in
         place (a populate publishes a new entry, a commit keeps a new latent), so no copy is needed.
         """
-        if not self._pinned or not isinstance(t, torch.Tensor) or t.device.type != "cuda":
+        if not self._pinned or t.device.type != "cuda":
             return t
         with torch.cuda.stream(self._side_stream()):
             out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
@@ -357,16 +357,16 @@ class HostTier:
         # Run by run of consecutive arena rows: each run moves in one host-to-device copy, no staging.
         copies = sorted(copies, key=lambda hp: self._store[hp[0]])
         places = [self._store[h] for h, _ in copies]
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        with _on_stream(stream):
             for first, count, rows in self.arena.runs(places):
                 index = torch.tensor([q for _, q in copies[first : first + count]], dtype=torch.long).to(device)
                 raw.index_copy_(2, index, rows.to(device, non_blocking=True).movedim(0, 2))
 
-            def back(t: object) -> object:
-                return t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t
+            def back(t: torch.Tensor) -> torch.Tensor:
+                return t.to(device, non_blocking=True)
 
             cross = _restore_cross(record, cross_now, back)
-            latents = {n: {i: back(t) for i, t in img.latents.items()} for n, img in record.images.items()}
+            latents = {n: _each_tensor(back, img.latents) for n, img in record.images.items()}
         event = None
         if stream is not None:
             event = torch.cuda.Event()
@@ -492,6 +492,18 @@ class HostTier:
             return False
         names = state.kv_branch_names
         return not any(state.open_forward(n) is not None or state.branch_pages(n).pending for n in names)
+
+
+def _on_stream(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager[object]:
+    """``torch.cuda.stream(stream)``; no context for ``None`` (a CPU pool, or an unpinned arena)."""
+    if stream is None:  # (two returns, not one conditional: older mypy joins the two types to object)
+        return contextlib.nullcontext()
+    return torch.cuda.stream(stream)
+
+
+def _each_tensor(move: Callable[[torch.Tensor], torch.Tensor], kept: Mapping[int, object]) -> dict[int, object]:
+    """``kept`` (a branch's latents, opaque: tensors or anything else) with its tensors ``move``d, the rest as is."""
+    return {i: move(t) if isinstance(t, torch.Tensor) else t for i, t in kept.items()}
 
 
 def _restore_cross(

@@ -67,7 +67,7 @@ from ardiff_modules.context import LayerContext
 from ardiff_modules.errors import TensorMismatchError
 from ardiff_modules.modules import CachedCrossAttention, ChunkSelfAttention
 from ardiff_modules.modules.rotary import VideoRotaryEmbedding
-from ardiff_modules.spec import CrossAttentionSpec, KVCacheSpec
+from ardiff_modules.spec import CrossAttentionSpec, KVCacheSpec, dtype_name
 
 TEXT = "text"  #: name of the cross-attention cache
 BRANCHES = ("cond", "uncond")  #: CFG branches, batched in one forward
@@ -139,7 +139,7 @@ class WanConfig:
         return self.page_size if self.page_size is not None else self.tokens_per_frame
 
     @classmethod
-    def preset(cls, name: str, **overrides: object) -> WanConfig:
+    def preset(cls, name: str, **overrides: Any) -> WanConfig:  # (each field's own type: replace checks names)
         """One of :data:`PRESETS` (``"tiny"``, ``"wan2.1-1.3b"``), optionally with fields overridden."""
         try:
             config = PRESETS[name]
@@ -197,7 +197,7 @@ def torch_threads(requested: int | None, preset: str, device: str) -> Iterator[N
 
 def make_kv_spec(config: WanConfig, device: torch.device | str = "cpu", branches: Sequence[str] = BRANCHES) -> KVCacheSpec:
     """The :class:`KVCacheSpec` matching ``config``: one KV layer per block, a ``"text"`` cross cache."""
-    dtype = default_dtype(device)  # KVCacheSpec takes torch dtypes too
+    dtype = dtype_name(default_dtype(device))  # the spec's field holds the name (it takes torch dtypes too)
     return KVCacheSpec(
         num_layers=config.num_layers,
         num_kv_heads=config.num_heads,

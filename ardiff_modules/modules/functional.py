@@ -284,7 +284,7 @@ def chunk_attention(
     else:
         op = torch.ops.ardiff_modules.chunk_attention_lse if return_lse else torch.ops.ardiff_modules.chunk_attention
         result = op(q_rows, k_rows, v_rows, kv.kv_pool, kv.layer_id, kv.forward.handle_id, scale, q_sink)
-    out, lse = result if return_lse else (result, None)
+    out, lse = result if isinstance(result, tuple) else (result, None)  # a tuple exactly with return_lse
     out = out.view(streams, seq_len, q.shape[2], head_dim)
     if lse is None:
         return out

@@ -11,6 +11,7 @@ The GPU tests (``tests/gpu/test_fp8_compiled_query.py``) run the real kernels.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import re
 from typing import Any
 
@@ -23,6 +24,7 @@ import ardiff_modules as am
 from ardiff_modules.backends.base import AttentionPlan, PlanRequest, fold_softmax_scale
 from ardiff_modules.backends.flashinfer import FlashInferPlan
 from ardiff_modules.backends.reference import ReferenceBackend, ReferencePlan
+from ardiff_modules.backends.segmented import RelativeSinkPlan
 from ardiff_modules.ops import attend_in_graph
 from ardiff_modules.quant import KVQuantizer, dequantize, quantize_query
 from tests.support.streaming_model import LibraryStreaming, play, play_event, rollout_events, tiny_model_and_spec
@@ -299,6 +301,32 @@ def test_the_fp8_op_refuses_plans_and_tensors_that_do_not_fit() -> None:
         out = op(q8, q_scale, *args)  # the real call, for the shapes and dtype the fake impl promises
         assert out.shape == (2 * CHUNK, 4, 8) and out.dtype == torch.float32
         fwd.abort()
+
+
+def test_plans_that_attend_the_compute_dtype_query_refuse_a_q_scale() -> None:
+    """``AttentionPlan.attend`` declares the ``q_scale`` the FP8 op passes (issue 44 item 5: mypy found the op
+    calling it with a keyword the interface lacked); the reference and relative-sinks plans, which attend the
+    compute-dtype query, refuse one with a :class:`SpecError` naming expected and actual, the pool unchanged."""
+    assert "q_scale" in inspect.signature(AttentionPlan.attend).parameters
+    q, k, v = _qkv(5)
+    q8, q_scale = quantize_query(q.reshape(-1, 4, 8))
+    for relative in (False, True):
+        spec = dataclasses.replace(SPEC, kv_dtype=None, relative_sinks=relative)
+        cache = am.KVCache(spec, num_pages=32, backend="reference")
+        state = cache.open_session()
+        for _ in range(4):  # past the first eviction: a relative-sinks forward runs two segments
+            with state.prepare_forward(None, CHUNK, True) as fwd:
+                for layer in fwd.layers:
+                    am.chunk_attention(q, k, v, layer, sink_query=q if relative else None)  # (no RoPE: any query)
+        with state.prepare_forward(None, CHUNK) as fwd:
+            plan = fwd.plan
+            assert plan is not None and isinstance(plan, RelativeSinkPlan) is relative
+            pages = (cache.pool.k_pages(0), cache.pool.v_pages(0))
+            before = cache.pool.kv.clone()
+            with pytest.raises(am.SpecError, match=r"attend: expected q_scale=None .* got a torch.float32 tensor"):
+                plan.attend(q8, *pages, 8**-0.5, layer=0, q_scale=q_scale)
+            assert torch.equal(cache.pool.kv, before)
+            fwd.abort()
 
 
 def test_fake_impls_promise_what_the_ops_return() -> None:
