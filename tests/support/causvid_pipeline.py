@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from tests.support.self_forcing_pipeline import (
-    TINY, FlowMatchScheduler, SelfForcingModel, WanRMSNorm, attention, build_pipeline,
+    TINY, DiffusionWrapper, FlowMatchScheduler, SelfForcingModel, WanRMSNorm, attention, build_pipeline,
 )
 from tests.support.wan_rope import rope_apply
 
@@ -68,23 +68,17 @@ def causvid_model(seed: int = 0) -> SelfForcingModel:
     return model
 
 
-class CausVidWrapper(nn.Module):
-    """CausVid's ``WanDiffusionWrapper``: latents ``[B, F, C, H, W]`` in, ``x0`` out."""
+class CausVidWrapper(DiffusionWrapper):
+    """CausVid's ``WanDiffusionWrapper``: latents ``[B, F, C, H, W]`` in, ``x0`` alone out."""
 
-    def __init__(self, model: SelfForcingModel, scheduler: FlowMatchScheduler) -> None:
-        super().__init__()
-        self.model, self.scheduler = model, scheduler
-
-    def forward(self, noisy_image_or_video: torch.Tensor, conditional_dict: dict[str, torch.Tensor],
+    def forward(self, noisy_image_or_video: torch.Tensor, conditional_dict: dict[str, torch.Tensor],  # type: ignore[override]
                 timestep: torch.Tensor, kv_cache: list[dict[str, Any]], crossattn_cache: list[dict[str, Any]],
                 current_start: int, current_end: int) -> torch.Tensor:
         flow = self.model(noisy_image_or_video.permute(0, 2, 1, 3, 4), t=timestep,
                           context=conditional_dict["prompt_embeds"], seq_len=0, kv_cache=kv_cache,
                           crossattn_cache=crossattn_cache, current_start=current_start,
                           cache_start=current_end).permute(0, 2, 1, 3, 4)  # current_end in cache_start's slot
-        sigma = self.scheduler.sigma(timestep.flatten()).reshape(-1, 1, 1, 1)
-        x0 = noisy_image_or_video.flatten(0, 1).double() - sigma * flow.flatten(0, 1).double()
-        return x0.to(flow.dtype).unflatten(0, flow.shape[:2])
+        return self.to_x0(noisy_image_or_video, timestep, flow)
 
 
 class CausVidInferencePipeline:

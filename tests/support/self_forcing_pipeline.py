@@ -250,9 +250,13 @@ class DiffusionWrapper(nn.Module):
         flow = self.model(noisy_image_or_video.permute(0, 2, 1, 3, 4), t=timestep,
                           context=conditional_dict["prompt_embeds"], seq_len=0, kv_cache=kv_cache,
                           crossattn_cache=crossattn_cache, current_start=current_start).permute(0, 2, 1, 3, 4)
+        return flow, self.to_x0(noisy_image_or_video, timestep, flow)
+
+    def to_x0(self, noisy: torch.Tensor, timestep: torch.Tensor, flow: torch.Tensor) -> torch.Tensor:
+        """``x0 = x_t - sigma * flow`` in float64, per frame (``[B, F, C, H, W]``)."""
         sigma = self.scheduler.sigma(timestep.flatten()).reshape(-1, 1, 1, 1)
-        x0 = noisy_image_or_video.flatten(0, 1).double() - sigma * flow.flatten(0, 1).double()
-        return flow, x0.to(flow.dtype).unflatten(0, flow.shape[:2])
+        x0 = noisy.flatten(0, 1).double() - sigma * flow.flatten(0, 1).double()
+        return x0.to(flow.dtype).unflatten(0, flow.shape[:2])
 
 
 @dataclass
