@@ -21,7 +21,7 @@ It is :mod:`ardiff_modules.integrations.self_forcing` (LongLive's model is Self-
 - **the re-cache after a prompt switch** (``_recache_after_switch``): one model forward over the clean
   latents of the last ``min(local_attn_size, current_start_frame)`` frames, starting before the open chunk and
   ending where the next chunk starts. It becomes the library's re-cache under the spec's
-  ``recache=RecacheRule.longlive(global_sink=...)`` (the rule that reproduces LongLive's buffer rewrite):
+  ``recache=RecacheRule.longlive(global_sink=...)`` (the rule that reproduces how LongLive rewrites its buffer).
 
 The binding rule, LongLive's part (the rest is Self-Forcing's: re-run, next chunk, new video)
 ----------------------------------------------------------------------------------------------
@@ -33,10 +33,10 @@ not write either (its first ``sink_size`` frames once the buffer slid, with ``gl
 zeros -- LongLive discards the re-cache's output. The re-cache is committed when the next chunk starts
 (or by :meth:`~ardiff_modules.integrations.self_forcing.SelfForcingSession.finish`)::
 
-    frames:   0 1 2 3 4 5 6 7 8 9 10 11 | 12 ..        sink_size=3, local_attn_size=12, F=3
-    x:                  3 4 5 6 7 8 9 10 11            switch at 12: 9..11 was the open clean re-run
-    rebuilt:  (sinks kept)    6..8 (context) 9..11     global_sink=True, the buffer slid
-              3..5 -> sink slot,  6..8 (context) 9..11 global_sink=False
+    chunks:   c0 (sink)  c1  c2  c3  c4          sink_size=3, local_attn_size=12, F=3; a switch at frame 15
+    x:                   c1  c2  c3  c4          frames 3..14 (c4: the open clean re-run, committed first)
+    rebuilt:  c0 kept;       c2 (context) c3 c4  global_sink=True (c1's rows output zeros)
+              c1 -> the sink slot, c2 (context) c3 c4   global_sink=False (c0 dropped)
 
 A switch after one chunk re-caches exactly that chunk at ``current_start=0`` (LongLive writes it as a
 plain forward): the same as a re-run of the open chunk, and bound as one. ``sink_recache_after_switch`` is
@@ -57,7 +57,7 @@ from ardiff_modules.context import ForwardContext
 from ardiff_modules.core.recache import RecacheRule
 from ardiff_modules.errors import SpecError, StreamPositionError, TensorMismatchError
 from ardiff_modules.integrations.self_forcing import (
-    SelfForcingSelfAttention, SelfForcingSession, _Open, self_forcing_rope, swap_layers,
+    OpenForward, SelfForcingSelfAttention, SelfForcingSession, self_forcing_rope, swap_layers,
 )
 from ardiff_modules.modules import ChunkSelfAttention
 from ardiff_modules.spec import KVCacheSpec
@@ -113,7 +113,7 @@ class LongLiveSelfAttention(SelfForcingSelfAttention):
 
 
 @dataclass
-class _OpenRecache(_Open):
+class _OpenRecache(OpenForward):
     """An open re-cache: ``start`` / ``seq_len`` are upstream's ``x``; ``rows`` the rebuilt chunks' rows in it."""
 
     rows: torch.Tensor | None

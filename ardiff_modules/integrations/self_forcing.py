@@ -188,7 +188,7 @@ class SelfForcingSelfAttention(ChunkSelfAttention):
 
 
 @dataclass
-class _Open:
+class OpenForward:
     """The model forward in progress: where it starts, how long it is, its context and RoPE."""
 
     start: int
@@ -220,7 +220,7 @@ class SelfForcingSession:
         #: upstream's ``(sink_size, local_attn_size)`` in frames, checked on the first forward (None: not).
         self.upstream_window = upstream_window
         self._short_first = False  # whether this video's first chunk was shorter (image-to-video)
-        self._open: _Open | None = None
+        self._open: OpenForward | None = None
         self._marker: tuple[Any, Any] | None = None  # block 0's kv_cache dict and its global_end_index
         self._closed = False
 
@@ -268,7 +268,7 @@ class SelfForcingSession:
             raise StreamPositionError(
                 f"SelfForcingSession: expected the session's branches at token {start}, got {forward.token_offsets}"
             )
-        self._open = _Open(start, seq_len, forward, rope)
+        self._open = OpenForward(start, seq_len, forward, rope)
         self._marker = (kv_cache, kv_cache.get("global_end_index") if isinstance(kv_cache, Mapping) else None)
 
     def layer(self, index: int, x: torch.Tensor, current_start: int) -> tuple[LayerContext, RopePair]:

@@ -31,12 +31,12 @@ from typing import Any
 
 import torch
 
+from ardiff_modules.models.wan_causal_dit import WanConfig
 from tests.support.longlive_cache import apply_update, attend_buffer
 from tests.support.self_forcing_pipeline import (
     TINY, CausalInferencePipeline, DiffusionWrapper, FlowMatchScheduler, LoopSettings, RollingSelfAttention,
     SelfForcingModel, attention, randomize,
 )
-from ardiff_modules.models.wan_causal_dit import WanConfig
 
 
 class LongLiveAttention(RollingSelfAttention):
