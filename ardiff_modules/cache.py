@@ -45,6 +45,11 @@ Rule = RecacheRule | None
 class KVCache:
     """Paged sink+window KV storage for any number of sessions.
 
+    Thread safety: every host-side operation of the cache and its sessions (prepare, commit,
+    abort, open/close/reset/fork, populate, stats, admission) holds one re-entrant lock, so
+    threads may each drive their own sessions concurrently. Kernels take no lock. Two threads
+    driving the *same* session still race on what it means (which forward comes first).
+
     Parameters
     ----------
     spec:
@@ -72,11 +77,6 @@ class KVCache:
         sync and a read of the pending pages per commit; off by default.
     host_budget_bytes:
         Bytes the host tier of suspended sessions may hold (``None``: unbounded; ``KVState.suspend``).
-
-    Thread safety: every host-side operation of the cache and its sessions (prepare, commit,
-    abort, open/close/reset/fork, populate, stats, admission) holds one re-entrant lock, so
-    threads may each drive their own sessions concurrently. Kernels take no lock. Two threads
-    driving the *same* session still race on what it means (which forward comes first).
     """
 
     def __init__(
@@ -303,7 +303,8 @@ class KVCache:
 
         A commit is refused -- the forward aborted, history unchanged, the error raised -- unless
         :meth:`abort_if_uncommittable` passes; whatever a commit raises, the forward is aborted before the
-        error propagates (a library error as it is, anything else as :class:`CommitFailedError`).
+        error propagates (a library error as it is, anything else as :class:`CommitFailedError`). A participant of
+        a grouped or distributed forward committed alone raises :class:`ParticipantCommitError`, nothing changed.
         """
         self.forwards.finish_forward(transaction, success)
 

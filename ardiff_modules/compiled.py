@@ -1,5 +1,5 @@
 """``CompiledStep``: ``torch.compile(model, fullgraph=True)`` that reports a streaming model's compile pitfalls
-as this library's errors, next to their cause (README, porting guide, "3. Compile-friendly inputs").
+as this library's errors, next to their cause (docs/guide/porting.md, "3. Compile-friendly inputs").
 
 The pitfalls, which dynamo reports (when it does at all) far from where they come from:
 
@@ -98,6 +98,8 @@ class CompiledStep:
     warn_recompiles:
         Warn (once, :class:`CompileInputWarning`) when the model compiles again after its first frame.
 
+    Notes
+    -----
     Calls raise :class:`CompileInputError` (chained from dynamo's error where there is one) for the
     pitfalls in the module docstring. Grad mode is part of the graph: a training step (forwards with and
     without gradients) is two frames, neither a recompile to warn about. A library error raised by library code while dynamo traced it (a shape check, say) is

@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import threading
 from collections import OrderedDict
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -39,7 +40,17 @@ from ardiff_modules.checks import require_bool, require_int
 from ardiff_modules.context import ForwardContext
 from ardiff_modules.core.admission import Admission
 from ardiff_modules.core.head_retention import HeadPart, HeadRetention
-from ardiff_modules.core.transaction import ForwardTransaction, deferred_interrupts
+from ardiff_modules.core.transaction import ForwardTransaction
+from ardiff_modules.core.two_phase import (
+    Coordinator,
+    Decision,
+    Participant,
+    Step,
+    abort_all,
+    commit_all,
+    decide_locally,
+    prepare_all,
+)
 from ardiff_modules.cross import CrossEntry, SessionCrossCaches
 from ardiff_modules.errors import (
     CacheClosedError,
@@ -50,7 +61,9 @@ from ardiff_modules.errors import (
     SpecError,
     UnknownCacheError,
 )
-from ardiff_modules.head_forward import HeadGroupedForward, HeadGroupedLayer, abort_all, head_selector, merge_order
+from ardiff_modules.forwards.manager import stream_names
+from ardiff_modules.forwards.request import Build
+from ardiff_modules.head_forward import HeadGroupedForward, HeadGroupedLayer, head_selector, merge_order
 from ardiff_modules.pool import KVPool, bytes_per_page, torch_dtype
 from ardiff_modules.session import ForwardOptions, KVState, branch_names
 from ardiff_modules.session_table import check_session_id
@@ -337,22 +350,25 @@ class HeadGroupedKVCache:
             ]
             previous = _open_transactions(members)
             contexts: list[ForwardContext] = []
-            try:
-                for cache, request in zip(self.caches, requests):
-                    contexts.append(cache.forwards.build(request, hold=True))
+            built: list[HeadGroupedForward] = []
+
+            def assemble() -> None:  # the grouped forward's own host work, after every part built
                 _check_offsets(contexts)
-                forward = self._forward_for(tuple(contexts), static)
-                self._stack_cross(forward, members, static)
-            except BaseException:
-                abort_all(contexts)  # held reservations: each part's undo is exact
-                _abort_split(previous)
-                raise
-            for ctx in contexts:
-                assert ctx.transaction is not None
-                ctx.transaction.keep_reservation()  # every part built: the forward stands
+                built.append(self._forward_for(tuple(contexts), static))
+                self._stack_cross(built[0], members, static)
+
+            steps = [
+                Step(name, functools.partial(_build_part, cache, request, contexts), _aborter(cache))
+                for name, cache, request in zip(self.part_names, self.caches, requests)
+            ]
+            coordinator = Coordinator(f"the HeadGroupedForward over {stream_names(members)}")
+            # Held reservations: a failed step rolls every built part back exactly; then the forwards some part
+            # superseded meanwhile are aborted in every part (_abort_split).
+            prepare_all(coordinator, [*steps, Step("HeadGroupedForward", assemble)], decide_locally,
+                        undo=lambda decision: _abort_split(previous))
             for session, branch in members:
-                session.opened(branch, forward)
-            return forward
+                session.opened(branch, built[0])
+            return built[0]
 
     def _members(self, streams: Streams) -> list[tuple[HeadGroupedSession, str]]:
         if isinstance(streams, (str, bytes)) or not isinstance(streams, Sequence) or not streams:
@@ -404,41 +420,33 @@ class HeadGroupedKVCache:
 
         ``transactions``: one per part, or a grouped forward whose parts' current ones are read under the lock.
 
-        Raises :class:`ForwardFinishedError` (the open parts aborted) when asked to commit a forward that some
-        part finished on its own (e.g. a part context committed or aborted directly): committing the others
-        would put their offsets out of step with that part's.
+        The two phases of :func:`~ardiff_modules.core.two_phase.commit_all`, decided locally (``all()``). Raises
+        :class:`ForwardFinishedError` (the open parts aborted) when asked to commit a forward that some part
+        finished on its own (a part context aborted directly; committing one alone raises
+        :class:`ParticipantCommitError`): committing the others would put their offsets out of step.
         """
         with self._all_locks():
             if isinstance(transactions, HeadGroupedForward):
                 transactions = transactions.transactions
-            live = [(c, t) for c, t in zip(self.caches, transactions) if t is not None and t.is_open]
-            if not live:
-                return
+            participants = [
+                Participant(name, t, functools.partial(cache.abort_if_uncommittable, check_finite=self.check_finite),
+                            _committer(cache), _aborter(cache))
+                for name, cache, t in zip(self.part_names, self.caches, transactions)
+            ]
             if not success:
-                _abort_parts(live)
+                abort_all(participants)
                 return
-            if len(live) < len(transactions):
-                statuses = {n: (t.status if t is not None else None) for n, t in zip(self.part_names, transactions)}
-                _abort_parts(live)
-                raise ForwardFinishedError(
+            statuses = {n: (t.status if t is not None else None) for n, t in zip(self.part_names, transactions)}
+
+            def refused(decision: Decision) -> ForwardFinishedError:  # some part finished alone (aborted)
+                return ForwardFinishedError(
                     f"commit: expected the forward open in every part, got statuses {statuses}; the open parts were "
                     "aborted and history is unchanged"
                 )
-            try:
-                for cache, transaction in live:
-                    cache.abort_if_uncommittable(transaction, check_finite=self.check_finite)
-            except BaseException:
-                _abort_parts(live)
-                raise
+
             # NOTE: SIGINT held over all the parts' commits (each holds it over its own): a Ctrl-C between two
-            # would leave the first part's offsets past the second's for good.
-            with deferred_interrupts():
-                try:
-                    for cache, transaction in live:
-                        cache.finish_forward(transaction, True)
-                except BaseException:
-                    _abort_parts(live)  # no part keeps an open forward (those committed stay committed)
-                    raise
+            # would leave the first part's offsets past the second's for good (commit_all defers it).
+            commit_all(participants, decide_locally, refused=refused)
 
     # ------------------------------------------------------------------ admission and stats
     def sessions_that_fit(self, pending_chunks: int = 1, *, recache: bool = True) -> int:
@@ -486,11 +494,21 @@ class HeadGroupedKVCache:
             return {name: cache.stats() for name, cache in zip(self.part_names, self.caches)}
 
 
-def _abort_parts(live: Sequence[tuple[KVCache, ForwardTransaction]]) -> None:
-    """Abort each still open part transaction (a no-op for those finished)."""
-    for cache, transaction in live:
-        if transaction.is_open:
-            cache.finish_forward(transaction, False)
+def _aborter(cache: KVCache) -> Callable[[ForwardTransaction], None]:
+    """Abort one part's transaction (rolled back exactly while its reservation is held)."""
+    return lambda transaction: cache.finish_forward(transaction, False)
+
+
+def _committer(cache: KVCache) -> Callable[[ForwardTransaction], None]:
+    """Commit one part's transaction (inside :func:`commit_all`: its coordinator lets it)."""
+    return lambda transaction: cache.finish_forward(transaction, True)
+
+
+def _build_part(cache: KVCache, request: Build, contexts: list[ForwardContext]) -> ForwardTransaction | None:
+    """Build one part's forward holding its reservation; its context is appended to ``contexts``."""
+    ctx = cache.forwards.build(request, hold=True)
+    contexts.append(ctx)
+    return ctx.transaction
 
 
 def _check_offsets(contexts: Sequence[ForwardContext]) -> None:
@@ -615,9 +633,16 @@ class HeadGroupedSession(SessionCrossCaches):
         return forward if forward is not None and forward.is_active else None
 
     def commit_paged_context(self, kv_branch: str) -> None:
-        """Commit the open forward ``kv_branch`` belongs to (every part, with its other streams)."""
-        forward = self.open_forward(kv_branch)
-        if forward is None:
+        """Commit the open forward ``kv_branch`` belongs to (every part, with its other streams).
+
+        A forward that some part finished alone (a part context aborted directly) is aborted in every part and
+        :class:`ForwardFinishedError` raised, as :meth:`HeadGroupedForward.commit` does: never a silent no-op
+        that leaves the other parts open.
+        """
+        self._check_branch(kv_branch)
+        forward = self._open.get(kv_branch)
+        # NOTE: any part open, not all (open_forward): a half-open forward must reach the grouped finish.
+        if forward is None or not any(part.is_active for part in forward.parts):
             return
         forward.commit()
 

@@ -241,18 +241,6 @@ class HeadGroupedForward(CrossPublisher):
         )
 
 
-def abort_all(contexts: Sequence[ForwardContext]) -> None:
-    """Abort each context's open forward; the first error is raised after every one was tried."""
-    first: BaseException | None = None
-    for ctx in contexts:
-        try:
-            ctx.abort()
-        except BaseException as exc:  # noqa: BLE001 -- keep aborting the others
-            first = first or exc
-    if first is not None:
-        raise first
-
-
 def check_open_forward(forward: HeadGroupedForward, what: str) -> None:
     """:class:`ForwardFinishedError` unless every part of ``forward`` is open."""
     if not forward.is_active:

@@ -349,7 +349,9 @@ class KVState(SessionCrossCaches):
         its pending pages stay reserved and the next forward of the chunk reuses them.
 
         NOTE: a forward is one transaction: when ``kv_branch`` was prepared together with other
-        streams (a batched CFG forward, several sessions), they are all committed now, atomically.
+        streams (a batched CFG forward, several sessions), they are all committed now, atomically. A forward
+        that is one part of a ``HeadGroupedForward`` (or a rank's share of a ``DistributedForward``) is not
+        committed alone: :class:`~ardiff_modules.errors.ParticipantCommitError`, nothing changed.
         """
         with self.cache.lock:
             transaction = self.open_forward(kv_branch)

@@ -213,6 +213,8 @@ def warm_up(
         Called once with each scratch session right after it opens, before any forward: publish its
         cross-attention caches (dummy prompts) there. Cross caches a scratch session holds go with it.
 
+    Notes
+    -----
     Returns a :class:`WarmUpReport`: forwards, distinct shapes and seconds per stage, and in total.
 
     **State.** Afterwards the cache is as before: no scratch session is left, the pages in use are the same
@@ -433,6 +435,8 @@ def save_compile_cache(path: str | os.PathLike[str], *, key: bytes | None = None
         ``load_compile_cache(path, key=<the same key>)`` loads it. Sign files that cross a trust boundary
         (another machine, a shared folder, a download): see :func:`load_compile_cache`.
 
+    Notes
+    -----
     Returns ``0`` and writes nothing (an existing file at ``path`` stays) when torch has nothing to save
     (nothing was compiled, or only by backends without caches, e.g. ``backend="eager"``). A ``path`` that is
     not a ``str`` / ``os.PathLike`` or a ``key`` that is not non-empty bytes is a :class:`SpecError`, a
@@ -483,6 +487,8 @@ def load_compile_cache(path: str | os.PathLike[str], *, key: bytes | None = None
     key:
         The key the file was saved with, or ``None`` for an unsigned file.
 
+    Notes
+    -----
     Returns ``False`` (loading nothing; a WARNING is logged) for a file saved by another torch version, whose
     entries torch would never use.
 

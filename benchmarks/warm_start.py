@@ -68,6 +68,7 @@ ROWS = ("eager_cold", "eager_warm_up", "compiled_cold", "compiled_loaded", "comp
 TIMESTEPS = (1000.0, 750.0, 500.0, 250.0)  #: the denoising forwards of a chunk step (then one at t = 0 commits)
 ROOT = Path(__file__).resolve().parents[1]
 CACHE_FILE = "compile_cache.bin"
+COMPILE_THREADS = "TORCHINDUCTOR_COMPILE_THREADS"  #: passed on to the rows (the other TORCHINDUCTOR_* are not)
 
 
 def build_parser() -> Any:
@@ -188,7 +189,9 @@ def _session(am: Any, cache: Any, step: Any, branches: tuple[str, ...], crosses:
 
 # ------------------------------------------------------------------ the parent
 def _child_env(device: str, cache_dir: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHINDUCTOR_")}
+    # No inductor setting of the parent reaches a row (a cache dir would make it warm), except the number of
+    # compile workers: a choice of the machine, not a cache (the CPU smoke test passes 1: no worker pool to start).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHINDUCTOR_") or k == COMPILE_THREADS}
     env["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)  # empty for every process: nothing compiled is warm
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     if device == "cpu":

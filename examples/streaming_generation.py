@@ -71,17 +71,25 @@ Outputs (beside ``--out``, default ``outputs/``):
 * ``streaming_generation.json`` (``--json``): the printed summary plus the per-chunk record
   (:class:`StreamRecorder`: pages per branch from ``state.branch_pages``, pool use from ``cache.stats()``,
   visible key chunks, ms per chunk) and the geometry the figure uses.
+
+Requirements: with ``--no-plot`` only torch and ``ardiff_modules`` (the strip PNG is written with the standard
+library), so this file runs on its own beside an installed wheel; the figure also needs matplotlib (the
+``examples`` extra) and ``_report_figure.py`` beside this file. The wheel holds no examples: take the
+``examples/`` folder of the sdist or the repository.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import math
 import statistics
+import struct
 import sys
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -101,7 +109,8 @@ from ardiff_modules.models.wan_causal_dit import (
 )
 from ardiff_modules.pool import bytes_per_page
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # _report_figure, when run as a script from anywhere
+#: The folder of this script: ``_report_figure.py`` (the figure's drawing, ``--no-plot`` skips it) lives beside it.
+HERE = Path(__file__).resolve().parent
 
 #: ``--recache-rule``: the library's historical re-cache and LongLive 1.x's two (see ``RecacheRule``).
 RECACHE_RULES = {
@@ -184,6 +193,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if k is not None and not 0 < k < args.chunks:
             p.error(f"--{flag.replace('_', '-')}: expected a chunk index in 1..{args.chunks - 1}, got {k}")
     check_device_and_preset(p, args)
+    if not args.no_plot:
+        check_figure_needs(p)
     if args.cuda_graph and args.device != "cuda":
         p.error("--cuda-graph: expected --device cuda (CUDA graphs need a GPU)")
     if args.recache_on_switch and args.switch_at is None:
@@ -212,6 +223,33 @@ def check_device_and_preset(p: argparse.ArgumentParser, args: argparse.Namespace
             f"--preset {args.preset} on CPU: the float32 KV pool alone needs {gib:.1f} GiB; expected --device cuda "
             "(or pass --allow-big-cpu)"
         )
+
+
+def check_figure_needs(p: argparse.ArgumentParser) -> None:
+    """The figure needs ``_report_figure.py`` beside this script and matplotlib: say so before the run, not after.
+
+    ``--no-plot`` needs neither (nor numpy or PIL): the script then runs with torch and ``ardiff_modules`` alone.
+    """
+    if not (HERE / "_report_figure.py").is_file():
+        p.error(
+            f"the figure: expected _report_figure.py beside this script in {HERE} (it comes with the examples/ "
+            "folder of the sdist or the repository), got none; or pass --no-plot"
+        )
+    missing = [name for name in ("matplotlib", "numpy") if importlib.util.find_spec(name) is None]
+    if missing:
+        p.error(
+            f"the figure: expected {' and '.join(missing)} installed (pip install 'ardiff_modules[examples]'), "
+            "got none; or pass --no-plot"
+        )
+
+
+def draw_figure(summary: dict[str, Any], strip: torch.Tensor, path: Path) -> None:
+    """Draw the run's picture with ``_report_figure.draw_report`` (imported here: matplotlib is optional)."""
+    if str(HERE) not in sys.path:  # run as a script, its folder is already there; imported, maybe not
+        sys.path.insert(0, str(HERE))
+    from _report_figure import draw_report
+
+    draw_report(summary, strip.numpy(), path)
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -244,15 +282,27 @@ def save_strip(
     """
     image, spans = build_strip(frames, frames_per_chunk, chunks_per_row)
     path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        import matplotlib.image  # the examples extra: pip install ardiff_modules[examples]
-    except ImportError:
-        from PIL import Image  # matplotlib's own dependency, often present without it
-
-        Image.fromarray((image * 255).round().to(torch.uint8).numpy()).save(path)
-    else:
-        matplotlib.image.imsave(path, image.numpy())
+    write_png(image, path)
     return image, spans
+
+
+def write_png(image: torch.Tensor, path: Path) -> None:
+    """Write an RGB image ``[H, W, 3]`` with values in 0..1 as an 8-bit PNG, with the standard library alone.
+
+    NOTE: no matplotlib, PIL or numpy (``Tensor.numpy()`` needs numpy): ``--no-plot`` runs where only torch and
+    ``ardiff_modules`` are installed. The strip is small (tens of KB), so ``tolist()`` per run is cheap.
+    """
+    pixels = (image.float().clamp(0, 1) * 255).round().to(torch.uint8)
+    height, width, _ = pixels.shape
+    scanlines = b"".join(b"\x00" + bytes(row) for row in pixels.reshape(height, width * 3).tolist())  # filter 0
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8 bits, RGB, deflate, no interlace
+    path.write_bytes(
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(scanlines)) + chunk(b"IEND", b"")
+    )
 
 
 def build_strip(
@@ -638,10 +688,8 @@ def _generate(args: argparse.Namespace) -> dict[str, Any]:
     summary["recording_s"] = recorder.overhead_s
     summary["strip_chunk_spans"] = strip_spans
     if not args.no_plot:
-        from _report_figure import draw_report
-
         start = time.perf_counter()
-        draw_report(summary, strip.numpy(), args.figure)
+        draw_figure(summary, strip, args.figure)
         summary["figure"] = str(args.figure)
         summary["figure_s"] = time.perf_counter() - start
     args.json.parent.mkdir(parents=True, exist_ok=True)

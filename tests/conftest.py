@@ -22,6 +22,8 @@ Fixtures:
 
     fresh_dynamo    ``torch._dynamo.reset()`` before and after the test (compile tests).
     small_cache     a 32-page cache of :data:`tests.support.small_cache.SMALL_SPEC` (reference backend).
+    sigint_raises   Python's default SIGINT handler for the test (tests that send themselves SIGINT: a
+                    suite started in the background or under ``nohup`` has SIGINT ignored).
     two_sessions    ``(cache, a, b)`` of :func:`tests.support.two_sessions.build`: two sessions with
                     history, an open denoising forward and populated cross caches (the misuse tests).
 """
@@ -106,6 +108,15 @@ def fresh_dynamo() -> Iterator[None]:
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def sigint_raises() -> Iterator[None]:
+    """SIGINT raises ``KeyboardInterrupt`` during the test, whatever disposition the suite started with."""
+    from tests.support.failures import default_sigint
+
+    with default_sigint():
+        yield
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """Reference backend (any device): gather the visible pages, dense mask, SDPA.
 
 This is the oracle every other backend is tested against: it applies the
-visibility rule (README, "Semantics": query chunk ``c`` sees the sink chunks, the window
+visibility rule (docs/design.md, "Semantics": query chunk ``c`` sees the sink chunks, the window
 chunks and pending chunks ``0..c`` -- every pending chunk under
 ``pending_attention="bidirectional"``) literally, as a boolean mask over the gathered keys
 (``ForwardLayout.to_dense()``).

@@ -41,6 +41,36 @@ from ardiff_modules.core.recache import RecachePlan
 from ardiff_modules.core.branch import BranchPages
 from ardiff_modules.core.reservation import Reservation
 
+class Coordinator:
+    """The multi-participant forward that alone commits its participants' transactions (``core.two_phase``).
+
+    NOTE: here, not in ``two_phase``: a transaction names its coordinator, and ``two_phase`` drives transactions.
+
+    ``name`` names it in :class:`ParticipantCommitError` (e.g. ``"the HeadGroupedForward over [s0/cond]"``).
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        # NOTE: the thread inside commit_all, not a flag: another thread committing a participant alone
+        # meanwhile is still refused.
+        self._finisher: int | None = None
+
+    def __repr__(self) -> str:
+        return f"Coordinator({self.name!r})"
+
+    @contextmanager
+    def finishing(self) -> Iterator[None]:
+        """Inside the block, this thread may commit the participants (what :func:`commit_all` does)."""
+        outer, self._finisher = self._finisher, threading.get_ident()
+        try:
+            yield
+        finally:
+            self._finisher = outer
+
+    def may_commit(self) -> bool:
+        return self._finisher == threading.get_ident()
+
+
 #: ``completed``: a denoising forward that finished (nothing joins history; "committed" is
 #: reserved for forwards whose chunks did).
 Status = Literal["open", "committed", "completed", "aborted", "superseded"]
@@ -88,6 +118,9 @@ class ForwardTransaction:
     #: Called with this transaction once it finishes, whatever the outcome (e.g. the FP8 calibration
     #: that this forward's writes started is fixed by its commit and undone by anything else).
     on_close: list[Callable[[ForwardTransaction], None]] = field(default_factory=list, repr=False)
+    #: The multi-participant forward this is one participant of (a part of a grouped forward, a rank's share
+    #: of a distributed one): only it commits this transaction (``core.two_phase.require_coordinated``).
+    coordinator: Coordinator | None = field(default=None, repr=False)
 
     def attach(self) -> None:
         """The forward begins: its branches belong to it (until it finishes)."""
@@ -99,6 +132,10 @@ class ForwardTransaction:
         if self.reservation is not None:
             self.reservation.keep()
             self.reservation = None
+
+    def join(self, coordinator: Coordinator) -> None:
+        """This forward is one participant of ``coordinator``'s: only it may commit this one from now on."""
+        self.coordinator = coordinator
 
     @property
     def is_open(self) -> bool:

@@ -14,11 +14,13 @@ distributed forward therefore votes three times over the mesh's host (gloo) grou
     finish   local pre-commit checks ────────> vote ──┬─ all ok:  every rank commits (cannot fail now)
                                                       └─ any failed: every rank aborts its streams, raises
 
-so no rank is ever left with a half-committed history: a commit happens only once every rank has
-said its own commit will succeed (the pre-commit check runs the same pure computation the commit then
-repeats). Each vote is one all-reduce of ``mesh size x 4`` int64: every rank's row is ``(vote, forward
-number, digest, value)`` (:meth:`ParallelMesh.host_rows`). The forward number (the same on every rank)
-pairs each vote with its forward: a rank that caught a ``KeyboardInterrupt`` inside a forward (aborted
+(votes 2 and 3 are the two phases of :mod:`ardiff_modules.core.two_phase`, decided by a vote where a
+head-grouped cache decides with a local ``all()``), so no rank is ever left with a half-committed
+history: a commit happens only once every rank has said its own commit will succeed (the pre-commit
+check runs the same pure computation the commit then repeats). Each vote is one all-reduce of ``mesh
+size x 4`` int64: every rank's row is ``(vote, forward number, digest, value)``
+(:meth:`ParallelMesh.host_rows`). The forward number (the same on every rank) pairs each vote with
+its forward: a rank that caught a ``KeyboardInterrupt`` inside a forward (aborted
 there, without a vote) and went on meets its peers' finish vote with its next prepare vote, and every
 rank raises :class:`RankDivergenceError` -- none commits -- and takes the largest number (in step
 again). The first vote compares a digest of the arguments (session ids, ``seq_len``,
@@ -45,7 +47,7 @@ any failure in a CFG-only mesh whose ``with`` block runs no collective of its ow
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -57,7 +59,18 @@ from ardiff_modules.distributed.digest import StateDigest, h64, check_consistenc
 from ardiff_modules.distributed.errors import DistributedForwardError, RankDivergenceError
 from ardiff_modules.distributed.mesh import HOST_WORDS, ParallelMesh, Vote, check_same_vote
 from ardiff_modules.errors import SequenceLengthError, SpecError
-from ardiff_modules.core.transaction import deferred_interrupts
+from ardiff_modules.core.transaction import ForwardTransaction
+from ardiff_modules.core.two_phase import (
+    Coordinator,
+    Decide,
+    Decision,
+    Participant,
+    Step,
+    Word,
+    commit_all,
+    prepare_all,
+    worst,
+)
 from ardiff_modules.spec import KVCacheSpec
 from ardiff_modules.session import ForwardOptions, KVState
 
@@ -82,6 +95,8 @@ class DistributedKVCache:
     debug_checks:
         After every finished forward, run :meth:`check_consistency` (one more small all-gather).
 
+    Notes
+    -----
     All methods that change state are collective: every rank of the mesh calls them, in the same order,
     with the same arguments (session ids, ``seq_len``, ``commit_current``).
     """
@@ -211,22 +226,13 @@ class DistributedKVCache:
         self, number: int, states: tuple[KVState, ...], seq_len: int, commit_current: bool, static: bool,
         kwargs: Mapping[str, Any], free_before: Sequence[int],
     ) -> ForwardContext:
-        """Vote 2: the local prepare (its reservation held until the vote), then its outcome on every rank."""
+        """Vote 2: the local prepare (its reservation held until the vote), then its outcome on every rank
+        (:func:`~ardiff_modules.core.two_phase.prepare_all`, decided by a vote)."""
         touched: tuple[KVState, ...] = ()
-        ctx: ForwardContext | None = None
-        error: BaseException | None = None
+        prepared: list[ForwardContext] = []
 
-        def undo() -> None:
-            # What a failed vote undoes on every rank alike: this rank's forward rolled back exactly (its
-            # reservation was held), then the sessions the prepare touched aborted and the free queue settled
-            # (see _abort_streams); the prepared ranks had published a context (registered, made most recent,
-            # maybe evicting an idle one), the others had not: releasing every idle context makes them equal.
-            if ctx is not None and ctx.transaction is not None:
-                self.cache.finish_forward(ctx.transaction, False)
-            self._abort_streams(touched, free_before)
-            self.cache.release_idle_forward_contexts()
-
-        try:
+        def prepare() -> ForwardTransaction | None:
+            nonlocal touched
             # What a failed vote must abort identically on every rank: the kept denoising forwards this
             # prepare supersedes, with every session they span.
             touched = self._undo_scope(states)
@@ -237,45 +243,49 @@ class DistributedKVCache:
                 )
             streams = [(s, b) for s in states for b in self.local_branches]
             options = ForwardOptions(static=static, **kwargs)  # unknown options raise here: voted too
-            ctx = self.cache.forwards.prepare(streams, seq_len, commit_current, options, hold=True)
-        except Exception as e:  # noqa: BLE001 - every local failure is voted, then re-raised
-            error = e
-        except BaseException:
-            # KeyboardInterrupt / SystemExit: no vote (the peers meet this rank's next vote and raise then,
-            # undoing the same); this rank's forward must not stay open.
-            undo()
-            raise
-        rows = self._vote(
-            Vote.PREPARED, number, 0, error is not None, "this rank's prepared forward was aborted", undo
-        )
-        failed = _flagged(self.mesh.ranks, rows)
-        if failed:
-            # A local prepare that raised changed nothing; if every rank raised, nothing changed anywhere and
-            # the sessions stay as they were. Otherwise the ranks that prepared must end their forward,
-            # and every rank ends in the same state (kept denoising forwards dropped everywhere).
-            if len(failed) < len(self.mesh.ranks):
-                undo()
-            if self.debug_checks:  # collective: every rank is on this path
-                self.check_consistency()
-            if error is not None:
-                raise error
-            raise DistributedForwardError(
-                f"prepare_forward: expected every rank to prepare, got a failure on rank(s) {list(failed)}; this "
-                "rank's streams were aborted too (history unchanged)",
-                failed_ranks=failed,
-            )
-        assert ctx is not None and ctx.transaction is not None
-        ctx.transaction.keep_reservation()  # every rank prepared: the forward stands
-        return ctx
+            prepared.append(self.cache.forwards.prepare(streams, seq_len, commit_current, options, hold=True))
+            return prepared[0].transaction
 
-    def _vote(
-        self, kind: Vote, number: int, digest: int, value: int, undone: str,
-        undo: Callable[[], None] = lambda: None,
-    ) -> tuple[tuple[int, ...], ...]:
+        def undo(decision: Decision | None) -> None:
+            # What a failed vote undoes on every rank alike, after this rank's held forward was rolled back: the
+            # sessions the prepare touched aborted and the free queue settled (see _abort_streams); the prepared
+            # ranks had published a context (registered, made most recent, maybe evicting an idle one), the
+            # others had not: releasing every idle context makes them equal. If every rank failed, nothing
+            # changed anywhere and the sessions stay as they were.
+            if decision is None or not decision.everyone_failed:
+                self._abort_streams(touched, free_before)
+                self.cache.release_idle_forward_contexts()
+            if decision is not None and self.debug_checks:  # collective: every rank is on this path
+                self.check_consistency()
+
+        def refused(decision: Decision) -> DistributedForwardError:
+            return DistributedForwardError(
+                f"prepare_forward: expected every rank to prepare, got a failure on rank(s) {list(decision.failed)}; "
+                "this rank's streams were aborted too (history unchanged)",
+                failed_ranks=tuple(r for r in decision.failed if isinstance(r, int)),
+            )
+
+        # NOTE: a KeyboardInterrupt in the prepare or the vote is not voted on: prepare_all rolls back and undoes
+        # here, and the peers meet this rank's next vote (RankDivergenceError) and undo the same.
+        step = Step(self.mesh.rank, prepare, lambda transaction: self.cache.finish_forward(transaction, False))
+        decide = self._decide(Vote.PREPARED, number, "this rank's prepared forward was aborted")
+        prepare_all(Coordinator(f"DistributedForward {number}"), [step], decide, undo=undo, refused=refused)
+        return prepared[0]
+
+    def _decide(self, kind: Vote, number: int, undone: str) -> Decide:
+        """The mesh vote as a two-phase decision: this rank's worst word, every rank's word back."""
+
+        def decide(words: Sequence[tuple[object, Word]]) -> Decision:
+            rows = self._vote(kind, number, 0, int(worst(words)), undone)
+            return Decision(tuple((rank, Word(row[3])) for rank, row in zip(self.mesh.ranks, rows)))
+
+        return decide
+
+    def _vote(self, kind: Vote, number: int, digest: int, value: int, undone: str) -> tuple[tuple[int, ...], ...]:
         """One host vote of forward ``number``: every rank's row ``(kind, number, digest, value)``.
 
-        Every rank leaves it with the largest forward number voted. Raises on every rank, after ``undo()``
-        (what this rank must take back; ``undone`` says it): :class:`RankDivergenceError` if some rank is
+        Every rank leaves it with the largest forward number voted. Raises on every rank (the caller undoes
+        what this rank must take back; ``undone`` says it): :class:`RankDivergenceError` if some rank is
         at another vote (another kind, or another forward); :class:`DistributedForwardError` chained from
         the collective's error if the collective fails (a peer gone, or silent past the mesh's timeout);
         a ``KeyboardInterrupt`` in the collective propagates as it is.
@@ -283,7 +293,6 @@ class DistributedKVCache:
         try:
             rows = self.mesh.host_rows((int(kind), number, digest, int(value)))
         except Exception as e:
-            undo()
             first = (str(e).splitlines() or [""])[0][:300]
             raise DistributedForwardError(
                 f"DistributedKVCache: the {kind.label} of forward {number} failed in its collective "
@@ -292,16 +301,9 @@ class DistributedKVCache:
                 "The mesh's process groups are not usable any more: restart the ranks",
                 failed_ranks=(),
             ) from e
-        except BaseException:
-            undo()
-            raise
         assert len(rows[0]) == HOST_WORDS
         self._forward_number = max(self._forward_number, *(row[1] for row in rows))
-        try:
-            check_same_vote(self.mesh.ranks, rows, "DistributedKVCache")
-        except RankDivergenceError:
-            undo()
-            raise
+        check_same_vote(self.mesh.ranks, rows, "DistributedKVCache")
         return rows
 
     def _undo_scope(self, states: Sequence[KVState]) -> tuple[KVState, ...]:
@@ -328,6 +330,14 @@ class DistributedKVCache:
         free before the forward, in their order then, followed by the others by id.
         """
         self.cache.forwards.abort_sessions(states, free_order=free_before)
+
+    def settle_finish(self, decision: Decision) -> None:
+        """After a finish vote's outcome was applied, whatever it was: the optional consistency check.
+
+        Collective: every rank reaches it, whatever the vote said (a rank raising first would hang the rest).
+        """
+        if self.debug_checks:
+            self.check_consistency()
 
     def check_consistency(self) -> tuple[StateDigest, ...]:
         """Debug: raise :class:`RankDivergenceError` unless every rank made the same decisions (collective).
@@ -410,68 +420,54 @@ class DistributedForward:
         self._finish(_LocalAbort())
 
     def _finish(self, error: BaseException | None) -> None:
+        """The finish vote (:func:`~ardiff_modules.core.two_phase.commit_all`, decided by a vote): this rank's
+        pre-commit checks, then every rank commits or every rank aborts. ``error``: the ``with`` block's
+        exception, or :class:`_LocalAbort` (voted as a failure, not raised)."""
         if self._done:
             return
         self._done = True
+        owner = self.owner
         # NOTE: this handle's own transaction, never ``context.transaction``: the context is reused, and a
         # later forward prepared on the same streams (which superseded this one) must not be finished here.
-        transaction = self._transaction
-        live = transaction is not None and transaction.is_open
-        if error is None and live and transaction.commit_current:
-            try:
-                error = self._precommit(transaction)
-            except BaseException:  # KeyboardInterrupt in the check_finite sync: no vote, but not left open
-                self.owner._abort_streams(self.sessions, self._free_before)
-                raise
-            live = transaction.is_open  # a pre-commit check (incomplete, calibration, NaN/Inf) aborted it
-        status = _FAILED if error is not None else (_OPEN if live else _CLOSED)
+        me = Participant(
+            owner.mesh.rank, self._transaction, self._precommit,
+            lambda transaction: owner.cache.finish_forward(transaction, True),  # checked before the vote
+            lambda transaction: owner._abort_streams(self.sessions, self._free_before),
+        )
 
-        def undo() -> None:  # where this rank's forward was already closed, only the free-queue order is reset
-            self.owner._abort_streams(self.sessions if live else (), self._free_before)
+        def refused(decision: Decision) -> DistributedForwardError:
+            failed = [r for r in decision.failed if isinstance(r, int)]
+            return DistributedForwardError(
+                f"forward: expected every rank to finish an open forward, got a failure (or a forward already "
+                f"finished) on rank(s) {failed}; the forward was aborted on every rank (history unchanged)",
+                failed_ranks=tuple(failed),
+            )
 
-        # NOTE: Ctrl-C held from the finish vote until its outcome is applied on this rank (and the optional
-        # consistency check ran): gloo's all-reduce returns only once every rank voted, so an interrupt raised
-        # there would abort this rank after its peers had seen it vote to commit -- a silent half-commit that
-        # the next forward's numbers cannot see. The wait is bounded by the vote group's timeout.
-        with deferred_interrupts():
-            rows = self.owner._vote(Vote.FINISH, self.number, 0, status, "this rank's streams were aborted", undo)
-            votes = tuple(row[3] for row in rows)
-            if all(v == _CLOSED for v in votes):
-                # Finished on every rank already (superseded, or committed / aborted on each): nothing to do.
-                if self.owner.debug_checks:
-                    self.owner.check_consistency()
-                return
-            # A rank whose forward was already closed cannot commit with its peers: that counts as a failure.
-            failed = tuple(r for r, v in zip(self.owner.mesh.ranks, votes) if v != _OPEN)
-            if not failed:
-                self.owner.cache.finish_forward(transaction, True)  # checked before the vote: cannot fail now
-            else:
-                undo()
-            # Collective: every rank reaches it, whatever the vote said (a rank raising first would hang the rest).
-            if self.owner.debug_checks:
-                self.owner.check_consistency()
-            if not failed:
-                return
-            if error is None:
-                raise DistributedForwardError(
-                    f"forward: expected every rank to finish an open forward, got a failure (or a forward already "
-                    f"finished) on rank(s) {list(failed)}; the forward was aborted on every rank (history unchanged)",
-                    failed_ranks=failed,
-                )
-            if not isinstance(error, _LocalAbort):
-                raise error
-
-    def _precommit(self, transaction: Any) -> BaseException | None:
-        """What could make this rank's commit fail, checked before the vote (pure; changes nothing on success)."""
+        # NOTE: commit_all holds Ctrl-C from the finish vote until its outcome is applied on this rank (and the
+        # optional consistency check ran): gloo's all-reduce returns only once every rank voted, so an interrupt
+        # raised there would abort this rank after its peers had seen it vote to commit -- a silent half-commit
+        # that the next forward's numbers cannot see. The wait is bounded by the vote group's timeout.
+        # A rank whose forward was already closed votes DONE: with peers still open, that fails the forward.
         try:
-            for branch in transaction.live_branches():
-                branch.preview_commit()  # pure: may raise, changes nothing
-            # Every layer wrote, FP8 scales it would fix not degenerate, and (check_finite) no NaN/Inf: on a
-            # failure it aborts this rank's forward and raises; the vote then aborts everyone else's.
-            self.owner.cache.abort_if_uncommittable(transaction, check_finite=self.owner.check_finite)
-        except Exception as e:  # noqa: BLE001
-            return e
-        return None
+            commit_all(
+                [me], owner._decide(Vote.FINISH, self.number, "this rank's streams were aborted"), failure=error,
+                # where this rank's forward was already closed, only the free-queue order is reset
+                undo=lambda decision: owner._abort_streams((), self._free_before),
+                settle=owner.settle_finish,
+                refused=refused,
+            )
+        except _LocalAbort:
+            pass
+
+    def _precommit(self, transaction: ForwardTransaction) -> None:
+        """What could make this rank's commit fail, checked before the vote (pure; changes nothing on success)."""
+        if not transaction.commit_current:
+            return  # a denoising forward just closes
+        for branch in transaction.live_branches():
+            branch.preview_commit()  # pure: may raise, changes nothing
+        # Every layer wrote, FP8 scales it would fix not degenerate, and (check_finite) no NaN/Inf: on a
+        # failure it aborts this rank's forward and raises; the vote then aborts everyone else's.
+        self.owner.cache.abort_if_uncommittable(transaction, check_finite=self.owner.check_finite)
 
     def __enter__(self) -> DistributedForward:
         self.context.check_usable("DistributedForward.__enter__")
@@ -529,9 +525,6 @@ def _arguments_text(
     )
     return f"sessions={ids} seq_len={seq_len!r} commit_current={commit_current!r} static={static!r}{extra}"
 
-
-#: A rank's word in the finish vote.
-_OPEN, _CLOSED, _FAILED = 0, 1, 2
 
 
 class _LocalAbort(Exception):

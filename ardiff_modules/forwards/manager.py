@@ -28,6 +28,7 @@ from ardiff_modules.core.branch import BranchPages
 from ardiff_modules.core.recache import RecacheRule
 from ardiff_modules.core.reservation import ForwardReservation, settle_free_order
 from ardiff_modules.core.transaction import ForwardTransaction
+from ardiff_modules.core.two_phase import require_coordinated
 from ardiff_modules.errors import ARDiffError, CacheClosedError, CommitFailedError, LatentsNotKeptError, SpecError
 from ardiff_modules.forwards.commit_checks import check_pending_finite
 from ardiff_modules.host.tier import HostTier
@@ -354,10 +355,18 @@ class ForwardManager:
 
     # ------------------------------------------------------------------ finishing
     def finish_forward(self, transaction: ForwardTransaction, success: bool) -> None:
-        """Commit (``success``) or abort every stream of ``transaction``, all or none (``KVCache.finish_forward``)."""
+        """Commit (``success``) or abort every stream of ``transaction``, all or none (``KVCache.finish_forward``).
+
+        Raises :class:`ParticipantCommitError`, nothing changed, when asked to commit one participant of a
+        multi-participant forward alone (:func:`~ardiff_modules.core.two_phase.require_coordinated`).
+        """
         with self.lock:
             if not transaction.is_open:
                 return
+            if success:
+                # NOTE: a part of a grouped forward (a rank's share of a distributed one) commits only with the
+                # others: committed alone, its history would run a chunk ahead of theirs for good.
+                require_coordinated(transaction, stream_names(transaction.members))
             if not success:
                 transaction.abort(self.allocator)
             else:

@@ -1,7 +1,7 @@
 """The package's structure, held by numbers that may only go down (issue 25).
 
 ``lint-imports`` (run by ``.ci/run``) checks the import contracts in ``pyproject.toml``; this file checks
-that the README's code-layout list *is* that contract, and holds ceilings on what the layering alone
+that the code-layout list of docs/design.md *is* that contract, and holds ceilings on what the layering alone
 cannot see: private names imported across modules, writes to attributes of another file's class,
 modules that change allocator state, long functions and long classes. Lower a ceiling when you bring
 a number down; never raise one (restructure instead).
@@ -193,7 +193,7 @@ def test_the_metrics_see_what_they_count():
     assert allocator_mutating_modules({"ardiff_modules.host.tier": host}) == {"ardiff_modules.host.tier"}
 
 
-# ------------------------------------------------------------------ the layering is the README's list
+# ------------------------------------------------------------------ the layering is the design page's list
 def _contract_layers() -> list[list[str]]:
     tomllib = pytest.importorskip("tomllib" if sys.version_info >= (3, 11) else "tomli")
     config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]
@@ -201,8 +201,9 @@ def _contract_layers() -> list[list[str]]:
     return [[name.strip().removeprefix("ardiff_modules.") for name in layer.split("|")] for layer in layers]
 
 
-def _readme_layers() -> list[list[str]]:
-    text = (REPO / "README.md").read_text()
+def _design_layers() -> list[list[str]]:
+    """The layers of the "Layout of the code" list in docs/design.md (the docs site's Design page)."""
+    text = (REPO / "docs" / "design.md").read_text()
     block = text.split("## Layout of the code", 1)[1].split("```", 2)[1]
     layers = []
     for line in block.splitlines()[1:]:
@@ -213,8 +214,8 @@ def _readme_layers() -> list[list[str]]:
     return layers
 
 
-def test_readme_layout_list_is_the_import_contract():
-    assert _readme_layers() == _contract_layers()
+def test_design_layout_list_is_the_import_contract():
+    assert _design_layers() == _contract_layers()
 
 
 def test_every_package_module_is_in_one_layer():

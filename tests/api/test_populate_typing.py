@@ -1,8 +1,8 @@
 """``populate_cross_attention`` takes what users actually hold (issue 26, item 6): typed, and checked at run time.
 
-The README's pattern ``[b.cross_attn for b in model.blocks]`` is a ``list[Tensor | Module]`` to mypy
+The Use program's pattern ``[b.cross_attn for b in model.blocks]`` is a ``list[Tensor | Module]`` to mypy
 (``nn.Module.__getattr__``'s type), so the signature accepts any modules and the function checks each
-element. mypy runs over ``typing_snippets/`` (the README's patterns must pass, ``misuse_populate.py``'s
+element. mypy runs over ``typing_snippets/`` (the docs' patterns must pass, ``misuse_populate.py``'s
 marked lines must fail), against this checkout's package (``mypy_path``), with a cache under a tmp dir.
 """
 

@@ -79,7 +79,11 @@ def test_all_names_what_users_use_and_no_internals() -> None:
     assert isinstance(am.FlashInferBackend(), am.AttentionBackend)
 
 
-@pytest.mark.parametrize("path", ["README.md", *sorted(str(p.relative_to(REPO)) for p in REPO.glob("examples/*.py"))])
+@pytest.mark.parametrize("path", [
+    "README.md",
+    *sorted(str(p.relative_to(REPO)) for p in REPO.glob("docs/**/*.md")),
+    *sorted(str(p.relative_to(REPO)) for p in REPO.glob("examples/*.py")),
+])
 def test_documented_top_level_names_are_exported(path: str) -> None:
     text = (REPO / path).read_text()
     used = set(re.findall(r"\bam\.([A-Za-z_][A-Za-z0-9_]*)", text))

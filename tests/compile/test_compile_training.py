@@ -87,8 +87,10 @@ def test_compiled_blocks_under_scope_checkpoint_equal_eager() -> None:
     torch.manual_seed(0)
     model = TinyStreamingModel()
     spec = model.spec(CHUNK, 2, 1, 2)
-    compiled_blocks = [torch.compile(block, backend=CompileCounterWithBackend("inductor"), fullgraph=True)
-                       for block in model.blocks]
+    # One backend for every block: the blocks share their code (parameters are graph inputs), so the 2nd and
+    # 3rd block reuse the 1st one's compiled graphs (2 frames -- no-grad and grad -- instead of 6).
+    counter = CompileCounterWithBackend("inductor")
+    compiled_blocks = [torch.compile(block, backend=counter, fullgraph=True) for block in model.blocks]
     runs = []
     for blocks in (list(model.blocks), compiled_blocks):
         library = LibraryStreaming(model, spec, 96)
@@ -104,5 +106,6 @@ def test_compiled_blocks_under_scope_checkpoint_equal_eager() -> None:
                 runs.append(_rollout(library, model, chunks=6))
             assert poisoned and all(count > 0 for count in poisoned)
     (_, eager), (_, compiled) = runs
+    assert counter.frame_count == 2, f"expected the blocks to share 2 frames, got {counter.frame_count}"
     for name, e in eager.items():
         torch.testing.assert_close(compiled[name], e, atol=1e-4, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.support.paths import EXAMPLES
+from tests.support.paths import EXAMPLES, REPO_ROOT
 
 sys.path.insert(0, str(EXAMPLES))
 
@@ -294,6 +295,70 @@ def test_streaming_example_main_exit_status(tmp_path: Path) -> None:
         streaming_generation.parse_args(["--out", str(out), "--figure", str(out)])  # one file, two outputs
     with pytest.raises(SystemExit):
         streaming_generation.parse_args(["--cuda-graph"])  # needs --device cuda
+
+
+#: Run before the script: matplotlib, PIL, numpy and tqdm cannot be imported (a bare ``pip install ardiff_modules``).
+BLOCK_EXTRAS = """
+import importlib.machinery, sys
+class _Absent(importlib.machinery.PathFinder):  # the path finder, blind to these names: as if not installed
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if name.partition(".")[0] in ("matplotlib", "PIL", "numpy", "tqdm"):
+            return None
+        return super().find_spec(name, path, target)
+sys.meta_path[:] = [_Absent if f is importlib.machinery.PathFinder else f for f in sys.meta_path]
+"""
+
+
+def test_streaming_example_no_plot_runs_alone_without_matplotlib_pil_numpy(tmp_path: Path) -> None:
+    """The script copied on its own (no ``_report_figure.py`` beside it, as beside a wheel install) runs with
+    ``--no-plot`` where matplotlib, PIL and numpy are absent, and still writes the strip PNG and the JSON."""
+    import shutil
+    import subprocess
+
+    shutil.copy(EXAMPLES / "streaming_generation.py", tmp_path)
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(BLOCK_EXTRAS)
+    argv = ["--chunks", "2", "--steps", "1", "--out", str(tmp_path / "out" / "s.png"), "--no-plot"]
+    path = os.pathsep.join(map(str, (tmp_path / "site", REPO_ROOT)))  # this tree's library, not the examples/
+    done = subprocess.run(
+        [sys.executable, str(tmp_path / "streaming_generation.py"), *argv], capture_output=True, text=True,
+        timeout=300, env={**os.environ, "PYTHONPATH": path}, cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "out" / "s.png").read_bytes()[:8] == PNG_MAGIC
+    assert len(json.loads((tmp_path / "out" / "streaming_generation.json").read_text())["per_chunk"]) == 2
+
+
+def test_streaming_example_figure_needs_are_checked_before_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without ``--no-plot``, a missing ``_report_figure.py`` or matplotlib exits 2 at once, naming the fix."""
+    argv = ["--out", str(tmp_path / "s.png")]
+    monkeypatch.setattr(streaming_generation, "HERE", tmp_path)  # a folder without _report_figure.py
+    with pytest.raises(SystemExit) as exc:
+        streaming_generation.parse_args(argv)
+    assert exc.value.code == 2 and "expected _report_figure.py beside this script" in capsys.readouterr().err
+    monkeypatch.undo()
+    real = streaming_generation.importlib.util.find_spec
+    monkeypatch.setattr(streaming_generation.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    with pytest.raises(SystemExit) as exc:
+        streaming_generation.parse_args(argv)
+    assert exc.value.code == 2 and "expected matplotlib installed" in capsys.readouterr().err
+    assert streaming_generation.parse_args([*argv, "--no-plot"]).no_plot  # --no-plot needs neither
+
+
+def test_strip_png_written_without_matplotlib_reads_back_exactly(tmp_path: Path) -> None:
+    """``write_png`` (standard library only) stores every pixel of the strip, rounded to 8 bits."""
+    import matplotlib.image
+
+    image = torch.rand(5, 7, 3, generator=torch.Generator().manual_seed(0))
+    image[0, 0] = torch.tensor([0.0, 1.0, 0.5])
+    streaming_generation.write_png(image, tmp_path / "x.png")
+    back = torch.from_numpy(matplotlib.image.imread(tmp_path / "x.png"))
+    assert back.shape == (5, 7, 3)
+    torch.testing.assert_close(back, (image * 255).round() / 255, atol=1e-6, rtol=0)
 
 
 @pytest.mark.slow

@@ -165,7 +165,9 @@ def test_committing_a_forward_one_part_finished_alone_aborts_the_others() -> Non
     assert [p.committed_chunks("cond") for p in s.parts] == [0, 0]
 
 
-def test_a_ctrl_c_between_two_parts_commits_waits_until_every_part_committed(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_ctrl_c_between_two_parts_commits_waits_until_every_part_committed(
+    monkeypatch: pytest.MonkeyPatch, sigint_raises: None
+) -> None:
     _, cache = make_cache()
     s = cache.open_session()
     first = cache.caches[0]
@@ -282,3 +284,41 @@ def test_check_finite_runs_once_per_part_before_any_part_commits(monkeypatch: py
     calls.clear()
     one_forward(s, oracle, spec.branches, 4, True, gen, spec)  # a finite forward commits, each part checked once
     assert sorted(calls) == list(range(len(cache.caches)))
+
+
+def test_committing_one_part_alone_is_refused_and_the_parts_stay_in_step() -> None:
+    """Issue 41: ``fwd.parts[0].commit()`` inside a grouped forward used to commit that part alone; the grouped
+    commit then aborted the others ("history is unchanged") and every later forward failed a bare assert."""
+    spec, cache = make_cache()
+    s = cache.open_session()
+    gen = torch.Generator().manual_seed(8)
+    oracle = PerHeadOracle(HEADS)
+    one_forward(s, oracle, spec.branches, 4, True, gen, spec)
+    with s.prepare_forward(None, 4, commit_current=True) as fwd:
+        run_layers(fwd, gen)
+        before = snapshot(cache)
+        for commit_alone in (fwd.parts[0].commit, lambda: s.parts[1].commit_paged_context("cond"),
+                             lambda: cache.caches[0].finish_forward(fwd.parts[0].transaction, True)):
+            with pytest.raises(am.ParticipantCommitError, match="expected the HeadGroupedForward over"):
+                commit_alone()
+            assert snapshot(cache) == before and fwd.is_active  # nothing changed, still open
+    assert fwd.status == "committed"
+    assert [p.committed_chunks("cond") for p in s.parts] == [2, 2]
+    assert_parts_agree(cache)
+    one_forward(s, oracle, spec.branches, 4, True, gen, spec)  # later forwards run (and match the oracle)
+    assert [p.committed_chunks("uncond") for p in s.parts] == [3, 3]
+
+
+def test_commit_paged_context_after_one_part_aborted_alone_aborts_every_part() -> None:
+    """Aborting a part alone stays allowed (history is unchanged), but the session's commit then reaches the
+    grouped finish (ForwardFinishedError, the other parts aborted) instead of returning with them still open."""
+    _, cache = make_cache()
+    s = cache.open_session()
+    fwd = s.prepare_forward(None, 4, commit_current=True)
+    run_layers(fwd, torch.Generator().manual_seed(9))
+    fwd.parts[0].abort()
+    with pytest.raises(am.ForwardFinishedError, match="expected the forward open in every part"):
+        s.commit_paged_context("cond")
+    assert fwd.status == "aborted" and [p.committed_chunks("cond") for p in s.parts] == [0, 0]
+    assert_parts_agree(cache)
+    s.commit_paged_context("cond")  # nothing open any more: a no-op

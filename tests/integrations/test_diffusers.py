@@ -8,7 +8,7 @@ absolute frame indices, (c) per-token timesteps (history chunks at their committ
 
 Two references:
 
-- ``visible context`` (the README's rule literally): sink chunks + window chunks + the current chunk
+- ``visible context`` (the visibility rule of docs/design.md literally): sink chunks + window chunks + the current chunk
   concatenated along frames, block-causal mask, at their absolute (non-contiguous) frame indices. Exact
   for a 1-layer model only: a committed chunk's layer-0 K/V depend on its own latents and timestep only,
   but from layer 1 on they depend on what the chunk attended to when it was committed, which after an

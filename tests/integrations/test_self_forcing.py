@@ -10,21 +10,22 @@ through one pipeline. Then the binding rule's bookkeeping and every misuse.
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 
 import ardiff_modules as am
 from ardiff_modules.integrations.self_forcing import SelfForcingSelfAttention, self_forcing_rope, swap_self_attention
-from tests.support.paths import README
+from tests.support.paths import DOCS
 from tests.support.rolling_buffer import chunk_frames, visible_frames
 from tests.support.self_forcing_pipeline import TINY, CausalInferencePipeline, build_pipeline, roll_and_write, twin
+from tests.support.snippets import page_blocks
 from tests.support.wan_rope import rope_apply, wan_freqs
 
 ATOL = 1e-5
 PER_FRAME = TINY.tokens_per_frame
 BRANCHES = ("video0", "video1")
+#: The guide page whose Self-Forcing block ``test_porting_guide_block_runs_over_the_restated_pipeline`` runs.
+PORTING = DOCS / "guide" / "porting.md"
 
 
 def make_spec(frames_per_block: int, sink_size: int, local_attn_size: int, batch: int, **kw: object) -> am.KVCacheSpec:
@@ -167,13 +168,19 @@ def test_the_checkpoint_loads_unchanged() -> None:
     session.close()
 
 
-def test_readme_paragraph_runs_over_the_restated_pipeline() -> None:
+def _porting_block() -> str:
+    """The porting guide's python block that swaps Self-Forcing's attention (a ``# fragment``: it needs their
+    pipeline)."""
+    blocks = [b.source for b in page_blocks(PORTING) if "swap_self_attention(pipeline.generator.model" in b.source]
+    assert len(blocks) == 1, f"{PORTING}: expected one python block calling swap_self_attention(pipeline...), got {len(blocks)}"
+    return blocks[0]
+
+
+def test_porting_guide_block_runs_over_the_restated_pipeline() -> None:
     """The porting guide's Self-Forcing block, its sizes line swapped for the tiny model's, as written."""
-    text = README.read_text()
-    section = text[text.index("**Self-Forcing's own model and pipeline.**"):]
-    source = re.search(r"```python\n(.*?)```", section, re.S).group(1)  # type: ignore[union-attr]
+    source = _porting_block()
     sizes = "blocks, heads, head_dim, frame_seq_length, frames_per_block = 30, 12, 128, 1560, 3"
-    assert source.count(sizes) == 1, "the README block no longer has its sizes line"
+    assert source.count(sizes) == 1, f"the block of {PORTING.name} no longer has its sizes line"
     tiny = f"{TINY.num_layers}, {TINY.num_heads}, {TINY.head_dim}, {PER_FRAME}, 3"
     source = source.replace(sizes, sizes.split(" = ")[0] + " = " + tiny)
     source = source.replace('"bfloat16"', '"float32"').replace("16 << 30", "1 << 20")
@@ -183,7 +190,7 @@ def test_readme_paragraph_runs_over_the_restated_pipeline() -> None:
     namespace = {"pipeline": pipeline, "noise": noise, "text_prompts": text_embeds, "am": am, "torch": torch}
     with torch.random.fork_rng():
         torch.manual_seed(5)
-        exec(compile(source, "<README.md: Self-Forcing>", "exec"), namespace)  # noqa: S102
+        exec(compile(source, "<docs/guide/porting.md: Self-Forcing>", "exec"), namespace)  # noqa: S102
     torch.testing.assert_close(namespace["video"], run(upstream, noise, text_embeds), atol=ATOL, rtol=0)
 
 

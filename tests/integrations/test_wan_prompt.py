@@ -1,4 +1,4 @@
-"""Self-Forcing / Wan prompts through the cross-attention cache (README, porting guide, "4. Prompts").
+"""Self-Forcing / Wan prompts through the cross-attention cache (docs/guide/porting.md, "4. Prompts").
 
 What upstream does (Self-Forcing ``utils/wan_wrapper.py`` ``WanTextEncoder``, ``wan/modules/causal_model.py``,
 ``wan/modules/model.py``; re-stated here, not copied): the tokenizer pads every prompt to ``text_len`` =

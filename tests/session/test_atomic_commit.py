@@ -72,7 +72,7 @@ def test_batched_commit_is_atomic_when_interrupted_between_streams(
 
 
 def test_sigint_during_a_batched_commit_waits_until_both_streams_are_committed(
-    monkeypatch, small_cache: KVCache
+    monkeypatch, small_cache: KVCache, sigint_raises: None
 ) -> None:
     cache = small_cache
     s = cache.open_session("s")
@@ -100,7 +100,7 @@ def test_sigint_during_a_batched_commit_waits_until_both_streams_are_committed(
     assert cache.allocator.num_used == 2 * 3 * SMALL_SPEC.pages_per_chunk  # sink + window per branch
 
 
-def test_deferred_interrupts_holds_sigint_until_the_block_ends() -> None:
+def test_deferred_interrupts_holds_sigint_until_the_block_ends(sigint_raises: None) -> None:
     from ardiff_modules.core.transaction import deferred_interrupts
 
     previous = signal.getsignal(signal.SIGINT)

@@ -28,5 +28,5 @@ Helpers:
 * ``failures`` -- injected exceptions and a reference backend whose ``plan()`` fails on demand.
 * ``gpu`` -- the GPU tests' marks, specs, bf16 model, inputs and tolerances.
 * ``distributed_workers`` -- the multi-process tests' rank functions (spawned ranks import this module).
-* ``paths`` -- the repository's README, examples, benchmarks and package.
+* ``paths`` -- the repository's README, docs, examples, benchmarks and package.
 """

@@ -36,6 +36,7 @@ from ardiff_modules.distributed import (
     ulysses_chunk_attention,
 )
 from ardiff_modules.errors import CapacityError, NonFiniteKVError, SequenceLengthError, TensorMismatchError
+from tests.support.failures import default_sigint
 from tests.support.paths import EXAMPLES
 from tests.support.streaming_model import TinyStreamingModel
 
@@ -340,6 +341,15 @@ def check_vote_undo() -> None:
             first.abort()
             assert second.context.transaction.is_open and s1.committed_chunks("cond") == 0
             parallel(mesh.scatter(x[:2]), second.layers)
+            # A rank's share committed alone (issue 41): refused on every rank, nothing changed, still open.
+            for alone in (second.context.commit, lambda: s1.commit_paged_context("cond")):
+                try:
+                    alone()
+                except am.ParticipantCommitError as e:
+                    assert "expected DistributedForward" in str(e), e
+                else:
+                    raise AssertionError("expected a commit of one rank's share alone to be refused")
+            assert second.context.transaction.is_open and s1.committed_chunks("cond") == 0
     assert s1.committed_chunks("cond") == 1
     _check_same_state_everywhere(cache, "after finishing a superseded handle")
     # Misuse: specific errors (a bad sessions argument is voted like any failure: no rank hangs).
@@ -711,7 +721,8 @@ def check_ctrl_c_in_the_finish_vote() -> None:
     me, branch = dist.get_rank(), mesh.local_branches[0]
     interrupted = False
     try:
-        with cache.prepare_forward(state, CHUNK, commit_current=True) as fwd:
+        # A rank inherits the suite's SIGINT disposition: ignored when pytest runs in the background / nohup.
+        with default_sigint(), cache.prepare_forward(state, CHUNK, commit_current=True) as fwd:
             write_every_layer(fwd.layers)
             if me == 0:
                 time.sleep(1.5)  # rank 1 reaches the finish vote first and waits there

@@ -3,6 +3,10 @@ backend whose ``plan()`` raises on demand (the session machine, the re-cache tes
 
 from __future__ import annotations
 
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from ardiff_modules.backends import ReferenceBackend
 
 
@@ -15,6 +19,20 @@ class Halt(BaseException):
 
 
 INTERRUPTS: dict[str, type[BaseException]] = {"boom": Boom, "halt": Halt, "keyboard": KeyboardInterrupt}
+
+
+@contextmanager
+def default_sigint() -> Iterator[None]:
+    """Python's own SIGINT handler (``KeyboardInterrupt``) inside the block, the previous disposition after it.
+
+    A test that sends itself SIGINT needs it: a suite started in the background or under ``nohup`` inherits
+    SIGINT *ignored* (and spawned ranks inherit that too), so the signal would never arrive. Main thread only.
+    """
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 class FlakyPlanBackend(ReferenceBackend):

@@ -1,6 +1,6 @@
 """A tiny streaming DiT built from the library's modules, and an independent cache-free oracle.
 
-The oracle (:class:`NaiveStreaming`) reimplements the visibility rule (README, "Semantics")
+The oracle (:class:`NaiveStreaming`) reimplements the visibility rule (docs/design.md, "Semantics")
 with plain Python lists and dense tensors -- no pages, no plan, no
 window policy object: visibility is list slicing, the mask is built inline.
 It shares only the model's projection weights with the library path.

@@ -1,4 +1,4 @@
-"""The README's "Use" program, the part that publishes the prompt (mypy must accept it as written)."""
+"""The "Use" program of docs/getting_started.md, the part that publishes the prompt (mypy must accept it as written)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def publish(state: am.KVState, model: Model, text_cond: torch.Tensor, text_uncon
 
 
 def switch_prompt(state: am.KVState, model: Model, new_text: torch.Tensor) -> None:
-    """The README's prompt switch: the layer list kept in a variable first."""
+    """The prompt switch of the re-cache guide: the layer list kept in a variable first."""
     cross_layers = [b.cross_attn for b in model.blocks]
     state.clear_cross_attention()
     am.populate_cross_attention(state, "cond", cross_layers, new_text)
