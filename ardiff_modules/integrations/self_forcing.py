@@ -96,7 +96,9 @@ from ardiff_modules.modules import ChunkSelfAttention
 from ardiff_modules.session import KVState
 from ardiff_modules.spec import KVCacheSpec
 
-__all__ = ["SelfForcingSelfAttention", "SelfForcingSession", "self_forcing_rope", "swap_self_attention"]
+__all__ = [
+    "SelfForcingSelfAttention", "SelfForcingSession", "self_forcing_rope", "swap_layers", "swap_self_attention",
+]
 
 #: ``(cos, sin)``, each ``[1, seq_len, 1, head_dim]`` (interleaved pairs): one forward's RoPE.
 RopePair = tuple[torch.Tensor, torch.Tensor]
@@ -151,6 +153,15 @@ class SelfForcingSelfAttention(ChunkSelfAttention):
         """Attend through ``session``'s forwards as layer ``layer_index`` (0 prepares each model forward)."""
         self.session, self.layer_index = session, layer_index
 
+    def bound_session(self) -> SelfForcingSession:
+        """The session this layer attends through; :class:`SpecError` for a layer never bound."""
+        if self.session is None:
+            raise SpecError(
+                f"{type(self).__name__}: expected a layer bound to a SelfForcingSession (made by "
+                "swap_self_attention), got an unbound one"
+            )
+        return self.session
+
     def forward(  # type: ignore[override]  # upstream's signature, on purpose
         self,
         x: torch.Tensor,
@@ -169,12 +180,7 @@ class SelfForcingSelfAttention(ChunkSelfAttention):
         0's identity is read), ``current_start`` the chunk's first token. ``seq_lens``, ``block_mask`` and
         ``cache_start`` are ignored.
         """
-        session = self.session
-        if session is None:
-            raise SpecError(
-                "SelfForcingSelfAttention: expected a layer bound to a SelfForcingSession (made by "
-                "swap_self_attention), got an unbound one"
-            )
+        session = self.bound_session()
         if self.layer_index == 0:
             session.advance(x, grid_sizes, freqs, kv_cache, current_start)
         kv, rope = session.layer(self.layer_index, x, current_start)
@@ -182,7 +188,7 @@ class SelfForcingSelfAttention(ChunkSelfAttention):
 
 
 @dataclass
-class _Open:
+class OpenForward:
     """The model forward in progress: where it starts, how long it is, its context and RoPE."""
 
     start: int
@@ -214,7 +220,7 @@ class SelfForcingSession:
         #: upstream's ``(sink_size, local_attn_size)`` in frames, checked on the first forward (None: not).
         self.upstream_window = upstream_window
         self._short_first = False  # whether this video's first chunk was shorter (image-to-video)
-        self._open: _Open | None = None
+        self._open: OpenForward | None = None
         self._marker: tuple[Any, Any] | None = None  # block 0's kv_cache dict and its global_end_index
         self._closed = False
 
@@ -262,7 +268,7 @@ class SelfForcingSession:
             raise StreamPositionError(
                 f"SelfForcingSession: expected the session's branches at token {start}, got {forward.token_offsets}"
             )
-        self._open = _Open(start, seq_len, forward, rope)
+        self._open = OpenForward(start, seq_len, forward, rope)
         self._marker = (kv_cache, kv_cache.get("global_end_index") if isinstance(kv_cache, Mapping) else None)
 
     def layer(self, index: int, x: torch.Tensor, current_start: int) -> tuple[LayerContext, RopePair]:
@@ -472,6 +478,30 @@ def swap_self_attention(
     ``sink_size`` / ``local_attn_size`` buffer. Every layer is made before any is swapped: a refusal
     (:class:`SpecError` naming expected and actual) leaves the model as it was.
     """
+    return swap_layers(
+        model, cache_or_spec, SelfForcingSelfAttention, SelfForcingSession, branches=branches, num_pages=num_pages,
+        budget_bytes=budget_bytes, backend=backend, check_window=check_window,
+    )
+
+
+def swap_layers(
+    model: nn.Module,
+    cache_or_spec: KVCache | KVCacheSpec,
+    layer_type: type[SelfForcingSelfAttention],
+    session_type: type[SelfForcingSession],
+    *,
+    branches: Sequence[str] | None,
+    num_pages: int | None,
+    budget_bytes: int | None,
+    backend: str,
+    check_window: bool,
+    peak_pending_chunks: int = 1,
+) -> Any:
+    """:func:`swap_self_attention` with the layer and session types of an integration (LongLive's too).
+
+    ``peak_pending_chunks``: the pending chunks per branch the default ``num_pages`` makes room for (a
+    re-cache rebuilds more than one chunk beside the history it replaces). Returns the ``session_type``.
+    """
     blocks = getattr(model, "blocks", None)
     upstream: list[Any] = [getattr(b, "self_attn", None) for b in blocks] if isinstance(blocks, nn.ModuleList) else []
     if not upstream or not all(isinstance(m, nn.Module) for m in upstream):
@@ -483,12 +513,12 @@ def swap_self_attention(
         raise SpecError("swap_self_attention: expected upstream self-attention modules, got a model already swapped")
     weights = list(upstream[0].parameters())
     device = weights[0].device if weights else torch.device("cpu")  # the cache lives where the model does
-    cache, owns = _cache_for(cache_or_spec, device, branches, num_pages, budget_bytes, backend)
+    cache, owns = _cache_for(cache_or_spec, device, branches, num_pages, budget_bytes, backend, peak_pending_chunks)
     try:
-        layers = [_adapter(m) for m in upstream]
+        layers = [_adapter(layer_type, m) for m in upstream]
         _check_geometry(cache, layers)
         window = _upstream_window(upstream[0]) if check_window else None
-        session = SelfForcingSession(cache, branches=branches, owns_cache=owns, upstream_window=window)
+        session = session_type(cache, branches=branches, owns_cache=owns, upstream_window=window)
     except BaseException:
         if owns:
             cache.close()
@@ -500,16 +530,16 @@ def swap_self_attention(
     return session
 
 
-def _adapter(module: nn.Module) -> SelfForcingSelfAttention:
+def _adapter(layer_type: type[SelfForcingSelfAttention], module: nn.Module) -> SelfForcingSelfAttention:
     """``from_wan`` of one upstream ``CausalWanSelfAttention``: a copy of its weights, its names, its device."""
-    layer = SelfForcingSelfAttention.from_wan(module)
-    assert isinstance(layer, SelfForcingSelfAttention)  # from_wan builds ``cls``
+    layer = layer_type.from_wan(module)
+    assert isinstance(layer, layer_type)  # from_wan builds ``cls``
     return layer
 
 
 def _cache_for(
     cache_or_spec: Any, device: torch.device, branches: Sequence[str] | None, num_pages: int | None,
-    budget_bytes: int | None, backend: str,
+    budget_bytes: int | None, backend: str, peak_pending_chunks: int = 1,
 ) -> tuple[KVCache, bool]:
     """The cache to open the session in, and whether it was made here (then the session closes it)."""
     if isinstance(cache_or_spec, KVCache):
@@ -523,7 +553,7 @@ def _cache_for(
         raise SpecError(f"swap_self_attention: expected a KVCache or a KVCacheSpec, got {type(cache_or_spec).__name__}")
     spec = cache_or_spec
     if num_pages is None and budget_bytes is None:
-        per_branch = spec.pages_per_branch(1)
+        per_branch = spec.pages_per_branch(peak_pending_chunks)
         if per_branch is None:
             raise SpecError(
                 "swap_self_attention: expected num_pages or budget_bytes for an unbounded window (window_chunks=None, "

@@ -83,49 +83,16 @@ class LongLiveCache:
 
     def _attend_cache(self, layer: int, k: torch.Tensor, v: torch.Tensor, current_start: int, sink_recache: bool):  # noqa: ANN202
         """LongLive's temporary buffer for this layer's attention, and the update to apply after the forward."""
-        n = k.shape[1]
-        current_end = current_start + n
-        global_end, local_end_old = self.global_end[layer], self.local_end[layer]
-        is_recompute = current_end <= global_end and current_start > 0
-        temp_k, temp_v = self.k[layer].clone(), self.v[layer].clone()
-        sink = self.sink_tokens
-        roll = None
-        if self.local_frames is not None and current_end > global_end and n + local_end_old > self.cache_size:
-            evicted = n + local_end_old - self.cache_size
-            rolled = local_end_old - evicted - sink
-            local_end = local_end_old + current_end - global_end - evicted
-            for t in (temp_k, temp_v):
-                t[:, sink : sink + rolled] = t[:, sink + evicted : sink + evicted + rolled].clone()
-            roll = (sink, rolled, evicted)
-        else:
-            local_end = local_end_old + current_end - global_end
-        local_start = local_end - n
-        write_start = max(local_start, sink) if is_recompute else local_start
-        if sink_recache and roll is None:
-            write_start = local_start
-        offset = max(0, write_start - local_start)
-        new_k, new_v = k[:, offset:], v[:, offset:]
-        if local_end > write_start:
-            temp_k[:, write_start:local_end], temp_v[:, write_start:local_end] = new_k, new_v
-        if sink > 0:
-            start = max(sink, local_end - (self.cache_size - sink))
-            keys = torch.cat([temp_k[:, :sink], temp_k[:, start:local_end]], dim=1)
-            values = torch.cat([temp_v[:, :sink], temp_v[:, start:local_end]], dim=1)
-        else:
-            start = max(0, local_end - self.cache_size)
-            keys, values = temp_k[:, start:local_end], temp_v[:, start:local_end]
-        return keys, values, (roll, write_start, local_end, new_k, new_v, current_end, is_recompute)
+        return attend_buffer(
+            self.k[layer], self.v[layer], k, v, current_start=current_start, global_end=self.global_end[layer],
+            local_end=self.local_end[layer], sink_tokens=self.sink_tokens, bounded=self.local_frames is not None,
+            sink_recache=sink_recache,
+        )
 
     def _apply(self, layer: int, update: tuple) -> None:
-        roll, write_start, local_end, new_k, new_v, current_end, is_recompute = update
-        for buf, new in ((self.k[layer], new_k), (self.v[layer], new_v)):
-            if roll is not None:
-                sink, rolled, evicted = roll
-                buf[:, sink : sink + rolled] = buf[:, sink + evicted : sink + evicted + rolled].clone()
-            if local_end > write_start:
-                buf[:, write_start:local_end] = new
-        if not is_recompute:
-            self.global_end[layer], self.local_end[layer] = current_end, local_end
+        ends = apply_update(self.k[layer], self.v[layer], update)
+        if ends is not None:
+            self.global_end[layer], self.local_end[layer] = ends
 
     @torch.no_grad()
     def recache(self, output: torch.Tensor, current_start_frame: int, global_sink: bool) -> tuple[torch.Tensor, int]:
@@ -142,3 +109,60 @@ class LongLiveCache:
         x = output[:, start_frame * ft : current_start_frame * ft]
         out = self.forward(x, start_frame * ft, sink_recache_after_switch=not global_sink)
         return out, start_frame
+
+
+def attend_buffer(
+    buf_k: torch.Tensor, buf_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, current_start: int, global_end: int,
+    local_end: int, sink_tokens: int, bounded: bool, sink_recache: bool,
+) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """LongLive's ``CausalWanSelfAttention`` cache step for one layer: ``k`` / ``v`` ``[B, n, heads, d]`` at
+    ``current_start`` over the buffers ``[B, size, heads, d]`` (left untouched) and their indices.
+
+    Returns the keys / values the queries attend (the sink region and the buffer up to ``local_end``: its
+    ``max_attention_size`` is the buffer's size) and the update :func:`apply_update` applies after the forward.
+    """
+    n, size = k.shape[1], buf_k.shape[1]
+    current_end = current_start + n
+    local_end_old = local_end
+    is_recompute = current_end <= global_end and current_start > 0
+    temp_k, temp_v = buf_k.clone(), buf_v.clone()
+    sink = sink_tokens
+    roll = None
+    if bounded and current_end > global_end and n + local_end_old > size:
+        evicted = n + local_end_old - size
+        rolled = local_end_old - evicted - sink
+        local_end = local_end_old + current_end - global_end - evicted
+        for t in (temp_k, temp_v):
+            t[:, sink : sink + rolled] = t[:, sink + evicted : sink + evicted + rolled].clone()
+        roll = (sink, rolled, evicted)
+    else:
+        local_end = local_end_old + current_end - global_end
+    local_start = local_end - n
+    write_start = max(local_start, sink) if is_recompute else local_start
+    if sink_recache and roll is None:
+        write_start = local_start
+    offset = max(0, write_start - local_start)
+    new_k, new_v = k[:, offset:], v[:, offset:]
+    if local_end > write_start:
+        temp_k[:, write_start:local_end], temp_v[:, write_start:local_end] = new_k, new_v
+    if sink > 0:
+        start = max(sink, local_end - (size - sink))
+        keys = torch.cat([temp_k[:, :sink], temp_k[:, start:local_end]], dim=1)
+        values = torch.cat([temp_v[:, :sink], temp_v[:, start:local_end]], dim=1)
+    else:
+        start = max(0, local_end - size)
+        keys, values = temp_k[:, start:local_end], temp_v[:, start:local_end]
+    return keys, values, (roll, write_start, local_end, new_k, new_v, current_end, is_recompute)
+
+
+def apply_update(buf_k: torch.Tensor, buf_v: torch.Tensor, update: tuple) -> tuple[int, int] | None:
+    """LongLive's ``_apply_cache_updates`` for one layer: roll and write the buffers in place; returns the new
+    ``(global_end, local_end)``, or ``None`` for a recompute (indices never move back)."""
+    roll, write_start, local_end, new_k, new_v, current_end, is_recompute = update
+    for buf, new in ((buf_k, new_k), (buf_v, new_v)):
+        if roll is not None:
+            sink, rolled, evicted = roll
+            buf[:, sink : sink + rolled] = buf[:, sink + evicted : sink + evicted + rolled].clone()
+        if local_end > write_start:
+            buf[:, write_start:local_end] = new
+    return None if is_recompute else (current_end, local_end)

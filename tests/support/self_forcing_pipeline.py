@@ -100,6 +100,15 @@ class RollingSelfAttention(nn.Module):
                 block_mask: Any, kv_cache: dict[str, Any] | None = None, current_start: int = 0,
                 cache_start: int | None = None) -> torch.Tensor:
         assert kv_cache is not None, "the re-statement covers the cached (inference) path only"
+        q, k, v, per_frame = self.qkv_rope(x, grid_sizes, freqs, current_start)
+        keys, values = roll_and_write(
+            kv_cache, k, v, current_start, self.sink_size * per_frame, bounded=self.local_attn_size != -1
+        )
+        return self.o(attention(q, keys, values).flatten(2))
+
+    def qkv_rope(self, x: torch.Tensor, grid_sizes: torch.Tensor, freqs: torch.Tensor,
+                 current_start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """q / k (normed, rotated at the chunk's frames) / v ``[B, L, heads, d]`` and the tokens per frame."""
         b, s, n, d = *x.shape[:2], self.num_heads, self.head_dim
         q = self.norm_q(self.q(x)).view(b, s, n, d)
         k = self.norm_k(self.k(x)).view(b, s, n, d)
@@ -108,10 +117,7 @@ class RollingSelfAttention(nn.Module):
         per_frame = height * width
         q = rope_apply(q, (frames, height, width), freqs, current_start // per_frame).type_as(v)
         k = rope_apply(k, (frames, height, width), freqs, current_start // per_frame).type_as(v)
-        keys, values = roll_and_write(
-            kv_cache, k, v, current_start, self.sink_size * per_frame, bounded=self.local_attn_size != -1
-        )
-        return self.o(attention(q, keys, values).flatten(2))
+        return q, k, v, per_frame
 
 
 class T2VCrossAttention(nn.Module):
@@ -154,7 +160,9 @@ class CausalBlock(nn.Module):
     def forward(self, x: torch.Tensor, e: torch.Tensor, seq_lens: torch.Tensor, grid_sizes: torch.Tensor,
                 freqs: torch.Tensor, context: torch.Tensor, context_lens: Any, block_mask: Any,
                 kv_cache: dict[str, Any] | None = None, crossattn_cache: dict[str, Any] | None = None,
-                current_start: int = 0, cache_start: int | None = None) -> torch.Tensor:
+                current_start: int = 0, cache_start: int | None = None, **attn_kwargs: Any) -> Any:
+        """``x`` out; with an attention that returns ``(y, cache info)`` (LongLive's), ``(x, cache info)``.
+        ``attn_kwargs`` go to the self-attention positionally after ``cache_start`` (LongLive's extra argument)."""
         frames = e.shape[1]
 
         def per_frame(h: torch.Tensor) -> torch.Tensor:  # [B, L, dim] -> [B, frames, L / frames, dim]
@@ -162,11 +170,15 @@ class CausalBlock(nn.Module):
 
         shift1, scale1, gate1, shift2, scale2, gate2 = (self.modulation.unsqueeze(1) + e).chunk(6, dim=2)
         y = self.self_attn((per_frame(self.norm1(x)) * (1 + scale1) + shift1).flatten(1, 2), seq_lens, grid_sizes,
-                           freqs, block_mask, kv_cache, current_start, cache_start)
+                           freqs, block_mask, kv_cache, current_start, cache_start, *attn_kwargs.values())
+        info = None
+        if isinstance(y, tuple):
+            y, info = y
         x = x + (per_frame(y) * gate1).flatten(1, 2)
         x = x + self.cross_attn(self.norm3(x), context, context_lens, crossattn_cache=crossattn_cache)
         y = self.ffn((per_frame(self.norm2(x)) * (1 + scale2) + shift2).flatten(1, 2))
-        return x + (per_frame(y) * gate2).flatten(1, 2)
+        x = x + (per_frame(y) * gate2).flatten(1, 2)
+        return x if info is None else (x, info)
 
 
 class SelfForcingModel(nn.Module):
@@ -187,10 +199,15 @@ class SelfForcingModel(nn.Module):
         self.head = nn.Linear(c.dim, c.out_channels * c.patch_size[1] * c.patch_size[2])
         self.head_modulation = nn.Parameter(torch.randn(1, 2, c.dim) / c.dim**0.5)
         self.freqs = wan_freqs(c.head_dim, 1024)  # a plain attribute, as upstream (never cast by .to())
+        self.block_mask: Any = None  # the cache-free path's mask (LongLive's re-cache sets one; the cached path ignores it)
+
+    def apply_cache_updates(self, kv_cache: list[dict[str, Any]], infos: list[tuple[int, Any]]) -> None:
+        """What a model whose attention returns cache updates does with them (LongLive's ``_apply_cache_updates``)."""
+        raise NotImplementedError("Self-Forcing's attention writes its buffer itself")
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor, seq_len: int,
                 kv_cache: list[dict[str, Any]], crossattn_cache: list[dict[str, Any]], current_start: int = 0,
-                cache_start: int = 0) -> torch.Tensor:
+                cache_start: int = 0, **block_kwargs: Any) -> torch.Tensor:
         c = self.config
         tokens = self.patch_embedding(x)  # [B, dim, F, h, w]
         grid_sizes = torch.tensor([list(tokens.shape[2:])] * x.shape[0], dtype=torch.long)
@@ -201,9 +218,16 @@ class SelfForcingModel(nn.Module):
         pad = context.new_zeros(context.shape[0], c.text_tokens - context.shape[1], c.text_dim)  # to text_len
         padded = torch.cat([context, pad], dim=1)
         ctx = self.text_embedding(padded)
+        infos = []
         for index, block in enumerate(self.blocks):
-            tokens = block(tokens, e0, seq_lens, grid_sizes, self.freqs, ctx, None, None, kv_cache=kv_cache[index],
-                           crossattn_cache=crossattn_cache[index], current_start=current_start, cache_start=cache_start)
+            tokens = block(tokens, e0, seq_lens, grid_sizes, self.freqs, ctx, None, self.block_mask,
+                           kv_cache=kv_cache[index], crossattn_cache=crossattn_cache[index], current_start=current_start,
+                           cache_start=cache_start, **block_kwargs)
+            if isinstance(tokens, tuple):  # LongLive's blocks return their cache update, applied after all blocks
+                tokens, info = tokens
+                infos.append((index, info))
+        if infos:
+            self.apply_cache_updates(kv_cache, infos)
         e = e.unflatten(0, t.shape).unsqueeze(2)  # [B, F, 1, dim]
         shift, scale = (self.head_modulation.unsqueeze(1) + e).chunk(2, dim=2)
         frames = t.shape[1]
@@ -246,10 +270,11 @@ class DiffusionWrapper(nn.Module):
 
     def forward(self, noisy_image_or_video: torch.Tensor, conditional_dict: dict[str, torch.Tensor],
                 timestep: torch.Tensor, kv_cache: list[dict[str, Any]], crossattn_cache: list[dict[str, Any]],
-                current_start: int) -> tuple[torch.Tensor, torch.Tensor]:
+                current_start: int, **model_kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         flow = self.model(noisy_image_or_video.permute(0, 2, 1, 3, 4), t=timestep,
                           context=conditional_dict["prompt_embeds"], seq_len=0, kv_cache=kv_cache,
-                          crossattn_cache=crossattn_cache, current_start=current_start).permute(0, 2, 1, 3, 4)
+                          crossattn_cache=crossattn_cache, current_start=current_start,
+                          **model_kwargs).permute(0, 2, 1, 3, 4)
         return flow, self.to_x0(noisy_image_or_video, timestep, flow)
 
     def to_x0(self, noisy: torch.Tensor, timestep: torch.Tensor, flow: torch.Tensor) -> torch.Tensor:
@@ -355,11 +380,11 @@ class CausalInferencePipeline:
         return denoised
 
     def _generator(self, x: torch.Tensor, conditional: dict[str, torch.Tensor], timestep: torch.Tensor,
-                   current_start: int) -> tuple[torch.Tensor, torch.Tensor]:
+                   current_start: int, **model_kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         self.forwards += 1
         assert self.kv_cache1 is not None
         return self.generator(x, conditional, timestep, kv_cache=self.kv_cache1, crossattn_cache=self.crossattn_cache,
-                              current_start=current_start)
+                              current_start=current_start, **model_kwargs)
 
     def _initialize_caches(self, batch: int, dtype: torch.dtype, device: torch.device) -> None:
         frames = self.local_attn_size if self.local_attn_size != -1 else self.args.global_cache_frames
@@ -384,15 +409,20 @@ TINY = WanConfig(
 )  # 2 x 3 = 6 tokens per latent frame, heads of 16 channels
 
 
+def randomize(model: nn.Module) -> nn.Module:
+    """Every parameter drawn from the global generator (norm weights around 1), in registration order."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * (0.3 if p.dim() > 1 else 0.2) + (1.0 if p.dim() == 1 else 0.0))
+    return model
+
+
 def build_pipeline(*, local_attn_size: int, sink_size: int, frames_per_block: int, config: WanConfig = TINY,
                    seed: int = 0, independent_first_frame: bool = False) -> CausalInferencePipeline:
     """A pipeline over a :class:`SelfForcingModel` with random weights (norm weights too), fp32, eval mode."""
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = SelfForcingModel(config, local_attn_size=local_attn_size, sink_size=sink_size)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.copy_(torch.randn_like(p) * (0.3 if p.dim() > 1 else 0.2) + (1.0 if p.dim() == 1 else 0.0))
+        model = randomize(SelfForcingModel(config, local_attn_size=local_attn_size, sink_size=sink_size))
     generator = DiffusionWrapper(model.eval().requires_grad_(False), FlowMatchScheduler())
     settings = LoopSettings(num_frame_per_block=frames_per_block, independent_first_frame=independent_first_frame)
     return CausalInferencePipeline(generator, settings)
