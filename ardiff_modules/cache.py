@@ -9,6 +9,7 @@ on ints (:class:`~ardiff_modules.core.admission.Admission`).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Iterable, Sequence
 from types import TracebackType
@@ -26,6 +27,7 @@ from ardiff_modules.core.retention import RetentionPolicy
 from ardiff_modules.core.transaction import ForwardTransaction
 from ardiff_modules.errors import CacheClosedError, SpecError
 from ardiff_modules.forwards import ForwardManager
+from ardiff_modules.host.files import load_sessions, save_sessions
 from ardiff_modules.host.tier import HostTier, TierReport
 from ardiff_modules.pool import KVPool, pages_for_budget, torch_dtype
 from ardiff_modules.session import ForwardOptions, KVState
@@ -378,6 +380,16 @@ class KVCache:
                 self.host_tier.suspend_idle(self.admission, pending_chunks, recache, suspend_idle)
             self.admission.check_admit(*self.host_tier.device_counts(self.admission), pending_chunks, recache)
             return self.open_session(session_id)
+
+    def save_sessions(self, path: str | os.PathLike[str], sessions: Iterable[KVState]) -> None:
+        """Write ``sessions`` (open, resident, idle) to a safetensors file at ``path``: :func:`save_sessions
+        <ardiff_modules.host.files.save_sessions>`. Needs ``safetensors`` (the ``persist`` extra)."""
+        save_sessions(self, path, sessions)
+
+    def load_sessions(self, path: str | os.PathLike[str], session_ids: Sequence[str] | None = None) -> list[KVState]:
+        """Open the sessions saved at ``path`` under their ids (or ``session_ids``), all or none: :func:`load_sessions
+        <ardiff_modules.host.files.load_sessions>`."""
+        return load_sessions(self, path, session_ids)
 
     def tiers(self) -> TierReport:
         """Device and host tiers: pages and bytes used, the host budget, sessions resident and suspended."""

@@ -45,6 +45,16 @@ class SessionNotSuspendedError(ARDiffError, RuntimeError):
     """``KVState.resume`` was called on a session that is not suspended (resident, or resumed already)."""
 
 
+class SessionFileError(ARDiffError, ValueError):
+    """A saved-sessions file (``KVCache.load_sessions``) cannot be loaded into this cache: not a sessions file,
+    truncated or corrupted, another format version, another spec (the message names the field), or a value
+    out of range. Nothing was changed."""
+
+
+class SessionIdClashError(ARDiffError, ValueError):
+    """Sessions would be loaded (or received) under ids already open in the cache; nothing was changed."""
+
+
 class UnknownBranchError(ARDiffError, KeyError):
     """A KV branch name is not one of the spec's branches."""
 

@@ -225,16 +225,22 @@ class HostTier:
             self._handles.pop(state, None)
 
     def _check_suspendable(self, state: KVState) -> dict[str, BranchPages]:
+        return self.check_idle(state, "suspend")
+
+    def check_idle(self, state: KVState, what: str) -> dict[str, BranchPages]:
+        """``state``'s branches, if it is open, resident and idle (no open forward, no pending chunk): what a
+        suspend, a save or a send needs; else raises, naming ``what``."""
         names = state.kv_branch_names
         branches = {name: state.branch_pages(name) for name in names}  # raises on a closed session
         if state in self._suspended:
             raise SessionSuspendedError(
-                f"suspend: expected a resident session, got {state.session_id!r} already suspended"
+                f"{what}: expected a resident session, got {state.session_id!r} already suspended "
+                f"(resume() first)"
             )
         busy = [name for name in names if state.open_forward(name) is not None or branches[name].pending]
         if busy:
             raise PendingContextError(
-                f"suspend {state.session_id!r}: expected no open forward and no pending chunk, got pending work on "
+                f"{what} {state.session_id!r}: expected no open forward and no pending chunk, got pending work on "
                 f"branch(es) {busy} (commit or abort it first)"
             )
         return branches
@@ -269,7 +275,7 @@ class HostTier:
             reservation = ResumeReservation(self.allocator, len(fresh_hosts), extent_sizes)
             try:
                 fresh = dict(zip(fresh_hosts, reservation.fresh))
-                chunks, extents, copies = _lay_out(record, ring, aliases, fresh, reservation.extents)
+                chunks, extents, copies = lay_out(record, ring, aliases, fresh, reservation.extents)
                 handle, cross, latents = self._copy_to_device(copies, record, state.cross_entries())
             except BaseException:
                 reservation.rollback()
@@ -509,7 +515,7 @@ def _restore_cross(
     return out
 
 
-def _lay_out(
+def lay_out(
     record: Suspended, ring: dict[str, int], aliases: dict[int, int], fresh: dict[int, int], runs: list[list[int]]
 ) -> tuple[dict[str, tuple[PageChunk, ...]], dict[str, tuple[int, ...]], list[tuple[int, int]]]:
     """Each branch's device chunks, its extent, and the ``(host page, device page)`` copies (by device page).
