@@ -218,8 +218,12 @@ def _check_tensors(
     if sorted(digests) != sorted(tensors):
         raise reader.fail("header.digests", f"a digest of each tensor {sorted(tensors)}", sorted(digests))
     for name, t in tensors.items():
-        if digests[name] != _digest(t):
-            raise reader.fail(f"tensor {name!r}", "the bytes the header's SHA-256 names (a corrupted file)", "others")
+        digest = _digest(t)
+        if digests[name] != digest:
+            raise reader.fail(
+                f"tensor {name!r}", f"bytes of SHA-256 {str(digests[name])[:16]}... (the header's)",
+                f"SHA-256 {digest[:16]}...: a corrupted file",
+            )
     raw = cache.pool.kv
     page_shape = (reader.num_pages, raw.shape[0], raw.shape[1], *raw.shape[3:-1], raw.shape[-1] * raw.element_size())
     _expect(reader, tensors, "pages", page_shape, torch.uint8)
@@ -281,12 +285,13 @@ def _scales_to_adopt(
         return None
     scales = tensors["scales"]
     if not bool(torch.isfinite(scales).all()) or not bool((scales > 0).all()):
-        raise reader.fail("tensor 'scales'", "positive finite FP8 scales", "others")
+        raise reader.fail("tensor 'scales'", "positive finite FP8 scales", f"min {float(scales.min())}")
     if quantizer.written:
         if torch.equal(scales, cache.pool.scales.to("cpu")):
             return None
         raise reader.fail(
-            "spec field 'kv_scales'", "the FP8 scales this pool already quantized its pages with", "other scales"
+            "spec field 'kv_scales'", "the FP8 scales this pool already quantized its pages with",
+            f"scales differing by up to {float((scales - cache.pool.scales.cpu()).abs().max()):.3g}",
         )
     return scales
 
