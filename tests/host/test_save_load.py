@@ -218,6 +218,9 @@ HOSTILE = {
     "positions": (
         lambda h: h["sessions"][0]["branches"]["cond"].update(committed_tokens=1), r"history_start: expected an int"
     ),
+    "overlapping chunks": (
+        lambda h: h["sessions"][0]["branches"]["cond"].update(history_start=[0, 0, 0]), r"expected chunks in order"
+    ),
     "unknown prompt": (lambda h: h["sessions"][0]["cross"][0].__setitem__(0, "img"), r"cross\[0\]: expected \[cache"),
     "missing tensor": (lambda h: h["sessions"][0]["cross"][0].__setitem__(2, "cross.9"), r"tensor 'cross.9.k'"),
     "duplicate ids": (lambda h: h["sessions"][1].update(id="s"), r"distinct session ids"),
