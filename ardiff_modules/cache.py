@@ -9,7 +9,6 @@ on ints (:class:`~ardiff_modules.core.admission.Admission`).
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Iterable, Sequence
 from types import TracebackType
@@ -381,15 +380,7 @@ class KVCache:
             self.admission.check_admit(*self.host_tier.device_counts(self.admission), pending_chunks, recache)
             return self.open_session(session_id)
 
-    def save_sessions(self, path: str | os.PathLike[str], sessions: Iterable[KVState]) -> None:
-        """Write ``sessions`` (open, resident, idle) to a safetensors file at ``path``: :func:`save_sessions
-        <ardiff_modules.host.files.save_sessions>`. Needs ``safetensors`` (the ``persist`` extra)."""
-        save_sessions(self, path, sessions)
-
-    def load_sessions(self, path: str | os.PathLike[str], session_ids: Sequence[str] | None = None) -> list[KVState]:
-        """Open the sessions saved at ``path`` under their ids (or ``session_ids``), all or none: :func:`load_sessions
-        <ardiff_modules.host.files.load_sessions>`."""
-        return load_sessions(self, path, session_ids)
+    save_sessions, load_sessions = save_sessions, load_sessions  # safetensors files: host/files.py (extra "persist")
 
     def tiers(self) -> TierReport:
         """Device and host tiers: pages and bytes used, the host budget, sessions resident and suspended."""

@@ -236,9 +236,9 @@ def _check_tensors(
             for kv in ("k", "v"):
                 _expect(reader, tensors, f"{prefix}.{kv}", shape, cache.dtype)
         for image in s.images.values():
-            for name in image.latents.values():
-                if name not in tensors or not tensors[name].is_floating_point():
-                    raise reader.fail(f"latent {name!r}", "a floating-point tensor of the file", name in tensors)
+            for ref in map(str, image.latents.values()):  # tensor names here (checked by the header reader)
+                if ref not in tensors or not tensors[ref].is_floating_point():
+                    raise reader.fail(f"latent {ref!r}", "a floating-point tensor of the file", ref in tensors)
 
 
 def _expect(

@@ -180,7 +180,7 @@ class HostTier:
         """Move ``state`` to the host tier (see the module docstring); refuses, changing nothing, a closed or
         suspended session, one with an open forward or pending chunks, or a host budget too small."""
         with self.lock:
-            branches = self._check_suspendable(state)
+            branches = self.check_idle(state, "suspend")
             alloc, extents = self.allocator, self._extent_pages()
             order = list(dict.fromkeys(p for b in branches.values() for p in b.history_pages()))
             keys = {p: (p, alloc.generation(p)) for p in order}
@@ -224,12 +224,8 @@ class HostTier:
             self._suspended[state] = Suspended(images, chunks, host_cross, extra)
             self._handles.pop(state, None)
 
-    def _check_suspendable(self, state: KVState) -> dict[str, BranchPages]:
-        return self.check_idle(state, "suspend")
-
     def check_idle(self, state: KVState, what: str) -> dict[str, BranchPages]:
-        """``state``'s branches, if it is open, resident and idle (no open forward, no pending chunk): what a
-        suspend, a save or a send needs; else raises, naming ``what``."""
+        """``state``'s branches if it is open, resident and idle (a suspend's or a save's need); else raises."""
         names = state.kv_branch_names
         branches = {name: state.branch_pages(name) for name in names}  # raises on a closed session
         if state in self._suspended:
