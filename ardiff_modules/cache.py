@@ -28,6 +28,7 @@ from ardiff_modules.errors import CacheClosedError, SpecError
 from ardiff_modules.forwards import ForwardManager
 from ardiff_modules.host.files import load_sessions, save_sessions
 from ardiff_modules.host.tier import HostTier, TierReport
+from ardiff_modules.host.transport import recv_sessions, send_sessions
 from ardiff_modules.pool import KVPool, pages_for_budget, torch_dtype
 from ardiff_modules.session import ForwardOptions, KVState
 from ardiff_modules.session_table import SessionTable, check_session_id
@@ -79,6 +80,8 @@ class KVCache:
     threads may each drive their own sessions concurrently. Kernels take no lock. Two threads
     driving the *same* session still race on what it means (which forward comes first).
     """
+    save_sessions, load_sessions = save_sessions, load_sessions  # safetensors files: host/files.py (extra "persist")
+    send_sessions, recv_sessions = send_sessions, recv_sessions  # over torch.distributed (gloo): host/transport.py
 
     def __init__(
         self,
@@ -379,8 +382,6 @@ class KVCache:
                 self.host_tier.suspend_idle(self.admission, pending_chunks, recache, suspend_idle)
             self.admission.check_admit(*self.host_tier.device_counts(self.admission), pending_chunks, recache)
             return self.open_session(session_id)
-
-    save_sessions, load_sessions = save_sessions, load_sessions  # safetensors files: host/files.py (extra "persist")
 
     def tiers(self) -> TierReport:
         """Device and host tiers: pages and bytes used, the host budget, sessions resident and suspended."""

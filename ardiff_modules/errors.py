@@ -55,6 +55,11 @@ class SessionIdClashError(ARDiffError, ValueError):
     """Sessions would be loaded (or received) under ids already open in the cache; nothing was changed."""
 
 
+class SessionTransferError(ARDiffError, RuntimeError):
+    """``send_sessions`` / ``recv_sessions``: the peer refused the sessions or was lost; they stayed with the
+    sender (the message names the peer and its answer)."""
+
+
 class UnknownBranchError(ARDiffError, KeyError):
     """A KV branch name is not one of the spec's branches."""
 

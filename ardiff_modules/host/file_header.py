@@ -63,7 +63,7 @@ class HeaderReader:
     Parameters
     ----------
     where:
-        The file, for messages.
+        The operation and its source, for messages (``"load_sessions(path)"``).
     spec:
         The loading cache's spec.
     tensor_names:
@@ -79,7 +79,7 @@ class HeaderReader:
         self.header: dict[str, Any] = {}
 
     def fail(self, place: str, expected: str, got: object) -> SessionFileError:
-        return SessionFileError(f"load_sessions({self.where}): {place}: expected {expected}, got {got!r:.200}")
+        return SessionFileError(f"{self.where}: {place}: expected {expected}, got {got!r:.200}")
 
     def int_(self, value: object, place: str, minimum: int = 0, maximum: int | None = None) -> int:
         if not isinstance(value, int) or isinstance(value, bool) or value < minimum or (
@@ -135,7 +135,7 @@ class HeaderReader:
         for name in sorted(set(mine) | set(saved)):
             if saved.get(name) != mine.get(name):
                 raise SessionFileError(
-                    f"load_sessions({self.where}): spec field {name!r}: expected {mine.get(name)} (this cache's "
+                    f"{self.where}: spec field {name!r}: expected {mine.get(name)} (this cache's "
                     f"spec), got {saved.get(name)} (the file's)"
                 )
 

@@ -75,25 +75,31 @@ def save_sessions(cache: FileHost, path: PathLike, sessions: Iterable[KVState]) 
     chunk (:class:`PendingContextError`). The file is written next to ``path`` and renamed over it: a crash
     mid-write leaves any previous file whole.
     """
-    with cache.lock:
-        if cache.is_closed:
-            raise CacheClosedError("save_sessions: expected an open KVCache, got one that was closed")
-        states = _checked_sessions(cache, sessions)
-        tensors, header = _snapshot(cache, states)
+    tensors, header = snapshot(cache, sessions, "save_sessions")
     _write(path, tensors, header)
 
 
-def _checked_sessions(cache: FileHost, sessions: Iterable[KVState]) -> list[KVState]:
+def snapshot(
+    cache: FileHost, sessions: Iterable[KVState], what: str
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The tensors (CPU copies) and header of ``sessions``, checked (open, of ``cache``, resident, idle)."""
+    with cache.lock:
+        if cache.is_closed:
+            raise CacheClosedError(f"{what}: expected an open KVCache, got one that was closed")
+        return _snapshot(cache, _checked_sessions(cache, sessions, what))
+
+
+def _checked_sessions(cache: FileHost, sessions: Iterable[KVState], what: str) -> list[KVState]:
     if isinstance(sessions, KVState) or not isinstance(sessions, Iterable):
-        raise SpecError(f"save_sessions: expected an iterable of sessions, got {type(sessions).__name__}")
+        raise SpecError(f"{what}: expected an iterable of sessions, got {type(sessions).__name__}")
     states = list(dict.fromkeys(sessions))
     foreign = [s for s in states if not isinstance(s, KVState) or s.cache is not cache]
     if foreign:
         raise SpecError(
-            f"save_sessions: expected sessions of this KVCache, got {[getattr(s, 'session_id', s) for s in foreign]}"
+            f"{what}: expected sessions of this KVCache, got {[getattr(s, 'session_id', s) for s in foreign]}"
         )
     for state in states:
-        cache.host_tier.check_idle(state, "save_sessions")  # open, resident, no pending work
+        cache.host_tier.check_idle(state, what)  # open, resident, no pending work
     return states
 
 
@@ -183,15 +189,24 @@ def load_sessions(cache: FileHost, path: PathLike, session_ids: Sequence[str] | 
     this pool already quantized with (:class:`SessionFileError`).
     """
     tensors, metadata = _read(path)
+    return open_snapshot(cache, f"load_sessions({os.fspath(path)})", metadata.get(METADATA_KEY), tensors, session_ids)
+
+
+def open_snapshot(
+    cache: FileHost, where: str, header: object, tensors: Mapping[str, torch.Tensor],
+    session_ids: Sequence[str] | None,
+) -> list[KVState]:
+    """Open the sessions of a snapshot (header text and tensors: a file's, or received): check, reserve, copy,
+    open -- all or nothing (see :func:`load_sessions`); ``where`` names the operation and source in messages."""
     with cache.lock:
         if cache.is_closed:
-            raise CacheClosedError("load_sessions: expected an open KVCache, got one that was closed")
-        reader = HeaderReader(os.fspath(path), cache.spec, set(tensors))
-        saved = reader.read(metadata.get(METADATA_KEY))
+            raise CacheClosedError(f"{where}: expected an open KVCache, got one that was closed")
+        reader = HeaderReader(where, cache.spec, set(tensors))
+        saved = reader.read(header)
         _check_tensors(cache, reader, saved, tensors)
-        ids = _new_ids(cache, saved, session_ids)
+        ids = _new_ids(cache, saved, session_ids, where)
         scales = _scales_to_adopt(cache, reader, tensors)
-        return _install(cache, saved, ids, tensors, scales)
+        return _install(cache, saved, ids, tensors, scales, where)
 
 
 def _read(path: PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -250,24 +265,26 @@ def _expect(
         raise reader.fail(f"tensor {name!r}", f"{list(shape)} {dtype}", got)
 
 
-def _new_ids(cache: FileHost, saved: Sequence[SavedSession], session_ids: Sequence[str] | None) -> list[str]:
+def _new_ids(
+    cache: FileHost, saved: Sequence[SavedSession], session_ids: Sequence[str] | None, where: str
+) -> list[str]:
     if session_ids is None:
         ids = [s.session_id for s in saved]
     else:
         if isinstance(session_ids, str) or not isinstance(session_ids, Sequence) or len(session_ids) != len(saved):
             raise SpecError(
-                f"load_sessions.session_ids: expected None or a sequence of {len(saved)} ids (one per saved session), "
+                f"{where.split('(')[0]}.session_ids: expected None or a sequence of {len(saved)} ids (one per saved session), "
                 f"got {session_ids!r:.200}"
             )
         ids = list(session_ids)
         for sid in ids:
             check_session_id(sid)
         if None in ids or len(set(ids)) != len(ids):
-            raise SpecError(f"load_sessions.session_ids: expected distinct non-empty ids, got {ids}")
+            raise SpecError(f"{where.split('(')[0]}.session_ids: expected distinct non-empty ids, got {ids}")
     clash = [sid for sid in ids if sid in cache.sessions]
     if clash:
         raise SessionIdClashError(
-            f"load_sessions: expected ids not open in this cache, got {clash} already open (close them, or pass "
+            f"{where}: expected ids not open in this cache, got {clash} already open (close them, or pass "
             f"session_ids=[...])"
         )
     return ids
@@ -298,7 +315,7 @@ def _scales_to_adopt(
 
 def _install(
     cache: FileHost, saved: Sequence[SavedSession], ids: Sequence[str], tensors: Mapping[str, torch.Tensor],
-    scales: torch.Tensor | None,
+    scales: torch.Tensor | None, where: str,
 ) -> list[KVState]:
     """Reserve, copy, then open: an error before the sessions open rolls the reservation back exactly."""
     ppc, extent_chunks = cache.spec.pages_per_chunk, cache.extent_chunks
@@ -308,7 +325,7 @@ def _install(
     plain = [p for r, ring in zip(records, rings) for n, cs in r.chunks.items() if not ring[n] for c in cs for p in c]
     fresh_pages = list(dict.fromkeys(plain))
     extents = [extent_chunks * ppc for ring in rings for step in ring.values() if step]  # type: ignore[operator]
-    _check_room(cache, len(fresh_pages), extents)
+    _check_room(cache, len(fresh_pages), extents, where)
     reservation = ResumeReservation(cache.allocator, len(fresh_pages), extents)
     try:
         fresh = dict(zip(fresh_pages, reservation.fresh))
@@ -331,11 +348,11 @@ def _install(
     return [_open(cache, sid, s, chunks, ext, latents, entries) for sid, s, (chunks, ext, _) in zip(ids, saved, laid)]
 
 
-def _check_room(cache: FileHost, fresh: int, extents: Sequence[int]) -> None:
+def _check_room(cache: FileHost, fresh: int, extents: Sequence[int], where: str) -> None:
     needed, free = fresh + sum(extents), cache.allocator.num_free
     if needed > free:
         raise CapacityError(
-            f"load_sessions: needed {needed} free device pages ({fresh} pages + {len(extents)} extent(s)), got "
+            f"{where}: needed {needed} free device pages ({fresh} pages + {len(extents)} extent(s)), got "
             f"{free} free of {cache.allocator.num_pages}",
             needed=needed,
             free=free,

@@ -294,7 +294,7 @@ def test_ids_clash_and_room_are_checked_before_anything_is_allocated(saved):
     for seed in range(3):
         step(hog, seed)  # 12 more pages: 16 of 24 used, the file needs 16
     before = snapshot(target)
-    with pytest.raises(am.CapacityError, match=r"load_sessions: needed 16 free device pages .* got 8 free of 24"):
+    with pytest.raises(am.CapacityError, match=r"load_sessions\(.*two.safetensors\): needed 16 free device pages .* got 8 free of 24"):
         target.load_sessions(path, ["s2", "t2"])
     assert_unchanged(target, before)
     hog.close()
