@@ -161,12 +161,12 @@ class HeaderReader:
         return SavedSession(sid, images, cross)
 
     def branch(self, value: object, place: str) -> BranchImage:
-        keys = ("committed_chunks", "committed_tokens", "history", "history_index", "history_start", "latents", "recent")
-        b = self.dict_(value, place, keys)
+        b = self.dict_(value, place, _BRANCH_KEYS)
         committed = self.int_(b["committed_chunks"], f"{place}.committed_chunks")
         tokens = self.int_(b["committed_tokens"], f"{place}.committed_tokens")
         history = self.chunks(b["history"], f"{place}.history")
-        index = [self.int_(i, f"{place}.history_index", 0, committed - 1) for i in self.list_(b["history_index"], place)]
+        index = [self.int_(i, f"{place}.history_index", 0, committed - 1)
+                 for i in self.list_(b["history_index"], place)]
         start = [self.int_(s, f"{place}.history_start", 0, tokens) for s in self.list_(b["history_start"], place)]
         if len(index) != len(history) or len(start) != len(history) or index != sorted(set(index)):
             raise self.fail(f"{place}.history_index", f"{len(history)} increasing commit indices and starts", index)
@@ -205,6 +205,12 @@ class HeaderReader:
         if len(set(pages)) != len(pages):
             raise self.fail(place, "each page once in a branch", pages)
         return chunks
+
+
+#: The fields of one branch in the header.
+_BRANCH_KEYS = (
+    "committed_chunks", "committed_tokens", "history", "history_index", "history_start", "latents", "recent",
+)
 
 
 def _int_key(key: str) -> object:

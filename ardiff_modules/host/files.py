@@ -273,7 +273,8 @@ def _new_ids(
     else:
         if isinstance(session_ids, str) or not isinstance(session_ids, Sequence) or len(session_ids) != len(saved):
             raise SpecError(
-                f"{where.split('(')[0]}.session_ids: expected None or a sequence of {len(saved)} ids (one per saved session), "
+                f"{where.split('(')[0]}.session_ids: expected None or a sequence of {len(saved)} ids (one per saved "
+                "session), "
                 f"got {session_ids!r:.200}"
             )
         ids = list(session_ids)

@@ -106,7 +106,8 @@ def test_a_saved_and_loaded_session_continues_bit_identically(tmp_path, spec, ex
     for seed in range(5, 9):
         both(loaded, twin, seed)
     for b in BOTH:
-        assert torch.equal(loaded.get_cross_attention_kv(b, "text")[1]["k"], twin.get_cross_attention_kv(b, "text")[1]["k"])
+        mine, ref = loaded.get_cross_attention_kv(b, "text"), twin.get_cross_attention_kv(b, "text")
+        assert torch.equal(mine[1]["k"], ref[1]["k"])
     if spec is FP8:
         assert torch.equal(fresh.pool.scales, twin_cache.pool.scales)
         with pytest.raises(am.KVScalesFixedError):  # the loaded pages hold K/V quantized with them
@@ -256,7 +257,9 @@ def test_truncated_corrupted_and_foreign_files_are_refused_and_change_nothing(sa
         "truncated": (data[: len(data) - 7], "cannot be read"),
         "cut header": (data[:20], "cannot be read"),
         "empty": (b"", "cannot be read"),
-        "corrupted": (data[:-3] + bytes([data[-3] ^ 0x40]) + data[-2:], r"tensor 'pages': expected bytes of SHA-256 .* a corrupted file"),
+        "corrupted": (
+            data[:-3] + bytes([data[-3] ^ 0x40]) + data[-2:], r"tensor 'pages': expected bytes of SHA-256 .* corrupted"
+        ),
     }
     foreign = tmp_path / "foreign.safetensors"
     save_file({"weight": torch.zeros(2)}, str(foreign))
@@ -294,7 +297,8 @@ def test_ids_clash_and_room_are_checked_before_anything_is_allocated(saved):
     for seed in range(3):
         step(hog, seed)  # 12 more pages: 16 of 24 used, the file needs 16
     before = snapshot(target)
-    with pytest.raises(am.CapacityError, match=r"load_sessions\(.*two.safetensors\): needed 16 free device pages .* got 8 free of 24"):
+    room = r"load_sessions\(.*two.safetensors\): needed 16 free device pages .* got 8 free of 24"
+    with pytest.raises(am.CapacityError, match=room):
         target.load_sessions(path, ["s2", "t2"])
     assert_unchanged(target, before)
     hog.close()
@@ -337,3 +341,31 @@ def test_an_interrupted_copy_rolls_the_load_back(saved, monkeypatch):
     monkeypatch.undo()
     assert_unchanged(target, before)
     assert len(target.load_sessions(path)) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("spec", [SMALL_SPEC, FP8], ids=["float32", "fp8"])
+def test_a_file_crosses_devices_cpu_to_cuda_and_back(tmp_path, spec):
+    """CPU -> CUDA -> CPU: the pages arrive as the same bytes, the prompt and latents on the cache's device, and
+    back on the CPU the session continues bit-identically to a twin that never left."""
+    cpu, twin_cache = twins(spec)
+    s, twin = cpu.open_session("s"), twin_cache.open_session("s")
+    populate(s), populate(twin)
+    for seed in range(4):
+        both(s, twin, seed)
+    cpu.save_sessions(tmp_path / "a.safetensors", [s])
+    cuda = am.KVCache(spec, num_pages=32, device="cuda", backend="reference")
+    [on_gpu] = cuda.load_sessions(tmp_path / "a.safetensors")
+    for b in BOTH:
+        assert torch.equal(cuda.pool.kv[:, :, pages_of(on_gpu, b)].view(torch.uint8).cpu(),
+                           cpu.pool.kv[:, :, pages_of(s, b)].view(torch.uint8))
+        assert on_gpu.cross_entry(b, "text").k.device.type == "cuda"
+    assert on_gpu.recache_latents().device.type == "cuda"
+    assert torch.equal(cuda.pool.scales.cpu(), cpu.pool.scales)
+    cuda.save_sessions(tmp_path / "b.safetensors", [on_gpu])
+    [back] = make_small_cache().load_sessions(tmp_path / "b.safetensors") if spec is SMALL_SPEC else (
+        am.KVCache(spec, num_pages=32, backend="reference").load_sessions(tmp_path / "b.safetensors")
+    )
+    for seed in range(4, 7):
+        both(back, twin, seed)
