@@ -9,7 +9,8 @@ answer back; the receiver checks and opens them exactly as a load does (all or n
     close the sent sessions          <------ "ok" ---------  (or "refused: <error>": nothing opened, and the
                                                               sender keeps its sessions, raising the error)
 
-Transactional: the sender keeps its sessions until the receiver answers that it opened them; a refusal or a
+The group must carry CPU tensors (gloo; a CUDA pool's snapshot is gathered to the CPU first, so a gloo group
+beside an NCCL one serves CUDA caches too). Transactional: the sender keeps its sessions until the receiver answers that it opened them; a refusal or a
 failure on either side (a check, room, ids, a lost peer) leaves them where they were. NOTE: if the answer itself
 is lost after the receiver opened them (the sender died, or the link broke at that moment), both sides hold
 them -- a duplicate, never a loss.
