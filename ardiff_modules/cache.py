@@ -26,7 +26,9 @@ from ardiff_modules.core.retention import RetentionPolicy
 from ardiff_modules.core.transaction import ForwardTransaction
 from ardiff_modules.errors import CacheClosedError, SpecError
 from ardiff_modules.forwards import ForwardManager
+from ardiff_modules.host.files import load_sessions, save_sessions
 from ardiff_modules.host.tier import HostTier, TierReport
+from ardiff_modules.host.transport import recv_sessions, send_sessions
 from ardiff_modules.pool import KVPool, pages_for_budget, torch_dtype
 from ardiff_modules.session import ForwardOptions, KVState
 from ardiff_modules.session_table import SessionTable, check_session_id
@@ -78,6 +80,8 @@ class KVCache:
     host_budget_bytes:
         Bytes the host tier of suspended sessions may hold (``None``: unbounded; ``KVState.suspend``).
     """
+    save_sessions, load_sessions = save_sessions, load_sessions  # safetensors files: host/files.py (extra "persist")
+    send_sessions, recv_sessions = send_sessions, recv_sessions  # over torch.distributed (gloo): host/transport.py
 
     def __init__(
         self,

@@ -42,6 +42,11 @@ class CrossEntry:
         return self.k.numel() * self.k.element_size() * 2
 
 
+def publish_entry(k: torch.Tensor, v: torch.Tensor) -> CrossEntry:
+    """A new entry over ``k`` / ``v`` with a fresh version (a loaded file's entry is a new publication here)."""
+    return CrossEntry(k, v, next(_versions))
+
+
 def check_cache_name(spec: KVCacheSpec, cache_name: str) -> None:
     if cache_name not in spec.cross_attention_names:
         raise UnknownCacheError(

@@ -45,6 +45,21 @@ class SessionNotSuspendedError(ARDiffError, RuntimeError):
     """``KVState.resume`` was called on a session that is not suspended (resident, or resumed already)."""
 
 
+class SessionFileError(ARDiffError, ValueError):
+    """A saved-sessions file (``KVCache.load_sessions``) cannot be loaded into this cache: not a sessions file,
+    truncated or corrupted, another format version, another spec (the message names the field), or a value
+    out of range. Nothing was changed."""
+
+
+class SessionIdClashError(ARDiffError, ValueError):
+    """Sessions would be loaded (or received) under ids already open in the cache; nothing was changed."""
+
+
+class SessionTransferError(ARDiffError, RuntimeError):
+    """``send_sessions`` / ``recv_sessions``: the peer refused the sessions or was lost; they stayed with the
+    sender (the message names the peer and its answer)."""
+
+
 class UnknownBranchError(ARDiffError, KeyError):
     """A KV branch name is not one of the spec's branches."""
 

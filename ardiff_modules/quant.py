@@ -175,6 +175,13 @@ class KVQuantizer:
             self.scales.copy_(scales.to(self.scales.device, torch.float32))
             self._state = ["fixed"] * len(self._state)
 
+    def adopt_scales(self, scales: torch.Tensor) -> None:
+        """Fix every layer's scales to ``scales`` and hold them: pages quantized with them were just loaded
+        (``KVCache.load_sessions``), so a later ``set_kv_scales`` must be refused."""
+        self.set_scales(scales)
+        with self._lock:
+            self._kept = True
+
     def calibrate(self, layer: int, k: torch.Tensor, v: torch.Tensor, writer: Writer | None = None) -> None:
         """Called before ``k``/``v`` ``[tokens, kv_heads, head_dim]`` are quantized into layer ``layer`` by
         ``writer`` (the open forward): sets the layer's scales from their finite values if it has none

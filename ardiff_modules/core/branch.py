@@ -471,11 +471,16 @@ def unload_branch(branch: BranchPages, allocator: PageAllocator) -> tuple[Branch
     empty at offset 0, holding nothing (a close while suspended releases nothing twice).
     """
     assert not branch.pending, "unload_branch: pending chunks must be finished first"
-    image = BranchImage(
+    image = branch_image(branch)
+    return image, branch.release(allocator)
+
+
+def branch_image(branch: BranchPages) -> BranchImage:
+    """What :func:`load_branch` restores of ``branch`` (its committed state; nothing released, nothing copied)."""
+    return BranchImage(
         branch.history, branch.history_index, branch.history_start, branch.committed_chunks,
         branch.committed_tokens, dict(branch.latents), dict(branch.recent),
     )
-    return image, branch.release(allocator)
 
 
 def load_branch(

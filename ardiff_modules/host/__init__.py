@@ -4,7 +4,10 @@
   admission, :class:`TierReport`;
 - :mod:`~ardiff_modules.host.transfer`: :class:`TransferHandle`, a resume's host-to-device copies;
 - :mod:`~ardiff_modules.host.arena`: :class:`HostArena`, pinned page rows allocated once and reused;
-- :mod:`~ardiff_modules.host.extent_room`: what the free page runs hold in contiguous extents, for admission.
+- :mod:`~ardiff_modules.host.extent_room`: what the free page runs hold in contiguous extents, for admission;
+- :mod:`~ardiff_modules.host.files`: sessions saved to / loaded from safetensors files (``KVCache.save_sessions``),
+  its header in :mod:`~ardiff_modules.host.file_header`;
+- :mod:`~ardiff_modules.host.transport`: sessions sent between processes (``KVCache.send_sessions``).
 
 Its torch-free bookkeeping sits in the core: :class:`~ardiff_modules.core.host_pages.HostPages` (host page
 ids and refcounts, the allocator's verbs) and

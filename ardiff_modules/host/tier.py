@@ -180,7 +180,7 @@ class HostTier:
         """Move ``state`` to the host tier (see the module docstring); refuses, changing nothing, a closed or
         suspended session, one with an open forward or pending chunks, or a host budget too small."""
         with self.lock:
-            branches = self._check_suspendable(state)
+            branches = self.check_idle(state, "suspend")
             alloc, extents = self.allocator, self._extent_pages()
             order = list(dict.fromkeys(p for b in branches.values() for p in b.history_pages()))
             keys = {p: (p, alloc.generation(p)) for p in order}
@@ -224,17 +224,19 @@ class HostTier:
             self._suspended[state] = Suspended(images, chunks, host_cross, extra)
             self._handles.pop(state, None)
 
-    def _check_suspendable(self, state: KVState) -> dict[str, BranchPages]:
+    def check_idle(self, state: KVState, what: str) -> dict[str, BranchPages]:
+        """``state``'s branches if it is open, resident and idle (a suspend's or a save's need); else raises."""
         names = state.kv_branch_names
         branches = {name: state.branch_pages(name) for name in names}  # raises on a closed session
         if state in self._suspended:
             raise SessionSuspendedError(
-                f"suspend: expected a resident session, got {state.session_id!r} already suspended"
+                f"{what}: expected a resident session, got {state.session_id!r} already suspended "
+                f"(resume() first)"
             )
         busy = [name for name in names if state.open_forward(name) is not None or branches[name].pending]
         if busy:
             raise PendingContextError(
-                f"suspend {state.session_id!r}: expected no open forward and no pending chunk, got pending work on "
+                f"{what} {state.session_id!r}: expected no open forward and no pending chunk, got pending work on "
                 f"branch(es) {busy} (commit or abort it first)"
             )
         return branches
@@ -269,7 +271,7 @@ class HostTier:
             reservation = ResumeReservation(self.allocator, len(fresh_hosts), extent_sizes)
             try:
                 fresh = dict(zip(fresh_hosts, reservation.fresh))
-                chunks, extents, copies = _lay_out(record, ring, aliases, fresh, reservation.extents)
+                chunks, extents, copies = lay_out(record, ring, aliases, fresh, reservation.extents)
                 handle, cross, latents = self._copy_to_device(copies, record, state.cross_entries())
             except BaseException:
                 reservation.rollback()
@@ -521,7 +523,7 @@ def _restore_cross(
     return out
 
 
-def _lay_out(
+def lay_out(
     record: Suspended, ring: dict[str, int], aliases: dict[int, int], fresh: dict[int, int], runs: list[list[int]]
 ) -> tuple[dict[str, tuple[PageChunk, ...]], dict[str, tuple[int, ...]], list[tuple[int, int]]]:
     """Each branch's device chunks, its extent, and the ``(host page, device page)`` copies (by device page).

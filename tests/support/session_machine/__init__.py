@@ -5,9 +5,9 @@ over an FP8 pool).
 
 One module per subject, each a mixin of the machine: ``base`` (state, setup, hooks, selection, snapshots),
 ``forward_model`` (predicting, preparing, checking and finishing forwards), then the rules -- ``sessions``,
-``forwards``, ``failing_calls``, ``cross_attention``, ``sharing``, ``host_tier``, ``recache`` -- and ``invariants``. Hypothesis
-collects the rules, preconditions and invariants of every base class, in name order, so where a rule lives does
-not change the machine.
+``forwards``, ``failing_calls``, ``cross_attention``, ``sharing``, ``host_tier``, ``persist``, ``recache`` -- and
+``invariants``. Hypothesis collects the rules, preconditions and invariants of every base class, in name order, so
+where a rule lives does not change the machine.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from tests.support.session_machine.forward_model import ForwardModel
 from tests.support.session_machine.forwards import ForwardRules
 from tests.support.session_machine.host_tier import HostTierRules
 from tests.support.session_machine.invariants import Invariants
+from tests.support.session_machine.persist import PersistRules
 from tests.support.session_machine.recache import RecacheRules
 from tests.support.session_machine.sessions import CacheAndSessionRules
 from tests.support.session_machine.sharing import SharingRules
@@ -33,6 +34,7 @@ class SessionStateMachine(
     CrossAttentionRules,
     SharingRules,
     HostTierRules,
+    PersistRules,
     RecacheRules,
     Invariants,
     ForwardModel,

@@ -1,0 +1,218 @@
+"""The JSON header of a saved-sessions file, written and checked (pure Python: no torch).
+
+A sessions file (:mod:`~ardiff_modules.host.files`) is a safetensors file whose metadata key ``"ardiff_modules"``
+holds this header; its tensors are ``pages`` (every distinct committed page once, raw bytes), ``scales`` (the
+pool's FP8 scales), ``cross.<i>.k`` / ``cross.<i>.v`` (each distinct cross-attention entry once) and
+``latent.<j>`` (each distinct kept latent once)::
+
+    {"format": "ardiff_modules.sessions", "version": 1,
+     "spec": {"num_layers": "2", ..., "recache": "RecacheRule(...)"},     # repr() of every KVCacheSpec field
+     "pages": 6, "scales_fixed": true, "digests": {"pages": "<sha256>", ...},
+     "sessions": [{"id": "s", "cross": [["text", "cond", "cross.0"], ...],
+                   "branches": {"cond": {"history": [[0, 1], [2, 3]], "history_index": [0, 4],
+                                         "history_start": [0, 16], "committed_chunks": 5,
+                                         "committed_tokens": 20, "latents": {"4": "latent.0"},
+                                         "recent": {"3": [12, 2]}}, ...}}]}
+
+A page shared by several branches or sessions (a fork, ``share_sinks_from``) is one index of ``pages``, named by
+each chunk that holds it. Everything read back is checked here (types, ranges, the spec field by field): a
+hostile or corrupted header raises :class:`~ardiff_modules.errors.SessionFileError` naming the place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ardiff_modules.core.branch import BranchImage, PageChunk
+from ardiff_modules.errors import SessionFileError
+from ardiff_modules.spec import KVCacheSpec
+
+FORMAT = "ardiff_modules.sessions"
+#: The file format's version; a file of another version is refused (naming both).
+FORMAT_VERSION = 1
+#: The safetensors metadata key holding the header.
+METADATA_KEY = "ardiff_modules"
+
+
+@dataclass(frozen=True)
+class SavedSession:
+    """One session of a file: per branch its image (latents as tensor names) and chunks (indices into ``pages``);
+    its cross entries as ``(cache name, branch) -> tensor name prefix``."""
+
+    session_id: str
+    images: dict[str, BranchImage]
+    cross: dict[tuple[str, str], str]
+
+
+def spec_fields(spec: KVCacheSpec) -> dict[str, str]:
+    """``repr`` of every field of ``spec``: what a file must match to load (compared field by field)."""
+    return {f.name: repr(getattr(spec, f.name)) for f in dataclasses.fields(spec)}
+
+
+def encode(header: Mapping[str, Any]) -> str:
+    return json.dumps(header, separators=(",", ":"), sort_keys=True)
+
+
+class HeaderReader:
+    """Checks a decoded header against one cache (its spec, the file's tensors); every refusal names the place.
+
+    Parameters
+    ----------
+    where:
+        The operation and its source, for messages (``"load_sessions(path)"``).
+    spec:
+        The loading cache's spec.
+    tensor_names:
+        The tensors the file holds.
+    """
+
+    def __init__(self, where: str, spec: KVCacheSpec, tensor_names: set[str]) -> None:
+        self.where = where
+        self.spec = spec
+        self.tensor_names = tensor_names
+        self.num_pages = 0
+        #: The decoded header, once :meth:`read` parsed it.
+        self.header: dict[str, Any] = {}
+
+    def fail(self, place: str, expected: str, got: object) -> SessionFileError:
+        return SessionFileError(f"{self.where}: {place}: expected {expected}, got {got!r:.200}")
+
+    def int_(self, value: object, place: str, minimum: int = 0, maximum: int | None = None) -> int:
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum or (
+            maximum is not None and value > maximum
+        ):
+            bound = f"an int >= {minimum}" + (f" and <= {maximum}" if maximum is not None else "")
+            raise self.fail(place, bound, value)
+        return value
+
+    def list_(self, value: object, place: str) -> list[Any]:
+        if not isinstance(value, list):
+            raise self.fail(place, "a JSON list", value)
+        return value
+
+    def dict_(self, value: object, place: str, keys: tuple[str, ...] | None = None) -> dict[str, Any]:
+        if not isinstance(value, dict):
+            raise self.fail(place, "a JSON object", value)
+        if keys is not None and sorted(value) != sorted(keys):
+            raise self.fail(place, f"the keys {sorted(keys)}", sorted(value))
+        return value
+
+    def tensor_name(self, value: object, place: str, prefix: str) -> str:
+        if not isinstance(value, str) or not value.startswith(prefix):
+            raise self.fail(place, f"a tensor name starting with {prefix!r}", value)
+        return value
+
+    # ------------------------------------------------------------------ the file
+    def read(self, text: object) -> list[SavedSession]:
+        """The sessions of header ``text`` (the metadata string), checked; :attr:`num_pages` set."""
+        if not isinstance(text, str):
+            raise self.fail("metadata", f"a {METADATA_KEY!r} key (a sessions file written by save_sessions)", text)
+        try:
+            header = json.loads(text)
+        except ValueError as e:
+            raise self.fail("header", "valid JSON", str(e)) from None
+        header = self.header = self.dict_(header, "header")
+        if header.get("format") != FORMAT:
+            raise self.fail("header.format", repr(FORMAT), header.get("format"))
+        if header.get("version") != FORMAT_VERSION:
+            raise self.fail("header.version", f"format version {FORMAT_VERSION}", header.get("version"))
+        self.check_spec(self.dict_(header.get("spec"), "header.spec"))
+        self.num_pages = self.int_(header.get("pages"), "header.pages")
+        sessions = self.list_(header.get("sessions"), "header.sessions")
+        saved = [self.session(s, f"sessions[{i}]") for i, s in enumerate(sessions)]
+        ids = [s.session_id for s in saved]
+        if len(set(ids)) != len(ids):
+            raise self.fail("header.sessions", "distinct session ids", ids)
+        return saved
+
+    def check_spec(self, saved: dict[str, Any]) -> None:
+        """Refuse a file of another spec, naming the first field that differs."""
+        mine = spec_fields(self.spec)
+        for name in sorted(set(mine) | set(saved)):
+            if saved.get(name) != mine.get(name):
+                raise SessionFileError(
+                    f"{self.where}: spec field {name!r}: expected {mine.get(name)} (this cache's "
+                    f"spec), got {saved.get(name)} (the file's)"
+                )
+
+    def session(self, value: object, place: str) -> SavedSession:
+        entry = self.dict_(value, place, ("branches", "cross", "id"))
+        sid = entry["id"]
+        if not isinstance(sid, str) or not sid:
+            raise self.fail(f"{place}.id", "a non-empty str", sid)
+        branches = self.dict_(entry["branches"], f"{place}.branches", self.spec.branches)
+        images = {name: self.branch(branches[name], f"{place}.branches.{name}") for name in self.spec.branches}
+        cross: dict[tuple[str, str], str] = {}
+        for i, item in enumerate(self.list_(entry["cross"], f"{place}.cross")):
+            where = f"{place}.cross[{i}]"
+            item = self.list_(item, where)
+            if len(item) != 3 or item[0] not in self.spec.cross_attention_names or item[1] not in self.spec.branches:
+                raise self.fail(
+                    where, f"[cache name of {self.spec.cross_attention_names}, branch of {self.spec.branches}, "
+                    "tensor]", item,
+                )
+            if (item[0], item[1]) in cross:
+                raise self.fail(where, "each (cache name, branch) once", item[:2])
+            cross[(item[0], item[1])] = self.tensor_name(item[2], f"{where}[2]", "cross.")
+        return SavedSession(sid, images, cross)
+
+    def branch(self, value: object, place: str) -> BranchImage:
+        b = self.dict_(value, place, _BRANCH_KEYS)
+        committed = self.int_(b["committed_chunks"], f"{place}.committed_chunks")
+        tokens = self.int_(b["committed_tokens"], f"{place}.committed_tokens")
+        history = self.chunks(b["history"], f"{place}.history")
+        index = [self.int_(i, f"{place}.history_index", 0, committed - 1)
+                 for i in self.list_(b["history_index"], place)]
+        start = [self.int_(s, f"{place}.history_start", 0, tokens) for s in self.list_(b["history_start"], place)]
+        if len(index) != len(history) or len(start) != len(history) or index != sorted(set(index)):
+            raise self.fail(f"{place}.history_index", f"{len(history)} increasing commit indices and starts", index)
+        page_size = self.spec.page_size
+        ends = [s + len(c) * page_size for s, c in zip(start, history)]
+        if any(e > s for e, s in zip(ends, start[1:] + [tokens + 1])) or any(e > tokens for e in ends):
+            raise self.fail(f"{place}.history_start", f"chunks in order, ending by committed_tokens={tokens}", start)
+        recent = {}
+        for key, span in self.dict_(b["recent"], f"{place}.recent").items():
+            i = self.int_(_int_key(key), f"{place}.recent key", 0, committed - 1)
+            span = self.list_(span, f"{place}.recent[{key}]")
+            if len(span) != 2 or i in index:
+                raise self.fail(f"{place}.recent[{key}]", "[start, pages] of an evicted chunk", span)
+            recent[i] = (self.int_(span[0], f"{place}.recent[{key}]", 0, tokens),
+                         self.int_(span[1], f"{place}.recent[{key}]", 1, self.spec.pages_per_chunk))
+        latents = {}
+        for key, name in self.dict_(b["latents"], f"{place}.latents").items():
+            i = self.int_(_int_key(key), f"{place}.latents key", 0, committed - 1)
+            if i not in index and i not in recent:
+                raise self.fail(f"{place}.latents", "latents of resident or remembered chunks only", i)
+            latents[i] = self.tensor_name(name, f"{place}.latents[{key}]", "latent.")
+        return BranchImage(tuple(history), tuple(index), tuple(start), committed, tokens, latents, recent)
+
+    def chunks(self, value: object, place: str) -> list[PageChunk]:
+        """History chunks of page indices: each 1..pages_per_chunk distinct pages of the file, no page twice."""
+        chunks = []
+        for i, chunk in enumerate(self.list_(value, place)):
+            chunk = self.list_(chunk, f"{place}[{i}]")
+            if not 1 <= len(chunk) <= self.spec.pages_per_chunk:
+                raise self.fail(f"{place}[{i}]", f"1..{self.spec.pages_per_chunk} pages", chunk)
+            chunks.append(tuple(self.int_(p, f"{place}[{i}]", 0, self.num_pages - 1) for p in chunk))
+        bound = self.spec.max_history_chunks
+        if bound is not None and len(chunks) > bound:
+            raise self.fail(place, f"at most {bound} resident chunks (sinks + window)", len(chunks))
+        pages = [p for c in chunks for p in c]
+        if len(set(pages)) != len(pages):
+            raise self.fail(place, "each page once in a branch", pages)
+        return chunks
+
+
+#: The fields of one branch in the header.
+_BRANCH_KEYS = (
+    "committed_chunks", "committed_tokens", "history", "history_index", "history_start", "latents", "recent",
+)
+
+
+def _int_key(key: str) -> object:
+    """A JSON object key that should be a commit index (JSON keys are strings)."""
+    return int(key) if key.isdigit() and len(key) < 19 else key

@@ -1,0 +1,384 @@
+"""Sessions that outlive the process: ``KVCache.save_sessions`` / ``KVCache.load_sessions`` (issue 45).
+
+A save writes what a suspend keeps (:mod:`~ardiff_modules.host.tier`): every branch's committed pages as raw
+bytes (FP8 pages stay FP8, with the pool's scales), its positions, cross-attention entries and kept latents --
+into a **safetensors** file (tensors and a JSON header, no pickle: loading a file never runs code), whose
+header (:mod:`~ardiff_modules.host.file_header`) names the format version and the spec. A load is a resume from
+that file::
+
+    save:  sessions (resident, idle) --copy pages once each--> file      (the sessions and the pool unchanged)
+    load:  file --read, check everything--> reserve fresh pages --copy--> open the sessions   (all or nothing)
+
+Sharing survives the trip: a page held by several saved branches (a fork, ``share_sinks_from``, a shared
+prompt's entry) is written once and comes back as one page referenced by each (plain paging; with contiguous
+extents each branch comes back as a ring in its own extent, as after a resume). A file of another spec, a
+truncated, corrupted (per-tensor SHA-256 digests) or hostile one raises
+:class:`~ardiff_modules.errors.SessionFileError`; ids already open :class:`~ardiff_modules.errors.SessionIdClashError`;
+too few free pages :class:`~ardiff_modules.errors.CapacityError` -- each before anything is allocated.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
+from typing import Any, Protocol
+
+import torch
+
+from ardiff_modules.core.allocator import PageAllocator
+from ardiff_modules.core.branch import BranchPages, PageChunk, branch_image, load_branch
+from ardiff_modules.core.reservation import ResumeReservation
+from ardiff_modules.cross import CrossEntry, publish_entry
+from ardiff_modules.errors import CacheClosedError, CapacityError, SessionFileError, SessionIdClashError, SpecError
+from ardiff_modules.host.file_header import (
+    FORMAT, FORMAT_VERSION, METADATA_KEY, HeaderReader, SavedSession, encode, spec_fields,
+)
+from ardiff_modules.host.tier import HostTier, Suspended, lay_out
+from ardiff_modules.pool import KVPool
+from ardiff_modules.session import KVState
+from ardiff_modules.session_table import check_session_id
+from ardiff_modules.spec import KVCacheSpec
+
+PathLike = str | os.PathLike[str]
+
+
+class FileHost(Protocol):
+    """What save / load use of a ``KVCache``."""
+
+    spec: KVCacheSpec
+    pool: KVPool
+    allocator: PageAllocator
+    host_tier: HostTier
+
+    @property
+    def lock(self) -> Any: ...
+    @property
+    def is_closed(self) -> bool: ...
+    @property
+    def dtype(self) -> torch.dtype: ...
+    @property
+    def extent_chunks(self) -> int | None: ...
+    @property
+    def sessions(self) -> dict[str, KVState]: ...
+    def open_session(self, session_id: str | None = None) -> KVState: ...
+
+
+# ---------------------------------------------------------------------------------------------------- save
+def save_sessions(cache: FileHost, path: PathLike, sessions: Iterable[KVState]) -> None:
+    """Write ``sessions`` (open, resident, idle sessions of ``cache``) to ``path`` (see the module docstring).
+
+    Refuses, writing nothing: a session of another cache or closed (:class:`SpecError` /
+    :class:`SessionClosedError`), suspended (:class:`SessionSuspendedError`), with an open forward or a pending
+    chunk (:class:`PendingContextError`). The file is written next to ``path`` and renamed over it: a crash
+    mid-write leaves any previous file whole.
+    """
+    tensors, header = snapshot(cache, sessions, "save_sessions")
+    _write(path, tensors, header)
+
+
+def snapshot(
+    cache: FileHost, sessions: Iterable[KVState], what: str
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The tensors (CPU copies) and header of ``sessions``, checked (open, of ``cache``, resident, idle)."""
+    with cache.lock:
+        if cache.is_closed:
+            raise CacheClosedError(f"{what}: expected an open KVCache, got one that was closed")
+        return _snapshot(cache, _checked_sessions(cache, sessions, what))
+
+
+def _checked_sessions(cache: FileHost, sessions: Iterable[KVState], what: str) -> list[KVState]:
+    if isinstance(sessions, KVState) or not isinstance(sessions, Iterable):
+        raise SpecError(f"{what}: expected an iterable of sessions, got {type(sessions).__name__}")
+    states = list(dict.fromkeys(sessions))
+    foreign = [s for s in states if not isinstance(s, KVState) or s.cache is not cache]
+    if foreign:
+        raise SpecError(
+            f"{what}: expected sessions of this KVCache, got {[getattr(s, 'session_id', s) for s in foreign]}"
+        )
+    for state in states:
+        cache.host_tier.check_idle(state, what)  # open, resident, no pending work
+    return states
+
+
+def _snapshot(cache: FileHost, states: Sequence[KVState]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The file's tensors (CPU copies) and header: each distinct page, cross entry and latent once."""
+    branches = {s: {n: s.branch_pages(n) for n in s.kv_branch_names} for s in states}
+    order = list(dict.fromkeys(p for bs in branches.values() for b in bs.values() for p in b.history_pages()))
+    index = {p: i for i, p in enumerate(order)}
+    raw = cache.pool.kv.view(torch.uint8)
+    # NOTE: index_select over the page dim, then page-major: one row per page, as the host tier's arena holds them.
+    pages = raw.index_select(2, torch.tensor(order, dtype=torch.long, device=raw.device)).movedim(2, 0)
+    tensors: dict[str, torch.Tensor] = {"pages": pages, "scales": cache.pool.scales}
+    names: dict[int, str] = {}  # id(tensor or entry) -> its name in the file (each shared one written once)
+
+    def name_of(obj: Any, prefix: str) -> str:
+        if id(obj) not in names:
+            names[id(obj)] = f"{prefix}.{len([n for n in names.values() if n.startswith(prefix)])}"
+            if isinstance(obj, CrossEntry):
+                tensors[names[id(obj)] + ".k"], tensors[names[id(obj)] + ".v"] = obj.k, obj.v
+            else:
+                tensors[names[id(obj)]] = obj
+        return names[id(obj)]
+
+    sessions = []
+    for state in states:
+        images = {n: branch_image(b) for n, b in branches[state].items()}
+        sessions.append({
+            "id": state.session_id,
+            "branches": {n: _branch_header(img, index, name_of) for n, img in images.items()},
+            "cross": [[c, b, name_of(e, "cross")] for (c, b), e in state.cross_entries().items()],
+        })
+    tensors = {k: t.detach().to("cpu").contiguous() for k, t in tensors.items()}
+    quantizer = cache.pool.quantizer
+    header = {
+        "format": FORMAT, "version": FORMAT_VERSION, "spec": spec_fields(cache.spec), "pages": len(order),
+        "scales_fixed": quantizer is not None and quantizer.all_calibrated, "sessions": sessions,
+        "digests": {k: _digest(t) for k, t in tensors.items()},
+    }
+    return tensors, header
+
+
+def _branch_header(image: Any, index: Mapping[int, int], name_of: Any) -> dict[str, Any]:
+    return {
+        "history": [[index[p] for p in chunk] for chunk in image.history],
+        "history_index": list(image.history_index), "history_start": list(image.history_start),
+        "committed_chunks": image.committed_chunks, "committed_tokens": image.committed_tokens,
+        "latents": {str(i): name_of(t, "latent") for i, t in image.latents.items()},
+        "recent": {str(i): list(span) for i, span in image.recent.items()},
+    }
+
+
+def _digest(t: torch.Tensor) -> str:
+    """SHA-256 of a CPU tensor's bytes: safetensors checks offsets, not contents, so corruption shows here."""
+    return hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _safetensors() -> Any:
+    try:
+        import safetensors.torch
+    except ImportError as e:  # an optional dependency: the extra "persist"
+        raise ImportError(
+            "save_sessions / load_sessions need the safetensors package: pip install 'ardiff_modules[persist]'"
+        ) from e
+    return safetensors
+
+
+def _write(path: PathLike, tensors: dict[str, torch.Tensor], header: dict[str, Any]) -> None:
+    st = _safetensors()
+    target = os.fspath(path)
+    partial = f"{target}.partial"
+    try:
+        st.torch.save_file(tensors, partial, metadata={METADATA_KEY: encode(header)})
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
+
+
+# ---------------------------------------------------------------------------------------------------- load
+def load_sessions(cache: FileHost, path: PathLike, session_ids: Sequence[str] | None = None) -> list[KVState]:
+    """Open the sessions saved in ``path`` (in their saved order), under their saved ids or ``session_ids``.
+
+    They continue bit-identically to the saved ones. Refuses, changing nothing (no session, no page, no scale):
+    a file that is not a sessions file, truncated, corrupted, of another format version or another spec
+    (:class:`SessionFileError`, naming the field); ids already open (:class:`SessionIdClashError`); too few
+    free pages (:class:`CapacityError`, before anything is allocated); FP8 scales that differ from the ones
+    this pool already quantized with (:class:`SessionFileError`).
+    """
+    tensors, metadata = _read(path)
+    return open_snapshot(cache, f"load_sessions({os.fspath(path)})", metadata.get(METADATA_KEY), tensors, session_ids)
+
+
+def open_snapshot(
+    cache: FileHost, where: str, header: object, tensors: Mapping[str, torch.Tensor],
+    session_ids: Sequence[str] | None,
+) -> list[KVState]:
+    """Open the sessions of a snapshot (header text and tensors: a file's, or received): check, reserve, copy,
+    open -- all or nothing (see :func:`load_sessions`); ``where`` names the operation and source in messages."""
+    with cache.lock:
+        if cache.is_closed:
+            raise CacheClosedError(f"{where}: expected an open KVCache, got one that was closed")
+        reader = HeaderReader(where, cache.spec, set(tensors))
+        saved = reader.read(header)
+        _check_tensors(cache, reader, saved, tensors)
+        ids = _new_ids(cache, saved, session_ids, where)
+        scales = _scales_to_adopt(cache, reader, tensors)
+        return _install(cache, saved, ids, tensors, scales, where)
+
+
+def _read(path: PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Every tensor (on the CPU) and the metadata; anything safetensors refuses is a :class:`SessionFileError`."""
+    st = _safetensors()
+    try:
+        with st.safe_open(os.fspath(path), framework="pt", device="cpu") as f:
+            metadata = f.metadata() or {}
+            return {k: f.get_tensor(k) for k in f.keys()}, metadata
+    except OSError:
+        raise  # no such file, no permission: the caller's environment, not the file's contents
+    except Exception as e:  # NOTE: safetensors raises its own error types (and others) on a malformed file
+        raise SessionFileError(
+            f"load_sessions({os.fspath(path)}): expected a safetensors sessions file, got one that cannot be "
+            f"read ({type(e).__name__}: {e})"
+        ) from None
+
+
+def _check_tensors(
+    cache: FileHost, reader: HeaderReader, saved: Sequence[SavedSession], tensors: Mapping[str, torch.Tensor]
+) -> None:
+    """Every tensor the header names exists with its digest, shape and dtype (nothing else is trusted)."""
+    digests = reader.dict_(reader.header.get("digests"), "header.digests")
+    if sorted(digests) != sorted(tensors):
+        raise reader.fail("header.digests", f"a digest of each tensor {sorted(tensors)}", sorted(digests))
+    for name, t in tensors.items():
+        digest = _digest(t)
+        if digests[name] != digest:
+            raise reader.fail(
+                f"tensor {name!r}", f"bytes of SHA-256 {str(digests[name])[:16]}... (the header's)",
+                f"SHA-256 {digest[:16]}...: a corrupted file",
+            )
+    raw = cache.pool.kv
+    page_shape = (reader.num_pages, raw.shape[0], raw.shape[1], *raw.shape[3:-1], raw.shape[-1] * raw.element_size())
+    _expect(reader, tensors, "pages", page_shape, torch.uint8)
+    _expect(reader, tensors, "scales", tuple(cache.pool.scales.shape), torch.float32)
+    spec = cache.spec
+    for s in saved:
+        for (name, _), prefix in s.cross.items():
+            c = spec.cross_attention_spec(name)
+            shape = (spec.num_layers, c.tokens, c.num_kv_heads or spec.num_kv_heads, c.head_dim or spec.head_dim)
+            for kv in ("k", "v"):
+                _expect(reader, tensors, f"{prefix}.{kv}", shape, cache.dtype)
+        for image in s.images.values():
+            for ref in map(str, image.latents.values()):  # tensor names here (checked by the header reader)
+                if ref not in tensors or not tensors[ref].is_floating_point():
+                    raise reader.fail(f"latent {ref!r}", "a floating-point tensor of the file", ref in tensors)
+
+
+def _expect(
+    reader: HeaderReader, tensors: Mapping[str, torch.Tensor], name: str, shape: tuple[int, ...], dtype: torch.dtype
+) -> None:
+    t = tensors.get(name)
+    if t is None or tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+        got = None if t is None else f"{list(t.shape)} {t.dtype}"
+        raise reader.fail(f"tensor {name!r}", f"{list(shape)} {dtype}", got)
+
+
+def _new_ids(
+    cache: FileHost, saved: Sequence[SavedSession], session_ids: Sequence[str] | None, where: str
+) -> list[str]:
+    if session_ids is None:
+        ids = [s.session_id for s in saved]
+    else:
+        if isinstance(session_ids, str) or not isinstance(session_ids, Sequence) or len(session_ids) != len(saved):
+            raise SpecError(
+                f"{where.split('(')[0]}.session_ids: expected None or a sequence of {len(saved)} ids (one per saved "
+                "session), "
+                f"got {session_ids!r:.200}"
+            )
+        ids = list(session_ids)
+        for sid in ids:
+            check_session_id(sid)
+        if None in ids or len(set(ids)) != len(ids):
+            raise SpecError(f"{where.split('(')[0]}.session_ids: expected distinct non-empty ids, got {ids}")
+    clash = [sid for sid in ids if sid in cache.sessions]
+    if clash:
+        raise SessionIdClashError(
+            f"{where}: expected ids not open in this cache, got {clash} already open (close them, or pass "
+            f"session_ids=[...])"
+        )
+    return ids
+
+
+def _scales_to_adopt(
+    cache: FileHost, reader: HeaderReader, tensors: Mapping[str, torch.Tensor]
+) -> torch.Tensor | None:
+    """The FP8 scales the pool takes from the file (``None``: keep its own, which equal them or don't matter).
+
+    NOTE: FP8 pages are raw bytes quantized with the saving pool's scales: they read back right only under
+    those scales, so a pool that already quantized with other scales is refused."""
+    quantizer = cache.pool.quantizer
+    if quantizer is None or reader.header.get("scales_fixed") is not True:
+        return None
+    scales = tensors["scales"]
+    if not bool(torch.isfinite(scales).all()) or not bool((scales > 0).all()):
+        raise reader.fail("tensor 'scales'", "positive finite FP8 scales", f"min {float(scales.min())}")
+    if quantizer.written:
+        if torch.equal(scales, cache.pool.scales.to("cpu")):
+            return None
+        raise reader.fail(
+            "spec field 'kv_scales'", "the FP8 scales this pool already quantized its pages with",
+            f"scales differing by up to {float((scales - cache.pool.scales.cpu()).abs().max()):.3g}",
+        )
+    return scales
+
+
+def _install(
+    cache: FileHost, saved: Sequence[SavedSession], ids: Sequence[str], tensors: Mapping[str, torch.Tensor],
+    scales: torch.Tensor | None, where: str,
+) -> list[KVState]:
+    """Reserve, copy, then open: an error before the sessions open rolls the reservation back exactly."""
+    ppc, extent_chunks = cache.spec.pages_per_chunk, cache.extent_chunks
+    records = [Suspended(s.images, {n: img.history for n, img in s.images.items()}, {}, 0) for s in saved]
+    # Pages per ring slot of each branch that comes back as a ring (0: plain paging), as a resume lays it out.
+    rings = [{n: ppc if extent_chunks is not None and cs else 0 for n, cs in r.chunks.items()} for r in records]
+    plain = [p for r, ring in zip(records, rings) for n, cs in r.chunks.items() if not ring[n] for c in cs for p in c]
+    fresh_pages = list(dict.fromkeys(plain))
+    extents = [extent_chunks * ppc for ring in rings for step in ring.values() if step]  # type: ignore[operator]
+    _check_room(cache, len(fresh_pages), extents, where)
+    reservation = ResumeReservation(cache.allocator, len(fresh_pages), extents)
+    try:
+        fresh = dict(zip(fresh_pages, reservation.fresh))
+        runs, laid = iter(reservation.extents), []
+        for record, ring in zip(records, rings):
+            laid.append(lay_out(record, ring, {}, fresh, [next(runs) for step in ring.values() if step]))
+        _copy_pages(cache.pool, tensors["pages"], sorted({c for _, _, copies in laid for c in copies}))
+        device = cache.pool.device
+        latents = {k: t.to(device) for k, t in tensors.items() if k.startswith("latent.")}
+        entries = {p: publish_entry(tensors[f"{p}.k"].to(device), tensors[f"{p}.v"].to(device))
+                   for s in saved for p in s.cross.values()}
+    except BaseException:
+        reservation.rollback()
+        raise
+    # Then switch (pure bookkeeping): one reference per chunk page, less the one each fresh page already has.
+    held = Counter(p for chunks, _, _ in laid for cs in chunks.values() for c in cs for p in c)
+    reservation.keep((held - Counter(reservation.fresh)).elements())
+    if scales is not None:
+        cache.pool.quantizer.adopt_scales(scales)  # type: ignore[union-attr]
+    return [_open(cache, sid, s, chunks, ext, latents, entries) for sid, s, (chunks, ext, _) in zip(ids, saved, laid)]
+
+
+def _check_room(cache: FileHost, fresh: int, extents: Sequence[int], where: str) -> None:
+    needed, free = fresh + sum(extents), cache.allocator.num_free
+    if needed > free:
+        raise CapacityError(
+            f"{where}: needed {needed} free device pages ({fresh} pages + {len(extents)} extent(s)), got "
+            f"{free} free of {cache.allocator.num_pages}",
+            needed=needed,
+            free=free,
+        )
+
+
+def _copy_pages(pool: KVPool, pages: torch.Tensor, copies: Sequence[tuple[int, int]]) -> None:
+    """File pages -> their device pages (``(file page, device page)`` pairs), one index copy."""
+    if not copies:
+        return
+    raw = pool.kv.view(torch.uint8)
+    source = pages.index_select(0, torch.tensor([h for h, _ in copies], dtype=torch.long))
+    index = torch.tensor([q for _, q in copies], dtype=torch.long, device=raw.device)
+    raw.index_copy_(2, index, source.to(raw.device).movedim(0, 2))
+
+
+def _open(
+    cache: FileHost, sid: str, saved: SavedSession, chunks: Mapping[str, tuple[PageChunk, ...]],
+    extents: Mapping[str, tuple[int, ...]], latents: Mapping[str, torch.Tensor], entries: Mapping[str, CrossEntry],
+) -> KVState:
+    """Open one loaded session over its laid-out pages (references taken), its latents and cross entries."""
+    state = cache.open_session(sid)
+    for name, image in saved.images.items():
+        branch: BranchPages = state.branch_pages(name)
+        kept = {i: latents[t] for i, t in image.latents.items()}  # type: ignore[index]
+        load_branch(branch, replace(image, latents=kept), chunks[name], extents.get(name, ()))
+    state.adopt_cross_entries({key: entries[prefix] for key, prefix in saved.cross.items()})
+    return state

@@ -1,0 +1,131 @@
+"""Move sessions between processes without a file: ``KVCache.send_sessions`` / ``KVCache.recv_sessions`` (issue 45).
+
+The same snapshot as a saved file (:mod:`~ardiff_modules.host.files`: each distinct page, cross entry and latent
+once, a header naming the spec), sent over a ``torch.distributed`` group (gloo on the CPU) point to point, then an
+answer back; the receiver checks and opens them exactly as a load does (all or nothing)::
+
+    sender                                    receiver
+    snapshot (lock held to the end)  --envelope, tensors-->  check, reserve, copy, open
+    close the sent sessions          <------ "ok" ---------  (or "refused: <error>": nothing opened, and the
+                                                              sender keeps its sessions, raising the error)
+
+The group must carry CPU tensors (gloo; a CUDA pool's snapshot is gathered to the CPU first, so a gloo group
+beside an NCCL one serves CUDA caches too). Transactional: the sender keeps its sessions until the receiver answers that it opened them; a refusal or a
+failure on either side (a check, room, ids, a lost peer) leaves them where they were. NOTE: if the answer itself
+is lost after the receiver opened them (the sender died, or the link broke at that moment), both sides hold
+them -- a duplicate, never a loss.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ardiff_modules.errors import ARDiffError, SessionTransferError
+from ardiff_modules.host.file_header import encode
+from ardiff_modules.host.files import FileHost, open_snapshot, snapshot
+from ardiff_modules.session import KVState
+
+#: The dtypes a snapshot's tensors may have (a received envelope naming another is refused).
+_DTYPES = {str(d): d for d in (torch.uint8, torch.float32, torch.float16, torch.bfloat16, torch.float64)}
+
+
+def send_sessions(cache: FileHost, sessions: Iterable[KVState], dst: int, group: Any = None) -> None:
+    """Send ``sessions`` (open, resident, idle sessions of ``cache``) to rank ``dst``, whose
+    :func:`recv_sessions` opens them; once it has, close them here.
+
+    Refusals here (not idle, another cache's) are raised after telling the receiver, which raises too; a
+    refusal there (spec, ids, room) comes back as :class:`SessionTransferError` naming it. Either way the
+    sessions stay open here, unchanged. The cache's lock is held until the answer: nothing runs on the
+    sessions meanwhile.
+    """
+    if isinstance(sessions, Iterable) and not isinstance(sessions, KVState):
+        sessions = list(sessions)  # walked twice: the snapshot, then the close
+    with cache.lock:
+        try:
+            tensors, header = snapshot(cache, sessions, "send_sessions")
+        except ARDiffError as e:
+            _send_json({"refused": f"{type(e).__name__}: {e}"}, dst, group)
+            raise
+        names = sorted(tensors)
+        shapes = [[n, str(tensors[n].dtype), list(tensors[n].shape)] for n in names]
+        envelope = {"header": encode(header), "tensors": shapes}
+        states = list(dict.fromkeys(sessions))
+        try:
+            _send_json(envelope, dst, group)
+            for name in names:
+                if tensors[name].numel():
+                    dist.send(tensors[name], dst, group=group)
+            answer = _recv_json(dst, group)
+        except Exception as e:  # a lost peer, a broken link: nothing was handed over
+            raise SessionTransferError(
+                f"send_sessions to rank {dst}: expected the receiver's answer, got {type(e).__name__}: {e}; the "
+                f"sessions {[s.session_id for s in states]} stay here"
+            ) from e
+        if answer.get("ok") is not True:
+            raise SessionTransferError(
+                f"send_sessions to rank {dst}: expected the receiver to open the sessions, got its refusal: "
+                f"{answer.get('error')!s:.500}; they stay here"
+            )
+        for state in states:
+            state.close()
+
+
+def recv_sessions(
+    cache: FileHost, src: int, group: Any = None, session_ids: Sequence[str] | None = None
+) -> list[KVState]:
+    """Receive the sessions rank ``src`` sends (:func:`send_sessions`) and open them, under their ids or
+    ``session_ids``, all or nothing; then tell the sender.
+
+    Raises, opening nothing (and the sender keeps its sessions): what :func:`~ardiff_modules.host.files.load_sessions`
+    raises for a snapshot it refuses (spec, ids, room, FP8 scales), :class:`SessionTransferError` for a sender
+    that refused or was lost.
+    """
+    where = f"recv_sessions(from rank {src})"
+    try:
+        envelope = _recv_json(src, group)
+        if "refused" in envelope:
+            raise SessionTransferError(f"{where}: expected sessions, got the sender's refusal: {envelope['refused']}")
+        tensors = {n: _recv_tensor(where, src, group, n, dtype, shape) for n, dtype, shape in envelope["tensors"]}
+    except SessionTransferError:
+        raise
+    except Exception as e:
+        raise SessionTransferError(f"{where}: expected a snapshot, got {type(e).__name__}: {e}") from e
+    try:
+        states = open_snapshot(cache, where, envelope["header"], tensors, session_ids)
+    except BaseException as e:
+        _send_json({"ok": False, "error": f"{type(e).__name__}: {e}"}, src, group)
+        raise
+    _send_json({"ok": True}, src, group)
+    return states
+
+
+def _recv_tensor(where: str, src: int, group: Any, name: str, dtype: str, shape: list[int]) -> torch.Tensor:
+    """One tensor of the envelope, its dtype and shape checked before a byte is allocated for it."""
+    if dtype not in _DTYPES or not isinstance(shape, list) or not all(isinstance(n, int) and n >= 0 for n in shape):
+        raise SessionTransferError(f"{where}: tensor {name!r}: expected one of {sorted(_DTYPES)}, got {dtype} {shape}")
+    t = torch.empty(shape, dtype=_DTYPES[dtype])
+    if t.numel():
+        dist.recv(t, src, group=group)
+    return t
+
+
+def _send_json(obj: dict[str, Any], dst: int, group: Any) -> None:
+    data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+    dist.send(torch.tensor([data.numel()], dtype=torch.int64), dst, group=group)
+    dist.send(data, dst, group=group)
+
+
+def _recv_json(src: int, group: Any) -> dict[str, Any]:
+    size = torch.empty(1, dtype=torch.int64)
+    dist.recv(size, src, group=group)
+    data = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.recv(data, src, group=group)
+    obj = json.loads(bytes(data.numpy()).decode())
+    if not isinstance(obj, dict):
+        raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
+    return obj

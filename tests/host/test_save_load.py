@@ -1,0 +1,371 @@
+"""Sessions saved to a file and loaded back (issue 45): the oracle is a twin cache whose session never left.
+
+Outputs are compared bit for bit (``torch.equal``) on the reference backend; sharing on the allocator's page
+counts; "changed nothing" on the pool bytes, the scales and the bookkeeping (free queue order included).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+import ardiff_modules as am
+from ardiff_modules.host import files
+from tests.host.test_suspend_resume import populate, step
+from tests.support.small_cache import BOTH, CHUNK, SMALL_SPEC, bookkeeping, make_small_cache, pages_of, tensors
+
+FP8 = dataclasses.replace(SMALL_SPEC, kv_dtype="float8_e4m3fn")
+RELATIVE = dataclasses.replace(SMALL_SPEC, relative_sinks=True)
+
+
+def twins(spec: am.KVCacheSpec = SMALL_SPEC, **kwargs) -> tuple[am.KVCache, am.KVCache]:
+    return tuple(am.KVCache(spec, num_pages=32, backend="reference", **kwargs) for _ in range(2))  # type: ignore
+
+
+def positional_step(state: am.KVState, seed: int, commit: bool = True) -> list[torch.Tensor]:
+    """:func:`step` whose queries depend on the positions (and, with relative sinks, the sink positions): what a
+    loaded session must restore for RoPE."""
+    keep = torch.full((2, CHUNK, 3), float(seed)) if commit else None
+    with state.prepare_forward(BOTH, CHUNK, commit_current=commit, keep_latents=keep) as fwd:
+        outs = []
+        for i, layer in enumerate(fwd.layers):
+            q, k, v = tensors(2, CHUNK, seed=seed + i)
+            q = q * (1 + 0.01 * fwd.positions[..., None, None])
+            sinks = fwd.sink_positions
+            sink_query = None if sinks is None else (q * (1 + 0.02 * sinks[..., None, None])).contiguous()
+            outs.append(am.chunk_attention(q.contiguous(), k, v, layer, sink_query=sink_query))
+        return outs
+
+
+def both(a: am.KVState, b: am.KVState, seed: int, commit: bool = True) -> None:
+    """One forward of each, equal bit for bit."""
+    out, ref = positional_step(a, seed, commit), positional_step(b, seed, commit)
+    assert all(torch.equal(x, y) for x, y in zip(out, ref))
+
+
+def switch_prompt(state: am.KVState) -> list[torch.Tensor]:
+    """A mid-stream prompt switch: a new prompt, then the re-cache over the kept latents (its outputs)."""
+    state.clear_cross_attention()
+    populate(state, seed=11)
+    x = state.recache_latents()  # [2, tokens, 3]: the kept latents drive the re-cache's K/V
+    qkv = torch.cat([x, x[..., :1]], dim=-1).unsqueeze(2).expand(*x.shape[:2], 2, 4).contiguous()
+    with state.prepare_recache() as fwd:
+        return [am.chunk_attention(qkv + i, qkv, qkv, layer) for i, layer in enumerate(fwd.layers)]
+
+
+def snapshot(cache: am.KVCache):
+    """Everything a refused load must leave as it was."""
+    return bookkeeping(cache), cache.pool.kv.view(torch.uint8).clone(), cache.pool.scales.clone()
+
+
+def assert_unchanged(cache: am.KVCache, before) -> None:
+    books, pool, scales = before
+    assert bookkeeping(cache) == books
+    assert torch.equal(cache.pool.kv.view(torch.uint8), pool) and torch.equal(cache.pool.scales, scales)
+    cache.allocator.check_invariants()
+
+
+@pytest.mark.parametrize(
+    "spec, extents, switch",
+    [
+        (SMALL_SPEC, False, False),
+        (SMALL_SPEC, True, False),
+        (FP8, False, False),
+        (RELATIVE, False, False),
+        (SMALL_SPEC, False, True),
+        (SMALL_SPEC, True, True),
+    ],
+    ids=["paged", "extents", "fp8", "relative-sinks", "prompt-switch", "prompt-switch-extents"],
+)
+def test_a_saved_and_loaded_session_continues_bit_identically(tmp_path, spec, extents, switch):
+    cache, twin_cache = twins(spec, contiguous_extents=extents)
+    s, twin = cache.open_session("s"), twin_cache.open_session("s")
+    populate(s), populate(twin)
+    for seed in range(4):  # past the window: evictions, a remembered chunk, kept latents
+        both(s, twin, seed)
+    both(s, twin, 4, commit=False)  # a denoising forward, then its commit: mid-chunk is not savable
+    both(s, twin, 4)
+    path = tmp_path / "s.safetensors"
+    cache.save_sessions(path, [s])
+    s.close()
+    fresh = am.KVCache(spec, num_pages=32, backend="reference", contiguous_extents=extents)
+    [loaded] = fresh.load_sessions(path)
+    assert loaded.session_id == "s" and fresh.sessions == {"s": loaded}
+    assert [loaded.token_offset(b) for b in BOTH] == [twin.token_offset(b) for b in BOTH]
+    assert [loaded.history_chunk_indices(b) for b in BOTH] == [twin.history_chunk_indices(b) for b in BOTH]
+    assert torch.equal(loaded.recache_latents(), twin.recache_latents())
+    if switch:
+        out, ref = switch_prompt(loaded), switch_prompt(twin)
+        assert all(torch.equal(x, y) for x, y in zip(out, ref))
+    for seed in range(5, 9):
+        both(loaded, twin, seed)
+    for b in BOTH:
+        mine, ref = loaded.get_cross_attention_kv(b, "text"), twin.get_cross_attention_kv(b, "text")
+        assert torch.equal(mine[1]["k"], ref[1]["k"])
+    if spec is FP8:
+        assert torch.equal(fresh.pool.scales, twin_cache.pool.scales)
+        with pytest.raises(am.KVScalesFixedError):  # the loaded pages hold K/V quantized with them
+            fresh.set_kv_scales(torch.ones_like(fresh.pool.scales))
+    fresh.allocator.check_invariants()
+    loaded.close()
+    assert fresh.allocator.num_used == 0
+
+
+def test_a_fork_family_keeps_its_page_count_and_shared_prompts_stay_shared(tmp_path):
+    cache = make_small_cache()
+    a, b = cache.open_session("a"), cache.open_session("b")
+    populate(a)
+    for seed in range(3):
+        step(a, seed)
+    child = a.fork("child")
+    b.share_sinks_from(a, "cond")
+    b.share_cross_attention_from(a, "text")
+    step(child, 7)
+    path = tmp_path / "family.safetensors"
+    cache.save_sessions(path, [a, child, b])
+    with safe_open(str(path), "pt") as f:
+        assert f.get_tensor("pages").shape[0] == cache.allocator.num_used  # each shared page written once
+    fresh = make_small_cache()
+    la, lchild, lb = fresh.load_sessions(path)
+    assert fresh.allocator.num_used == cache.allocator.num_used
+    refcounts = sorted(cache.allocator.refcount(p) for p in cache.allocator.used_pages())
+    assert sorted(fresh.allocator.refcount(p) for p in fresh.allocator.used_pages()) == refcounts
+    for x, y in ((la, a), (lchild, child), (lb, b)):
+        assert [len(set(pages_of(x, n)) & set(pages_of(la, n))) for n in BOTH] == [
+            len(set(pages_of(y, n)) & set(pages_of(a, n))) for n in BOTH
+        ]
+    assert lb.cross_entry("cond", "text") is la.cross_entry("cond", "text")
+    for x, y, seed in ((lchild, child, 9), (lb, b, 10), (la, a, 11)):
+        assert all(torch.equal(p, q) for p, q in zip(step(x, seed), step(y, seed)))
+    fresh.allocator.check_invariants()
+
+
+def test_saving_changes_nothing_and_refuses_sessions_it_cannot_save(tmp_path):
+    cache = make_small_cache()
+    s, other = cache.open_session("s"), make_small_cache().open_session("o")
+    step(s, 0)
+    before = snapshot(cache)
+    path = tmp_path / "s.safetensors"
+    cache.save_sessions(path, [s])
+    assert_unchanged(cache, before)
+    path.unlink()
+    with pytest.raises(am.SpecError, match=r"expected sessions of this KVCache, got \['o'\]"):
+        cache.save_sessions(path, [s, other])
+    with pytest.raises(am.SpecError, match="expected an iterable of sessions, got KVState"):
+        cache.save_sessions(path, s)
+    step(s, 1, commit=False)
+    with pytest.raises(am.PendingContextError, match=r"save_sessions 's': expected no open forward"):
+        cache.save_sessions(path, [s])
+    s.abort()
+    s.suspend()
+    with pytest.raises(am.SessionSuspendedError, match="save_sessions: expected a resident session"):
+        cache.save_sessions(path, [s])
+    s.close()
+    with pytest.raises(am.SessionClosedError):
+        cache.save_sessions(path, [s])
+    assert not path.exists() and not list(tmp_path.iterdir())
+
+
+@pytest.fixture
+def saved(tmp_path):
+    """A file of two sessions (one with a prompt and kept latents) and a cache that holds other sessions."""
+    cache = make_small_cache()
+    s, t = cache.open_session("s"), cache.open_session("t")
+    populate(s)
+    for seed in range(3):
+        step(s, seed, latents=True)
+    step(t, 5)
+    path = tmp_path / "two.safetensors"
+    cache.save_sessions(path, [s, t])
+    target = make_small_cache(num_pages=24)
+    step(target.open_session("resident"), 0)
+    return path, target
+
+
+def rewrite(path, edit: Callable[[dict], None], tensors: Callable[[dict], None] | None = None):
+    """Another file: ``path``'s with its header (and tensors) edited -- the digests left as they were."""
+    with safe_open(str(path), "pt") as f:
+        header, data = json.loads(f.metadata()["ardiff_modules"]), {k: f.get_tensor(k) for k in f.keys()}
+    edit(header)
+    if tensors is not None:
+        tensors(data)
+    out = path.with_name("edited.safetensors")
+    save_file(data, str(out), metadata={"ardiff_modules": json.dumps(header)})
+    return out
+
+
+def chunk_of(header: dict) -> list:
+    return header["sessions"][0]["branches"]["cond"]["history"]
+
+
+HOSTILE = {
+    "version": (lambda h: h.update(version=2), r"header.version: expected format version 1, got 2"),
+    "format": (lambda h: h.update(format="x"), r"header.format"),
+    "page out of range": (lambda h: chunk_of(h)[0].__setitem__(0, 10**6), r"history\[0\]: expected an int >= 0"),
+    "negative page": (lambda h: chunk_of(h)[0].__setitem__(0, -1), r"expected an int >= 0"),
+    "bool page": (lambda h: chunk_of(h)[0].__setitem__(0, True), r"expected an int"),
+    "too many chunks": (lambda h: chunk_of(h).extend([[0]] * 3), r"at most 3 resident chunks"),
+    "page twice": (lambda h: chunk_of(h)[1].__setitem__(0, chunk_of(h)[0][0]), r"each page once in a branch"),
+    "chunk too long": (lambda h: chunk_of(h)[0].extend([0, 0]), r"1..2 pages"),
+    "unknown branch": (
+        lambda h: h["sessions"][0]["branches"].update(extra={}), r"branches: expected the keys \['cond', 'uncond'\]"
+    ),
+    "positions": (
+        lambda h: h["sessions"][0]["branches"]["cond"].update(committed_tokens=1), r"history_start: expected an int"
+    ),
+    "overlapping chunks": (
+        lambda h: h["sessions"][0]["branches"]["cond"].update(history_start=[0, 0, 0]), r"expected chunks in order"
+    ),
+    "unknown prompt": (lambda h: h["sessions"][0]["cross"][0].__setitem__(0, "img"), r"cross\[0\]: expected \[cache"),
+    "missing tensor": (lambda h: h["sessions"][0]["cross"][0].__setitem__(2, "cross.9"), r"tensor 'cross.9.k'"),
+    "duplicate ids": (lambda h: h["sessions"][1].update(id="s"), r"distinct session ids"),
+    "not json": (None, r"header: expected valid JSON"),
+    "no header": (None, r"metadata: expected a 'ardiff_modules' key"),
+    "spec": (lambda h: h["spec"].update(window_chunks="3"), r"spec field 'window_chunks': expected 2 .* got 3"),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE))
+def test_a_hostile_or_foreign_header_is_refused_and_changes_nothing(saved, case):
+    path, target = saved
+    edit, message = HOSTILE[case]
+    if case in ("not json", "no header"):
+        with safe_open(str(path), "pt") as f:
+            data = {k: f.get_tensor(k) for k in f.keys()}
+        path = path.with_name("edited.safetensors")
+        save_file(data, str(path), metadata={"ardiff_modules": "{"} if case == "not json" else None)
+    else:
+        path = rewrite(path, edit)
+    before = snapshot(target)
+    with pytest.raises(am.SessionFileError, match=message) as info:
+        target.load_sessions(path)
+    assert isinstance(info.value, ValueError)
+    assert_unchanged(target, before)
+    assert list(target.sessions) == ["resident"]
+
+
+def test_truncated_corrupted_and_foreign_files_are_refused_and_change_nothing(saved, tmp_path):
+    path, target = saved
+    data = path.read_bytes()
+    cases = {
+        "truncated": (data[: len(data) - 7], "cannot be read"),
+        "cut header": (data[:20], "cannot be read"),
+        "empty": (b"", "cannot be read"),
+        "corrupted": (
+            data[:-3] + bytes([data[-3] ^ 0x40]) + data[-2:], r"tensor 'pages': expected bytes of SHA-256 .* corrupted"
+        ),
+    }
+    foreign = tmp_path / "foreign.safetensors"
+    save_file({"weight": torch.zeros(2)}, str(foreign))
+    before = snapshot(target)
+    for name, (content, message) in cases.items():
+        bad = tmp_path / f"{name.replace(' ', '_')}.safetensors"
+        bad.write_bytes(content)
+        with pytest.raises(am.SessionFileError, match=message):
+            target.load_sessions(bad)
+        assert_unchanged(target, before)
+    with pytest.raises(am.SessionFileError, match="metadata: expected a 'ardiff_modules' key"):
+        target.load_sessions(foreign)
+    with pytest.raises(am.SessionFileError, match=r"tensor 'pages': expected \[\d+, 2, 2, 2, 2, 16\] torch.uint8"):
+        target.load_sessions(rewrite(path, lambda h: h.update(pages=h["pages"] + 1)))
+    digest = files._digest(torch.zeros(3))
+    with pytest.raises(am.SessionFileError, match=r"tensor 'pages': expected \[.*uint8, got .*float32"):
+        target.load_sessions(rewrite(
+            path, lambda h: h["digests"].update(pages=digest), lambda d: d.update(pages=torch.zeros(3))
+        ))
+    assert_unchanged(target, before)
+
+
+def test_ids_clash_and_room_are_checked_before_anything_is_allocated(saved):
+    path, target = saved
+    target.open_session("t")
+    before = snapshot(target)
+    with pytest.raises(am.SessionIdClashError, match=r"expected ids not open in this cache, got \['t'\]"):
+        target.load_sessions(path)
+    assert_unchanged(target, before)
+    with pytest.raises(am.SpecError, match="a sequence of 2 ids"):
+        target.load_sessions(path, ["only-one"])
+    with pytest.raises(am.SpecError, match="distinct non-empty ids"):
+        target.load_sessions(path, ["x", "x"])
+    hog = target.open_session("hog")
+    for seed in range(3):
+        step(hog, seed)  # 12 more pages: 16 of 24 used, the file needs 16
+    before = snapshot(target)
+    room = r"load_sessions\(.*two.safetensors\): needed 16 free device pages .* got 8 free of 24"
+    with pytest.raises(am.CapacityError, match=room):
+        target.load_sessions(path, ["s2", "t2"])
+    assert_unchanged(target, before)
+    hog.close()
+    loaded = target.load_sessions(path, ["s2", "t2"])
+    assert [x.session_id for x in loaded] == ["s2", "t2"]
+    target.allocator.check_invariants()
+    twice = make_small_cache()
+    first, again = twice.load_sessions(path), twice.load_sessions(path, ["s3", "t3"])  # two independent families
+    assert not set(pages_of(again[0], "cond")) & set(pages_of(first[0], "cond"))
+    assert twice.allocator.num_used == 32
+
+
+def test_fp8_scales_that_differ_from_the_pools_are_refused(tmp_path):
+    cache, other = twins(FP8)
+    s, o = cache.open_session("s"), other.open_session("o")
+    step(s, 0)
+    step(o, 3, latents=False)  # the other pool calibrated from other K/V: other scales, already used
+    path = tmp_path / "fp8.safetensors"
+    cache.save_sessions(path, [s])
+    assert not torch.equal(cache.pool.scales, other.pool.scales)
+    before = snapshot(other)
+    with pytest.raises(am.SessionFileError, match="'kv_scales': expected the FP8 scales this pool already"):
+        other.load_sessions(path)
+    assert_unchanged(other, before)
+    s.close()
+    [back] = cache.load_sessions(path)  # the same scales: loads into the pool that wrote it
+    assert back.token_offset("cond") == CHUNK
+
+
+def test_an_interrupted_copy_rolls_the_load_back(saved, monkeypatch):
+    path, target = saved
+    before = snapshot(target)
+
+    def boom(*args, **kwargs):
+        raise KeyboardInterrupt("copy failed")
+
+    monkeypatch.setattr(files, "_copy_pages", boom)
+    with pytest.raises(KeyboardInterrupt):
+        target.load_sessions(path)
+    monkeypatch.undo()
+    assert_unchanged(target, before)
+    assert len(target.load_sessions(path)) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("spec", [SMALL_SPEC, FP8], ids=["float32", "fp8"])
+def test_a_file_crosses_devices_cpu_to_cuda_and_back(tmp_path, spec):
+    """CPU -> CUDA -> CPU: the pages arrive as the same bytes, the prompt and latents on the cache's device, and
+    back on the CPU the session continues bit-identically to a twin that never left."""
+    cpu, twin_cache = twins(spec)
+    s, twin = cpu.open_session("s"), twin_cache.open_session("s")
+    populate(s), populate(twin)
+    for seed in range(4):
+        both(s, twin, seed)
+    cpu.save_sessions(tmp_path / "a.safetensors", [s])
+    cuda = am.KVCache(spec, num_pages=32, device="cuda", backend="reference")
+    [on_gpu] = cuda.load_sessions(tmp_path / "a.safetensors")
+    for b in BOTH:
+        assert torch.equal(cuda.pool.kv[:, :, pages_of(on_gpu, b)].view(torch.uint8).cpu(),
+                           cpu.pool.kv[:, :, pages_of(s, b)].view(torch.uint8))
+        assert on_gpu.cross_entry(b, "text").k.device.type == "cuda"
+    assert on_gpu.recache_latents().device.type == "cuda"
+    assert torch.equal(cuda.pool.scales.cpu(), cpu.pool.scales)
+    cuda.save_sessions(tmp_path / "b.safetensors", [on_gpu])
+    [back] = make_small_cache().load_sessions(tmp_path / "b.safetensors") if spec is SMALL_SPEC else (
+        am.KVCache(spec, num_pages=32, backend="reference").load_sessions(tmp_path / "b.safetensors")
+    )
+    for seed in range(4, 7):
+        both(back, twin, seed)

@@ -1,0 +1,65 @@
+"""Rules: saving a session to a file and loading it back (``KVCache.save_sessions`` / ``load_sessions``)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import torch
+from hypothesis import event
+from hypothesis import strategies as st
+from hypothesis.stateful import precondition, rule
+
+from ardiff_modules.errors import CapacityError, PendingContextError, SessionIdClashError
+from tests.support.pool_model import same_bits
+from tests.support.session_model import BRANCHES, NUM_LAYERS, cross_value
+
+
+class PersistRules:
+    # ================================================================== rules: sessions in files
+    @precondition(lambda self: self.open_sessions)
+    @rule(index=st.integers(0, 8))
+    def save_and_load_a_copy(self, index: int) -> None:
+        """Save a session and load the file back as a copy beside it. A save with pending work is refused, a load
+        under the session's own id (a clash) or without room is refused, each changing nothing; the copy sees
+        what the model says the session sees -- every visible chunk bit for bit, positions, the prompt -- and
+        closing it leaves the cache as the model has it."""
+        sm = self.pick(self.open_sessions, index)
+        state, cache = sm.state, sm.cm.cache
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "session.safetensors")
+            if any(sm.forward[b] is not None or sm.pending[b] for b in BRANCHES):
+                save = cache.save_sessions
+                self.expect_failure(PendingContextError, save, path, [state], match=repr(state.session_id))
+                assert not os.path.exists(path)
+                event("save refused: pending work")
+                return
+            cache.save_sessions(path, [state])
+            self.expect_failure(SessionIdClashError, cache.load_sessions, path, match=repr(state.session_id))
+            copy_id = f"{state.session_id}-copy"
+            try:
+                before = self.snapshot()
+                [copy] = cache.load_sessions(path, [copy_id])
+            except CapacityError:
+                assert self.snapshot() == before, "a load refused for room changed state"
+                event("load refused: no room")
+                return
+        sm.cm.peak = max(sm.cm.peak, cache.allocator.num_used)
+        pool = self.pool_values(sm.cm)  # what the pool holds, as the model compares it (FP8 included)
+        for b in BRANCHES:
+            assert copy.token_offset(b) == state.token_offset(b)
+            assert copy.history_chunk_indices(b) == state.history_chunk_indices(b)
+            chunks = copy.history_chunks(b)
+            records = self.visible_data(sm, b)
+            assert [len(c) for c in chunks] == [len(r.pages) for r in records]
+            for pages, rec in zip(chunks, records):
+                assert same_bits(pool[:, :, list(pages)], rec.data)
+                sm.cm.pool.copy(rec.pages, pages)  # the model: the load wrote the chunk's bytes into fresh pages
+            assert copy.is_cross_attention_populated(b, "text") == (b in sm.cross)
+            if b in sm.cross:
+                got = copy.get_cross_attention_kv(b, "text")
+                for layer in range(NUM_LAYERS):
+                    k, v = cross_value(sm.cross[b], layer)
+                    assert torch.equal(got[layer]["k"], k) and torch.equal(got[layer]["v"], v)
+        copy.close()
+        event("saved and loaded a copy")

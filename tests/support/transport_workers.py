@@ -1,0 +1,108 @@
+"""Ranks of the send / recv test (``tests/distributed/test_send_recv.py``): rank 0 sends, rank 1 receives.
+
+Each rank also plays the oracle locally: a twin session that never left, driven by the same forwards.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import ardiff_modules as am
+from tests.host.test_suspend_resume import populate, step
+from tests.support.small_cache import BOTH, bookkeeping, make_small_cache, pages_of
+
+
+def _family(cache: am.KVCache) -> tuple[am.KVState, am.KVState]:
+    """A prompted session three chunks in (kept latents) and a fork one chunk further."""
+    a = cache.open_session("a")
+    populate(a)
+    for seed in range(3):
+        step(a, seed, latents=True)
+    child = a.fork("child")
+    step(child, 7, latents=True)
+    return a, child
+
+
+def _refusals(rank: int) -> None:
+    """A refusal on either side leaves the sessions with the sender, unchanged; the other side raises too."""
+    cache = make_small_cache()
+    a, child = _family(cache) if rank == 0 else (None, None)
+    if rank == 1:
+        clash = cache.open_session("child")
+        try:
+            cache.recv_sessions(0)
+            raise AssertionError("expected SessionIdClashError")
+        except am.SessionIdClashError as e:
+            assert "'child'" in str(e)
+        clash.close()
+        try:  # the sender refuses (pending work): told, nothing received
+            cache.recv_sessions(0)
+            raise AssertionError("expected SessionTransferError")
+        except am.SessionTransferError as e:
+            assert "sender's refusal: PendingContextError" in str(e), e
+        assert cache.sessions == {} and cache.allocator.num_used == 0
+        return
+    before, pool = bookkeeping(cache), cache.pool.kv.clone()
+    try:
+        cache.send_sessions([a, child], 1)
+        raise AssertionError("expected SessionTransferError")
+    except am.SessionTransferError as e:
+        assert "refusal: SessionIdClashError" in str(e) and "stay here" in str(e), e
+    assert bookkeeping(cache) == before and torch.equal(cache.pool.kv, pool)
+    step(child, 8, commit=False)
+    try:
+        cache.send_sessions([child], 1)
+        raise AssertionError("expected PendingContextError")
+    except am.PendingContextError:
+        pass
+    child.abort()
+
+
+def _receive_family() -> None:
+    """Rank 1: a first receive refused for room (nothing allocated), then the family arrives and continues
+    bit-identically to a twin family that never left, its pages still shared."""
+    twin_cache = make_small_cache()
+    twin_a, twin_child = _family(twin_cache)
+    small = make_small_cache(num_pages=8)
+    try:  # too small: refused before anything is allocated, the sender keeps them (and sends again)
+        small.recv_sessions(0)
+        raise AssertionError("expected CapacityError")
+    except am.CapacityError:
+        assert small.allocator.num_used == 0 and small.sessions == {}
+    cache = make_small_cache()
+    a, child = cache.recv_sessions(0)
+    assert cache.allocator.num_used == twin_cache.allocator.num_used
+    assert [pages_of(child, b)[:2] == pages_of(a, b)[:2] for b in BOTH] == [True, True]
+    for seed in range(10, 14):
+        for mine, twin in ((a, twin_a), (child, twin_child)):
+            out, ref = step(mine, seed, latents=True), step(twin, seed, latents=True)
+            assert all(torch.equal(x, y) for x, y in zip(out, ref))
+    assert torch.equal(child.recache_latents(), twin_child.recache_latents())
+    cache.allocator.check_invariants()
+
+
+def check_send_recv() -> None:
+    rank = dist.get_rank()
+    _refusals(rank)
+    dist.barrier()
+    if rank == 0:
+        _send_family()
+    else:
+        _receive_family()
+
+
+def _send_family() -> None:
+    """Rank 0: the first send is refused for room and the family stays, unchanged; the second hands it over (closed
+    here once the receiver opened it)."""
+    cache = make_small_cache()
+    a, child = _family(cache)
+    before = bookkeeping(cache)
+    try:
+        cache.send_sessions([a, child], 1)
+        raise AssertionError("expected SessionTransferError")
+    except am.SessionTransferError as e:
+        assert "CapacityError" in str(e), e
+    assert bookkeeping(cache) == before
+    cache.send_sessions([a, child], 1)
+    assert a.is_closed and child.is_closed and cache.allocator.num_used == 0
