@@ -64,6 +64,19 @@ class FP8PoolContents(PoolContents):
         super().copy(src, dst)
         self.codes[:, :, list(dst)] = self.codes[:, :, list(src)]
 
+    def put(self, pages, data: torch.Tensor) -> None:  # noqa: ANN001
+        """The bytes too: ``data`` holds round-tripped values, so quantizing them again gives the stored codes.
+
+        NOTE: without this a resumed chunk's bytes stayed those of the pages it left (the float values moved,
+        the codes did not), and the byte check flagged pages no forward wrote.
+        """
+        super().put(pages, data)
+        index = list(pages)
+        for layer in range(self.codes.shape[0]):
+            for kind in range(2):
+                stored = quantize(data[layer, kind], self.scales[layer, kind])
+                self.codes[layer, kind, index] = stored.view(torch.uint8)
+
     def mismatched_byte_pages(self, pool_kv: torch.Tensor) -> list[int]:
         """Pages whose FP8 bytes differ between the model and ``pool_kv``."""
         a, b = self.codes, pool_kv.view(torch.uint8)

@@ -102,6 +102,11 @@ class PoolContents:
         """Page ``src[i]`` copied to ``dst[i]``, every layer, K and V (a re-cache moving a chunk into its ring)."""
         self.kv[:, :, list(dst)] = self.kv[:, :, list(src)]
 
+    def put(self, pages: Sequence[int], data: torch.Tensor) -> None:
+        """``data`` ``[layers, 2, len(pages), page_size, heads, dim]`` (values :meth:`pages` returned) now lives in
+        ``pages`` (a resume or a load laid a chunk there)."""
+        self.kv[:, :, list(pages)] = data
+
     def pages(self, pages: Sequence[int]) -> torch.Tensor:
         """``[layers, 2, len(pages), page_size, heads, dim]`` (a copy)."""
         return self.kv[:, :, list(pages)].clone()

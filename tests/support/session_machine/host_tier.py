@@ -119,7 +119,7 @@ class HostTierRules:
                 f"{sm.state.session_id}/{b}: resumed chunks {chunks}, model {[r.pages for r in records[b]]}"
             )
             for rec, pages in zip(records[b], chunks):
-                sm.cm.pool.kv[:, :, list(pages)] = rec.data
+                sm.cm.pool.put(pages, rec.data)
                 at = next(j for j, r in enumerate(sm.committed[b]) if r is rec)
                 sm.committed[b][at] = ChunkRecord(pages, rec.tokens, rec.start, rec.data)
             sm.extent[b] = tuple(sm.state.branch_pages(b).extent) or None
