@@ -10,6 +10,10 @@ Hypothesis profiles (pick one with ``ARDIFF_HYPOTHESIS_PROFILE``, default ``ci``
     long  randomized, many more examples and longer stateful runs: for a nightly or
           a local soak, e.g. ``ARDIFF_HYPOTHESIS_PROFILE=long pytest tests/*/test_*_properties.py``.
 
+Parallel runs: ``python -m pytest -q -n auto`` (pytest-xdist, what the README's test command and CI use)
+spreads test files over one worker per core; each worker's torch then uses one intra-op thread (workers x
+torch's default threads would oversubscribe the cores).
+
 Markers:
 
     gpu   needs CUDA and FlashInfer; where either is missing the test is skipped with
@@ -35,7 +39,11 @@ import os
 from collections.abc import Iterator
 
 import pytest
+import torch
 from hypothesis import HealthCheck, settings
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # NOTE: one worker per core already fills the cores
+    torch.set_num_threads(1)
 
 PROFILE_ENV = "ARDIFF_HYPOTHESIS_PROFILE"
 
