@@ -47,10 +47,9 @@ Rule = RecacheRule | None
 class KVCache:
     """Paged sink+window KV storage for any number of sessions.
 
-    Thread safety: every host-side operation of the cache and its sessions (prepare, commit,
-    abort, open/close/reset/fork, populate, stats, admission) holds one re-entrant lock, so
-    threads may each drive their own sessions concurrently. Kernels take no lock. Two threads
-    driving the *same* session still race on what it means (which forward comes first).
+    Thread safety: every host-side operation of the cache and its sessions (prepare, commit, abort, open/close/
+    reset/fork, populate, stats, admission) holds one re-entrant lock, so threads may each drive their own sessions
+    concurrently; kernels take no lock. Two threads driving the *same* session race on which forward comes first.
 
     Parameters
     ----------
@@ -80,8 +79,8 @@ class KVCache:
     host_budget_bytes:
         Bytes the host tier of suspended sessions may hold (``None``: unbounded; ``KVState.suspend``).
     """
-    save_sessions, load_sessions = save_sessions, load_sessions  # safetensors files: host/files.py (extra "persist")
-    send_sessions, recv_sessions = send_sessions, recv_sessions  # over torch.distributed (gloo): host/transport.py
+    # Sessions as safetensors files (host/files.py, extra "persist") and over torch.distributed (host/transport.py).
+    save_sessions, load_sessions, send_sessions, recv_sessions = save_sessions, load_sessions, send_sessions, recv_sessions
 
     def __init__(
         self,
