@@ -575,7 +575,7 @@ def _parse_compile_cache(path: Path, data: bytes) -> tuple[dict[str, object], by
     try:
         header = json.loads(line)
         size, digest = int(header["bytes"]), str(header["sha256"])
-    except (ValueError, KeyError, TypeError) as error:
+    except (ValueError, KeyError, TypeError, OverflowError) as error:  # OverflowError: int() of an infinite float
         raise CompileCacheError(f"load_compile_cache: the header of {path} is unreadable ({error})") from None
     if len(payload) != size or hashlib.sha256(payload).hexdigest() != digest:
         raise CompileCacheError(

@@ -162,8 +162,11 @@ class HeaderReader:
 
     def branch(self, value: object, place: str) -> BranchImage:
         b = self.dict_(value, place, _BRANCH_KEYS)
-        committed = self.int_(b["committed_chunks"], f"{place}.committed_chunks")
-        tokens = self.int_(b["committed_tokens"], f"{place}.committed_tokens")
+        # NOTE: positions are int64 on the device: a count past these bounds would load and then overflow in the
+        # next forward (a raw error far from the file).
+        most = _MAX_POSITION // self.spec.chunk_size
+        committed = self.int_(b["committed_chunks"], f"{place}.committed_chunks", 0, most)
+        tokens = self.int_(b["committed_tokens"], f"{place}.committed_tokens", 0, committed * self.spec.chunk_size)
         history = self.chunks(b["history"], f"{place}.history")
         index = [self.int_(i, f"{place}.history_index", 0, committed - 1)
                  for i in self.list_(b["history_index"], place)]
@@ -213,6 +216,12 @@ _BRANCH_KEYS = (
 )
 
 
+#: The largest token position a loaded session may reach (positions are int64 on the device; 2**53 keeps them
+#: exact in float64 RoPE tables too).
+_MAX_POSITION = 2**53
+
+
 def _int_key(key: str) -> object:
-    """A JSON object key that should be a commit index (JSON keys are strings)."""
-    return int(key) if key.isdigit() and len(key) < 19 else key
+    """A JSON object key that should be a commit index (JSON keys are strings; ASCII digits only: ``"²"`` is a
+    digit to ``str.isdigit`` but not to ``int``)."""
+    return int(key) if key.isascii() and key.isdigit() and len(key) < 19 else key

@@ -131,7 +131,9 @@ def _snapshot(cache: FileHost, states: Sequence[KVState]) -> tuple[dict[str, tor
             "branches": {n: _branch_header(img, index, name_of) for n, img in images.items()},
             "cross": [[c, b, name_of(e, "cross")] for (c, b), e in state.cross_entries().items()],
         })
-    tensors = {k: t.detach().to("cpu").contiguous() for k, t in tensors.items()}
+    # NOTE: clone where .to("cpu") returned the live tensor (a CPU pool): the file is written after the lock is
+    # released, and a later forward (an FP8 calibration) must not change what the digests describe.
+    tensors = {k: _host_copy(t) for k, t in tensors.items()}
     quantizer = cache.pool.quantizer
     header = {
         "format": FORMAT, "version": FORMAT_VERSION, "spec": spec_fields(cache.spec), "pages": len(order),
@@ -164,6 +166,12 @@ def _safetensors() -> Any:
             "save_sessions / load_sessions need the safetensors package: pip install 'ardiff_modules[persist]'"
         ) from e
     return safetensors
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU tensor that shares no memory with ``t``."""
+    out = t.detach().to("cpu").contiguous()
+    return out.clone() if out.data_ptr() == t.data_ptr() else out
 
 
 def _write(path: PathLike, tensors: dict[str, torch.Tensor], header: dict[str, Any]) -> None:

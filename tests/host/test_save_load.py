@@ -228,6 +228,18 @@ HOSTILE = {
     "not json": (None, r"header: expected valid JSON"),
     "no header": (None, r"metadata: expected a 'ardiff_modules' key"),
     "spec": (lambda h: h["spec"].update(window_chunks="3"), r"spec field 'window_chunks': expected 2 .* got 3"),
+    # the review's crafted files: loaded, then a raw error in the next forward / a raw ValueError from int()
+    "tokens past int64": (
+        lambda h: h["sessions"][0]["branches"]["cond"].update(committed_tokens=2**70), r"committed_tokens: expected an int"
+    ),
+    "tokens past the chunks": (
+        lambda h: h["sessions"][0]["branches"]["cond"].update(
+            committed_tokens=h["sessions"][0]["branches"]["cond"]["committed_chunks"] * 4 + 1
+        ), r"committed_tokens: expected an int >= 0 and <= ",
+    ),
+    "unicode digit key": (
+        lambda h: h["sessions"][0]["branches"]["cond"]["latents"].update({"\u00b2": "latent.0"}), r"latents key"
+    ),
 }
 
 

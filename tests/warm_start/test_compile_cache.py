@@ -140,8 +140,11 @@ def test_a_missing_file_names_its_path(fake: FakeTorchCache, tmp_path: Path) -> 
         (lambda d: b"not a cache file at all", r"expected a file written by save_compile_cache"),
         (lambda d: b"", r"expected a file written by save_compile_cache"),
         (lambda d: warm_start.COMPILE_CACHE_MAGIC + b"{oops\n" + d, r"header of .* is unreadable"),
+        # int(1e400) is an OverflowError, not a ValueError: it escaped as a raw builtin
+        (lambda d: warm_start.COMPILE_CACHE_MAGIC + b'{"bytes": 1e400, "sha256": "00"}\n' + d,
+         r"header of .* is unreadable"),
     ],
-    ids=["truncated", "flipped-bit", "other-format", "empty", "bad-header"],
+    ids=["truncated", "flipped-bit", "other-format", "empty", "bad-header", "infinite-size"],
 )
 def test_a_corrupt_file_is_a_library_error_naming_it(fake: FakeTorchCache, tmp_path: Path, damage: Callable[[bytes], bytes], match: str) -> None:
     path = tmp_path / "compile.bin"
