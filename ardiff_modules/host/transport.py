@@ -57,10 +57,14 @@ def send_sessions(cache: FileHost, sessions: Iterable[KVState], dst: int, group:
         states = list(dict.fromkeys(sessions))
         try:
             _send_json(envelope, dst, group)
-            for name in names:
-                if tensors[name].numel():
-                    dist.send(tensors[name], dst, group=group)
+            # NOTE: the receiver checks the envelope and says go before any tensor moves: a refusal then is an
+            # answer, not a send blocked until the group's timeout with the cache lock held.
             answer = _recv_json(dst, group)
+            if answer.get("go") is True:
+                for name in names:
+                    if tensors[name].numel():
+                        dist.send(tensors[name], dst, group=group)
+                answer = _recv_json(dst, group)
         except Exception as e:  # a lost peer, a broken link: nothing was handed over
             raise SessionTransferError(
                 f"send_sessions to rank {dst}: expected the receiver's answer, got {type(e).__name__}: {e}; the "
@@ -88,11 +92,18 @@ def recv_sessions(
     where = f"recv_sessions(from rank {src})"
     try:
         envelope = _recv_json(src, group)
-        if "refused" in envelope:
-            raise SessionTransferError(f"{where}: expected sessions, got the sender's refusal: {envelope['refused']}")
-        tensors = {n: _recv_tensor(where, src, group, n, dtype, shape) for n, dtype, shape in envelope["tensors"]}
-    except SessionTransferError:
+    except Exception as e:
+        raise SessionTransferError(f"{where}: expected a snapshot, got {type(e).__name__}: {e}") from e
+    if isinstance(envelope, dict) and "refused" in envelope:
+        raise SessionTransferError(f"{where}: expected sessions, got the sender's refusal: {envelope['refused']}")
+    try:
+        entries = _checked_entries(where, envelope)
+    except SessionTransferError as e:
+        _send_json({"go": False, "ok": False, "error": str(e)}, src, group)  # the sender waits for this answer
         raise
+    _send_json({"go": True}, src, group)
+    try:
+        tensors = {n: _recv_tensor(src, group, dtype, shape) for n, dtype, shape in entries}
     except Exception as e:
         raise SessionTransferError(f"{where}: expected a snapshot, got {type(e).__name__}: {e}") from e
     try:
@@ -104,10 +115,25 @@ def recv_sessions(
     return states
 
 
-def _recv_tensor(where: str, src: int, group: Any, name: str, dtype: str, shape: list[int]) -> torch.Tensor:
-    """One tensor of the envelope, its dtype and shape checked before a byte is allocated for it."""
-    if dtype not in _DTYPES or not isinstance(shape, list) or not all(isinstance(n, int) and n >= 0 for n in shape):
-        raise SessionTransferError(f"{where}: tensor {name!r}: expected one of {sorted(_DTYPES)}, got {dtype} {shape}")
+def _checked_entries(where: str, envelope: object) -> list[tuple[str, str, list[int]]]:
+    """The envelope's ``[name, dtype, shape]`` entries, every dtype and shape checked before anything is received."""
+    entries = envelope.get("tensors") if isinstance(envelope, dict) else None
+    if not isinstance(entries, list) or "header" not in envelope:  # type: ignore[operator]
+        raise SessionTransferError(f"{where}: expected an envelope with 'header' and 'tensors', got {envelope!r:.200}")
+    for entry in entries:
+        ok = isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)
+        name, dtype, shape = entry if ok else (None, None, None)
+        if not ok or dtype not in _DTYPES or not isinstance(shape, list) or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape
+        ):
+            raise SessionTransferError(
+                f"{where}: tensor {name!r}: expected [name, one of {sorted(_DTYPES)}, shape], got {entry!r:.200}"
+            )
+    return [tuple(e) for e in entries]  # type: ignore[misc]
+
+
+def _recv_tensor(src: int, group: Any, dtype: str, shape: list[int]) -> torch.Tensor:
+    """One tensor of the envelope (checked by :func:`_checked_entries`)."""
     t = torch.empty(shape, dtype=_DTYPES[dtype])
     if t.numel():
         dist.recv(t, src, group=group)

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 import ardiff_modules as am
+from ardiff_modules.host import transport
 from tests.host.test_suspend_resume import populate, step
 from tests.support.small_cache import BOTH, bookkeeping, make_small_cache, pages_of
 
@@ -41,6 +42,11 @@ def _refusals(rank: int) -> None:
             raise AssertionError("expected SessionTransferError")
         except am.SessionTransferError as e:
             assert "sender's refusal: PendingContextError" in str(e), e
+        try:  # an envelope it refuses: answered before any tensor moves (the sender is not left blocked)
+            cache.recv_sessions(0)
+            raise AssertionError("expected SessionTransferError")
+        except am.SessionTransferError as e:
+            assert "torch.int64" in str(e), e
         assert cache.sessions == {} and cache.allocator.num_used == 0
         return
     before, pool = bookkeeping(cache), cache.pool.kv.clone()
@@ -57,6 +63,10 @@ def _refusals(rank: int) -> None:
     except am.PendingContextError:
         pass
     child.abort()
+    # A crafted envelope (a dtype the receiver refuses, a huge shape): the receiver answers at once, allocating nothing.
+    transport._send_json({"header": "{}", "tensors": [["pages", "torch.int64", [1 << 40]]]}, 1, None)
+    answer = transport._recv_json(1, None)
+    assert answer.get("go") is False and "torch.int64" in answer["error"], answer
 
 
 def _receive_family() -> None:
