@@ -247,6 +247,14 @@ def _check_tensors(
                 f"tensor {name!r}", f"bytes of SHA-256 {str(digests[name])[:16]}... (the header's)",
                 f"SHA-256 {digest[:16]}...: a corrupted file",
             )
+    check_layout(cache, reader, saved, tensors)
+
+
+def check_layout(
+    cache: FileHost, reader: HeaderReader, saved: Sequence[SavedSession], tensors: Mapping[str, torch.Tensor]
+) -> None:
+    """Every tensor the header names has the shape and dtype this cache implies (works on ``meta`` tensors: a
+    receiver checks an envelope before receiving anything)."""
     raw = cache.pool.kv
     page_shape = (reader.num_pages, raw.shape[0], raw.shape[1], *raw.shape[3:-1], raw.shape[-1] * raw.element_size())
     _expect(reader, tensors, "pages", page_shape, torch.uint8)
@@ -327,14 +335,7 @@ def _install(
     scales: torch.Tensor | None, where: str,
 ) -> list[KVState]:
     """Reserve, copy, then open: an error before the sessions open rolls the reservation back exactly."""
-    ppc, extent_chunks = cache.spec.pages_per_chunk, cache.extent_chunks
-    records = [Suspended(s.images, {n: img.history for n, img in s.images.items()}, {}, 0) for s in saved]
-    # Pages per ring slot of each branch that comes back as a ring (0: plain paging), as a resume lays it out.
-    rings = [{n: ppc if extent_chunks is not None and cs else 0 for n, cs in r.chunks.items()} for r in records]
-    plain = [p for r, ring in zip(records, rings) for n, cs in r.chunks.items() if not ring[n] for c in cs for p in c]
-    fresh_pages = list(dict.fromkeys(plain))
-    extents = [extent_chunks * ppc for ring in rings for step in ring.values() if step]  # type: ignore[operator]
-    _check_room(cache, len(fresh_pages), extents, where)
+    records, rings, fresh_pages, extents = check_room(cache, saved, where)
     reservation = ResumeReservation(cache.allocator, len(fresh_pages), extents)
     try:
         fresh = dict(zip(fresh_pages, reservation.fresh))
@@ -357,15 +358,27 @@ def _install(
     return [_open(cache, sid, s, chunks, ext, latents, entries) for sid, s, (chunks, ext, _) in zip(ids, saved, laid)]
 
 
-def _check_room(cache: FileHost, fresh: int, extents: Sequence[int], where: str) -> None:
-    needed, free = fresh + sum(extents), cache.allocator.num_free
+def check_room(
+    cache: FileHost, saved: Sequence[SavedSession], where: str
+) -> tuple[list[Suspended], list[dict[str, int]], list[int], list[int]]:
+    """How the saved sessions' pages come back (as a resume lays them out): ``(records, pages per ring slot of
+    each branch (0: plain paging), distinct plain pages, extent sizes)``; :class:`CapacityError` if they do not
+    fit in the free pages (nothing allocated)."""
+    ppc, extent_chunks = cache.spec.pages_per_chunk, cache.extent_chunks
+    records = [Suspended(s.images, {n: img.history for n, img in s.images.items()}, {}, 0) for s in saved]
+    rings = [{n: ppc if extent_chunks is not None and cs else 0 for n, cs in r.chunks.items()} for r in records]
+    plain = [p for r, ring in zip(records, rings) for n, cs in r.chunks.items() if not ring[n] for c in cs for p in c]
+    fresh_pages = list(dict.fromkeys(plain))
+    extents = [extent_chunks * ppc for ring in rings for step in ring.values() if step]  # type: ignore[operator]
+    needed, free = len(fresh_pages) + sum(extents), cache.allocator.num_free
     if needed > free:
         raise CapacityError(
-            f"{where}: needed {needed} free device pages ({fresh} pages + {len(extents)} extent(s)), got "
+            f"{where}: needed {needed} free device pages ({len(fresh_pages)} pages + {len(extents)} extent(s)), got "
             f"{free} free of {cache.allocator.num_pages}",
             needed=needed,
             free=free,
         )
+    return records, rings, fresh_pages, extents
 
 
 def _copy_pages(pool: KVPool, pages: torch.Tensor, copies: Sequence[tuple[int, int]]) -> None:

@@ -26,12 +26,16 @@ import torch
 import torch.distributed as dist
 
 from ardiff_modules.errors import ARDiffError, SessionTransferError
-from ardiff_modules.host.file_header import encode
-from ardiff_modules.host.files import FileHost, open_snapshot, snapshot
+from ardiff_modules.host.file_header import HeaderReader, encode
+from ardiff_modules.host.files import FileHost, check_layout, check_room, open_snapshot, snapshot
 from ardiff_modules.session import KVState
 
 #: The dtypes a snapshot's tensors may have (a received envelope naming another is refused).
 _DTYPES = {str(d): d for d in (torch.uint8, torch.float32, torch.float16, torch.bfloat16, torch.float64)}
+
+#: Bytes a JSON message (the envelope, an answer) may have: a peer announcing more is refused before any buffer
+#: of that size is made (an envelope names every tensor once: far below this for any real snapshot).
+MAX_MESSAGE_BYTES = 64 << 20
 
 
 def send_sessions(cache: FileHost, sessions: Iterable[KVState], dst: int, group: Any = None) -> None:
@@ -80,14 +84,20 @@ def send_sessions(cache: FileHost, sessions: Iterable[KVState], dst: int, group:
 
 
 def recv_sessions(
-    cache: FileHost, src: int, group: Any = None, session_ids: Sequence[str] | None = None
+    cache: FileHost, src: int, group: Any = None, session_ids: Sequence[str] | None = None, *,
+    max_latent_bytes: int | None = None,
 ) -> list[KVState]:
     """Receive the sessions rank ``src`` sends (:func:`send_sessions`) and open them, under their ids or
     ``session_ids``, all or nothing; then tell the sender.
 
+    Before any tensor moves, the envelope is checked against this cache: the header (spec, sessions), every
+    tensor's shape and dtype that the spec implies (pages, FP8 scales, cross caches), room in the pool, and
+    the kept latents' total size at most ``max_latent_bytes`` (default: the pool's size). So a peer cannot
+    make this process allocate more than those checks allow.
+
     Raises, opening nothing (and the sender keeps its sessions): what :func:`~ardiff_modules.host.files.load_sessions`
     raises for a snapshot it refuses (spec, ids, room, FP8 scales), :class:`SessionTransferError` for a sender
-    that refused or was lost.
+    that refused or was lost, or an envelope past these bounds.
     """
     where = f"recv_sessions(from rank {src})"
     try:
@@ -98,8 +108,10 @@ def recv_sessions(
         raise SessionTransferError(f"{where}: expected sessions, got the sender's refusal: {envelope['refused']}")
     try:
         entries = _checked_entries(where, envelope)
-    except SessionTransferError as e:
-        _send_json({"go": False, "ok": False, "error": str(e)}, src, group)  # the sender waits for this answer
+        _check_envelope(cache, where, envelope["header"], entries, max_latent_bytes)
+    except ARDiffError as e:
+        # The sender waits for this answer (no tensor moved yet).
+        _send_json({"go": False, "ok": False, "error": f"{type(e).__name__}: {e}"}, src, group)
         raise
     _send_json({"go": True}, src, group)
     try:
@@ -132,6 +144,33 @@ def _checked_entries(where: str, envelope: object) -> list[tuple[str, str, list[
     return [tuple(e) for e in entries]  # type: ignore[misc]
 
 
+def _check_envelope(
+    cache: FileHost, where: str, header: object, entries: Sequence[tuple[str, str, list[int]]],
+    max_latent_bytes: int | None,
+) -> None:
+    """What :func:`~ardiff_modules.host.files.open_snapshot` checks that needs no tensor's bytes, on ``meta``
+    tensors of the envelope's shapes: the header, each implied shape and dtype, room; and the latents' size."""
+    meta = {name: torch.empty(shape, dtype=_DTYPES[dtype], device="meta") for name, dtype, shape in entries}
+    with cache.lock:
+        reader = HeaderReader(where, cache.spec, set(meta))
+        saved = reader.read(header)
+        check_layout(cache, reader, saved, meta)
+        check_room(cache, saved, where)
+        bound = cache.pool.nbytes if max_latent_bytes is None else max_latent_bytes
+    # Every tensor is one the header uses (shape-checked above, or a kept latent): none rides along unchecked.
+    latent_names = {str(ref) for s in saved for image in s.images.values() for ref in image.latents.values()}
+    used = {"pages", "scales", *latent_names, *(f"{p}.{kv}" for s in saved for p in s.cross.values() for kv in "kv")}
+    unused = sorted(set(meta) - used)
+    if unused:
+        raise SessionTransferError(f"{where}: expected only tensors the header uses, got also {unused[:4]}")
+    latents = sum(meta[name].numel() * meta[name].element_size() for name in latent_names)
+    if latents > bound:
+        raise SessionTransferError(
+            f"{where}: expected kept latents of at most {bound} bytes (max_latent_bytes), got an envelope "
+            f"announcing {latents} bytes; nothing was received"
+        )
+
+
 def _recv_tensor(src: int, group: Any, dtype: str, shape: list[int]) -> torch.Tensor:
     """One tensor of the envelope (checked by :func:`_checked_entries`)."""
     t = torch.empty(shape, dtype=_DTYPES[dtype])
@@ -149,7 +188,12 @@ def _send_json(obj: dict[str, Any], dst: int, group: Any) -> None:
 def _recv_json(src: int, group: Any) -> dict[str, Any]:
     size = torch.empty(1, dtype=torch.int64)
     dist.recv(size, src, group=group)
-    data = torch.empty(int(size.item()), dtype=torch.uint8)
+    nbytes = int(size.item())
+    if not 0 < nbytes <= MAX_MESSAGE_BYTES:
+        raise SessionTransferError(
+            f"rank {src}: expected a message of 1 to {MAX_MESSAGE_BYTES} bytes, got one announcing {nbytes} bytes"
+        )
+    data = torch.empty(nbytes, dtype=torch.uint8)
     dist.recv(data, src, group=group)
     obj = json.loads(bytes(data.numpy()).decode())
     if not isinstance(obj, dict):

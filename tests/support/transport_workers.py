@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 
 import ardiff_modules as am
-from ardiff_modules.host import transport
+from ardiff_modules.host import files, transport
+from ardiff_modules.host.file_header import encode
 from tests.host.test_suspend_resume import populate, step
 from tests.support.small_cache import BOTH, bookkeeping, make_small_cache, pages_of
 
@@ -47,6 +48,13 @@ def _refusals(rank: int) -> None:
             raise AssertionError("expected SessionTransferError")
         except am.SessionTransferError as e:
             assert "torch.int64" in str(e), e
+        # Envelopes past the bounds: each refused before any tensor moves, nothing allocated.
+        for expected in ("only tensors the header uses", "max_latent_bytes", "1 to 67108864 bytes"):
+            try:
+                cache.recv_sessions(0)
+                raise AssertionError(f"expected SessionTransferError ({expected})")
+            except am.SessionTransferError as e:
+                assert expected in str(e), e
         assert cache.sessions == {} and cache.allocator.num_used == 0
         return
     before, pool = bookkeeping(cache), cache.pool.kv.clone()
@@ -67,6 +75,17 @@ def _refusals(rank: int) -> None:
     transport._send_json({"header": "{}", "tensors": [["pages", "torch.int64", [1 << 40]]]}, 1, None)
     answer = transport._recv_json(1, None)
     assert answer.get("go") is False and "torch.int64" in answer["error"], answer
+    # A real header with a huge tensor it never uses, then with a latent announced past the pool's size.
+    tensors, header = files.snapshot(cache, [a, child], "test")
+    entries = [[n, str(t.dtype), list(t.shape)] for n, t in sorted(tensors.items())]
+    latent = next(e for e in entries if e[0].startswith("latent."))
+    for crafted in (entries + [["cross.99.k", "torch.float32", [1 << 40]]],
+                    [e if e is not latent else [e[0], e[1], [1 << 40]] for e in entries]):
+        transport._send_json({"header": encode(header), "tensors": crafted}, 1, None)
+        answer = transport._recv_json(1, None)
+        assert answer.get("go") is False, answer
+    # A message announcing more bytes than any envelope has: refused before a buffer of that size is made.
+    dist.send(torch.tensor([1 << 40], dtype=torch.int64), 1)
 
 
 def _receive_family() -> None:
