@@ -120,6 +120,8 @@ class RollingKVCache:
         self.committed = 0  #: chunks ever committed (absolute positions)
         self.in_chunk = False
         self._arange = torch.arange(self.chunk, device=device, dtype=torch.int64)
+        # NOTE: one positions buffer, refilled in place each chunk: a captured CUDA graph reads it at replay.
+        self.forward.positions = torch.zeros(self.streams, self.chunk, device=device, dtype=torch.int64)
 
     def begin_forward(self) -> None:
         f = self.forward
@@ -127,9 +129,15 @@ class RollingKVCache:
             f.roll = self.filled == self.slots
             if f.roll:
                 self.filled -= 1
-            f.positions = (self._arange + self.committed * self.chunk).expand(self.streams, self.chunk)
+            f.positions.copy_((self._arange + self.committed * self.chunk).expand(self.streams, self.chunk))
             self.in_chunk = True
         f.slot = self.filled
+
+    @property
+    def steady(self) -> bool:
+        """Whether the buffer is full: every forward from now on writes the last slot (rolling first if due),
+        so its shapes and offsets repeat chunk after chunk (what a CUDA graph of the step needs)."""
+        return self.in_chunk and self.forward.slot == self.slots - 1
 
     def end_forward(self, commit: bool) -> None:
         self.forward.roll = False  # later forwards of this chunk overwrite its slot in place
@@ -305,6 +313,87 @@ class RollingRunner:
 
     def close(self) -> None:
         self.cache.layers.clear()
+
+
+#: The :class:`RaggedFA3Attend` instances the ``ardiff_bench::ragged_fa3`` op dispatches to, by id.
+_FA3_ATTENDS: dict[int, RaggedFA3Attend] = {}
+_FA3_OP: list[Any] = []
+
+
+def _ragged_fa3_op() -> Any:
+    """``ardiff_bench::ragged_fa3(q, k, v, attend_id) -> out``: a :class:`RaggedFA3Attend` call as a custom op,
+    so that ``torch.compile(fullgraph=True)`` traces the peer's whole model with the FA3 call opaque inside one
+    graph (as the library's own op is), instead of a graph break per layer. Registered on first use."""
+    if not _FA3_OP:
+
+        @torch.library.custom_op("ardiff_bench::ragged_fa3", mutates_args=())
+        def ragged_fa3(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend_id: int) -> torch.Tensor:
+            return _FA3_ATTENDS[attend_id](q, k, v)
+
+        @ragged_fa3.register_fake
+        def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend_id: int) -> torch.Tensor:
+            return torch.empty_like(q)
+
+        _FA3_OP.append(ragged_fa3)
+    return _FA3_OP[0]
+
+
+def traceable_fa3(attend: RaggedFA3Attend) -> Callable[..., torch.Tensor]:
+    """``attend`` behind the ``ardiff_bench::ragged_fa3`` custom op (see :func:`_ragged_fa3_op`)."""
+    op = _ragged_fa3_op()
+    _FA3_ATTENDS[id(attend)] = attend
+    attend_id = id(attend)
+
+    def fa3_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # NOTE: contiguous inputs, as the eager call reshapes them (a view once the buffer is full).
+        return op(q.contiguous(), k.contiguous(), v.contiguous(), attend_id)
+
+    return fa3_op
+
+
+class RollingGraphRunner(RollingRunner):
+    """:class:`RollingRunner` with the steady-state forwards replayed from CUDA graphs, as a user of the peer
+    would hand-capture them (``mode="reduce-overhead"`` skips graphs whose inputs are mutated: the buffers).
+
+    Once the buffer is full a forward has one of two shapes: the first forward of a chunk (roll, then write the
+    last slot) or a later one (write the last slot). Each is run once normally (compiling, planning FA3, loading
+    kernels), captured the next time it comes, and replayed from then on; inputs are copied into the graph's
+    static ones, positions live in the cache's fixed buffer, the output is cloned (as ``CUDAGraphStep`` does).
+    No warm-up runs outside a forward: a roll run twice would shift the window twice.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.seen: set[bool] = set()
+        self.graphs: dict[bool, tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, commit: bool) -> torch.Tensor:
+        self.cache.begin_forward()
+        key, steady = self.cache.forward.roll, self.cache.steady
+        if not steady or key not in self.seen:
+            if steady:
+                self.seen.add(key)
+            out = self.step(x, t, self.cache.layers)
+        else:
+            if key not in self.graphs:
+                static_x, static_t = x.clone(), t.clone()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):  # records only: the replay below runs this forward
+                    static_out = self.step(static_x, static_t, self.cache.layers)
+                self.graphs[key] = (graph, static_x, static_t, static_out)
+            graph, static_x, static_t, static_out = self.graphs[key]
+            static_x.copy_(x, non_blocking=True)
+            static_t.copy_(t, non_blocking=True)
+            graph.replay()
+            out = static_out.clone()
+        self.cache.end_forward(commit)
+        return out
+
+    def close(self) -> None:
+        for graph, *_ in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        super().close()
 
 
 def rolling_memmove(k: torch.Tensor, v: torch.Tensor, roll_k: torch.Tensor, roll_v: torch.Tensor, *,

@@ -36,7 +36,17 @@ attention variants (the rolling ones are the peers of ``baselines.py``):
 * ``rolling_fa3_compiled`` / ``rolling_sdpa_compiled`` (``--compile``) -- ``rolling_fa3`` /
                        ``rolling_sdpa`` with the model compiled (``dynamic=False``) around an opaque cache
                        write + attention (``torch.compiler.disable``: one graph break per layer), the best a
-                       rolling buffer with host-side offsets gets from torch.compile.
+                       rolling buffer with host-side offsets gets from torch.compile without touching the op.
+* ``rolling_fa3_compiled_fullgraph`` -- the peer with no graph break: its FA3 call a custom op
+                       (``baselines.traceable_fa3``, as the library's op is), the roll and write traced, the
+                       model compiled with ``fullgraph=True`` (one graph per fill level while the buffer fills,
+                       two once it is full: roll + write, write).
+* ``rolling_fa3_compiled_graph`` -- that compiled peer with its two steady-state forwards replayed from
+                       hand-captured CUDA graphs (``baselines.RollingGraphRunner``): the peer with every trick
+                       on, the one ``library_compiled_graph`` is stated against (``SPEEDUP_PAIRS``).
+
+Every variant's rows are also written to ``end_to_end.partial.json`` as it finishes, so a run that overruns
+its device call keeps what it measured.
 
 **Baselines.** Every variant's speed-up is stated against a baseline: eager rows (``library``,
 ``library_fp8``, ``library_graph``, ...) against ``rolling_fa3``, compiled rows (``library_compiled``,
@@ -123,7 +133,7 @@ import sys
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -143,7 +153,9 @@ from benchmarks._timing import each_call, environment, fail, once, result_path, 
 from benchmarks.head_retention import forcing_kv_like
 from benchmarks.baselines import (
     RaggedFA3Attend,
+    RollingGraphRunner,
     RollingRunner,
+    traceable_fa3,
     fa3_unavailable_reason,
     make_flex_attend,
     sdpa_attend,
@@ -156,9 +168,12 @@ EXTRA_VARIANTS = ("library_compiled", "rolling_fa3_compiled", "rolling_sdpa_comp
                   "library_fp8_compiled", "library_graph", "library_compiled_graph", "library_fp8_graph",
                   "library_fp8_compiled_graph", "library_relative_sinks", "library_relative_sinks_compiled",
                   "library_heads", "library_heads_compiled", "library_heads_fp8_compiled",
-                  "library_heads_compiled_graph")
+                  "library_heads_compiled_graph", "rolling_fa3_compiled_fullgraph", "rolling_fa3_compiled_graph")
 #: The peers attended with FlashInfer's ragged FA3 (CUDA + FlashInfer + Hopper only; skipped elsewhere).
-FA3_VARIANTS = ("rolling_fa3", "rolling_fa3_compiled")
+FA3_VARIANTS = ("rolling_fa3", "rolling_fa3_compiled", "rolling_fa3_compiled_fullgraph", "rolling_fa3_compiled_graph")
+#: The peer with every trick on: compiled without graph breaks (its FA3 call a custom op), and that compiled
+#: step's steady-state forwards replayed from hand-captured CUDA graphs.
+FULL_PEERS = ("rolling_fa3_compiled_fullgraph", "rolling_fa3_compiled_graph")
 #: Variants whose semantics differ from ``library`` once the window slides (sinks at relative positions):
 #: their outputs are reported, not required to agree.
 #: The ``library_heads*`` variants attend with per-head retention (``--heads``): fewer keys for the local heads.
@@ -190,6 +205,10 @@ SPEEDUP_PAIRS = (
     ("library_heads", "rolling_fa3"), ("library_heads_compiled", "rolling_fa3_compiled"),
     ("library_heads_fp8_compiled", "rolling_fa3_compiled"), ("library_heads_compiled_graph", "rolling_fa3_compiled"),
     ("library_heads", "library"), ("library_heads_compiled", "library_compiled"),
+    ("library_compiled", "rolling_fa3_compiled_fullgraph"), ("rolling_fa3_compiled_fullgraph", "rolling_fa3_compiled"),
+    ("library_compiled_graph", "rolling_fa3_compiled_graph"), ("library_fp8_compiled_graph", "rolling_fa3_compiled_graph"),
+    ("library_heads_compiled_graph", "rolling_fa3_compiled_graph"),
+    ("rolling_fa3_compiled_graph", "rolling_fa3_compiled_fullgraph"),
 )
 
 
@@ -606,6 +625,9 @@ class _Bench:
     base_latents: list[torch.Tensor] = dataclasses.field(default_factory=list)  #: one per chunk step
     kv_target_per_branch: int = 0  #: bytes of (sinks + window + pending) chunks of one branch
     heads: Any = None  #: the ``library_heads*`` variants' HeadRetention (``--heads``)
+    #: Setting -> variant -> its rows so far, written as each variant finishes (``end_to_end.partial.json``):
+    #: a run that overruns its device call keeps every variant it measured.
+    partial: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -730,14 +752,18 @@ def _measure(name: str, b: _Bench, st: _Setting, modes: Sequence[str]) -> dict[s
 
         return {mode: run_variant(make, b, st, mode, name) for mode in modes}
     attend, rolling_step = _rolling_attention(name, b)
+    fa3 = attend
+    if name in FULL_PEERS:  # FA3 behind a custom op: the compiled model traces whole (no graph break)
+        attend = traceable_fa3(cast(RaggedFA3Attend, attend))
+    runner_type = RollingGraphRunner if name == "rolling_fa3_compiled_graph" else RollingRunner
     out: dict[str, dict[str, Any]] = {}
-    with swapped_attention(model, attend, opaque=rolling_step is not None):
+    with swapped_attention(model, attend, opaque=rolling_step is not None and name not in FULL_PEERS):
         for mode in modes:
-            plans = getattr(attend, "plans", 0)
-            out[mode] = run_variant(lambda: RollingRunner(model, b.config, st.texts, b.device, b.dtype, rolling_step),
+            plans = getattr(fa3, "plans", 0)
+            out[mode] = run_variant(lambda: runner_type(model, b.config, st.texts, b.device, b.dtype, rolling_step),
                                     b, st, mode, name)
-            if isinstance(attend, RaggedFA3Attend):
-                out[mode]["result"]["fa3_plans"] = attend.plans - plans
+            if isinstance(fa3, RaggedFA3Attend):
+                out[mode]["result"]["fa3_plans"] = fa3.plans - plans
     return out
 
 
@@ -748,10 +774,10 @@ def _rolling_attention(name: str, b: _Bench) -> tuple[Callable[..., torch.Tensor
             torch._dynamo.reset()
         return make_flex_attend(b.flex_compiled), None
     attend: Callable[..., torch.Tensor] = RaggedFA3Attend() if name.startswith("rolling_fa3") else sdpa_attend
-    if not name.endswith("_compiled"):
+    if not name.endswith("_compiled") and name not in FULL_PEERS:
         return attend, None
     torch._dynamo.reset()
-    return attend, torch.compile(b.model, dynamic=False)
+    return attend, torch.compile(b.model, dynamic=False, fullgraph=name in FULL_PEERS)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -760,6 +786,12 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _note(name: str, b: _Bench) -> str | None:
     """What a variant's row means beyond its name (the JSON's ``note``)."""
+    if name == "rolling_fa3_compiled_fullgraph":
+        return ("torch.compile(model, fullgraph=True, dynamic=False): no graph break; the FA3 call a custom op, the "
+                "buffer's roll and write traced (a graph per fill level while the buffer fills, two once full)")
+    if name == "rolling_fa3_compiled_graph":
+        return ("rolling_fa3_compiled_fullgraph with the steady-state forwards (roll + write, write) replayed from "
+                "hand-captured CUDA graphs, outputs cloned (as CUDAGraphStep does)")
     if name in OTHER_SEMANTICS:
         return ("relative-position sinks (KVCacheSpec.relative_sinks): different outputs once the window slides, "
                 "by design; timed for the cost of the second key segment")
@@ -851,7 +883,15 @@ def _measure_setting(b: _Bench, st: _Setting) -> tuple[dict[str, dict[str, Any]]
             print(f"  {st.name} {name} [{mode}]: {res['ms_per_chunk_step']:.2f} ms per chunk step (IQR "
                   f"{res['ms_per_chunk_step_stats']['iqr_ms']:.2g}; setup {res['setup_s']:.1f} s, warm-up "
                   f"{res['warmup_s']:.1f} s), rel err vs library {res['rel_err_vs_library']:.1e}", flush=True)
+        _save_partial(b, st.name, rows)
     return rows, runs, agree
+
+
+def _save_partial(b: _Bench, setting: str, rows: dict[str, dict[str, Any]]) -> None:
+    """Write every row measured so far (per setting, per commit setting) to ``end_to_end.partial.json``."""
+    b.partial[setting] = {mode: dict(variants) for mode, variants in rows.items()}
+    path = result_path(b.args.out, "end_to_end.partial.json", device=b.args.device)
+    save_json(path, {"config": _config(b), "partial": b.partial}, args=b.args)
 
 
 def _view(variants: dict[str, dict[str, Any]], mode: str) -> dict[str, Any]:
