@@ -5,6 +5,7 @@
 #   bash .gpu/run.sh bash benchmarks/run_h200.sh end_to_end_fa3              (issue 28; limit 300 s, ~3 min est.)
 #   bash .gpu/run.sh bash benchmarks/run_h200.sh end_to_end_four_forwards    (issue 28; limit 450 s, ~5 min est.)
 #   bash .gpu/run.sh bash benchmarks/run_h200.sh end_to_end_fa3_compiled     (issue 28; limits 290 + 280 s)
+#   bash .gpu/run.sh bash benchmarks/run_h200.sh peers_cfg_off               (issue 42; limit 560 s; peers_cfg_on likewise)
 #   bash .gpu/run.sh bash benchmarks/run_h200.sh serving serving_14b         (host tier; limits 300 + 200 s, ~2 + ~1 min est.)
 #   (one device command each: a command may run 600 s at most)
 #   bash .gpu/run.sh bash benchmarks/run_h200.sh tests_multi_gpu multi_gpu    (kind nvidia-h200-x2)
@@ -118,6 +119,11 @@ for what in "$@"; do
     profile_14b) step profile_14b 240 python3 -m benchmarks.end_to_end --preset wan14b-like --cfg off \
                --variants rolling_fa3_compiled,library_compiled,library_heads_compiled --chunks-timed 3 \
                --profile "$out/e14p" --out "$out/e14p" ;;
+    # Issue 42 item 3: the rolling-FA3 peer with every trick on (no graph break; CUDA graphs) beside the library's
+    # compiled and graphed rows, Wan2.1-1.3B, one CFG setting per step ($1 of peers_cfg_on / peers_cfg_off).
+    peers_cfg_on|peers_cfg_off) step "end_to_end_$what" 560 python3 -m benchmarks.end_to_end --cfg "${what#peers_cfg_}" \
+               --variants library_compiled,library_compiled_graph,rolling_fa3_compiled,rolling_fa3_compiled_fullgraph,rolling_fa3_compiled_graph \
+               --chunks-timed 5 --out "$out/$what" ;;
     head_retention) step head_retention 200 python3 -m benchmarks.head_retention --cfg on,off --out "$out/heads" ;;
     # Issue 28 at the 14B-like shape, CFG on and off, compiled: the peer, the library, per-head retention (~4 min).
     end_to_end_14b) step end_to_end_14b 330 python3 -m benchmarks.end_to_end --preset wan14b-like \
