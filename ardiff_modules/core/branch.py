@@ -462,6 +462,10 @@ class BranchImage:
     committed_tokens: int
     latents: Mapping[int, object]
     recent: Mapping[int, tuple[int, int]]
+    #: Per history chunk, the slot of the contiguous extent it sat in (``None``: outside it, or no extent), so a
+    #: resume puts it back in the same slot: the ring's keys keep their order, and a ragged kernel, which reads
+    #: the ring in slot order, sums them in the same order (bit-identical outputs after a resume or a load).
+    slots: tuple[int | None, ...] = ()
 
 
 def unload_branch(branch: BranchPages, allocator: PageAllocator) -> tuple[BranchImage, list[int]]:
@@ -479,8 +483,17 @@ def branch_image(branch: BranchPages) -> BranchImage:
     """What :func:`load_branch` restores of ``branch`` (its committed state; nothing released, nothing copied)."""
     return BranchImage(
         branch.history, branch.history_index, branch.history_start, branch.committed_chunks,
-        branch.committed_tokens, dict(branch.latents), dict(branch.recent),
+        branch.committed_tokens, dict(branch.latents), dict(branch.recent), extent_slots_of(branch),
     )
+
+
+def extent_slots_of(branch: BranchPages) -> tuple[int | None, ...]:
+    """Per history chunk, the index of the extent slot it sits in (``None``: outside the extent, or none)."""
+    if not branch.extent:
+        return tuple(None for _ in branch.history)
+    first, step = branch.extent[0], branch.pages_per_chunk
+    inside = set(branch.extent)
+    return tuple((c[0] - first) // step if c and c[0] in inside else None for c in branch.history)
 
 
 def load_branch(

@@ -161,7 +161,9 @@ class HeaderReader:
         return SavedSession(sid, images, cross)
 
     def branch(self, value: object, place: str) -> BranchImage:
-        b = self.dict_(value, place, _BRANCH_KEYS)
+        b = self.dict_(value, place)
+        if sorted(b) not in (sorted(_BRANCH_KEYS), sorted((*_BRANCH_KEYS, "slots"))):
+            raise self.fail(place, f"the keys {sorted(_BRANCH_KEYS)} (and 'slots')", sorted(b))
         # NOTE: positions are int64 on the device: a count past these bounds would load and then overflow in the
         # next forward (a raw error far from the file).
         most = _MAX_POSITION // self.spec.chunk_size
@@ -191,7 +193,20 @@ class HeaderReader:
             if i not in index and i not in recent:
                 raise self.fail(f"{place}.latents", "latents of resident or remembered chunks only", i)
             latents[i] = self.tensor_name(name, f"{place}.latents[{key}]", "latent.")
-        return BranchImage(tuple(history), tuple(index), tuple(start), committed, tokens, latents, recent)
+        return BranchImage(tuple(history), tuple(index), tuple(start), committed, tokens, latents, recent,
+                           self.slots(b.get("slots", []), f"{place}.slots", len(history)))
+
+    def slots(self, value: object, place: str, chunks: int) -> tuple[int | None, ...]:
+        """Each history chunk's extent slot (``null``: none), distinct; ``[]`` (a file without them): none known."""
+        items = self.list_(value, place)
+        if not items:
+            return ()
+        bound = (self.spec.max_history_chunks or 0) + 1
+        slots = [None if s is None else self.int_(s, f"{place}[{i}]", 0, bound - 1) for i, s in enumerate(items)]
+        taken = [s for s in slots if s is not None]
+        if len(slots) != chunks or len(set(taken)) != len(taken):
+            raise self.fail(place, f"{chunks} distinct extent slots (or null), one per history chunk", items)
+        return tuple(slots)
 
     def chunks(self, value: object, place: str) -> list[PageChunk]:
         """History chunks of page indices: each 1..pages_per_chunk distinct pages of the file, no page twice."""

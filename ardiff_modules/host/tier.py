@@ -528,8 +528,9 @@ def lay_out(
 ) -> tuple[dict[str, tuple[PageChunk, ...]], dict[str, tuple[int, ...]], list[tuple[int, int]]]:
     """Each branch's device chunks, its extent, and the ``(host page, device page)`` copies (by device page).
 
-    A ring branch's chunk ``i`` takes the first pages of slot ``i`` of its fresh extent (ring order, each slot
-    ``ring[name]`` pages); a plain branch takes the aliased (no copy) or the fresh page of each host page.
+    A ring branch's chunk takes the first pages of the slot of its fresh extent it had when suspended
+    (:func:`ring_slots`; each slot ``ring[name]`` pages); a plain branch takes the aliased (no copy) or the fresh
+    page of each host page.
     """
     chunks: dict[str, tuple[PageChunk, ...]] = {}
     extents: dict[str, tuple[int, ...]] = {}
@@ -539,7 +540,8 @@ def lay_out(
         step = ring[name]
         if step:
             run = next(run_of)
-            laid = tuple(tuple(run[i * step : i * step + len(c)]) for i, c in enumerate(host_chunks))
+            order = ring_slots(record.images[name].slots, len(host_chunks), len(run) // step)
+            laid = tuple(tuple(run[i * step : i * step + len(c)]) for i, c in zip(order, host_chunks))
             copies.update(zip((h for c in host_chunks for h in c), (p for c in laid for p in c)))
             chunks[name], extents[name] = laid, tuple(run)
         else:
@@ -549,3 +551,13 @@ def lay_out(
     return chunks, extents, sorted(copies, key=lambda hp: hp[1])
 
 
+def ring_slots(saved: tuple[int | None, ...], chunks: int, slots: int) -> list[int]:
+    """The extent slot of each of ``chunks`` history chunks: the one it had (``saved``, when it names a distinct
+    slot for every chunk it places), the lowest free slot for the others (a chunk that sat outside the extent)."""
+    if len(saved) != chunks:
+        saved = (None,) * chunks
+    taken = [s for s in saved if s is not None]
+    if len(set(taken)) != len(taken) or any(not 0 <= s < slots for s in taken):
+        saved, taken = (None,) * chunks, []
+    free = iter(s for s in range(slots) if s not in set(taken))
+    return [s if s is not None else next(free) for s in saved]

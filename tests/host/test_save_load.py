@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 import ardiff_modules as am
 from ardiff_modules.host import files
-from tests.host.test_suspend_resume import populate, step
+from tests.host.test_suspend_resume import populate, ring_bytes, step
 from tests.support.small_cache import BOTH, CHUNK, SMALL_SPEC, bookkeeping, make_small_cache, pages_of, tensors
 
 FP8 = dataclasses.replace(SMALL_SPEC, kv_dtype="float8_e4m3fn")
@@ -100,6 +100,10 @@ def test_a_saved_and_loaded_session_continues_bit_identically(tmp_path, spec, ex
     assert [loaded.token_offset(b) for b in BOTH] == [twin.token_offset(b) for b in BOTH]
     assert [loaded.history_chunk_indices(b) for b in BOTH] == [twin.history_chunk_indices(b) for b in BOTH]
     assert torch.equal(loaded.recache_latents(), twin.recache_latents())
+    if extents:  # each chunk back in the extent slot it had (the twin's): a ragged kernel sums in the same order
+        for b in BOTH:
+            (slots, ring), (twin_slots, twin_ring) = ring_bytes(fresh, loaded, b), ring_bytes(twin_cache, twin, b)
+            assert None not in slots and slots == twin_slots and torch.equal(ring, twin_ring)
     if switch:
         out, ref = switch_prompt(loaded), switch_prompt(twin)
         assert all(torch.equal(x, y) for x, y in zip(out, ref))
@@ -236,6 +240,12 @@ HOSTILE = {
         lambda h: h["sessions"][0]["branches"]["cond"].update(
             committed_tokens=h["sessions"][0]["branches"]["cond"]["committed_chunks"] * 4 + 1
         ), r"committed_tokens: expected an int >= 0 and <= ",
+    ),
+    "slot twice": (
+        lambda h: h["sessions"][0]["branches"]["cond"].update(slots=[0] * len(chunk_of(h))), r"distinct extent slots"
+    ),
+    "slot past the extent": (
+        lambda h: h["sessions"][0]["branches"]["cond"].update(slots=[99] * len(chunk_of(h))), r"slots\[0\]: expected"
     ),
     "unicode digit key": (
         lambda h: h["sessions"][0]["branches"]["cond"]["latents"].update({"\u00b2": "latent.0"}), r"latents key"

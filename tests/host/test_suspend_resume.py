@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import ardiff_modules as am
+from ardiff_modules.core.branch import extent_slots_of
 from ardiff_modules.host.tier import HostTier
 from tests.support.small_cache import (
     BOTH, CHUNK, SMALL_SPEC, bit_copy, bookkeeping, make_small_cache, pages_of, run_layers,
@@ -37,6 +38,16 @@ def history_bytes(cache: am.KVCache, state: am.KVState) -> dict[str, torch.Tenso
     return {b: cache.pool.kv[:, :, pages_of(state, b)].clone() for b in BOTH}
 
 
+def ring_bytes(cache: am.KVCache, state: am.KVState, branch: str) -> tuple[list[int | None], torch.Tensor]:
+    """A ring branch's chunks' extent slots (history order) and the K/V of its occupied slots read in slot order:
+    what a ragged kernel reads, in the order it sums them."""
+    bp = state.branch_pages(branch)
+    slots = list(extent_slots_of(bp))
+    step, first = bp.pages_per_chunk, bp.extent[0]
+    pages = [first + s * step + i for s, c in sorted(zip(slots, bp.history), key=lambda sc: sc[0]) for i in range(len(c))]
+    return slots, cache.pool.kv[:, :, pages].clone()
+
+
 def assert_clean(cache: am.KVCache) -> None:
     cache.allocator.check_invariants()
     cache.host_tier.pages.check_invariants()
@@ -59,11 +70,10 @@ def test_a_suspended_and_resumed_session_continues_bit_identically(extents):
             assert [state.token_offset(b) for b in BOTH] == offsets
             after = history_bytes(cache, state)
             assert all(torch.equal(before[b], after[b]) for b in BOTH)
-            if extents:  # back as a ring: a fresh extent, chunk i in slot i
+            if extents:  # back as a ring: a fresh extent, each chunk in the slot it had (the twin's), same bytes
                 for b in BOTH:
-                    bp = state.branch_pages(b)
-                    slots = bp.extent_slots()
-                    assert bp.extent and list(bp.history) == [s[: len(c)] for s, c in zip(slots, bp.history)]
+                    (slots, ring), (twin_slots, twin_ring) = ring_bytes(cache, state, b), ring_bytes(twin_cache, twin, b)
+                    assert None not in slots and slots == twin_slots and torch.equal(ring, twin_ring)
         for commit in (False, True):
             out, ref = step(state, seed, commit, latents=True), step(twin, seed, commit, latents=True)
             assert all(torch.equal(a, b) for a, b in zip(out, ref))
