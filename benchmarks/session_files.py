@@ -50,8 +50,9 @@ cache is empty after the last close. A load or a resume lays a ring out in slot 
 attended as one range in slot order: the warm-up runs as many chunk steps more as puts the saved session's
 ring in that order too (``aligned_chunks``), so the same keys are summed in the same order and bit for bit is
 the right test; ``check.ring_offsets_equal_after_load`` / ``_after_resume`` confirm the layouts match, and
-``*_max_abs_diff`` tells a reordering (small) from a wrong page (large) should a comparison fail. Reported: each operation's median (IQR), bytes, GB/s, and its time as a
-multiple of the chunk step's median.
+``*_max_abs_diff`` tells a reordering (small) from a wrong page (large) should a comparison fail.
+
+Reported: each operation's median (IQR), bytes, GB/s, and its time as a multiple of the chunk step's median.
 
 Writes ``session_files.json`` (config, sizes, filesystem, ``chunk_step``, ``ops``, ``baselines``, ``check``,
 ``ok``; run metadata) and ``session_files.png`` (time of save, save + fsync, load, suspend, resume beside the
@@ -327,6 +328,10 @@ def _op(stats: Stats, nbytes: int | None, step_ms: float) -> dict[str, Any]:
     }
 
 
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 1e9:.3f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.3f} MB"
+
+
 def _log(t0: float, text: str) -> None:
     print(f"[{time.monotonic() - t0:7.1f} s] {text}", flush=True)
 
@@ -439,10 +444,10 @@ def _bench(args: Any, folder: Path, t0: float, device: Any, cuda: bool, dtype: A
         os.remove(path)
         last_round_s = time.monotonic() - started
         _log(t0, f"round {r}: save {save_ms[-1]:.4g} ms, fsync {fsync_ms[-1]:.4g} ms, load {load_ms[-1]:.4g} ms "
-                 f"({nbytes / 1e9:.3f} GB)")
+                 f"({_size(nbytes)})")
     check["load_pool_empty_after_close"] = dst.allocator.num_used == 0
-    dst.close()
-    del dst
+    dst.close()  # releases its pool's memory
+    del dst, loaded, twin
     gc.collect()
 
     # ------------------------------------------------------------------ suspend / resume (host tier)
@@ -461,7 +466,7 @@ def _bench(args: Any, folder: Path, t0: float, device: Any, cuda: bool, dtype: A
     check["resume_forward_bit_identical"] = same(probe, reference)
     check["resume_forward_max_abs_diff"] = max_diff(probe, reference)
     _log(t0, f"suspend first {s_first * 1e3:.4g} ms, then {Stats.from_ms(sus_ms)}; resume first "
-             f"{r_first * 1e3:.4g} ms, then {Stats.from_ms(res_ms)} ({tier_bytes / 1e9:.3f} GB)")
+             f"{r_first * 1e3:.4g} ms, then {Stats.from_ms(res_ms)} ({_size(tier_bytes)})")
     sizes = _sizes(src, state, nbytes)
     state.close()
     src.close()
@@ -670,8 +675,7 @@ def build_parser() -> Any:
 
 def print_table(payload: dict[str, Any]) -> None:
     step = payload["chunk_step"]["median_ms"]
-    size = payload["sizes"]["file_bytes"] / 1e9
-    print(f"chunk step: {step:.4g} ms ({payload['config']['compute']}); file {size:.3f} GB")
+    print(f"chunk step: {step:.4g} ms ({payload['config']['compute']}); file {_size(payload['sizes']['file_bytes'])}")
     print(f"{'operation':20s} {'median ms':>11s} {'IQR ms':>9s} {'GB/s':>8s} {'x step':>8s}")
     for group in ("ops", "baselines"):
         for name, row in payload[group].items():
