@@ -7,6 +7,7 @@
 #   bash .gpu/run.sh bash benchmarks/run_h200.sh end_to_end_fa3_compiled     (issue 28; limits 290 + 280 s)
 #   bash .gpu/run.sh bash benchmarks/run_h200.sh peers_cfg_off               (issue 42; limit 560 s; peers_cfg_on likewise)
 #   bash .gpu/run.sh bash benchmarks/run_h200.sh serving serving_14b         (host tier; limits 300 + 200 s, ~2 + ~1 min est.)
+#   bash .gpu/run.sh bash benchmarks/run_h200.sh session_files               (issue 45; limit 300 s, ~3 min est.)
 #   (one device command each: a command may run 600 s at most)
 #   bash .gpu/run.sh bash benchmarks/run_h200.sh tests_multi_gpu multi_gpu    (kind nvidia-h200-x2)
 # A step that fails or overruns its time limit is reported and the next one still runs. Results keep the
@@ -114,6 +115,9 @@ for what in "$@"; do
     serving) step serving 300 python3 -m benchmarks.serving --out "$out" ;;
     serving_14b) step serving_14b 200 python3 -m benchmarks.serving --preset wan14b-like --compute attention \
                --out "$out/serving_14b" ;;
+    # Issue 45 item 4: save / load of one Wan2.1-1.3B session (12.3 GB file in /tmp) vs the model's chunk step, the
+    # host tier, plain file I/O and the host link (estimate ~3 min; save / load rounds stop past --budget-s 120).
+    session_files) step session_files 300 python3 -m benchmarks.session_files --out "$out" ;;
     # Issue 28: where the 14B-like chunk step's time goes, library compiled vs the compiled FA3 peer (and head groups):
     # torch.profiler tables and a gzipped chrome trace per variant under $OUT/e14p. Estimate ~2.5 min.
     profile_14b) step profile_14b 240 python3 -m benchmarks.end_to_end --preset wan14b-like --cfg off \
