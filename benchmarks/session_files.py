@@ -46,11 +46,11 @@ IQR over the rounds, ``Stats.from_ms``):
 **Checked** (exit status 1 if not): the loaded session's next forward (the model's, or every layer's
 attention; ``commit_current=False``) equals the saved session's own bit for bit (``torch.equal``), its kept
 latents (``recache_latents()``) too, and the resumed session's forward equals the same output; the second
-cache is empty after the last close. A load or a resume lays a ring out in slot order, and a full ring is
-attended as one range in slot order: the warm-up runs as many chunk steps more as puts the saved session's
-ring in that order too (``aligned_chunks``), so the same keys are summed in the same order and bit for bit is
-the right test; ``check.ring_offsets_equal_after_load`` / ``_after_resume`` confirm the layouts match, and
-``*_max_abs_diff`` tells a reordering (small) from a wrong page (large) should a comparison fail.
+cache is empty after the last close. A full ring is attended as one range in slot order (ragged FA3), and a
+load or a resume puts every chunk back in the slot it had, so the same keys are summed in the same order at any
+point of the rotation and bit for bit is the right test; ``check.ring_offsets_equal_after_load`` /
+``_after_resume`` confirm the layouts match, and ``*_max_abs_diff`` tells a reordering (small) from a wrong page
+(large) should a comparison fail.
 
 Reported: each operation's median (IQR), bytes, GB/s, and its time as a multiple of the chunk step's median.
 
@@ -199,7 +199,7 @@ def max_diff(a: Sequence[Any], b: Sequence[Any]) -> float | None:
 
 def ring_offsets(state: Any) -> dict[str, dict[str, Any]] | None:
     """Each branch's extent (first page) and its history pages as offsets into it (``None``: plain paging): where
-    the kernel finds each chunk's keys. A load / resume lays the history out in slot order (:func:`aligned_chunks`)."""
+    the kernel finds each chunk's keys (a load / resume keeps each chunk's slot)."""
     out = {}
     for b in state.kv_branch_names:
         pages = state.branch_pages(b)
@@ -208,21 +208,6 @@ def ring_offsets(state: Any) -> dict[str, dict[str, Any]] | None:
         where = {p: i for i, p in enumerate(pages.extent)}
         out[b] = {"extent_start": pages.extent[0], "offsets": [where[p] for c in pages.history for p in c]}
     return out
-
-
-def aligned_chunks(spec: Any, at_least: int) -> int:
-    """The least chunk count ``>= at_least`` after which a ring's history sits in slot order, as a load or a resume
-    lays it out (sinks in the first slots, then the window oldest first, the pending chunk in the last slot).
-
-    NOTE: with contiguous extents a full ring is attended as one range in slot order (ragged FA3), so a ring
-    rotated otherwise sums the same keys in another order: equal in exact arithmetic, not bit for bit. A chunk
-    ``c >= sinks`` takes slot ``sinks + (c - sinks) % (window + 1)`` (the lowest free one), so after ``n`` commits
-    the pending chunk ``n`` takes the last slot when ``(n - sinks + 1) % (window + 1) == 0``."""
-    sink, window = spec.sink_chunks, spec.window_chunks
-    n = at_least
-    while (n - sink + 1) % (window + 1):
-        n += 1
-    return n
 
 
 # --------------------------------------------------------------------------------------------- disk helpers
@@ -381,8 +366,8 @@ def _bench(args: Any, folder: Path, t0: float, device: Any, cuda: bool, dtype: A
              f"{'contiguous extents' if src.extent_chunks else 'plain paging'}); pool {pages} pages x {bpp} B = "
              f"{pages * bpp / 1e9:.2f} GB; files in {folder} ({fs['fstype']} at {fs['mount']})")
     state = engine.open(src)
-    # the window full and evicted once (sink + window + 2), then as many more as puts the ring in slot order
-    warmup = aligned_chunks(spec, history + 2 + args.chunks_timed) - args.chunks_timed
+    # the window full and evicted once (sink + window + 2); the ring is then rotated, as any stream's is
+    warmup = history + 2
     chunk = 0
 
     def step() -> None:
