@@ -92,9 +92,12 @@ from ardiff_modules.errors import (
     TensorMismatchError,
     UnknownBranchError,
 )
+from ardiff_modules.integrations.self_forcing_grad import SessionTraining
 from ardiff_modules.modules import ChunkSelfAttention
 from ardiff_modules.session import KVState
 from ardiff_modules.spec import KVCacheSpec
+from ardiff_modules.training import HistoryGrad, in_recomputation
+from ardiff_modules.training.straight_through import check_history_grad
 
 __all__ = [
     "SelfForcingSelfAttention", "SelfForcingSession", "self_forcing_rope", "swap_layers", "swap_self_attention",
@@ -181,10 +184,15 @@ class SelfForcingSelfAttention(ChunkSelfAttention):
         ``cache_start`` are ignored.
         """
         session = self.bound_session()
+        attend = super().forward
+        if torch.is_grad_enabled() and in_recomputation():  # a checkpoint's recomputation, in backward
+            return session.training.recompute(attend, self.layer_index, x, kv_cache, current_start)
         if self.layer_index == 0:
             session.advance(x, grid_sizes, freqs, kv_cache, current_start)
         kv, rope = session.layer(self.layer_index, x, current_start)
-        return super().forward(x, kv, rope)
+        if not torch.is_grad_enabled():
+            return attend(x, kv, rope)
+        return session.training.run(attend, self.layer_index, x, kv, rope, kv_cache, current_start)
 
 
 @dataclass
@@ -206,8 +214,9 @@ class SelfForcingSession:
 
     def __init__(
         self, cache: KVCache, *, branches: Sequence[str] | None = None, owns_cache: bool = False,
-        upstream_window: tuple[int, int] | None = None,
+        upstream_window: tuple[int, int] | None = None, history_grad: HistoryGrad = "straight_through",
     ) -> None:
+        check_history_grad("SelfForcingSession", history_grad)
         if cache.spec.relative_sinks:
             raise SpecError(
                 "SelfForcingSession: expected a spec with relative_sinks=False (Self-Forcing attends its sinks at "
@@ -223,6 +232,8 @@ class SelfForcingSession:
         self._open: OpenForward | None = None
         self._marker: tuple[Any, Any] | None = None  # block 0's kv_cache dict and its global_end_index
         self._closed = False
+        #: Forwards with gradients: the session's training scope and the calls a recomputation finds again.
+        self.training = SessionTraining(cache, history_grad)
 
     def __repr__(self) -> str:
         opened = "none" if self._open is None else f"start={self._open.start}, seq_len={self._open.seq_len}"
@@ -270,6 +281,8 @@ class SelfForcingSession:
             )
         self._open = OpenForward(start, seq_len, forward, rope)
         self._marker = (kv_cache, kv_cache.get("global_end_index") if isinstance(kv_cache, Mapping) else None)
+        if torch.is_grad_enabled():
+            self.training.adopt(forward)
 
     def layer(self, index: int, x: torch.Tensor, current_start: int) -> tuple[LayerContext, RopePair]:
         """Layer ``index``'s context in the open forward and the forward's RoPE pair."""
@@ -427,6 +440,7 @@ class SelfForcingSession:
         """Abort the open forward and drop the session's history: the next chunk starts at 0."""
         self._check_open("reset")
         self._finish(success=False)
+        self.training.end()
         self.state.reset()
         self._marker = None
 
@@ -438,6 +452,7 @@ class SelfForcingSession:
         if self._closed:
             return
         self._finish(success=False)
+        self.training.end()
         self.state.close()
         if self.owns_cache:
             self.cache.close()
@@ -466,6 +481,7 @@ def swap_self_attention(
     budget_bytes: int | None = None,
     backend: str = "auto",
     check_window: bool = True,
+    history_grad: HistoryGrad = "straight_through",
 ) -> SelfForcingSession:
     """Replace ``model.blocks[i].self_attn`` (Self-Forcing's ``CausalWanSelfAttention``) by
     :class:`SelfForcingSelfAttention` layers driven by one new :class:`SelfForcingSession`.
@@ -475,12 +491,17 @@ def swap_self_attention(
     ``spec.pages_per_branch() x len(branches)``, which needs a bounded window) and closed with the
     session. ``branches``: the session's branches, one per batch row (default ``spec.branches``).
     ``check_window``: on the first forward, refuse a spec whose sink + window is not the upstream modules'
-    ``sink_size`` / ``local_attn_size`` buffer. Every layer is made before any is swapped: a refusal
-    (:class:`SpecError` naming expected and actual) leaves the model as it was.
+    ``sink_size`` / ``local_attn_size`` buffer. ``history_grad``: how forwards with gradients (training) treat
+    the history they read, when no :class:`~ardiff_modules.TrainingScope` of the cache is active around them
+    (see :mod:`~ardiff_modules.integrations.self_forcing_grad`): ``"straight_through"`` (upstream's
+    ``SelfForcingTrainingPipeline``: later chunks' losses reach earlier chunks' exit-step K/V) or ``"detached"``.
+    Every layer is made before any is swapped: a refusal (:class:`SpecError` naming expected and actual) leaves
+    the model as it was.
     """
+    check_history_grad("swap_self_attention", history_grad)
     return swap_layers(
         model, cache_or_spec, SelfForcingSelfAttention, SelfForcingSession, branches=branches, num_pages=num_pages,
-        budget_bytes=budget_bytes, backend=backend, check_window=check_window,
+        budget_bytes=budget_bytes, backend=backend, check_window=check_window, history_grad=history_grad,
     )
 
 
@@ -496,6 +517,7 @@ def swap_layers(
     backend: str,
     check_window: bool,
     peak_pending_chunks: int = 1,
+    history_grad: HistoryGrad | None = None,
 ) -> Any:
     """:func:`swap_self_attention` with the layer and session types of an integration (LongLive's too).
 
@@ -518,7 +540,8 @@ def swap_layers(
         layers = [_adapter(layer_type, m) for m in upstream]
         _check_geometry(cache, layers)
         window = _upstream_window(upstream[0]) if check_window else None
-        session = session_type(cache, branches=branches, owns_cache=owns, upstream_window=window)
+        extra = {} if history_grad is None else {"history_grad": history_grad}
+        session = session_type(cache, branches=branches, owns_cache=owns, upstream_window=window, **extra)
     except BaseException:
         if owns:
             cache.close()
