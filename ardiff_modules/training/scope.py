@@ -9,6 +9,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
 from ardiff_modules.context import ForwardContext, LayerContext
 from ardiff_modules.core.transaction import PageHold
 from ardiff_modules.errors import SpecError, TrainingScopeError
@@ -152,12 +154,10 @@ class TrainingScope:
         layout -- because the cache reuses the live objects for the next forward of the same streams; and
         each layer's recomputation reads the history pages its first call read (held by this scope).
         """
-        from torch.utils.checkpoint import checkpoint
-
         if self.closed or not self._entered:
             raise TrainingScopeError("TrainingScope.checkpoint: expected an entered scope, got one not entered or ended")
         frozen = tuple(_freeze(a) for a in args)
-        return checkpoint(fn, *frozen, use_reentrant=False, context_fn=self._contexts, **kwargs)
+        return torch_checkpoint(fn, *frozen, use_reentrant=False, context_fn=self._contexts, **kwargs)
 
 
 def frozen_forward(fwd: ForwardContext) -> ForwardContext:

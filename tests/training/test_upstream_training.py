@@ -175,3 +175,24 @@ def test_a_users_scope_takes_precedence() -> None:
     assert session.training.scope is None
     assert grads
     session.close()
+
+
+def test_upstreams_checkpoint_routed_to_scope_checkpoint(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The outside report's setup: upstream's ``torch.utils.checkpoint.checkpoint`` routed to ``scope.checkpoint`` of a
+    straight-through scope the user entered. Its recomputation used to ask the session for the open forward
+    (``ForwardFinishedError: ... expected block 0 to have opened the model forward``); it now reads its original call."""
+    case = CASES["global_batch2_exit_per_block"]
+    _, ours, session = twins(case, checkpointing=True)
+    rounded = build_training_pipeline(local_attn_size=case.local_attn_size, settings=case.settings(),
+                                      gradient_checkpointing=True, rope_fn=rope_apply_fp32)
+    expected, _ = train_step(rounded, case)
+    with am.TrainingScope(session.cache, history_grad="straight_through") as scope:
+        def routed(fn, *args, use_reentrant=None, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            assert use_reentrant is False  # as upstream calls it
+            return scope.checkpoint(fn, *args, **kwargs)
+
+        monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", routed)
+        actual, _ = train_step(ours, case)
+    error, name = worst(actual, expected)
+    assert error <= 1e-5, f"{error:.2e} ({name})"
+    session.close()
