@@ -51,7 +51,12 @@ that entry by identity (no device read).
 What is left to upstream, and what is ignored
 ---------------------------------------------
 - **Cross-attention stays upstream's**: only ``self_attn`` is swapped; each block's ``cross_attn`` keeps
-  filling and reading its ``crossattn_cache`` dict as before.
+  filling and reading its ``crossattn_cache`` dict as before (and projects the text live, with gradients, where
+  upstream's checkpointed blocks pass no ``crossattn_cache``).
+- **Training** (``SelfForcingTrainingPipeline``, gradient checkpointing on or off) runs unedited: forwards with
+  gradients are held by a scope of the session's own, upstream's history gradients by default
+  (``history_grad="straight_through"``), and a recomputation under upstream's own ``torch.utils.checkpoint`` call
+  reads the call it recomputes (:mod:`~ardiff_modules.integrations.self_forcing_grad`).
 - ``kv_cache``'s tensors are neither read nor written (the K/V live in the paged pool): the pipeline may
   keep allocating them, or pass small placeholder dicts. ``kv_cache=None`` (upstream's cache-free
   training path) is refused.
