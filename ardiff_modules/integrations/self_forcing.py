@@ -189,14 +189,23 @@ class SelfForcingSelfAttention(ChunkSelfAttention):
         ``cache_start`` are ignored.
         """
         session = self.bound_session()
+        if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters())):
+            return self._forward_with_grad(session, x, grid_sizes, freqs, kv_cache, current_start)
+        if self.layer_index == 0:
+            session.advance(x, grid_sizes, freqs, kv_cache, current_start)
+        kv, rope = session.layer(self.layer_index, x, current_start)
+        return super().forward(x, kv, rope)
+
+    def _forward_with_grad(self, session: SelfForcingSession, x: torch.Tensor, grid_sizes: torch.Tensor,
+                           freqs: torch.Tensor, kv_cache: Any, current_start: int) -> torch.Tensor:
+        """:meth:`forward` in grad mode: a first call (recorded for its recomputation), or a checkpoint's
+        recomputation in backward (which reads the recorded call, never the session's open forward)."""
         attend = super().forward
-        if torch.is_grad_enabled() and in_recomputation():  # a checkpoint's recomputation, in backward
+        if in_recomputation():
             return session.training.recompute(attend, self.layer_index, x, kv_cache, current_start)
         if self.layer_index == 0:
             session.advance(x, grid_sizes, freqs, kv_cache, current_start)
         kv, rope = session.layer(self.layer_index, x, current_start)
-        if not torch.is_grad_enabled():
-            return attend(x, kv, rope)
         return session.training.run(attend, self.layer_index, x, kv, rope, kv_cache, current_start)
 
 
@@ -286,8 +295,6 @@ class SelfForcingSession:
             )
         self._open = OpenForward(start, seq_len, forward, rope)
         self._marker = (kv_cache, kv_cache.get("global_end_index") if isinstance(kv_cache, Mapping) else None)
-        if torch.is_grad_enabled():
-            self.training.adopt(forward)
 
     def layer(self, index: int, x: torch.Tensor, current_start: int) -> tuple[LayerContext, RopePair]:
         """Layer ``index``'s context in the open forward and the forward's RoPE pair."""

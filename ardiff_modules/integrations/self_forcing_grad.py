@@ -65,19 +65,22 @@ class SessionTraining:
         self.history_grad: HistoryGrad = history_grad
         self.scope: TrainingScope | None = None
         self.calls: dict[tuple[int, int, int], GradCall] = {}
+        self._adopted: object = None  # the transaction last adopted (one adoption per model forward)
 
     def adopt(self, forward: ForwardContext) -> None:
-        """A model forward with gradients opened: held by a user's scope of the cache if one is active, else by the
-        session's (opened on first use)."""
-        if active_scope(self.cache) is not None:
+        """A layer call with gradients in ``forward``: the forward is held by a user's scope of the cache if one is
+        active, else by the session's (opened on first use). Once per model forward."""
+        if forward.transaction is self._adopted or active_scope(self.cache) is not None:
             return
         if self.scope is None or self.scope.closed:
             self.scope = TrainingScope(self.cache, history_grad=self.history_grad).start()
         self.scope.adopt(forward)
+        self._adopted = forward.transaction
 
     def run(self, attend: Attend, index: int, x: torch.Tensor, kv: LayerContext, rope: RopePair, kv_cache: Any,
             current_start: int) -> torch.Tensor:
         """A first layer call with gradients: ``attend(x, kv, rope)``, recorded for its recomputation."""
+        self.adopt(kv.forward)
         frames: list[tuple[HistoryRead, int]] = []
         frozen = frozen_forward(kv.forward).layers[index]
         with capturing(frames):
@@ -112,3 +115,4 @@ class SessionTraining:
             self.scope.close()
             self.scope = None
         self.calls.clear()
+        self._adopted = None

@@ -55,6 +55,7 @@ and RoPE (tests/docs/test_examples.py, tests/integrations/test_convert.py), not 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -436,12 +437,15 @@ class WanCausalDiT(nn.Module):
         if sp is not None:  # Ulysses: this rank runs its contiguous block of tokens through the blocks
             x = sp.shard_tokens(x, dim=1)
             token_frames = sp.shard_tokens(torch.arange(frames * c.tokens_per_frame, device=x.device) // c.tokens_per_frame, dim=0)
-        live = {} if context is None else {"context": context}
         for block, kv in zip(self.blocks, layers):
-            if run_block is None:
-                x = block(x, e0, kv, self.rope, token_frames, **live)
+            if context is not None:  # training the text: every block projects it live
+                x = (block if run_block is None else functools.partial(run_block, block))(
+                    x, e0, kv, self.rope, token_frames, context=context
+                )
+            elif run_block is None:
+                x = block(x, e0, kv, self.rope, token_frames)
             else:  # e.g. TrainingScope.checkpoint: the block is recomputed in the backward
-                x = run_block(block, x, e0, kv, self.rope, token_frames, **live)
+                x = run_block(block, x, e0, kv, self.rope, token_frames)
         x = self.head(x, e, token_frames)
         if sp is not None:
             x = sp.gather_tokens(x, dim=1)  # every rank returns the whole chunk

@@ -196,3 +196,22 @@ def test_upstreams_checkpoint_routed_to_scope_checkpoint(monkeypatch: pytest.Mon
     error, name = worst(actual, expected)
     assert error <= 1e-5, f"{error:.2e} ({name})"
     session.close()
+
+
+def test_only_the_last_block_trains() -> None:
+    """Partial fine-tuning: blocks 0 and 1 (and the embeddings) frozen, so only block 2's layer runs with gradients;
+    its forward is still held and its recomputation found (the adoption is per layer call, not block 0's)."""
+    case = CASES["global_batch2_exit_per_block"]
+    _, ours, session = twins(case, checkpointing=True)
+    rounded = build_training_pipeline(local_attn_size=case.local_attn_size, settings=case.settings(),
+                                      gradient_checkpointing=True, rope_fn=rope_apply_fp32)
+    for pipeline in (ours, rounded):
+        for name, p in pipeline.generator.model.named_parameters():
+            p.requires_grad_(name.startswith("blocks.2.") or name.startswith("head"))
+    expected, _ = train_step(rounded, case)
+    actual, _ = train_step(ours, case)
+    assert any(n.startswith("blocks.2.self_attn.k.") for n in expected)
+    assert not any(n.startswith("blocks.1.") for n in expected)
+    error, name = worst(actual, expected)
+    assert error <= 1e-5, f"{error:.2e} ({name})"
+    session.close()
