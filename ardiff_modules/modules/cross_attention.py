@@ -272,12 +272,10 @@ class CachedCrossAttention(CheckpointLayer):
             if sp is not None:
                 out = sp.heads_out(out)
             return self.to_out(merge_heads(out))
-        if kv is not None:
-            raise SpecError(f"{owner}: expected either kv (the cache) or context, got both")
         if context is None or (self.image_cache_name is None) != (image_context is None):
             needs = "context and image_context (an I2V layer)" if self.image_cache_name else "context only"
             got = ", ".join(n for n, t in (("context", context), ("image_context", image_context)) if t is not None)
-            raise SpecError(f"{owner}: expected {needs} without kv, got {got}")
+            raise SpecError(f"{owner}: expected {needs} to project the K/V from the context, got {got}")
         out = self._attend(q, check_context(owner, "context", context, self.context_dim, self.to_k.weight, s), False)
         if image_context is not None:
             ctx = check_context(owner, "image_context", image_context, self.image_context_dim, self.to_k_img.weight, s)  # type: ignore[arg-type]
