@@ -28,9 +28,9 @@ Modules: ``records`` (what a forward read, capture / replay for recomputation), 
 from __future__ import annotations
 
 from ardiff_modules.training.attend import attend_with_grad, history_kv_op
+from ardiff_modules.training.records import FROZEN as _FROZEN
+from ardiff_modules.training.records import RECORDS as _RECORDS
 from ardiff_modules.training.records import (
-    _FROZEN,
-    _RECORDS,
     HistoryRead,
     HistoryView,
     active_scope,

@@ -12,7 +12,7 @@ from ardiff_modules.errors import SpecError, TrainingScopeError
 from ardiff_modules.ops import HANDLES
 from ardiff_modules.quant import dequantize, is_quantized, quantize
 from ardiff_modules.training.records import (
-    _REPLAY,
+    REPLAY,
     HistoryRead,
     HistoryView,
     in_recomputation,
@@ -125,7 +125,7 @@ def history_kv_op(
     history padded to ``bound`` keys: ``k, v [S, bound, Hkv, D]``, ``valid [S, bound]``, the pending
     visibility ``[n, n]``, ``sinks [S, bound]`` and the layer's scales ``[2, Hkv]`` (fresh tensors)."""
     index = int(layer)
-    replay = _REPLAY.get()
+    replay = REPLAY.get()
     if replay is not None:
         record = replay.next(index)
     else:

@@ -12,7 +12,7 @@ import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -25,9 +25,7 @@ from ardiff_modules.layout import StreamLayout, page_token_slots
 from ardiff_modules.ops import write_kv_in_graph
 from ardiff_modules.quant import dequantize, is_quantized
 
-if TYPE_CHECKING:
-    from ardiff_modules.training.scope import TrainingScope
-    from ardiff_modules.training.straight_through import LiveWrites, LivePiece
+from ardiff_modules.training.straight_through import LivePiece, LiveWrites
 
 
 class ScopedCache(Protocol):
@@ -37,6 +35,18 @@ class ScopedCache(Protocol):
 
     @property
     def lock(self) -> threading.RLock: ...
+
+
+class HoldingScope(Protocol):
+    """What the records need of a :class:`~ardiff_modules.training.TrainingScope` (defined above this module)."""
+
+    @property
+    def cache(self) -> object: ...
+
+    @property
+    def closed(self) -> bool: ...
+
+    def hold(self, record: HistoryRead) -> bool: ...
 
 
 @dataclass(eq=False)
@@ -130,6 +140,16 @@ class HistoryRead:
             pending_spans=tuple(_pending_spans(s, page_size) for s in layout.streams),
         )
 
+    def attach(self, hold: PageHold, ledger: LiveWrites | None) -> None:
+        """Held by a scope: ``hold`` keeps the history pages, ``ledger`` (straight-through scopes) routes the reads."""
+        self.hold, self.ledger = hold, ledger
+
+    def end(self, reason: str) -> None:
+        """The holding scope ended: release the pages; later reads raise :class:`TrainingScopeError` naming ``reason``."""
+        self.ended = reason
+        if self.hold is not None:
+            self.hold.release()
+
     def check_readable(self, what: str) -> None:
         """Raise :class:`TrainingScopeError` unless the pages hold what the forward read."""
         if self.ended:
@@ -204,25 +224,25 @@ def _visibility(fwd: ForwardContext, valid: torch.Tensor, pending: torch.Tensor,
 # ---------------------------------------------------------------------------------------------------
 # Which record a layer call reads: its forward's (first call), or the original call's (recomputation).
 
-_RECORDS: weakref.WeakKeyDictionary[ForwardTransaction, HistoryRead] = weakref.WeakKeyDictionary()
+RECORDS: weakref.WeakKeyDictionary[ForwardTransaction, HistoryRead] = weakref.WeakKeyDictionary()
 #: One frozen copy of each forward's context that ``TrainingScope.checkpoint`` handed out (while it is open).
-_FROZEN: weakref.WeakKeyDictionary[ForwardTransaction, ForwardContext] = weakref.WeakKeyDictionary()
-_RECORDS_LOCK = threading.Lock()
-_SCOPES: contextvars.ContextVar[tuple[TrainingScope, ...]] = contextvars.ContextVar("ardiff_training_scopes", default=())
-_CAPTURE: contextvars.ContextVar[list[tuple[HistoryRead, int]] | None] = contextvars.ContextVar("ardiff_capture", default=None)
-_REPLAY: contextvars.ContextVar[_Replay | None] = contextvars.ContextVar("ardiff_replay", default=None)
+FROZEN: weakref.WeakKeyDictionary[ForwardTransaction, ForwardContext] = weakref.WeakKeyDictionary()
+RECORDS_LOCK = threading.Lock()
+SCOPES: contextvars.ContextVar[tuple[HoldingScope, ...]] = contextvars.ContextVar("ardiff_training_scopes", default=())
+CAPTURE: contextvars.ContextVar[list[tuple[HistoryRead, int]] | None] = contextvars.ContextVar("ardiff_capture", default=None)
+REPLAY: contextvars.ContextVar[Replay | None] = contextvars.ContextVar("ardiff_replay", default=None)
 #: Forwards a scope adopted (``TrainingScope.adopt``): it holds their records whatever scopes are active.
-_ADOPTED: weakref.WeakKeyDictionary[ForwardTransaction, TrainingScope] = weakref.WeakKeyDictionary()
+ADOPTED: weakref.WeakKeyDictionary[ForwardTransaction, HoldingScope] = weakref.WeakKeyDictionary()
 
 
-def _open_scopes() -> tuple[TrainingScope, ...]:
+def open_scopes() -> tuple[HoldingScope, ...]:
     """This context's active scopes, less those closed elsewhere (another thread or context)."""
-    return tuple(s for s in _SCOPES.get() if not s.closed)
+    return tuple(s for s in SCOPES.get() if not s.closed)
 
 
-def active_scope(cache: object) -> TrainingScope | None:
+def active_scope(cache: object) -> HoldingScope | None:
     """The innermost scope of ``cache`` open in this context, or ``None``."""
-    for scope in reversed(_open_scopes()):
+    for scope in reversed(open_scopes()):
         if scope.cache is cache:
             return scope
     return None
@@ -230,7 +250,7 @@ def active_scope(cache: object) -> TrainingScope | None:
 
 def in_recomputation() -> bool:
     """Whether a layer call is a recomputation: a replay is active or autograd's engine is running."""
-    return _REPLAY.get() is not None or _in_backward()
+    return REPLAY.get() is not None or _in_backward()
 
 
 def _in_backward() -> bool:
@@ -242,7 +262,7 @@ def _in_backward() -> bool:
 def read_history(kv: LayerContext, k_rows: torch.Tensor, v_rows: torch.Tensor, pad_to: int | None = None) -> HistoryRead:
     """The :class:`HistoryRead` of this layer call; a first call also writes ``k_rows``/``v_rows``
     (``[tokens, kv_heads, head_dim]``, detached) into the forward's pending pages (a recomputation never writes)."""
-    replay = _REPLAY.get()
+    replay = REPLAY.get()
     if replay is not None:
         return replay.next(kv.layer_index)
     if _in_backward():
@@ -264,7 +284,7 @@ def read_history(kv: LayerContext, k_rows: torch.Tensor, v_rows: torch.Tensor, p
     record = _record_of(fwd, pad_to)
     if is_quantized(kv.kv_pool.dtype) and kv.layer_index not in record.scales:
         record.scales[kv.layer_index] = kv.kv_scales[kv.layer_index].clone()
-    capture = _CAPTURE.get()
+    capture = CAPTURE.get()
     if capture is not None:
         capture.append((record, kv.layer_index))
     return record
@@ -274,34 +294,34 @@ def _record_of(fwd: ForwardContext, pad_to: int | None) -> HistoryRead:
     """One record per forward (built by its first layer with gradients: host work once per forward)."""
     transaction = fwd.transaction
     assert transaction is not None
-    with _RECORDS_LOCK:
-        record = _RECORDS.get(transaction)
+    with RECORDS_LOCK:
+        record = RECORDS.get(transaction)
     if record is not None:
         return record
     record = HistoryRead.of(fwd, pad_to)
     # The innermost open scope of this cache holds it; a closed one still listed (closed in another thread or
     # context, whose stack it could not edit) refuses, and the next one out takes the record.
-    with _RECORDS_LOCK:
-        adopted = _ADOPTED.pop(transaction, None)
+    with RECORDS_LOCK:
+        adopted = ADOPTED.pop(transaction, None)
     if adopted is None or not adopted.hold(record):
-        for scope in reversed(_SCOPES.get()):
+        for scope in reversed(SCOPES.get()):
             if scope.cache is fwd.owner and scope.hold(record):
                 break
-    with _RECORDS_LOCK:
-        _RECORDS[transaction] = record
+    with RECORDS_LOCK:
+        RECORDS[transaction] = record
     # NOTE: the record refers to its transaction, so the weak key alone would never let the entry go: drop it
     # when the forward finishes (no first call can come after; replays hold their records themselves).
-    transaction.on_close.append(_forget)
+    transaction.on_close.append(forget)
     return record
 
 
-def _forget(transaction: ForwardTransaction) -> None:
-    with _RECORDS_LOCK:
-        _RECORDS.pop(transaction, None)
-        _FROZEN.pop(transaction, None)
+def forget(transaction: ForwardTransaction) -> None:
+    with RECORDS_LOCK:
+        RECORDS.pop(transaction, None)
+        FROZEN.pop(transaction, None)
 
 
-class _Replay:
+class Replay:
     """The records a checkpointed region's first run read, handed out in the same order on recomputation."""
 
     def __init__(self, frames: list[tuple[HistoryRead, int]]) -> None:
@@ -327,25 +347,25 @@ class _Replay:
     @contextmanager
     def active(self) -> Iterator[None]:
         self.cursor = 0
-        token = _REPLAY.set(self)
+        token = REPLAY.set(self)
         try:
             yield
         finally:
-            _REPLAY.reset(token)
+            REPLAY.reset(token)
 
 
 @contextmanager
 def capturing(frames: list[tuple[HistoryRead, int]]) -> Iterator[None]:
     """Inside the block, each first layer call with gradients appends ``(its record, its layer)`` to ``frames``."""
-    token = _CAPTURE.set(frames)
+    token = CAPTURE.set(frames)
     try:
         yield
     finally:
-        _CAPTURE.reset(token)
+        CAPTURE.reset(token)
 
 
 @contextmanager
 def replaying(frames: list[tuple[HistoryRead, int]]) -> Iterator[None]:
     """Inside the block, layer calls read ``frames`` (what :func:`capturing` recorded) in order: a recomputation."""
-    with _Replay(frames).active():
+    with Replay(frames).active():
         yield

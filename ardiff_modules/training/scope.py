@@ -15,15 +15,15 @@ from ardiff_modules.context import ForwardContext, LayerContext
 from ardiff_modules.core.transaction import PageHold
 from ardiff_modules.errors import SpecError, TrainingScopeError
 from ardiff_modules.training.records import (
-    _ADOPTED,
-    _FROZEN,
-    _RECORDS_LOCK,
-    _SCOPES,
+    ADOPTED,
+    FROZEN,
+    RECORDS_LOCK,
+    SCOPES,
     HistoryRead,
     ScopedCache,
-    _forget,
-    _open_scopes,
-    _Replay,
+    forget,
+    open_scopes,
+    Replay,
     capturing,
 )
 from ardiff_modules.training.straight_through import HistoryGrad, LiveWrites, check_history_grad
@@ -76,7 +76,7 @@ class TrainingScope:
         if self._entered or self.closed:
             raise TrainingScopeError("TrainingScope: expected a new scope, got one that was already entered")
         self._entered = True
-        _SCOPES.set((*_open_scopes(), self))
+        SCOPES.set((*open_scopes(), self))
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -97,8 +97,8 @@ class TrainingScope:
             raise TrainingScopeError("TrainingScope.adopt: expected an entered scope, got one not entered or ended")
         fwd.check_usable("TrainingScope.adopt")
         assert fwd.transaction is not None  # check_usable raised otherwise
-        with _RECORDS_LOCK:
-            _ADOPTED[fwd.transaction] = self
+        with RECORDS_LOCK:
+            ADOPTED[fwd.transaction] = self
 
     def close(self) -> None:
         """Drop every hold and leave the active scopes; records read after this raise
@@ -111,13 +111,11 @@ class TrainingScope:
         # NOTE: not ContextVar.reset(token): a token restores the whole stack as it was at __enter__, which
         # after an out-of-order close would revive the closed outer scope and drop the open inner one (and
         # it raises in any context but the entering one, before the holds were released).
-        _SCOPES.set(tuple(s for s in _open_scopes() if s is not self))
+        SCOPES.set(tuple(s for s in open_scopes() if s is not self))
         with self.cache.lock:
             self.closed = True  # under the lock: a concurrent hold() sees it and takes nothing
             for record in self.records:
-                record.ended = "a forward of a TrainingScope that has ended (its held pages were released)"
-                if record.hold is not None:
-                    record.hold.release()
+                record.end("a forward of a TrainingScope that has ended (its held pages were released)")
             self.records.clear()
             if self.ledger is not None:
                 self.ledger.clear()
@@ -129,8 +127,7 @@ class TrainingScope:
                 return False
             hold = PageHold(self.cache.allocator, record.history_pages)
             hold.take()
-            record.hold = hold
-            record.ledger = self.ledger
+            record.attach(hold, self.ledger)
             self.records.append(record)
             return True
 
@@ -143,7 +140,7 @@ class TrainingScope:
         """``context_fn`` of ``torch.utils.checkpoint``: the first run records which history each layer call
         read, the recomputation reads the same."""
         frames: list[tuple[HistoryRead, int]] = []
-        return capturing(frames), _Replay(frames).active()
+        return capturing(frames), Replay(frames).active()
 
     def checkpoint(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """``torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)`` whose recomputation sees the
@@ -165,16 +162,16 @@ def frozen_forward(fwd: ForwardContext) -> ForwardContext:
     fwd.check_usable("TrainingScope.checkpoint")
     transaction = fwd.transaction
     assert transaction is not None  # check_usable raised otherwise
-    with _RECORDS_LOCK:
-        frozen = _FROZEN.get(transaction)
+    with RECORDS_LOCK:
+        frozen = FROZEN.get(transaction)
     if frozen is None:
         frozen = dataclasses.replace(
             fwd, layers=[], cross=dict(fwd.cross), cross_missing=dict(fwd.cross_missing), _entered=[]
         )
         frozen.layers.extend(dataclasses.replace(layer, forward=frozen, cross=dict(layer.cross)) for layer in fwd.layers)
-        with _RECORDS_LOCK:
-            _FROZEN[transaction] = frozen
-        transaction.on_close.append(_forget)
+        with RECORDS_LOCK:
+            FROZEN[transaction] = frozen
+        transaction.on_close.append(forget)
     return frozen
 
 

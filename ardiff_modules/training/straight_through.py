@@ -28,15 +28,12 @@ from __future__ import annotations
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol
 
 import torch
 
+from ardiff_modules.core.branch import BranchPages
 from ardiff_modules.errors import SpecError
-
-if TYPE_CHECKING:
-    from ardiff_modules.core.branch import BranchPages
-    from ardiff_modules.training.records import HistoryRead
 
 #: How a forward with gradients treats the history it reads (see :class:`~ardiff_modules.TrainingScope`).
 HistoryGrad = Literal["detached", "straight_through"]
@@ -69,6 +66,17 @@ class LivePiece:
     v: torch.Tensor
 
 
+class StreamsRead(Protocol):
+    """What the ledger reads of a forward's record (``HistoryRead``): its streams and their chunks."""
+
+    #: each stream's branch bookkeeping, and its generation when the forward began
+    branches: tuple[BranchPages, ...]
+    generations: tuple[int, ...]
+    #: per stream, ``(first absolute position, tokens)`` of each history chunk (gather order) / pending chunk
+    history_spans: tuple[tuple[tuple[int, int], ...], ...]
+    pending_spans: tuple[tuple[tuple[int, int], ...], ...]
+
+
 class LiveWrites:
     """A scope's ledger: per stream (its :class:`BranchPages`), per layer, per chunk start, the last live write."""
 
@@ -88,7 +96,7 @@ class LiveWrites:
         with self._lock:
             self._writes.clear()
 
-    def record(self, record: HistoryRead, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def record(self, record: StreamsRead, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Layer ``layer`` of ``record``'s forward wrote ``k``/``v`` ``[streams, seq_len, kv_heads, head_dim]``
         (live) for its pending chunks: each replaces what was recorded at or after the chunk's position."""
         with self._lock:
@@ -103,7 +111,7 @@ class LiveWrites:
                     chunks[start] = LiveWrite(generation, k[s, at : at + tokens], v[s, at : at + tokens])
                     at += tokens
 
-    def pieces(self, record: HistoryRead, layer: int) -> list[LivePiece]:
+    def pieces(self, record: StreamsRead, layer: int) -> list[LivePiece]:
         """The live writes ``record``'s history reads of ``layer`` route to (history chunks written live in this
         scope's current generation of their stream, with the same start and length)."""
         found: list[LivePiece] = []
