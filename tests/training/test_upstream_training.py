@@ -215,3 +215,18 @@ def test_only_the_last_block_trains() -> None:
     error, name = worst(actual, expected)
     assert error <= 1e-5, f"{error:.2e} ({name})"
     session.close()
+
+
+def test_two_forwards_with_gradients_of_one_chunk_are_refused_at_recomputation() -> None:
+    """A recomputation finds its call by ``(layer, kv_cache, current_start)``: two calls with gradients there make
+    the key ambiguous, and the recomputation says so instead of reading the wrong one."""
+    case = CASES["global_batch1_shipped"]
+    _, ours, session = twins(case, checkpointing=True)
+    noise, text, _ = draws(case)
+    ours._initialize_caches(case.batch, noise.dtype, noise.device)
+    conditional, t = {"prompt_embeds": text}, torch.full((case.batch, 3), 500.0)
+    _, first = ours._generator(noise[:, :3], conditional, t, 0)
+    _, second = ours._generator(noise[:, :3], conditional, t, 0)  # the same chunk again, with gradients
+    with pytest.raises(TrainingScopeError, match="expected one call with gradients per layer .* got several"):
+        (first.sum() + second.sum()).backward()
+    session.close()
