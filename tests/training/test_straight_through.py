@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import ardiff_modules as am
-from ardiff_modules.errors import SpecError
+from ardiff_modules.errors import SpecError, TrainingScopeError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -176,3 +176,15 @@ def test_a_reset_inside_the_scope_starts_a_new_generation() -> None:
 def test_an_unknown_mode_is_refused() -> None:
     with pytest.raises(SpecError, match=r"history_grad: expected one of \('detached', 'straight_through'\), got 'live'"):
         am.TrainingScope(make_cache(), history_grad="live")  # type: ignore[arg-type]
+
+
+def test_a_compiled_forward_under_a_straight_through_scope_is_refused() -> None:
+    layers = make_layers()
+    cache = make_cache()
+    state = cache.open_session()
+    compiled = torch.compile(layers[0], backend="eager", fullgraph=True)
+    with am.TrainingScope(cache, history_grad="straight_through"):
+        fwd = state.prepare_forward(BRANCHES, CHUNK, commit_current=False)
+        with pytest.raises(TrainingScopeError, match="expected a TrainingScope with history_grad='detached'"):
+            compiled(torch.randn(2, CHUNK, DIM), fwd.layers[0])
+    cache.close()
