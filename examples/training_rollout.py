@@ -106,6 +106,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--context-noise", type=float, default=0.0, help="timestep of the clean commit forward (0..1000)")
     p.add_argument("--checkpoint", action="store_true", help="run every block through scope.checkpoint")
+    p.add_argument(
+        "--history-grad", choices=("detached", "straight_through"), default="detached",
+        help="the scope's history gradients: a constant, or routed to each chunk's exit-step K/V (Self-Forcing's)",
+    )
     p.add_argument("--compile", action="store_true", help="torch.compile(fullgraph=True) the model; fail on recompiles")
     p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
     p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
@@ -132,6 +136,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         # TrainingScope.checkpoint is host code (it freezes the forward's contexts under the cache's lock), which
         # dynamo cannot trace into a fullgraph model.
         p.error("--checkpoint with --compile: expected one of them (scope.checkpoint does not trace under fullgraph=True)")
+    if args.compile and args.history_grad == "straight_through":
+        p.error("--history-grad straight_through with --compile: expected one of them (the ledger runs eagerly)")
     check_device_and_preset(p, args)
     return args
 
@@ -244,7 +250,7 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         start = time.perf_counter()
-        with am.TrainingScope(cache) as scope:
+        with am.TrainingScope(cache, history_grad=args.history_grad) as scope:
             outputs = [
                 self.chunk(exit_step, k >= args.chunks - args.grad_chunks, g, scope) for k, exit_step in enumerate(exits)
             ]

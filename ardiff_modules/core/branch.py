@@ -74,6 +74,9 @@ class BranchPages:
         #: last ``recache_horizon`` non-sink chunks evicted, commit index -> (absolute start, pages).
         self.recache_horizon = recache_horizon
         self.recent: dict[int, tuple[int, int]] = {}
+        #: Bumped by :meth:`release` (a reset or close): positions restart at 0 in a new generation, so what was
+        #: recorded of the old one (a straight-through ledger's writes) never matches the new chunks.
+        self.generation = 0
 
     def attach(self, transaction: object) -> None:
         """The branch's pending chunks now belong to ``transaction`` (an open forward)."""
@@ -416,6 +419,7 @@ class BranchPages:
         self.committed_chunks = 0
         self.committed_tokens = 0
         self.transaction = None
+        self.generation += 1
         return freed
 
     def adopt(self, other: BranchPages, allocator: PageAllocator, *, sinks_only: bool = False) -> None:

@@ -51,7 +51,12 @@ that entry by identity (no device read).
 What is left to upstream, and what is ignored
 ---------------------------------------------
 - **Cross-attention stays upstream's**: only ``self_attn`` is swapped; each block's ``cross_attn`` keeps
-  filling and reading its ``crossattn_cache`` dict as before.
+  filling and reading its ``crossattn_cache`` dict as before (and projects the text live, with gradients, where
+  upstream's checkpointed blocks pass no ``crossattn_cache``).
+- **Training** (``SelfForcingTrainingPipeline``, gradient checkpointing on or off) runs unedited: forwards with
+  gradients are held by a scope of the session's own, upstream's history gradients by default
+  (``history_grad="straight_through"``), and a recomputation under upstream's own ``torch.utils.checkpoint`` call
+  reads the call it recomputes (:mod:`~ardiff_modules.integrations.self_forcing_grad`).
 - ``kv_cache``'s tensors are neither read nor written (the K/V live in the paged pool): the pipeline may
   keep allocating them, or pass small placeholder dicts. ``kv_cache=None`` (upstream's cache-free
   training path) is refused.
@@ -92,9 +97,12 @@ from ardiff_modules.errors import (
     TensorMismatchError,
     UnknownBranchError,
 )
+from ardiff_modules.integrations.self_forcing_grad import SessionTraining
 from ardiff_modules.modules import ChunkSelfAttention
 from ardiff_modules.session import KVState
 from ardiff_modules.spec import KVCacheSpec
+from ardiff_modules.training import HistoryGrad, in_recomputation
+from ardiff_modules.training.straight_through import check_history_grad
 
 __all__ = [
     "SelfForcingSelfAttention", "SelfForcingSession", "self_forcing_rope", "swap_layers", "swap_self_attention",
@@ -181,10 +189,24 @@ class SelfForcingSelfAttention(ChunkSelfAttention):
         ``cache_start`` are ignored.
         """
         session = self.bound_session()
+        if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters())):
+            return self._forward_with_grad(session, x, grid_sizes, freqs, kv_cache, current_start)
         if self.layer_index == 0:
             session.advance(x, grid_sizes, freqs, kv_cache, current_start)
         kv, rope = session.layer(self.layer_index, x, current_start)
         return super().forward(x, kv, rope)
+
+    def _forward_with_grad(self, session: SelfForcingSession, x: torch.Tensor, grid_sizes: torch.Tensor,
+                           freqs: torch.Tensor, kv_cache: Any, current_start: int) -> torch.Tensor:
+        """:meth:`forward` in grad mode: a first call (recorded for its recomputation), or a checkpoint's
+        recomputation in backward (which reads the recorded call, never the session's open forward)."""
+        attend = super().forward
+        if in_recomputation():
+            return session.training.recompute(attend, self.layer_index, x, kv_cache, current_start)
+        if self.layer_index == 0:
+            session.advance(x, grid_sizes, freqs, kv_cache, current_start)
+        kv, rope = session.layer(self.layer_index, x, current_start)
+        return session.training.run(attend, self.layer_index, x, kv, rope, kv_cache, current_start)
 
 
 @dataclass
@@ -206,8 +228,9 @@ class SelfForcingSession:
 
     def __init__(
         self, cache: KVCache, *, branches: Sequence[str] | None = None, owns_cache: bool = False,
-        upstream_window: tuple[int, int] | None = None,
+        upstream_window: tuple[int, int] | None = None, history_grad: HistoryGrad = "straight_through",
     ) -> None:
+        check_history_grad("SelfForcingSession", history_grad)
         if cache.spec.relative_sinks:
             raise SpecError(
                 "SelfForcingSession: expected a spec with relative_sinks=False (Self-Forcing attends its sinks at "
@@ -223,6 +246,8 @@ class SelfForcingSession:
         self._open: OpenForward | None = None
         self._marker: tuple[Any, Any] | None = None  # block 0's kv_cache dict and its global_end_index
         self._closed = False
+        #: Forwards with gradients: the session's training scope and the calls a recomputation finds again.
+        self.training = SessionTraining(cache, history_grad)
 
     def __repr__(self) -> str:
         opened = "none" if self._open is None else f"start={self._open.start}, seq_len={self._open.seq_len}"
@@ -427,6 +452,7 @@ class SelfForcingSession:
         """Abort the open forward and drop the session's history: the next chunk starts at 0."""
         self._check_open("reset")
         self._finish(success=False)
+        self.training.end()
         self.state.reset()
         self._marker = None
 
@@ -438,6 +464,7 @@ class SelfForcingSession:
         if self._closed:
             return
         self._finish(success=False)
+        self.training.end()
         self.state.close()
         if self.owns_cache:
             self.cache.close()
@@ -466,6 +493,7 @@ def swap_self_attention(
     budget_bytes: int | None = None,
     backend: str = "auto",
     check_window: bool = True,
+    history_grad: HistoryGrad = "straight_through",
 ) -> SelfForcingSession:
     """Replace ``model.blocks[i].self_attn`` (Self-Forcing's ``CausalWanSelfAttention``) by
     :class:`SelfForcingSelfAttention` layers driven by one new :class:`SelfForcingSession`.
@@ -475,12 +503,17 @@ def swap_self_attention(
     ``spec.pages_per_branch() x len(branches)``, which needs a bounded window) and closed with the
     session. ``branches``: the session's branches, one per batch row (default ``spec.branches``).
     ``check_window``: on the first forward, refuse a spec whose sink + window is not the upstream modules'
-    ``sink_size`` / ``local_attn_size`` buffer. Every layer is made before any is swapped: a refusal
-    (:class:`SpecError` naming expected and actual) leaves the model as it was.
+    ``sink_size`` / ``local_attn_size`` buffer. ``history_grad``: how forwards with gradients (training) treat
+    the history they read, when no :class:`~ardiff_modules.TrainingScope` of the cache is active around them
+    (see :mod:`~ardiff_modules.integrations.self_forcing_grad`): ``"straight_through"`` (upstream's
+    ``SelfForcingTrainingPipeline``: later chunks' losses reach earlier chunks' exit-step K/V) or ``"detached"``.
+    Every layer is made before any is swapped: a refusal (:class:`SpecError` naming expected and actual) leaves
+    the model as it was.
     """
+    check_history_grad("swap_self_attention", history_grad)
     return swap_layers(
         model, cache_or_spec, SelfForcingSelfAttention, SelfForcingSession, branches=branches, num_pages=num_pages,
-        budget_bytes=budget_bytes, backend=backend, check_window=check_window,
+        budget_bytes=budget_bytes, backend=backend, check_window=check_window, history_grad=history_grad,
     )
 
 
@@ -496,6 +529,7 @@ def swap_layers(
     backend: str,
     check_window: bool,
     peak_pending_chunks: int = 1,
+    history_grad: HistoryGrad | None = None,
 ) -> Any:
     """:func:`swap_self_attention` with the layer and session types of an integration (LongLive's too).
 
@@ -518,7 +552,8 @@ def swap_layers(
         layers = [_adapter(layer_type, m) for m in upstream]
         _check_geometry(cache, layers)
         window = _upstream_window(upstream[0]) if check_window else None
-        session = session_type(cache, branches=branches, owns_cache=owns, upstream_window=window)
+        extra = {} if history_grad is None else {"history_grad": history_grad}
+        session = session_type(cache, branches=branches, owns_cache=owns, upstream_window=window, **extra)
     except BaseException:
         if owns:
             cache.close()

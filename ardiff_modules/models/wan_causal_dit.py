@@ -55,6 +55,7 @@ and RoPE (tests/docs/test_examples.py, tests/integrations/test_convert.py), not 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -251,12 +252,14 @@ class WanCausalBlock(nn.Module):
 
     def forward(
         self, x: torch.Tensor, e0: torch.Tensor, kv: LayerContext, rope: nn.Module,
-        token_frames: torch.Tensor | None = None,
+        token_frames: torch.Tensor | None = None, context: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``x`` ``[S, N, dim]``; ``e0`` ``[S, F, 6, dim]`` (per-frame modulation) -> ``[S, N, dim]``.
 
         ``token_frames`` ``[N]`` (int64): the frame of each token of ``x`` when ``x`` is not whole frames
         (a sequence-parallel rank's block of tokens); ``None``: ``x`` is all ``F`` frames in order.
+        ``context`` ``[S or 1, tokens, dim]``: the embedded text, projected live by the cross-attention when
+        it trains (see :meth:`CachedCrossAttention.forward`); ``None``: the published cache.
         """
         s, n, d = x.shape
         frames = e0.shape[1]
@@ -264,7 +267,7 @@ class WanCausalBlock(nn.Module):
         modulate, gated = _modulation(s, n, d, frames, token_frames)
 
         x = x + gated(self.attn(modulate(self.norm1(x), shift1, scale1), kv, rope), gate1)
-        x = x + self.cross(self.norm3(x), kv)
+        x = x + (self.cross(self.norm3(x), kv) if context is None else self.cross(self.norm3(x), kv, context=context))
         return x + gated(self.ffn(modulate(self.norm2(x), shift2, scale2)), gate2)
 
 
@@ -320,9 +323,14 @@ class WanCausalDiT(nn.Module):
     layers:
         ``ForwardContext.layers`` of a ``prepare_forward`` over those streams, one per block.
     run_block:
-        how each block is called: ``run_block(block, x, e0, kv, rope, token_frames)`` -> ``x``; ``None`` calls
-        the block. Training passes :meth:`ardiff_modules.TrainingScope.checkpoint` to recompute every block in
-        the backward instead of keeping its activations (``examples/training_rollout.py --checkpoint``).
+        how each block is called: ``run_block(block, x, e0, kv, rope, token_frames)`` -> ``x`` (and
+        ``context=`` with ``text``); ``None`` calls the block. Training passes
+        :meth:`ardiff_modules.TrainingScope.checkpoint` to recompute every block in the backward instead of
+        keeping its activations (``examples/training_rollout.py --checkpoint``).
+    text:
+        The text-encoder states (``[tokens, text_dim]`` or ``[S, tokens, text_dim]``) when the text embedding
+        and the cross-attention K/V should train: forwards with gradients embed and project them live (see
+        :meth:`live_context`); forwards without read the published cache (the text is unused).
 
     Returns the flow prediction ``[S, F, C_out, H, W]`` (float, the model's dtype).
     """
@@ -367,6 +375,21 @@ class WanCausalDiT(nn.Module):
             )
         return self.text_embedding(text.to(self.patch_embedding.weight.dtype))
 
+    def live_context(self, text: torch.Tensor | None) -> torch.Tensor | None:
+        """In a forward with gradients, ``text`` (``[tokens, text_dim]`` shared by the streams, or ``[S, tokens,
+        text_dim]``) embedded live -> ``[1 or S, tokens, dim]`` for the blocks' cross-attention to project (the
+        text embedding and cross K/V then train, as Self-Forcing's checkpointed blocks recompute them); ``None``
+        without ``text`` or without grad mode (the published cache serves, as in inference)."""
+        if text is None or not torch.is_grad_enabled():
+            return None
+        rows = text if text.dim() == 3 else text[None] if text.dim() == 2 else None
+        if rows is None or rows.shape[-1] != self.config.text_dim:
+            raise TensorMismatchError(
+                f"WanCausalDiT text: expected [tokens, {self.config.text_dim}] or [streams, tokens, "
+                f"{self.config.text_dim}], got {tuple(text.shape)}"
+            )
+        return self.text_embedding(rows.to(self.patch_embedding.weight.dtype))
+
     # ---------------------------------------------------------------- patches
     def patchify(self, latents: torch.Tensor) -> torch.Tensor:
         """``[S, F, C, H, W]`` -> tokens ``[S, F * h * w, dim]`` (frame-major, then row, column)."""
@@ -385,9 +408,10 @@ class WanCausalDiT(nn.Module):
     # ---------------------------------------------------------------- forward
     def forward(
         self, latents: torch.Tensor, timestep: torch.Tensor, layers: Sequence[LayerContext],
-        run_block: Callable[..., torch.Tensor] | None = None,
+        run_block: Callable[..., torch.Tensor] | None = None, text: torch.Tensor | None = None,
     ) -> torch.Tensor:
         c = self.config
+        context = self.live_context(text)
         if latents.dim() != 5 or tuple(latents.shape[2:]) != (c.in_channels, c.latent_height, c.latent_width):
             raise TensorMismatchError(
                 f"WanCausalDiT latents: expected [streams, frames, {c.in_channels}, {c.latent_height}, "
@@ -414,7 +438,11 @@ class WanCausalDiT(nn.Module):
             x = sp.shard_tokens(x, dim=1)
             token_frames = sp.shard_tokens(torch.arange(frames * c.tokens_per_frame, device=x.device) // c.tokens_per_frame, dim=0)
         for block, kv in zip(self.blocks, layers):
-            if run_block is None:
+            if context is not None:  # training the text: every block projects it live
+                x = (block if run_block is None else functools.partial(run_block, block))(
+                    x, e0, kv, self.rope, token_frames, context=context
+                )
+            elif run_block is None:
                 x = block(x, e0, kv, self.rope, token_frames)
             else:  # e.g. TrainingScope.checkpoint: the block is recomputed in the backward
                 x = run_block(block, x, e0, kv, self.rope, token_frames)

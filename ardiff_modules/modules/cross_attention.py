@@ -246,11 +246,21 @@ class CachedCrossAttention(CheckpointLayer):
         context_dim]``, projected and attended directly -- the numbers the cached path gives after
         :func:`populate_cross_attention`; an I2V layer then also needs ``image_context`` (same forms,
         width ``image_context_dim``).
+
+        With both ``kv`` and ``context``, the K/V are projected live from ``context`` when training them is
+        possible -- grad mode on and the K/V projections (or the context) require grad: what Self-Forcing's
+        checkpointed blocks do, so ``k``, ``v``, ``norm_k`` and whatever made the context (a text embedding) get
+        their gradients -- and read from the once-projected cache otherwise (the context is then unused).
         """
         owner = "CachedCrossAttention"
         check_input(owner, "x", x, "[streams, seq_len, dim]", self.dim, self.to_q.weight)
         s = x.shape[0]
         q = split_heads(self.to_q(x), self.num_heads, self.head_dim, self.qk_norm, self.norm_q)
+        if kv is not None and (context is not None or image_context is not None):
+            if not self.projects_live(context, image_context):
+                context = image_context = None  # no gradient to give: the cache
+            else:
+                kv = None
         if context is None and image_context is None:
             check_layer_context(owner, kv, "cross_kv")
             sp = self.sequence_parallel
@@ -262,17 +272,25 @@ class CachedCrossAttention(CheckpointLayer):
             if sp is not None:
                 out = sp.heads_out(out)
             return self.to_out(merge_heads(out))
-        if kv is not None:
-            raise SpecError(f"{owner}: expected either kv (the cache) or context, got both")
         if context is None or (self.image_cache_name is None) != (image_context is None):
             needs = "context and image_context (an I2V layer)" if self.image_cache_name else "context only"
             got = ", ".join(n for n, t in (("context", context), ("image_context", image_context)) if t is not None)
-            raise SpecError(f"{owner}: expected {needs} without kv, got {got}")
+            raise SpecError(f"{owner}: expected {needs} to project the K/V from the context, got {got}")
         out = self._attend(q, check_context(owner, "context", context, self.context_dim, self.to_k.weight, s), False)
         if image_context is not None:
             ctx = check_context(owner, "image_context", image_context, self.image_context_dim, self.to_k_img.weight, s)  # type: ignore[arg-type]
             out = out + self._attend(q, ctx, True)
         return self.to_out(merge_heads(out))
+
+    def projects_live(self, context: torch.Tensor | None, image_context: torch.Tensor | None = None) -> bool:
+        """Whether a call given both the cache and ``context`` projects the K/V from the context: grad mode on and
+        a K/V projection / norm parameter or a context requires grad."""
+        if not torch.is_grad_enabled():
+            return False
+        roles = ("k", "v", "norm_k") + (("k_img", "v_img", "norm_k_img") if self.image_cache_name is not None else ())
+        if any(p.requires_grad for role in roles for p in self._role(role).parameters()):
+            return True
+        return any(isinstance(t, torch.Tensor) and t.requires_grad for t in (context, image_context))
 
     def _attend(self, q: torch.Tensor, context: torch.Tensor, image: bool) -> torch.Tensor:
         """``q`` ``[S, n, heads, head_dim]`` to a 3-D context (batch 1 or S) -> ``[S, n, heads, head_dim]``."""

@@ -491,7 +491,10 @@ def test_conversion_and_layer_misuse() -> None:
     state = make_layer_cache((CrossAttentionSpec("text", 3), CrossAttentionSpec("clip", 3))).open_session()
     with pytest.raises(SpecError, match="populate_cross_attention.cache_name: expected 'text' or 'image'"):
         populate_cross_attention(state, "cond", [layer], torch.randn(3, DIM), cache_name="clip")
-    with state.prepare_forward(("cond",), CHUNK, commit_current=False) as fwd, pytest.raises(SpecError, match="both"):
+    # kv and context together project live when training (issue 43): an I2V layer then needs the image context too
+    with state.prepare_forward(("cond",), CHUNK, commit_current=False) as fwd, pytest.raises(
+        SpecError, match="expected context and image_context .* to project the K/V from the context, got context"
+    ):
         layer(torch.randn(1, CHUNK, DIM), fwd.layers[0], context=torch.randn(3, DIM))
     state.close()
     with pytest.raises(SpecError, match="two keys map onto 'q.weight'"):

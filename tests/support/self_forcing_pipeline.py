@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from ardiff_modules.models.wan_causal_dit import WanConfig, sinusoidal_embedding
@@ -87,6 +88,9 @@ class RollingSelfAttention(nn.Module):
     """``CausalWanSelfAttention`` with a ``kv_cache``: q / k / v of width ``dim``, RMS q / k norms, RoPE from
     ``freqs`` at the chunk's frames, the chunk written into the block's rolling buffer, attention over it."""
 
+    #: upstream's ``causal_rope_apply`` (a test may swap in another rounding: ``wan_rope.rope_apply_fp32``)
+    rope_fn = staticmethod(rope_apply)
+
     def __init__(self, dim: int, num_heads: int, local_attn_size: int = -1, sink_size: int = 0, qk_norm: bool = True,
                  eps: float = 1e-6) -> None:
         super().__init__()
@@ -115,8 +119,8 @@ class RollingSelfAttention(nn.Module):
         v = self.v(x).view(b, s, n, d)
         frames, height, width = (int(g) for g in grid_sizes[0].tolist())
         per_frame = height * width
-        q = rope_apply(q, (frames, height, width), freqs, current_start // per_frame).type_as(v)
-        k = rope_apply(k, (frames, height, width), freqs, current_start // per_frame).type_as(v)
+        q = self.rope_fn(q, (frames, height, width), freqs, current_start // per_frame).type_as(v)
+        k = self.rope_fn(k, (frames, height, width), freqs, current_start // per_frame).type_as(v)
         return q, k, v, per_frame
 
 
@@ -200,6 +204,7 @@ class SelfForcingModel(nn.Module):
         self.head_modulation = nn.Parameter(torch.randn(1, 2, c.dim) / c.dim**0.5)
         self.freqs = wan_freqs(c.head_dim, 1024)  # a plain attribute, as upstream (never cast by .to())
         self.block_mask: Any = None  # the cache-free path's mask (LongLive's re-cache sets one; the cached path ignores it)
+        self.gradient_checkpointing = False  # upstream's flag: blocks under torch.utils.checkpoint when grad is on
 
     def apply_cache_updates(self, kv_cache: list[dict[str, Any]], infos: list[tuple[int, Any]]) -> None:
         """What a model whose attention returns cache updates does with them (LongLive's ``_apply_cache_updates``)."""
@@ -220,9 +225,17 @@ class SelfForcingModel(nn.Module):
         ctx = self.text_embedding(padded)
         infos = []
         for index, block in enumerate(self.blocks):
-            tokens = block(tokens, e0, seq_lens, grid_sizes, self.freqs, ctx, None, self.block_mask,
-                           kv_cache=kv_cache[index], crossattn_cache=crossattn_cache[index], current_start=current_start,
-                           cache_start=cache_start, **block_kwargs)
+            kwargs = dict(kv_cache=kv_cache[index], current_start=current_start, cache_start=cache_start, **block_kwargs)
+            if torch.is_grad_enabled() and self.gradient_checkpointing:
+                # upstream's _forward_inference: no crossattn_cache here (the cross K/V are projected from the
+                # context, with gradients, in each run and in the recomputation)
+                tokens = torch.utils.checkpoint.checkpoint(
+                    block, tokens, e0, seq_lens, grid_sizes, self.freqs, ctx, None, self.block_mask, use_reentrant=False,
+                    **kwargs,
+                )
+            else:
+                tokens = block(tokens, e0, seq_lens, grid_sizes, self.freqs, ctx, None, self.block_mask,
+                               crossattn_cache=crossattn_cache[index], **kwargs)
             if isinstance(tokens, tuple):  # LongLive's blocks return their cache update, applied after all blocks
                 tokens, info = tokens
                 infos.append((index, info))

@@ -63,13 +63,17 @@ class WanRunner(Protocol):
 class LibraryWan:
     """The model over the library's paged cache: batch row ``i`` is session ``i``'s branch ``"cond"``."""
 
-    def __init__(self, model: WanCausalDiT, streams: int, num_pages: int) -> None:
+    def __init__(self, model: WanCausalDiT, streams: int, num_pages: int, live_text: bool = False) -> None:
         self.model = model
         spec = make_kv_spec(model.config, branches=(BRANCH,))
         self.cache = am.KVCache(spec, num_pages=num_pages, backend="reference")
         self.states = [self.cache.open_session(f"video{i}") for i in range(streams)]
+        #: forwards with gradients embed and project the text live (``WanCausalDiT.forward(text=...)``)
+        self.live_text = live_text
+        self.texts: torch.Tensor | None = None
 
     def set_prompt(self, texts: Sequence[torch.Tensor]) -> None:
+        self.texts = torch.stack(list(texts))
         blocks = [b.cross for b in self.model.blocks]
         with torch.no_grad():
             for state, text in zip(self.states, texts, strict=True):
@@ -80,7 +84,7 @@ class LibraryWan:
         tokens = latents.shape[1] * self.model.config.tokens_per_frame
         streams = [(state, BRANCH) for state in self.states]
         with self.cache.prepare_forward(streams, tokens, commit_current=commit) as fwd:
-            return self.model(latents, timestep, fwd.layers)
+            return self.model(latents, timestep, fwd.layers, text=self.texts if self.live_text else None)
 
     def reset(self) -> None:
         for state in self.states:
@@ -170,10 +174,14 @@ class CachePeer(abc.ABC):
         self.model, self.streams = model, streams
         self.cross: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer, [streams, tokens, heads, dim]
         self.start = 0  #: tokens committed so far: the absolute position of the chunk being denoised
+        #: forwards with gradients embed and project the text live (the cross-attention's context path)
+        self.live_text = False
+        self.texts: torch.Tensor | None = None
 
     def set_prompt(self, texts: Sequence[torch.Tensor]) -> None:
         if len(texts) != self.streams:
             raise ValueError(f"set_prompt: expected {self.streams} prompts, got {len(texts)}")
+        self.texts = torch.stack(list(texts))
         with torch.no_grad():  # published once: a constant, like the library's cross cache
             contexts = [self.model.embed_text(t) for t in texts]
             self.cross = []
@@ -187,7 +195,7 @@ class CachePeer(abc.ABC):
         fwd = PeerForward(positions)
         layers = [PeerLayer(self, i, fwd, {TEXT: pair}) for i, pair in enumerate(self.cross)]
         with peer_attention():
-            out = self.model(latents, timestep, layers)
+            out = self.model(latents, timestep, layers, text=self.texts if self.live_text else None)
         if commit:
             self.commit()
             self.start += n

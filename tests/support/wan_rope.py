@@ -52,3 +52,28 @@ def rope_apply(x: torch.Tensor, grid: tuple[int, int, int], freqs: torch.Tensor,
         ).reshape(seq_len, 1, -1)
         out.append(torch.view_as_real(x_i * freqs_i).flatten(2))
     return torch.stack(out)
+
+
+def rope_apply_fp32(x: torch.Tensor, grid: tuple[int, int, int], freqs: torch.Tensor, start_frame: int = 0) -> torch.Tensor:
+    """:func:`rope_apply` with another rounding: the same float64 angles, their cos / sin rounded to float32 first and
+    the pairs rotated in float32 (``x * cos + i x * sin``), where upstream multiplies in float64 and rounds once.
+
+    Not upstream's: what tells rounding from semantics in a comparison (a model rotating this way and one rotating
+    upstream's way differ by about an ulp per rotation, which a rollout grows)."""
+    c = x.size(3) // 2
+    parts = freqs.split([c - 2 * (c // 3), c // 3, c // 3], dim=1)
+    f, h, w = grid
+    angles = torch.cat(
+        [
+            parts[0][start_frame : start_frame + f].view(f, 1, 1, -1).expand(f, h, w, -1),
+            parts[1][:h].view(1, h, 1, -1).expand(f, h, w, -1),
+            parts[2][:w].view(1, 1, w, -1).expand(f, h, w, -1),
+        ],
+        dim=-1,
+    ).reshape(f * h * w, 1, -1)
+    cos = angles.real.repeat_interleave(2, dim=-1).to(torch.float32)
+    sin = angles.imag.repeat_interleave(2, dim=-1).to(torch.float32)
+    t = x.float()
+    even, odd = t.unflatten(-1, (-1, 2)).unbind(-1)
+    turned = torch.stack((-odd, even), dim=-1).flatten(-2)
+    return t * cos + turned * sin
