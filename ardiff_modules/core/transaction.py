@@ -38,7 +38,7 @@ from ardiff_modules.errors import ForwardFinishedError, IncompleteForwardError
 
 from ardiff_modules.core.allocator import PageAllocator
 from ardiff_modules.core.recache import RecachePlan
-from ardiff_modules.core.branch import BranchPages
+from ardiff_modules.core.branch import BranchPages, PageChunk
 from ardiff_modules.core.reservation import Reservation
 
 class Coordinator:
@@ -97,21 +97,16 @@ class ForwardTransaction:
     num_chunks: int
     status: Status = "open"
     #: A prompt-switch re-cache (``KVCache.prepare_recache``): its pending chunks (free ring slots, then
-    #: fresh pages) rebuild history chunks, swapped in on commit; ``recache_plans``: per member (batch
-    #: order), which chunk each pending chunk replaces (``None``: context, dropped at commit).
+    #: fresh pages) rebuild history chunks, swapped in on commit (each lane's ``recache_plans``).
     recache: bool = False
-    recache_plans: tuple[RecachePlan, ...] = field(default=(), repr=False)
-    #: A re-cache's device copy ``copy_pages(src, dst)``: page ``src[i]`` -> ``dst[i]`` in every layer, K and V
-    #: (``KVPool.copy_pages``); ``None``: rebuilt chunks are only swapped in, never copied into the ring.
-    copy_pages: Callable[[Sequence[int], Sequence[int]], None] | None = field(default=None, repr=False)
     #: Per member (batch order): clean latents of each pending chunk to keep on commit, or ``()``.
     latents: tuple[tuple[object, ...], ...] = field(default=(), repr=False)
     #: Why the forward finished, for error messages.
     reason: str = ""
-    branches: tuple[BranchPages, ...] = field(default=(), repr=False)
-    #: The forward's page reservation while it may still be undone exactly (a distributed forward holds
-    #: it until every rank voted); ``None`` once kept. An abort then rolls it back instead of dropping.
-    reservation: Reservation | None = field(default=None, repr=False)
+    #: Every lane's share of the forward (its allocator, each member's branch pages, its reservation): a lane
+    #: is the storage of one retention group (``docs/design.md``); a uniform cache has one. The forward
+    #: commits, aborts and is superseded in every lane at once.
+    lanes: tuple[TransactionLane, ...] = field(default=(), repr=False)
     #: Layers whose K/V this forward wrote into its pending pages (the custom ops record each write;
     #: a CUDA-graph replay records what its capture wrote). A commit needs every layer.
     written: set[int] = field(default_factory=set, repr=False)
@@ -122,16 +117,29 @@ class ForwardTransaction:
     #: of a distributed one): only it commits this transaction (``core.two_phase.require_coordinated``).
     coordinator: Coordinator | None = field(default=None, repr=False)
 
+    @property
+    def branches(self) -> tuple[BranchPages, ...]:
+        """Each member's branch pages in the first lane (every lane's keep the same offsets and commit counts)."""
+        return self.lanes[0].branches if self.lanes else ()
+
+    @property
+    def reservation(self) -> Reservation | None:
+        """A lane's page reservation while the forward may still be undone exactly (a distributed forward holds
+        it until every rank voted); ``None`` once kept. An abort then rolls every lane back instead of dropping."""
+        return next((lane.reservation for lane in self.lanes if lane.reservation is not None), None)
+
     def attach(self) -> None:
-        """The forward begins: its branches belong to it (until it finishes)."""
-        for b in self.branches:
-            b.attach(self)
+        """The forward begins: its branches (in every lane) belong to it (until it finishes)."""
+        for lane in self.lanes:
+            for b in lane.branches:
+                b.attach(self)
 
     def keep_reservation(self) -> None:
-        """The forward stands (a distributed forward's prepare vote passed): release what it replaced."""
-        if self.reservation is not None:
-            self.reservation.keep()
-            self.reservation = None
+        """The forward stands (a distributed forward's prepare vote passed): release what it replaced, every lane."""
+        for lane in self.lanes:
+            if lane.reservation is not None:
+                lane.reservation.keep()
+                lane.reservation = None
 
     def join(self, coordinator: Coordinator) -> None:
         """This forward is one participant of ``coordinator``'s: only it may commit this one from now on."""
@@ -178,27 +186,28 @@ class ForwardTransaction:
                 " ran. The forward was aborted and history is unchanged"
             )
 
-    def live_branches(self) -> list[BranchPages]:
-        """The member branches this forward still holds (a closed member session let go of its own)."""
-        return [b for b in self.branches if b.transaction is self]
+    def live_branches(self, lane: int = 0) -> list[BranchPages]:
+        """The member branches of ``lane`` this forward still holds (a closed member session let go of its own)."""
+        return self.lanes[lane].live(self) if self.lanes else []
 
     def close(self, status: Status, reason: str = "") -> None:
         """Mark finished and detach from the branches (their pending pages stay as they are)."""
         if self.reservation is not None:  # a held forward superseded (or closed) before its vote
             self.keep_reservation()  # releases what it replaced
-        for h in self.branches:
-            h.detach(self)
+        for lane in self.lanes:
+            for h in lane.branches:
+                h.detach(self)
         self.status = status
         self.reason = reason
         listeners, self.on_close = self.on_close, []
         for listener in listeners:
             listener(self)
 
-    def commit(self, allocator: PageAllocator) -> None:
-        """Finish successfully: a committing forward's pending chunks join history on every stream.
+    def commit(self) -> None:
+        """Finish successfully: a committing forward's pending chunks join history on every stream, in every lane.
 
-        Every stream's commit is computed first (pure: may raise, nothing changed), then applied
-        with one allocator call and plain assignments while SIGINT is held: all streams or none.
+        Every stream's commit in every lane is computed first (pure: may raise, nothing changed), then applied
+        with one allocator call per lane and plain assignments while SIGINT is held: all streams and lanes or none.
         """
         if not self.is_open:
             return
@@ -207,35 +216,100 @@ class ForwardTransaction:
         if not self.commit_current:
             self.close("completed")  # a denoising forward: pending pages stay for the next one
             return
-        live = self.live_branches()
         if self.recache:
-            self._commit_recache(live, allocator)
+            self._commit_recache()
             return
-        results = [h.preview_commit() for h in live]
-        evicted = [page for result in results for chunk in result.evicted for page in chunk]
-        kept = {id(h): latents for h, latents in zip(self.branches, self.latents)}
+        lives = [lane.live(self) for lane in self.lanes]
+        previews = [[h.preview_commit() for h in live] for live in lives]
         with deferred_interrupts():
-            allocator.decref(evicted)
-            for h, result in zip(live, results):
-                latents = kept.get(id(h))
-                if latents:
-                    h.apply_commit(result, latents)
-                else:
-                    h.apply_commit(result)
+            for lane, live, results in zip(self.lanes, lives, previews):
+                lane.allocator.decref([page for result in results for chunk in result.evicted for page in chunk])
+                kept = {id(h): latents for h, latents in zip(lane.branches, self.latents)}
+                for h, result in zip(live, results):
+                    latents = kept.get(id(h))
+                    if latents:
+                        h.apply_commit(result, latents)
+                    else:
+                        h.apply_commit(result)
             self.close("committed")
 
-    def _commit_recache(self, live: list[BranchPages], allocator: PageAllocator) -> None:
-        """Swap every stream's rebuilt chunks in for the old ones, all at once (offsets, indices unchanged).
+    def _commit_recache(self) -> None:
+        """Swap every stream's rebuilt chunks in for the old ones in every lane, all at once (offsets, indices
+        unchanged; :meth:`TransactionLane.recache_swap`). Every lane's swap is computed first (pure), then each
+        lane's device copy runs and then every lane's bookkeeping, while SIGINT is held."""
+        lives = [lane.live(self) for lane in self.lanes]
+        swaps = [lane.recache_swap(live) for lane, live in zip(self.lanes, lives)]
+        with deferred_interrupts():
+            # NOTE: the copies come first: if one raises, no bookkeeping changed and the cache aborts the
+            # forward -- but runs copied before the failure (a device error) may have overwritten old ring slots.
+            for lane, swap in zip(self.lanes, swaps):
+                lane.copy(swap)
+            for lane, live, swap in zip(self.lanes, lives, swaps):
+                lane.apply_recache_swap(live, swap)
+            self.close("committed")
 
-        The old pages lose this branch's reference only: a fork sharing them keeps the old history.
-        With contiguous extents, a rebuilt chunk in fresh pages is then copied into a ring slot that
-        the commit leaves free -- the slot of the chunk it replaces when no fork shares that one
-        (:meth:`BranchPages.recache_copies`) -- and its fresh pages are freed: pool use is back
-        at the steady state at commit and the ring stays whole (one-chunk forwards keep their one
-        contiguous key range). One device copy call for the whole forward, host work once.
+    def abort(self, reason: str = "") -> None:
+        """Drop every stream's pending chunks in every lane, all at once; history stays exactly as before."""
+        if not self.is_open:
+            return
+        lives = [lane.live(self) for lane in self.lanes]
+        for lane, live in zip(self.lanes, lives):
+            if lane.reservation is not None and (len(live) < len(lane.branches) or not lane.reservation.can_roll_back()):
+                # The pool changed since the prepare (another forward ran), or a member let go of its branch: the
+                # recorded undo is no longer exact. Release what it replaced and drop the pending chunks instead.
+                lane.reservation.keep()
+                lane.reservation = None
+        with deferred_interrupts():
+            for lane, live in zip(self.lanes, lives):
+                lane.drop(live, self.recache)
+            self.close("aborted", reason)
+
+
+@dataclass(eq=False)
+class RecacheSwap:
+    """One lane's re-cache commit, computed before anything changes (:meth:`TransactionLane.recache_swap`)."""
+
+    #: Per live branch: the history after the swap (and the ring moves), and the starts of its chunks.
+    resident: list[tuple[PageChunk, ...]]
+    starts: list[tuple[int, ...]]
+    #: Device copies ``src[i] -> dst[i]`` (rebuilt chunks in fresh pages into free ring slots).
+    src: list[int]
+    dst: list[int]
+    #: References dropped (old chunks, context chunks' ring slots) and fresh pages given back, in allocation order.
+    released: list[int]
+    fresh_order: list[int]
+
+
+@dataclass(eq=False)
+class TransactionLane:
+    """One lane's share of a forward: the allocator of its pages, each member's branch pages (batch order), its
+    reservation while undoable, and for a re-cache each member's plan and the device copy of the lane's pool.
+
+    ``copy_pages(src, dst)``: page ``src[i]`` -> ``dst[i]`` in every layer, K and V (``KVPool.copy_pages``);
+    ``None``: rebuilt chunks are only swapped in, never copied into the ring.
+    """
+
+    allocator: PageAllocator
+    branches: tuple[BranchPages, ...]
+    reservation: Reservation | None = None
+    recache_plans: tuple[RecachePlan, ...] = ()
+    copy_pages: Callable[[Sequence[int], Sequence[int]], None] | None = None
+
+    def live(self, transaction: object) -> list[BranchPages]:
+        """The branches ``transaction`` still holds (a closed member session let go of its own)."""
+        return [b for b in self.branches if b.transaction is transaction]
+
+    def recache_swap(self, live: list[BranchPages]) -> RecacheSwap:
+        """This lane's re-cache commit (pure: may raise, nothing changed).
+
+        The old pages lose this branch's reference only: a fork sharing them keeps the old history. With
+        contiguous extents, a rebuilt chunk in fresh pages is then copied into a ring slot that the commit
+        leaves free -- the slot of the chunk it replaces when no fork shares that one
+        (:meth:`BranchPages.recache_copies`) -- and its fresh pages are freed: pool use is back at the steady
+        state at commit and the ring stays whole (one-chunk forwards keep their one contiguous key range).
+        References dropped are counted over every stream at once: two streams of this forward sharing old
+        pages (a fork re-cached with its parent) both let go.
         """
-        # Pure: may raise, nothing changed. References dropped are counted over every stream at once:
-        # two streams of this forward sharing old pages (a fork re-cached with its parent) both let go.
         plans = {id(h): plan for h, plan in zip(self.branches, self.recache_plans)}
         swaps = [h.preview_recache_commit(plans[id(h)]) for h in live]
         # Context chunks are dropped: ring slots lose the reference the re-cache added, fresh pages are returned.
@@ -244,7 +318,7 @@ class ForwardTransaction:
         released = Counter(page for _, _, old, _ in swaps for page in old)
         released.update(p for p in dropped if p in ring)  # a context chunk's ring slot is free after the commit
         moves = (
-            [h.recache_copies(resident, released, allocator) for h, (resident, *_) in zip(live, swaps)]
+            [h.recache_copies(resident, released, self.allocator) for h, (resident, *_) in zip(live, swaps)]
             if self.copy_pages is not None else [(resident, []) for resident, *_ in swaps]
         )
         src = [p for _, copies in moves for fresh, _ in copies for p in fresh]
@@ -253,50 +327,46 @@ class ForwardTransaction:
         # NOTE: unallocate, not decref: the fresh pages go back to the front of the free list in their
         # allocation order, so a fully copied re-cache leaves the free list as it found it.
         fresh_order = [p for h in live for p in h.split_pending()[1] if p in returned]
-        with deferred_interrupts():
-            if src:
-                # NOTE: the copy comes first: if it raises, no bookkeeping changed and the cache aborts the
-                # forward -- but runs copied before the failure (a device error) may have overwritten old
-                # ring slots. It is enqueued on the current stream before any later forward's writes, so the
-                # freed fresh pages are not overwritten before it read them.
-                assert self.copy_pages is not None
-                self.copy_pages(src, dst)
-            allocator.incref(dst)  # before the decref: a slot's pages never pass through the free list
-            allocator.decref([page for _, _, old, _ in swaps for page in old] + [p for p in dropped if p in ring])
-            allocator.unallocate(fresh_order)
-            for h, (resident, _), (_, starts, _, _) in zip(live, moves, swaps):
-                h.apply_recache_commit(resident, starts, plans[id(h)])
-            self.close("committed")
+        return RecacheSwap(
+            [resident for resident, _ in moves], [starts for _, starts, _, _ in swaps], src, dst,
+            [page for _, _, old, _ in swaps for page in old] + [p for p in dropped if p in ring], fresh_order,
+        )
 
-    def abort(self, allocator: PageAllocator, reason: str = "") -> None:
-        """Drop every stream's pending chunks, all at once; history stays exactly as before."""
-        if not self.is_open:
+    def copy(self, swap: RecacheSwap) -> None:
+        """The swap's device copies (one call; enqueued on the current stream before any later forward's writes,
+        so the freed fresh pages are not overwritten before it read them)."""
+        if swap.src:
+            assert self.copy_pages is not None
+            self.copy_pages(swap.src, swap.dst)
+
+    def apply_recache_swap(self, live: list[BranchPages], swap: RecacheSwap) -> None:
+        """Adopt the swap (after :meth:`copy`): references, then each branch's history."""
+        self.allocator.incref(swap.dst)  # before the decref: a slot's pages never pass through the free list
+        self.allocator.decref(swap.released)
+        self.allocator.unallocate(swap.fresh_order)
+        plans = {id(h): plan for h, plan in zip(self.branches, self.recache_plans)}
+        for h, resident, starts in zip(live, swap.resident, swap.starts):
+            h.apply_recache_commit(resident, starts, plans[id(h)])
+
+    def drop(self, live: list[BranchPages], recache: bool) -> None:
+        """Abort this lane's share: undo its reservation exactly while it is held (a distributed forward before
+        its vote passed: the pending chunks it replaced come back, extents it took are given back, free order and
+        peak as before), else drop the live branches' pending chunks."""
+        if self.reservation is not None:
+            self.reservation.rollback()
+            self.reservation = None
             return
-        live = self.live_branches()
-        if self.reservation is not None and (len(live) < len(self.branches) or not self.reservation.can_roll_back()):
-            # The pool changed since the prepare (another forward ran), or a member let go of its branch: the
-            # recorded undo is no longer exact. Release what it replaced and drop the pending chunks instead.
-            self.keep_reservation()
-        with deferred_interrupts():
-            if self.reservation is not None:
-                # Never kept (a distributed forward before its vote passed): undo it exactly -- the pending
-                # chunks it replaced come back, extents it took are given back, free order and peak as before.
-                self.reservation.rollback()
-                self.reservation = None
-                self.close("aborted", reason)
-                return
-            if self.recache:
-                # NOTE: a re-cache's fresh pages are never shared (pending pages are not forked): undo
-                # their allocation exactly, so the free list is as before the re-cache too; the ring
-                # slots it took only lose the reference it added (free slots again).
-                split = [h.split_pending() for h in live]
-                allocator.decref(p for ring, _ in split for p in ring)
-                allocator.unallocate([p for _, fresh in split for p in fresh])
-            else:
-                allocator.decref(page for h in live for page in h.pending_pages())
-            for h in live:
-                h.clear_pending()
-            self.close("aborted", reason)
+        if recache:
+            # NOTE: a re-cache's fresh pages are never shared (pending pages are not forked): undo their
+            # allocation exactly, so the free list is as before the re-cache too; the ring slots it took only
+            # lose the reference it added (free slots again).
+            split = [h.split_pending() for h in live]
+            self.allocator.decref(p for ring, _ in split for p in ring)
+            self.allocator.unallocate([p for _, fresh in split for p in fresh])
+        else:
+            self.allocator.decref(page for h in live for page in h.pending_pages())
+        for h in live:
+            h.clear_pending()
 
 
 class PageHold:

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from ardiff_modules.core.allocator import PageAllocator
 from ardiff_modules.core.transaction import ForwardTransaction
 from ardiff_modules.errors import NonFiniteKVError
 from ardiff_modules.pool import KVPool
 
 
-def check_pending_finite(transaction: ForwardTransaction, pool: KVPool, allocator: PageAllocator) -> None:
+def check_pending_finite(transaction: ForwardTransaction, pool: KVPool) -> None:
     """Read every live stream's pending pages (``[2, layers, pages, page_size, kv_heads, head_dim]`` of the
     pool); on NaN/Inf abort the **whole** forward and raise :class:`NonFiniteKVError` naming the streams.
 
@@ -33,7 +32,7 @@ def check_pending_finite(transaction: ForwardTransaction, pool: KVPool, allocato
     ok = finite.all(dim=1).tolist()  # the one sync
     bad = sorted({(sid, branch) for (sid, branch, _), fine in zip(owners, ok) if not fine})
     if bad:
-        transaction.abort(allocator, "non-finite K/V")
+        transaction.abort("non-finite K/V")
         raise NonFiniteKVError(
             f"check_finite: expected finite K/V in the pending chunks of a committing forward, got NaN/Inf "
             f"in stream(s) {bad}; the forward was aborted and history is unchanged"

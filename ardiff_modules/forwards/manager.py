@@ -27,7 +27,7 @@ from ardiff_modules.core.allocator import PageAllocator
 from ardiff_modules.core.branch import BranchPages
 from ardiff_modules.core.recache import RecacheRule
 from ardiff_modules.core.reservation import ForwardReservation, settle_free_order
-from ardiff_modules.core.transaction import ForwardTransaction
+from ardiff_modules.core.transaction import ForwardTransaction, TransactionLane
 from ardiff_modules.core.two_phase import require_coordinated
 from ardiff_modules.errors import ARDiffError, CacheClosedError, CommitFailedError, LatentsNotKeptError, SpecError
 from ardiff_modules.forwards.commit_checks import check_pending_finite
@@ -270,11 +270,13 @@ class ForwardManager:
                 if isinstance(b.transaction, ForwardTransaction) and b.transaction.is_open:
                     b.transaction.close("superseded", "a later forward of one of its streams was prepared")
             self.registry.publish(key, ctx)  # registers a new context; most recently used; evicts idle ones
+            lane = TransactionLane(
+                self.allocator, request.branches, reservation if hold else None, request.recache_plans,
+                self.pool.copy_pages if request.recache else None,
+            )
             transaction = ForwardTransaction(
                 members=request.members, commit_current=request.commit_current, num_chunks=layout.num_chunks,
-                branches=request.branches, recache=request.recache, recache_plans=request.recache_plans,
-                latents=request.latents, copy_pages=self.pool.copy_pages if request.recache else None,
-                reservation=reservation if hold else None,
+                recache=request.recache, latents=request.latents, lanes=(lane,),
             )
             transaction.attach()
             ctx.begin(transaction, plan, layout, positions, cross, request.token_mask)
@@ -368,13 +370,13 @@ class ForwardManager:
                 # others: committed alone, its history would run a chunk ahead of theirs for good.
                 require_coordinated(transaction, stream_names(transaction.members))
             if not success:
-                transaction.abort(self.allocator)
+                transaction.abort()
             else:
                 try:
                     self.abort_if_uncommittable(transaction)
-                    transaction.commit(self.allocator)
+                    transaction.commit()
                 except BaseException as error:
-                    transaction.abort(self.allocator, f"its commit raised {type(error).__name__}")
+                    transaction.abort(f"its commit raised {type(error).__name__}")
                     if isinstance(error, ARDiffError) or not isinstance(error, Exception):
                         raise  # names its cause already / KeyboardInterrupt, SystemExit as they are
                     raise CommitFailedError(
@@ -398,7 +400,7 @@ class ForwardManager:
                 if self.pool.quantizer is not None:
                     self.pool.quantizer.check_commit(transaction)
             except ARDiffError:
-                transaction.abort(self.allocator, "its commit was refused")
+                transaction.abort("its commit was refused")
                 raise
             if self.check_finite if check_finite is None else check_finite:
                 self.abort_if_non_finite(transaction)
@@ -410,7 +412,7 @@ class ForwardManager:
             raise SpecError("KVCache.abort_if_non_finite: expected a forward of this cache, got one of another cache")
         with self.lock:
             if transaction.is_open:
-                check_pending_finite(transaction, self.pool, self.allocator)
+                check_pending_finite(transaction, self.pool)
 
     def abort_forwards_of(self, state: KVState) -> None:
         """Abort every open forward one of ``state``'s branches belongs to (all of their streams)."""
