@@ -245,7 +245,7 @@ class HeadGroupedKVCache:
             raise CacheClosedError(f"HeadGroupedKVCache.{what}: expected an open cache, got a closed one")
 
     def __repr__(self) -> str:
-        parts = ", ".join(f"{p.name}: {len(p.layers)} layers, {c.pool.num_pages} pages"
+        parts = ", ".join(f"{p.name}: {len(p.layers)} layers, {c._pool.num_pages} pages"
                           for p, c in zip(self.part_list, self.caches))
         return f"HeadGroupedKVCache({parts}; sessions={len(self._sessions)}, closed={self._closed})"
 
@@ -345,7 +345,7 @@ class HeadGroupedKVCache:
             # NOTE: validate in every part first: a refusal by a later part must not find an earlier part's
             # denoising forward already superseded and its pending chunks reshaped (the parts out of step).
             requests = [
-                cache.forwards.forward_request([(s.parts[p], b) for s, b in members], seq_len, commit_current, options)
+                cache._forwards.forward_request([(s.parts[p], b) for s, b in members], seq_len, commit_current, options)
                 for p, cache in enumerate(self.caches)
             ]
             previous = _open_transactions(members)
@@ -429,7 +429,7 @@ class HeadGroupedKVCache:
             if isinstance(transactions, HeadGroupedForward):
                 transactions = transactions.transactions
             participants = [
-                Participant(name, t, functools.partial(cache.abort_if_uncommittable, check_finite=self.check_finite),
+                Participant(name, t, functools.partial(cache._forwards.abort_if_uncommittable, check_finite=self.check_finite),
                             _committer(cache), _aborter(cache))
                 for name, cache, t in zip(self.part_names, self.caches, transactions)
             ]
@@ -469,7 +469,7 @@ class HeadGroupedKVCache:
                 needed = [c.pages_per_session(pending_chunks=pending_chunks) for c in self.caches]
                 p = next(p for p, c in enumerate(self.caches) if c.sessions_that_fit(pending_chunks, recache=recache) < 1)
                 full = self.caches[p]
-                free = max(0, full.admission.unpromised(full.allocator.num_free, full.allocator.num_used,
+                free = max(0, full._admission.unpromised(full._allocator.num_free, full._allocator.num_used,
                                                         len(full.sessions), recache))
                 raise CapacityError(
                     f"admit_session: a session needs {dict(zip(self.part_names, needed))} pages per part; part "
@@ -481,12 +481,12 @@ class HeadGroupedKVCache:
 
     def pool_bytes(self) -> int:
         """Bytes of every part's pool (what the cache allocated)."""
-        return sum(c.pool.nbytes for c in self.caches)
+        return sum(c._pool.nbytes for c in self.caches)
 
     def bytes_in_use(self) -> int:
         """Bytes of the pages in use in every part."""
         with self._lock:
-            return sum(c.allocator.num_used * c.pool.bytes_per_page for c in self.caches)
+            return sum(c._allocator.num_used * c._pool.bytes_per_page for c in self.caches)
 
     def stats(self) -> dict[str, Any]:
         """Per part name, that part's :meth:`KVCache.stats` snapshot."""
@@ -496,17 +496,17 @@ class HeadGroupedKVCache:
 
 def _aborter(cache: KVCache) -> Callable[[ForwardTransaction], None]:
     """Abort one part's transaction (rolled back exactly while its reservation is held)."""
-    return lambda transaction: cache.finish_forward(transaction, False)
+    return lambda transaction: cache._forwards.finish_forward(transaction, False)
 
 
 def _committer(cache: KVCache) -> Callable[[ForwardTransaction], None]:
     """Commit one part's transaction (inside :func:`commit_all`: its coordinator lets it)."""
-    return lambda transaction: cache.finish_forward(transaction, True)
+    return lambda transaction: cache._forwards.finish_forward(transaction, True)
 
 
 def _build_part(cache: KVCache, request: Build, contexts: list[ForwardContext]) -> ForwardTransaction | None:
     """Build one part's forward holding its reservation; its context is appended to ``contexts``."""
-    ctx = cache.forwards.build(request, hold=True)
+    ctx = cache._forwards.build(request, hold=True)
     contexts.append(ctx)
     return ctx.transaction
 
@@ -595,7 +595,7 @@ class HeadGroupedSession(SessionCrossCaches):
     def bytes_in_use(self) -> int:
         """Bytes of the pages this session references, over every part."""
         with self.cache.lock:
-            return sum(state.pages_in_use() * c.pool.bytes_per_page for state, c in zip(self.parts, self.cache.caches))
+            return sum(state.pages_in_use() * c._pool.bytes_per_page for state, c in zip(self.parts, self.cache.caches))
 
     # ------------------------------------------------------------------ self-attention
     def prepare_forward(

@@ -44,10 +44,12 @@ T = TypeVar("T")
 
 
 class ScopedCache(Protocol):
-    """What a :class:`TrainingScope` needs of its cache (``KVCache``): the allocator and its lock."""
+    """What a :class:`TrainingScope` needs of its cache (``KVCache``): the allocator, the forward manager, the lock."""
 
-    allocator: PageAllocator
+    _allocator: PageAllocator
 
+    @property
+    def _forwards(self) -> object: ...
     @property
     def lock(self) -> threading.RLock: ...
 
@@ -239,7 +241,7 @@ def _record_of(fwd: ForwardContext, pad_to: int | None) -> HistoryRead:
     # The innermost open scope of this cache holds it; a closed one still listed (closed in another thread or
     # context, whose stack it could not edit) refuses, and the next one out takes the record.
     for scope in reversed(_SCOPES.get()):
-        if scope.cache is fwd.owner and scope.hold(record):
+        if scope.cache._forwards is fwd.owner and scope.hold(record):
             break
     with _RECORDS_LOCK:
         _RECORDS[transaction] = record
@@ -315,7 +317,7 @@ class TrainingScope:
     """
 
     def __init__(self, cache: ScopedCache) -> None:
-        if not hasattr(cache, "allocator") or not hasattr(cache, "lock"):
+        if not hasattr(cache, "_allocator") or not hasattr(cache, "lock"):
             raise SpecError(f"TrainingScope.cache: expected a KVCache, got {type(cache).__name__}")
         self.cache = cache
         self.records: list[HistoryRead] = []
@@ -357,7 +359,7 @@ class TrainingScope:
         with self.cache.lock:
             if self.closed:
                 return False
-            hold = PageHold(self.cache.allocator, record.history_pages)
+            hold = PageHold(self.cache._allocator, record.history_pages)
             hold.take()
             record.hold = hold
             self.records.append(record)

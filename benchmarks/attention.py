@@ -161,7 +161,7 @@ def _add_library_path(s: _Shape, lib: _Library, label: str, extents: bool, kv_dt
     cache = am.KVCache(dataclasses.replace(s.spec, kv_dtype=kv_dtype),
                        num_pages=s.streams * (s.history + 2) * s.spec.pages_per_chunk, device=s.dev,
                        backend="flashinfer", contiguous_extents=extents)
-    lib.pool_bytes[label] = cache.pool.nbytes
+    lib.pool_bytes[label] = cache.stats().pool_bytes
     state = cache.open_session()
     lib.states.append(state)
     for _ in range(s.history + 2):  # fill the window and evict once
@@ -443,7 +443,7 @@ def bench_shape(name: str, heads: int, chunk: int, sink: int, window: int, strea
     total = (s.history + 4) * chunk
     kt, vt = s.rand(streams, heads, total, D), s.rand(streams, heads, total, D)
     fns["flex"] = flex_sink_window(contig.qs, kt, vt, chunk=chunk, sink=sink, window=window)
-    fns["fa2_mask"], mstate, masked_plan_s = _masked_path(s, cache.allocator.num_pages)
+    fns["fa2_mask"], mstate, masked_plan_s = _masked_path(s, cache.stats().num_pages)
     kslots, vslots = KVPool.token_slots(layer.k_cache), KVPool.token_slots(layer.v_cache)
     fns.update(_gather_paths(s, fwd, kslots, vslots, contig.ragged))
     attention = interleaved(fns, inner=inner, rounds=rounds)

@@ -180,7 +180,7 @@ class DistributedKVCache:
         """
         number = self._forward_number + 1
         states = self._vote_arguments(number, sessions, seq_len, commit_current, static, kwargs)
-        free_before = self.cache.allocator.free_pages()  # identical on every rank (same calls so far)
+        free_before = self.cache._allocator.free_pages()  # identical on every rank (same calls so far)
         ctx = self._prepare_and_vote(number, states, seq_len, commit_current, static, kwargs, free_before)
         return DistributedForward(self, ctx, states, free_before, number)
 
@@ -243,7 +243,7 @@ class DistributedKVCache:
                 )
             streams = [(s, b) for s in states for b in self.local_branches]
             options = ForwardOptions(static=static, **kwargs)  # unknown options raise here: voted too
-            prepared.append(self.cache.forwards.prepare(streams, seq_len, commit_current, options, hold=True))
+            prepared.append(self.cache._forwards.prepare(streams, seq_len, commit_current, options, hold=True))
             return prepared[0].transaction
 
         def undo(decision: Decision | None) -> None:
@@ -267,7 +267,7 @@ class DistributedKVCache:
 
         # NOTE: a KeyboardInterrupt in the prepare or the vote is not voted on: prepare_all rolls back and undoes
         # here, and the peers meet this rank's next vote (RankDivergenceError) and undo the same.
-        step = Step(self.mesh.rank, prepare, lambda transaction: self.cache.finish_forward(transaction, False))
+        step = Step(self.mesh.rank, prepare, lambda transaction: self.cache._forwards.finish_forward(transaction, False))
         decide = self._decide(Vote.PREPARED, number, "this rank's prepared forward was aborted")
         prepare_all(Coordinator(f"DistributedForward {number}"), [step], decide, undo=undo, refused=refused)
         return prepared[0]
@@ -329,7 +329,7 @@ class DistributedKVCache:
         another), so their next allocations would pick other ids. The order is therefore settled to: pages
         free before the forward, in their order then, followed by the others by id.
         """
-        self.cache.forwards.abort_sessions(states, free_order=free_before)
+        self.cache._forwards.abort_sessions(states, free_order=free_before)
 
     def settle_finish(self, decision: Decision) -> None:
         """After a finish vote's outcome was applied, whatever it was: the optional consistency check.
@@ -431,7 +431,7 @@ class DistributedForward:
         # later forward prepared on the same streams (which superseded this one) must not be finished here.
         me = Participant(
             owner.mesh.rank, self._transaction, self._precommit,
-            lambda transaction: owner.cache.finish_forward(transaction, True),  # checked before the vote
+            lambda transaction: owner.cache._forwards.finish_forward(transaction, True),  # checked before the vote
             lambda transaction: owner._abort_streams(self.sessions, self._free_before),
         )
 
@@ -467,7 +467,7 @@ class DistributedForward:
             branch.preview_commit()  # pure: may raise, changes nothing
         # Every layer wrote, FP8 scales it would fix not degenerate, and (check_finite) no NaN/Inf: on a
         # failure it aborts this rank's forward and raises; the vote then aborts everyone else's.
-        self.owner.cache.abort_if_uncommittable(transaction, check_finite=self.owner.check_finite)
+        self.owner.cache._forwards.abort_if_uncommittable(transaction, check_finite=self.owner.check_finite)
 
     def __enter__(self) -> DistributedForward:
         self.context.check_usable("DistributedForward.__enter__")

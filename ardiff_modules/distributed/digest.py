@@ -43,7 +43,7 @@ def h64(text: str) -> int:
 def describe_state(cache: KVCache) -> tuple[str, str]:
     """The canonical text of ``cache``'s bookkeeping: ``(replica, progress)`` (what the digests hash)."""
     replica: list[str] = [
-        f"pages used={cache.allocator.num_used} free={cache.allocator.num_free}",
+        f"pages used={cache._allocator.num_used} free={cache._allocator.num_free}",
     ]
     progress: list[str] = []
     with cache.lock:

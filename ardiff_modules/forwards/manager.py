@@ -22,7 +22,7 @@ import torch
 
 from ardiff_modules.backends import AttentionBackend, PlanRequest
 from ardiff_modules.backends.segmented import plan_forward
-from ardiff_modules.context import ForwardContext, TransactionOwner
+from ardiff_modules.context import ForwardContext
 from ardiff_modules.core.allocator import PageAllocator
 from ardiff_modules.core.branch import BranchPages
 from ardiff_modules.core.recache import RecacheRule
@@ -64,8 +64,8 @@ Streams = Sequence[tuple[KVState, str]]
 class ForwardManager:
     """Prepares and finishes the forwards of one cache's sessions (see the module docstring).
 
-    ``host`` is the cache the sessions belong to (streams of other caches are refused); it owns the contexts:
-    ``ForwardContext.commit()`` / ``abort()`` finish through ``host.finish_forward``.
+    ``host`` is the cache the sessions belong to (streams of other caches are refused). The manager owns the
+    contexts (its registry): ``ForwardContext.commit()`` / ``abort()`` finish through :meth:`finish_forward`.
     """
 
     def __init__(
@@ -300,7 +300,7 @@ class ForwardManager:
         if ctx is not None:
             return ctx  # marked most recently used only once its forward begins
         return ForwardContext.create(
-            key[0], self.pool, dtype=self.dtype, static=key[1] is not None, owner=cast(TransactionOwner, self.host)
+            key[0], self.pool, dtype=self.dtype, static=key[1] is not None, owner=self
         )
 
     def _plan_request(self, layout: ForwardLayout, request: Build) -> PlanRequest:
@@ -432,6 +432,16 @@ class ForwardManager:
                 settle_free_order(self.allocator, free_order)
 
     # ------------------------------------------------------------------ contexts
+    @property
+    def num_contexts(self) -> int:
+        """Forward contexts kept for reuse now (bounded by the cache's ``max_forward_contexts``)."""
+        return len(self.registry)
+
+    def contexts(self) -> tuple[ForwardContext, ...]:
+        """The forward contexts kept for reuse, least recently used first."""
+        with self.lock:
+            return tuple(self.registry)
+
     def release_idle_contexts(self) -> int:
         """Release every kept context whose forward is not open; returns how many."""
         with self.lock:

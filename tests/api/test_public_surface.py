@@ -110,7 +110,7 @@ def test_import_without_torch_keeps_the_pure_python_surface() -> None:
         sys.path.insert(0, {str(REPO)!r})
         import ardiff_modules as am
         spec = am.KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=8, chunk_size=4, page_size=2)
-        am.SinkWindowMemoryPolicy(1, 2, 2, 1), am.SpecError, am.ForwardFinishedError, am.RetentionPolicy
+        am.SinkWindowMemoryPolicy(1, 2, 2, 1), am.SpecError, am.errors.ForwardFinishedError, am.RetentionPolicy
         try:
             am.KVCache
         except ImportError:

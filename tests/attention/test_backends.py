@@ -32,10 +32,10 @@ def test_auto_is_reference_on_cpu_and_flashinfer_is_refused_with_the_reason() ->
 def test_static_forwards_need_flashinfer_and_a_bounded_window() -> None:
     cache = am.KVCache(_backend_spec(), num_pages=16)
     state = cache.open_session()
-    free = cache.allocator.free_pages()
+    free = cache._allocator.free_pages()
     with pytest.raises(am.BackendUnavailableError, match="static plans"):
         state.prepare_forward(None, 4, static=True)
-    assert cache.allocator.free_pages() == free and state.pending_chunks("cond") == ()
+    assert cache._allocator.free_pages() == free and state.pending_chunks("cond") == ()
     unbounded = am.KVCache(_backend_spec(None), num_pages=16).open_session()
     with pytest.raises(am.SpecError, match="bounded window"):
         unbounded.prepare_forward(None, 4, static=True)

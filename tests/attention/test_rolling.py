@@ -52,7 +52,7 @@ def test_rollout_matches_cache_free_oracle(
     for i, (a, e) in enumerate(zip(actual, expected)):
         torch.testing.assert_close(a, e, atol=2e-5, rtol=2e-5, msg=lambda m, i=i: f"forward {i}: {m}")
     library.state.close()
-    assert library.cache.allocator.num_free == pages
+    assert library.cache._allocator.num_free == pages
 
 
 @pytest.mark.parametrize("page_size,sink,window", [(2, 1, 2), pytest.param(1, 0, 3, marks=SLOW)])
@@ -103,8 +103,8 @@ def test_only_the_last_pending_chunk_agrees_across_rules() -> None:
         q, k, v = _qkv(2, 12, g)
         with state.prepare_forward(None, 12, False, pending_attention=rule) as fwd:
             outs[rule] = am.chunk_attention(q, k, v, fwd.layers[0])
-            keys = cache.pool.kv[0, 0].reshape(-1, 2, 4)[fwd.layout.dense_keys[0]]  # [S, K, H, D] after the write
-            values = cache.pool.kv[0, 1].reshape(-1, 2, 4)[fwd.layout.dense_keys[0]]
+            keys = cache._pool.kv[0, 0].reshape(-1, 2, 4)[fwd.layout.dense_keys[0]]  # [S, K, H, D] after the write
+            values = cache._pool.kv[0, 1].reshape(-1, 2, 4)[fwd.layout.dense_keys[0]]
     assert torch.equal(outs["bidirectional"][:, 8:], outs["block_causal"][:, 8:])
     assert not torch.allclose(outs["bidirectional"][:, :8], outs["block_causal"][:, :8], atol=1e-3)
     dense = torch.softmax(torch.einsum("snhd,skhd->shnk", q, keys) * 0.5, dim=-1)  # every key visible
@@ -244,7 +244,7 @@ def test_commits_are_the_same_under_both_rules() -> None:
                 pass
             _commit_chunks(state, n, pending_attention=rule)
         views.append((state.history_chunks("cond"), state.token_offset("cond"), state.committed_chunks("uncond"),
-                      cache.allocator.free_pages(), cache.pool.kv.clone()))
+                      cache._allocator.free_pages(), cache._pool.kv.clone()))
     assert views[0][:4] == views[1][:4]
     assert torch.equal(views[0][4], views[1][4])
 
@@ -260,8 +260,8 @@ def test_a_bad_rule_raises_and_changes_nothing(bad: object, via: str) -> None:
     _commit_chunks(state, 3)
     with state.prepare_forward(None, 8, False):  # a denoising forward left open (superseded by a good prepare)
         pass
-    before = (cache.allocator.free_pages(), cache.allocator.peak_used, state.pending_chunks("cond"),
-              state.history_chunks("cond"), state.token_offset("cond"), cache.num_forward_contexts)
+    before = (cache._allocator.free_pages(), cache._allocator.peak_used, state.pending_chunks("cond"),
+              state.history_chunks("cond"), state.token_offset("cond"), cache._forwards.num_contexts)
     calls = {
         "cache": lambda: cache.prepare_forward([(state, "cond")], 8, pending_attention=bad),
         "state": lambda: state.prepare_forward(None, 8, pending_attention=bad),
@@ -271,10 +271,10 @@ def test_a_bad_rule_raises_and_changes_nothing(bad: object, via: str) -> None:
     with pytest.raises(am.SpecError, match=r"pending_attention: expected one of \('block_causal', 'bidirectional'\)"
                        rf", got {__import__('re').escape(repr(bad))}"):
         calls[via]()
-    after = (cache.allocator.free_pages(), cache.allocator.peak_used, state.pending_chunks("cond"),
-             state.history_chunks("cond"), state.token_offset("cond"), cache.num_forward_contexts)
+    after = (cache._allocator.free_pages(), cache._allocator.peak_used, state.pending_chunks("cond"),
+             state.history_chunks("cond"), state.token_offset("cond"), cache._forwards.num_contexts)
     assert after == before
-    cache.allocator.check_invariants()
+    cache._allocator.check_invariants()
 
 
 def test_a_bad_spec_default_and_bad_mask_arguments_raise() -> None:

@@ -321,11 +321,11 @@ def test_plans_that_attend_the_compute_dtype_query_refuse_a_q_scale() -> None:
         with state.prepare_forward(None, CHUNK) as fwd:
             plan = fwd.plan
             assert plan is not None and isinstance(plan, RelativeSinkPlan) is relative
-            pages = (cache.pool.k_pages(0), cache.pool.v_pages(0))
-            before = cache.pool.kv.clone()
+            pages = (cache._pool.k_pages(0), cache._pool.v_pages(0))
+            before = cache._pool.kv.clone()
             with pytest.raises(am.SpecError, match=r"attend: expected q_scale=None .* got a torch.float32 tensor"):
                 plan.attend(q8, *pages, 8**-0.5, layer=0, q_scale=q_scale)
-            assert torch.equal(cache.pool.kv, before)
+            assert torch.equal(cache._pool.kv, before)
             fwd.abort()
 
 

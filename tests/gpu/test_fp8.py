@@ -65,7 +65,7 @@ def test_fp8_flashinfer_equals_fp8_reference_over_rollout(page: int, extents: bo
                 worst_vs_ref = max(worst_vs_ref, rel_error(a, b))
                 worst_vs_bf16 = max(worst_vs_bf16, rel_error(a, c))
             # Same quantization, same pages: the FP8 bytes in the two pools are identical.
-            assert torch.equal(fi.pool.kv.view(torch.uint8), ref.pool.kv.view(torch.uint8))
+            assert torch.equal(fi._pool.kv.view(torch.uint8), ref._pool.kv.view(torch.uint8))
     print(f"fp8 flashinfer vs fp8 reference: {worst_vs_ref:.3e}; vs bf16 flashinfer: {worst_vs_bf16:.3e}; {modes}")
     assert worst_vs_ref < 4e-2  # FA3 also quantizes the query (per head, per forward)
     assert worst_vs_bf16 < 8e-2
@@ -115,8 +115,8 @@ def test_fp8_ragged_lse_and_default_calibration() -> None:
             am.chunk_attention(q, k, v, fwd.layers[1])  # a commit needs every layer
             if c is cache:
                 assert fwd.plan.mode == "ragged"
-    torch.testing.assert_close(cache.pool.scales[0, 0], amax_scale(k.reshape(-1, 2, HEAD_DIM), DEFAULT_HEADROOM))
-    torch.testing.assert_close(cache.pool.scales, ref.pool.scales)
+    torch.testing.assert_close(cache._pool.scales[0, 0], amax_scale(k.reshape(-1, 2, HEAD_DIM), DEFAULT_HEADROOM))
+    torch.testing.assert_close(cache._pool.scales, ref._pool.scales)
     assert rel_error(outs[1][0], outs[0][0]) < 8e-2  # FA3's per-forward FP8 query adds ~3-5 % on random data
     # LSE of FP8 logits (q and k both rounded, k 3x randn): a few hundredths on average; a scale that
     # was not applied (k_scale ~ 0.03 here) would move it by whole units.

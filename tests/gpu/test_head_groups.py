@@ -92,4 +92,4 @@ def test_fp8_parts_calibrate_and_match_bf16_loosely() -> None:
         got, want = one_forward(session, oracle, spec.branches, 120, True, gen, spec, dtype=DTYPE)
         rel = (got.float().cpu() - want).norm() / want.norm()
         assert rel < 0.1, float(rel)
-    assert all(c.pool.quantizer is not None for c in cache.caches)
+    assert all(c._pool.quantizer is not None for c in cache.caches)

@@ -24,7 +24,7 @@ def test_no_stream_reads_another_streams_nan(mode: str) -> None:
     outs = {}
     for backend in ("reference", "flashinfer"):
         cache = am.KVCache(spec, num_pages=96, device="cuda", backend=backend, contiguous_extents=mode != "paged")
-        cache.pool.kv.fill_(float("nan"))
+        cache._pool.kv.fill_(float("nan"))
         a, b = cache.open_session("a"), cache.open_session("b")
         g = torch.Generator(device="cuda").manual_seed(4)
         for i in range(3):

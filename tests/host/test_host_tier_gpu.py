@@ -26,8 +26,8 @@ def test_cuda_suspend_resume_matches_a_twin(extents):
                 assert torch.equal(am.chunk_attention(q, k, v, l1), am.chunk_attention(q, k, v, l2))
         if seed == 1:
             state.suspend()
-            assert caches[0].allocator.num_used == 0
-            tier = caches[0].host_tier
+            assert caches[0]._allocator.num_used == 0
+            tier = caches[0]._host_tier
             assert tier.host_page_tensor(tier.pages.pages()[0]).is_pinned()
             handle = state.resume()
             assert handle.ready() in (True, False)  # an event; the next prepare orders the stream after it
@@ -60,4 +60,4 @@ def test_cuda_prompt_published_while_suspended_wins_and_reads_on_the_device():
         entry = state.cross_entry(b, "text")
         assert entry is not None and entry.k.device.type == "cuda" and float(entry.k[0, 0, 0, 0]) == seed
     state.close()
-    assert cache.allocator.num_used == 0 and cache.host_tier.pages.nbytes == 0
+    assert cache._allocator.num_used == 0 and cache._host_tier.pages.nbytes == 0

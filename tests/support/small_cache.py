@@ -64,7 +64,7 @@ def bit_copy(t: torch.Tensor) -> torch.Tensor:
 
 def bookkeeping(cache: KVCache, *, ordered: bool = True):
     """Allocator (free queue, refcounts) and every open session's branches, via public API."""
-    alloc = cache.allocator
+    alloc = cache._allocator
     free = alloc.free_pages() if ordered else tuple(sorted(alloc.free_pages()))
     sessions = {
         sid: {

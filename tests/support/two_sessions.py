@@ -44,13 +44,13 @@ def build(num_pages: int = 16):
     a.populate_cross_attention("cond", "text", text_pairs(1.0))
     b.populate_cross_attention("cond", "text", text_pairs(5.0))
     # Non-trivial pool contents, so an unwanted write would show.
-    cache.pool.kv.copy_(torch.randn_like(cache.pool.kv))
+    cache._pool.kv.copy_(torch.randn_like(cache._pool.kv))
     return cache, a, b
 
 
 def session_snapshot(cache: KVCache) -> dict:
     """Allocator (free order, refcounts), every session (branches, cross caches, closed) and the pool's K/V."""
-    alloc = cache.allocator
+    alloc = cache._allocator
     sessions = {}
     for sid, state in cache.sessions.items():
         branches = {}
@@ -72,7 +72,7 @@ def session_snapshot(cache: KVCache) -> dict:
         "free": alloc.free_pages(),
         "refs": tuple(alloc.refcount(p) for p in range(alloc.num_pages)),
         "sessions": sessions,
-        "kv": cache.pool.kv.clone(),
+        "kv": cache._pool.kv.clone(),
     }
 
 
@@ -91,4 +91,4 @@ def assert_sessions_unchanged(cache: KVCache, before: dict) -> None:
         for key, (version, k, v) in cross.items():
             a_version, a_k, a_v = a_cross[key]
             assert a_version == version and torch.equal(a_k, k) and torch.equal(a_v, v), (sid, key)
-    cache.allocator.check_invariants()
+    cache._allocator.check_invariants()

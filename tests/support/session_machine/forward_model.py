@@ -11,7 +11,8 @@ import pytest
 import torch
 from hypothesis import event
 
-from ardiff_modules import CrossAttentionNotPopulatedError, ForwardContext, LayerContext, chunk_attention
+from ardiff_modules import ForwardContext, LayerContext, chunk_attention
+from ardiff_modules.errors import CrossAttentionNotPopulatedError
 from ardiff_modules.backends.reference import ReferencePlan
 from ardiff_modules.backends.segmented import RelativeSinkPlan
 from ardiff_modules.errors import (
@@ -72,7 +73,7 @@ class ForwardModel:
                 return PendingContextError
         if not mask_ok:
             return TensorMismatchError
-        alloc = cm.cache.allocator
+        alloc = cm.cache._allocator
         pages = [n // self.page for n in shape.lengths]
         if not cm.extents:
             # Pending chunks of other lengths are replaced (after the new ones are allocated).
@@ -158,8 +159,8 @@ class ForwardModel:
             event(f"prepare raised {failure.__name__}")
             self.expect_failure(failure, fn, *args, **kwargs)
             return None
-        free_before = set(cm.cache.allocator.free_pages())
-        used_before = cm.cache.allocator.num_used
+        free_before = set(cm.cache._allocator.free_pages())
+        used_before = cm.cache._allocator.num_used
         result = fn(*args, **kwargs)
         ctx = result[0].forward if via == "get_kv_caches" else result
         if via == "get_kv_caches":

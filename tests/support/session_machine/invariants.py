@@ -19,7 +19,7 @@ class Invariants:
     def pages_match_model(self) -> None:
         """Refcounts == references; pending pages exclusive; free/used partition; stats; peak."""
         for cm in self.open_caches:
-            alloc = cm.cache.allocator
+            alloc = cm.cache._allocator
             chunk_refs = self.chunk_references(cm)
             refs = Counter(chunk_refs)
             for sm in self.sessions_of(cm):
@@ -116,8 +116,8 @@ class Invariants:
     def forwards_match_model(self) -> None:
         """Context registry (identity, LRU order); each context's state; each tracked transaction's status."""
         for cm in self.caches:
-            lib = cm.cache.forward_contexts()
-            assert cm.cache.num_forward_contexts == len(lib) == len(cm.registry), (
+            lib = cm.cache._forwards.contexts()
+            assert cm.cache._forwards.num_contexts == len(lib) == len(cm.registry), (
                 f"{cm.label}: {len(lib)} forward contexts, model {len(cm.registry)}"
             )
             assert all(a is b for a, b in zip(lib, cm.registry.values())), (
@@ -145,14 +145,14 @@ class Invariants:
         for sm in self.sessions:
             sm.state.close()
         for cm in self.caches:
-            alloc = cm.cache.allocator
+            alloc = cm.cache._allocator
             assert alloc.num_free == alloc.num_pages, (
                 f"leak: {alloc.used_pages()} still used after closing every session"
             )
             assert all(alloc.refcount(p) == 0 for p in range(alloc.num_pages))
             alloc.check_invariants()
             assert cm.cache.sessions == {}
-            assert cm.cache.num_forward_contexts == 0  # closing a session releases its contexts
+            assert cm.cache._forwards.num_contexts == 0  # closing a session releases its contexts
             cm.cache.close()
         for ctx in self.ctx_tx:
             assert ctx.released and not ctx.is_active

@@ -51,7 +51,7 @@ class RecacheRules:
         pages = [n // self.page for n in shapes.pop()]
         # Free ring slots take the first rebuilt chunks (a shorter chunk a slot's first pages), the pool the rest.
         need = sum(sum(pages[len(self.free_slots(sm, b)) :]) for sm, b in streams)
-        return CapacityError if need > cm.cache.allocator.num_free else None
+        return CapacityError if need > cm.cache._allocator.num_free else None
 
     @precondition(lambda self: self.open_sessions)
     @rule(
@@ -93,7 +93,7 @@ class RecacheRules:
             event(f"re-cache refused: {(failure or Boom).__name__}")
             return
         targets = {(id(sm), b): self.m_recache_targets(sm, b, keep_sinks) for sm, b in streams}
-        free_before, used_before = set(cm.cache.allocator.free_pages()), cm.cache.allocator.num_used
+        free_before, used_before = set(cm.cache._allocator.free_pages()), cm.cache._allocator.num_used
         before = self.snapshot()
         ctx = fn(*args, keep_sinks=keep_sinks)
         lib = ctx.transaction
