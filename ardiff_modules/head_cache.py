@@ -280,7 +280,7 @@ class HeadGroupedKVCache:
     def session_closed(self, session: HeadGroupedSession) -> None:
         with self._lock:
             self._sessions.pop(session.session_id, None)
-            stale = [key for key, fwd in self._forwards.items() if any(p.released for p in fwd.parts)]
+            stale = [key for key, fwd in self._forwards.items() if any(p._released for p in fwd.parts)]
             for key in stale:
                 del self._forwards[key]
 
@@ -395,7 +395,7 @@ class HeadGroupedKVCache:
         # NOTE: as the parts' registries: a forward over a released part context never runs again (dropped), and
         # beyond the limit only idle ones go. An open one evicted would get a new object on its next prepare (the
         # parts keep their open contexts): a compiled model would recompile, a CUDAGraphStep capture again.
-        for old in [k for k, f in self._forwards.items() if f.released]:
+        for old in [k for k, f in self._forwards.items() if f._released]:
             del self._forwards[old]
         self._forwards[key] = forward
         for old in list(self._forwards):
@@ -411,9 +411,9 @@ class HeadGroupedKVCache:
         names = self.spec.cross_attention_names
         entries = {name: [s.cross_entry(b, name) for s, b in members] for name in names}
         who = [f"{s.session_id!r}/{b!r}" for s, b in members]
-        stacked, missing, versions = forward.cross_stack.restack(names, entries, who, forward.cross, static)
-        forward.set_cross(stacked, missing)
-        forward.cross_stack.adopt(versions)  # only once published: a failure above leaves the stack as it was
+        stacked, missing, versions = forward._cross_stack.restack(names, entries, who, forward._cross, static)
+        forward._set_cross(stacked, missing)
+        forward._cross_stack.adopt(versions)  # only once published: a failure above leaves the stack as it was
 
     def _finish(self, transactions: Sequence[ForwardTransaction | None] | HeadGroupedForward, success: bool) -> None:
         """Commit every part's forward or none: each part's pre-commit checks first, then the commits.
@@ -508,7 +508,7 @@ def _build_part(cache: KVCache, request: Build, contexts: list[ForwardContext]) 
     """Build one part's forward holding its reservation; its context is appended to ``contexts``."""
     ctx = cache._forwards.build(request, hold=True)
     contexts.append(ctx)
-    return ctx.transaction
+    return ctx._transaction
 
 
 def _check_offsets(contexts: Sequence[ForwardContext]) -> None:

@@ -31,12 +31,12 @@ from ardiff_modules.quant import is_quantized, quantize, quantize_query
 class PlanHolder(Protocol):
     """Anything registered in :data:`HANDLES`: it exposes the current plan of its forward."""
 
-    plan: AttentionPlan | None
+    _plan: AttentionPlan | None
 
-    def check_usable(self, what: str = ...) -> None:
+    def _check_usable(self, what: str = ...) -> None:
         """Raise unless the forward is open (a finished forward must not touch the pool)."""
 
-    def record_write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def _record_write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Layer ``layer`` is about to write ``k``/``v`` into the open forward's pending pages."""
 
 
@@ -61,14 +61,14 @@ class HandleTable:
 
     def get(self, handle: int) -> AttentionPlan:
         """The plan of an open forward; raises if the handle is unknown or its forward finished."""
-        return self._holder(handle).plan  # type: ignore[return-value]
+        return self._holder(handle)._plan  # type: ignore[return-value]
 
     def get_for_write(self, handle: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> AttentionPlan:
         """:meth:`get`, recording that ``layer`` writes ``k``/``v`` in this forward (a commit needs every layer;
         an FP8 pool calibrates an uncalibrated layer from them): host work, no sync."""
         holder = self._holder(handle)
-        holder.record_write(layer, k, v)
-        return holder.plan  # type: ignore[return-value]
+        holder._record_write(layer, k, v)
+        return holder._plan  # type: ignore[return-value]
 
     def holder(self, handle: int) -> PlanHolder:
         """What ``handle`` names, once its forward was checked to be open (the gradient path's ops)."""
@@ -82,8 +82,8 @@ class HandleTable:
                 f"No attention plan is registered under handle {handle}: the forward context was "
                 "released (session closed or context dropped); call get_kv_caches()/prepare_forward() again"
             )
-        holder.check_usable("chunk_attention")
-        if holder.plan is None:
+        holder._check_usable("chunk_attention")
+        if holder._plan is None:
             raise PlanNotFoundError(f"Plan handle {handle} is registered but has no plan yet")
         return holder
 

@@ -95,8 +95,8 @@ class HistoryRead:
     @classmethod
     def of(cls, fwd: ForwardContext, pad_to: int | None = None) -> HistoryRead:
         """The record of ``fwd``'s open forward; ``pad_to``: a fixed number of history keys (compiled graphs)."""
-        layout = fwd.layout
-        assert layout is not None and fwd.transaction is not None  # the write gate checked the forward
+        layout = fwd._layout
+        assert layout is not None and fwd._transaction is not None  # the write gate checked the forward
         page_size, n, device = layout.page_size, layout.seq_len, fwd.positions.device
         slots = [page_token_slots(torch.tensor(s.history_pages, dtype=torch.int64), page_size) for s in layout.streams]
         lengths = [t.numel() for t in slots]
@@ -121,7 +121,7 @@ class HistoryRead:
                 sink_keys[i, : s.sink_pages * page_size] = True
             sink_keys = sink_keys[:, None, :, None].to(device)
         return cls(
-            transaction=fwd.transaction, gather=gather.to(device), valid=valid[:, :, None, None].to(device),
+            transaction=fwd._transaction, gather=gather.to(device), valid=valid[:, :, None, None].to(device),
             mask=None if opened is None else opened[:, None].to(device), sink_keys=sink_keys,
             empty_rows=None if empty is None else empty[:, None].to(device),
             visible=None if mask is None else mask[:, None].to(device), pending=pending,
@@ -162,12 +162,12 @@ class HistoryRead:
 def _visibility(fwd: ForwardContext, valid: torch.Tensor, pending: torch.Tensor, always: bool) -> torch.Tensor | None:
     """bool ``[streams, seq_len, history_keys + seq_len]`` over ``[history ; pending]`` (``None``: all visible)."""
     n, width = pending.shape[0], valid.shape[1]
-    if not always and fwd.token_mask is None and bool(valid.all()) and bool(pending.all()):
+    if not always and fwd._token_mask is None and bool(valid.all()) and bool(pending.all()):
         return None
     streams = valid.shape[0]
     mask = torch.cat([valid[:, None, :].expand(-1, n, -1), pending[None].expand(streams, -1, -1)], dim=-1)
-    if fwd.token_mask is not None:  # in to_dense order: [history_s ; pending ; padding] per stream
-        user = fwd.token_mask.cpu()
+    if fwd._token_mask is not None:  # in to_dense order: [history_s ; pending ; padding] per stream
+        user = fwd._token_mask.cpu()
         for i in range(streams):
             h = int(valid[i].sum())
             mask[i, :, :h] &= user[i, :, :h]
@@ -212,17 +212,17 @@ def read_history(kv: LayerContext, k_rows: torch.Tensor, v_rows: torch.Tensor, p
             "with `with am.TrainingScope(cache) as scope: x = scope.checkpoint(block, x, kv, ...)`"
         )
     fwd = kv.forward
-    if fwd.static:
+    if fwd._static:
         raise InferenceOnlyError(
             "chunk_attention: expected a forward without static=True for gradients (CUDA-graph replays have "
             "no backward), got a static forward; prepare the training forwards with static=False"
         )
-    assert kv.kv_pool is not None and kv.kv_scales is not None and kv.layer_id is not None
+    assert kv._kv_pool is not None and kv._kv_scales is not None and kv._layer_id is not None
     # The gate checks the forward is open, records the layer's write and calibrates an FP8 layer.
-    write_kv_in_graph(k_rows, v_rows, kv.kv_pool, kv.kv_scales, kv.layer_id, fwd.handle_id)
+    write_kv_in_graph(k_rows, v_rows, kv._kv_pool, kv._kv_scales, kv._layer_id, fwd._handle_id)
     record = _record_of(fwd, pad_to)
-    if is_quantized(kv.kv_pool.dtype) and kv.layer_index not in record.scales:
-        record.scales[kv.layer_index] = kv.kv_scales[kv.layer_index].clone()
+    if is_quantized(kv._kv_pool.dtype) and kv.layer_index not in record.scales:
+        record.scales[kv.layer_index] = kv._kv_scales[kv.layer_index].clone()
     capture = _CAPTURE.get()
     if capture is not None:
         capture.append((record, kv.layer_index))
@@ -231,7 +231,7 @@ def read_history(kv: LayerContext, k_rows: torch.Tensor, v_rows: torch.Tensor, p
 
 def _record_of(fwd: ForwardContext, pad_to: int | None) -> HistoryRead:
     """One record per forward (built by its first layer with gradients: host work once per forward)."""
-    transaction = fwd.transaction
+    transaction = fwd._transaction
     assert transaction is not None
     with _RECORDS_LOCK:
         record = _RECORDS.get(transaction)
@@ -241,7 +241,7 @@ def _record_of(fwd: ForwardContext, pad_to: int | None) -> HistoryRead:
     # The innermost open scope of this cache holds it; a closed one still listed (closed in another thread or
     # context, whose stack it could not edit) refuses, and the next one out takes the record.
     for scope in reversed(_SCOPES.get()):
-        if scope.cache._forwards is fwd.owner and scope.hold(record):
+        if scope.cache._forwards is fwd._owner and scope.hold(record):
             break
     with _RECORDS_LOCK:
         _RECORDS[transaction] = record
@@ -395,14 +395,14 @@ class TrainingScope:
 
 def frozen_forward(fwd: ForwardContext) -> ForwardContext:
     """A copy of ``fwd`` that keeps describing its current forward (one per forward, shared by its layers)."""
-    fwd.check_usable("TrainingScope.checkpoint")
-    transaction = fwd.transaction
+    fwd._check_usable("TrainingScope.checkpoint")
+    transaction = fwd._transaction
     assert transaction is not None  # check_usable raised otherwise
     with _RECORDS_LOCK:
         frozen = _FROZEN.get(transaction)
     if frozen is None:
         frozen = dataclasses.replace(
-            fwd, layers=[], cross=dict(fwd.cross), cross_missing=dict(fwd.cross_missing), _entered=[]
+            fwd, layers=[], _cross=dict(fwd._cross), _cross_missing=dict(fwd._cross_missing), _entered=[]
         )
         frozen.layers.extend(dataclasses.replace(layer, forward=frozen, cross=dict(layer.cross)) for layer in fwd.layers)
         with _RECORDS_LOCK:
@@ -429,7 +429,7 @@ def attend_with_grad(
     """``chunk_attention`` with gradients to ``q``, ``k``, ``v`` (and ``sink_query``); shapes as there."""
     streams, n, heads, head_dim = q.shape
     kv_heads = k.shape[2]
-    pool = kv.kv_pool
+    pool = kv._kv_pool
     assert pool is not None
     if torch.compiler.is_compiling():
         view = _compiled_view(k, v, kv, sink_query is not None)
@@ -488,23 +488,23 @@ def _as_stored(
 
 def _compiled_view(k: torch.Tensor, v: torch.Tensor, kv: LayerContext, sink_query: bool) -> HistoryView:
     fwd = kv.forward
-    if fwd.token_mask is not None:
+    if fwd._token_mask is not None:
         raise SpecError("chunk_attention (gradients, compiled): expected no token_mask, got one; run that forward eagerly")
-    bound = fwd.max_history_tokens
+    bound = fwd._max_history_tokens
     if bound <= 0:
         raise SpecError(
             "chunk_attention (gradients, compiled): expected a bounded history (KVCacheSpec.window_chunks), got "
             "global attention; compile the training step over a bounded window or run it eagerly"
         )
     hk, hv, valid, pending, sinks, scales = torch.ops.ardiff_modules.history_kv(
-        k.detach(), v.detach(), kv.kv_pool, kv.kv_scales, kv.layer_id, fwd.handle_id, bound
+        k.detach(), v.detach(), kv._kv_pool, kv._kv_scales, kv._layer_id, fwd._handle_id, bound
     )
     streams, n = k.shape[0], k.shape[1]
     mask = torch.cat([valid[:, None, :].expand(streams, n, bound), pending[None].expand(streams, n, n)], dim=-1)
     sink_keys = None
     if sink_query:
         sink_keys = torch.cat([sinks, sinks.new_zeros((streams, n))], dim=1)[:, None, :, None]
-    quantized = kv.kv_pool is not None and is_quantized(kv.kv_pool.dtype)
+    quantized = kv._kv_pool is not None and is_quantized(kv._kv_pool.dtype)
     return HistoryView(hk.to(k.dtype), hv.to(k.dtype), mask[:, None], sink_keys, None, mask[:, None], scales if quantized else None)
 
 

@@ -90,7 +90,7 @@ def bench_sessions(shape_name: str, sessions: int, layers: int, device: Any, dty
     stats = interleaved({"batched": batched, "serial": serial}, inner=inner, rounds=rounds, warmup=1)
     t_batched, t_serial = stats["batched"].median_ms * 1e-3, stats["serial"].median_ms * 1e-3
     tokens = 2 * sessions * spec.chunk_size
-    modes = (sorted({f.plan.mode for f in cache._forwards.contexts() if f.plan is not None})
+    modes = (sorted({f._plan.mode for f in cache._forwards.contexts() if f._plan is not None})
              if device.type == "cuda" else [])
     result: dict[str, Any] = {
         "sessions": sessions,

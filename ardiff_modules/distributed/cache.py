@@ -244,7 +244,7 @@ class DistributedKVCache:
             streams = [(s, b) for s in states for b in self.local_branches]
             options = ForwardOptions(static=static, **kwargs)  # unknown options raise here: voted too
             prepared.append(self.cache._forwards.prepare(streams, seq_len, commit_current, options, hold=True))
-            return prepared[0].transaction
+            return prepared[0]._transaction
 
         def undo(decision: Decision | None) -> None:
             # What a failed vote undoes on every rank alike, after this rank's held forward was rolled back: the
@@ -370,7 +370,7 @@ class DistributedForward:
         #: The local forward context (this rank's streams).
         self.context = context
         self.sessions = sessions
-        self._transaction = context.transaction
+        self._transaction = context._transaction
         self._done = False
 
     def __repr__(self) -> str:
@@ -406,7 +406,7 @@ class DistributedForward:
     @property
     def static(self) -> bool:
         """Whether the local forward keeps its device inputs in fixed buffers (CUDA-graph replay)."""
-        return self.context.static
+        return self.context._static
 
     def commit(self) -> None:
         """Collective: commit on every rank if every rank succeeded so far, else abort everywhere and raise.
@@ -470,7 +470,7 @@ class DistributedForward:
         self.owner.cache._forwards.abort_if_uncommittable(transaction, check_finite=self.owner.check_finite)
 
     def __enter__(self) -> DistributedForward:
-        self.context.check_usable("DistributedForward.__enter__")
+        self.context._check_usable("DistributedForward.__enter__")
         return self
 
     def __exit__(

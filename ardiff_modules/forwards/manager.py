@@ -156,7 +156,7 @@ class ForwardManager:
         After ``clear_cross_attention()`` and populating the new prompt, run the model over the clean
         latents of each stream's rebuilt chunks (:meth:`recache_latents`), concatenated along the
         sequence in commit order, ``[num_streams, seq_len, ...]`` with ``seq_len =
-        sum(ctx.layout.chunk_lengths)``. Which chunks are rebuilt and how they see each other is the
+        sum(ctx._layout.chunk_lengths)``. Which chunks are rebuilt and how they see each other is the
         ``rule`` (:class:`~ardiff_modules.core.recache.RecacheRule`; default the spec's ``recache``, which
         defaults to block-causal with the sinks kept; ``keep_sinks=`` is the historical switch):
 
@@ -255,13 +255,13 @@ class ForwardManager:
                 page_size=self.spec.page_size, pending_attention=request.pending_attention,
             )
             planning = True
-            plan = plan_forward(self.backend, self._plan_request(layout, request), ctx.plan)
+            plan = plan_forward(self.backend, self._plan_request(layout, request), ctx._plan)
             positions = self._positions(ctx, layout, request.static)
             cross = self._stack_cross(ctx, request.members, request.static)
         except BaseException:
             reservation.rollback()
             if planning and getattr(self.backend, "replans_in_place", True):
-                ctx.drop_plan(f"a later {request.what} failed while planning")
+                ctx._drop_plan(f"a later {request.what} failed while planning")
             raise
         if not hold:
             reservation.keep()
@@ -277,7 +277,7 @@ class ForwardManager:
                 reservation=reservation if hold else None,
             )
             transaction.attach()
-            ctx.begin(transaction, plan, layout, positions, cross, request.token_mask)
+            ctx._begin(transaction, plan, layout, positions, cross, request.token_mask)
         except BaseException:
             if hold and reservation.can_roll_back():  # (a kept reservation is the forward's own pending pages)
                 reservation.rollback()
@@ -288,7 +288,7 @@ class ForwardManager:
                 fresh = sum(len(b.split_pending()[1]) for b in request.branches)
                 logger.debug("re-cache prepared: %s, %d fresh pages", ctx, fresh)
             else:
-                logger.debug("forward prepared: %s, %d free pages left, plan %r", ctx, self.allocator.num_free, ctx.plan)
+                logger.debug("forward prepared: %s, %d free pages left, plan %r", ctx, self.allocator.num_free, ctx._plan)
         return ctx
 
     def _context(self, key: ContextKey) -> ForwardContext:
@@ -299,7 +299,7 @@ class ForwardManager:
         ctx = self.registry.get(key)
         if ctx is not None:
             return ctx  # marked most recently used only once its forward begins
-        return ForwardContext.create(
+        return ForwardContext._create(
             key[0], self.pool, dtype=self.dtype, static=key[1] is not None, owner=self
         )
 
@@ -347,7 +347,7 @@ class ForwardManager:
         names = self.spec.cross_attention_names
         entries = {name: [state.cross_entry(branch, name) for state, branch in members] for name in names}
         who = [f"{state.session_id!r}/{branch!r}" for state, branch in members]
-        return ctx.cross_stack.restack(names, entries, who, ctx.cross, static)
+        return ctx._cross_stack.restack(names, entries, who, ctx._cross, static)
 
     def max_visible_keys(self, branches: Sequence[BranchPages], seq_len: int) -> int:
         """Keys of the widest stream of a forward: its history plus all ``seq_len`` pending tokens."""

@@ -124,7 +124,7 @@ def test_sink_shifts_and_sink_positions() -> None:
     # offsets 0, 2, 6, 10, 14, 18; resident window chunks start at 2, 2, 2, 6, 10: shift = start - 2
     assert shifts == [0, 0, 0, 0, 4, 8]
     assert sink_positions[-1] == [10, 11, 12, 13]  # positions 18..21 minus 8
-    assert isinstance(state.cache._forwards.contexts()[0].plan, RelativeSinkPlan)
+    assert isinstance(state.cache._forwards.contexts()[0]._plan, RelativeSinkPlan)
 
 
 def test_natural_spec_has_no_sink_positions_and_refuses_a_sink_query() -> None:
@@ -451,7 +451,7 @@ def test_direct_op_call_without_the_sink_query_raises_before_writing() -> None:
         q = torch.randn(CHUNK, 4, 8)
         k = v = torch.ones(CHUNK, 4, 8)
         with pytest.raises(SpecError, match="expected q_sink"):
-            torch.ops.ardiff_modules.chunk_attention(q, k, v, layer.kv_pool, layer.layer_id, fwd.handle_id, 0.35)
+            torch.ops.ardiff_modules.chunk_attention(q, k, v, layer._kv_pool, layer._layer_id, fwd._handle_id, 0.35)
         assert torch.equal(cache._pool.kv[:, :, pending], before)
         fwd.abort()
 

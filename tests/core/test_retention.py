@@ -311,17 +311,17 @@ def assert_refused_unchanged(
     A caller checking a policy before committing (``abort_if_uncommittable``) would leave it open instead.
     """
     before, pool = cache_state(cache, states), cache._pool.kv.clone()
-    pending = [p for s, b in fwd.transaction.members for p in s.branch_pages(b).pending_pages()]
+    pending = [p for s, b in fwd._transaction.members for p in s.branch_pages(b).pending_pages()]
     with pytest.raises(am.SpecError) as info:
         call()
     for text in matches:
         assert text in str(info.value), f"{str(info.value)!r} lacks {text!r}"
     assert torch.equal(cache._pool.kv, pool), "a refused commit wrote the pool"
     after = cache_state(cache, states)
-    if fwd.transaction.is_open:
+    if fwd._transaction.is_open:
         assert after == before
     else:  # the abort-on-failed-commit finish
-        assert fwd.transaction.status == "aborted"
+        assert fwd._transaction.status == "aborted"
         assert [h for h, _ in after[2]] == [h for h, _ in before[2]], "a refused commit changed history"
         assert all(p == () for _, p in after[2]), "an aborted commit kept pending chunks"
         history_pages = {p for s in states for b in cache.spec.branches for p in s.branch_pages(b).history_pages()}
@@ -372,7 +372,7 @@ def test_a_policy_breaking_its_contract_at_commit_changes_nothing(kind: str, via
     if kind == "raises":
         assert isinstance(error.__cause__, TypeError)
     policy.disarm()
-    if fwd.transaction.is_open:  # the same forward commits once the policy behaves
+    if fwd._transaction.is_open:  # the same forward commits once the policy behaves
         fwd.commit()
         assert history.history_index == (0, 5, 6) and state.branch_pages("cond").history_index == (0, 5, 6)
     state.close()

@@ -57,7 +57,7 @@ def _steps(parts: Sequence[tuple[am.KVCache, am.KVState]], held: list[am.Forward
         ctx = cache._forwards.prepare([(state, "cond"), (state, "uncond")], 2 * CHUNK, True,
                                      ForwardOptions(chunk_lengths=(CHUNK, CHUNK)), hold=True)
         held.append(ctx)
-        return ctx.transaction
+        return ctx._transaction
 
     return [Step(i, lambda c=c, s=s: run(c, s), lambda t, c=c: c._forwards.finish_forward(t, False))
             for i, (c, s) in enumerate(parts)]
@@ -89,7 +89,7 @@ def test_a_failed_decide_rolls_every_participant_back_exactly(extents: bool, dec
     with pytest.raises((PeerFailed, RuntimeError)):
         prepare_all(Coordinator("test forward"), _steps(parts, held), decide,  # type: ignore[arg-type]
                     undo=undone.append, refused=lambda d: PeerFailed(f"refused: {d.failed}"))
-    assert len(held) == 2 and all(ctx.transaction.status == "aborted" for ctx in held)
+    assert len(held) == 2 and all(ctx._transaction.status == "aborted" for ctx in held)
     assert _same(_state(parts), before), "pool contents, free order, refcounts, peak and branches as before"
     assert undone == ([Decision(((0, Word.READY), (1, Word.READY), ("peer", Word.FAILED)))]
                       if decide is _peer_says_no else [None])
@@ -112,7 +112,7 @@ def test_kept_participants_commit_only_together() -> None:
     parts = _participants(extents=False)
     held: list[am.ForwardContext] = []
     decision = prepare_all(Coordinator("the test forward"), _steps(parts, held), decide_locally)
-    assert decision.go and all(ctx.transaction.reservation is None for ctx in held)
+    assert decision.go and all(ctx._transaction.reservation is None for ctx in held)
     for ctx in held:
         write_every_layer(ctx.layers, seed=3)
     before = _state(parts)
@@ -122,7 +122,7 @@ def test_kept_participants_commit_only_together() -> None:
         parts[1][1].commit_paged_context("cond")
     assert _same(_state(parts), before) and all(ctx.is_active for ctx in held)
     participants = [
-        Participant(i, ctx.transaction, c._forwards.abort_if_uncommittable, lambda t, c=c: c._forwards.finish_forward(t, True),
+        Participant(i, ctx._transaction, c._forwards.abort_if_uncommittable, lambda t, c=c: c._forwards.finish_forward(t, True),
                     lambda t, c=c: c._forwards.finish_forward(t, False))
         for i, ((c, _), ctx) in enumerate(zip(parts, held))
     ]

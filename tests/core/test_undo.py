@@ -109,12 +109,12 @@ def test_an_aborted_held_reservation_restores_everything_exactly(extents):
 
     two_chunks = ForwardOptions(chunk_lengths=(CHUNK, CHUNK))  # grows pending: the kept chunk is replaced
     held = cache._forwards.prepare(streams + [(fresh, "cond")], 2 * CHUNK, True, two_chunks, hold=True)
-    assert held.transaction is not None and held.transaction.reservation is not None
-    assert kept.transaction.status == "superseded"
+    assert held._transaction is not None and held._transaction.reservation is not None
+    assert kept._transaction.status == "superseded"
     assert _snapshot(cache, state) != before
-    cache._forwards.finish_forward(held.transaction, False)
+    cache._forwards.finish_forward(held._transaction, False)
 
-    assert held.transaction.status == "aborted"
+    assert held._transaction.status == "aborted"
     assert _snapshot(cache, state) == before, "branches, refcounts, free order and peak as before the prepare"
     assert _snapshot(cache, fresh)[3] == before_fresh, "the extent the held prepare reserved was given back"
     assert torch.equal(cache._pool.kv[:, :, pending], written), "the restored pending pages kept their K/V"
@@ -132,11 +132,11 @@ def test_a_kept_reservation_is_not_rolled_back():
     write_every_layer(kept.layers)
     ctx = cache._forwards.prepare([(state, "cond")], 2 * CHUNK, True, ForwardOptions(chunk_lengths=(CHUNK, CHUNK)),
                                  hold=True)
-    assert ctx.transaction is not None
-    ctx.transaction.keep_reservation()  # the vote passed: the replaced chunk is released now
-    assert ctx.transaction.reservation is None
+    assert ctx._transaction is not None
+    ctx._transaction.keep_reservation()  # the vote passed: the replaced chunk is released now
+    assert ctx._transaction.reservation is None
     used = cache._allocator.num_used
-    cache._forwards.finish_forward(ctx.transaction, False)  # an ordinary abort: the pending chunks are dropped
+    cache._forwards.finish_forward(ctx._transaction, False)  # an ordinary abort: the pending chunks are dropped
     assert state.pending_chunks("cond") == () and cache._allocator.num_used == used - 2 * CHUNK // PAGE
     cache._allocator.check_invariants()
 
@@ -153,9 +153,9 @@ def test_a_held_reservation_whose_pool_changed_is_dropped_not_rolled_back(extent
                                   hold=True)
     with other.prepare_forward(("cond", "uncond"), CHUNK, commit_current=True) as fwd:  # the pool changes
         write_every_layer(fwd.layers)
-    assert held.transaction is not None and not held.transaction.reservation.can_roll_back()
-    cache._forwards.finish_forward(held.transaction, False)
-    assert held.transaction.status == "aborted" and held_state.pending_chunks("cond") == ()
+    assert held._transaction is not None and not held._transaction.reservation.can_roll_back()
+    cache._forwards.finish_forward(held._transaction, False)
+    assert held._transaction.status == "aborted" and held_state.pending_chunks("cond") == ()
     assert cache._allocator.peak_used >= cache._allocator.num_used
     cache._allocator.check_invariants()
     held_state.close()
@@ -172,7 +172,7 @@ def test_a_held_forward_superseded_before_its_vote_leaks_nothing():
     write_every_layer(kept.layers)
     cache._forwards.prepare([(state, "cond")], CHUNK, False, ForwardOptions(), hold=True)  # 2 chunks -> 1
     later = state.prepare_forward(("cond",), CHUNK, commit_current=False)  # supersedes the held one
-    assert later.transaction is not None and later.transaction.is_open
+    assert later._transaction is not None and later._transaction.is_open
     later.abort()
     state.close()
     assert cache._allocator.num_used == 0

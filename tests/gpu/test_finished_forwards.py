@@ -34,7 +34,7 @@ def test_finished_forward_cannot_touch_the_pool(seq_chunks: int, compiled: bool)
     with state.prepare_forward(None, seq_chunks * chunk, commit_current=True) as fwd:
         attend(q, k, v, fwd.layers[0])
         attend(q, k, v, fwd.layers[1])  # a commit needs every layer
-        mode = fwd.plan.mode
+        mode = fwd._plan.mode
     assert mode == ("ragged" if seq_chunks == 1 else "paged")
     torch.cuda.synchronize()
     before = cache._pool.kv.clone()

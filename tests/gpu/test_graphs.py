@@ -47,7 +47,7 @@ def _flashinfer_rollout(  # noqa: ANN202
             x = torch.randn(len(streams), 256, 512, device="cuda", dtype=DTYPE, generator=g)
             with torch.no_grad(), cache.prepare_forward(streams, 256, commit_current=commit, static=static) as fwd:
                 outs.append(step_fn(fwd, x))
-                modes.append(fwd.plan.mode)
+                modes.append(fwd._plan.mode)
     return outs, modes, cache
 
 

@@ -46,8 +46,8 @@ def test_flashinfer_relative_sinks_equal_reference(
                 pairs = [(s, b) for s in states[cache][:sessions] for b in ("cond", "uncond")]
                 with cache.prepare_forward(pairs, n * CHUNK, commit_current=commit) as fwd:
                     outs.append([am.chunk_attention(q, k, v, layer, sink_query=sq) for layer in fwd.layers])
-                    if cache is fi and isinstance(fwd.plan, RelativeSinkPlan):
-                        modes.add((fwd.plan.rest.mode, fwd.plan.sinks.mode))
+                    if cache is fi and isinstance(fwd._plan, RelativeSinkPlan):
+                        modes.add((fwd._plan.rest.mode, fwd._plan.sinks.mode))
                         shifts.update(fwd.sink_shifts)
             for a, b in zip(*outs):
                 torch.testing.assert_close(b.float(), a.float(), atol=tol, rtol=tol)

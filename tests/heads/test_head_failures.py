@@ -133,7 +133,7 @@ def test_open_grouped_forwards_are_never_evicted_so_their_objects_stay() -> None
     assert a.prepare_forward(None, 4) is fa
     # Once a session closes, its forwards (their part contexts released) are dropped.
     a.close()
-    assert all(not f.released for f in cache._forwards.values())
+    assert all(not f._released for f in cache._forwards.values())
 
 
 def test_abort_drops_the_pending_pages_denoising_forwards_kept_in_every_part() -> None:
@@ -298,7 +298,7 @@ def test_committing_one_part_alone_is_refused_and_the_parts_stay_in_step() -> No
         run_layers(fwd, gen)
         before = snapshot(cache)
         for commit_alone in (fwd.parts[0].commit, lambda: s.parts[1].commit_paged_context("cond"),
-                             lambda: cache.caches[0]._forwards.finish_forward(fwd.parts[0].transaction, True)):
+                             lambda: cache.caches[0]._forwards.finish_forward(fwd.parts[0]._transaction, True)):
             with pytest.raises(am.ParticipantCommitError, match="expected the HeadGroupedForward over"):
                 commit_alone()
             assert snapshot(cache) == before and fwd.is_active  # nothing changed, still open

@@ -65,7 +65,7 @@ def test_recache_positions_are_the_original_ones() -> None:
     assert state.branch_pages("cond").history_start == (0, 10, 14)
     rig.prompt()
     fwd = state.prepare_recache(keep_sinks=False)
-    assert fwd.layout.chunk_lengths == (2, 4, 4)
+    assert fwd._layout.chunk_lengths == (2, 4, 4)
     expected = [0, 1, 10, 11, 12, 13, 14, 15, 16, 17]
     assert fwd.positions.tolist() == [expected, expected]
     assert fwd.key_positions()[0].tolist() == expected  # no kept history: keys are the rebuilt chunks
@@ -75,7 +75,7 @@ def test_recache_positions_are_the_original_ones() -> None:
     assert fwd.key_positions()[0].tolist() == [0, 1] + expected[2:]  # the kept sink, then the rebuilt chunks
     # Sinks are write-protected: no sink page is written by the re-cache forward.
     sink_pages = set(state.branch_pages("cond").sinks[0]) | set(state.branch_pages("uncond").sinks[0])
-    assert sink_pages.isdisjoint(fwd.layout.write_pages.tolist())
+    assert sink_pages.isdisjoint(fwd._layout.write_pages.tolist())
     # Block-causal over the rebuilt chunks, the kept sink always visible.
     dense = fwd.to_dense()[0].int()
     assert dense[:, :2].all()
@@ -194,7 +194,7 @@ def test_close_and_reset_during_an_open_recache_release_only_fresh_pages() -> No
     assert recache_snapshot(rig.cache)["sessions"]["s0"] == before["sessions"]["s0"]
     fwd = s0.state.prepare_recache()
     s0.state.close()
-    assert fwd.status == "released" and fwd.transaction is not None and fwd.transaction.status == "aborted"
+    assert fwd.status == "released" and fwd._transaction is not None and fwd._transaction.status == "aborted"
     assert rig.cache._allocator.num_used == 0  # s1 was reset, s0 closed: no page held, fresh ones included
     rig.cache.close()
     assert rig.cache._allocator.num_free == rig.cache._allocator.num_pages
@@ -310,7 +310,7 @@ def test_context_chunks_are_attended_then_released() -> None:
     assert state.recache_chunk_indices("cond") == (3, 4, 5)  # chunk 3 left the window at the last commit
     used = rig.cache._allocator.num_used
     fwd = state.prepare_recache()
-    assert fwd.layout.chunk_lengths == (CHUNK,) * 3
+    assert fwd._layout.chunk_lengths == (CHUNK,) * 3
     assert rig.cache._allocator.num_used == used + 2 * 3 * 2  # 2 branches x 3 chunks x 2 pages, context included
     fwd.abort()
     rig.prompt()

@@ -227,7 +227,7 @@ def test_admission_leaves_room_for_one_recache_at_a_time(extents: bool) -> None:
 
 def test_pool_copy_pages_copies_every_layer_run_by_run() -> None:
     spec = TinyStreamingModel().spec(CHUNK, 2, 1, 2)
-    pool = am.KVCache(spec, num_pages=24, backend="reference").pool
+    pool = am.KVCache(spec, num_pages=24, backend="reference")._pool
     pool.kv.copy_(torch.randn(pool.kv.shape, generator=torch.Generator().manual_seed(3)))
     src, dst = [3, 4, 5, 9, 0, 1, 17], [10, 11, 12, 13, 20, 21, 6]  # runs broken on either side
     want = pool.kv.clone()

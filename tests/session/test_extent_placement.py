@@ -60,7 +60,7 @@ def test_sessions_arriving_together_take_the_holes_and_equal_a_fresh_pool() -> N
     assert torch.equal(k_pages[list(last)].reshape(CHUNK, HEADS, DIM), x[3])
     # Every forward kept the streams' key ranges in page order: the ragged (unpaged) kernel path stays open.
     fwd = fragmented.prepare_forward([(s, n) for s in (a, b) for n in ("cond", "uncond")], CHUNK)
-    assert fwd.layout.ragged_rows is not None and fwd.layout.ragged_rows.gap_rows >= 1
+    assert fwd._layout.ragged_rows is not None and fwd._layout.ragged_rows.gap_rows >= 1
     fwd.abort()
     for s in (*pairs[fragmented], *pairs[fresh]):
         s.close()

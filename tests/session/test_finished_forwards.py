@@ -150,7 +150,7 @@ def test_lru_evicted_context_cannot_write_into_reallocated_pages() -> None:
     a.abort("cond")  # ... until dropped
     commit_chunk(b, ("cond",), seed=20)  # a new context (the LRU releases a's) on a's old pending pages
     assert set(pages_of(b, "cond")) == pending
-    assert cache._forwards.num_contexts == 1 and fwd.released
+    assert cache._forwards.num_contexts == 1 and fwd._released
     assert_refused(cache, fwd.layers, 1, errors=RELEASED)
 
 

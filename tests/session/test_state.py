@@ -184,10 +184,10 @@ def test_release_idle_forward_contexts_keeps_open_ones():
     open_fwd = b.prepare_forward(("cond",), CHUNK, commit_current=False)
     assert cache._forwards.num_contexts == 2
     assert cache.release_idle_forward_contexts() == 1
-    assert cache._forwards.contexts() == (open_fwd,) and idle.released and open_fwd.is_active
+    assert cache._forwards.contexts() == (open_fwd,) and idle._released and open_fwd.is_active
     open_fwd.commit()  # still usable
     again = a.prepare_forward(("cond",), CHUNK, commit_current=True)  # a fresh context for a's streams
-    assert again is not idle and not again.released
+    assert again is not idle and not again._released
     write_every_layer(again.layers)
     again.commit()
     assert a.committed_chunks("cond") == 2
@@ -286,7 +286,7 @@ def test_window_zero_and_sink_zero_keeps_nothing_but_advances_offsets():
     state = cache.open_session("a")
     for n in range(1, 4):
         layers = state.get_kv_caches("cond", CHUNK, commit_current=True)
-        assert layers[0].forward.layout.streams[0].history_pages == ()
+        assert layers[0].forward._layout.streams[0].history_pages == ()
         write_every_layer(layers)
         state.commit_paged_context("cond")
         assert state.history_chunks("cond") == ()
@@ -313,7 +313,7 @@ def test_multi_chunk_forwards_commit_and_evict():
     assert torch.equal(fwd.positions, torch.arange(8, 20)[None])
     assert fwd.token_offsets == (8,)
     # History visible to the forward: sink + window, then the pending chunks block-causally.
-    rows = fwd.layout.structural_rows
+    rows = fwd._layout.structural_rows
     assert rows.kv_page_indptr.tolist() == [0, 6, 14, 24]
     assert rows.kv_page_indices.tolist() == [0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
     write_every_layer(fwd.layers)
@@ -589,7 +589,7 @@ def test_batched_forward_order_follows_the_request():
     assert fwd.streams == (("a", "uncond"), ("a", "cond"))
     assert state.pending_chunks("uncond") == ((0, 1),)
     assert state.pending_chunks("cond") == ((2, 3),)
-    assert fwd.layout.write_slots.tolist() == [0, 1, 2, 3, 4, 5, 6, 7]
+    assert fwd._layout.write_slots.tolist() == [0, 1, 2, 3, 4, 5, 6, 7]
 
 
 def test_batched_forward_over_two_sessions():
@@ -977,7 +977,7 @@ def test_budget_bytes_sizing(budget, pages):
 
 def test_budget_bytes_depends_on_dtype():
     spec = dataclasses.replace(SPEC, dtype="bfloat16")
-    assert KVCache(spec, budget_bytes=1000).allocator.num_pages == 7  # 128-byte pages
+    assert KVCache(spec, budget_bytes=1000)._allocator.num_pages == 7  # 128-byte pages
 
 
 @pytest.mark.parametrize("budget", [BYTES_PER_PAGE - 1, 0, -5, 1000.0, True])

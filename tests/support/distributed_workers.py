@@ -906,13 +906,13 @@ def check_graph_votes() -> None:
     state = cache.open_session("s0")
     with torch.no_grad(), cache.prepare_forward(state, CHUNK, commit_current=False) as fwd:
         ctx = fwd.context
-        assert step.will_capture(fwd) and not fwd.static
+        assert step.will_capture(fwd) and not fwd._static
 
         def graph_on(ranks: tuple[int, ...], inputs: torch.Tensor = x) -> None:
             """A stand-in graph of ``ctx`` on ``ranks`` (what the capture vote and the replay checks read)."""
             step.step.discard(ctx)
             if me in ranks:
-                step.step._captured[ctx] = _Captured(None, [inputs.clone()], x, (ctx.plan_epoch,), frozenset())
+                step.step._captured[ctx] = _Captured(None, [inputs.clone()], x, (ctx._plan_epoch,), frozenset())
 
         # The per-call vote: capture if any rank must (its plan was rebuilt), else replay everywhere.
         assert step._decide(ctx, (x,)) is True  # no graph anywhere
@@ -947,7 +947,7 @@ def check_graph_votes() -> None:
     resets = []
     with step:
         step.step._captured[ctx] = _Captured(type("G", (), {"reset": lambda self: resets.append(1)})(), [x], x,
-                                             (ctx.plan_epoch,), frozenset())
+                                             (ctx._plan_epoch,), frozenset())
     assert resets == [1] and step.num_graphs == 0
     for bad in ({"warmup_iters": 0}, {"verify": 1}):
         try:
@@ -1019,7 +1019,7 @@ def _graph_rollout(
 
         def forward(self, x: torch.Tensor, commit: bool) -> torch.Tensor:
             with torch.no_grad(), self.cache.prepare_forward(self.state, x.shape[1], commit, static=True) as fwd:
-                assert fwd.static
+                assert fwd._static
                 if step.will_capture(fwd):
                     self.captures += 1
                 else:

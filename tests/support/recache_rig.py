@@ -74,7 +74,7 @@ class Rig:
                 kept = {"keep_latents": x} if keep and commit else {}
                 with s.state.prepare_forward(BRANCHES, length, commit, chunk_lengths=[length], **kept) as fwd:
                     out = self.model(x, fwd.layers)
-                    self.last_layout = fwd.layout
+                    self.last_layout = fwd._layout
                 expected = s.naive.forward(BRANCHES, x, commit, [length])
                 if check:
                     torch.testing.assert_close(out, expected, **TOL)

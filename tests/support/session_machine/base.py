@@ -290,7 +290,7 @@ class MachineBase(RuleBasedStateMachine):
                 )
             sessions.append((st_.session_id, tuple(branches)))
         contexts = tuple(
-            (id(ctx), id(ctx.transaction), ctx.transaction.status if ctx.transaction else None, ctx.released)
+            (id(ctx), id(ctx._transaction), ctx._transaction.status if ctx._transaction else None, ctx._released)
             for ctx in self.ctx_tx
         )
         txs = tuple((id(t.tx), t.tx.status) for t in self.txs)

@@ -224,7 +224,7 @@ class ForwardModel:
             sm.pending[b] = new
             sm.pending_tokens[b] = list(shape.lengths)
             # The plan sees exactly the model's visible pages and pending chunks.
-            layout = ctx.layout.streams[i]
+            layout = ctx._layout.streams[i]
             assert list(layout.history_pages) == [p for c in self.visible(sm, b) for p in c]
             assert list(layout.pending_pages) == new
             offset = sm.committed_tokens(b)
@@ -236,7 +236,7 @@ class ForwardModel:
         key = tuple((sm.state.session_id, b) for sm, b in streams)
         assert ctx.streams == key
         assert ctx.num_chunks == num_chunks and ctx.seq_len == shape.seq_len
-        assert ctx.layout.chunk_lengths == shape.lengths
+        assert ctx._layout.chunk_lengths == shape.lengths
         assert ctx.commit_current is commit
         assert len(ctx.layers) == NUM_LAYERS
         # The registry: the same streams reuse their context; a new one may evict idle ones (LRU).
@@ -255,7 +255,7 @@ class ForwardModel:
                     del cm.registry[k]
                     self.released.add(other)
                     event("LRU released an idle context")
-        lib = ctx.transaction
+        lib = ctx._transaction
         assert isinstance(lib, ForwardTransaction) and lib.is_open
         tx = TxModel(cm, list(streams), commit, shape, ctx, lib, mask)
         for sm, b in streams:
@@ -280,7 +280,7 @@ class ForwardModel:
         assert tx.is_open and ctx.is_active
         n = shape.seq_len
         key_positions, dense = ctx.key_positions(), ctx.to_dense()
-        plan = ctx.plan
+        plan = ctx._plan
         assert isinstance(plan, (ReferencePlan, RelativeSinkPlan)), type(plan)
         width = self.max_keys(tx.streams, shape)
         assert tuple(key_positions.shape) == (len(tx.streams), width), (key_positions.shape, width)

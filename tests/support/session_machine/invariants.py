@@ -82,7 +82,7 @@ class Invariants:
                 else:
                     assert lib is tx.tx, f"{state.session_id}/{b}: open forward {lib}, expected {tx.tx}"
                     assert lib.commit_current == tx.commit and lib.num_chunks == tx.num_chunks
-                    assert tx.ctx.transaction is lib
+                    assert tx.ctx._transaction is lib
                     assert lib.members == tuple((s.state, bb) for s, bb in tx.streams)
                 assert state._pending[b] is lib  # the read-only 0.1 view agrees
                 populated = state.is_cross_attention_populated(b, "text")
@@ -124,8 +124,8 @@ class Invariants:
                 f"{cm.label}: forward contexts {[c.streams for c in lib]}, model (LRU first) {list(cm.registry)}"
             )
         for ctx, tx in self.ctx_tx.items():
-            assert ctx.released == (ctx in self.released), f"context {ctx.streams}: released={ctx.released}"
-            assert ctx.transaction is tx.tx
+            assert ctx._released == (ctx in self.released), f"context {ctx.streams}: released={ctx._released}"
+            assert ctx._transaction is tx.tx
             assert tx.tx.status == tx.status, f"forward over {ctx.streams}: {tx.tx.status}, model {tx.status}"
             assert ctx.is_active == self.model_active(ctx)
         for tx in self.txs:
@@ -155,4 +155,4 @@ class Invariants:
             assert cm.cache._forwards.num_contexts == 0  # closing a session releases its contexts
             cm.cache.close()
         for ctx in self.ctx_tx:
-            assert ctx.released and not ctx.is_active
+            assert ctx._released and not ctx.is_active
