@@ -409,7 +409,7 @@ class HeadGroupedKVCache:
                      static: bool) -> None:
         """Stack the streams' cross caches and publish them on ``forward`` (what it was stacked from last)."""
         names = self.spec.cross_attention_names
-        entries = {name: [s.cross_entry(b, name) for s, b in members] for name in names}
+        entries = {name: [s._cross_entry(b, name) for s, b in members] for name in names}
         who = [f"{s.session_id!r}/{b!r}" for s, b in members]
         stacked, missing, versions = forward._cross_stack.restack(names, entries, who, forward._cross, static)
         forward._set_cross(stacked, missing)
@@ -676,7 +676,7 @@ class HeadGroupedSession(SessionCrossCaches):
             child = HeadGroupedSession(self.cache, tuple(children))
             names = branch_names("fork", branches, self.kv_branch_names)
             if share_cross_attention:
-                child.adopt_cross_entries({k: e for k, e in self._cross.items() if k[1] in names})
+                child._adopt_cross_entries({k: e for k, e in self._cross.items() if k[1] in names})
             self.cache.register(child)
             return child
 

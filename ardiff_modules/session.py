@@ -54,7 +54,8 @@ class ForwardOptions:
         Optional bool ``[num_streams, seq_len, max_keys]`` over the keys in the order of
         :meth:`ForwardContext.to_dense` (visible history, then pending tokens), ANDed with
         the visibility rule: the masked path for masks that are not chunk-structured.
-        ``max_keys`` is ``max_visible_keys(...)`` of this forward. A query that sees no
+        ``max_keys`` is the widest stream's history plus all ``seq_len`` pending tokens (what
+        ``to_dense()`` of the same forward without a mask has). A query that sees no
         key at all gets a zero output.
     static:
         Keep every device input of this forward in fixed buffers so that a CUDA graph
@@ -240,7 +241,7 @@ class KVState(SessionCrossCaches):
         """Page ids of each pending chunk of ``branch``."""
         return self.branch_pages(branch).pending
 
-    def open_forward(self, branch: str) -> ForwardTransaction | None:
+    def _open_forward(self, branch: str) -> ForwardTransaction | None:
         """The open (not yet committed or aborted) forward ``branch`` belongs to, if any."""
         forward = self.branch_pages(branch).transaction
         return forward if isinstance(forward, ForwardTransaction) and forward.is_open else None
@@ -248,7 +249,7 @@ class KVState(SessionCrossCaches):
     @property
     def _pending(self) -> dict[str, ForwardTransaction | None]:
         """Branch -> its open forward (read-only view, kept for tests written against 0.1)."""
-        return {b: self.open_forward(b) for b in self._branches} if not self._closed else dict.fromkeys(self._branches)
+        return {b: self._open_forward(b) for b in self._branches} if not self._closed else dict.fromkeys(self._branches)
 
     def pages_in_use(self) -> int:
         """References this session holds on pool pages (all branches)."""
@@ -358,7 +359,7 @@ class KVState(SessionCrossCaches):
         committed alone: :class:`~ardiff_modules.errors.ParticipantCommitError`, nothing changed.
         """
         with self.cache.lock:
-            transaction = self.open_forward(kv_branch)
+            transaction = self._open_forward(kv_branch)
             if transaction is not None:
                 self.cache._forwards.finish_forward(transaction, True)
 
@@ -371,7 +372,7 @@ class KVState(SessionCrossCaches):
             names = self.kv_branch_names if kv_branch is None else (kv_branch,)
             histories = [self.branch_pages(b) for b in names]
             for branch in names:
-                transaction = self.open_forward(branch)
+                transaction = self._open_forward(branch)
                 if transaction is not None:
                     self.cache._forwards.finish_forward(transaction, False)
             # Pending pages kept by finished denoising forwards (reused by the next one).
@@ -407,7 +408,7 @@ class KVState(SessionCrossCaches):
             for branch in names:
                 child.branch_pages(branch).adopt(self._branches[branch], self.cache._allocator)
             if share_cross_attention:
-                child.adopt_cross_entries({k: e for k, e in self._cross.items() if k[1] in names})
+                child._adopt_cross_entries({k: e for k, e in self._cross.items() if k[1] in names})
             return child
 
     def share_sinks_from(self, other: KVState, kv_branch: str) -> None:
@@ -449,14 +450,14 @@ class KVState(SessionCrossCaches):
             entries = []
             for branch in names:
                 key = self._cross_key(branch, cache_name)
-                entry = other.cross_entry(branch, cache_name)
+                entry = other._cross_entry(branch, cache_name)
                 if entry is None:
                     raise CrossAttentionNotPopulatedError(
                         f"share_cross_attention_from: cache {cache_name!r} of branch {branch!r} of session "
                         f"{other.session_id!r} was not populated"
                     )
-                entries.append((key, other.on_device(entry)))  # a suspended source holds host copies
-            self.adopt_cross_entries(dict(entries))
+                entries.append((key, other._on_device(entry)))  # a suspended source holds host copies
+            self._adopt_cross_entries(dict(entries))
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:

@@ -505,7 +505,7 @@ def compiled_write_fns(layers: dict[str, Any], k: Any, v: Any, heads: int, chunk
 
     def produce_and_write(kx: torch.Tensor, vx: torch.Tensor, layer: Any) -> None:
         kr, vr = produce(kx, vx)
-        write_kv_in_graph(kr, vr, layer._kv_pool, layer._kv_scales, layer._layer_id, layer.forward.handle_id)
+        write_kv_in_graph(kr, vr, layer._kv_pool, layer._kv_scales, layer._layer_id, layer.forward._handle_id)
 
     produce_c = torch.compile(produce, fullgraph=True, dynamic=False)
     write_c = torch.compile(produce_and_write, fullgraph=True, dynamic=False)

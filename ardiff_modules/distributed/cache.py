@@ -315,7 +315,7 @@ class DistributedKVCache:
             if state.is_closed:
                 continue
             for branch in self.local_branches:
-                forward = state.open_forward(branch)
+                forward = state._open_forward(branch)
                 if forward is not None:
                     touched += [s for s, _ in forward.members if s not in touched]
         return tuple(touched)

@@ -345,7 +345,7 @@ class ForwardManager:
     ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, str], dict[str, tuple[int, ...]]]:
         """Per cache name, the streams' cross K/V stacked to ``[layers, streams, tokens, heads, dim]``."""
         names = self.spec.cross_attention_names
-        entries = {name: [state.cross_entry(branch, name) for state, branch in members] for name in names}
+        entries = {name: [state._cross_entry(branch, name) for state, branch in members] for name in names}
         who = [f"{state.session_id!r}/{branch!r}" for state, branch in members]
         return ctx._cross_stack.restack(names, entries, who, ctx._cross, static)
 
@@ -355,9 +355,13 @@ class ForwardManager:
 
     # ------------------------------------------------------------------ finishing
     def finish_forward(self, transaction: ForwardTransaction, success: bool) -> None:
-        """Commit (``success``) or abort every stream of ``transaction``, all or none (``KVCache.finish_forward``).
+        """Commit (``success``) or abort every stream of ``transaction``, all or none. Idempotent.
 
-        Raises :class:`ParticipantCommitError`, nothing changed, when asked to commit one participant of a
+        What ``ForwardContext.commit()`` / ``abort()`` and ``KVState.commit_paged_context`` / ``abort`` call. A commit
+        is refused -- the forward aborted, history unchanged, the error raised -- unless
+        :meth:`abort_if_uncommittable` passes; whatever a commit raises, the forward is aborted before the error
+        propagates (a library error as it is, anything else as :class:`CommitFailedError`). Raises
+        :class:`ParticipantCommitError`, nothing changed, when asked to commit one participant of a
         multi-participant forward alone (:func:`~ardiff_modules.core.two_phase.require_coordinated`).
         """
         with self.lock:
@@ -388,7 +392,12 @@ class ForwardManager:
                 )
 
     def abort_if_uncommittable(self, transaction: ForwardTransaction, check_finite: bool | None = None) -> None:
-        """Every pre-commit check; on a failure abort the forward and raise (``KVCache.abort_if_uncommittable``)."""
+        """Every check that refuses a commit, run before it: on a failure abort the forward and raise.
+
+        Every layer wrote its K/V (:class:`IncompleteForwardError`), FP8 scales it would fix are not degenerate
+        (:class:`KVCalibrationError`), with ``check_finite`` (default: the cache's) no NaN/Inf
+        (:meth:`abort_if_non_finite`). For callers that decide before committing (a grouped or distributed vote).
+        """
         _require_transaction("abort_if_uncommittable", transaction)
         with self.lock:
             if not transaction.is_open or not transaction.commit_current:
@@ -404,7 +413,9 @@ class ForwardManager:
                 self.abort_if_non_finite(transaction)
 
     def abort_if_non_finite(self, transaction: ForwardTransaction) -> None:
-        """Abort the forward and raise on NaN/Inf in its pending K/V (``KVCache.abort_if_non_finite``)."""
+        """Check the pending K/V of an open forward: on NaN/Inf abort the whole forward and raise
+        :class:`NonFiniteKVError` naming the streams, else change nothing. One device sync (what ``check_finite=True``
+        runs before a commit); a closed forward is a no-op."""
         _require_transaction("abort_if_non_finite", transaction)
         if any(state.cache is not self.host for state, _ in transaction.members):
             raise SpecError("KVCache.abort_if_non_finite: expected a forward of this cache, got one of another cache")
@@ -416,7 +427,7 @@ class ForwardManager:
         """Abort every open forward one of ``state``'s branches belongs to (all of their streams)."""
         with self.lock:
             for branch in state.kv_branch_names:
-                transaction = state.open_forward(branch)
+                transaction = state._open_forward(branch)
                 if transaction is not None:
                     self.finish_forward(transaction, False)
 

@@ -130,7 +130,7 @@ def _snapshot(cache: FileHost, states: Sequence[KVState]) -> tuple[dict[str, tor
         sessions.append({
             "id": state.session_id,
             "branches": {n: _branch_header(img, index, name_of) for n, img in images.items()},
-            "cross": [[c, b, name_of(e, "cross")] for (c, b), e in state.cross_entries().items()],
+            "cross": [[c, b, name_of(e, "cross")] for (c, b), e in state._cross_entries().items()],
         })
     # NOTE: clone where .to("cpu") returned the live tensor (a CPU pool): the file is written after the lock is
     # released, and a later forward (an FP8 calibration) must not change what the digests describe.
@@ -389,5 +389,5 @@ def _open(
         branch: BranchPages = state.branch_pages(name)
         kept = {i: latents[t] for i, t in image.latents.items()}  # type: ignore[index]
         load_branch(branch, replace(image, latents=kept), chunks[name], extents.get(name, ()))
-    state.adopt_cross_entries({key: entries[prefix] for key, prefix in saved.cross.items()})
+    state._adopt_cross_entries({key: entries[prefix] for key, prefix in saved.cross.items()})
     return state

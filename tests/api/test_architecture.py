@@ -179,12 +179,12 @@ def test_the_metrics_see_what_they_count():
         "def f(allocator, ctx):\n"
         "    allocator.decref([1])\n"
         "    allocator.peak_used = 0\n"
-        "    ctx._plan = None\n"
+        "    ctx.plan = None\n"
     )
     owner = ast.parse("class C:\n    def __init__(self):\n        self.plan = 1\n")
     trees = {"ardiff_modules.planted": planted, "ardiff_modules.owner": owner}
     assert private_imports(trees) == [("ardiff_modules.planted", "ardiff_modules.core.branch", "_private")]
-    assert foreign_attribute_writes(trees) == [("ardiff_modules.planted", "ctx._plan", 5)]
+    assert foreign_attribute_writes(trees) == [("ardiff_modules.planted", "ctx.plan", 5)]
     assert allocator_mutating_modules(trees) == {"ardiff_modules.planted"}
     # The host tier's free lists speak the allocator's verbs; its device allocator still counts.
     host = ast.parse("def f(self):\n    self.pages.decref([1])\n    self.arena.allocate(1)\n")

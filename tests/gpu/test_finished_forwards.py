@@ -136,7 +136,7 @@ def test_failed_replan_ends_the_forward_and_recaptures(monkeypatch: pytest.Monke
         monkeypatch.setattr(FlashInferPlan, "update", original)
         with pytest.raises(am.errors.ForwardFinishedError, match="superseded"):
             step(old, x)  # its plan is half-updated: never replayed
-        assert state.open_forward("cond") is None
+        assert state._open_forward("cond") is None
         with state.prepare_forward(None, spec.chunk_size, True, static=True) as fwd:
             replayed = step(fwd, x)
             state.abort()

@@ -34,7 +34,7 @@ def snapshot(cache: am.HeadGroupedKVCache) -> list[object]:
     for sid, session in sorted(cache.sessions.items()):
         for p, state in enumerate(session.parts):
             for b in state.kv_branch_names:
-                forward = state.open_forward(b)
+                forward = state._open_forward(b)
                 out.append((sid, p, b, state.pending_chunks(b), state.token_offset(b), forward is not None))
     return out
 
@@ -52,7 +52,7 @@ def assert_parts_agree(cache: am.HeadGroupedKVCache) -> None:
             states = session.parts
             assert len({s.token_offset(b) for s in states}) == 1
             assert len({len(s.pending_chunks(b)) for s in states}) == 1
-            assert len({s.open_forward(b) is None for s in states}) == 1
+            assert len({s._open_forward(b) is None for s in states}) == 1
 
 
 def test_a_later_part_out_of_pages_leaves_the_open_denoising_forward_in_every_part() -> None:
@@ -197,7 +197,7 @@ def test_a_commit_raising_in_a_later_part_leaves_no_part_open(monkeypatch: pytes
     with pytest.raises(RuntimeError, match="device lost"), s.prepare_forward(None, 4, commit_current=True) as fwd:
         run_layers(fwd, torch.Generator().manual_seed(6))
     assert all(not p.is_active for p in fwd.parts)
-    assert all(p.open_forward(b) is None for p in s.parts for b in s.kv_branch_names)
+    assert all(p._open_forward(b) is None for p in s.parts for b in s.kv_branch_names)
 
 
 def test_a_commit_in_another_thread_reads_every_part_after_a_running_prepare(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -113,7 +113,7 @@ class HeadGroupedMachine(RuleBasedStateMachine):
         for sid, (session, _) in sorted(self.sessions.items()):
             for state in session.parts:
                 for b in BRANCHES:
-                    t = state.open_forward(b)
+                    t = state._open_forward(b)
                     out.append((sid, b, state.history_chunks(b), state.pending_chunks(b), state.token_offset(b),
                                 None if t is None else id(t)))
         return out
@@ -343,7 +343,7 @@ class HeadGroupedMachine(RuleBasedStateMachine):
             for b in BRANCHES:
                 assert {st_.token_offset(b) for st_ in session.parts} == {model.committed[b] * self.chunk}
                 assert {st_.committed_chunks(b) for st_ in session.parts} == {model.committed[b]}
-                open_in = {st_.open_forward(b) is not None for st_ in session.parts}
+                open_in = {st_._open_forward(b) is not None for st_ in session.parts}
                 assert open_in == {any((sid, b) in f.streams for f in self.open)}, (sid, b)
         for f in self.open:
             assert all(t.is_open for t in f.transactions)  # type: ignore[attr-defined]

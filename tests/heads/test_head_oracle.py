@@ -134,7 +134,7 @@ def test_a_part_out_of_pages_leaves_no_part_with_an_open_forward() -> None:
     hog = cache.caches[-1]._allocator.allocate(cache.caches[-1]._allocator.num_free - 1)  # the last part is full
     with pytest.raises(am.CapacityError):
         s.prepare_forward(None, 4, commit_current=True)
-    assert all(p.open_forward("main") is None for p in s.parts)
+    assert all(p._open_forward("main") is None for p in s.parts)
     assert s.pages_in_use() == {"l/1h": 0, "g/1h": 0}
     cache.caches[-1]._allocator.decref(hog)
     oracle = PerHeadOracle(heads)

@@ -140,7 +140,7 @@ def test_a_fork_family_keeps_its_page_count_and_shared_prompts_stay_shared(tmp_p
         assert [len(set(pages_of(x, n)) & set(pages_of(la, n))) for n in BOTH] == [
             len(set(pages_of(y, n)) & set(pages_of(a, n))) for n in BOTH
         ]
-    assert lb.cross_entry("cond", "text") is la.cross_entry("cond", "text")
+    assert lb._cross_entry("cond", "text") is la._cross_entry("cond", "text")
     for x, y, seed in ((lchild, child, 9), (lb, b, 10), (la, a, 11)):
         assert all(torch.equal(p, q) for p, q in zip(step(x, seed), step(y, seed)))
     fresh._allocator.check_invariants()
@@ -372,7 +372,7 @@ def test_a_file_crosses_devices_cpu_to_cuda_and_back(tmp_path, spec):
     for b in BOTH:
         assert torch.equal(cuda._pool.kv[:, :, pages_of(on_gpu, b)].view(torch.uint8).cpu(),
                            cpu._pool.kv[:, :, pages_of(s, b)].view(torch.uint8))
-        assert on_gpu.cross_entry(b, "text").k.device.type == "cuda"
+        assert on_gpu._cross_entry(b, "text").k.device.type == "cuda"
     assert on_gpu.recache_latents().device.type == "cuda"
     assert torch.equal(cuda._pool.scales.cpu(), cpu._pool.scales)
     cuda.save_sessions(tmp_path / "b.safetensors", [on_gpu])

@@ -326,7 +326,7 @@ def test_remove_in_the_middle_of_a_committing_forward_commits_nothing() -> None:
             paged(x, torch.tensor(700.0), fwd)
     hook.remove()
     assert state.committed_chunks("cond") == state.committed_chunks("uncond") == 0
-    assert cache._allocator.num_used == 0 and state.open_forward("cond") is None
+    assert cache._allocator.num_used == 0 and state._open_forward("cond") is None
 
 
 def test_sessions_at_different_offsets_batch_in_one_forward() -> None:

@@ -60,7 +60,7 @@ def test_batched_commit_is_atomic_when_interrupted_between_streams(
     if exc is RuntimeError:  # a library error that names the cause (chained); Ctrl-C stays a KeyboardInterrupt
         assert isinstance(raised.value, CommitFailedError) and isinstance(raised.value.__cause__, RuntimeError)
     assert len(calls) == 2
-    assert s.open_forward("cond") is None and s.open_forward("uncond") is None, "the failed commit left it open"
+    assert s._open_forward("cond") is None and s._open_forward("uncond") is None, "the failed commit left it open"
     assert fwd.status == "aborted"
     assert bookkeeping(cache, ordered=False) == before_forward, "one stream committed without the other"
     assert torch.equal(bit_copy(cache._pool.kv)[:, :, history], kv[:, :, history])
@@ -68,7 +68,7 @@ def test_batched_commit_is_atomic_when_interrupted_between_streams(
     monkeypatch.undo()
     commit_chunk(s, seed=11)  # the next forward runs (no PendingContextError) and commits both
     assert s.committed_chunks("cond") == s.committed_chunks("uncond") == 4
-    assert s.open_forward("cond") is None
+    assert s._open_forward("cond") is None
 
 
 def test_sigint_during_a_batched_commit_waits_until_both_streams_are_committed(
@@ -95,7 +95,7 @@ def test_sigint_during_a_batched_commit_waits_until_both_streams_are_committed(
         s.commit_paged_context("cond")
     assert len(applied) == 2
     assert s.committed_chunks("cond") == s.committed_chunks("uncond") == 4
-    assert s.open_forward("cond") is None and s.open_forward("uncond") is None
+    assert s._open_forward("cond") is None and s._open_forward("uncond") is None
     cache._allocator.check_invariants()
     assert cache._allocator.num_used == 2 * 3 * SMALL_SPEC.pages_per_chunk  # sink + window per branch
 

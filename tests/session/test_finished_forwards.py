@@ -58,7 +58,7 @@ def test_committed_forward_cannot_write(commit_current: bool, api: str, small_ca
         layers, streams = a.get_kv_caches("cond", CHUNK, commit_current=commit_current), 1
         run_layers(layers, 1, seed=10)
         a.commit_paged_context("cond")
-    assert a.open_forward("cond") is None and a.open_forward("uncond") is None
+    assert a._open_forward("cond") is None and a._open_forward("uncond") is None
     assert a.committed_chunks("cond") == 1 + commit_current
     assert_refused(cache, layers, streams)
 
@@ -99,7 +99,7 @@ def test_reset_session_forward_cannot_write() -> None:
     fwd = a.prepare_forward(BOTH, CHUNK, commit_current=True)
     run_layers(fwd.layers, 2, seed=10)
     a.reset()
-    assert a.open_forward("cond") is None and a.committed_chunks("cond") == 0
+    assert a._open_forward("cond") is None and a.committed_chunks("cond") == 0
     assert cache._allocator.num_free == 8
     commit_chunk(b, seed=20)  # reuses a's old pages
     assert_refused(cache, fwd.layers, 2)
@@ -115,7 +115,7 @@ def test_closing_a_member_session_finishes_the_whole_forward() -> None:
     with cache.prepare_forward([(a, "cond"), (b, "cond")], CHUNK, commit_current=True) as fwd:
         run_layers(fwd.layers, 2, seed=10)
         a.close()
-        assert b.open_forward("cond") is None and b.pending_chunks("cond") == ()
+        assert b._open_forward("cond") is None and b.pending_chunks("cond") == ()
         assert_refused(cache, fwd.layers, 2, errors=RELEASED)
     # The with block exits normally: the forward already finished, nothing gets committed.
     assert b.committed_chunks("cond") == 1 and pages_of(b, "cond") == b_history
@@ -133,7 +133,7 @@ def test_superseded_denoising_forward_cannot_write(small_cache: KVCache) -> None
     old = a.prepare_forward(BOTH, CHUNK, commit_current=False)
     run_layers(old.layers, 2, seed=10)
     new = a.prepare_forward(("cond",), CHUNK, commit_current=False)  # another context, same cond pages
-    assert new is not old and a.open_forward("uncond") is None
+    assert new is not old and a._open_forward("uncond") is None
     run_layers(new.layers, 1, seed=20)
     assert_refused(cache, old.layers, 2)
     new.commit()

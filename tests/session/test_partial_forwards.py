@@ -43,7 +43,7 @@ def test_a_forward_that_ran_only_some_layers_is_not_committed(how: str) -> None:
         else:
             b.commit_paged_context("uncond")
     assert isinstance(raised.value, RuntimeError) and "aborted" in str(raised.value)
-    assert fwd.status == "aborted" and b.open_forward("cond") is None
+    assert fwd.status == "aborted" and b._open_forward("cond") is None
     assert b.committed_chunks("cond") == b.committed_chunks("uncond") == 0 and cache._allocator.num_used == 0
     cache._allocator.check_invariants()
     commit_chunk(b, seed=4)  # a complete forward commits; its history holds its own K/V, not a's
@@ -85,7 +85,7 @@ def test_a_recache_that_ran_only_some_layers_keeps_the_valid_old_window(small_ca
             chunk_attention(q, k, v, fwd.layers[0])
     assert {b: s.history_chunks(b) for b in BOTH} == visible, "the old window was thrown away"
     assert torch.equal(bit_copy(cache._pool.kv)[:, :, history], kv)
-    assert sorted(cache._allocator.free_pages()) == free and s.open_forward("cond") is None
+    assert sorted(cache._allocator.free_pages()) == free and s._open_forward("cond") is None
     cache._allocator.check_invariants()
 
 

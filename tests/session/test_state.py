@@ -576,7 +576,7 @@ def test_batched_multi_branch_forward_and_per_branch_commit():
     assert state.history_chunks("cond") == ((2, 3),)
     assert state.history_chunks("uncond") == ((0, 1), (4, 5)) and state.pending_chunks("uncond") == ()
     with pytest.raises(ForwardFinishedError):
-        fwd.layers[0].forward.check_usable()
+        fwd.layers[0].forward._check_usable()
     state.commit_paged_context("uncond")  # the seed's per-branch loop: already committed, a no-op
     assert state.history_chunks("uncond") == ((0, 1), (4, 5))
     assert state.token_offset("uncond") == 8 and state.token_offset("cond") == 4
@@ -679,11 +679,11 @@ def test_reset_with_unknown_cache_name_changes_nothing():
     commit_chunks(state)
     state.get_kv_caches("cond", CHUNK)
     populate(state, "cond")
-    before = (branch_snapshot(state, "cond"), cache._allocator.free_pages(), state.cross_entries())
+    before = (branch_snapshot(state, "cond"), cache._allocator.free_pages(), state._cross_entries())
     with pytest.raises(UnknownCacheError) as exc_info:
         state.reset(keep_cross_attention=("text", "prompt"))
     assert "'prompt'" in str(exc_info.value) and "'text'" in str(exc_info.value)
-    assert (branch_snapshot(state, "cond"), cache._allocator.free_pages(), state.cross_entries()) == before
+    assert (branch_snapshot(state, "cond"), cache._allocator.free_pages(), state._cross_entries()) == before
 
 
 def test_reset_reopens_a_closed_session():

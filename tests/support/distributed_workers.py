@@ -256,7 +256,7 @@ def check_rollout(
     local_kv = cache.spec.num_kv_heads
     assert cache.cache._pool.bytes_per_page * kv_heads == reference._pool.bytes_per_page * local_kv
     assert cache.spec.num_qo_heads == heads // mesh.sp_size
-    entry = state.cross_entry(mesh.local_branches[0], "text")
+    entry = state._cross_entry(mesh.local_branches[0], "text")
     cross_kv = kv_heads if cross == "tokens" or mesh.sp is None else local_kv
     assert entry is not None and entry.k.shape[-2] == cross_kv, (entry.k.shape if entry else None, cross_kv)
 
@@ -339,7 +339,7 @@ def check_vote_undo() -> None:
         with cache.prepare_forward(s1, CHUNK, commit_current=True) as second:
             first.commit()
             first.abort()
-            assert second.context.transaction.is_open and s1.committed_chunks("cond") == 0
+            assert second.context._transaction.is_open and s1.committed_chunks("cond") == 0
             parallel(mesh.scatter(x[:2]), second.layers)
             # A rank's share committed alone (issue 41): refused on every rank, nothing changed, still open.
             for alone in (second.context.commit, lambda: s1.commit_paged_context("cond")):
@@ -349,7 +349,7 @@ def check_vote_undo() -> None:
                     assert "expected DistributedForward" in str(e), e
                 else:
                     raise AssertionError("expected a commit of one rank's share alone to be refused")
-            assert second.context.transaction.is_open and s1.committed_chunks("cond") == 0
+            assert second.context._transaction.is_open and s1.committed_chunks("cond") == 0
     assert s1.committed_chunks("cond") == 1
     _check_same_state_everywhere(cache, "after finishing a superseded handle")
     # Misuse: specific errors (a bad sessions argument is voted like any failure: no rank hangs).
@@ -613,13 +613,13 @@ def check_peer_lost(mode: str, timeout_s: float) -> None:
     else:
         assert 0.5 * timeout_s <= elapsed <= timeout_s + 5.0, f"waited {elapsed:.1f} s, timeout {timeout_s} s"
     # No open forward, the pool and the session as before the forward.
-    assert state.open_forward(branch) is None and not fwd.context.is_active
+    assert state._open_forward(branch) is None and not fwd.context.is_active
     assert _whole_state(cache)[:2] == before and cache.cache._allocator.num_used == used
     fwd.abort()  # finished already: no collective (the group is dead)
     # A new forward of this rank's streams works (locally: the mesh cannot vote any more).
     with torch.no_grad(), state.prepare_forward(mesh.local_branches, CHUNK, commit_current=True) as local:
         parallel(x, local.layers)
-    assert state.committed_chunks(branch) == 2 and state.open_forward(branch) is None
+    assert state.committed_chunks(branch) == 2 and state._open_forward(branch) is None
     cache.close()
     assert cache.cache._allocator.num_used == 0
 
@@ -906,7 +906,7 @@ def check_graph_votes() -> None:
     state = cache.open_session("s0")
     with torch.no_grad(), cache.prepare_forward(state, CHUNK, commit_current=False) as fwd:
         ctx = fwd.context
-        assert step.will_capture(fwd) and not fwd._static
+        assert step.will_capture(fwd) and not fwd.static
 
         def graph_on(ranks: tuple[int, ...], inputs: torch.Tensor = x) -> None:
             """A stand-in graph of ``ctx`` on ``ranks`` (what the capture vote and the replay checks read)."""
@@ -1019,7 +1019,7 @@ def _graph_rollout(
 
         def forward(self, x: torch.Tensor, commit: bool) -> torch.Tensor:
             with torch.no_grad(), self.cache.prepare_forward(self.state, x.shape[1], commit, static=True) as fwd:
-                assert fwd._static
+                assert fwd.static
                 if step.will_capture(fwd):
                     self.captures += 1
                 else:

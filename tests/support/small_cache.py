@@ -73,7 +73,7 @@ def bookkeeping(cache: KVCache, *, ordered: bool = True):
                 state.pending_chunks(b),
                 state.token_offset(b),
                 state.committed_chunks(b),
-                id(state.open_forward(b)) if state.open_forward(b) is not None else None,
+                id(state._open_forward(b)) if state._open_forward(b) is not None else None,
             )
             for b in state.kv_branch_names
         }

@@ -55,7 +55,7 @@ def session_snapshot(cache: KVCache) -> dict:
     for sid, state in cache.sessions.items():
         branches = {}
         for branch in state.kv_branch_names:
-            record = state.open_forward(branch)
+            record = state._open_forward(branch)
             branches[branch] = (
                 state.history_chunks(branch),
                 state.pending_chunks(branch),
@@ -66,7 +66,7 @@ def session_snapshot(cache: KVCache) -> dict:
                     n for n in TWO_SESSIONS_SPEC.cross_attention_names if state.is_cross_attention_populated(branch, n)
                 ),
             )
-        cross = {key: (e.version, e.k.clone(), e.v.clone()) for key, e in state.cross_entries().items()}
+        cross = {key: (e.version, e.k.clone(), e.v.clone()) for key, e in state._cross_entries().items()}
         sessions[sid] = (branches, cross, state.is_closed)
     return {
         "free": alloc.free_pages(),

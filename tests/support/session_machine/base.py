@@ -273,7 +273,7 @@ class MachineBase(RuleBasedStateMachine):
                 continue
             branches = []
             for b in BRANCHES:
-                forward = st_.open_forward(b)
+                forward = st_._open_forward(b)
                 cross = None
                 if st_.is_cross_attention_populated(b, "text"):
                     cross = [(d["k"].tolist(), d["v"].tolist()) for d in st_.get_cross_attention_kv(b, "text")]

@@ -76,7 +76,7 @@ class Invariants:
                 )
                 assert history.history_positions() == [p for r in records for p in r.positions()]
                 assert [len(c) * self.page for c in state.pending_chunks(b)] == sm.pending_tokens[b]
-                tx, lib = sm.forward[b], state.open_forward(b)
+                tx, lib = sm.forward[b], state._open_forward(b)
                 if tx is None:
                     assert lib is None, f"{state.session_id}/{b}: open forward {lib}, the model has none"
                 else:
