@@ -355,14 +355,11 @@ class ForwardManager:
 
     # ------------------------------------------------------------------ finishing
     def finish_forward(self, transaction: ForwardTransaction, success: bool) -> None:
-        """Commit (``success``) or abort every stream of ``transaction``, all or none. Idempotent.
+        """Commit (``success``) or abort every stream of ``transaction``, all or none (``fwd.commit()``). Idempotent.
 
-        What ``ForwardContext.commit()`` / ``abort()`` and ``KVState.commit_paged_context`` / ``abort`` call. A commit
-        is refused -- the forward aborted, history unchanged, the error raised -- unless
-        :meth:`abort_if_uncommittable` passes; whatever a commit raises, the forward is aborted before the error
-        propagates (a library error as it is, anything else as :class:`CommitFailedError`). Raises
-        :class:`ParticipantCommitError`, nothing changed, when asked to commit one participant of a
-        multi-participant forward alone (:func:`~ardiff_modules.core.two_phase.require_coordinated`).
+        A commit is refused (aborted, history unchanged, the error raised) unless :meth:`abort_if_uncommittable`
+        passes; whatever it raises, the forward is aborted first (a non-library error as :class:`CommitFailedError`).
+        Committing one participant of a multi-participant forward alone: :class:`ParticipantCommitError`, no change.
         """
         with self.lock:
             if not transaction.is_open:
@@ -392,12 +389,9 @@ class ForwardManager:
                 )
 
     def abort_if_uncommittable(self, transaction: ForwardTransaction, check_finite: bool | None = None) -> None:
-        """Every check that refuses a commit, run before it: on a failure abort the forward and raise.
-
-        Every layer wrote its K/V (:class:`IncompleteForwardError`), FP8 scales it would fix are not degenerate
-        (:class:`KVCalibrationError`), with ``check_finite`` (default: the cache's) no NaN/Inf
-        (:meth:`abort_if_non_finite`). For callers that decide before committing (a grouped or distributed vote).
-        """
+        """Every check that refuses a commit, run before it (a grouped or distributed vote): on a failure abort the
+        forward and raise. Every layer wrote (:class:`IncompleteForwardError`), the FP8 scales it would fix are
+        sound (:class:`KVCalibrationError`), with ``check_finite`` (default: the cache's) no NaN/Inf."""
         _require_transaction("abort_if_uncommittable", transaction)
         with self.lock:
             if not transaction.is_open or not transaction.commit_current:

@@ -10,8 +10,27 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ardiff_modules import ARDiffError, CachedCrossAttention, CapacityError, ChunkSelfAttention, KVCache, KVCacheSpec, KVState, PendingContextError, SpecError, TensorMismatchError, chunk_attention, populate_cross_attention
-from ardiff_modules.errors import CrossAttentionNotPopulatedError, SequenceLengthError, SessionClosedError, UnknownBranchError, UnknownCacheError
+from ardiff_modules import (
+    ARDiffError,
+    CachedCrossAttention,
+    CapacityError,
+    ChunkSelfAttention,
+    KVCache,
+    KVCacheSpec,
+    KVState,
+    PendingContextError,
+    SpecError,
+    TensorMismatchError,
+    chunk_attention,
+    populate_cross_attention,
+)
+from ardiff_modules.errors import (
+    CrossAttentionNotPopulatedError,
+    SequenceLengthError,
+    SessionClosedError,
+    UnknownBranchError,
+    UnknownCacheError,
+)
 from tests.support.kv_writes import write_every_layer
 from tests.support.small_cache import CHUNK
 from tests.support.two_sessions import TWO_SESSIONS_SPEC, assert_sessions_unchanged, build, session_snapshot, text_pairs

@@ -10,7 +10,12 @@ import pytest
 import torch
 
 from ardiff_modules import KVCache, SpecError, TensorMismatchError
-from ardiff_modules.errors import CacheClosedError, CrossAttentionNotPopulatedError, ForwardFinishedError, UnknownBranchError
+from ardiff_modules.errors import (
+    CacheClosedError,
+    CrossAttentionNotPopulatedError,
+    ForwardFinishedError,
+    UnknownBranchError,
+)
 from ardiff_modules.graphs import CUDAGraphStep
 from tests.support.kv_writes import write_every_layer
 from tests.support.small_cache import BOTH, CHUNK, SMALL_SPEC, bookkeeping, commit_chunk, make_small_cache, run_layers

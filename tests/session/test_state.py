@@ -13,8 +13,26 @@ import dataclasses
 import pytest
 import torch
 
-from ardiff_modules import CacheStats, CapacityError, CrossAttentionSpec, ForwardContext, KVCache, KVCacheSpec, KVState, LayerContext, PendingContextError, SpecError, TensorMismatchError, chunk_attention
-from ardiff_modules.errors import CrossAttentionNotPopulatedError, ForwardFinishedError, SessionClosedError, UnknownCacheError
+from ardiff_modules import (
+    CacheStats,
+    CapacityError,
+    CrossAttentionSpec,
+    ForwardContext,
+    KVCache,
+    KVCacheSpec,
+    KVState,
+    LayerContext,
+    PendingContextError,
+    SpecError,
+    TensorMismatchError,
+    chunk_attention,
+)
+from ardiff_modules.errors import (
+    CrossAttentionNotPopulatedError,
+    ForwardFinishedError,
+    SessionClosedError,
+    UnknownCacheError,
+)
 from ardiff_modules.backends import ReferenceBackend
 from tests.support.kv_writes import write_every_layer
 
