@@ -412,7 +412,9 @@ class ForwardManager:
         runs before a commit); a closed forward is a no-op."""
         _require_transaction("abort_if_non_finite", transaction)
         if any(state.cache is not self.host for state, _ in transaction.members):
-            raise SpecError("KVCache.abort_if_non_finite: expected a forward of this cache, got one of another cache")
+            raise SpecError(
+                "ForwardManager.abort_if_non_finite: expected a forward of this cache, got one of another cache"
+            )
         with self.lock:
             if transaction.is_open:
                 check_pending_finite(transaction, self.pool, self.allocator)
@@ -463,7 +465,8 @@ class ForwardManager:
 def _require_transaction(what: str, transaction: object) -> None:
     if not isinstance(transaction, ForwardTransaction):
         raise SpecError(
-            f"KVCache.{what}: expected a ForwardTransaction (fwd.transaction), got {type(transaction).__name__}"
+            f"ForwardManager.{what}: expected a ForwardTransaction (a forward context's _transaction), "
+            f"got {type(transaction).__name__}"
         )
 
 
