@@ -64,7 +64,7 @@ class _Captured:
     graph: torch.cuda.CUDAGraph
     inputs: list[torch.Tensor]
     output: torch.Tensor
-    #: ``ForwardContext.plan_epoch`` of each part at capture: the plan buffers the graph reads.
+    #: ``ForwardContext._plan_epoch`` of each part at capture: the plan buffers the graph reads.
     plan_epoch: tuple[int, ...]
     #: Cross-attention caches the captured step read (their fixed buffers are baked in).
     cross_names: frozenset[str]
