@@ -12,8 +12,13 @@ Typical use::
     with state.prepare_forward(("cond", "uncond"), seq_len=4680, commit_current=True) as fwd:
         out = model(x, fwd.layers)      # layers: am.ChunkSelfAttention / am.CachedCrossAttention
 
-``__all__`` lists the public API. Internals (``ForwardLayout``, ``KVPool``, ``PageAllocator``,
-transactions, reservations, the context registry) are importable from their own modules only.
+``__all__`` lists the public API: what a program, an attention module or an integration needs. Everything
+else is importable from its own module only: internals (``ForwardLayout``, ``KVPool``, ``PageAllocator``,
+transactions, reservations, the context registry), return types (``ardiff_modules.warm_start.WarmUpReport``,
+``ardiff_modules.core.head_retention.HeadPart``), checkpoint conversion (``ardiff_modules.convert``) and the
+exceptions that signal a caller's bug (every exception is in ``ardiff_modules.errors``, also ``am.errors``;
+the top level re-exports the base class, those a working program handles and those the docs catch).
+Changing ``__all__`` is an API change: ``tests/api/test_public_surface.py`` pins it (update CHANGELOG.md).
 
 The torch-dependent names are imported lazily (PEP 562 ``__getattr__``): ``import ardiff_modules``
 and the pure-Python layers (``core``, ``spec``, ``checks``, ``errors``) do not import torch.
@@ -29,46 +34,31 @@ from typing import TYPE_CHECKING, Any
 
 # Pure Python (no torch): imported eagerly.
 from ardiff_modules.errors import (
-    AllocatorError,
     ARDiffError,
     BackendUnavailableError,
-    CacheClosedError,
     CapacityError,
     CommitFailedError,
     CompileCacheError,
     CompileInputError,
     CompileInputWarning,
-    CrossAttentionNotPopulatedError,
-    ForwardFinishedError,
-    IncompleteForwardError,
-    InferenceOnlyError,
     KVCalibrationError,
-    KVScalesFixedError,
-    LatentsNotKeptError,
     NonFiniteKVError,
     ParticipantCommitError,
     PendingContextError,
-    PlanNotFoundError,
-    SequenceLengthError,
-    SessionClosedError,
     SessionFileError,
-    SessionIdClashError,
     SessionNotSuspendedError,
     SessionSuspendedError,
     SessionTransferError,
     SpecError,
-    StateDictMismatchError,
     StreamPositionError,
     TensorMismatchError,
     TrainingScopeError,
     UncommittedForwardsWarning,
-    UnknownBranchError,
-    UnknownCacheError,
 )
 from ardiff_modules.spec import CrossAttentionSpec, KVCacheSpec
 from ardiff_modules.core.recache import RecacheRule
 from ardiff_modules.core.retention import RetentionPolicy, SinkWindowMemoryPolicy, SinkWindowPolicy
-from ardiff_modules.core.head_retention import HeadPart, HeadRetention
+from ardiff_modules.core.head_retention import HeadRetention
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from ardiff_modules.backends.base import AttentionBackend
@@ -77,7 +67,6 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from ardiff_modules.cache import CacheStats, KVCache
     from ardiff_modules.compiled import CompiledStep
     from ardiff_modules.context import ForwardContext, LayerContext
-    from ardiff_modules.convert import convert_attention_state_dict, convert_wan_state_dict
     from ardiff_modules.graphs import CUDAGraphStep
     from ardiff_modules.head_cache import HeadGroupedKVCache, HeadGroupedSession
     from ardiff_modules.head_forward import HeadGroupedForward, HeadGroupedLayer
@@ -93,14 +82,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     )
     from ardiff_modules.session import KVState
     from ardiff_modules.training import TrainingScope
-    from ardiff_modules.warm_start import (
-        ForwardShape,
-        WarmUpReport,
-        WarmUpStage,
-        load_compile_cache,
-        save_compile_cache,
-        warm_up,
-    )
+    from ardiff_modules.warm_start import load_compile_cache, save_compile_cache, warm_up
 
 __version__ = "0.1.0"
 
@@ -128,12 +110,7 @@ _LAZY: dict[str, str] = {
     "apply_rope": "ardiff_modules.modules",
     "cached_cross_attention": "ardiff_modules.modules",
     "chunk_attention": "ardiff_modules.modules",
-    "convert_attention_state_dict": "ardiff_modules.convert",
-    "convert_wan_state_dict": "ardiff_modules.convert",
     "populate_cross_attention": "ardiff_modules.modules",
-    "ForwardShape": "ardiff_modules.warm_start",
-    "WarmUpReport": "ardiff_modules.warm_start",
-    "WarmUpStage": "ardiff_modules.warm_start",
     "load_compile_cache": "ardiff_modules.warm_start",
     "save_compile_cache": "ardiff_modules.warm_start",
     "warm_up": "ardiff_modules.warm_start",
@@ -154,11 +131,9 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "ARDiffError",
-    "AllocatorError",
     "AttentionBackend",
     "BackendUnavailableError",
     "CUDAGraphStep",
-    "CacheClosedError",
     "CacheStats",
     "CachedCrossAttention",
     "CapacityError",
@@ -168,61 +143,42 @@ __all__ = [
     "CompileInputError",
     "CompileInputWarning",
     "CompiledStep",
-    "CrossAttentionNotPopulatedError",
     "CrossAttentionSpec",
     "FlashInferBackend",
     "ForwardContext",
-    "ForwardFinishedError",
-    "ForwardShape",
     "HeadGroupedForward",
     "HeadGroupedKVCache",
     "HeadGroupedLayer",
     "HeadGroupedSession",
-    "HeadPart",
     "HeadRetention",
-    "IncompleteForwardError",
-    "InferenceOnlyError",
     "KVCache",
     "KVCacheSpec",
     "KVCalibrationError",
-    "KVScalesFixedError",
     "KVState",
-    "LatentsNotKeptError",
     "LayerContext",
     "NonFiniteKVError",
     "ParticipantCommitError",
     "PendingContextError",
-    "PlanNotFoundError",
     "RecacheRule",
     "ReferenceBackend",
     "RetentionPolicy",
     "RotaryEmbedding",
-    "SequenceLengthError",
-    "SessionClosedError",
     "SessionFileError",
-    "SessionIdClashError",
     "SessionNotSuspendedError",
     "SessionSuspendedError",
     "SessionTransferError",
     "SinkWindowMemoryPolicy",
     "SinkWindowPolicy",
     "SpecError",
-    "StateDictMismatchError",
     "StreamPositionError",
     "TensorMismatchError",
     "TrainingScope",
     "TrainingScopeError",
     "UncommittedForwardsWarning",
-    "UnknownBranchError",
-    "UnknownCacheError",
     "VideoRotaryEmbedding",
-    "WarmUpReport",
-    "WarmUpStage",
     "apply_rope",
     "cached_cross_attention",
     "chunk_attention",
-    "convert_attention_state_dict",
-    "convert_wan_state_dict",
     "load_compile_cache",
     "populate_cross_attention",
     "save_compile_cache",

@@ -19,11 +19,10 @@ from ardiff_modules.backends import AttentionBackend, resolve_backend
 from ardiff_modules.checks import require_bool, require_choice, require_int
 from ardiff_modules.context import ForwardContext
 from ardiff_modules.core.admission import Admission
-from ardiff_modules.core.allocator import PageAllocator
+from ardiff_modules.core.allocator import PageAllocator, reset_peak
 from ardiff_modules.core.branch import BranchPages
 from ardiff_modules.core.recache import RecacheRule
 from ardiff_modules.core.retention import RetentionPolicy
-from ardiff_modules.core.transaction import ForwardTransaction
 from ardiff_modules.errors import CacheClosedError, SpecError
 from ardiff_modules.forwards import ForwardManager
 from ardiff_modules.host.files import load_sessions, save_sessions
@@ -99,20 +98,22 @@ class KVCache:
             spec, num_pages, budget_bytes, contiguous_extents, max_forward_contexts, check_finite, host_budget_bytes
         )
         self.spec = spec
-        self.pool = KVPool(spec, num_pages, device)
-        self.allocator = PageAllocator(num_pages)
+        # NOTE: the engine's parts are private: the session, the host tier's files, warm-up, the grouped and the
+        # distributed caches (this package) reach them; a program uses the methods below.
+        self._pool = KVPool(spec, num_pages, device)
+        self._allocator = PageAllocator(num_pages)
         self._dtype = torch_dtype(spec.dtype)
-        self.backend = resolve_backend(backend, self.pool.device, self._dtype, spec.head_dim, kv_dtype=self.pool.dtype)
+        self.backend = resolve_backend(backend, self._pool.device, self._dtype, spec.head_dim, kv_dtype=self._pool.dtype)
         self._extent_chunks = _extent_chunks(spec, self.backend.name, contiguous_extents)
         self.max_forward_contexts = max_forward_contexts
         self._lock = threading.RLock()
         self._sessions = SessionTable()
-        self.host_tier = HostTier(self.pool, self.allocator, self._lock, self._sessions, host_budget_bytes)
-        self.forwards = ForwardManager(
-            self, spec, self.pool, self.allocator, self.backend, dtype=self._dtype, extent_chunks=self._extent_chunks,
-            max_contexts=max_forward_contexts, check_finite=check_finite, lock=self._lock, host_tier=self.host_tier,
+        self._host_tier = HostTier(self._pool, self._allocator, self._lock, self._sessions, host_budget_bytes)
+        self._forwards = ForwardManager(
+            self, spec, self._pool, self._allocator, self.backend, dtype=self._dtype, extent_chunks=self._extent_chunks,
+            max_contexts=max_forward_contexts, check_finite=check_finite, lock=self._lock, host_tier=self._host_tier,
         )
-        self.admission = Admission(
+        self._admission = Admission(
             len(spec.branches), spec.max_history_chunks, spec.pages_per_chunk, self._extent_chunks,
             spec.recache.context_chunks,
         )
@@ -127,7 +128,7 @@ class KVCache:
     # ------------------------------------------------------------------ properties
     @property
     def device(self) -> torch.device:
-        return self.pool.device
+        return self._pool.device
 
     @property
     def dtype(self) -> torch.dtype:
@@ -147,17 +148,17 @@ class KVCache:
     @property
     def kv_dtype(self) -> torch.dtype:
         """Storage dtype of the paged K/V."""
-        return self.pool.dtype
+        return self._pool.dtype
 
     @property
     def check_finite(self) -> bool:
         """Whether a commit first checks the pending K/V for NaN/Inf (settable; see the class docstring)."""
-        return self.forwards.check_finite
+        return self._forwards.check_finite
 
     @check_finite.setter
     def check_finite(self, value: bool) -> None:
         require_bool("KVCache.check_finite", value)
-        self.forwards.check_finite = value
+        self._forwards.check_finite = value
 
     @property
     def lock(self) -> threading.RLock:
@@ -182,7 +183,13 @@ class KVCache:
         """
         with self._lock:
             self._check_open("set_kv_scales")
-            self.pool.set_kv_scales(scales)
+            self._pool.set_kv_scales(scales)
+
+    @property
+    def kv_scales(self) -> torch.Tensor:
+        """The pool's K/V scales, float32 ``[num_layers, 2 (K, V), num_kv_heads]``: ones for a float pool, an FP8
+        pool's calibrated (or :meth:`set_kv_scales`) values. Read it, do not write it (it is the pool's own tensor)."""
+        return self._pool.scales
 
     # ------------------------------------------------------------------ sessions
     @property
@@ -197,23 +204,23 @@ class KVCache:
             self._check_open("open_session")
             return self._sessions.open(session_id, lambda sid: KVState(self, sid))
 
-    def new_branch_pages(self) -> BranchPages:
+    def _new_branch_pages(self) -> BranchPages:
         """A branch's empty page bookkeeping under this cache's policy and extents (what a session holds)."""
         horizon = self.spec.recache.horizon(self.spec.policy.sink_chunks)
         return BranchPages(self.spec.policy, self.spec.pages_per_chunk, self.spec.chunk_size, self.extent_chunks, horizon)
 
-    def reopen_session(self, state: KVState) -> None:
+    def _reopen_session(self, state: KVState) -> None:
         """Called by ``KVState.reset`` of a closed session: register it again under its id."""
         with self._lock:
             self._check_open("reset")
             self._sessions.reopen(state)
 
-    def session_closed(self, state: KVState) -> None:
+    def _session_closed(self, state: KVState) -> None:
         """Called by ``KVState.close``: drop the session and release its forward contexts."""
         with self._lock:
             self._sessions.remove(state)
-            self.forwards.release_contexts_of(state.session_id)
-            self.host_tier.forget(state)
+            self._forwards.release_contexts_of(state.session_id)
+            self._host_tier.forget(state)
 
     def close(self) -> None:
         """Close every session, release every forward context and the pool's memory. Idempotent.
@@ -226,9 +233,9 @@ class KVCache:
                 return
             for state in self._sessions:
                 state.close()
-            self.forwards.close()
+            self._forwards.close()
             self._closed = True
-            self.pool.release()
+            self._pool.release()
 
     def __enter__(self) -> KVCache:
         return self
@@ -239,19 +246,9 @@ class KVCache:
         self.close()
 
     # ------------------------------------------------------------------ forwards (the manager's)
-    @property
-    def num_forward_contexts(self) -> int:
-        """Forward contexts kept for reuse now (bounded by ``max_forward_contexts``)."""
-        return len(self.forwards.registry)
-
-    def forward_contexts(self) -> tuple[ForwardContext, ...]:
-        """The forward contexts kept for reuse, least recently used first."""
-        with self._lock:
-            return tuple(self.forwards.registry)
-
     def release_idle_forward_contexts(self) -> int:
         """Release every kept context whose forward is not open (plans rebuilt, graphs recaptured on next use)."""
-        return self.forwards.release_idle_contexts()
+        return self._forwards.release_idle_contexts()
 
     def prepare_forward(
         self,
@@ -282,12 +279,12 @@ class KVCache:
         see :class:`~ardiff_modules.session.ForwardOptions`.
         """
         options = ForwardOptions(token_mask, static, chunk_lengths, pending_attention, keep_latents)
-        return self.forwards.prepare(streams, seq_len, commit_current, options)
+        return self._forwards.prepare(streams, seq_len, commit_current, options)
 
     def recache_latents(self, streams: Streams, *, keep_sinks: bool | None = None, rule: Rule = None) -> torch.Tensor:
         """The kept clean latents (``keep_latents``) a re-cache of ``streams`` runs over, ``[num_streams, seq_len,
         ...]``, in commit order. Raises :class:`LatentsNotKeptError` naming the chunks not kept; nothing changes."""
-        return self.forwards.recache_latents(streams, keep_sinks, rule)
+        return self._forwards.recache_latents(streams, keep_sinks, rule)
 
     def prepare_recache(self, streams: Streams, *, keep_sinks: bool | None = None, rule: Rule = None) -> ForwardContext:
         """Prepare a prompt-switch re-cache: one forward that rebuilds the history of ``streams``.
@@ -299,55 +296,21 @@ class KVCache:
         the re-cache's pages. The contract: :meth:`ForwardManager.prepare_recache
         <ardiff_modules.forwards.ForwardManager.prepare_recache>`.
         """
-        return self.forwards.prepare_recache(streams, keep_sinks, rule)
-
-    def finish_forward(self, transaction: ForwardTransaction, success: bool) -> None:
-        """Commit (``success``) or abort every stream of ``transaction``, all or none. Idempotent.
-
-        A commit is refused -- the forward aborted, history unchanged, the error raised -- unless
-        :meth:`abort_if_uncommittable` passes; whatever a commit raises, the forward is aborted before the
-        error propagates (a library error as it is, anything else as :class:`CommitFailedError`). A participant of
-        a grouped or distributed forward committed alone raises :class:`ParticipantCommitError`, nothing changed.
-        """
-        self.forwards.finish_forward(transaction, success)
-
-    def abort_if_uncommittable(self, transaction: ForwardTransaction, *, check_finite: bool | None = None) -> None:
-        """Every check that refuses a commit, run before it: on a failure abort the forward and raise.
-
-        Every layer wrote its K/V (:class:`IncompleteForwardError`), FP8 scales it would fix are not
-        degenerate (:class:`KVCalibrationError`), with ``check_finite`` (default: the cache's) no NaN/Inf
-        (:meth:`abort_if_non_finite`). For callers that decide before committing (a distributed vote).
-        """
-        self.forwards.abort_if_uncommittable(transaction, check_finite)
-
-    def abort_if_non_finite(self, transaction: ForwardTransaction) -> None:
-        """Check the pending K/V of an open forward (``fwd.transaction``): on NaN/Inf abort the whole forward
-        and raise :class:`NonFiniteKVError` naming the streams, else change nothing. One device sync (what
-        ``check_finite=True`` runs before a commit); a closed forward is a no-op.
-        """
-        self.forwards.abort_if_non_finite(transaction)
-
-    def abort_forwards_of(self, state: KVState) -> None:
-        """Abort every open forward one of ``state``'s branches belongs to (all of their streams)."""
-        self.forwards.abort_forwards_of(state)
-
-    def max_visible_keys(self, histories: Sequence[BranchPages], seq_len: int) -> int:
-        """Keys of the widest stream of a forward: its history plus all ``seq_len`` pending tokens."""
-        return self.forwards.max_visible_keys(histories, seq_len)
+        return self._forwards.prepare_recache(streams, keep_sinks, rule)
 
     # ------------------------------------------------------------------ admission (ints: core.admission)
     def pages_per_session(self, branches: int | None = None, pending_chunks: int = 1) -> int:
         """Peak pages one session holds: per branch (sinks + window + pending) chunks, or its extent (raises
         :class:`SpecError` for an unbounded window: no peak exists)."""
         self._check_open("pages_per_session")
-        return self.admission.pages_per_session(branches, pending_chunks)
+        return self._admission.pages_per_session(branches, pending_chunks)
 
     def recache_reserve(self) -> int:
         """Pages admission keeps free, once for the pool, so that one session can re-cache at its peak
         (``branches x (max_history_chunks - 1) x pages_per_chunk``; see :meth:`Admission.recache_reserve
         <ardiff_modules.core.admission.Admission.recache_reserve>`); :class:`SpecError` for an unbounded window."""
         self._check_open("recache_reserve")
-        return self.admission.recache_reserve()
+        return self._admission.recache_reserve()
 
     def sessions_that_fit(self, pending_chunks: int = 1, *, recache: bool = True, tier: str = "device") -> int:
         """How many more sessions can run to their peak alongside the open ones; ``tier="host"``: how many more
@@ -358,8 +321,8 @@ class KVCache:
             self.pages_per_session(pending_chunks=pending_chunks)  # open, bounded, pending_chunks checked first
             require_bool("sessions_that_fit.recache", recache)
             if require_choice("sessions_that_fit.tier", tier, ("device", "host")) == "host":
-                return self.host_tier.sessions_that_fit(self.admission)
-            return self.admission.sessions_that_fit(*self.host_tier.device_counts(self.admission), pending_chunks, recache)
+                return self._host_tier.sessions_that_fit(self._admission)
+            return self._admission.sessions_that_fit(*self._host_tier.device_counts(self._admission), pending_chunks, recache)
 
     def can_admit(self, num_sessions: int = 1, pending_chunks: int = 1, *, recache: bool = True) -> bool:
         """Whether ``num_sessions`` more sessions fit at their peak (see :meth:`sessions_that_fit`)."""
@@ -379,19 +342,29 @@ class KVCache:
             check_session_id(session_id)
             self.sessions_that_fit(pending_chunks, recache=recache)  # the argument checks, in their order
             if suspend_idle is not False:
-                self.host_tier.suspend_idle(self.admission, pending_chunks, recache, suspend_idle)
-            self.admission.check_admit(*self.host_tier.device_counts(self.admission), pending_chunks, recache)
+                self._host_tier.suspend_idle(self._admission, pending_chunks, recache, suspend_idle)
+            self._admission.check_admit(*self._host_tier.device_counts(self._admission), pending_chunks, recache)
             return self.open_session(session_id)
 
     def tiers(self) -> TierReport:
         """Device and host tiers: pages and bytes used, the host budget, sessions resident and suspended."""
-        return self.host_tier.report()
+        return self._host_tier.report()
+
+    def reserve_host(self, nbytes: int) -> int:
+        """Pin host memory ahead for ``nbytes`` of suspended pages (a server's warm start: the first suspends then
+        pay only their copies); returns the host arena's bytes, capped by ``host_budget_bytes``."""
+        return self._host_tier.reserve(nbytes)
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> CacheStats:
         """A consistent snapshot of pool usage (taken under the cache lock)."""
         with self._lock:
-            return cache_stats(self.allocator, self.pool, self._sessions)
+            return cache_stats(self._allocator, self._pool, self._sessions)
+
+    def reset_peak(self) -> None:
+        """Restart ``stats().peak_pages_used`` from the pages in use now (e.g. a peak per training step)."""
+        with self._lock:
+            reset_peak(self._allocator)
 
 
 def _checked_arguments(
@@ -429,7 +402,7 @@ def _extent_chunks(spec: KVCacheSpec, backend: str, contiguous_extents: bool | N
 
 def _geometry(cache: KVCache) -> str:
     """The DEBUG line of a new cache: pages, bytes, device, backend, extents."""
-    pool = cache.pool
+    pool = cache._pool
     extents = (
         f"contiguous extents of {cache.extent_chunks} chunks per branch" if cache.extent_chunks
         else "plain paging (no contiguous extents)"
@@ -442,12 +415,12 @@ def _geometry(cache: KVCache) -> str:
 
 def _describe(cache: KVCache) -> str:
     """``repr(cache)``: one line; reads counters without the lock and never touches the device."""
-    spec, allocator = cache.spec, cache.allocator
+    spec, allocator = cache.spec, cache._allocator
     kv_dtype = f", kv_dtype={spec.cache_dtype}" if spec.cache_dtype != spec.dtype else ""
     closed = ", closed" if cache.is_closed else ""
     return (
         f"KVCache(layers={spec.num_layers}, kv_heads={spec.num_kv_heads}, head_dim={spec.head_dim}, "
         f"pages={allocator.num_used}/{allocator.num_pages} used, sessions={len(cache._sessions)}, "
-        f"backend={cache.backend.name!r}, device='{cache.pool.device}', dtype={spec.dtype}"
+        f"backend={cache.backend.name!r}, device='{cache._pool.device}', dtype={spec.dtype}"
         f"{kv_dtype}{closed})"
     )

@@ -363,10 +363,10 @@ def library_tensors(named: Mapping[str, Any]) -> dict[int, str]:
         # graph input made from it is recognised by its name (dynamo names inputs after their source).
         tensors: list[tuple[str, torch.Tensor | None]] = [
             ("kv.positions", fwd.positions), ("kv.sink_positions", fwd.sink_positions),
-            ("kv.handle_id", fwd.handle_id),
+            ("kv._handle_id", fwd._handle_id),
         ]
         for layer in fwd.layers:
-            tensors += [("kv.layer_id", layer.layer_id), ("the KV pool", layer.kv_pool),
+            tensors += [("kv._layer_id", layer._layer_id), ("the KV pool", layer._kv_pool),
                         ("the KV pool", layer.k_cache), ("the KV pool", layer.v_cache)]
             tensors += [(f"kv.cross_kv({name!r})", t) for name, pair in layer.cross.items() for t in pair]
         found.update((id(t), label) for label, t in tensors if t is not None)
@@ -403,7 +403,7 @@ def _fingerprint(path: str, value: object, depth: int) -> Iterator[tuple[str, ob
         isinstance(value, (list, tuple)) and value and isinstance(value[0], LayerContext)
     ):
         fwd = next(_contexts(value))
-        cross = {n: tuple(k.shape) for n, (k, _) in sorted(fwd.cross.items())}
+        cross = {n: tuple(k.shape) for n, (k, _) in sorted(fwd._cross.items())}
         yield path, (f"{len(fwd.layers)} layer contexts with positions of shape {tuple(fwd.positions.shape)} and "
                      f"cross caches {cross}")
     elif isinstance(value, (bool, int, float, str)) or value is None:

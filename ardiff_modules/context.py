@@ -116,8 +116,8 @@ class LayerViews:
         forward: CrossPublisher = self.forward  # (both forwards are; typed so that the raise below is NoReturn)
         pair = self.cross.get(name)
         if pair is None:
-            forward.raise_missing_cross(name)
-        forward.note_cross_read(name)  # a Python side effect dynamo replays after a compiled graph
+            forward._raise_missing_cross(name)
+        forward._note_cross_read(name)  # a Python side effect dynamo replays after a compiled graph
         return pair
 
 
@@ -126,26 +126,26 @@ class CrossPublisher:
     """A forward's stacked cross caches and their per-layer views (``ForwardContext``, ``HeadGroupedForward``)."""
 
     layers: Any
-    cross: dict[str, tuple[torch.Tensor, torch.Tensor]]
-    cross_missing: dict[str, str]
-    cross_reads: CrossReads
+    _cross: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    _cross_missing: dict[str, str]
+    _cross_reads: CrossReads
 
-    def raise_missing_cross(self, name: str) -> NoReturn:
-        if name in self.cross_missing:
-            raise CrossAttentionNotPopulatedError(self.cross_missing[name])
-        known = tuple(self.cross) + tuple(self.cross_missing)
+    def _raise_missing_cross(self, name: str) -> NoReturn:
+        if name in self._cross_missing:
+            raise CrossAttentionNotPopulatedError(self._cross_missing[name])
+        known = tuple(self._cross) + tuple(self._cross_missing)
         raise UnknownCacheError(f"Unknown cross-attention cache {name!r}; expected one of {known}")
 
-    def set_cross(self, cross: dict[str, tuple[torch.Tensor, torch.Tensor]], missing: dict[str, str]) -> None:
+    def _set_cross(self, cross: dict[str, tuple[torch.Tensor, torch.Tensor]], missing: dict[str, str]) -> None:
         """Publish stacked cross caches; per-layer views are rebuilt only for caches that changed."""
-        publish_cross(self.layers, self.cross, cross)
-        self.cross, self.cross_missing = cross, missing
+        publish_cross(self.layers, self._cross, cross)
+        self._cross, self._cross_missing = cross, missing
 
-    def note_cross_read(self, name: str) -> None:
+    def _note_cross_read(self, name: str) -> None:
         """A layer read cross-attention cache ``name`` (what a captured CUDA graph then depends on)."""
         # NOTE: an attribute store, not ``set.add``: dynamo replays it after a compiled graph without
         # reading (so without guarding on) what was recorded before -- a set would recompile once filled.
-        setattr(self.cross_reads, name, True)
+        setattr(self._cross_reads, name, True)
 
 
 @dataclass(eq=False, repr=False)
@@ -171,16 +171,16 @@ class LayerContext(LayerViews):
     forward: ForwardContext
     cross: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     #: The whole pool ``[layers, 2, pages, page_size, heads, dim]`` the custom op mutates.
-    kv_pool: torch.Tensor | None = None
+    _kv_pool: torch.Tensor | None = None
     #: ``layer_index`` as a CPU int64 scalar: data for the op, so one graph serves all layers.
-    layer_id: torch.Tensor | None = None
+    _layer_id: torch.Tensor | None = None
     #: The pool's ``[layers, 2, kv_heads]`` FP8 scales (ones for float pools), read by compiled writes.
-    kv_scales: torch.Tensor | None = None
+    _kv_scales: torch.Tensor | None = None
 
     @property
-    def handle_id(self) -> torch.Tensor:
+    def _handle_id(self) -> torch.Tensor:
         """CPU int64 scalar naming this forward's plan in :data:`ardiff_modules.ops.HANDLES`."""
-        return self.forward.handle_id
+        return self.forward._handle_id
 
     def __repr__(self) -> str:
         """One line, e.g. ``LayerContext(layer=3/30, streams=2, seq_len=4680, cross=('text',), status='open')``."""
@@ -223,13 +223,13 @@ class ForwardContext(CrossPublisher):
     """
 
     streams: tuple[tuple[str, str], ...]
-    handle: int
-    handle_id: torch.Tensor
+    _handle: int
+    _handle_id: torch.Tensor
     chunk_size: int
     #: Compute dtype of q/k/v and outputs (the pool may store K/V in another ``kv_dtype``).
     dtype: torch.dtype = torch.float32
-    plan: AttentionPlan | None = None
-    layout: ForwardLayout | None = None
+    _plan: AttentionPlan | None = None
+    _layout: ForwardLayout | None = None
     positions: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     #: With ``KVCacheSpec.relative_sinks``: int64 ``[num_streams, seq_len]`` positions at which the sink
     #: query is rotated (``positions - sink_shift`` per stream); ``None`` otherwise.
@@ -237,61 +237,61 @@ class ForwardContext(CrossPublisher):
     commit_current: bool = False
     layers: list[LayerContext] = field(default_factory=list)
     #: name -> (K, V), each ``[num_layers, num_streams, tokens, heads, dim]``; only fully populated caches.
-    cross: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    _cross: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     #: name -> reason a cache is unavailable to this forward.
-    cross_missing: dict[str, str] = field(default_factory=dict)
+    _cross_missing: dict[str, str] = field(default_factory=dict)
     #: Whether device inputs live in fixed buffers (CUDA-graph replay).
-    static: bool = False
+    _static: bool = False
     #: Whether this forward's kernel attends with an FP8 query (FA3 over an FP8 pool): a compiled layer then
     #: quantizes q in its own graph and the op only launches the kernel (``ops.attend_in_graph``). Set by
     #: :meth:`begin` from the plan (see the NOTE there).
-    fp8_query: bool = False
+    _fp8_query: bool = False
     #: The forward's ``token_mask`` (``None``: the visibility rule alone).
-    token_mask: torch.Tensor | None = None
+    _token_mask: torch.Tensor | None = None
     #: Bumped whenever ``plan`` is replaced by a new object (captured CUDA graphs read its buffers).
-    plan_epoch: int = 0
+    _plan_epoch: int = 0
     #: The cache that finishes this context's transactions.
-    owner: TransactionOwner | None = None
+    _owner: TransactionOwner | None = None
     #: The forward this context describes now (open until committed / aborted / superseded).
-    transaction: ForwardTransaction | None = None
+    _transaction: ForwardTransaction | None = None
     #: Set when the cache dropped this context (LRU, session or cache closed): it never runs again.
-    released: bool = False
+    _released: bool = False
     #: What ``cross`` was stacked from (and the fixed buffers of static contexts).
-    cross_stack: CrossStack = field(default_factory=CrossStack)
+    _cross_stack: CrossStack = field(default_factory=CrossStack)
     #: The cross-attention caches its layers read (``LayerContext.cross_kv``) since the context was made or
     #: ``CUDAGraphStep`` last cleared it: what a captured graph reads.
-    cross_reads: CrossReads = field(default_factory=lambda: CrossReads())
+    _cross_reads: CrossReads = field(default_factory=lambda: CrossReads())
     #: The spec's bound on a stream's history tokens (sinks + window + memory; ``0``: unbounded): what the
     #: compiled gradient path pads the gathered history to.
-    max_history_tokens: int = 0
+    _max_history_tokens: int = 0
     _entered: list[ForwardTransaction] = field(default_factory=list)
 
     @classmethod
-    def create(
+    def _create(
         cls, streams: tuple[tuple[str, str], ...], pool: KVPool, *, dtype: torch.dtype, static: bool,
         owner: TransactionOwner,
     ) -> ForwardContext:
         """A context for ``streams`` over ``pool``: one :class:`LayerContext` per layer, no forward yet."""
         spec = pool.spec
         history = spec.max_history_chunks
-        ctx = cls(streams=streams, handle=0, handle_id=torch.zeros((), dtype=torch.int64), chunk_size=spec.chunk_size,
-                  dtype=dtype, static=static, owner=owner,
-                  max_history_tokens=0 if history is None else history * spec.chunk_size)
+        ctx = cls(streams=streams, _handle=0, _handle_id=torch.zeros((), dtype=torch.int64), chunk_size=spec.chunk_size,
+                  dtype=dtype, _static=static, _owner=owner,
+                  _max_history_tokens=0 if history is None else history * spec.chunk_size)
         ctx.layers = [
             LayerContext(
                 i, pool.k_pages(i), pool.v_pages(i), ctx,
-                kv_pool=pool.kv, layer_id=torch.tensor(i, dtype=torch.int64), kv_scales=pool.scales,
+                _kv_pool=pool.kv, _layer_id=torch.tensor(i, dtype=torch.int64), _kv_scales=pool.scales,
             )
             for i in range(spec.num_layers)
         ]
         return ctx
 
-    def assign_handle(self, handle: int) -> None:
+    def _assign_handle(self, handle: int) -> None:
         """Registered under ``handle`` in :data:`~ardiff_modules.ops.HANDLES` (the ops find the plan by it)."""
-        self.handle = handle
-        self.handle_id.fill_(handle)
+        self._handle = handle
+        self._handle_id.fill_(handle)
 
-    def begin(
+    def _begin(
         self,
         transaction: ForwardTransaction,
         plan: AttentionPlan,
@@ -305,11 +305,11 @@ class ForwardContext(CrossPublisher):
         Supersedes the forward this context described if it is still open (a denoising forward: its
         pending pages stay for reuse).
         """
-        if self.transaction is not None and self.transaction.is_open:
-            self.transaction.close("superseded", "a later forward of one of its streams was prepared")
-        if plan is not self.plan:
-            self.plan_epoch += 1
-        self.plan, self.layout, self.commit_current = plan, layout, transaction.commit_current
+        if self._transaction is not None and self._transaction.is_open:
+            self._transaction.close("superseded", "a later forward of one of its streams was prepared")
+        if plan is not self._plan:
+            self._plan_epoch += 1
+        self._plan, self._layout, self.commit_current = plan, layout, transaction.commit_current
         self.positions, self.sink_positions = positions
         # NOTE: a Python bool the compiled graph branches on (dynamo guards on it), so it must not flip within
         # a rollout: it is fixed by the cache and the kernel family -- an FP8 pool on FlashInfer FA3 says True
@@ -317,21 +317,21 @@ class ForwardContext(CrossPublisher):
         # Relative sinks say False in every forward: their two-segment plan takes the 16-bit query, and the
         # one-segment forwards before a sink is resident would otherwise flip it. A token_mask forward inside
         # an FA3 rollout flips it (FA2): one more compiled graph, kept by dynamo for later such forwards.
-        self.fp8_query = plan.takes_fp8_query and self.sink_positions is None
-        self.token_mask = token_mask
-        self.set_cross(cross[0], cross[1])
-        self.cross_stack.adopt(cross[2])
-        self.transaction = transaction
+        self._fp8_query = plan.takes_fp8_query and self.sink_positions is None
+        self._token_mask = token_mask
+        self._set_cross(cross[0], cross[1])
+        self._cross_stack.adopt(cross[2])
+        self._transaction = transaction
 
-    def drop_plan(self, reason: str) -> None:
+    def _drop_plan(self, reason: str) -> None:
         """After ``plan()`` raised on a backend that re-plans in place: the plan may be half-updated, so the
         forward that used it can never run again (superseded) and the next one plans afresh."""
-        if self.plan is None:
+        if self._plan is None:
             return
-        if self.transaction is not None and self.transaction.is_open:
-            self.transaction.close("superseded", reason)
-        self.plan = None
-        self.plan_epoch += 1
+        if self._transaction is not None and self._transaction.is_open:
+            self._transaction.close("superseded", reason)
+        self._plan = None
+        self._plan_epoch += 1
 
     @property
     def num_streams(self) -> int:
@@ -341,9 +341,9 @@ class ForwardContext(CrossPublisher):
     def status(self) -> str:
         """``"open"``, how its last forward finished (``"committed"``, ``"completed"``, ``"aborted"``,
         ``"superseded"``), ``"released"`` (the cache dropped this context) or ``"unprepared"``."""
-        if self.released:
+        if self._released:
             return "released"
-        return self.transaction.status if self.transaction is not None else "unprepared"
+        return self._transaction.status if self._transaction is not None else "unprepared"
 
     def __repr__(self) -> str:
         """One line, e.g. ``ForwardContext(streams=2 [('s0','cond'),('s0','uncond')], seq_len=64, chunks=1,
@@ -357,11 +357,11 @@ class ForwardContext(CrossPublisher):
                 break
             shown.append(item)
             width += len(item) + 1
-        bidirectional = self.layout is not None and self.layout.bidirectional
+        bidirectional = self._layout is not None and self._layout.bidirectional
         flags = "".join(
             flag
             for flag, on in (
-                (", static", self.static), (", token_mask", self.token_mask is not None),
+                (", static", self._static), (", token_mask", self._token_mask is not None),
                 (", pending='bidirectional'", bidirectional),
             )
             if on
@@ -374,16 +374,16 @@ class ForwardContext(CrossPublisher):
 
     @property
     def seq_len(self) -> int:
-        return self.layout.seq_len if self.layout is not None else 0
+        return self._layout.seq_len if self._layout is not None else 0
 
     @property
     def num_chunks(self) -> int:
-        return self.layout.num_chunks if self.layout is not None else 0
+        return self._layout.num_chunks if self._layout is not None else 0
 
     @property
     def pending_attention(self) -> str:
         """The rule between this forward's pending chunks: ``"block_causal"`` or ``"bidirectional"``."""
-        return self.layout.pending_attention if self.layout is not None else "block_causal"
+        return self._layout.pending_attention if self._layout is not None else "block_causal"
 
     @property
     def relative_sinks(self) -> bool:
@@ -394,14 +394,14 @@ class ForwardContext(CrossPublisher):
     def sink_shifts(self) -> tuple[int, ...]:
         """Per stream, the tokens added to its sinks' positions in this forward (``0``: natural positions;
         always ``0`` without relative sinks)."""
-        if self.layout is None:
+        if self._layout is None:
             return ()
-        return self.layout.sink_shifts
+        return self._layout.sink_shifts
 
     @property
     def token_offsets(self) -> tuple[int, ...]:
         """Absolute position of each stream's first current token."""
-        return tuple(s.token_offset for s in self.layout.streams) if self.layout is not None else ()
+        return tuple(s.token_offset for s in self._layout.streams) if self._layout is not None else ()
 
     def to_dense(self) -> torch.Tensor:
         """The mask this forward attends with, bool ``[num_streams, seq_len, max_keys]`` on the CPU.
@@ -410,7 +410,7 @@ class ForwardContext(CrossPublisher):
         ``ForwardLayout``), ANDed with the forward's ``token_mask`` when one was given.
         """
         dense = self._require_layout("to_dense").to_dense()
-        return dense if self.token_mask is None else dense & self.token_mask.cpu()
+        return dense if self._token_mask is None else dense & self._token_mask.cpu()
 
     def key_positions(self) -> torch.Tensor:
         """int64 ``[num_streams, max_keys]``: absolute position of each key in :meth:`to_dense` order
@@ -418,41 +418,41 @@ class ForwardContext(CrossPublisher):
         return self._require_layout("key_positions").key_positions
 
     def _require_layout(self, what: str) -> ForwardLayout:
-        if self.layout is None:
+        if self._layout is None:
             raise ForwardFinishedError(f"ForwardContext.{what}: expected a prepared forward, got none")
-        return self.layout
+        return self._layout
 
     # ------------------------------------------------------------------ lifetime
     @property
     def is_active(self) -> bool:
         """Whether this context's forward is open: its layers may write and read the pool."""
-        return not self.released and self.transaction is not None and self.transaction.is_open
+        return not self._released and self._transaction is not None and self._transaction.is_open
 
-    def check_usable(self, what: str = "chunk_attention") -> None:
+    def _check_usable(self, what: str = "chunk_attention") -> None:
         """Raise :class:`ForwardFinishedError` unless this context's forward is open."""
-        if self.released:
+        if self._released:
             raise ForwardFinishedError(
                 f"{what}: expected an open forward, got a context the cache released (its session or the "
                 "cache was closed, or it was the least recently used of too many); prepare a new forward"
             )
-        if self.transaction is None:
+        if self._transaction is None:
             raise ForwardFinishedError(f"{what}: expected an open forward, got a context with none prepared")
-        self.transaction.check_open(what)
+        self._transaction.check_open(what)
 
-    def record_write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def _record_write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Called by the custom ops before layer ``layer`` writes ``k``/``v`` ``[tokens, kv_heads, head_dim]``
         (the forward is open): the forward records the layer (a commit needs all), and an FP8 pool's
         uncalibrated layer takes provisional scales from them (fixed if this forward commits)."""
-        transaction = self.transaction
-        assert transaction is not None and self.plan is not None  # check_usable ran first
+        transaction = self._transaction
+        assert transaction is not None and self._plan is not None  # check_usable ran first
         transaction.written.add(layer)  # (not mark_written: this runs once per layer call)
-        if self.plan.quantizer is not None:
-            self.plan.quantizer.calibrate(layer, k, v, transaction)
+        if self._plan.quantizer is not None:
+            self._plan.quantizer.calibrate(layer, k, v, transaction)
 
-    def release(self) -> None:
+    def _release(self) -> None:
         """Called by the cache: this context never runs again (plan buffers freed)."""
-        self.released = True
-        self.plan = None
+        self._released = True
+        self._plan = None
 
     # ------------------------------------------------------------------ commit / abort
     def commit(self) -> None:
@@ -460,19 +460,19 @@ class ForwardContext(CrossPublisher):
 
         Idempotent: a finished forward is left as it is.
         """
-        self._finish(self.transaction, True)
+        self._finish(self._transaction, True)
 
     def abort(self) -> None:
         """Drop every stream's pending work; history stays exactly as before. Idempotent."""
-        self._finish(self.transaction, False)
+        self._finish(self._transaction, False)
 
     def _finish(self, transaction: ForwardTransaction | None, success: bool) -> None:
-        if transaction is not None and transaction.is_open and self.owner is not None:
-            self.owner.finish_forward(transaction, success)
+        if transaction is not None and transaction.is_open and self._owner is not None:
+            self._owner.finish_forward(transaction, success)
 
     def __enter__(self) -> ForwardContext:
-        self.check_usable("ForwardContext.__enter__")  # a finished forward cannot be entered again
-        transaction = self.transaction
+        self._check_usable("ForwardContext.__enter__")  # a finished forward cannot be entered again
+        transaction = self._transaction
         assert transaction is not None  # check_usable raised otherwise
         self._entered.append(transaction)
         return self

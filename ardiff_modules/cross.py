@@ -263,11 +263,11 @@ class SessionCrossCaches:
         check_cache_name(self.cache.spec, cache_name)
         return cache_name, kv_branch
 
-    def cross_entries(self) -> dict[CrossKey, CrossEntry]:
+    def _cross_entries(self) -> dict[CrossKey, CrossEntry]:
         """Every published cross cache of this session, ``(cache name, branch) -> entry`` (a copy)."""
         return dict(self._cross)
 
-    def cross_entry(self, kv_branch: str, cache_name: str) -> CrossEntry | None:
+    def _cross_entry(self, kv_branch: str, cache_name: str) -> CrossEntry | None:
         """The published cache ``cache_name`` of ``kv_branch`` (``None`` if not populated)."""
         return self._cross.get(self._cross_key(kv_branch, cache_name))
 
@@ -295,13 +295,13 @@ class SessionCrossCaches:
     def get_cross_attention_kv(self, kv_branch: str, cache_name: str) -> list[dict[str, torch.Tensor]]:
         """Every layer's ``{"k", "v"}`` (each ``[tokens, heads, head_dim]``, on the cache's device) of a populated
         cache."""
-        entry = self.cross_entry(kv_branch, cache_name)
+        entry = self._cross_entry(kv_branch, cache_name)
         if entry is None:
             raise not_populated(cache_name, kv_branch, self.session_id)
-        entry = self.on_device(entry)
+        entry = self._on_device(entry)
         return [{"k": entry.k[i], "v": entry.v[i]} for i in range(self.num_layers)]
 
-    def on_device(self, entry: CrossEntry) -> CrossEntry:
+    def _on_device(self, entry: CrossEntry) -> CrossEntry:
         """``entry`` with its tensors on the cache's device: a suspended session's entries are host copies (the
         host tier), read as a device copy so that every call answers as on a resident session."""
         device = torch.device(self.cache.device)
@@ -318,6 +318,6 @@ class SessionCrossCaches:
     def cross_attention_bytes(self) -> int:
         return sum(e.nbytes for e in self._cross.values())
 
-    def adopt_cross_entries(self, entries: Mapping[tuple[str, str], CrossEntry]) -> None:
+    def _adopt_cross_entries(self, entries: Mapping[tuple[str, str], CrossEntry]) -> None:
         """Share populated cross caches ``(name, branch) -> entry`` by reference (fork, prompt sharing)."""
         self._cross.update(entries)

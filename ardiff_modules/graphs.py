@@ -64,7 +64,7 @@ class _Captured:
     graph: torch.cuda.CUDAGraph
     inputs: list[torch.Tensor]
     output: torch.Tensor
-    #: ``ForwardContext.plan_epoch`` of each part at capture: the plan buffers the graph reads.
+    #: ``ForwardContext._plan_epoch`` of each part at capture: the plan buffers the graph reads.
     plan_epoch: tuple[int, ...]
     #: Cross-attention caches the captured step read (their fixed buffers are baked in).
     cross_names: frozenset[str]
@@ -112,7 +112,7 @@ class CUDAGraphStep:
         return len(self._captured)
 
     def _drop_released(self) -> None:
-        for forward in [f for f in self._captured if any(p.released for p in _parts(f))]:
+        for forward in [f for f in self._captured if any(p._released for p in _parts(f))]:
             self._release(forward)
 
     def _release(self, forward: Forward) -> None:
@@ -131,10 +131,10 @@ class CUDAGraphStep:
     def __call__(self, forward: Forward, *inputs: torch.Tensor) -> torch.Tensor:
         if not isinstance(forward, (ForwardContext, HeadGroupedForward)):
             raise SpecError(f"CUDAGraphStep: expected a ForwardContext (static=True), got {type(forward).__name__}")
-        if not forward.static:
+        if not forward._static:
             raise SpecError("CUDAGraphStep: expected a forward prepared with static=True, got a dynamic one")
         self._drop_released()
-        forward.check_usable("CUDAGraphStep")
+        forward._check_usable("CUDAGraphStep")
         captured = self._captured.get(forward)
         if captured is not None and _stale(captured, forward):
             self._release(forward)  # the plan was rebuilt (its buffers moved), or calibration must run again
@@ -166,8 +166,8 @@ class CUDAGraphStep:
     @staticmethod
     def _check_replay(captured: _Captured, forward: Forward, inputs: tuple[torch.Tensor, ...]) -> None:
         for name in sorted(captured.cross_names):
-            if name not in forward.cross:
-                forward.raise_missing_cross(name)
+            if name not in forward._cross:
+                forward._raise_missing_cross(name)
         if len(inputs) != len(captured.inputs):
             raise TensorMismatchError(f"CUDAGraphStep: expected {len(captured.inputs)} inputs as captured, got {len(inputs)}")
         for static, new in zip(captured.inputs, inputs):
@@ -185,9 +185,9 @@ class CUDAGraphStep:
         """Warm up and capture ``fn(*inputs, forward.layers)`` for ``forward`` now, without replaying it
         (the next call replays). Replaces an existing graph of ``forward``. A failed capture raises and
         leaves no graph for ``forward``."""
-        if not isinstance(forward, (ForwardContext, HeadGroupedForward)) or not forward.static:
+        if not isinstance(forward, (ForwardContext, HeadGroupedForward)) or not forward._static:
             raise SpecError("CUDAGraphStep.capture: expected a ForwardContext prepared with static=True")
-        forward.check_usable("CUDAGraphStep.capture")
+        forward._check_usable("CUDAGraphStep.capture")
         self.discard(forward)
         self._capture(forward, inputs)
 
@@ -195,7 +195,7 @@ class CUDAGraphStep:
         layers = forward.layers
         parts = _parts(forward)
         static_inputs = [t.clone() for t in inputs]
-        forward.cross_reads.clear()  # what this step reads, recorded by the layers as they run
+        forward._cross_reads.clear()  # what this step reads, recorded by the layers as they run
         # Warm up on a side stream (kernel loading, autotuning, allocator pools), as PyTorch recommends.
         # NOTE: warm-up writes this step's K/V into the pending pages (and calibrates an FP8 pool's
         # uncalibrated layers, which a replay cannot); the replay rewrites them identically.
@@ -219,7 +219,7 @@ class CUDAGraphStep:
                     graph.reset()
                 raise
         captured = _Captured(
-            graph, static_inputs, output, tuple(p.plan_epoch for p in parts), forward.cross_reads.names(),
+            graph, static_inputs, output, tuple(p._plan_epoch for p in parts), forward._cross_reads.names(),
             tuple(frozenset(w) for w in written),
         )
         self._captured[forward] = captured
@@ -227,7 +227,7 @@ class CUDAGraphStep:
 
 
 def _transaction(part: ForwardContext) -> ForwardTransaction:
-    transaction = part.transaction
+    transaction = part._transaction
     assert transaction is not None  # check_usable ran
     return transaction
 
@@ -237,10 +237,10 @@ def _stale(captured: _Captured, forward: Forward) -> bool:
     the graph reads moved), or an FP8 layer it writes lost its (provisional) scales, which only a Python
     run of the layer sets again."""
     parts = _parts(forward)
-    if captured.plan_epoch != tuple(p.plan_epoch for p in parts):
+    if captured.plan_epoch != tuple(p._plan_epoch for p in parts):
         return True
     for part, written in zip(parts, captured.written):
-        quantizer = part.plan.quantizer if part.plan is not None else None
+        quantizer = part._plan.quantizer if part._plan is not None else None
         if quantizer is not None and not all(quantizer.calibrated(layer) for layer in written):
             return True
     return False
@@ -250,7 +250,7 @@ def _record_replay_writes(captured: _Captured, forward: Forward) -> None:
     """A replay writes what its capture wrote: record it on the open forward (host work once per replay)."""
     for part, written in zip(_parts(forward), captured.written):
         transaction = _transaction(part)
-        assert part.plan is not None
+        assert part._plan is not None
         transaction.mark_written(written)
-        if part.plan.quantizer is not None:
-            part.plan.quantizer.note_writes(written, transaction)
+        if part._plan.quantizer is not None:
+            part._plan.quantizer.note_writes(written, transaction)

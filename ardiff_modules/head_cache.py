@@ -245,7 +245,7 @@ class HeadGroupedKVCache:
             raise CacheClosedError(f"HeadGroupedKVCache.{what}: expected an open cache, got a closed one")
 
     def __repr__(self) -> str:
-        parts = ", ".join(f"{p.name}: {len(p.layers)} layers, {c.pool.num_pages} pages"
+        parts = ", ".join(f"{p.name}: {len(p.layers)} layers, {c._pool.num_pages} pages"
                           for p, c in zip(self.part_list, self.caches))
         return f"HeadGroupedKVCache({parts}; sessions={len(self._sessions)}, closed={self._closed})"
 
@@ -280,7 +280,7 @@ class HeadGroupedKVCache:
     def session_closed(self, session: HeadGroupedSession) -> None:
         with self._lock:
             self._sessions.pop(session.session_id, None)
-            stale = [key for key, fwd in self._forwards.items() if any(p.released for p in fwd.parts)]
+            stale = [key for key, fwd in self._forwards.items() if any(p._released for p in fwd.parts)]
             for key in stale:
                 del self._forwards[key]
 
@@ -345,7 +345,7 @@ class HeadGroupedKVCache:
             # NOTE: validate in every part first: a refusal by a later part must not find an earlier part's
             # denoising forward already superseded and its pending chunks reshaped (the parts out of step).
             requests = [
-                cache.forwards.forward_request([(s.parts[p], b) for s, b in members], seq_len, commit_current, options)
+                cache._forwards.forward_request([(s.parts[p], b) for s, b in members], seq_len, commit_current, options)
                 for p, cache in enumerate(self.caches)
             ]
             previous = _open_transactions(members)
@@ -395,7 +395,7 @@ class HeadGroupedKVCache:
         # NOTE: as the parts' registries: a forward over a released part context never runs again (dropped), and
         # beyond the limit only idle ones go. An open one evicted would get a new object on its next prepare (the
         # parts keep their open contexts): a compiled model would recompile, a CUDAGraphStep capture again.
-        for old in [k for k, f in self._forwards.items() if f.released]:
+        for old in [k for k, f in self._forwards.items() if f._released]:
             del self._forwards[old]
         self._forwards[key] = forward
         for old in list(self._forwards):
@@ -409,11 +409,11 @@ class HeadGroupedKVCache:
                      static: bool) -> None:
         """Stack the streams' cross caches and publish them on ``forward`` (what it was stacked from last)."""
         names = self.spec.cross_attention_names
-        entries = {name: [s.cross_entry(b, name) for s, b in members] for name in names}
+        entries = {name: [s._cross_entry(b, name) for s, b in members] for name in names}
         who = [f"{s.session_id!r}/{b!r}" for s, b in members]
-        stacked, missing, versions = forward.cross_stack.restack(names, entries, who, forward.cross, static)
-        forward.set_cross(stacked, missing)
-        forward.cross_stack.adopt(versions)  # only once published: a failure above leaves the stack as it was
+        stacked, missing, versions = forward._cross_stack.restack(names, entries, who, forward._cross, static)
+        forward._set_cross(stacked, missing)
+        forward._cross_stack.adopt(versions)  # only once published: a failure above leaves the stack as it was
 
     def _finish(self, transactions: Sequence[ForwardTransaction | None] | HeadGroupedForward, success: bool) -> None:
         """Commit every part's forward or none: each part's pre-commit checks first, then the commits.
@@ -429,7 +429,7 @@ class HeadGroupedKVCache:
             if isinstance(transactions, HeadGroupedForward):
                 transactions = transactions.transactions
             participants = [
-                Participant(name, t, functools.partial(cache.abort_if_uncommittable, check_finite=self.check_finite),
+                Participant(name, t, functools.partial(cache._forwards.abort_if_uncommittable, check_finite=self.check_finite),
                             _committer(cache), _aborter(cache))
                 for name, cache, t in zip(self.part_names, self.caches, transactions)
             ]
@@ -469,7 +469,7 @@ class HeadGroupedKVCache:
                 needed = [c.pages_per_session(pending_chunks=pending_chunks) for c in self.caches]
                 p = next(p for p, c in enumerate(self.caches) if c.sessions_that_fit(pending_chunks, recache=recache) < 1)
                 full = self.caches[p]
-                free = max(0, full.admission.unpromised(full.allocator.num_free, full.allocator.num_used,
+                free = max(0, full._admission.unpromised(full._allocator.num_free, full._allocator.num_used,
                                                         len(full.sessions), recache))
                 raise CapacityError(
                     f"admit_session: a session needs {dict(zip(self.part_names, needed))} pages per part; part "
@@ -481,12 +481,12 @@ class HeadGroupedKVCache:
 
     def pool_bytes(self) -> int:
         """Bytes of every part's pool (what the cache allocated)."""
-        return sum(c.pool.nbytes for c in self.caches)
+        return sum(c._pool.nbytes for c in self.caches)
 
     def bytes_in_use(self) -> int:
         """Bytes of the pages in use in every part."""
         with self._lock:
-            return sum(c.allocator.num_used * c.pool.bytes_per_page for c in self.caches)
+            return sum(c._allocator.num_used * c._pool.bytes_per_page for c in self.caches)
 
     def stats(self) -> dict[str, Any]:
         """Per part name, that part's :meth:`KVCache.stats` snapshot."""
@@ -496,19 +496,19 @@ class HeadGroupedKVCache:
 
 def _aborter(cache: KVCache) -> Callable[[ForwardTransaction], None]:
     """Abort one part's transaction (rolled back exactly while its reservation is held)."""
-    return lambda transaction: cache.finish_forward(transaction, False)
+    return lambda transaction: cache._forwards.finish_forward(transaction, False)
 
 
 def _committer(cache: KVCache) -> Callable[[ForwardTransaction], None]:
     """Commit one part's transaction (inside :func:`commit_all`: its coordinator lets it)."""
-    return lambda transaction: cache.finish_forward(transaction, True)
+    return lambda transaction: cache._forwards.finish_forward(transaction, True)
 
 
 def _build_part(cache: KVCache, request: Build, contexts: list[ForwardContext]) -> ForwardTransaction | None:
     """Build one part's forward holding its reservation; its context is appended to ``contexts``."""
-    ctx = cache.forwards.build(request, hold=True)
+    ctx = cache._forwards.build(request, hold=True)
     contexts.append(ctx)
-    return ctx.transaction
+    return ctx._transaction
 
 
 def _check_offsets(contexts: Sequence[ForwardContext]) -> None:
@@ -595,7 +595,7 @@ class HeadGroupedSession(SessionCrossCaches):
     def bytes_in_use(self) -> int:
         """Bytes of the pages this session references, over every part."""
         with self.cache.lock:
-            return sum(state.pages_in_use() * c.pool.bytes_per_page for state, c in zip(self.parts, self.cache.caches))
+            return sum(state.pages_in_use() * c._pool.bytes_per_page for state, c in zip(self.parts, self.cache.caches))
 
     # ------------------------------------------------------------------ self-attention
     def prepare_forward(
@@ -676,7 +676,7 @@ class HeadGroupedSession(SessionCrossCaches):
             child = HeadGroupedSession(self.cache, tuple(children))
             names = branch_names("fork", branches, self.kv_branch_names)
             if share_cross_attention:
-                child.adopt_cross_entries({k: e for k, e in self._cross.items() if k[1] in names})
+                child._adopt_cross_entries({k: e for k, e in self._cross.items() if k[1] in names})
             self.cache.register(child)
             return child
 

@@ -113,11 +113,11 @@ class HeadGroupedForward(CrossPublisher):
     #: reads the parts' current transactions under its lock: never half of a prepare running in another thread)
     finish_parts: Any
     layers: list[HeadGroupedLayer] = field(default_factory=list)
-    cross: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    cross_missing: dict[str, str] = field(default_factory=dict)
-    cross_stack: CrossStack = field(default_factory=CrossStack)
-    cross_reads: CrossReads = field(default_factory=lambda: CrossReads())
-    static: bool = False
+    _cross: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    _cross_missing: dict[str, str] = field(default_factory=dict)
+    _cross_stack: CrossStack = field(default_factory=CrossStack)
+    _cross_reads: CrossReads = field(default_factory=lambda: CrossReads())
+    _static: bool = False
     _entered: list[tuple[Any, ...]] = field(default_factory=list)
 
     @classmethod
@@ -136,7 +136,7 @@ class HeadGroupedForward(CrossPublisher):
         """A forward over the part ``contexts``; ``layer_shares[layer]`` lists ``(part, layer in the part, q heads,
         kv heads)`` for each part holding heads of that model layer, ``merge_orders[layer]`` its
         :attr:`HeadGroupedLayer.merge_order`."""
-        forward = cls(contexts[0].streams, contexts, part_names, finish_parts, static=static)
+        forward = cls(contexts[0].streams, contexts, part_names, finish_parts, _static=static)
         forward.layers = [
             HeadGroupedLayer(
                 layer, forward,
@@ -188,16 +188,16 @@ class HeadGroupedForward(CrossPublisher):
     @property
     def transactions(self) -> tuple[Any, ...]:
         """The parts' current transactions (what a commit finishes)."""
-        return tuple(p.transaction for p in self.parts)
+        return tuple(p._transaction for p in self.parts)
 
     @property
     def is_active(self) -> bool:
         return all(p.is_active for p in self.parts)
 
     @property
-    def released(self) -> bool:
+    def _released(self) -> bool:
         """Whether a part's context was released by its cache (this forward never runs again)."""
-        return any(p.released for p in self.parts)
+        return any(p._released for p in self.parts)
 
     @property
     def status(self) -> str:
@@ -205,9 +205,9 @@ class HeadGroupedForward(CrossPublisher):
         states = {p.status for p in self.parts}
         return states.pop() if len(states) == 1 else "mixed:" + ",".join(sorted(states))
 
-    def check_usable(self, what: str = "chunk_attention") -> None:
+    def _check_usable(self, what: str = "chunk_attention") -> None:
         for part in self.parts:
-            part.check_usable(what)
+            part._check_usable(what)
 
     def to_dense(self, part: int) -> torch.Tensor:
         """Part ``part``'s visibility mask, bool ``[num_streams, seq_len, max_keys]`` (``ForwardContext.to_dense``)."""
@@ -223,7 +223,7 @@ class HeadGroupedForward(CrossPublisher):
         self.finish_parts(self, False)
 
     def __enter__(self) -> HeadGroupedForward:
-        self.check_usable("HeadGroupedForward.__enter__")
+        self._check_usable("HeadGroupedForward.__enter__")
         self._entered.append(self.transactions)
         return self
 

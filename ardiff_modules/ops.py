@@ -31,12 +31,12 @@ from ardiff_modules.quant import is_quantized, quantize, quantize_query
 class PlanHolder(Protocol):
     """Anything registered in :data:`HANDLES`: it exposes the current plan of its forward."""
 
-    plan: AttentionPlan | None
+    _plan: AttentionPlan | None
 
-    def check_usable(self, what: str = ...) -> None:
+    def _check_usable(self, what: str = ...) -> None:
         """Raise unless the forward is open (a finished forward must not touch the pool)."""
 
-    def record_write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def _record_write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Layer ``layer`` is about to write ``k``/``v`` into the open forward's pending pages."""
 
 
@@ -61,14 +61,14 @@ class HandleTable:
 
     def get(self, handle: int) -> AttentionPlan:
         """The plan of an open forward; raises if the handle is unknown or its forward finished."""
-        return self._holder(handle).plan  # type: ignore[return-value]
+        return self._holder(handle)._plan  # type: ignore[return-value]
 
     def get_for_write(self, handle: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> AttentionPlan:
         """:meth:`get`, recording that ``layer`` writes ``k``/``v`` in this forward (a commit needs every layer;
         an FP8 pool calibrates an uncalibrated layer from them): host work, no sync."""
         holder = self._holder(handle)
-        holder.record_write(layer, k, v)
-        return holder.plan  # type: ignore[return-value]
+        holder._record_write(layer, k, v)
+        return holder._plan  # type: ignore[return-value]
 
     def holder(self, handle: int) -> PlanHolder:
         """What ``handle`` names, once its forward was checked to be open (the gradient path's ops)."""
@@ -82,8 +82,8 @@ class HandleTable:
                 f"No attention plan is registered under handle {handle}: the forward context was "
                 "released (session closed or context dropped); call get_kv_caches()/prepare_forward() again"
             )
-        holder.check_usable("chunk_attention")
-        if holder.plan is None:
+        holder._check_usable("chunk_attention")
+        if holder._plan is None:
             raise PlanNotFoundError(f"Plan handle {handle} is registered but has no plan yet")
         return holder
 
@@ -317,7 +317,7 @@ def attend_in_graph(
     (the current K/V written by :func:`write_kv_in_graph` first); ``[tokens, heads, head_dim_v]`` and, with
     ``return_lse``, the float32 ``[tokens, heads]`` LSE.
 
-    ``fp8_query`` (``ForwardContext.fp8_query``: FA3 over an FP8 pool): the query is quantized here, in
+    ``fp8_query`` (``ForwardContext._fp8_query``: FA3 over an FP8 pool): the query is quantized here, in
     traced torch -- :func:`~ardiff_modules.backends.base.fold_softmax_scale` then
     :func:`~ardiff_modules.quant.quantize_query`, the math the plan runs eagerly -- and
     :func:`paged_attention_fp8_op` gets ``(q8, q_scale)``. Otherwise :func:`paged_attention_op` gets ``q``.
@@ -335,7 +335,7 @@ def attend_in_graph(
     if q_sink is not None:
         raise SpecError(
             "attend_in_graph: expected no q_sink with fp8_query=True (relative-sinks forwards take the 16-bit "
-            "query: ForwardContext.fp8_query is False for them), got a tensor"
+            "query: ForwardContext._fp8_query is False for them), got a tensor"
         )
     q8, q_scale = quantize_query(fold_softmax_scale(q, scale))
     op = ops.paged_attention_fp8_lse if return_lse else ops.paged_attention_fp8
@@ -347,7 +347,7 @@ def _check_fp8_query(plan: AttentionPlan, q8: torch.Tensor, q_scale: torch.Tenso
     if not plan.takes_fp8_query:
         raise SpecError(
             f"paged_attention_fp8: expected a plan whose kernel takes an FP8 query (FA3 over an FP8 pool, "
-            f"ForwardContext.fp8_query), got {plan!r}"
+            f"ForwardContext._fp8_query), got {plan!r}"
         )
     if q8.dtype != torch.float8_e4m3fn or q8.dim() != 3:
         raise TensorMismatchError(
@@ -373,7 +373,7 @@ def paged_attention_fp8_op(
     """:func:`paged_attention_op` with the query quantized already: ``q8`` float8_e4m3fn ``[tokens, heads,
     head_dim]`` and ``q_scale`` float32 ``[heads]`` (``q8 * q_scale`` is the query, any custom softmax scale
     folded in: the kernel applies ``head_dim ** -0.5``); returns ``[tokens, heads, head_dim_v]`` in
-    ``out_dtype`` (the compute dtype). Only for plans that take an FP8 query (``ForwardContext.fp8_query``)."""
+    ``out_dtype`` (the compute dtype). Only for plans that take an FP8 query (``ForwardContext._fp8_query``)."""
     plan, index, k_cache, v_cache = _resolve(kv_pool, layer, handle_id)
     _check_fp8_query(plan, q8, q_scale)
     return cast(torch.Tensor, plan.attend(q8, k_cache, v_cache, q8.shape[-1] ** -0.5, layer=index, q_scale=q_scale))

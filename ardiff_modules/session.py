@@ -54,7 +54,8 @@ class ForwardOptions:
         Optional bool ``[num_streams, seq_len, max_keys]`` over the keys in the order of
         :meth:`ForwardContext.to_dense` (visible history, then pending tokens), ANDed with
         the visibility rule: the masked path for masks that are not chunk-structured.
-        ``max_keys`` is ``max_visible_keys(...)`` of this forward. A query that sees no
+        ``max_keys`` is the widest stream's history plus all ``seq_len`` pending tokens (what
+        ``to_dense()`` of the same forward without a mask has). A query that sees no
         key at all gets a zero output.
     static:
         Keep every device input of this forward in fixed buffers so that a CUDA graph
@@ -89,7 +90,7 @@ class ForwardOptions:
 
 
 class ForwardsHost(Protocol):
-    """What a session asks of the forward manager (``KVCache.forwards``)."""
+    """What a session asks of the forward manager (``KVCache._forwards``)."""
 
     def prepare(
         self, streams: Sequence[tuple[KVState, str]], seq_len: int, commit_current: bool, options: ForwardOptions
@@ -108,7 +109,7 @@ class ForwardsHost(Protocol):
 
 
 class SuspendHost(Protocol):
-    """What a session asks of the cache's host tier (``KVCache.host_tier``)."""
+    """What a session asks of the cache's host tier (``KVCache._host_tier``)."""
 
     def suspend(self, state: KVState) -> None: ...
     def resume(self, state: KVState) -> object: ...
@@ -117,27 +118,28 @@ class SuspendHost(Protocol):
 
 
 class SessionHost(Protocol):
-    """What a session uses of its cache (``KVCache`` implements it): the spec, the pages' allocator (handed to
-    ``core`` calls), the lock, where cross caches live, the forward manager, and the session table."""
+    """What a session uses of its cache (``KVCache`` implements it): the spec, the lock, where cross caches live, and
+    the cache's private parts -- the pages' allocator (handed to ``core`` calls), the forward manager, the host
+    tier -- and session-table hooks. A session is the cache's own: it reaches them; a program does not."""
 
     spec: KVCacheSpec
-    allocator: PageAllocator
+    _allocator: PageAllocator
 
     # (read-only: a session never replaces them, and so the cache's concrete classes satisfy them)
     @property
-    def forwards(self) -> ForwardsHost: ...
+    def _forwards(self) -> ForwardsHost: ...
     @property
-    def host_tier(self) -> SuspendHost: ...
+    def _host_tier(self) -> SuspendHost: ...
     @property
     def lock(self) -> threading.RLock: ...
     @property
     def device(self) -> torch.device: ...
     @property
     def dtype(self) -> torch.dtype: ...
-    def new_branch_pages(self) -> BranchPages: ...
+    def _new_branch_pages(self) -> BranchPages: ...
     def open_session(self, session_id: str | None = None) -> KVState: ...
-    def reopen_session(self, state: KVState) -> None: ...
-    def session_closed(self, state: KVState) -> None: ...
+    def _reopen_session(self, state: KVState) -> None: ...
+    def _session_closed(self, state: KVState) -> None: ...
 
 
 def branch_names(owner: str, branches: Sequence[str] | str | None, default: tuple[str, ...]) -> tuple[str, ...]:
@@ -167,7 +169,7 @@ class KVState(SessionCrossCaches):
         self.cache = cache
         self.session_id = session_id
         spec = cache.spec
-        self._branches: dict[str, BranchPages] = {b: cache.new_branch_pages() for b in spec.branches}
+        self._branches: dict[str, BranchPages] = {b: cache._new_branch_pages() for b in spec.branches}
         self._cross: dict[tuple[str, str], CrossEntry] = {}  # (cache name, branch) -> entry
         self._closed = False
 
@@ -188,18 +190,18 @@ class KVState(SessionCrossCaches):
     @property
     def is_suspended(self) -> bool:
         """Whether the session's K/V is in the host tier (:meth:`suspend`): no forward until :meth:`resume`."""
-        return self.cache.host_tier.is_suspended(self)
+        return self.cache._host_tier.is_suspended(self)
 
     def suspend(self) -> None:
         """Move this session's pages, cross caches and latents to the host tier (see ``host/tier.py``)."""
-        self.cache.host_tier.suspend(self)
+        self.cache._host_tier.suspend(self)
 
     def resume(self) -> object:
         """Bring them back into fresh device pages; returns the copies' handle (``.ready()``, ``.wait()``).
 
         Cross caches published or cleared while suspended win over the suspended ones. Raises
         :class:`~ardiff_modules.errors.SessionNotSuspendedError` when the session is not suspended."""
-        return self.cache.host_tier.resume(self)
+        return self.cache._host_tier.resume(self)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -239,7 +241,7 @@ class KVState(SessionCrossCaches):
         """Page ids of each pending chunk of ``branch``."""
         return self.branch_pages(branch).pending
 
-    def open_forward(self, branch: str) -> ForwardTransaction | None:
+    def _open_forward(self, branch: str) -> ForwardTransaction | None:
         """The open (not yet committed or aborted) forward ``branch`` belongs to, if any."""
         forward = self.branch_pages(branch).transaction
         return forward if isinstance(forward, ForwardTransaction) and forward.is_open else None
@@ -247,7 +249,7 @@ class KVState(SessionCrossCaches):
     @property
     def _pending(self) -> dict[str, ForwardTransaction | None]:
         """Branch -> its open forward (read-only view, kept for tests written against 0.1)."""
-        return {b: self.open_forward(b) for b in self._branches} if not self._closed else dict.fromkeys(self._branches)
+        return {b: self._open_forward(b) for b in self._branches} if not self._closed else dict.fromkeys(self._branches)
 
     def pages_in_use(self) -> int:
         """References this session holds on pool pages (all branches)."""
@@ -301,7 +303,7 @@ class KVState(SessionCrossCaches):
                 f"prepare_forward: expected seq_len (a multiple of chunk_size={self.cache.spec.chunk_size}), got None"
             )
         options = ForwardOptions(token_mask, static, chunk_lengths, pending_attention, keep_latents)
-        return self.cache.forwards.prepare([(self, b) for b in names], seq_len, commit_current, options)
+        return self.cache._forwards.prepare([(self, b) for b in names], seq_len, commit_current, options)
 
     def history_chunk_indices(self, branch: str) -> tuple[int, ...]:
         """Commit index (0-based, evicted chunks counted) of each history chunk of ``branch``, oldest first.
@@ -317,7 +319,7 @@ class KVState(SessionCrossCaches):
         order the model is fed their latents (commit order: moved sinks, context chunks, window)."""
         self._check_open()
         names = branch_names("recache_chunk_indices", [branch], self.kv_branch_names)
-        return self.cache.forwards.recache_chunk_indices([(self, names[0])], keep_sinks, rule)[0]
+        return self.cache._forwards.recache_chunk_indices([(self, names[0])], keep_sinks, rule)[0]
 
     def recache_latents(
         self, branches: Sequence[str] | None = None, *, keep_sinks: bool | None = None, rule: RecacheRule | None = None
@@ -328,7 +330,7 @@ class KVState(SessionCrossCaches):
         """
         self._check_open()
         names = branch_names("recache_latents", branches, self.kv_branch_names)
-        return self.cache.forwards.recache_latents([(self, b) for b in names], keep_sinks, rule)
+        return self.cache._forwards.recache_latents([(self, b) for b in names], keep_sinks, rule)
 
     def prepare_recache(
         self, branches: Sequence[str] | None = None, *, keep_sinks: bool | None = None, rule: RecacheRule | None = None
@@ -342,7 +344,7 @@ class KVState(SessionCrossCaches):
         """
         self._check_open()
         names = branch_names("prepare_recache", branches, self.kv_branch_names)
-        return self.cache.forwards.prepare_recache([(self, b) for b in names], keep_sinks, rule)
+        return self.cache._forwards.prepare_recache([(self, b) for b in names], keep_sinks, rule)
 
     def commit_paged_context(self, kv_branch: str) -> None:
         """After a successful forward: a committing forward's pending chunks join history (no copy).
@@ -357,9 +359,9 @@ class KVState(SessionCrossCaches):
         committed alone: :class:`~ardiff_modules.errors.ParticipantCommitError`, nothing changed.
         """
         with self.cache.lock:
-            transaction = self.open_forward(kv_branch)
+            transaction = self._open_forward(kv_branch)
             if transaction is not None:
-                self.cache.forwards.finish_forward(transaction, True)
+                self.cache._forwards.finish_forward(transaction, True)
 
     def abort(self, kv_branch: str | None = None) -> None:
         """Drop the pending work of ``kv_branch`` (or of every branch); history stays exactly as before.
@@ -370,11 +372,11 @@ class KVState(SessionCrossCaches):
             names = self.kv_branch_names if kv_branch is None else (kv_branch,)
             histories = [self.branch_pages(b) for b in names]
             for branch in names:
-                transaction = self.open_forward(branch)
+                transaction = self._open_forward(branch)
                 if transaction is not None:
-                    self.cache.forwards.finish_forward(transaction, False)
+                    self.cache._forwards.finish_forward(transaction, False)
             # Pending pages kept by finished denoising forwards (reused by the next one).
-            drop_pending(histories, self.cache.allocator)
+            drop_pending(histories, self.cache._allocator)
 
     # ------------------------------------------------------------------ sharing (cross-attention caches: SessionCrossCaches)
     def fork(
@@ -404,9 +406,9 @@ class KVState(SessionCrossCaches):
             require_bool("fork.share_cross_attention", share_cross_attention)
             child = self.cache.open_session(session_id)
             for branch in names:
-                child.branch_pages(branch).adopt(self._branches[branch], self.cache.allocator)
+                child.branch_pages(branch).adopt(self._branches[branch], self.cache._allocator)
             if share_cross_attention:
-                child.adopt_cross_entries({k: e for k, e in self._cross.items() if k[1] in names})
+                child._adopt_cross_entries({k: e for k, e in self._cross.items() if k[1] in names})
             return child
 
     def share_sinks_from(self, other: KVState, kv_branch: str) -> None:
@@ -433,7 +435,7 @@ class KVState(SessionCrossCaches):
                     f"share_sinks_from: expected {other.session_id!r}/{kv_branch!r} to hold its {sinks} sink "
                     f"chunk(s), got {len(source.sinks)} committed"
                 )
-            history.adopt(source, self.cache.allocator, sinks_only=True)
+            history.adopt(source, self.cache._allocator, sinks_only=True)
 
     def share_cross_attention_from(self, other: KVState, cache_name: str, kv_branch: str | None = None) -> None:
         """Reuse ``other``'s populated cache ``cache_name`` (same prompt) by reference, for one or all branches."""
@@ -448,14 +450,14 @@ class KVState(SessionCrossCaches):
             entries = []
             for branch in names:
                 key = self._cross_key(branch, cache_name)
-                entry = other.cross_entry(branch, cache_name)
+                entry = other._cross_entry(branch, cache_name)
                 if entry is None:
                     raise CrossAttentionNotPopulatedError(
                         f"share_cross_attention_from: cache {cache_name!r} of branch {branch!r} of session "
                         f"{other.session_id!r} was not populated"
                     )
-                entries.append((key, other.on_device(entry)))  # a suspended source holds host copies
-            self.adopt_cross_entries(dict(entries))
+                entries.append((key, other._on_device(entry)))  # a suspended source holds host copies
+            self._adopt_cross_entries(dict(entries))
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
@@ -466,12 +468,12 @@ class KVState(SessionCrossCaches):
         with self.cache.lock:
             if self._closed:
                 return
-            self.cache.forwards.abort_forwards_of(self)
+            self.cache._forwards.abort_forwards_of(self)
             for history in self._branches.values():
-                history.release(self.cache.allocator)
+                history.release(self.cache._allocator)
             self._cross.clear()
             self._closed = True
-            self.cache.session_closed(self)
+            self.cache._session_closed(self)
 
     def reset(self, *, keep_cross_attention: Collection[str] = ()) -> None:
         """Release all self-attention pages and restart every branch at offset 0.
@@ -497,16 +499,16 @@ class KVState(SessionCrossCaches):
             )
         with self.cache.lock:
             if self._closed:
-                self.cache.reopen_session(self)  # raises (nothing changed) if the id was taken
+                self.cache._reopen_session(self)  # raises (nothing changed) if the id was taken
                 self._cross = {k: e for k, e in self._cross.items() if k[0] in keep_cross_attention}
             else:
-                self.cache.forwards.abort_forwards_of(self)
+                self.cache._forwards.abort_forwards_of(self)
                 # NOTE: drop first, then forget: the host tier brings back to the device only the kept entries
                 # that a suspended session holds as host copies (and its host pages go).
                 self._cross = {k: e for k, e in self._cross.items() if k[0] in keep_cross_attention}
-                self.cache.host_tier.forget(self)
+                self.cache._host_tier.forget(self)
             for history in self._branches.values():
-                history.release(self.cache.allocator)
+                history.release(self.cache._allocator)
             self._closed = False
 
 

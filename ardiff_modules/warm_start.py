@@ -113,7 +113,7 @@ class WarmUpStage:
 class WarmUpReport:
     """What :func:`warm_up` ran: its stages in order, their total wall time (session set-up included) and the
     allocator's high-water mark after it (``cache.stats().peak_pages_used``, which the warm-up's scratch
-    sessions may have raised: ``cache.allocator.reset_peak()`` restarts it)."""
+    sessions may have raised: ``cache.reset_peak()`` restarts it)."""
 
     stages: tuple[WarmUpStage, ...]
     seconds: float
@@ -243,7 +243,7 @@ def warm_up(
     walk = _checked_walk(cache, run_forward, branches, sessions, chunk_lengths, max_chunks, denoising_forwards,
                          static, setup_session)
     start = time.perf_counter()
-    free_before = cache.allocator.free_pages()
+    free_before = cache._allocator.free_pages()
     tag = uuid.uuid4().hex[:12]
     scratch: list[KVState] = []
     stages = []
@@ -260,8 +260,8 @@ def warm_up(
         with cache.lock:
             for state in scratch:
                 state.close()
-            settle_free_order(cache.allocator, free_before)
-    report = WarmUpReport(tuple(stages), time.perf_counter() - start, cache.allocator.peak_used)
+            settle_free_order(cache._allocator, free_before)
+    report = WarmUpReport(tuple(stages), time.perf_counter() - start, cache._allocator.peak_used)
     logger.debug("warm-up: %d forwards, %d distinct shapes, %.3f s", report.forwards, len(report.shapes),
                  report.seconds)
     return report
@@ -346,7 +346,7 @@ def _checked_walk(
     walk = _Walk(names, batches, tuple(lengths[min(i, len(lengths) - 1)] for i in range(chunks)),
                  require_int("warm_up.denoising_forwards", denoising_forwards, minimum=0),
                  require_bool("warm_up.static", static))
-    quantizer = cache.pool.quantizer
+    quantizer = cache._pool.quantizer
     if quantizer is not None and not quantizer.all_calibrated:
         raise SpecError(
             "warm_up: expected an FP8 pool's scales fixed (every layer), got some uncalibrated: a scratch commit "
@@ -391,9 +391,9 @@ def _check_room(cache: KVCache, walk: _Walk, chunks: int) -> None:
         per_stream = max(per_stream, cache.extent_chunks)
     needed = max(walk.batches) * len(walk.branches) * per_stream * spec.pages_per_chunk
     with cache.lock:
-        free, used = cache.allocator.num_free, cache.allocator.num_used
+        free, used = cache._allocator.num_free, cache._allocator.num_used
         resident = len(cache.sessions) - len(cache.tiers().suspended)
-        available = free if history is None else max(0, cache.admission.unpromised(free, used, resident, False))
+        available = free if history is None else max(0, cache._admission.unpromised(free, used, resident, False))
         if needed > available:
             promised = "" if history is None else f", not promised to the {resident} open session(s)' peaks"
             raise CapacityError(
@@ -403,7 +403,7 @@ def _check_room(cache: KVCache, walk: _Walk, chunks: int) -> None:
                 needed=needed, free=available,
             )
         contexts = len(walk.batches) * (len(set(walk.lengths)) if walk.static else 1)
-        kept = cache.num_forward_contexts
+        kept = cache._forwards.num_contexts
         if kept + contexts > cache.max_forward_contexts:
             raise SpecError(
                 f"warm_up: expected room for {contexts} forward context(s) beside the {kept} kept "

@@ -161,14 +161,14 @@ def _add_library_path(s: _Shape, lib: _Library, label: str, extents: bool, kv_dt
     cache = am.KVCache(dataclasses.replace(s.spec, kv_dtype=kv_dtype),
                        num_pages=s.streams * (s.history + 2) * s.spec.pages_per_chunk, device=s.dev,
                        backend="flashinfer", contiguous_extents=extents)
-    lib.pool_bytes[label] = cache.pool.nbytes
+    lib.pool_bytes[label] = cache.stats().pool_bytes
     state = cache.open_session()
     lib.states.append(state)
     for _ in range(s.history + 2):  # fill the window and evict once
         with state.prepare_forward(None, s.chunk, commit_current=True) as fwd:
             am.chunk_attention(q, k, v, fwd.layers[0])
     fwd = state.prepare_forward(None, s.chunk, commit_current=False)
-    lib.modes[label] = fwd.plan.mode
+    lib.modes[label] = fwd._plan.mode
     lib.outputs[label] = am.chunk_attention(q, k, v, fwd.layers[0])
     _time_forward(s, lib, label, fwd)
     if label == "library_paged":
@@ -176,7 +176,7 @@ def _add_library_path(s: _Shape, lib: _Library, label: str, extents: bool, kv_dt
     if extents:
         # The same forward as a CUDA graph: a static plan replays ragged FA3 with absolute key offsets.
         sfwd = state.prepare_forward(None, s.chunk, commit_current=False, static=True)
-        lib.modes[label + "_graph"] = sfwd.plan.mode
+        lib.modes[label + "_graph"] = sfwd._plan.mode
         lib.fns[label + "_graph"] = _graphed(lambda layer=sfwd.layers[0]: am.chunk_attention(q, k, v, layer))
         lib.static_forwards.append(sfwd)
         if label in COMPILED_PATHS:
@@ -190,7 +190,7 @@ def _time_forward(s: _Shape, lib: _Library, label: str, fwd: Any) -> None:
     am, q, k, v, qf = s.am, s.q, s.k, s.v, s.qf
     layer = lib.layers[label] = fwd.layers[0]
     lib.fns[label] = lambda layer=layer: am.chunk_attention(q, k, v, layer)
-    lib.fns[label + "_attend"] = lambda plan=fwd.plan, layer=layer: plan.attend(
+    lib.fns[label + "_attend"] = lambda plan=fwd._plan, layer=layer: plan.attend(
         qf, layer.k_cache, layer.v_cache, D**-0.5
     )
 
@@ -204,7 +204,7 @@ def _add_compiled_paths(s: _Shape, lib: _Library, label: str, static_forward: An
     layer_c, layer_op_q_c, produce_c = lib.compiled
     q, k, v = s.q, s.k, s.v
     variants = {label + "_compiled": layer_c}
-    if static_forward.fp8_query:
+    if static_forward._fp8_query:
         variants[label + "_compiled_op_q"] = layer_op_q_c
     for name, fn in variants.items():
         lib.fns[name] = lambda fn=fn: fn(q, k, v, lib.layers[label])
@@ -241,10 +241,10 @@ def _compiled_layer(s: _Shape) -> tuple[Callable[..., Any], Callable[..., Any], 
 
     def layer_op_q(qx: torch.Tensor, kx: torch.Tensor, vx: torch.Tensor, kv: Any) -> torch.Tensor:
         qr, kr = produce(qx, kx)
-        write_kv_in_graph(kr.reshape(-1, heads, D), vx.reshape(-1, heads, D), kv.kv_pool, kv.kv_scales, kv.layer_id,
-                          kv.handle_id)
-        out = torch.ops.ardiff_modules.paged_attention(qr.reshape(-1, heads, D), kv.kv_pool, kv.layer_id,
-                                                       kv.handle_id, D**-0.5, None)
+        write_kv_in_graph(kr.reshape(-1, heads, D), vx.reshape(-1, heads, D), kv._kv_pool, kv._kv_scales, kv._layer_id,
+                          kv._handle_id)
+        out = torch.ops.ardiff_modules.paged_attention(qr.reshape(-1, heads, D), kv._kv_pool, kv._layer_id,
+                                                       kv._handle_id, D**-0.5, None)
         return out.view(qr.shape)
 
     return tuple(torch.compile(fn, fullgraph=True, dynamic=False) for fn in (layer, layer_op_q, produce))
@@ -266,7 +266,7 @@ def _masked_path(s: _Shape, num_pages: int) -> tuple[Callable[[], object], Any, 
 
 def _gather_paths(s: _Shape, fwd: Any, kslots: Any, vslots: Any, ragged: Any) -> dict[str, Callable[[], object]]:
     """Gather the visible pages into a contiguous buffer each forward, then ragged FA3 (and the gather alone)."""
-    gather = fwd.layout.dense_keys[0].to(s.dev)
+    gather = fwd._layout.dense_keys[0].to(s.dev)
     heads, qf = s.heads, s.qf
 
     def gather_ragged() -> Any:
@@ -286,8 +286,8 @@ def _eager_write_fns(s: _Shape, fwd: Any, layer: Any, kslots: Any, vslots: Any) 
     from benchmarks.baselines import rolling_memmove
 
     torch, dev, heads, chunk, page, streams, k, v = s.torch, s.dev, s.heads, s.chunk, s.page, s.streams, s.k, s.v
-    pages = fwd.layout.write_pages.to(dev)
-    slots = fwd.layout.write_slots.to(dev)
+    pages = fwd._layout.write_pages.to(dev)
+    slots = fwd._layout.write_slots.to(dev)
     kflat, vflat = k.reshape(-1, heads, D), v.reshape(-1, heads, D)
 
     def page_copy() -> None:
@@ -301,7 +301,7 @@ def _eager_write_fns(s: _Shape, fwd: Any, layer: Any, kslots: Any, vslots: Any) 
     write_fns: dict[str, Callable[[], object]] = {"page_index_copy": page_copy, "token_index_copy": token_copy}
     append_indptr = (torch.arange(streams + 1, dtype=torch.int32) * chunk).to(dev)
     # Append into each stream's pending chunk: a per-stream page table of just that chunk.
-    pend = torch.tensor([p for st in fwd.layout.streams for c in st.pending_pages for p in c], dtype=torch.int32,
+    pend = torch.tensor([p for st in fwd._layout.streams for c in st.pending_pages for p in c], dtype=torch.int32,
                         device=dev)
     kv_indptr_pages = (torch.arange(streams + 1, dtype=torch.int32) * (chunk // page)).to(dev)
     last_len = torch.full((streams,), page, dtype=torch.int32, device=dev)
@@ -314,7 +314,7 @@ def _eager_write_fns(s: _Shape, fwd: Any, layer: Any, kslots: Any, vslots: Any) 
     roll_k, roll_v = s.rand(streams, s.keys, heads, D), s.rand(streams, s.keys, heads, D)
     write_fns["rolling_memmove"] = rolling_memmove(k, v, roll_k, roll_v, sink_tokens=s.sink * chunk)
     # Contiguous pending slots (contiguous extents): plain per-stream slice copies.
-    starts = [min(st.pending_pages[0][0] * page, kslots.shape[0] - chunk) for st in fwd.layout.streams]
+    starts = [min(st.pending_pages[0][0] * page, kslots.shape[0] - chunk) for st in fwd._layout.streams]
 
     def slice_copy() -> None:
         for i, a in enumerate(starts):
@@ -443,7 +443,7 @@ def bench_shape(name: str, heads: int, chunk: int, sink: int, window: int, strea
     total = (s.history + 4) * chunk
     kt, vt = s.rand(streams, heads, total, D), s.rand(streams, heads, total, D)
     fns["flex"] = flex_sink_window(contig.qs, kt, vt, chunk=chunk, sink=sink, window=window)
-    fns["fa2_mask"], mstate, masked_plan_s = _masked_path(s, cache.allocator.num_pages)
+    fns["fa2_mask"], mstate, masked_plan_s = _masked_path(s, cache.stats().num_pages)
     kslots, vslots = KVPool.token_slots(layer.k_cache), KVPool.token_slots(layer.v_cache)
     fns.update(_gather_paths(s, fwd, kslots, vslots, contig.ragged))
     attention = interleaved(fns, inner=inner, rounds=rounds)
@@ -505,7 +505,7 @@ def compiled_write_fns(layers: dict[str, Any], k: Any, v: Any, heads: int, chunk
 
     def produce_and_write(kx: torch.Tensor, vx: torch.Tensor, layer: Any) -> None:
         kr, vr = produce(kx, vx)
-        write_kv_in_graph(kr, vr, layer.kv_pool, layer.kv_scales, layer.layer_id, layer.forward.handle_id)
+        write_kv_in_graph(kr, vr, layer._kv_pool, layer._kv_scales, layer._layer_id, layer.forward._handle_id)
 
     produce_c = torch.compile(produce, fullgraph=True, dynamic=False)
     write_c = torch.compile(produce_and_write, fullgraph=True, dynamic=False)
@@ -545,9 +545,9 @@ def host_time(layers: int, extents: bool, iters: int = 30, warmup: int = 5) -> d
     def forward() -> None:
         fwd = state.prepare_forward(None, 4680, commit_current=True)
         # NOTE: what each layer's op records (a commit needs every layer); no model runs here
-        fwd.transaction.mark_written(written)
+        fwd._transaction.mark_written(written)
         fwd.commit()
-        modes.add(fwd.plan.mode)
+        modes.add(fwd._plan.mode)
 
     stats, _ = each_call(forward, iters, warmup=warmup, sync_end=False)
     state.close()

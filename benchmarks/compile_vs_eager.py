@@ -72,8 +72,8 @@ def compare(chunks: int) -> list[dict[str, Any]]:
         errs = [round(((a.float() - b.float()).norm() / b.float().norm()).item(), 4) for a, b in zip(c, e)]
         pages = [p for ch in se.history_chunks("cond") for p in ch]
         pages_c = [p for ch in sc.history_chunks("cond") for p in ch]
-        kv_e = ce.pool.kv[:, :, pages].float()
-        kv_c = cc.pool.kv[:, :, pages_c].float()
+        kv_e = ce._pool.kv[:, :, pages].float()
+        kv_c = cc._pool.kv[:, :, pages_c].float()
         row = {
             "backend": backend, "contiguous_extents": extents, "out_rel_err": errs,
             "history_pages_eager": pages, "history_pages_compiled": pages_c,

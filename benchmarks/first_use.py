@@ -63,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with state.prepare_forward(None, chunks * 4680, commit_current=commit) as fwd:
             for layer in fwd.layers:
                 am.chunk_attention(x[:, : chunks * 4680], x[:, : chunks * 4680], x[:, : chunks * 4680], layer)
-            return fwd.plan.mode
+            return fwd._plan.mode
 
     for i in range(3):
         modes[f"one-chunk forward #{i}"] = mode = phase(f"one-chunk forward #{i}", lambda: forward(1, True))

@@ -146,7 +146,7 @@ def run_shape(name: str, local_fraction: float, rounds: int, streams: int = 2) -
     fns["limit_grouped"] = _limit([(heads - local, full + 1), (local, 2)], chunk, streams, dim)
     fns["limit_grouped_overlap"] = _limit([(heads - local, full + 1), (local, 2)], chunk, streams, dim, overlap=True)
     stats = interleaved(fns, inner=10, rounds=rounds, warmup=3)
-    modes = [p.plan.mode for p in forwards[1].parts]
+    modes = [p._plan.mode for p in forwards[1].parts]
     uniform_bytes = uniform.stats().pages_used * uniform.stats().bytes_per_page
     grouped_bytes = grouped.bytes_in_use()
     for fwd in forwards:

@@ -217,11 +217,11 @@ def measure(
         fwd = state.prepare_forward(None, CHUNK, commit_current=True)
         # NOTE: what each layer's op records (a commit needs every layer); getattr: older trees compared
         # alternately have no such method (and no such rule)
-        mark_written = getattr(fwd.transaction, "mark_written", None)
+        mark_written = getattr(fwd._transaction, "mark_written", None)
         if mark_written is not None:
             mark_written(written)
         fwd.commit()
-        return fwd.plan, kernel_plans(fwd.plan), getattr(fwd.plan, "mode", type(fwd.plan).__name__)
+        return fwd._plan, kernel_plans(fwd._plan), getattr(fwd._plan, "mode", type(fwd._plan).__name__)
 
     last = None
     for _ in range(warmup):  # the windows fill

@@ -532,7 +532,7 @@ class Server:
         self.transfers.append({
             "kind": "reprefill", "sids": [s.sid for s in rebuilding], "tick": tick, "host_ms": host * 1e3,
             "forwards": forwards, "chunks": sum(len(s.replay) for s in rebuilding),
-            "bytes": pages * self.cache.pool.bytes_per_page, "_events": (start[0], e1)})
+            "bytes": pages * self.cache.stats().bytes_per_page, "_events": (start[0], e1)})
         for s in rebuilding:
             s.replay = []
 
@@ -645,7 +645,7 @@ class Server:
         if self.policy == "suspend":
             # A server's warm start: pin the host pages the trace's extra sessions need ahead of time.
             extra = max(0, len(self.sessions) - self.run.resident) + 1
-            self.cache.host_tier.reserve(extra * self.cache.pages_per_session() * self.cache.pool.bytes_per_page)
+            self.cache.reserve_host(extra * self.cache.pages_per_session() * self.cache.stats().bytes_per_page)
             state.suspend()
             state.resume()
         elif self.policy == "close_idle":
@@ -686,9 +686,9 @@ class Server:
             if s.state is not None:
                 s.state.close()
                 s.state = None
-        report = self.cache.tiers()
-        check = {"device_pages_used": self.cache.allocator.num_used, "device_pages_free": self.cache.allocator.num_free,
-                 "pool_pages": self.cache.allocator.num_pages, "host_pages": report.host_pages,
+        report, stats = self.cache.tiers(), self.cache.stats()
+        check = {"device_pages_used": stats.pages_used, "device_pages_free": stats.pages_free,
+                 "pool_pages": stats.num_pages, "host_pages": report.host_pages,
                  "host_bytes": report.host_bytes, "resident": len(report.resident), "suspended": len(report.suspended)}
         check["ok"] = (check["device_pages_used"] == 0 and check["host_pages"] == 0 and check["host_bytes"] == 0
                        and not report.resident and not report.suspended)
@@ -1042,7 +1042,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         r.link = link_bandwidth(device, args.link_sizes_mib)
     engine = Engine(args, config, device, dtype)
     probe = am.KVCache(engine.spec, num_pages=1, device=device, backend=args.backend, contiguous_extents=args.extents)
-    r.pages_per_session, bpp, backend_name = probe.pages_per_session(), probe.pool.bytes_per_page, probe.backend.name
+    r.pages_per_session, bpp, backend_name = probe.pages_per_session(), probe.stats().bytes_per_page, probe.backend.name
     extents = probe.extent_chunks
     probe.close()
     r.resident, r.check = args.resident, args.check

@@ -351,7 +351,7 @@ def _bench(args: Any, folder: Path, t0: float, device: Any, cuda: bool, dtype: A
 
     extents = {"auto": None, "on": True, "off": False}[args.extents]
     src = am.KVCache(spec, num_pages=pages, device=device, backend="auto", contiguous_extents=extents)
-    bpp = src.pool.bytes_per_page
+    bpp = src.stats().bytes_per_page
     backend = f"{src.backend.name} (backend='auto')"
     layout = "contiguous extents (ring)" if src.extent_chunks is not None else "plain paging"
     estimate = len(BRANCHES) * history * spec.pages_per_chunk * bpp
@@ -430,7 +430,7 @@ def _bench(args: Any, folder: Path, t0: float, device: Any, cuda: bool, dtype: A
         last_round_s = time.monotonic() - started
         _log(t0, f"round {r}: save {save_ms[-1]:.4g} ms, fsync {fsync_ms[-1]:.4g} ms, load {load_ms[-1]:.4g} ms "
                  f"({_size(nbytes)})")
-    check["load_pool_empty_after_close"] = dst.allocator.num_used == 0
+    check["load_pool_empty_after_close"] = dst.stats().pages_used == 0
     dst.close()  # releases its pool's memory
     del dst, loaded, twin
     gc.collect()
@@ -520,7 +520,7 @@ def _tier_bytes(cache: Any, state: Any) -> int:
     """Bytes a suspend moves: the distinct committed pages, the cross entries and the kept latents."""
     pages = {p for b in state.kv_branch_names for p in state.branch_pages(b).history_pages()}
     extra = sum(e.nbytes for e in {id(e): e for e in state.cross_entries().values()}.values())
-    return len(pages) * cache.pool.bytes_per_page + extra + _latent_bytes(state)
+    return len(pages) * cache.stats().bytes_per_page + extra + _latent_bytes(state)
 
 
 def _sizes(cache: Any, state: Any, file_bytes: int) -> dict[str, Any]:
@@ -528,8 +528,8 @@ def _sizes(cache: Any, state: Any, file_bytes: int) -> dict[str, Any]:
     entries = {id(e): e for e in state.cross_entries().values()}
     latents = _latent_bytes(state)
     return {
-        "file_bytes": file_bytes, "pages": len(pages), "bytes_per_page": cache.pool.bytes_per_page,
-        "page_bytes": len(pages) * cache.pool.bytes_per_page,
+        "file_bytes": file_bytes, "pages": len(pages), "bytes_per_page": cache.stats().bytes_per_page,
+        "page_bytes": len(pages) * cache.stats().bytes_per_page,
         "cross_bytes": sum(e.nbytes for e in entries.values()), "latent_bytes": latents,
         "committed_chunks_per_branch": {b: len(state.branch_pages(b).history) for b in state.kv_branch_names},
     }

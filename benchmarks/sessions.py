@@ -90,7 +90,7 @@ def bench_sessions(shape_name: str, sessions: int, layers: int, device: Any, dty
     stats = interleaved({"batched": batched, "serial": serial}, inner=inner, rounds=rounds, warmup=1)
     t_batched, t_serial = stats["batched"].median_ms * 1e-3, stats["serial"].median_ms * 1e-3
     tokens = 2 * sessions * spec.chunk_size
-    modes = (sorted({f.plan.mode for f in cache.forward_contexts() if f.plan is not None})
+    modes = (sorted({f._plan.mode for f in cache._forwards.contexts() if f._plan is not None})
              if device.type == "cuda" else [])
     result: dict[str, Any] = {
         "sessions": sessions,
@@ -102,21 +102,21 @@ def bench_sessions(shape_name: str, sessions: int, layers: int, device: Any, dty
         "batched_tokens_per_s": tokens / t_batched,
         "serial_tokens_per_s": tokens / t_serial,
         "tokens_per_forward": tokens,
-        "kv_bytes_per_session": cache.pages_per_session() * cache.pool.bytes_per_page,
+        "kv_bytes_per_session": cache.pages_per_session() * cache.stats().bytes_per_page,
         "kernel_modes": modes,
     }
     # Fork cost: zero pages, zero bytes written (host time: the device is synchronised before, not after).
-    used_before = cache.allocator.num_used
-    checksum = cache.pool.kv.float().sum().item() if cache.pool.nbytes < (1 << 31) else None
+    used_before = cache.stats().pages_used
+    checksum = cache._pool.kv.float().sum().item() if cache._pool.nbytes < (1 << 31) else None
     child, fork_s = once(states[0].fork, sync_end=False)
     result["fork_host_ms"] = fork_s * 1e3
-    result["fork_pages_allocated"] = cache.allocator.num_used - used_before
+    result["fork_pages_allocated"] = cache.stats().pages_used - used_before
     if checksum is not None:
-        result["fork_pool_unchanged"] = cache.pool.kv.float().sum().item() == checksum
+        result["fork_pool_unchanged"] = cache._pool.kv.float().sum().item() == checksum
     child.close()
     for state in states:
         state.close()
-    assert cache.allocator.num_free == cache.allocator.num_pages
+    assert cache.stats().pages_free == cache.stats().num_pages
     return result
 
 

@@ -342,7 +342,7 @@ def long_rollout(name: str, model: nn.Module, config: Any, text: torch.Tensor, f
                 rollout_step(runner, model, [x], [exit_step], device).backward()
         if (c + 1) % max(1, chunks // 20) == 0 or c + 1 == chunks:
             # the library's pages in use; the peer's whole-clip buffers (allocated up front)
-            kv = runner.cache.allocator.num_used * runner.cache.stats().bytes_per_page if name == "library" else \
+            kv = runner.cache.stats().bytes_used if name == "library" else \
                 runner.kv_bytes()
             points.append({"frame": (c + 1) * config.frames_per_chunk, "kv_bytes": kv,
                            "peak_memory_bytes": _peak(device, base)})

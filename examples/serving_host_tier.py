@@ -71,7 +71,7 @@ def run(device: str = "cpu", ticks: int = 12, resident_sessions: int = 2, quiet:
             chunks[sid] += 1
         # a paused session comes back when there is room (resume refuses, changing nothing, when there is not)
         for sid, state in sessions.items():
-            if state.is_suspended and cache.allocator.num_free >= cache.pages_per_session():
+            if state.is_suspended and cache.stats().pages_free >= cache.pages_per_session():
                 t0 = time.perf_counter()
                 state.resume().wait()
                 resume_ms += (time.perf_counter() - t0) * 1e3

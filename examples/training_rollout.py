@@ -5,7 +5,7 @@ by chunk exactly as inference does, with the KV cache, and back-propagates throu
 model is the package's reference causal Wan DiT (``ardiff_modules.models.wan_causal_dit``, random weights),
 one stream (the "cond" branch: the generator is trained without CFG), and per training step:
 
-1. ``state.reset()`` (a new video, its prompt published again), ``cache.allocator.reset_peak()``;
+1. ``state.reset()`` (a new video, its prompt published again), ``cache.reset_peak()``;
 2. ``with am.TrainingScope(cache) as scope:`` around everything below, so that a forward with gradients keeps
    the history pages it read until the backward (``--checkpoint`` recomputes every block from them);
 3. per chunk (``--chunks``, default 8: the tiny preset's sink 1 + window 2 slides several times), an exit
@@ -48,7 +48,7 @@ Commands
     python examples/training_rollout.py --device cuda --preset wan2.1-1.3b --checkpoint
 
 Prints per step the loss, the gradient norm, the step time, the peak pages in use
-(``cache.allocator.peak_used`` since the step's ``reset_peak()``), the page references the scope held at
+(``cache.stats().peak_pages_used`` since the step's ``reset_peak()``), the page references the scope held at
 the backward and the pages in use after it. ``--compile`` counts the compiled frames
 (``CompileCounterWithBackend``): two for the whole run (grad mode is part of dynamo's guards: one graph
 for the ``no_grad`` forwards, one for the exit forwards with gradients). The summary goes to
@@ -245,7 +245,7 @@ class Trainer:
         exits = torch.randint(args.steps, (args.chunks,), generator=g).tolist()
         self.state.reset()  # a new video per step
         self.prompts.publish(self.state, BRANCH)
-        cache.allocator.reset_peak()
+        cache.reset_peak()
         self.sync()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -266,7 +266,7 @@ class Trainer:
             **update,
             "exit_steps": exits,
             "step_s": time.perf_counter() - start,
-            "peak_pages": cache.allocator.peak_used,
+            "peak_pages": cache.stats().peak_pages_used,
             "held_pages": held,
             "pages_after_step": cache.stats().pages_used,
             # activations, weights, optimizer state and the KV pool together
@@ -318,7 +318,7 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
         f"({trainer.model.patch_embedding.weight.dtype} compute, float32 AdamW, {args.device}, random weights)"
     )
     print(
-        f"cache: {trainer.cache.allocator.num_pages} pages x {spec.page_size} tokens ({spec.pages_per_chunk} per chunk), "
+        f"cache: {trainer.cache.stats().num_pages} pages x {spec.page_size} tokens ({spec.pages_per_chunk} per chunk), "
         f"sink {spec.sink_chunks} + window {spec.window_chunks} chunks; rollout {args.chunks} chunks x {args.steps} "
         f"steps, gradients through the last {args.grad_chunks}, checkpoint {args.checkpoint}, compile {args.compile}"
     )
@@ -367,7 +367,7 @@ def _summary(
         "checkpoint": args.checkpoint,
         "compile": args.compile,
         "compiled_frames": counter.frame_count if counter is not None else None,
-        "num_pages": trainer.cache.allocator.num_pages,
+        "num_pages": trainer.cache.stats().num_pages,
         "pages_per_chunk": spec.pages_per_chunk,
         "sink_chunks": spec.sink_chunks,
         "window_chunks": spec.window_chunks,

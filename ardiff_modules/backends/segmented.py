@@ -84,7 +84,7 @@ class RelativeSinkPlan(AttentionPlan):
         q_sink: torch.Tensor | None = None,
         q_scale: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        refuse_fp8_query(self, q_scale)  # relative sinks attend the 16-bit query (ForwardContext.fp8_query)
+        refuse_fp8_query(self, q_scale)  # relative sinks attend the 16-bit query (ForwardContext._fp8_query)
         _require_sink_query(q_sink)
         rest = self.rest.attend(q, k_cache, v_cache, scale, True, layer=layer)
         return self._merge(rest, q_sink, k_cache, v_cache, scale, return_lse, layer)

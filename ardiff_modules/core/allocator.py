@@ -264,3 +264,9 @@ class PageAllocator:
         for page, rc in enumerate(self._refcounts):
             assert rc >= 0, f"page {page} has negative refcount {rc}"
             assert (rc == 0) == (page in free), f"page {page}: refcount {rc} but free={page in free}"
+
+
+def reset_peak(allocator: PageAllocator) -> None:
+    """Restart ``allocator``'s high-water mark (:meth:`PageAllocator.reset_peak`) for ``KVCache.reset_peak``: the
+    facade changes allocator state only through ``core``, as the session does (``drop_pending``, ``adopt``)."""
+    allocator.reset_peak()

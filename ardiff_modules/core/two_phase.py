@@ -12,7 +12,7 @@ local ``all()`` over the parts (:func:`decide_locally`), or a vote over the mesh
                                           SIGINT deferred from here┘       └─ no-go: abort every one, undo(), raise
 
 Once kept, each participant's transaction belongs to its :class:`Coordinator`: committing it alone (a part's
-``ForwardContext.commit()``, its session's ``commit_paged_context``, ``KVCache.finish_forward``) raises
+``ForwardContext.commit()``, its session's ``commit_paged_context``, the forward manager's ``finish_forward``) raises
 :class:`~ardiff_modules.errors.ParticipantCommitError` with nothing changed (:func:`require_coordinated`),
 so the participants' histories cannot drift apart. Aborting one alone stays allowed: history is unchanged,
 and the coordinator finds that participant DONE at its finish and aborts the others.

@@ -180,7 +180,7 @@ class DistributedKVCache:
         """
         number = self._forward_number + 1
         states = self._vote_arguments(number, sessions, seq_len, commit_current, static, kwargs)
-        free_before = self.cache.allocator.free_pages()  # identical on every rank (same calls so far)
+        free_before = self.cache._allocator.free_pages()  # identical on every rank (same calls so far)
         ctx = self._prepare_and_vote(number, states, seq_len, commit_current, static, kwargs, free_before)
         return DistributedForward(self, ctx, states, free_before, number)
 
@@ -243,8 +243,8 @@ class DistributedKVCache:
                 )
             streams = [(s, b) for s in states for b in self.local_branches]
             options = ForwardOptions(static=static, **kwargs)  # unknown options raise here: voted too
-            prepared.append(self.cache.forwards.prepare(streams, seq_len, commit_current, options, hold=True))
-            return prepared[0].transaction
+            prepared.append(self.cache._forwards.prepare(streams, seq_len, commit_current, options, hold=True))
+            return prepared[0]._transaction
 
         def undo(decision: Decision | None) -> None:
             # What a failed vote undoes on every rank alike, after this rank's held forward was rolled back: the
@@ -267,7 +267,7 @@ class DistributedKVCache:
 
         # NOTE: a KeyboardInterrupt in the prepare or the vote is not voted on: prepare_all rolls back and undoes
         # here, and the peers meet this rank's next vote (RankDivergenceError) and undo the same.
-        step = Step(self.mesh.rank, prepare, lambda transaction: self.cache.finish_forward(transaction, False))
+        step = Step(self.mesh.rank, prepare, lambda transaction: self.cache._forwards.finish_forward(transaction, False))
         decide = self._decide(Vote.PREPARED, number, "this rank's prepared forward was aborted")
         prepare_all(Coordinator(f"DistributedForward {number}"), [step], decide, undo=undo, refused=refused)
         return prepared[0]
@@ -315,7 +315,7 @@ class DistributedKVCache:
             if state.is_closed:
                 continue
             for branch in self.local_branches:
-                forward = state.open_forward(branch)
+                forward = state._open_forward(branch)
                 if forward is not None:
                     touched += [s for s, _ in forward.members if s not in touched]
         return tuple(touched)
@@ -329,7 +329,7 @@ class DistributedKVCache:
         another), so their next allocations would pick other ids. The order is therefore settled to: pages
         free before the forward, in their order then, followed by the others by id.
         """
-        self.cache.forwards.abort_sessions(states, free_order=free_before)
+        self.cache._forwards.abort_sessions(states, free_order=free_before)
 
     def settle_finish(self, decision: Decision) -> None:
         """After a finish vote's outcome was applied, whatever it was: the optional consistency check.
@@ -370,7 +370,7 @@ class DistributedForward:
         #: The local forward context (this rank's streams).
         self.context = context
         self.sessions = sessions
-        self._transaction = context.transaction
+        self._transaction = context._transaction
         self._done = False
 
     def __repr__(self) -> str:
@@ -406,7 +406,7 @@ class DistributedForward:
     @property
     def static(self) -> bool:
         """Whether the local forward keeps its device inputs in fixed buffers (CUDA-graph replay)."""
-        return self.context.static
+        return self.context._static
 
     def commit(self) -> None:
         """Collective: commit on every rank if every rank succeeded so far, else abort everywhere and raise.
@@ -431,7 +431,7 @@ class DistributedForward:
         # later forward prepared on the same streams (which superseded this one) must not be finished here.
         me = Participant(
             owner.mesh.rank, self._transaction, self._precommit,
-            lambda transaction: owner.cache.finish_forward(transaction, True),  # checked before the vote
+            lambda transaction: owner.cache._forwards.finish_forward(transaction, True),  # checked before the vote
             lambda transaction: owner._abort_streams(self.sessions, self._free_before),
         )
 
@@ -467,10 +467,10 @@ class DistributedForward:
             branch.preview_commit()  # pure: may raise, changes nothing
         # Every layer wrote, FP8 scales it would fix not degenerate, and (check_finite) no NaN/Inf: on a
         # failure it aborts this rank's forward and raises; the vote then aborts everyone else's.
-        self.owner.cache.abort_if_uncommittable(transaction, check_finite=self.owner.check_finite)
+        self.owner.cache._forwards.abort_if_uncommittable(transaction, check_finite=self.owner.check_finite)
 
     def __enter__(self) -> DistributedForward:
-        self.context.check_usable("DistributedForward.__enter__")
+        self.context._check_usable("DistributedForward.__enter__")
         return self
 
     def __exit__(

@@ -43,7 +43,7 @@ def h64(text: str) -> int:
 def describe_state(cache: KVCache) -> tuple[str, str]:
     """The canonical text of ``cache``'s bookkeeping: ``(replica, progress)`` (what the digests hash)."""
     replica: list[str] = [
-        f"pages used={cache.allocator.num_used} free={cache.allocator.num_free}",
+        f"pages used={cache._allocator.num_used} free={cache._allocator.num_free}",
     ]
     progress: list[str] = []
     with cache.lock:
@@ -52,14 +52,14 @@ def describe_state(cache: KVCache) -> tuple[str, str]:
             steps = set()
             for branch in state.kv_branch_names:
                 h = state.branch_pages(branch)
-                forward = state.open_forward(branch)
+                forward = state._open_forward(branch)
                 replica.append(
                     f"  {branch!r}: offset={h.token_offset} committed={h.committed_chunks} "
                     f"resident={list(h.history_chunks)} pending={list(h.pending)} extent={list(h.extent)} "
                     f"open={forward.commit_current if forward is not None else None}"
                 )
                 steps.add((h.committed_chunks, h.token_offset, len(h.pending)))
-            replica.append(f"  cross={sorted(state.cross_entries())}")
+            replica.append(f"  cross={sorted(state._cross_entries())}")
             progress.append(f"session {sid!r}: {sorted(steps)}")
     return "\n".join(replica), "\n".join(progress)
 

@@ -148,7 +148,7 @@ class DistributedCUDAGraphStep:
             capture (no rank keeps a graph for this context); the failing rank raises its own error.
         """
         ctx = _context(forward)
-        if not ctx.static:
+        if not ctx._static:
             raise SpecError(
                 "DistributedCUDAGraphStep: expected a forward prepared with static=True "
                 "(cache.prepare_forward(..., static=True)), got a dynamic one"
@@ -202,7 +202,7 @@ class DistributedCUDAGraphStep:
         capture = self.will_capture(ctx)
         error: Exception | None = None
         try:
-            ctx.check_usable("DistributedCUDAGraphStep")
+            ctx._check_usable("DistributedCUDAGraphStep")
             if not capture:
                 self.step.check_replay(ctx, *inputs)
         except Exception as e:  # noqa: BLE001 -- reported to the peers by the vote, then re-raised

@@ -22,7 +22,7 @@ import torch
 
 from ardiff_modules.backends import AttentionBackend, PlanRequest
 from ardiff_modules.backends.segmented import plan_forward
-from ardiff_modules.context import ForwardContext, TransactionOwner
+from ardiff_modules.context import ForwardContext
 from ardiff_modules.core.allocator import PageAllocator
 from ardiff_modules.core.branch import BranchPages
 from ardiff_modules.core.recache import RecacheRule
@@ -64,8 +64,8 @@ Streams = Sequence[tuple[KVState, str]]
 class ForwardManager:
     """Prepares and finishes the forwards of one cache's sessions (see the module docstring).
 
-    ``host`` is the cache the sessions belong to (streams of other caches are refused); it owns the contexts:
-    ``ForwardContext.commit()`` / ``abort()`` finish through ``host.finish_forward``.
+    ``host`` is the cache the sessions belong to (streams of other caches are refused). The manager owns the
+    contexts (its registry): ``ForwardContext.commit()`` / ``abort()`` finish through :meth:`finish_forward`.
     """
 
     def __init__(
@@ -156,7 +156,7 @@ class ForwardManager:
         After ``clear_cross_attention()`` and populating the new prompt, run the model over the clean
         latents of each stream's rebuilt chunks (:meth:`recache_latents`), concatenated along the
         sequence in commit order, ``[num_streams, seq_len, ...]`` with ``seq_len =
-        sum(ctx.layout.chunk_lengths)``. Which chunks are rebuilt and how they see each other is the
+        sum(ctx._layout.chunk_lengths)``. Which chunks are rebuilt and how they see each other is the
         ``rule`` (:class:`~ardiff_modules.core.recache.RecacheRule`; default the spec's ``recache``, which
         defaults to block-causal with the sinks kept; ``keep_sinks=`` is the historical switch):
 
@@ -255,13 +255,13 @@ class ForwardManager:
                 page_size=self.spec.page_size, pending_attention=request.pending_attention,
             )
             planning = True
-            plan = plan_forward(self.backend, self._plan_request(layout, request), ctx.plan)
+            plan = plan_forward(self.backend, self._plan_request(layout, request), ctx._plan)
             positions = self._positions(ctx, layout, request.static)
             cross = self._stack_cross(ctx, request.members, request.static)
         except BaseException:
             reservation.rollback()
             if planning and getattr(self.backend, "replans_in_place", True):
-                ctx.drop_plan(f"a later {request.what} failed while planning")
+                ctx._drop_plan(f"a later {request.what} failed while planning")
             raise
         if not hold:
             reservation.keep()
@@ -279,7 +279,7 @@ class ForwardManager:
                 recache=request.recache, latents=request.latents, lanes=(lane,),
             )
             transaction.attach()
-            ctx.begin(transaction, plan, layout, positions, cross, request.token_mask)
+            ctx._begin(transaction, plan, layout, positions, cross, request.token_mask)
         except BaseException:
             if hold and reservation.can_roll_back():  # (a kept reservation is the forward's own pending pages)
                 reservation.rollback()
@@ -290,7 +290,7 @@ class ForwardManager:
                 fresh = sum(len(b.split_pending()[1]) for b in request.branches)
                 logger.debug("re-cache prepared: %s, %d fresh pages", ctx, fresh)
             else:
-                logger.debug("forward prepared: %s, %d free pages left, plan %r", ctx, self.allocator.num_free, ctx.plan)
+                logger.debug("forward prepared: %s, %d free pages left, plan %r", ctx, self.allocator.num_free, ctx._plan)
         return ctx
 
     def _context(self, key: ContextKey) -> ForwardContext:
@@ -301,8 +301,8 @@ class ForwardManager:
         ctx = self.registry.get(key)
         if ctx is not None:
             return ctx  # marked most recently used only once its forward begins
-        return ForwardContext.create(
-            key[0], self.pool, dtype=self.dtype, static=key[1] is not None, owner=cast(TransactionOwner, self.host)
+        return ForwardContext._create(
+            key[0], self.pool, dtype=self.dtype, static=key[1] is not None, owner=self
         )
 
     def _plan_request(self, layout: ForwardLayout, request: Build) -> PlanRequest:
@@ -347,9 +347,9 @@ class ForwardManager:
     ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, str], dict[str, tuple[int, ...]]]:
         """Per cache name, the streams' cross K/V stacked to ``[layers, streams, tokens, heads, dim]``."""
         names = self.spec.cross_attention_names
-        entries = {name: [state.cross_entry(branch, name) for state, branch in members] for name in names}
+        entries = {name: [state._cross_entry(branch, name) for state, branch in members] for name in names}
         who = [f"{state.session_id!r}/{branch!r}" for state, branch in members]
-        return ctx.cross_stack.restack(names, entries, who, ctx.cross, static)
+        return ctx._cross_stack.restack(names, entries, who, ctx._cross, static)
 
     def max_visible_keys(self, branches: Sequence[BranchPages], seq_len: int) -> int:
         """Keys of the widest stream of a forward: its history plus all ``seq_len`` pending tokens."""
@@ -357,10 +357,11 @@ class ForwardManager:
 
     # ------------------------------------------------------------------ finishing
     def finish_forward(self, transaction: ForwardTransaction, success: bool) -> None:
-        """Commit (``success``) or abort every stream of ``transaction``, all or none (``KVCache.finish_forward``).
+        """Commit (``success``) or abort every stream of ``transaction``, all or none (``fwd.commit()``). Idempotent.
 
-        Raises :class:`ParticipantCommitError`, nothing changed, when asked to commit one participant of a
-        multi-participant forward alone (:func:`~ardiff_modules.core.two_phase.require_coordinated`).
+        A commit is refused (aborted, history unchanged, the error raised) unless :meth:`abort_if_uncommittable`
+        passes; whatever it raises, the forward is aborted first (a non-library error as :class:`CommitFailedError`).
+        Committing one participant of a multi-participant forward alone: :class:`ParticipantCommitError`, no change.
         """
         with self.lock:
             if not transaction.is_open:
@@ -390,7 +391,9 @@ class ForwardManager:
                 )
 
     def abort_if_uncommittable(self, transaction: ForwardTransaction, check_finite: bool | None = None) -> None:
-        """Every pre-commit check; on a failure abort the forward and raise (``KVCache.abort_if_uncommittable``)."""
+        """Every check that refuses a commit, run before it (a grouped or distributed vote): on a failure abort the
+        forward and raise. Every layer wrote (:class:`IncompleteForwardError`), the FP8 scales it would fix are
+        sound (:class:`KVCalibrationError`), with ``check_finite`` (default: the cache's) no NaN/Inf."""
         _require_transaction("abort_if_uncommittable", transaction)
         with self.lock:
             if not transaction.is_open or not transaction.commit_current:
@@ -406,10 +409,14 @@ class ForwardManager:
                 self.abort_if_non_finite(transaction)
 
     def abort_if_non_finite(self, transaction: ForwardTransaction) -> None:
-        """Abort the forward and raise on NaN/Inf in its pending K/V (``KVCache.abort_if_non_finite``)."""
+        """Check the pending K/V of an open forward: on NaN/Inf abort the whole forward and raise
+        :class:`NonFiniteKVError` naming the streams, else change nothing. One device sync (what ``check_finite=True``
+        runs before a commit); a closed forward is a no-op."""
         _require_transaction("abort_if_non_finite", transaction)
         if any(state.cache is not self.host for state, _ in transaction.members):
-            raise SpecError("KVCache.abort_if_non_finite: expected a forward of this cache, got one of another cache")
+            raise SpecError(
+                "ForwardManager.abort_if_non_finite: expected a forward of this cache, got one of another cache"
+            )
         with self.lock:
             if transaction.is_open:
                 check_pending_finite(transaction, self.pool)
@@ -418,7 +425,7 @@ class ForwardManager:
         """Abort every open forward one of ``state``'s branches belongs to (all of their streams)."""
         with self.lock:
             for branch in state.kv_branch_names:
-                transaction = state.open_forward(branch)
+                transaction = state._open_forward(branch)
                 if transaction is not None:
                     self.finish_forward(transaction, False)
 
@@ -434,6 +441,16 @@ class ForwardManager:
                 settle_free_order(self.allocator, free_order)
 
     # ------------------------------------------------------------------ contexts
+    @property
+    def num_contexts(self) -> int:
+        """Forward contexts kept for reuse now (bounded by the cache's ``max_forward_contexts``)."""
+        return len(self.registry)
+
+    def contexts(self) -> tuple[ForwardContext, ...]:
+        """The forward contexts kept for reuse, least recently used first."""
+        with self.lock:
+            return tuple(self.registry)
+
     def release_idle_contexts(self) -> int:
         """Release every kept context whose forward is not open; returns how many."""
         with self.lock:
@@ -450,7 +467,8 @@ class ForwardManager:
 def _require_transaction(what: str, transaction: object) -> None:
     if not isinstance(transaction, ForwardTransaction):
         raise SpecError(
-            f"KVCache.{what}: expected a ForwardTransaction (fwd.transaction), got {type(transaction).__name__}"
+            f"ForwardManager.{what}: expected a ForwardTransaction (a forward context's _transaction), "
+            f"got {type(transaction).__name__}"
         )
 
 

@@ -40,7 +40,7 @@ class ContextRegistry:
         if key in self._contexts:
             self._contexts.move_to_end(key)
             return
-        ctx.assign_handle(HANDLES.register(ctx))
+        ctx._assign_handle(HANDLES.register(ctx))
         self._contexts[key] = ctx
         for old in list(self._contexts):
             if len(self._contexts) <= self.limit:
@@ -51,8 +51,8 @@ class ContextRegistry:
 
     def release(self, key: ContextKey) -> None:
         ctx = self._contexts.pop(key)
-        HANDLES.unregister(ctx.handle)
-        ctx.release()
+        HANDLES.unregister(ctx._handle)
+        ctx._release()
 
     def release_where(self, predicate: Callable[[ContextKey], bool]) -> None:
         for key in [k for k in self._contexts if predicate(k)]:

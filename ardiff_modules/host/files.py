@@ -49,9 +49,10 @@ class FileHost(Protocol):
     """What save / load use of a ``KVCache``."""
 
     spec: KVCacheSpec
-    pool: KVPool
-    allocator: PageAllocator
-    host_tier: HostTier
+    # (the cache's private parts: session files are the cache's own code)
+    _pool: KVPool
+    _allocator: PageAllocator
+    _host_tier: HostTier
 
     @property
     def lock(self) -> Any: ...
@@ -99,7 +100,7 @@ def _checked_sessions(cache: FileHost, sessions: Iterable[KVState], what: str) -
             f"{what}: expected sessions of this KVCache, got {[getattr(s, 'session_id', s) for s in foreign]}"
         )
     for state in states:
-        cache.host_tier.check_idle(state, what)  # open, resident, no pending work
+        cache._host_tier.check_idle(state, what)  # open, resident, no pending work
     return states
 
 
@@ -108,10 +109,10 @@ def _snapshot(cache: FileHost, states: Sequence[KVState]) -> tuple[dict[str, tor
     branches = {s: {n: s.branch_pages(n) for n in s.kv_branch_names} for s in states}
     order = list(dict.fromkeys(p for bs in branches.values() for b in bs.values() for p in b.history_pages()))
     index = {p: i for i, p in enumerate(order)}
-    raw = cache.pool.kv.view(torch.uint8)
+    raw = cache._pool.kv.view(torch.uint8)
     # NOTE: index_select over the page dim, then page-major: one row per page, as the host tier's arena holds them.
     pages = raw.index_select(2, torch.tensor(order, dtype=torch.long, device=raw.device)).movedim(2, 0)
-    tensors: dict[str, torch.Tensor] = {"pages": pages, "scales": cache.pool.scales}
+    tensors: dict[str, torch.Tensor] = {"pages": pages, "scales": cache._pool.scales}
     names: dict[int, str] = {}  # id(tensor or entry) -> its name in the file (each shared one written once)
 
     def name_of(obj: Any, prefix: str) -> str:
@@ -129,12 +130,12 @@ def _snapshot(cache: FileHost, states: Sequence[KVState]) -> tuple[dict[str, tor
         sessions.append({
             "id": state.session_id,
             "branches": {n: _branch_header(img, index, name_of) for n, img in images.items()},
-            "cross": [[c, b, name_of(e, "cross")] for (c, b), e in state.cross_entries().items()],
+            "cross": [[c, b, name_of(e, "cross")] for (c, b), e in state._cross_entries().items()],
         })
     # NOTE: clone where .to("cpu") returned the live tensor (a CPU pool): the file is written after the lock is
     # released, and a later forward (an FP8 calibration) must not change what the digests describe.
     tensors = {k: _host_copy(t) for k, t in tensors.items()}
-    quantizer = cache.pool.quantizer
+    quantizer = cache._pool.quantizer
     header = {
         "format": FORMAT, "version": FORMAT_VERSION, "spec": spec_fields(cache.spec), "pages": len(order),
         "scales_fixed": quantizer is not None and quantizer.all_calibrated, "sessions": sessions,
@@ -256,10 +257,10 @@ def check_layout(
 ) -> None:
     """Every tensor the header names has the shape and dtype this cache implies (works on ``meta`` tensors: a
     receiver checks an envelope before receiving anything)."""
-    raw = cache.pool.kv
+    raw = cache._pool.kv
     page_shape = (reader.num_pages, raw.shape[0], raw.shape[1], *raw.shape[3:-1], raw.shape[-1] * raw.element_size())
     _expect(reader, tensors, "pages", page_shape, torch.uint8)
-    _expect(reader, tensors, "scales", tuple(cache.pool.scales.shape), torch.float32)
+    _expect(reader, tensors, "scales", tuple(cache._pool.scales.shape), torch.float32)
     spec = cache.spec
     for s in saved:
         for (name, _), prefix in s.cross.items():
@@ -315,18 +316,18 @@ def _scales_to_adopt(
 
     NOTE: FP8 pages are raw bytes quantized with the saving pool's scales: they read back right only under
     those scales, so a pool that already quantized with other scales is refused."""
-    quantizer = cache.pool.quantizer
+    quantizer = cache._pool.quantizer
     if quantizer is None or reader.header.get("scales_fixed") is not True:
         return None
     scales = tensors["scales"]
     if not bool(torch.isfinite(scales).all()) or not bool((scales > 0).all()):
         raise reader.fail("tensor 'scales'", "positive finite FP8 scales", f"min {float(scales.min())}")
     if quantizer.written:
-        if torch.equal(scales, cache.pool.scales.to("cpu")):
+        if torch.equal(scales, cache._pool.scales.to("cpu")):
             return None
         raise reader.fail(
             "spec field 'kv_scales'", "the FP8 scales this pool already quantized its pages with",
-            f"scales differing by up to {float((scales - cache.pool.scales.cpu()).abs().max()):.3g}",
+            f"scales differing by up to {float((scales - cache._pool.scales.cpu()).abs().max()):.3g}",
         )
     return scales
 
@@ -337,14 +338,14 @@ def _install(
 ) -> list[KVState]:
     """Reserve, copy, then open: an error before the sessions open rolls the reservation back exactly."""
     records, rings, fresh_pages, extents = check_room(cache, saved, where)
-    reservation = ResumeReservation(cache.allocator, len(fresh_pages), extents)
+    reservation = ResumeReservation(cache._allocator, len(fresh_pages), extents)
     try:
         fresh = dict(zip(fresh_pages, reservation.fresh))
         runs, laid = iter(reservation.extents), []
         for record, ring in zip(records, rings):
             laid.append(lay_out(record, ring, {}, fresh, [next(runs) for step in ring.values() if step]))
-        _copy_pages(cache.pool, tensors["pages"], sorted({c for _, _, copies in laid for c in copies}))
-        device = cache.pool.device
+        _copy_pages(cache._pool, tensors["pages"], sorted({c for _, _, copies in laid for c in copies}))
+        device = cache._pool.device
         latents = {k: t.to(device) for k, t in tensors.items() if k.startswith("latent.")}
         entries = {p: publish_entry(tensors[f"{p}.k"].to(device), tensors[f"{p}.v"].to(device))
                    for s in saved for p in s.cross.values()}
@@ -355,7 +356,7 @@ def _install(
     held = Counter(p for chunks, _, _ in laid for cs in chunks.values() for c in cs for p in c)
     reservation.keep((held - Counter(reservation.fresh)).elements())
     if scales is not None:
-        cache.pool.quantizer.adopt_scales(scales)  # type: ignore[union-attr]
+        cache._pool.quantizer.adopt_scales(scales)  # type: ignore[union-attr]
     return [_open(cache, sid, s, chunks, ext, latents, entries) for sid, s, (chunks, ext, _) in zip(ids, saved, laid)]
 
 
@@ -371,11 +372,11 @@ def check_room(
     plain = [p for r, ring in zip(records, rings) for n, cs in r.chunks.items() if not ring[n] for c in cs for p in c]
     fresh_pages = list(dict.fromkeys(plain))
     extents = [extent_chunks * ppc for ring in rings for step in ring.values() if step]  # type: ignore[operator]
-    needed, free = len(fresh_pages) + sum(extents), cache.allocator.num_free
+    needed, free = len(fresh_pages) + sum(extents), cache._allocator.num_free
     if needed > free:
         raise CapacityError(
             f"{where}: needed {needed} free device pages ({len(fresh_pages)} pages + {len(extents)} extent(s)), got "
-            f"{free} free of {cache.allocator.num_pages}",
+            f"{free} free of {cache._allocator.num_pages}",
             needed=needed,
             free=free,
         )
@@ -402,5 +403,5 @@ def _open(
         branch: BranchPages = state.branch_pages(name)
         kept = {i: latents[t] for i, t in image.latents.items()}  # type: ignore[index]
         load_branch(branch, replace(image, latents=kept), chunks[name], extents.get(name, ()))
-    state.adopt_cross_entries({key: entries[prefix] for key, prefix in saved.cross.items()})
+    state._adopt_cross_entries({key: entries[prefix] for key, prefix in saved.cross.items()})
     return state

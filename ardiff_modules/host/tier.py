@@ -186,7 +186,7 @@ class HostTier:
             keys = {p: (p, alloc.generation(p)) for p in order}
             reused = {p: h for p in order if (h := self.pages.host_copy_of(keys[p])) is not None}
             new = [p for p in order if p not in reused]
-            cross = state.cross_entries()
+            cross = state._cross_entries()
             distinct = {id(e): e for e in cross.values()}  # an entry shared by two keys travels once
             latents = {name: dict(b.latents) for name, b in branches.items()}
             extra = sum(e.nbytes for e in distinct.values()) + sum(
@@ -219,7 +219,7 @@ class HostTier:
             }
             # NOTE: the session keeps its cross map, now over the host copies: a prompt given while it is suspended
             # replaces an entry there and wins at resume (_restore_cross copies back only untouched host copies).
-            state.adopt_cross_entries(host_cross)
+            state._adopt_cross_entries(host_cross)
             self.pages.charge(extra)
             self._suspended[state] = Suspended(images, chunks, host_cross, extra)
             self._handles.pop(state, None)
@@ -233,7 +233,7 @@ class HostTier:
                 f"{what}: expected a resident session, got {state.session_id!r} already suspended "
                 f"(resume() first)"
             )
-        busy = [name for name in names if state.open_forward(name) is not None or branches[name].pending]
+        busy = [name for name in names if state._open_forward(name) is not None or branches[name].pending]
         if busy:
             raise PendingContextError(
                 f"{what} {state.session_id!r}: expected no open forward and no pending chunk, got pending work on "
@@ -272,7 +272,7 @@ class HostTier:
             try:
                 fresh = dict(zip(fresh_hosts, reservation.fresh))
                 chunks, extents, copies = lay_out(record, ring, aliases, fresh, reservation.extents)
-                handle, cross, latents = self._copy_to_device(copies, record, state.cross_entries())
+                handle, cross, latents = self._copy_to_device(copies, record, state._cross_entries())
             except BaseException:
                 reservation.rollback()
                 raise
@@ -284,7 +284,7 @@ class HostTier:
             for h, q in fresh.items():
                 self.pages.link(h, (q, self.allocator.generation(q)))
             self._drop_record(state, record)
-            state.adopt_cross_entries(cross)
+            state._adopt_cross_entries(cross)
             self._handles[state] = handle
             return handle
 
@@ -388,7 +388,7 @@ class HostTier:
             record = self._suspended.get(state)
             if record is not None:
                 device = self.pool.device
-                state.adopt_cross_entries(_restore_cross(record, state.cross_entries(), lambda t: t.to(device)))
+                state._adopt_cross_entries(_restore_cross(record, state._cross_entries(), lambda t: t.to(device)))
                 self._drop_record(state, record)
             self._handles.pop(state, None)
             self._last_used.pop(state, None)
@@ -493,7 +493,7 @@ class HostTier:
         if state in self._suspended:
             return False
         names = state.kv_branch_names
-        return not any(state.open_forward(n) is not None or state.branch_pages(n).pending for n in names)
+        return not any(state._open_forward(n) is not None or state.branch_pages(n).pending for n in names)
 
 
 def _on_stream(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager[object]:

@@ -156,7 +156,7 @@ def _check_envelope(
         saved = reader.read(header)
         check_layout(cache, reader, saved, meta)
         check_room(cache, saved, where)
-        bound = cache.pool.nbytes if max_latent_bytes is None else max_latent_bytes
+        bound = cache._pool.nbytes if max_latent_bytes is None else max_latent_bytes
     # Every tensor is one the header uses (shape-checked above, or a kept latent): none rides along unchecked.
     latent_names = {str(ref) for s in saved for image in s.images.values() for ref in image.latents.values()}
     used = {"pages", "scales", *latent_names, *(f"{p}.{kv}" for s in saved for p in s.cross.values() for kv in "kv")}

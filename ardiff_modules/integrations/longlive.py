@@ -198,7 +198,7 @@ class LongLiveSession(SelfForcingSession):
     def _rebuilt_rows(self, forward: ForwardContext, start: int, tokens: int,
                       device: torch.device) -> torch.Tensor | None:
         """Rows of ``x`` (tokens ``[start, start + tokens)``) holding each rebuilt chunk, in the re-cache's order."""
-        layout = forward.layout
+        layout = forward._layout
         assert layout is not None  # a begun forward has its layout
         lengths = layout.chunk_lengths
         chunk_starts = {s.pending_starts or tuple(s.token_offset + o for o in layout.chunk_starts[:-1])

@@ -70,12 +70,12 @@ class SessionTraining:
     def adopt(self, forward: ForwardContext) -> None:
         """A layer call with gradients in ``forward``: the forward is held by a user's scope of the cache if one is
         active, else by the session's (opened on first use). Once per model forward."""
-        if forward.transaction is self._adopted or active_scope(self.cache) is not None:
+        if forward._transaction is self._adopted or active_scope(self.cache) is not None:
             return
         if self.scope is None or self.scope.closed:
             self.scope = TrainingScope(self.cache, history_grad=self.history_grad).start()
         self.scope.adopt(forward)
-        self._adopted = forward.transaction
+        self._adopted = forward._transaction
 
     def run(self, attend: Attend, index: int, x: torch.Tensor, kv: LayerContext, rope: RopePair, kv_cache: Any,
             current_start: int) -> torch.Tensor:

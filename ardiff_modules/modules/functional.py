@@ -273,17 +273,17 @@ def chunk_attention(
     if torch.compiler.is_compiling():
         # In a compiled graph the K/V write is plain torch, fused by inductor into the kernel that
         # computes K/V (no separate write pass); the op then only reads the pool.
-        pool, scales, layer_id = kv.kv_pool, kv.kv_scales, kv.layer_id
+        pool, scales, layer_id = kv._kv_pool, kv._kv_scales, kv._layer_id
         assert pool is not None and scales is not None and layer_id is not None  # set by the cache, every layer
-        write_kv_in_graph(k_rows, v_rows, pool, scales, layer_id, kv.forward.handle_id)
+        write_kv_in_graph(k_rows, v_rows, pool, scales, layer_id, kv.forward._handle_id)
         # FA3 over an FP8 pool: the query is quantized here too, fused with the norm / RoPE that produced it.
         result = attend_in_graph(
-            q_rows, pool, layer_id, kv.forward.handle_id, scale, q_sink,
-            fp8_query=kv.forward.fp8_query, return_lse=return_lse,
+            q_rows, pool, layer_id, kv.forward._handle_id, scale, q_sink,
+            fp8_query=kv.forward._fp8_query, return_lse=return_lse,
         )
     else:
         op = torch.ops.ardiff_modules.chunk_attention_lse if return_lse else torch.ops.ardiff_modules.chunk_attention
-        result = op(q_rows, k_rows, v_rows, kv.kv_pool, kv.layer_id, kv.forward.handle_id, scale, q_sink)
+        result = op(q_rows, k_rows, v_rows, kv._kv_pool, kv._layer_id, kv.forward._handle_id, scale, q_sink)
     out, lse = result if isinstance(result, tuple) else (result, None)  # a tuple exactly with return_lse
     out = out.view(streams, seq_len, q.shape[2], head_dim)
     if lse is None:

@@ -28,7 +28,7 @@ def attend_with_grad(
     """``chunk_attention`` with gradients to ``q``, ``k``, ``v`` (and ``sink_query``); shapes as there."""
     streams, n, heads, head_dim = q.shape
     kv_heads = k.shape[2]
-    pool = kv.kv_pool
+    pool = kv._kv_pool
     assert pool is not None
     record: HistoryRead | None = None
     first_call = False
@@ -96,23 +96,23 @@ def _as_stored(
 
 def _compiled_view(k: torch.Tensor, v: torch.Tensor, kv: LayerContext, sink_query: bool) -> HistoryView:
     fwd = kv.forward
-    if fwd.token_mask is not None:
+    if fwd._token_mask is not None:
         raise SpecError("chunk_attention (gradients, compiled): expected no token_mask, got one; run that forward eagerly")
-    bound = fwd.max_history_tokens
+    bound = fwd._max_history_tokens
     if bound <= 0:
         raise SpecError(
             "chunk_attention (gradients, compiled): expected a bounded history (KVCacheSpec.window_chunks), got "
             "global attention; compile the training step over a bounded window or run it eagerly"
         )
     hk, hv, valid, pending, sinks, scales = torch.ops.ardiff_modules.history_kv(
-        k.detach(), v.detach(), kv.kv_pool, kv.kv_scales, kv.layer_id, fwd.handle_id, bound
+        k.detach(), v.detach(), kv._kv_pool, kv._kv_scales, kv._layer_id, fwd._handle_id, bound
     )
     streams, n = k.shape[0], k.shape[1]
     mask = torch.cat([valid[:, None, :].expand(streams, n, bound), pending[None].expand(streams, n, n)], dim=-1)
     sink_keys = None
     if sink_query:
         sink_keys = torch.cat([sinks, sinks.new_zeros((streams, n))], dim=1)[:, None, :, None]
-    quantized = kv.kv_pool is not None and is_quantized(kv.kv_pool.dtype)
+    quantized = kv._kv_pool is not None and is_quantized(kv._kv_pool.dtype)
     return HistoryView(hk.to(k.dtype), hv.to(k.dtype), mask[:, None], sink_keys, None, mask[:, None], scales if quantized else None)
 
 

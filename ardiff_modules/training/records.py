@@ -103,8 +103,8 @@ class HistoryRead:
     @classmethod
     def of(cls, fwd: ForwardContext, pad_to: int | None = None) -> HistoryRead:
         """The record of ``fwd``'s open forward; ``pad_to``: a fixed number of history keys (compiled graphs)."""
-        layout = fwd.layout
-        assert layout is not None and fwd.transaction is not None  # the write gate checked the forward
+        layout = fwd._layout
+        assert layout is not None and fwd._transaction is not None  # the write gate checked the forward
         page_size, n, device = layout.page_size, layout.seq_len, fwd.positions.device
         slots = [page_token_slots(torch.tensor(s.history_pages, dtype=torch.int64), page_size) for s in layout.streams]
         lengths = [t.numel() for t in slots]
@@ -129,13 +129,13 @@ class HistoryRead:
                 sink_keys[i, : s.sink_pages * page_size] = True
             sink_keys = sink_keys[:, None, :, None].to(device)
         return cls(
-            transaction=fwd.transaction, gather=gather.to(device), valid=valid[:, :, None, None].to(device),
+            transaction=fwd._transaction, gather=gather.to(device), valid=valid[:, :, None, None].to(device),
             mask=None if opened is None else opened[:, None].to(device), sink_keys=sink_keys,
             empty_rows=None if empty is None else empty[:, None].to(device),
             visible=None if mask is None else mask[:, None].to(device), pending=pending,
             history_pages=tuple(p for s in layout.streams for p in s.history_pages),
-            branches=fwd.transaction.branches,
-            generations=tuple(b.generation for b in fwd.transaction.branches),
+            branches=fwd._transaction.branches,
+            generations=tuple(b.generation for b in fwd._transaction.branches),
             history_spans=tuple(s.history_spans for s in layout.streams),
             pending_spans=tuple(_pending_spans(s, page_size) for s in layout.streams),
         )
@@ -208,12 +208,12 @@ def _pending_spans(stream: StreamLayout, page_size: int) -> tuple[tuple[int, int
 def _visibility(fwd: ForwardContext, valid: torch.Tensor, pending: torch.Tensor, always: bool) -> torch.Tensor | None:
     """bool ``[streams, seq_len, history_keys + seq_len]`` over ``[history ; pending]`` (``None``: all visible)."""
     n, width = pending.shape[0], valid.shape[1]
-    if not always and fwd.token_mask is None and bool(valid.all()) and bool(pending.all()):
+    if not always and fwd._token_mask is None and bool(valid.all()) and bool(pending.all()):
         return None
     streams = valid.shape[0]
     mask = torch.cat([valid[:, None, :].expand(-1, n, -1), pending[None].expand(streams, -1, -1)], dim=-1)
-    if fwd.token_mask is not None:  # in to_dense order: [history_s ; pending ; padding] per stream
-        user = fwd.token_mask.cpu()
+    if fwd._token_mask is not None:  # in to_dense order: [history_s ; pending ; padding] per stream
+        user = fwd._token_mask.cpu()
         for i in range(streams):
             h = int(valid[i].sum())
             mask[i, :, :h] &= user[i, :, :h]
@@ -273,17 +273,17 @@ def read_history(kv: LayerContext, k_rows: torch.Tensor, v_rows: torch.Tensor, p
             "with `with am.TrainingScope(cache) as scope: x = scope.checkpoint(block, x, kv, ...)`"
         )
     fwd = kv.forward
-    if fwd.static:
+    if fwd._static:
         raise InferenceOnlyError(
             "chunk_attention: expected a forward without static=True for gradients (CUDA-graph replays have "
             "no backward), got a static forward; prepare the training forwards with static=False"
         )
-    assert kv.kv_pool is not None and kv.kv_scales is not None and kv.layer_id is not None
+    assert kv._kv_pool is not None and kv._kv_scales is not None and kv._layer_id is not None
     # The gate checks the forward is open, records the layer's write and calibrates an FP8 layer.
-    write_kv_in_graph(k_rows, v_rows, kv.kv_pool, kv.kv_scales, kv.layer_id, fwd.handle_id)
+    write_kv_in_graph(k_rows, v_rows, kv._kv_pool, kv._kv_scales, kv._layer_id, fwd._handle_id)
     record = _record_of(fwd, pad_to)
-    if is_quantized(kv.kv_pool.dtype) and kv.layer_index not in record.scales:
-        record.scales[kv.layer_index] = kv.kv_scales[kv.layer_index].clone()
+    if is_quantized(kv._kv_pool.dtype) and kv.layer_index not in record.scales:
+        record.scales[kv.layer_index] = kv._kv_scales[kv.layer_index].clone()
     capture = CAPTURE.get()
     if capture is not None:
         capture.append((record, kv.layer_index))
@@ -292,7 +292,7 @@ def read_history(kv: LayerContext, k_rows: torch.Tensor, v_rows: torch.Tensor, p
 
 def _record_of(fwd: ForwardContext, pad_to: int | None) -> HistoryRead:
     """One record per forward (built by its first layer with gradients: host work once per forward)."""
-    transaction = fwd.transaction
+    transaction = fwd._transaction
     assert transaction is not None
     with RECORDS_LOCK:
         record = RECORDS.get(transaction)
@@ -305,7 +305,7 @@ def _record_of(fwd: ForwardContext, pad_to: int | None) -> HistoryRead:
         adopted = ADOPTED.pop(transaction, None)
     if adopted is None or not adopted.hold(record):
         for scope in reversed(SCOPES.get()):
-            if scope.cache is fwd.owner and scope.hold(record):
+            if scope.cache is fwd._owner and scope.hold(record):
                 break
     with RECORDS_LOCK:
         RECORDS[transaction] = record

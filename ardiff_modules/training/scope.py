@@ -95,10 +95,10 @@ class TrainingScope:
         are active where it runs. Raises :class:`TrainingScopeError` once the scope ended."""
         if self.closed or not self._entered:
             raise TrainingScopeError("TrainingScope.adopt: expected an entered scope, got one not entered or ended")
-        fwd.check_usable("TrainingScope.adopt")
-        assert fwd.transaction is not None  # check_usable raised otherwise
+        fwd._check_usable("TrainingScope.adopt")
+        assert fwd._transaction is not None  # check_usable raised otherwise
         with RECORDS_LOCK:
-            ADOPTED[fwd.transaction] = self
+            ADOPTED[fwd._transaction] = self
 
     def close(self) -> None:
         """Drop every hold and leave the active scopes; records read after this raise
@@ -159,14 +159,14 @@ class TrainingScope:
 
 def frozen_forward(fwd: ForwardContext) -> ForwardContext:
     """A copy of ``fwd`` that keeps describing its current forward (one per forward, shared by its layers)."""
-    fwd.check_usable("TrainingScope.checkpoint")
-    transaction = fwd.transaction
+    fwd._check_usable("TrainingScope.checkpoint")
+    transaction = fwd._transaction
     assert transaction is not None  # check_usable raised otherwise
     with RECORDS_LOCK:
         frozen = FROZEN.get(transaction)
     if frozen is None:
         frozen = dataclasses.replace(
-            fwd, layers=[], cross=dict(fwd.cross), cross_missing=dict(fwd.cross_missing), _entered=[]
+            fwd, layers=[], _cross=dict(fwd._cross), _cross_missing=dict(fwd._cross_missing), _entered=[]
         )
         frozen.layers.extend(dataclasses.replace(layer, forward=frozen, cross=dict(layer.cross)) for layer in fwd.layers)
         with RECORDS_LOCK:

@@ -25,7 +25,7 @@ MAX_FOREIGN_ATTRIBUTE_WRITES = 1
 MAX_ALLOCATOR_MUTATING_MODULES = 3  # besides the allocator itself; all of them in core/
 MAX_LONG_FUNCTIONS = 0  # over FUNCTION_LINES code lines
 MAX_LONG_CLASSES = 0  # over CLASS_LINES lines
-MAX_FACADE_LINES = 348  # KVCache, the class (the target: ~300; a third of it is the user docstrings)
+MAX_FACADE_LINES = 322  # KVCache, the class (the target: ~300; a third of it is the user docstrings)
 FUNCTION_LINES, CLASS_LINES = 60, 400
 
 #: The allocator's mutating methods (and its peak, written by hand before ``checkpoint``).

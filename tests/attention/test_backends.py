@@ -32,10 +32,10 @@ def test_auto_is_reference_on_cpu_and_flashinfer_is_refused_with_the_reason() ->
 def test_static_forwards_need_flashinfer_and_a_bounded_window() -> None:
     cache = am.KVCache(_backend_spec(), num_pages=16)
     state = cache.open_session()
-    free = cache.allocator.free_pages()
+    free = cache._allocator.free_pages()
     with pytest.raises(am.BackendUnavailableError, match="static plans"):
         state.prepare_forward(None, 4, static=True)
-    assert cache.allocator.free_pages() == free and state.pending_chunks("cond") == ()
+    assert cache._allocator.free_pages() == free and state.pending_chunks("cond") == ()
     unbounded = am.KVCache(_backend_spec(None), num_pages=16).open_session()
     with pytest.raises(am.SpecError, match="bounded window"):
         unbounded.prepare_forward(None, 4, static=True)
@@ -51,7 +51,7 @@ def test_extents_default_off_on_reference_and_usable_when_asked() -> None:
     state.prepare_forward(None, 4).commit()
     assert state.branch_pages("cond").extent == tuple(range(8)) and state.branch_pages("uncond").extent == tuple(range(8, 16))
     fwd = state.prepare_forward(None, 4)
-    rows = fwd.layout.ragged_rows
+    rows = fwd._layout.ragged_rows
     assert rows is not None and rows.gap_rows == 1  # cond [0, 8) tokens, gap, uncond [16, 24)
     fwd.abort()
 
@@ -80,7 +80,7 @@ def test_token_mask_on_the_reference_backend(history: int) -> None:
     out = am.chunk_attention(q, q, q, masked.layers[0])
     # Oracle: gather the same keys and apply visibility & mask with plain SDPA.
     k_slots = KVPool.token_slots(masked.layers[0].k_cache)
-    gather = masked.layout.dense_keys[0]
+    gather = masked._layout.dense_keys[0]
     keys_t = k_slots[gather].transpose(1, 2)
     ref = F.scaled_dot_product_attention(q.transpose(1, 2), keys_t, keys_t, attn_mask=(dense & mask)[:, None])
     torch.testing.assert_close(out, ref.transpose(1, 2))

@@ -41,5 +41,5 @@ def test_to_dense_ands_the_token_mask_and_pads_with_minus_one() -> None:
     with state.prepare_forward(None, 4, token_mask=mask) as fwd:
         dense = fwd.to_dense()
         assert not dense[0, 1, 0] and dense[0, 0, 0]
-        assert torch.equal(dense, fwd.layout.to_dense() & mask)
+        assert torch.equal(dense, fwd._layout.to_dense() & mask)
         assert fwd.key_positions()[1].tolist() == [0, 1, 2, 3, -1, -1, -1, -1]

@@ -44,8 +44,8 @@ def _check_rollout(device: str, backend: str, dtype: torch.dtype, atol: float, e
         v = torch.randn(2, seq, kv_heads, head_dim, device=device, generator=g).to(dtype)
         with state.prepare_forward(None, seq, commit_current=True) as fwd:
             out, lse = am.chunk_attention(q, k, v, fwd.layers[0], scale=scale, return_lse=True)
-            gather, mask = fwd.layout.dense_keys
-            slots = cache.pool.kv[0].reshape(2, -1, kv_heads, head_dim)
+            gather, mask = fwd._layout.dense_keys
+            slots = cache._pool.kv[0].reshape(2, -1, kv_heads, head_dim)
         assert lse.shape == (2, seq, heads) and lse.dtype == torch.float32
         for s in range(2):
             ref_out, ref_lse = _float64_attention(q[s], slots[0][gather[s]], slots[1][gather[s]], mask[s].to(device), scale)

@@ -55,5 +55,5 @@ def test_op_with_a_released_plan_raises_plan_not_found() -> None:
     x = torch.randn(1, 4, 1, 4)
     am.chunk_attention(x, x, x, layer)
     state.close()  # unregisters the session's plans
-    with pytest.raises(am.PlanNotFoundError, match="No attention plan is registered under handle"):
+    with pytest.raises(am.errors.PlanNotFoundError, match="No attention plan is registered under handle"):
         am.chunk_attention(x, x, x, layer)

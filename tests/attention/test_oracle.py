@@ -35,7 +35,7 @@ def test_rollout_matches_cache_free_oracle(page_size: int, sink: int, window: in
         torch.testing.assert_close(a, e, atol=2e-5, rtol=2e-5, msg=lambda m, i=i: f"forward {i}: {m}")
     # Peak residency per branch is bounded by (sinks + window + pending) chunks; all pages free on close.
     library.state.close()
-    assert library.cache.allocator.num_free == pages
+    assert library.cache._allocator.num_free == pages
 
 
 def test_history_is_visible_and_window_evicts() -> None:
@@ -71,4 +71,4 @@ def test_mixed_chunk_lengths_match_the_cache_free_oracle(page_size: int, sink: i
         torch.testing.assert_close(a, e, atol=2e-5, rtol=2e-5, msg=lambda m, i=i: f"forward {i}: {m}")
     assert library.state.token_offset("cond") == library.state.branch_pages("cond").committed_tokens
     library.state.close()
-    assert library.cache.allocator.num_free == pages
+    assert library.cache._allocator.num_free == pages

@@ -124,7 +124,7 @@ def test_sink_shifts_and_sink_positions() -> None:
     # offsets 0, 2, 6, 10, 14, 18; resident window chunks start at 2, 2, 2, 6, 10: shift = start - 2
     assert shifts == [0, 0, 0, 0, 4, 8]
     assert sink_positions[-1] == [10, 11, 12, 13]  # positions 18..21 minus 8
-    assert isinstance(state.cache.forward_contexts()[0].plan, RelativeSinkPlan)
+    assert isinstance(state.cache._forwards.contexts()[0]._plan, RelativeSinkPlan)
 
 
 def test_natural_spec_has_no_sink_positions_and_refuses_a_sink_query() -> None:
@@ -158,7 +158,7 @@ def test_misuse_raises_and_changes_nothing() -> None:
         model.spec(CHUNK, 2, 1, 2, relative_sinks=1)
     spec = model.spec(CHUNK, 2, 1, 2, branches=("main",), relative_sinks=True)
     cache, state = _advanced_state(spec, 5, model)
-    free = cache.allocator.num_free
+    free = cache._allocator.num_free
     with torch.no_grad(), state.prepare_forward(("main",), CHUNK, False) as fwd:
         q = torch.randn(1, CHUNK, 4, 8)
         k = v = torch.randn(1, CHUNK, 4, 8)
@@ -173,11 +173,11 @@ def test_misuse_raises_and_changes_nothing() -> None:
         fwd.abort()
     # A re-cache that would rebuild the sinks once the window slid: refused, nothing changed.
     history = state.branch_pages("main")
-    before = (history.history, history.committed_tokens, cache.allocator.num_free)
+    before = (history.history, history.committed_tokens, cache._allocator.num_free)
     with pytest.raises(SpecError, match="expected keep_sinks=True"):
         state.prepare_recache(("main",), keep_sinks=False)
-    assert (history.history, history.committed_tokens, cache.allocator.num_free) == before
-    assert cache.allocator.num_free == free
+    assert (history.history, history.committed_tokens, cache._allocator.num_free) == before
+    assert cache._allocator.num_free == free
     # Before any eviction the sinks sit where they always did: rebuilding them is fine.
     _, young = _advanced_state(spec, 2, model)
     young.prepare_recache(("main",), keep_sinks=False).abort()
@@ -243,7 +243,7 @@ def test_forks_and_shared_sinks_read_the_same_pages_at_their_own_shifts() -> Non
     for _ in range(5):
         step(parent, oracle)
     sink_pages = parent.branch_pages("main").sinks[0]
-    sink_before = cache.pool.kv[:, :, list(sink_pages)].clone()
+    sink_before = cache._pool.kv[:, :, list(sink_pages)].clone()
     child = parent.fork("child")
     child_oracle = copy.copy(oracle)
     child_oracle.committed = {"main": list(oracle.committed["main"])}
@@ -259,7 +259,7 @@ def test_forks_and_shared_sinks_read_the_same_pages_at_their_own_shifts() -> Non
         if i % 3 == 0:
             step(sharer, sharer_oracle)
     assert child.branch_pages("main").sinks[0] == sink_pages == sharer.branch_pages("main").sinks[0]
-    assert torch.equal(cache.pool.kv[:, :, list(sink_pages)], sink_before)
+    assert torch.equal(cache._pool.kv[:, :, list(sink_pages)], sink_before)
 
 
 def test_batched_sessions_with_and_without_resident_sinks() -> None:
@@ -298,7 +298,7 @@ def test_token_mask_splits_across_the_two_segments() -> None:
         torch.manual_seed(5)
         cache, state = _advanced_state(spec, 4, model)  # shifts 0 so far: the same history either way
         x = torch.randn(1, CHUNK, model.dim)
-        keys = cache.max_visible_keys([state.branch_pages("main")], CHUNK)
+        keys = cache._forwards.max_visible_keys([state.branch_pages("main")], CHUNK)
         with torch.no_grad():
             with state.prepare_forward(("main",), CHUNK, False) as fwd:
                 plain = model(x, fwd.layers)
@@ -428,7 +428,7 @@ def test_random_token_mask_over_a_mixed_batch_splits_columns_exactly(pending_att
         for _ in range(2):
             step([(sessions[1], "main")], chunk, True)
         streams = [(s, "main") for s in sessions]
-        keys = cache.max_visible_keys([s.branch_pages("main") for s in sessions], num_chunks * chunk)
+        keys = cache._forwards.max_visible_keys([s.branch_pages("main") for s in sessions], num_chunks * chunk)
         mask = torch.rand(3, num_chunks * chunk, keys, generator=g) > 0.4
         mask[0, 0] = False  # a query that sees no key at all: zeros either way
         return step(streams, num_chunks * chunk, False, mask)
@@ -447,12 +447,12 @@ def test_direct_op_call_without_the_sink_query_raises_before_writing() -> None:
     with torch.no_grad(), state.prepare_forward(("main",), CHUNK, False) as fwd:
         layer = fwd.layers[0]
         pending = list(state.branch_pages("main").pending_pages())
-        before = cache.pool.kv[:, :, pending].clone()
+        before = cache._pool.kv[:, :, pending].clone()
         q = torch.randn(CHUNK, 4, 8)
         k = v = torch.ones(CHUNK, 4, 8)
         with pytest.raises(SpecError, match="expected q_sink"):
-            torch.ops.ardiff_modules.chunk_attention(q, k, v, layer.kv_pool, layer.layer_id, fwd.handle_id, 0.35)
-        assert torch.equal(cache.pool.kv[:, :, pending], before)
+            torch.ops.ardiff_modules.chunk_attention(q, k, v, layer._kv_pool, layer._layer_id, fwd._handle_id, 0.35)
+        assert torch.equal(cache._pool.kv[:, :, pending], before)
         fwd.abort()
 
 

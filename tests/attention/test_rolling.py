@@ -52,7 +52,7 @@ def test_rollout_matches_cache_free_oracle(
     for i, (a, e) in enumerate(zip(actual, expected)):
         torch.testing.assert_close(a, e, atol=2e-5, rtol=2e-5, msg=lambda m, i=i: f"forward {i}: {m}")
     library.state.close()
-    assert library.cache.allocator.num_free == pages
+    assert library.cache._allocator.num_free == pages
 
 
 @pytest.mark.parametrize("page_size,sink,window", [(2, 1, 2), pytest.param(1, 0, 3, marks=SLOW)])
@@ -103,8 +103,8 @@ def test_only_the_last_pending_chunk_agrees_across_rules() -> None:
         q, k, v = _qkv(2, 12, g)
         with state.prepare_forward(None, 12, False, pending_attention=rule) as fwd:
             outs[rule] = am.chunk_attention(q, k, v, fwd.layers[0])
-            keys = cache.pool.kv[0, 0].reshape(-1, 2, 4)[fwd.layout.dense_keys[0]]  # [S, K, H, D] after the write
-            values = cache.pool.kv[0, 1].reshape(-1, 2, 4)[fwd.layout.dense_keys[0]]
+            keys = cache._pool.kv[0, 0].reshape(-1, 2, 4)[fwd._layout.dense_keys[0]]  # [S, K, H, D] after the write
+            values = cache._pool.kv[0, 1].reshape(-1, 2, 4)[fwd._layout.dense_keys[0]]
     assert torch.equal(outs["bidirectional"][:, 8:], outs["block_causal"][:, 8:])
     assert not torch.allclose(outs["bidirectional"][:, :8], outs["block_causal"][:, :8], atol=1e-3)
     dense = torch.softmax(torch.einsum("snhd,skhd->shnk", q, keys) * 0.5, dim=-1)  # every key visible
@@ -209,7 +209,7 @@ def test_to_dense_and_key_positions_several_sessions_windows_filling_and_evicted
     for n in (1, 2, 3, 4):
         fwd = cache.prepare_forward([(old, "cond"), (fresh, "uncond"), (old, "uncond")], 4 * n,
                                     pending_attention="bidirectional")
-        assert fwd.layout.pending_attention == "bidirectional"
+        assert fwd._layout.pending_attention == "bidirectional"
         dense, positions = fwd.to_dense(), fwd.key_positions()
         history = list(range(4)) + list(range(8, 16))  # sink chunk 0, window chunks 2 and 3
         pending = list(range(16, 16 + 4 * n))
@@ -217,15 +217,15 @@ def test_to_dense_and_key_positions_several_sessions_windows_filling_and_evicted
         assert positions[1].tolist() == list(range(4 * n)) + [-1] * 12
         assert dense[0].all() and dense[2].all()
         assert dense[1, :, : 4 * n].all() and not dense[1, :, 4 * n :].any()
-        assert fwd.layout.structural_rows.qo_indptr.tolist() == [0, 4 * n, 8 * n, 12 * n]
+        assert fwd._layout.structural_rows.qo_indptr.tolist() == [0, 4 * n, 8 * n, 12 * n]
         fwd.abort()
 
 
 def test_the_spec_default_and_a_per_forward_override() -> None:
     cache = am.KVCache(_rolling_spec(pending_attention="bidirectional"), num_pages=64)
     state = cache.open_session()
-    assert state.prepare_forward(None, 8).layout.pending_attention == "bidirectional"
-    assert state.prepare_forward(None, 8, pending_attention="block_causal").layout.pending_attention == "block_causal"
+    assert state.prepare_forward(None, 8)._layout.pending_attention == "bidirectional"
+    assert state.prepare_forward(None, 8, pending_attention="block_causal")._layout.pending_attention == "block_causal"
     layers = state.get_kv_caches("cond", 8, pending_attention="bidirectional")
     assert layers[0].forward.to_dense().all()
     layers = state.prepare_paged_context("cond", 8, False, pending_attention="block_causal")
@@ -244,7 +244,7 @@ def test_commits_are_the_same_under_both_rules() -> None:
                 pass
             _commit_chunks(state, n, pending_attention=rule)
         views.append((state.history_chunks("cond"), state.token_offset("cond"), state.committed_chunks("uncond"),
-                      cache.allocator.free_pages(), cache.pool.kv.clone()))
+                      cache._allocator.free_pages(), cache._pool.kv.clone()))
     assert views[0][:4] == views[1][:4]
     assert torch.equal(views[0][4], views[1][4])
 
@@ -260,8 +260,8 @@ def test_a_bad_rule_raises_and_changes_nothing(bad: object, via: str) -> None:
     _commit_chunks(state, 3)
     with state.prepare_forward(None, 8, False):  # a denoising forward left open (superseded by a good prepare)
         pass
-    before = (cache.allocator.free_pages(), cache.allocator.peak_used, state.pending_chunks("cond"),
-              state.history_chunks("cond"), state.token_offset("cond"), cache.num_forward_contexts)
+    before = (cache._allocator.free_pages(), cache._allocator.peak_used, state.pending_chunks("cond"),
+              state.history_chunks("cond"), state.token_offset("cond"), cache._forwards.num_contexts)
     calls = {
         "cache": lambda: cache.prepare_forward([(state, "cond")], 8, pending_attention=bad),
         "state": lambda: state.prepare_forward(None, 8, pending_attention=bad),
@@ -271,10 +271,10 @@ def test_a_bad_rule_raises_and_changes_nothing(bad: object, via: str) -> None:
     with pytest.raises(am.SpecError, match=r"pending_attention: expected one of \('block_causal', 'bidirectional'\)"
                        rf", got {__import__('re').escape(repr(bad))}"):
         calls[via]()
-    after = (cache.allocator.free_pages(), cache.allocator.peak_used, state.pending_chunks("cond"),
-             state.history_chunks("cond"), state.token_offset("cond"), cache.num_forward_contexts)
+    after = (cache._allocator.free_pages(), cache._allocator.peak_used, state.pending_chunks("cond"),
+             state.history_chunks("cond"), state.token_offset("cond"), cache._forwards.num_contexts)
     assert after == before
-    cache.allocator.check_invariants()
+    cache._allocator.check_invariants()
 
 
 def test_a_bad_spec_default_and_bad_mask_arguments_raise() -> None:
@@ -362,10 +362,10 @@ def test_gpu_flashinfer_bidirectional_equals_reference(page: int, sink: int, win
             for cache in (ref, fi):
                 pairs = [(s, b) for s in states[cache][: streams // 2] for b in ("cond", "uncond")]
                 with cache.prepare_forward(pairs, n * chunk, commit_current=commit) as fwd:
-                    assert fwd.layout.structural_rows.num_rows == streams  # one row per stream
+                    assert fwd._layout.structural_rows.num_rows == streams  # one row per stream
                     outs.append([am.chunk_attention(q, k, v, layer) for layer in fwd.layers])
                     if cache is fi:
-                        modes.add(fwd.plan.mode)
+                        modes.add(fwd._plan.mode)
             for a, b in zip(*outs):
                 torch.testing.assert_close(b.float(), a.float(), atol=2e-2, rtol=2e-2)
     assert "masked" not in modes and modes <= {"ragged", "paged"}, modes
@@ -402,6 +402,6 @@ def test_gpu_flashinfer_bidirectional_token_mask_and_static_plans() -> None:
                 for layer in fwd.layers[1:]:  # a commit needs every layer
                     am.chunk_attention(q, k, v, layer)
                 if static:
-                    assert fwd.plan.mode in ("ragged", "paged") and fwd.plan.rows == 2  # one row per stream
+                    assert fwd._plan.mode in ("ragged", "paged") and fwd._plan.rows == 2  # one row per stream
         for out in outs[1:]:
             torch.testing.assert_close(out.float(), outs[0].float(), atol=2e-2, rtol=2e-2)

@@ -219,7 +219,7 @@ def test_grad_mode_on_trains_through_the_step() -> None:
 def test_a_library_error_raised_while_tracing_is_raised_as_itself() -> None:
     runner, model = runner_and_model("unknown_cache")
     step = am.CompiledStep(model, backend="eager")
-    with pytest.raises(am.UnknownCacheError, match=r"Unknown cross-attention cache 'image'; expected one of "
+    with pytest.raises(am.errors.UnknownCacheError, match=r"Unknown cross-attention cache 'image'; expected one of "
                                                    r"\('text',\)") as info:
         forward(runner, step, torch.tensor(0.5))
     assert isinstance(info.value.__cause__, torch._dynamo.exc.TorchDynamoException)

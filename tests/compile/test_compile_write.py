@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch._inductor.utils import run_and_get_code
 
-from ardiff_modules import ForwardFinishedError
+from ardiff_modules.errors import ForwardFinishedError
 from tests.support.streaming_model import (
     LibraryStreaming,
     play,
@@ -55,7 +55,7 @@ def test_compiled_graph_writes_the_pool_in_place(kv_dtype: str | None) -> None:
     code = "\n".join(codes)
     assert "kv_write_slots" in code and "paged_attention" in code, "expected the compiled write path"
     assert "chunk_attention" not in code, "the opaque write-and-attend op should not be in a compiled graph"
-    layer_numel = runner.cache.pool.kv[0].numel()
+    layer_numel = runner.cache._pool.kv[0].numel()
     big = [n for n in _allocated_numels(code) if n >= layer_numel]
     assert not big, f"expected no pool-sized buffer (>= {layer_numel} elements) in the graph, got {big}"
 
@@ -73,13 +73,13 @@ def test_compiled_write_equals_eager_over_rollout(kv_dtype: str | None) -> None:
     for i, (a, e) in enumerate(zip(actual, eager)):
         torch.testing.assert_close(a, e, **tol, msg=lambda m, i=i: f"forward {i}: {m}")
     # The pools hold the same K/V (FP8: the same bytes up to one rounding step of a few values).
-    got, want = runner.cache.pool.kv.float(), eager_runner.cache.pool.kv.float()
+    got, want = runner.cache._pool.kv.float(), eager_runner.cache._pool.kv.float()
     if kv_dtype is None:
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     else:
-        torch.testing.assert_close(runner.cache.pool.scales, eager_runner.cache.pool.scales)
+        torch.testing.assert_close(runner.cache._pool.scales, eager_runner.cache._pool.scales)
         assert (got != want).float().mean() < 0.01, "more than 1% of the FP8 values differ from eager"
-        assert runner.cache.pool.quantizer.written
+        assert runner.cache._pool.quantizer.written
 
 
 def test_finished_forward_cannot_write_through_a_compiled_graph() -> None:
@@ -92,10 +92,10 @@ def test_finished_forward_cannot_write_through_a_compiled_graph() -> None:
     with torch.no_grad():
         with runner.state.prepare_forward(("cond", "uncond"), CHUNK, commit_current=True) as fwd:
             compiled(x, fwd.layers)
-        before = runner.cache.pool.kv.clone()
+        before = runner.cache._pool.kv.clone()
         with pytest.raises(ForwardFinishedError):
             compiled(torch.randn_like(x), fwd.layers)  # committed: its pages are history now
-    assert torch.equal(runner.cache.pool.kv, before), "a finished forward wrote into the pool"
+    assert torch.equal(runner.cache._pool.kv, before), "a finished forward wrote into the pool"
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
@@ -108,7 +108,7 @@ def test_fp8_calibration_in_a_compiled_graph_reaches_the_pool(backend: str) -> N
     eager = play(eager_runner, events)
     runner = LibraryStreaming(model, spec, 64, fn=torch.compile(model, backend=backend, fullgraph=True))
     actual = play(runner, events)
-    torch.testing.assert_close(runner.cache.pool.scales, eager_runner.cache.pool.scales)
-    assert not torch.equal(runner.cache.pool.scales, torch.ones_like(runner.cache.pool.scales))
+    torch.testing.assert_close(runner.cache._pool.scales, eager_runner.cache._pool.scales)
+    assert not torch.equal(runner.cache._pool.scales, torch.ones_like(runner.cache._pool.scales))
     for a, e in zip(actual, eager):
         torch.testing.assert_close(a, e, atol=3e-2, rtol=3e-2)

@@ -30,7 +30,7 @@ def _step_with_graphs(contexts: list[ForwardContext]) -> tuple[CUDAGraphStep, li
     step = CUDAGraphStep(lambda *x: x)
     graphs = [_FakeGraph() for _ in contexts]
     for ctx, graph in zip(contexts, graphs):
-        step._captured[ctx] = _Captured(graph, [], torch.zeros(1), (ctx.plan_epoch,), frozenset())
+        step._captured[ctx] = _Captured(graph, [], torch.zeros(1), (ctx._plan_epoch,), frozenset())
     return step, graphs
 
 

@@ -142,7 +142,7 @@ def test_memory_policy_rollout_matches_the_cache_free_oracle(
     visible = library.state.history_chunks("cond")
     assert len(visible) == min(spec.max_history_chunks, len(visible)) and len(visible) > sink + window
     library.state.close()
-    assert library.cache.allocator.num_free == pages
+    assert library.cache._allocator.num_free == pages
 
 
 def test_masks_draw_any_policy(tmp_path) -> None:  # noqa: ANN001
@@ -294,7 +294,7 @@ def branch_state(h: BranchPages) -> tuple:
 
 def cache_state(cache: am.KVCache, states: list[am.KVState]) -> tuple:
     """Allocator (free order, refcounts) and every branch's history and pending chunks (the pool: separately)."""
-    alloc = cache.allocator
+    alloc = cache._allocator
     histories = tuple(
         (branch_state(s.branch_pages(b)), s.branch_pages(b).pending) for s in states for b in cache.spec.branches
     )
@@ -306,28 +306,28 @@ def assert_refused_unchanged(
 ) -> am.SpecError:
     """``call()`` raises SpecError naming ``matches``; the pool and every session are as before.
 
-    A failed commit aborts its forward (``KVCache.finish_forward``): its pending chunks are dropped (their
+    A failed commit aborts its forward (``ForwardManager.finish_forward``): its pending chunks are dropped (their
     pages freed, or kept in the branch's ring with contiguous extents), history is exactly as before.
     A caller checking a policy before committing (``abort_if_uncommittable``) would leave it open instead.
     """
-    before, pool = cache_state(cache, states), cache.pool.kv.clone()
-    pending = [p for s, b in fwd.transaction.members for p in s.branch_pages(b).pending_pages()]
+    before, pool = cache_state(cache, states), cache._pool.kv.clone()
+    pending = [p for s, b in fwd._transaction.members for p in s.branch_pages(b).pending_pages()]
     with pytest.raises(am.SpecError) as info:
         call()
     for text in matches:
         assert text in str(info.value), f"{str(info.value)!r} lacks {text!r}"
-    assert torch.equal(cache.pool.kv, pool), "a refused commit wrote the pool"
+    assert torch.equal(cache._pool.kv, pool), "a refused commit wrote the pool"
     after = cache_state(cache, states)
-    if fwd.transaction.is_open:
+    if fwd._transaction.is_open:
         assert after == before
     else:  # the abort-on-failed-commit finish
-        assert fwd.transaction.status == "aborted"
+        assert fwd._transaction.status == "aborted"
         assert [h for h, _ in after[2]] == [h for h, _ in before[2]], "a refused commit changed history"
         assert all(p == () for _, p in after[2]), "an aborted commit kept pending chunks"
         history_pages = {p for s in states for b in cache.spec.branches for p in s.branch_pages(b).history_pages()}
         for page, (was, now) in enumerate(zip(before[1], after[1])):  # only pending pages let go
             assert now == was or (page in pending and page not in history_pages and now < was), (page, was, now)
-    cache.allocator.check_invariants()
+    cache._allocator.check_invariants()
     return info.value
 
 
@@ -372,11 +372,11 @@ def test_a_policy_breaking_its_contract_at_commit_changes_nothing(kind: str, via
     if kind == "raises":
         assert isinstance(error.__cause__, TypeError)
     policy.disarm()
-    if fwd.transaction.is_open:  # the same forward commits once the policy behaves
+    if fwd._transaction.is_open:  # the same forward commits once the policy behaves
         fwd.commit()
         assert history.history_index == (0, 5, 6) and state.branch_pages("cond").history_index == (0, 5, 6)
     state.close()
-    assert cache.allocator.num_free == cache.allocator.num_pages
+    assert cache._allocator.num_free == cache._allocator.num_pages
 
 
 def test_a_failing_policy_in_a_multi_session_forward_commits_no_session() -> None:
@@ -456,7 +456,7 @@ def test_admission_agrees_with_a_valid_user_policy(extents: bool) -> None:
                 assert list(h.history_index) == policy.history_indices(h.committed_chunks)
                 peak_resident = max(peak_resident, len(h.history))
     assert peak_resident == policy.max_history_chunks
-    assert cache.allocator.peak_used == cache.allocator.num_pages  # the promise is tight, not only safe
+    assert cache._allocator.peak_used == cache._allocator.num_pages  # the promise is tight, not only safe
     for s in states:
         s.close()
-    assert cache.allocator.num_free == cache.allocator.num_pages
+    assert cache._allocator.num_free == cache._allocator.num_pages

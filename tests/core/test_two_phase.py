@@ -54,17 +54,17 @@ def _participants(extents: bool) -> list[tuple[am.KVCache, am.KVState]]:
 
 def _steps(parts: Sequence[tuple[am.KVCache, am.KVState]], held: list[am.ForwardContext]) -> list[Step]:
     def run(cache: am.KVCache, state: am.KVState) -> object:
-        ctx = cache.forwards.prepare([(state, "cond"), (state, "uncond")], 2 * CHUNK, True,
+        ctx = cache._forwards.prepare([(state, "cond"), (state, "uncond")], 2 * CHUNK, True,
                                      ForwardOptions(chunk_lengths=(CHUNK, CHUNK)), hold=True)
         held.append(ctx)
-        return ctx.transaction
+        return ctx._transaction
 
-    return [Step(i, lambda c=c, s=s: run(c, s), lambda t, c=c: c.finish_forward(t, False))
+    return [Step(i, lambda c=c, s=s: run(c, s), lambda t, c=c: c._forwards.finish_forward(t, False))
             for i, (c, s) in enumerate(parts)]
 
 
 def _state(parts: Sequence[tuple[am.KVCache, am.KVState]]) -> list[object]:
-    return [(_snapshot(c, s), c.pool.kv.clone()) for c, s in parts]
+    return [(_snapshot(c, s), c._pool.kv.clone()) for c, s in parts]
 
 
 def _same(a: list[object], b: list[object]) -> bool:
@@ -89,12 +89,12 @@ def test_a_failed_decide_rolls_every_participant_back_exactly(extents: bool, dec
     with pytest.raises((PeerFailed, RuntimeError)):
         prepare_all(Coordinator("test forward"), _steps(parts, held), decide,  # type: ignore[arg-type]
                     undo=undone.append, refused=lambda d: PeerFailed(f"refused: {d.failed}"))
-    assert len(held) == 2 and all(ctx.transaction.status == "aborted" for ctx in held)
+    assert len(held) == 2 and all(ctx._transaction.status == "aborted" for ctx in held)
     assert _same(_state(parts), before), "pool contents, free order, refcounts, peak and branches as before"
     assert undone == ([Decision(((0, Word.READY), (1, Word.READY), ("peer", Word.FAILED)))]
                       if decide is _peer_says_no else [None])
     for cache, _ in parts:
-        cache.allocator.check_invariants()
+        cache._allocator.check_invariants()
 
 
 def test_a_failing_step_stops_the_others_and_raises_its_own_error() -> None:
@@ -112,7 +112,7 @@ def test_kept_participants_commit_only_together() -> None:
     parts = _participants(extents=False)
     held: list[am.ForwardContext] = []
     decision = prepare_all(Coordinator("the test forward"), _steps(parts, held), decide_locally)
-    assert decision.go and all(ctx.transaction.reservation is None for ctx in held)
+    assert decision.go and all(ctx._transaction.reservation is None for ctx in held)
     for ctx in held:
         write_every_layer(ctx.layers, seed=3)
     before = _state(parts)
@@ -122,8 +122,8 @@ def test_kept_participants_commit_only_together() -> None:
         parts[1][1].commit_paged_context("cond")
     assert _same(_state(parts), before) and all(ctx.is_active for ctx in held)
     participants = [
-        Participant(i, ctx.transaction, c.abort_if_uncommittable, lambda t, c=c: c.finish_forward(t, True),
-                    lambda t, c=c: c.finish_forward(t, False))
+        Participant(i, ctx._transaction, c._forwards.abort_if_uncommittable, lambda t, c=c: c._forwards.finish_forward(t, True),
+                    lambda t, c=c: c._forwards.finish_forward(t, False))
         for i, ((c, _), ctx) in enumerate(zip(parts, held))
     ]
     assert commit_all(participants, decide_locally).go

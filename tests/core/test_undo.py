@@ -29,7 +29,7 @@ def _cache(extents: bool) -> am.KVCache:
 
 
 def _snapshot(cache: am.KVCache, state: am.KVState) -> tuple[object, ...]:
-    allocator = cache.allocator
+    allocator = cache._allocator
     branches = tuple(
         (b.history, b.pending, b.extent, b.committed_chunks)
         for b in (state.branch_pages(name) for name in state.kv_branch_names)
@@ -79,7 +79,7 @@ def test_admission_arithmetic_matches_the_cache():
     # 64 free pages hold 8 extents of 8 in one run: the page count is the bound here
     assert admission.sessions_that_fit(64, 0, 0, ExtentRoom(8, 0), 1, True) == cache.sessions_that_fit() == (64 - 8) // 16
     cache.open_session()  # owed its 2 extents
-    assert cache.host_tier.device_counts(admission) == (64, 0, 1, ExtentRoom(8, 2))
+    assert cache._host_tier.device_counts(admission) == (64, 0, 1, ExtentRoom(8, 2))
     assert admission.sessions_that_fit(64, 0, 1, ExtentRoom(8, 2), 1, True) == cache.sessions_that_fit() == (64 - 16 - 8) // 16
     with pytest.raises(CapacityError, match="a session needs up to 16 pages, only 8 are free"):
         admission.check_admit(28, 4, 1, None, 1, True)  # 24 promised (a peak + the reserve), 4 of them in use
@@ -104,21 +104,21 @@ def test_an_aborted_held_reservation_restores_everything_exactly(extents):
     kept = state.prepare_forward(("cond", "uncond"), CHUNK, commit_current=False)
     write_every_layer(kept.layers, seed=2)
     pending = [p for name in ("cond", "uncond") for c in state.pending_chunks(name) for p in c]
-    written = cache.pool.kv[:, :, pending].clone()
+    written = cache._pool.kv[:, :, pending].clone()
     before, before_fresh = _snapshot(cache, state), _snapshot(cache, fresh)[3]
 
     two_chunks = ForwardOptions(chunk_lengths=(CHUNK, CHUNK))  # grows pending: the kept chunk is replaced
-    held = cache.forwards.prepare(streams + [(fresh, "cond")], 2 * CHUNK, True, two_chunks, hold=True)
-    assert held.transaction is not None and held.transaction.reservation is not None
-    assert kept.transaction.status == "superseded"
+    held = cache._forwards.prepare(streams + [(fresh, "cond")], 2 * CHUNK, True, two_chunks, hold=True)
+    assert held._transaction is not None and held._transaction.reservation is not None
+    assert kept._transaction.status == "superseded"
     assert _snapshot(cache, state) != before
-    cache.finish_forward(held.transaction, False)
+    cache._forwards.finish_forward(held._transaction, False)
 
-    assert held.transaction.status == "aborted"
+    assert held._transaction.status == "aborted"
     assert _snapshot(cache, state) == before, "branches, refcounts, free order and peak as before the prepare"
     assert _snapshot(cache, fresh)[3] == before_fresh, "the extent the held prepare reserved was given back"
-    assert torch.equal(cache.pool.kv[:, :, pending], written), "the restored pending pages kept their K/V"
-    cache.allocator.check_invariants()
+    assert torch.equal(cache._pool.kv[:, :, pending], written), "the restored pending pages kept their K/V"
+    cache._allocator.check_invariants()
     # The restored pending chunks are reused as they are by the next forward of the same length.
     again = state.prepare_forward(("cond", "uncond"), CHUNK, commit_current=True)
     assert [p for c in state.pending_chunks("cond") for p in c] == pending[: len(pending) // 2]
@@ -130,15 +130,15 @@ def test_a_kept_reservation_is_not_rolled_back():
     state = cache.open_session("s")
     kept = state.prepare_forward(("cond",), CHUNK, commit_current=False)
     write_every_layer(kept.layers)
-    ctx = cache.forwards.prepare([(state, "cond")], 2 * CHUNK, True, ForwardOptions(chunk_lengths=(CHUNK, CHUNK)),
+    ctx = cache._forwards.prepare([(state, "cond")], 2 * CHUNK, True, ForwardOptions(chunk_lengths=(CHUNK, CHUNK)),
                                  hold=True)
-    assert ctx.transaction is not None
-    ctx.transaction.keep_reservation()  # the vote passed: the replaced chunk is released now
-    assert ctx.transaction.reservation is None
-    used = cache.allocator.num_used
-    cache.finish_forward(ctx.transaction, False)  # an ordinary abort: the pending chunks are dropped
-    assert state.pending_chunks("cond") == () and cache.allocator.num_used == used - 2 * CHUNK // PAGE
-    cache.allocator.check_invariants()
+    assert ctx._transaction is not None
+    ctx._transaction.keep_reservation()  # the vote passed: the replaced chunk is released now
+    assert ctx._transaction.reservation is None
+    used = cache._allocator.num_used
+    cache._forwards.finish_forward(ctx._transaction, False)  # an ordinary abort: the pending chunks are dropped
+    assert state.pending_chunks("cond") == () and cache._allocator.num_used == used - 2 * CHUNK // PAGE
+    cache._allocator.check_invariants()
 
 
 @pytest.mark.parametrize("extents", [False, True])
@@ -149,18 +149,18 @@ def test_a_held_reservation_whose_pool_changed_is_dropped_not_rolled_back(extent
     held_state, other = cache.open_session("held"), cache.open_session("other")
     kept = held_state.prepare_forward(("cond",), CHUNK, commit_current=False)
     write_every_layer(kept.layers)
-    held = cache.forwards.prepare([(held_state, "cond")], 2 * CHUNK, True, ForwardOptions(chunk_lengths=(CHUNK, CHUNK)),
+    held = cache._forwards.prepare([(held_state, "cond")], 2 * CHUNK, True, ForwardOptions(chunk_lengths=(CHUNK, CHUNK)),
                                   hold=True)
     with other.prepare_forward(("cond", "uncond"), CHUNK, commit_current=True) as fwd:  # the pool changes
         write_every_layer(fwd.layers)
-    assert held.transaction is not None and not held.transaction.reservation.can_roll_back()
-    cache.finish_forward(held.transaction, False)
-    assert held.transaction.status == "aborted" and held_state.pending_chunks("cond") == ()
-    assert cache.allocator.peak_used >= cache.allocator.num_used
-    cache.allocator.check_invariants()
+    assert held._transaction is not None and not held._transaction.reservation.can_roll_back()
+    cache._forwards.finish_forward(held._transaction, False)
+    assert held._transaction.status == "aborted" and held_state.pending_chunks("cond") == ()
+    assert cache._allocator.peak_used >= cache._allocator.num_used
+    cache._allocator.check_invariants()
     held_state.close()
     other.close()
-    assert cache.allocator.num_used == 0, "no page of the held forward (nor of what it replaced) leaked"
+    assert cache._allocator.num_used == 0, "no page of the held forward (nor of what it replaced) leaked"
 
 
 def test_a_held_forward_superseded_before_its_vote_leaks_nothing():
@@ -170,10 +170,10 @@ def test_a_held_forward_superseded_before_its_vote_leaks_nothing():
     state = cache.open_session("s")
     kept = state.prepare_forward(("cond",), 2 * CHUNK, commit_current=False, chunk_lengths=(CHUNK, CHUNK))
     write_every_layer(kept.layers)
-    cache.forwards.prepare([(state, "cond")], CHUNK, False, ForwardOptions(), hold=True)  # 2 chunks -> 1
+    cache._forwards.prepare([(state, "cond")], CHUNK, False, ForwardOptions(), hold=True)  # 2 chunks -> 1
     later = state.prepare_forward(("cond",), CHUNK, commit_current=False)  # supersedes the held one
-    assert later.transaction is not None and later.transaction.is_open
+    assert later._transaction is not None and later._transaction.is_open
     later.abort()
     state.close()
-    assert cache.allocator.num_used == 0
-    cache.allocator.check_invariants()
+    assert cache._allocator.num_used == 0
+    cache._allocator.check_invariants()

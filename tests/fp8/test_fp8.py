@@ -56,9 +56,9 @@ SPEC = am.KVCacheSpec(
 def test_fp8_pool_halves_bytes_and_doubles_the_sessions_that_fit() -> None:
     bf16 = am.KVCache(SPEC, budget_bytes=1 << 20, backend="reference")
     fp8 = am.KVCache(dataclasses.replace(SPEC, kv_dtype=FP8), budget_bytes=1 << 20, backend="reference")
-    assert fp8.pool.kv.dtype == torch.float8_e4m3fn and fp8.dtype == torch.bfloat16
-    assert fp8.pool.bytes_per_page * 2 == bf16.pool.bytes_per_page
-    assert fp8.pool.num_pages == 2 * bf16.pool.num_pages
+    assert fp8._pool.kv.dtype == torch.float8_e4m3fn and fp8.dtype == torch.bfloat16
+    assert fp8._pool.bytes_per_page * 2 == bf16._pool.bytes_per_page
+    assert fp8._pool.num_pages == 2 * bf16._pool.num_pages
     # Without the re-cache reserve (a page count, the same for both: it costs half the bytes in FP8).
     assert fp8.sessions_that_fit(recache=False) == 2 * bf16.sessions_that_fit(recache=False) > 0
     assert fp8.recache_reserve() == bf16.recache_reserve() > 0
@@ -79,14 +79,14 @@ def test_first_write_calibrates_each_layer_and_later_writes_never_change_the_sca
                 am.chunk_attention(q, k * (layer + 1), v, ctx)
         kvs.append((k, v))
         if step == 0:
-            first = cache.pool.scales.clone()
+            first = cache._pool.scales.clone()
     k0, v0 = kvs[0]
     for layer in range(2):
         expected_k = amax_scale((k0 * (layer + 1)).reshape(-1, 2, 8), DEFAULT_HEADROOM)
         torch.testing.assert_close(first[layer, 0], expected_k)
         torch.testing.assert_close(first[layer, 1], amax_scale(v0.reshape(-1, 2, 8), DEFAULT_HEADROOM))
-    torch.testing.assert_close(cache.pool.scales, first)  # 4x larger chunks later: same scales
-    assert bool(torch.isfinite(cache.pool.kv.float()).all())
+    torch.testing.assert_close(cache._pool.scales, first)  # 4x larger chunks later: same scales
+    assert bool(torch.isfinite(cache._pool.kv.float()).all())
 
 
 def test_set_kv_scales_before_any_write_only_and_validated() -> None:
@@ -100,12 +100,12 @@ def test_set_kv_scales_before_any_write_only_and_validated() -> None:
     x = torch.ones(1, CHUNK, 2, 8, dtype=torch.bfloat16)
     with state.prepare_forward(("cond",), CHUNK) as fwd:
         am.chunk_attention(torch.ones(1, CHUNK, 4, 8, dtype=torch.bfloat16), x, x, fwd.layers[0])
-    before = cache.pool.scales.clone()
-    with pytest.raises(am.KVScalesFixedError, match="before"):
+    before = cache._pool.scales.clone()
+    with pytest.raises(am.errors.KVScalesFixedError, match="before"):
         cache.set_kv_scales(torch.ones(2, 2, 2))
-    torch.testing.assert_close(cache.pool.scales, before)
+    torch.testing.assert_close(cache._pool.scales, before)
     # ones / 0.5 = 2 exactly in e4m3
-    assert bool((cache.pool.kv[0, 0].float()[cache.pool.kv[0, 0].float() != 0] == 2).all())
+    assert bool((cache._pool.kv[0, 0].float()[cache._pool.kv[0, 0].float() != 0] == 2).all())
 
 
 @pytest.mark.parametrize(
@@ -121,12 +121,12 @@ def test_set_kv_scales_refuses_tensors_without_real_values(scales: torch.Tensor,
     """A meta tensor has no values (reading them raised a bare NotImplementedError); complex / bool ones
     were cast silently (the imaginary part dropped, True -> 1.0). Refused, the scales still uncalibrated."""
     cache = am.KVCache(dataclasses.replace(SPEC, kv_dtype=FP8), num_pages=8, backend="reference")
-    before = cache.pool.scales.clone()
+    before = cache._pool.scales.clone()
     with pytest.raises(am.TensorMismatchError) as info:
         cache.set_kv_scales(scales)
     assert "set_kv_scales: expected a real-valued tensor with data" in str(info.value) and got in str(info.value)
-    assert torch.equal(cache.pool.scales, before)
-    assert not any(cache.pool.quantizer.calibrated(layer) for layer in range(SPEC.num_layers))
+    assert torch.equal(cache._pool.scales, before)
+    assert not any(cache._pool.quantizer.calibrated(layer) for layer in range(SPEC.num_layers))
 
 
 def test_set_kv_scales_on_a_float_pool_is_refused() -> None:
@@ -172,7 +172,7 @@ def test_fp8_rollout_equals_the_oracle_with_fp8_rounded_kv(page_size: int, sink:
         worst = max(worst, float((a - x).norm() / x.norm()))
     assert 0 < worst < 0.1  # FP8 rounding is visible against the unquantized oracle, and small
     library.state.close()
-    assert library.cache.allocator.num_free == pages
+    assert library.cache._allocator.num_free == pages
 
 
 def test_spec_takes_torch_dtypes_and_names_them() -> None:
@@ -211,8 +211,8 @@ def _newest_chunk(cache: am.KVCache, state: am.KVState, layer: int, kv: int = 0)
     rows = []
     for branch in ("cond", "uncond"):
         pages = list(state.branch_pages(branch).history_pages())[-(CHUNK // SPEC.page_size):]
-        stored = cache.pool.kv[layer, kv, pages].reshape(CHUNK, 2, 8)
-        rows.append(dequantize(stored, cache.pool.scales[layer, kv], torch.float32))
+        stored = cache._pool.kv[layer, kv, pages].reshape(CHUNK, 2, 8)
+        rows.append(dequantize(stored, cache._pool.scales[layer, kv], torch.float32))
     return torch.stack(rows)
 
 
@@ -229,9 +229,9 @@ def test_nan_and_inf_in_the_first_chunk_do_not_poison_the_scales_of_later_sessio
     poisoned = _kv(1)
     poisoned[0, 0, 0, 0], poisoned[1, 1, 1, 3] = float("nan"), float("inf")
     _forward(a, [poisoned, _kv(2)])
-    assert bool(torch.isfinite(cache.pool.scales).all()), f"scales poisoned: {cache.pool.scales}"
+    assert bool(torch.isfinite(cache._pool.scales).all()), f"scales poisoned: {cache._pool.scales}"
     finite = torch.where(torch.isfinite(poisoned), poisoned, 0)
-    torch.testing.assert_close(cache.pool.scales[0, 0], amax_scale(finite.reshape(-1, 2, 8), DEFAULT_HEADROOM))
+    torch.testing.assert_close(cache._pool.scales[0, 0], amax_scale(finite.reshape(-1, 2, 8), DEFAULT_HEADROOM))
     clean = [_kv(3), _kv(4)]
     _forward(b, clean)
     _assert_reads_back(cache, b, clean)  # every later session's K/V read back as written (not NaN)
@@ -245,7 +245,7 @@ def test_a_calibrating_forward_that_aborts_fixes_no_scale() -> None:
             for ctx in fwd.layers:
                 am.chunk_attention(_kv(99).repeat(1, 1, 2, 1), _kv(5, 1e4), _kv(5, 1e4), ctx)
             raise RuntimeError("boom")
-    assert [cache.pool.quantizer.state(i) for i in range(2)] == ["open", "open"]
+    assert [cache._pool.quantizer.state(i) for i in range(2)] == ["open", "open"]
     cache.set_kv_scales(torch.full((2, 2, 2), 0.25))  # nothing written with the aborted scales survives
     cache2 = _fp8_cache()
     a2 = cache2.open_session("a")
@@ -255,8 +255,8 @@ def test_a_calibrating_forward_that_aborts_fixes_no_scale() -> None:
             raise RuntimeError("boom")
     clean = [_kv(6), _kv(7)]
     _forward(a2, clean)  # calibrated from its own K/V, not from the aborted forward's 1e4x ones
-    torch.testing.assert_close(cache2.pool.scales[0, 0], amax_scale(clean[0].reshape(-1, 2, 8), DEFAULT_HEADROOM))
-    assert [cache2.pool.quantizer.state(i) for i in range(2)] == ["fixed", "fixed"]
+    torch.testing.assert_close(cache2._pool.scales[0, 0], amax_scale(clean[0].reshape(-1, 2, 8), DEFAULT_HEADROOM))
+    assert [cache2._pool.quantizer.state(i) for i in range(2)] == ["fixed", "fixed"]
     _assert_reads_back(cache2, a2, clean)
 
 
@@ -264,28 +264,28 @@ def test_denoising_forwards_calibrate_provisionally_and_the_commit_fixes_the_sca
     cache = _fp8_cache()
     a = cache.open_session("a")
     _forward(a, [_kv(8, 100.0), _kv(8, 100.0)], commit=False)  # completes: its pages are rewritten next
-    assert [cache.pool.quantizer.state(i) for i in range(2)] == ["open", "open"]
+    assert [cache._pool.quantizer.state(i) for i in range(2)] == ["open", "open"]
     fwd = a.prepare_forward(None, CHUNK, commit_current=True)
     for ctx in fwd.layers:
         am.chunk_attention(_kv(99).repeat(1, 1, 2, 1), _kv(9), _kv(9), ctx)
-    assert [cache.pool.quantizer.state(i) for i in range(2)] == ["provisional", "provisional"]
+    assert [cache._pool.quantizer.state(i) for i in range(2)] == ["provisional", "provisional"]
     fwd.commit()
-    assert [cache.pool.quantizer.state(i) for i in range(2)] == ["fixed", "fixed"]
-    torch.testing.assert_close(cache.pool.scales[1, 1], amax_scale(_kv(9).reshape(-1, 2, 8), DEFAULT_HEADROOM))
-    with pytest.raises(am.KVScalesFixedError):
+    assert [cache._pool.quantizer.state(i) for i in range(2)] == ["fixed", "fixed"]
+    torch.testing.assert_close(cache._pool.scales[1, 1], amax_scale(_kv(9).reshape(-1, 2, 8), DEFAULT_HEADROOM))
+    with pytest.raises(am.errors.KVScalesFixedError):
         cache.set_kv_scales(torch.ones(2, 2, 2))
 
 
 def test_an_all_zero_first_chunk_is_refused_instead_of_collapsing_every_later_chunk() -> None:
     cache = _fp8_cache()
     a, b = cache.open_session("a"), cache.open_session("b")
-    used, kv = cache.allocator.num_used, cache.pool.kv.clone()
+    used, kv = cache._allocator.num_used, cache._pool.kv.clone()
     zero = torch.zeros(2, CHUNK, 2, 8, dtype=torch.bfloat16)
     with pytest.raises(am.KVCalibrationError, match="layer 1 K head 0") as error:
         _forward(a, [_kv(10), zero])
     assert "set_kv_scales" in str(error.value) and isinstance(error.value, ValueError)
-    assert a.committed_chunks("cond") == 0 and cache.allocator.num_used == used
-    assert [cache.pool.quantizer.state(i) for i in range(2)] == ["open", "open"]
+    assert a.committed_chunks("cond") == 0 and cache._allocator.num_used == used
+    assert [cache._pool.quantizer.state(i) for i in range(2)] == ["open", "open"]
     del kv
     clean = [_kv(11), _kv(12)]
     _forward(b, clean)  # the next real chunk calibrates; its K/V (and everyone's later) read back right
@@ -303,15 +303,15 @@ def test_check_finite_refuses_inf_in_an_fp8_pool_and_a_nan_first_chunk_blocks_no
         _forward(a, [nan, _kv(16)])
     assert a.committed_chunks("cond") == 0
     _forward(a, [_kv(17), _kv(18)])  # not blocked by the first forward's NaN: scales calibrated afresh
-    assert a.committed_chunks("cond") == 1 and bool(torch.isfinite(cache.pool.scales).all())
-    kv = cache.pool.kv.view(torch.uint8).clone()
+    assert a.committed_chunks("cond") == 1 and bool(torch.isfinite(cache._pool.scales).all())
+    kv = cache._pool.kv.view(torch.uint8).clone()
     inf = _kv(19)
     inf[1, 2, 1, 5] = float("inf")
     with pytest.raises(am.NonFiniteKVError):
         _forward(a, [_kv(20), inf])  # an Inf is stored as NaN (not a saturated 448), which the check sees
     assert a.committed_chunks("cond") == 1
     history = [p for br in ("cond", "uncond") for p in a.branch_pages(br).history_pages()]
-    assert torch.equal(cache.pool.kv.view(torch.uint8)[:, :, history], kv[:, :, history])
+    assert torch.equal(cache._pool.kv.view(torch.uint8)[:, :, history], kv[:, :, history])
 
 
 def test_quantize_stores_inf_as_nan_and_saturates_large_finite_values() -> None:

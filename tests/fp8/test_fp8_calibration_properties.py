@@ -118,7 +118,7 @@ class FP8CalibrationMachine(RuleBasedStateMachine):
 
     def predict_commit(self, tx: Tx) -> type[BaseException] | None:
         if set(tx.written) != set(range(LAYERS)):
-            return am.IncompleteForwardError
+            return am.errors.IncompleteForwardError
         fixing = [m for m in self.layers if id(tx) in m.writers and m.state == "provisional"]
         if any(bool((m.scale <= 1.5e-12).any()) for m in fixing):
             return am.KVCalibrationError
@@ -190,7 +190,7 @@ class FP8CalibrationMachine(RuleBasedStateMachine):
             else:
                 fwd.commit()
             raised = None
-        except (am.IncompleteForwardError, am.KVCalibrationError, am.NonFiniteKVError) as error:
+        except (am.errors.IncompleteForwardError, am.KVCalibrationError, am.NonFiniteKVError) as error:
             raised = error
         if expected is None:
             assert raised is None, f"unexpected {raised!r}"
@@ -218,17 +218,17 @@ class FP8CalibrationMachine(RuleBasedStateMachine):
             self.layers = [Layer("fixed", scales[i].clone()) for i in range(LAYERS)]
             event("set_kv_scales accepted")
         else:
-            before = self.cache.pool.scales.clone()
-            with pytest.raises(am.KVScalesFixedError):
+            before = self.cache._pool.scales.clone()
+            with pytest.raises(am.errors.KVScalesFixedError):
                 self.cache.set_kv_scales(scales)
-            assert torch.equal(self.cache.pool.scales, before)
+            assert torch.equal(self.cache._pool.scales, before)
 
     # ------------------------------------------------------------------ invariants
     @invariant()
     def scales_match_the_model(self) -> None:
-        scales = self.cache.pool.scales
+        scales = self.cache._pool.scales
         assert bool(torch.isfinite(scales).all()) and bool((scales > 0).all()), scales
-        quantizer = self.cache.pool.quantizer
+        quantizer = self.cache._pool.quantizer
         for i, m in enumerate(self.layers):
             assert quantizer.state(i) == m.state, (i, quantizer.state(i), m.state)
             if m.state != "open":
@@ -236,7 +236,7 @@ class FP8CalibrationMachine(RuleBasedStateMachine):
 
     @invariant()
     def committed_chunks_read_back_as_written(self) -> None:
-        kv = self.cache.pool.kv
+        kv = self.cache._pool.kv
         for i, state in enumerate(self.sessions):
             if state is None:
                 continue

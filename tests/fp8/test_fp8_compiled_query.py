@@ -106,7 +106,7 @@ def _qkv(seed: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, .
 def _flag(cache: am.KVCache, **forward: Any) -> bool:
     state = cache.open_session()
     fwd = state.prepare_forward(None, CHUNK, **forward)
-    flag = fwd.fp8_query
+    flag = fwd._fp8_query
     fwd.abort()
     state.close()
     return flag
@@ -140,7 +140,7 @@ def test_relative_sinks_keep_the_flag_false_in_every_forward() -> None:
     for step in range(5):
         q, k, v = _qkv(step)
         with state.prepare_forward(None, CHUNK, commit_current=True) as fwd:
-            flags.append(fwd.fp8_query)
+            flags.append(fwd._fp8_query)
             for layer in fwd.layers:
                 am.chunk_attention(q, k, v, layer, sink_query=q)
     assert flags == [False] * 5
@@ -153,7 +153,7 @@ def test_eager_layers_hand_the_op_the_16_bit_query_as_before() -> None:
     cache = am.KVCache(SPEC, num_pages=16, backend=SpyBackend())
     q, k, v = _qkv(1)
     with cache.open_session().prepare_forward(None, CHUNK, commit_current=True) as fwd:
-        assert fwd.fp8_query
+        assert fwd._fp8_query
         for layer in fwd.layers:
             am.chunk_attention(q, k, v, layer)
     assert [c[:2] for c in cache.backend.calls] == [(torch.float32, None)] * 2
@@ -250,7 +250,7 @@ def test_a_masked_forward_inside_an_fp8_rollout_adds_one_graph_and_takes_the_16_
         mask = torch.ones(2, CHUNK, history + CHUNK, dtype=torch.bool) if step in (2, 4) else None
         cache.backend.calls.clear()
         with torch.no_grad(), state.prepare_forward(None, CHUNK, commit_current=True, token_mask=mask) as fwd:
-            assert fwd.fp8_query is (mask is None)
+            assert fwd._fp8_query is (mask is None)
             outs = [attend(q, k, v, layer) for layer in fwd.layers]
         expected = torch.float32 if mask is not None else torch.float8_e4m3fn
         assert {c[0] for c in cache.backend.calls} == {expected}, step
@@ -286,12 +286,12 @@ def test_the_fp8_op_refuses_plans_and_tensors_that_do_not_fit() -> None:
     with reference.open_session().prepare_forward(None, CHUNK) as fwd:
         layer = fwd.layers[0]
         with pytest.raises(am.SpecError, match="expected a plan whose kernel takes an FP8 query"):
-            op(q8, q_scale, layer.kv_pool, layer.layer_id, layer.handle_id, torch.float32)
+            op(q8, q_scale, layer._kv_pool, layer._layer_id, layer._handle_id, torch.float32)
         fwd.abort()
     spy = am.KVCache(SPEC, num_pages=16, backend=SpyBackend())
     with spy.open_session().prepare_forward(None, CHUNK) as fwd:
         layer = fwd.layers[0]
-        args = (layer.kv_pool, layer.layer_id, layer.handle_id, torch.float32)
+        args = (layer._kv_pool, layer._layer_id, layer._handle_id, torch.float32)
         with pytest.raises(am.TensorMismatchError, match="expected a float8_e4m3fn .* got torch.float32"):
             op(rows, q_scale, *args)
         with pytest.raises(am.TensorMismatchError, match=r"expected float32 of shape \(4,\).* got .* \(2,\)"):
@@ -319,13 +319,13 @@ def test_plans_that_attend_the_compute_dtype_query_refuse_a_q_scale() -> None:
                 for layer in fwd.layers:
                     am.chunk_attention(q, k, v, layer, sink_query=q if relative else None)  # (no RoPE: any query)
         with state.prepare_forward(None, CHUNK) as fwd:
-            plan = fwd.plan
+            plan = fwd._plan
             assert plan is not None and isinstance(plan, RelativeSinkPlan) is relative
-            pages = (cache.pool.k_pages(0), cache.pool.v_pages(0))
-            before = cache.pool.kv.clone()
+            pages = (cache._pool.k_pages(0), cache._pool.v_pages(0))
+            before = cache._pool.kv.clone()
             with pytest.raises(am.SpecError, match=r"attend: expected q_scale=None .* got a torch.float32 tensor"):
                 plan.attend(q8, *pages, 8**-0.5, layer=0, q_scale=q_scale)
-            assert torch.equal(cache.pool.kv, before)
+            assert torch.equal(cache._pool.kv, before)
             fwd.abort()
 
 
@@ -339,7 +339,7 @@ def test_fake_impls_promise_what_the_ops_return() -> None:
             am.chunk_attention(q, k, v, layer)
         q8, q_scale = quantize_query(q.reshape(-1, 4, 8))
         layer = fwd.layers[1]
-        args = (q8, q_scale, layer.kv_pool, layer.layer_id, layer.handle_id, torch.float32)
+        args = (q8, q_scale, layer._kv_pool, layer._layer_id, layer._handle_id, torch.float32)
         for op in (torch.ops.ardiff_modules.paged_attention_fp8, torch.ops.ardiff_modules.paged_attention_fp8_lse):
             torch.library.opcheck(op, args, test_utils=("test_faketensor", "test_aot_dispatch_static"))
 

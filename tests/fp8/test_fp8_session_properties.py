@@ -102,10 +102,10 @@ class FP8SessionStateMachine(SessionStateMachine):
         cache.set_kv_scales(FP8_SCALES)
 
     def pool_model(self, cache: KVCache) -> PoolContents:
-        return FP8PoolContents(cache.pool.kv, FP8_SCALES)
+        return FP8PoolContents(cache._pool.kv, FP8_SCALES)
 
     def pool_values(self, cm: CacheModel) -> torch.Tensor:
-        return fp8_decode(cm.cache.pool.kv.view(torch.uint8), FP8_SCALES)
+        return fp8_decode(cm.cache._pool.kv.view(torch.uint8), FP8_SCALES)
 
     def read_back(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         k_scale, v_scale = FP8_SCALES[layer]
@@ -139,7 +139,7 @@ class FP8SessionStateMachine(SessionStateMachine):
     def fp8_pool_bytes_match_model(self) -> None:
         """The pool's dtype, its scales (never recalibrated) and its bytes, page by page, == the model's."""
         for cm in self.open_caches:
-            pool = cm.cache.pool
+            pool = cm.cache._pool
             assert pool.kv.dtype == FP8, pool.kv.dtype
             assert same_bits(pool.scales.cpu(), FP8_SCALES), f"{cm.label}: scales {pool.scales.tolist()} changed"
             bad = cm.pool.mismatched_byte_pages(pool.kv)

@@ -38,10 +38,10 @@ def test_bf16_kv_under_fp32_compute_equals_fp32_with_rounded_kv() -> None:
     """Storing K/V in bfloat16 is exactly rounding them once; attention still runs in float32."""
     low = dataclasses.replace(SPEC, kv_dtype="bfloat16")
     cache = am.KVCache(low, num_pages=8, backend="reference")
-    assert cache.pool.kv.dtype == torch.bfloat16 and cache.dtype == torch.float32
+    assert cache._pool.kv.dtype == torch.bfloat16 and cache.dtype == torch.float32
     assert cache.kv_dtype == torch.bfloat16
-    assert cache.pool.bytes_per_page * 2 == am.KVCache(SPEC, num_pages=8).pool.bytes_per_page
-    assert tuple(cache.pool.scales.shape) == (2, 2, 2)
+    assert cache._pool.bytes_per_page * 2 == am.KVCache(SPEC, num_pages=8)._pool.bytes_per_page
+    assert tuple(cache._pool.scales.shape) == (2, 2, 2)
     for a, b in zip(_rollout(low, round_kv=False), _rollout(SPEC, round_kv=True)):
         assert a.dtype == torch.float32
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)

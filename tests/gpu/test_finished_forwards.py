@@ -34,21 +34,21 @@ def test_finished_forward_cannot_touch_the_pool(seq_chunks: int, compiled: bool)
     with state.prepare_forward(None, seq_chunks * chunk, commit_current=True) as fwd:
         attend(q, k, v, fwd.layers[0])
         attend(q, k, v, fwd.layers[1])  # a commit needs every layer
-        mode = fwd.plan.mode
+        mode = fwd._plan.mode
     assert mode == ("ragged" if seq_chunks == 1 else "paged")
     torch.cuda.synchronize()
-    before = cache.pool.kv.clone()
-    with pytest.raises(am.ForwardFinishedError, match="committed"):
+    before = cache._pool.kv.clone()
+    with pytest.raises(am.errors.ForwardFinishedError, match="committed"):
         attend(q, k * 7, v * 7, fwd.layers[0])
     torch.cuda.synchronize()
-    assert torch.equal(cache.pool.kv, before)
+    assert torch.equal(cache._pool.kv, before)
     # abort() inside the block while the model keeps running: refused, nothing written.
-    with pytest.raises(am.ForwardFinishedError, match="aborted"):
+    with pytest.raises(am.errors.ForwardFinishedError, match="aborted"):
         with state.prepare_forward(None, seq_chunks * chunk, commit_current=True) as fwd:
             fwd.abort()
             attend(q, k * 3, v * 3, fwd.layers[1])
     torch.cuda.synchronize()
-    assert torch.equal(cache.pool.kv, before)
+    assert torch.equal(cache._pool.kv, before)
 
 
 def test_graph_replay_refuses_finished_forward_and_cleared_prompt() -> None:
@@ -69,13 +69,13 @@ def test_graph_replay_refuses_finished_forward_and_cleared_prompt() -> None:
         with state.prepare_forward(None, spec.chunk_size, False, static=True) as fwd:
             step(fwd, x)
         torch.cuda.synchronize()
-        before = cache.pool.kv.clone()
-        with pytest.raises(am.ForwardFinishedError):
+        before = cache._pool.kv.clone()
+        with pytest.raises(am.errors.ForwardFinishedError):
             step(fwd, x)  # a replay would rewrite pages after the forward finished
         torch.cuda.synchronize()
-        assert torch.equal(cache.pool.kv, before)
+        assert torch.equal(cache._pool.kv, before)
         state.clear_cross_attention()  # prompt switch without re-populating: eager raises, so must a replay
-        with pytest.raises(am.CrossAttentionNotPopulatedError):
+        with pytest.raises(am.errors.CrossAttentionNotPopulatedError):
             with state.prepare_forward(None, spec.chunk_size, False, static=True) as fwd:
                 step(fwd, x)
         populate()
@@ -134,9 +134,9 @@ def test_failed_replan_ends_the_forward_and_recaptures(monkeypatch: pytest.Monke
         with pytest.raises(RuntimeError, match="injected"):
             state.prepare_forward(None, spec.chunk_size, False, static=True)
         monkeypatch.setattr(FlashInferPlan, "update", original)
-        with pytest.raises(am.ForwardFinishedError, match="superseded"):
+        with pytest.raises(am.errors.ForwardFinishedError, match="superseded"):
             step(old, x)  # its plan is half-updated: never replayed
-        assert state.open_forward("cond") is None
+        assert state._open_forward("cond") is None
         with state.prepare_forward(None, spec.chunk_size, True, static=True) as fwd:
             replayed = step(fwd, x)
             state.abort()
@@ -197,19 +197,19 @@ def test_fp8_graph_captured_in_an_aborted_calibrating_forward_is_captured_again(
     with torch.no_grad():
         fwd = state.prepare_forward(None, spec.chunk_size, True, static=True)
         step(fwd, big)
-        assert cache.pool.quantizer.state(0) == "provisional"
+        assert cache._pool.quantizer.state(0) == "provisional"
         fwd.abort()
-        assert cache.pool.quantizer.state(0) == "open"
+        assert cache._pool.quantizer.state(0) == "open"
         with state.prepare_forward(None, spec.chunk_size, True, static=True) as fwd:
             assert step.will_capture(fwd)
             step(fwd, x)
-    assert [cache.pool.quantizer.state(i) for i in range(spec.num_layers)] == ["fixed"] * spec.num_layers
+    assert [cache._pool.quantizer.state(i) for i in range(spec.num_layers)] == ["fixed"] * spec.num_layers
     eager_cache = am.KVCache(spec, num_pages=64, device="cuda", backend="flashinfer")
     eager_state = eager_cache.open_session()
     with torch.no_grad(), eager_state.prepare_forward(None, spec.chunk_size, True) as fwd:
         _self_attention_only(x, fwd.layers)
     # from x, not from the aborted 100x (same kernels on the same inputs as the eager run)
-    torch.testing.assert_close(cache.pool.scales, eager_cache.pool.scales, rtol=1e-2, atol=1e-6)
+    torch.testing.assert_close(cache._pool.scales, eager_cache._pool.scales, rtol=1e-2, atol=1e-6)
 
 
 def test_a_capture_alone_writes_nothing_so_its_forward_cannot_commit() -> None:
@@ -222,7 +222,7 @@ def test_a_capture_alone_writes_nothing_so_its_forward_cannot_commit() -> None:
     with torch.no_grad():
         fwd = state.prepare_forward(None, spec.chunk_size, True, static=True)
         step.capture(fwd, x)
-        with pytest.raises(am.IncompleteForwardError):
+        with pytest.raises(am.errors.IncompleteForwardError):
             fwd.commit()
         with state.prepare_forward(None, spec.chunk_size, True, static=True) as fwd:
             step(fwd, x)  # the next forward replays the graph: the replay records its writes, so it commits

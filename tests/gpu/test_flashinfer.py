@@ -55,7 +55,7 @@ def test_flashinfer_equals_reference_over_rollout(page: int, sink: int, window: 
                 with cache.prepare_forward(pairs, n * chunk, commit_current=commit) as fwd:
                     outs.append(_attend(fwd, q, k, v))
                     if cache is fi_cache:
-                        modes.add(fwd.plan.mode)
+                        modes.add(fwd._plan.mode)
             for a, b in zip(*outs):
                 assert_close_bf16(b, a)
     assert fi_states[0].committed_chunks("cond") == 16
@@ -191,8 +191,8 @@ def test_paged_plan_skipped_when_row_lengths_repeat(extents: bool) -> None:
                 with state.prepare_forward(None, seq, commit_current=commit) as fwd:
                     outs.append(_attend(fwd, q, k, v))
                     if cache is fi_cache:
-                        assert fwd.plan.mode == "paged"
-                        plans.append(fwd.plan)
+                        assert fwd._plan.mode == "paged"
+                        plans.append(fwd._plan)
             for a, b in zip(*outs):
                 assert_close_bf16(b, a)
     plan = plans[-1]
@@ -232,7 +232,7 @@ def test_sessions_batched_in_one_launch_equal_each_session_alone() -> None:
         pairs = [(s, b) for s in batched for b in ("cond", "uncond")]
         with batched_cache.prepare_forward(pairs, n * chunk, commit_current=commit) as fwd:
             together = _attend(fwd, q, k, v)
-            modes.add(fwd.plan.mode)
+            modes.add(fwd._plan.mode)
         for i, state in enumerate(alone):
             rows = slice(2 * i, 2 * i + 2)
             with state.prepare_forward(None, n * chunk, commit_current=commit) as fwd:
@@ -317,7 +317,7 @@ def test_variable_chunk_lengths_equal_reference(extents: bool) -> None:
                 with cache.prepare_forward(pairs, seq, commit_current=commit, chunk_lengths=lengths) as fwd:
                     outs.append(_attend(fwd, q, k, v))
                     if cache is fi_cache:
-                        modes.add(fwd.plan.mode)
+                        modes.add(fwd._plan.mode)
             for a, b in zip(*outs):
                 assert_close_bf16(b, a)
     assert fi_states[0].token_offset("cond") == ref_states[0].token_offset("cond") == 240 + 720 + 960 + 960 + 720 + 480 + 1440 + 720 + 360

@@ -60,12 +60,12 @@ def test_fp8_flashinfer_equals_fp8_reference_over_rollout(page: int, extents: bo
                 with cache.prepare_forward(pairs, n * chunk, commit_current=commit) as fwd:
                     outs[cache] = [am.chunk_attention(q, k, v, layer) for layer in fwd.layers]
                     if cache is fi:
-                        modes.add(fwd.plan.mode)
+                        modes.add(fwd._plan.mode)
             for a, b, c in zip(outs[fi], outs[ref], outs[bf16]):
                 worst_vs_ref = max(worst_vs_ref, rel_error(a, b))
                 worst_vs_bf16 = max(worst_vs_bf16, rel_error(a, c))
             # Same quantization, same pages: the FP8 bytes in the two pools are identical.
-            assert torch.equal(fi.pool.kv.view(torch.uint8), ref.pool.kv.view(torch.uint8))
+            assert torch.equal(fi._pool.kv.view(torch.uint8), ref._pool.kv.view(torch.uint8))
     print(f"fp8 flashinfer vs fp8 reference: {worst_vs_ref:.3e}; vs bf16 flashinfer: {worst_vs_bf16:.3e}; {modes}")
     assert worst_vs_ref < 4e-2  # FA3 also quantizes the query (per head, per forward)
     assert worst_vs_bf16 < 8e-2
@@ -94,7 +94,7 @@ def test_fp8_masked_path_equals_reference_and_lse() -> None:
                 am.chunk_attention(q, k, v, fwd.layers[0])  # a commit needs every layer
                 outs.append(am.chunk_attention(q, k, v, fwd.layers[1], return_lse=True))
                 if cache.backend.name == "flashinfer":
-                    assert fwd.plan.mode == "masked"
+                    assert fwd._plan.mode == "masked"
         (o_fi, lse_fi), (o_ref, lse_ref) = outs[1], outs[0]
         assert rel_error(o_fi, o_ref) < 1e-2  # no query quantization on this path: bf16 rounding only
         torch.testing.assert_close(lse_fi, lse_ref, atol=2e-2, rtol=1e-3)
@@ -114,9 +114,9 @@ def test_fp8_ragged_lse_and_default_calibration() -> None:
             outs.append(am.chunk_attention(q, k, v, fwd.layers[0], return_lse=True))
             am.chunk_attention(q, k, v, fwd.layers[1])  # a commit needs every layer
             if c is cache:
-                assert fwd.plan.mode == "ragged"
-    torch.testing.assert_close(cache.pool.scales[0, 0], amax_scale(k.reshape(-1, 2, HEAD_DIM), DEFAULT_HEADROOM))
-    torch.testing.assert_close(cache.pool.scales, ref.pool.scales)
+                assert fwd._plan.mode == "ragged"
+    torch.testing.assert_close(cache._pool.scales[0, 0], amax_scale(k.reshape(-1, 2, HEAD_DIM), DEFAULT_HEADROOM))
+    torch.testing.assert_close(cache._pool.scales, ref._pool.scales)
     assert rel_error(outs[1][0], outs[0][0]) < 8e-2  # FA3's per-forward FP8 query adds ~3-5 % on random data
     # LSE of FP8 logits (q and k both rounded, k 3x randn): a few hundredths on average; a scale that
     # was not applied (k_scale ~ 0.03 here) would move it by whole units.

@@ -68,9 +68,9 @@ def _rollout(model, spec, step_fn, *, static: bool, extents: bool, chunks: int =
         for commit in (False, False, True):
             x = torch.randn(2, 256, 512, device="cuda", dtype=DTYPE, generator=g)
             with torch.no_grad(), state.prepare_forward(None, 256, commit, static=static) as fwd:
-                assert fwd.fp8_query, f"expected an FP8 query on {fwd.plan!r}"
+                assert fwd._fp8_query, f"expected an FP8 query on {fwd._plan!r}"
                 outs.append(step_fn(fwd, x))
-                modes.add(fwd.plan.mode)
+                modes.add(fwd._plan.mode)
     return outs, modes
 
 
@@ -148,7 +148,7 @@ def test_compiled_fp8_query_bytes_lse_and_custom_scale_equal_eager(
         attend_calls.clear()
         with torch.no_grad(), state.prepare_forward(None, n * 240, commit_current=True) as fwd:
             comp = [attend(q, k, v, layer, scale=scale, return_lse=True) for layer in fwd.layers]
-            modes.add(fwd.plan.mode)
+            modes.add(fwd._plan.mode)
         assert {c[1:3] for c in attend_calls} == {FP8_QUERY}
         expected_q8, expected_scale = quantize_query(
             fold_softmax_scale(q.reshape(-1, 4, HEAD_DIM), HEAD_DIM**-0.5 if scale is None else scale)
@@ -190,7 +190,7 @@ def test_the_flag_per_kernel_path_and_a_compiled_masked_forward(attend_calls: li
         cache = am.KVCache(s, num_pages=64, device="cuda", backend=backend)
         qn, kn, vn = (t.repeat(1, chunks, 1, 1) for t in (q, k, v))
         with cache.open_session().prepare_forward(None, 240 * chunks, commit_current=True) as fwd:
-            flags[label] = (fwd.fp8_query, getattr(fwd.plan, "mode", None))
+            flags[label] = (fwd._fp8_query, getattr(fwd._plan, "mode", None))
             for layer in fwd.layers:
                 am.chunk_attention(qn, kn, vn, layer)
     assert flags == {"fp8-fa3": (True, "ragged"), "fp8-fa3-paged": (True, "paged"),
@@ -203,7 +203,7 @@ def test_the_flag_per_kernel_path_and_a_compiled_masked_forward(attend_calls: li
         keys = len(state.history_chunks("cond")) * 240 + 240
         mask = torch.rand(2, 240, keys, device="cuda", generator=g) > 0.3
         with torch.no_grad(), state.prepare_forward(None, 240, commit_current=False, token_mask=mask) as fwd:
-            assert not fwd.fp8_query and fwd.plan.mode == "masked"
+            assert not fwd._fp8_query and fwd._plan.mode == "masked"
             eager = [am.chunk_attention(q, k, v, layer) for layer in fwd.layers]
         attend_calls.clear()
         with torch.no_grad(), state.prepare_forward(None, 240, commit_current=True, token_mask=mask) as fwd:

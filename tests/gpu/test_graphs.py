@@ -47,7 +47,7 @@ def _flashinfer_rollout(  # noqa: ANN202
             x = torch.randn(len(streams), 256, 512, device="cuda", dtype=DTYPE, generator=g)
             with torch.no_grad(), cache.prepare_forward(streams, 256, commit_current=commit, static=static) as fwd:
                 outs.append(step_fn(fwd, x))
-                modes.append(fwd.plan.mode)
+                modes.append(fwd._plan.mode)
     return outs, modes, cache
 
 
@@ -67,7 +67,7 @@ def test_static_forwards_replay_ragged_and_equal_eager(kv_dtype: str | None, ses
     print(f"graph vs eager, rel err per forward: max {max(errors):.2e}")
     assert max(errors) < (3e-2 if kv_dtype is None else 5e-2)
     # The same K/V went to the same pages.
-    pool_err = rel_error(cache.pool.kv.float(), eager_cache.pool.kv.float())
+    pool_err = rel_error(cache._pool.kv.float(), eager_cache._pool.kv.float())
     assert pool_err < 1e-2, f"pools differ by {pool_err:.2e}"
 
 
@@ -118,7 +118,7 @@ def test_compiled_write_is_in_the_graph_and_equals_eager(kv_dtype: str | None) -
     assert counter.frame_count == 1
     code = "\n".join(codes)
     assert "kv_write_slots" in code and "chunk_attention" not in code
-    layer_numel = cache.pool.kv[0].numel()
+    layer_numel = cache._pool.kv[0].numel()
     sizes = []
     for shape in _ALLOC.findall(code):
         n = 1
@@ -129,7 +129,7 @@ def test_compiled_write_is_in_the_graph_and_equals_eager(kv_dtype: str | None) -
     errors = [rel_error(c, e) for c, e in zip(comp, eager)]
     print(f"compiled (K/V written in the graph) vs eager: max rel err {max(errors):.2e}")
     assert max(errors) < (3e-2 if kv_dtype is None else 5e-2)
-    assert rel_error(cache.pool.kv.float(), eager_cache.pool.kv.float()) < (1e-2 if kv_dtype is None else 5e-2)
+    assert rel_error(cache._pool.kv.float(), eager_cache._pool.kv.float()) < (1e-2 if kv_dtype is None else 5e-2)
 
 
 def test_compiled_cuda_graph_step_replays_in_graph_writes() -> None:

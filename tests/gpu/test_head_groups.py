@@ -40,7 +40,7 @@ def test_flashinfer_equals_the_per_head_oracle_and_runs_ragged_per_part(page: in
             got, want = one_forward(session, oracle, spec.branches, 120, commit, gen, spec, dtype=DTYPE)
             torch.testing.assert_close(got.float().cpu(), want, atol=2e-2, rtol=2e-2)
     with session.prepare_forward(None, 120) as fwd:
-        assert {p.plan.mode for p in fwd.parts} == {"ragged"}, [p.plan.mode for p in fwd.parts]
+        assert {p._plan.mode for p in fwd.parts} == {"ragged"}, [p._plan.mode for p in fwd.parts]
 
 
 def _model_rollout(fn, model, session, chunks: int, gen: torch.Generator, static: bool = False) -> list[torch.Tensor]:
@@ -92,4 +92,4 @@ def test_fp8_parts_calibrate_and_match_bf16_loosely() -> None:
         got, want = one_forward(session, oracle, spec.branches, 120, True, gen, spec, dtype=DTYPE)
         rel = (got.float().cpu() - want).norm() / want.norm()
         assert rel < 0.1, float(rel)
-    assert all(c.pool.quantizer is not None for c in cache.caches)
+    assert all(c._pool.quantizer is not None for c in cache.caches)

@@ -24,7 +24,7 @@ def test_no_stream_reads_another_streams_nan(mode: str) -> None:
     outs = {}
     for backend in ("reference", "flashinfer"):
         cache = am.KVCache(spec, num_pages=96, device="cuda", backend=backend, contiguous_extents=mode != "paged")
-        cache.pool.kv.fill_(float("nan"))
+        cache._pool.kv.fill_(float("nan"))
         a, b = cache.open_session("a"), cache.open_session("b")
         g = torch.Generator(device="cuda").manual_seed(4)
         for i in range(3):
@@ -44,7 +44,7 @@ def test_no_stream_reads_another_streams_nan(mode: str) -> None:
         with cache.prepare_forward(pairs, seq, False, token_mask=mask) as fwd:
             out = am.chunk_attention(torch.cat([q, q]), torch.cat([ka, k]), torch.cat([va, v]), fwd.layers[0])
             if backend == "flashinfer":
-                assert fwd.plan.mode == mode
+                assert fwd._plan.mode == mode
         outs[backend] = out[2:]
         assert torch.isfinite(out[2:]).all(), f"{backend}: session A's NaN/Inf reached session B"
     assert_close_bf16(outs["flashinfer"], outs["reference"])
@@ -64,7 +64,7 @@ def test_query_that_sees_no_key_outputs_zeros() -> None:
         with state.prepare_forward(None, chunk, False, token_mask=mask) as fwd:
             outs.append(am.chunk_attention(q, k, v, fwd.layers[0]))
             if backend == "flashinfer":
-                assert fwd.plan.mode == "masked"
+                assert fwd._plan.mode == "masked"
     for out in outs:
         assert torch.isfinite(out).all()
         assert torch.count_nonzero(out[:, :17]) == 0

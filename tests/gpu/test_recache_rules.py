@@ -54,9 +54,9 @@ def test_flashinfer_recache_rules_equal_reference(page: int, kv_dtype: str | Non
             rebuilt_counts.append(len(rebuilt))
             run(lambda s: s.prepare_recache(), len(rebuilt) * CHUNK)
             for cache in (ref, fi):
-                cache.allocator.check_invariants()
-            assert ref.allocator.num_used == 2 * 3 * spec.pages_per_chunk
+                cache._allocator.check_invariants()
+            assert ref._allocator.num_used == 2 * 3 * spec.pages_per_chunk
     assert rebuilt_counts[0] == 4 and rebuilt_counts[1] in (3, 4)
     for cache in (ref, fi):
         cache.close()
-        assert cache.allocator.num_free == cache.allocator.num_pages
+        assert cache._allocator.num_free == cache._allocator.num_pages

@@ -46,8 +46,8 @@ def test_flashinfer_relative_sinks_equal_reference(
                 pairs = [(s, b) for s in states[cache][:sessions] for b in ("cond", "uncond")]
                 with cache.prepare_forward(pairs, n * CHUNK, commit_current=commit) as fwd:
                     outs.append([am.chunk_attention(q, k, v, layer, sink_query=sq) for layer in fwd.layers])
-                    if cache is fi and isinstance(fwd.plan, RelativeSinkPlan):
-                        modes.add((fwd.plan.rest.mode, fwd.plan.sinks.mode))
+                    if cache is fi and isinstance(fwd._plan, RelativeSinkPlan):
+                        modes.add((fwd._plan.rest.mode, fwd._plan.sinks.mode))
                         shifts.update(fwd.sink_shifts)
             for a, b in zip(*outs):
                 torch.testing.assert_close(b.float(), a.float(), atol=tol, rtol=tol)
@@ -101,4 +101,4 @@ def test_flashinfer_relative_sinks_token_mask_static_graph_and_compile() -> None
         torch.testing.assert_close(outs["fi"].float(), outs["ref"].float(), atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(outs["graph"].float(), outs["fi"].float(), atol=1e-2, rtol=1e-2)
         torch.testing.assert_close(outs["compiled"].float(), outs["fi"].float(), atol=1e-2, rtol=1e-2)
-    assert max(caches["fi"].forward_contexts()[0].sink_shifts) > 0
+    assert max(caches["fi"]._forwards.contexts()[0].sink_shifts) > 0

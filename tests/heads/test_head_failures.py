@@ -30,11 +30,11 @@ def make_cache(**kwargs: object) -> tuple[am.KVCacheSpec, am.HeadGroupedKVCache]
 
 def snapshot(cache: am.HeadGroupedKVCache) -> list[object]:
     """Every part's free queue (in order), each session's pending pages and offsets, and which forwards are open."""
-    out: list[object] = [c.allocator.free_pages() for c in cache.caches]
+    out: list[object] = [c._allocator.free_pages() for c in cache.caches]
     for sid, session in sorted(cache.sessions.items()):
         for p, state in enumerate(session.parts):
             for b in state.kv_branch_names:
-                forward = state.open_forward(b)
+                forward = state._open_forward(b)
                 out.append((sid, p, b, state.pending_chunks(b), state.token_offset(b), forward is not None))
     return out
 
@@ -46,20 +46,20 @@ def run_layers(fwd: am.HeadGroupedForward, gen: torch.Generator, streams: int = 
 
 def assert_parts_agree(cache: am.HeadGroupedKVCache) -> None:
     for c in cache.caches:
-        c.allocator.check_invariants()
+        c._allocator.check_invariants()
     for session in cache.sessions.values():
         for b in session.kv_branch_names:
             states = session.parts
             assert len({s.token_offset(b) for s in states}) == 1
             assert len({len(s.pending_chunks(b)) for s in states}) == 1
-            assert len({s.open_forward(b) is None for s in states}) == 1
+            assert len({s._open_forward(b) is None for s in states}) == 1
 
 
 def test_a_later_part_out_of_pages_leaves_the_open_denoising_forward_in_every_part() -> None:
     spec, cache = make_cache(max_sessions=1)
     s = cache.open_session()
     fwd = s.prepare_forward(None, 4)  # denoising, open: its pending pages are reused by the next forward
-    last = cache.caches[-1].allocator
+    last = cache.caches[-1]._allocator
     hog = last.allocate(last.num_free - 1)
     before = snapshot(cache)
     with pytest.raises(am.CapacityError):
@@ -86,7 +86,7 @@ def test_a_build_failing_in_a_later_part_rolls_every_part_back(monkeypatch: pyte
     def refuse(*args: object, **kwargs: object) -> None:
         raise RuntimeError("plan() failed")
 
-    monkeypatch.setattr(cache.caches[1].forwards, "build", refuse)
+    monkeypatch.setattr(cache.caches[1]._forwards, "build", refuse)
     with pytest.raises(RuntimeError, match="plan"):
         cache.prepare_forward([(a, "cond"), (b, "uncond")], 8, commit_current=True)
     assert snapshot(cache) == before  # part 0's reservation undone exactly: pages, free order, nothing open
@@ -94,7 +94,7 @@ def test_a_build_failing_in_a_later_part_rolls_every_part_back(monkeypatch: pyte
     # pending chunks dropped in every part (part 0's build had superseded it, part 1 still held it).
     monkeypatch.undo()
     open_fwd = cache.prepare_forward([(a, "cond"), (b, "cond")], 4)
-    monkeypatch.setattr(cache.caches[1].forwards, "build", refuse)
+    monkeypatch.setattr(cache.caches[1]._forwards, "build", refuse)
     with pytest.raises(RuntimeError, match="plan"):
         a.prepare_forward(("cond",), 8)
     # (part 0's build superseded it, the others aborted it: "mixed:aborted,superseded", none open)
@@ -133,7 +133,7 @@ def test_open_grouped_forwards_are_never_evicted_so_their_objects_stay() -> None
     assert a.prepare_forward(None, 4) is fa
     # Once a session closes, its forwards (their part contexts released) are dropped.
     a.close()
-    assert all(not f.released for f in cache._forwards.values())
+    assert all(not f._released for f in cache._forwards.values())
 
 
 def test_abort_drops_the_pending_pages_denoising_forwards_kept_in_every_part() -> None:
@@ -148,7 +148,7 @@ def test_abort_drops_the_pending_pages_denoising_forwards_kept_in_every_part() -
     s.abort()
     assert s.pages_in_use() == history  # as KVState.abort: the kept pending chunks are released too
     assert_parts_agree(cache)
-    with pytest.raises(am.UnknownBranchError):
+    with pytest.raises(am.errors.UnknownBranchError):
         s.abort("nope")
 
 
@@ -159,7 +159,7 @@ def test_committing_a_forward_one_part_finished_alone_aborts_the_others() -> Non
     fwd = s.prepare_forward(None, 4, commit_current=True)
     run_layers(fwd, gen)
     fwd.parts[0].abort()  # a part context finished directly, behind the grouped forward's back
-    with pytest.raises(am.ForwardFinishedError, match="expected the forward open in every part"):
+    with pytest.raises(am.errors.ForwardFinishedError, match="expected the forward open in every part"):
         fwd.commit()
     assert fwd.status == "aborted"
     assert [p.committed_chunks("cond") for p in s.parts] == [0, 0]
@@ -171,13 +171,13 @@ def test_a_ctrl_c_between_two_parts_commits_waits_until_every_part_committed(
     _, cache = make_cache()
     s = cache.open_session()
     first = cache.caches[0]
-    real = first.finish_forward
+    real = first._forwards.finish_forward
 
     def commit_then_interrupt(transaction: object, success: bool) -> None:
         real(transaction, success)
         signal.raise_signal(signal.SIGINT)  # arrives after part 0 committed, before part 1
 
-    monkeypatch.setattr(first, "finish_forward", commit_then_interrupt)
+    monkeypatch.setattr(first._forwards, "finish_forward", commit_then_interrupt)
     with pytest.raises(KeyboardInterrupt), s.prepare_forward(None, 4, commit_current=True) as fwd:
         run_layers(fwd, torch.Generator().manual_seed(5))
     assert [p.committed_chunks("cond") for p in s.parts] == [1, 1]
@@ -192,12 +192,12 @@ def test_a_commit_raising_in_a_later_part_leaves_no_part_open(monkeypatch: pytes
         if success:
             raise RuntimeError("device lost")
 
-    real = cache.caches[1].finish_forward
-    monkeypatch.setattr(cache.caches[1], "finish_forward", lambda t, ok: broken(t, ok) or real(t, ok))
+    real = cache.caches[1]._forwards.finish_forward
+    monkeypatch.setattr(cache.caches[1]._forwards, "finish_forward", lambda t, ok: broken(t, ok) or real(t, ok))
     with pytest.raises(RuntimeError, match="device lost"), s.prepare_forward(None, 4, commit_current=True) as fwd:
         run_layers(fwd, torch.Generator().manual_seed(6))
     assert all(not p.is_active for p in fwd.parts)
-    assert all(p.open_forward(b) is None for p in s.parts for b in s.kv_branch_names)
+    assert all(p._open_forward(b) is None for p in s.parts for b in s.kv_branch_names)
 
 
 def test_a_commit_in_another_thread_reads_every_part_after_a_running_prepare(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -206,7 +206,7 @@ def test_a_commit_in_another_thread_reads_every_part_after_a_running_prepare(mon
     _, cache = make_cache()
     s = cache.open_session()
     fwd = s.prepare_forward(None, 4)  # denoising, open
-    real = cache.caches[1].forwards.build
+    real = cache.caches[1]._forwards.build
     threads: list[threading.Thread] = []
 
     def build_while_committing(*args: object, **kwargs: object) -> object:
@@ -215,7 +215,7 @@ def test_a_commit_in_another_thread_reads_every_part_after_a_running_prepare(mon
         time.sleep(0.2)  # T reads its transactions now (or, fixed, waits for the lock first)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(cache.caches[1].forwards, "build", build_while_committing)
+    monkeypatch.setattr(cache.caches[1]._forwards, "build", build_while_committing)
     assert s.prepare_forward(None, 4) is fwd
     threads[0].join(5)
     assert not threads[0].is_alive()
@@ -228,7 +228,7 @@ def test_reset_misuse_is_refused_as_kvstate_refuses_it_and_changes_nothing() -> 
     s = cache.open_session()
     fwd = s.prepare_forward(None, 4)
     before = snapshot(cache)
-    with pytest.raises(am.UnknownCacheError, match=r"expected names from \(\)"):
+    with pytest.raises(am.errors.UnknownCacheError, match=r"expected names from \(\)"):
         s.reset(keep_cross_attention=["text"])
     with pytest.raises(am.SpecError, match="expected a collection of cache names, got 3"):
         s.reset(keep_cross_attention=3)  # type: ignore[arg-type]
@@ -267,8 +267,8 @@ def test_check_finite_runs_once_per_part_before_any_part_commits(monkeypatch: py
     one_forward(s, oracle, spec.branches, 4, True, gen, spec)
     calls: list[int] = []
     for p, part in enumerate(cache.caches):
-        original = part.forwards.abort_if_non_finite  # what every pre-commit check calls
-        monkeypatch.setattr(part.forwards, "abort_if_non_finite", lambda t, p=p, f=original: (calls.append(p), f(t))[1])
+        original = part._forwards.abort_if_non_finite  # what every pre-commit check calls
+        monkeypatch.setattr(part._forwards, "abort_if_non_finite", lambda t, p=p, f=original: (calls.append(p), f(t))[1])
     before = snapshot(cache)
     with pytest.raises(am.NonFiniteKVError):
         with s.prepare_forward(None, 4, commit_current=True) as fwd:
@@ -298,7 +298,7 @@ def test_committing_one_part_alone_is_refused_and_the_parts_stay_in_step() -> No
         run_layers(fwd, gen)
         before = snapshot(cache)
         for commit_alone in (fwd.parts[0].commit, lambda: s.parts[1].commit_paged_context("cond"),
-                             lambda: cache.caches[0].finish_forward(fwd.parts[0].transaction, True)):
+                             lambda: cache.caches[0]._forwards.finish_forward(fwd.parts[0]._transaction, True)):
             with pytest.raises(am.ParticipantCommitError, match="expected the HeadGroupedForward over"):
                 commit_alone()
             assert snapshot(cache) == before and fwd.is_active  # nothing changed, still open
@@ -317,7 +317,7 @@ def test_commit_paged_context_after_one_part_aborted_alone_aborts_every_part() -
     fwd = s.prepare_forward(None, 4, commit_current=True)
     run_layers(fwd, torch.Generator().manual_seed(9))
     fwd.parts[0].abort()
-    with pytest.raises(am.ForwardFinishedError, match="expected the forward open in every part"):
+    with pytest.raises(am.errors.ForwardFinishedError, match="expected the forward open in every part"):
         s.commit_paged_context("cond")
     assert fwd.status == "aborted" and [p.committed_chunks("cond") for p in s.parts] == [0, 0]
     assert_parts_agree(cache)

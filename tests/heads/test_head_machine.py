@@ -109,11 +109,11 @@ class HeadGroupedMachine(RuleBasedStateMachine):
 
     def snapshot(self) -> list[object]:
         """What a refused call must leave unchanged: every part's free queue, every branch's pages and forward."""
-        out: list[object] = [c.allocator.free_pages() for c in self.cache.caches]
+        out: list[object] = [c._allocator.free_pages() for c in self.cache.caches]
         for sid, (session, _) in sorted(self.sessions.items()):
             for state in session.parts:
                 for b in BRANCHES:
-                    t = state.open_forward(b)
+                    t = state._open_forward(b)
                     out.append((sid, b, state.history_chunks(b), state.pending_chunks(b), state.token_offset(b),
                                 None if t is None else id(t)))
         return out
@@ -148,7 +148,7 @@ class HeadGroupedMachine(RuleBasedStateMachine):
     def check_cross(self, fwd: am.HeadGroupedForward, streams: list[tuple[str, str]], layer: int) -> None:
         published = [self.sessions[sid][1].cross.get(b) for sid, b in streams]
         if any(p is None for p in published):
-            with pytest.raises(am.CrossAttentionNotPopulatedError):
+            with pytest.raises(am.errors.CrossAttentionNotPopulatedError):
                 fwd.layers[layer].cross_kv("text")
             return
         k, v = fwd.layers[layer].cross_kv("text")
@@ -200,7 +200,7 @@ class HeadGroupedMachine(RuleBasedStateMachine):
         session.close()
         self.forwards_finished({sid})
         del self.sessions[sid]
-        with pytest.raises(am.SessionClosedError):
+        with pytest.raises(am.errors.SessionClosedError):
             session.prepare_forward(None, self.chunk)
 
     @precondition(lambda self: self.sessions)
@@ -269,7 +269,7 @@ class HeadGroupedMachine(RuleBasedStateMachine):
                 self.expect_outputs(fwd, streams, range(where % (layers + 1)), written)
                 raise Interrupted
         elif kind == "skip_layer":
-            with pytest.raises(am.IncompleteForwardError), fwd:
+            with pytest.raises(am.errors.IncompleteForwardError), fwd:
                 self.expect_outputs(fwd, streams, range(skipped), written)
                 self.expect_outputs(fwd, streams, range(skipped + 1, layers), written)
         else:
@@ -292,7 +292,7 @@ class HeadGroupedMachine(RuleBasedStateMachine):
         sid = streams[where % len(streams)][0]
         session, _ = self.sessions[sid]
         # NOTE: a closed session's contexts are released: their op finds no plan (PlanNotFoundError), as for a KVCache.
-        with pytest.raises((am.ForwardFinishedError, am.PlanNotFoundError)), fwd:
+        with pytest.raises((am.errors.ForwardFinishedError, am.errors.PlanNotFoundError)), fwd:
             self.expect_outputs(fwd, streams, range(where % self.spec.num_layers), [])
             if where % 3:
                 session.reset()
@@ -313,7 +313,7 @@ class HeadGroupedMachine(RuleBasedStateMachine):
         if not hasattr(self, "cache"):
             return
         for c in self.cache.caches:
-            c.allocator.check_invariants()
+            c._allocator.check_invariants()
 
     @invariant()
     def parts_hold_what_their_policies_keep(self) -> None:
@@ -332,8 +332,8 @@ class HeadGroupedMachine(RuleBasedStateMachine):
                     expected += (resident + model.pending[b]) * ppc
                     refs.update(pg for chunk in state.history_chunks(b) + state.pending_chunks(b) for pg in chunk)
             # Shared (forked) pages count once in the pool, once per reference in the refcounts.
-            assert {pg: cache.allocator.refcount(pg) for pg in cache.allocator.used_pages()} == dict(refs)
-            assert sum(refs.values()) == expected and cache.allocator.num_used == len(refs)
+            assert {pg: cache._allocator.refcount(pg) for pg in cache._allocator.used_pages()} == dict(refs)
+            assert sum(refs.values()) == expected and cache._allocator.num_used == len(refs)
 
     @invariant()
     def parts_are_in_step(self) -> None:
@@ -343,7 +343,7 @@ class HeadGroupedMachine(RuleBasedStateMachine):
             for b in BRANCHES:
                 assert {st_.token_offset(b) for st_ in session.parts} == {model.committed[b] * self.chunk}
                 assert {st_.committed_chunks(b) for st_ in session.parts} == {model.committed[b]}
-                open_in = {st_.open_forward(b) is not None for st_ in session.parts}
+                open_in = {st_._open_forward(b) is not None for st_ in session.parts}
                 assert open_in == {any((sid, b) in f.streams for f in self.open)}, (sid, b)
         for f in self.open:
             assert all(t.is_open for t in f.transactions)  # type: ignore[attr-defined]
@@ -353,7 +353,7 @@ class HeadGroupedMachine(RuleBasedStateMachine):
             return
         for session, _ in list(self.sessions.values()):
             session.close()
-        assert all(c.allocator.num_used == 0 for c in self.cache.caches)
+        assert all(c._allocator.num_used == 0 for c in self.cache.caches)
         assert self.cache.bytes_in_use() == 0 and self.cache.sessions == {}
         self.cache.close()
 

@@ -93,7 +93,7 @@ def test_short_groups_free_their_pages_and_admission_counts_each_part() -> None:
     assert s.pages_in_use() == {"local/1h": 4, "local/3h": 4, "other/1h": 20, "other/3h": 20}
     uniform_bytes = 2 * 2 * (5 + 0) * 2 * 4 * 4 * 8 * 4  # branches x layers x chunks x pages x page x heads x d x K,V x fp32 / 2
     assert s.bytes_in_use() == sum(
-        n * c.pool.bytes_per_page for n, c in zip(s.pages_in_use().values(), cache.caches)
+        n * c._pool.bytes_per_page for n, c in zip(s.pages_in_use().values(), cache.caches)
     )
     assert s.bytes_in_use() < 0.75 * uniform_bytes
     assert cache.sessions_that_fit(recache=False) == 1
@@ -114,7 +114,7 @@ def test_a_forward_commits_in_every_part_or_in_none() -> None:
     for _ in range(3):
         one_forward(s, oracle, spec.branches, 4, True, gen, spec)
     before = (s.pages_in_use(), [p.committed_chunks("cond") for p in s.parts])
-    with pytest.raises(am.IncompleteForwardError):
+    with pytest.raises(am.errors.IncompleteForwardError):
         with s.prepare_forward(None, 4, commit_current=True) as fwd:
             for layer in fwd.layers[:2]:  # layer 2 ("g" only) never runs
                 am.chunk_attention(*random_qkv(2, 4, 2, 2, 8, gen, torch.float32), layer)
@@ -131,12 +131,12 @@ def test_a_part_out_of_pages_leaves_no_part_with_an_open_forward() -> None:
     heads = am.HeadRetention({"l": (0, 1), "g": (1, 2)}, [["l", "g"]])
     cache = am.HeadGroupedKVCache(spec, heads, max_sessions=1, backend="reference")
     s = cache.open_session()
-    hog = cache.caches[-1].allocator.allocate(cache.caches[-1].allocator.num_free - 1)  # the last part is full
+    hog = cache.caches[-1]._allocator.allocate(cache.caches[-1]._allocator.num_free - 1)  # the last part is full
     with pytest.raises(am.CapacityError):
         s.prepare_forward(None, 4, commit_current=True)
-    assert all(p.open_forward("main") is None for p in s.parts)
+    assert all(p._open_forward("main") is None for p in s.parts)
     assert s.pages_in_use() == {"l/1h": 0, "g/1h": 0}
-    cache.caches[-1].allocator.decref(hog)
+    cache.caches[-1]._allocator.decref(hog)
     oracle = PerHeadOracle(heads)
     got, want = one_forward(s, oracle, ("main",), 4, True, torch.Generator().manual_seed(3), spec)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
@@ -151,9 +151,9 @@ def test_fork_shares_every_part_and_reset_and_close_release_them() -> None:
     gen = torch.Generator().manual_seed(4)
     for _ in range(4):
         one_forward(s, oracle, spec.branches, 4, True, gen, spec)
-    used = [c.allocator.num_used for c in cache.caches]
+    used = [c._allocator.num_used for c in cache.caches]
     child = s.fork("b")
-    assert [c.allocator.num_used for c in cache.caches] == used  # shared by refcount: no page copied
+    assert [c._allocator.num_used for c in cache.caches] == used  # shared by refcount: no page copied
     forked = PerHeadOracle(heads, committed={b: [list(layer) for layer in oracle.committed[b]] for b in spec.branches})
     got, want = one_forward(child, forked, spec.branches, 4, True, gen, spec)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
@@ -161,7 +161,7 @@ def test_fork_shares_every_part_and_reset_and_close_release_them() -> None:
     assert child.token_offset("cond") == 0 and sum(child.pages_in_use().values()) == 0
     s.close()
     child.close()
-    assert all(c.allocator.num_used == 0 for c in cache.caches)
+    assert all(c._allocator.num_used == 0 for c in cache.caches)
     assert cache.sessions == {}
 
 
@@ -172,7 +172,7 @@ def test_cross_attention_lives_on_the_grouped_session() -> None:
     s = cache.open_session()
     layer_kv = [(torch.randn(3, 2, 8), torch.randn(3, 2, 8)) for _ in range(2)]
     s.populate_cross_attention("cond", "text", layer_kv)
-    with pytest.raises(am.CrossAttentionNotPopulatedError):
+    with pytest.raises(am.errors.CrossAttentionNotPopulatedError):
         with s.prepare_forward(None, 4) as fwd:
             fwd.layers[0].cross_kv("text")  # uncond not populated
     s.populate_cross_attention("uncond", "text", layer_kv)
@@ -199,7 +199,7 @@ def test_a_budget_that_leaves_a_part_without_a_page_is_refused_as_kvcache_refuse
     with pytest.raises(am.SpecError, match="expected at least one page"):
         am.KVCache(part_spec(spec, heads.parts()[0]), budget_bytes=10)
     cache = am.HeadGroupedKVCache(spec, heads, budget_bytes=768, backend="reference")
-    assert [c.pool.num_pages for c in cache.caches] == [1, 2]
+    assert [c._pool.num_pages for c in cache.caches] == [1, 2]
     cache.close()
 
 
@@ -216,9 +216,9 @@ def test_misuse_is_refused_with_the_expected_error() -> None:
         am.HeadGroupedKVCache(spec, heads)
     cache = am.HeadGroupedKVCache(spec, heads, budget_bytes=1 << 20, backend="reference")
     s = cache.open_session()
-    with pytest.raises(am.UnknownBranchError):
+    with pytest.raises(am.errors.UnknownBranchError):
         s.prepare_forward(("nope",), 4)
-    with pytest.raises(am.SequenceLengthError):
+    with pytest.raises(am.errors.SequenceLengthError):
         s.prepare_forward(None, 5)
     q, k, v = random_qkv(2, 4, 2, 2, 8, torch.Generator().manual_seed(0), torch.float32)
     with s.prepare_forward(None, 4) as fwd:
@@ -226,8 +226,8 @@ def test_misuse_is_refused_with_the_expected_error() -> None:
             am.chunk_attention(q.requires_grad_(), k, v, fwd.layers[0])
         with pytest.raises(am.TensorMismatchError):
             am.chunk_attention(q.detach()[:, :, :1], k, v, fwd.layers[0])
-    with pytest.raises(am.ForwardFinishedError):
+    with pytest.raises(am.errors.ForwardFinishedError):
         am.chunk_attention(q.detach(), k, v, fwd.layers[0])
     s.close()
-    with pytest.raises(am.SessionClosedError):
+    with pytest.raises(am.errors.SessionClosedError):
         s.prepare_forward(None, 4)

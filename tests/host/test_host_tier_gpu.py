@@ -26,8 +26,8 @@ def test_cuda_suspend_resume_matches_a_twin(extents):
                 assert torch.equal(am.chunk_attention(q, k, v, l1), am.chunk_attention(q, k, v, l2))
         if seed == 1:
             state.suspend()
-            assert caches[0].allocator.num_used == 0
-            tier = caches[0].host_tier
+            assert caches[0]._allocator.num_used == 0
+            tier = caches[0]._host_tier
             assert tier.host_page_tensor(tier.pages.pages()[0]).is_pinned()
             handle = state.resume()
             assert handle.ready() in (True, False)  # an event; the next prepare orders the stream after it
@@ -50,14 +50,14 @@ def test_cuda_prompt_published_while_suspended_wins_and_reads_on_the_device():
             q = torch.randn(2, CHUNK, 2, 4, device="cuda")
             am.chunk_attention(q, q, q, layer)
     state.suspend()
-    held = state.cross_entry("uncond", "text")
+    held = state._cross_entry("uncond", "text")
     assert held is not None and held.k.device.type == "cpu" and held.k.is_pinned()  # the prompt left the device
     got = state.get_cross_attention_kv("uncond", "text")  # answered on the device, as when resident
     assert got[1]["k"].device.type == "cuda" and float(got[1]["k"][0, 0, 0]) == 2.0
     state.populate_cross_attention("cond", "text", prompt(7.0))
     state.resume().wait()
     for b, seed in (("cond", 7.0), ("uncond", 1.0)):
-        entry = state.cross_entry(b, "text")
+        entry = state._cross_entry(b, "text")
         assert entry is not None and entry.k.device.type == "cuda" and float(entry.k[0, 0, 0, 0]) == seed
     state.close()
-    assert cache.allocator.num_used == 0 and cache.host_tier.pages.nbytes == 0
+    assert cache._allocator.num_used == 0 and cache._host_tier.pages.nbytes == 0

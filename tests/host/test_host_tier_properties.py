@@ -66,8 +66,8 @@ def test_suspend_resume_sequences_match_a_twin_and_leak_nothing(extents, ops):
             mine.append(s.fork(f"s{len(mine)}")), ref.append(t.fork(f"s{len(ref)}"))
         elif op == "close":
             s.close(), t.close()
-        cache.allocator.check_invariants()
-        cache.host_tier.pages.check_invariants()
+        cache._allocator.check_invariants()
+        cache._host_tier.pages.check_invariants()
     for s, t in zip(mine, ref):  # one at a time (the pool may not hold them all): each continues as its twin
         if not s.is_closed:
             for other in mine:
@@ -80,4 +80,4 @@ def test_suspend_resume_sequences_match_a_twin_and_leak_nothing(extents, ops):
             assert all(torch.equal(a, b) for a, b in zip(_forward(s, True, 99), _forward(t, True, 99)))
     for s in mine:
         s.close()
-    assert cache.allocator.num_used == 0 and cache.host_tier.pages.nbytes == 0 and cache.host_tier.num_suspended == 0
+    assert cache._allocator.num_used == 0 and cache._host_tier.pages.nbytes == 0 and cache._host_tier.num_suspended == 0

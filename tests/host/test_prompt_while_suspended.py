@@ -68,7 +68,7 @@ def test_a_prompt_published_while_suspended_survives_the_resume(extents):
     reads = forward_reads(state)
     assert all(float(r[0, 0, 0, 0]) == 2.0 + i and float(r[1, 0, 0, 0]) == 1.0 + i for i, r in enumerate(reads))
     state.close()
-    assert cache.allocator.num_used == 0 and cache.host_tier.pages.nbytes == 0
+    assert cache._allocator.num_used == 0 and cache._host_tier.pages.nbytes == 0
 
 
 def test_a_clear_while_suspended_stays_cleared():
@@ -92,7 +92,7 @@ def test_a_re_publish_after_a_clear_while_suspended_wins():
 def test_reset_of_a_suspended_session_keeps_the_prompt_it_was_told_to_keep():
     cache, state = suspended_session()
     state.reset(keep_cross_attention=("text",))
-    assert not state.is_suspended and cache.host_tier.num_suspended == 0 and cache.host_tier.pages.nbytes == 0
+    assert not state.is_suspended and cache._host_tier.num_suspended == 0 and cache._host_tier.pages.nbytes == 0
     assert read_prompt(state) == {"cond": 1.0, "uncond": 1.0}
     assert state.token_offset("cond") == 0
     assert float(forward_reads(state)[1][0, 0, 0, 0]) == 2.0  # layer 1 of prompt 1.0, read on the device
@@ -119,7 +119,7 @@ def test_resume_of_a_session_that_is_not_suspended_raises_and_changes_nothing():
     state = cache.open_session("s")
     publish(state, 1.0)
     forward_reads(state)
-    used = cache.allocator.num_used
+    used = cache._allocator.num_used
     with pytest.raises(am.SessionNotSuspendedError, match="never suspended, or resumed already") as info:
         state.resume()
     assert isinstance(info.value, RuntimeError)
@@ -127,7 +127,7 @@ def test_resume_of_a_session_that_is_not_suspended_raises_and_changes_nothing():
     state.resume()
     with pytest.raises(am.SessionNotSuspendedError):
         state.resume()  # twice
-    assert cache.allocator.num_used == used and read_prompt(state) == {"cond": 1.0, "uncond": 1.0}
+    assert cache._allocator.num_used == used and read_prompt(state) == {"cond": 1.0, "uncond": 1.0}
     state.close()
-    with pytest.raises(am.SessionClosedError):
+    with pytest.raises(am.errors.SessionClosedError):
         state.resume()

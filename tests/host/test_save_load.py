@@ -61,14 +61,14 @@ def switch_prompt(state: am.KVState) -> list[torch.Tensor]:
 
 def snapshot(cache: am.KVCache):
     """Everything a refused load must leave as it was."""
-    return bookkeeping(cache), cache.pool.kv.view(torch.uint8).clone(), cache.pool.scales.clone()
+    return bookkeeping(cache), cache._pool.kv.view(torch.uint8).clone(), cache._pool.scales.clone()
 
 
 def assert_unchanged(cache: am.KVCache, before) -> None:
     books, pool, scales = before
     assert bookkeeping(cache) == books
-    assert torch.equal(cache.pool.kv.view(torch.uint8), pool) and torch.equal(cache.pool.scales, scales)
-    cache.allocator.check_invariants()
+    assert torch.equal(cache._pool.kv.view(torch.uint8), pool) and torch.equal(cache._pool.scales, scales)
+    cache._allocator.check_invariants()
 
 
 @pytest.mark.parametrize(
@@ -113,12 +113,12 @@ def test_a_saved_and_loaded_session_continues_bit_identically(tmp_path, spec, ex
         mine, ref = loaded.get_cross_attention_kv(b, "text"), twin.get_cross_attention_kv(b, "text")
         assert torch.equal(mine[1]["k"], ref[1]["k"])
     if spec is FP8:
-        assert torch.equal(fresh.pool.scales, twin_cache.pool.scales)
-        with pytest.raises(am.KVScalesFixedError):  # the loaded pages hold K/V quantized with them
-            fresh.set_kv_scales(torch.ones_like(fresh.pool.scales))
-    fresh.allocator.check_invariants()
+        assert torch.equal(fresh._pool.scales, twin_cache._pool.scales)
+        with pytest.raises(am.errors.KVScalesFixedError):  # the loaded pages hold K/V quantized with them
+            fresh.set_kv_scales(torch.ones_like(fresh._pool.scales))
+    fresh._allocator.check_invariants()
     loaded.close()
-    assert fresh.allocator.num_used == 0
+    assert fresh._allocator.num_used == 0
 
 
 def test_a_fork_family_keeps_its_page_count_and_shared_prompts_stay_shared(tmp_path):
@@ -134,20 +134,20 @@ def test_a_fork_family_keeps_its_page_count_and_shared_prompts_stay_shared(tmp_p
     path = tmp_path / "family.safetensors"
     cache.save_sessions(path, [a, child, b])
     with safe_open(str(path), "pt") as f:
-        assert f.get_tensor("pages").shape[0] == cache.allocator.num_used  # each shared page written once
+        assert f.get_tensor("pages").shape[0] == cache._allocator.num_used  # each shared page written once
     fresh = make_small_cache()
     la, lchild, lb = fresh.load_sessions(path)
-    assert fresh.allocator.num_used == cache.allocator.num_used
-    refcounts = sorted(cache.allocator.refcount(p) for p in cache.allocator.used_pages())
-    assert sorted(fresh.allocator.refcount(p) for p in fresh.allocator.used_pages()) == refcounts
+    assert fresh._allocator.num_used == cache._allocator.num_used
+    refcounts = sorted(cache._allocator.refcount(p) for p in cache._allocator.used_pages())
+    assert sorted(fresh._allocator.refcount(p) for p in fresh._allocator.used_pages()) == refcounts
     for x, y in ((la, a), (lchild, child), (lb, b)):
         assert [len(set(pages_of(x, n)) & set(pages_of(la, n))) for n in BOTH] == [
             len(set(pages_of(y, n)) & set(pages_of(a, n))) for n in BOTH
         ]
-    assert lb.cross_entry("cond", "text") is la.cross_entry("cond", "text")
+    assert lb._cross_entry("cond", "text") is la._cross_entry("cond", "text")
     for x, y, seed in ((lchild, child, 9), (lb, b, 10), (la, a, 11)):
         assert all(torch.equal(p, q) for p, q in zip(step(x, seed), step(y, seed)))
-    fresh.allocator.check_invariants()
+    fresh._allocator.check_invariants()
 
 
 def test_saving_changes_nothing_and_refuses_sessions_it_cannot_save(tmp_path):
@@ -171,7 +171,7 @@ def test_saving_changes_nothing_and_refuses_sessions_it_cannot_save(tmp_path):
     with pytest.raises(am.SessionSuspendedError, match="save_sessions: expected a resident session"):
         cache.save_sessions(path, [s])
     s.close()
-    with pytest.raises(am.SessionClosedError):
+    with pytest.raises(am.errors.SessionClosedError):
         cache.save_sessions(path, [s])
     assert not path.exists() and not list(tmp_path.iterdir())
 
@@ -308,7 +308,7 @@ def test_ids_clash_and_room_are_checked_before_anything_is_allocated(saved):
     path, target = saved
     target.open_session("t")
     before = snapshot(target)
-    with pytest.raises(am.SessionIdClashError, match=r"expected ids not open in this cache, got \['t'\]"):
+    with pytest.raises(am.errors.SessionIdClashError, match=r"expected ids not open in this cache, got \['t'\]"):
         target.load_sessions(path)
     assert_unchanged(target, before)
     with pytest.raises(am.SpecError, match="a sequence of 2 ids"):
@@ -326,11 +326,11 @@ def test_ids_clash_and_room_are_checked_before_anything_is_allocated(saved):
     hog.close()
     loaded = target.load_sessions(path, ["s2", "t2"])
     assert [x.session_id for x in loaded] == ["s2", "t2"]
-    target.allocator.check_invariants()
+    target._allocator.check_invariants()
     twice = make_small_cache()
     first, again = twice.load_sessions(path), twice.load_sessions(path, ["s3", "t3"])  # two independent families
     assert not set(pages_of(again[0], "cond")) & set(pages_of(first[0], "cond"))
-    assert twice.allocator.num_used == 32
+    assert twice._allocator.num_used == 32
 
 
 def test_fp8_scales_that_differ_from_the_pools_are_refused(tmp_path):
@@ -340,7 +340,7 @@ def test_fp8_scales_that_differ_from_the_pools_are_refused(tmp_path):
     step(o, 3, latents=False)  # the other pool calibrated from other K/V: other scales, already used
     path = tmp_path / "fp8.safetensors"
     cache.save_sessions(path, [s])
-    assert not torch.equal(cache.pool.scales, other.pool.scales)
+    assert not torch.equal(cache._pool.scales, other._pool.scales)
     before = snapshot(other)
     with pytest.raises(am.SessionFileError, match="'kv_scales': expected the FP8 scales this pool already"):
         other.load_sessions(path)
@@ -380,11 +380,11 @@ def test_a_file_crosses_devices_cpu_to_cuda_and_back(tmp_path, spec):
     cuda = am.KVCache(spec, num_pages=32, device="cuda", backend="reference")
     [on_gpu] = cuda.load_sessions(tmp_path / "a.safetensors")
     for b in BOTH:
-        assert torch.equal(cuda.pool.kv[:, :, pages_of(on_gpu, b)].view(torch.uint8).cpu(),
-                           cpu.pool.kv[:, :, pages_of(s, b)].view(torch.uint8))
-        assert on_gpu.cross_entry(b, "text").k.device.type == "cuda"
+        assert torch.equal(cuda._pool.kv[:, :, pages_of(on_gpu, b)].view(torch.uint8).cpu(),
+                           cpu._pool.kv[:, :, pages_of(s, b)].view(torch.uint8))
+        assert on_gpu._cross_entry(b, "text").k.device.type == "cuda"
     assert on_gpu.recache_latents().device.type == "cuda"
-    assert torch.equal(cuda.pool.scales.cpu(), cpu.pool.scales)
+    assert torch.equal(cuda._pool.scales.cpu(), cpu._pool.scales)
     cuda.save_sessions(tmp_path / "b.safetensors", [on_gpu])
     [back] = make_small_cache().load_sessions(tmp_path / "b.safetensors") if spec is SMALL_SPEC else (
         am.KVCache(spec, num_pages=32, backend="reference").load_sessions(tmp_path / "b.safetensors")

@@ -35,7 +35,7 @@ def populate(state: am.KVState, seed: int = 7) -> None:
 
 def history_bytes(cache: am.KVCache, state: am.KVState) -> dict[str, torch.Tensor]:
     """The K/V of each branch's history pages in history order, every layer: what suspend must preserve."""
-    return {b: cache.pool.kv[:, :, pages_of(state, b)].clone() for b in BOTH}
+    return {b: cache._pool.kv[:, :, pages_of(state, b)].clone() for b in BOTH}
 
 
 def ring_bytes(cache: am.KVCache, state: am.KVState, branch: str) -> tuple[list[int | None], torch.Tensor]:
@@ -45,12 +45,12 @@ def ring_bytes(cache: am.KVCache, state: am.KVState, branch: str) -> tuple[list[
     slots = list(extent_slots_of(bp))
     step, first = bp.pages_per_chunk, bp.extent[0]
     pages = [first + s * step + i for s, c in sorted(zip(slots, bp.history), key=lambda sc: sc[0]) for i in range(len(c))]
-    return slots, cache.pool.kv[:, :, pages].clone()
+    return slots, cache._pool.kv[:, :, pages].clone()
 
 
 def assert_clean(cache: am.KVCache) -> None:
-    cache.allocator.check_invariants()
-    cache.host_tier.pages.check_invariants()
+    cache._allocator.check_invariants()
+    cache._host_tier.pages.check_invariants()
 
 
 @pytest.mark.parametrize("extents", [False, True], ids=["paged", "extents"])
@@ -63,7 +63,7 @@ def test_a_suspended_and_resumed_session_continues_bit_identically(extents):
             before = history_bytes(cache, state)
             offsets = [state.token_offset(b) for b in BOTH]
             state.suspend()
-            assert state.is_suspended and state.pages_in_use() == 0 and cache.allocator.num_used == 0
+            assert state.is_suspended and state.pages_in_use() == 0 and cache._allocator.num_used == 0
             handle = state.resume()
             assert handle.ready() and not state.is_suspended
             handle.wait()
@@ -84,7 +84,7 @@ def test_a_suspended_and_resumed_session_continues_bit_identically(extents):
     assert torch.equal(state.recache_latents(), twin.recache_latents())
     assert_clean(cache)
     state.close()
-    assert cache.allocator.num_used == 0 and cache.host_tier.pages.num_pages == 0
+    assert cache._allocator.num_used == 0 and cache._host_tier.pages.num_pages == 0
 
 
 def test_forks_stay_shared_after_suspend_and_resume_of_one_or_both():
@@ -95,7 +95,7 @@ def test_forks_stay_shared_after_suspend_and_resume_of_one_or_both():
     child = a.fork("child")
     shared = {b: pages_of(a, b) for b in BOTH}
     distinct = len({p for b in BOTH for p in shared[b]})
-    alloc, host = cache.allocator, cache.host_tier.pages
+    alloc, host = cache._allocator, cache._host_tier.pages
     # one: the pages stay resident for the parent; resume takes a reference on them again (no copy)
     child.suspend()
     assert all(alloc.refcount(p) == 1 for b in BOTH for p in shared[b]) and host.num_pages == distinct
@@ -107,7 +107,7 @@ def test_forks_stay_shared_after_suspend_and_resume_of_one_or_both():
     child.suspend()
     a.suspend()
     assert alloc.num_used == 0 and host.num_pages == distinct
-    assert host.nbytes == distinct * cache.pool.bytes_per_page
+    assert host.nbytes == distinct * cache._pool.bytes_per_page
     assert all(host.refcount(h) == 2 for h in host.pages())
     a.resume()
     child.resume()
@@ -134,11 +134,11 @@ def test_shared_sinks_come_back_shared():
     distinct = {p for s in (a, b) for br in BOTH for p in pages_of(s, br)}
     b.suspend()
     a.suspend()
-    assert cache.host_tier.pages.num_pages == len(distinct)  # the shared sinks copied once
+    assert cache._host_tier.pages.num_pages == len(distinct)  # the shared sinks copied once
     b.resume()
     a.resume()
     assert a.history_chunks("cond")[0] == b.history_chunks("cond")[0]
-    assert all(cache.allocator.refcount(p) == 2 for p in a.history_chunks("cond")[0])
+    assert all(cache._allocator.refcount(p) == 2 for p in a.history_chunks("cond")[0])
     assert sink != () and len(a.history_chunks("cond")) == 2
     assert_clean(cache)
 
@@ -196,7 +196,7 @@ def test_misuse_is_refused_and_changes_nothing():
     fwd.abort()
     s.abort()
     s.close()
-    with pytest.raises(am.SessionClosedError):
+    with pytest.raises(am.errors.SessionClosedError):
         s.suspend()
 
 
@@ -209,19 +209,19 @@ def test_resume_without_device_room_and_suspend_over_the_host_budget_change_noth
     hog = cache.open_session("hog")
     step(hog, 0)
     step(hog, 1)  # 8 of 12 pages: s needs 12
-    before, host = bookkeeping(cache), cache.host_tier.pages.nbytes
+    before, host = bookkeeping(cache), cache._host_tier.pages.nbytes
     with pytest.raises(am.CapacityError, match="resume 's': needed 12 free device pages .* got 4 free of 12"):
         s.resume()
-    assert bookkeeping(cache) == before and cache.host_tier.pages.nbytes == host and s.is_suspended
+    assert bookkeeping(cache) == before and cache._host_tier.pages.nbytes == host and s.is_suspended
     hog.close()
     s.resume()
-    small = make_small_cache(host_budget_bytes=cache.pool.bytes_per_page)
+    small = make_small_cache(host_budget_bytes=cache._pool.bytes_per_page)
     t = small.open_session("t")
     step(t, 0)
-    before, pool = bookkeeping(small), bit_copy(small.pool.kv)
+    before, pool = bookkeeping(small), bit_copy(small._pool.kv)
     with pytest.raises(am.CapacityError, match="host tier needs .* only .* of its budget"):
         t.suspend()
-    assert bookkeeping(small) == before and torch.equal(bit_copy(small.pool.kv), pool) and not t.is_suspended
+    assert bookkeeping(small) == before and torch.equal(bit_copy(small._pool.kv), pool) and not t.is_suspended
 
 
 def test_close_and_reset_of_a_suspended_session_drop_its_host_pages():
@@ -231,10 +231,10 @@ def test_close_and_reset_of_a_suspended_session_drop_its_host_pages():
     step(s, 0), step(r, 0)
     s.suspend(), r.suspend()
     s.close()
-    assert cache.host_tier.num_suspended == 1
+    assert cache._host_tier.num_suspended == 1
     r.reset()
-    assert not r.is_suspended and r.token_offset("cond") == 0 and cache.host_tier.pages.nbytes == 0
-    assert cache.allocator.num_used == 0
+    assert not r.is_suspended and r.token_offset("cond") == 0 and cache._host_tier.pages.nbytes == 0
+    assert cache._allocator.num_used == 0
     report = cache.tiers()
     assert report.suspended == () and report.resident == ("r",) and report.host_bytes == 0
 
@@ -249,7 +249,7 @@ def test_an_interrupted_transfer_leaves_the_session_fully_on_one_side(monkeypatc
         step(s, seed, latents=True)
     if stage == "resume":
         s.suspend()
-    before, pool, host = bookkeeping(cache), bit_copy(cache.pool.kv), cache.host_tier.pages.nbytes
+    before, pool, host = bookkeeping(cache), bit_copy(cache._pool.kv), cache._host_tier.pages.nbytes
 
     def boom(*args, **kwargs):
         raise error("copy failed")
@@ -259,8 +259,8 @@ def test_an_interrupted_transfer_leaves_the_session_fully_on_one_side(monkeypatc
     with pytest.raises(error, match="copy failed"):
         s.suspend() if stage == "suspend" else s.resume()
     monkeypatch.undo()
-    assert bookkeeping(cache) == before and torch.equal(bit_copy(cache.pool.kv), pool)
-    assert cache.host_tier.pages.nbytes == host and s.is_suspended == (stage == "resume")
+    assert bookkeeping(cache) == before and torch.equal(bit_copy(cache._pool.kv), pool)
+    assert cache._host_tier.pages.nbytes == host and s.is_suspended == (stage == "resume")
     assert_clean(cache)
     if stage == "resume":
         s.resume()
@@ -286,7 +286,7 @@ def test_admission_suspends_the_least_recently_used_idle_session(extents):
     c = cache.admit_session("c", suspend_idle=True)  # b was used least recently
     report = cache.tiers()
     assert report.suspended == ("b",) and set(report.resident) == {"a", "c"} and report.host_bytes > 0
-    assert b.pages_in_use() == 0 and cache.allocator.num_free >= cache.pages_per_session()
+    assert b.pages_in_use() == 0 and cache._allocator.num_free >= cache.pages_per_session()
     # none idle: a has pending work, c is new but b cannot be resumed on top -> refused, nothing changed
     step(a, 1, commit=False)
     step(c, 0, commit=False)
@@ -323,12 +323,12 @@ def test_fp8_pages_travel_as_raw_bytes_and_the_scales_stay():
     s, twin = cache.open_session("s"), twin_cache.open_session("s")
     for seed in range(3):
         step(s, seed), step(twin, seed)
-    scales = cache.pool.scales.clone()
-    before = {b: cache.pool.kv[:, :, pages_of(s, b)].view(torch.uint8).clone() for b in BOTH}
+    scales = cache._pool.scales.clone()
+    before = {b: cache._pool.kv[:, :, pages_of(s, b)].view(torch.uint8).clone() for b in BOTH}
     s.suspend()
     s.resume()
-    assert torch.equal(cache.pool.scales, scales)
-    assert all(torch.equal(cache.pool.kv[:, :, pages_of(s, b)].view(torch.uint8), before[b]) for b in BOTH)
+    assert torch.equal(cache._pool.scales, scales)
+    assert all(torch.equal(cache._pool.kv[:, :, pages_of(s, b)].view(torch.uint8), before[b]) for b in BOTH)
     assert all(torch.equal(x, y) for x, y in zip(step(s, 5), step(twin, 5)))
 
 
@@ -356,7 +356,7 @@ def test_a_fork_of_a_ring_is_not_aliased_to_slots_the_ring_rewrites():
 
 def test_sessions_that_fit_on_the_host_tier_counts_peak_sessions_against_the_budget():
     probe = make_small_cache()
-    per_session = probe.admission.host_pages_per_session() * probe.pool.bytes_per_page
+    per_session = probe._admission.host_pages_per_session() * probe._pool.bytes_per_page
     probe.close()
     cache = make_small_cache(host_budget_bytes=2 * per_session + per_session // 2)
     assert cache.sessions_that_fit(tier="host") == 2
@@ -388,11 +388,11 @@ def test_the_arena_keeps_its_rows_for_the_next_suspend_and_reserve_pins_ahead():
     s = cache.open_session("s")
     for seed in range(4):
         step(s, seed)
-    arena = cache.host_tier.arena
-    assert cache.host_tier.reserve(3 * cache.pool.bytes_per_page) == arena.nbytes == 3 * arena.page_bytes
+    arena = cache._host_tier.arena
+    assert cache._host_tier.reserve(3 * cache._pool.bytes_per_page) == arena.nbytes == 3 * arena.page_bytes
     s.suspend()
     grown, slabs = arena.capacity_rows, len(arena.slabs)
-    assert grown == len(cache.host_tier.pages.pages()) > 3  # the reserved rows first, then one slab more
+    assert grown == len(cache._host_tier.pages.pages()) > 3  # the reserved rows first, then one slab more
     assert arena.free_rows == 0 and cache.tiers().host_arena_bytes == arena.nbytes
     s.resume()
     assert arena.free_rows == grown  # every row back, none unpinned

@@ -15,14 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ardiff_modules import (
-    CrossAttentionSpec,
-    KVCache,
-    KVCacheSpec,
-    SpecError,
-    StateDictMismatchError,
-    TensorMismatchError,
-)
+from ardiff_modules import CrossAttentionSpec, KVCache, KVCacheSpec, SpecError, TensorMismatchError
+from ardiff_modules.errors import StateDictMismatchError
 from ardiff_modules.convert import attention_key_map, convert_attention_state_dict, convert_wan_state_dict
 from ardiff_modules.modules import (
     ATTENTION_PARAM_NAMES,

@@ -321,12 +321,12 @@ def test_remove_in_the_middle_of_a_committing_forward_commits_nothing() -> None:
         paged.set_prompt(state, branch, p[None])
     x = torch.randn(2, 4, FRAMES, *LATENT, generator=g)
     hook = model.blocks[0].register_forward_hook(lambda *_: paged.remove())
-    with torch.no_grad(), pytest.raises(am.IncompleteForwardError, match=r"layer\(s\) 1\b"):
+    with torch.no_grad(), pytest.raises(am.errors.IncompleteForwardError, match=r"layer\(s\) 1\b"):
         with state.prepare_forward(BRANCHES, paged.spec.chunk_size, commit_current=True) as fwd:
             paged(x, torch.tensor(700.0), fwd)
     hook.remove()
     assert state.committed_chunks("cond") == state.committed_chunks("uncond") == 0
-    assert cache.allocator.num_used == 0 and state.open_forward("cond") is None
+    assert cache._allocator.num_used == 0 and state._open_forward("cond") is None
 
 
 def test_sessions_at_different_offsets_batch_in_one_forward() -> None:
@@ -404,7 +404,7 @@ def test_errors() -> None:
 
     with torch.no_grad():
         # No prompt for the branches: the first attn2 read raises; the forward is aborted.
-        with pytest.raises(am.CrossAttentionNotPopulatedError), forward(True) as fwd:
+        with pytest.raises(am.errors.CrossAttentionNotPopulatedError), forward(True) as fwd:
             paged(x, torch.zeros(2), fwd)
         assert state.committed_chunks("cond") == 0
         for branch in BRANCHES:
@@ -416,7 +416,7 @@ def test_errors() -> None:
         # Latents the model cannot take: refused by name before the model runs (the patch embedding's conv
         # raised a bare RuntimeError); the pool and the history are as before, the forward still usable.
         with forward(True) as fwd:
-            kv = cache.pool.kv.clone()
+            kv = cache._pool.kv.clone()
             for bad, fragments in (
                 (torch.randn(2, 3, FRAMES, *LATENT), ["expected [streams, C=4 (the model's", "got (2, 3, 2, 4, 4)"]),
                 (x.double(), ["expected dtype torch.float32 (the model's", "got torch.float64"]),
@@ -424,7 +424,7 @@ def test_errors() -> None:
                 with pytest.raises(am.TensorMismatchError) as info:
                     paged(bad, torch.zeros(2), fwd)
                 assert all(f in str(info.value) for f in fragments), str(info.value)
-                assert torch.equal(cache.pool.kv, kv) and state.committed_chunks("cond") == 0
+                assert torch.equal(cache._pool.kv, kv) and state.committed_chunks("cond") == 0
             paged(x, torch.zeros(2), fwd)
         assert state.committed_chunks("cond") == 1
     with pytest.raises(am.TensorMismatchError, match="encoder_hidden_states"):

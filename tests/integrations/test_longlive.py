@@ -191,7 +191,7 @@ def test_a_window_other_than_upstreams_buffer_is_refused_at_the_recache() -> Non
     assert session.forward is None and session.committed_tokens == 6 * PER_FRAME
     history = session.state.history_chunks("video0")
     assert session.state.pages_in_use() == sum(len(chunk) for chunk in history) == 3 * session.cache.spec.pages_per_chunk
-    session.cache.allocator.check_invariants()
+    session.cache._allocator.check_invariants()
     session.close()
 
 

@@ -244,7 +244,7 @@ def test_positions_that_do_not_continue_the_stream_are_refused() -> None:
 
 def test_wrong_inputs_are_refused_naming_expected_and_actual() -> None:
     layers, session = _swapped()
-    with pytest.raises(am.SequenceLengthError, match="expected one chunk of chunk_size=6 tokens .* got 18"):
+    with pytest.raises(am.errors.SequenceLengthError, match="expected one chunk of chunk_size=6 tokens .* got 18"):
         _chunk_call(layers, 0, frames=3)  # the pipeline's num_frame_per_block is not the spec's chunk
     with pytest.raises(am.TensorMismatchError, match=r"expected \[1 \(one row per branch \('video0',\)\)"):
         _chunk_call(layers, 0, batch=2)
@@ -255,10 +255,10 @@ def test_wrong_inputs_are_refused_naming_expected_and_actual() -> None:
         layers[0](x, None, torch.tensor([[1, 3, 3]]), freqs, None, {}, 0, None)
     with pytest.raises(am.TensorMismatchError, match=r"expected at least 3 rows \(frames 0..0, a 2x3 grid\), got 2"):
         layers[0](x, None, torch.tensor([[1, 2, 3]]), freqs[:2], None, {}, 0, None)
-    with pytest.raises(am.ForwardFinishedError, match="expected block 0 to have opened the model forward"):
+    with pytest.raises(am.errors.ForwardFinishedError, match="expected block 0 to have opened the model forward"):
         layers[1](x, None, torch.tensor([[1, 2, 3]]), freqs, None, {}, 0, None)
     _chunk_call(layers, 0)
-    with pytest.raises(am.SequenceLengthError, match="expected x of 6 tokens"):
+    with pytest.raises(am.errors.SequenceLengthError, match="expected x of 6 tokens"):
         layers[1](torch.randn(1, 2 * PER_FRAME, TINY.dim), None, torch.tensor([[2, 2, 3]]), freqs, None, {}, 0, None)
     session.close()
 
@@ -269,7 +269,7 @@ def test_calls_after_close_are_refused() -> None:
     session.close()
     session.close()  # idempotent
     for call in (lambda: _chunk_call(layers, PER_FRAME), session.finish, session.reset):
-        with pytest.raises(am.SessionClosedError, match="expected an open session, got one closed"):
+        with pytest.raises(am.errors.SessionClosedError, match="expected an open session, got one closed"):
             call()
     unbound = SelfForcingSelfAttention.from_wan(build_pipeline(local_attn_size=3, sink_size=0, frames_per_block=1)
                                                 .generator.model.blocks[0].self_attn)
@@ -282,7 +282,7 @@ def test_a_failed_clean_forward_is_not_committed() -> None:
     layers, session = _swapped()
     _chunk_call(layers, 0)
     _chunk_call(layers[:1], 0)  # the clean re-run stopped after block 0
-    with pytest.raises(am.IncompleteForwardError):
+    with pytest.raises(am.errors.IncompleteForwardError):
         _chunk_call(layers, PER_FRAME)
     assert session.committed_tokens == 0 and session.forward is None
     with pytest.raises(am.StreamPositionError, match=r"expected current_start 0 \(the next chunk\), got 6"):
@@ -305,7 +305,7 @@ def test_swap_refuses_what_cannot_match_upstream() -> None:
         swap_self_attention(model(local_attn_size=4, sink_size=1), make_spec(1, 1, 4, 1, relative_sinks=True))
     with pytest.raises(am.SpecError, match="expected a CausalWanModel-shaped model"):
         swap_self_attention(torch.nn.Linear(2, 2), spec)
-    with pytest.raises(am.UnknownBranchError, match=r"expected names from \('video0',\), got \['cond'\]"):
+    with pytest.raises(am.errors.UnknownBranchError, match=r"expected names from \('video0',\), got \['cond'\]"):
         swap_self_attention(model(), spec, branches=("cond",))
     with pytest.raises(am.SpecError, match=r"expected distinct branch names, one per batch row, got \(\)"):
         swap_self_attention(model(), spec, branches=())

@@ -91,7 +91,7 @@ def test_a_short_chunk_past_the_first_is_refused_naming_image_to_video():
     noise, text = latents(1, 3, 1), text_of(1)
     run(ours, noise, text, None)  # one full chunk, committed at the next forward
     before = session.committed_tokens
-    with pytest.raises(am.SequenceLengthError, match=r"image-to-video's independent first frame\), got 6 tokens at "
+    with pytest.raises(am.errors.SequenceLengthError, match=r"image-to-video's independent first frame\), got 6 tokens at "
                                                      r"current_start=18"):
         ours._generator(noise[:, :1], {"prompt_embeds": text}, torch.zeros(1, 1, dtype=torch.int64), 3 * PER_FRAME)
     assert session.committed_tokens == before and session.forward is not None  # the open forward stays as it was

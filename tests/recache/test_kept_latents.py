@@ -114,7 +114,7 @@ def test_kept_latents_in_the_models_frame_major_layout() -> None:
                                rtol=0, atol=0)
     # The re-cache forward runs over those frames' tokens.
     with state.prepare_recache(keep_sinks=True) as fwd:
-        assert fwd.seq_len == 16 and fwd.layout.chunk_lengths == (8, 8)  # two rebuilt chunks of 4 frames
+        assert fwd.seq_len == 16 and fwd._layout.chunk_lengths == (8, 8)  # two rebuilt chunks of 4 frames
         write_every_layer(fwd.layers)
     # Misuse: a 3-D tensor whose length is not seq_len is never read as frames; frames that split a chunk refused.
     with pytest.raises(TensorMismatchError, match=r"expected shape \[num_streams=2, seq_len=8, ...\], got \(2, 4, 3\)"):

@@ -97,7 +97,7 @@ class Pair:
             assert at >= 0, (i, start_frame)
             torch.testing.assert_close(out[:, offset : offset + n], expected[:, at : at + n], **TOL)
             offset += n
-        self.cache.allocator.check_invariants()
+        self.cache._allocator.check_invariants()
         return rebuilt
 
 
@@ -138,7 +138,7 @@ def test_longlive_recache_matches_longlive(case: str, global_sink: bool, extents
     assert len(seen[2]) == buffer_chunks - (policy.sink_chunks if global_sink else 0)
     assert seen[2][0] > 0 or not policy.sink_chunks
     pair.cache.close()
-    assert pair.cache.allocator.num_free == pair.cache.allocator.num_pages
+    assert pair.cache._allocator.num_free == pair.cache._allocator.num_pages
 
 
 def test_global_attention_rebuilds_everything_bidirectionally() -> None:
@@ -167,10 +167,10 @@ def test_moving_sink_of_another_length_is_refused() -> None:
     pair = Pair(frames_per_chunk=2, sink_size=1, local_attn_size=7, global_sink=False, i2v=True)
     for _ in range(6):
         pair.chunk()
-    before = (pair.state.branch_pages("cond").history, pair.cache.allocator.free_pages())
+    before = (pair.state.branch_pages("cond").history, pair.cache._allocator.free_pages())
     with pytest.raises(SpecError, match="sink slot 0.*2 tokens, got chunk .* of 4"):
         pair.state.prepare_recache()
-    assert (pair.state.branch_pages("cond").history, pair.cache.allocator.free_pages()) == before
+    assert (pair.state.branch_pages("cond").history, pair.cache._allocator.free_pages()) == before
 
 
 def test_rule_needing_unremembered_chunks_is_refused() -> None:

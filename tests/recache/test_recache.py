@@ -53,7 +53,7 @@ def test_recache_matches_cache_free_oracle(page: int, sink: int, window: int, ke
     for _ in range(4):  # the next chunks see the re-cached history, the window keeps rolling
         rig.step()
     rig.cache.close()
-    assert rig.cache.allocator.num_free == rig.cache.allocator.num_pages
+    assert rig.cache._allocator.num_free == rig.cache._allocator.num_pages
 
 
 def test_recache_positions_are_the_original_ones() -> None:
@@ -65,7 +65,7 @@ def test_recache_positions_are_the_original_ones() -> None:
     assert state.branch_pages("cond").history_start == (0, 10, 14)
     rig.prompt()
     fwd = state.prepare_recache(keep_sinks=False)
-    assert fwd.layout.chunk_lengths == (2, 4, 4)
+    assert fwd._layout.chunk_lengths == (2, 4, 4)
     expected = [0, 1, 10, 11, 12, 13, 14, 15, 16, 17]
     assert fwd.positions.tolist() == [expected, expected]
     assert fwd.key_positions()[0].tolist() == expected  # no kept history: keys are the rebuilt chunks
@@ -75,7 +75,7 @@ def test_recache_positions_are_the_original_ones() -> None:
     assert fwd.key_positions()[0].tolist() == [0, 1] + expected[2:]  # the kept sink, then the rebuilt chunks
     # Sinks are write-protected: no sink page is written by the re-cache forward.
     sink_pages = set(state.branch_pages("cond").sinks[0]) | set(state.branch_pages("uncond").sinks[0])
-    assert sink_pages.isdisjoint(fwd.layout.write_pages.tolist())
+    assert sink_pages.isdisjoint(fwd._layout.write_pages.tolist())
     # Block-causal over the rebuilt chunks, the kept sink always visible.
     dense = fwd.to_dense()[0].int()
     assert dense[:, :2].all()
@@ -116,7 +116,7 @@ def test_fork_keeps_the_old_history() -> None:
     torch.testing.assert_close(out, child_naive.forward(BRANCHES, x, True), **TOL)
     child.close()
     rig.cache.close()
-    assert rig.cache.allocator.num_free == rig.cache.allocator.num_pages
+    assert rig.cache._allocator.num_free == rig.cache._allocator.num_pages
 
 
 # ---------------------------------------------------------------------- failures change nothing
@@ -130,7 +130,7 @@ def test_exception_inside_the_block_keeps_the_old_history() -> None:
         rig.model(rig.recache_input(True), fwd.layers)  # writes the fresh pages
         raise Boom
     assert_recache_unchanged(rig.cache, before, peak=False)
-    with pytest.raises(am.ForwardFinishedError), torch.no_grad():
+    with pytest.raises(am.errors.ForwardFinishedError), torch.no_grad():
         rig.model(rig.recache_input(True), fwd.layers)  # the aborted re-cache cannot write any more
     # Explicit abort, and a member session reset/close, release only the fresh pages too.
     fwd = rig.cache.prepare_recache(rig.members())
@@ -164,7 +164,7 @@ def test_capacity_error_before_any_change() -> None:
     for _ in range(4):
         rig.step()
     rig.prompt()
-    assert rig.cache.allocator.num_free == 5  # re-caching the window needs 2 x 2 x 2 = 8 fresh pages
+    assert rig.cache._allocator.num_free == 5  # re-caching the window needs 2 x 2 x 2 = 8 fresh pages
     before = recache_snapshot(rig.cache)
     with pytest.raises(CapacityError, match="needs 8 fresh pages") as info:
         rig.cache.prepare_recache(rig.members())
@@ -194,10 +194,10 @@ def test_close_and_reset_during_an_open_recache_release_only_fresh_pages() -> No
     assert recache_snapshot(rig.cache)["sessions"]["s0"] == before["sessions"]["s0"]
     fwd = s0.state.prepare_recache()
     s0.state.close()
-    assert fwd.status == "released" and fwd.transaction is not None and fwd.transaction.status == "aborted"
-    assert rig.cache.allocator.num_used == 0  # s1 was reset, s0 closed: no page held, fresh ones included
+    assert fwd.status == "released" and fwd._transaction is not None and fwd._transaction.status == "aborted"
+    assert rig.cache._allocator.num_used == 0  # s1 was reset, s0 closed: no page held, fresh ones included
     rig.cache.close()
-    assert rig.cache.allocator.num_free == rig.cache.allocator.num_pages
+    assert rig.cache._allocator.num_free == rig.cache._allocator.num_pages
 
 
 # ---------------------------------------------------------------------- misuse
@@ -292,11 +292,11 @@ def test_each_rule_matches_a_cache_free_recomputation(
         if n in (sink + window, sink + window + 1, sink + window + 4):
             rig.prompt()
             rig.recache(True)
-            rig.cache.allocator.check_invariants()
+            rig.cache._allocator.check_invariants()
     for _ in range(2):
         rig.step()
     rig.cache.close()
-    assert rig.cache.allocator.num_free == rig.cache.allocator.num_pages
+    assert rig.cache._allocator.num_free == rig.cache._allocator.num_pages
 
 
 def test_context_chunks_are_attended_then_released() -> None:
@@ -308,12 +308,12 @@ def test_context_chunks_are_attended_then_released() -> None:
         rig.step(keep=True)
     state = rig.streams[0].state
     assert state.recache_chunk_indices("cond") == (3, 4, 5)  # chunk 3 left the window at the last commit
-    used = rig.cache.allocator.num_used
+    used = rig.cache._allocator.num_used
     fwd = state.prepare_recache()
-    assert fwd.layout.chunk_lengths == (CHUNK,) * 3
-    assert rig.cache.allocator.num_used == used + 2 * 3 * 2  # 2 branches x 3 chunks x 2 pages, context included
+    assert fwd._layout.chunk_lengths == (CHUNK,) * 3
+    assert rig.cache._allocator.num_used == used + 2 * 3 * 2  # 2 branches x 3 chunks x 2 pages, context included
     fwd.abort()
     rig.prompt()
     rig.recache(True)
-    assert state.history_chunk_indices("cond") == (0, 4, 5) and rig.cache.allocator.num_used == used
+    assert state.history_chunk_indices("cond") == (0, 4, 5) and rig.cache._allocator.num_used == used
     assert rig.cache.recache_reserve() == 2 * (3 + 1 - 1) * 2

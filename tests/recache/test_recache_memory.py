@@ -35,13 +35,13 @@ def test_extents_recache_holds_only_the_rebuilt_chunks_and_gives_them_back_at_co
     rig = Rig(sink=1, window=6, page=2, extents=True)
     for _ in range(10):  # window full and rolled: 1 sink + 6 window chunks resident, 1 free slot per branch
         rig.step()
-    alloc, state = rig.cache.allocator, rig.streams[0].state
+    alloc, state = rig.cache._allocator, rig.streams[0].state
     steady = 2 * 8 * 2  # branches x (1 + 6 + 1) extent slots x 2 pages
     assert alloc.num_used == steady
     before = {b: state.history_chunks(b) for b in BRANCHES}
     free_slot = {b: [sl for sl in ring_of(state, b) if not any(sl == c for c in before[b])] for b in BRANCHES}
     assert all(len(v) == 1 for v in free_slot.values())
-    sink_bytes = {b: rig.cache.pool.kv[:, :, list(before[b][0])].clone() for b in BRANCHES}
+    sink_bytes = {b: rig.cache._pool.kv[:, :, list(before[b][0])].clone() for b in BRANCHES}
     rebuilt = 6 if keep_sinks else 7
     transient = 2 * (rebuilt - 1) * 2  # the free slot takes one rebuilt chunk per branch
     free_before = alloc.free_pages()
@@ -53,7 +53,7 @@ def test_extents_recache_holds_only_the_rebuilt_chunks_and_gives_them_back_at_co
         for b in BRANCHES:
             pending = state.pending_chunks(b)
             assert pending[0] == free_slot[b][0] and not any(in_ring(state, b, c) for c in pending[1:])
-            written[b] = [rig.cache.pool.kv[:, :, list(c)].clone() for c in pending]
+            written[b] = [rig.cache._pool.kv[:, :, list(c)].clone() for c in pending]
 
     rig.prompt()
     rig.recache(keep_sinks, inside=during)
@@ -65,9 +65,9 @@ def test_extents_recache_holds_only_the_rebuilt_chunks_and_gives_them_back_at_co
         # It took the free slot; every other rebuilt chunk is back in its own slot (same page ids).
         assert now == before[b][:first] + (free_slot[b][0],) + before[b][first + 1 :]
         for j, chunk in enumerate(now[first:]):  # what the re-cache forward wrote, now in the ring
-            assert torch.equal(rig.cache.pool.kv[:, :, list(chunk)], written[b][j])
+            assert torch.equal(rig.cache._pool.kv[:, :, list(chunk)], written[b][j])
         if keep_sinks:
-            assert torch.equal(rig.cache.pool.kv[:, :, list(now[0])], sink_bytes[b])
+            assert torch.equal(rig.cache._pool.kv[:, :, list(now[0])], sink_bytes[b])
     for _ in range(8):  # later chunks: the oracle's outputs, steady use, one contiguous key range each
         rig.step()
         assert alloc.num_used == steady
@@ -116,10 +116,10 @@ def test_extents_recache_with_a_fork_swaps_shared_chunks_and_copies_the_rest() -
     assert s.state.history_chunks("cond") == ((0, 1), (4, 5), (6, 7))
     child = s.state.fork("child")
     child_naive = copy.deepcopy(s.naive)
-    child_bytes = {c: rig.cache.pool.kv[:, :, list(c)].clone() for b in BRANCHES for c in child.history_chunks(b)}
+    child_bytes = {c: rig.cache._pool.kv[:, :, list(c)].clone() for b in BRANCHES for c in child.history_chunks(b)}
     rig.step()  # c4 -> slot 1; c2 evicted but the child holds slot 2: no free slot left
     assert s.state.history_chunks("cond") == ((0, 1), (6, 7), (2, 3))
-    used = rig.cache.allocator.num_used
+    used = rig.cache._allocator.num_used
     assert used == 16  # the two extents; the child only shares
     rig.prompt()
     rig.recache(keep_sinks=True)  # rebuilds c3 (shared with the child) and c4 (the parent's alone)
@@ -127,9 +127,9 @@ def test_extents_recache_with_a_fork_swaps_shared_chunks_and_copies_the_rest() -
     # pages (18 19) were freed. uncond alike (fresh 20..23, c3' at 20 21).
     assert s.state.history_chunks("cond") == ((0, 1), (16, 17), (2, 3))
     assert s.state.history_chunks("uncond") == ((8, 9), (20, 21), (10, 11))
-    assert rig.cache.allocator.num_used == used + 2 * 2
+    assert rig.cache._allocator.num_used == used + 2 * 2
     for c, data in child_bytes.items():
-        assert torch.equal(rig.cache.pool.kv[:, :, list(c)], data), f"the fork's chunk {c} changed"
+        assert torch.equal(rig.cache._pool.kv[:, :, list(c)], data), f"the fork's chunk {c} changed"
     x = torch.randn(2, CHUNK, rig.model.dim, generator=rig.g)
     with torch.no_grad(), child.prepare_forward(BRANCHES, CHUNK, False) as fwd:  # the fork: old history
         out = rig.model(x, fwd.layers)
@@ -151,12 +151,12 @@ def test_extents_recache_with_a_fork_swaps_shared_chunks_and_copies_the_rest() -
     # c4'' back into slot 1, c5'' (which had no slot) into the lowest free one: the ring is whole again.
     assert s.state.history_chunks("cond") == ((0, 1), (2, 3), (4, 5))
     assert all(in_ring(s.state, b, c) for b in BRANCHES for c in s.state.history_chunks(b))
-    assert rig.cache.allocator.num_used == 16
+    assert rig.cache._allocator.num_used == 16
     for _ in range(3):
         rig.step()
-        assert rig.cache.allocator.num_used == 16 and rig.last_layout.ragged_rows is not None
+        assert rig.cache._allocator.num_used == 16 and rig.last_layout.ragged_rows is not None
     rig.cache.close()
-    assert rig.cache.allocator.num_free == rig.cache.allocator.num_pages
+    assert rig.cache._allocator.num_free == rig.cache._allocator.num_pages
 
 
 def test_extents_recache_of_a_fork_and_its_parent_together_puts_the_parent_back_in_its_ring() -> None:
@@ -177,11 +177,11 @@ def test_extents_recache_of_a_fork_and_its_parent_together_puts_the_parent_back_
         assert parent.state.history_chunks(b) == (before[b][0], ring_of(parent.state, b)[1], before[b][2])
         assert not any(in_ring(parent.state, b, c) for c in child.state.history_chunks(b)[1:])
         assert child.state.history_chunks(b)[0] == before[b][0]  # the shared sink, kept
-    assert rig.cache.allocator.num_used == 2 * 4 * 2 + 2 * 2 * 2  # two extents + the child's 2 rebuilt chunks x 2
+    assert rig.cache._allocator.num_used == 2 * 4 * 2 + 2 * 2 * 2  # two extents + the child's 2 rebuilt chunks x 2
     for _ in range(3):
         rig.step()
     rig.cache.close()
-    assert rig.cache.allocator.num_free == rig.cache.allocator.num_pages
+    assert rig.cache._allocator.num_free == rig.cache._allocator.num_pages
 
 
 @pytest.mark.parametrize("extents", [False, True])
@@ -214,7 +214,7 @@ def test_admission_leaves_room_for_one_recache_at_a_time(extents: bool) -> None:
         x = state.recache_latents(keep_sinks=False)
         with torch.no_grad(), state.prepare_recache(keep_sinks=False) as fwd:
             rig.model(x, fwd.layers)
-            assert rig.cache.allocator.num_free == 0  # the reserve, exactly
+            assert rig.cache._allocator.num_free == 0  # the reserve, exactly
             assert rig.cache.sessions_that_fit() == 0
         busy.abort()
     before = recache_snapshot(rig.cache)
@@ -227,7 +227,7 @@ def test_admission_leaves_room_for_one_recache_at_a_time(extents: bool) -> None:
 
 def test_pool_copy_pages_copies_every_layer_run_by_run() -> None:
     spec = TinyStreamingModel().spec(CHUNK, 2, 1, 2)
-    pool = am.KVCache(spec, num_pages=24, backend="reference").pool
+    pool = am.KVCache(spec, num_pages=24, backend="reference")._pool
     pool.kv.copy_(torch.randn(pool.kv.shape, generator=torch.Generator().manual_seed(3)))
     src, dst = [3, 4, 5, 9, 0, 1, 17], [10, 11, 12, 13, 20, 21, 6]  # runs broken on either side
     want = pool.kv.clone()

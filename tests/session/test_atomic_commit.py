@@ -39,7 +39,7 @@ def test_batched_commit_is_atomic_when_interrupted_between_streams(
     before_forward = bookkeeping(cache, ordered=False)
     fwd = s.prepare_forward(BOTH, CHUNK, commit_current=True)
     run_layers(fwd.layers, 2, seed=10)
-    kv = bit_copy(cache.pool.kv)
+    kv = bit_copy(cache._pool.kv)
     history = [p for branch in BOTH for p in pages_of(s, branch)]
     calls = []
     real_commit = BranchPages.preview_commit  # the per-stream commit computation
@@ -60,15 +60,15 @@ def test_batched_commit_is_atomic_when_interrupted_between_streams(
     if exc is RuntimeError:  # a library error that names the cause (chained); Ctrl-C stays a KeyboardInterrupt
         assert isinstance(raised.value, CommitFailedError) and isinstance(raised.value.__cause__, RuntimeError)
     assert len(calls) == 2
-    assert s.open_forward("cond") is None and s.open_forward("uncond") is None, "the failed commit left it open"
+    assert s._open_forward("cond") is None and s._open_forward("uncond") is None, "the failed commit left it open"
     assert fwd.status == "aborted"
     assert bookkeeping(cache, ordered=False) == before_forward, "one stream committed without the other"
-    assert torch.equal(bit_copy(cache.pool.kv)[:, :, history], kv[:, :, history])
-    cache.allocator.check_invariants()
+    assert torch.equal(bit_copy(cache._pool.kv)[:, :, history], kv[:, :, history])
+    cache._allocator.check_invariants()
     monkeypatch.undo()
     commit_chunk(s, seed=11)  # the next forward runs (no PendingContextError) and commits both
     assert s.committed_chunks("cond") == s.committed_chunks("uncond") == 4
-    assert s.open_forward("cond") is None
+    assert s._open_forward("cond") is None
 
 
 def test_sigint_during_a_batched_commit_waits_until_both_streams_are_committed(
@@ -95,9 +95,9 @@ def test_sigint_during_a_batched_commit_waits_until_both_streams_are_committed(
         s.commit_paged_context("cond")
     assert len(applied) == 2
     assert s.committed_chunks("cond") == s.committed_chunks("uncond") == 4
-    assert s.open_forward("cond") is None and s.open_forward("uncond") is None
-    cache.allocator.check_invariants()
-    assert cache.allocator.num_used == 2 * 3 * SMALL_SPEC.pages_per_chunk  # sink + window per branch
+    assert s._open_forward("cond") is None and s._open_forward("uncond") is None
+    cache._allocator.check_invariants()
+    assert cache._allocator.num_used == 2 * 3 * SMALL_SPEC.pages_per_chunk  # sink + window per branch
 
 
 def test_deferred_interrupts_holds_sigint_until_the_block_ends(sigint_raises: None) -> None:

@@ -21,10 +21,10 @@ def test_cache_close_frees_everything_is_idempotent_and_refuses_later_calls(smal
     run_layers(fwd.layers, 2)
     cache.close()
     assert cache.is_closed and a.is_closed and child.is_closed
-    assert cache.sessions == {} and cache.num_forward_contexts == 0
-    assert cache.allocator.num_free == cache.allocator.num_pages
-    cache.allocator.check_invariants()
-    assert cache.pool.kv.numel() == 0, "the pool's memory was not released"
+    assert cache.sessions == {} and cache._forwards.num_contexts == 0
+    assert cache._allocator.num_free == cache._allocator.num_pages
+    cache._allocator.check_invariants()
+    assert cache._pool.kv.numel() == 0, "the pool's memory was not released"
     cache.close()  # idempotent
     assert cache.is_closed
     for call in (
@@ -38,15 +38,15 @@ def test_cache_close_frees_everything_is_idempotent_and_refuses_later_calls(smal
     with pytest.raises(RELEASED):
         chunk_attention(*tensors(2), fwd.layers[0])
     fwd.commit()  # finished already: nothing to do
-    assert cache.allocator.num_free == cache.allocator.num_pages
+    assert cache._allocator.num_free == cache._allocator.num_pages
 
 
 def test_cache_is_a_context_manager() -> None:
     with make_small_cache() as cache:
         s = cache.open_session()
         commit_chunk(s)
-    assert cache.is_closed and s.is_closed and cache.allocator.num_free == cache.allocator.num_pages
+    assert cache.is_closed and s.is_closed and cache._allocator.num_free == cache._allocator.num_pages
     with pytest.raises(RuntimeError, match="body failed"), make_small_cache() as failing:
         commit_chunk(failing.open_session())
         raise RuntimeError("body failed")
-    assert failing.is_closed and failing.allocator.num_free == failing.allocator.num_pages
+    assert failing.is_closed and failing._allocator.num_free == failing._allocator.num_pages

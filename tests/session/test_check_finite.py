@@ -37,12 +37,12 @@ def test_check_finite_aborts_a_non_finite_commit(bad: float) -> None:
     s = cache.open_session("s")
     commit_chunk(s)
     history = pages_of(s, "cond") + pages_of(s, "uncond")
-    before, kv = bookkeeping(cache, ordered=False), bit_copy(cache.pool.kv[:, :, history])
+    before, kv = bookkeeping(cache, ordered=False), bit_copy(cache._pool.kv[:, :, history])
     with pytest.raises(NonFiniteKVError):
         _commit_with_bad_value(s, bad)
     assert bookkeeping(cache, ordered=False) == before  # both streams aborted, history as it was
-    assert torch.equal(bit_copy(cache.pool.kv[:, :, history]), kv)
-    cache.allocator.check_invariants()
+    assert torch.equal(bit_copy(cache._pool.kv[:, :, history]), kv)
+    cache._allocator.check_invariants()
     commit_chunk(s, seed=9)  # the next forward works
     assert s.committed_chunks("cond") == s.committed_chunks("uncond") == 2
 
@@ -65,15 +65,15 @@ def test_abort_if_non_finite_called_before_the_commit(small_cache: KVCache) -> N
     with s.prepare_forward(BOTH, CHUNK, commit_current=True) as fwd:
         for i, layer in enumerate(fwd.layers):
             chunk_attention(*tensors(2, seed=100 + i), layer)
-        cache.abort_if_non_finite(fwd.transaction)
+        cache._forwards.abort_if_non_finite(fwd._transaction)
         with pytest.raises(SpecError, match="expected a ForwardTransaction"):
-            cache.abort_if_non_finite(fwd)  # type: ignore[arg-type]
+            cache._forwards.abort_if_non_finite(fwd)  # type: ignore[arg-type]
         with pytest.raises(SpecError, match="of another cache"):
-            other.abort_if_non_finite(fwd.transaction)
-        assert fwd.transaction.is_open
+            other._forwards.abort_if_non_finite(fwd._transaction)
+        assert fwd._transaction.is_open
     assert s.committed_chunks("cond") == s.committed_chunks("uncond") == 2
     history = pages_of(s, "cond") + pages_of(s, "uncond")
-    before, kv = bookkeeping(cache, ordered=False), bit_copy(cache.pool.kv[:, :, history])
+    before, kv = bookkeeping(cache, ordered=False), bit_copy(cache._pool.kv[:, :, history])
     fwd = s.prepare_forward(BOTH, CHUNK, commit_current=True)
     for i, layer in enumerate(fwd.layers):
         q, k, v = tensors(2, seed=200 + i)
@@ -81,12 +81,12 @@ def test_abort_if_non_finite_called_before_the_commit(small_cache: KVCache) -> N
             k[1, 0, 1, 2] = float("nan")  # the uncond stream only: both streams must abort
         chunk_attention(q, k, v, layer)
     with pytest.raises(NonFiniteKVError, match=r"stream\(s\) \[\('s', 'uncond'\)\]"):
-        cache.abort_if_non_finite(fwd.transaction)
-    assert not fwd.transaction.is_open
-    cache.abort_if_non_finite(fwd.transaction)  # closed: a no-op
+        cache._forwards.abort_if_non_finite(fwd._transaction)
+    assert not fwd._transaction.is_open
+    cache._forwards.abort_if_non_finite(fwd._transaction)  # closed: a no-op
     fwd.commit()  # finished already: nothing to do
     assert bookkeeping(cache, ordered=False) == before
-    assert torch.equal(bit_copy(cache.pool.kv[:, :, history]), kv)
-    cache.allocator.check_invariants()
+    assert torch.equal(bit_copy(cache._pool.kv[:, :, history]), kv)
+    cache._allocator.check_invariants()
     commit_chunk(s, seed=9)
     assert s.committed_chunks("cond") == s.committed_chunks("uncond") == 3

@@ -15,19 +15,21 @@ from ardiff_modules import (
     CachedCrossAttention,
     CapacityError,
     ChunkSelfAttention,
-    CrossAttentionNotPopulatedError,
     KVCache,
     KVCacheSpec,
     KVState,
     PendingContextError,
-    SequenceLengthError,
-    SessionClosedError,
     SpecError,
     TensorMismatchError,
-    UnknownBranchError,
-    UnknownCacheError,
     chunk_attention,
     populate_cross_attention,
+)
+from ardiff_modules.errors import (
+    CrossAttentionNotPopulatedError,
+    SequenceLengthError,
+    SessionClosedError,
+    UnknownBranchError,
+    UnknownCacheError,
 )
 from tests.support.kv_writes import write_every_layer
 from tests.support.small_cache import CHUNK
@@ -174,7 +176,7 @@ def test_closed_session(call, two_sessions):
     cache, a, b = two_sessions
     a.close()
     assert a.pages_in_use() == 0
-    assert cache.allocator.used_pages() == (6, 7)  # only b's history is left
+    assert cache._allocator.used_pages() == (6, 7)  # only b's history is left
     before = session_snapshot(cache)  # a is no longer listed: b and the pool are compared
     with pytest.raises(SessionClosedError) as exc_info:
         CLOSED_CALLS[call](a)

@@ -34,7 +34,7 @@ def _holes(cache: am.KVCache) -> None:
         _forward(cache, [s], torch.randn(2, CHUNK, HEADS, DIM), commit=True)
     first[0].close()
     first[2].close()
-    assert cache.allocator.free_runs() == [(0, 16), (32, 16)]
+    assert cache._allocator.free_runs() == [(0, 16), (32, 16)]
 
 
 def test_sessions_arriving_together_take_the_holes_and_equal_a_fresh_pool() -> None:
@@ -56,11 +56,11 @@ def test_sessions_arriving_together_take_the_holes_and_equal_a_fresh_pool() -> N
     _forward(fragmented, [a, b], x, commit=True)
     last = b.history_chunks("uncond")[-1]
     assert set(last) <= set(range(40, 48))
-    k_pages = fragmented.pool.kv[0, 0]  # [pages, page_size, heads, dim]
+    k_pages = fragmented._pool.kv[0, 0]  # [pages, page_size, heads, dim]
     assert torch.equal(k_pages[list(last)].reshape(CHUNK, HEADS, DIM), x[3])
     # Every forward kept the streams' key ranges in page order: the ragged (unpaged) kernel path stays open.
     fwd = fragmented.prepare_forward([(s, n) for s in (a, b) for n in ("cond", "uncond")], CHUNK)
-    assert fwd.layout.ragged_rows is not None and fwd.layout.ragged_rows.gap_rows >= 1
+    assert fwd._layout.ragged_rows is not None and fwd._layout.ragged_rows.gap_rows >= 1
     fwd.abort()
     for s in (*pairs[fragmented], *pairs[fresh]):
         s.close()
@@ -68,18 +68,18 @@ def test_sessions_arriving_together_take_the_holes_and_equal_a_fresh_pool() -> N
 
 def test_holes_too_small_refuse_before_any_change() -> None:
     cache = am.KVCache(_spec(), num_pages=64, contiguous_extents=True)
-    runs = [cache.allocator.allocate_contiguous(4) for _ in range(16)]  # pages 4i .. 4i + 3
+    runs = [cache._allocator.allocate_contiguous(4) for _ in range(16)]  # pages 4i .. 4i + 3
     for i in (0, 1, 2, 4, 5, 6, 7, 9, 11, 13, 15):  # free runs of 12, 16, 4, 4, 4, 4 pages: 44 free, 3 extents fit
-        cache.allocator.decref(runs[i])
-    assert cache.allocator.runs_that_fit(EXTENT) == 3 and cache.allocator.num_free == 44
+        cache._allocator.decref(runs[i])
+    assert cache._allocator.runs_that_fit(EXTENT) == 3 and cache._allocator.num_free == 44
     states = [cache.open_session(f"new{i}") for i in range(2)]
-    free, kv = cache.allocator.free_pages(), cache.pool.kv.clone()
+    free, kv = cache._allocator.free_pages(), cache._pool.kv.clone()
     with pytest.raises(am.CapacityError, match=r"4 new branch extent\(s\) of 8 consecutive pages each, "
                        r"the free runs \[12, 16, 4, 4, 4, 4\] hold only 3 \(44 pages free\)"):
         _forward(cache, states, torch.randn(4, CHUNK, HEADS, DIM), commit=True)
-    assert cache.allocator.free_pages() == free and torch.equal(cache.pool.kv, kv)
+    assert cache._allocator.free_pages() == free and torch.equal(cache._pool.kv, kv)
     assert all(s.branch_pages(n).extent == () and s.pending_chunks(n) == () for s in states for n in ("cond", "uncond"))
-    cache.allocator.decref(runs[3])  # pages 12..15 join the 12 and the 16 into one run of 32
+    cache._allocator.decref(runs[3])  # pages 12..15 join the 12 and the 16 into one run of 32
     _forward(cache, states, torch.randn(4, CHUNK, HEADS, DIM), commit=True)
     assert sorted(p for s in states for n in ("cond", "uncond") for p in s.branch_pages(n).extent) == list(range(32))
 
@@ -87,22 +87,22 @@ def test_holes_too_small_refuse_before_any_change() -> None:
 def test_admission_counts_runs_and_the_extents_owed_to_admitted_sessions() -> None:
     """Pages alone would admit two sessions here; the runs hold three extents, a session needs two."""
     cache = am.KVCache(_spec(), num_pages=64, contiguous_extents=True)
-    runs = [cache.allocator.allocate_contiguous(4) for _ in range(16)]
+    runs = [cache._allocator.allocate_contiguous(4) for _ in range(16)]
     for i in (0, 1, 2, 4, 5, 6, 7, 9, 11, 13, 15):  # free runs of 12, 16, 4, 4, 4, 4 pages: 44 free, 3 extents
-        cache.allocator.decref(runs[i])
+        cache._allocator.decref(runs[i])
     assert cache.sessions_that_fit(recache=False) == 1  # 44 pages hold 2 sessions of 16, the runs 3 extents
     first = cache.admit_session("first", recache=False)  # owed 2 extents before its first forward
     assert cache.sessions_that_fit(recache=False) == 0 and not cache.can_admit(recache=False)
-    free, sessions = cache.allocator.free_pages(), cache.stats().sessions
+    free, sessions = cache._allocator.free_pages(), cache.stats().sessions
     with pytest.raises(am.CapacityError, match=r"needs 2 contiguous extent\(s\) of 8 pages, the free runs hold 3, "
                        r"2 of them owed to open sessions"):
         cache.admit_session("second", recache=False)
-    assert cache.allocator.free_pages() == free and cache.stats().sessions == sessions
+    assert cache._allocator.free_pages() == free and cache.stats().sessions == sessions
     _forward(cache, [first], torch.randn(2, CHUNK, HEADS, DIM), commit=True)  # takes its 2 extents: 1 left, none owed
-    assert cache.allocator.runs_that_fit(EXTENT) == 1 and cache.sessions_that_fit(recache=False) == 0
-    cache.allocator.decref(runs[3])  # pages 12..15 join a run of 12 + 4 + 16 - 16 (first's extents): room again
+    assert cache._allocator.runs_that_fit(EXTENT) == 1 and cache.sessions_that_fit(recache=False) == 0
+    cache._allocator.decref(runs[3])  # pages 12..15 join a run of 12 + 4 + 16 - 16 (first's extents): room again
     fit = cache.sessions_that_fit(recache=False)
-    assert fit == cache.allocator.runs_that_fit(EXTENT) // 2 >= 1
+    assert fit == cache._allocator.runs_that_fit(EXTENT) // 2 >= 1
     second = cache.admit_session("second", recache=False)
     _forward(cache, [second], torch.randn(2, CHUNK, HEADS, DIM), commit=True)  # what admission promised, it runs
     first.close(), second.close()
@@ -115,8 +115,8 @@ def test_suspend_idle_frees_runs_not_only_pages() -> None:
     olds = [cache.admit_session(f"old{i}", recache=False) for i in range(3)]
     for s in olds:
         _forward(cache, [s], torch.randn(2, CHUNK, HEADS, DIM), commit=True)
-    assert cache.allocator.num_free == 0
+    assert cache._allocator.num_free == 0
     new = cache.admit_session("new", recache=False, suspend_idle=[olds[1]])
-    assert olds[1].is_suspended and cache.allocator.free_runs() == [(16, 16)]
+    assert olds[1].is_suspended and cache._allocator.free_runs() == [(16, 16)]
     _forward(cache, [new], torch.randn(2, CHUNK, HEADS, DIM), commit=True)
     assert [new.branch_pages(n).extent for n in ("cond", "uncond")] == [tuple(range(16, 24)), tuple(range(24, 32))]

@@ -34,13 +34,13 @@ from tests.support.streaming_model import tiny_model_and_spec
 
 def assert_refused(cache: KVCache, layers, streams: int, n: int = CHUNK, errors=ForwardFinishedError) -> None:
     """Every stale layer context raises ``errors`` in the op; the pool and the bookkeeping are bit-identical."""
-    kv, before = bit_copy(cache.pool.kv), bookkeeping(cache)
+    kv, before = bit_copy(cache._pool.kv), bookkeeping(cache)
     for layer in layers:
         with pytest.raises(errors):
             chunk_attention(*tensors(streams, n, fill=1e4), layer)
-    assert torch.equal(bit_copy(cache.pool.kv), kv), "a finished forward wrote into the pool"
+    assert torch.equal(bit_copy(cache._pool.kv), kv), "a finished forward wrote into the pool"
     assert bookkeeping(cache) == before
-    cache.allocator.check_invariants()
+    cache._allocator.check_invariants()
 
 
 @pytest.mark.parametrize("commit_current", [True, False], ids=["committing", "denoising"])
@@ -58,7 +58,7 @@ def test_committed_forward_cannot_write(commit_current: bool, api: str, small_ca
         layers, streams = a.get_kv_caches("cond", CHUNK, commit_current=commit_current), 1
         run_layers(layers, 1, seed=10)
         a.commit_paged_context("cond")
-    assert a.open_forward("cond") is None and a.open_forward("uncond") is None
+    assert a._open_forward("cond") is None and a._open_forward("uncond") is None
     assert a.committed_chunks("cond") == 1 + commit_current
     assert_refused(cache, layers, streams)
 
@@ -72,10 +72,10 @@ def test_finished_forward_cannot_write_through_the_lse_op(small_cache: KVCache) 
         out, lse = chunk_attention(*tensors(2), fwd.layers[0], return_lse=True)
         chunk_attention(*tensors(2), fwd.layers[1], return_lse=True)  # a commit needs every layer
     assert out.shape == (2, CHUNK, HEADS, DIM) and lse.shape == (2, CHUNK, HEADS)
-    kv = bit_copy(cache.pool.kv)
+    kv = bit_copy(cache._pool.kv)
     with pytest.raises(ForwardFinishedError):
         chunk_attention(*tensors(2, fill=1e4), fwd.layers[1], return_lse=True)
-    assert torch.equal(bit_copy(cache.pool.kv), kv)
+    assert torch.equal(bit_copy(cache._pool.kv), kv)
 
 
 def test_aborted_forward_cannot_write_into_pages_given_to_another_session() -> None:
@@ -99,8 +99,8 @@ def test_reset_session_forward_cannot_write() -> None:
     fwd = a.prepare_forward(BOTH, CHUNK, commit_current=True)
     run_layers(fwd.layers, 2, seed=10)
     a.reset()
-    assert a.open_forward("cond") is None and a.committed_chunks("cond") == 0
-    assert cache.allocator.num_free == 8
+    assert a._open_forward("cond") is None and a.committed_chunks("cond") == 0
+    assert cache._allocator.num_free == 8
     commit_chunk(b, seed=20)  # reuses a's old pages
     assert_refused(cache, fwd.layers, 2)
 
@@ -115,11 +115,11 @@ def test_closing_a_member_session_finishes_the_whole_forward() -> None:
     with cache.prepare_forward([(a, "cond"), (b, "cond")], CHUNK, commit_current=True) as fwd:
         run_layers(fwd.layers, 2, seed=10)
         a.close()
-        assert b.open_forward("cond") is None and b.pending_chunks("cond") == ()
+        assert b._open_forward("cond") is None and b.pending_chunks("cond") == ()
         assert_refused(cache, fwd.layers, 2, errors=RELEASED)
     # The with block exits normally: the forward already finished, nothing gets committed.
     assert b.committed_chunks("cond") == 1 and pages_of(b, "cond") == b_history
-    assert cache.allocator.num_used == len(b_history)
+    assert cache._allocator.num_used == len(b_history)
     c = cache.open_session("c")
     commit_chunk(c, seed=30)  # takes a's and the aborted forward's pages
     assert_refused(cache, fwd.layers, 2, errors=RELEASED)
@@ -133,7 +133,7 @@ def test_superseded_denoising_forward_cannot_write(small_cache: KVCache) -> None
     old = a.prepare_forward(BOTH, CHUNK, commit_current=False)
     run_layers(old.layers, 2, seed=10)
     new = a.prepare_forward(("cond",), CHUNK, commit_current=False)  # another context, same cond pages
-    assert new is not old and a.open_forward("uncond") is None
+    assert new is not old and a._open_forward("uncond") is None
     run_layers(new.layers, 1, seed=20)
     assert_refused(cache, old.layers, 2)
     new.commit()
@@ -150,7 +150,7 @@ def test_lru_evicted_context_cannot_write_into_reallocated_pages() -> None:
     a.abort("cond")  # ... until dropped
     commit_chunk(b, ("cond",), seed=20)  # a new context (the LRU releases a's) on a's old pending pages
     assert set(pages_of(b, "cond")) == pending
-    assert cache.num_forward_contexts == 1 and fwd.released
+    assert cache._forwards.num_contexts == 1 and fwd._released
     assert_refused(cache, fwd.layers, 1, errors=RELEASED)
 
 
@@ -163,7 +163,7 @@ def test_finished_forward_cannot_write_into_fork_shared_pages(small_cache: KVCac
     child = a.fork("child")
     shared = pages_of(child, "cond") + pages_of(child, "uncond")
     assert shared == pages_of(a, "cond") + pages_of(a, "uncond")
-    assert all(cache.allocator.refcount(p) == 2 for p in shared)
+    assert all(cache._allocator.refcount(p) == 2 for p in shared)
     assert_refused(cache, fwd.layers, 2)
 
 
@@ -172,17 +172,17 @@ def test_abort_inside_the_with_block_stops_the_model(small_cache: KVCache) -> No
     a = cache.open_session("a")
     commit_chunk(a)
     before = bookkeeping(cache, ordered=False)
-    history = bit_copy(cache.pool.kv[:, :, pages_of(a, "cond") + pages_of(a, "uncond")])
+    history = bit_copy(cache._pool.kv[:, :, pages_of(a, "cond") + pages_of(a, "uncond")])
     kv = None
     with pytest.raises(ForwardFinishedError), a.prepare_forward(BOTH, CHUNK, commit_current=True) as fwd:
         for i, layer in enumerate(fwd.layers):  # the model keeps running after the abort
             chunk_attention(*tensors(2, fill=float(i + 1)), layer)
             if i == 0:
                 fwd.abort()
-                kv = bit_copy(cache.pool.kv)
-    assert torch.equal(bit_copy(cache.pool.kv), kv), "layer 1 wrote after the abort"
+                kv = bit_copy(cache._pool.kv)
+    assert torch.equal(bit_copy(cache._pool.kv), kv), "layer 1 wrote after the abort"
     assert bookkeeping(cache, ordered=False) == before
-    assert torch.equal(bit_copy(cache.pool.kv[:, :, pages_of(a, "cond") + pages_of(a, "uncond")]), history)
+    assert torch.equal(bit_copy(cache._pool.kv[:, :, pages_of(a, "cond") + pages_of(a, "uncond")]), history)
     commit_chunk(a, seed=3)  # the session goes on
     assert a.committed_chunks("cond") == 2
 
@@ -205,21 +205,21 @@ def test_compiled_model_refuses_finished_forwards() -> None:
     with torch.no_grad():
         with state.prepare_forward(BOTH, CHUNK, commit_current=True) as fwd:
             compiled(x, fwd.layers)
-        kv = bit_copy(cache.pool.kv)
+        kv = bit_copy(cache._pool.kv)
         with pytest.raises(ForwardFinishedError):  # committed
             compiled(x, fwd.layers)
-        assert torch.equal(bit_copy(cache.pool.kv), kv)
+        assert torch.equal(bit_copy(cache._pool.kv), kv)
         fwd = state.prepare_forward(BOTH, CHUNK, commit_current=True)
         fwd.abort()
-        kv = bit_copy(cache.pool.kv)
+        kv = bit_copy(cache._pool.kv)
         with pytest.raises(ForwardFinishedError):  # aborted
             compiled(x, fwd.layers)
-        assert torch.equal(bit_copy(cache.pool.kv), kv)
+        assert torch.equal(bit_copy(cache._pool.kv), kv)
         fwd = state.prepare_forward(BOTH, CHUNK, commit_current=True)
         state.reset(keep_cross_attention=("text",))
         with pytest.raises(ForwardFinishedError):  # reset
             compiled(x, fwd.layers)
-        assert torch.equal(bit_copy(cache.pool.kv), kv)
+        assert torch.equal(bit_copy(cache._pool.kv), kv)
         with state.prepare_forward(BOTH, CHUNK, commit_current=True) as fwd:  # valid again: same graph
             compiled(x, fwd.layers)
     assert state.committed_chunks("cond") == 1
@@ -242,9 +242,9 @@ def test_rollout_with_finish_checks_compiles_to_one_frame() -> None:
                         fwd.abort()  # a finish check inside the block
                         with pytest.raises(ForwardFinishedError):
                             compiled(x, fwd.layers)
-                kv = bit_copy(cache.pool.kv)
+                kv = bit_copy(cache._pool.kv)
                 with pytest.raises(ForwardFinishedError):
                     compiled(x, fwd.layers)
-                assert torch.equal(bit_copy(cache.pool.kv), kv)
+                assert torch.equal(bit_copy(cache._pool.kv), kv)
     assert state.committed_chunks("cond") == 6
     assert counter.frame_count == 1, f"expected one compiled frame, got {counter.frame_count}"

@@ -9,13 +9,11 @@ from typing import Any
 import pytest
 import torch
 
-from ardiff_modules import (
+from ardiff_modules import KVCache, SpecError, TensorMismatchError
+from ardiff_modules.errors import (
     CacheClosedError,
     CrossAttentionNotPopulatedError,
     ForwardFinishedError,
-    KVCache,
-    SpecError,
-    TensorMismatchError,
     UnknownBranchError,
 )
 from ardiff_modules.graphs import CUDAGraphStep
@@ -117,7 +115,7 @@ def test_reading_a_cross_cache_never_populated_raises(two_sessions: tuple) -> No
 def test_bad_chunk_lengths_raise_and_change_nothing(
     seq_len: int, lengths, text: str, two_sessions: tuple  # noqa: ANN001
 ) -> None:
-    from ardiff_modules import SequenceLengthError
+    from ardiff_modules.errors import SequenceLengthError
 
     cache, a, _ = two_sessions
     before = session_snapshot(cache)
@@ -135,7 +133,7 @@ def test_generator_of_streams_is_prepared_and_committed(small_cache: KVCache) ->
         assert fwd.num_streams == 2
         run_layers(fwd.layers, 2)
     assert a.committed_chunks("cond") == b.committed_chunks("cond") == 1
-    assert cache.allocator.num_used == 2 * SMALL_SPEC.pages_per_chunk
+    assert cache._allocator.num_used == 2 * SMALL_SPEC.pages_per_chunk
 
 
 @pytest.mark.parametrize("value", ["no", 1, None])
@@ -213,7 +211,7 @@ def test_failed_plan_leaves_peak_and_forward_contexts_unchanged(monkeypatch, sma
     cache = small_cache
     a, b = cache.open_session("a"), cache.open_session("b")
     commit_chunk(a)
-    peak, contexts, before = cache.stats().peak_pages_used, cache.num_forward_contexts, bookkeeping(cache)
+    peak, contexts, before = cache.stats().peak_pages_used, cache._forwards.num_contexts, bookkeeping(cache)
 
     def broken_plan(request, previous):
         raise RuntimeError("injected plan failure")
@@ -222,8 +220,8 @@ def test_failed_plan_leaves_peak_and_forward_contexts_unchanged(monkeypatch, sma
     with pytest.raises(RuntimeError, match="injected"):
         cache.prepare_forward([(a, "cond"), (b, "cond"), (b, "uncond")], 2 * CHUNK, commit_current=True)
     assert cache.stats().peak_pages_used == peak
-    assert cache.num_forward_contexts == contexts
+    assert cache._forwards.num_contexts == contexts
     assert bookkeeping(cache) == before
     monkeypatch.undo()
     commit_chunk(b)  # and the cache still works
-    assert cache.num_forward_contexts == contexts + 1
+    assert cache._forwards.num_contexts == contexts + 1

@@ -43,13 +43,13 @@ def test_a_forward_that_ran_only_some_layers_is_not_committed(how: str) -> None:
         else:
             b.commit_paged_context("uncond")
     assert isinstance(raised.value, RuntimeError) and "aborted" in str(raised.value)
-    assert fwd.status == "aborted" and b.open_forward("cond") is None
-    assert b.committed_chunks("cond") == b.committed_chunks("uncond") == 0 and cache.allocator.num_used == 0
-    cache.allocator.check_invariants()
+    assert fwd.status == "aborted" and b._open_forward("cond") is None
+    assert b.committed_chunks("cond") == b.committed_chunks("uncond") == 0 and cache._allocator.num_used == 0
+    cache._allocator.check_invariants()
     commit_chunk(b, seed=4)  # a complete forward commits; its history holds its own K/V, not a's
     for branch in BOTH:
         for page in pages_of(b, branch):
-            assert not bool((cache.pool.kv[:, :, page] == 1e3).any()), "a closed session's K/V in b's history"
+            assert not bool((cache._pool.kv[:, :, page] == 1e3).any()), "a closed session's K/V in b's history"
 
 
 def test_a_forward_where_no_layer_ran_is_not_committed() -> None:
@@ -57,7 +57,7 @@ def test_a_forward_where_no_layer_ran_is_not_committed() -> None:
     with pytest.raises(IncompleteForwardError, match=r"got 0 \(no write from layer\(s\) 0-1\)"):
         with b.prepare_forward(BOTH, CHUNK, commit_current=True):
             pass
-    assert b.committed_chunks("cond") == 0 and cache.allocator.num_used == 0
+    assert b.committed_chunks("cond") == 0 and cache._allocator.num_used == 0
 
 
 def test_a_denoising_forward_may_run_some_layers(small_cache: KVCache) -> None:
@@ -78,15 +78,15 @@ def test_a_recache_that_ran_only_some_layers_keeps_the_valid_old_window(small_ca
         commit_chunk(s, seed=i)  # sink + window 2 (one chunk evicted)
     visible = {b: s.history_chunks(b) for b in BOTH}
     history = [p for b in BOTH for p in pages_of(s, b)]
-    kv, free = bit_copy(cache.pool.kv)[:, :, history], sorted(cache.allocator.free_pages())
+    kv, free = bit_copy(cache._pool.kv)[:, :, history], sorted(cache._allocator.free_pages())
     with pytest.raises(IncompleteForwardError):
         with s.prepare_recache(BOTH) as fwd:
             q, k, v = tensors(2, fwd.seq_len, seed=9)
             chunk_attention(q, k, v, fwd.layers[0])
     assert {b: s.history_chunks(b) for b in BOTH} == visible, "the old window was thrown away"
-    assert torch.equal(bit_copy(cache.pool.kv)[:, :, history], kv)
-    assert sorted(cache.allocator.free_pages()) == free and s.open_forward("cond") is None
-    cache.allocator.check_invariants()
+    assert torch.equal(bit_copy(cache._pool.kv)[:, :, history], kv)
+    assert sorted(cache._allocator.free_pages()) == free and s._open_forward("cond") is None
+    cache._allocator.check_invariants()
 
 
 @pytest.mark.usefixtures("fresh_dynamo")
@@ -103,7 +103,7 @@ def test_a_compiled_forward_that_skips_a_layer_is_not_committed() -> None:
     with pytest.raises(IncompleteForwardError):
         with b.prepare_forward(BOTH, CHUNK, commit_current=True) as fwd:
             first_layers(q, k, v, fwd.layers[:1])
-    assert b.committed_chunks("cond") == 0 and cache.allocator.num_used == 0
+    assert b.committed_chunks("cond") == 0 and cache._allocator.num_used == 0
     with b.prepare_forward(BOTH, CHUNK, commit_current=True) as fwd:
         first_layers(q, k, v, fwd.layers[:1])
         first_layers(q, k, v, fwd.layers[1:])

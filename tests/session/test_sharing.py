@@ -41,17 +41,17 @@ def test_fork_shares_pages_by_refcount_and_copies_nothing(extents: bool) -> None
     parent = cache.open_session("parent")
     for _ in range(3):
         _commit_forward(parent)
-    used_before = cache.allocator.num_used
-    kv_before = cache.pool.kv.clone()
+    used_before = cache._allocator.num_used
+    kv_before = cache._pool.kv.clone()
     child = parent.fork("child")
-    assert cache.allocator.num_used == used_before  # zero pages allocated
-    assert torch.equal(cache.pool.kv, kv_before)  # zero bytes written
+    assert cache._allocator.num_used == used_before  # zero pages allocated
+    assert torch.equal(cache._pool.kv, kv_before)  # zero bytes written
     for branch in ("cond", "uncond"):
         assert child.history_chunks(branch) == parent.history_chunks(branch)
         assert child.token_offset(branch) == parent.token_offset(branch)
         for chunk in child.history_chunks(branch):
             for page in chunk:
-                assert cache.allocator.refcount(page) >= 2
+                assert cache._allocator.refcount(page) >= 2
 
 
 @pytest.mark.parametrize("extents", [False, True])
@@ -85,7 +85,7 @@ def test_forks_diverge_and_closing_one_never_changes_the_other(extents: bool) ->
             torch.testing.assert_close(child.forward(spec.branches, x, True), naive_child.forward(spec.branches, x, True),
                                        atol=2e-5, rtol=2e-5)
     child_state.close()
-    assert lib.cache.allocator.num_free == 200
+    assert lib.cache._allocator.num_free == 200
 
 
 def test_share_sinks_and_cross_attention_between_sessions() -> None:
@@ -105,9 +105,9 @@ def test_share_sinks_and_cross_attention_between_sessions() -> None:
     with pytest.raises(am.SpecError, match="expected branch 'cond' to be empty"):
         b.share_sinks_from(a, "cond")
     a.close()
-    assert b.history_chunks("cond")[0] == (0, 1) and cache.allocator.refcount(0) == 1
+    assert b.history_chunks("cond")[0] == (0, 1) and cache._allocator.refcount(0) == 1
     b.close()
-    assert cache.allocator.num_free == 64
+    assert cache._allocator.num_free == 64
 
 
 def test_admission_and_stats() -> None:
@@ -119,10 +119,10 @@ def test_admission_and_stats() -> None:
     assert cache.sessions_that_fit() == 3 and cache.can_admit(3) and not cache.can_admit(4)
     assert cache.sessions_that_fit(recache=False) == 3  # 5 + 8 spare pages: not a 4th session either way
     sessions = [cache.admit_session() for _ in range(3)]
-    free_before = cache.allocator.free_pages()
+    free_before = cache._allocator.free_pages()
     with pytest.raises(am.CapacityError, match=f"needs up to {per_session} pages"):
         cache.admit_session("too-many")
-    assert cache.allocator.free_pages() == free_before and "too-many" not in cache.sessions
+    assert cache._allocator.free_pages() == free_before and "too-many" not in cache.sessions
     _commit_forward(sessions[0])  # using admitted capacity does not change what else fits
     assert cache.sessions_that_fit() == 0
     stats = cache.stats()
@@ -181,11 +181,11 @@ def test_forward_contexts_are_bounded_lru_and_pending_ones_survive() -> None:
     for state in states[1:]:
         with state.prepare_forward(None, 4, commit_current=True) as fwd:
             am.chunk_attention(x, x, x, fwd.layers[0])
-    assert cache.num_forward_contexts <= 3 and held in cache.forward_contexts()
+    assert cache._forwards.num_contexts <= 3 and held in cache._forwards.contexts()
     am.chunk_attention(x, x, x, held.layers[0])  # still planned and registered
     held.commit()
     batched = cache.prepare_forward([(s, "main") for s in states], 4)
-    assert cache.num_forward_contexts <= 2
+    assert cache._forwards.num_contexts <= 2
     am.chunk_attention(x.repeat(4, 1, 1, 1), x.repeat(4, 1, 1, 1), x.repeat(4, 1, 1, 1), batched.layers[0])
     with pytest.raises(am.SpecError, match="max_forward_contexts"):
         am.KVCache(spec, num_pages=4, max_forward_contexts=0)
@@ -230,12 +230,12 @@ def test_failed_plan_keeps_the_context_registry() -> None:
     state = cache.open_session()
     state.prepare_forward(("a",), TINY_CHUNK, False).commit()
     state.prepare_forward(("b",), TINY_CHUNK, False).commit()
-    before = cache.forward_contexts()
+    before = cache._forwards.contexts()
     backend.fail = Boom
     with pytest.raises(Boom):
         state.prepare_forward(("a",), TINY_CHUNK, False)
     backend.fail = None
-    after = cache.forward_contexts()
+    after = cache._forwards.contexts()
     assert [c.streams for c in after] == [c.streams for c in before], "a failed prepare_forward reordered the LRU"
     assert all(x is y for x, y in zip(after, before))
 
@@ -257,9 +257,9 @@ def test_fork_keeps_its_pages_when_the_parent_reuses_its_extent() -> None:
     step(parent)
     step(parent)  # sink + window full, 2 of the 3 extent slots used
     child = parent.fork()
-    seen = {c: cache.pool.kv[:, :, list(c)].clone() for c in child.history_chunks("main")}
+    seen = {c: cache._pool.kv[:, :, list(c)].clone() for c in child.history_chunks("main")}
     for _ in range(4):  # evicts the shared window chunk; the parent must not reuse its slot while the child sees it
         step(parent)
         for c, data in seen.items():
-            assert same_bits(cache.pool.kv[:, :, list(c)], data), f"the child's chunk {c} was overwritten"
+            assert same_bits(cache._pool.kv[:, :, list(c)], data), f"the child's chunk {c} was overwritten"
     assert list(child.history_chunks("main")) == list(seen)

@@ -233,7 +233,7 @@ class Soak:
                     refs.update(chunk)
                 assert s.state.token_offset(b) == len(s.oracle.committed[b]) * CHUNK
                 assert len(s.state.history_chunks(b)) == len(s.oracle.visible(b))
-        alloc = self.cache.allocator
+        alloc = self.cache._allocator
         held = {p: alloc.refcount(p) for p in range(alloc.num_pages) if alloc.refcount(p)}
         assert held == dict(refs), "allocator references that no session accounts for (leak) or vice versa"
         alloc.check_invariants()
@@ -275,14 +275,14 @@ def test_soak_random_churn_matches_the_cache_free_oracle(seed: int) -> None:
     stats = cache.stats()
     print(
         f"soak: {STEPS} operations, {soak.forwards} forwards checked, {dict(soak.counts)}, "
-        f"peak {stats.peak_pages_used}/{cache.allocator.num_pages} pages, {elapsed:.1f} s"
+        f"peak {stats.peak_pages_used}/{cache._allocator.num_pages} pages, {elapsed:.1f} s"
     )
     assert soak.forwards >= STEPS
     # Flat usage: never above what MAX_SESSIONS sessions hold at their peak (the pool is exactly that big).
     assert stats.peak_pages_used <= soak.bound
     for s in soak.sessions:
         s.state.close()
-    assert cache.allocator.num_free == cache.allocator.num_pages, "pages leaked"
-    assert cache.num_forward_contexts == 0
-    cache.allocator.check_invariants()
+    assert cache._allocator.num_free == cache._allocator.num_pages, "pages leaked"
+    assert cache._forwards.num_contexts == 0
+    cache._allocator.check_invariants()
     cache.close()

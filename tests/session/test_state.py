@@ -16,8 +16,6 @@ import torch
 from ardiff_modules import (
     CacheStats,
     CapacityError,
-    CrossAttentionNotPopulatedError,
-    ForwardFinishedError,
     CrossAttentionSpec,
     ForwardContext,
     KVCache,
@@ -25,11 +23,15 @@ from ardiff_modules import (
     KVState,
     LayerContext,
     PendingContextError,
-    SessionClosedError,
     SpecError,
     TensorMismatchError,
-    UnknownCacheError,
     chunk_attention,
+)
+from ardiff_modules.errors import (
+    CrossAttentionNotPopulatedError,
+    ForwardFinishedError,
+    SessionClosedError,
+    UnknownCacheError,
 )
 from ardiff_modules.backends import ReferenceBackend
 from tests.support.kv_writes import write_every_layer
@@ -76,7 +78,7 @@ def write_layers(layers: list[LayerContext], value: float) -> None:
 def page_values(cache: KVCache, pages) -> list[torch.Tensor]:
     """Per layer, (K, V) of ``pages`` (cloned)."""
     idx = list(pages)
-    return [(cache.pool.k_pages(i)[idx].clone(), cache.pool.v_pages(i)[idx].clone()) for i in range(2)]
+    return [(cache._pool.k_pages(i)[idx].clone(), cache._pool.v_pages(i)[idx].clone()) for i in range(2)]
 
 
 def assert_pages_hold(cache: KVCache, pages, value: float) -> None:
@@ -114,7 +116,7 @@ def test_open_session_allocates_nothing():
     assert state.num_layers == 2
     assert not state.is_closed
     assert state.pages_in_use() == 0
-    assert cache.allocator.free_pages() == tuple(range(16))
+    assert cache._allocator.free_pages() == tuple(range(16))
     for branch in ("cond", "uncond"):
         assert branch_snapshot(state, branch) == ((), (), 0, 0)
     assert cache.sessions == {"a": state}
@@ -129,7 +131,7 @@ def test_lazy_per_branch_allocation_unused_branch_holds_no_pages():
     assert state.pending_chunks("cond") == ((0, 1),)
     assert state.pending_chunks("uncond") == ()
     assert state.history_chunks("uncond") == ()
-    assert cache.allocator.free_pages() == tuple(range(2, 16))
+    assert cache._allocator.free_pages() == tuple(range(2, 16))
     assert cache.stats().sessions == {"a": {"cond": 2, "uncond": 0}}
     for _ in range(3):
         commit_chunks(state, "cond")
@@ -142,8 +144,8 @@ def test_layer_contexts_view_the_pool():
     state = cache.open_session("a")
     layers = state.get_kv_caches("cond", CHUNK)
     for i, layer in enumerate(layers):
-        assert layer.k_cache.data_ptr() == cache.pool.k_pages(i).data_ptr()
-        assert layer.v_cache.data_ptr() == cache.pool.v_pages(i).data_ptr()
+        assert layer.k_cache.data_ptr() == cache._pool.k_pages(i).data_ptr()
+        assert layer.v_cache.data_ptr() == cache._pool.v_pages(i).data_ptr()
         assert layer.k_cache.shape == (16, 2, 2, 4)
         assert layer.num_streams == 1 and layer.seq_len == CHUNK
         assert torch.equal(layer.positions, torch.arange(4)[None])
@@ -160,7 +162,7 @@ def test_denoise_forwards_reuse_pending_pages():
         write_layers(layers, 100 + step)
         assert state.pending_chunks("cond") == ((0, 1),)
         assert state.history_chunks("cond") == ()
-        assert cache.allocator.free_pages() == tuple(range(2, 16))  # no churn
+        assert cache._allocator.free_pages() == tuple(range(2, 16))  # no churn
         if step % 2:  # closing a denoising forward keeps its pages reserved
             state.commit_paged_context("cond")
             assert state.pending_chunks("cond") == ((0, 1),)
@@ -168,13 +170,13 @@ def test_denoise_forwards_reuse_pending_pages():
     # The clean (committing) forward is one more overwrite of the same pages.
     layers = state.get_kv_caches("cond", CHUNK, commit_current=True)
     assert state.pending_chunks("cond") == ((0, 1),)
-    assert cache.allocator.free_pages() == tuple(range(2, 16))
+    assert cache._allocator.free_pages() == tuple(range(2, 16))
     write_layers(layers, 7)
     state.commit_paged_context("cond")
     assert state.history_chunks("cond") == ((0, 1),)
     assert state.pending_chunks("cond") == ()
-    assert cache.allocator.free_pages() == tuple(range(2, 16))
-    assert [cache.allocator.refcount(p) for p in (0, 1)] == [1, 1]
+    assert cache._allocator.free_pages() == tuple(range(2, 16))
+    assert [cache._allocator.refcount(p) for p in (0, 1)] == [1, 1]
     assert_pages_hold(cache, (0, 1), 7)
 
 
@@ -198,12 +200,12 @@ def test_release_idle_forward_contexts_keeps_open_ones():
     write_every_layer(idle.layers)
     idle.commit()
     open_fwd = b.prepare_forward(("cond",), CHUNK, commit_current=False)
-    assert cache.num_forward_contexts == 2
+    assert cache._forwards.num_contexts == 2
     assert cache.release_idle_forward_contexts() == 1
-    assert cache.forward_contexts() == (open_fwd,) and idle.released and open_fwd.is_active
+    assert cache._forwards.contexts() == (open_fwd,) and idle._released and open_fwd.is_active
     open_fwd.commit()  # still usable
     again = a.prepare_forward(("cond",), CHUNK, commit_current=True)  # a fresh context for a's streams
-    assert again is not idle and not again.released
+    assert again is not idle and not again._released
     write_every_layer(again.layers)
     again.commit()
     assert a.committed_chunks("cond") == 2
@@ -215,7 +217,7 @@ def test_release_idle_forward_contexts_keeps_open_ones():
 def test_commit_turns_pending_into_history_without_copying():
     cache = make_cache()
     state = cache.open_session("a")
-    kv_ptr = cache.pool.kv.data_ptr()
+    kv_ptr = cache._pool.kv.data_ptr()
     layers = state.get_kv_caches("cond", CHUNK, commit_current=True)
     pending = state.pending_chunks("cond")
     assert pending == ((0, 1),)
@@ -223,7 +225,7 @@ def test_commit_turns_pending_into_history_without_copying():
     state.commit_paged_context("cond")
     assert state.history_chunks("cond") == pending  # same page ids
     assert_pages_hold(cache, (0, 1), 5)  # same data, in place
-    assert cache.pool.kv.data_ptr() == kv_ptr
+    assert cache._pool.kv.data_ptr() == kv_ptr
     assert state.token_offset("cond") == CHUNK
     assert state.committed_chunks("cond") == 1
 
@@ -234,10 +236,10 @@ def test_commit_with_nothing_pending_is_a_noop():
     state.commit_paged_context("cond")
     assert branch_snapshot(state, "cond") == ((), (), 0, 0)
     commit_chunks(state)
-    before = (branch_snapshot(state, "cond"), cache.allocator.free_pages())
+    before = (branch_snapshot(state, "cond"), cache._allocator.free_pages())
     state.commit_paged_context("cond")
     state.commit_paged_context("cond")
-    assert (branch_snapshot(state, "cond"), cache.allocator.free_pages()) == before
+    assert (branch_snapshot(state, "cond"), cache._allocator.free_pages()) == before
 
 
 def test_eviction_frees_oldest_window_chunk_and_next_allocation_reuses_it():
@@ -248,28 +250,28 @@ def test_eviction_frees_oldest_window_chunk_and_next_allocation_reuses_it():
     commit_chunks(state)  # c1
     commit_chunks(state)  # c2
     assert state.history_chunks("cond") == ((0, 1), (2, 3), (4, 5))
-    assert cache.allocator.free_pages() == (6, 7)
+    assert cache._allocator.free_pages() == (6, 7)
 
     write_every_layer(state.get_kv_caches("cond", CHUNK, commit_current=True))
     assert state.pending_chunks("cond") == ((6, 7),)
-    assert cache.allocator.free_pages() == ()
+    assert cache._allocator.free_pages() == ()
     state.commit_paged_context("cond")  # c3 evicts c1
     assert state.history_chunks("cond") == ((0, 1), (4, 5), (6, 7))
-    assert cache.allocator.free_pages() == (2, 3)
-    assert cache.allocator.refcount(2) == 0
+    assert cache._allocator.free_pages() == (2, 3)
+    assert cache._allocator.refcount(2) == 0
 
     write_every_layer(state.get_kv_caches("cond", CHUNK, commit_current=True))
     assert state.pending_chunks("cond") == ((2, 3),)  # the evicted chunk's pages
     state.commit_paged_context("cond")  # c4 evicts c2
     assert state.history_chunks("cond") == ((0, 1), (6, 7), (2, 3))
-    assert cache.allocator.free_pages() == (4, 5)
+    assert cache._allocator.free_pages() == (4, 5)
 
     commit_chunks(state)  # c5 evicts c3
     assert state.history_chunks("cond") == ((0, 1), (2, 3), (4, 5))
-    assert cache.allocator.free_pages() == (6, 7)
+    assert cache._allocator.free_pages() == (6, 7)
     assert state.committed_chunks("cond") == 6  # evicted chunks included
     assert state.token_offset("cond") == 6 * CHUNK
-    cache.allocator.check_invariants()
+    cache._allocator.check_invariants()
 
 
 def test_sinks_are_never_evicted_and_offsets_keep_advancing():
@@ -285,7 +287,7 @@ def test_sinks_are_never_evicted_and_offsets_keep_advancing():
         assert len(visible) == min(n, 3)
         assert state.committed_chunks("cond") == n
         assert state.token_offset("cond") == n * CHUNK
-        assert cache.allocator.num_used == 2 * len(visible)
+        assert cache._allocator.num_used == 2 * len(visible)
 
 
 def test_window_none_never_evicts():
@@ -294,7 +296,7 @@ def test_window_none_never_evicts():
     for _ in range(5):
         commit_chunks(state)
     assert state.history_chunks("cond") == ((0, 1), (2, 3), (4, 5), (6, 7), (8, 9))
-    assert cache.allocator.free_pages() == (10, 11)
+    assert cache._allocator.free_pages() == (10, 11)
 
 
 def test_window_zero_and_sink_zero_keeps_nothing_but_advances_offsets():
@@ -302,12 +304,12 @@ def test_window_zero_and_sink_zero_keeps_nothing_but_advances_offsets():
     state = cache.open_session("a")
     for n in range(1, 4):
         layers = state.get_kv_caches("cond", CHUNK, commit_current=True)
-        assert layers[0].forward.layout.streams[0].history_pages == ()
+        assert layers[0].forward._layout.streams[0].history_pages == ()
         write_every_layer(layers)
         state.commit_paged_context("cond")
         assert state.history_chunks("cond") == ()
         assert state.token_offset("cond") == n * CHUNK
-        assert cache.allocator.num_free == 4
+        assert cache._allocator.num_free == 4
 
 
 # ---------------------------------------------------------------------- multi-chunk forwards
@@ -329,13 +331,13 @@ def test_multi_chunk_forwards_commit_and_evict():
     assert torch.equal(fwd.positions, torch.arange(8, 20)[None])
     assert fwd.token_offsets == (8,)
     # History visible to the forward: sink + window, then the pending chunks block-causally.
-    rows = fwd.layout.structural_rows
+    rows = fwd._layout.structural_rows
     assert rows.kv_page_indptr.tolist() == [0, 6, 14, 24]
     assert rows.kv_page_indices.tolist() == [0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
     write_every_layer(fwd.layers)
     state.commit_paged_context("cond")
     assert state.history_chunks("cond") == ((0, 1), (6, 7), (8, 9))
-    assert cache.allocator.free_pages() == (10, 11, 12, 13, 14, 15, 2, 3, 4, 5)
+    assert cache._allocator.free_pages() == (10, 11, 12, 13, 14, 15, 2, 3, 4, 5)
     assert state.committed_chunks("cond") == 5
     assert state.token_offset("cond") == 20
 
@@ -347,7 +349,7 @@ def test_multi_chunk_denoise_shrinks_and_grows_pending():
     assert state.pending_chunks("cond") == ((0, 1), (2, 3))
     state.get_kv_caches("cond", CHUNK)  # fewer chunks: the surplus is freed, the first chunk kept
     assert state.pending_chunks("cond") == ((0, 1),)
-    assert cache.allocator.free_pages() == tuple(range(4, 16)) + (2, 3)
+    assert cache._allocator.free_pages() == tuple(range(4, 16)) + (2, 3)
     write_every_layer(state.get_kv_caches("cond", 2 * CHUNK, commit_current=True))  # more: the first is reused
     assert state.pending_chunks("cond") == ((0, 1), (4, 5))
     state.commit_paged_context("cond")
@@ -362,13 +364,13 @@ def test_committing_forward_replaced_before_commit_raises():
     cache = make_cache()
     state = cache.open_session("a")
     state.get_kv_caches("cond", CHUNK, commit_current=True)
-    before = (branch_snapshot(state, "cond"), cache.allocator.free_pages())
+    before = (branch_snapshot(state, "cond"), cache._allocator.free_pages())
     for commit_current in (True, False):
         with pytest.raises(PendingContextError) as exc_info:
             state.get_kv_caches("cond", CHUNK, commit_current=commit_current)
         assert "'cond'" in str(exc_info.value) and "'a'" in str(exc_info.value)
         assert isinstance(exc_info.value, RuntimeError)
-    assert (branch_snapshot(state, "cond"), cache.allocator.free_pages()) == before
+    assert (branch_snapshot(state, "cond"), cache._allocator.free_pages()) == before
     # Another branch is independent.
     state.get_kv_caches("uncond", CHUNK, commit_current=True)
     assert state.pending_chunks("uncond") == ((2, 3),)
@@ -388,7 +390,7 @@ def test_committing_forward_can_be_replaced_after_abort():
     state = cache.open_session("a")
     state.get_kv_caches("cond", CHUNK, commit_current=True)
     state.abort("cond")
-    assert cache.allocator.free_pages() == tuple(range(2, 16)) + (0, 1)
+    assert cache._allocator.free_pages() == tuple(range(2, 16)) + (0, 1)
     state.get_kv_caches("cond", CHUNK, commit_current=True)
     assert state.pending_chunks("cond") == ((2, 3),)
 
@@ -405,7 +407,7 @@ def test_non_committing_forwards_can_be_replaced_freely():
 
 
 def test_seq_len_required_by_get_kv_caches():
-    from ardiff_modules import SequenceLengthError
+    from ardiff_modules.errors import SequenceLengthError
 
     cache = make_cache()
     state = cache.open_session("a")
@@ -428,8 +430,8 @@ def test_abort_restores_history_exactly_and_frees_pending_pages():
     assert history == ((0, 1), (2, 3))
     hist_before = page_values(cache, (0, 1, 2, 3))
     snap = branch_snapshot(state, "cond")
-    refs = [cache.allocator.refcount(p) for p in range(16)]
-    free_set = set(cache.allocator.free_pages())
+    refs = [cache._allocator.refcount(p) for p in range(16)]
+    free_set = set(cache._allocator.free_pages())
 
     layers = state.get_kv_caches("cond", 2 * CHUNK, commit_current=True)
     assert state.pending_chunks("cond") == ((4, 5), (6, 7))
@@ -437,8 +439,8 @@ def test_abort_restores_history_exactly_and_frees_pending_pages():
     state.abort("cond")
 
     assert branch_snapshot(state, "cond") == snap
-    assert [cache.allocator.refcount(p) for p in range(16)] == refs
-    assert set(cache.allocator.free_pages()) == free_set
+    assert [cache._allocator.refcount(p) for p in range(16)] == refs
+    assert set(cache._allocator.free_pages()) == free_set
     for (k0, v0), (k1, v1) in zip(hist_before, page_values(cache, (0, 1, 2, 3))):
         assert torch.equal(k0, k1) and torch.equal(v0, v1)
     # The next forward of the chunk works normally.
@@ -469,7 +471,7 @@ def test_abort_of_a_denoise_forward_frees_its_reserved_pages():
     assert state.pending_chunks("cond") == ((0, 1),)
     state.abort("cond")
     assert state.pending_chunks("cond") == ()
-    assert cache.allocator.num_free == 16
+    assert cache._allocator.num_free == 16
 
 
 # ---------------------------------------------------------------------- context-manager form
@@ -496,7 +498,7 @@ def test_context_manager_aborts_on_exception_and_history_is_exactly_as_before():
         write_layers(fwd.layers, 3)
     snaps = {b: branch_snapshot(state, b) for b in ("cond", "uncond")}
     hist = page_values(cache, (0, 1, 2, 3))
-    refs = [cache.allocator.refcount(p) for p in range(16)]
+    refs = [cache._allocator.refcount(p) for p in range(16)]
 
     with pytest.raises(RuntimeError, match="boom"):
         with state.prepare_forward(("cond", "uncond"), CHUNK, commit_current=True) as fwd:
@@ -505,7 +507,7 @@ def test_context_manager_aborts_on_exception_and_history_is_exactly_as_before():
             raise RuntimeError("boom")
 
     assert {b: branch_snapshot(state, b) for b in ("cond", "uncond")} == snaps
-    assert [cache.allocator.refcount(p) for p in range(16)] == refs
+    assert [cache._allocator.refcount(p) for p in range(16)] == refs
     for (k0, v0), (k1, v1) in zip(hist, page_values(cache, (0, 1, 2, 3))):
         assert torch.equal(k0, k1) and torch.equal(v0, v1)
     # Nothing is left pending: a new committing forward is allowed.
@@ -525,7 +527,7 @@ def test_context_manager_denoise_success_keeps_pending_and_exception_drops_it():
         with state.prepare_forward("cond", CHUNK, commit_current=False):
             raise ValueError("bad step")
     assert state.pending_chunks("cond") == ()
-    assert cache.allocator.num_free == 16
+    assert cache._allocator.num_free == 16
 
 
 def test_context_manager_exit_skips_branches_committed_by_hand():
@@ -559,14 +561,14 @@ def test_plan_failure_rolls_back_the_allocation():
     commit_chunks(state)
     commit_chunks(other)
     snaps = (branch_snapshot(state, "cond"), branch_snapshot(other, "cond"))
-    refs = [cache.allocator.refcount(p) for p in range(16)]
-    free = cache.allocator.free_pages()
+    refs = [cache._allocator.refcount(p) for p in range(16)]
+    free = cache._allocator.free_pages()
     backend.fail = True
     with pytest.raises(RuntimeError, match="plan failed"):
         cache.prepare_forward([(state, "cond"), (other, "cond")], CHUNK, commit_current=True)
     assert (branch_snapshot(state, "cond"), branch_snapshot(other, "cond")) == snaps
-    assert [cache.allocator.refcount(p) for p in range(16)] == refs
-    assert cache.allocator.free_pages() == free  # exactly: free-queue order included
+    assert [cache._allocator.refcount(p) for p in range(16)] == refs
+    assert cache._allocator.free_pages() == free  # exactly: free-queue order included
     backend.fail = False
     commit_chunks(state)  # no stale pending record blocks the branch
     assert state.committed_chunks("cond") == 2
@@ -592,7 +594,7 @@ def test_batched_multi_branch_forward_and_per_branch_commit():
     assert state.history_chunks("cond") == ((2, 3),)
     assert state.history_chunks("uncond") == ((0, 1), (4, 5)) and state.pending_chunks("uncond") == ()
     with pytest.raises(ForwardFinishedError):
-        fwd.layers[0].forward.check_usable()
+        fwd.layers[0].forward._check_usable()
     state.commit_paged_context("uncond")  # the seed's per-branch loop: already committed, a no-op
     assert state.history_chunks("uncond") == ((0, 1), (4, 5))
     assert state.token_offset("uncond") == 8 and state.token_offset("cond") == 4
@@ -605,7 +607,7 @@ def test_batched_forward_order_follows_the_request():
     assert fwd.streams == (("a", "uncond"), ("a", "cond"))
     assert state.pending_chunks("uncond") == ((0, 1),)
     assert state.pending_chunks("cond") == ((2, 3),)
-    assert fwd.layout.write_slots.tolist() == [0, 1, 2, 3, 4, 5, 6, 7]
+    assert fwd._layout.write_slots.tolist() == [0, 1, 2, 3, 4, 5, 6, 7]
 
 
 def test_batched_forward_over_two_sessions():
@@ -630,11 +632,11 @@ def test_capacity_error_in_state_changes_nothing():
     state = cache.open_session("a")
     commit_chunks(state)
     commit_chunks(state)
-    before = (branch_snapshot(state, "cond"), cache.allocator.free_pages())
+    before = (branch_snapshot(state, "cond"), cache._allocator.free_pages())
     with pytest.raises(CapacityError) as exc_info:
         state.prepare_forward("cond", 2 * CHUNK)
     assert (exc_info.value.needed, exc_info.value.free) == (4, 2)
-    assert (branch_snapshot(state, "cond"), cache.allocator.free_pages()) == before
+    assert (branch_snapshot(state, "cond"), cache._allocator.free_pages()) == before
     state.prepare_forward("cond", CHUNK)  # one chunk still fits
     assert state.pending_chunks("cond") == ((4, 5),)
 
@@ -664,7 +666,7 @@ def test_reset_frees_pages_zeroes_offsets_and_drops_cross_caches():
         assert branch_snapshot(state, branch) == ((), (), 0, 0)
         assert not state.is_cross_attention_populated(branch, "text")
     assert state.pages_in_use() == 0
-    assert cache.allocator.num_used == 2  # only the other session's chunk
+    assert cache._allocator.num_used == 2  # only the other session's chunk
     assert branch_snapshot(other, "cond") == other_snap
     assert other.is_cross_attention_populated("cond", "text")
     assert not state.is_closed and cache.sessions["a"] is state
@@ -695,11 +697,11 @@ def test_reset_with_unknown_cache_name_changes_nothing():
     commit_chunks(state)
     state.get_kv_caches("cond", CHUNK)
     populate(state, "cond")
-    before = (branch_snapshot(state, "cond"), cache.allocator.free_pages(), state.cross_entries())
+    before = (branch_snapshot(state, "cond"), cache._allocator.free_pages(), state._cross_entries())
     with pytest.raises(UnknownCacheError) as exc_info:
         state.reset(keep_cross_attention=("text", "prompt"))
     assert "'prompt'" in str(exc_info.value) and "'text'" in str(exc_info.value)
-    assert (branch_snapshot(state, "cond"), cache.allocator.free_pages(), state.cross_entries()) == before
+    assert (branch_snapshot(state, "cond"), cache._allocator.free_pages(), state._cross_entries()) == before
 
 
 def test_reset_reopens_a_closed_session():
@@ -741,16 +743,16 @@ def test_close_frees_every_page_and_is_idempotent():
     state.close()
     assert state.is_closed
     assert state.pages_in_use() == 0
-    assert cache.allocator.used_pages() == other.history_chunks("cond")[0]
+    assert cache._allocator.used_pages() == other.history_chunks("cond")[0]
     assert cache.sessions == {"b": other}
     assert "a" not in cache.stats().sessions
     assert branch_snapshot(other, "cond") == other_snap
     state.close()
-    assert cache.allocator.num_used == 2
+    assert cache._allocator.num_used == 2
     other.close()
-    assert cache.allocator.num_free == 16
+    assert cache._allocator.num_free == 16
     assert cache.stats().cross_attention_bytes == 0
-    cache.allocator.check_invariants()
+    cache._allocator.check_invariants()
 
 
 CLOSED_CALLS = {
@@ -781,11 +783,11 @@ def test_every_call_after_close_raises_session_closed(call):
     commit_chunks(other)
     populate(state, "cond")
     state.close()
-    free = cache.allocator.free_pages()
+    free = cache._allocator.free_pages()
     with pytest.raises(SessionClosedError) as exc_info:
         CLOSED_CALLS[call](state)
     assert "'a'" in str(exc_info.value) and "closed" in str(exc_info.value)
-    assert cache.allocator.free_pages() == free
+    assert cache._allocator.free_pages() == free
     assert other.history_chunks("cond") == ((2, 3),)
 
 
@@ -794,7 +796,7 @@ def test_close_during_a_context_manager_forward():
     state = cache.open_session("a")
     with state.prepare_forward("cond", CHUNK, commit_current=True):
         state.close()
-    assert cache.allocator.num_free == 16
+    assert cache._allocator.num_free == 16
 
 
 # ---------------------------------------------------------------------- cross-attention
@@ -821,7 +823,7 @@ def test_cross_attention_populate_get_is_populated():
     # Own head count / head dim.
     state.populate_cross_attention("cond", "image", cross_pairs("image", 5.0))
     assert state.get_cross_attention_kv("cond", "image")[1]["v"].shape == (2, 1, 8)
-    assert cache.allocator.num_used == 0  # cross caches do not use pool pages
+    assert cache._allocator.num_used == 0  # cross caches do not use pool pages
 
 
 def test_cross_attention_dtype_is_converted_to_the_pool_dtype():
@@ -871,12 +873,12 @@ def test_clear_cross_attention_keeps_self_attention_history():
     populate(state, "uncond", "image")
     populate(other, "cond")
     snap = branch_snapshot(state, "cond")
-    free = cache.allocator.free_pages()
+    free = cache._allocator.free_pages()
     state.clear_cross_attention()
     assert not state.is_cross_attention_populated("cond", "text")
     assert not state.is_cross_attention_populated("uncond", "image")
     assert branch_snapshot(state, "cond") == snap
-    assert cache.allocator.free_pages() == free
+    assert cache._allocator.free_pages() == free
     assert other.is_cross_attention_populated("cond", "text")
     with pytest.raises(CrossAttentionNotPopulatedError):
         state.get_cross_attention_kv("cond", "text")
@@ -975,7 +977,7 @@ def test_stats():
     assert stats.peak_pages_used == 8 and stats.bytes_used == 8 * BYTES_PER_PAGE
     assert stats.sessions == {"a": {"cond": 2, "uncond": 4}, "b": {"cond": 2, "uncond": 0}}
     assert stats.cross_attention_bytes == 384 + 256
-    assert cache.pool.nbytes == stats.pool_bytes
+    assert cache._pool.nbytes == stats.pool_bytes
 
 
 @pytest.mark.parametrize(
@@ -983,17 +985,17 @@ def test_stats():
 )
 def test_budget_bytes_sizing(budget, pages):
     cache = KVCache(SPEC, budget_bytes=budget)
-    assert cache.allocator.num_pages == pages
-    assert cache.pool.num_pages == pages
-    assert cache.pool.kv.shape == (2, 2, pages, 2, 2, 4)
-    assert cache.pool.nbytes == pages * BYTES_PER_PAGE <= budget
+    assert cache._allocator.num_pages == pages
+    assert cache._pool.num_pages == pages
+    assert cache._pool.kv.shape == (2, 2, pages, 2, 2, 4)
+    assert cache._pool.nbytes == pages * BYTES_PER_PAGE <= budget
     assert cache.dtype == torch.float32
     assert cache.device == torch.device("cpu")
 
 
 def test_budget_bytes_depends_on_dtype():
     spec = dataclasses.replace(SPEC, dtype="bfloat16")
-    assert KVCache(spec, budget_bytes=1000).allocator.num_pages == 7  # 128-byte pages
+    assert KVCache(spec, budget_bytes=1000)._allocator.num_pages == 7  # 128-byte pages
 
 
 @pytest.mark.parametrize("budget", [BYTES_PER_PAGE - 1, 0, -5, 1000.0, True])
@@ -1027,12 +1029,12 @@ def test_open_session_duplicate_id():
     cache = make_cache()
     a = cache.open_session("a")
     commit_chunks(a)
-    free = cache.allocator.free_pages()
+    free = cache._allocator.free_pages()
     with pytest.raises(SpecError) as exc_info:
         cache.open_session("a")
     assert "'a'" in str(exc_info.value) and "already open" in str(exc_info.value)
     assert cache.sessions == {"a": a}
-    assert cache.allocator.free_pages() == free
+    assert cache._allocator.free_pages() == free
     assert a.history_chunks("cond") == ((0, 1),)
     a.close()
     b = cache.open_session("a")  # the id is free again after close

@@ -219,8 +219,8 @@ def _watch(cache: KVCache, errors: list, done: threading.Event, stop: threading.
             assert st.peak_pages_used <= st.num_pages
             cache.sessions_that_fit()
             with _lock(cache):
-                cache.allocator.check_invariants()
-                alloc = cache.allocator
+                cache._allocator.check_invariants()
+                alloc = cache._allocator
                 refs = sum(alloc.refcount(p) for p in range(alloc.num_pages))
                 held = sum(s.pages_in_use() for s in cache.sessions.values())
                 assert refs == held, f"allocator holds {refs} references, the open sessions {held}"
@@ -271,7 +271,7 @@ def test_threads_drive_their_own_sessions_on_one_cache() -> None:
     assert ops == WORKERS * OPS
     assert capacity < ops / 2, "the pool is too small for this test to exercise much"
     assert reads, "the stats thread never completed a read"
-    cache.allocator.check_invariants()
+    cache._allocator.check_invariants()
     assert cache.sessions == {}
-    assert cache.allocator.num_free == cache.allocator.num_pages, "pages leaked"
-    assert cache.num_forward_contexts == 0
+    assert cache._allocator.num_free == cache._allocator.num_pages, "pages leaked"
+    assert cache._forwards.num_contexts == 0

@@ -26,12 +26,12 @@ def _denoise(state: am.KVState, n: int = CHUNK, **kwargs: object) -> None:
 
 
 def _count(cache: am.KVCache, state: am.KVState, branch: str = "cond") -> int:
-    return cache.forwards.uncommitted.count(state.branch_pages(branch))
+    return cache._forwards.uncommitted.count(state.branch_pages(branch))
 
 
 def _small(limit: int = LIMIT) -> am.KVCache:
     cache = make_small_cache()
-    cache.forwards.uncommitted.limit = limit
+    cache._forwards.uncommitted.limit = limit
     return cache
 
 
@@ -76,12 +76,12 @@ def test_an_error_filter_raises_before_anything_changed() -> None:
     commit_chunk(state)
     for _ in range(LIMIT):
         _denoise(state)
-    before, pool = bookkeeping(cache), bit_copy(cache.pool.kv)
+    before, pool = bookkeeping(cache), bit_copy(cache._pool.kv)
     with warnings.catch_warnings():
         warnings.simplefilter("error", am.UncommittedForwardsWarning)
         with pytest.raises(am.UncommittedForwardsWarning):
             state.prepare_forward(BOTH, CHUNK, commit_current=False)
-    assert bookkeeping(cache) == before and torch.equal(bit_copy(cache.pool.kv), pool)
+    assert bookkeeping(cache) == before and torch.equal(bit_copy(cache._pool.kv), pool)
     assert _count(cache, state) == LIMIT  # the refused forward was not counted
 
 
@@ -115,7 +115,7 @@ def test_rolling_window_denoising_does_not_warn() -> None:
 
 def test_recache_forwards_neither_count_nor_warn() -> None:
     rig = Rig()
-    rig.cache.forwards.uncommitted.limit = 1
+    rig.cache._forwards.uncommitted.limit = 1
     with warnings.catch_warnings():
         warnings.simplefilter("error", am.UncommittedForwardsWarning)
         for _ in range(3):

@@ -254,9 +254,9 @@ def check_rollout(
     cache.check_consistency()
     # Each rank stores its heads only: K/V bytes per page shrink by kv_heads / local kv heads.
     local_kv = cache.spec.num_kv_heads
-    assert cache.cache.pool.bytes_per_page * kv_heads == reference.pool.bytes_per_page * local_kv
+    assert cache.cache._pool.bytes_per_page * kv_heads == reference._pool.bytes_per_page * local_kv
     assert cache.spec.num_qo_heads == heads // mesh.sp_size
-    entry = state.cross_entry(mesh.local_branches[0], "text")
+    entry = state._cross_entry(mesh.local_branches[0], "text")
     cross_kv = kv_heads if cross == "tokens" or mesh.sp is None else local_kv
     assert entry is not None and entry.k.shape[-2] == cross_kv, (entry.k.shape if entry else None, cross_kv)
 
@@ -273,8 +273,8 @@ def _whole_state(cache: DistributedKVCache) -> Any:
               for b in st.kv_branch_names}
         for sid, st in sorted(cache.cache.sessions.items())
     }
-    contexts = tuple((ctx.streams, ctx.status) for ctx in cache.cache.forward_contexts())
-    allocator = cache.cache.allocator
+    contexts = tuple((ctx.streams, ctx.status) for ctx in cache.cache._forwards.contexts())
+    allocator = cache.cache._allocator
     refcounts = tuple(allocator.refcount(p) for p in range(allocator.num_pages))
     return sessions, tuple(allocator.free_pages()), refcounts, allocator.peak_used, contexts
 
@@ -290,12 +290,12 @@ def _check_same_state_everywhere(cache: DistributedKVCache, what: str) -> None:
 def _prepare_failing_on(cache: DistributedKVCache, bad: int, *args: Any, **kwargs: Any) -> None:
     """``cache.prepare_forward(*args, **kwargs)`` with the local prepare failing on rank ``bad`` only."""
     me = dist.get_rank()
-    original = cache.cache.forwards.prepare  # what the distributed prepare calls (holding the reservation)
+    original = cache.cache._forwards.prepare  # what the distributed prepare calls (holding the reservation)
     if me == bad:
         def failing(*a: Any, **k: Any) -> None:
             raise CapacityError("injected on one rank", needed=4, free=0)
 
-        cache.cache.forwards.prepare = failing  # type: ignore[method-assign]
+        cache.cache._forwards.prepare = failing  # type: ignore[method-assign]
     try:
         cache.prepare_forward(*args, **kwargs)
     except (CapacityError, DistributedForwardError) as e:
@@ -303,7 +303,7 @@ def _prepare_failing_on(cache: DistributedKVCache, bad: int, *args: Any, **kwarg
     else:
         raise AssertionError("expected the prepare to fail on every rank")
     finally:
-        cache.cache.forwards.prepare = original  # type: ignore[method-assign]
+        cache.cache._forwards.prepare = original  # type: ignore[method-assign]
 
 
 def check_vote_undo() -> None:
@@ -339,7 +339,7 @@ def check_vote_undo() -> None:
         with cache.prepare_forward(s1, CHUNK, commit_current=True) as second:
             first.commit()
             first.abort()
-            assert second.context.transaction.is_open and s1.committed_chunks("cond") == 0
+            assert second.context._transaction.is_open and s1.committed_chunks("cond") == 0
             parallel(mesh.scatter(x[:2]), second.layers)
             # A rank's share committed alone (issue 41): refused on every rank, nothing changed, still open.
             for alone in (second.context.commit, lambda: s1.commit_paged_context("cond")):
@@ -349,7 +349,7 @@ def check_vote_undo() -> None:
                     assert "expected DistributedForward" in str(e), e
                 else:
                     raise AssertionError("expected a commit of one rank's share alone to be refused")
-            assert second.context.transaction.is_open and s1.committed_chunks("cond") == 0
+            assert second.context._transaction.is_open and s1.committed_chunks("cond") == 0
     assert s1.committed_chunks("cond") == 1
     _check_same_state_everywhere(cache, "after finishing a superseded handle")
     # Misuse: specific errors (a bad sessions argument is voted like any failure: no rank hangs).
@@ -590,13 +590,13 @@ def check_peer_lost(mode: str, timeout_s: float) -> None:
     events = _events(7, model.dim, model.context_dim, steps=1, fixed=True)
     _play([par], events, device, dtype)  # a prompt and one committed chunk, on both ranks
     state, branch = par.state, mesh.local_branches[0]
-    before, used = _whole_state(cache)[:2], cache.cache.allocator.num_used
+    before, used = _whole_state(cache)[:2], cache.cache._allocator.num_used
     x = mesh.scatter(events[1][1].to(device, dtype))
     start = time.monotonic()
     try:
         with torch.no_grad(), cache.prepare_forward(state, CHUNK, commit_current=True) as fwd:
             parallel(x, fwd.layers)  # CFG-only: the model runs no collective
-            assert state.pending_chunks(branch) and cache.cache.allocator.num_used > used
+            assert state.pending_chunks(branch) and cache.cache._allocator.num_used > used
             if me == 1:
                 if mode == "kill":
                     os.kill(os.getpid(), signal.SIGKILL)
@@ -613,15 +613,15 @@ def check_peer_lost(mode: str, timeout_s: float) -> None:
     else:
         assert 0.5 * timeout_s <= elapsed <= timeout_s + 5.0, f"waited {elapsed:.1f} s, timeout {timeout_s} s"
     # No open forward, the pool and the session as before the forward.
-    assert state.open_forward(branch) is None and not fwd.context.is_active
-    assert _whole_state(cache)[:2] == before and cache.cache.allocator.num_used == used
+    assert state._open_forward(branch) is None and not fwd.context.is_active
+    assert _whole_state(cache)[:2] == before and cache.cache._allocator.num_used == used
     fwd.abort()  # finished already: no collective (the group is dead)
     # A new forward of this rank's streams works (locally: the mesh cannot vote any more).
     with torch.no_grad(), state.prepare_forward(mesh.local_branches, CHUNK, commit_current=True) as local:
         parallel(x, local.layers)
-    assert state.committed_chunks(branch) == 2 and state.open_forward(branch) is None
+    assert state.committed_chunks(branch) == 2 and state._open_forward(branch) is None
     cache.close()
-    assert cache.cache.allocator.num_used == 0
+    assert cache.cache._allocator.num_used == 0
 
 
 def check_out_of_step() -> None:
@@ -912,7 +912,7 @@ def check_graph_votes() -> None:
             """A stand-in graph of ``ctx`` on ``ranks`` (what the capture vote and the replay checks read)."""
             step.step.discard(ctx)
             if me in ranks:
-                step.step._captured[ctx] = _Captured(None, [inputs.clone()], x, (ctx.plan_epoch,), frozenset())
+                step.step._captured[ctx] = _Captured(None, [inputs.clone()], x, (ctx._plan_epoch,), frozenset())
 
         # The per-call vote: capture if any rank must (its plan was rebuilt), else replay everywhere.
         assert step._decide(ctx, (x,)) is True  # no graph anywhere
@@ -947,7 +947,7 @@ def check_graph_votes() -> None:
     resets = []
     with step:
         step.step._captured[ctx] = _Captured(type("G", (), {"reset": lambda self: resets.append(1)})(), [x], x,
-                                             (ctx.plan_epoch,), frozenset())
+                                             (ctx._plan_epoch,), frozenset())
     assert resets == [1] and step.num_graphs == 0
     for bad in ({"warmup_iters": 0}, {"verify": 1}):
         try:

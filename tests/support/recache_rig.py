@@ -74,7 +74,7 @@ class Rig:
                 kept = {"keep_latents": x} if keep and commit else {}
                 with s.state.prepare_forward(BRANCHES, length, commit, chunk_lengths=[length], **kept) as fwd:
                     out = self.model(x, fwd.layers)
-                    self.last_layout = fwd.layout
+                    self.last_layout = fwd._layout
                 expected = s.naive.forward(BRANCHES, x, commit, [length])
                 if check:
                     torch.testing.assert_close(out, expected, **TOL)
@@ -145,11 +145,11 @@ def recache_snapshot(cache: KVCache) -> dict:
         for sid, state in cache.sessions.items()
     }
     return {
-        "free": cache.allocator.free_pages(),
-        "refcounts": [cache.allocator.refcount(p) for p in range(cache.allocator.num_pages)],
-        "peak": cache.allocator.peak_used,
+        "free": cache._allocator.free_pages(),
+        "refcounts": [cache._allocator.refcount(p) for p in range(cache._allocator.num_pages)],
+        "peak": cache._allocator.peak_used,
         "sessions": sessions,
-        "used_bytes": cache.pool.kv[:, :, used].clone(),
+        "used_bytes": cache._pool.kv[:, :, used].clone(),
     }
 
 
@@ -159,4 +159,4 @@ def assert_recache_unchanged(cache: KVCache, before: dict, *, peak: bool = True)
     for key in ("free", "refcounts", "peak", "sessions")[: None if peak else 2] + (() if peak else ("sessions",)):
         assert after[key] == before[key], key
     assert torch.equal(after["used_bytes"], before["used_bytes"])
-    cache.allocator.check_invariants()
+    cache._allocator.check_invariants()

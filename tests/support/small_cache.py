@@ -64,7 +64,7 @@ def bit_copy(t: torch.Tensor) -> torch.Tensor:
 
 def bookkeeping(cache: KVCache, *, ordered: bool = True):
     """Allocator (free queue, refcounts) and every open session's branches, via public API."""
-    alloc = cache.allocator
+    alloc = cache._allocator
     free = alloc.free_pages() if ordered else tuple(sorted(alloc.free_pages()))
     sessions = {
         sid: {
@@ -73,7 +73,7 @@ def bookkeeping(cache: KVCache, *, ordered: bool = True):
                 state.pending_chunks(b),
                 state.token_offset(b),
                 state.committed_chunks(b),
-                id(state.open_forward(b)) if state.open_forward(b) is not None else None,
+                id(state._open_forward(b)) if state._open_forward(b) is not None else None,
             )
             for b in state.kv_branch_names
         }

@@ -93,8 +93,8 @@ class LibraryWan:
 
 def poison_free_pages(cache: am.KVCache) -> int:
     """What reuse would do to the pages nobody holds: every free page now reads NaN. Returns their count."""
-    free = list(cache.allocator.free_pages())
-    cache.pool.kv[:, :, free] = float("nan")
+    free = list(cache._allocator.free_pages())
+    cache._pool.kv[:, :, free] = float("nan")
     return len(free)
 
 

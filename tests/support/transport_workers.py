@@ -35,7 +35,7 @@ def _refusals(rank: int) -> None:
         try:
             cache.recv_sessions(0)
             raise AssertionError("expected SessionIdClashError")
-        except am.SessionIdClashError as e:
+        except am.errors.SessionIdClashError as e:
             assert "'child'" in str(e)
         clash.close()
         try:  # the sender refuses (pending work): told, nothing received
@@ -55,15 +55,15 @@ def _refusals(rank: int) -> None:
                 raise AssertionError(f"expected SessionTransferError ({expected})")
             except am.SessionTransferError as e:
                 assert expected in str(e), e
-        assert cache.sessions == {} and cache.allocator.num_used == 0
+        assert cache.sessions == {} and cache._allocator.num_used == 0
         return
-    before, pool = bookkeeping(cache), cache.pool.kv.clone()
+    before, pool = bookkeeping(cache), cache._pool.kv.clone()
     try:
         cache.send_sessions([a, child], 1)
         raise AssertionError("expected SessionTransferError")
     except am.SessionTransferError as e:
         assert "refusal: SessionIdClashError" in str(e) and "stay here" in str(e), e
-    assert bookkeeping(cache) == before and torch.equal(cache.pool.kv, pool)
+    assert bookkeeping(cache) == before and torch.equal(cache._pool.kv, pool)
     step(child, 8, commit=False)
     try:
         cache.send_sessions([child], 1)
@@ -98,17 +98,17 @@ def _receive_family() -> None:
         small.recv_sessions(0)
         raise AssertionError("expected CapacityError")
     except am.CapacityError:
-        assert small.allocator.num_used == 0 and small.sessions == {}
+        assert small._allocator.num_used == 0 and small.sessions == {}
     cache = make_small_cache()
     a, child = cache.recv_sessions(0)
-    assert cache.allocator.num_used == twin_cache.allocator.num_used
+    assert cache._allocator.num_used == twin_cache._allocator.num_used
     assert [pages_of(child, b)[:2] == pages_of(a, b)[:2] for b in BOTH] == [True, True]
     for seed in range(10, 14):
         for mine, twin in ((a, twin_a), (child, twin_child)):
             out, ref = step(mine, seed, latents=True), step(twin, seed, latents=True)
             assert all(torch.equal(x, y) for x, y in zip(out, ref))
     assert torch.equal(child.recache_latents(), twin_child.recache_latents())
-    cache.allocator.check_invariants()
+    cache._allocator.check_invariants()
 
 
 def check_send_recv() -> None:
@@ -134,4 +134,4 @@ def _send_family() -> None:
         assert "CapacityError" in str(e), e
     assert bookkeeping(cache) == before
     cache.send_sessions([a, child], 1)
-    assert a.is_closed and child.is_closed and cache.allocator.num_used == 0
+    assert a.is_closed and child.is_closed and cache._allocator.num_used == 0

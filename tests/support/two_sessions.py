@@ -44,18 +44,18 @@ def build(num_pages: int = 16):
     a.populate_cross_attention("cond", "text", text_pairs(1.0))
     b.populate_cross_attention("cond", "text", text_pairs(5.0))
     # Non-trivial pool contents, so an unwanted write would show.
-    cache.pool.kv.copy_(torch.randn_like(cache.pool.kv))
+    cache._pool.kv.copy_(torch.randn_like(cache._pool.kv))
     return cache, a, b
 
 
 def session_snapshot(cache: KVCache) -> dict:
     """Allocator (free order, refcounts), every session (branches, cross caches, closed) and the pool's K/V."""
-    alloc = cache.allocator
+    alloc = cache._allocator
     sessions = {}
     for sid, state in cache.sessions.items():
         branches = {}
         for branch in state.kv_branch_names:
-            record = state.open_forward(branch)
+            record = state._open_forward(branch)
             branches[branch] = (
                 state.history_chunks(branch),
                 state.pending_chunks(branch),
@@ -66,13 +66,13 @@ def session_snapshot(cache: KVCache) -> dict:
                     n for n in TWO_SESSIONS_SPEC.cross_attention_names if state.is_cross_attention_populated(branch, n)
                 ),
             )
-        cross = {key: (e.version, e.k.clone(), e.v.clone()) for key, e in state.cross_entries().items()}
+        cross = {key: (e.version, e.k.clone(), e.v.clone()) for key, e in state._cross_entries().items()}
         sessions[sid] = (branches, cross, state.is_closed)
     return {
         "free": alloc.free_pages(),
         "refs": tuple(alloc.refcount(p) for p in range(alloc.num_pages)),
         "sessions": sessions,
-        "kv": cache.pool.kv.clone(),
+        "kv": cache._pool.kv.clone(),
     }
 
 
@@ -91,4 +91,4 @@ def assert_sessions_unchanged(cache: KVCache, before: dict) -> None:
         for key, (version, k, v) in cross.items():
             a_version, a_k, a_v = a_cross[key]
             assert a_version == version and torch.equal(a_k, k) and torch.equal(a_v, v), (sid, key)
-    cache.allocator.check_invariants()
+    cache._allocator.check_invariants()

@@ -95,7 +95,7 @@ class Snapshot:
 
 
 def snapshot(cache: am.KVCache) -> Snapshot:
-    allocator = cache.allocator
+    allocator = cache._allocator
     used = allocator.used_pages()
     histories = tuple(
         (sid, b, s.history_chunks(b), s.pending_chunks(b), s.token_offset(b), s.committed_chunks(b))
@@ -103,8 +103,8 @@ def snapshot(cache: am.KVCache) -> Snapshot:
     )
     return Snapshot(
         used=used, refcounts=tuple(allocator.refcount(p) for p in used), free_order=allocator.free_pages(),
-        sessions=tuple(sorted(cache.sessions)), histories=histories, contexts=cache.num_forward_contexts,
-        pages=cache.pool.kv[:, :, list(used)].clone(),
+        sessions=tuple(sorted(cache.sessions)), histories=histories, contexts=cache._forwards.num_contexts,
+        pages=cache._pool.kv[:, :, list(used)].clone(),
     )
 
 
@@ -116,4 +116,4 @@ def assert_unchanged(cache: am.KVCache, before: Snapshot) -> None:
     assert after.histories == before.histories
     assert after.contexts == before.contexts
     assert torch.equal(after.pages, before.pages), "a page in use changed"
-    cache.allocator.check_invariants()
+    cache._allocator.check_invariants()

@@ -56,9 +56,9 @@ def test_checkpointed_rollout_recomputes_from_the_held_pages() -> None:
 
         library.forward = forward_then_poison
         out_lib, dx_lib, _ = _play_with_backward_hook(library, events, with_grad)
-        used_before = library.cache.allocator.num_used
+        used_before = library.cache._allocator.num_used
         assert scope.held_pages > 0
-    assert library.cache.allocator.num_used < used_before  # the holds were the only references left
+    assert library.cache._allocator.num_used < used_before  # the holds were the only references left
     grads_lib = _param_grads(model)
     for a, e in zip(dx_lib, dx_ref, strict=True):
         torch.testing.assert_close(a, e, atol=2e-5, rtol=1e-5)
@@ -116,12 +116,12 @@ def test_backward_after_the_scope_ended_is_refused_and_the_pages_are_free() -> N
         library.set_prompt({b: torch.ones(5, model.context_dim) for b in ("cond", "uncond")})
         for _ in range(3):
             library.forward(("cond", "uncond"), torch.randn(2, CHUNK, model.dim), True)
-    free_before = library.cache.allocator.num_free
+    free_before = library.cache._allocator.num_free
     with am.TrainingScope(library.cache) as scope:
         library.fn = _checkpointed(model, scope)
         out = library.forward(("cond", "uncond"), torch.randn(2, CHUNK, model.dim, requires_grad=True), False)
         assert scope.held_pages == 2 * 3 * spec_pages(library)  # both branches' sink + window pages
-    assert library.cache.allocator.num_free == free_before - 2 * spec_pages(library)  # only the pending chunk's pages
+    assert library.cache._allocator.num_free == free_before - 2 * spec_pages(library)  # only the pending chunk's pages
     with pytest.raises(am.TrainingScopeError, match="TrainingScope that has ended"):
         out.sum().backward()
     with pytest.raises(am.TrainingScopeError, match="already entered"):
@@ -145,7 +145,7 @@ def test_a_long_rollout_with_one_scope_per_step_stays_at_sink_plus_window() -> N
     g = torch.Generator().manual_seed(0)
     peaks = []
     for step in range(30):
-        library.cache.allocator.reset_peak()
+        library.cache._allocator.reset_peak()
         with am.TrainingScope(library.cache) as scope:
             library.fn = _checkpointed(model, scope)
             x = torch.randn(2, CHUNK, model.dim, generator=g)
@@ -157,11 +157,11 @@ def test_a_long_rollout_with_one_scope_per_step_stays_at_sink_plus_window() -> N
             out.square().mean().backward()
         optimizer.step()
         optimizer.zero_grad()
-        peaks.append(library.cache.allocator.peak_used)
+        peaks.append(library.cache._allocator.peak_used)
     ppc = spec.pages_per_chunk
     bound = 2 * (1 + 2 + 1 + 1) * ppc  # both branches: sink + window + the pending chunk + the chunk just evicted
     assert max(peaks) <= bound, peaks
-    assert library.cache.allocator.num_used == 2 * 3 * ppc
+    assert library.cache._allocator.num_used == 2 * 3 * ppc
     # nothing per forward outlives it: the records and frozen contexts of finished forwards are gone
     from ardiff_modules import training
 

@@ -156,8 +156,8 @@ def test_the_pool_copy_is_written_detached_and_equals_a_forward_without_gradient
             with torch.set_grad_enabled(grad):
                 out = library.forward(("cond", "uncond"), x.requires_grad_(grad), True)
             assert out.requires_grad == grad
-        assert not library.cache.pool.kv.requires_grad
-        pools.append(library.cache.pool.kv.clone())
+        assert not library.cache._pool.kv.requires_grad
+        pools.append(library.cache._pool.kv.clone())
     assert torch.equal(pools[0], pools[1])
 
 

@@ -18,11 +18,11 @@ def test_a_gradient_forward_on_a_finished_forward_is_refused_before_it_writes() 
     with fwd:
         for layer in fwd.layers:
             am.chunk_attention(*tensors(2), layer)
-    before = bit_copy(cache.pool.kv)
+    before = bit_copy(cache._pool.kv)
     q, k, v = (t.requires_grad_() for t in tensors(2, seed=3))
-    with pytest.raises(am.ForwardFinishedError):
+    with pytest.raises(am.errors.ForwardFinishedError):
         am.chunk_attention(q, k, v, fwd.layers[0])
-    assert torch.equal(bit_copy(cache.pool.kv), before)
+    assert torch.equal(bit_copy(cache._pool.kv), before)
 
 
 def test_gradient_forwards_check_their_inputs_like_the_others() -> None:

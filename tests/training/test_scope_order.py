@@ -41,7 +41,7 @@ def _grad_forward(state: KVState, scope: am.TrainingScope | None = None) -> tupl
 
 def _references(cache: KVCache) -> int:
     """Every reference the allocator counts (sessions' and scopes' alike)."""
-    return sum(cache.allocator.refcount(p) for p in cache.allocator.used_pages())
+    return sum(cache._allocator.refcount(p) for p in cache._allocator.used_pages())
 
 
 def test_closing_the_outer_scope_first_leaves_the_inner_one_holding_and_nothing_leaks() -> None:
@@ -54,18 +54,18 @@ def test_closing_the_outer_scope_first_leaves_the_inner_one_holding_and_nothing_
     _grad_forward(state)
     history = 2 * 3 * ppc  # both branches' sink + window
     assert (outer.held_pages, inner.held_pages) == (0, history)
-    used, references = cache.allocator.num_used, _references(cache)
+    used, references = cache._allocator.num_used, _references(cache)
     for seed in range(3):  # evict the window chunks the forward read: only the inner scope keeps them in use
         commit_chunk(state, seed=10 + seed)
-    assert cache.allocator.num_used == used - 2 * ppc + 2 * 2 * ppc  # - the dropped pending chunk + the evicted
+    assert cache._allocator.num_used == used - 2 * ppc + 2 * 2 * ppc  # - the dropped pending chunk + the evicted
     inner.close()
-    assert cache.allocator.num_used == used - 2 * ppc and _references(cache) == references - history - 2 * ppc
+    assert cache._allocator.num_used == used - 2 * ppc and _references(cache) == references - history - 2 * ppc
     references = _references(cache)
     _grad_forward(state)  # after both closed, no scope holds a later forward (the outer one used to, forever)
     assert (outer.held_pages, inner.held_pages) == (0, 0)
     assert _references(cache) == references + 2 * ppc  # its own pending chunk only
     state.close()
-    assert cache.allocator.num_used == 0 and cache.allocator.num_free == cache.allocator.num_pages
+    assert cache._allocator.num_used == 0 and cache._allocator.num_free == cache._allocator.num_pages
 
 
 def test_the_inner_scope_recomputes_after_the_outer_one_closed_first() -> None:
@@ -90,7 +90,7 @@ def test_the_inner_scope_recomputes_after_the_outer_one_closed_first() -> None:
         torch.testing.assert_close(got, want)
     inner.close()
     state.close()
-    assert cache.allocator.num_used == 0
+    assert cache._allocator.num_used == 0
 
 
 def test_a_scope_closed_in_another_thread_releases_its_holds_and_holds_nothing_after() -> None:
@@ -118,4 +118,4 @@ def test_a_scope_closed_in_another_thread_releases_its_holds_and_holds_nothing_a
         assert fresh.held_pages > 0 and _references(cache) == references + fresh.held_pages
     assert _references(cache) == references
     state.close()
-    assert cache.allocator.num_used == 0
+    assert cache._allocator.num_used == 0

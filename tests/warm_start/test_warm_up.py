@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import ardiff_modules as am
-from ardiff_modules.warm_start import WARM_UP_PREFIX, walk_chunks
+from ardiff_modules.warm_start import WARM_UP_PREFIX, WarmUpReport, walk_chunks
 from tests.support.warm_rig import assert_unchanged, calls, generate, model_and_spec, populate, snapshot
 
 
@@ -17,7 +17,7 @@ def _cache(spec: am.KVCacheSpec, pages: int = 96, **kw: object) -> am.KVCache:
     return am.KVCache(spec, num_pages=pages, backend="reference", **kw)
 
 
-def _warm(cache: am.KVCache, model: object, **kw: object) -> tuple[am.WarmUpReport, list]:
+def _warm(cache: am.KVCache, model: object, **kw: object) -> tuple[WarmUpReport, list]:
     seen = calls(model)
     with torch.no_grad():
         report = am.warm_up(cache, seen, setup_session=lambda s: populate(model, s), **kw)
@@ -66,7 +66,7 @@ def test_walks_every_chunk_until_the_window_is_full_and_one_chunk_was_evicted(
         assert len(stage.shapes) == 2 * chunks and stage.seconds > 0
         assert commits[-1].visible_keys == (history_chunks[-1] + 1) * spec.chunk_size
     assert chunks == walk_chunks(spec.policy)
-    assert not cache.sessions and cache.allocator.num_used == 0 and cache.num_forward_contexts == 0
+    assert not cache.sessions and cache._allocator.num_used == 0 and cache._forwards.num_contexts == 0
 
 
 def test_variable_first_chunk_lengths_and_more_denoising_forwards() -> None:
@@ -115,7 +115,7 @@ def test_leaves_pages_sessions_free_order_and_user_kv_byte_identical(extents: bo
     users = [_user_session(c, model, sid) for c in (cache, twin) for sid in ("a", "b")]
     before = snapshot(cache)
     report, _ = _warm(cache, model, sessions=3, chunk_lengths=(2, 4))
-    assert report.peak_pages_used >= cache.allocator.num_used  # (the one thing left: the high-water mark)
+    assert report.peak_pages_used >= cache._allocator.num_used  # (the one thing left: the high-water mark)
     assert_unchanged(cache, before)
     # The sessions go on as if nothing happened: same outputs, same page ids as in the twin cache.
     for (mine, theirs) in ((users[0], users[2]), (users[1], users[3])):
@@ -125,7 +125,7 @@ def test_leaves_pages_sessions_free_order_and_user_kv_byte_identical(extents: bo
             torch.testing.assert_close(a, b, rtol=0, atol=0)
         assert mine.history_chunks("cond") == theirs.history_chunks("cond")
     new = cache.open_session("c")
-    assert cache.allocator.free_pages() == twin.allocator.free_pages()
+    assert cache._allocator.free_pages() == twin._allocator.free_pages()
     new.close()
 
 
@@ -153,7 +153,7 @@ def test_the_allocator_peak_is_the_one_thing_left() -> None:
     cache = _cache(spec)
     report, _ = _warm(cache, model, sessions=2)
     assert cache.stats().peak_pages_used == report.peak_pages_used == 2 * 2 * 4 * 2  # 2 sessions x 2 branches x 4 chunks
-    cache.allocator.reset_peak()
+    cache._allocator.reset_peak()
     assert cache.stats().peak_pages_used == 0
 
 
@@ -181,7 +181,7 @@ def _refused(cache: am.KVCache, error: type[BaseException], match: str | None, *
     [
         (dict(run_forward=3), am.SpecError, r"warm_up.run_forward: expected a callable, got int"),
         (dict(setup_session="x"), am.SpecError, r"warm_up.setup_session: expected a callable, got str"),
-        (dict(branches=("cond", "nope")), am.UnknownBranchError, r"unknown KV branch\(es\) \['nope'\]"),
+        (dict(branches=("cond", "nope")), am.errors.UnknownBranchError, r"unknown KV branch\(es\) \['nope'\]"),
         (dict(branches=("cond", "cond")), am.SpecError, r"expected distinct branch names"),
         (dict(branches=()), am.SpecError, r"expected distinct branch names, got \[\]"),
         (dict(branches={"cond"}), am.SpecError, r"ordered sequence"),
@@ -189,10 +189,10 @@ def _refused(cache: am.KVCache, error: type[BaseException], match: str | None, *
         (dict(sessions=True), am.SpecError, r"warm_up.sessions"),
         (dict(sessions=[]), am.SpecError, r"non-empty sequence"),
         (dict(sessions=(1, 0)), am.SpecError, r"warm_up.sessions\[\]: expected an int >= 1, got 0"),
-        (dict(chunk_lengths=(3,)), am.SequenceLengthError, r"multiples of page_size=2 in \[2, chunk_size=4\], got \[3\]"),
-        (dict(chunk_lengths=(2, 8)), am.SequenceLengthError, r"got \[2, 8\]"),
-        (dict(chunk_lengths=()), am.SequenceLengthError, r"got \[\]"),
-        (dict(chunk_lengths=4), am.SequenceLengthError, r"expected a sequence of token counts"),
+        (dict(chunk_lengths=(3,)), am.errors.SequenceLengthError, r"multiples of page_size=2 in \[2, chunk_size=4\], got \[3\]"),
+        (dict(chunk_lengths=(2, 8)), am.errors.SequenceLengthError, r"got \[2, 8\]"),
+        (dict(chunk_lengths=()), am.errors.SequenceLengthError, r"got \[\]"),
+        (dict(chunk_lengths=4), am.errors.SequenceLengthError, r"expected a sequence of token counts"),
         (dict(max_chunks=0), am.SpecError, r"warm_up.max_chunks: expected an int >= 1, got 0"),
         (dict(denoising_forwards=-1), am.SpecError, r"warm_up.denoising_forwards: expected an int >= 0"),
         (dict(static=1), am.SpecError, r"warm_up.static: expected a bool"),
@@ -213,7 +213,7 @@ def test_wrong_cache_and_closed_cache() -> None:
         am.warm_up(grouped, calls(model))  # type: ignore[arg-type]
     cache = _cache(spec)
     cache.close()
-    with pytest.raises(am.CacheClosedError, match="warm_up: expected an open KVCache"):
+    with pytest.raises(am.errors.CacheClosedError, match="warm_up: expected an open KVCache"):
         am.warm_up(cache, calls(model))
 
 
@@ -238,7 +238,7 @@ def test_the_open_sessions_peaks_stay_promised() -> None:
     populate(model, state, seed=1)
     generate(cache, model, [state], [4], seed=2)  # holds 4 pages now, 16 at its peak
     info = _refused(cache, am.CapacityError, r"only 15 are free, not promised to the 1 open session", model=model)
-    assert info.value.free == 15 and cache.allocator.num_free == 27
+    assert info.value.free == 15 and cache._allocator.num_free == 27
     generate(cache, model, [state], [4] * 4, seed=3)  # the user reaches its peak: the pages were kept for it
 
 
@@ -258,10 +258,10 @@ def test_an_fp8_pool_needs_fixed_scales() -> None:
     cache = _cache(spec)
     _refused(cache, am.SpecError, r"FP8 pool's scales fixed .* call cache.set_kv_scales", model=model)
     cache.set_kv_scales(torch.full((spec.num_layers, 2, spec.num_kv_heads), 0.01))
-    scales = cache.pool.scales.clone()
+    scales = cache._pool.scales.clone()
     _warm(cache, model)
-    assert torch.equal(cache.pool.scales, scales)  # the dummy K/V fixed nothing
-    with pytest.raises(am.KVScalesFixedError):
+    assert torch.equal(cache._pool.scales, scales)  # the dummy K/V fixed nothing
+    with pytest.raises(am.errors.KVScalesFixedError):
         cache.set_kv_scales(scales)  # documented: K/V were written with them
 
 
@@ -305,7 +305,7 @@ def test_a_commit_the_model_left_incomplete_is_refused_and_cleaned_up() -> None:
     def half(fwd: am.ForwardContext) -> None:  # runs the first block only
         model.blocks[0](torch.zeros(fwd.num_streams, fwd.seq_len, 32), fwd.layers[0], model.rope)
 
-    with pytest.raises(am.IncompleteForwardError), torch.no_grad():
+    with pytest.raises(am.errors.IncompleteForwardError), torch.no_grad():
         am.warm_up(cache, half, setup_session=lambda s: populate(model, s))
     assert_unchanged(cache, before)
 
@@ -314,7 +314,7 @@ def test_a_missing_prompt_is_the_models_error_and_cleaned_up() -> None:
     model, spec = model_and_spec()
     cache = _cache(spec)
     before = snapshot(cache)
-    with pytest.raises(am.CrossAttentionNotPopulatedError), torch.no_grad():
+    with pytest.raises(am.errors.CrossAttentionNotPopulatedError), torch.no_grad():
         am.warm_up(cache, calls(model))  # no setup_session: the model's cross-attention has nothing to read
     assert_unchanged(cache, before)
 

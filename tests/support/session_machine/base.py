@@ -105,7 +105,7 @@ class MachineBase(RuleBasedStateMachine):
             max_forward_contexts=max_contexts, check_finite=check_finite,
         )
         self.configure_cache(cache)
-        assert cache.num_forward_contexts == 0 and cache.forward_contexts() == ()
+        assert cache._forwards.num_contexts == 0 and cache._forwards.contexts() == ()
         cm = CacheModel(
             cache, backend, extents, extent_chunks, max_contexts, check_finite, self.pool_model(cache),
             label=f"cache{len(self.caches)}",
@@ -124,11 +124,11 @@ class MachineBase(RuleBasedStateMachine):
 
     def pool_model(self, cache: KVCache) -> PoolContents:
         """The model of ``cache``'s pool contents (float32 values, compared bit for bit)."""
-        return PoolContents(cache.pool.kv)
+        return PoolContents(cache._pool.kv)
 
     def pool_values(self, cm: CacheModel) -> torch.Tensor:
         """The pool as float32 values ``[layers, 2, pages, page_size, heads, dim]`` (what the model compares)."""
-        return cm.cache.pool.kv
+        return cm.cache._pool.kv
 
     def read_back(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """What a forward's keys read back of the ``k``/``v`` ``[..., heads, dim]`` it wrote (float: themselves)."""
@@ -252,18 +252,18 @@ class MachineBase(RuleBasedStateMachine):
         """Everything a failed operation must leave untouched (all caches, contexts and transactions)."""
         caches = []
         for cm in self.caches:
-            c, alloc = cm.cache, cm.cache.allocator
+            c, alloc = cm.cache, cm.cache._allocator
             head = (
                 c.is_closed,
                 alloc.free_pages(),
                 tuple(alloc.refcount(p) for p in range(alloc.num_pages)),
                 alloc.peak_used,
-                c.num_forward_contexts,
-                tuple(id(x) for x in c.forward_contexts()),
+                c._forwards.num_contexts,
+                tuple(id(x) for x in c._forwards.contexts()),
                 tuple(sorted(c.sessions)),
             )
             # bit-exact (NaN payloads too); as bytes, as numpy has no float8
-            pool = None if c.is_closed else c.pool.kv.view(torch.uint8).numpy().tobytes()
+            pool = None if c.is_closed else c._pool.kv.view(torch.uint8).numpy().tobytes()
             caches.append((head, pool))
         sessions = []
         for sm in self.sessions:
@@ -273,7 +273,7 @@ class MachineBase(RuleBasedStateMachine):
                 continue
             branches = []
             for b in BRANCHES:
-                forward = st_.open_forward(b)
+                forward = st_._open_forward(b)
                 cross = None
                 if st_.is_cross_attention_populated(b, "text"):
                     cross = [(d["k"].tolist(), d["v"].tolist()) for d in st_.get_cross_attention_kv(b, "text")]
@@ -290,7 +290,7 @@ class MachineBase(RuleBasedStateMachine):
                 )
             sessions.append((st_.session_id, tuple(branches)))
         contexts = tuple(
-            (id(ctx), id(ctx.transaction), ctx.transaction.status if ctx.transaction else None, ctx.released)
+            (id(ctx), id(ctx._transaction), ctx._transaction.status if ctx._transaction else None, ctx._released)
             for ctx in self.ctx_tx
         )
         txs = tuple((id(t.tx), t.tx.status) for t in self.txs)

@@ -6,7 +6,7 @@ import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
 
-from ardiff_modules import CrossAttentionNotPopulatedError
+from ardiff_modules.errors import CrossAttentionNotPopulatedError
 from ardiff_modules.errors import TensorMismatchError
 from tests.support.failures import Boom
 from tests.support.session_model import BRANCHES, CROSS_TOKENS, HEAD_DIM, NUM_LAYERS, cross_value

@@ -11,7 +11,8 @@ from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
 
-from ardiff_modules import CrossAttentionNotPopulatedError, chunk_attention
+from ardiff_modules import chunk_attention
+from ardiff_modules.errors import CrossAttentionNotPopulatedError
 from ardiff_modules.errors import (
     BackendUnavailableError,
     CacheClosedError,
@@ -78,7 +79,7 @@ class FailingCallRules:
     def exhaust_capacity(self, index: int, branches: tuple[str, ...], commit: bool) -> None:
         """A forward asking for more pages than are free raises CapacityError and changes nothing."""
         sm = self.pick(self.open_sessions, index)
-        free_chunks = sm.cm.cache.allocator.num_free // self.ppc
+        free_chunks = sm.cm.cache._allocator.num_free // self.ppc
         num_chunks = max(len(sm.pending[b]) for b in branches) + free_chunks + 1 + sm.cm.extent_chunks
         streams = [(sm, b) for b in branches]
         shape = self.full(num_chunks)
@@ -86,7 +87,7 @@ class FailingCallRules:
         assert exc is not None, "capacity model broken: one branch alone needs more than is free"
         info = self.expect_failure(exc, sm.state.prepare_forward, branches, shape.seq_len, commit)
         if exc is CapacityError:
-            assert info.free == sm.cm.cache.allocator.num_free
+            assert info.free == sm.cm.cache._allocator.num_free
             assert info.needed > info.free
             assert str(info.needed) in str(info) and str(info.free) in str(info)
 
@@ -117,7 +118,7 @@ class FailingCallRules:
             if failure is not None:
                 self.expect_failure(failure, fn, *args, **kwargs)
                 return
-            free_before, used_before = set(cm.cache.allocator.free_pages()), cm.cache.allocator.num_used
+            free_before, used_before = set(cm.cache._allocator.free_pages()), cm.cache._allocator.num_used
             fwd = fn(*args, **kwargs)
             tx = self.m_prepared(streams, lengths, True, fwd, free_before, used_before)
         else:

@@ -11,7 +11,8 @@ import pytest
 import torch
 from hypothesis import event
 
-from ardiff_modules import CrossAttentionNotPopulatedError, ForwardContext, LayerContext, chunk_attention
+from ardiff_modules import ForwardContext, LayerContext, chunk_attention
+from ardiff_modules.errors import CrossAttentionNotPopulatedError
 from ardiff_modules.backends.reference import ReferencePlan
 from ardiff_modules.backends.segmented import RelativeSinkPlan
 from ardiff_modules.errors import (
@@ -72,7 +73,7 @@ class ForwardModel:
                 return PendingContextError
         if not mask_ok:
             return TensorMismatchError
-        alloc = cm.cache.allocator
+        alloc = cm.cache._allocator
         pages = [n // self.page for n in shape.lengths]
         if not cm.extents:
             # Pending chunks of other lengths are replaced (after the new ones are allocated).
@@ -158,8 +159,8 @@ class ForwardModel:
             event(f"prepare raised {failure.__name__}")
             self.expect_failure(failure, fn, *args, **kwargs)
             return None
-        free_before = set(cm.cache.allocator.free_pages())
-        used_before = cm.cache.allocator.num_used
+        free_before = set(cm.cache._allocator.free_pages())
+        used_before = cm.cache._allocator.num_used
         result = fn(*args, **kwargs)
         ctx = result[0].forward if via == "get_kv_caches" else result
         if via == "get_kv_caches":
@@ -223,7 +224,7 @@ class ForwardModel:
             sm.pending[b] = new
             sm.pending_tokens[b] = list(shape.lengths)
             # The plan sees exactly the model's visible pages and pending chunks.
-            layout = ctx.layout.streams[i]
+            layout = ctx._layout.streams[i]
             assert list(layout.history_pages) == [p for c in self.visible(sm, b) for p in c]
             assert list(layout.pending_pages) == new
             offset = sm.committed_tokens(b)
@@ -235,7 +236,7 @@ class ForwardModel:
         key = tuple((sm.state.session_id, b) for sm, b in streams)
         assert ctx.streams == key
         assert ctx.num_chunks == num_chunks and ctx.seq_len == shape.seq_len
-        assert ctx.layout.chunk_lengths == shape.lengths
+        assert ctx._layout.chunk_lengths == shape.lengths
         assert ctx.commit_current is commit
         assert len(ctx.layers) == NUM_LAYERS
         # The registry: the same streams reuse their context; a new one may evict idle ones (LRU).
@@ -254,7 +255,7 @@ class ForwardModel:
                     del cm.registry[k]
                     self.released.add(other)
                     event("LRU released an idle context")
-        lib = ctx.transaction
+        lib = ctx._transaction
         assert isinstance(lib, ForwardTransaction) and lib.is_open
         tx = TxModel(cm, list(streams), commit, shape, ctx, lib, mask)
         for sm, b in streams:
@@ -279,7 +280,7 @@ class ForwardModel:
         assert tx.is_open and ctx.is_active
         n = shape.seq_len
         key_positions, dense = ctx.key_positions(), ctx.to_dense()
-        plan = ctx.plan
+        plan = ctx._plan
         assert isinstance(plan, (ReferencePlan, RelativeSinkPlan)), type(plan)
         width = self.max_keys(tx.streams, shape)
         assert tuple(key_positions.shape) == (len(tx.streams), width), (key_positions.shape, width)

@@ -164,8 +164,8 @@ class ForwardRules:
         if failure is not None:
             self.expect_failure(failure, fn, *args, **kwargs)
             return
-        free_before = set(cm.cache.allocator.free_pages())
-        used_before = cm.cache.allocator.num_used
+        free_before = set(cm.cache._allocator.free_pages())
+        used_before = cm.cache._allocator.num_used
         box: dict[str, Any] = {}
 
         def body() -> None:
@@ -222,8 +222,8 @@ class ForwardRules:
             self.expect_failure(failure, fn, *args, **kwargs)
             return None
         outer = streams[0][0].forward[streams[0][1]]
-        free_before = set(cm.cache.allocator.free_pages())
-        used_before = cm.cache.allocator.num_used
+        free_before = set(cm.cache._allocator.free_pages())
+        used_before = cm.cache._allocator.num_used
         ctx = fn(*args, **kwargs)
         assert ctx is outer.ctx, "the same streams must get the same context"
         inner = self.m_prepared(streams, shape, commit, ctx, free_before, used_before)
@@ -359,7 +359,7 @@ class ForwardRules:
                 patches.append((BranchPages, "preview_commit", original))
                 BranchPages.preview_commit = preview_commit
             elif where == "decref":
-                alloc = cm.cache.allocator
+                alloc = cm.cache._allocator
 
                 def decref(pages):
                     raise injected("injected into decref")
@@ -393,7 +393,7 @@ class ForwardRules:
             if failure is not None:
                 self.expect_failure(failure, fn, *args, **kwargs)
                 return
-            free_before, used_before = set(cm.cache.allocator.free_pages()), cm.cache.allocator.num_used
+            free_before, used_before = set(cm.cache._allocator.free_pages()), cm.cache._allocator.num_used
             box: dict[str, Any] = {}
 
             def body() -> None:
@@ -489,7 +489,7 @@ class ForwardRules:
         if failure is not None:
             self.expect_failure(failure, fn, *args, **kwargs)
             return
-        free_before, used_before = set(cm.cache.allocator.free_pages()), cm.cache.allocator.num_used
+        free_before, used_before = set(cm.cache._allocator.free_pages()), cm.cache._allocator.num_used
         box: dict[str, Any] = {}
 
         def body() -> None:

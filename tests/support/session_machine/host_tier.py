@@ -70,7 +70,7 @@ class HostTierRules:
         sm.suspended = False
         assert not state.is_suspended
         self._remap_resumed(sm, records)
-        cm.peak = max(cm.peak, cm.cache.allocator.num_used)
+        cm.peak = max(cm.peak, cm.cache._allocator.num_used)
         event("suspended and resumed a session")
 
     def _prompt_while_suspended(self, sm: SessionModel, op: str, branch: str, pick: int) -> None:
@@ -100,7 +100,7 @@ class HostTierRules:
             sm.suspended = False
             self.m_session_gone(sm)
             sm.clear_self_attention()
-            assert sm.cm.cache.host_tier.num_suspended == 0 or not state.is_suspended
+            assert sm.cm.cache._host_tier.num_suspended == 0 or not state.is_suspended
         elif op == "query":
             assert state.is_cross_attention_populated(branch, "text") == (branch in sm.cross)
             if branch in sm.cross:
@@ -127,7 +127,7 @@ class HostTierRules:
     def _close_suspended(self, sm: SessionModel) -> None:
         sm.state.close()
         sm.suspended = False
-        assert not sm.state.is_suspended and sm.cm.cache.host_tier.num_suspended == 0
+        assert not sm.state.is_suspended and sm.cm.cache._host_tier.num_suspended == 0
         self.m_session_gone(sm)
         self.m_release_contexts_of(sm)
         sm.closed = True

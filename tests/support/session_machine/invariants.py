@@ -19,7 +19,7 @@ class Invariants:
     def pages_match_model(self) -> None:
         """Refcounts == references; pending pages exclusive; free/used partition; stats; peak."""
         for cm in self.open_caches:
-            alloc = cm.cache.allocator
+            alloc = cm.cache._allocator
             chunk_refs = self.chunk_references(cm)
             refs = Counter(chunk_refs)
             for sm in self.sessions_of(cm):
@@ -76,13 +76,13 @@ class Invariants:
                 )
                 assert history.history_positions() == [p for r in records for p in r.positions()]
                 assert [len(c) * self.page for c in state.pending_chunks(b)] == sm.pending_tokens[b]
-                tx, lib = sm.forward[b], state.open_forward(b)
+                tx, lib = sm.forward[b], state._open_forward(b)
                 if tx is None:
                     assert lib is None, f"{state.session_id}/{b}: open forward {lib}, the model has none"
                 else:
                     assert lib is tx.tx, f"{state.session_id}/{b}: open forward {lib}, expected {tx.tx}"
                     assert lib.commit_current == tx.commit and lib.num_chunks == tx.num_chunks
-                    assert tx.ctx.transaction is lib
+                    assert tx.ctx._transaction is lib
                     assert lib.members == tuple((s.state, bb) for s, bb in tx.streams)
                 assert state._pending[b] is lib  # the read-only 0.1 view agrees
                 populated = state.is_cross_attention_populated(b, "text")
@@ -116,16 +116,16 @@ class Invariants:
     def forwards_match_model(self) -> None:
         """Context registry (identity, LRU order); each context's state; each tracked transaction's status."""
         for cm in self.caches:
-            lib = cm.cache.forward_contexts()
-            assert cm.cache.num_forward_contexts == len(lib) == len(cm.registry), (
+            lib = cm.cache._forwards.contexts()
+            assert cm.cache._forwards.num_contexts == len(lib) == len(cm.registry), (
                 f"{cm.label}: {len(lib)} forward contexts, model {len(cm.registry)}"
             )
             assert all(a is b for a, b in zip(lib, cm.registry.values())), (
                 f"{cm.label}: forward contexts {[c.streams for c in lib]}, model (LRU first) {list(cm.registry)}"
             )
         for ctx, tx in self.ctx_tx.items():
-            assert ctx.released == (ctx in self.released), f"context {ctx.streams}: released={ctx.released}"
-            assert ctx.transaction is tx.tx
+            assert ctx._released == (ctx in self.released), f"context {ctx.streams}: released={ctx._released}"
+            assert ctx._transaction is tx.tx
             assert tx.tx.status == tx.status, f"forward over {ctx.streams}: {tx.tx.status}, model {tx.status}"
             assert ctx.is_active == self.model_active(ctx)
         for tx in self.txs:
@@ -145,14 +145,14 @@ class Invariants:
         for sm in self.sessions:
             sm.state.close()
         for cm in self.caches:
-            alloc = cm.cache.allocator
+            alloc = cm.cache._allocator
             assert alloc.num_free == alloc.num_pages, (
                 f"leak: {alloc.used_pages()} still used after closing every session"
             )
             assert all(alloc.refcount(p) == 0 for p in range(alloc.num_pages))
             alloc.check_invariants()
             assert cm.cache.sessions == {}
-            assert cm.cache.num_forward_contexts == 0  # closing a session releases its contexts
+            assert cm.cache._forwards.num_contexts == 0  # closing a session releases its contexts
             cm.cache.close()
         for ctx in self.ctx_tx:
-            assert ctx.released and not ctx.is_active
+            assert ctx._released and not ctx.is_active

@@ -44,7 +44,7 @@ class PersistRules:
                 assert self.snapshot() == before, "a load refused for room changed state"
                 event("load refused: no room")
                 return
-        sm.cm.peak = max(sm.cm.peak, cache.allocator.num_used)
+        sm.cm.peak = max(sm.cm.peak, cache._allocator.num_used)
         pool = self.pool_values(sm.cm)  # what the pool holds, as the model compares it (FP8 included)
         for b in BRANCHES:
             assert copy.token_offset(b) == state.token_offset(b)

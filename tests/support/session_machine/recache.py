@@ -51,7 +51,7 @@ class RecacheRules:
         pages = [n // self.page for n in shapes.pop()]
         # Free ring slots take the first rebuilt chunks (a shorter chunk a slot's first pages), the pool the rest.
         need = sum(sum(pages[len(self.free_slots(sm, b)) :]) for sm, b in streams)
-        return CapacityError if need > cm.cache.allocator.num_free else None
+        return CapacityError if need > cm.cache._allocator.num_free else None
 
     @precondition(lambda self: self.open_sessions)
     @rule(
@@ -93,10 +93,10 @@ class RecacheRules:
             event(f"re-cache refused: {(failure or Boom).__name__}")
             return
         targets = {(id(sm), b): self.m_recache_targets(sm, b, keep_sinks) for sm, b in streams}
-        free_before, used_before = set(cm.cache.allocator.free_pages()), cm.cache.allocator.num_used
+        free_before, used_before = set(cm.cache._allocator.free_pages()), cm.cache._allocator.num_used
         before = self.snapshot()
         ctx = fn(*args, keep_sinks=keep_sinks)
-        lib = ctx.transaction
+        lib = ctx._transaction
         assert isinstance(lib, ForwardTransaction) and lib.is_open and lib.recache
         # The forward: fresh pages, original positions, kept sinks visible (never written), block-causal.
         lengths = tuple(r.tokens for r in targets[(id(streams[0][0]), streams[0][1])])
@@ -122,7 +122,7 @@ class RecacheRules:
             dense = ctx.to_dense()[i]
             assert dense[:, : len(history)].all()
             assert torch.equal(dense[:, len(history) : len(keys)], shape.pending_mask())
-            assert {p for r in kept for p in r.pages}.isdisjoint(ctx.layout.write_pages.tolist())
+            assert {p for r in kept for p in r.pages}.isdisjoint(ctx._layout.write_pages.tolist())
             sm.pending[b], sm.pending_tokens[b] = new, list(lengths)
         assert len(set(fresh)) == len(fresh) and set(fresh) <= free_before, "re-cache pages beyond the ring: fresh"
         cm.peak = max(cm.peak, used_before + len(fresh))
@@ -147,7 +147,7 @@ class RecacheRules:
         self.track(ctx)
         self.txs = self.txs[-15:] + [tx]
         # Run the layers (the op): writes land in the fresh pages only.
-        plan = ctx.plan
+        plan = ctx._plan
         assert isinstance(plan, (ReferencePlan, RelativeSinkPlan)), type(plan)
         for layer in range(NUM_LAYERS if layers == "all" or cm.check_finite else 1):
             q, k, v = self.layer_inputs(ctx, layer, "op")

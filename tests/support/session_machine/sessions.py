@@ -45,11 +45,11 @@ class CacheAndSessionRules:
         self.released.update(cm.registry.values())
         cm.registry.clear()
         cm.closed = True
-        alloc = cm.cache.allocator
+        alloc = cm.cache._allocator
         assert cm.cache.is_closed and cm.cache.sessions == {}
         assert alloc.num_free == alloc.num_pages and alloc.used_pages() == ()
         alloc.check_invariants()
-        assert cm.cache.num_forward_contexts == 0 and cm.cache.forward_contexts() == ()
+        assert cm.cache._forwards.num_contexts == 0 and cm.cache._forwards.contexts() == ()
         event("closed a KVCache")
 
     @precondition(lambda self: any(len(self.sessions_of(c)) < MAX_SESSIONS for c in self.open_caches))
@@ -101,7 +101,7 @@ class CacheAndSessionRules:
             chunks = max(resident + pending, cm.extent_chunks)
             return len(BRANCHES) * chunks * self.ppc
 
-        alloc = cm.cache.allocator
+        alloc = cm.cache._allocator
         # Once for the pool: one session's re-cache beyond its peak (every branch rebuilds R chunks, less
         # the pending chunk / free ring slot the peak already counts).
         reserve = len(BRANCHES) * max(0, resident - 1) * self.ppc

@@ -35,9 +35,9 @@ class SharingRules:
             window = self.spec.window_chunks if self.spec.window_chunks is not None else 1
             pre_steps = max(0, self.spec.sink_chunks + window - min(len(parent.committed[b]) for b in names))
         self.roll(parent, names, pre_steps)
-        free_before = parent.cm.cache.allocator.free_pages()
+        free_before = parent.cm.cache._allocator.free_pages()
         child_state = parent.state.fork(branches=branches, share_cross_attention=share_cross)
-        assert parent.cm.cache.allocator.free_pages() == free_before, "fork must not allocate"
+        assert parent.cm.cache._allocator.free_pages() == free_before, "fork must not allocate"
         child = SessionModel(child_state, parent.cm)
         for b in names:
             child.committed[b] = list(parent.committed[b])  # same visible chunks (same contents), same offset
