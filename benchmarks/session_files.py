@@ -519,13 +519,13 @@ def _latent_bytes(state: Any) -> int:
 def _tier_bytes(cache: Any, state: Any) -> int:
     """Bytes a suspend moves: the distinct committed pages, the cross entries and the kept latents."""
     pages = {p for b in state.kv_branch_names for p in state.branch_pages(b).history_pages()}
-    extra = sum(e.nbytes for e in {id(e): e for e in state.cross_entries().values()}.values())
+    extra = sum(e.nbytes for e in {id(e): e for e in state._cross_entries().values()}.values())
     return len(pages) * cache.stats().bytes_per_page + extra + _latent_bytes(state)
 
 
 def _sizes(cache: Any, state: Any, file_bytes: int) -> dict[str, Any]:
     pages = {p for b in state.kv_branch_names for p in state.branch_pages(b).history_pages()}
-    entries = {id(e): e for e in state.cross_entries().values()}
+    entries = {id(e): e for e in state._cross_entries().values()}
     latents = _latent_bytes(state)
     return {
         "file_bytes": file_bytes, "pages": len(pages), "bytes_per_page": cache.stats().bytes_per_page,

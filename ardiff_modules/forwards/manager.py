@@ -270,10 +270,8 @@ class ForwardManager:
                 if isinstance(b.transaction, ForwardTransaction) and b.transaction.is_open:
                     b.transaction.close("superseded", "a later forward of one of its streams was prepared")
             self.registry.publish(key, ctx)  # registers a new context; most recently used; evicts idle ones
-            lane = TransactionLane(
-                self.allocator, request.branches, reservation if hold else None, request.recache_plans,
-                self.pool.copy_pages if request.recache else None,
-            )
+            copy = self.pool.copy_pages if request.recache else None
+            lane = TransactionLane(self.allocator, request.branches, reservation if hold else None, request.recache_plans, copy)
             transaction = ForwardTransaction(
                 members=request.members, commit_current=request.commit_current, num_chunks=layout.num_chunks,
                 recache=request.recache, latents=request.latents, lanes=(lane,),

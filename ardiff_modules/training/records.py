@@ -29,9 +29,12 @@ from ardiff_modules.training.straight_through import LivePiece, LiveWrites
 
 
 class ScopedCache(Protocol):
-    """What a :class:`TrainingScope` needs of its cache (``KVCache``): the allocator and its lock."""
+    """What a :class:`TrainingScope` needs of its cache (``KVCache``): the allocator, the forward manager, the lock."""
 
-    allocator: PageAllocator
+    _allocator: PageAllocator
+
+    @property
+    def _forwards(self) -> object: ...
 
     @property
     def lock(self) -> threading.RLock: ...
@@ -41,7 +44,7 @@ class HoldingScope(Protocol):
     """What the records need of a :class:`~ardiff_modules.training.TrainingScope` (defined above this module)."""
 
     @property
-    def cache(self) -> object: ...
+    def cache(self) -> ScopedCache: ...
 
     @property
     def closed(self) -> bool: ...
@@ -305,7 +308,7 @@ def _record_of(fwd: ForwardContext, pad_to: int | None) -> HistoryRead:
         adopted = ADOPTED.pop(transaction, None)
     if adopted is None or not adopted.hold(record):
         for scope in reversed(SCOPES.get()):
-            if scope.cache is fwd._owner and scope.hold(record):
+            if scope.cache._forwards is fwd._owner and scope.hold(record):
                 break
     with RECORDS_LOCK:
         RECORDS[transaction] = record

@@ -58,7 +58,7 @@ class TrainingScope:
     """
 
     def __init__(self, cache: ScopedCache, *, history_grad: HistoryGrad = "detached") -> None:
-        if not hasattr(cache, "allocator") or not hasattr(cache, "lock"):
+        if not hasattr(cache, "_allocator") or not hasattr(cache, "lock"):
             raise SpecError(f"TrainingScope.cache: expected a KVCache, got {type(cache).__name__}")
         self.history_grad: HistoryGrad = check_history_grad("TrainingScope", history_grad)
         self.cache = cache
@@ -125,7 +125,7 @@ class TrainingScope:
         with self.cache.lock:
             if self.closed:
                 return False
-            hold = PageHold(self.cache.allocator, record.history_pages)
+            hold = PageHold(self.cache._allocator, record.history_pages)
             hold.take()
             record.attach(hold, self.ledger)
             self.records.append(record)
