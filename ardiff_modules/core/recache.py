@@ -111,15 +111,21 @@ class RecacheRule:
         """Evicted chunks a branch must remember (start, length, latents) for this rule to run."""
         return self.context_chunks + (sink_chunks if self.sinks == "move" else 0)
 
-    def plan(self, history_index: Sequence[int], num_committed: int, sink_chunks: int, remembered: Set[int]) -> RecachePlan:
+    def plan(
+        self, history_index: Sequence[int], num_committed: int, sink_chunks: int, remembered: Set[int],
+        window_floor: int = 0,
+    ) -> RecachePlan:
         """The re-cache of a branch whose history holds commit indices ``history_index`` (pure).
 
         ``remembered``: evicted commit indices whose start and length the branch still knows. Raises
-        :class:`SpecError` when the rule needs an evicted chunk the branch no longer knows.
+        :class:`SpecError` when the rule needs an evicted chunk the branch no longer knows. ``window_floor``:
+        the non-sink chunks below it were dropped (``KVState.drop_window``: a shot cut), not evicted -- never
+        context, never new sinks, and a window that slid only past them has not slid.
         """
         sink_positions = [p for p, i in enumerate(history_index) if i < sink_chunks]
         resident = set(history_index)
-        evicted = [i for i in range(min(sink_chunks, num_committed), num_committed) if i not in resident]
+        first = max(min(sink_chunks, num_committed), window_floor)
+        evicted = [i for i in range(first, num_committed) if i not in resident]
         context = evicted[len(evicted) - self.context_chunks :] if self.context_chunks else []
         slid = len(context) < len(evicted)  # an evicted chunk older than the context: the window slid past
         self._require_known(context, remembered, "context")
