@@ -64,7 +64,7 @@ class MachineBase(RuleBasedStateMachine):
         check_finite=st.booleans(),
         sessions=st.integers(1, MAX_SESSIONS),
         relative=st.booleans(),
-        shots=st.sampled_from([0, 0, 1, 2]),
+        shots=st.sampled_from([0, 1, 1, 2]),
     )
     def setup(
         self, sink: int, window: int | None, geometry: tuple[int, int], pending_default: str, pool_chunks: int,
@@ -73,7 +73,7 @@ class MachineBase(RuleBasedStateMachine):
         self.chunk, page_size = geometry
         # A shot sink of `shots` chunks (ShotSinkPolicy: begin_shot pins them) where the window has room for it.
         self.sinks, self.window = sink, window
-        self.shot_chunks = shots if window is not None and shots <= window else 0
+        self.shot_chunks = min(shots, window) if window is not None else 0
         retention = (
             {"retention": ShotSinkPolicy(sink, window, self.shot_chunks)} if self.shot_chunks
             else {"sink_chunks": sink, "window_chunks": window}

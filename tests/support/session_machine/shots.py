@@ -11,7 +11,9 @@ from ardiff_modules.errors import PendingContextError, SessionClosedError, Sessi
 from tests.support.session_model import BRANCHES, SessionModel
 
 #: What the rules pass as ``branches``: all, one name, a sequence, a repeated name (refused).
-SHOT_BRANCHES = [None, "cond", ("uncond",), ("uncond", "cond"), ("cond", "cond")]
+SHOT_BRANCHES = [None, None, "cond", ("uncond",), ("uncond", "cond"), ("cond", "cond")]
+#: How often a rule picks a closed session (refused) rather than an open one.
+CLOSED = st.sampled_from([False, False, False, False, True])
 
 
 class ShotRules:
@@ -31,16 +33,18 @@ class ShotRules:
             return PendingContextError, f"got one on {busy}"
         return None
 
-    @precondition(lambda self: self.sessions)
-    @rule(index=st.integers(0, 8), branches=st.sampled_from(SHOT_BRANCHES), pre_steps=st.integers(0, 3))
-    def drop_window(self, index: int, branches, pre_steps: int) -> None:
-        """Release every resident chunk but the sinks: their pages lose the branch's reference (the invariants
-        check refcounts and the free list), the sinks and any pending chunk stay bit for bit, offsets and commit
-        indices run on; refused unchanged with an open forward, suspended, closed or a repeated name."""
-        sm = self.pick(self.sessions, index)
-        names = BRANCHES if branches is None else (branches,) if isinstance(branches, str) else branches
-        if not sm.closed and not sm.suspended and pre_steps:
-            self.roll(sm, tuple(dict.fromkeys(names)), pre_steps)
+    def m_pick(self, index: int, closed: bool) -> SessionModel:
+        """An open session (a closed one when ``closed`` and there is one)."""
+        pool = self.closed_sessions if closed and self.closed_sessions else self.open_sessions or self.sessions
+        return self.pick(pool, index)
+
+    def m_open_one(self, sm: SessionModel, names: tuple[str, ...], open_first: bool) -> None:
+        """With ``open_first``, leave a denoising forward open on the first named branch (the call is refused)."""
+        if open_first and not sm.closed and not sm.suspended and sm.forward[names[0]] is None:
+            self.start_forward([(sm, names[0])], self.full(), False)
+
+    def m_drop(self, sm: SessionModel, names: tuple[str, ...], branches) -> None:
+        """``drop_window(branches)`` of ``sm``: refused unchanged as the model says, else checked and modelled."""
         refusal = self.m_shot_refusal(sm, names, shots=False)
         if refusal is not None:
             self.expect_failure(refusal[0], sm.state.drop_window, branches, match=refusal[1])
@@ -57,15 +61,34 @@ class ShotRules:
         event("drop_window released chunks" if dropped else "drop_window with nothing to release")
 
     @precondition(lambda self: self.sessions)
-    @rule(index=st.integers(0, 8), branches=st.sampled_from(SHOT_BRANCHES), pre_steps=st.integers(0, 2))
-    def begin_shot(self, index: int, branches, pre_steps: int) -> None:
-        """The next commit begins a shot: its first ``shot_chunks`` chunks stay until the next shot (the model's
-        visible set, checked by the invariants after every step); refused unchanged as ``drop_window``, and
-        under a policy that pins no shot."""
-        sm = self.pick(self.sessions, index)
+    @rule(index=st.integers(0, 8), branches=st.sampled_from(SHOT_BRANCHES), pre_steps=st.integers(0, 3),
+          open_first=st.sampled_from([False, False, False, True]), closed=CLOSED)
+    def drop_window(self, index: int, branches, pre_steps: int, open_first: bool, closed: bool) -> None:
+        """Release every resident chunk but the sinks: their pages lose the branch's reference (the invariants
+        check refcounts and the free list), the sinks and any pending chunk stay bit for bit, offsets and commit
+        indices run on; refused unchanged with an open forward, suspended, closed or a repeated name."""
+        sm = self.m_pick(index, closed)
         names = BRANCHES if branches is None else (branches,) if isinstance(branches, str) else branches
         if not sm.closed and not sm.suspended and pre_steps:
             self.roll(sm, tuple(dict.fromkeys(names)), pre_steps)
+        self.m_open_one(sm, names, open_first)
+        self.m_drop(sm, names, branches)
+
+    @precondition(lambda self: self.sessions)
+    @rule(index=st.integers(0, 8), branches=st.sampled_from(SHOT_BRANCHES), pre_steps=st.integers(0, 2),
+          open_first=st.sampled_from([False, False, False, True]), closed=CLOSED, clean=st.booleans(),
+          after=st.integers(0, 4))
+    def begin_shot(self, index: int, branches, pre_steps: int, open_first: bool, closed: bool, clean: bool,
+                   after: int) -> None:
+        """The next commit begins a shot: its first ``shot_chunks`` chunks stay until the next shot (the model's
+        visible set, checked by the invariants after every step); refused unchanged as ``drop_window``, and
+        under a policy that pins no shot. Then, as LongLive 2.0 at a cut: the window dropped (``clean``) and the
+        shot's first chunks committed (``after``)."""
+        sm = self.m_pick(index, closed)
+        names = BRANCHES if branches is None else (branches,) if isinstance(branches, str) else branches
+        if not sm.closed and not sm.suspended and pre_steps:
+            self.roll(sm, tuple(dict.fromkeys(names)), pre_steps)
+        self.m_open_one(sm, names, open_first)
         refusal = self.m_shot_refusal(sm, names, shots=True)
         if refusal is not None:
             self.expect_failure(refusal[0], sm.state.begin_shot, branches, match=refusal[1])
@@ -77,3 +100,8 @@ class ShotRules:
         for b in names:
             sm.shot[b] = len(sm.committed[b])
         event("begin_shot")
+        if clean:  # shot_clean_recache: the window goes before the cut chunk's clean forward
+            self.m_drop(sm, names, branches)
+        self.roll(sm, tuple(names), after)  # the cut chunk and the shot's next chunks: the pin against evictions
+        if after > (self.window or 0) and self.shot_chunks:
+            event("a shot sink outlived a full window")
