@@ -3,8 +3,8 @@
 A stream of chunks, each denoised by two forwards and then written by its clean forward, some of them scene
 cuts, runs twice: through ``tests.support.longlive2_buffer`` (upstream's ``CausalWanSelfAttention`` buffer with
 ``pinned_start`` / ``pinned_len``, ``_zero_kv_data``, ``_pin_current_chunk``) and through a one-layer float32
-cache under ``ShotSinkPolicy.from_frames`` driven the way the docs say (``begin_shot`` at a cut,
-``drop_window`` before its clean forward with ``shot_clean_recache``). Every forward must attend exactly the
+cache under ``ShotSinkPolicy.from_frames`` driven by ``integrations.longlive2.LongLive2Shots`` from the same per-chunk
+prompts (``begin_shot`` at a cut, ``drop_window`` before its clean forward with ``shot_clean_recache``). Every forward must attend exactly the
 key positions the buffer holds (``to_dense()`` over ``key_positions()``) and give the same output within 1e-5;
 keys are rotated at the cache's ``kv.positions`` (plus upstream's ``multi_shot_rope_offset``), the buffer's at
 upstream's ``current_start``: positions must run on across a dropped window.
@@ -18,7 +18,8 @@ import pytest
 import torch
 
 import ardiff_modules as am
-from tests.support.longlive2_buffer import LongLive2Buffer, run_longlive2
+from ardiff_modules.integrations.longlive2 import LongLive2Shots
+from tests.support.longlive2_buffer import SCENE_CUT_PREFIX, LongLive2Buffer, rope_offsets, run_longlive2
 
 TOKENS_PER_FRAME, HEADS, DIM, DENOISE = 2, 2, 8, 2
 CASES = [
@@ -43,17 +44,14 @@ def stream(num_chunks: int, chunk_tokens: int, seed: int) -> list[list[tuple[tor
              for _ in range(DENOISE + 1)] for _ in range(num_chunks)]
 
 
-def shot_offsets(num_chunks: int, cuts: set[int], phi_tokens: int) -> list[int]:
-    """Upstream's ``multi_shot_rope_offset``: chunk ``c`` is rotated ``shot_index x phi`` further."""
-    shot, out = 0, []
-    for c in range(num_chunks):
-        shot += c in cuts and c > 0
-        out.append(shot * phi_tokens)
-    return out
+def prompts_with_cuts(num_chunks: int, cuts: set[int]) -> list[str]:
+    """One prompt per chunk; a cut chunk's starts with upstream's scene-cut prefix."""
+    return [(SCENE_CUT_PREFIX if c in cuts else "") + f"shot text {c}" for c in range(num_chunks)]
 
 
-def run_cache(policy: am.ShotSinkPolicy, forwards, cuts: set[int], clean: bool, offsets: list[int]):
-    """The stream on the cache: per forward, its output and the key positions each query attended."""
+def run_cache(shots: LongLive2Shots, policy: am.ShotSinkPolicy, forwards, phi: float):
+    """The stream on the cache, driven by ``LongLive2Shots``: per forward, its output and the key positions each
+    query attended."""
     n = forwards[0][0][0].shape[1]
     spec = am.KVCacheSpec(num_layers=1, num_kv_heads=HEADS, head_dim=DIM, chunk_size=n,
                           page_size=TOKENS_PER_FRAME, retention=policy, dtype="float32")
@@ -62,17 +60,16 @@ def run_cache(policy: am.ShotSinkPolicy, forwards, cuts: set[int], clean: bool, 
     rope = am.RotaryEmbedding(DIM)
     outputs, attended = [], []
     for c, chunk in enumerate(forwards):
-        cut = c in cuts and c > 0 and policy.shot_chunks > 0
-        if cut:
-            state.begin_shot()
+        shots.chunk_start(state, c)
+        offset = round(shots.rope_offset(c) * TOKENS_PER_FRAME)  # 1-D RoPE here: frames -> tokens
         outs = []
         for i, (q, k, v) in enumerate(chunk):
             last = i == len(chunk) - 1
-            if last and cut and clean:
-                state.drop_window()
+            if last:
+                shots.before_clean_forward(state, c)
             with state.prepare_forward(None, n, commit_current=last) as fwd:
                 kv = fwd.layers[0]
-                positions = kv.positions + offsets[c]
+                positions = kv.positions + offset
                 outs.append(am.chunk_attention(rope(q, positions), rope(k, positions), v, kv))
                 dense, keys = fwd.to_dense()[0], fwd.key_positions()[0]
                 attended.append([sorted(keys[dense[row]].tolist()) for row in range(n)])
@@ -80,15 +77,17 @@ def run_cache(policy: am.ShotSinkPolicy, forwards, cuts: set[int], clean: bool, 
     return outputs, attended, state
 
 
-def run_upstream(sink: int, local: int, forwards, cuts: set[int], clean: bool, offsets: list[int]):
+def run_upstream(sink: int, local: int, forwards, prompts: list[str], clean: bool, phi: float):
     buffer = LongLive2Buffer(sink_size=sink, local_attn_size=local, frame_seqlen=TOKENS_PER_FRAME, heads=HEADS, dim=DIM)
     rope = am.RotaryEmbedding(DIM)
     n = forwards[0][0][0].shape[1]
+    offsets = rope_offsets(prompts, phi)
     rotated = []
     for c, chunk in enumerate(forwards):
-        positions = torch.arange(c * n, (c + 1) * n).unsqueeze(0) + offsets[c]  # current_start: positions run on
+        # current_start: positions run on; the shot's temporal offset in frames
+        positions = torch.arange(c * n, (c + 1) * n).unsqueeze(0) + round(offsets[c] * TOKENS_PER_FRAME)
         rotated.append([(rope(q, positions), rope(k, positions), v) for q, k, v in chunk])
-    return run_longlive2(buffer, rotated, cuts, clean), buffer.attended
+    return run_longlive2(buffer, rotated, prompts, clean), buffer.attended
 
 
 @pytest.mark.parametrize("clean", [False, True], ids=["pin-only", "shot_clean_recache"])
@@ -103,9 +102,11 @@ def test_every_forward_equals_upstreams_buffer(sink, local, f, cuts, clean) -> N
     if clean:  # a cut inside the global sink: upstream attends the chunk twice (the next test)
         cuts = {c for c in cuts if c >= policy.sink_chunks}
     forwards = stream(num_chunks, f * TOKENS_PER_FRAME, seed=len(cuts) + sink)
-    offsets = shot_offsets(num_chunks, cuts, phi_tokens=3 * TOKENS_PER_FRAME)
-    want, want_keys = run_upstream(sink, local, forwards, cuts, clean, offsets)
-    got, got_keys, state = run_cache(policy, forwards, cuts, clean, offsets)
+    prompts, phi = prompts_with_cuts(num_chunks, cuts), 3.0
+    shots = LongLive2Shots(prompts, sink_size=sink, shot_clean_recache=clean, multi_shot_rope_offset=phi)
+    assert shots.policy(local_attn_size=local, frames_per_chunk=f) == policy
+    want, want_keys = run_upstream(sink, local, forwards, prompts, clean, phi)
+    got, got_keys, state = run_cache(shots, policy, forwards, phi)
     flat_want = [o for outs in want for o in outs]
     flat_got = [o for outs in got for o in outs]
     for i, (keys, upstream) in enumerate(zip(got_keys, want_keys)):
@@ -124,12 +125,12 @@ def test_a_clean_recache_cut_inside_the_global_sink_is_where_upstream_duplicates
     past the chunk's denoised K/V, and the clean forward writes the chunk again after it: upstream attends chunk 1
     twice (stale and clean). The cache keeps chunk 1 as a sink (a cut inside the sinks pins nothing) and attends
     each key once: the one place the two differ, on purpose."""
-    sink, local, f, cuts = 4, 12, 2, {1}
+    sink, local, f, prompts = 4, 12, 2, prompts_with_cuts(6, {1})
     forwards = stream(6, f * TOKENS_PER_FRAME, seed=3)
-    offsets = [0] * 6
-    _, want_keys = run_upstream(sink, local, forwards, cuts, True, offsets)
+    _, want_keys = run_upstream(sink, local, forwards, prompts, True, 0.0)
     policy = am.ShotSinkPolicy.from_frames(sink_size=sink, local_attn_size=local, frames_per_chunk=f)
-    _, got_keys, state = run_cache(policy, forwards, cuts, True, offsets)
+    shots = LongLive2Shots(prompts, sink_size=sink, shot_clean_recache=True)
+    _, got_keys, state = run_cache(shots, policy, forwards, 0.0)
     clean_forward_of_chunk_1 = DENOISE + 1 + DENOISE
     assert sorted(want_keys[clean_forward_of_chunk_1]) == [0, 1, 2, 3, 4, 4, 5, 5, 6, 6, 7, 7]
     assert got_keys[clean_forward_of_chunk_1][0] == list(range(8))
@@ -138,12 +139,12 @@ def test_a_clean_recache_cut_inside_the_global_sink_is_where_upstream_duplicates
 
 def test_a_cache_without_the_shot_sink_differs_from_upstream() -> None:
     """The same stream under plain sink + window (no pin): some forward after a cut attends other keys."""
-    sink, local, f, cuts = 2, 8, 2, {2}
+    sink, local, f, prompts = 2, 8, 2, prompts_with_cuts(10, {2})
     forwards = stream(10, f * TOKENS_PER_FRAME, seed=1)
-    offsets = [0] * 10
-    _, want_keys = run_upstream(sink, local, forwards, cuts, False, offsets)
+    _, want_keys = run_upstream(sink, local, forwards, prompts, False, 0.0)
     plain = am.ShotSinkPolicy(1, 2, 0)  # shot_chunks=0: begin_shot pins nothing
-    _, got_keys, _ = run_cache(plain, forwards, cuts, False, offsets)
+    shots = LongLive2Shots(prompts, sink_size=sink)
+    _, got_keys, _ = run_cache(shots, plain, forwards, 0.0)
     assert any(keys[0] != sorted(up) for keys, up in zip(got_keys, want_keys))
 
 
@@ -154,3 +155,18 @@ def test_from_frames_names_what_does_not_fall_on_chunks() -> None:
         am.ShotSinkPolicy.from_frames(sink_size=8, local_attn_size=16, frames_per_chunk=8)
     assert am.ShotSinkPolicy.from_frames(sink_size=8, local_attn_size=32, frames_per_chunk=8) == am.ShotSinkPolicy(1, 2, 1)
     assert am.ShotSinkPolicy.from_frames(sink_size=0, local_attn_size=24, frames_per_chunk=8) == am.ShotSinkPolicy(0, 2, 0)
+
+
+def test_longlive2_shots_reads_prompts_as_upstream() -> None:
+    prompts = [SCENE_CUT_PREFIX + "a", "b", SCENE_CUT_PREFIX + "c", None, SCENE_CUT_PREFIX + "e"]
+    shots = LongLive2Shots(prompts, sink_size=8, multi_shot_rope_offset=8)
+    assert [shots.is_shot_boundary(c) for c in range(6)] == [False, False, True, False, True, False]  # never chunk 0
+    assert [shots.rope_offset(c) for c in range(5)] == [0.0, 0.0, 8.0, 8.0, 16.0]
+    no_sink = LongLive2Shots(prompts, sink_size=0, multi_shot_rope_offset=8)
+    assert not no_sink.is_scene_cut(2) and no_sink.rope_offset(4) == 16.0  # boundaries still move RoPE
+    off = LongLive2Shots(prompts, sink_size=8, multi_shot_sink=False)
+    assert not off.is_scene_cut(2) and off.policy(local_attn_size=32, frames_per_chunk=8).shot_chunks == 0
+    for bad, match in [({"prompts": "one"}, "one prompt per chunk"), ({"sink_size": -1}, "sink_size"),
+                       ({"shot_clean_recache": 1}, "shot_clean_recache"), ({"multi_shot_rope_offset": "8"}, "frames")]:
+        with pytest.raises(am.SpecError, match=match):
+            LongLive2Shots(**{"prompts": prompts, "sink_size": 8, **bad})

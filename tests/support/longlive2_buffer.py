@@ -95,14 +95,37 @@ class LongLive2Buffer:
         self.pinned_start = self.local_end_index - chunk_tokens
 
 
+SCENE_CUT_PREFIX = "The scene transitions. "  # utils/dataset.py DEFAULT_SCENE_CUT_PREFIX
+
+
+def is_shot_boundary(raw_prompts: list[str], chunk_index: int) -> bool:
+    """``_is_shot_boundary``: not chunk 0, and the chunk's prompt starts with the scene-cut prefix."""
+    if chunk_index == 0 or chunk_index >= len(raw_prompts):
+        return False
+    prompt = raw_prompts[chunk_index]
+    return isinstance(prompt, str) and prompt.startswith(SCENE_CUT_PREFIX)
+
+
+def rope_offsets(raw_prompts: list[str], phi: float) -> list[float]:
+    """Per chunk, ``rope_temporal_offset`` in frames: the shot index (shot boundaries so far) times ``phi``."""
+    shot, out = 0, []
+    for c in range(len(raw_prompts)):
+        if is_shot_boundary(raw_prompts, c) and phi != 0.0:
+            shot += 1
+        out.append(shot * phi)
+    return out
+
+
 def run_longlive2(buffer: LongLive2Buffer, forwards: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]],
-                  cuts: set[int], shot_clean_recache: bool) -> list[list[torch.Tensor]]:
+                  raw_prompts: list[str], shot_clean_recache: bool, multi_shot_sink: bool = True
+                  ) -> list[list[torch.Tensor]]:
     """The pipeline's chunk loop over ``forwards[c]`` (denoising forwards, the clean forward last) of each chunk
-    ``c``; ``cuts``: chunks whose prompt starts a scene (never chunk 0). Returns each forward's output."""
+    ``c`` prompted ``raw_prompts[c]`` (``_is_scene_cut``: a shot boundary, ``multi_shot_sink``, ``sink_size > 0``).
+    Returns each forward's output."""
     outputs = []
     current_start = 0
     for c, chunk in enumerate(forwards):
-        is_scene_cut = c in cuts and c > 0 and buffer.sink_tokens > 0
+        is_scene_cut = multi_shot_sink and buffer.sink_tokens > 0 and is_shot_boundary(raw_prompts, c)
         n = chunk[0][0].shape[1]
         outs = [buffer.forward(q, k, v, current_start) for q, k, v in chunk[:-1]]
         if is_scene_cut and shot_clean_recache:
