@@ -40,7 +40,7 @@ def shot_visible(
     pinned = [] if shot_start is None else list(range(max(shot_start, sink), min(shot_start + shot_chunks, n)))
     others = [i for i in range(sink, n) if i not in pinned]
     if window is None:
-        keep = others
+        keep = sorted(pinned + others)
     else:
         room = window - len(pinned)
         keep = sorted(pinned + (others[max(0, len(others) - room) :] if room > 0 else []))
