@@ -102,13 +102,18 @@ class ShotSinkPolicy:
     def shot_history_indices(self, num_committed: int, shot_start: int | None) -> list[int]:
         """Resident chunks among ``num_committed`` when the current shot began at commit index ``shot_start``.
 
-        Sinks, the pinned chunks (:meth:`pinned`), then the newest other non-sink chunks up to
-        ``window_chunks`` non-sink chunks in all; ascending.
+        Sinks, the pinned chunks (:meth:`pinned`), then the newest ``window_chunks - shot_chunks`` other non-sink
+        chunks (the shot's room is reserved from its first commit, its chunks after the sinks counted: a shot
+        beginning inside the sinks reserves only its chunks past them); ascending. Monotone: moving the shot
+        never asks back a chunk it evicted.
         """
         pinned = self.pinned(num_committed, shot_start)
-        if not pinned or self.window_chunks is None:
-            return self.history_indices(num_committed)
-        room = self.window_chunks - len(pinned)
+        if shot_start is None or self.window_chunks is None or num_committed <= shot_start:
+            return self.history_indices(num_committed)  # no shot, or none of its chunks committed yet
+        # NOTE: the shot's room is taken whole from its first commit on, not chunk by chunk: a window that shrank
+        # as the shot's later chunks arrived would have evicted chunks that a wider window (the shot's first
+        # commits) still held -- and taking the room back at the next shot would then ask for them again.
+        room = self.window_chunks - len(range(max(shot_start, self.sink_chunks), shot_start + self.shot_chunks))
         rest: list[int] = []
         index = num_committed - 1
         while len(rest) < room and index >= self.sink_chunks:

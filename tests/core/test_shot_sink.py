@@ -4,7 +4,7 @@ operations (``tests.support.pool_model.shot_visible``) and the ``RetentionPolicy
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ardiff_modules import ShotSinkPolicy, SpecError
@@ -34,6 +34,7 @@ def test_every_answer_keeps_the_contract(policy: ShotSinkPolicy, n: int, shot_st
         assert set(pinned) <= set(answer)  # the shot sink is resident whatever its age
 
 
+@settings(max_examples=300)  # pure Python: cheap, and shot moves need long scripts
 @given(shot_policies, events)
 def test_a_branch_follows_the_list_model_and_frees_exactly_what_it_drops(policy: ShotSinkPolicy, script: list) -> None:
     """Commits, shots and drops on a ``BranchPages`` over a real allocator: resident chunks == the list model's,
@@ -95,3 +96,21 @@ def test_the_docstring_example() -> None:
     assert policy.shot_history_indices(8, 4) == [0, 4, 6, 7]
     assert policy.pinned(8, 4) == range(4, 5) and policy.pinned(8, None) == range(0)
     assert ShotSinkPolicy(1, None, 1).shot_history_indices(5, 2) == [0, 1, 2, 3, 4]
+
+
+def test_moving_a_shot_never_asks_back_a_chunk_the_last_shot_evicted() -> None:
+    """Found by the session machine: with ``shot_chunks=2`` a window that shrank chunk by chunk as the shot's chunks
+    arrived evicted chunk 2, and the next shot (one chunk committed, more room) asked for it back. The shot's room is
+    reserved whole from its first commit, so nothing evicted is wanted again."""
+    policy = ShotSinkPolicy(0, 2, 2)
+    allocator, branch = PageAllocator(16), BranchPages(policy, 1, 1)
+    branch.begin_shot()
+    for _ in range(3):
+        branch.set_pending(1, allocator)
+        branch.commit_pending(allocator)
+    assert branch.history_index == (0, 1)  # the shot's two chunks fill the window: chunk 2 evicted
+    branch.begin_shot()
+    branch.set_pending(1, allocator)
+    branch.commit_pending(allocator)  # raised SpecError ("[2] already evicted") before the fix
+    assert branch.history_index == (3,)
+    assert policy.shot_history_indices(3, 3) == policy.history_indices(3)  # none of the shot committed yet
