@@ -58,13 +58,15 @@ class LongLive2Shots:
         require_bool("LongLive2Shots.shot_clean_recache", self.shot_clean_recache)
         if isinstance(self.multi_shot_rope_offset, bool) or not isinstance(self.multi_shot_rope_offset, (int, float)):
             raise SpecError(
-                f"LongLive2Shots.multi_shot_rope_offset: expected a number of frames, got {self.multi_shot_rope_offset!r}"
+                "LongLive2Shots.multi_shot_rope_offset: expected a number of frames, got "
+                f"{self.multi_shot_rope_offset!r}"
             )
         if not isinstance(self.scene_cut_prefix, str):
             raise SpecError(f"LongLive2Shots.scene_cut_prefix: expected a str, got {self.scene_cut_prefix!r}")
         if isinstance(self.prompts, (str, bytes)) or not isinstance(self.prompts, Sequence):
             raise SpecError(
-                f"LongLive2Shots.prompts: expected one prompt per chunk (a list of str), got {type(self.prompts).__name__}"
+                "LongLive2Shots.prompts: expected one prompt per chunk (a list of str), got "
+                f"{type(self.prompts).__name__}"
             )
 
     def policy(self, *, local_attn_size: int | None, frames_per_chunk: int) -> ShotSinkPolicy:

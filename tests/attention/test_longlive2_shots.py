@@ -3,11 +3,12 @@
 A stream of chunks, each denoised by two forwards and then written by its clean forward, some of them scene
 cuts, runs twice: through ``tests.support.longlive2_buffer`` (upstream's ``CausalWanSelfAttention`` buffer with
 ``pinned_start`` / ``pinned_len``, ``_zero_kv_data``, ``_pin_current_chunk``) and through a one-layer float32
-cache under ``ShotSinkPolicy.from_frames`` driven by ``integrations.longlive2.LongLive2Shots`` from the same per-chunk
-prompts (``begin_shot`` at a cut, ``drop_window`` before its clean forward with ``shot_clean_recache``). Every forward must attend exactly the
-key positions the buffer holds (``to_dense()`` over ``key_positions()``) and give the same output within 1e-5;
-keys are rotated at the cache's ``kv.positions`` (plus upstream's ``multi_shot_rope_offset``), the buffer's at
-upstream's ``current_start``: positions must run on across a dropped window.
+cache under ``ShotSinkPolicy.from_frames`` driven by ``integrations.longlive2.LongLive2Shots`` from the same
+per-chunk prompts (``begin_shot`` at a cut, ``drop_window`` before its clean forward with ``shot_clean_recache``).
+Every forward must attend exactly the key positions the buffer holds (``to_dense()`` over ``key_positions()``)
+and give the same output within 1e-5; keys are rotated at the cache's ``kv.positions`` (plus upstream's
+``multi_shot_rope_offset``), the buffer's at upstream's ``current_start``: positions must run on across a
+dropped window.
 """
 
 from __future__ import annotations
@@ -153,8 +154,10 @@ def test_from_frames_names_what_does_not_fall_on_chunks() -> None:
         am.ShotSinkPolicy.from_frames(sink_size=3, local_attn_size=32, frames_per_chunk=8)
     with pytest.raises(am.SpecError, match="room for the shot sink"):
         am.ShotSinkPolicy.from_frames(sink_size=8, local_attn_size=16, frames_per_chunk=8)
-    assert am.ShotSinkPolicy.from_frames(sink_size=8, local_attn_size=32, frames_per_chunk=8) == am.ShotSinkPolicy(1, 2, 1)
-    assert am.ShotSinkPolicy.from_frames(sink_size=0, local_attn_size=24, frames_per_chunk=8) == am.ShotSinkPolicy(0, 2, 0)
+    upstream = am.ShotSinkPolicy.from_frames(sink_size=8, local_attn_size=32, frames_per_chunk=8)
+    assert upstream == am.ShotSinkPolicy(1, 2, 1)
+    no_sink = am.ShotSinkPolicy.from_frames(sink_size=0, local_attn_size=24, frames_per_chunk=8)
+    assert no_sink == am.ShotSinkPolicy(0, 2, 0)
 
 
 def test_longlive2_shots_reads_prompts_as_upstream() -> None:

@@ -49,7 +49,9 @@ def test_a_branch_follows_the_list_model_and_frees_exactly_what_it_drops(policy:
             shot = len(committed)
         elif event == "drop":
             freed = drop_windows([branch], allocator)
-            expected = shot_visible(committed, policy.sink_chunks, policy.window_chunks, policy.shot_chunks, floor, applied)
+            expected = shot_visible(
+                committed, policy.sink_chunks, policy.window_chunks, policy.shot_chunks, floor, applied
+            )
             assert len(freed) == len(expected) - min(policy.sink_chunks, len(committed))
             floor = len(committed)
             shot = None if shot is not None and shot < len(committed) else shot
@@ -79,7 +81,8 @@ def test_a_shot_on_a_policy_without_shots_reaches_retain_as_its_error() -> None:
 @pytest.mark.parametrize(
     ("args", "match"),
     [
-        ((1, 1, 2), r"shot_chunks: expected at most window_chunks=1 \(the shot sink takes its room from the window\), got 2"),
+        ((1, 1, 2), r"shot_chunks: expected at most window_chunks=1 \(the shot sink takes its room from the window\), "
+                    r"got 2"),
         ((1, 2, -1), "ShotSinkPolicy.shot_chunks"),
         ((1, 2, True), "ShotSinkPolicy.shot_chunks"),
         ((-1, 2, 1), "ShotSinkPolicy.sink_chunks"),

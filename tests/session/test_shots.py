@@ -322,3 +322,33 @@ def test_an_fp8_pool_drops_and_pins_like_the_float_one() -> None:
     state.drop_window()  # the shot sink (committed) goes with the window
     assert state.history_chunk_indices("cond") == (0,)
     assert fp8.allocator.num_used == 2 * fp8.spec.pages_per_chunk
+
+
+def test_a_training_scope_keeps_what_a_dropped_window_released_until_the_backward() -> None:
+    """A checkpointed forward with gradients, then ``drop_window`` and every free page poisoned (reuse): the
+    recomputation in the backward reads the held pages, so the gradients equal a twin's that never dropped; leaving
+    the scope frees the dropped window."""
+    from tests.support.training_peers import poison_free_pages
+
+    grads = []
+    for drop in (False, True):
+        cache = shot_cache()
+        state = cache.open_session()
+        for seed in range(4):
+            step(state, seed)
+        q, k, v = (t.requires_grad_() for t in tensors(2, seed=7))
+        with am.TrainingScope(cache) as scope:
+            with state.prepare_forward(BOTH, CHUNK, commit_current=True) as fwd:
+                out = sum(scope.checkpoint(am.chunk_attention, q, k, v, layer).sum() for layer in fwd.layers)
+            if drop:
+                ppc = cache.spec.pages_per_chunk
+                read = [p for b in BOTH for p in pages_of(state, b)[ppc:-ppc]]  # the window the forward read
+                state.drop_window()
+                assert read and all(cache.allocator.refcount(p) == 1 for p in read)  # held by the scope only
+                poison_free_pages(cache)
+            out.backward()
+        grads.append([t.grad.clone() for t in (q, k, v)])
+        if drop:
+            assert cache.allocator.num_used == 2 * cache.spec.pages_per_chunk  # the sinks alone
+    for got, want in zip(grads[1], grads[0]):
+        assert torch.isfinite(got).all() and torch.equal(got, want)
