@@ -58,6 +58,7 @@ from ardiff_modules.errors import (
 from ardiff_modules.spec import CrossAttentionSpec, KVCacheSpec
 from ardiff_modules.core.recache import RecacheRule
 from ardiff_modules.core.retention import RetentionPolicy, SinkWindowMemoryPolicy, SinkWindowPolicy
+from ardiff_modules.core.shot_sink import ShotSinkPolicy
 from ardiff_modules.core.head_retention import HeadRetention
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
@@ -167,6 +168,7 @@ __all__ = [
     "SessionNotSuspendedError",
     "SessionSuspendedError",
     "SessionTransferError",
+    "ShotSinkPolicy",
     "SinkWindowMemoryPolicy",
     "SinkWindowPolicy",
     "SpecError",

@@ -39,7 +39,9 @@ from ardiff_modules.cache import KVCache
 from ardiff_modules.checks import require_bool, require_int
 from ardiff_modules.context import ForwardContext
 from ardiff_modules.core.admission import Admission
+from ardiff_modules.core.branch import drop_windows
 from ardiff_modules.core.head_retention import HeadPart, HeadRetention
+from ardiff_modules.core.retention import pins_shots
 from ardiff_modules.core.transaction import ForwardTransaction
 from ardiff_modules.core.two_phase import (
     Coordinator,
@@ -65,7 +67,7 @@ from ardiff_modules.forwards.manager import stream_names
 from ardiff_modules.forwards.request import Build
 from ardiff_modules.head_forward import HeadGroupedForward, HeadGroupedLayer, head_selector, merge_order
 from ardiff_modules.pool import KVPool, bytes_per_page, torch_dtype
-from ardiff_modules.session import ForwardOptions, KVState, branch_names
+from ardiff_modules.session import ForwardOptions, KVState, branch_names, idle_branches
 from ardiff_modules.session_table import check_session_id
 from ardiff_modules.spec import KVCacheSpec, PendingAttention
 
@@ -656,6 +658,31 @@ class HeadGroupedSession(SessionCrossCaches):
                 self._check_branch(kv_branch)  # unknown branch / closed session: raises before any part changed
             for state in self.parts:
                 state.abort(kv_branch)
+
+    # ------------------------------------------------------------------ shots (core/shot_sink.py)
+    def drop_window(self, branches: Sequence[str] | str | None = None) -> None:
+        """:meth:`KVState.drop_window` in every part at once: each group keeps its own sinks (every part is
+        checked before any changes)."""
+        with self.cache.lock:
+            self._check_open()
+            targets = [idle_branches(state, "drop_window", branches) for state in self.parts]
+            for state, pages in zip(self.parts, targets):
+                drop_windows(pages, state.cache._allocator)
+
+    def begin_shot(self, branches: Sequence[str] | str | None = None) -> None:
+        """:meth:`KVState.begin_shot` in the parts whose group pins a shot sink (a ``ShotSinkPolicy`` group);
+        :class:`SpecError` when no group does. Every part is checked before any changes."""
+        with self.cache.lock:
+            self._check_open()
+            pinning = [state for state in self.parts if pins_shots(state.cache.spec.policy)]
+            if not pinning:
+                raise SpecError(
+                    "begin_shot: expected a head group whose retention pins a shot sink (ShotSinkPolicy), got "
+                    f"{sorted({type(s.cache.spec.policy).__name__ for s in self.parts})}"
+                )
+            for pages in [idle_branches(state, "begin_shot", branches) for state in pinning]:
+                for branch in pages:
+                    branch.begin_shot()
 
     # ------------------------------------------------------------------ sharing and lifetime (cross caches: SessionCrossCaches)
     def fork(self, session_id: str | None = None, *, branches: Sequence[str] | None = None,

@@ -29,14 +29,16 @@ from ardiff_modules.errors import (
     CrossAttentionNotPopulatedError,
     SequenceLengthError,
     SessionClosedError,
+    PendingContextError,
     SessionSuspendedError,
     SpecError,
     UnknownBranchError,
     UnknownCacheError,
 )
 from ardiff_modules.core.transaction import ForwardTransaction
-from ardiff_modules.core.branch import BranchPages, drop_pending
+from ardiff_modules.core.branch import BranchPages, drop_pending, drop_windows
 from ardiff_modules.core.recache import RecacheRule
+from ardiff_modules.core.retention import pins_shots
 from ardiff_modules.spec import KVCacheSpec, PendingAttention
 
 #: Branches (and cross caches) a ``KVState`` repr names before eliding the rest.
@@ -378,6 +380,39 @@ class KVState(SessionCrossCaches):
             # Pending pages kept by finished denoising forwards (reused by the next one).
             drop_pending(histories, self.cache._allocator)
 
+    # ------------------------------------------------------------------ shots (core/shot_sink.py)
+    def drop_window(self, branches: Sequence[str] | str | None = None) -> None:
+        """Release every resident chunk of ``branches`` (default all) but the sinks: the window, memory chunks
+        and the shot sink (LongLive 2.0's ``shot_clean_recache`` at a scene cut).
+
+        Offsets (positions, RoPE) and commit indices run on; pending chunks kept by finished denoising forwards
+        stay (the clean forward reuses them), so the next forward attends the sinks and its own chunks. A shot
+        begun for the next commit (:meth:`begin_shot`) still begins there. Raises before changing anything:
+        :class:`~ardiff_modules.errors.PendingContextError` while a forward is open on one of them,
+        :class:`~ardiff_modules.errors.SessionSuspendedError`, ``UnknownBranchError``, ``SessionClosedError``.
+        """
+        with self.cache.lock:
+            targets = idle_branches(self, "drop_window", branches)
+            drop_windows(targets, self.cache._allocator)
+
+    def begin_shot(self, branches: Sequence[str] | str | None = None) -> None:
+        """The next chunk committed on ``branches`` (default all) begins a new shot: its first ``shot_chunks``
+        chunks are pinned as the shot sink, which rolling never evicts until the next :meth:`begin_shot`
+        (the previous shot sink is an ordinary window chunk from that commit on).
+
+        Needs a retention policy that pins shots (``KVCacheSpec(retention=ShotSinkPolicy(...))``); raises
+        :class:`~ardiff_modules.errors.SpecError` otherwise, and as :meth:`drop_window`, before changing anything.
+        """
+        with self.cache.lock:
+            policy = self.cache.spec.policy
+            if not pins_shots(policy):
+                raise SpecError(
+                    f"begin_shot: expected a cache whose retention pins a shot sink (KVCacheSpec(retention="
+                    f"ShotSinkPolicy(...))), got {policy!r}"
+                )
+            for branch in idle_branches(self, "begin_shot", branches):
+                branch.begin_shot()
+
     # ------------------------------------------------------------------ sharing (cross-attention caches: SessionCrossCaches)
     def fork(
         self,
@@ -510,6 +545,24 @@ class KVState(SessionCrossCaches):
             for history in self._branches.values():
                 history.release(self.cache._allocator)
             self._closed = False
+
+
+def idle_branches(state: KVState, what: str, branches: Sequence[str] | str | None) -> list[BranchPages]:
+    """The pages of ``branches`` of ``state`` for ``what``: named once each, the session open and resident, no
+    forward open on any of them; raises (nothing changed) otherwise."""
+    names = branch_names(what, branches, state.kv_branch_names)
+    if not names or len(set(names)) != len(names):
+        raise SpecError(f"{what}.branches: expected distinct branch names, at least one, got {names}")
+    targets = [state.branch_pages(name) for name in names]  # closed session, unknown branch
+    if state.is_suspended:
+        raise SessionSuspendedError(f"{what}: expected a resident session, got {state.session_id!r} suspended")
+    busy = [name for name in names if state._open_forward(name) is not None]
+    if busy:
+        raise PendingContextError(
+            f"{what}: expected no open forward on branch(es) {list(names)} of session {state.session_id!r}, got "
+            f"one on {busy} (commit or abort it first)"
+        )
+    return targets
 
 
 def _describe(

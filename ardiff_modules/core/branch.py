@@ -77,6 +77,10 @@ class BranchPages:
         #: Bumped by :meth:`release` (a reset or close): positions restart at 0 in a new generation, so what was
         #: recorded of the old one (a straight-through ledger's writes) never matches the new chunks.
         self.generation = 0
+        #: Commit index at which the current shot began (:meth:`begin_shot`; ``None``: none): a shot policy pins
+        #: its first chunks. ``window_floor``: non-sink chunks below it were dropped (:meth:`preview_drop_window`).
+        self.shot_start: int | None = None
+        self.window_floor = 0
 
     def attach(self, transaction: object) -> None:
         """The branch's pending chunks now belong to ``transaction`` (an open forward)."""
@@ -245,7 +249,10 @@ class BranchPages:
         they were. With :meth:`apply_commit`, lets a forward over several branches compute every
         branch's commit first and apply them all with one allocator call (all or none).
         """
-        return retain(self.policy, self.history, self.history_index, self.committed_chunks, self.pending)
+        return retain(
+            self.policy, self.history, self.history_index, self.committed_chunks, self.pending,
+            shot_start=self.shot_start, window_floor=self.window_floor,
+        )
 
     def apply_commit(self, result: Retained[PageChunk], latents: Sequence[object] = ()) -> None:
         """Adopt a :meth:`preview_commit` result; the caller drops the references of ``result.evicted``.
@@ -274,6 +281,35 @@ class BranchPages:
         # Evicted chunks' latents go in the same step (but those a re-cache rule still remembers).
         self.latents = {i: kept[i] for i in (*result.indices, *self.recent) if i in kept}
 
+    # ------------------------------------------------------------------ shots (core/shot_sink.py)
+    def preview_drop_window(self) -> Retained[PageChunk]:
+        """The history with only its sinks left (pure): ``evicted`` are the window chunks (memory, shot sink)."""
+        sinks = self.policy.sink_chunks
+        kept = [(c, i) for c, i in zip(self.history, self.history_index) if i < sinks]
+        gone = tuple(c for c, i in zip(self.history, self.history_index) if i >= sinks)
+        return Retained(tuple(c for c, _ in kept), tuple(i for _, i in kept), gone)
+
+    def apply_drop_window(self, result: Retained[PageChunk]) -> None:
+        """Adopt :meth:`preview_drop_window`; the caller drops the references of ``result.evicted``.
+
+        Offsets and commit indices run on; the dropped chunks are forgotten (no later commit keeps them, no
+        re-cache rebuilds them), and so is a shot that already pinned chunks (one beginning at the next commit
+        stays).
+        """
+        starts = dict(zip(self.history_index, self.history_start))
+        self.history, self.history_index = result.history, result.indices
+        self.history_start = tuple(starts[i] for i in result.indices)
+        self.window_floor = self.committed_chunks
+        self.recent = {}
+        self.latents = {i: t for i, t in self.latents.items() if i in starts and i in result.indices}
+        if self.shot_start is not None and self.shot_start < self.committed_chunks:
+            self.shot_start = None
+
+    def begin_shot(self) -> None:
+        """The next committed chunk begins a new shot: a shot policy pins it (and the next ones it pins) from
+        that commit on, instead of the current shot's chunks (ordinary window chunks from then on)."""
+        self.shot_start = self.committed_chunks
+
     # ------------------------------------------------------------------ re-cache
     def recache_plan(self, rule: RecacheRule) -> RecachePlan:
         """Which chunks a re-cache under ``rule`` rebuilds, and what each replaces (pure)::
@@ -282,7 +318,9 @@ class BranchPages:
                                               RecacheRule(sinks="rebuild") -> rebuild s0 c5 c6 c7
                                               RecacheRule.longlive()       -> rebuild c4 (context) c5 c6 c7
         """
-        return rule.plan(self.history_index, self.committed_chunks, self.policy.sink_chunks, self.recent.keys())
+        return rule.plan(
+            self.history_index, self.committed_chunks, self.policy.sink_chunks, self.recent.keys(), self.window_floor
+        )
 
     def recache_chunk(self, index: int) -> tuple[int, int]:
         """``(absolute start, pages)`` of committed chunk ``index``: resident, or remembered after eviction."""
@@ -329,49 +367,8 @@ class BranchPages:
     def recache_copies(
         self, swapped: tuple[PageChunk, ...], released: Mapping[int, int], allocator: PageAllocator
     ) -> tuple[tuple[PageChunk, ...], list[tuple[PageChunk, PageChunk]]]:
-        """Move rebuilt chunks that sit in fresh pages into ring slots free once the commit is applied (pure).
-
-        ``swapped``: :meth:`preview_recache_commit`'s history chunks; ``released``: how many references
-        the whole commit drops from each page (every stream's old chunks). Returns the history chunks
-        after the moves and the ``(fresh chunk, ring slot chunk)`` copies they need. A slot is free
-        after the commit when only the extent's reservation still references its pages (refcount minus
-        released == 1): the old chunk it held was this branch's alone (no fork shares it), or it was
-        already free. A rebuilt chunk takes the slot of the chunk it replaces when that one is free
-        (the resident page ids stay as they were), else the lowest free slot; with no free slot left it
-        stays in its fresh pages (the plain swap). Rebuilt chunks already in ring slots never move::
-
-            extent: [ s0 | c5 | c6 | free ]     re-cache of c5 c6 (sink kept), one free slot
-            pending:  c5' -> free slot,  c6' -> fresh pages
-            commit:   c5' stays in its slot (c5's slot frees), c6' copied into c6's slot, fresh freed
-            extent: [ s0 | free | c6' | c5' ]   the ring is whole, no page outside it
-        """
-        if not self.extent:
-            return swapped, []
-        step = self.pages_per_chunk
-        extent = set(self.extent)
-        refcount = allocator.refcount
-        free = [slot for slot in self.extent_slots() if all(refcount(p) - released.get(p, 0) == 1 for p in slot)]
-        moving = [i for i, chunk in enumerate(swapped) if chunk != self.history[i] and chunk[0] not in extent]
-        resident = list(swapped)
-        copies: list[tuple[PageChunk, PageChunk]] = []
-        by_start = {slot[0]: slot for slot in free}
-        rest = []
-        for i in moving:  # first pass: back into the slot of the chunk it replaces
-            slot = by_start.get(self.history[i][0])
-            if slot is None:
-                rest.append(i)
-                continue
-            free.remove(slot)
-            copies.append((resident[i], slot[: len(resident[i])]))
-            resident[i] = slot[: len(resident[i])]
-        for i in rest:  # then the lowest free slots (a shorter chunk takes a slot's first pages)
-            if not free:
-                break
-            slot = free.pop(0)
-            assert len(slot) == step and len(resident[i]) <= step
-            copies.append((resident[i], slot[: len(resident[i])]))
-            resident[i] = slot[: len(resident[i])]
-        return tuple(resident), copies
+        """Move rebuilt chunks in fresh pages into ring slots the commit frees (pure; see :func:`ring_copies`)."""
+        return ring_copies(self, swapped, released, allocator)
 
     def split_pending(self) -> tuple[list[int], list[int]]:
         """``(ring pages, fresh pages)`` of the pending chunks: those in extent slots (one reference on top
@@ -418,6 +415,7 @@ class BranchPages:
         self.extent = ()
         self.committed_chunks = 0
         self.committed_tokens = 0
+        self.shot_start, self.window_floor = None, 0
         self.transaction = None
         self.generation += 1
         return freed
@@ -439,6 +437,55 @@ class BranchPages:
         self.committed_tokens = (
             sum(map(len, resident)) * self.page_size if sinks_only else other.committed_tokens
         )
+        self.shot_start, self.window_floor = (None, 0) if sinks_only else (other.shot_start, other.window_floor)
+
+
+def ring_copies(
+    branch: BranchPages, swapped: tuple[PageChunk, ...], released: Mapping[int, int], allocator: PageAllocator
+) -> tuple[tuple[PageChunk, ...], list[tuple[PageChunk, PageChunk]]]:
+    """Move rebuilt chunks that sit in fresh pages into ring slots free once the commit is applied (pure).
+
+    ``swapped``: :meth:`BranchPages.preview_recache_commit`'s history chunks; ``released``: how many references
+    the whole commit drops from each page (every stream's old chunks). Returns the history chunks
+    after the moves and the ``(fresh chunk, ring slot chunk)`` copies they need. A slot is free
+    after the commit when only the extent's reservation still references its pages (refcount minus
+    released == 1): the old chunk it held was this branch's alone (no fork shares it), or it was
+    already free. A rebuilt chunk takes the slot of the chunk it replaces when that one is free
+    (the resident page ids stay as they were), else the lowest free slot; with no free slot left it
+    stays in its fresh pages (the plain swap). Rebuilt chunks already in ring slots never move::
+
+        extent: [ s0 | c5 | c6 | free ]     re-cache of c5 c6 (sink kept), one free slot
+        pending:  c5' -> free slot,  c6' -> fresh pages
+        commit:   c5' stays in its slot (c5's slot frees), c6' copied into c6's slot, fresh freed
+        extent: [ s0 | free | c6' | c5' ]   the ring is whole, no page outside it
+    """
+    if not branch.extent:
+        return swapped, []
+    step = branch.pages_per_chunk
+    extent = set(branch.extent)
+    refcount = allocator.refcount
+    free = [slot for slot in branch.extent_slots() if all(refcount(p) - released.get(p, 0) == 1 for p in slot)]
+    moving = [i for i, chunk in enumerate(swapped) if chunk != branch.history[i] and chunk[0] not in extent]
+    resident = list(swapped)
+    copies: list[tuple[PageChunk, PageChunk]] = []
+    by_start = {slot[0]: slot for slot in free}
+    rest = []
+    for i in moving:  # first pass: back into the slot of the chunk it replaces
+        slot = by_start.get(branch.history[i][0])
+        if slot is None:
+            rest.append(i)
+            continue
+        free.remove(slot)
+        copies.append((resident[i], slot[: len(resident[i])]))
+        resident[i] = slot[: len(resident[i])]
+    for i in rest:  # then the lowest free slots (a shorter chunk takes a slot's first pages)
+        if not free:
+            break
+        slot = free.pop(0)
+        assert len(slot) == step and len(resident[i]) <= step
+        copies.append((resident[i], slot[: len(resident[i])]))
+        resident[i] = slot[: len(resident[i])]
+    return tuple(resident), copies
 
 
 def drop_pending(branches: Sequence[BranchPages], allocator: PageAllocator) -> list[int]:
@@ -449,6 +496,16 @@ def drop_pending(branches: Sequence[BranchPages], allocator: PageAllocator) -> l
         b.clear_pending()
     return freed
 
+
+def drop_windows(branches: Sequence[BranchPages], allocator: PageAllocator) -> list[int]:
+    """Drop the window (every resident chunk but the sinks) of ``branches`` with one allocator call; offsets,
+    commit indices and pending chunks are untouched (:meth:`BranchPages.apply_drop_window`). Returns the pages
+    that became free (a fork or a training hold sharing a chunk keeps it)."""
+    results = [b.preview_drop_window() for b in branches]
+    freed = allocator.decref(p for r in results for chunk in r.evicted for p in chunk)
+    for b, r in zip(branches, results):
+        b.apply_drop_window(r)
+    return freed
 
 # ------------------------------------------------------------------ host tier (suspend / resume)
 @dataclass(frozen=True)
@@ -470,6 +527,8 @@ class BranchImage:
     #: resume puts it back in the same slot: the ring's keys keep their order, and a ragged kernel, which reads
     #: the ring in slot order, sums them in the same order (bit-identical outputs after a resume or a load).
     slots: tuple[int | None, ...] = ()
+    shot_start: int | None = None
+    window_floor: int = 0
 
 
 def unload_branch(branch: BranchPages, allocator: PageAllocator) -> tuple[BranchImage, list[int]]:
@@ -487,7 +546,8 @@ def branch_image(branch: BranchPages) -> BranchImage:
     """What :func:`load_branch` restores of ``branch`` (its committed state; nothing released, nothing copied)."""
     return BranchImage(
         branch.history, branch.history_index, branch.history_start, branch.committed_chunks,
-        branch.committed_tokens, dict(branch.latents), dict(branch.recent), extent_slots_of(branch),
+        branch.committed_tokens, dict(branch.latents), dict(branch.recent), extent_slots_of(branch), branch.shot_start,
+        branch.window_floor,
     )
 
 
@@ -512,3 +572,4 @@ def load_branch(
     branch.history_start = image.history_start
     branch.committed_chunks, branch.committed_tokens = image.committed_chunks, image.committed_tokens
     branch.latents, branch.recent = dict(image.latents), dict(image.recent)
+    branch.shot_start, branch.window_floor = image.shot_start, image.window_floor

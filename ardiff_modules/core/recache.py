@@ -111,27 +111,35 @@ class RecacheRule:
         """Evicted chunks a branch must remember (start, length, latents) for this rule to run."""
         return self.context_chunks + (sink_chunks if self.sinks == "move" else 0)
 
-    def plan(self, history_index: Sequence[int], num_committed: int, sink_chunks: int, remembered: Set[int]) -> RecachePlan:
+    def plan(
+        self, history_index: Sequence[int], num_committed: int, sink_chunks: int, remembered: Set[int],
+        window_floor: int = 0,
+    ) -> RecachePlan:
         """The re-cache of a branch whose history holds commit indices ``history_index`` (pure).
 
         ``remembered``: evicted commit indices whose start and length the branch still knows. Raises
-        :class:`SpecError` when the rule needs an evicted chunk the branch no longer knows.
+        :class:`SpecError` when the rule needs an evicted chunk the branch no longer knows. ``window_floor``:
+        the non-sink chunks below it were dropped (``KVState.drop_window``: a shot cut), not evicted -- never
+        context, never new sinks, and a window that slid only past them has not slid.
         """
         sink_positions = [p for p, i in enumerate(history_index) if i < sink_chunks]
         resident = set(history_index)
-        evicted = [i for i in range(min(sink_chunks, num_committed), num_committed) if i not in resident]
+        dropped = window_floor > min(sink_chunks, num_committed)  # drop_window released chunks after the sinks
+        evicted = [i for i in range(max(sink_chunks, window_floor), num_committed) if i not in resident]
         context = evicted[len(evicted) - self.context_chunks :] if self.context_chunks else []
-        slid = len(context) < len(evicted)  # an evicted chunk older than the context: the window slid past
+        # An evicted chunk older than the context, or a dropped one: the rebuilt chunks no longer reach the sinks.
+        slid = len(context) < len(evicted) or dropped
         self._require_known(context, remembered, "context")
         # (commit index, history position it replaces or None): the window / memory chunks, the context.
         entries: list[tuple[int, int | None]] = [(i, p) for p, i in enumerate(history_index) if i >= sink_chunks]
         entries += [(i, None) for i in context]
         kept: tuple[int, ...] = ()
         moved = False
-        if self.sinks == "move" and slid and sink_positions:
-            # The sink slots take the chunks just before the oldest rebuilt one (LongLive: its buffer's head).
-            first = min((i for i, _ in entries), default=num_committed)
-            new_sinks = range(first - len(sink_positions), first)
+        oldest = min((i for i, _ in entries), default=num_committed)
+        new_sinks = range(oldest - len(sink_positions), oldest)
+        if self.sinks == "move" and slid and sink_positions and new_sinks.start >= window_floor:
+            # The sink slots take the chunks just before the oldest rebuilt one (LongLive: its buffer's head);
+            # never dropped ones (a "move" after a drop that would take them keeps the sinks instead).
             self._require_known([i for i in new_sinks if i not in resident], remembered, "new sink")
             entries += list(zip(new_sinks, sink_positions))
             moved = True

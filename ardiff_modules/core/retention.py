@@ -107,6 +107,29 @@ class RetentionPolicy(Protocol):
         """Indices (0-based, commit order) of the history chunks among ``num_committed``."""
 
 
+@runtime_checkable
+class ShotRetentionPolicy(RetentionPolicy, Protocol):
+    """A :class:`RetentionPolicy` that also pins a movable shot sink (``core/shot_sink.py``).
+
+    ``shot_history_indices(n, shot_start)`` is the answer for a branch whose current shot began at commit
+    index ``shot_start`` (``None``: no shot, the same as ``history_indices(n)``); it keeps the contract of
+    ``history_indices`` (checked the same way at each commit), ``max_history_chunks`` included.
+    """
+
+    @property
+    def shot_chunks(self) -> int:
+        """Leading chunks of a shot that stay pinned until the next shot begins."""
+
+    def shot_history_indices(self, num_committed: int, shot_start: int | None) -> list[int]:
+        """Indices of the history chunks among ``num_committed`` when the current shot began at ``shot_start``."""
+
+
+def pins_shots(policy: object) -> bool:
+    """Whether ``policy`` pins a shot sink (a :class:`ShotRetentionPolicy`: ``shot_chunks`` an int, and
+    ``shot_history_indices``); attributes only, nothing called."""
+    return callable(getattr(policy, "shot_history_indices", None)) and is_int(getattr(policy, "shot_chunks", None))
+
+
 @dataclass(frozen=True)
 class Retained(Generic[Chunk]):
     """Resident chunks after a commit with their commit indices, and the chunks it evicted."""
@@ -156,7 +179,8 @@ def _raised(policy: object, what: str, exc: Exception) -> SpecError:
 
 
 def checked_history_indices(
-    policy: RetentionPolicy, total: int, resident_indices: Sequence[int], num_committed: int
+    policy: RetentionPolicy, total: int, resident_indices: Sequence[int], num_committed: int, *,
+    shot_start: int | None = None, window_floor: int = 0,
 ) -> tuple[int, ...]:
     """``policy.history_indices(total)`` after checking it against the contract (:class:`SpecError` if not).
 
@@ -165,14 +189,25 @@ def checked_history_indices(
     answer must be a sequence (not a string) of strictly ascending ints, each resident or new
     (an evicted chunk never comes back), starting with the sinks, at most ``max_history_chunks``
     of them. Host ints only, O(history chunks): run once per branch and commit, never per layer.
+
+    ``shot_start`` (a :class:`ShotRetentionPolicy` only): ask ``shot_history_indices(total, shot_start)``
+    instead. ``window_floor``: chunks ``sink_chunks <= i < window_floor`` were dropped from the window
+    (``BranchPages.drop_window``): taken out of the answer before it is checked.
     """
     sinks, bound = check_declared(policy)
+    what = f"history_indices({total})" if shot_start is None else f"shot_history_indices({total}, {shot_start})"
     try:
-        answer = policy.history_indices(total)
+        if shot_start is None:
+            answer = policy.history_indices(total)
+        else:
+            answer = policy.shot_history_indices(total, shot_start)  # type: ignore[attr-defined]
     except ARDiffError:
         raise
     except Exception as exc:
-        raise _raised(policy, f"history_indices({total})", exc) from exc
+        raise _raised(policy, what, exc) from exc
+    if window_floor > sinks and (type(answer) is list or type(answer) is tuple):
+        # NOTE: only int indices in the dropped range go; anything malformed stays for the checks below.
+        answer = [i for i in answer if not (type(i) is int and sinks <= i < window_floor)]
     # NOTE: one pass over the answer on the hot path (every branch of every commit); the messages
     # are only built by _refuse, when something is wrong.
     if (type(answer) is list or type(answer) is tuple) and (bound is None or len(answer) <= bound):
@@ -190,16 +225,16 @@ def checked_history_indices(
             if head == 0 or (len(keep) >= head and keep[head - 1] == head - 1):
                 return keep
     # Not the common form (another Sequence, an int subclass) or a breach: _refuse raises for a breach.
-    _refuse(policy, answer, total, resident_indices, num_committed, sinks, bound)
+    _refuse(policy, answer, total, resident_indices, num_committed, sinks, bound, what)
     return tuple(int(index) for index in answer)
 
 
 def _refuse(
     policy: RetentionPolicy, answer: Any, total: int, resident_indices: Sequence[int], num_committed: int,
-    sinks: int, bound: int | None,
+    sinks: int, bound: int | None, what: str = "",
 ) -> None:
     """Raise the :class:`SpecError` saying which rule ``answer`` breaks (or return if it breaks none)."""
-    where = f"retention policy {type(policy).__name__}.history_indices({total})"
+    where = f"retention policy {type(policy).__name__}.{what or f'history_indices({total})'}"
     if not isinstance(answer, Sequence) or isinstance(answer, (str, bytes, bytearray)):
         raise SpecError(f"{where}: expected a sequence of chunk indices, got {answer!r} ({type(answer).__name__})")
     keep = tuple(answer)
@@ -245,15 +280,21 @@ def retain(
     indices: Sequence[int],
     num_committed: int,
     new_chunks: Sequence[Chunk],
+    *,
+    shot_start: int | None = None,
+    window_floor: int = 0,
 ) -> Retained[Chunk]:
     """Commit ``new_chunks`` after ``num_committed`` chunks and apply ``policy`` (pure).
 
-    ``resident`` / ``indices`` are the chunks now in the history and their commit indices.
+    ``resident`` / ``indices`` are the chunks now in the history and their commit indices;
+    ``shot_start`` / ``window_floor`` the branch's shot and dropped window (:func:`checked_history_indices`).
     Raises :class:`SpecError` if the policy breaks its contract (see :func:`checked_history_indices`):
     e.g. it asks to keep a chunk that was already evicted, or more than it declared.
     """
     total = num_committed + len(new_chunks)
-    wanted = set(checked_history_indices(policy, total, indices, num_committed))
+    wanted = set(checked_history_indices(
+        policy, total, indices, num_committed, shot_start=shot_start, window_floor=window_floor
+    ))
     candidates = list(zip(indices, resident)) + list(zip(range(num_committed, total), new_chunks))
     kept = [(i, c) for i, c in candidates if i in wanted]
     return Retained(
@@ -347,10 +388,11 @@ class SinkWindowPolicy:
 
 
 def _chunks_from_frames(
-    sink_size: Any, local_attn_size: Any, frames_per_chunk: Any, independent_first_frame: Any
+    sink_size: Any, local_attn_size: Any, frames_per_chunk: Any, independent_first_frame: Any,
+    where: str = "SinkWindowPolicy.from_frames",
 ) -> tuple[int, int | None]:
-    """``(sink_chunks, window_chunks)`` of :meth:`SinkWindowPolicy.from_frames` (its checks and messages)."""
-    where = "SinkWindowPolicy.from_frames"
+    """``(sink_chunks, window_chunks)`` of :meth:`SinkWindowPolicy.from_frames` (its checks and messages, naming
+    ``where``)."""
     f = require_int(f"{where}.frames_per_chunk", frames_per_chunk, minimum=1)
     s = require_int(f"{where}.sink_size", sink_size, minimum=0)
     i2v = require_bool(f"{where}.independent_first_frame", independent_first_frame)
@@ -387,6 +429,10 @@ def _chunks_from_frames(
             f"frames; the nearest chunk rules: local_attn_size={below} or {above}"
         )
     return sinks, rolling // f - 1
+
+
+#: The frames -> chunks arithmetic of :meth:`SinkWindowPolicy.from_frames`, for other policies' ``from_frames``.
+chunks_from_frames = _chunks_from_frames
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,8 @@ def describe_state(cache: KVCache) -> tuple[str, str]:
                 replica.append(
                     f"  {branch!r}: offset={h.token_offset} committed={h.committed_chunks} "
                     f"resident={list(h.history_chunks)} pending={list(h.pending)} extent={list(h.extent)} "
-                    f"open={forward.commit_current if forward is not None else None}"
+                    f"open={forward.commit_current if forward is not None else None} "
+                    f"shot={h.shot_start} floor={h.window_floor}"
                 )
                 steps.add((h.committed_chunks, h.token_offset, len(h.pending)))
             replica.append(f"  cross={sorted(state._cross_entries())}")

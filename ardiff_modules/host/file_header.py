@@ -12,7 +12,8 @@ pool's FP8 scales), ``cross.<i>.k`` / ``cross.<i>.v`` (each distinct cross-atten
                    "branches": {"cond": {"history": [[0, 1], [2, 3]], "history_index": [0, 4],
                                          "history_start": [0, 16], "committed_chunks": 5,
                                          "committed_tokens": 20, "latents": {"4": "latent.0"},
-                                         "recent": {"3": [12, 2]}}, ...}}]}
+                                         "recent": {"3": [12, 2]}, "shot_start": null,
+                                         "window_floor": 0}, ...}}]}
 
 A page shared by several branches or sessions (a fork, ``share_sinks_from``) is one index of ``pages``, named by
 each chunk that holds it. Everything read back is checked here (types, ranges, the spec field by field): a
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ardiff_modules.core.branch import BranchImage, PageChunk
+from ardiff_modules.core.retention import pins_shots
 from ardiff_modules.errors import SessionFileError
 from ardiff_modules.spec import KVCacheSpec
 
@@ -94,11 +96,14 @@ class HeaderReader:
             raise self.fail(place, "a JSON list", value)
         return value
 
-    def dict_(self, value: object, place: str, keys: tuple[str, ...] | None = None) -> dict[str, Any]:
+    def dict_(
+        self, value: object, place: str, keys: tuple[str, ...] | None = None, optional: tuple[str, ...] = ()
+    ) -> dict[str, Any]:
         if not isinstance(value, dict):
             raise self.fail(place, "a JSON object", value)
-        if keys is not None and sorted(value) != sorted(keys):
-            raise self.fail(place, f"the keys {sorted(keys)}", sorted(value))
+        if keys is not None and sorted(set(value) - set(optional)) != sorted(keys):
+            extra = f" (and optionally {sorted(optional)})" if optional else ""
+            raise self.fail(place, f"the keys {sorted(keys)}{extra}", sorted(value))
         return value
 
     def tensor_name(self, value: object, place: str, prefix: str) -> str:
@@ -161,9 +166,7 @@ class HeaderReader:
         return SavedSession(sid, images, cross)
 
     def branch(self, value: object, place: str) -> BranchImage:
-        b = self.dict_(value, place)
-        if sorted(b) not in (sorted(_BRANCH_KEYS), sorted((*_BRANCH_KEYS, "slots"))):
-            raise self.fail(place, f"the keys {sorted(_BRANCH_KEYS)} (and 'slots')", sorted(b))
+        b = self.dict_(value, place, _BRANCH_KEYS, (*_SHOT_KEYS, "slots"))
         # NOTE: positions are int64 on the device: a count past these bounds would load and then overflow in the
         # next forward (a raw error far from the file).
         most = _MAX_POSITION // self.spec.chunk_size
@@ -193,8 +196,11 @@ class HeaderReader:
             if i not in index and i not in recent:
                 raise self.fail(f"{place}.latents", "latents of resident or remembered chunks only", i)
             latents[i] = self.tensor_name(name, f"{place}.latents[{key}]", "latent.")
-        return BranchImage(tuple(history), tuple(index), tuple(start), committed, tokens, latents, recent,
-                           self.slots(b.get("slots", []), f"{place}.slots", len(history)))
+        shot_start, floor = self.shots(b, place, committed, index)
+        slots = self.slots(b.get("slots", []), f"{place}.slots", len(history))
+        return BranchImage(
+            tuple(history), tuple(index), tuple(start), committed, tokens, latents, recent, slots, shot_start, floor
+        )
 
     def slots(self, value: object, place: str, chunks: int) -> tuple[int | None, ...]:
         """Each history chunk's extent slot (``null``: none), distinct; ``[]`` (a file without them): none known."""
@@ -207,6 +213,20 @@ class HeaderReader:
         if len(slots) != chunks or len(set(taken)) != len(taken):
             raise self.fail(place, f"{chunks} distinct extent slots (or null), one per history chunk", items)
         return tuple(slots)
+
+    def shots(self, b: dict[str, Any], place: str, committed: int, index: list[int]) -> tuple[int | None, int]:
+        """A branch's ``shot_start`` (``null``: none; only with a shot policy) and ``window_floor`` (no resident
+        non-sink chunk below it); absent in files written before them: none and 0."""
+        floor = self.int_(b.get("window_floor", 0), f"{place}.window_floor", 0, committed)
+        sinks = self.spec.policy.sink_chunks
+        if any(sinks <= i < floor for i in index):
+            raise self.fail(f"{place}.window_floor", f"no resident non-sink chunk below it ({floor})", index)
+        shot = b.get("shot_start")
+        if shot is not None:
+            if not pins_shots(self.spec.policy):
+                raise self.fail(f"{place}.shot_start", "null (this spec's retention pins no shot sink)", shot)
+            shot = self.int_(shot, f"{place}.shot_start", 0, committed)
+        return shot, floor
 
     def chunks(self, value: object, place: str) -> list[PageChunk]:
         """History chunks of page indices: each 1..pages_per_chunk distinct pages of the file, no page twice."""
@@ -229,6 +249,10 @@ class HeaderReader:
 _BRANCH_KEYS = (
     "committed_chunks", "committed_tokens", "history", "history_index", "history_start", "latents", "recent",
 )
+
+
+#: The fields of one branch a file may lack (written since): ``shot_start`` and ``window_floor``.
+_SHOT_KEYS = ("shot_start", "window_floor")
 
 
 #: The largest token position a loaded session may reach (positions are int64 on the device; 2**53 keeps them

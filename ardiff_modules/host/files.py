@@ -152,6 +152,7 @@ def _branch_header(image: Any, index: Mapping[int, int], name_of: Any) -> dict[s
         "latents": {str(i): name_of(t, "latent") for i, t in image.latents.items()},
         "recent": {str(i): list(span) for i, span in image.recent.items()},
         "slots": list(image.slots),
+        "shot_start": image.shot_start, "window_floor": image.window_floor,
     }
 
 

@@ -135,6 +135,17 @@ class LongLiveSession(SelfForcingSession):
                 "LongLiveSession: expected a spec with recache=RecacheRule.longlive(global_sink=True) or "
                 f"RecacheRule.longlive(global_sink=False) (LongLive's _recache_after_switch), got {rule}"
             )
+        sinks = cache.spec.policy.sink_chunks
+        if sinks > 1:
+            # NOTE: upstream's recomputes (every forward of a chunk after its first, the clean re-run included) never
+            # write inside the sink region: a sink chunk after chunk 0 keeps its *first denoising forward's* K/V,
+            # which a cache that commits the clean forward's K/V cannot reproduce.
+            raise SpecError(
+                "LongLiveSession: expected at most one sink chunk (sink_size <= num_frame_per_block frames; with a "
+                f"1-frame image-to-video first chunk, sink_size <= 1), got sink_chunks={sinks}: LongLive 1.x keeps a "
+                "sink chunk after the first as its first denoising forward wrote it (its recomputes skip the sink "
+                "region); sinks longer than one chunk are not supported yet"
+            )
         super().__init__(cache, branches=branches, owns_cache=owns_cache, upstream_window=upstream_window)
         #: LongLive's ``global_sink`` (the pipeline's ``args.global_sink``), from the spec's rule.
         self.global_sink = rule == LONGLIVE_RULES[0]

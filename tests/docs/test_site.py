@@ -31,6 +31,6 @@ def test_nav_lists_every_page_once_and_only_pages_that_exist() -> None:
 def test_nav_has_the_planned_guides() -> None:
     guides = {p for p in nav_pages() if p.startswith("guide/")}
     assert guides == {f"guide/{name}.md" for name in (
-        "retention", "recache", "relative_sinks", "rolling_window", "extension_points", "porting",
+        "retention", "recache", "relative_sinks", "multi_shot", "rolling_window", "extension_points", "porting",
         "host_tier", "training", "compile_and_graphs", "warm_starts", "multi_gpu",
     )}

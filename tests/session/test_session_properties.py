@@ -75,7 +75,10 @@ chunk brought back, more than declared, ...: ``SpecError``, nothing changed); Na
 ``keep_sinks`` either way: positions, key positions, mask, gathered K/V and write-protected sinks checked,
 then committed -- records swapped for the rebuilt pages, those in fresh pages copied into ring slots the
 commit frees -- or aborted with free order and sessions unchanged,
-or refused unchanged); admission; ``KVCache.close()``; misuse across two caches;
+or refused unchanged); ``begin_shot`` (then the shot's chunks) and ``drop_window`` under a spec that pins a
+shot sink (``ShotSinkPolicy``: visible history == sinks + pinned shot chunks + the newest filling the window, no
+non-sink chunk below a dropped window), refused unchanged with an open forward, closed, or a policy without shots;
+admission; ``KVCache.close()``; misuse across two caches;
 rollouts whose first chunk is short (image-to-video) or whose chunks vary; invalid
 ``chunk_lengths`` (wrong sum, off the page grid, above ``chunk_size``, empty).
 

@@ -82,11 +82,13 @@ class Misbehaving:
         self.on_call = 1
         self.history: tuple[int, ...] = ()
         self.committed = 0
+        self.floor = 0
 
-    def arm(self, kind: str, *, resident: Sequence[int], committed: int, on_call: int = 1) -> None:
+    def arm(self, kind: str, *, resident: Sequence[int], committed: int, on_call: int = 1, floor: int = 0) -> None:
+        """``floor``: the branch's ``window_floor`` (chunks it dropped: asking for one is no breach)."""
         assert kind in BAD_KINDS, kind
         self.kind, self.applied, self.calls, self.on_call = kind, None, 0, on_call
-        self.history, self.committed = tuple(resident), committed
+        self.history, self.committed, self.floor = tuple(resident), committed, floor
 
     def disarm(self) -> None:
         self.kind = None
@@ -103,7 +105,13 @@ class Misbehaving:
         return self.base.max_history_chunks
 
     def history_indices(self, num_committed: int) -> Any:
-        good = list(self.base.history_indices(num_committed))
+        return self._answer(num_committed, list(self.base.history_indices(num_committed)))
+
+    def shot_history_indices(self, num_committed: int, shot_start: int | None) -> Any:
+        """A shot policy's answer (``ShotSinkPolicy``), broken the same way."""
+        return self._answer(num_committed, list(self.base.shot_history_indices(num_committed, shot_start)))
+
+    def _answer(self, num_committed: int, good: list[int]) -> Any:
         if self.kind is None or self.kind == "declared":
             return good
         self.calls += 1
@@ -113,7 +121,8 @@ class Misbehaving:
 
     def _break(self, kind: str, n: int, good: list[int]) -> Any:
         sinks = min(self.base.sink_chunks, n)
-        evicted = [i for i in range(self.committed) if i not in self.history]
+        dropped = range(self.base.sink_chunks, self.floor)
+        evicted = [i for i in range(self.committed) if i not in self.history and i not in dropped]
         offered = sorted(set(self.history) | set(range(self.committed, n)))
         bound = self.base.max_history_chunks
         applies = {

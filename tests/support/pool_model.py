@@ -30,6 +30,26 @@ def expected_visible(committed: list, sink: int, window: int | None) -> list:
     return committed[:sink] + rest[max(0, len(rest) - window) :]
 
 
+def shot_visible(
+    committed: list, sink: int, window: int | None, shot_chunks: int, floor: int, shot_start: int | None
+) -> list:
+    """:func:`expected_visible` with a shot sink and a dropped window (list operations): the first ``sink``, the
+    shot's first ``shot_chunks`` after them (from ``shot_start``, those committed), the newest others filling
+    ``window`` minus the shot's ``shot_chunks`` (past the sinks); then every non-sink chunk below ``floor``
+    (dropped) taken out."""
+    n = len(committed)
+    pinned = [] if shot_start is None else list(range(max(shot_start, sink), min(shot_start + shot_chunks, n)))
+    others = [i for i in range(sink, n) if i not in pinned]
+    if window is None:
+        keep = sorted(pinned + others)
+    else:
+        # The shot's whole room (its chunks after the sinks) is reserved from its first commit on.
+        begun = shot_start is not None and n > shot_start
+        room = window - (len(range(max(shot_start, sink), shot_start + shot_chunks)) if begun else 0)
+        keep = sorted(pinned + (others[max(0, len(others) - room) :] if room > 0 else []))
+    return committed[: min(sink, n)] + [committed[i] for i in keep if i >= floor]
+
+
 def longest_run(pages: Iterable[int]) -> int:
     """Length of the longest run of consecutive ids in ``pages``."""
     best = run = 0

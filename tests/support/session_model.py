@@ -158,6 +158,11 @@ class SessionModel:
     extent: dict[str, tuple[int, ...] | None] = field(default_factory=lambda: dict.fromkeys(BRANCHES))
     #: In the host tier (``suspend``): it references no device page until resumed.
     suspended: bool = False
+    #: ``drop_window``: commit index below which non-sink chunks were dropped; ``begin_shot``: the commit index
+    #: the current shot began at, and the shot the last commit applied (what the resident chunks follow).
+    floor: dict[str, int] = field(default_factory=lambda: dict.fromkeys(BRANCHES, 0))
+    shot: dict[str, int | None] = field(default_factory=lambda: dict.fromkeys(BRANCHES))
+    resident_shot: dict[str, int | None] = field(default_factory=lambda: dict.fromkeys(BRANCHES))
 
     def clear_self_attention(self) -> None:
         for b in BRANCHES:
@@ -165,6 +170,13 @@ class SessionModel:
             self.drop_pending(b)
             self.forward[b] = None
             self.extent[b] = None
+            self.clear_shots(b)
+
+    def clear_shots(self, b: str) -> None:
+        self.floor[b], self.shot[b], self.resident_shot[b] = 0, None, None
+
+    def copy_shots(self, other: SessionModel, b: str) -> None:
+        self.floor[b], self.shot[b], self.resident_shot[b] = other.floor[b], other.shot[b], other.resident_shot[b]
 
     def drop_pending(self, b: str) -> None:
         self.pending[b] = []

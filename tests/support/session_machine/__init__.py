@@ -5,7 +5,7 @@ over an FP8 pool).
 
 One module per subject, each a mixin of the machine: ``base`` (state, setup, hooks, selection, snapshots),
 ``forward_model`` (predicting, preparing, checking and finishing forwards), then the rules -- ``sessions``,
-``forwards``, ``failing_calls``, ``cross_attention``, ``sharing``, ``host_tier``, ``persist``, ``recache`` -- and
+``forwards``, ``failing_calls``, ``cross_attention``, ``sharing``, ``shots``, ``host_tier``, ``persist``, ``recache`` -- and
 ``invariants``. Hypothesis collects the rules, preconditions and invariants of every base class, in name order, so
 where a rule lives does not change the machine.
 """
@@ -23,6 +23,7 @@ from tests.support.session_machine.persist import PersistRules
 from tests.support.session_machine.recache import RecacheRules
 from tests.support.session_machine.sessions import CacheAndSessionRules
 from tests.support.session_machine.sharing import SharingRules
+from tests.support.session_machine.shots import ShotRules
 
 __all__ = ["SessionStateMachine"]
 
@@ -33,6 +34,7 @@ class SessionStateMachine(
     FailingCallRules,
     CrossAttentionRules,
     SharingRules,
+    ShotRules,
     HostTierRules,
     PersistRules,
     RecacheRules,

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize
 
 from ardiff_modules import ChunkSelfAttention, CrossAttentionSpec, ForwardContext, KVCache, KVCacheSpec
-from tests.support.pool_model import PoolContents, expected_visible
+from ardiff_modules import ShotSinkPolicy
+from tests.support.pool_model import PoolContents, shot_visible
 from tests.support.failures import FlakyPlanBackend
 from tests.support.session_model import (
     BRANCHES,
@@ -63,25 +64,34 @@ class MachineBase(RuleBasedStateMachine):
         check_finite=st.booleans(),
         sessions=st.integers(1, MAX_SESSIONS),
         relative=st.booleans(),
+        shots=st.sampled_from([0, 1, 1, 2]),
     )
     def setup(
         self, sink: int, window: int | None, geometry: tuple[int, int], pending_default: str, pool_chunks: int,
-        extents: bool, max_contexts: int, check_finite: bool, sessions: int, relative: bool,
+        extents: bool, max_contexts: int, check_finite: bool, sessions: int, relative: bool, shots: int,
     ) -> None:
         self.chunk, page_size = geometry
+        # A shot sink of `shots` chunks (ShotSinkPolicy: begin_shot pins them) where the window has room for it.
+        self.sinks, self.window = sink, window
+        self.shot_chunks = min(shots, window) if window is not None else 0
+        retention = (
+            {"retention": ShotSinkPolicy(sink, window, self.shot_chunks)} if self.shot_chunks
+            else {"sink_chunks": sink, "window_chunks": window}
+        )
+        if self.shot_chunks:
+            event(f"shot sink of {self.shot_chunks} chunk(s)")
         self.spec = KVCacheSpec(
             num_layers=NUM_LAYERS,
             num_kv_heads=1,
             head_dim=HEAD_DIM,
             chunk_size=self.chunk,
             page_size=page_size,
-            sink_chunks=sink,
-            window_chunks=window,
             branches=BRANCHES,
             cross_attention=(CrossAttentionSpec("text", CROSS_TOKENS),),
             dtype="float32",
             pending_attention=pending_default,
             relative_sinks=relative and sink > 0,
+            **retention,
             **self.spec_extra(),
         )
         if self.spec.relative_sinks:
@@ -94,9 +104,9 @@ class MachineBase(RuleBasedStateMachine):
             self.sessions.append(SessionModel(cm.cache.open_session(), cm))
 
     def new_cache(self, pool_chunks: int, extents: bool, max_contexts: int, check_finite: bool) -> CacheModel:
-        window = self.spec.window_chunks
+        window = self.window
         extents = extents and window is not None
-        extent_chunks = self.spec.sink_chunks + window + 1 if extents else 0
+        extent_chunks = self.sinks + window + 1 if extents else 0
         if extents:
             pool_chunks += extent_chunks  # room for at least one extent
         backend = FlakyPlanBackend()
@@ -169,7 +179,9 @@ class MachineBase(RuleBasedStateMachine):
         return [(sm, b) for sm, bs in zip(chosen, branch_sets) for b in bs]
 
     def visible_data(self, sm: SessionModel, branch: str) -> list[ChunkRecord]:
-        return expected_visible(sm.committed[branch], self.spec.sink_chunks, self.spec.window_chunks)
+        return shot_visible(
+            sm.committed[branch], self.sinks, self.window, self.shot_chunks, sm.floor[branch], sm.resident_shot[branch]
+        )
 
     def visible(self, sm: SessionModel, branch: str) -> list[Chunk]:
         return [rec.pages for rec in self.visible_data(sm, branch)]
@@ -179,7 +191,7 @@ class MachineBase(RuleBasedStateMachine):
         token (the oldest window chunk's, else the first pending one); 0 without relative sinks."""
         if not self.spec.relative_sinks:
             return 0
-        sink_ids = {id(r) for r in sm.committed[branch][: self.spec.sink_chunks]}
+        sink_ids = {id(r) for r in sm.committed[branch][: self.sinks]}
         sinks = [r for r in records if id(r) in sink_ids]
         rest = [r for r in records if id(r) not in sink_ids]
         if not sinks:

@@ -130,7 +130,7 @@ class FailingCallRules:
         history = sm.state.branch_pages(b)
         real = history.policy
         bad = Misbehaving(real)
-        bad.arm(kind, resident=history.history_index, committed=history.committed_chunks)
+        bad.arm(kind, resident=history.history_index, committed=history.committed_chunks, floor=history.window_floor)
 
         def call() -> None:
             if via == "cpc":

@@ -65,7 +65,7 @@ class ForwardModel:
             if key in seen:
                 return SpecError
             seen.add(key)
-        if static and self.spec.window_chunks is None:
+        if static and self.window is None:
             return SpecError
         for sm, b in streams:
             tx = sm.forward[b]
@@ -320,7 +320,7 @@ class ForwardModel:
             )
             if isinstance(plan, RelativeSinkPlan):  # two segments: the sink keys, then window + pending
                 assert isinstance(plan.sinks, ReferencePlan) and isinstance(plan.rest, ReferencePlan)
-                sink_ids = {id(r) for r in sm.committed[b][: self.spec.sink_chunks]}
+                sink_ids = {id(r) for r in sm.committed[b][: self.sinks]}
                 sink_keys = sum(r.tokens for r in records if id(r) in sink_ids)
                 gathered = torch.cat([plan.sinks.gather[i, :sink_keys], plan.rest.gather[i, : keys - sink_keys]])
             else:
@@ -355,6 +355,7 @@ class ForwardModel:
                     sm.committed[b].append(ChunkRecord(pages, tokens, start, tx.cm.pool.pages(pages)))
                     start += tokens
                 sm.drop_pending(b)
+                sm.resident_shot[b] = sm.shot[b]  # this commit applied the current shot
                 event("commit evicted chunks" if len(self.visible(sm, b)) < before else "commit without eviction")
                 lengths = {rec.tokens for rec in self.visible_data(sm, b)}
                 if len(lengths) > 1:

@@ -59,7 +59,7 @@ class Invariants:
                 expected = self.visible(sm, b)
                 assert list(state.history_chunks(b)) == expected, (
                     f"{state.session_id}/{b}: visible {state.history_chunks(b)}, expected first "
-                    f"{self.spec.sink_chunks} + last {self.spec.window_chunks} of {[r.pages for r in sm.committed[b]]}"
+                    f"{self.sinks} + last {self.window} of {[r.pages for r in sm.committed[b]]}"
                 )
                 assert list(state.pending_chunks(b)) == sm.pending[b]
                 assert state.committed_chunks(b) == len(sm.committed[b])

@@ -49,6 +49,8 @@ class PersistRules:
         for b in BRANCHES:
             assert copy.token_offset(b) == state.token_offset(b)
             assert copy.history_chunk_indices(b) == state.history_chunk_indices(b)
+            mine, theirs = copy.branch_pages(b), state.branch_pages(b)  # the shot and the dropped window too
+            assert (mine.shot_start, mine.window_floor) == (theirs.shot_start, theirs.window_floor)
             chunks = copy.history_chunks(b)
             records = self.visible_data(sm, b)
             assert [len(c) for c in chunks] == [len(r.pages) for r in records]

@@ -29,7 +29,7 @@ class RecacheRules:
     # ================================================================== prompt-switch re-cache
     def m_recache_targets(self, sm: SessionModel, b: str, keep_sinks: bool) -> list[ChunkRecord]:
         """The visible records a re-cache rebuilds: all of them, or all but the sinks (commit order)."""
-        sinks = sm.committed[b][: self.spec.sink_chunks] if keep_sinks else []
+        sinks = sm.committed[b][: self.sinks] if keep_sinks else []
         return [rec for rec in self.visible_data(sm, b) if not any(rec is s_ for s_ in sinks)]
 
     def predict_recache(self, streams: list[tuple[SessionModel, str]], keep_sinks: bool) -> type[BaseException] | None:
@@ -45,7 +45,7 @@ class RecacheRules:
         if self.spec.relative_sinks and not keep_sinks:  # rebuilt sinks would sit at their natural distance
             for sm, b in streams:
                 records = self.visible_data(sm, b)
-                sinks = len(sm.committed[b][: self.spec.sink_chunks])
+                sinks = len(sm.committed[b][: self.sinks])
                 if len(records) > sinks and self.m_sink_shift(records, sm, b, sm.committed_tokens(b)):
                     return SpecError
         pages = [n // self.page for n in shapes.pop()]

@@ -74,7 +74,7 @@ class CacheAndSessionRules:
                 self.sessions.append(SessionModel(state, cm))
             return
         else:
-            if self.spec.window_chunks is None:
+            if self.window is None:
                 self.expect_failure(SpecError, cm.cache.admit_session, pending_chunks=pending_chunks)
                 self.expect_failure(SpecError, cm.cache.can_admit, 1, pending_chunks)
                 return
@@ -95,7 +95,7 @@ class CacheAndSessionRules:
         """Admission arithmetic: sessions at peak (sinks + window + pending per branch, or the extent), plus
         the re-cache reserve; with extents, also the sessions whose extents the free runs hold beyond the
         extents owed to open sessions' branches that hold none yet."""
-        resident = self.spec.sink_chunks + self.spec.window_chunks
+        resident = self.sinks + self.window
 
         def per_session(pending: int) -> int:
             chunks = max(resident + pending, cm.extent_chunks)

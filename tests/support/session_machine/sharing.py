@@ -32,8 +32,8 @@ class SharingRules:
         parent = self.pick([s for s in self.open_sessions if len(self.sessions_of(s.cm)) < MAX_SESSIONS], index)
         names = BRANCHES if branches is None else (branches,) if isinstance(branches, str) else branches
         if pre_steps == "fill":  # sinks and window full: the parent's next commits evict shared chunks
-            window = self.spec.window_chunks if self.spec.window_chunks is not None else 1
-            pre_steps = max(0, self.spec.sink_chunks + window - min(len(parent.committed[b]) for b in names))
+            window = self.window if self.window is not None else 1
+            pre_steps = max(0, self.sinks + window - min(len(parent.committed[b]) for b in names))
         self.roll(parent, names, pre_steps)
         free_before = parent.cm.cache._allocator.free_pages()
         child_state = parent.state.fork(branches=branches, share_cross_attention=share_cross)
@@ -41,6 +41,7 @@ class SharingRules:
         child = SessionModel(child_state, parent.cm)
         for b in names:
             child.committed[b] = list(parent.committed[b])  # same visible chunks (same contents), same offset
+            child.copy_shots(parent, b)  # the same dropped window and shot
             if share_cross and b in parent.cross:
                 child.cross[b] = parent.cross[b]
         self.sessions.append(child)
@@ -55,7 +56,7 @@ class SharingRules:
         # Prefer a source that has committed chunks on the branch (sinks to share).
         same = sorted(self.sessions_of(target.cm), key=lambda s: not s.committed[branch])
         source = same[j % len(same)] if j % 2 else same[0]
-        sinks = self.spec.sink_chunks
+        sinks = self.sinks
         if target.committed[branch] or target.pending[branch]:
             self.expect_failure(SpecError, target.state.share_sinks_from, source.state, branch, match=repr(branch))
             return
@@ -64,5 +65,6 @@ class SharingRules:
             return
         target.state.share_sinks_from(source.state, branch)
         target.committed[branch] = list(source.committed[branch][:sinks])
+        target.clear_shots(branch)  # only the sinks: no shot, nothing dropped
         target.extent[branch] = None  # an empty branch restarts from scratch (its extent is released)
         event("shared sinks")
