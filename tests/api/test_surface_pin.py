@@ -23,7 +23,7 @@ ALL = {
     # the cache, its spec and sessions, the contexts a forward hands to layers
     "KVCache", "KVCacheSpec", "CrossAttentionSpec", "KVState", "ForwardContext", "LayerContext", "CacheStats",
     # retention policies and rules
-    "RetentionPolicy", "SinkWindowPolicy", "SinkWindowMemoryPolicy", "RecacheRule", "HeadRetention",
+    "RetentionPolicy", "SinkWindowPolicy", "SinkWindowMemoryPolicy", "ShotSinkPolicy", "RecacheRule", "HeadRetention",
     # attention modules, their functional forms, RoPE
     "ChunkSelfAttention", "CachedCrossAttention", "chunk_attention", "cached_cross_attention",
     "populate_cross_attention", "RotaryEmbedding", "VideoRotaryEmbedding", "apply_rope",
@@ -78,6 +78,8 @@ KV_STATE = {
     "branch_pages", "pages_in_use", "cross_attention_bytes",
     # sharing and the host tier
     "fork", "share_sinks_from", "share_cross_attention_from", "suspend", "resume",
+    # LongLive 2.0's scene cuts
+    "drop_window", "begin_shot",
 }
 
 

@@ -162,7 +162,7 @@ def test_misuse_names_expected_and_actual_and_changes_nothing() -> None:
         unchanged(cache, op, am.PendingContextError, r"expected no open forward .* got one on \['cond'\]")
     run_layers(fwd.layers, 1)
     fwd.commit()
-    unchanged(cache, lambda: state.drop_window("video"), am.UnknownBranchError, "expected one of")
+    unchanged(cache, lambda: state.drop_window("video"), am.errors.UnknownBranchError, "expected one of")
     unchanged(cache, lambda: state.drop_window(("cond", "cond")), am.SpecError, "expected distinct branch names")
     unchanged(cache, lambda: state.begin_shot({"cond"}), am.SpecError, "ordered sequence")
     state.suspend()
@@ -170,7 +170,7 @@ def test_misuse_names_expected_and_actual_and_changes_nothing() -> None:
     state.resume()
     other = cache.open_session("t")
     other.close()
-    unchanged(cache, other.drop_window, am.SessionClosedError, "expected an open session")
+    unchanged(cache, other.drop_window, am.errors.SessionClosedError, "expected an open session")
     plain = am.KVCache(SMALL_SPEC, num_pages=16, backend="reference")
     p = plain.open_session()
     unchanged(plain, p.begin_shot, am.SpecError, r"pins a shot sink .*got SinkWindowPolicy\(sink_chunks=1")
@@ -184,7 +184,7 @@ def test_an_open_denoising_forward_on_another_branch_does_not_block_one_branch()
     fwd = state.prepare_forward(("uncond",), CHUNK, commit_current=False)
     state.drop_window("cond")
     state.begin_shot("cond")
-    assert state.history_chunk_indices("cond") == (0,) and fwd.transaction is not None and fwd.transaction.is_open
+    assert state.history_chunk_indices("cond") == (0,) and fwd._transaction is not None and fwd._transaction.is_open
     fwd.abort()
 
 
