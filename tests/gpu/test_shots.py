@@ -3,7 +3,6 @@ contiguous extents and paged, relative sinks, an FP8 pool, and a static CUDA-gra
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch
@@ -19,8 +18,8 @@ CUTS = {3: (True, False), 5: (True, True), 6: (False, True), 9: (True, False), 1
 
 
 def shot_spec(page: int, sink: int, window: int, **extra: object) -> am.KVCacheSpec:
-    spec = gpu_spec(CHUNK, page, 0, None, **extra)
-    return dataclasses.replace(spec, retention=am.ShotSinkPolicy(sink, window, 1))
+    # NOTE: the retention in the same construction: a spec with relative sinks and no sink chunk is refused.
+    return gpu_spec(CHUNK, page, 0, None, retention=am.ShotSinkPolicy(sink, window, 1), **extra)
 
 
 @pytest.mark.parametrize("extents", [True, False], ids=["extents", "paged"])
