@@ -3,7 +3,6 @@ contiguous extents and paged, relative sinks, an FP8 pool, and a static CUDA-gra
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
