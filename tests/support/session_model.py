@@ -130,6 +130,13 @@ class TxModel:
     status: str = "open"
     #: Layers the forward wrote (a commit needs every one: else IncompleteForwardError, aborted).
     written: set[int] = field(default_factory=set)
+    #: Each stream's cross-cache tag when the forward was prepared (``None``: not populated): a forward reads the
+    #: caches stacked at its prepare, so a prompt published while it is open reaches the next forward, not this one.
+    cross: list[float | None] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.cross:
+            self.cross = [sm.cross.get(b) for sm, b in self.streams]
 
     @property
     def is_open(self) -> bool:

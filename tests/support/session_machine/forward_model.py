@@ -512,11 +512,11 @@ class ForwardModel:
             torch.testing.assert_close(out[i], expect, rtol=1e-5, atol=1e-5)
 
     def check_cross_in_forward(self, tx: TxModel, layer: LayerContext) -> None:
-        """The forward sees each stream's current cross cache, or raises when any stream lacks it."""
-        if all(b in sm.cross for sm, b in tx.streams):
+        """The forward sees each stream's cross cache as of its prepare, or raises when any stream lacked it then."""
+        if all(tag is not None for tag in tx.cross):
             k, v = layer.cross_kv("text")
-            for i, (sm, b) in enumerate(tx.streams):
-                ek, ev = cross_value(sm.cross[b], layer.layer_index)
+            for i, tag in enumerate(tx.cross):
+                ek, ev = cross_value(tag, layer.layer_index)
                 assert torch.equal(k[i], ek) and torch.equal(v[i], ev)
         else:
             with pytest.raises(CrossAttentionNotPopulatedError):
