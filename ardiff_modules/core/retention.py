@@ -357,7 +357,7 @@ class SinkWindowPolicy:
         boundaries (a sink or a window that cuts a chunk): no chunk rule equals that buffer, so none
         is returned (keep the closest one and pass the exact rule as ``token_mask``).
         """
-        sinks, window = _chunks_from_frames(sink_size, local_attn_size, frames_per_chunk, independent_first_frame)
+        sinks, window = chunks_from_frames(sink_size, local_attn_size, frames_per_chunk, independent_first_frame)
         return cls(sinks, window)
 
     def visible(self, committed: Sequence[Chunk]) -> list[Chunk]:
@@ -387,7 +387,7 @@ class SinkWindowPolicy:
         return CommitResult(tuple(sinks_out), tuple(window_out), tuple(evicted))
 
 
-def _chunks_from_frames(
+def chunks_from_frames(
     sink_size: Any, local_attn_size: Any, frames_per_chunk: Any, independent_first_frame: Any,
     where: str = "SinkWindowPolicy.from_frames",
 ) -> tuple[int, int | None]:
@@ -429,10 +429,6 @@ def _chunks_from_frames(
             f"frames; the nearest chunk rules: local_attn_size={below} or {above}"
         )
     return sinks, rolling // f - 1
-
-
-#: The frames -> chunks arithmetic of :meth:`SinkWindowPolicy.from_frames`, for other policies' ``from_frames``.
-chunks_from_frames = _chunks_from_frames
 
 
 @dataclass(frozen=True)
