@@ -539,7 +539,10 @@ def unload_branch(branch: BranchPages, allocator: PageAllocator) -> tuple[Branch
     """
     assert not branch.pending, "unload_branch: pending chunks must be finished first"
     image = branch_image(branch)
-    return image, branch.release(allocator)
+    generation = branch.generation
+    freed = branch.release(allocator)
+    branch.generation = generation  # the same stream, resumed later: not a new one (release bumps it for a reset)
+    return image, freed
 
 
 def branch_image(branch: BranchPages) -> BranchImage:

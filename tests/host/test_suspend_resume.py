@@ -404,3 +404,18 @@ def test_the_arena_keeps_its_rows_for_the_next_suspend_and_reserve_pins_ahead():
     for seed in range(4):
         step(twin, seed)
     assert all(torch.equal(x, y) for x, y in zip(step(s, 9), step(twin, 9)))
+
+
+def test_a_suspend_keeps_the_streams_generation_and_a_reset_starts_a_new_one():
+    """A resumed stream is the same stream: what a training scope recorded of it (keyed by generation) still
+    matches its chunks; a reset starts over at offset 0 and must not match them."""
+    cache = make_small_cache()
+    state = cache.open_session("s")
+    populate(state)
+    step(state, 0)
+    before = [state.branch_pages(b).generation for b in BOTH]
+    state.suspend()
+    state.resume().wait()
+    assert [state.branch_pages(b).generation for b in BOTH] == before
+    state.reset()
+    assert [state.branch_pages(b).generation for b in BOTH] == [g + 1 for g in before]
