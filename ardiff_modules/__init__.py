@@ -69,8 +69,6 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from ardiff_modules.compiled import CompiledStep
     from ardiff_modules.context import ForwardContext, LayerContext
     from ardiff_modules.graphs import CUDAGraphStep
-    from ardiff_modules.head_cache import HeadGroupedKVCache, HeadGroupedSession
-    from ardiff_modules.head_forward import HeadGroupedForward, HeadGroupedLayer
     from ardiff_modules.modules import (
         CachedCrossAttention,
         ChunkSelfAttention,
@@ -98,10 +96,6 @@ _LAZY: dict[str, str] = {
     "FlashInferBackend": "ardiff_modules.backends.flashinfer",
     "ForwardContext": "ardiff_modules.context",
     "KVCache": "ardiff_modules.cache",
-    "HeadGroupedKVCache": "ardiff_modules.head_cache",
-    "HeadGroupedSession": "ardiff_modules.head_cache",
-    "HeadGroupedForward": "ardiff_modules.head_forward",
-    "HeadGroupedLayer": "ardiff_modules.head_forward",
     "KVState": "ardiff_modules.session",
     "LayerContext": "ardiff_modules.context",
     "ReferenceBackend": "ardiff_modules.backends.reference",
@@ -147,10 +141,6 @@ __all__ = [
     "CrossAttentionSpec",
     "FlashInferBackend",
     "ForwardContext",
-    "HeadGroupedForward",
-    "HeadGroupedKVCache",
-    "HeadGroupedLayer",
-    "HeadGroupedSession",
     "HeadRetention",
     "KVCache",
     "KVCacheSpec",

@@ -18,7 +18,7 @@ import torch
 from ardiff_modules.backends import AttentionBackend, resolve_backend
 from ardiff_modules.checks import require_bool, require_choice, require_int
 from ardiff_modules.context import ForwardContext
-from ardiff_modules.core.admission import Admission
+from ardiff_modules.core.admission import ExtentRoom
 from ardiff_modules.core.allocator import PageAllocator, reset_peak
 from ardiff_modules.core.branch import BranchPages
 from ardiff_modules.core.recache import RecacheRule
@@ -28,7 +28,9 @@ from ardiff_modules.forwards import ForwardManager
 from ardiff_modules.host.files import load_sessions, save_sessions
 from ardiff_modules.host.tier import HostTier, TierReport
 from ardiff_modules.host.transport import recv_sessions, send_sessions
-from ardiff_modules.pool import KVPool, pages_for_budget, torch_dtype
+from ardiff_modules import lanes
+from ardiff_modules.lanes import CacheLane, build_lanes
+from ardiff_modules.pool import resolve_device, torch_dtype
 from ardiff_modules.session import ForwardOptions, KVState
 from ardiff_modules.session_table import SessionTable, check_session_id
 from ardiff_modules.spec import KVCacheSpec, PendingAttention
@@ -94,28 +96,28 @@ class KVCache:
         check_finite: bool = False,
         host_budget_bytes: int | None = None,
     ) -> None:
-        num_pages = _checked_arguments(
+        _check_arguments(
             spec, num_pages, budget_bytes, contiguous_extents, max_forward_contexts, check_finite, host_budget_bytes
         )
         self.spec = spec
-        # NOTE: the engine's parts are private: the session, the host tier's files, warm-up, the grouped and the
-        # distributed caches (this package) reach them; a program uses the methods below.
-        self._pool = KVPool(spec, num_pages, device)
-        self._allocator = PageAllocator(num_pages)
+        # NOTE: the engine's parts are private: the session, the host tier's files, warm-up and the distributed
+        # cache (this package) reach them; a program uses the methods below.
+        device = resolve_device("KVPool", device)
         self._dtype = torch_dtype(spec.dtype)
-        self.backend = resolve_backend(backend, self._pool.device, self._dtype, spec.head_dim, kv_dtype=self._pool.dtype)
-        self._extent_chunks = _extent_chunks(spec, self.backend.name, contiguous_extents)
+        self.backend = resolve_backend(backend, device, self._dtype, spec.head_dim, kv_dtype=torch_dtype(spec.cache_dtype))
+        #: One lane per retention group's head part (``ardiff_modules.lanes``); a uniform cache has one.
+        self._lanes = build_lanes(spec, num_pages, budget_bytes, device, self.backend.name, contiguous_extents)
+        first = self._lanes[0]
+        # The first lane's (a uniform cache's only) pool, allocator and admission, named as before.
+        self._pool, self._allocator, self._admission = first.pool, first.allocator, first.admission
+        self._extent_chunks = first.extent_chunks
         self.max_forward_contexts = max_forward_contexts
         self._lock = threading.RLock()
         self._sessions = SessionTable()
         self._host_tier = HostTier(self._pool, self._allocator, self._lock, self._sessions, host_budget_bytes)
         self._forwards = ForwardManager(
-            self, spec, self._pool, self._allocator, self.backend, dtype=self._dtype, extent_chunks=self._extent_chunks,
-            max_contexts=max_forward_contexts, check_finite=check_finite, lock=self._lock, host_tier=self._host_tier,
-        )
-        self._admission = Admission(
-            len(spec.branches), spec.max_history_chunks, spec.pages_per_chunk, self._extent_chunks,
-            spec.recache.context_chunks,
+            self, spec, self._lanes, self.backend, dtype=self._dtype, max_contexts=max_forward_contexts,
+            check_finite=check_finite, lock=self._lock, host_tier=self._host_tier,
         )
         self._closed = False
         if logger.isEnabledFor(logging.DEBUG):
@@ -183,13 +185,13 @@ class KVCache:
         """
         with self._lock:
             self._check_open("set_kv_scales")
-            self._pool.set_kv_scales(scales)
+            lanes.set_kv_scales(self._lanes, scales)
 
     @property
     def kv_scales(self) -> torch.Tensor:
         """The pool's K/V scales, float32 ``[num_layers, 2 (K, V), num_kv_heads]``: ones for a float pool, an FP8
         pool's calibrated (or :meth:`set_kv_scales`) values. Read it, do not write it (it is the pool's own tensor)."""
-        return self._pool.scales
+        return lanes.kv_scales(self._lanes, self.spec.num_layers, self.spec.num_kv_heads)
 
     # ------------------------------------------------------------------ sessions
     @property
@@ -204,10 +206,9 @@ class KVCache:
             self._check_open("open_session")
             return self._sessions.open(session_id, lambda sid: KVState(self, sid))
 
-    def _new_branch_pages(self) -> BranchPages:
-        """A branch's empty page bookkeeping under this cache's policy and extents (what a session holds)."""
-        horizon = self.spec.recache.horizon(self.spec.policy.sink_chunks)
-        return BranchPages(self.spec.policy, self.spec.pages_per_chunk, self.spec.chunk_size, self.extent_chunks, horizon)
+    def _new_branch_pages(self, lane: int = 0) -> BranchPages:
+        """A branch's empty page bookkeeping in ``lane`` under its retention and extents (what a session holds)."""
+        return self._lanes[lane].new_branch_pages()
 
     def _reopen_session(self, state: KVState) -> None:
         """Called by ``KVState.reset`` of a closed session: register it again under its id."""
@@ -235,7 +236,8 @@ class KVCache:
                 state.close()
             self._forwards.close()
             self._closed = True
-            self._pool.release()
+            for lane in self._lanes:
+                lane.pool.release()
 
     def __enter__(self) -> KVCache:
         return self
@@ -301,16 +303,17 @@ class KVCache:
     # ------------------------------------------------------------------ admission (ints: core.admission)
     def pages_per_session(self, branches: int | None = None, pending_chunks: int = 1) -> int:
         """Peak pages one session holds: per branch (sinks + window + pending) chunks, or its extent (raises
-        :class:`SpecError` for an unbounded window: no peak exists)."""
+        :class:`SpecError` for an unbounded window: no peak exists); with retention groups, summed over the lanes
+        (whose pages differ in bytes: ``stats().lanes``)."""
         self._check_open("pages_per_session")
-        return self._admission.pages_per_session(branches, pending_chunks)
+        return sum(lane.admission.pages_per_session(branches, pending_chunks) for lane in self._lanes)
 
     def recache_reserve(self) -> int:
         """Pages admission keeps free, once for the pool, so that one session can re-cache at its peak
         (``branches x (max_history_chunks - 1) x pages_per_chunk``; see :meth:`Admission.recache_reserve
         <ardiff_modules.core.admission.Admission.recache_reserve>`); :class:`SpecError` for an unbounded window."""
         self._check_open("recache_reserve")
-        return self._admission.recache_reserve()
+        return sum(lane.admission.recache_reserve() for lane in self._lanes)
 
     def sessions_that_fit(self, pending_chunks: int = 1, *, recache: bool = True, tier: str = "device") -> int:
         """How many more sessions can run to their peak alongside the open ones; ``tier="host"``: how many more
@@ -322,7 +325,10 @@ class KVCache:
             require_bool("sessions_that_fit.recache", recache)
             if require_choice("sessions_that_fit.tier", tier, ("device", "host")) == "host":
                 return self._host_tier.sessions_that_fit(self._admission)
-            return self._admission.sessions_that_fit(*self._host_tier.device_counts(self._admission), pending_chunks, recache)
+            return lanes.sessions_that_fit(self._lanes, self._lane_counts, pending_chunks, recache)
+
+    def _lane_counts(self, lane: CacheLane) -> tuple[int, int, int, ExtentRoom | None]:
+        return self._host_tier.device_counts(lane.admission, lane.allocator, lane.index)
 
     def can_admit(self, num_sessions: int = 1, pending_chunks: int = 1, *, recache: bool = True) -> bool:
         """Whether ``num_sessions`` more sessions fit at their peak (see :meth:`sessions_that_fit`)."""
@@ -343,7 +349,7 @@ class KVCache:
             self.sessions_that_fit(pending_chunks, recache=recache)  # the argument checks, in their order
             if suspend_idle is not False:
                 self._host_tier.suspend_idle(self._admission, pending_chunks, recache, suspend_idle)
-            self._admission.check_admit(*self._host_tier.device_counts(self._admission), pending_chunks, recache)
+            lanes.check_admit(self._lanes, self._lane_counts, pending_chunks, recache)
             return self.open_session(session_id)
 
     def tiers(self) -> TierReport:
@@ -359,19 +365,20 @@ class KVCache:
     def stats(self) -> CacheStats:
         """A consistent snapshot of pool usage (taken under the cache lock)."""
         with self._lock:
-            return cache_stats(self._allocator, self._pool, self._sessions)
+            return cache_stats(self._lanes, self._sessions)
 
     def reset_peak(self) -> None:
         """Restart ``stats().peak_pages_used`` from the pages in use now (e.g. a peak per training step)."""
         with self._lock:
-            reset_peak(self._allocator)
+            for lane in self._lanes:
+                reset_peak(lane.allocator)
 
 
-def _checked_arguments(
+def _check_arguments(
     spec: object, num_pages: int | None, budget_bytes: int | None, contiguous_extents: bool | None,
     max_forward_contexts: int, check_finite: bool, host_budget_bytes: int | None,
-) -> int:
-    """``KVCache``'s arguments checked (before anything is built); returns the pool's page count."""
+) -> None:
+    """``KVCache``'s arguments checked (before anything is built)."""
     if not isinstance(spec, KVCacheSpec):
         raise SpecError(f"KVCache.spec: expected a KVCacheSpec, got {type(spec).__name__}")
     if contiguous_extents is not None:
@@ -380,47 +387,41 @@ def _checked_arguments(
     require_int("KVCache.max_forward_contexts", max_forward_contexts, minimum=1)
     if host_budget_bytes is not None:
         require_int("KVCache.host_budget_bytes", host_budget_bytes, minimum=0)
+    if spec.head_retention is not None and spec.relative_sinks:
+        raise SpecError("KVCache: expected relative_sinks=False with head_retention (not supported yet), got True")
     if (num_pages is None) == (budget_bytes is None):
         raise SpecError(
             f"KVCache: expected exactly one of num_pages / budget_bytes, got num_pages={num_pages!r}, "
             f"budget_bytes={budget_bytes!r}"
         )
-    if num_pages is None:
-        num_pages = pages_for_budget(spec, budget_bytes)  # type: ignore[arg-type]
-    return num_pages
-
-
-def _extent_chunks(spec: KVCacheSpec, backend: str, contiguous_extents: bool | None) -> int | None:
-    """Chunk slots of each branch's contiguous extent (``None``: plain paging); by default on with FlashInfer
-    and a bounded window."""
-    if contiguous_extents is None:
-        contiguous_extents = backend == "flashinfer" and spec.max_history_chunks is not None
-    if contiguous_extents and spec.max_history_chunks is None:
-        raise SpecError("contiguous_extents=True: expected a bounded window (window_chunks), got None")
-    return spec.max_history_chunks + 1 if contiguous_extents else None  # type: ignore[operator]
+    if num_pages is not None:
+        require_int("KVCache.num_pages", num_pages, minimum=1)
+    else:
+        require_int("KVCache.budget_bytes", budget_bytes, minimum=1)
 
 
 def _geometry(cache: KVCache) -> str:
-    """The DEBUG line of a new cache: pages, bytes, device, backend, extents."""
-    pool = cache._pool
-    extents = (
-        f"contiguous extents of {cache.extent_chunks} chunks per branch" if cache.extent_chunks
-        else "plain paging (no contiguous extents)"
-    )
-    return (
-        f"{pool.num_pages} pages of {pool.bytes_per_page} bytes ({pool.nbytes / 2**20:.1f} MiB) on {pool.device}, "
-        f"backend {cache.backend.name!r}, {extents}"
-    )
+    """The DEBUG line of a new cache: pages, bytes, device, backend, extents (per lane with groups)."""
+    rows = []
+    for lane in cache._lanes:
+        pool = lane.pool
+        extents = f"extents of {lane.extent_chunks} chunks" if lane.extent_chunks else "plain paging"
+        rows.append(f"{lane.name}: {pool.num_pages} pages of {pool.bytes_per_page} bytes ({pool.nbytes / 2**20:.1f} MiB), "
+                    f"{extents}")
+    return f"{'; '.join(rows)} on {cache.device}, backend {cache.backend.name!r}"
 
 
 def _describe(cache: KVCache) -> str:
     """``repr(cache)``: one line; reads counters without the lock and never touches the device."""
-    spec, allocator = cache.spec, cache._allocator
+    spec = cache.spec
+    used = sum(lane.allocator.num_used for lane in cache._lanes)
+    total = sum(lane.allocator.num_pages for lane in cache._lanes)
+    groups = f", groups={tuple(spec.head_retention.groups)}, lanes={len(cache._lanes)}" if spec.head_retention else ""
     kv_dtype = f", kv_dtype={spec.cache_dtype}" if spec.cache_dtype != spec.dtype else ""
     closed = ", closed" if cache.is_closed else ""
     return (
         f"KVCache(layers={spec.num_layers}, kv_heads={spec.num_kv_heads}, head_dim={spec.head_dim}, "
-        f"pages={allocator.num_used}/{allocator.num_pages} used, sessions={len(cache._sessions)}, "
-        f"backend={cache.backend.name!r}, device='{cache._pool.device}', dtype={spec.dtype}"
+        f"pages={used}/{total} used{groups}, sessions={len(cache._sessions)}, "
+        f"backend={cache.backend.name!r}, device='{cache.device}', dtype={spec.dtype}"
         f"{kv_dtype}{closed})"
     )

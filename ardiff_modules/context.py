@@ -22,6 +22,7 @@ from ardiff_modules.backends.base import AttentionPlan
 from ardiff_modules.cross import CrossStack
 from ardiff_modules.errors import CrossAttentionNotPopulatedError, ForwardFinishedError, UnknownCacheError
 from ardiff_modules.core.transaction import ForwardTransaction
+from ardiff_modules.head_shares import ShareMap
 from ardiff_modules.layout import ForwardLayout
 from ardiff_modules.pool import KVPool
 
@@ -87,7 +88,7 @@ def publish_cross(
 
 
 class LayerViews:
-    """What a layer context reads through its ``forward`` (``LayerContext``, ``HeadGroupedLayer``): positions,
+    """What a layer context reads through its ``forward`` (``LayerContext``): positions,
     stream counts and its ``cross`` views; the forward provides ``raise_missing_cross`` / ``note_cross_read``."""
 
     forward: Any
@@ -123,7 +124,7 @@ class LayerViews:
 
 
 class CrossPublisher:
-    """A forward's stacked cross caches and their per-layer views (``ForwardContext``, ``HeadGroupedForward``)."""
+    """A forward's stacked cross caches and their per-layer views (``ForwardContext``)."""
 
     layers: Any
     _cross: dict[str, tuple[torch.Tensor, torch.Tensor]]
@@ -146,6 +147,21 @@ class CrossPublisher:
         # NOTE: an attribute store, not ``set.add``: dynamo replays it after a compiled graph without
         # reading (so without guarding on) what was recorded before -- a set would recompile once filled.
         setattr(self._cross_reads, name, True)
+
+
+@dataclass(frozen=True, eq=False)
+class LayerShare:
+    """The heads one lane holds in one model layer, and that lane's layer context.
+
+    ``q_heads`` / ``kv_heads``: a ``slice`` when the heads are one contiguous run (a view, no copy), else an
+    int64 index tensor on the pool's device.
+    """
+
+    lane: int
+    q_heads: slice | torch.Tensor
+    kv_heads: slice | torch.Tensor
+    context: LayerContext
+
 
 
 @dataclass(eq=False, repr=False)
@@ -176,6 +192,13 @@ class LayerContext(LayerViews):
     _layer_id: torch.Tensor | None = None
     #: The pool's ``[layers, 2, kv_heads]`` FP8 scales (ones for float pools), read by compiled writes.
     _kv_scales: torch.Tensor | None = None
+    #: With retention groups: one share per lane holding heads of this layer (``head_shares``); ``chunk_attention``
+    #: then runs each share over its lane's layer context. ``()``: the layer's heads are all in one lane (this one).
+    _shares: tuple[LayerShare, ...] = ()
+    #: The permutation restoring head order after the shares' outputs are concatenated (``None``: already).
+    _merge_order: torch.Tensor | None = None
+    #: ``(query heads, kv heads)`` of the whole layer, with shares (what q / k / v must carry).
+    _heads: tuple[int, int] = (0, 0)
 
     @property
     def _handle_id(self) -> torch.Tensor:
@@ -264,6 +287,12 @@ class ForwardContext(CrossPublisher):
     #: The spec's bound on a stream's history tokens (sinks + window + memory; ``0``: unbounded): what the
     #: compiled gradient path pads the gathered history to.
     _max_history_tokens: int = 0
+    #: With retention groups: one context per lane (its plan, layout, handle and page arrays), sharing this
+    #: forward's transaction, positions and status; the layers' shares point into them. ``()``: uniform.
+    _lanes: tuple[ForwardContext, ...] = ()
+    #: Where this context's layers count in its transaction's ``written`` (a lane's first layer after the
+    #: layers of the lanes before it), so a commit sees every lane's every layer.
+    _write_base: int = 0
     _entered: list[ForwardTransaction] = field(default_factory=list)
 
     @classmethod
@@ -285,6 +314,36 @@ class ForwardContext(CrossPublisher):
             for i in range(spec.num_layers)
         ]
         return ctx
+
+    @classmethod
+    def _create_grouped(
+        cls, streams: tuple[tuple[str, str], ...], pools: tuple[KVPool, ...], shares: ShareMap,
+        merge_orders: list[torch.Tensor | None], heads: tuple[int, int], *, chunk_size: int, dtype: torch.dtype,
+        static: bool, owner: TransactionOwner,
+    ) -> ForwardContext:
+        """A context over several lanes' ``pools``: one lane context per pool, and per model layer a
+        :class:`LayerContext` whose ``shares`` (``shares[layer]``: ``(lane, layer in the lane, q heads, kv heads)``)
+        name the lane contexts' layers."""
+        lanes = []
+        base = 0
+        for pool in pools:
+            lane = cls._create(streams, pool, dtype=dtype, static=static, owner=owner)
+            lane._write_base, base = base, base + pool.spec.num_layers
+            lanes.append(lane)
+        ctx = cls(streams=streams, _handle=0, _handle_id=torch.zeros((), dtype=torch.int64), chunk_size=chunk_size,
+                  dtype=dtype, _static=static, _owner=owner, _lanes=tuple(lanes))
+        for layer, (row, order) in enumerate(zip(shares, merge_orders)):
+            layer_shares = tuple(LayerShare(lane, q, kv, lanes[lane].layers[inner]) for lane, inner, q, kv in row)
+            first = layer_shares[0].context
+            ctx.layers.append(LayerContext(
+                layer, first.k_cache, first.v_cache, ctx, _shares=layer_shares, _merge_order=order, _heads=heads,
+            ))
+        return ctx
+
+    @property
+    def _lane_contexts(self) -> tuple[ForwardContext, ...]:
+        """The contexts whose plans the layers run: one per lane (this one for a uniform cache)."""
+        return self._lanes or (self,)
 
     def _assign_handle(self, handle: int) -> None:
         """Registered under ``handle`` in :data:`~ardiff_modules.ops.HANDLES` (the ops find the plan by it)."""
@@ -445,7 +504,7 @@ class ForwardContext(CrossPublisher):
         uncalibrated layer takes provisional scales from them (fixed if this forward commits)."""
         transaction = self._transaction
         assert transaction is not None and self._plan is not None  # check_usable ran first
-        transaction.written.add(layer)  # (not mark_written: this runs once per layer call)
+        transaction.written.add(self._write_base + layer)  # (not mark_written: this runs once per layer call)
         if self._plan.quantizer is not None:
             self._plan.quantizer.calibrate(layer, k, v, transaction)
 
@@ -453,6 +512,8 @@ class ForwardContext(CrossPublisher):
         """Called by the cache: this context never runs again (plan buffers freed)."""
         self._released = True
         self._plan = None
+        for lane in self._lanes:
+            lane._release()
 
     # ------------------------------------------------------------------ commit / abort
     def commit(self) -> None:

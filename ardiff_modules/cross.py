@@ -238,7 +238,7 @@ def cached_cross_attention(
 
 class SessionCrossCaches:
     """A session's published cross-attention caches, ``(cache name, branch) -> CrossEntry`` in ``_cross``
-    (``KVState``, ``HeadGroupedSession``).
+    (``KVState``).
 
     The session provides ``cache`` (``spec``, ``device``, ``dtype``, ``lock``), ``session_id``, ``num_layers``,
     ``_check_open()`` and ``_check_branch(branch)`` (raises for an unknown branch or a closed session).

@@ -125,7 +125,7 @@ class ForwardFinishedError(ARDiffError, RuntimeError):
 
 
 class ParticipantCommitError(ARDiffError, RuntimeError):
-    """One participant of a multi-participant forward (a part of a ``HeadGroupedForward``, a rank's share of a
+    """One participant of a multi-participant forward (a rank's share of a
     ``DistributedForward``) was committed alone; refused with nothing changed: commit the whole forward.
 
     Committing one part alone would leave the parts' histories a chunk apart for good.

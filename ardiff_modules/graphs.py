@@ -38,10 +38,8 @@ from ardiff_modules.checks import require_bool, require_int
 from ardiff_modules.context import ForwardContext
 from ardiff_modules.core.transaction import ForwardTransaction
 from ardiff_modules.errors import SpecError, TensorMismatchError
-from ardiff_modules.head_forward import HeadGroupedForward
-
-#: What a graph step replays: a forward of a ``KVCache`` or of a ``HeadGroupedKVCache`` (one context per part).
-Forward = ForwardContext | HeadGroupedForward
+#: What a graph step replays: a forward of a ``KVCache`` (with retention groups, one lane context per lane).
+Forward = ForwardContext
 
 #: ``torch.cuda.graph(capture_error_mode=...)`` values (see :class:`CUDAGraphStep`).
 CaptureErrorMode = Literal["global", "thread_local", "relaxed"]
@@ -49,14 +47,14 @@ CAPTURE_ERROR_MODES: tuple[str, ...] = ("global", "thread_local", "relaxed")
 
 
 def _require_context(owner: str, forward: object) -> Forward:
-    if not isinstance(forward, (ForwardContext, HeadGroupedForward)):
+    if not isinstance(forward, ForwardContext):
         raise SpecError(f"{owner}: expected a ForwardContext, got {type(forward).__name__}")
     return forward
 
 
 def _parts(forward: Forward) -> tuple[ForwardContext, ...]:
-    """The part contexts whose plans, transactions and pools a graph of ``forward`` uses."""
-    return forward.parts if isinstance(forward, HeadGroupedForward) else (forward,)
+    """The lane contexts whose plans and pools a graph of ``forward`` uses (``forward`` itself when uniform)."""
+    return forward._lane_contexts
 
 
 @dataclass
@@ -64,11 +62,12 @@ class _Captured:
     graph: torch.cuda.CUDAGraph
     inputs: list[torch.Tensor]
     output: torch.Tensor
-    #: ``ForwardContext._plan_epoch`` of each part at capture: the plan buffers the graph reads.
+    #: ``ForwardContext._plan_epoch`` of each lane context at capture: the plan buffers the graph reads.
     plan_epoch: tuple[int, ...]
     #: Cross-attention caches the captured step read (their fixed buffers are baked in).
     cross_names: frozenset[str]
-    #: Per part, the layers whose K/V the captured step writes (each replay marks them written on its forward).
+    #: Per lane context, the layers (its own indices) whose K/V the captured step writes (each replay marks them
+    #: written on its forward).
     written: tuple[frozenset[int], ...] = ()
 
 
@@ -112,7 +111,7 @@ class CUDAGraphStep:
         return len(self._captured)
 
     def _drop_released(self) -> None:
-        for forward in [f for f in self._captured if any(p._released for p in _parts(f))]:
+        for forward in [f for f in self._captured if f._released]:
             self._release(forward)
 
     def _release(self, forward: Forward) -> None:
@@ -129,7 +128,7 @@ class CUDAGraphStep:
             self._release(forward)
 
     def __call__(self, forward: Forward, *inputs: torch.Tensor) -> torch.Tensor:
-        if not isinstance(forward, (ForwardContext, HeadGroupedForward)):
+        if not isinstance(forward, ForwardContext):
             raise SpecError(f"CUDAGraphStep: expected a ForwardContext (static=True), got {type(forward).__name__}")
         if not forward._static:
             raise SpecError("CUDAGraphStep: expected a forward prepared with static=True, got a dynamic one")
@@ -185,7 +184,7 @@ class CUDAGraphStep:
         """Warm up and capture ``fn(*inputs, forward.layers)`` for ``forward`` now, without replaying it
         (the next call replays). Replaces an existing graph of ``forward``. A failed capture raises and
         leaves no graph for ``forward``."""
-        if not isinstance(forward, (ForwardContext, HeadGroupedForward)) or not forward._static:
+        if not isinstance(forward, ForwardContext) or not forward._static:
             raise SpecError("CUDAGraphStep.capture: expected a ForwardContext prepared with static=True")
         forward._check_usable("CUDAGraphStep.capture")
         self.discard(forward)
@@ -207,8 +206,7 @@ class CUDAGraphStep:
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # NOTE: the capture launches nothing: its writes count for a forward only when a replay runs them.
-        with contextlib.ExitStack() as recording:
-            written = [recording.enter_context(_transaction(p).recording_writes()) for p in parts]
+        with _transaction(forward).recording_writes() as written:
             try:
                 with torch.cuda.graph(graph, capture_error_mode=self.capture_error_mode):
                     output = self.fn(*static_inputs, layers)
@@ -220,10 +218,19 @@ class CUDAGraphStep:
                 raise
         captured = _Captured(
             graph, static_inputs, output, tuple(p._plan_epoch for p in parts), forward._cross_reads.names(),
-            tuple(frozenset(w) for w in written),
+            _split_writes(written, parts),
         )
         self._captured[forward] = captured
         return captured
+
+
+def _split_writes(written: set[int], parts: tuple[ForwardContext, ...]) -> tuple[frozenset[int], ...]:
+    """The transaction's written layers (each lane's counted from its ``_write_base``) as each lane's own."""
+    bounds = [p._write_base for p in parts[1:]] + [max(written, default=-1) + 1]
+    return tuple(
+        frozenset(layer - p._write_base for layer in written if p._write_base <= layer < end)
+        for p, end in zip(parts, bounds)
+    )
 
 
 def _transaction(part: ForwardContext) -> ForwardTransaction:
@@ -251,6 +258,6 @@ def _record_replay_writes(captured: _Captured, forward: Forward) -> None:
     for part, written in zip(_parts(forward), captured.written):
         transaction = _transaction(part)
         assert part._plan is not None
-        transaction.mark_written(written)
+        transaction.mark_written(part._write_base + layer for layer in written)
         if part._plan.quantizer is not None:
             part._plan.quantizer.note_writes(written, transaction)

@@ -37,7 +37,7 @@ def _require_spec(owner: str, spec: Any) -> KVCacheSpec:
     return spec
 
 
-def _resolve_device(owner: str, device: Any) -> torch.device:
+def resolve_device(owner: str, device: Any) -> torch.device:
     """``device`` as a ``torch.device`` that exists here (checked before allocating anything)."""
     try:
         resolved = torch.device(device)
@@ -97,7 +97,7 @@ class KVPool:
         require_field_int("KVPool", "num_pages", num_pages, minimum=1)
         self.spec = spec
         self.num_pages = num_pages
-        self.device = _resolve_device("KVPool", device)
+        self.device = resolve_device("KVPool", device)
         #: Storage dtype of the K/V pages (``spec.kv_dtype``, default the compute dtype).
         self.dtype = torch_dtype(spec.cache_dtype)
         # NOTE: zero-filled, not empty: padded key slots read by masked kernels must

@@ -15,7 +15,7 @@ session, every other session and the pool unchanged.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -119,6 +119,13 @@ class SuspendHost(Protocol):
     def forget(self, state: KVState) -> None: ...
 
 
+class LaneLike(Protocol):
+    """What a session uses of one lane of its cache (``CacheLane``): its allocator and retention spec."""
+
+    allocator: PageAllocator
+    spec: KVCacheSpec
+
+
 class SessionHost(Protocol):
     """What a session uses of its cache (``KVCache`` implements it): the spec, the lock, where cross caches live, and
     the cache's private parts -- the pages' allocator (handed to ``core`` calls), the forward manager, the host
@@ -126,6 +133,8 @@ class SessionHost(Protocol):
 
     spec: KVCacheSpec
     _allocator: PageAllocator
+    #: The cache's lanes (``ardiff_modules.lanes.CacheLane``: one per retention group's head part, one when uniform).
+    _lanes: Sequence[LaneLike]
 
     # (read-only: a session never replaces them, and so the cache's concrete classes satisfy them)
     @property
@@ -138,7 +147,7 @@ class SessionHost(Protocol):
     def device(self) -> torch.device: ...
     @property
     def dtype(self) -> torch.dtype: ...
-    def _new_branch_pages(self) -> BranchPages: ...
+    def _new_branch_pages(self, lane: int = 0) -> BranchPages: ...
     def open_session(self, session_id: str | None = None) -> KVState: ...
     def _reopen_session(self, state: KVState) -> None: ...
     def _session_closed(self, state: KVState) -> None: ...
@@ -171,7 +180,12 @@ class KVState(SessionCrossCaches):
         self.cache = cache
         self.session_id = session_id
         spec = cache.spec
-        self._branches: dict[str, BranchPages] = {b: cache._new_branch_pages() for b in spec.branches}
+        #: Per lane of the cache, branch -> its pages there (every lane's keep the same offsets and commit counts:
+        #: one transaction commits them together). ``_branches`` is the first lane's (a uniform cache's only).
+        self._lane_branches: tuple[dict[str, BranchPages], ...] = tuple(
+            {b: cache._new_branch_pages(lane) for b in spec.branches} for lane in range(len(cache._lanes))
+        )
+        self._branches = self._lane_branches[0]
         self._cross: dict[tuple[str, str], CrossEntry] = {}  # (cache name, branch) -> entry
         self._closed = False
 
@@ -227,6 +241,17 @@ class KVState(SessionCrossCaches):
     def _check_branch(self, branch: str) -> None:
         self.branch_pages(branch)
 
+    def _lane_pages(self, branch: str) -> tuple[BranchPages, ...]:
+        """The pages of ``branch`` in every lane of the cache (one for a uniform cache); raises as
+        :meth:`branch_pages`."""
+        self.branch_pages(branch)
+        return tuple(lane[branch] for lane in self._lane_branches)
+
+    def _each_lane(self) -> Iterator[tuple[PageAllocator, dict[str, BranchPages]]]:
+        """Each lane's allocator and this session's branches there."""
+        for lane, branches in zip(self.cache._lanes, self._lane_branches):
+            yield lane.allocator, branches
+
     def token_offset(self, branch: str) -> int:
         """Absolute position of the branch's next pending token (tokens ever committed, evicted included)."""
         return self.branch_pages(branch).token_offset
@@ -255,7 +280,7 @@ class KVState(SessionCrossCaches):
 
     def pages_in_use(self) -> int:
         """References this session holds on pool pages (all branches)."""
-        return sum(len(h.referenced_pages()) for h in self._branches.values())
+        return sum(len(h.referenced_pages()) for branches in self._lane_branches for h in branches.values())
 
     # ------------------------------------------------------------------ self-attention
     def get_kv_caches(
@@ -357,7 +382,7 @@ class KVState(SessionCrossCaches):
 
         NOTE: a forward is one transaction: when ``kv_branch`` was prepared together with other
         streams (a batched CFG forward, several sessions), they are all committed now, atomically. A forward
-        that is one part of a ``HeadGroupedForward`` (or a rank's share of a ``DistributedForward``) is not
+        that is a rank's share of a ``DistributedForward`` is not
         committed alone: :class:`~ardiff_modules.errors.ParticipantCommitError`, nothing changed.
         """
         with self.cache.lock:
@@ -372,13 +397,15 @@ class KVState(SessionCrossCaches):
         """
         with self.cache.lock:
             names = self.kv_branch_names if kv_branch is None else (kv_branch,)
-            histories = [self.branch_pages(b) for b in names]
+            for b in names:
+                self.branch_pages(b)
             for branch in names:
                 transaction = self._open_forward(branch)
                 if transaction is not None:
                     self.cache._forwards.finish_forward(transaction, False)
-            # Pending pages kept by finished denoising forwards (reused by the next one).
-            drop_pending(histories, self.cache._allocator)
+            # Pending pages kept by finished denoising forwards (reused by the next one), in every lane.
+            for allocator, branches in self._each_lane():
+                drop_pending([branches[b] for b in names], allocator)
 
     # ------------------------------------------------------------------ shots (core/shot_sink.py)
     def drop_window(self, branches: Sequence[str] | str | None = None) -> None:
@@ -392,8 +419,9 @@ class KVState(SessionCrossCaches):
         :class:`~ardiff_modules.errors.SessionSuspendedError`, ``UnknownBranchError``, ``SessionClosedError``.
         """
         with self.cache.lock:
-            targets = idle_branches(self, "drop_window", branches)
-            drop_windows(targets, self.cache._allocator)
+            names = idle_branch_names(self, "drop_window", branches)
+            for allocator, lane in self._each_lane():
+                drop_windows([lane[name] for name in names], allocator)
 
     def begin_shot(self, branches: Sequence[str] | str | None = None) -> None:
         """The next chunk committed on ``branches`` (default all) begins a new shot: its first ``shot_chunks``
@@ -404,14 +432,17 @@ class KVState(SessionCrossCaches):
         :class:`~ardiff_modules.errors.SpecError` otherwise, and as :meth:`drop_window`, before changing anything.
         """
         with self.cache.lock:
-            policy = self.cache.spec.policy
-            if not pins_shots(policy):
+            pinning = [i for i, lane in enumerate(self.cache._lanes) if pins_shots(lane.spec.policy)]
+            if not pinning:
+                got = [lane.spec.policy for lane in self.cache._lanes]
                 raise SpecError(
-                    f"begin_shot: expected a cache whose retention pins a shot sink (KVCacheSpec(retention="
-                    f"ShotSinkPolicy(...))), got {policy!r}"
+                    f"begin_shot: expected a cache whose retention (or one retention group's) pins a shot sink "
+                    f"(ShotSinkPolicy(...)), got {got[0] if len(got) == 1 else got!r}"
                 )
-            for branch in idle_branches(self, "begin_shot", branches):
-                branch.begin_shot()
+            names = idle_branch_names(self, "begin_shot", branches)
+            for i in pinning:  # groups that pin shots; the others roll on
+                for name in names:
+                    self._lane_branches[i][name].begin_shot()
 
     # ------------------------------------------------------------------ sharing (cross-attention caches: SessionCrossCaches)
     def fork(
@@ -441,7 +472,10 @@ class KVState(SessionCrossCaches):
             require_bool("fork.share_cross_attention", share_cross_attention)
             child = self.cache.open_session(session_id)
             for branch in names:
-                child.branch_pages(branch).adopt(self._branches[branch], self.cache._allocator)
+                for allocator, parent, into in zip(
+                    (lane.allocator for lane in self.cache._lanes), self._lane_pages(branch), child._lane_pages(branch)
+                ):
+                    into.adopt(parent, allocator)
             if share_cross_attention:
                 child._adopt_cross_entries({k: e for k, e in self._cross.items() if k[1] in names})
             return child
@@ -457,20 +491,25 @@ class KVState(SessionCrossCaches):
             raise SpecError(f"share_sinks_from: expected a session of the same KVCache, got {got}")
         with self.cache.lock:
             history = self.branch_pages(kv_branch)
-            source = other.branch_pages(kv_branch)
             if history.committed_chunks or history.pending or self.is_suspended:
                 raise SpecError(
                     f"share_sinks_from: expected branch {kv_branch!r} to be empty (and resident), got "
                     f"{history.committed_chunks} committed, {len(history.pending)} pending chunk(s)"
                     f"{', suspended' * self.is_suspended}"
                 )
-            sinks = self.cache.spec.policy.sink_chunks
-            if sinks == 0 or len(source.sinks) < sinks:
+            # The stream's sinks: the most any retention group keeps (a uniform cache's sink_chunks).
+            lanes = self.cache._lanes
+            sinks = max(lane.spec.policy.sink_chunks for lane in lanes)
+            widest = next(i for i, lane in enumerate(lanes) if lane.spec.policy.sink_chunks == sinks)
+            reference = other._lane_pages(kv_branch)[widest]
+            if sinks == 0 or len(reference.sinks) < sinks:
                 raise SpecError(
                     f"share_sinks_from: expected {other.session_id!r}/{kv_branch!r} to hold its {sinks} sink "
-                    f"chunk(s), got {len(source.sinks)} committed"
+                    f"chunk(s), got {len(reference.sinks)} committed"
                 )
-            history.adopt(source, self.cache._allocator, sinks_only=True)
+            clock = (sinks, sum(map(len, reference.sinks)) * reference.page_size)
+            for lane, into, source_pages in zip(lanes, self._lane_pages(kv_branch), other._lane_pages(kv_branch)):
+                into.adopt(source_pages, lane.allocator, sinks_only=True, clock=clock)
 
     def share_cross_attention_from(self, other: KVState, cache_name: str, kv_branch: str | None = None) -> None:
         """Reuse ``other``'s populated cache ``cache_name`` (same prompt) by reference, for one or all branches."""
@@ -504,8 +543,9 @@ class KVState(SessionCrossCaches):
             if self._closed:
                 return
             self.cache._forwards.abort_forwards_of(self)
-            for history in self._branches.values():
-                history.release(self.cache._allocator)
+            for allocator, branches in self._each_lane():
+                for history in branches.values():
+                    history.release(allocator)
             self._cross.clear()
             self._closed = True
             self.cache._session_closed(self)
@@ -542,18 +582,25 @@ class KVState(SessionCrossCaches):
                 # that a suspended session holds as host copies (and its host pages go).
                 self._cross = {k: e for k, e in self._cross.items() if k[0] in keep_cross_attention}
                 self.cache._host_tier.forget(self)
-            for history in self._branches.values():
-                history.release(self.cache._allocator)
+            for allocator, branches in self._each_lane():
+                for history in branches.values():
+                    history.release(allocator)
             self._closed = False
 
 
 def idle_branches(state: KVState, what: str, branches: Sequence[str] | str | None) -> list[BranchPages]:
-    """The pages of ``branches`` of ``state`` for ``what``: named once each, the session open and resident, no
-    forward open on any of them; raises (nothing changed) otherwise."""
+    """The pages (first lane) of ``branches`` of ``state`` for ``what`` (:func:`idle_branch_names`)."""
+    return [state.branch_pages(name) for name in idle_branch_names(state, what, branches)]
+
+
+def idle_branch_names(state: KVState, what: str, branches: Sequence[str] | str | None) -> tuple[str, ...]:
+    """``branches`` of ``state`` for ``what``: named once each, the session open and resident, no forward open on
+    any of them; raises (nothing changed) otherwise."""
     names = branch_names(what, branches, state.kv_branch_names)
     if not names or len(set(names)) != len(names):
         raise SpecError(f"{what}.branches: expected distinct branch names, at least one, got {names}")
-    targets = [state.branch_pages(name) for name in names]  # closed session, unknown branch
+    for name in names:
+        state.branch_pages(name)  # closed session, unknown branch
     if state.is_suspended:
         raise SessionSuspendedError(f"{what}: expected a resident session, got {state.session_id!r} suspended")
     busy = [name for name in names if state._open_forward(name) is not None]
@@ -562,7 +609,7 @@ def idle_branches(state: KVState, what: str, branches: Sequence[str] | str | Non
             f"{what}: expected no open forward on branch(es) {list(names)} of session {state.session_id!r}, got "
             f"one on {busy} (commit or abort it first)"
         )
-    return targets
+    return names
 
 
 def _describe(

@@ -15,6 +15,7 @@ from typing import Any, Literal, get_args
 from ardiff_modules.checks import require_int, require_positive_float
 from ardiff_modules.errors import SpecError, UnknownCacheError
 from ardiff_modules.core.recache import RecacheRule
+from ardiff_modules.core.head_retention import HeadRetention
 from ardiff_modules.core.retention import RetentionPolicy, SinkWindowPolicy, check_declared, check_index_bound
 
 #: dtype names accepted by :class:`KVCacheSpec` (resolved to torch dtypes by the pool).
@@ -152,6 +153,12 @@ class KVCacheSpec:
         prompt-switch re-cache rebuilds, how they see each other): block-causal with the sinks kept, or
         ``RecacheRule.longlive()``. It also sizes what a branch remembers of evicted chunks (a rule with
         context chunks or moving sinks rebuilds chunks the window evicted) and admission's re-cache reserve.
+    head_retention:
+        Retention groups (:class:`~ardiff_modules.core.head_retention.HeadRetention`): which (layer, kv head)
+        keeps which chunks, one policy per group (per-head or per-layer windows). The cache then stores each
+        group's heads in a *lane* of their own (``ardiff_modules.lanes``) and every forward attends each head
+        over what its group keeps. Leave ``sink_chunks`` / ``window_chunks`` / ``retention`` at their
+        defaults; a one-group assignment of every head is the uniform cache.
     """
 
     num_layers: int
@@ -170,6 +177,7 @@ class KVCacheSpec:
     pending_attention: PendingAttention = "block_causal"
     relative_sinks: bool = False
     recache: RecacheRule = field(default_factory=RecacheRule)
+    head_retention: HeadRetention | None = None
 
     def __post_init__(self) -> None:
         owner = "KVCacheSpec"
@@ -202,13 +210,14 @@ class KVCacheSpec:
                 f"{owner}.kv_dtype: expected None or one of {SUPPORTED_KV_DTYPES}, got {self.kv_dtype!r}"
             )
         self._check_retention(owner)
+        self._check_head_retention(owner)
         self._check_index_bound(owner)
         check_pending_attention(f"{owner}.pending_attention", self.pending_attention)
         if not isinstance(self.relative_sinks, bool):
             raise SpecError(f"{owner}.relative_sinks: expected a bool, got {self.relative_sinks!r}")
         if not isinstance(self.recache, RecacheRule):
             raise SpecError(f"{owner}.recache: expected a RecacheRule, got {type(self.recache).__name__}")
-        if self.relative_sinks and self.policy.sink_chunks < 1:
+        if self.relative_sinks and self.head_retention is None and self.policy.sink_chunks < 1:
             raise SpecError(
                 f"{owner}.relative_sinks: expected sink chunks to move (sink_chunks >= 1), got "
                 f"sink_chunks={self.policy.sink_chunks}"
@@ -272,8 +281,35 @@ class KVCacheSpec:
         # each answer of history_indices() is checked at every commit (core.retention.retain).
         check_declared(self.retention)
 
+    def _check_head_retention(self, owner: str) -> None:
+        heads = self.head_retention
+        if heads is None:
+            return
+        if not isinstance(heads, HeadRetention):
+            raise SpecError(f"{owner}.head_retention: expected a HeadRetention, got {type(heads).__name__}")
+        heads.check_geometry(f"{owner}.head_retention", self.num_layers, self.num_kv_heads)
+        if (self.sink_chunks, self.window_chunks, self.retention) != (0, None, None):
+            raise SpecError(
+                f"{owner}.head_retention: expected sink_chunks/window_chunks/retention left at (0, None, None) (each "
+                f"group has its own retention), got ({self.sink_chunks}, {self.window_chunks}, {self.retention!r})"
+            )
+        if self.relative_sinks and not any(p.sink_chunks for p in heads.groups.values()):
+            raise SpecError(
+                f"{owner}.relative_sinks: expected a retention group with sink chunks to move, got groups "
+                f"{ {name: p.sink_chunks for name, p in heads.groups.items()} } (sink chunks each)"
+            )
+
     def _check_index_bound(self, owner: str) -> None:
         """The peak tokens of one stream (resident chunks + one pending) fit the kernels' int32 offsets."""
+        if self.head_retention is not None:
+            for name, policy in self.head_retention.groups.items():
+                sinks, bound = check_declared(policy)
+                check_index_bound(
+                    f"{owner}.head_retention.groups[{name!r}]", sinks, bound,
+                    lambda: f"{type(policy).__name__} with sink_chunks={sinks}, max_history_chunks={bound}",
+                    self.chunk_size,
+                )
+            return
         # NOTE: before self.policy builds a SinkWindowPolicy, whose own (per chunk) bound words no chunk_size.
         if self.retention is None:
             bound = None if self.window_chunks is None else self.sink_chunks + self.window_chunks
@@ -291,7 +327,15 @@ class KVCacheSpec:
 
     @property
     def policy(self) -> RetentionPolicy:
-        """The retention policy in force: ``retention``, or sink + window from the two fields."""
+        """The retention policy in force: ``retention``, or sink + window from the two fields.
+
+        Raises :class:`SpecError` with ``head_retention``: each group has its own (``head_retention.groups``).
+        """
+        if self.head_retention is not None:
+            raise SpecError(
+                "KVCacheSpec.policy: expected a spec with one retention policy, got one with head_retention "
+                f"(groups {tuple(self.head_retention.groups)}: each lane's spec has its group's policy)"
+            )
         if self.retention is not None:
             return self.retention
         return SinkWindowPolicy(self.sink_chunks, self.window_chunks)
@@ -313,7 +357,11 @@ class KVCacheSpec:
 
     @property
     def max_history_chunks(self) -> int | None:
-        """Most committed chunks a branch keeps (sinks + window by default), ``None`` if unbounded."""
+        """Most committed chunks a branch keeps (sinks + window by default), ``None`` if unbounded; with
+        ``head_retention`` the most any group keeps."""
+        if self.head_retention is not None:
+            bounds = [p.max_history_chunks for p in self.head_retention.groups.values()]
+            return None if None in bounds else max(bounds)  # type: ignore[type-var]
         return self.policy.max_history_chunks
 
     @property

@@ -420,11 +420,16 @@ class BranchPages:
         self.generation += 1
         return freed
 
-    def adopt(self, other: BranchPages, allocator: PageAllocator, *, sinks_only: bool = False) -> None:
+    def adopt(
+        self, other: BranchPages, allocator: PageAllocator, *, sinks_only: bool = False,
+        clock: tuple[int, int] | None = None,
+    ) -> None:
         """Share ``other``'s committed history by refcount (a fork): zero pages copied.
 
         ``sinks_only`` shares just the sink chunks (e.g. sessions that start from the same
-        first frame): the branch then continues after them, with an empty window.
+        first frame): the branch then continues after them, with an empty window. ``clock``:
+        ``(chunks, tokens)`` it continues after instead (a retention group with fewer sinks than
+        the stream's: its lane shares its own sinks, the stream's clock is the same in every lane).
         """
         count = len(other.sinks) if sinks_only else len(other.history)
         resident, indices, starts = other.history[:count], other.history_index[:count], other.history_start[:count]
@@ -438,6 +443,8 @@ class BranchPages:
             sum(map(len, resident)) * self.page_size if sinks_only else other.committed_tokens
         )
         self.shot_start, self.window_floor = (None, 0) if sinks_only else (other.shot_start, other.window_floor)
+        if clock is not None:
+            self.committed_chunks, self.committed_tokens = clock
 
 
 def ring_copies(

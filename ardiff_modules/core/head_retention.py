@@ -20,7 +20,7 @@ retention (so a short group really frees its pages early), its own plan per forw
 so every kernel launch covers heads that share their key ranges (one row set per group, no mask),
 and memory is exact: a part stores only the heads it holds, in only the layers that have them.
 (A group with a different head count in each layer makes one part per count: more plans per forward,
-never more memory.) ``KVCacheSpec`` is the rest of the geometry; :mod:`ardiff_modules.head_cache`
+never more memory.) ``KVCacheSpec`` is the rest of the geometry; :mod:`ardiff_modules.lanes`
 builds the parts.
 
 File format (``to_json`` / ``from_json``)::

@@ -46,7 +46,7 @@ class Coordinator:
 
     NOTE: here, not in ``two_phase``: a transaction names its coordinator, and ``two_phase`` drives transactions.
 
-    ``name`` names it in :class:`ParticipantCommitError` (e.g. ``"the HeadGroupedForward over [s0/cond]"``).
+    ``name`` names it in :class:`ParticipantCommitError` (e.g. ``"the DistributedForward over [s0/cond]"``).
     """
 
     def __init__(self, name: str) -> None:

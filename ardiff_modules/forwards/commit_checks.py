@@ -9,16 +9,17 @@ from ardiff_modules.errors import NonFiniteKVError
 from ardiff_modules.pool import KVPool
 
 
-def check_pending_finite(transaction: ForwardTransaction, pool: KVPool) -> None:
+def check_pending_finite(transaction: ForwardTransaction, pool: KVPool, lane: int = 0) -> None:
     """Read every live stream's pending pages (``[2, layers, pages, page_size, kv_heads, head_dim]`` of the
     pool); on NaN/Inf abort the **whole** forward and raise :class:`NonFiniteKVError` naming the streams.
 
-    One device sync. FP8 pools: NaN and Inf are both stored as NaN (``quantize``), so both are detected.
+    One device sync (per lane: ``pool`` is lane ``lane``'s). FP8 pools: NaN and Inf are both stored as NaN
+    (``quantize``), so both are detected.
     """
-    live = transaction.live_branches()
+    live = transaction.live_branches(lane)
     owners = [
         (getattr(state, "session_id"), branch, page)
-        for (state, branch), b in zip(transaction.members, transaction.branches)
+        for (state, branch), b in zip(transaction.members, transaction.lanes[lane].branches)
         if b in live
         for page in b.pending_pages()
     ]

@@ -21,9 +21,9 @@ from typing import cast
 import torch
 
 from ardiff_modules.backends import AttentionBackend, PlanRequest
+from ardiff_modules.backends.base import AttentionPlan
 from ardiff_modules.backends.segmented import plan_forward
 from ardiff_modules.context import ForwardContext
-from ardiff_modules.core.allocator import PageAllocator
 from ardiff_modules.core.branch import BranchPages
 from ardiff_modules.core.recache import RecacheRule
 from ardiff_modules.core.reservation import ForwardReservation, settle_free_order
@@ -34,6 +34,8 @@ from ardiff_modules.forwards.commit_checks import check_pending_finite
 from ardiff_modules.host.tier import HostTier
 from ardiff_modules.forwards.registry import ContextKey, ContextRegistry
 from ardiff_modules.forwards.request import Build
+from ardiff_modules.head_shares import ShareMap, share_map
+from ardiff_modules.lanes import CacheLane
 from ardiff_modules.forwards.uncommitted import UncommittedWatch
 from ardiff_modules.forwards.validation import (
     check_capacity,
@@ -50,7 +52,6 @@ from ardiff_modules.forwards.validation import (
     validate_streams,
 )
 from ardiff_modules.layout import ForwardLayout
-from ardiff_modules.pool import KVPool
 from ardiff_modules.session import ForwardOptions, KVState
 from ardiff_modules.spec import KVCacheSpec
 
@@ -59,6 +60,8 @@ from ardiff_modules.spec import KVCacheSpec
 logger = logging.getLogger("ardiff_modules.cache")
 
 Streams = Sequence[tuple[KVState, str]]
+#: What ``_stack_cross`` returns: the stacked caches, the missing ones' reasons, the stacked tags.
+CrossStacks = tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, str], dict[str, tuple[int, ...]]]
 
 
 class ForwardManager:
@@ -69,28 +72,41 @@ class ForwardManager:
     """
 
     def __init__(
-        self, host: object, spec: KVCacheSpec, pool: KVPool, allocator: PageAllocator, backend: AttentionBackend,
-        *, dtype: torch.dtype, extent_chunks: int | None, max_contexts: int, check_finite: bool, lock: threading.RLock,
-        host_tier: HostTier,
+        self, host: object, spec: KVCacheSpec, lanes: Sequence[CacheLane], backend: AttentionBackend,
+        *, dtype: torch.dtype, max_contexts: int, check_finite: bool, lock: threading.RLock, host_tier: HostTier,
     ) -> None:
         self.host = host
         #: Suspended sessions (refused here) and the resume copies a forward waits for.
         self.host_tier = host_tier
         self.spec = spec
-        self.pool = pool
-        self.allocator = allocator
+        #: One lane per retention group's head part (one for a uniform cache): each forward runs in every lane.
+        self.lanes = tuple(lanes)
+        #: The first lane's (a uniform cache's only) pool and allocator.
+        self.pool = self.lanes[0].pool
+        self.allocator = self.lanes[0].allocator
         self.backend = backend
         #: The compute dtype (queries, outputs, cross caches); the pool may store K/V in another.
         self.dtype = dtype
-        self.extent_chunks = extent_chunks
+        self.extent_chunks = self.lanes[0].extent_chunks
         #: Pages of one contiguous extent (``0``: plain paging).
-        self.extent_pages = (extent_chunks or 0) * spec.pages_per_chunk
+        self.extent_pages = self.lanes[0].extent_pages
+        #: Every lane's layers: what a committing forward must have written (``ForwardContext._write_base``).
+        self.lane_layers = sum(lane.spec.num_layers for lane in self.lanes)
+        self.shares = self._share_map()
         self.check_finite = check_finite
         self.lock = lock
         self.registry = ContextRegistry(max_contexts)
         #: Warns once per session when a stream runs many forwards without a commit.
         self.uncommitted = UncommittedWatch()
         self.closed = False
+
+    def _share_map(self) -> tuple[ShareMap, list[torch.Tensor | None]] | None:
+        """With retention groups, each model layer's lane shares and merge order (built once); else ``None``."""
+        if self.spec.head_retention is None:
+            return None
+        parts = [lane.part for lane in self.lanes if lane.part is not None]
+        gqa = self.spec.query_heads // self.spec.num_kv_heads
+        return share_map(parts, self.spec.num_layers, gqa, self.pool.device)
 
     def _check_open(self, what: str) -> None:
         if self.closed:
@@ -130,14 +146,17 @@ class ForwardManager:
         members = self.resident(streams, "prepare_forward")
         lengths = chunk_lengths_of(self.spec, seq_len, commit_current, options.static, options.chunk_lengths)
         pending = pending_attention_of(self.spec, options.pending_attention)
-        branches = tuple(state.branch_pages(branch) for state, branch in members)
+        lane_branches = tuple(tuple(state._lane_pages(branch)[i] for state, branch in members) for i in range(len(self.lanes)))
+        branches = lane_branches[0]
         for (state, branch), pages in zip(members, branches):
             check_no_open_commit(state, branch, pages)
         if options.token_mask is not None:
+            self._refuse_with_groups("prepare_forward.token_mask")
             expected = (len(branches), seq_len, self.max_visible_keys(branches, seq_len))
             check_token_mask(options.token_mask, expected, self.pool.device)
         chunk_pages = tuple(length // self.spec.page_size for length in lengths)
-        check_capacity(branches, chunk_pages, self.allocator, self.extent_pages)
+        for lane, lane_pages in zip(self.lanes, lane_branches):
+            check_capacity(lane_pages, chunk_pages, lane.allocator, lane.extent_pages)
         latents = (
             () if options.keep_latents is None
             else kept_latents(options.keep_latents, commit_current, len(members), lengths)
@@ -145,8 +164,17 @@ class ForwardManager:
         return Build(
             members=members, branches=branches, chunk_pages=chunk_pages, commit_current=commit_current,
             pending_attention=pending, extent_pages=self.extent_pages, token_mask=options.token_mask,
-            static=options.static, latents=latents,
+            static=options.static, latents=latents, lane_branches=lane_branches,
+            lane_extent_pages=tuple(lane.extent_pages for lane in self.lanes),
         )
+
+    def _refuse_with_groups(self, what: str) -> None:
+        """:class:`SpecError` for what retention groups do not support yet."""
+        if len(self.lanes) > 1:
+            raise SpecError(
+                f"{what}: expected a cache without retention groups (not supported with head_retention yet), got "
+                f"{len(self.lanes)} lanes"
+            )
 
     def prepare_recache(
         self, streams: Streams, keep_sinks: bool | None = None, rule: RecacheRule | None = None
@@ -185,6 +213,7 @@ class ForwardManager:
         """
         with self.lock:
             self._check_open("prepare_recache")
+            self._refuse_with_groups("prepare_recache")
             rule = resolve_recache_rule(keep_sinks, rule, self.spec.recache, self.spec.policy.sink_chunks)
             members = self.resident(streams, "prepare_recache")
             branches = tuple(state.branch_pages(branch) for state, branch in members)
@@ -207,6 +236,7 @@ class ForwardManager:
         """The kept clean latents a re-cache of ``streams`` under ``rule`` runs over (``KVCache.recache_latents``)."""
         with self.lock:
             self._check_open("recache_latents")
+            self._refuse_with_groups("recache_latents")
             rule = resolve_recache_rule(keep_sinks, rule, self.spec.recache, self.spec.policy.sink_chunks)
             members = self.resident(streams, "recache_latents")
             branches = [state.branch_pages(branch) for state, branch in members]
@@ -231,6 +261,7 @@ class ForwardManager:
         """Per stream, the commit indices a re-cache under ``rule`` rebuilds, in forward order (nothing changes)."""
         with self.lock:
             self._check_open("recache_chunk_indices")
+            self._refuse_with_groups("recache_chunk_indices")
             rule = resolve_recache_rule(keep_sinks, rule, self.spec.recache, self.spec.policy.sink_chunks)
             members = self.resident(streams, "recache_chunk_indices")
             branches = [state.branch_pages(branch) for state, branch in members]
@@ -238,7 +269,8 @@ class ForwardManager:
 
     # ------------------------------------------------------------------ the build path
     def build(self, request: Build, *, hold: bool = False) -> ForwardContext:
-        """Reserve, lay out, plan and begin ``request``'s forward; on any failure undo the reservation exactly.
+        """Reserve, lay out, plan and begin ``request``'s forward in every lane; on any failure undo every lane's
+        reservation exactly.
 
         A denoising forward still open on one of its streams is superseded (closed, its pending pages
         kept for reuse) once this one begins; if planning itself fails on a backend that re-plans in
@@ -247,40 +279,37 @@ class ForwardManager:
         self.uncommitted.before(request)  # before any change: an error filter raising it changes nothing
         key = request.key
         ctx = self._context(key)
-        reservation = ForwardReservation(request.branches, request.chunk_pages, self.allocator, request.extent_pages)
+        reservations: list[ForwardReservation] = []
         planning = False
         try:
-            layout = ForwardLayout(
-                streams=request.stream_layouts(self.spec.relative_sinks), chunk_size=self.spec.chunk_size,
-                page_size=self.spec.page_size, pending_attention=request.pending_attention,
-            )
+            for i, lane in enumerate(self.lanes):
+                branches, extent_pages = request.lane(i)
+                reservations.append(ForwardReservation(branches, request.chunk_pages, lane.allocator, extent_pages))
+            layouts = [self._layout(request, i) for i in range(len(self.lanes))]
             planning = True
-            plan = plan_forward(self.backend, self._plan_request(layout, request), ctx._plan)
-            positions = self._positions(ctx, layout, request.static)
+            plans = [
+                plan_forward(self.backend, self._plan_request(layout, request, lane), lane_ctx._plan)
+                for layout, lane, lane_ctx in zip(layouts, self.lanes, ctx._lane_contexts)
+            ]
+            positions = self._positions(ctx, layouts[0], request.static)
             cross = self._stack_cross(ctx, request.members, request.static)
         except BaseException:
-            reservation.rollback()
+            for reservation in reversed(reservations):
+                reservation.rollback()
             if planning and getattr(self.backend, "replans_in_place", True):
-                ctx._drop_plan(f"a later {request.what} failed while planning")
+                for lane_ctx in ctx._lane_contexts:
+                    lane_ctx._drop_plan(f"a later {request.what} failed while planning")
             raise
         if not hold:
-            reservation.keep()
+            for reservation in reservations:
+                reservation.keep()
         try:
-            for b in request.branches:  # supersede the open denoising forwards of these streams
-                if isinstance(b.transaction, ForwardTransaction) and b.transaction.is_open:
-                    b.transaction.close("superseded", "a later forward of one of its streams was prepared")
-            self.registry.publish(key, ctx)  # registers a new context; most recently used; evicts idle ones
-            copy = self.pool.copy_pages if request.recache else None
-            lane = TransactionLane(self.allocator, request.branches, reservation if hold else None, request.recache_plans, copy)
-            transaction = ForwardTransaction(
-                members=request.members, commit_current=request.commit_current, num_chunks=layout.num_chunks,
-                recache=request.recache, latents=request.latents, lanes=(lane,),
-            )
-            transaction.attach()
-            ctx._begin(transaction, plan, layout, positions, cross, request.token_mask)
+            self._begin(ctx, key, request, reservations if hold else None, plans, layouts, positions, cross)
         except BaseException:
-            if hold and reservation.can_roll_back():  # (a kept reservation is the forward's own pending pages)
-                reservation.rollback()
+            if hold:
+                for reservation in reversed(reservations):
+                    if reservation.can_roll_back():  # (a kept reservation is the forward's own pending pages)
+                        reservation.rollback()
             raise
         self.uncommitted.after(request)
         if logger.isEnabledFor(logging.DEBUG):
@@ -291,6 +320,39 @@ class ForwardManager:
                 logger.debug("forward prepared: %s, %d free pages left, plan %r", ctx, self.allocator.num_free, ctx._plan)
         return ctx
 
+    def _layout(self, request: Build, lane: int) -> ForwardLayout:
+        return ForwardLayout(
+            streams=request.stream_layouts(self.spec.relative_sinks, lane), chunk_size=self.spec.chunk_size,
+            page_size=self.spec.page_size, pending_attention=request.pending_attention,
+        )
+
+    def _begin(
+        self, ctx: ForwardContext, key: ContextKey, request: Build, held: list[ForwardReservation] | None,
+        plans: list[AttentionPlan], layouts: list[ForwardLayout],
+        positions: tuple[torch.Tensor, torch.Tensor | None], cross: CrossStacks,
+    ) -> None:
+        """Supersede the streams' open denoising forwards, publish ``ctx`` and begin its forward: one transaction
+        over every lane (``held``: the lanes' reservations, kept undoable until the forward stands)."""
+        for b in request.branches:  # supersede the open denoising forwards of these streams
+            if isinstance(b.transaction, ForwardTransaction) and b.transaction.is_open:
+                b.transaction.close("superseded", "a later forward of one of its streams was prepared")
+        self.registry.publish(key, ctx)  # registers a new context; most recently used; evicts idle ones
+        lanes = tuple(
+            TransactionLane(
+                lane.allocator, request.lane(i)[0], held[i] if held is not None else None, request.recache_plans,
+                lane.pool.copy_pages if request.recache else None,
+            )
+            for i, lane in enumerate(self.lanes)
+        )
+        transaction = ForwardTransaction(
+            members=request.members, commit_current=request.commit_current, num_chunks=layouts[0].num_chunks,
+            recache=request.recache, latents=request.latents, lanes=lanes,
+        )
+        transaction.attach()
+        ctx._begin(transaction, plans[0], layouts[0], positions, cross, request.token_mask)
+        for lane_ctx, plan, layout in zip(ctx._lanes, plans, layouts):
+            lane_ctx._begin(transaction, plan, layout, positions, ({}, {}, {}), request.token_mask)
+
     def _context(self, key: ContextKey) -> ForwardContext:
         """The persistent context of these streams, or a new one (registered only once its forward begins).
 
@@ -299,35 +361,31 @@ class ForwardManager:
         ctx = self.registry.get(key)
         if ctx is not None:
             return ctx  # marked most recently used only once its forward begins
-        return ForwardContext._create(
-            key[0], self.pool, dtype=self.dtype, static=key[1] is not None, owner=self
+        static = key[1] is not None
+        if self.shares is None:
+            return ForwardContext._create(key[0], self.pool, dtype=self.dtype, static=static, owner=self)
+        heads = (self.spec.query_heads, self.spec.num_kv_heads)
+        return ForwardContext._create_grouped(
+            key[0], tuple(lane.pool for lane in self.lanes), self.shares[0], self.shares[1], heads,
+            chunk_size=self.spec.chunk_size, dtype=self.dtype, static=static, owner=self,
         )
 
-    def _plan_request(self, layout: ForwardLayout, request: Build) -> PlanRequest:
+    def _plan_request(self, layout: ForwardLayout, request: Build, lane: CacheLane) -> PlanRequest:
+        """One lane's plan request (its heads, its pool's dtype and FP8 scales, its retention's bound)."""
+        spec = lane.spec
         return PlanRequest(
             layout=layout,
-            device=self.pool.device,
+            device=lane.pool.device,
             dtype=self.dtype,
-            kv_dtype=self.pool.dtype,
-            num_qo_heads=self.spec.query_heads,
-            num_kv_heads=self.spec.num_kv_heads,
-            head_dim=self.spec.head_dim,
-            quantizer=self.pool.quantizer,
+            kv_dtype=lane.pool.dtype,
+            num_qo_heads=spec.query_heads,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            quantizer=lane.pool.quantizer,
             token_mask=request.token_mask,
             static=request.static,
-            max_pages=self._max_plan_pages(layout.num_streams, layout.num_chunks) if request.static else None,
+            max_pages=_max_plan_pages(spec, layout.num_streams, layout.num_chunks) if request.static else None,
         )
-
-    def _max_plan_pages(self, num_streams: int, num_chunks: int) -> int:
-        """Upper bound of the page list of a structural plan (rows of one forward), for fixed buffers.
-
-        NOTE: the block-causal bound; a bidirectional forward lists fewer pages (one row per stream of
-        ``history + num_chunks`` chunks), so the same buffers serve both rules.
-        """
-        history = self.spec.max_history_chunks
-        assert history is not None
-        chunks = sum(history + c for c in range(1, num_chunks + 1))
-        return num_streams * chunks * self.spec.pages_per_chunk
 
     def _positions(
         self, ctx: ForwardContext, layout: ForwardLayout, static: bool
@@ -397,9 +455,10 @@ class ForwardManager:
             if not transaction.is_open or not transaction.commit_current:
                 return
             try:
-                transaction.check_complete(self.spec.num_layers)
-                if self.pool.quantizer is not None:
-                    self.pool.quantizer.check_commit(transaction)
+                transaction.check_complete(self.lane_layers)
+                for lane in self.lanes:
+                    if lane.pool.quantizer is not None:
+                        lane.pool.quantizer.check_commit(transaction)
             except ARDiffError:
                 transaction.abort("its commit was refused")
                 raise
@@ -416,8 +475,9 @@ class ForwardManager:
                 "ForwardManager.abort_if_non_finite: expected a forward of this cache, got one of another cache"
             )
         with self.lock:
-            if transaction.is_open:
-                check_pending_finite(transaction, self.pool)
+            for i, lane in enumerate(self.lanes):
+                if transaction.is_open:  # (a lane's NaN aborts the whole forward)
+                    check_pending_finite(transaction, lane.pool, i)
 
     def abort_forwards_of(self, state: KVState) -> None:
         """Abort every open forward one of ``state``'s branches belongs to (all of their streams)."""
@@ -487,3 +547,16 @@ def stream_names(members: Sequence[tuple[object, str]], limit: int = 4) -> str:
     names = [f"{getattr(state, 'session_id', state)}/{branch}" for state, branch in members[:limit]]
     more = f", ... (+{len(members) - limit})" if len(members) > limit else ""
     return "[" + ", ".join(names) + more + "]"
+
+
+def _max_plan_pages(spec: KVCacheSpec, num_streams: int, num_chunks: int) -> int:
+    """Upper bound of the page list of a structural plan (rows of one forward) in a lane of ``spec``, for fixed
+    buffers.
+
+    NOTE: the block-causal bound; a bidirectional forward lists fewer pages (one row per stream of
+    ``history + num_chunks`` chunks), so the same buffers serve both rules.
+    """
+    history = spec.max_history_chunks
+    assert history is not None
+    chunks = sum(history + c for c in range(1, num_chunks + 1))
+    return num_streams * chunks * spec.pages_per_chunk

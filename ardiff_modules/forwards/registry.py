@@ -40,7 +40,8 @@ class ContextRegistry:
         if key in self._contexts:
             self._contexts.move_to_end(key)
             return
-        ctx._assign_handle(HANDLES.register(ctx))
+        for holder in (ctx, *ctx._lanes):  # a grouped forward's lane contexts hold the plans its layers run
+            holder._assign_handle(HANDLES.register(holder))
         self._contexts[key] = ctx
         for old in list(self._contexts):
             if len(self._contexts) <= self.limit:
@@ -51,7 +52,8 @@ class ContextRegistry:
 
     def release(self, key: ContextKey) -> None:
         ctx = self._contexts.pop(key)
-        HANDLES.unregister(ctx._handle)
+        for holder in (ctx, *ctx._lanes):
+            HANDLES.unregister(holder._handle)
         ctx._release()
 
     def release_where(self, predicate: Callable[[ContextKey], bool]) -> None:

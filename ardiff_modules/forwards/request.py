@@ -41,6 +41,16 @@ class Build:
     recache_plans: tuple[RecachePlan, ...] = ()
     #: "prepare_forward" / "prepare_recache": names the call in errors and logs.
     what: str = "prepare_forward"
+    #: Per lane of the cache (retention groups; one when uniform), each member's pages there, and the pages of a
+    #: new extent there; ``()``: the first lane's ``branches`` / ``extent_pages`` only.
+    lane_branches: tuple[tuple[BranchPages, ...], ...] = ()
+    lane_extent_pages: tuple[int, ...] = ()
+
+    def lane(self, lane: int) -> tuple[tuple[BranchPages, ...], int]:
+        """Each member's pages in ``lane`` and the pages of a new extent there."""
+        if not self.lane_branches:
+            return self.branches, self.extent_pages
+        return self.lane_branches[lane], self.lane_extent_pages[lane]
 
     @property
     def key(self) -> tuple[tuple[tuple[str, str], ...], int | None]:
@@ -52,12 +62,13 @@ class Build:
     def seq_len(self) -> int:
         return sum(self.chunk_pages) * (self.branches[0].page_size if self.branches else 0)
 
-    def stream_layouts(self, relative_sinks: bool) -> tuple[StreamLayout, ...]:
-        """Each stream's layout once its pending chunks are reserved.
+    def stream_layouts(self, relative_sinks: bool, lane: int = 0) -> tuple[StreamLayout, ...]:
+        """Each stream's layout in ``lane`` once its pending chunks are reserved.
 
         A forward reads the whole history; a re-cache reads only the kept sinks, and each rebuilt
         chunk keeps the absolute start it was generated at (so RoPE positions are the original ones).
         """
+        branches = self.lane(lane)[0]
         if not self.recache:
             num_chunks = len(self.chunk_pages)
             return tuple(
@@ -65,7 +76,7 @@ class Build:
                     tuple(b.history_pages()), b.pending[:num_chunks], b.token_offset, tuple(b.history_spans()),
                     sink_pages=sum(map(len, b.sinks)) if relative_sinks else 0,
                 )
-                for b in self.branches
+                for b in branches
             )
         layouts = []
         for b, plan in zip(self.branches, self.recache_plans):

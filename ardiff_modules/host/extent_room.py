@@ -19,13 +19,15 @@ from ardiff_modules.session import KVState
 
 
 def extent_room(
-    allocator: PageAllocator, admission: Admission, resident: Iterable[KVState], freed: Iterable[int] = ()
+    allocator: PageAllocator, admission: Admission, resident: Iterable[KVState], freed: Iterable[int] = (),
+    *, lane: int = 0,
 ) -> ExtentRoom | None:
     """The room for new extents (``None`` under plain paging): the runs of the free pages (plus ``freed``,
     pages a caller is about to release) in extents, and the branches of the ``resident`` sessions that hold no
-    extent yet (suspended sessions are owed nothing: a resume reserves its own room when it runs)."""
+    extent yet (suspended sessions are owed nothing: a resume reserves its own room when it runs); ``lane``: which
+    of a grouped cache's lanes ``allocator`` is."""
     size = admission.extent_pages
     if size is None:
         return None
-    promised = sum(1 for s in resident for name in s.kv_branch_names if not s.branch_pages(name).extent)
+    promised = sum(1 for s in resident for name in s.kv_branch_names if not s._lane_pages(name)[lane].extent)
     return ExtentRoom(allocator.runs_that_fit(size, also_free=freed), promised)

@@ -455,10 +455,15 @@ class HostTier:
                 free=0,
             )
 
-    def device_counts(self, admission: Admission) -> tuple[int, int, int, ExtentRoom | None]:
+    def device_counts(
+        self, admission: Admission, allocator: PageAllocator | None = None, lane: int = 0
+    ) -> tuple[int, int, int, ExtentRoom | None]:
         """What device admission decides on: free and used pages, resident sessions (suspended ones are promised
-        nothing) and the contiguous room (:meth:`extent_room`)."""
-        return self.allocator.num_free, self.allocator.num_used, len(self._resident()), self.extent_room(admission)
+        nothing) and the contiguous room (:meth:`extent_room`); of lane ``lane`` (its ``allocator``) with groups."""
+        if allocator is None or allocator is self.allocator:
+            return self.allocator.num_free, self.allocator.num_used, len(self._resident()), self.extent_room(admission)
+        room = extent_room(allocator, admission, self._resident(), lane=lane)
+        return allocator.num_free, allocator.num_used, len(self._resident()), room
 
     def extent_room(
         self, admission: Admission, freed: Iterable[int] = (), leaving: Sequence[KVState] = ()

@@ -341,7 +341,7 @@ def populate_cross_attention(
     failure part-way (e.g. out of memory) leaves the previous cache visible.
     """
     owner = "populate_cross_attention"
-    # NOTE: duck-typed on the one method it calls: a HeadGroupedSession (head_cache, a layer above) publishes too.
+    # NOTE: duck-typed on the one method it calls (a session; any object that publishes cross caches).
     if not isinstance(state, KVState) and not callable(getattr(state, "populate_cross_attention", None)):
         raise SpecError(f"{owner}.state: expected a KVState, got {type(state).__name__}")
     cross = cross_attention_layers(owner, layers)

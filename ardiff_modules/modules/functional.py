@@ -11,7 +11,7 @@ from ardiff_modules.checks import compute_dtype_mismatch, require_positive_float
 from ardiff_modules.context import LayerContext
 from ardiff_modules.cross import cached_cross_attention  # noqa: F401  (re-exported: the functional forms)
 from ardiff_modules.errors import SpecError, TensorMismatchError
-from ardiff_modules.head_forward import HeadGroupedLayer, take_heads
+from ardiff_modules.head_shares import merge_heads, take_heads
 from ardiff_modules.ops import attend_in_graph, write_kv_in_graph
 from ardiff_modules.training import attend_with_grad
 
@@ -257,8 +257,8 @@ def chunk_attention(
     -------
     ``[streams, seq_len, num_heads, head_dim]`` (and the LSE with ``return_lse``).
     """
-    if isinstance(kv, HeadGroupedLayer):
-        return _head_grouped_attention(q, k, v, kv, scale=scale, return_lse=return_lse, sink_query=sink_query)
+    if getattr(kv, "_shares", ()):  # (a wrong type is refused below, naming what it got)
+        return _grouped_attention(q, k, v, kv, scale=scale, return_lse=return_lse, sink_query=sink_query)
     streams, seq_len, kv_heads, head_dim = _check_chunk_inputs(q, k, v, kv)
     _check_sink_query(sink_query, q, kv)
     scale = head_dim**-0.5 if scale is None else require_positive_float("chunk_attention.scale", scale, optional=True)
@@ -291,47 +291,41 @@ def chunk_attention(
     return out, lse.view(streams, seq_len, q.shape[2])
 
 
-def _head_grouped_attention(
+def _grouped_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    kv: HeadGroupedLayer,
+    kv: LayerContext,
     *,
     scale: float | None,
     return_lse: bool,
     sink_query: torch.Tensor | None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """:func:`chunk_attention` over a head-grouped cache: each part attends its heads with its own kernels.
+    """:func:`chunk_attention` over a layer whose heads several lanes hold (retention groups): each lane attends
+    its heads with its own write, plan and kernels.
 
     ``q [streams, n, heads, d]`` and ``k``/``v [streams, n, kv_heads, d]`` are split along the heads (views
-    where a part's heads are contiguous), each part's share runs the plain path (its own write, plan and
-    kernel), and the outputs (and LSEs) are put back in head order.
+    where a lane's heads are contiguous), each share runs the one-lane path (gradients included), and the
+    outputs (and LSEs) are put back in head order.
     """
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or (q.shape[2], k.shape[2], v.shape[2]) != (
-        kv.num_heads, kv.num_kv_heads, kv.num_kv_heads
-    ):
+    heads, kv_heads = kv._heads
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or (q.shape[2], k.shape[2], v.shape[2]) != (heads, kv_heads, kv_heads):
         raise TensorMismatchError(
-            f"chunk_attention: expected q [streams, seq_len, {kv.num_heads}, head_dim] and k/v [streams, seq_len, "
-            f"{kv.num_kv_heads}, head_dim], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-        )
-    if sink_query is not None:
-        raise SpecError("chunk_attention: expected no sink_query (head-grouped caches have no relative sinks), got one")
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        raise SpecError(
-            "chunk_attention: gradients through a HeadGroupedKVCache are not supported; run it under "
-            "torch.no_grad() (train with a KVCache)"
+            f"chunk_attention: expected q [streams, seq_len, {heads}, head_dim] and k/v [streams, seq_len, "
+            f"{kv_heads}, head_dim], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
     outs: list[torch.Tensor] = []
     lses: list[torch.Tensor] = []
-    for share in kv.shares:
+    for share in kv._shares:
+        sink = None if sink_query is None else take_heads(sink_query, share.q_heads)
         result = chunk_attention(
             take_heads(q, share.q_heads), take_heads(k, share.kv_heads), take_heads(v, share.kv_heads),
-            share.context, scale=scale, return_lse=return_lse,
+            share.context, scale=scale, return_lse=return_lse, sink_query=sink,
         )
         if return_lse:
             outs.append(result[0])
             lses.append(result[1])
         else:
             outs.append(result)  # type: ignore[arg-type]  # return_lse=False returns the tensor
-    out = kv.merge(outs)
-    return (out, kv.merge(lses)) if return_lse else out
+    out = merge_heads(outs, kv._merge_order)
+    return (out, merge_heads(lses, kv._merge_order)) if return_lse else out
