@@ -18,7 +18,6 @@ import torch
 from ardiff_modules.backends import AttentionBackend, resolve_backend
 from ardiff_modules.checks import require_bool, require_choice, require_int
 from ardiff_modules.context import ForwardContext
-from ardiff_modules.core.admission import ExtentRoom
 from ardiff_modules.core.allocator import PageAllocator, reset_peak
 from ardiff_modules.core.branch import BranchPages
 from ardiff_modules.core.recache import RecacheRule
@@ -29,7 +28,7 @@ from ardiff_modules.host.files import load_sessions, save_sessions
 from ardiff_modules.host.tier import HostTier, TierReport
 from ardiff_modules.host.transport import recv_sessions, send_sessions
 from ardiff_modules import lanes
-from ardiff_modules.lanes import CacheLane, build_lanes
+from ardiff_modules.lanes import build_lanes
 from ardiff_modules.pool import resolve_device, torch_dtype
 from ardiff_modules.session import ForwardOptions, KVState
 from ardiff_modules.session_table import SessionTable, check_session_id
@@ -105,12 +104,11 @@ class KVCache:
         device = resolve_device("KVPool", device)
         self._dtype = torch_dtype(spec.dtype)
         self.backend = resolve_backend(backend, device, self._dtype, spec.head_dim, kv_dtype=torch_dtype(spec.cache_dtype))
-        #: One lane per retention group's head part (``ardiff_modules.lanes``); a uniform cache has one.
+        #: One lane per retention group's head part (``ardiff_modules.lanes``); a uniform cache has one, whose
+        #: pool, allocator, admission and extents keep their names.
         self._lanes = build_lanes(spec, num_pages, budget_bytes, device, self.backend.name, contiguous_extents)
         first = self._lanes[0]
-        # The first lane's (a uniform cache's only) pool, allocator and admission, named as before.
         self._pool, self._allocator, self._admission = first.pool, first.allocator, first.admission
-        self._extent_chunks = first.extent_chunks
         self.max_forward_contexts = max_forward_contexts
         self._lock = threading.RLock()
         self._sessions = SessionTable()
@@ -140,7 +138,7 @@ class KVCache:
     @property
     def extent_chunks(self) -> int | None:
         """Chunk slots of each branch's contiguous extent, or ``None`` for plain paging (fixed at construction)."""
-        return self._extent_chunks
+        return self._lanes[0].extent_chunks
 
     @property
     def policy(self) -> RetentionPolicy:
@@ -185,7 +183,7 @@ class KVCache:
         """
         with self._lock:
             self._check_open("set_kv_scales")
-            lanes.set_kv_scales(self._lanes, scales)
+            lanes.set_kv_scales(self._lanes, scales, self.spec.num_layers, self.spec.num_kv_heads)
 
     @property
     def kv_scales(self) -> torch.Tensor:
@@ -325,10 +323,7 @@ class KVCache:
             require_bool("sessions_that_fit.recache", recache)
             if require_choice("sessions_that_fit.tier", tier, ("device", "host")) == "host":
                 return self._host_tier.sessions_that_fit(self._admission)
-            return lanes.sessions_that_fit(self._lanes, self._lane_counts, pending_chunks, recache)
-
-    def _lane_counts(self, lane: CacheLane) -> tuple[int, int, int, ExtentRoom | None]:
-        return self._host_tier.device_counts(lane.admission, lane.allocator, lane.index)
+            return lanes.sessions_that_fit(self._lanes, self._host_tier.lane_counts, pending_chunks, recache)
 
     def can_admit(self, num_sessions: int = 1, pending_chunks: int = 1, *, recache: bool = True) -> bool:
         """Whether ``num_sessions`` more sessions fit at their peak (see :meth:`sessions_that_fit`)."""
@@ -349,7 +344,7 @@ class KVCache:
             self.sessions_that_fit(pending_chunks, recache=recache)  # the argument checks, in their order
             if suspend_idle is not False:
                 self._host_tier.suspend_idle(self._admission, pending_chunks, recache, suspend_idle)
-            lanes.check_admit(self._lanes, self._lane_counts, pending_chunks, recache)
+            lanes.check_admit(self._lanes, self._host_tier.lane_counts, pending_chunks, recache)
             return self.open_session(session_id)
 
     def tiers(self) -> TierReport:

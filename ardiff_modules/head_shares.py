@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from ardiff_modules.core.head_retention import HeadPart
+from ardiff_modules.spec import KVCacheSpec
 
 
 #: Per model layer: ``(lane, layer in the lane, q heads, kv heads)`` of each lane holding heads there.
@@ -70,3 +71,13 @@ def merge_heads(outputs: Sequence[torch.Tensor], order: torch.Tensor | None, dim
     """The shares' outputs (``[streams, n, share heads, ...]``) as one tensor in head order."""
     out = outputs[0] if len(outputs) == 1 else torch.cat(list(outputs), dim=dim)
     return out if order is None else out.index_select(dim, order)
+
+
+def lane_share_map(
+    spec: KVCacheSpec, parts: Sequence[HeadPart | None], device: torch.device
+) -> tuple[ShareMap, list[torch.Tensor | None]] | None:
+    """With retention groups (lanes' ``parts``), each model layer's lane shares and merge order; ``None`` for a
+    uniform cache (one lane, no shares)."""
+    if spec.head_retention is None:
+        return None
+    return share_map([p for p in parts if p is not None], spec.num_layers, spec.query_heads // spec.num_kv_heads, device)

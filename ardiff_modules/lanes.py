@@ -192,16 +192,14 @@ def check_admit(lanes: Sequence[CacheLane], counts: LaneCounts, pending_chunks: 
             raise CapacityError(f"lane {lane.name!r}: {error}", needed=error.needed, free=error.free) from None
 
 
-def set_kv_scales(lanes: Sequence[CacheLane], scales: torch.Tensor) -> None:
+def set_kv_scales(lanes: Sequence[CacheLane], scales: torch.Tensor, num_layers: int, num_kv_heads: int) -> None:
     """Fix the FP8 scales ``[num_layers, 2 (K, V), num_kv_heads]`` of the model's heads in every lane (each lane
     takes its layers' heads); every lane is checked before any changes (``KVCache.set_kv_scales``)."""
     if len(lanes) == 1:
         lanes[0].pool.set_kv_scales(scales)
         return
     spec = lanes[0].spec
-    layers = max(layer for lane in lanes for layer in lane.layers) + 1
-    heads = sum(len(h) for lane in lanes for layer, h in zip(lane.layers, lane.part.heads) if layer == 0)  # type: ignore[union-attr]
-    expected = (layers, 2, heads)
+    expected = (num_layers, 2, num_kv_heads)
     if not isinstance(scales, torch.Tensor) or tuple(scales.shape) != expected:
         got = tuple(scales.shape) if isinstance(scales, torch.Tensor) else type(scales).__name__
         raise TensorMismatchError(

@@ -122,8 +122,10 @@ class SuspendHost(Protocol):
 class LaneLike(Protocol):
     """What a session uses of one lane of its cache (``CacheLane``): its allocator and retention spec."""
 
-    allocator: PageAllocator
-    spec: KVCacheSpec
+    @property
+    def allocator(self) -> PageAllocator: ...
+    @property
+    def spec(self) -> KVCacheSpec: ...
 
 
 class SessionHost(Protocol):
@@ -134,7 +136,8 @@ class SessionHost(Protocol):
     spec: KVCacheSpec
     _allocator: PageAllocator
     #: The cache's lanes (``ardiff_modules.lanes.CacheLane``: one per retention group's head part, one when uniform).
-    _lanes: Sequence[LaneLike]
+    @property
+    def _lanes(self) -> Sequence[LaneLike]: ...
 
     # (read-only: a session never replaces them, and so the cache's concrete classes satisfy them)
     @property
@@ -246,11 +249,6 @@ class KVState(SessionCrossCaches):
         :meth:`branch_pages`."""
         self.branch_pages(branch)
         return tuple(lane[branch] for lane in self._lane_branches)
-
-    def _each_lane(self) -> Iterator[tuple[PageAllocator, dict[str, BranchPages]]]:
-        """Each lane's allocator and this session's branches there."""
-        for lane, branches in zip(self.cache._lanes, self._lane_branches):
-            yield lane.allocator, branches
 
     def token_offset(self, branch: str) -> int:
         """Absolute position of the branch's next pending token (tokens ever committed, evicted included)."""
@@ -404,7 +402,7 @@ class KVState(SessionCrossCaches):
                 if transaction is not None:
                     self.cache._forwards.finish_forward(transaction, False)
             # Pending pages kept by finished denoising forwards (reused by the next one), in every lane.
-            for allocator, branches in self._each_lane():
+            for allocator, branches in _each_lane(self):
                 drop_pending([branches[b] for b in names], allocator)
 
     # ------------------------------------------------------------------ shots (core/shot_sink.py)
@@ -420,7 +418,7 @@ class KVState(SessionCrossCaches):
         """
         with self.cache.lock:
             names = idle_branch_names(self, "drop_window", branches)
-            for allocator, lane in self._each_lane():
+            for allocator, lane in _each_lane(self):
                 drop_windows([lane[name] for name in names], allocator)
 
     def begin_shot(self, branches: Sequence[str] | str | None = None) -> None:
@@ -497,19 +495,7 @@ class KVState(SessionCrossCaches):
                     f"{history.committed_chunks} committed, {len(history.pending)} pending chunk(s)"
                     f"{', suspended' * self.is_suspended}"
                 )
-            # The stream's sinks: the most any retention group keeps (a uniform cache's sink_chunks).
-            lanes = self.cache._lanes
-            sinks = max(lane.spec.policy.sink_chunks for lane in lanes)
-            widest = next(i for i, lane in enumerate(lanes) if lane.spec.policy.sink_chunks == sinks)
-            reference = other._lane_pages(kv_branch)[widest]
-            if sinks == 0 or len(reference.sinks) < sinks:
-                raise SpecError(
-                    f"share_sinks_from: expected {other.session_id!r}/{kv_branch!r} to hold its {sinks} sink "
-                    f"chunk(s), got {len(reference.sinks)} committed"
-                )
-            clock = (sinks, sum(map(len, reference.sinks)) * reference.page_size)
-            for lane, into, source_pages in zip(lanes, self._lane_pages(kv_branch), other._lane_pages(kv_branch)):
-                into.adopt(source_pages, lane.allocator, sinks_only=True, clock=clock)
+            _share_sinks(self, other, kv_branch)
 
     def share_cross_attention_from(self, other: KVState, cache_name: str, kv_branch: str | None = None) -> None:
         """Reuse ``other``'s populated cache ``cache_name`` (same prompt) by reference, for one or all branches."""
@@ -543,7 +529,7 @@ class KVState(SessionCrossCaches):
             if self._closed:
                 return
             self.cache._forwards.abort_forwards_of(self)
-            for allocator, branches in self._each_lane():
+            for allocator, branches in _each_lane(self):
                 for history in branches.values():
                     history.release(allocator)
             self._cross.clear()
@@ -582,10 +568,34 @@ class KVState(SessionCrossCaches):
                 # that a suspended session holds as host copies (and its host pages go).
                 self._cross = {k: e for k, e in self._cross.items() if k[0] in keep_cross_attention}
                 self.cache._host_tier.forget(self)
-            for allocator, branches in self._each_lane():
+            for allocator, branches in _each_lane(self):
                 for history in branches.values():
                     history.release(allocator)
             self._closed = False
+
+
+def _each_lane(state: KVState) -> Iterator[tuple[PageAllocator, dict[str, BranchPages]]]:
+    """Each lane's allocator and ``state``'s branches there."""
+    for lane, branches in zip(state.cache._lanes, state._lane_branches):
+        yield lane.allocator, branches
+
+
+def _share_sinks(state: KVState, other: KVState, kv_branch: str) -> None:
+    """``state.share_sinks_from(other, kv_branch)`` once checked: every lane adopts its own sinks of ``other``'s
+    branch; the stream's sinks are the most any retention group keeps, and its clock continues after them in
+    every lane (a group with fewer sinks keeps only its own)."""
+    lanes = state.cache._lanes
+    sinks = max(lane.spec.policy.sink_chunks for lane in lanes)
+    widest = next(i for i, lane in enumerate(lanes) if lane.spec.policy.sink_chunks == sinks)
+    reference = other._lane_pages(kv_branch)[widest]
+    if sinks == 0 or len(reference.sinks) < sinks:
+        raise SpecError(
+            f"share_sinks_from: expected {other.session_id!r}/{kv_branch!r} to hold its {sinks} sink "
+            f"chunk(s), got {len(reference.sinks)} committed"
+        )
+    clock = (sinks, sum(map(len, reference.sinks)) * reference.page_size)
+    for lane, into, source_pages in zip(lanes, state._lane_pages(kv_branch), other._lane_pages(kv_branch)):
+        into.adopt(source_pages, lane.allocator, sinks_only=True, clock=clock)
 
 
 def idle_branches(state: KVState, what: str, branches: Sequence[str] | str | None) -> list[BranchPages]:

@@ -424,13 +424,9 @@ class BranchPages:
         self, other: BranchPages, allocator: PageAllocator, *, sinks_only: bool = False,
         clock: tuple[int, int] | None = None,
     ) -> None:
-        """Share ``other``'s committed history by refcount (a fork): zero pages copied.
-
-        ``sinks_only`` shares just the sink chunks (e.g. sessions that start from the same
-        first frame): the branch then continues after them, with an empty window. ``clock``:
-        ``(chunks, tokens)`` it continues after instead (a retention group with fewer sinks than
-        the stream's: its lane shares its own sinks, the stream's clock is the same in every lane).
-        """
+        """Share ``other``'s committed history by refcount (a fork): zero pages copied. ``sinks_only``: just the
+        sink chunks (sessions that start from the same first frame), continuing after them with an empty window,
+        or after ``clock`` ``(chunks, tokens)`` (a lane whose group keeps fewer sinks than the stream has)."""
         count = len(other.sinks) if sinks_only else len(other.history)
         resident, indices, starts = other.history[:count], other.history_index[:count], other.history_start[:count]
         allocator.incref(p for chunk in resident for p in chunk)

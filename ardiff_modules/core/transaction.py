@@ -192,8 +192,7 @@ class ForwardTransaction:
 
     def close(self, status: Status, reason: str = "") -> None:
         """Mark finished and detach from the branches (their pending pages stay as they are)."""
-        if self.reservation is not None:  # a held forward superseded (or closed) before its vote
-            self.keep_reservation()  # releases what it replaced
+        self.keep_reservation()  # a held forward superseded (or closed) before its vote: release what it replaced
         for lane in self.lanes:
             for h in lane.branches:
                 h.detach(self)
@@ -211,8 +210,7 @@ class ForwardTransaction:
         """
         if not self.is_open:
             return
-        if self.reservation is not None:
-            self.keep_reservation()
+        self.keep_reservation()  # (a held reservation: the forward stands)
         if not self.commit_current:
             self.close("completed")  # a denoising forward: pending pages stay for the next one
             return

@@ -34,14 +34,14 @@ from ardiff_modules.forwards.commit_checks import check_pending_finite
 from ardiff_modules.host.tier import HostTier
 from ardiff_modules.forwards.registry import ContextKey, ContextRegistry
 from ardiff_modules.forwards.request import Build
-from ardiff_modules.head_shares import ShareMap, share_map
+from ardiff_modules.head_shares import lane_share_map
 from ardiff_modules.lanes import CacheLane
 from ardiff_modules.forwards.uncommitted import UncommittedWatch
 from ardiff_modules.forwards.validation import (
     check_capacity,
     check_no_open_commit,
     check_recache_capacity,
-    check_recache_latents,
+    gather_recache_latents,
     check_recache_sinks_in_place,
     check_token_mask,
     chunk_lengths_of,
@@ -92,21 +92,14 @@ class ForwardManager:
         self.extent_pages = self.lanes[0].extent_pages
         #: Every lane's layers: what a committing forward must have written (``ForwardContext._write_base``).
         self.lane_layers = sum(lane.spec.num_layers for lane in self.lanes)
-        self.shares = self._share_map()
+        #: With retention groups, each model layer's lane shares and merge order (built once); else ``None``.
+        self.shares = lane_share_map(spec, [lane.part for lane in self.lanes], self.pool.device)
         self.check_finite = check_finite
         self.lock = lock
         self.registry = ContextRegistry(max_contexts)
         #: Warns once per session when a stream runs many forwards without a commit.
         self.uncommitted = UncommittedWatch()
         self.closed = False
-
-    def _share_map(self) -> tuple[ShareMap, list[torch.Tensor | None]] | None:
-        """With retention groups, each model layer's lane shares and merge order (built once); else ``None``."""
-        if self.spec.head_retention is None:
-            return None
-        parts = [lane.part for lane in self.lanes if lane.part is not None]
-        gqa = self.spec.query_heads // self.spec.num_kv_heads
-        return share_map(parts, self.spec.num_layers, gqa, self.pool.device)
 
     def _check_open(self, what: str) -> None:
         if self.closed:
@@ -146,12 +139,12 @@ class ForwardManager:
         members = self.resident(streams, "prepare_forward")
         lengths = chunk_lengths_of(self.spec, seq_len, commit_current, options.static, options.chunk_lengths)
         pending = pending_attention_of(self.spec, options.pending_attention)
-        lane_branches = tuple(tuple(state._lane_pages(branch)[i] for state, branch in members) for i in range(len(self.lanes)))
-        branches = lane_branches[0]
+        branches = tuple(state.branch_pages(branch) for state, branch in members)
+        lane_branches = (branches,) if len(self.lanes) == 1 else _lane_branches(members, len(self.lanes))
         for (state, branch), pages in zip(members, branches):
             check_no_open_commit(state, branch, pages)
         if options.token_mask is not None:
-            self._refuse_with_groups("prepare_forward.token_mask")
+            refuse_with_groups(self.lanes, "prepare_forward.token_mask")
             expected = (len(branches), seq_len, self.max_visible_keys(branches, seq_len))
             check_token_mask(options.token_mask, expected, self.pool.device)
         chunk_pages = tuple(length // self.spec.page_size for length in lengths)
@@ -167,14 +160,6 @@ class ForwardManager:
             static=options.static, latents=latents, lane_branches=lane_branches,
             lane_extent_pages=tuple(lane.extent_pages for lane in self.lanes),
         )
-
-    def _refuse_with_groups(self, what: str) -> None:
-        """:class:`SpecError` for what retention groups do not support yet."""
-        if len(self.lanes) > 1:
-            raise SpecError(
-                f"{what}: expected a cache without retention groups (not supported with head_retention yet), got "
-                f"{len(self.lanes)} lanes"
-            )
 
     def prepare_recache(
         self, streams: Streams, keep_sinks: bool | None = None, rule: RecacheRule | None = None
@@ -213,7 +198,7 @@ class ForwardManager:
         """
         with self.lock:
             self._check_open("prepare_recache")
-            self._refuse_with_groups("prepare_recache")
+            refuse_with_groups(self.lanes, "prepare_recache")
             rule = resolve_recache_rule(keep_sinks, rule, self.spec.recache, self.spec.policy.sink_chunks)
             members = self.resident(streams, "prepare_recache")
             branches = tuple(state.branch_pages(branch) for state, branch in members)
@@ -227,6 +212,7 @@ class ForwardManager:
             request = Build(
                 members=members, branches=branches, chunk_pages=tuple(chunk_pages), commit_current=True,
                 pending_attention=rule.attention, recache=True, recache_plans=plans, what="prepare_recache",
+                lane_branches=(branches,), lane_extent_pages=(0,),
             )
             return self.build(request)
 
@@ -236,24 +222,12 @@ class ForwardManager:
         """The kept clean latents a re-cache of ``streams`` under ``rule`` runs over (``KVCache.recache_latents``)."""
         with self.lock:
             self._check_open("recache_latents")
-            self._refuse_with_groups("recache_latents")
+            refuse_with_groups(self.lanes, "recache_latents")
             rule = resolve_recache_rule(keep_sinks, rule, self.spec.recache, self.spec.policy.sink_chunks)
             members = self.resident(streams, "recache_latents")
             branches = [state.branch_pages(branch) for state, branch in members]
             plans, _ = recache_plans(members, branches, rule, idle=False)
-            rows = []
-            for (state, branch), b, plan in zip(members, branches, plans):
-                indices = list(plan.rebuilt)
-                missing = [i for i in indices if i not in b.latents]
-                if missing:
-                    raise LatentsNotKeptError(
-                        f"recache_latents: expected kept latents of chunks {indices} of {state.session_id!r}/"
-                        f"{branch!r}, got none for chunk(s) {missing}; pass keep_latents= to their committing "
-                        "forwards, or feed the model your own latents"
-                    )
-                rows.append([cast(torch.Tensor, b.latents[i]) for i in indices])
-            check_recache_latents(members, rows)
-            return torch.stack([torch.cat(row) for row in rows])
+            return gather_recache_latents(members, branches, plans)
 
     def recache_chunk_indices(
         self, streams: Streams, keep_sinks: bool | None = None, rule: RecacheRule | None = None
@@ -261,7 +235,7 @@ class ForwardManager:
         """Per stream, the commit indices a re-cache under ``rule`` rebuilds, in forward order (nothing changes)."""
         with self.lock:
             self._check_open("recache_chunk_indices")
-            self._refuse_with_groups("recache_chunk_indices")
+            refuse_with_groups(self.lanes, "recache_chunk_indices")
             rule = resolve_recache_rule(keep_sinks, rule, self.spec.recache, self.spec.policy.sink_chunks)
             members = self.resident(streams, "recache_chunk_indices")
             branches = [state.branch_pages(branch) for state, branch in members]
@@ -280,19 +254,23 @@ class ForwardManager:
         key = request.key
         ctx = self._context(key)
         reservations: list[ForwardReservation] = []
+        layouts: list[ForwardLayout] = []
+        plans: list[AttentionPlan] = []
         planning = False
         try:
-            for i, lane in enumerate(self.lanes):
-                branches, extent_pages = request.lane(i)
+            for lane, lane_ctx, branches, extent_pages in zip(
+                self.lanes, ctx._lanes or (ctx,), request.lane_branches, request.lane_extent_pages
+            ):  # (one lane: a uniform cache)
                 reservations.append(ForwardReservation(branches, request.chunk_pages, lane.allocator, extent_pages))
-            layouts = [self._layout(request, i) for i in range(len(self.lanes))]
-            planning = True
-            plans = [
-                plan_forward(self.backend, self._plan_request(layout, request, lane), lane_ctx._plan)
-                for layout, lane, lane_ctx in zip(layouts, self.lanes, ctx._lane_contexts)
-            ]
-            positions = self._positions(ctx, layouts[0], request.static)
-            cross = self._stack_cross(ctx, request.members, request.static)
+                layout = ForwardLayout(
+                    streams=request.stream_layouts(self.spec.relative_sinks, branches), chunk_size=self.spec.chunk_size,
+                    page_size=self.spec.page_size, pending_attention=request.pending_attention,
+                )
+                layouts.append(layout)
+                planning = True
+                plans.append(plan_forward(self.backend, _plan_request(layout, request, lane, self.dtype), lane_ctx._plan))
+            positions = _positions(ctx, layouts[0], request.static, self.spec.relative_sinks, self.pool.device)
+            cross = _stack_cross(ctx, request.members, request.static, self.spec.cross_attention_names)
         except BaseException:
             for reservation in reversed(reservations):
                 reservation.rollback()
@@ -320,12 +298,6 @@ class ForwardManager:
                 logger.debug("forward prepared: %s, %d free pages left, plan %r", ctx, self.allocator.num_free, ctx._plan)
         return ctx
 
-    def _layout(self, request: Build, lane: int) -> ForwardLayout:
-        return ForwardLayout(
-            streams=request.stream_layouts(self.spec.relative_sinks, lane), chunk_size=self.spec.chunk_size,
-            page_size=self.spec.page_size, pending_attention=request.pending_attention,
-        )
-
     def _begin(
         self, ctx: ForwardContext, key: ContextKey, request: Build, held: list[ForwardReservation] | None,
         plans: list[AttentionPlan], layouts: list[ForwardLayout],
@@ -337,16 +309,15 @@ class ForwardManager:
             if isinstance(b.transaction, ForwardTransaction) and b.transaction.is_open:
                 b.transaction.close("superseded", "a later forward of one of its streams was prepared")
         self.registry.publish(key, ctx)  # registers a new context; most recently used; evicts idle ones
-        lanes = tuple(
-            TransactionLane(
-                lane.allocator, request.lane(i)[0], held[i] if held is not None else None, request.recache_plans,
+        lanes: list[TransactionLane] = []
+        for lane, branches in zip(self.lanes, request.lane_branches):
+            lanes.append(TransactionLane(
+                lane.allocator, branches, held[lane.index] if held is not None else None, request.recache_plans,
                 lane.pool.copy_pages if request.recache else None,
-            )
-            for i, lane in enumerate(self.lanes)
-        )
+            ))
         transaction = ForwardTransaction(
             members=request.members, commit_current=request.commit_current, num_chunks=layouts[0].num_chunks,
-            recache=request.recache, latents=request.latents, lanes=lanes,
+            recache=request.recache, latents=request.latents, lanes=tuple(lanes),
         )
         transaction.attach()
         ctx._begin(transaction, plans[0], layouts[0], positions, cross, request.token_mask)
@@ -369,43 +340,6 @@ class ForwardManager:
             key[0], tuple(lane.pool for lane in self.lanes), self.shares[0], self.shares[1], heads,
             chunk_size=self.spec.chunk_size, dtype=self.dtype, static=static, owner=self,
         )
-
-    def _plan_request(self, layout: ForwardLayout, request: Build, lane: CacheLane) -> PlanRequest:
-        """One lane's plan request (its heads, its pool's dtype and FP8 scales, its retention's bound)."""
-        spec = lane.spec
-        return PlanRequest(
-            layout=layout,
-            device=lane.pool.device,
-            dtype=self.dtype,
-            kv_dtype=lane.pool.dtype,
-            num_qo_heads=spec.query_heads,
-            num_kv_heads=spec.num_kv_heads,
-            head_dim=spec.head_dim,
-            quantizer=lane.pool.quantizer,
-            token_mask=request.token_mask,
-            static=request.static,
-            max_pages=_max_plan_pages(spec, layout.num_streams, layout.num_chunks) if request.static else None,
-        )
-
-    def _positions(
-        self, ctx: ForwardContext, layout: ForwardLayout, static: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(positions, sink_positions)`` on the pool's device (fixed buffers when ``static``); the second
-        only with relative sinks (the positions where the sink query is rotated)."""
-        positions = _to_device(layout.positions, self.pool.device, ctx.positions if static else None)
-        if not self.spec.relative_sinks:
-            return positions, None
-        buffer = ctx.sink_positions if static else None
-        return positions, _to_device(layout.sink_positions, self.pool.device, buffer)
-
-    def _stack_cross(
-        self, ctx: ForwardContext, members: Sequence[tuple[KVState, str]], static: bool
-    ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, str], dict[str, tuple[int, ...]]]:
-        """Per cache name, the streams' cross K/V stacked to ``[layers, streams, tokens, heads, dim]``."""
-        names = self.spec.cross_attention_names
-        entries = {name: [state._cross_entry(branch, name) for state, branch in members] for name in names}
-        who = [f"{state.session_id!r}/{branch!r}" for state, branch in members]
-        return ctx._cross_stack.restack(names, entries, who, ctx._cross, static)
 
     def max_visible_keys(self, branches: Sequence[BranchPages], seq_len: int) -> int:
         """Keys of the widest stream of a forward: its history plus all ``seq_len`` pending tokens."""
@@ -522,6 +456,12 @@ class ForwardManager:
             self.registry.release_where(lambda key: session_id is None or any(sid == session_id for sid, _ in key[0]))
 
 
+def _lane_branches(members: Sequence[tuple[KVState, str]], num_lanes: int) -> tuple[tuple[BranchPages, ...], ...]:
+    """Per lane, each member's pages there."""
+    pages = [state._lane_pages(branch) for state, branch in members]
+    return tuple(tuple(row[lane] for row in pages) for lane in range(num_lanes))
+
+
 def _require_transaction(what: str, transaction: object) -> None:
     if not isinstance(transaction, ForwardTransaction):
         raise SpecError(
@@ -560,3 +500,51 @@ def _max_plan_pages(spec: KVCacheSpec, num_streams: int, num_chunks: int) -> int
     assert history is not None
     chunks = sum(history + c for c in range(1, num_chunks + 1))
     return num_streams * chunks * spec.pages_per_chunk
+
+
+def refuse_with_groups(lanes: Sequence[CacheLane], what: str) -> None:
+    """:class:`SpecError` for what retention groups do not support yet."""
+    if len(lanes) > 1:
+        raise SpecError(
+            f"{what}: expected a cache without retention groups (not supported with head_retention yet), got "
+            f"{len(lanes)} lanes"
+        )
+
+
+def _positions(
+    ctx: ForwardContext, layout: ForwardLayout, static: bool, relative_sinks: bool, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(positions, sink_positions)`` on the pool's ``device`` (fixed buffers when ``static``); the second only
+    with relative sinks (the positions where the sink query is rotated)."""
+    positions = _to_device(layout.positions, device, ctx.positions if static else None)
+    if not relative_sinks:
+        return positions, None
+    buffer = ctx.sink_positions if static else None
+    return positions, _to_device(layout.sink_positions, device, buffer)
+
+
+def _stack_cross(
+    ctx: ForwardContext, members: Sequence[tuple[KVState, str]], static: bool, names: tuple[str, ...]
+) -> CrossStacks:
+    """Per cache name, the streams' cross K/V stacked to ``[layers, streams, tokens, heads, dim]``."""
+    entries = {name: [state._cross_entry(branch, name) for state, branch in members] for name in names}
+    who = [f"{state.session_id!r}/{branch!r}" for state, branch in members]
+    return ctx._cross_stack.restack(names, entries, who, ctx._cross, static)
+
+
+def _plan_request(layout: ForwardLayout, request: Build, lane: CacheLane, dtype: torch.dtype) -> PlanRequest:
+    """One lane's plan request (its heads, its pool's dtype and FP8 scales, its retention's bound)."""
+    spec = lane.spec
+    return PlanRequest(
+        layout=layout,
+        device=lane.pool.device,
+        dtype=dtype,
+        kv_dtype=lane.pool.dtype,
+        num_qo_heads=spec.query_heads,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        quantizer=lane.pool.quantizer,
+        token_mask=request.token_mask,
+        static=request.static,
+        max_pages=_max_plan_pages(spec, layout.num_streams, layout.num_chunks) if request.static else None,
+    )

@@ -42,15 +42,9 @@ class Build:
     #: "prepare_forward" / "prepare_recache": names the call in errors and logs.
     what: str = "prepare_forward"
     #: Per lane of the cache (retention groups; one when uniform), each member's pages there, and the pages of a
-    #: new extent there; ``()``: the first lane's ``branches`` / ``extent_pages`` only.
+    #: new extent there (``0``: none).
     lane_branches: tuple[tuple[BranchPages, ...], ...] = ()
     lane_extent_pages: tuple[int, ...] = ()
-
-    def lane(self, lane: int) -> tuple[tuple[BranchPages, ...], int]:
-        """Each member's pages in ``lane`` and the pages of a new extent there."""
-        if not self.lane_branches:
-            return self.branches, self.extent_pages
-        return self.lane_branches[lane], self.lane_extent_pages[lane]
 
     @property
     def key(self) -> tuple[tuple[tuple[str, str], ...], int | None]:
@@ -62,13 +56,16 @@ class Build:
     def seq_len(self) -> int:
         return sum(self.chunk_pages) * (self.branches[0].page_size if self.branches else 0)
 
-    def stream_layouts(self, relative_sinks: bool, lane: int = 0) -> tuple[StreamLayout, ...]:
-        """Each stream's layout in ``lane`` once its pending chunks are reserved.
+    def stream_layouts(
+        self, relative_sinks: bool, lane_branches: tuple[BranchPages, ...] | None = None
+    ) -> tuple[StreamLayout, ...]:
+        """Each stream's layout once its pending chunks are reserved (in the lane of ``lane_branches``, each
+        member's pages there; default the first lane's).
 
         A forward reads the whole history; a re-cache reads only the kept sinks, and each rebuilt
         chunk keeps the absolute start it was generated at (so RoPE positions are the original ones).
         """
-        branches = self.lane(lane)[0]
+        branches = self.branches if lane_branches is None else lane_branches
         if not self.recache:
             num_chunks = len(self.chunk_pages)
             return tuple(

@@ -7,12 +7,14 @@ so a refused ``prepare_forward`` leaves every session, the allocator and the poo
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import cast
 
 import torch
 
 from ardiff_modules.core.allocator import PageAllocator
 from ardiff_modules.checks import is_int, require_bool
 from ardiff_modules.errors import (
+    LatentsNotKeptError,
     CapacityError,
     PendingContextError,
     SequenceLengthError,
@@ -372,3 +374,23 @@ def check_recache_sinks_in_place(
                 f"(its sinks sit {shift} tokens before its oldest window chunk: rebuilt sinks would be attended "
                 "at their natural distance)"
             )
+
+
+def gather_recache_latents(
+    members: Sequence[tuple[KVState, str]], branches: Sequence[BranchPages], plans: Sequence[RecachePlan]
+) -> torch.Tensor:
+    """The kept clean latents of each stream's rebuilt chunks, ``[num_streams, seq_len, ...]`` in commit order;
+    :class:`LatentsNotKeptError` naming the chunks not kept."""
+    rows = []
+    for (state, branch), b, plan in zip(members, branches, plans):
+        indices = list(plan.rebuilt)
+        missing = [i for i in indices if i not in b.latents]
+        if missing:
+            raise LatentsNotKeptError(
+                f"recache_latents: expected kept latents of chunks {indices} of {state.session_id!r}/"
+                f"{branch!r}, got none for chunk(s) {missing}; pass keep_latents= to their committing "
+                "forwards, or feed the model your own latents"
+            )
+        rows.append([cast(torch.Tensor, b.latents[i]) for i in indices])
+    check_recache_latents(members, rows)
+    return torch.stack([torch.cat(row) for row in rows])

@@ -46,6 +46,7 @@ import torch
 from ardiff_modules.checks import require_int
 from ardiff_modules.core.admission import Admission, ExtentRoom
 from ardiff_modules.core.allocator import PageAllocator
+from ardiff_modules.lanes import CacheLane
 from ardiff_modules.core.branch import BranchImage, BranchPages, PageChunk, load_branch, unload_branch
 from ardiff_modules.core.host_pages import HostPages
 from ardiff_modules.core.reservation import ResumeReservation
@@ -455,15 +456,17 @@ class HostTier:
                 free=0,
             )
 
-    def device_counts(
-        self, admission: Admission, allocator: PageAllocator | None = None, lane: int = 0
-    ) -> tuple[int, int, int, ExtentRoom | None]:
+    def device_counts(self, admission: Admission) -> tuple[int, int, int, ExtentRoom | None]:
         """What device admission decides on: free and used pages, resident sessions (suspended ones are promised
-        nothing) and the contiguous room (:meth:`extent_room`); of lane ``lane`` (its ``allocator``) with groups."""
-        if allocator is None or allocator is self.allocator:
-            return self.allocator.num_free, self.allocator.num_used, len(self._resident()), self.extent_room(admission)
-        room = extent_room(allocator, admission, self._resident(), lane=lane)
-        return allocator.num_free, allocator.num_used, len(self._resident()), room
+        nothing) and the contiguous room (:meth:`extent_room`)."""
+        return self.allocator.num_free, self.allocator.num_used, len(self._resident()), self.extent_room(admission)
+
+    def lane_counts(self, lane: CacheLane) -> tuple[int, int, int, ExtentRoom | None]:
+        """:meth:`device_counts` of one lane of a cache with retention groups (its allocator and admission)."""
+        if lane.allocator is self.allocator:
+            return self.device_counts(lane.admission)
+        room = extent_room(lane.allocator, lane.admission, self._resident(), lane=lane.index)
+        return lane.allocator.num_free, lane.allocator.num_used, len(self._resident()), room
 
     def extent_room(
         self, admission: Admission, freed: Iterable[int] = (), leaving: Sequence[KVState] = ()
