@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -137,7 +139,8 @@ def test_without_dynamic_patches_equal_windows_are_a_sink_and_a_window() -> None
 def _library_vs_restatement(ar_start: int, retention: am.HeadRetention) -> list[float]:
     """Max |library - re-statement| per forward: sink 3 frames, Ls 3, Lt 6, dynamic off, 2 CFG rows, 7 blocks."""
     model = _model()
-    cache = am.HeadGroupedKVCache(model.spec(3 * HW, 4, 0, None), retention, max_sessions=1, backend="reference")
+    spec = dataclasses.replace(model.spec(3 * HW, 4, 0, None), head_retention=retention)
+    cache = am.KVCache(spec, num_pages=64, backend="reference")
     session = cache.open_session()
     restated = ForcingKVCacheFree(model, ForcingKVSettings(HW, 3, 3, 6, ar_start, STATIC), batch=2)
     gen = torch.Generator().manual_seed(1)
