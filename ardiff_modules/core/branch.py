@@ -439,8 +439,9 @@ class BranchPages:
             sum(map(len, resident)) * self.page_size if sinks_only else other.committed_tokens
         )
         self.shot_start, self.window_floor = (None, 0) if sinks_only else (other.shot_start, other.window_floor)
-        if clock is not None:
+        if clock is not None:  # the chunks between this lane's sinks and the clock were never shared: dropped
             self.committed_chunks, self.committed_tokens = clock
+            self.window_floor = clock[0]
 
 
 def ring_copies(
