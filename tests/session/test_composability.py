@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import ardiff_modules as am
+from ardiff_modules.errors import KVScalesFixedError
 
 LAYERS, KV_HEADS, GQA, DIM, CHUNK, PAGE = 3, 4, 2, 8, 8, 4
 BRANCHES = ("cond", "uncond")
@@ -245,3 +246,50 @@ def test_grouped_caches_really_differ_from_uniform() -> None:
     heads = _retentions()["per_head"]
     cache = am.KVCache(_spec(heads), num_pages=96, backend="reference")
     assert _plain(cache, Oracle(None), torch.Generator().manual_seed(7)) > 1e-2
+
+
+# ---------------------------------------------------------------------------------------------- per-lane resources
+def test_fp8_scales_scatter_to_every_lane_and_dequantize_each_head() -> None:
+    """``set_kv_scales([layers, 2, kv_heads])`` gives each lane its layers' heads; every lane stores its heads'
+    K/V quantized with those scales (pool contents read back within FP8 rounding), ``kv_scales`` gathers them."""
+    heads = _retentions()["per_head"]
+    spec = dataclasses.replace(_spec(heads), kv_dtype="float8_e4m3fn")
+    cache = am.KVCache(spec, num_pages=96, backend="reference")
+    scales = torch.rand(LAYERS, 2, KV_HEADS) + 0.5
+    cache.set_kv_scales(scales)
+    assert torch.equal(cache.kv_scales, scales)
+    for lane in cache._lanes:
+        assert lane.part is not None
+        for i, (layer, kv_heads) in enumerate(zip(lane.part.layers, lane.part.heads)):
+            assert torch.equal(lane.pool.scales[i], scales[layer][:, list(kv_heads)])
+    state = cache.open_session("s")
+    gen = torch.Generator().manual_seed(3)
+    k = torch.randn(2, CHUNK, KV_HEADS, DIM, generator=gen)
+    with state.prepare_forward(BRANCHES, CHUNK, commit_current=True) as fwd:
+        for ctx in fwd.layers:
+            am.chunk_attention(torch.randn(2, CHUNK, KV_HEADS * GQA, DIM, generator=gen), k, k, ctx)
+    for lane in cache._lanes:
+        assert lane.part is not None
+        (page, *_), = state._lane_pages("cond")[lane.index].history
+        for i, (layer, kv_heads) in enumerate(zip(lane.part.layers, lane.part.heads)):
+            stored = lane.pool.kv[i, 0, page].float() * lane.pool.scales[i, 0][None, :, None]
+            torch.testing.assert_close(stored, k[0, :PAGE, list(kv_heads)], atol=0.1, rtol=0.07)
+    with pytest.raises(KVScalesFixedError):
+        cache.set_kv_scales(scales)  # pages were written with these scales: refused, nothing changed
+    assert torch.equal(cache.kv_scales, scales)
+
+
+def test_admission_with_groups_is_the_fullest_lane() -> None:
+    """A session fits when it fits in every lane at its peak; the refusal names the lane that is full."""
+    heads = _retentions()["per_head"]
+    cache = am.KVCache(_spec(heads), budget_bytes=60_000, backend="reference")
+    per_lane = [lane.admission.pages_per_session() for lane in cache._lanes]
+    fit = min(lane.allocator.num_pages // pages for lane, pages in zip(cache._lanes, per_lane))
+    assert cache.sessions_that_fit(recache=False) == fit >= 1
+    assert cache.pages_per_session() == sum(per_lane)
+    for i in range(fit):
+        cache.admit_session(f"s{i}", recache=False)
+    with pytest.raises(am.CapacityError, match="lane '"):
+        cache.admit_session("one too many", recache=False)
+    assert len(cache.sessions) == fit
+    assert sum(row.num_pages for row in cache.stats().lanes.values()) == cache.stats().num_pages
