@@ -25,7 +25,7 @@ from ardiff_modules.backends.base import AttentionPlan
 from ardiff_modules.backends.segmented import plan_forward
 from ardiff_modules.context import ForwardContext
 from ardiff_modules.core.branch import BranchPages
-from ardiff_modules.core.recache import RecacheRule
+from ardiff_modules.core.recache import RecachePlan, RecacheRule
 from ardiff_modules.core.reservation import ForwardReservation, settle_free_order
 from ardiff_modules.core.transaction import ForwardTransaction, TransactionLane
 from ardiff_modules.core.two_phase import require_coordinated
@@ -37,6 +37,7 @@ from ardiff_modules.forwards.request import Build
 from ardiff_modules.head_shares import lane_share_map
 from ardiff_modules.lanes import CacheLane
 from ardiff_modules.forwards.uncommitted import UncommittedWatch
+from ardiff_modules.forwards.lane_recache import lane_recache_plans, merged_latents
 from ardiff_modules.forwards.validation import (
     check_capacity,
     check_no_open_commit,
@@ -198,23 +199,9 @@ class ForwardManager:
         """
         with self.lock:
             self._check_open("prepare_recache")
-            refuse_with_groups(self.lanes, "prepare_recache")
-            rule = resolve_recache_rule(keep_sinks, rule, self.spec.recache, self.spec.policy.sink_chunks)
+            rule = self.recache_rule(keep_sinks, rule)
             members = self.resident(streams, "prepare_recache")
-            branches = tuple(state.branch_pages(branch) for state, branch in members)
-            plans, chunk_pages = recache_plans(members, branches, rule)
-            if self.spec.relative_sinks:
-                check_recache_sinks_in_place(members, branches, plans)
-            check_recache_capacity(branches, chunk_pages, self.allocator)
-            # NOTE: the rebuilt chunks ride as pending (abort/close/reset release them): free ring slots first,
-            # then fresh pages; no new extent (extent_pages=0): a branch without one (a fork that has not run
-            # since) rebuilds into fresh pages only.
-            request = Build(
-                members=members, branches=branches, chunk_pages=tuple(chunk_pages), commit_current=True,
-                pending_attention=rule.attention, recache=True, recache_plans=plans, what="prepare_recache",
-                lane_branches=(branches,), lane_extent_pages=(0,),
-            )
-            return self.build(request)
+            return self.build(_recache_request(self.lanes, members, rule, self.spec.relative_sinks))
 
     def recache_latents(
         self, streams: Streams, keep_sinks: bool | None = None, rule: RecacheRule | None = None
@@ -222,12 +209,15 @@ class ForwardManager:
         """The kept clean latents a re-cache of ``streams`` under ``rule`` runs over (``KVCache.recache_latents``)."""
         with self.lock:
             self._check_open("recache_latents")
-            refuse_with_groups(self.lanes, "recache_latents")
-            rule = resolve_recache_rule(keep_sinks, rule, self.spec.recache, self.spec.policy.sink_chunks)
+            rule = self.recache_rule(keep_sinks, rule)
             members = self.resident(streams, "recache_latents")
-            branches = [state.branch_pages(branch) for state, branch in members]
-            plans, _ = recache_plans(members, branches, rule, idle=False)
-            return gather_recache_latents(members, branches, plans)
+            lanes = _lane_branches(members, len(self.lanes))
+            if len(self.lanes) == 1:
+                plans, _ = recache_plans(members, lanes[0], rule, idle=False)
+                return gather_recache_latents(members, [b.latents for b in lanes[0]], [p.rebuilt for p in plans])
+            union = lane_recache_plans(members, lanes, rule, idle=False)
+            latents = [merged_latents([branches[s] for branches in lanes]) for s in range(len(members))]
+            return gather_recache_latents(members, latents, union.rebuilt)
 
     def recache_chunk_indices(
         self, streams: Streams, keep_sinks: bool | None = None, rule: RecacheRule | None = None
@@ -235,11 +225,20 @@ class ForwardManager:
         """Per stream, the commit indices a re-cache under ``rule`` rebuilds, in forward order (nothing changes)."""
         with self.lock:
             self._check_open("recache_chunk_indices")
-            refuse_with_groups(self.lanes, "recache_chunk_indices")
-            rule = resolve_recache_rule(keep_sinks, rule, self.spec.recache, self.spec.policy.sink_chunks)
+            rule = self.recache_rule(keep_sinks, rule)
             members = self.resident(streams, "recache_chunk_indices")
-            branches = [state.branch_pages(branch) for state, branch in members]
-            return [plan.rebuilt for plan in recache_plans(members, branches, rule, idle=False)[0]]
+            lanes = _lane_branches(members, len(self.lanes))
+            if len(self.lanes) == 1:
+                return [plan.rebuilt for plan in recache_plans(members, lanes[0], rule, idle=False)[0]]
+            return list(lane_recache_plans(members, lanes, rule, idle=False).rebuilt)
+
+    def recache_rule(self, keep_sinks: bool | None, rule: RecacheRule | None) -> RecacheRule:
+        """The rule a re-cache runs under, checked against what every lane's branches remember."""
+        resolved = rule
+        for lane in self.lanes:  # (each group has its own sinks: a "move" rule needs as many evicted chunks more)
+            resolved = resolve_recache_rule(keep_sinks, rule, self.spec.recache, lane.spec.policy.sink_chunks)
+        assert resolved is not None
+        return resolved
 
     # ------------------------------------------------------------------ the build path
     def build(self, request: Build, *, hold: bool = False) -> ForwardContext:
@@ -262,8 +261,9 @@ class ForwardManager:
                 self.lanes, ctx._lanes or (ctx,), request.lane_branches, request.lane_extent_pages
             ):  # (one lane: a uniform cache)
                 reservations.append(ForwardReservation(branches, request.chunk_pages, lane.allocator, extent_pages))
+                streams = request.stream_layouts(self.spec.relative_sinks, branches, lane.index)
                 layout = ForwardLayout(
-                    streams=request.stream_layouts(self.spec.relative_sinks, branches), chunk_size=self.spec.chunk_size,
+                    streams=streams, chunk_size=self.spec.chunk_size,
                     page_size=self.spec.page_size, pending_attention=request.pending_attention,
                 )
                 layouts.append(layout)
@@ -312,7 +312,7 @@ class ForwardManager:
         lanes: list[TransactionLane] = []
         for lane, branches in zip(self.lanes, request.lane_branches):
             lanes.append(TransactionLane(
-                lane.allocator, branches, held[lane.index] if held is not None else None, request.recache_plans,
+                lane.allocator, branches, held[lane.index] if held is not None else None, request.plans_of(lane.index),
                 lane.pool.copy_pages if request.recache else None,
             ))
         transaction = ForwardTransaction(
@@ -500,6 +500,36 @@ def _max_plan_pages(spec: KVCacheSpec, num_streams: int, num_chunks: int) -> int
     assert history is not None
     chunks = sum(history + c for c in range(1, num_chunks + 1))
     return num_streams * chunks * spec.pages_per_chunk
+
+
+def _recache_request(
+    lanes: Sequence[CacheLane], members: tuple[tuple[KVState, str], ...], rule: RecacheRule, relative_sinks: bool
+) -> Build:
+    """A re-cache's validated request: ``rule`` planned in every lane (with groups, over the union of the lanes'
+    rebuilt chunks: ``forwards/lane_recache.py``), relative sinks in place and the rebuilt chunks' room checked
+    in every lane (raises before anything changed)."""
+    lane_branches = _lane_branches(members, len(lanes))
+    lane_plans: tuple[tuple[RecachePlan, ...], ...]
+    starts: tuple[tuple[int, ...], ...]
+    if len(lanes) == 1:
+        plans, chunk_pages = recache_plans(members, lane_branches[0], rule)
+        lane_plans, starts = (plans,), ()
+    else:
+        union = lane_recache_plans(members, lane_branches, rule)
+        plans, chunk_pages, lane_plans, starts = union.plans[0], list(union.chunk_pages), union.plans, union.starts
+    for lane, branches, lane_plan in zip(lanes, lane_branches, lane_plans):
+        if relative_sinks:
+            check_recache_sinks_in_place(members, branches, lane_plan)
+        check_recache_capacity(branches, chunk_pages, lane.allocator)
+    # NOTE: the rebuilt chunks ride as pending (abort/close/reset release them): free ring slots first,
+    # then fresh pages; no new extent (extent_pages=0): a branch without one (a fork that has not run
+    # since) rebuilds into fresh pages only.
+    return Build(
+        members=members, branches=lane_branches[0], chunk_pages=tuple(chunk_pages), commit_current=True,
+        pending_attention=rule.attention, recache=True, recache_plans=plans, what="prepare_recache",
+        lane_branches=lane_branches, lane_extent_pages=(0,) * len(lanes),
+        lane_recache_plans=lane_plans if len(lanes) > 1 else (), recache_starts=starts,
+    )
 
 
 def refuse_with_groups(lanes: Sequence[CacheLane], what: str) -> None:
