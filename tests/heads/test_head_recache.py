@@ -205,9 +205,9 @@ def lane_snapshot(cache: am.KVCache, state: am.KVState) -> list[tuple]:
 
 
 @pytest.mark.parametrize("extents", [False, True])
-@pytest.mark.parametrize("name", list(RULES))
+@pytest.mark.parametrize("name", [*RULES, "longlive_move"])
 def test_grouped_recache_abort_restores_every_lane_exactly(name: str, extents: bool) -> None:
-    rule = RULES[name]
+    rule = RULES.get(name, RecacheRule.longlive(global_sink=False))
     cache, state, oracle = make(rule, extents)
     g = torch.Generator().manual_seed(2)
     for _ in range(5):
