@@ -37,6 +37,7 @@ from ardiff_modules.forwards.request import Build
 from ardiff_modules.head_shares import lane_share_map
 from ardiff_modules.lanes import CacheLane
 from ardiff_modules.forwards.uncommitted import UncommittedWatch
+from ardiff_modules.forwards.lane_masks import lane_token_masks, union_max_keys
 from ardiff_modules.forwards.lane_recache import lane_recache_plans, merged_latents
 from ardiff_modules.forwards.validation import (
     check_capacity,
@@ -144,10 +145,13 @@ class ForwardManager:
         lane_branches = (branches,) if len(self.lanes) == 1 else _lane_branches(members, len(self.lanes))
         for (state, branch), pages in zip(members, branches):
             check_no_open_commit(state, branch, pages)
+        lane_masks: tuple[torch.Tensor, ...] = ()
         if options.token_mask is not None:
-            refuse_with_groups(self.lanes, "prepare_forward.token_mask")
-            expected = (len(branches), seq_len, self.max_visible_keys(branches, seq_len))
-            check_token_mask(options.token_mask, expected, self.pool.device)
+            grouped = len(self.lanes) > 1
+            keys = union_max_keys(lane_branches, seq_len) if grouped else self.max_visible_keys(branches, seq_len)
+            check_token_mask(options.token_mask, (len(branches), seq_len, keys), self.pool.device)
+            if grouped:  # (given over the union key order: each lane takes its columns)
+                lane_masks = lane_token_masks(options.token_mask, lane_branches, seq_len)
         chunk_pages = tuple(length // self.spec.page_size for length in lengths)
         for lane, lane_pages in zip(self.lanes, lane_branches):
             check_capacity(lane_pages, chunk_pages, lane.allocator, lane.extent_pages)
@@ -159,7 +163,7 @@ class ForwardManager:
             members=members, branches=branches, chunk_pages=chunk_pages, commit_current=commit_current,
             pending_attention=pending, extent_pages=self.extent_pages, token_mask=options.token_mask,
             static=options.static, latents=latents, lane_branches=lane_branches,
-            lane_extent_pages=tuple(lane.extent_pages for lane in self.lanes),
+            lane_extent_pages=tuple(lane.extent_pages for lane in self.lanes), lane_token_masks=lane_masks,
         )
 
     def prepare_recache(
@@ -320,9 +324,10 @@ class ForwardManager:
             recache=request.recache, latents=request.latents, lanes=tuple(lanes),
         )
         transaction.attach()
-        ctx._begin(transaction, plans[0], layouts[0], positions, cross, request.token_mask)
-        for lane_ctx, plan, layout in zip(ctx._lanes, plans, layouts):
-            lane_ctx._begin(transaction, plan, layout, positions, ({}, {}, {}), request.token_mask)
+        # NOTE: with groups the context describes its first lane (plan, layout, and so that mask's columns).
+        ctx._begin(transaction, plans[0], layouts[0], positions, cross, request.mask_of(0))
+        for i, (lane_ctx, plan, layout) in enumerate(zip(ctx._lanes, plans, layouts)):
+            lane_ctx._begin(transaction, plan, layout, positions, ({}, {}, {}), request.mask_of(i))
 
     def _context(self, key: ContextKey) -> ForwardContext:
         """The persistent context of these streams, or a new one (registered only once its forward begins).
@@ -532,15 +537,6 @@ def _recache_request(
     )
 
 
-def refuse_with_groups(lanes: Sequence[CacheLane], what: str) -> None:
-    """:class:`SpecError` for what retention groups do not support yet."""
-    if len(lanes) > 1:
-        raise SpecError(
-            f"{what}: expected a cache without retention groups (not supported with head_retention yet), got "
-            f"{len(lanes)} lanes"
-        )
-
-
 def _positions(
     ctx: ForwardContext, layout: ForwardLayout, static: bool, relative_sinks: bool, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -574,7 +570,7 @@ def _plan_request(layout: ForwardLayout, request: Build, lane: CacheLane, dtype:
         num_kv_heads=spec.num_kv_heads,
         head_dim=spec.head_dim,
         quantizer=lane.pool.quantizer,
-        token_mask=request.token_mask,
+        token_mask=request.mask_of(lane.index),
         static=request.static,
         max_pages=_max_plan_pages(spec, layout.num_streams, layout.num_chunks) if request.static else None,
     )

@@ -51,6 +51,13 @@ class Build:
     lane_recache_plans: tuple[tuple[RecachePlan, ...], ...] = ()
     recache_starts: tuple[tuple[int, ...], ...] = ()
 
+    #: With retention groups and a ``token_mask`` (given over the union key order), each lane's columns of it.
+    lane_token_masks: tuple[torch.Tensor, ...] = ()
+
+    def mask_of(self, lane: int) -> torch.Tensor | None:
+        """The ``token_mask`` lane ``lane`` plans with (in its own key order)."""
+        return self.lane_token_masks[lane] if self.lane_token_masks else self.token_mask
+
     def plans_of(self, lane: int) -> tuple[RecachePlan, ...]:
         """Each member's re-cache plan in ``lane``."""
         return self.lane_recache_plans[lane] if self.lane_recache_plans else self.recache_plans
@@ -86,7 +93,8 @@ class Build:
             )
         layouts = []
         for s, (b, plan) in enumerate(zip(branches, self.plans_of(lane))):
-            history_pages, spans, starts = b.recache_layout_parts(plan, self.recache_starts[s] if self.recache_starts else None)
+            known = self.recache_starts[s] if self.recache_starts else None
+            history_pages, spans, starts = b.recache_layout_parts(plan, known)
             sink_pages = len(history_pages) if relative_sinks else 0  # the kept sinks
             layouts.append(StreamLayout(history_pages, b.pending, starts[0], spans, starts, sink_pages))
         return tuple(layouts)
