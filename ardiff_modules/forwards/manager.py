@@ -96,6 +96,8 @@ class ForwardManager:
         self.lane_layers = sum(lane.spec.num_layers for lane in self.lanes)
         #: With retention groups, each model layer's lane shares and merge order (built once); else ``None``.
         self.shares = lane_share_map(spec, [lane.part for lane in self.lanes], self.pool.device)
+        #: Each lane's ``token_mask`` in a forward without one.
+        self.no_masks: tuple[torch.Tensor | None, ...] = (None,) * len(self.lanes)
         self.check_finite = check_finite
         self.lock = lock
         self.registry = ContextRegistry(max_contexts)
@@ -145,13 +147,15 @@ class ForwardManager:
         lane_branches = (branches,) if len(self.lanes) == 1 else _lane_branches(members, len(self.lanes))
         for (state, branch), pages in zip(members, branches):
             check_no_open_commit(state, branch, pages)
-        lane_masks: tuple[torch.Tensor, ...] = ()
+        lane_masks = self.no_masks
         if options.token_mask is not None:
             grouped = len(self.lanes) > 1
             keys = union_max_keys(lane_branches, seq_len) if grouped else self.max_visible_keys(branches, seq_len)
             check_token_mask(options.token_mask, (len(branches), seq_len, keys), self.pool.device)
-            if grouped:  # (given over the union key order: each lane takes its columns)
-                lane_masks = lane_token_masks(options.token_mask, lane_branches, seq_len)
+            # (with groups given over the union key order: each lane takes its columns)
+            lane_masks = (
+                lane_token_masks(options.token_mask, lane_branches, seq_len) if grouped else (options.token_mask,)
+            )
         chunk_pages = tuple(length // self.spec.page_size for length in lengths)
         for lane, lane_pages in zip(self.lanes, lane_branches):
             check_capacity(lane_pages, chunk_pages, lane.allocator, lane.extent_pages)
@@ -316,7 +320,8 @@ class ForwardManager:
         lanes: list[TransactionLane] = []
         for lane, branches in zip(self.lanes, request.lane_branches):
             lanes.append(TransactionLane(
-                lane.allocator, branches, held[lane.index] if held is not None else None, request.plans_of(lane.index),
+                lane.allocator, branches, held[lane.index] if held is not None else None,
+                request.lane_recache_plans[lane.index] if request.recache else (),
                 lane.pool.copy_pages if request.recache else None,
             ))
         transaction = ForwardTransaction(
@@ -325,9 +330,9 @@ class ForwardManager:
         )
         transaction.attach()
         # NOTE: with groups the context describes its first lane (plan, layout, and so that mask's columns).
-        ctx._begin(transaction, plans[0], layouts[0], positions, cross, request.mask_of(0))
-        for i, (lane_ctx, plan, layout) in enumerate(zip(ctx._lanes, plans, layouts)):
-            lane_ctx._begin(transaction, plan, layout, positions, ({}, {}, {}), request.mask_of(i))
+        ctx._begin(transaction, plans[0], layouts[0], positions, cross, request.lane_token_masks[0])
+        for lane_ctx, plan, layout, mask in zip(ctx._lanes, plans, layouts, request.lane_token_masks):
+            lane_ctx._begin(transaction, plan, layout, positions, ({}, {}, {}), mask)
 
     def _context(self, key: ContextKey) -> ForwardContext:
         """The persistent context of these streams, or a new one (registered only once its forward begins).
@@ -533,7 +538,7 @@ def _recache_request(
         members=members, branches=lane_branches[0], chunk_pages=tuple(chunk_pages), commit_current=True,
         pending_attention=rule.attention, recache=True, recache_plans=plans, what="prepare_recache",
         lane_branches=lane_branches, lane_extent_pages=(0,) * len(lanes),
-        lane_recache_plans=lane_plans if len(lanes) > 1 else (), recache_starts=starts,
+        lane_recache_plans=lane_plans, recache_starts=starts, lane_token_masks=(None,) * len(lanes),
     )
 
 
@@ -570,7 +575,7 @@ def _plan_request(layout: ForwardLayout, request: Build, lane: CacheLane, dtype:
         num_kv_heads=spec.num_kv_heads,
         head_dim=spec.head_dim,
         quantizer=lane.pool.quantizer,
-        token_mask=request.mask_of(lane.index),
+        token_mask=request.lane_token_masks[lane.index],
         static=request.static,
         max_pages=_max_plan_pages(spec, layout.num_streams, layout.num_chunks) if request.static else None,
     )

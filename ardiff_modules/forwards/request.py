@@ -45,22 +45,13 @@ class Build:
     #: new extent there (``0``: none).
     lane_branches: tuple[tuple[BranchPages, ...], ...] = ()
     lane_extent_pages: tuple[int, ...] = ()
-    #: A re-cache with retention groups: per lane each member's plan over the union of the lanes' rebuilt chunks,
-    #: and per member the union chunks' absolute starts (``forwards/lane_recache.py``); ``()``: ``recache_plans``
-    #: in the one lane, starts from the branch.
+    #: A re-cache: per lane each member's plan (with retention groups over the union of the lanes' rebuilt chunks),
+    #: and per member the union chunks' absolute starts (``forwards/lane_recache.py``; ``()``: from the branch).
     lane_recache_plans: tuple[tuple[RecachePlan, ...], ...] = ()
     recache_starts: tuple[tuple[int, ...], ...] = ()
-
-    #: With retention groups and a ``token_mask`` (given over the union key order), each lane's columns of it.
-    lane_token_masks: tuple[torch.Tensor, ...] = ()
-
-    def mask_of(self, lane: int) -> torch.Tensor | None:
-        """The ``token_mask`` lane ``lane`` plans with (in its own key order)."""
-        return self.lane_token_masks[lane] if self.lane_token_masks else self.token_mask
-
-    def plans_of(self, lane: int) -> tuple[RecachePlan, ...]:
-        """Each member's re-cache plan in ``lane``."""
-        return self.lane_recache_plans[lane] if self.lane_recache_plans else self.recache_plans
+    #: Per lane, the ``token_mask`` it plans with, in its own key order (with retention groups the caller's mask
+    #: is over the union key order: ``forwards/lane_masks.py``); ``None`` entries: no mask.
+    lane_token_masks: tuple[torch.Tensor | None, ...] = ()
 
     @property
     def key(self) -> tuple[tuple[tuple[str, str], ...], int | None]:
@@ -92,7 +83,7 @@ class Build:
                 for b in branches
             )
         layouts = []
-        for s, (b, plan) in enumerate(zip(branches, self.plans_of(lane))):
+        for s, (b, plan) in enumerate(zip(branches, self.lane_recache_plans[lane])):
             known = self.recache_starts[s] if self.recache_starts else None
             history_pages, spans, starts = b.recache_layout_parts(plan, known)
             sink_pages = len(history_pages) if relative_sinks else 0  # the kept sinks
