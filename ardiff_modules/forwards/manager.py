@@ -25,7 +25,7 @@ from ardiff_modules.backends.base import AttentionPlan
 from ardiff_modules.backends.segmented import plan_forward
 from ardiff_modules.context import ForwardContext
 from ardiff_modules.core.branch import BranchPages
-from ardiff_modules.core.recache import RecacheRule
+from ardiff_modules.core.recache import RecachePlan, RecacheRule
 from ardiff_modules.core.reservation import ForwardReservation, settle_free_order
 from ardiff_modules.core.transaction import ForwardTransaction, TransactionLane
 from ardiff_modules.core.two_phase import require_coordinated
@@ -37,6 +37,8 @@ from ardiff_modules.forwards.request import Build
 from ardiff_modules.head_shares import lane_share_map
 from ardiff_modules.lanes import CacheLane
 from ardiff_modules.forwards.uncommitted import UncommittedWatch
+from ardiff_modules.forwards.lane_masks import lane_token_masks, union_max_keys
+from ardiff_modules.forwards.lane_recache import lane_recache_plans, merged_latents
 from ardiff_modules.forwards.validation import (
     check_capacity,
     check_no_open_commit,
@@ -94,6 +96,8 @@ class ForwardManager:
         self.lane_layers = sum(lane.spec.num_layers for lane in self.lanes)
         #: With retention groups, each model layer's lane shares and merge order (built once); else ``None``.
         self.shares = lane_share_map(spec, [lane.part for lane in self.lanes], self.pool.device)
+        #: Each lane's ``token_mask`` in a forward without one.
+        self.no_masks: tuple[torch.Tensor | None, ...] = (None,) * len(self.lanes)
         self.check_finite = check_finite
         self.lock = lock
         self.registry = ContextRegistry(max_contexts)
@@ -143,10 +147,15 @@ class ForwardManager:
         lane_branches = (branches,) if len(self.lanes) == 1 else _lane_branches(members, len(self.lanes))
         for (state, branch), pages in zip(members, branches):
             check_no_open_commit(state, branch, pages)
+        lane_masks = self.no_masks
         if options.token_mask is not None:
-            refuse_with_groups(self.lanes, "prepare_forward.token_mask")
-            expected = (len(branches), seq_len, self.max_visible_keys(branches, seq_len))
-            check_token_mask(options.token_mask, expected, self.pool.device)
+            grouped = len(self.lanes) > 1
+            keys = union_max_keys(lane_branches, seq_len) if grouped else self.max_visible_keys(branches, seq_len)
+            check_token_mask(options.token_mask, (len(branches), seq_len, keys), self.pool.device)
+            # (with groups given over the union key order: each lane takes its columns)
+            lane_masks = (
+                lane_token_masks(options.token_mask, lane_branches, seq_len) if grouped else (options.token_mask,)
+            )
         chunk_pages = tuple(length // self.spec.page_size for length in lengths)
         for lane, lane_pages in zip(self.lanes, lane_branches):
             check_capacity(lane_pages, chunk_pages, lane.allocator, lane.extent_pages)
@@ -158,7 +167,7 @@ class ForwardManager:
             members=members, branches=branches, chunk_pages=chunk_pages, commit_current=commit_current,
             pending_attention=pending, extent_pages=self.extent_pages, token_mask=options.token_mask,
             static=options.static, latents=latents, lane_branches=lane_branches,
-            lane_extent_pages=tuple(lane.extent_pages for lane in self.lanes),
+            lane_extent_pages=tuple(lane.extent_pages for lane in self.lanes), lane_token_masks=lane_masks,
         )
 
     def prepare_recache(
@@ -198,23 +207,9 @@ class ForwardManager:
         """
         with self.lock:
             self._check_open("prepare_recache")
-            refuse_with_groups(self.lanes, "prepare_recache")
-            rule = resolve_recache_rule(keep_sinks, rule, self.spec.recache, self.spec.policy.sink_chunks)
+            rule = self.recache_rule(keep_sinks, rule)
             members = self.resident(streams, "prepare_recache")
-            branches = tuple(state.branch_pages(branch) for state, branch in members)
-            plans, chunk_pages = recache_plans(members, branches, rule)
-            if self.spec.relative_sinks:
-                check_recache_sinks_in_place(members, branches, plans)
-            check_recache_capacity(branches, chunk_pages, self.allocator)
-            # NOTE: the rebuilt chunks ride as pending (abort/close/reset release them): free ring slots first,
-            # then fresh pages; no new extent (extent_pages=0): a branch without one (a fork that has not run
-            # since) rebuilds into fresh pages only.
-            request = Build(
-                members=members, branches=branches, chunk_pages=tuple(chunk_pages), commit_current=True,
-                pending_attention=rule.attention, recache=True, recache_plans=plans, what="prepare_recache",
-                lane_branches=(branches,), lane_extent_pages=(0,),
-            )
-            return self.build(request)
+            return self.build(_recache_request(self.lanes, members, rule, self.spec.relative_sinks))
 
     def recache_latents(
         self, streams: Streams, keep_sinks: bool | None = None, rule: RecacheRule | None = None
@@ -222,12 +217,15 @@ class ForwardManager:
         """The kept clean latents a re-cache of ``streams`` under ``rule`` runs over (``KVCache.recache_latents``)."""
         with self.lock:
             self._check_open("recache_latents")
-            refuse_with_groups(self.lanes, "recache_latents")
-            rule = resolve_recache_rule(keep_sinks, rule, self.spec.recache, self.spec.policy.sink_chunks)
+            rule = self.recache_rule(keep_sinks, rule)
             members = self.resident(streams, "recache_latents")
-            branches = [state.branch_pages(branch) for state, branch in members]
-            plans, _ = recache_plans(members, branches, rule, idle=False)
-            return gather_recache_latents(members, branches, plans)
+            lanes = _lane_branches(members, len(self.lanes))
+            if len(self.lanes) == 1:
+                plans, _ = recache_plans(members, lanes[0], rule, idle=False)
+                return gather_recache_latents(members, [b.latents for b in lanes[0]], [p.rebuilt for p in plans])
+            union = lane_recache_plans(members, lanes, rule, idle=False)
+            latents = [merged_latents([branches[s] for branches in lanes]) for s in range(len(members))]
+            return gather_recache_latents(members, latents, union.rebuilt)
 
     def recache_chunk_indices(
         self, streams: Streams, keep_sinks: bool | None = None, rule: RecacheRule | None = None
@@ -235,11 +233,20 @@ class ForwardManager:
         """Per stream, the commit indices a re-cache under ``rule`` rebuilds, in forward order (nothing changes)."""
         with self.lock:
             self._check_open("recache_chunk_indices")
-            refuse_with_groups(self.lanes, "recache_chunk_indices")
-            rule = resolve_recache_rule(keep_sinks, rule, self.spec.recache, self.spec.policy.sink_chunks)
+            rule = self.recache_rule(keep_sinks, rule)
             members = self.resident(streams, "recache_chunk_indices")
-            branches = [state.branch_pages(branch) for state, branch in members]
-            return [plan.rebuilt for plan in recache_plans(members, branches, rule, idle=False)[0]]
+            lanes = _lane_branches(members, len(self.lanes))
+            if len(self.lanes) == 1:
+                return [plan.rebuilt for plan in recache_plans(members, lanes[0], rule, idle=False)[0]]
+            return list(lane_recache_plans(members, lanes, rule, idle=False).rebuilt)
+
+    def recache_rule(self, keep_sinks: bool | None, rule: RecacheRule | None) -> RecacheRule:
+        """The rule a re-cache runs under, checked against what every lane's branches remember."""
+        resolved = rule
+        for lane in self.lanes:  # (each group has its own sinks: a "move" rule needs as many evicted chunks more)
+            resolved = resolve_recache_rule(keep_sinks, rule, self.spec.recache, lane.spec.policy.sink_chunks)
+        assert resolved is not None
+        return resolved
 
     # ------------------------------------------------------------------ the build path
     def build(self, request: Build, *, hold: bool = False) -> ForwardContext:
@@ -262,8 +269,9 @@ class ForwardManager:
                 self.lanes, ctx._lanes or (ctx,), request.lane_branches, request.lane_extent_pages
             ):  # (one lane: a uniform cache)
                 reservations.append(ForwardReservation(branches, request.chunk_pages, lane.allocator, extent_pages))
+                streams = request.stream_layouts(self.spec.relative_sinks, branches, lane.index)
                 layout = ForwardLayout(
-                    streams=request.stream_layouts(self.spec.relative_sinks, branches), chunk_size=self.spec.chunk_size,
+                    streams=streams, chunk_size=self.spec.chunk_size,
                     page_size=self.spec.page_size, pending_attention=request.pending_attention,
                 )
                 layouts.append(layout)
@@ -312,7 +320,8 @@ class ForwardManager:
         lanes: list[TransactionLane] = []
         for lane, branches in zip(self.lanes, request.lane_branches):
             lanes.append(TransactionLane(
-                lane.allocator, branches, held[lane.index] if held is not None else None, request.recache_plans,
+                lane.allocator, branches, held[lane.index] if held is not None else None,
+                request.lane_recache_plans[lane.index] if request.recache else (),
                 lane.pool.copy_pages if request.recache else None,
             ))
         transaction = ForwardTransaction(
@@ -320,9 +329,10 @@ class ForwardManager:
             recache=request.recache, latents=request.latents, lanes=tuple(lanes),
         )
         transaction.attach()
-        ctx._begin(transaction, plans[0], layouts[0], positions, cross, request.token_mask)
-        for lane_ctx, plan, layout in zip(ctx._lanes, plans, layouts):
-            lane_ctx._begin(transaction, plan, layout, positions, ({}, {}, {}), request.token_mask)
+        # NOTE: with groups the context describes its first lane (plan, layout, and so that mask's columns).
+        ctx._begin(transaction, plans[0], layouts[0], positions, cross, request.lane_token_masks[0])
+        for lane_ctx, plan, layout, mask in zip(ctx._lanes, plans, layouts, request.lane_token_masks):
+            lane_ctx._begin(transaction, plan, layout, positions, ({}, {}, {}), mask)
 
     def _context(self, key: ContextKey) -> ForwardContext:
         """The persistent context of these streams, or a new one (registered only once its forward begins).
@@ -502,13 +512,34 @@ def _max_plan_pages(spec: KVCacheSpec, num_streams: int, num_chunks: int) -> int
     return num_streams * chunks * spec.pages_per_chunk
 
 
-def refuse_with_groups(lanes: Sequence[CacheLane], what: str) -> None:
-    """:class:`SpecError` for what retention groups do not support yet."""
-    if len(lanes) > 1:
-        raise SpecError(
-            f"{what}: expected a cache without retention groups (not supported with head_retention yet), got "
-            f"{len(lanes)} lanes"
-        )
+def _recache_request(
+    lanes: Sequence[CacheLane], members: tuple[tuple[KVState, str], ...], rule: RecacheRule, relative_sinks: bool
+) -> Build:
+    """A re-cache's validated request: ``rule`` planned in every lane (with groups, over the union of the lanes'
+    rebuilt chunks: ``forwards/lane_recache.py``), relative sinks in place and the rebuilt chunks' room checked
+    in every lane (raises before anything changed)."""
+    lane_branches = _lane_branches(members, len(lanes))
+    lane_plans: tuple[tuple[RecachePlan, ...], ...]
+    starts: tuple[tuple[int, ...], ...]
+    if len(lanes) == 1:
+        plans, chunk_pages = recache_plans(members, lane_branches[0], rule)
+        lane_plans, starts = (plans,), ()
+    else:
+        union = lane_recache_plans(members, lane_branches, rule)
+        plans, chunk_pages, lane_plans, starts = union.plans[0], list(union.chunk_pages), union.plans, union.starts
+    for lane, branches, lane_plan in zip(lanes, lane_branches, lane_plans):
+        if relative_sinks:
+            check_recache_sinks_in_place(members, branches, lane_plan)
+        check_recache_capacity(branches, chunk_pages, lane.allocator)
+    # NOTE: the rebuilt chunks ride as pending (abort/close/reset release them): free ring slots first,
+    # then fresh pages; no new extent (extent_pages=0): a branch without one (a fork that has not run
+    # since) rebuilds into fresh pages only.
+    return Build(
+        members=members, branches=lane_branches[0], chunk_pages=tuple(chunk_pages), commit_current=True,
+        pending_attention=rule.attention, recache=True, recache_plans=plans, what="prepare_recache",
+        lane_branches=lane_branches, lane_extent_pages=(0,) * len(lanes),
+        lane_recache_plans=lane_plans, recache_starts=starts, lane_token_masks=(None,) * len(lanes),
+    )
 
 
 def _positions(
@@ -544,7 +575,7 @@ def _plan_request(layout: ForwardLayout, request: Build, lane: CacheLane, dtype:
         num_kv_heads=spec.num_kv_heads,
         head_dim=spec.head_dim,
         quantizer=lane.pool.quantizer,
-        token_mask=request.token_mask,
+        token_mask=request.lane_token_masks[lane.index],
         static=request.static,
         max_pages=_max_plan_pages(spec, layout.num_streams, layout.num_chunks) if request.static else None,
     )

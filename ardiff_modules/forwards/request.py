@@ -45,6 +45,13 @@ class Build:
     #: new extent there (``0``: none).
     lane_branches: tuple[tuple[BranchPages, ...], ...] = ()
     lane_extent_pages: tuple[int, ...] = ()
+    #: A re-cache: per lane each member's plan (with retention groups over the union of the lanes' rebuilt chunks),
+    #: and per member the union chunks' absolute starts (``forwards/lane_recache.py``; ``()``: from the branch).
+    lane_recache_plans: tuple[tuple[RecachePlan, ...], ...] = ()
+    recache_starts: tuple[tuple[int, ...], ...] = ()
+    #: Per lane, the ``token_mask`` it plans with, in its own key order (with retention groups the caller's mask
+    #: is over the union key order: ``forwards/lane_masks.py``); ``None`` entries: no mask.
+    lane_token_masks: tuple[torch.Tensor | None, ...] = ()
 
     @property
     def key(self) -> tuple[tuple[tuple[str, str], ...], int | None]:
@@ -57,10 +64,10 @@ class Build:
         return sum(self.chunk_pages) * (self.branches[0].page_size if self.branches else 0)
 
     def stream_layouts(
-        self, relative_sinks: bool, lane_branches: tuple[BranchPages, ...] | None = None
+        self, relative_sinks: bool, lane_branches: tuple[BranchPages, ...] | None = None, lane: int = 0
     ) -> tuple[StreamLayout, ...]:
-        """Each stream's layout once its pending chunks are reserved (in the lane of ``lane_branches``, each
-        member's pages there; default the first lane's).
+        """Each stream's layout once its pending chunks are reserved (in lane ``lane``, whose branch pages are
+        ``lane_branches``, each member's pages there; default the first lane's).
 
         A forward reads the whole history; a re-cache reads only the kept sinks, and each rebuilt
         chunk keeps the absolute start it was generated at (so RoPE positions are the original ones).
@@ -76,8 +83,9 @@ class Build:
                 for b in branches
             )
         layouts = []
-        for b, plan in zip(self.branches, self.recache_plans):
-            history_pages, spans, starts = b.recache_layout_parts(plan)
+        for s, (b, plan) in enumerate(zip(branches, self.lane_recache_plans[lane])):
+            known = self.recache_starts[s] if self.recache_starts else None
+            history_pages, spans, starts = b.recache_layout_parts(plan, known)
             sink_pages = len(history_pages) if relative_sinks else 0  # the kept sinks
             layouts.append(StreamLayout(history_pages, b.pending, starts[0], spans, starts, sink_pages))
         return tuple(layouts)

@@ -6,7 +6,7 @@ so a refused ``prepare_forward`` leaves every session, the allocator and the poo
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import cast
 
 import torch
@@ -195,30 +195,13 @@ def recache_plans(
     """
     shapes, plans = [], []
     for (state, branch), h in zip(members, histories):
-        forward = h.transaction
-        if idle and ((isinstance(forward, ForwardTransaction) and forward.is_open) or h.pending):
-            what = "an open forward" if isinstance(forward, ForwardTransaction) and forward.is_open else (
-                f"{len(h.pending)} pending chunk(s) kept by a denoising forward"
-            )
-            raise PendingContextError(
-                f"prepare_recache: expected branch {branch!r} of session {state.session_id!r} to be idle (no open "
-                f"forward, no pending chunk), got {what}; commit_paged_context({branch!r}) or abort({branch!r}) first"
-            )
-        plan = h.recache_plan(rule)
+        plan = stream_recache_plan(state, branch, h, rule, idle)
         if not plan.num_kept_chunks:
             raise SpecError(
                 f"prepare_recache: expected at least one resident chunk to rebuild on {state.session_id!r}/{branch!r} "
                 f"({rule}), got {len(h.history)} resident chunk(s), {len(h.sinks)} of them sinks"
             )
         pages = tuple(h.recache_chunk(i)[1] for i in plan.rebuilt)
-        for index, slot, n in zip(plan.rebuilt, plan.replaces, pages):
-            if plan.moved and slot is not None and slot < len(h.sinks) and n != len(h.history[slot]):
-                size = h.page_size
-                raise SpecError(
-                    f"prepare_recache: expected the chunk moving into sink slot {slot} of {state.session_id!r}/{branch!r} "
-                    f"to have the sink's {len(h.history[slot]) * size} tokens, got chunk {index} of {n * size} (sinks "
-                    "of another length than the chunks, e.g. a 1-frame image-to-video first chunk, cannot move)"
-                )
         shapes.append(pages)
         plans.append(plan)
     if len(set(shapes)) != 1:
@@ -229,6 +212,31 @@ def recache_plans(
             f"token lengths {got}; re-cache them in separate calls"
         )
     return tuple(plans), list(shapes[0])
+
+
+def stream_recache_plan(state: KVState, branch: str, h: BranchPages, rule: RecacheRule, idle: bool) -> RecachePlan:
+    """One stream's re-cache plan in one lane (``h``: its pages there): the stream idle (unless ``idle=False``), a
+    moved sink as long as the sink it replaces. An empty plan is the caller's to refuse."""
+    forward = h.transaction
+    if idle and ((isinstance(forward, ForwardTransaction) and forward.is_open) or h.pending):
+        what = "an open forward" if isinstance(forward, ForwardTransaction) and forward.is_open else (
+            f"{len(h.pending)} pending chunk(s) kept by a denoising forward"
+        )
+        raise PendingContextError(
+            f"prepare_recache: expected branch {branch!r} of session {state.session_id!r} to be idle (no open "
+            f"forward, no pending chunk), got {what}; commit_paged_context({branch!r}) or abort({branch!r}) first"
+        )
+    plan = h.recache_plan(rule)
+    for index, slot in zip(plan.rebuilt, plan.replaces):
+        n = h.recache_chunk(index)[1]
+        if plan.moved and slot is not None and slot < len(h.sinks) and n != len(h.history[slot]):
+            size = h.page_size
+            raise SpecError(
+                f"prepare_recache: expected the chunk moving into sink slot {slot} of {state.session_id!r}/{branch!r} "
+                f"to have the sink's {len(h.history[slot]) * size} tokens, got chunk {index} of {n * size} (sinks "
+                "of another length than the chunks, e.g. a 1-frame image-to-video first chunk, cannot move)"
+            )
+    return plan
 
 
 def kept_latents(
@@ -377,20 +385,21 @@ def check_recache_sinks_in_place(
 
 
 def gather_recache_latents(
-    members: Sequence[tuple[KVState, str]], branches: Sequence[BranchPages], plans: Sequence[RecachePlan]
+    members: Sequence[tuple[KVState, str]], kept: Sequence[Mapping[int, object]], rebuilt: Sequence[Sequence[int]]
 ) -> torch.Tensor:
-    """The kept clean latents of each stream's rebuilt chunks, ``[num_streams, seq_len, ...]`` in commit order;
-    :class:`LatentsNotKeptError` naming the chunks not kept."""
+    """The kept clean latents of each stream's rebuilt chunks (``rebuilt[stream]``, commit indices, looked up in
+    ``kept[stream]``), ``[num_streams, seq_len, ...]`` in commit order; :class:`LatentsNotKeptError` naming the
+    chunks not kept."""
     rows = []
-    for (state, branch), b, plan in zip(members, branches, plans):
-        indices = list(plan.rebuilt)
-        missing = [i for i in indices if i not in b.latents]
+    for (state, branch), latents, chunks in zip(members, kept, rebuilt):
+        indices = list(chunks)
+        missing = [i for i in indices if i not in latents]
         if missing:
             raise LatentsNotKeptError(
                 f"recache_latents: expected kept latents of chunks {indices} of {state.session_id!r}/"
                 f"{branch!r}, got none for chunk(s) {missing}; pass keep_latents= to their committing "
                 "forwards, or feed the model your own latents"
             )
-        rows.append([cast(torch.Tensor, b.latents[i]) for i in indices])
+        rows.append([cast(torch.Tensor, latents[i]) for i in indices])
     check_recache_latents(members, rows)
     return torch.stack([torch.cat(row) for row in rows])
