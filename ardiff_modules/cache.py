@@ -301,8 +301,7 @@ class KVCache:
     # ------------------------------------------------------------------ admission (ints: core.admission)
     def pages_per_session(self, branches: int | None = None, pending_chunks: int = 1) -> int:
         """Peak pages one session holds: per branch (sinks + window + pending) chunks, or its extent (raises
-        :class:`SpecError` for an unbounded window: no peak exists); with retention groups, summed over the lanes
-        (whose pages differ in bytes: ``stats().lanes``)."""
+        :class:`SpecError` for an unbounded window); with retention groups summed over the lanes (``stats().lanes``)."""
         self._check_open("pages_per_session")
         return sum(lane.admission.pages_per_session(branches, pending_chunks) for lane in self._lanes)
 
