@@ -189,3 +189,40 @@ def test_a_recomputation_after_the_next_forward_reads_the_frozen_lanes() -> None
         (grad,) = torch.autograd.grad(out.square().sum(), layers[0].to_q.weight)
         later.abort()
     torch.testing.assert_close(grad, reference)
+
+
+@pytest.mark.slow
+def test_compiled_grouped_gradients_equal_the_oracle(fresh_dynamo: None) -> None:
+    """The compiled gradient path pads each lane's history to that lane's bound (its lane context's)."""
+    layers = make_layers()
+    inputs, exits, weights = draws()
+    oracle_video(layers, inputs, exits, weights, detach=True).backward()
+    expected = grads(layers)
+
+    def stack(x: torch.Tensor, kv: list) -> torch.Tensor:  # noqa: ANN001
+        for layer, ctx in zip(layers, kv):
+            x = layer(x, ctx)
+        return x
+
+    compiled = torch.compile(stack, backend="aot_eager", fullgraph=True)
+    cache = make_cache()
+    probe = cache.open_session("probe")
+    fwd = probe.prepare_forward(BRANCHES, CHUNK, commit_current=False)
+    assert [lane._max_history_tokens for lane in fwd._lanes] == [CHUNK, 3 * CHUNK, 3 * CHUNK]  # l: 1, g: 1 + 2
+    fwd.abort()
+    probe.close()
+    state = cache.open_session()
+    loss = torch.zeros(())
+    with am.TrainingScope(cache):
+        for c in range(CHUNKS):
+            for step in range(exits[c] + 1):
+                with torch.set_grad_enabled(step == exits[c]):
+                    fwd = state.prepare_forward(BRANCHES, CHUNK, commit_current=False)
+                    out = compiled(inputs[c][step], fwd.layers)
+            loss = loss + (out * weights[c]).sum()
+            with torch.no_grad():
+                fwd = state.prepare_forward(BRANCHES, CHUNK, commit_current=True)
+                compiled(inputs[c][-1], fwd.layers)
+                fwd.commit()
+        loss.backward()
+    assert worst(grads(layers), expected) <= 1e-5
