@@ -285,6 +285,11 @@ def check_groups() -> None:
     assert local is not None
     assert local.layers == ((("l",), ("g",)) if mesh.sp_rank == 0 else (("g",), ("g",))), local.layers
     check_failures((2,), ("sp",), 0, groups=GROUPS)
+    # Per-layer groups: both Ulysses ranks hold the same two lanes, whose page tables must stay identical
+    # (a failed vote settles the second lane's free queue too).
+    per_layer = am.HeadRetention({"l": (0, 1), "g": (1, 2)}, [["l", "l"], ["g", "g"]])
+    check_failures((2,), ("sp",), 1, groups=per_layer)
+    check_vote_undo(per_layer)
 
 
 def _has_relative_sinks() -> bool:
@@ -332,11 +337,11 @@ def _prepare_failing_on(cache: DistributedKVCache, bad: int, *args: Any, **kwarg
         cache.cache._forwards.prepare = original  # type: ignore[method-assign]
 
 
-def check_vote_undo() -> None:
+def check_vote_undo(groups: am.HeadRetention | None = None) -> None:
     """A prepare that fails on one rank leaves every rank in the same state even when the ranks that prepared
     had superseded a kept forward spanning another session, or reserved a contiguous extent; a superseded
     forward handle finishes nothing (not the later forward of its context)."""
-    model, parallel, _, cache, mesh = _setup((2,), ("sp",), 4, 2, debug=False)
+    model, parallel, _, cache, mesh = _setup((2,), ("sp",), 4, 2, debug=False, groups=groups)
     device, dtype = _device(), cache.cache.dtype
     text = torch.randn(2, 5, model.context_dim, generator=torch.Generator().manual_seed(3)).to(device, dtype)
 
@@ -927,7 +932,7 @@ def check_graph_votes() -> None:
     from ardiff_modules.errors import SpecError
     from ardiff_modules.graphs import _Captured
 
-    model, parallel, _, cache, mesh = _setup((2,), ("sp",), 4, 2, debug=False)
+    model, parallel, _, cache, mesh = _setup((2,), ("sp",), 4, 2, debug=False, groups=groups)
     step = DistributedCUDAGraphStep(parallel, mesh)
     me = dist.get_rank()
     x = torch.zeros(2, CHUNK // 2, model.dim)
