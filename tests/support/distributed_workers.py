@@ -932,7 +932,7 @@ def check_graph_votes() -> None:
     from ardiff_modules.errors import SpecError
     from ardiff_modules.graphs import _Captured
 
-    model, parallel, _, cache, mesh = _setup((2,), ("sp",), 4, 2, debug=False, groups=groups)
+    model, parallel, _, cache, mesh = _setup((2,), ("sp",), 4, 2, debug=False)
     step = DistributedCUDAGraphStep(parallel, mesh)
     me = dist.get_rank()
     x = torch.zeros(2, CHUNK // 2, model.dim)
