@@ -64,6 +64,7 @@ from ardiff_modules.errors import (
     SpecError,
     UnknownBranchError,
 )
+from ardiff_modules.lanes import CacheLane
 from ardiff_modules.session import KVState, branch_names
 
 #: DEBUG: one line per warm-up (forwards, shapes, seconds). WARNING: a compile cache of another torch version.
@@ -243,7 +244,7 @@ def warm_up(
     walk = _checked_walk(cache, run_forward, branches, sessions, chunk_lengths, max_chunks, denoising_forwards,
                          static, setup_session)
     start = time.perf_counter()
-    free_before = cache._allocator.free_pages()
+    free_before = [lane.allocator.free_pages() for lane in cache._lanes]  # each lane's queue (retention groups)
     tag = uuid.uuid4().hex[:12]
     scratch: list[KVState] = []
     stages = []
@@ -260,8 +261,9 @@ def warm_up(
         with cache.lock:
             for state in scratch:
                 state.close()
-            settle_free_order(cache._allocator, free_before)
-    report = WarmUpReport(tuple(stages), time.perf_counter() - start, cache._allocator.peak_used)
+            for lane, order in zip(cache._lanes, free_before):
+                settle_free_order(lane.allocator, order)
+    report = WarmUpReport(tuple(stages), time.perf_counter() - start, sum(lane.allocator.peak_used for lane in cache._lanes))
     logger.debug("warm-up: %d forwards, %d distinct shapes, %.3f s", report.forwards, len(report.shapes),
                  report.seconds)
     return report
@@ -342,18 +344,21 @@ def _checked_walk(
         raise SpecError(f"warm_up.branches: expected distinct branch names, got {list(names)}")
     batches = _batches(sessions)
     lengths = _chunk_lengths(spec.chunk_size, spec.page_size, chunk_lengths)
-    chunks = walk_chunks(spec.policy, max_chunks)
+    # with retention groups: until every lane's window has filled and evicted (the longest walk)
+    chunks = max(walk_chunks(lane.spec.policy, max_chunks) for lane in cache._lanes)
     walk = _Walk(names, batches, tuple(lengths[min(i, len(lengths) - 1)] for i in range(chunks)),
                  require_int("warm_up.denoising_forwards", denoising_forwards, minimum=0),
                  require_bool("warm_up.static", static))
-    quantizer = cache._pool.quantizer
-    if quantizer is not None and not quantizer.all_calibrated:
+    quantizers = [lane.pool.quantizer for lane in cache._lanes]
+    if any(q is not None and not q.all_calibrated for q in quantizers):
         raise SpecError(
             "warm_up: expected an FP8 pool's scales fixed (every layer), got some uncalibrated: a scratch commit "
             "would fix them from the warm-up's dummy K/V; call cache.set_kv_scales(...) first, or warm up after "
             "a real commit"
         )
-    _check_room(cache, walk, chunks)
+    for lane in cache._lanes:
+        _check_room(cache, lane, walk, chunks)
+    _check_contexts(cache, walk)
     return walk
 
 
@@ -381,27 +386,33 @@ def _chunk_lengths(chunk: int, page: int, lengths: Sequence[int] | None) -> tupl
     return tuple(lengths)
 
 
-def _check_room(cache: KVCache, walk: _Walk, chunks: int) -> None:
-    """:class:`CapacityError` unless the scratch sessions fit at their peak beside the open sessions' promised
-    peaks; :class:`SpecError` unless the forward contexts they make fit beside the kept ones."""
-    spec = cache.spec
+def _check_room(cache: KVCache, lane: CacheLane, walk: _Walk, chunks: int) -> None:
+    """:class:`CapacityError` unless the scratch sessions fit at their peak in ``lane`` beside the open sessions'
+    promised peaks (a uniform cache has one lane; the error then names no lane)."""
+    spec = lane.spec
     history = spec.max_history_chunks
     per_stream = min(chunks, history + 1) if history is not None else chunks
-    if cache.extent_chunks is not None:
-        per_stream = max(per_stream, cache.extent_chunks)
+    if lane.extent_chunks is not None:
+        per_stream = max(per_stream, lane.extent_chunks)
     needed = max(walk.batches) * len(walk.branches) * per_stream * spec.pages_per_chunk
     with cache.lock:
-        free, used = cache._allocator.num_free, cache._allocator.num_used
+        free, used = lane.allocator.num_free, lane.allocator.num_used
         resident = len(cache.sessions) - len(cache.tiers().suspended)
-        available = free if history is None else max(0, cache._admission.unpromised(free, used, resident, False))
+        available = free if history is None else max(0, lane.admission.unpromised(free, used, resident, False))
         if needed > available:
             promised = "" if history is None else f", not promised to the {resident} open session(s)' peaks"
+            where = "" if lane.part is None else f" of lane {lane.name!r}"
             raise CapacityError(
-                f"warm_up: the scratch sessions need up to {needed} pages ({max(walk.batches)} session(s) x "
+                f"warm_up: the scratch sessions need up to {needed} pages{where} ({max(walk.batches)} session(s) x "
                 f"{len(walk.branches)} branch(es) x {per_stream} chunks x {spec.pages_per_chunk} pages), only "
                 f"{available} are free{promised}",
                 needed=needed, free=available,
             )
+
+
+def _check_contexts(cache: KVCache, walk: _Walk) -> None:
+    """:class:`SpecError` unless the forward contexts the scratch sessions make fit beside the kept ones."""
+    with cache.lock:
         contexts = len(walk.batches) * (len(set(walk.lengths)) if walk.static else 1)
         kept = cache._forwards.num_contexts
         if kept + contexts > cache.max_forward_contexts:

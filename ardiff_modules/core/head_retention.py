@@ -165,6 +165,26 @@ class HeadRetention:
         require_int("HeadRetention.group_of.head", head, minimum=0, below=self.num_kv_heads)
         return self.layers[layer][head]
 
+    def restrict(self, kv_heads: Sequence[int]) -> HeadRetention:
+        """The assignment of the K/V heads ``kv_heads`` (ascending indices, the same in every layer) alone: what
+        a Ulysses rank holding those heads stores. A group none of them follows is dropped; a group whose heads
+        land on several ranks becomes a lane on each.
+
+        ::
+
+            HeadRetention(g, [["l", "g"], ["g", "g"]]).restrict([1])  ->  [["g"], ["g"]]  (groups: g)
+        """
+        owner = "HeadRetention.restrict.kv_heads"
+        if isinstance(kv_heads, (str, bytes)) or not isinstance(kv_heads, Sequence) or not kv_heads:
+            raise SpecError(f"{owner}: expected a non-empty sequence of kv head indices, got {kv_heads!r}")
+        for head in kv_heads:
+            require_int(owner, head, minimum=0, below=self.num_kv_heads)
+        if list(kv_heads) != sorted(set(kv_heads)):
+            raise SpecError(f"{owner}: expected ascending distinct kv head indices, got {list(kv_heads)}")
+        rows = [[row[h] for h in kv_heads] for row in self.layers]
+        used = {g for row in rows for g in row}
+        return HeadRetention({name: policy for name, policy in self.groups.items() if name in used}, rows)
+
     def parts(self) -> tuple[HeadPart, ...]:
         """The pools this assignment needs: one per (group, heads per layer), groups in declaration order."""
         found: dict[tuple[str, int], tuple[list[int], list[tuple[int, ...]]]] = {}

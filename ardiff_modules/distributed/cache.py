@@ -55,10 +55,11 @@ import torch
 
 from ardiff_modules.cache import KVCache
 from ardiff_modules.context import ForwardContext, LayerContext
-from ardiff_modules.distributed.digest import StateDigest, h64, check_consistency
+from ardiff_modules.distributed.digest import StateDigest, h64, check_consistency, lane_signature
 from ardiff_modules.distributed.errors import DistributedForwardError, RankDivergenceError
 from ardiff_modules.distributed.mesh import HOST_WORDS, ParallelMesh, Vote, check_same_vote
 from ardiff_modules.errors import SequenceLengthError, SpecError
+from ardiff_modules.core.reservation import settle_free_order
 from ardiff_modules.core.transaction import ForwardTransaction
 from ardiff_modules.core.two_phase import (
     Coordinator,
@@ -180,7 +181,8 @@ class DistributedKVCache:
         """
         number = self._forward_number + 1
         states = self._vote_arguments(number, sessions, seq_len, commit_current, static, kwargs)
-        free_before = self.cache._allocator.free_pages()  # identical on every rank (same calls so far)
+        # each lane's free queue: identical on every rank of a row (same calls so far, same lanes)
+        free_before = tuple(tuple(lane.allocator.free_pages()) for lane in self.cache._lanes)
         ctx = self._prepare_and_vote(number, states, seq_len, commit_current, static, kwargs, free_before)
         return DistributedForward(self, ctx, states, free_before, number)
 
@@ -224,7 +226,7 @@ class DistributedKVCache:
 
     def _prepare_and_vote(
         self, number: int, states: tuple[KVState, ...], seq_len: int, commit_current: bool, static: bool,
-        kwargs: Mapping[str, Any], free_before: Sequence[int],
+        kwargs: Mapping[str, Any], free_before: Sequence[Sequence[int]],
     ) -> ForwardContext:
         """Vote 2: the local prepare (its reservation held until the vote), then its outcome on every rank
         (:func:`~ardiff_modules.core.two_phase.prepare_all`, decided by a vote)."""
@@ -320,16 +322,21 @@ class DistributedKVCache:
                     touched += [s for s, _ in forward.members if s not in touched]
         return tuple(touched)
 
-    def _abort_streams(self, states: Sequence[KVState], free_before: Sequence[int]) -> None:
+    def _abort_streams(self, states: Sequence[KVState], free_before: Sequence[Sequence[int]]) -> None:
         """Every rank ends a failed forward in the same state: open forwards aborted, kept pending pages
         dropped, and the free queue in one canonical order.
 
         NOTE: the page *set* is then the same on every rank, but not the free-queue *order*: ranks may have
         freed the same pages in other orders (a forward aborted whole on one rank, session by session on
         another), so their next allocations would pick other ids. The order is therefore settled to: pages
-        free before the forward, in their order then, followed by the others by id.
+        free before the forward, in their order then, followed by the others by id -- in every lane
+        (``free_before``: each lane's queue before the forward; retention groups have one lane per head part).
         """
-        self.cache._forwards.abort_sessions(states, free_order=free_before)
+        orders = list(free_before) or [()] * len(self.cache._lanes)
+        with self.cache.lock:
+            self.cache._forwards.abort_sessions(states, free_order=orders[0])
+            for lane, order in zip(self.cache._lanes[1:], orders[1:]):
+                settle_free_order(lane.allocator, order)
 
     def settle_finish(self, decision: Decision) -> None:
         """After a finish vote's outcome was applied, whatever it was: the optional consistency check.
@@ -345,10 +352,18 @@ class DistributedKVCache:
         Ranks of one mesh row (same branches) must hold identical page tables, histories, offsets and
         pending pages; all ranks the same sessions and chunk counts. One all-gather of 2 int64 per rank.
         """
-        rows = tuple(
-            self.mesh.ranks[c * self.mesh.sp_size : (c + 1) * self.mesh.sp_size] for c in range(self.mesh.cfg_size)
-        )
-        return check_consistency(self.cache, self.mesh.host_group, rows)
+        return check_consistency(self.cache, self.mesh.host_group, self._replica_rows())
+
+    def _replica_rows(self) -> tuple[tuple[int, ...], ...]:
+        """Ranks whose page tables must be identical: one mesh row (same branches), split by retention lanes
+        (Ulysses ranks restrict the groups to their heads: ranks with other lanes hold other pages)."""
+        mesh, rows = self.mesh, []
+        signatures = [lane_signature(mesh.local_head_retention(self.global_spec, r)) for r in range(mesh.sp_size)]
+        for c in range(mesh.cfg_size):
+            row = mesh.ranks[c * mesh.sp_size : (c + 1) * mesh.sp_size]
+            for signature in dict.fromkeys(signatures):
+                rows.append(tuple(rank for rank, s in zip(row, signatures) if s == signature))
+        return tuple(rows)
 
 
 class DistributedForward:
@@ -361,7 +376,7 @@ class DistributedForward:
 
     def __init__(
         self, owner: DistributedKVCache, context: ForwardContext, sessions: tuple[KVState, ...],
-        free_before: Sequence[int] = (), number: int = 0,
+        free_before: Sequence[Sequence[int]] = (), number: int = 0,
     ) -> None:
         self.owner = owner
         self._free_before = tuple(free_before)

@@ -22,7 +22,9 @@ import torch
 import torch.distributed as dist
 
 from ardiff_modules.cache import KVCache
+from ardiff_modules.core.head_retention import HeadRetention
 from ardiff_modules.distributed.errors import RankDivergenceError
+from ardiff_modules.lanes import CacheLane
 
 # torch 2.13 renamed it (same signature); older torch has only the old name.
 _all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -43,7 +45,8 @@ def h64(text: str) -> int:
 def describe_state(cache: KVCache) -> tuple[str, str]:
     """The canonical text of ``cache``'s bookkeeping: ``(replica, progress)`` (what the digests hash)."""
     replica: list[str] = [
-        f"pages used={cache._allocator.num_used} free={cache._allocator.num_free}",
+        f"pages{_lane_label(lane)} used={lane.allocator.num_used} free={lane.allocator.num_free}"
+        for lane in cache._lanes
     ]
     progress: list[str] = []
     with cache.lock:
@@ -51,18 +54,32 @@ def describe_state(cache: KVCache) -> tuple[str, str]:
             replica.append(f"session {sid!r}")
             steps = set()
             for branch in state.kv_branch_names:
-                h = state.branch_pages(branch)
                 forward = state._open_forward(branch)
-                replica.append(
-                    f"  {branch!r}: offset={h.token_offset} committed={h.committed_chunks} "
-                    f"resident={list(h.history_chunks)} pending={list(h.pending)} extent={list(h.extent)} "
-                    f"open={forward.commit_current if forward is not None else None} "
-                    f"shot={h.shot_start} floor={h.window_floor}"
-                )
+                for lane, h in zip(cache._lanes, state._lane_pages(branch)):
+                    replica.append(
+                        f"  {branch!r}{_lane_label(lane)}: offset={h.token_offset} committed={h.committed_chunks} "
+                        f"resident={list(h.history_chunks)} pending={list(h.pending)} extent={list(h.extent)} "
+                        f"open={forward.commit_current if forward is not None else None} "
+                        f"shot={h.shot_start} floor={h.window_floor}"
+                    )
+                h = state.branch_pages(branch)
                 steps.add((h.committed_chunks, h.token_offset, len(h.pending)))
             replica.append(f"  cross={sorted(state._cross_entries())}")
             progress.append(f"session {sid!r}: {sorted(steps)}")
     return "\n".join(replica), "\n".join(progress)
+
+
+def _lane_label(lane: CacheLane) -> str:
+    """``""`` for a uniform cache's one lane (the text as it always was), else `` lane <layers>x<group>/<heads>h``."""
+    return "" if lane.part is None else f" lane {list(lane.part.layers)}x{lane.name}"
+
+
+def lane_signature(heads: HeadRetention | None) -> str:
+    """What equal page tables need of two ranks' retention groups: the same lanes (group, layers, heads per
+    layer), whichever head indices they hold."""
+    if heads is None:
+        return ""
+    return ";".join(f"{list(p.layers)}x{p.name}" for p in heads.parts())
 
 
 def state_digest(cache: KVCache) -> StateDigest:

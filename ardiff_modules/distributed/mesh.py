@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from ardiff_modules.core.head_retention import HeadRetention
 from ardiff_modules.distributed.errors import RankDivergenceError
 from ardiff_modules.distributed.heads import HeadSharding
 from ardiff_modules.distributed.placement import place_branches
@@ -202,8 +203,16 @@ class ParallelMesh:
             )
         return dataclasses.replace(
             spec, branches=self.local_branches, num_kv_heads=heads.local_kv_heads, num_qo_heads=heads.local_heads,
-            cross_attention=cross,
+            cross_attention=cross, head_retention=self.local_head_retention(spec, self.sp_rank),
         )
+
+    def local_head_retention(self, spec: KVCacheSpec, sp_rank: int) -> HeadRetention | None:
+        """The retention groups of the K/V heads sequence-parallel rank ``sp_rank`` holds (``spec``'s map
+        restricted to them: :meth:`HeadRetention.restrict`), or ``None`` for a uniform spec."""
+        if spec.head_retention is None or self.sp_size == 1:
+            return spec.head_retention
+        start, stop = HeadSharding(spec.query_heads, spec.num_kv_heads, self.sp_size, sp_rank).kv_heads_range
+        return spec.head_retention.restrict(range(start, stop))
 
     # ------------------------------------------------------------------ model inputs / outputs
     def local_streams(self, x: torch.Tensor) -> torch.Tensor:

@@ -428,11 +428,14 @@ class SelfForcingSession:
         if seq_len < self.cache.spec.chunk_size:
             return  # the short first chunk says nothing of F: checked at the next chunk
         sink_size, local_attn_size = self.upstream_window
-        policy = self.cache.spec.policy
+        spec = self.cache.spec
         expected = SinkWindowPolicy.from_frames(
             sink_size=sink_size, local_attn_size=local_attn_size, frames_per_chunk=frames_per_chunk,
             independent_first_frame=self._short_first,
         )
+        # retention groups: every group's policy (a map with other rules runs with check_window=False)
+        groups = spec.head_retention.groups if spec.head_retention is not None else {"": spec.policy}
+        policy = next((p for p in groups.values() if p != expected), expected)
         if policy != expected:
             first = ", after a 1-frame first chunk" if self._short_first else ""
             raise SpecError(

@@ -41,7 +41,8 @@ def attend_with_grad(
         view = record.view(kv.layer_index, pool, q.dtype)
     k_live, v_live = _as_stored(k, v, view.scales, pool.dtype)
     if record is not None and record.ledger is not None:
-        view = _straight_through(record, kv.layer_index, view, k_live, v_live, first_call)
+        # keyed across lanes: a lane's layer i is write ``lane_base + i`` of the forward
+        view = _straight_through(record, record.lane_base + kv.layer_index, view, k_live, v_live, first_call)
     keys = torch.cat([view.k, k_live], dim=1).transpose(1, 2)  # [S, Hkv, K, D]
     values = torch.cat([view.v, v_live], dim=1).transpose(1, 2)
     queries = q.transpose(1, 2)  # [S, H, n, D]

@@ -21,6 +21,7 @@ from ardiff_modules.core.branch import BranchPages
 from ardiff_modules.core.transaction import ForwardTransaction, PageHold
 from ardiff_modules.core.allocator import PageAllocator
 from ardiff_modules.errors import InferenceOnlyError, SpecError, TrainingScopeError
+from ardiff_modules.lanes import CacheLane
 from ardiff_modules.layout import StreamLayout, page_token_slots
 from ardiff_modules.ops import write_kv_in_graph
 from ardiff_modules.quant import dequantize, is_quantized
@@ -29,9 +30,11 @@ from ardiff_modules.training.straight_through import LivePiece, LiveWrites
 
 
 class ScopedCache(Protocol):
-    """What a :class:`TrainingScope` needs of its cache (``KVCache``): the allocator, the forward manager, the lock."""
+    """What a :class:`TrainingScope` needs of its cache (``KVCache``): its lanes (each lane's allocator holds the
+    pages its forwards read), the forward manager, the lock."""
 
     _allocator: PageAllocator
+    _lanes: tuple[CacheLane, ...]
 
     @property
     def _forwards(self) -> object: ...
@@ -102,6 +105,12 @@ class HistoryRead:
     #: layer -> the live K/V this forward's history reads are routed to (frozen at the layer's first call, so a
     #: recomputation builds the same graph).
     live: dict[int, list[LivePiece]] = field(default_factory=dict)
+    #: The page store ``[layers, 2, pages, ...]`` of the lane this record read (with retention groups a forward
+    #: has one record per lane: the scope holds its pages in that lane's allocator).
+    kv_pool: torch.Tensor | None = None
+    #: Where the lane's layers count among the forward's writes (``ForwardContext._write_base``): ``lane_base +
+    #: layer`` names one lane layer across the lanes (what the straight-through ledger keys its writes by).
+    lane_base: int = 0
 
     @classmethod
     def of(cls, fwd: ForwardContext, pad_to: int | None = None) -> HistoryRead:
@@ -141,6 +150,7 @@ class HistoryRead:
             generations=tuple(b.generation for b in fwd._transaction.branches),
             history_spans=tuple(s.history_spans for s in layout.streams),
             pending_spans=tuple(_pending_spans(s, page_size) for s in layout.streams),
+            kv_pool=fwd.layers[0]._kv_pool if fwd.layers else None, lane_base=fwd._write_base,
         )
 
     def attach(self, hold: PageHold, ledger: LiveWrites | None) -> None:
@@ -227,7 +237,8 @@ def _visibility(fwd: ForwardContext, valid: torch.Tensor, pending: torch.Tensor,
 # ---------------------------------------------------------------------------------------------------
 # Which record a layer call reads: its forward's (first call), or the original call's (recomputation).
 
-RECORDS: weakref.WeakKeyDictionary[ForwardTransaction, HistoryRead] = weakref.WeakKeyDictionary()
+#: Each open forward's records, one per lane (keyed by the lane's ``_write_base``; a uniform cache has one, 0).
+RECORDS: weakref.WeakKeyDictionary[ForwardTransaction, dict[int, HistoryRead]] = weakref.WeakKeyDictionary()
 #: One frozen copy of each forward's context that ``TrainingScope.checkpoint`` handed out (while it is open).
 FROZEN: weakref.WeakKeyDictionary[ForwardTransaction, ForwardContext] = weakref.WeakKeyDictionary()
 RECORDS_LOCK = threading.Lock()
@@ -294,27 +305,31 @@ def read_history(kv: LayerContext, k_rows: torch.Tensor, v_rows: torch.Tensor, p
 
 
 def _record_of(fwd: ForwardContext, pad_to: int | None) -> HistoryRead:
-    """One record per forward (built by its first layer with gradients: host work once per forward)."""
+    """One record per forward and lane (built by the lane's first layer with gradients: host work once per
+    forward and lane); ``fwd`` is the lane's context (the forward's own for a uniform cache)."""
     transaction = fwd._transaction
     assert transaction is not None
     with RECORDS_LOCK:
-        record = RECORDS.get(transaction)
+        lanes = RECORDS.get(transaction)
+        record = None if lanes is None else lanes.get(fwd._write_base)
     if record is not None:
         return record
     record = HistoryRead.of(fwd, pad_to)
     # The innermost open scope of this cache holds it; a closed one still listed (closed in another thread or
     # context, whose stack it could not edit) refuses, and the next one out takes the record.
     with RECORDS_LOCK:
-        adopted = ADOPTED.pop(transaction, None)
+        adopted = ADOPTED.get(transaction)  # every lane's record (dropped when the forward finishes)
     if adopted is None or not adopted.hold(record):
         for scope in reversed(SCOPES.get()):
             if scope.cache._forwards is fwd._owner and scope.hold(record):
                 break
     with RECORDS_LOCK:
-        RECORDS[transaction] = record
-    # NOTE: the record refers to its transaction, so the weak key alone would never let the entry go: drop it
-    # when the forward finishes (no first call can come after; replays hold their records themselves).
-    transaction.on_close.append(forget)
+        first = transaction not in RECORDS
+        RECORDS.setdefault(transaction, {})[fwd._write_base] = record
+    if first:
+        # NOTE: the record refers to its transaction, so the weak key alone would never let the entry go: drop
+        # it when the forward finishes (no first call can come after; replays hold their records themselves).
+        transaction.on_close.append(forget)
     return record
 
 
@@ -322,6 +337,7 @@ def forget(transaction: ForwardTransaction) -> None:
     with RECORDS_LOCK:
         RECORDS.pop(transaction, None)
         FROZEN.pop(transaction, None)
+        ADOPTED.pop(transaction, None)
 
 
 class Replay:

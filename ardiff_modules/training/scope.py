@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from ardiff_modules.context import ForwardContext, LayerContext
+from ardiff_modules.core.allocator import PageAllocator
 from ardiff_modules.core.transaction import PageHold
 from ardiff_modules.errors import SpecError, TrainingScopeError
 from ardiff_modules.training.records import (
@@ -125,11 +126,25 @@ class TrainingScope:
         with self.cache.lock:
             if self.closed:
                 return False
-            hold = PageHold(self.cache._allocator, record.history_pages)
+            hold = PageHold(self._allocator_of(record), record.history_pages)
             hold.take()
             record.attach(hold, self.ledger)
             self.records.append(record)
             return True
+
+    def _allocator_of(self, record: HistoryRead) -> PageAllocator:
+        """The allocator of the lane ``record`` read (the first lane's for a uniform cache or a record without a
+        page store)."""
+        lanes = getattr(self.cache, "_lanes", ())
+        for lane in lanes:
+            if lane.pool.kv is record.kv_pool:
+                return lane.allocator
+        if len(lanes) > 1:
+            raise TrainingScopeError(
+                f"TrainingScope: expected a forward of this scope's cache (one of its {len(lanes)} lanes' page "
+                "stores), got a record of another page store"
+            )
+        return self.cache._allocator
 
     @property
     def held_pages(self) -> int:
@@ -165,13 +180,26 @@ def frozen_forward(fwd: ForwardContext) -> ForwardContext:
     with RECORDS_LOCK:
         frozen = FROZEN.get(transaction)
     if frozen is None:
-        frozen = dataclasses.replace(
-            fwd, layers=[], _cross=dict(fwd._cross), _cross_missing=dict(fwd._cross_missing), _entered=[]
-        )
-        frozen.layers.extend(dataclasses.replace(layer, forward=frozen, cross=dict(layer.cross)) for layer in fwd.layers)
+        lanes = tuple(_frozen_copy(lane, ()) for lane in fwd._lanes)
+        frozen = _frozen_copy(fwd, lanes)
         with RECORDS_LOCK:
             FROZEN[transaction] = frozen
         transaction.on_close.append(forget)
+    return frozen
+
+
+def _frozen_copy(fwd: ForwardContext, lanes: tuple[ForwardContext, ...]) -> ForwardContext:
+    """A copy of ``fwd`` and its layers; with retention groups (``lanes``: the frozen lane contexts) each layer's
+    shares point into the frozen lanes, so a recomputation never reads a later forward's lane contexts."""
+    frozen = dataclasses.replace(
+        fwd, layers=[], _cross=dict(fwd._cross), _cross_missing=dict(fwd._cross_missing), _entered=[], _lanes=lanes
+    )
+    for layer in fwd.layers:
+        shares = tuple(
+            dataclasses.replace(share, context=lanes[share.lane].layers[share.context.layer_index])
+            for share in layer._shares
+        )
+        frozen.layers.append(dataclasses.replace(layer, forward=frozen, cross=dict(layer.cross), _shares=shares))
     return frozen
 
 

@@ -203,3 +203,10 @@ def test_gpu_cuda_graph_step_nccl(names: tuple[str, ...], relative_sinks: bool) 
 def test_gpu_cuda_graph_step_nccl_cfg_x_sp() -> None:
     """The same on a 2 x 2 (cfg, sp) mesh (nvidia-h200-x4)."""
     _spawn(4, workers.check_graph_rollout, (2, 2), ("cfg", "sp"), backend="nccl")
+
+
+def test_two_ranks_retention_groups() -> None:
+    """A grouped cache (retention groups, issue 41): CFG-parallel ranks hold whole grouped caches, Ulysses ranks
+    the groups of their heads (a group on both ranks is a lane on each); both equal the single-process grouped
+    cache, and a failure on one rank aborts on every rank with every lane settled."""
+    _spawn(2, workers.check_groups)

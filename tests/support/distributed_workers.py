@@ -101,6 +101,7 @@ def _mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> Any:
 def _setup(
     shape: tuple[int, ...], names: tuple[str, ...], heads: int, kv_heads: int, *, debug: bool = True,
     check_finite: bool = False, relative_sinks: bool = False, cross: str = "heads", timeout: timedelta | None = None,
+    groups: am.HeadRetention | None = None,
 ) -> tuple[TinyStreamingModel, TinyStreamingModel, am.KVCache, DistributedKVCache, ParallelMesh]:
     """Same weights on every rank: a reference model + cache, and a parallelized copy + distributed cache.
 
@@ -116,6 +117,8 @@ def _setup(
     spec = dataclasses.replace(model.spec(CHUNK, PAGE, 1, 2, branches=BRANCHES), dtype=dtype, num_qo_heads=heads)
     if relative_sinks:  # the layers then pass a sink query through the Ulysses all-to-all
         spec = dataclasses.replace(spec, relative_sinks=True)
+    if groups is not None:  # retention groups: one lane per head part (a Ulysses rank restricts them to its heads)
+        spec = dataclasses.replace(spec, sink_chunks=0, window_chunks=None, head_retention=groups)
     reference = am.KVCache(spec, num_pages=96, device=device, backend=backend)
     mesh = ParallelMesh(
         _mesh(shape, names), BRANCHES, cfg_dim="cfg" if "cfg" in names else None,
@@ -203,18 +206,19 @@ def _page_tables(state: am.KVState) -> dict[str, tuple]:
 def _check_pages_identical(cache: DistributedKVCache, state: am.KVState) -> None:
     """Exact page ids, compared directly (not through the digest): equal within each mesh row."""
     tables: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(tables, (cache.mesh.cfg_rank, _page_tables(state)))
-    rows: dict[int, list[Any]] = {}
+    lanes = tuple((lane.name, lane.layers) for lane in cache.cache._lanes)  # Ulysses ranks' groups may differ
+    dist.all_gather_object(tables, ((cache.mesh.cfg_rank, lanes), _page_tables(state)))
+    rows: dict[Any, list[Any]] = {}
     for coord, table in tables:
         rows.setdefault(coord, []).append(table)
     for coord, row in rows.items():
         assert all(t == row[0] for t in row), f"cfg row {coord}: page tables differ across its sp ranks: {row}"
-    assert len(rows) == cache.mesh.cfg_size
+    assert len({cfg for cfg, _ in rows}) == cache.mesh.cfg_size
 
 
 def check_rollout(
     shape: tuple[int, ...], names: tuple[str, ...], heads: int, kv_heads: int, relative_sinks: bool = False,
-    cross: str = "heads",
+    cross: str = "heads", groups: am.HeadRetention | None = None,
 ) -> None:
     """Outputs equal the single-process run; page tables identical across replicas; K/V bytes per rank;
     the all-to-alls per forward. ``relative_sinks``: the layers' sink queries go through the all-to-alls
@@ -222,7 +226,7 @@ def check_rollout(
     if relative_sinks and not _has_relative_sinks():
         return
     model, parallel, reference, cache, mesh = _setup(
-        shape, names, heads, kv_heads, relative_sinks=relative_sinks, cross=cross,
+        shape, names, heads, kv_heads, relative_sinks=relative_sinks, cross=cross, groups=groups,
     )
     device, tdtype, atol = _device(), reference.dtype, _tol()
     events = _events(1, model.dim, model.context_dim)
@@ -254,11 +258,38 @@ def check_rollout(
     cache.check_consistency()
     # Each rank stores its heads only: K/V bytes per page shrink by kv_heads / local kv heads.
     local_kv = cache.spec.num_kv_heads
-    assert cache.cache._pool.bytes_per_page * kv_heads == reference._pool.bytes_per_page * local_kv
+    if groups is None:
+        assert cache.cache._pool.bytes_per_page * kv_heads == reference._pool.bytes_per_page * local_kv
+    else:  # every lane holds this rank's heads of its group only
+        assert sum(lane.spec.num_kv_heads * len(lane.layers) for lane in cache.cache._lanes) == local_kv * 2
     assert cache.spec.num_qo_heads == heads // mesh.sp_size
     entry = state._cross_entry(mesh.local_branches[0], "text")
     cross_kv = kv_heads if cross == "tokens" or mesh.sp is None else local_kv
     assert entry is not None and entry.k.shape[-2] == cross_kv, (entry.k.shape if entry else None, cross_kv)
+
+
+#: Two layers of 2 kv heads: on a 2-way Ulysses mesh rank 0 holds lanes l (layer 0) and g (layer 1), rank 1 one
+#: lane g over both layers (group g lands on both ranks: a lane on each).
+GROUPS = am.HeadRetention({"l": (0, 1), "g": (1, 2)}, [["l", "g"], ["g", "g"]])
+
+
+def check_groups() -> None:
+    """Retention groups: a CFG-parallel cache (whole caches per rank) and a Ulysses cache (each rank the groups
+    of its heads) equal the single-process grouped cache; a failed vote settles every lane."""
+    check_rollout((2,), ("cfg",), 4, 2, groups=GROUPS)
+    check_rollout((2,), ("sp",), 4, 2, groups=GROUPS)
+    mesh = ParallelMesh(_mesh((2,), ("sp",)), BRANCHES, cfg_dim=None, sp_dim="sp")
+    spec = am.KVCacheSpec(num_layers=2, num_kv_heads=2, num_qo_heads=4, head_dim=8, chunk_size=CHUNK, page_size=PAGE,
+                          branches=BRANCHES, head_retention=GROUPS)
+    local = mesh.local_spec(spec).head_retention
+    assert local is not None
+    assert local.layers == ((("l",), ("g",)) if mesh.sp_rank == 0 else (("g",), ("g",))), local.layers
+    check_failures((2,), ("sp",), 0, groups=GROUPS)
+    # Per-layer groups: both Ulysses ranks hold the same two lanes, whose page tables must stay identical
+    # (a failed vote settles the second lane's free queue too).
+    per_layer = am.HeadRetention({"l": (0, 1), "g": (1, 2)}, [["l", "l"], ["g", "g"]])
+    check_failures((2,), ("sp",), 1, groups=per_layer)
+    check_vote_undo(per_layer)
 
 
 def _has_relative_sinks() -> bool:
@@ -306,11 +337,11 @@ def _prepare_failing_on(cache: DistributedKVCache, bad: int, *args: Any, **kwarg
         cache.cache._forwards.prepare = original  # type: ignore[method-assign]
 
 
-def check_vote_undo() -> None:
+def check_vote_undo(groups: am.HeadRetention | None = None) -> None:
     """A prepare that fails on one rank leaves every rank in the same state even when the ranks that prepared
     had superseded a kept forward spanning another session, or reserved a contiguous extent; a superseded
     forward handle finishes nothing (not the later forward of its context)."""
-    model, parallel, _, cache, mesh = _setup((2,), ("sp",), 4, 2, debug=False)
+    model, parallel, _, cache, mesh = _setup((2,), ("sp",), 4, 2, debug=False, groups=groups)
     device, dtype = _device(), cache.cache.dtype
     text = torch.randn(2, 5, model.context_dim, generator=torch.Generator().manual_seed(3)).to(device, dtype)
 
@@ -454,9 +485,11 @@ def check_submesh() -> None:
         assert failed == ((bad,) if bad in mesh.ranks else ()), (me, bad, failed, mesh.ranks)
 
 
-def check_failures(shape: tuple[int, ...], names: tuple[str, ...], bad: int) -> None:
+def check_failures(
+    shape: tuple[int, ...], names: tuple[str, ...], bad: int, groups: am.HeadRetention | None = None
+) -> None:
     """A failure on rank ``bad`` (in the forward, in prepare, NaN K/V, explicit abort) aborts on every rank."""
-    model, parallel, reference, cache, mesh = _setup(shape, names, 4, 2, check_finite=True)
+    model, parallel, reference, cache, mesh = _setup(shape, names, 4, 2, check_finite=True, groups=groups)
     device = _device()
     events = _events(2, model.dim, model.context_dim, steps=4, fixed=True)
     ref, par = _Reference(model, reference), _Parallel(parallel, cache, mesh)

@@ -207,10 +207,9 @@ def test_bad_arguments_are_refused_before_anything_changes(kw: dict, error: type
 
 def test_wrong_cache_and_closed_cache() -> None:
     model, spec = model_and_spec()
-    with pytest.raises(am.SpecError, match="warm_up.cache: expected a KVCache, got HeadGroupedKVCache"):
-        heads = am.HeadRetention.uniform(spec.num_layers, spec.num_kv_heads, (1, 2))
-        grouped = am.HeadGroupedKVCache(model.spec(4, 2, 0, None), heads, max_sessions=1)
-        am.warm_up(grouped, calls(model))  # type: ignore[arg-type]
+    # (a cache with retention groups is a KVCache: tests/warm_start/test_warm_up_groups.py)
+    with pytest.raises(am.SpecError, match="warm_up.cache: expected a KVCache, got KVCacheSpec"):
+        am.warm_up(spec, calls(model))  # type: ignore[arg-type]
     cache = _cache(spec)
     cache.close()
     with pytest.raises(am.errors.CacheClosedError, match="warm_up: expected an open KVCache"):
