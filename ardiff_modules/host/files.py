@@ -114,15 +114,15 @@ def _checked_sessions(cache: FileHost, sessions: Iterable[KVState], what: str) -
 
 def tensor_names(cache: FileHost) -> list[tuple[str, str]]:
     """Each lane's pages and scales tensor names: ``pages`` and ``scales`` for a uniform cache, else
-    ``pages.<lane>`` and ``scales.<lane>``."""
-    if len(cache._lanes) == 1:
+    ``pages.<lane>`` and ``scales.<lane>`` (one group's map too: its one lane is named)."""
+    if cache.spec.head_retention is None:
         return [("pages", "scales")]
     return [(f"pages.{lane.name}", f"scales.{lane.name}") for lane in cache._lanes]
 
 
 def lane_layouts(cache: FileHost) -> tuple[LaneLayout, ...] | None:
     """The cache's lanes as its files name them (``None``: a uniform cache, the spec itself)."""
-    if len(cache._lanes) == 1:
+    if cache.spec.head_retention is None:
         return None
     return tuple(LaneLayout(lane.name, lane.spec, lane.layers, lane.part.heads) for lane in cache._lanes)  # type: ignore[union-attr]
 
@@ -159,7 +159,8 @@ def _snapshot(cache: FileHost, states: Sequence[KVState]) -> tuple[dict[str, tor
              for n in state.kv_branch_names}
             for lane, index in zip(cache._lanes, indices)
         ]
-        branches: dict[str, Any] = {"lanes": lanes} if len(lanes) > 1 else {"branches": lanes[0]}
+        grouped = cache.spec.head_retention is not None
+        branches: dict[str, Any] = {"lanes": lanes} if grouped else {"branches": lanes[0]}
         cross = [[c, b, name_of(e, "cross")] for (c, b), e in state._cross_entries().items()]
         sessions.append({"id": state.session_id, **branches, "cross": cross})
     # NOTE: clone where .to("cpu") returned the live tensor (a CPU pool): the file is written after the lock is
@@ -366,7 +367,7 @@ def _scales_to_adopt(
             raise reader.fail(f"tensor {name!r}", "positive finite FP8 scales", f"min {float(scales.min())}")
         if quantizer.written and not torch.equal(scales, pool.scales.to("cpu")):
             raise reader.fail(
-                "spec field 'kv_scales'" + (f" (lane {lane.name!r})" if len(cache._lanes) > 1 else ""),
+                "spec field 'kv_scales'" + (f" (lane {lane.name!r})" if lane.part is not None else ""),
                 "the FP8 scales this pool already quantized its pages with",
                 f"scales differing by up to {float((scales - pool.scales.cpu()).abs().max()):.3g}",
             )
@@ -439,7 +440,7 @@ def check_room(cache: FileHost, saved: Sequence[SavedSession], where: str) -> li
         extents = [extent_chunks * ppc for ring in rings for step in ring.values() if step]  # type: ignore[operator]
         needed, free = len(fresh) + sum(extents), lane.allocator.num_free
         if needed > free:
-            name = f"lane {lane.name!r}: " if len(cache._lanes) > 1 else ""
+            name = f"lane {lane.name!r}: " if lane.part is not None else ""
             raise CapacityError(
                 f"{where}: {name}needed {needed} free device pages ({len(fresh)} pages + {len(extents)} extent(s)), "
                 f"got {free} free of {lane.allocator.num_pages}",

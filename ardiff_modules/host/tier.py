@@ -286,7 +286,7 @@ class HostTier:
             lanes = [{n: store.branches_of(state)[n] for n in r.images} for store, r in zip(self.stores, record.lanes)]
             plans = [store.plan_in(r, b) for store, r, b in zip(self.stores, record.lanes, lanes)]
             for store, plan in zip(self.stores, plans):  # every lane checked before any page is taken
-                store.check_room(f"resume {state.session_id!r}", plan, len(self.stores) > 1)
+                store.check_room(f"resume {state.session_id!r}", plan, store.lane.part is not None)
             reservations: list[ResumeReservation] = []
             try:
                 for store, plan in zip(self.stores, plans):

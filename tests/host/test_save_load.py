@@ -498,6 +498,10 @@ GROUP_REFUSALS = {
         "per-layer", lambda: lanes.make_cache("uniform"),
         r"header.head_retention: expected no retention map \(this cache has no retention groups\)",
     ),
+    "one group's file, uniform cache": (
+        "one-group", lambda: lanes.make_cache("uniform"),
+        r"header.head_retention: expected no retention map \(this cache has no retention groups\)",
+    ),
     "uniform file, grouped cache": (
         "uniform", lambda: lanes.make_cache("per-layer"), r"header.head_retention: expected this cache's retention map",
     ),

@@ -7,6 +7,7 @@ Three geometries of 2 layers x 2 kv heads, sink 1 + window 2 where uniform::
     "per-head"   layer 0: heads [l, g], layer 1: [l, l]  ->  lanes l/1h (layer 0), l/2h (layer 1), g/1h (layer 0)
                  l: window 1, g: sink 1 + window 2       (three lanes, pages of 64 and 128 bytes)
     "per-layer"  layer 0: window 1, layer 1: sink 1 + window 2  ->  two lanes of one layer x 2 heads each
+    "one-group"  every head in one group (sink 1 + window 2)     ->  one lane "all/2h", named as a group's
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ import ardiff_modules as am
 from ardiff_modules.core.branch import extent_slots_of
 from tests.support.small_cache import BOTH, SMALL_SPEC
 
-KINDS = ("uniform", "per-head", "per-layer")
+KINDS = ("uniform", "per-head", "per-layer", "one-group")
 PER_HEAD = am.HeadRetention({"l": (0, 1), "g": (1, 2)}, [["l", "g"], ["l", "l"]])
 PER_LAYER = am.HeadRetention.per_layer([(0, 1), (1, 2)], 2)
+ONE_GROUP = am.HeadRetention.uniform(2, 2, (1, 2))
 
 
 def spec_of(kind: str, **fields) -> am.KVCacheSpec:
@@ -29,7 +31,7 @@ def spec_of(kind: str, **fields) -> am.KVCacheSpec:
     spec = dataclasses.replace(SMALL_SPEC, **fields)
     if kind == "uniform":
         return spec
-    heads = {"per-head": PER_HEAD, "per-layer": PER_LAYER}[kind]
+    heads = {"per-head": PER_HEAD, "per-layer": PER_LAYER, "one-group": ONE_GROUP}[kind]
     return dataclasses.replace(spec, sink_chunks=0, window_chunks=None, head_retention=heads)
 
 
