@@ -301,7 +301,7 @@ class HostTier:
                     reservation.rollback()
                 raise
             with deferred_interrupts():
-                for i, (store, plan, reservation) in enumerate(zip(self.stores, plans, reservations)):
+                for i, (store, reservation) in enumerate(zip(self.stores, reservations)):
                     self._load_lane(store, lanes[i], record.lanes[i], laid[i][:2], latents[i], reservation, fresh[i])
                 self._drop_record(state, record)
                 state._adopt_cross_entries(cross)
