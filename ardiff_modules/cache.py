@@ -112,7 +112,7 @@ class KVCache:
         self.max_forward_contexts = max_forward_contexts
         self._lock = threading.RLock()
         self._sessions = SessionTable()
-        self._host_tier = HostTier(self._pool, self._allocator, self._lock, self._sessions, host_budget_bytes)
+        self._host_tier = HostTier(self._lanes, self._lock, self._sessions, host_budget_bytes)
         self._forwards = ForwardManager(
             self, spec, self._lanes, self.backend, dtype=self._dtype, max_contexts=max_forward_contexts,
             check_finite=check_finite, lock=self._lock, host_tier=self._host_tier,
@@ -321,7 +321,7 @@ class KVCache:
             self.pages_per_session(pending_chunks=pending_chunks)  # open, bounded, pending_chunks checked first
             require_bool("sessions_that_fit.recache", recache)
             if require_choice("sessions_that_fit.tier", tier, ("device", "host")) == "host":
-                return self._host_tier.sessions_that_fit(self._admission)
+                return self._host_tier.sessions_that_fit()
             return lanes.sessions_that_fit(self._lanes, self._host_tier.lane_counts, pending_chunks, recache)
 
     def can_admit(self, num_sessions: int = 1, pending_chunks: int = 1, *, recache: bool = True) -> bool:
@@ -342,7 +342,7 @@ class KVCache:
             check_session_id(session_id)
             self.sessions_that_fit(pending_chunks, recache=recache)  # the argument checks, in their order
             if suspend_idle is not False:
-                self._host_tier.suspend_idle(self._admission, pending_chunks, recache, suspend_idle)
+                self._host_tier.suspend_idle(pending_chunks, recache, suspend_idle)
             lanes.check_admit(self._lanes, self._host_tier.lane_counts, pending_chunks, recache)
             return self.open_session(session_id)
 

@@ -332,11 +332,9 @@ class BranchPages:
     def recache_layout_parts(
         self, plan: RecachePlan, starts: tuple[int, ...] | None = None
     ) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...], tuple[int, ...]]:
-        """``(history pages, history spans, starts of the rebuilt chunks)`` of a re-cache forward.
-
-        The history is the kept sinks (none when the plan rebuilds them); each rebuilt chunk keeps its original
-        absolute start, RoPE positions as generated (``starts`` when given: only another lane may know them).
-        """
+        """``(history pages, history spans, starts of the rebuilt chunks)`` of a re-cache forward: the kept sinks
+        (none when the plan rebuilds them); each rebuilt chunk at its original absolute start, RoPE positions as
+        generated (``starts`` when given: only another lane may know them)."""
         spans = self.history_spans()
         pages = tuple(p for i in plan.kept for p in self.history[i])
         starts = starts if starts is not None else tuple(self.recache_chunk(i)[0] for i in plan.rebuilt)

@@ -1,7 +1,10 @@
 """The host tier: suspended sessions' K/V in host memory (one GPU's cache; see ``KVCache.tiers()``).
 
-- :mod:`~ardiff_modules.host.tier`: :class:`HostTier` -- suspend / resume a session, LRU suspension for
-  admission, :class:`TierReport`;
+- :mod:`~ardiff_modules.host.tier`: :class:`HostTier` -- suspend / resume a session (every lane of the cache or
+  none), :class:`TierReport`;
+- :mod:`~ardiff_modules.host.lane_store`: :class:`~ardiff_modules.host.lane_store.LaneStore`, one lane's host
+  pages (ids, arena rows, the copies to and from its device pool), and the one host budget over the lanes;
+- :mod:`~ardiff_modules.host.make_room`: which idle sessions to suspend (LRU) so one more fits in every lane;
 - :mod:`~ardiff_modules.host.transfer`: :class:`TransferHandle`, a resume's host-to-device copies;
 - :mod:`~ardiff_modules.host.arena`: :class:`HostArena`, pinned page rows allocated once and reused;
 - :mod:`~ardiff_modules.host.extent_room`: what the free page runs hold in contiguous extents, for admission;

@@ -18,6 +18,18 @@ pool's FP8 scales), ``cross.<i>.k`` / ``cross.<i>.v`` (each distinct cross-atten
 A page shared by several branches or sessions (a fork, ``share_sinks_from``) is one index of ``pages``, named by
 each chunk that holds it. Everything read back is checked here (types, ranges, the spec field by field): a
 hostile or corrupted header raises :class:`~ardiff_modules.errors.SessionFileError` naming the place.
+
+A cache with retention groups (``KVCacheSpec(head_retention=...)``, one lane per group's head part) writes one
+``pages.<lane>`` and one ``scales.<lane>`` tensor per lane, names its retention map and its lanes, and keeps each
+session's branches per lane (page indices into that lane's tensor)::
+
+    {..., "head_retention": {"format": "ardiff_modules.head_retention/1", "groups": {...}, "layers": [...]},
+     "lanes": [{"name": "l/1h", "layers": [0, 1], "heads": [[0], [1]], "pages": 3}, ...],
+     "sessions": [{"id": "s", "cross": [...], "lanes": [{"cond": {...}, "uncond": {...}}, ...]}]}
+
+A file of another retention map or lane layout (or a grouped file in a uniform cache, and back) is refused
+(``header.head_retention`` / ``header.lanes``) before the spec is compared; a uniform cache's file is exactly as
+above, without these keys.
 """
 
 from __future__ import annotations
@@ -29,7 +41,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ardiff_modules.core.branch import BranchImage, PageChunk
-from ardiff_modules.core.retention import pins_shots
+from ardiff_modules.core.head_retention import HeadRetention
+from ardiff_modules.core.retention import SinkWindowPolicy, pins_shots
 from ardiff_modules.errors import SessionFileError
 from ardiff_modules.spec import KVCacheSpec
 
@@ -42,12 +55,44 @@ METADATA_KEY = "ardiff_modules"
 
 @dataclass(frozen=True)
 class SavedSession:
-    """One session of a file: per branch its image (latents as tensor names) and chunks (indices into ``pages``);
-    its cross entries as ``(cache name, branch) -> tensor name prefix``."""
+    """One session of a file: per lane, per branch its image (latents as tensor names, chunks as indices into that
+    lane's pages); its cross entries as ``(cache name, branch) -> tensor name prefix``."""
 
     session_id: str
-    images: dict[str, BranchImage]
+    lanes: tuple[dict[str, BranchImage], ...]
     cross: dict[tuple[str, str], str]
+
+    @property
+    def images(self) -> dict[str, BranchImage]:
+        """The first lane's images (a uniform cache's only)."""
+        return self.lanes[0]
+
+
+@dataclass(frozen=True)
+class LaneLayout:
+    """One lane of the loading cache as a file names it: its name, model layers and each layer's kv heads
+    (``()`` for a uniform cache's one lane), and its spec (its retention: what a branch's pages are checked
+    against)."""
+
+    name: str
+    spec: KVCacheSpec
+    layers: tuple[int, ...] = ()
+    heads: tuple[tuple[int, ...], ...] = ()
+
+    def describe(self) -> dict[str, Any]:
+        """The lane's entry in ``header.lanes`` (without its page count)."""
+        return {"name": self.name, "layers": list(self.layers), "heads": [list(h) for h in self.heads]}
+
+
+def retention_map(heads: HeadRetention) -> dict[str, Any]:
+    """The retention map a file names: :meth:`HeadRetention.to_dict`; groups of other policies than sink +
+    window by their ``repr`` (such a file loads only into a cache of the same map)."""
+    if all(isinstance(p, SinkWindowPolicy) for p in heads.groups.values()):
+        return heads.to_dict()
+    return {
+        "format": "repr", "groups": {name: repr(policy) for name, policy in heads.groups.items()},
+        "layers": [list(row) for row in heads.layers],
+    }
 
 
 def spec_fields(spec: KVCacheSpec) -> dict[str, str]:
@@ -55,7 +100,7 @@ def spec_fields(spec: KVCacheSpec) -> dict[str, str]:
     return {f.name: repr(getattr(spec, f.name)) for f in dataclasses.fields(spec)}
 
 
-def encode(header: Mapping[str, Any]) -> str:
+def encode(header: Mapping[str, Any] | list[Any]) -> str:
     return json.dumps(header, separators=(",", ":"), sort_keys=True)
 
 
@@ -72,11 +117,16 @@ class HeaderReader:
         The tensors the file holds.
     """
 
-    def __init__(self, where: str, spec: KVCacheSpec, tensor_names: set[str]) -> None:
+    def __init__(
+        self, where: str, spec: KVCacheSpec, tensor_names: set[str], lanes: tuple[LaneLayout, ...] | None = None
+    ) -> None:
         self.where = where
         self.spec = spec
         self.tensor_names = tensor_names
-        self.num_pages = 0
+        #: The loading cache's lanes (one, the spec itself, for a uniform cache).
+        self.lanes = lanes if lanes is not None else (LaneLayout("all", spec),)
+        #: Pages of each lane's tensor the file holds, once :meth:`read` parsed the header.
+        self.lane_pages: list[int] = [0] * len(self.lanes)
         #: The decoded header, once :meth:`read` parsed it.
         self.header: dict[str, Any] = {}
 
@@ -111,9 +161,18 @@ class HeaderReader:
             raise self.fail(place, f"a tensor name starting with {prefix!r}", value)
         return value
 
+    @property
+    def grouped(self) -> bool:
+        return self.spec.head_retention is not None
+
+    @property
+    def num_pages(self) -> int:
+        """Pages of the first lane's tensor (a uniform cache's ``pages``)."""
+        return self.lane_pages[0]
+
     # ------------------------------------------------------------------ the file
     def read(self, text: object) -> list[SavedSession]:
-        """The sessions of header ``text`` (the metadata string), checked; :attr:`num_pages` set."""
+        """The sessions of header ``text`` (the metadata string), checked; :attr:`lane_pages` set."""
         if not isinstance(text, str):
             raise self.fail("metadata", f"a {METADATA_KEY!r} key (a sessions file written by save_sessions)", text)
         try:
@@ -125,14 +184,37 @@ class HeaderReader:
             raise self.fail("header.format", repr(FORMAT), header.get("format"))
         if header.get("version") != FORMAT_VERSION:
             raise self.fail("header.version", f"format version {FORMAT_VERSION}", header.get("version"))
+        self.check_groups(header)
         self.check_spec(self.dict_(header.get("spec"), "header.spec"))
-        self.num_pages = self.int_(header.get("pages"), "header.pages")
+        if not self.grouped:
+            self.lane_pages = [self.int_(header.get("pages"), "header.pages")]
         sessions = self.list_(header.get("sessions"), "header.sessions")
         saved = [self.session(s, f"sessions[{i}]") for i, s in enumerate(sessions)]
         ids = [s.session_id for s in saved]
         if len(set(ids)) != len(ids):
             raise self.fail("header.sessions", "distinct session ids", ids)
         return saved
+
+    def check_groups(self, header: dict[str, Any]) -> None:
+        """Refuse a file of another retention map or lane layout (a grouped file in a uniform cache, and back);
+        with groups, read each lane's page count."""
+        mine = None if self.spec.head_retention is None else retention_map(self.spec.head_retention)
+        theirs = header.get("head_retention")
+        if theirs != mine:
+            expected = "no retention map (this cache has no retention groups)" if mine is None else (
+                f"this cache's retention map {encode(mine)}"
+            )
+            raise self.fail("header.head_retention", expected, theirs if theirs is None else encode(theirs))
+        if mine is None:
+            if "lanes" in header:
+                raise self.fail("header.lanes", "none (this cache has no retention groups)", header["lanes"])
+            return
+        lanes = self.list_(header.get("lanes"), "header.lanes")
+        expected_lanes = [lane.describe() for lane in self.lanes]
+        got = [{k: v for k, v in lane.items() if k != "pages"} if isinstance(lane, dict) else lane for lane in lanes]
+        if got != expected_lanes:
+            raise self.fail("header.lanes", f"this cache's lanes {encode(expected_lanes)}", encode(got))
+        self.lane_pages = [self.int_(lane.get("pages"), f"header.lanes[{i}].pages") for i, lane in enumerate(lanes)]
 
     def check_spec(self, saved: dict[str, Any]) -> None:
         """Refuse a file of another spec, naming the first field that differs."""
@@ -145,14 +227,37 @@ class HeaderReader:
                 )
 
     def session(self, value: object, place: str) -> SavedSession:
-        entry = self.dict_(value, place, ("branches", "cross", "id"))
+        entry = self.dict_(value, place, ("cross", "id", "lanes") if self.grouped else ("branches", "cross", "id"))
         sid = entry["id"]
         if not isinstance(sid, str) or not sid:
             raise self.fail(f"{place}.id", "a non-empty str", sid)
-        branches = self.dict_(entry["branches"], f"{place}.branches", self.spec.branches)
-        images = {name: self.branch(branches[name], f"{place}.branches.{name}") for name in self.spec.branches}
+        if self.grouped:
+            lanes = self.list_(entry["lanes"], f"{place}.lanes")
+            if len(lanes) != len(self.lanes):
+                raise self.fail(f"{place}.lanes", f"{len(self.lanes)} lanes' branches", len(lanes))
+            images = tuple(self.branches(b, f"{place}.lanes[{i}]", i) for i, b in enumerate(lanes))
+            self.check_clock(images, f"{place}.lanes")
+        else:
+            images = (self.branches(entry["branches"], f"{place}.branches", 0),)
+        return SavedSession(sid, images, self.cross(entry["cross"], place))
+
+    def branches(self, value: object, place: str, lane: int) -> dict[str, BranchImage]:
+        """One lane's branches of a session."""
+        branches = self.dict_(value, place, self.spec.branches)
+        return {name: self.branch(branches[name], f"{place}.{name}", lane) for name in self.spec.branches}
+
+    def check_clock(self, lanes: tuple[dict[str, BranchImage], ...], place: str) -> None:
+        """Every lane of a stream keeps one clock: the same committed chunks and tokens."""
+        for name in self.spec.branches:
+            clocks = [(images[name].committed_chunks, images[name].committed_tokens) for images in lanes]
+            if len(set(clocks)) != 1:
+                raise self.fail(
+                    f"{place}[*].{name}", "the same committed_chunks and committed_tokens in every lane", clocks
+                )
+
+    def cross(self, value: object, place: str) -> dict[tuple[str, str], str]:
         cross: dict[tuple[str, str], str] = {}
-        for i, item in enumerate(self.list_(entry["cross"], f"{place}.cross")):
+        for i, item in enumerate(self.list_(value, f"{place}.cross")):
             where = f"{place}.cross[{i}]"
             item = self.list_(item, where)
             if len(item) != 3 or item[0] not in self.spec.cross_attention_names or item[1] not in self.spec.branches:
@@ -163,16 +268,17 @@ class HeaderReader:
             if (item[0], item[1]) in cross:
                 raise self.fail(where, "each (cache name, branch) once", item[:2])
             cross[(item[0], item[1])] = self.tensor_name(item[2], f"{where}[2]", "cross.")
-        return SavedSession(sid, images, cross)
+        return cross
 
-    def branch(self, value: object, place: str) -> BranchImage:
+    def branch(self, value: object, place: str, lane: int = 0) -> BranchImage:
+        """One branch's image in lane ``lane`` (its pages index that lane's tensor; its retention is the lane's)."""
         b = self.dict_(value, place, _BRANCH_KEYS, (*_SHOT_KEYS, "slots"))
         # NOTE: positions are int64 on the device: a count past these bounds would load and then overflow in the
         # next forward (a raw error far from the file).
         most = _MAX_POSITION // self.spec.chunk_size
         committed = self.int_(b["committed_chunks"], f"{place}.committed_chunks", 0, most)
         tokens = self.int_(b["committed_tokens"], f"{place}.committed_tokens", 0, committed * self.spec.chunk_size)
-        history = self.chunks(b["history"], f"{place}.history")
+        history = self.chunks(b["history"], f"{place}.history", lane)
         index = [self.int_(i, f"{place}.history_index", 0, committed - 1)
                  for i in self.list_(b["history_index"], place)]
         start = [self.int_(s, f"{place}.history_start", 0, tokens) for s in self.list_(b["history_start"], place)]
@@ -196,47 +302,51 @@ class HeaderReader:
             if i not in index and i not in recent:
                 raise self.fail(f"{place}.latents", "latents of resident or remembered chunks only", i)
             latents[i] = self.tensor_name(name, f"{place}.latents[{key}]", "latent.")
-        shot_start, floor = self.shots(b, place, committed, index)
-        slots = self.slots(b.get("slots", []), f"{place}.slots", len(history))
+        shot_start, floor = self.shots(b, place, committed, index, lane)
+        slots = self.slots(b.get("slots", []), f"{place}.slots", len(history), lane)
         return BranchImage(
             tuple(history), tuple(index), tuple(start), committed, tokens, latents, recent, slots, shot_start, floor
         )
 
-    def slots(self, value: object, place: str, chunks: int) -> tuple[int | None, ...]:
+    def slots(self, value: object, place: str, chunks: int, lane: int = 0) -> tuple[int | None, ...]:
         """Each history chunk's extent slot (``null``: none), distinct; ``[]`` (a file without them): none known."""
         items = self.list_(value, place)
         if not items:
             return ()
-        bound = (self.spec.max_history_chunks or 0) + 1
+        bound = (self.lanes[lane].spec.max_history_chunks or 0) + 1
         slots = [None if s is None else self.int_(s, f"{place}[{i}]", 0, bound - 1) for i, s in enumerate(items)]
         taken = [s for s in slots if s is not None]
         if len(slots) != chunks or len(set(taken)) != len(taken):
             raise self.fail(place, f"{chunks} distinct extent slots (or null), one per history chunk", items)
         return tuple(slots)
 
-    def shots(self, b: dict[str, Any], place: str, committed: int, index: list[int]) -> tuple[int | None, int]:
+    def shots(
+        self, b: dict[str, Any], place: str, committed: int, index: list[int], lane: int = 0
+    ) -> tuple[int | None, int]:
         """A branch's ``shot_start`` (``null``: none; only with a shot policy) and ``window_floor`` (no resident
         non-sink chunk below it); absent in files written before them: none and 0."""
         floor = self.int_(b.get("window_floor", 0), f"{place}.window_floor", 0, committed)
-        sinks = self.spec.policy.sink_chunks
+        policy = self.lanes[lane].spec.policy
+        sinks = policy.sink_chunks
         if any(sinks <= i < floor for i in index):
             raise self.fail(f"{place}.window_floor", f"no resident non-sink chunk below it ({floor})", index)
         shot = b.get("shot_start")
         if shot is not None:
-            if not pins_shots(self.spec.policy):
+            if not pins_shots(policy):
                 raise self.fail(f"{place}.shot_start", "null (this spec's retention pins no shot sink)", shot)
             shot = self.int_(shot, f"{place}.shot_start", 0, committed)
         return shot, floor
 
-    def chunks(self, value: object, place: str) -> list[PageChunk]:
-        """History chunks of page indices: each 1..pages_per_chunk distinct pages of the file, no page twice."""
+    def chunks(self, value: object, place: str, lane: int = 0) -> list[PageChunk]:
+        """History chunks of page indices: each 1..pages_per_chunk distinct pages of the lane's tensor, no page
+        twice."""
         chunks = []
         for i, chunk in enumerate(self.list_(value, place)):
             chunk = self.list_(chunk, f"{place}[{i}]")
             if not 1 <= len(chunk) <= self.spec.pages_per_chunk:
                 raise self.fail(f"{place}[{i}]", f"1..{self.spec.pages_per_chunk} pages", chunk)
-            chunks.append(tuple(self.int_(p, f"{place}[{i}]", 0, self.num_pages - 1) for p in chunk))
-        bound = self.spec.max_history_chunks
+            chunks.append(tuple(self.int_(p, f"{place}[{i}]", 0, self.lane_pages[lane] - 1) for p in chunk))
+        bound = self.lanes[lane].spec.max_history_chunks
         if bound is not None and len(chunks) > bound:
             raise self.fail(place, f"at most {bound} resident chunks (sinks + window)", len(chunks))
         pages = [p for c in chunks for p in c]

@@ -15,6 +15,10 @@ extents each branch comes back as a ring in its own extent, as after a resume). 
 truncated, corrupted (per-tensor SHA-256 digests) or hostile one raises
 :class:`~ardiff_modules.errors.SessionFileError`; ids already open :class:`~ardiff_modules.errors.SessionIdClashError`;
 too few free pages :class:`~ardiff_modules.errors.CapacityError` -- each before anything is allocated.
+
+With retention groups (one lane per group's head part, :mod:`ardiff_modules.lanes`) the file holds each lane's
+pages and scales (``pages.<lane>``, ``scales.<lane>``) and its header names the retention map and the lanes
+(:mod:`~ardiff_modules.host.file_header`): a load checks and reserves in every lane before anything changes.
 """
 
 from __future__ import annotations
@@ -23,20 +27,23 @@ import hashlib
 import os
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import torch
 
 from ardiff_modules.core.allocator import PageAllocator
-from ardiff_modules.core.branch import BranchPages, PageChunk, branch_image, load_branch
+from ardiff_modules.core.branch import BranchImage, PageChunk, branch_image, load_branch
 from ardiff_modules.core.reservation import ResumeReservation
+from ardiff_modules.core.transaction import deferred_interrupts
 from ardiff_modules.cross import CrossEntry, publish_entry
 from ardiff_modules.errors import CacheClosedError, CapacityError, SessionFileError, SessionIdClashError, SpecError
 from ardiff_modules.host.file_header import (
-    FORMAT, FORMAT_VERSION, METADATA_KEY, HeaderReader, SavedSession, encode, spec_fields,
+    FORMAT, FORMAT_VERSION, METADATA_KEY, HeaderReader, LaneLayout, SavedSession, encode, retention_map, spec_fields,
 )
-from ardiff_modules.host.tier import HostTier, Suspended, lay_out
+from ardiff_modules.host.lane_store import LaneRecord, lay_out
+from ardiff_modules.host.tier import HostTier
+from ardiff_modules.lanes import CacheLane
 from ardiff_modules.pool import KVPool
 from ardiff_modules.session import KVState
 from ardiff_modules.session_table import check_session_id
@@ -52,6 +59,7 @@ class FileHost(Protocol):
     # (the cache's private parts: session files are the cache's own code)
     _pool: KVPool
     _allocator: PageAllocator
+    _lanes: Sequence[CacheLane]
     _host_tier: HostTier
 
     @property
@@ -104,15 +112,35 @@ def _checked_sessions(cache: FileHost, sessions: Iterable[KVState], what: str) -
     return states
 
 
+def tensor_names(cache: FileHost) -> list[tuple[str, str]]:
+    """Each lane's pages and scales tensor names: ``pages`` and ``scales`` for a uniform cache, else
+    ``pages.<lane>`` and ``scales.<lane>`` (one group's map too: its one lane is named)."""
+    if cache.spec.head_retention is None:
+        return [("pages", "scales")]
+    return [(f"pages.{lane.name}", f"scales.{lane.name}") for lane in cache._lanes]
+
+
+def lane_layouts(cache: FileHost) -> tuple[LaneLayout, ...] | None:
+    """The cache's lanes as its files name them (``None``: a uniform cache, the spec itself)."""
+    if cache.spec.head_retention is None:
+        return None
+    return tuple(LaneLayout(lane.name, lane.spec, lane.layers, lane.part.heads) for lane in cache._lanes)  # type: ignore[union-attr]
+
+
 def _snapshot(cache: FileHost, states: Sequence[KVState]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The file's tensors (CPU copies) and header: each distinct page, cross entry and latent once."""
-    branches = {s: {n: s.branch_pages(n) for n in s.kv_branch_names} for s in states}
-    order = list(dict.fromkeys(p for bs in branches.values() for b in bs.values() for p in b.history_pages()))
-    index = {p: i for i, p in enumerate(order)}
-    raw = cache._pool.kv.view(torch.uint8)
-    # NOTE: index_select over the page dim, then page-major: one row per page, as the host tier's arena holds them.
-    pages = raw.index_select(2, torch.tensor(order, dtype=torch.long, device=raw.device)).movedim(2, 0)
-    tensors: dict[str, torch.Tensor] = {"pages": pages, "scales": cache._pool.scales}
+    """The file's tensors (CPU copies) and header: each distinct page (per lane), cross entry and latent once."""
+    tensors: dict[str, torch.Tensor] = {}
+    indices, counts = [], []
+    for lane, (pages_name, scales_name) in zip(cache._lanes, tensor_names(cache)):
+        order = list(dict.fromkeys(
+            p for s in states for n in s.kv_branch_names for p in s._lane_pages(n)[lane.index].history_pages()
+        ))
+        raw = lane.pool.kv.view(torch.uint8)
+        # NOTE: index_select over the page dim, then page-major: one row per page, as the host tier's arena holds them.
+        index = torch.tensor(order, dtype=torch.long, device=raw.device)
+        tensors[pages_name], tensors[scales_name] = raw.index_select(2, index).movedim(2, 0), lane.pool.scales
+        indices.append({p: i for i, p in enumerate(order)})
+        counts.append(len(order))
     names: dict[int, str] = {}  # id(tensor or entry) -> its name in the file (each shared one written once)
 
     def name_of(obj: Any, prefix: str) -> str:
@@ -126,25 +154,34 @@ def _snapshot(cache: FileHost, states: Sequence[KVState]) -> tuple[dict[str, tor
 
     sessions = []
     for state in states:
-        images = {n: branch_image(b) for n, b in branches[state].items()}
-        sessions.append({
-            "id": state.session_id,
-            "branches": {n: _branch_header(img, index, name_of) for n, img in images.items()},
-            "cross": [[c, b, name_of(e, "cross")] for (c, b), e in state._cross_entries().items()],
-        })
+        lanes = [
+            {n: _branch_header(branch_image(state._lane_pages(n)[lane.index]), index, name_of)
+             for n in state.kv_branch_names}
+            for lane, index in zip(cache._lanes, indices)
+        ]
+        grouped = cache.spec.head_retention is not None
+        branches: dict[str, Any] = {"lanes": lanes} if grouped else {"branches": lanes[0]}
+        cross = [[c, b, name_of(e, "cross")] for (c, b), e in state._cross_entries().items()]
+        sessions.append({"id": state.session_id, **branches, "cross": cross})
     # NOTE: clone where .to("cpu") returned the live tensor (a CPU pool): the file is written after the lock is
     # released, and a later forward (an FP8 calibration) must not change what the digests describe.
     tensors = {k: _host_copy(t) for k, t in tensors.items()}
-    quantizer = cache._pool.quantizer
-    header = {
-        "format": FORMAT, "version": FORMAT_VERSION, "spec": spec_fields(cache.spec), "pages": len(order),
-        "scales_fixed": quantizer is not None and quantizer.all_calibrated, "sessions": sessions,
+    quantizers = [lane.pool.quantizer for lane in cache._lanes]
+    header: dict[str, Any] = {
+        "format": FORMAT, "version": FORMAT_VERSION, "spec": spec_fields(cache.spec),
+        "scales_fixed": all(q is not None and q.all_calibrated for q in quantizers), "sessions": sessions,
         "digests": {k: _digest(t) for k, t in tensors.items()},
     }
+    layouts = lane_layouts(cache)
+    if layouts is None:
+        header["pages"] = counts[0]
+    else:
+        header["head_retention"] = retention_map(cache.spec.head_retention)  # type: ignore[arg-type]
+        header["lanes"] = [{**lane.describe(), "pages": n} for lane, n in zip(layouts, counts)]
     return tensors, header
 
 
-def _branch_header(image: Any, index: Mapping[int, int], name_of: Any) -> dict[str, Any]:
+def _branch_header(image: BranchImage, index: Mapping[int, int], name_of: Any) -> dict[str, Any]:
     return {
         "history": [[index[p] for p in chunk] for chunk in image.history],
         "history_index": list(image.history_index), "history_start": list(image.history_start),
@@ -212,7 +249,7 @@ def open_snapshot(
     with cache.lock:
         if cache.is_closed:
             raise CacheClosedError(f"{where}: expected an open KVCache, got one that was closed")
-        reader = HeaderReader(where, cache.spec, set(tensors))
+        reader = HeaderReader(where, cache.spec, set(tensors), lane_layouts(cache))
         saved = reader.read(header)
         _check_tensors(cache, reader, saved, tensors)
         ids = _new_ids(cache, saved, session_ids, where)
@@ -258,10 +295,11 @@ def check_layout(
 ) -> None:
     """Every tensor the header names has the shape and dtype this cache implies (works on ``meta`` tensors: a
     receiver checks an envelope before receiving anything)."""
-    raw = cache._pool.kv
-    page_shape = (reader.num_pages, raw.shape[0], raw.shape[1], *raw.shape[3:-1], raw.shape[-1] * raw.element_size())
-    _expect(reader, tensors, "pages", page_shape, torch.uint8)
-    _expect(reader, tensors, "scales", tuple(cache._pool.scales.shape), torch.float32)
+    for lane, n, (pages_name, scales_name) in zip(cache._lanes, reader.lane_pages, tensor_names(cache)):
+        raw = lane.pool.kv
+        page_shape = (n, raw.shape[0], raw.shape[1], *raw.shape[3:-1], raw.shape[-1] * raw.element_size())
+        _expect(reader, tensors, pages_name, page_shape, torch.uint8)
+        _expect(reader, tensors, scales_name, tuple(lane.pool.scales.shape), torch.float32)
     spec = cache.spec
     for s in saved:
         for (name, _), prefix in s.cross.items():
@@ -269,7 +307,7 @@ def check_layout(
             shape = (spec.num_layers, c.tokens, c.num_kv_heads or spec.num_kv_heads, c.head_dim or spec.head_dim)
             for kv in ("k", "v"):
                 _expect(reader, tensors, f"{prefix}.{kv}", shape, cache.dtype)
-        for image in s.images.values():
+        for image in (image for images in s.lanes for image in images.values()):
             for ref in map(str, image.latents.values()):  # tensor names here (checked by the header reader)
                 if ref not in tensors or not tensors[ref].is_floating_point():
                     raise reader.fail(f"latent {ref!r}", "a floating-point tensor of the file", ref in tensors)
@@ -312,76 +350,105 @@ def _new_ids(
 
 def _scales_to_adopt(
     cache: FileHost, reader: HeaderReader, tensors: Mapping[str, torch.Tensor]
-) -> torch.Tensor | None:
-    """The FP8 scales the pool takes from the file (``None``: keep its own, which equal them or don't matter).
+) -> list[torch.Tensor | None]:
+    """Per lane, the FP8 scales its pool takes from the file (``None``: keep its own, which equal them or don't
+    matter); every lane is checked before any adopts.
 
     NOTE: FP8 pages are raw bytes quantized with the saving pool's scales: they read back right only under
     those scales, so a pool that already quantized with other scales is refused."""
-    quantizer = cache._pool.quantizer
-    if quantizer is None or reader.header.get("scales_fixed") is not True:
-        return None
-    scales = tensors["scales"]
-    if not bool(torch.isfinite(scales).all()) or not bool((scales > 0).all()):
-        raise reader.fail("tensor 'scales'", "positive finite FP8 scales", f"min {float(scales.min())}")
-    if quantizer.written:
-        if torch.equal(scales, cache._pool.scales.to("cpu")):
-            return None
-        raise reader.fail(
-            "spec field 'kv_scales'", "the FP8 scales this pool already quantized its pages with",
-            f"scales differing by up to {float((scales - cache._pool.scales.cpu()).abs().max()):.3g}",
-        )
-    return scales
+    out: list[torch.Tensor | None] = []
+    for lane, (_, name) in zip(cache._lanes, tensor_names(cache)):
+        quantizer, pool = lane.pool.quantizer, lane.pool
+        if quantizer is None or reader.header.get("scales_fixed") is not True:
+            out.append(None)
+            continue
+        scales = tensors[name]
+        if not bool(torch.isfinite(scales).all()) or not bool((scales > 0).all()):
+            raise reader.fail(f"tensor {name!r}", "positive finite FP8 scales", f"min {float(scales.min())}")
+        if quantizer.written and not torch.equal(scales, pool.scales.to("cpu")):
+            raise reader.fail(
+                "spec field 'kv_scales'" + (f" (lane {lane.name!r})" if lane.part is not None else ""),
+                "the FP8 scales this pool already quantized its pages with",
+                f"scales differing by up to {float((scales - pool.scales.cpu()).abs().max()):.3g}",
+            )
+        out.append(None if quantizer.written else scales)
+    return out
 
 
 def _install(
     cache: FileHost, saved: Sequence[SavedSession], ids: Sequence[str], tensors: Mapping[str, torch.Tensor],
-    scales: torch.Tensor | None, where: str,
+    scales: Sequence[torch.Tensor | None], where: str,
 ) -> list[KVState]:
-    """Reserve, copy, then open: an error before the sessions open rolls the reservation back exactly."""
-    records, rings, fresh_pages, extents = check_room(cache, saved, where)
-    reservation = ResumeReservation(cache._allocator, len(fresh_pages), extents)
+    """Reserve (in every lane), copy, then open: an error before the sessions open rolls every lane's reservation
+    back exactly."""
+    rooms = check_room(cache, saved, where)
+    reservations: list[ResumeReservation] = []
     try:
-        fresh = dict(zip(fresh_pages, reservation.fresh))
-        runs, laid = iter(reservation.extents), []
-        for record, ring in zip(records, rings):
-            laid.append(lay_out(record, ring, {}, fresh, [next(runs) for step in ring.values() if step]))
-        _copy_pages(cache._pool, tensors["pages"], sorted({c for _, _, copies in laid for c in copies}))
+        laid = []  # per lane, per session: (chunks, extents, copies)
+        for room, (pages_name, _) in zip(rooms, tensor_names(cache)):
+            reservations.append(ResumeReservation(room.lane.allocator, len(room.fresh), room.extents))
+            fresh, runs = dict(zip(room.fresh, reservations[-1].fresh)), iter(reservations[-1].extents)
+            lane_laid = [lay_out(record, ring, {}, fresh, [next(runs) for step in ring.values() if step])
+                         for record, ring in zip(room.records, room.rings)]
+            _copy_pages(room.lane.pool, tensors[pages_name], sorted({c for _, _, cs in lane_laid for c in cs}))
+            laid.append(lane_laid)
         device = cache._pool.device
         latents = {k: t.to(device) for k, t in tensors.items() if k.startswith("latent.")}
         entries = {p: publish_entry(tensors[f"{p}.k"].to(device), tensors[f"{p}.v"].to(device))
                    for s in saved for p in s.cross.values()}
     except BaseException:
-        reservation.rollback()
+        for reservation in reversed(reservations):
+            reservation.rollback()
         raise
     # Then switch (pure bookkeeping): one reference per chunk page, less the one each fresh page already has.
-    held = Counter(p for chunks, _, _ in laid for cs in chunks.values() for c in cs for p in c)
-    reservation.keep((held - Counter(reservation.fresh)).elements())
-    if scales is not None:
-        cache._pool.quantizer.adopt_scales(scales)  # type: ignore[union-attr]
-    return [_open(cache, sid, s, chunks, ext, latents, entries) for sid, s, (chunks, ext, _) in zip(ids, saved, laid)]
+    with deferred_interrupts():
+        for lane_laid, reservation in zip(laid, reservations):
+            held = Counter(p for chunks, _, _ in lane_laid for cs in chunks.values() for c in cs for p in c)
+            reservation.keep((held - Counter(reservation.fresh)).elements())
+        for lane, lane_scales in zip(cache._lanes, scales):
+            if lane_scales is not None:
+                lane.pool.quantizer.adopt_scales(lane_scales)  # type: ignore[union-attr]
+        return [
+            _open(cache, sid, s, [lane_laid[k] for lane_laid in laid], latents, entries)
+            for k, (sid, s) in enumerate(zip(ids, saved))
+        ]
 
 
-def check_room(
-    cache: FileHost, saved: Sequence[SavedSession], where: str
-) -> tuple[list[Suspended], list[dict[str, int]], list[int], list[int]]:
-    """How the saved sessions' pages come back (as a resume lays them out): ``(records, pages per ring slot of
-    each branch (0: plain paging), distinct plain pages, extent sizes)``; :class:`CapacityError` if they do not
-    fit in the free pages (nothing allocated)."""
-    ppc, extent_chunks = cache.spec.pages_per_chunk, cache.extent_chunks
-    records = [Suspended(s.images, {n: img.history for n, img in s.images.items()}, {}, 0) for s in saved]
-    rings = [{n: ppc if extent_chunks is not None and cs else 0 for n, cs in r.chunks.items()} for r in records]
-    plain = [p for r, ring in zip(records, rings) for n, cs in r.chunks.items() if not ring[n] for c in cs for p in c]
-    fresh_pages = list(dict.fromkeys(plain))
-    extents = [extent_chunks * ppc for ring in rings for step in ring.values() if step]  # type: ignore[operator]
-    needed, free = len(fresh_pages) + sum(extents), cache._allocator.num_free
-    if needed > free:
-        raise CapacityError(
-            f"{where}: needed {needed} free device pages ({len(fresh_pages)} pages + {len(extents)} extent(s)), got "
-            f"{free} free of {cache._allocator.num_pages}",
-            needed=needed,
-            free=free,
-        )
-    return records, rings, fresh_pages, extents
+@dataclass(frozen=True)
+class LaneRoom:
+    """How the saved sessions' pages come back into one lane (as a resume lays them out): one record per session,
+    pages per ring slot of each branch (0: plain paging), the distinct plain pages, the extent sizes."""
+
+    lane: CacheLane
+    records: list[LaneRecord]
+    rings: list[dict[str, int]]
+    fresh: list[int]
+    extents: list[int]
+
+
+def check_room(cache: FileHost, saved: Sequence[SavedSession], where: str) -> list[LaneRoom]:
+    """Each lane's :class:`LaneRoom`; :class:`CapacityError` (naming the lane with groups) if one lane's free
+    pages do not hold its part (nothing allocated, every lane checked first)."""
+    rooms = []
+    for lane in cache._lanes:
+        ppc, extent_chunks = lane.spec.pages_per_chunk, lane.extent_chunks
+        records = [LaneRecord(s.lanes[lane.index], {n: img.history for n, img in s.lanes[lane.index].items()})
+                   for s in saved]
+        rings = [{n: ppc if extent_chunks is not None and cs else 0 for n, cs in r.chunks.items()} for r in records]
+        plain = [p for r, ring in zip(records, rings) for n, cs in r.chunks.items() if not ring[n] for c in cs for p in c]
+        fresh = list(dict.fromkeys(plain))
+        extents = [extent_chunks * ppc for ring in rings for step in ring.values() if step]  # type: ignore[operator]
+        needed, free = len(fresh) + sum(extents), lane.allocator.num_free
+        if needed > free:
+            name = f"lane {lane.name!r}: " if lane.part is not None else ""
+            raise CapacityError(
+                f"{where}: {name}needed {needed} free device pages ({len(fresh)} pages + {len(extents)} extent(s)), "
+                f"got {free} free of {lane.allocator.num_pages}",
+                needed=needed,
+                free=free,
+            )
+        rooms.append(LaneRoom(lane, records, rings, fresh, extents))
+    return rooms
 
 
 def _copy_pages(pool: KVPool, pages: torch.Tensor, copies: Sequence[tuple[int, int]]) -> None:
@@ -395,14 +462,16 @@ def _copy_pages(pool: KVPool, pages: torch.Tensor, copies: Sequence[tuple[int, i
 
 
 def _open(
-    cache: FileHost, sid: str, saved: SavedSession, chunks: Mapping[str, tuple[PageChunk, ...]],
-    extents: Mapping[str, tuple[int, ...]], latents: Mapping[str, torch.Tensor], entries: Mapping[str, CrossEntry],
+    cache: FileHost, sid: str, saved: SavedSession,
+    laid: Sequence[tuple[Mapping[str, tuple[PageChunk, ...]], Mapping[str, tuple[int, ...]], object]],
+    latents: Mapping[str, torch.Tensor], entries: Mapping[str, CrossEntry],
 ) -> KVState:
-    """Open one loaded session over its laid-out pages (references taken), its latents and cross entries."""
+    """Open one loaded session over its laid-out pages in every lane (references taken), its latents and cross
+    entries."""
     state = cache.open_session(sid)
-    for name, image in saved.images.items():
-        branch: BranchPages = state.branch_pages(name)
-        kept = {i: latents[t] for i, t in image.latents.items()}  # type: ignore[index]
-        load_branch(branch, replace(image, latents=kept), chunks[name], extents.get(name, ()))
+    for i, (images, (chunks, extents, _)) in enumerate(zip(saved.lanes, laid)):
+        for name, image in images.items():
+            kept = {k: latents[t] for k, t in image.latents.items()}  # type: ignore[index]
+            load_branch(state._lane_pages(name)[i], replace(image, latents=kept), chunks[name], extents.get(name, ()))
     state._adopt_cross_entries({key: entries[prefix] for key, prefix in saved.cross.items()})
     return state

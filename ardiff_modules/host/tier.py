@@ -31,11 +31,18 @@ pages are its own, never shared: a ring must be contiguous).
 On CUDA the copies run on a side stream. A suspend makes the current stream wait for its device-to-host
 copies before any later kernel may reuse the pages; a resume's handle holds an event that the session's
 next ``prepare_forward`` makes the current stream wait on (no host sync). On CPU the handle is complete.
+
+With retention groups (``KVCacheSpec(head_retention=...)``) the cache has one lane per group's head part, each
+with its own pages: a suspended session is one record with one image per lane
+(:class:`~ardiff_modules.host.lane_store.LaneRecord`), host pages are kept per lane
+(:class:`~ardiff_modules.host.lane_store.LaneStore`) under one host byte budget, and a suspend or a resume moves
+every lane or none (a resume reserves in every lane, rolled back together on a refusal or a failed copy).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -46,38 +53,34 @@ import torch
 from ardiff_modules.checks import require_int
 from ardiff_modules.core.admission import Admission, ExtentRoom
 from ardiff_modules.core.allocator import PageAllocator
-from ardiff_modules.lanes import CacheLane
-from ardiff_modules.core.branch import BranchImage, BranchPages, PageChunk, load_branch, unload_branch
+from ardiff_modules.core.branch import BranchPages, load_branch
 from ardiff_modules.core.host_pages import HostPages
 from ardiff_modules.core.reservation import ResumeReservation
+from ardiff_modules.core.transaction import deferred_interrupts
 from ardiff_modules.cross import CrossEntry, CrossKey
-from ardiff_modules.errors import (
-    CapacityError, PendingContextError, SessionNotSuspendedError, SessionSuspendedError, SpecError,
-)
+from ardiff_modules.errors import CapacityError, PendingContextError, SessionNotSuspendedError, SessionSuspendedError
+from ardiff_modules.host import make_room
 from ardiff_modules.host.arena import HostArena, Row
 from ardiff_modules.host.extent_room import extent_room
+from ardiff_modules.host.lane_store import LaneRecord, LaneStore, OutPlan, check_host_fits, lay_out
 from ardiff_modules.host.transfer import TransferHandle
+from ardiff_modules.lanes import CacheLane
 from ardiff_modules.pool import KVPool
 from ardiff_modules.session import KVState
 
 
 @dataclass(frozen=True)
 class Suspended:
-    """One suspended session: per branch its image and its chunks as host page ids; its host cross entries."""
+    """One suspended session: one :class:`LaneRecord` per lane of the cache; its host cross entries."""
 
-    images: dict[str, BranchImage]
-    chunks: dict[str, tuple[PageChunk, ...]]
+    lanes: tuple[LaneRecord, ...]
     cross: dict[CrossKey, CrossEntry]
     extra_bytes: int
-
-    def host_refs(self) -> list[int]:
-        """One entry per host page reference this session holds."""
-        return [h for chunks in self.chunks.values() for chunk in chunks for h in chunk]
 
 
 @dataclass(frozen=True)
 class TierReport:
-    """Both tiers at a glance (``KVCache.tiers()``)."""
+    """Both tiers at a glance (``KVCache.tiers()``); with retention groups, summed over the lanes."""
 
     device_pages_used: int
     device_pages_free: int
@@ -100,35 +103,49 @@ class HostTier:
 
     Parameters
     ----------
-    pool, allocator, lock:
-        The cache's device pool, its allocator and its lock.
+    lanes, lock:
+        The cache's lanes (``ardiff_modules.lanes.CacheLane``: device pool, allocator, admission each; one for a
+        uniform cache) and its lock.
     sessions:
         The cache's open sessions, a live view (their contiguous extents are never aliased).
     budget_bytes:
-        The most bytes the host tier holds (``None``: unbounded).
+        The most bytes the host tier holds, every lane together (``None``: unbounded).
     """
 
     def __init__(
-        self, pool: KVPool, allocator: PageAllocator, lock: threading.RLock,
-        sessions: Iterable[KVState], budget_bytes: int | None = None,
+        self, lanes: Sequence[CacheLane], lock: threading.RLock, sessions: Iterable[KVState],
+        budget_bytes: int | None = None,
     ) -> None:
-        self.pool = pool
-        self.allocator = allocator
+        self.lanes = tuple(lanes)
         self.lock = lock
         self._sessions = sessions
-        self.pages = HostPages(pool.bytes_per_page, budget_bytes)
-        raw = self._raw()
-        self._pinned = pool.device.type == "cuda"
-        max_rows = None if budget_bytes is None else budget_bytes // pool.bytes_per_page
-        #: The page memory: pinned slabs of rows, kept and reused (pinning is slower than copying).
-        self.arena = HostArena((*raw.shape[:2], *raw.shape[3:]), self._pinned, (1 << 30) * self._pinned, max_rows)
-        #: Host page id -> its row in the arena.
-        self._store: dict[int, Row] = {}
+        self._pinned = self.lanes[0].pool.device.type == "cuda"
+        # NOTE: the arena grows a slab of at least 1 GiB when pinned (pinning is slow); split between the lanes.
+        slab = (1 << 30) * self._pinned // len(self.lanes)
+        #: Each lane's host pages (the first lane's ``pages`` hold the one budget and the extra bytes).
+        self.stores = tuple(LaneStore(lane, budget_bytes, i == 0, slab) for i, lane in enumerate(self.lanes))
         self._suspended: dict[KVState, Suspended] = {}
         self._handles: dict[KVState, TransferHandle] = {}
         self._last_used: dict[KVState, int] = {}
         self._clock = 0
         self._stream: torch.cuda.Stream | None = None
+
+    # The first lane's (a uniform cache's only) parts, named as before lanes.
+    @property
+    def pool(self) -> KVPool:
+        return self.stores[0].pool
+
+    @property
+    def allocator(self) -> PageAllocator:
+        return self.stores[0].allocator
+
+    @property
+    def pages(self) -> HostPages:
+        return self.stores[0].pages
+
+    @property
+    def arena(self) -> HostArena:
+        return self.stores[0].arena
 
     # ------------------------------------------------------------------ queries
     def is_suspended(self, state: KVState) -> bool:
@@ -141,9 +158,11 @@ class HostTier:
     def suspended_ids(self) -> tuple[str, ...]:
         return tuple(s.session_id for s in self._suspended)
 
-    def host_page_tensor(self, host_page: int) -> torch.Tensor:
-        """The raw bytes of one held host page, ``[layers, 2, page_size, heads, head_dim * itemsize]`` uint8."""
-        return self.arena.row(self._store[host_page])
+    def host_page_tensor(self, host_page: int, lane: int = 0) -> torch.Tensor:
+        """The raw bytes of one held host page of ``lane``, ``[layers, 2, page_size, heads, head_dim * itemsize]``
+        uint8."""
+        store = self.stores[lane]
+        return store.arena.row(store.store[host_page])
 
     def last_used(self, state: KVState) -> int:
         """The tick of the session's last ``prepare_forward`` (0: never)."""
@@ -167,66 +186,70 @@ class HostTier:
 
     def reserve(self, nbytes: int) -> int:
         """Pin host page memory ahead of time, enough for ``nbytes`` of suspended pages (a server's warm start:
-        the first suspends then pay only their copies); returns the arena's bytes. Capped by the host budget."""
+        the first suspends then pay only their copies); returns the arena's bytes (every lane's). Capped by the
+        host budget; with retention groups both are split between the lanes by one session's host pages there."""
         require_int("HostTier.reserve", nbytes, minimum=0)
         with self.lock:
-            rows = -(-nbytes // self.pool.bytes_per_page)
-            if self.arena.max_rows is not None:
-                rows = min(rows, self.arena.max_rows - self.arena.capacity_rows + self.arena.free_rows)
-            self.arena.reserve(rows)
-            return self.arena.nbytes
+            budget = self.pages.budget_bytes
+            weights = [1] if len(self.stores) == 1 else [
+                s.lane.admission.host_pages_per_session() * s.pool.bytes_per_page for s in self.stores
+            ]
+            for store, weight in zip(self.stores, weights):
+                bpp = store.pool.bytes_per_page
+                share = nbytes * weight // sum(weights)
+                cap = None if budget is None else budget * weight // sum(weights) // bpp
+                store.reserve_rows(-(-share // bpp), cap)
+            return self._arena_bytes()
+
+    def _arena_bytes(self) -> int:
+        return sum(s.arena.nbytes for s in self.stores)
 
     # ------------------------------------------------------------------ suspend
     def suspend(self, state: KVState) -> None:
         """Move ``state`` to the host tier (see the module docstring); refuses, changing nothing, a closed or
         suspended session, one with an open forward or pending chunks, or a host budget too small."""
         with self.lock:
-            branches = self.check_idle(state, "suspend")
-            alloc, extents = self.allocator, self._extent_pages()
-            order = list(dict.fromkeys(p for b in branches.values() for p in b.history_pages()))
-            keys = {p: (p, alloc.generation(p)) for p in order}
-            reused = {p: h for p in order if (h := self.pages.host_copy_of(keys[p])) is not None}
-            new = [p for p in order if p not in reused]
+            self.check_idle(state, "suspend")
+            lanes = [store.branches_of(state) for store in self.stores]
+            plans = [store.plan_out(branches, self._sessions) for store, branches in zip(self.stores, lanes)]
             cross = state._cross_entries()
             distinct = {id(e): e for e in cross.values()}  # an entry shared by two keys travels once
-            latents = {name: dict(b.latents) for name, b in branches.items()}
-            extra = sum(e.nbytes for e in distinct.values()) + sum(
-                _nbytes(t) for kept in latents.values() for t in kept.values() if isinstance(t, torch.Tensor)
-            )
-            self.pages.check_fits(f"suspend {state.session_id!r}", len(new), extra)
+            latents = [{name: dict(b.latents) for name, b in branches.items()} for branches in lanes]
+            kept = {id(t): t for lane in latents for k in lane.values() for t in k.values() if isinstance(t, torch.Tensor)}
+            extra = sum(e.nbytes for e in distinct.values()) + sum(_nbytes(t) for t in kept.values())
+            check_host_fits(f"suspend {state.session_id!r}", self.stores, [len(p.new) for p in plans], extra)
             # Copy first: an exception (or an interrupt) in here leaves the session fully resident.
-            rows = self.arena.allocate(len(new))
+            rows: list[list[Row]] = []
             try:
-                self._copy_pages_to_host(new, rows)
+                for store, plan in zip(self.stores, plans):
+                    rows.append(store.take_rows(len(plan.new)))
+                self._copy_pages_to_host(plans, rows)
                 host_entry = {i: CrossEntry(self._to_host(e.k), self._to_host(e.v), e.version) for i, e in distinct.items()}
                 host_cross = {k: host_entry[id(e)] for k, e in cross.items()}
-                host_latents = {name: _each_tensor(self._to_host, kept) for name, kept in latents.items()}
+                to_host = _memo(self._to_host)  # a latent kept by several lanes travels once
+                host_latents = [{n: _each_tensor(to_host, k) for n, k in lane.items()} for lane in latents]
                 self._after_host_copies()
             except BaseException:
-                self.arena.decref(rows)
+                for store, taken in zip(self.stores, rows):
+                    store.give_rows(taken)
                 raise
             # Then switch the bookkeeping (pure Python, nothing left that can fail on the user's input).
-            host_of = dict(reused)
-            for row, (h, p) in zip(rows, zip(self.pages.allocate(len(new)), new)):
-                self._store[h] = row
-                host_of[p] = h
-                if p not in extents:  # NOTE: an extent slot is rewritten in place when the ring wraps
-                    self.pages.link(h, keys[p])
-            occurrences = [host_of[p] for b in branches.values() for p in b.history_pages()]
-            self.pages.incref((Counter(occurrences) - Counter(host_of[p] for p in new)).elements())
-            chunks = {name: tuple(tuple(host_of[p] for p in c) for c in b.history) for name, b in branches.items()}
-            images = {
-                name: replace(unload_branch(b, alloc)[0], latents=host_latents[name]) for name, b in branches.items()
-            }
-            # NOTE: the session keeps its cross map, now over the host copies: a prompt given while it is suspended
-            # replaces an entry there and wins at resume (_restore_cross copies back only untouched host copies).
-            state._adopt_cross_entries(host_cross)
-            self.pages.charge(extra)
-            self._suspended[state] = Suspended(images, chunks, host_cross, extra)
-            self._handles.pop(state, None)
+            with deferred_interrupts():
+                records = tuple(
+                    store.keep_out(plan, taken, branches, lane_latents)
+                    for store, plan, taken, branches, lane_latents in zip(self.stores, plans, rows, lanes, host_latents)
+                )
+                # NOTE: the session keeps its cross map, now over the host copies: a prompt given while it is
+                # suspended replaces an entry there and wins at resume (_restore_cross copies back only untouched
+                # host copies).
+                state._adopt_cross_entries(host_cross)
+                self.pages.charge(extra)
+                self._suspended[state] = Suspended(records, host_cross, extra)
+                self._handles.pop(state, None)
 
     def check_idle(self, state: KVState, what: str) -> dict[str, BranchPages]:
-        """``state``'s branches if it is open, resident and idle (a suspend's or a save's need); else raises."""
+        """``state``'s branches (the first lane's) if it is open, resident and idle (a suspend's or a save's
+        need); else raises."""
         names = state.kv_branch_names
         branches = {name: state.branch_pages(name) for name in names}  # raises on a closed session
         if state in self._suspended:
@@ -234,7 +257,10 @@ class HostTier:
                 f"{what}: expected a resident session, got {state.session_id!r} already suspended "
                 f"(resume() first)"
             )
-        busy = [name for name in names if state._open_forward(name) is not None or branches[name].pending]
+        busy = [
+            name for name in names
+            if state._open_forward(name) is not None or any(b.pending for b in state._lane_pages(name))
+        ]
         if busy:
             raise PendingContextError(
                 f"{what} {state.session_id!r}: expected no open forward and no pending chunk, got pending work on "
@@ -242,15 +268,13 @@ class HostTier:
             )
         return branches
 
-    def _extent_pages(self) -> set[int]:
-        return {p for s in list(self._sessions) for name in s.kv_branch_names for p in s.branch_pages(name).extent}
-
     # ------------------------------------------------------------------ resume
     def resume(self, state: KVState) -> TransferHandle:
-        """Bring ``state`` back into device pages.
+        """Bring ``state`` back into device pages, in every lane or none.
 
-        Raises :class:`CapacityError` naming the pages needed and free, changing nothing, when they do not fit;
-        :class:`SessionNotSuspendedError` for a session that is not suspended (resident, or resumed already).
+        Raises :class:`CapacityError` naming the pages needed and free (and, with retention groups, the lane),
+        changing nothing, when they do not fit; :class:`SessionNotSuspendedError` for a session that is not
+        suspended (resident, or resumed already).
         """
         with self.lock:
             record = self._suspended.get(state)
@@ -260,75 +284,62 @@ class HostTier:
                     f"resume: expected a session suspended to the host tier, got {state.session_id!r} resident "
                     f"(never suspended, or resumed already)"
                 )
-            branches = {name: state.branch_pages(name) for name in record.images}
-            # Pages per ring slot of each branch that comes back as a ring (0: plain paging).
-            ring = {n: b.pages_per_chunk if b.extent_chunks is not None and record.chunks[n] else 0
-                    for n, b in branches.items()}
-            aliases = {h: p for h in set(record.host_refs()) if (p := self._live_twin(h)) is not None}
-            plain = [h for name in branches if not ring[name] for c in record.chunks[name] for h in c]
-            fresh_hosts = [h for h in dict.fromkeys(plain) if h not in aliases]
-            extent_sizes = [b.extent_chunks * ring[n] for n, b in branches.items() if ring[n]]  # type: ignore[operator]
-            self._check_device_room(state, len(fresh_hosts), extent_sizes)
-            reservation = ResumeReservation(self.allocator, len(fresh_hosts), extent_sizes)
+            lanes = [{n: store.branches_of(state)[n] for n in r.images} for store, r in zip(self.stores, record.lanes)]
+            plans = [store.plan_in(r, b) for store, r, b in zip(self.stores, record.lanes, lanes)]
+            for store, plan in zip(self.stores, plans):  # every lane checked before any page is taken
+                store.check_room(f"resume {state.session_id!r}", plan, store.lane.part is not None)
+            reservations: list[ResumeReservation] = []
             try:
-                fresh = dict(zip(fresh_hosts, reservation.fresh))
-                chunks, extents, copies = lay_out(record, ring, aliases, fresh, reservation.extents)
+                for store, plan in zip(self.stores, plans):
+                    reservations.append(ResumeReservation(store.allocator, len(plan.fresh_hosts), plan.extent_sizes))
+                fresh = [dict(zip(p.fresh_hosts, r.fresh)) for p, r in zip(plans, reservations)]
+                laid = [lay_out(rec, p.ring, p.aliases, f, r.extents)
+                        for rec, p, f, r in zip(record.lanes, plans, fresh, reservations)]
+                copies = [copies for _, _, copies in laid]
                 handle, cross, latents = self._copy_to_device(copies, record, state._cross_entries())
             except BaseException:
-                reservation.rollback()
+                for reservation in reversed(reservations):
+                    reservation.rollback()
                 raise
-            # Then switch: one reference per chunk page, less the one each fresh page already has.
-            shared = Counter(p for cs in chunks.values() for c in cs for p in c) - Counter(reservation.fresh)
-            reservation.keep(shared.elements())
-            for name, b in branches.items():
-                load_branch(b, replace(record.images[name], latents=latents[name]), chunks[name], extents.get(name, ()))
-            for h, q in fresh.items():
-                self.pages.link(h, (q, self.allocator.generation(q)))
-            self._drop_record(state, record)
-            state._adopt_cross_entries(cross)
-            self._handles[state] = handle
+            with deferred_interrupts():
+                for i, (store, reservation) in enumerate(zip(self.stores, reservations)):
+                    self._load_lane(store, lanes[i], record.lanes[i], laid[i][:2], latents[i], reservation, fresh[i])
+                self._drop_record(state, record)
+                state._adopt_cross_entries(cross)
+                self._handles[state] = handle
             return handle
 
-    def _live_twin(self, host_page: int) -> int | None:
-        """A device page still holding ``host_page``'s bytes (the same lifetime, in use), if any."""
-        key = self.pages.device_copy_of(host_page)
-        if key is None:
-            return None
-        page, generation = key
-        alloc = self.allocator
-        return page if alloc.refcount(page) > 0 and alloc.generation(page) == generation else None
-
-    def _check_device_room(self, state: KVState, fresh: int, extents: Sequence[int]) -> None:
-        needed, free = fresh + sum(extents), self.allocator.num_free
-        if needed > free:
-            raise CapacityError(
-                f"resume {state.session_id!r}: needed {needed} free device pages ({fresh} pages + "
-                f"{len(extents)} extent(s) of {extents[0] if extents else 0}), got {free} free of "
-                f"{self.allocator.num_pages}",
-                needed=needed,
-                free=free,
-            )
+    @staticmethod
+    def _load_lane(
+        store: LaneStore, branches: Mapping[str, BranchPages], record: LaneRecord,
+        laid: tuple[Mapping[str, tuple[tuple[int, ...], ...]], Mapping[str, tuple[int, ...]]],
+        latents: Mapping[str, Mapping[int, object]], reservation: ResumeReservation, fresh: Mapping[int, int],
+    ) -> None:
+        """Switch one lane of a resume: one reference per chunk page, less the one each fresh page already has;
+        the branches loaded; the fresh pages linked to their host pages."""
+        chunks, extents = laid
+        shared = Counter(p for cs in chunks.values() for c in cs for p in c) - Counter(reservation.fresh)
+        reservation.keep(shared.elements())
+        for name, b in branches.items():
+            image = record.images[name]
+            load_branch(b, replace(image, latents=latents[name]), chunks[name], extents.get(name, ()))
+        store.keep_in(fresh)
 
     # ------------------------------------------------------------------ copies (the only torch work)
-    def _raw(self) -> torch.Tensor:
-        """The pool's K/V as raw bytes ``[layers, 2, pages, page_size, heads, head_dim * itemsize]`` uint8."""
-        return self.pool.kv.view(torch.uint8)
-
     def _side_stream(self) -> torch.cuda.Stream:
+        device = self.pool.device
         if self._stream is None:
-            self._stream = torch.cuda.Stream(self.pool.device)
-        self._stream.wait_stream(torch.cuda.current_stream(self.pool.device))  # after kernels writing the pages
+            self._stream = torch.cuda.Stream(device)
+        self._stream.wait_stream(torch.cuda.current_stream(device))  # after kernels writing the pages
         return self._stream
 
-    def _copy_pages_to_host(self, pages: Sequence[int], rows: Sequence[Row]) -> None:
-        """Device pages -> their arena rows (on the side stream, asynchronously, when pinned)."""
-        if not pages:
+    def _copy_pages_to_host(self, plans: Sequence[OutPlan], rows: Sequence[Sequence[Row]]) -> None:
+        """Each lane's new pages -> their arena rows (on the side stream, asynchronously, when pinned)."""
+        if not any(p.new for p in plans):
             return
-        raw = self._raw()
-        index = torch.tensor(pages, dtype=torch.long).to(raw.device)
         with _on_stream(self._side_stream() if self._pinned else None):
-            # NOTE: index_select over the page dim of a page-major view: one contiguous [n, layers, 2, ...] gather.
-            self.arena.copy_in(rows, raw.movedim(2, 0).index_select(0, index))
+            for store, plan, taken in zip(self.stores, plans, rows):
+                store.copy_out(plan.new, taken)
 
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
         """A host copy of a cross cache or latent tensor (pinned, on the side stream) -- on CPU the tensor itself.
@@ -350,26 +361,19 @@ class HostTier:
             torch.cuda.current_stream(self.pool.device).wait_stream(self._stream)
 
     def _copy_to_device(
-        self, copies: Sequence[tuple[int, int]], record: Suspended, cross_now: dict[CrossKey, CrossEntry]
-    ) -> tuple[TransferHandle, dict[CrossKey, CrossEntry], dict[str, dict[int, object]]]:
-        """Host pages -> their device pages, the cross entries still the suspend's host copies (``cross_now``: the
-        session's map today) and the latents back; the handle of the copies."""
-        raw = self._raw()
+        self, copies: Sequence[Sequence[tuple[int, int]]], record: Suspended, cross_now: dict[CrossKey, CrossEntry]
+    ) -> tuple[TransferHandle, dict[CrossKey, CrossEntry], list[dict[str, dict[int, object]]]]:
+        """Each lane's host pages -> their device pages (``copies``: per lane), the cross entries still the
+        suspend's host copies (``cross_now``: the session's map today) and the latents back (per lane); the
+        handle of the copies."""
         device = self.pool.device
         stream = self._side_stream() if self._pinned else None
-        # Run by run of consecutive arena rows: each run moves in one host-to-device copy, no staging.
-        copies = sorted(copies, key=lambda hp: self._store[hp[0]])
-        places = [self._store[h] for h, _ in copies]
         with _on_stream(stream):
-            for first, count, rows in self.arena.runs(places):
-                index = torch.tensor([q for _, q in copies[first : first + count]], dtype=torch.long).to(device)
-                raw.index_copy_(2, index, rows.to(device, non_blocking=True).movedim(0, 2))
-
-            def back(t: torch.Tensor) -> torch.Tensor:
-                return t.to(device, non_blocking=True)
-
+            for store, lane_copies in zip(self.stores, copies):
+                store.copy_in(lane_copies)
+            back = _memo(lambda t: t.to(device, non_blocking=True))  # a latent kept by several lanes comes back once
             cross = _restore_cross(record, cross_now, back)
-            latents = {n: _each_tensor(back, img.latents) for n, img in record.images.items()}
+            latents = [{n: _each_tensor(back, img.latents) for n, img in r.images.items()} for r in record.lanes]
         event = None
         if stream is not None:
             event = torch.cuda.Event()
@@ -378,7 +382,8 @@ class HostTier:
 
     # ------------------------------------------------------------------ lifetime and policy
     def _drop_record(self, state: KVState, record: Suspended) -> None:
-        self.arena.decref([self._store.pop(h) for h in self.pages.decref(record.host_refs())])
+        for store, lane in zip(self.stores, record.lanes):
+            store.drop(lane)
         self.pages.refund(record.extra_bytes)
         del self._suspended[state]
 
@@ -396,112 +401,68 @@ class HostTier:
 
     def report(self) -> TierReport:
         with self.lock:
-            alloc = self.allocator
+            allocators = [s.allocator for s in self.stores]
             resident = tuple(s.session_id for s in list(self._sessions) if s not in self._suspended)
             return TierReport(
-                alloc.num_used, alloc.num_free, alloc.num_used * self.pool.bytes_per_page, self.pages.num_pages,
-                self.pages.nbytes, self.pages.budget_bytes, resident, self.suspended_ids(), self.arena.nbytes,
+                sum(a.num_used for a in allocators), sum(a.num_free for a in allocators),
+                sum(s.allocator.num_used * s.pool.bytes_per_page for s in self.stores),
+                sum(s.pages.num_pages for s in self.stores), sum(s.pages.nbytes for s in self.stores),
+                self.pages.budget_bytes, resident, self.suspended_ids(), self._arena_bytes(),
             )
 
-    def sessions_that_fit(self, admission: Admission) -> int:
-        """How many more suspended sessions at their peak the host budget holds (``KVCache.sessions_that_fit``)."""
-        return admission.sessions_that_fit_host(self.pages.free_bytes(), self.pool.bytes_per_page)
+    def sessions_that_fit(self) -> int:
+        """How many more suspended sessions at their peak the host budget holds (``KVCache.sessions_that_fit``):
+        with retention groups, a session's peak host pages in every lane together."""
+        first = self.stores[0]
+        free = self.pages.free_bytes()
+        if free is None or len(self.stores) == 1:
+            return first.lane.admission.sessions_that_fit_host(free, first.pool.bytes_per_page)
+        free -= sum(s.pages.nbytes for s in self.stores[1:])
+        per_session = sum(s.lane.admission.host_pages_per_session() * s.pool.bytes_per_page for s in self.stores)
+        return max(0, free // per_session)
 
-    def suspend_idle(
-        self, admission: Admission, pending_chunks: int, recache: bool,
-        candidates: bool | Iterable[KVState] = True,
-    ) -> None:
+    def suspend_idle(self, pending_chunks: int, recache: bool, candidates: bool | Iterable[KVState] = True) -> None:
         """Suspend least recently used idle sessions until one more session fits (``KVCache.admit_session``).
 
         Idle: resident, no open forward, no pending chunk; LRU by the last ``prepare_forward``. ``candidates``:
         ``True`` for any open session, else only these (sessions of this cache: the server's paused ones --
         NOTE: a session streaming chunk after chunk is idle between two forwards, and the sessions of one
         batched forward share its tick, so only the server can tell "paused" from "between chunks"). The choice is
-        planned first (the pages a set frees: those only it references; the host bytes it needs): raises
-        :class:`CapacityError`, nothing changed, when suspending every idle session would not make room or
-        would not fit the host budget.
+        planned first (:func:`~ardiff_modules.host.make_room.choose`: the pages a set frees in every lane, the
+        host bytes it needs): raises :class:`CapacityError`, nothing changed, when suspending every idle session
+        would not make room or would not fit the host budget.
         """
-        # NOTE: no room from device_counts here: fits() computes it for each choice, from the pages that choice frees.
-        free, used, resident = self.allocator.num_free, self.allocator.num_used, len(self._resident())
         what = "admit_session(suspend_idle=True)"
-
-        def fits(freed: set[int], chosen: Sequence[KVState]) -> bool:
-            # NOTE: with contiguous extents the freed pages must also leave runs long enough for the new extents.
-            room = self.extent_room(admission, freed, chosen)
-            n = len(freed)
-            return admission.sessions_that_fit(free + n, used - n, resident - len(chosen), room, pending_chunks, recache) >= 1
-
         with self.lock:
-            pool = self._candidates(what, candidates)
-            if fits(set(), ()):
-                return
-            idle = sorted((s for s in pool if self._idle(s)), key=self.last_used)
-            for k in range(1, len(idle) + 1):
-                chosen = idle[:k]
-                branches = [s.branch_pages(n) for s in chosen for n in s.kv_branch_names]
-                # NOTE: every reference the chosen sessions hold (a history page inside a contiguous extent is
-                # held twice: by the extent and by its chunk); a page is freed when they hold all of its.
-                refs = Counter(p for b in branches for p in b.referenced_pages())
-                freed = {p for p, n in refs.items() if self.allocator.refcount(p) == n}
-                if fits(freed, chosen):
-                    history = {p for b in branches for p in b.history_pages()}  # what travels (a ring's free slot stays)
-                    self.pages.check_fits(f"{what}: suspending {[s.session_id for s in chosen]}", len(history), 0)
-                    for s in chosen:
-                        self.suspend(s)
-                    return
-            raise CapacityError(
-                f"{what}: expected idle sessions whose suspension makes room, got {len(idle)} idle session(s) "
-                f"{[s.session_id for s in idle]} that do not free enough device pages",
-                needed=1,
-                free=0,
-            )
+            pool = make_room.candidates(what, self._sessions, candidates)
+            idle = sorted((s for s in pool if make_room.is_idle(s, self._suspended)), key=self.last_used)
+            chosen = make_room.choose(self.lanes, self._resident(), idle, pending_chunks, recache)
+            if chosen is None:
+                raise CapacityError(
+                    f"{what}: expected idle sessions whose suspension makes room, got {len(idle)} idle session(s) "
+                    f"{[s.session_id for s in idle]} that do not free enough device pages",
+                    needed=1,
+                    free=0,
+                )
+            if chosen:
+                ids = [s.session_id for s in chosen]
+                check_host_fits(f"{what}: suspending {ids}", self.stores, make_room.history_pages(self.lanes, chosen), 0)
+                for s in chosen:
+                    self.suspend(s)
 
     def device_counts(self, admission: Admission) -> tuple[int, int, int, ExtentRoom | None]:
-        """What device admission decides on: free and used pages, resident sessions (suspended ones are promised
-        nothing) and the contiguous room (:meth:`extent_room`)."""
-        return self.allocator.num_free, self.allocator.num_used, len(self._resident()), self.extent_room(admission)
+        """:meth:`lane_counts` of the first lane (a uniform cache's only) under ``admission``."""
+        return self.lane_counts(dataclasses.replace(self.lanes[0], admission=admission))
 
     def lane_counts(self, lane: CacheLane) -> tuple[int, int, int, ExtentRoom | None]:
-        """:meth:`device_counts` of one lane of a cache with retention groups (its allocator and admission)."""
-        if lane.allocator is self.allocator:
-            return self.device_counts(lane.admission)
+        """What device admission decides on in ``lane``: its free and used pages, the resident sessions (suspended
+        ones are promised nothing) and its contiguous room (:func:`~ardiff_modules.host.extent_room.extent_room`)."""
         room = extent_room(lane.allocator, lane.admission, self._resident(), lane=lane.index)
         return lane.allocator.num_free, lane.allocator.num_used, len(self._resident()), room
-
-    def extent_room(
-        self, admission: Admission, freed: Iterable[int] = (), leaving: Sequence[KVState] = ()
-    ) -> ExtentRoom | None:
-        """Contiguous room for admission (``None`` under plain paging): the free runs in extents, less those owed
-        to the resident sessions (:func:`~ardiff_modules.host.extent_room.extent_room`); ``freed`` /
-        ``leaving``: pages and sessions a suspension would release."""
-        return extent_room(self.allocator, admission, [s for s in self._resident() if s not in leaving], freed)
 
     def _resident(self) -> list[KVState]:
         """The cache's open sessions that are not suspended."""
         return [s for s in list(self._sessions) if s not in self._suspended]
-
-    def _candidates(self, what: str, candidates: bool | Iterable[KVState]) -> list[KVState]:
-        """The sessions ``suspend_idle`` may suspend: every open one (``True``) or the given ones, checked."""
-        sessions = list(self._sessions)
-        if candidates is True:
-            return sessions
-        if isinstance(candidates, (bool, KVState)) or not isinstance(candidates, Iterable):
-            raise SpecError(
-                f"{what}: expected True, False or an iterable of this cache's sessions, got {candidates!r}"
-            )
-        chosen = list(dict.fromkeys(candidates))
-        foreign = [s for s in chosen if not isinstance(s, KVState) or s not in sessions]
-        if foreign:
-            raise SpecError(
-                f"{what}: expected open sessions of this KVCache, got {[getattr(s, 'session_id', s) for s in foreign]}"
-            )
-        return chosen
-
-    def _idle(self, state: KVState) -> bool:
-        if state in self._suspended:
-            return False
-        names = state.kv_branch_names
-        return not any(state._open_forward(n) is not None or state.branch_pages(n).pending for n in names)
 
 
 def _on_stream(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager[object]:
@@ -509,6 +470,18 @@ def _on_stream(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextMa
     if stream is None:  # (two returns, not one conditional: older mypy joins the two types to object)
         return contextlib.nullcontext()
     return torch.cuda.stream(stream)
+
+
+def _memo(move: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``move``, once per tensor object (a tensor several lanes keep is moved once and stays shared)."""
+    done: dict[int, torch.Tensor] = {}
+
+    def once(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in done:
+            done[id(t)] = move(t)
+        return done[id(t)]
+
+    return once
 
 
 def _each_tensor(move: Callable[[torch.Tensor], torch.Tensor], kept: Mapping[int, object]) -> dict[int, object]:
@@ -529,43 +502,3 @@ def _restore_cross(
                 copied[id(entry)] = CrossEntry(back(entry.k), back(entry.v), entry.version)
             out[key] = copied[id(entry)]
     return out
-
-
-def lay_out(
-    record: Suspended, ring: dict[str, int], aliases: dict[int, int], fresh: dict[int, int], runs: list[list[int]]
-) -> tuple[dict[str, tuple[PageChunk, ...]], dict[str, tuple[int, ...]], list[tuple[int, int]]]:
-    """Each branch's device chunks, its extent, and the ``(host page, device page)`` copies (by device page).
-
-    A ring branch's chunk takes the first pages of the slot of its fresh extent it had when suspended
-    (:func:`ring_slots`; each slot ``ring[name]`` pages); a plain branch takes the aliased (no copy) or the fresh
-    page of each host page.
-    """
-    chunks: dict[str, tuple[PageChunk, ...]] = {}
-    extents: dict[str, tuple[int, ...]] = {}
-    copies: set[tuple[int, int]] = set()
-    run_of = iter(runs)
-    for name, host_chunks in record.chunks.items():
-        step = ring[name]
-        if step:
-            run = next(run_of)
-            order = ring_slots(record.images[name].slots, len(host_chunks), len(run) // step)
-            laid = tuple(tuple(run[i * step : i * step + len(c)]) for i, c in zip(order, host_chunks))
-            copies.update(zip((h for c in host_chunks for h in c), (p for c in laid for p in c)))
-            chunks[name], extents[name] = laid, tuple(run)
-        else:
-            device_of = {**aliases, **fresh}
-            chunks[name] = tuple(tuple(device_of[h] for h in c) for c in host_chunks)
-            copies.update((h, fresh[h]) for c in host_chunks for h in c if h in fresh)
-    return chunks, extents, sorted(copies, key=lambda hp: hp[1])
-
-
-def ring_slots(saved: tuple[int | None, ...], chunks: int, slots: int) -> list[int]:
-    """The extent slot of each of ``chunks`` history chunks: the one it had (``saved``, when it names a distinct
-    slot for every chunk it places), the lowest free slot for the others (a chunk that sat outside the extent)."""
-    if len(saved) != chunks:
-        saved = (None,) * chunks
-    taken = [s for s in saved if s is not None]
-    if len(set(taken)) != len(taken) or any(not 0 <= s < slots for s in taken):
-        saved, taken = (None,) * chunks, []
-    free = iter(s for s in range(slots) if s not in set(taken))
-    return [s if s is not None else next(free) for s in saved]

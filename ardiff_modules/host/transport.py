@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from ardiff_modules.errors import ARDiffError, SessionTransferError
 from ardiff_modules.host.file_header import HeaderReader, encode
-from ardiff_modules.host.files import FileHost, check_layout, check_room, open_snapshot, snapshot
+from ardiff_modules.host.files import FileHost, check_layout, check_room, lane_layouts, open_snapshot, snapshot, tensor_names
 from ardiff_modules.session import KVState
 
 #: The dtypes a snapshot's tensors may have (a received envelope naming another is refused).
@@ -92,7 +92,8 @@ def recv_sessions(
 
     Before any tensor moves, the envelope is checked against this cache: the header (spec, sessions), every
     tensor's shape and dtype that the spec implies (pages, FP8 scales, cross caches), room in the pool, and
-    the kept latents' total size at most ``max_latent_bytes`` (default: the pool's size). So a peer cannot
+    the kept latents' total size at most ``max_latent_bytes`` (default: the pool's size, every lane's with
+    retention groups). So a peer cannot
     make this process allocate more than those checks allow.
 
     Raises, opening nothing (and the sender keeps its sessions): what :func:`~ardiff_modules.host.files.load_sessions`
@@ -152,14 +153,17 @@ def _check_envelope(
     tensors of the envelope's shapes: the header, each implied shape and dtype, room; and the latents' size."""
     meta = {name: torch.empty(shape, dtype=_DTYPES[dtype], device="meta") for name, dtype, shape in entries}
     with cache.lock:
-        reader = HeaderReader(where, cache.spec, set(meta))
+        reader = HeaderReader(where, cache.spec, set(meta), lane_layouts(cache))
         saved = reader.read(header)
         check_layout(cache, reader, saved, meta)
         check_room(cache, saved, where)
-        bound = cache._pool.nbytes if max_latent_bytes is None else max_latent_bytes
+        bound = sum(lane.pool.nbytes for lane in cache._lanes) if max_latent_bytes is None else max_latent_bytes
+        lane_tensors = {name for pair in tensor_names(cache) for name in pair}
     # Every tensor is one the header uses (shape-checked above, or a kept latent): none rides along unchecked.
-    latent_names = {str(ref) for s in saved for image in s.images.values() for ref in image.latents.values()}
-    used = {"pages", "scales", *latent_names, *(f"{p}.{kv}" for s in saved for p in s.cross.values() for kv in "kv")}
+    latent_names = {
+        str(ref) for s in saved for images in s.lanes for image in images.values() for ref in image.latents.values()
+    }
+    used = {*lane_tensors, *latent_names, *(f"{p}.{kv}" for s in saved for p in s.cross.values() for kv in "kv")}
     unused = sorted(set(meta) - used)
     if unused:
         raise SessionTransferError(f"{where}: expected only tensors the header uses, got also {unused[:4]}")

@@ -31,8 +31,13 @@ FUNCTION_LINES, CLASS_LINES = 60, 400
 #: The allocator's mutating methods (and its peak, written by hand before ``checkpoint``).
 ALLOCATOR_MUTATORS = {"allocate", "allocate_contiguous", "decref", "incref", "unallocate", "reorder_free", "reset_peak"}
 #: ``(module, receiver)`` of the host tier's own free lists, which speak the allocator's verbs but hold host
-#: pages (``HostPages``) and arena rows (``HostArena``), not device pages: not allocator state.
-HOST_FREE_LISTS = {("ardiff_modules.host.tier", "self.pages"), ("ardiff_modules.host.tier", "self.arena")}
+#: pages (``HostPages``) and arena rows (``HostArena``), not device pages: not allocator state. The tier keeps
+#: them per lane in ``host/lane_store.py`` (``LaneStore``).
+HOST_FREE_LISTS = {
+    (module, receiver)
+    for module in ("ardiff_modules.host.tier", "ardiff_modules.host.lane_store")
+    for receiver in ("self.pages", "self.arena")
+}
 
 
 def _module(path: Path) -> str:

@@ -61,3 +61,30 @@ def test_cuda_prompt_published_while_suspended_wins_and_reads_on_the_device():
         assert entry is not None and entry.k.device.type == "cuda" and float(entry.k[0, 0, 0, 0]) == seed
     state.close()
     assert cache._allocator.num_used == 0 and cache._host_tier.pages.nbytes == 0
+
+
+@pytest.mark.parametrize("kind", ["per-head", "per-layer"])
+def test_cuda_grouped_suspend_resume_matches_a_twin_in_every_lane(kind):
+    """With retention groups: every lane's pages go to pinned rows of its own arena and come back; outputs and
+    every lane's history bytes equal a twin's."""
+    from tests.support import small_lanes as lanes
+
+    caches = [lanes.make_cache(kind, 64, device="cuda") for _ in range(2)]
+    state, twin = (c.open_session("s") for c in caches)
+    g = torch.Generator().manual_seed(0)
+    for seed in range(5):
+        with state.prepare_forward(BOTH, CHUNK, commit_current=True) as f1, \
+                twin.prepare_forward(BOTH, CHUNK, commit_current=True) as f2:
+            for l1, l2 in zip(f1.layers, f2.layers):
+                q, k, v = (torch.randn(2, CHUNK, 2, 4, generator=g).cuda() for _ in range(3))
+                assert torch.equal(am.chunk_attention(q, k, v, l1), am.chunk_attention(q, k, v, l2))
+        if seed in (1, 3):
+            state.suspend()
+            tier = caches[0]._host_tier
+            assert all(lane.allocator.num_used == 0 for lane in caches[0]._lanes)
+            for i, store in enumerate(tier.stores):
+                assert store.pages.num_pages > 0 and tier.host_page_tensor(store.pages.pages()[0], i).is_pinned()
+            state.resume()
+    assert lanes.same_history(caches[0], state, caches[1], twin)
+    state.close()
+    assert caches[0].tiers().host_bytes == 0

@@ -81,3 +81,59 @@ def test_suspend_resume_sequences_match_a_twin_and_leak_nothing(extents, ops):
     for s in mine:
         s.close()
     assert cache._allocator.num_used == 0 and cache._host_tier.pages.nbytes == 0 and cache._host_tier.num_suspended == 0
+
+
+@pytest.mark.parametrize("extents", [False, True], ids=["paged", "extents"])
+@pytest.mark.parametrize("kind", ["per-head", "per-layer"])
+@settings(deadline=None, max_examples=40)
+@given(ops=OPS)
+def test_grouped_suspend_resume_sequences_match_a_twin_in_every_lane(kind, extents, ops):
+    """The property above with retention groups: every lane's allocator and host pages stay consistent, nothing
+    leaks in any lane, and every output and every lane's history bytes equal a never-suspended twin's."""
+    from tests.support import small_lanes as lanes
+
+    cache, twin = lanes.make_cache(kind, 40, contiguous_extents=extents), lanes.make_cache(kind, 200, contiguous_extents=extents)
+    mine, ref = [cache.open_session("s0")], [twin.open_session("s0")]
+    for step, (op, i) in enumerate(ops):
+        live = [k for k, s in enumerate(mine) if not s.is_closed]
+        if not live:
+            break
+        k = live[i % len(live)]
+        s, t = mine[k], ref[k]
+        if op in ("commit", "denoise"):
+            if s.is_suspended:
+                continue
+            try:
+                out = _forward(s, op == "commit", step)
+            except am.CapacityError:
+                continue
+            assert all(torch.equal(a, b) for a, b in zip(out, _forward(t, op == "commit", step)))
+        elif op == "suspend":
+            if not s.is_suspended and not any(s.pending_chunks(b) for b in BOTH):
+                s.suspend()
+        elif op == "resume" and s.is_suspended:
+            try:
+                s.resume()
+            except am.CapacityError:
+                assert s.is_suspended
+        elif op == "fork" and not s.is_suspended and len(mine) < 4:
+            s.abort(), t.abort()
+            mine.append(s.fork(f"s{len(mine)}")), ref.append(t.fork(f"s{len(ref)}"))
+        elif op == "close":
+            s.close(), t.close()
+        lanes.assert_clean(cache)
+    for s, t in zip(mine, ref):
+        if not s.is_closed:
+            for other in mine:
+                if other is not s and not other.is_closed and not other.is_suspended:
+                    other.abort()
+                    other.suspend()
+            if s.is_suspended:
+                s.resume()
+            s.abort(), t.abort()
+            assert lanes.same_history(cache, s, twin, t, slots=False)
+            assert all(torch.equal(a, b) for a, b in zip(_forward(s, True, 99), _forward(t, True, 99)))
+    for s in mine:
+        s.close()
+    assert all(lane.allocator.num_used == 0 for lane in cache._lanes) and cache.tiers().host_bytes == 0
+    assert cache._host_tier.num_suspended == 0

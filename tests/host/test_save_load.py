@@ -391,3 +391,237 @@ def test_a_file_crosses_devices_cpu_to_cuda_and_back(tmp_path, spec):
     )
     for seed in range(4, 7):
         both(back, twin, seed)
+
+
+# ------------------------------------------------------------------ retention groups: one pages.<lane> per lane
+# (tests/support/small_lanes.py: the small cache uniform, per head (three lanes) and per layer (two lanes))
+from tests.support import small_lanes as lanes  # noqa: E402
+
+
+def lane_twins(kind: str, fields: dict | None = None, **kwargs) -> tuple[am.KVCache, am.KVCache]:
+    return tuple(lanes.make_cache(kind, fields=fields, **kwargs) for _ in range(2))  # type: ignore[return-value]
+
+
+def header_of(path) -> dict:
+    with safe_open(str(path), "pt") as f:
+        return json.loads(f.metadata()["ardiff_modules"])
+
+
+@pytest.mark.parametrize(
+    "fields, extents", [({}, False), ({}, True), ({"kv_dtype": "float8_e4m3fn"}, False)], ids=["paged", "extents", "fp8"]
+)
+@pytest.mark.parametrize("kind", lanes.KINDS)
+def test_a_saved_family_continues_bit_identically_in_every_lane_of_a_new_cache(tmp_path, kind, fields, extents):
+    """A fork family saved and loaded into a fresh cache: every lane holds the twin's pool contents (chunks, bytes,
+    slots, scales), shares what it shared, and continues bit-identically."""
+    cache, twin_cache = lane_twins(kind, fields, contiguous_extents=extents)
+    families = []
+    for c in (cache, twin_cache):
+        a = c.open_session("a")
+        populate(a)
+        for seed in range(4):
+            step(a, seed, latents=True)
+        child = a.fork("child")
+        step(child, 7, latents=True)
+        families.append((a, child))
+    (a, child), (twin_a, twin_child) = families
+    path = tmp_path / "family.safetensors"
+    cache.save_sessions(path, [a, child])
+    used = [lane.allocator.num_used for lane in cache._lanes]
+    refcounts = [sorted(map(lane.allocator.refcount, lane.allocator.used_pages())) for lane in cache._lanes]
+    a.close(), child.close()
+    fresh = lanes.make_cache(kind, fields=fields, contiguous_extents=extents)
+    la, lchild = fresh.load_sessions(path)
+    if not extents:  # each page written once and back shared (a ring comes back in its own extent)
+        assert [lane.allocator.num_used for lane in fresh._lanes] == used
+        assert [sorted(map(lane.allocator.refcount, lane.allocator.used_pages())) for lane in fresh._lanes] == refcounts
+    for mine, twin in ((la, twin_a), (lchild, twin_child)):
+        assert lanes.same_history(fresh, mine, twin_cache, twin, slots=mine is la or not extents)
+        assert torch.equal(mine.recache_latents(), twin.recache_latents()) if kind == "uniform" else True
+    assert all(torch.equal(x.pool.scales, y.pool.scales) for x, y in zip(fresh._lanes, twin_cache._lanes))
+    for seed in range(8, 11):
+        for mine, twin in ((la, twin_a), (lchild, twin_child)):
+            assert all(torch.equal(x, y) for x, y in zip(step(mine, seed, latents=True), step(twin, seed, latents=True)))
+    for b in BOTH:
+        assert torch.equal(lchild.get_cross_attention_kv(b, "text")[1]["k"], twin_child.get_cross_attention_kv(b, "text")[1]["k"])
+    lanes.assert_clean(fresh)
+
+
+def test_a_grouped_file_holds_one_pages_tensor_per_lane_and_names_its_retention_map(tmp_path):
+    cache = lanes.make_cache("per-head")
+    s = cache.open_session("s")
+    for seed in range(3):
+        step(s, seed, latents=True)
+    cache.save_sessions(tmp_path / "g.safetensors", [s])
+    header = header_of(tmp_path / "g.safetensors")
+    with safe_open(str(tmp_path / "g.safetensors"), "pt") as f:
+        names = set(f.keys())
+        for lane in cache._lanes:  # each lane's distinct history pages once, in its own page shape
+            pages = f.get_tensor(f"pages.{lane.name}")
+            expected = len({p for b in BOTH for c in s._lane_pages(b)[lane.index].history for p in c})
+            assert pages.shape[0] == expected and tuple(pages.shape[1:3]) == tuple(lane.pool.kv.shape[:2])
+    assert {n for n in names if not n.startswith("latent.")} == {
+        f"{kind}.{lane.name}" for lane in cache._lanes for kind in ("pages", "scales")
+    }
+    assert header["head_retention"] == lanes.PER_HEAD.to_dict() and "pages" not in header
+    assert [lane["name"] for lane in header["lanes"]] == ["l/1h", "l/2h", "g/1h"]
+    assert set(header["sessions"][0]) == {"cross", "id", "lanes"}
+
+
+def test_a_uniform_cache_file_is_as_before(tmp_path):
+    """No retention keys, one ``pages`` and one ``scales`` tensor, branches per session: the format a uniform
+    cache wrote before retention groups."""
+    cache = make_small_cache()
+    s = cache.open_session("s")
+    step(s, 0, latents=True)
+    cache.save_sessions(tmp_path / "u.safetensors", [s])
+    header = header_of(tmp_path / "u.safetensors")
+    assert sorted(header) == ["digests", "format", "pages", "scales_fixed", "sessions", "spec", "version"]
+    assert sorted(header["sessions"][0]) == ["branches", "cross", "id"] and header["version"] == 1
+    assert sorted(header["digests"]) == ["latent.0", "latent.1", "pages", "scales"]
+
+
+GROUP_REFUSALS = {
+    "another map, the same lanes": (
+        "per-head", lambda: lanes.make_cache(
+            "uniform", fields=dict(sink_chunks=0, window_chunks=None, head_retention=am.HeadRetention(
+                {"l": (0, 1), "g": (1, 2)}, [["g", "l"], ["l", "l"]]))
+        ), r"header.head_retention: expected this cache's retention map",
+    ),
+    "another map's windows": (
+        "per-head", lambda: lanes.make_cache(
+            "uniform", fields=dict(sink_chunks=0, window_chunks=None, head_retention=am.HeadRetention(
+                {"l": (0, 2), "g": (1, 2)}, [["l", "g"], ["l", "l"]]))
+        ), r"header.head_retention: expected this cache's retention map",
+    ),
+    "grouped file, uniform cache": (
+        "per-layer", lambda: lanes.make_cache("uniform"),
+        r"header.head_retention: expected no retention map \(this cache has no retention groups\)",
+    ),
+    "one group's file, uniform cache": (
+        "one-group", lambda: lanes.make_cache("uniform"),
+        r"header.head_retention: expected no retention map \(this cache has no retention groups\)",
+    ),
+    "uniform file, grouped cache": (
+        "uniform", lambda: lanes.make_cache("per-layer"), r"header.head_retention: expected this cache's retention map",
+    ),
+    "per-layer file, per-head cache": (
+        "per-layer", lambda: lanes.make_cache("per-head"), r"header.head_retention: expected this cache's retention map",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(GROUP_REFUSALS))
+def test_a_file_of_another_retention_map_is_refused_and_changes_no_lane(tmp_path, case):
+    kind, target_of, message = GROUP_REFUSALS[case]
+    cache = lanes.make_cache(kind)
+    s = cache.open_session("s")
+    for seed in range(3):
+        step(s, seed, latents=True)
+    cache.save_sessions(tmp_path / "f.safetensors", [s])
+    target = target_of()
+    step(target.open_session("resident"), 0)
+    before = lanes.everything(target)
+    with pytest.raises(am.SessionFileError, match=message):
+        target.load_sessions(tmp_path / "f.safetensors")
+    lanes.assert_unchanged(target, before)
+    assert list(target.sessions) == ["resident"]
+
+
+def _lane_branch(header: dict, lane: int, branch: str = "cond") -> dict:
+    return header["sessions"][0]["lanes"][lane][branch]
+
+
+LANE_HOSTILE = {
+    "lanes renamed": (lambda h: h["lanes"][0].update(name="x/1h"), r"header.lanes: expected this cache's lanes"),
+    "lanes reordered": (lambda h: h["lanes"].reverse(), r"header.lanes: expected this cache's lanes"),
+    "a lane's heads": (lambda h: h["lanes"][0].update(heads=[[1]]), r"header.lanes: expected this cache's lanes"),
+    "a lane missing": (lambda h: h["lanes"].pop(), r"header.lanes: expected this cache's lanes"),
+    "a session's lane missing": (
+        lambda h: h["sessions"][0]["lanes"].pop(), r"sessions\[0\].lanes: expected 3 lanes' branches"
+    ),
+    "two clocks": (
+        lambda h: _lane_branch(h, 1).update(committed_chunks=_lane_branch(h, 1)["committed_chunks"] + 1),
+        r"the same committed_chunks and committed_tokens in every lane",
+    ),
+    "a page past its lane's tensor": (
+        lambda h: _lane_branch(h, 0)["history"][0].__setitem__(0, h["lanes"][0]["pages"]), r"lanes\[0\].cond.history"
+    ),
+    "more chunks than its lane keeps": (  # l/1h keeps one chunk (window 1); g/1h three
+        lambda h: _lane_branch(h, 0)["history"].append([0]), r"lanes\[0\].cond.history: expected at most 1 resident"
+    ),
+    "a branch per uniform file": (
+        lambda h: h["sessions"][0].update(branches=h["sessions"][0].pop("lanes")[0]), r"sessions\[0\]: expected the keys"
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(LANE_HOSTILE))
+def test_a_hostile_lane_layout_is_refused_and_changes_no_lane(tmp_path, case):
+    cache = lanes.make_cache("per-head")
+    s = cache.open_session("s")
+    for seed in range(4):
+        step(s, seed, latents=True)
+    path = tmp_path / "g.safetensors"
+    cache.save_sessions(path, [s])
+    edit, message = LANE_HOSTILE[case]
+    target = lanes.make_cache("per-head")
+    step(target.open_session("resident"), 0)
+    before = lanes.everything(target)
+    with pytest.raises(am.SessionFileError, match=message):
+        target.load_sessions(rewrite(path, edit))
+    lanes.assert_unchanged(target, before)
+    assert target.load_sessions(path)[0].committed_chunks("cond") == 4  # the file itself loads
+
+
+@pytest.mark.parametrize("kind", ["per-head", "per-layer"])
+def test_a_grouped_load_checks_room_in_every_lane_then_rolls_every_lane_back(tmp_path, kind, monkeypatch):
+    """Room in the first lanes but not the last: refused naming it, nothing allocated; a copy failing in the last
+    lane (after the earlier lanes copied): every lane's reservation rolled back exactly."""
+    cache = lanes.make_cache(kind)
+    s = cache.open_session("s")
+    populate(s)
+    for seed in range(4):
+        step(s, seed, latents=True)
+    path = tmp_path / "g.safetensors"
+    cache.save_sessions(path, [s])
+    target = lanes.make_cache(kind)
+    step(target.open_session("resident"), 0)
+    last = target._lanes[-1]
+    hog = last.allocator.allocate(last.allocator.num_free - 1)
+    before = lanes.everything(target)
+    with pytest.raises(am.CapacityError, match=f"lane '{last.name}': needed"):
+        target.load_sessions(path)
+    lanes.assert_unchanged(target, before)
+    last.allocator.decref(hog)
+    before = lanes.everything(target)
+    calls = []
+    real = files._copy_pages
+
+    def fail_last(pool, pages, copies):
+        calls.append(pool)
+        if pool is last.pool:
+            raise KeyboardInterrupt("copy failed")
+        real(pool, pages, copies)
+
+    monkeypatch.setattr(files, "_copy_pages", fail_last)
+    with pytest.raises(KeyboardInterrupt):
+        target.load_sessions(path)
+    monkeypatch.undo()
+    assert len(calls) == len(target._lanes)  # the earlier lanes had copied (into pages now free again)
+    lanes.assert_unchanged(target, before, free_bytes=False)
+    [loaded] = target.load_sessions(path)
+    assert lanes.same_history(target, loaded, cache, s)
+
+
+def test_grouped_fp8_scales_that_differ_from_a_lanes_pool_are_refused(tmp_path):
+    fp8 = {"kv_dtype": "float8_e4m3fn"}
+    cache, other = lane_twins("per-layer", fp8)
+    s, o = cache.open_session("s"), other.open_session("o")
+    step(s, 0)
+    step(o, 3)  # the other pool calibrated from other K/V: other scales, already used
+    cache.save_sessions(tmp_path / "fp8.safetensors", [s])
+    before = lanes.everything(other)
+    with pytest.raises(am.SessionFileError, match=r"'kv_scales' \(lane 'sink0_window1/2h'\): expected the FP8"):
+        other.load_sessions(tmp_path / "fp8.safetensors")
+    lanes.assert_unchanged(other, before)

@@ -419,3 +419,274 @@ def test_a_suspend_keeps_the_streams_generation_and_a_reset_starts_a_new_one():
     assert [state.branch_pages(b).generation for b in BOTH] == before
     state.reset()
     assert [state.branch_pages(b).generation for b in BOTH] == [g + 1 for g in before]
+
+
+# ------------------------------------------------------------------ retention groups: one record, every lane
+# (tests/support/small_lanes.py: the small cache uniform, per head (three lanes) and per layer (two lanes))
+from tests.support import small_lanes as lanes  # noqa: E402
+
+
+@pytest.mark.parametrize("extents", [False, True], ids=["paged", "extents"])
+@pytest.mark.parametrize("kind", lanes.KINDS)
+def test_every_lane_continues_bit_identically_after_suspend_and_resume(kind, extents):
+    """Every lane's pool contents, chunks and slots come back as they were (and as a twin that never left holds
+    them); outputs, prompts and kept latents equal the twin's bit for bit."""
+    twin_cache, cache = (lanes.make_cache(kind, contiguous_extents=extents) for _ in range(2))
+    twin, state = twin_cache.open_session("s"), cache.open_session("s")
+    populate(twin), populate(state)
+    for seed in range(9):
+        if seed % 2 == 1:
+            before = lanes.history_bytes(cache, state)
+            state.suspend()
+            assert state.pages_in_use() == 0 and all(lane.allocator.num_used == 0 for lane in cache._lanes)
+            # one host page per distinct history page of each lane
+            assert [s.pages.num_pages for s in cache._host_tier.stores] == [
+                len({p for b in BOTH for c in r.chunks[b] for p in c}) for r in cache._host_tier._suspended[state].lanes
+            ]
+            state.resume().wait()
+            after = lanes.history_bytes(cache, state)
+            assert all(torch.equal(x[b], y[b]) for x, y in zip(before, after) for b in BOTH)
+            assert lanes.same_history(cache, state, twin_cache, twin)
+        for commit in (False, True):
+            out, ref = step(state, seed, commit, latents=True), step(twin, seed, commit, latents=True)
+            assert all(torch.equal(a, b) for a, b in zip(out, ref))
+    assert lanes.same_history(cache, state, twin_cache, twin)
+    for b in BOTH:
+        assert torch.equal(state.get_cross_attention_kv(b, "text")[1]["v"], twin.get_cross_attention_kv(b, "text")[1]["v"])
+        for mine, ref in zip(state._lane_pages(b), twin._lane_pages(b)):  # every lane keeps its latents
+            assert sorted(mine.latents) == sorted(ref.latents)
+            assert all(torch.equal(mine.latents[i], ref.latents[i]) for i in mine.latents)
+    lanes.assert_clean(cache)
+    state.close()
+    assert all(lane.allocator.num_used == 0 for lane in cache._lanes)
+    assert all(s.pages.num_pages == 0 for s in cache._host_tier.stores) and cache.tiers().host_bytes == 0
+
+
+@pytest.mark.parametrize("kind", lanes.KINDS)
+def test_a_latent_several_lanes_keep_travels_once_and_comes_back_shared(kind):
+    cache = lanes.make_cache(kind)
+    s = cache.open_session("s")
+    for seed in range(3):
+        step(s, seed, latents=True)
+    kept = {id(t): t for b in BOTH for p in s._lane_pages(b) for t in p.latents.values()}
+    s.suspend()
+    assert cache.tiers().host_bytes == sum(s_.pages.num_pages * s_.pool.bytes_per_page for s_ in cache._host_tier.stores) + sum(
+        t.numel() * t.element_size() for t in kept.values()
+    )
+    s.resume()
+    back = {id(t) for b in BOTH for p in s._lane_pages(b) for t in p.latents.values()}
+    assert len(back) == len(kept)  # still one tensor per chunk, shared by the lanes that keep it
+
+
+@pytest.mark.parametrize("kind", lanes.KINDS)
+def test_forks_and_shared_sinks_stay_shared_in_every_lane(kind):
+    cache, twin_cache = lanes.make_cache(kind), lanes.make_cache(kind)
+    families = []
+    for c in (cache, twin_cache):
+        a, b = c.open_session("a"), c.open_session("b")
+        for seed in range(3):
+            step(a, seed)
+        child = a.fork("child")
+        for branch in BOTH:  # b's sinks are a's (in the lanes that keep sinks; the others only take the clock)
+            b.share_sinks_from(a, branch)
+        families.append((a, child, b))
+    (a, child, b), twins = families
+    refcounts = [sorted(map(lane.allocator.refcount, lane.allocator.used_pages())) for lane in cache._lanes]
+    distinct = [lane.allocator.num_used for lane in cache._lanes]
+    assert any(n > 1 for counts in refcounts for n in counts)  # something is shared
+    for s in (child, b, a):
+        s.suspend()
+    # each lane's shared pages copied to the host once
+    assert [s.pages.num_pages for s in cache._host_tier.stores] == distinct
+    for s in (a, b, child):
+        s.resume()
+    # back shared as before: the same pages in use, each with as many holders
+    assert [sorted(map(lane.allocator.refcount, lane.allocator.used_pages())) for lane in cache._lanes] == refcounts
+    for mine, ref, seed in zip((child, b, a), (twins[1], twins[2], twins[0]), (9, 10, 11)):
+        assert all(torch.equal(x, y) for x, y in zip(step(mine, seed), step(ref, seed)))
+        assert lanes.same_history(cache, mine, twin_cache, ref)
+    lanes.assert_clean(cache)
+
+
+def _hog(cache: am.KVCache, lane: int, leave: int) -> list[int]:
+    """Take every free page of ``lane`` but ``leave`` (straight from its allocator: that lane alone is full)."""
+    allocator = cache._lanes[lane].allocator
+    return allocator.allocate(allocator.num_free - leave)
+
+
+@pytest.mark.parametrize("extents", [False, True], ids=["paged", "extents"])
+@pytest.mark.parametrize("kind", lanes.KINDS)
+def test_a_resume_reserves_in_every_lane_or_none(kind, extents):
+    """The last lane without room: refused naming it (with groups), every lane unchanged; with room, it resumes."""
+    cache = lanes.make_cache(kind, contiguous_extents=extents)
+    s = cache.open_session("s")
+    for seed in range(3):
+        step(s, seed)
+    s.suspend()
+    last = len(cache._lanes) - 1
+    hog = _hog(cache, last, 1)
+    before = lanes.everything(cache)
+    message = f"resume 's': lane '{cache._lanes[last].name}': needed" if kind != "uniform" else "resume 's': needed"
+    with pytest.raises(am.CapacityError, match=message):
+        s.resume()
+    lanes.assert_unchanged(cache, before)
+    assert s.is_suspended
+    cache._lanes[last].allocator.decref(hog)
+    s.resume()
+    assert not s.is_suspended and s.committed_chunks("cond") == 3
+    lanes.assert_clean(cache)
+
+
+@pytest.mark.parametrize("kind", ["per-head", "per-layer"])
+def test_a_later_lane_failing_its_reservation_rolls_back_the_earlier_ones_exactly(kind, monkeypatch):
+    """Room checked, then the last lane's reservation fails (fragmentation, an interrupt): every lane is back as
+    it was -- free queue order included -- and the session stays suspended."""
+    from ardiff_modules.core import reservation as core_reservation
+    from ardiff_modules.host import tier
+
+    cache = lanes.make_cache(kind, contiguous_extents=True)
+    s = cache.open_session("s")
+    for seed in range(3):
+        step(s, seed)
+    s.suspend()
+    before = lanes.everything(cache)
+    made = []
+
+    class Failing(core_reservation.ResumeReservation):
+        def __init__(self, allocator, fresh, extents):
+            super().__init__(allocator, fresh, extents)
+            made.append(self)
+            if allocator is cache._lanes[-1].allocator:
+                self.rollback()
+                raise KeyboardInterrupt("the last lane")
+
+    monkeypatch.setattr(tier, "ResumeReservation", Failing)
+    with pytest.raises(KeyboardInterrupt, match="the last lane"):
+        s.resume()
+    monkeypatch.undo()
+    assert len(made) == len(cache._lanes) and all(r.spent for r in made)
+    lanes.assert_unchanged(cache, before)
+    s.resume()
+
+
+@pytest.mark.parametrize("stage", ["suspend", "resume"])
+@pytest.mark.parametrize("kind", ["per-head", "per-layer"])
+def test_an_interrupted_grouped_transfer_leaves_every_lane_on_one_side(monkeypatch, kind, stage):
+    cache = lanes.make_cache(kind, contiguous_extents=True)
+    s = cache.open_session("s")
+    populate(s)
+    for seed in range(3):
+        step(s, seed, latents=True)
+    if stage == "resume":
+        s.suspend()
+    before = lanes.everything(cache)
+
+    def boom(*args, **kwargs):
+        raise KeyboardInterrupt("copy failed")
+
+    monkeypatch.setattr(HostTier, "_copy_pages_to_host" if stage == "suspend" else "_copy_to_device", boom)
+    with pytest.raises(KeyboardInterrupt, match="copy failed"):
+        s.suspend() if stage == "suspend" else s.resume()
+    monkeypatch.undo()
+    lanes.assert_unchanged(cache, before)
+    assert s.is_suspended == (stage == "resume")
+    assert all(st.arena.free_rows == st.arena.capacity_rows for st in cache._host_tier.stores) or stage == "resume"
+
+
+@pytest.mark.parametrize("kind", lanes.KINDS)
+def test_one_host_budget_covers_every_lane(kind):
+    """The host budget counts every lane's pages: a session whose first lane alone would fit is refused,
+    changing nothing; sessions_that_fit(tier='host') counts a session's peak in every lane, exactly."""
+    probe = lanes.make_cache(kind)
+    per_lane = [lane.admission.host_pages_per_session() * lane.pool.bytes_per_page for lane in probe._lanes]
+    per_session = sum(per_lane)
+    cache = lanes.make_cache(kind, host_budget_bytes=2 * per_session + per_session // 2)
+    assert cache.sessions_that_fit(tier="host") == 2
+    states = [cache.open_session(f"s{i}") for i in range(2)]
+    for state in states:  # to the peak: every lane's history full on both branches
+        for seed in range(6):
+            step(state, seed)
+    states[0].suspend()
+    assert cache.tiers().host_bytes == per_session  # the estimate is the true peak, every lane together
+    assert cache.sessions_that_fit(tier="host") == 1
+    small = lanes.make_cache(kind, host_budget_bytes=per_session - 1)  # (with groups, the first lane's part fits)
+    t = small.open_session("t")
+    for seed in range(6):
+        step(t, seed)
+    before = lanes.everything(small)
+    with pytest.raises(am.CapacityError, match="host tier needs .* only .* of its budget"):
+        t.suspend()
+    lanes.assert_unchanged(small, before)
+    assert not t.is_suspended
+    report = cache.tiers()
+    assert report.device_pages_used == sum(lane.allocator.num_used for lane in cache._lanes)
+    assert report.host_pages == sum(s.pages.num_pages for s in cache._host_tier.stores)
+
+
+@pytest.mark.parametrize("extents", [False, True], ids=["paged", "extents"])
+@pytest.mark.parametrize("kind", lanes.KINDS)
+def test_admission_suspends_idle_sessions_until_every_lane_has_room(kind, extents):
+    """Admission suspends the least recently used idle session(s) until one more session fits at its peak in every
+    lane; with no candidate it refuses, changing nothing."""
+    cache = lanes.make_cache(kind, 64, contiguous_extents=extents)
+    states = []
+    while cache.sessions_that_fit() >= 1:
+        states.append(cache.admit_session(f"s{len(states)}"))
+    assert len(states) >= 2
+    for s in states:
+        step(s, 0)
+    last = cache._lanes[-1]
+    with pytest.raises(am.CapacityError):
+        cache.admit_session("new")
+    before = lanes.everything(cache)
+    with pytest.raises(am.CapacityError, match="idle"):
+        cache.admit_session("new", suspend_idle=[])  # no candidate: refused, nothing changed
+    lanes.assert_unchanged(cache, before)
+    new = cache.admit_session("new", suspend_idle=True)
+    suspended = cache.tiers().suspended
+    assert suspended and suspended[0] == "s0"  # the least recently used first
+    assert new.cache is cache and last.allocator.num_free >= 1
+    assert all(lane.allocator.num_free >= lane.admission.pages_per_session() for lane in cache._lanes)
+    for s in states:
+        if s.is_suspended:
+            assert s.pages_in_use() == 0
+
+
+@pytest.mark.parametrize("kind", ["per-head", "per-layer"])
+def test_admission_frees_the_lane_that_is_full_not_only_the_first(kind):
+    cache = lanes.make_cache(kind, 64)
+    a, b = cache.admit_session("a"), cache.admit_session("b")
+    for s in (a, b, a):
+        step(s, 0)
+    lane = cache._lanes[-1]
+    last = lane.allocator
+    hog = []  # the last lane just too full for one more session; the other lanes keep their room
+    while lane.admission.sessions_that_fit(*cache._host_tier.lane_counts(lane), 1, True) >= 1:
+        hog += last.allocate(1)
+    assert all(
+        lane.admission.sessions_that_fit(*cache._host_tier.lane_counts(lane), 1, True) >= 1 for lane in cache._lanes[:-1]
+    ) and cache.sessions_that_fit() == 0
+    c = cache.admit_session("c", suspend_idle=True)
+    assert cache.tiers().suspended == ("b",) and c.session_id == "c"
+    last.decref(hog)
+    lanes.assert_clean(cache)
+
+
+@pytest.mark.parametrize("kind", lanes.KINDS)
+def test_reserve_host_pins_every_lane_within_the_budget(kind):
+    probe = lanes.make_cache(kind)
+    per_session = sum(lane.admission.host_pages_per_session() * lane.pool.bytes_per_page for lane in probe._lanes)
+    cache = lanes.make_cache(kind, host_budget_bytes=3 * per_session)
+    assert cache.reserve_host(2 * per_session) == cache.tiers().host_arena_bytes >= 2 * per_session - sum(
+        lane.pool.bytes_per_page for lane in cache._lanes
+    )
+    assert all(s.arena.capacity_rows > 0 for s in cache._host_tier.stores)
+    assert cache.reserve_host(10 * per_session) <= 3 * per_session  # capped by the one budget
+    states = [cache.open_session(f"s{i}") for i in range(2)]
+    for state in states:
+        for seed in range(6):
+            step(state, seed)
+    rows = [s.arena.capacity_rows for s in cache._host_tier.stores]
+    for state in states:
+        state.suspend()
+    assert [s.arena.capacity_rows for s in cache._host_tier.stores] == rows  # the reserved rows took them

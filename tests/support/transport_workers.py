@@ -135,3 +135,60 @@ def _send_family() -> None:
     assert bookkeeping(cache) == before
     cache.send_sessions([a, child], 1)
     assert a.is_closed and child.is_closed and cache._allocator.num_used == 0
+
+
+# ------------------------------------------------------------------ retention groups (tests/support/small_lanes.py)
+def check_send_recv_lanes(kind: str) -> None:
+    """A grouped fork family: refused by a uniform receiver (another retention map) and by one whose last lane
+    has no room -- each before any tensor moves, the family unchanged here in every lane -- then handed over, every
+    lane's pages arriving shared, and continuing on the receiver bit-identically to a twin that never left."""
+    from tests.support import small_lanes as lanes
+
+    rank = dist.get_rank()
+    if rank == 0:
+        cache = lanes.make_cache(kind)
+        a, child = _family(cache)
+        before = lanes.everything(cache)
+        for expected in ("SessionFileError", "CapacityError"):
+            try:
+                cache.send_sessions([a, child], 1)
+                raise AssertionError(f"expected SessionTransferError ({expected})")
+            except am.SessionTransferError as e:
+                assert expected in str(e) and "stay here" in str(e), e
+            lanes.assert_unchanged(cache, before)
+        used = [lane.allocator.num_used for lane in cache._lanes]
+        dist.broadcast_object_list([used], src=0)
+        cache.send_sessions([a, child], 1)
+        assert a.is_closed and child.is_closed and all(lane.allocator.num_used == 0 for lane in cache._lanes)
+        return
+    uniform = lanes.make_cache("uniform" if kind != "uniform" else "per-head")
+    try:
+        uniform.recv_sessions(0)
+        raise AssertionError("expected SessionFileError")
+    except am.SessionFileError as e:
+        assert "header.head_retention" in str(e), e
+    assert uniform.sessions == {} and all(lane.allocator.num_used == 0 for lane in uniform._lanes)
+    full = lanes.make_cache(kind)
+    last = full._lanes[-1].allocator
+    last.allocate(last.num_free - 1)
+    try:
+        full.recv_sessions(0)
+        raise AssertionError("expected CapacityError")
+    except am.CapacityError as e:
+        assert kind == "uniform" or f"lane '{full._lanes[-1].name}'" in str(e), e
+    assert full.sessions == {}
+    twin_cache = lanes.make_cache(kind)
+    twin_a, twin_child = _family(twin_cache)
+    received: list[object] = [None]
+    dist.broadcast_object_list(received, src=0)
+    used = received[0]
+    cache = lanes.make_cache(kind)
+    a, child = cache.recv_sessions(0)
+    assert [lane.allocator.num_used for lane in cache._lanes] == used  # each lane's shared pages arrived once
+    for mine, twin in ((a, twin_a), (child, twin_child)):
+        assert lanes.same_history(cache, mine, twin_cache, twin)
+    for seed in range(10, 13):
+        for mine, twin in ((a, twin_a), (child, twin_child)):
+            out, ref = step(mine, seed, latents=True), step(twin, seed, latents=True)
+            assert all(torch.equal(x, y) for x, y in zip(out, ref))
+    lanes.assert_clean(cache)
