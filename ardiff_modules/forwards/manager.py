@@ -96,6 +96,13 @@ class ForwardManager:
         self.lane_layers = sum(lane.spec.num_layers for lane in self.lanes)
         #: With retention groups, each model layer's lane shares and merge order (built once); else ``None``.
         self.shares = lane_share_map(spec, [lane.part for lane in self.lanes], self.pool.device)
+        #: Per lane, whether its forwards attend sinks at relative positions (the spec's ``relative_sinks`` and
+        #: sink chunks in the lane's retention: a group without sinks has no sink segment).
+        self.relative_lanes = tuple(
+            spec.relative_sinks and (lane.part is None or lane.spec.policy.sink_chunks > 0) for lane in self.lanes
+        )
+        #: With groups and relative sinks, per model layer the lane of each query head (host ints); else ``None``.
+        self.head_lanes = _head_lanes(spec, self.lanes) if spec.relative_sinks and self.shares is not None else None
         #: Each lane's ``token_mask`` in a forward without one.
         self.no_masks: tuple[torch.Tensor | None, ...] = (None,) * len(self.lanes)
         self.check_finite = check_finite
@@ -277,7 +284,7 @@ class ForwardManager:
                 layouts.append(layout)
                 planning = True
                 plans.append(plan_forward(self.backend, _plan_request(layout, request, lane, self.dtype), lane_ctx._plan))
-            positions = _positions(ctx, layouts[0], request.static, self.spec.relative_sinks, self.pool.device)
+            positions = _positions(ctx, layouts, request.static, self.relative_lanes, self.head_lanes, self.pool.device)
             cross = _stack_cross(ctx, request.members, request.static, self.spec.cross_attention_names)
         except BaseException:
             for reservation in reversed(reservations):
@@ -309,7 +316,7 @@ class ForwardManager:
     def _begin(
         self, ctx: ForwardContext, key: ContextKey, request: Build, held: list[ForwardReservation] | None,
         plans: list[AttentionPlan], layouts: list[ForwardLayout],
-        positions: tuple[torch.Tensor, torch.Tensor | None], cross: CrossStacks,
+        positions: Positions, cross: CrossStacks,
     ) -> None:
         """Supersede the streams' open denoising forwards, publish ``ctx`` and begin its forward: one transaction
         over every lane (``held``: the lanes' reservations, kept undoable until the forward stands)."""
@@ -330,9 +337,12 @@ class ForwardManager:
         )
         transaction.attach()
         # NOTE: with groups the context describes its first lane (plan, layout, and so that mask's columns).
-        ctx._begin(transaction, plans[0], layouts[0], positions, cross, request.lane_token_masks[0])
-        for lane_ctx, plan, layout, mask in zip(ctx._lanes, plans, layouts, request.lane_token_masks):
-            lane_ctx._begin(transaction, plan, layout, positions, ({}, {}, {}), mask)
+        natural, sink_marker, lane_sinks, layer_sinks = positions
+        ctx._begin(transaction, plans[0], layouts[0], (natural, sink_marker), cross, request.lane_token_masks[0])
+        for lane_ctx, plan, layout, mask, sinks in zip(ctx._lanes, plans, layouts, request.lane_token_masks, lane_sinks):
+            lane_ctx._begin(transaction, plan, layout, (natural, sinks), ({}, {}, {}), mask)
+        for layer, sinks in zip(ctx.layers, layer_sinks):  # (grouped layers with relative sinks only)
+            layer._sink_positions = sinks
 
     def _context(self, key: ContextKey) -> ForwardContext:
         """The persistent context of these streams, or a new one (registered only once its forward begins).
@@ -543,15 +553,66 @@ def _recache_request(
 
 
 def _positions(
-    ctx: ForwardContext, layout: ForwardLayout, static: bool, relative_sinks: bool, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(positions, sink_positions)`` on the pool's ``device`` (fixed buffers when ``static``); the second only
-    with relative sinks (the positions where the sink query is rotated)."""
-    positions = _to_device(layout.positions, device, ctx.positions if static else None)
-    if not relative_sinks:
-        return positions, None
-    buffer = ctx.sink_positions if static else None
-    return positions, _to_device(layout.sink_positions, device, buffer)
+    ctx: ForwardContext, layouts: Sequence[ForwardLayout], static: bool, relative: tuple[bool, ...],
+    head_lanes: list[tuple[int, ...]] | None, device: torch.device,
+) -> Positions:
+    """``(positions, the context's sink positions, sink positions per lane, sink positions per model layer)`` on the
+    pool's ``device`` (fixed buffers when ``static``).
+
+    A lane's sink positions (where its sink query is rotated) only where it attends sinks at relative positions
+    (``relative``), from its own layout: with retention groups each lane's sinks move by its own shift (its window
+    differs). The per-layer list is empty for a uniform cache (its layers read the forward's); with groups and
+    relative sinks, a layer of one share reads its lane's (the natural positions for a lane without sinks), a layer
+    of several shares per query head ``[streams, seq_len, heads]``, built once per distinct head-to-lane map.
+    """
+    positions = _to_device(layouts[0].positions, device, ctx.positions if static else None)
+    if not any(relative):
+        return positions, None, (None,) * len(layouts), ()
+    if head_lanes is None:  # a uniform cache: today's path exactly
+        buffer = ctx._sink_positions if static else None
+        return positions, _to_device(layouts[0].sink_positions, device, buffer), (), ()
+    lane_ctxs = ctx._lanes
+    lane_sinks = tuple(
+        _to_device(layout.sink_positions, device, lane_ctx._sink_positions if static else None) if on else None
+        for layout, lane_ctx, on in zip(layouts, lane_ctxs, relative)
+    )
+    # per stream, each lane's shift (0 for a lane without sinks: its heads sit at the natural positions)
+    shifts = [layout.sink_shifts if on else (0,) * layout.num_streams for layout, on in zip(layouts, relative)]
+    built: dict[tuple[int, ...], torch.Tensor] = {}
+    layer_sinks: list[torch.Tensor] = []
+    for layer, lanes in zip(ctx.layers, head_lanes):
+        first = lanes[0]
+        if all(lane == first for lane in lanes):  # one share: its lane's own tensor
+            sinks = lane_sinks[first]
+            layer_sinks.append(positions if sinks is None else sinks)
+            continue
+        per_head = built.get(lanes)
+        if per_head is None:
+            table = torch.tensor([[shifts[lane][s] for lane in lanes] for s in range(len(shifts[0]))], dtype=torch.int64)
+            host = layouts[0].positions[:, :, None] - table[:, None, :]  # [streams, seq_len, heads]
+            per_head = built[lanes] = _to_device(host, device, layer._sink_positions if static else None)
+        layer_sinks.append(per_head)
+    # NOTE: the grouped context keeps a non-None marker (its first relative lane's) so that relative_sinks says
+    # True; its public sink_positions refuses (no one tensor is right for every head).
+    marker = next(s for s in lane_sinks if s is not None)
+    return positions, marker, lane_sinks, tuple(layer_sinks)
+
+
+#: What ``_positions`` returns: the positions, the context's sink positions (a grouped context's: a marker), each
+#: lane's, each grouped layer's.
+Positions = tuple[torch.Tensor, "torch.Tensor | None", tuple["torch.Tensor | None", ...], tuple[torch.Tensor, ...]]
+
+
+def _head_lanes(spec: KVCacheSpec, lanes: Sequence[CacheLane]) -> list[tuple[int, ...]]:
+    """Per model layer, the lane holding each query head (host ints, from the lanes' parts)."""
+    group = spec.query_heads // spec.num_kv_heads
+    rows = [[0] * spec.query_heads for _ in range(spec.num_layers)]
+    for lane in lanes:
+        assert lane.part is not None  # (with groups every lane is a part)
+        for layer, kv_heads in zip(lane.part.layers, lane.part.heads):
+            for h in kv_heads:
+                rows[layer][h * group : (h + 1) * group] = [lane.index] * group
+    return [tuple(row) for row in rows]
 
 
 def _stack_cross(
