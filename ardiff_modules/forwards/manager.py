@@ -98,9 +98,7 @@ class ForwardManager:
         self.shares = lane_share_map(spec, [lane.part for lane in self.lanes], self.pool.device)
         #: Per lane, whether its forwards attend sinks at relative positions (the spec's ``relative_sinks`` and
         #: sink chunks in the lane's retention: a group without sinks has no sink segment).
-        self.relative_lanes = tuple(
-            spec.relative_sinks and (lane.part is None or lane.spec.policy.sink_chunks > 0) for lane in self.lanes
-        )
+        self.relative_lanes = tuple(lane.spec.relative_sinks for lane in self.lanes)
         #: With groups and relative sinks, per model layer the lane of each query head (host ints); else ``None``.
         self.head_lanes = _head_lanes(spec, self.lanes) if spec.relative_sinks and self.shares is not None else None
         #: Each lane's ``token_mask`` in a forward without one.
