@@ -387,8 +387,10 @@ class ForwardContext(CrossPublisher):
         positions: tuple[torch.Tensor, torch.Tensor | None],
         cross: tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, str], dict[str, tuple[int, ...]]],
         token_mask: torch.Tensor | None,
+        layer_sinks: tuple[torch.Tensor, ...] = (),
     ) -> None:
-        """Describe a new forward: its transaction (open), plan, layout, positions, cross caches, mask.
+        """Describe a new forward: its transaction (open), plan, layout, positions, cross caches, mask (and, with
+        retention groups and relative sinks, each layer's sink positions: ``layer_sinks``).
 
         Supersedes the forward this context described if it is still open (a denoising forward: its
         pending pages stay for reuse).
@@ -399,6 +401,9 @@ class ForwardContext(CrossPublisher):
             self._plan_epoch += 1
         self._plan, self._layout, self.commit_current = plan, layout, transaction.commit_current
         self.positions, self._sink_positions = positions
+        if layer_sinks:
+            for layer, sinks in zip(self.layers, layer_sinks):
+                layer._sink_positions = sinks
         # NOTE: a Python bool the compiled graph branches on (dynamo guards on it), so it must not flip within
         # a rollout: it is fixed by the cache and the kernel family -- an FP8 pool on FlashInfer FA3 says True
         # in ragged and paged forwards alike; float pools, the reference backend and masked FA2 say False.

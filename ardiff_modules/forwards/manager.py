@@ -96,9 +96,6 @@ class ForwardManager:
         self.lane_layers = sum(lane.spec.num_layers for lane in self.lanes)
         #: With retention groups, each model layer's lane shares and merge order (built once); else ``None``.
         self.shares = lane_share_map(spec, [lane.part for lane in self.lanes], self.pool.device)
-        #: Per lane, whether its forwards attend sinks at relative positions (the spec's ``relative_sinks`` and
-        #: sink chunks in the lane's retention: a group without sinks has no sink segment).
-        self.relative_lanes = tuple(lane.spec.relative_sinks for lane in self.lanes)
         #: With groups and relative sinks, per model layer the lane of each query head (host ints); else ``None``.
         self.head_lanes = _head_lanes(spec, self.lanes) if spec.relative_sinks and self.shares is not None else None
         #: Each lane's ``token_mask`` in a forward without one.
@@ -282,7 +279,7 @@ class ForwardManager:
                 layouts.append(layout)
                 planning = True
                 plans.append(plan_forward(self.backend, _plan_request(layout, request, lane, self.dtype), lane_ctx._plan))
-            positions = _positions(ctx, layouts, request.static, self.relative_lanes, self.head_lanes, self.pool.device)
+            positions = _positions(self, ctx, layouts, request.static)
             cross = _stack_cross(ctx, request.members, request.static, self.spec.cross_attention_names)
         except BaseException:
             for reservation in reversed(reservations):
@@ -335,12 +332,9 @@ class ForwardManager:
         )
         transaction.attach()
         # NOTE: with groups the context describes its first lane (plan, layout, and so that mask's columns).
-        natural, sink_marker, lane_sinks, layer_sinks = positions
-        ctx._begin(transaction, plans[0], layouts[0], (natural, sink_marker), cross, request.lane_token_masks[0])
-        for lane_ctx, plan, layout, mask, sinks in zip(ctx._lanes, plans, layouts, request.lane_token_masks, lane_sinks):
-            lane_ctx._begin(transaction, plan, layout, (natural, sinks), ({}, {}, {}), mask)
-        for layer, sinks in zip(ctx.layers, layer_sinks):  # (grouped layers with relative sinks only)
-            layer._sink_positions = sinks
+        ctx._begin(transaction, plans[0], layouts[0], positions[0], cross, request.lane_token_masks[0], positions[2])
+        for part, plan, layout, mask, pair in zip(ctx._lanes, plans, layouts, request.lane_token_masks, positions[1]):
+            part._begin(transaction, plan, layout, pair, ({}, {}, {}), mask)  # (each lane its own sink positions)
 
     def _context(self, key: ContextKey) -> ForwardContext:
         """The persistent context of these streams, or a new one (registered only once its forward begins).
@@ -551,54 +545,55 @@ def _recache_request(
 
 
 def _positions(
-    ctx: ForwardContext, layouts: Sequence[ForwardLayout], static: bool, relative: tuple[bool, ...],
-    head_lanes: list[tuple[int, ...]] | None, device: torch.device,
+    manager: ForwardManager, ctx: ForwardContext, layouts: Sequence[ForwardLayout], static: bool
 ) -> Positions:
-    """``(positions, the context's sink positions, sink positions per lane, sink positions per model layer)`` on the
-    pool's ``device`` (fixed buffers when ``static``).
+    """``((positions, sink positions) of the context, of each lane, each grouped layer's sink positions)`` on the
+    pool's device (fixed buffers when ``static``); sink positions only with relative sinks.
 
-    A lane's sink positions (where its sink query is rotated) only where it attends sinks at relative positions
-    (``relative``), from its own layout: with retention groups each lane's sinks move by its own shift (its window
-    differs). The per-layer list is empty for a uniform cache (its layers read the forward's); with groups and
-    relative sinks, a layer of one share reads its lane's (the natural positions for a lane without sinks), a layer
-    of several shares per query head ``[streams, seq_len, heads]``, built once per distinct head-to-lane map.
+    With retention groups each lane's sinks move by its own shift (its window differs): a lane's sink positions
+    come from its own layout (``None`` for a lane without sink chunks: no sink segment). A layer of one share reads
+    its lane's (the natural positions for a lane without sinks), a layer of several shares per query head
+    ``[streams, seq_len, heads]``, built once per distinct head-to-lane map. A uniform cache: today's path exactly.
     """
+    device = manager.pool.device
     positions = _to_device(layouts[0].positions, device, ctx.positions if static else None)
-    if not any(relative):
-        return positions, None, (None,) * len(layouts), ()
-    if head_lanes is None:  # a uniform cache: today's path exactly
-        buffer = ctx._sink_positions if static else None
-        return positions, _to_device(layouts[0].sink_positions, device, buffer), (), ()
-    lane_ctxs = ctx._lanes
-    lane_sinks = tuple(
-        _to_device(layout.sink_positions, device, lane_ctx._sink_positions if static else None) if on else None
-        for layout, lane_ctx, on in zip(layouts, lane_ctxs, relative)
-    )
-    # per stream, each lane's shift (0 for a lane without sinks: its heads sit at the natural positions)
-    shifts = [layout.sink_shifts if on else (0,) * layout.num_streams for layout, on in zip(layouts, relative)]
+    head_lanes = manager.head_lanes
+    if head_lanes is None:  # a uniform cache (no lane contexts), or groups without relative sinks
+        if not manager.spec.relative_sinks:
+            return (positions, None), [] if manager.shares is None else [(positions, None)] * len(manager.lanes), ()
+        sinks = _to_device(layouts[0].sink_positions, device, ctx._sink_positions if static else None)
+        return (positions, sinks), [], ()
+    lane_sinks = [
+        _to_device(layout.sink_positions, device, lane_ctx._sink_positions if static else None)
+        if lane.spec.relative_sinks else None
+        for layout, lane_ctx, lane in zip(layouts, ctx._lanes, manager.lanes)
+    ]
+    # per lane and stream the shift (0 for a lane without sinks: its heads sit at the natural positions)
+    shifts = [layout.sink_shifts if sinks is not None else (0,) * layout.num_streams
+              for layout, sinks in zip(layouts, lane_sinks)]
     built: dict[tuple[int, ...], torch.Tensor] = {}
     layer_sinks: list[torch.Tensor] = []
     for layer, lanes in zip(ctx.layers, head_lanes):
-        first = lanes[0]
-        if all(lane == first for lane in lanes):  # one share: its lane's own tensor
-            sinks = lane_sinks[first]
-            layer_sinks.append(positions if sinks is None else sinks)
+        if all(lane == lanes[0] for lane in lanes):  # one share: its lane's own tensor
+            own = lane_sinks[lanes[0]]
+            layer_sinks.append(positions if own is None else own)
             continue
         per_head = built.get(lanes)
         if per_head is None:
-            table = torch.tensor([[shifts[lane][s] for lane in lanes] for s in range(len(shifts[0]))], dtype=torch.int64)
+            table = torch.tensor([[row[s] for row in (shifts[lane] for lane in lanes)] for s in range(len(shifts[0]))])
             host = layouts[0].positions[:, :, None] - table[:, None, :]  # [streams, seq_len, heads]
             per_head = built[lanes] = _to_device(host, device, layer._sink_positions if static else None)
         layer_sinks.append(per_head)
-    # NOTE: the grouped context keeps a non-None marker (its first relative lane's) so that relative_sinks says
-    # True; its public sink_positions refuses (no one tensor is right for every head).
+    # NOTE: the grouped context keeps a non-None marker (a lane's) so that relative_sinks says True; its public
+    # sink_positions refuses (no one tensor is right for every head).
     marker = next(s for s in lane_sinks if s is not None)
-    return positions, marker, lane_sinks, tuple(layer_sinks)
+    return (positions, marker), [(positions, sinks) for sinks in lane_sinks], tuple(layer_sinks)
 
 
-#: What ``_positions`` returns: the positions, the context's sink positions (a grouped context's: a marker), each
-#: lane's, each grouped layer's.
-Positions = tuple[torch.Tensor, "torch.Tensor | None", tuple["torch.Tensor | None", ...], tuple[torch.Tensor, ...]]
+#: What ``_positions`` returns: ``(positions, sink positions)`` of the context (a grouped context's sink positions:
+#: a marker) and of each lane, and each grouped layer's sink positions.
+PositionPair = tuple[torch.Tensor, "torch.Tensor | None"]
+Positions = tuple[PositionPair, list[PositionPair], tuple[torch.Tensor, ...]]
 
 
 def _head_lanes(spec: KVCacheSpec, lanes: Sequence[CacheLane]) -> list[tuple[int, ...]]:

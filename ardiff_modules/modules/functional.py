@@ -333,8 +333,8 @@ def _grouped_attention(
     lses: list[torch.Tensor] = []
     for share in kv._shares:
         # (a lane without sink chunks has no sink segment: its heads' part of the sink query is not needed)
-        relative = sink_query is not None and share.context.forward.relative_sinks
-        sink = take_heads(sink_query, share.q_heads) if relative else None
+        relative = share.context.forward.relative_sinks
+        sink = take_heads(sink_query, share.q_heads) if relative and sink_query is not None else None
         result = chunk_attention(
             take_heads(q, share.q_heads), take_heads(k, share.kv_heads), take_heads(v, share.kv_heads),
             share.context, scale=scale, return_lse=return_lse, sink_query=sink,

@@ -62,7 +62,7 @@ class Oracle:
 
     def attend(self, stream: str, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int
                ) -> torch.Tensor:
-        """Raw ``q [n, heads, d]``, ``k``/``v [n, kv_heads, d]`` of one pending chunk at ``start`` -> ``[n, heads, d]``."""
+        """Raw ``q [n, heads, d]``, ``k``/``v [n, kv_heads, d]`` of the pending chunk at ``start`` -> like ``q``."""
         history = self.chunks[stream][layer]
         assert start == len(history) * CHUNK
         out = torch.empty_like(q)
@@ -80,7 +80,8 @@ class Oracle:
             kk, vv = torch.cat(keys), torch.cat(values)
             for j in range(GQA):
                 qh = rot(q[:, h * GQA + j], pos)
-                out[:, h * GQA + j] = F.scaled_dot_product_attention(qh[None, None], kk[None, None], vv[None, None])[0, 0]
+                attended = F.scaled_dot_product_attention(qh[None, None], kk[None, None], vv[None, None])
+                out[:, h * GQA + j] = attended[0, 0]
         return out
 
     def commit(self, stream: str, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
