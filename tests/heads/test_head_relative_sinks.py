@@ -240,3 +240,42 @@ def test_rope_modules_take_per_head_positions() -> None:
             torch.testing.assert_close(got[:, :, h : h + 1], rope(t[:, :, h : h + 1], per_head[:, :, h]))
         with pytest.raises(am.TensorMismatchError, match="per-head"):
             rope(t, per_head[:, :, :2])
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            am.ChunkSelfAttention(DIM, HEADS, num_kv_heads=KV_HEADS, head_dim=D) for _ in ROWS
+        )
+
+    def forward(self, x: torch.Tensor, layers: list) -> torch.Tensor:
+        for block, kv in zip(self.blocks, layers):
+            x = x + block(x, kv, ROPE)
+        return x
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_compiled_grouped_relative_sinks_is_one_frame_equal_to_eager() -> None:
+    """``fullgraph=True`` over a rollout whose windows slide, denoising and committing forwards: one frame, equal to
+    eager (the per-head sink positions keep their shape: no recompile when the lanes' shifts start to differ)."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch.manual_seed(0)
+    model = _Stack().eval()
+    counter = CompileCounter()
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    caches = [make_cache(), make_cache()]
+    states = [c.open_session("a") for c in caches]
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for c in range(9):
+            for commit in (False, True):
+                x = torch.randn(1, CHUNK, DIM, generator=g)
+                outs = []
+                for state, fn in zip(states, (model, compiled)):
+                    with state.prepare_forward(("main",), CHUNK, commit) as fwd:
+                        outs.append(fn(x, fwd.layers))
+                torch.testing.assert_close(outs[1], outs[0], **TOL)
+    assert counter.frame_count == 1
