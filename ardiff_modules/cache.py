@@ -381,8 +381,6 @@ def _check_arguments(
     require_int("KVCache.max_forward_contexts", max_forward_contexts, minimum=1)
     if host_budget_bytes is not None:
         require_int("KVCache.host_budget_bytes", host_budget_bytes, minimum=0)
-    if spec.head_retention is not None and spec.relative_sinks:
-        raise SpecError("KVCache: expected relative_sinks=False with head_retention (not supported yet), got True")
     if (num_pages is None) == (budget_bytes is None):
         raise SpecError(
             f"KVCache: expected exactly one of num_pages / budget_bytes, got num_pages={num_pages!r}, "

@@ -362,10 +362,11 @@ def library_tensors(named: Mapping[str, Any]) -> dict[int, str]:
         # NOTE: not fwd.key_positions(): built on first use (with the dense mask), too dear to build here; a
         # graph input made from it is recognised by its name (dynamo names inputs after their source).
         tensors: list[tuple[str, torch.Tensor | None]] = [
-            ("kv.positions", fwd.positions), ("kv.sink_positions", fwd.sink_positions),
+            ("kv.positions", fwd.positions), ("kv.sink_positions", fwd._sink_positions),
             ("kv._handle_id", fwd._handle_id),
         ]
         for layer in fwd.layers:
+            tensors += [("kv.sink_positions", layer._sink_positions)]  # (a grouped layer's own; else None)
             tensors += [("kv._layer_id", layer._layer_id), ("the KV pool", layer._kv_pool),
                         ("the KV pool", layer.k_cache), ("the KV pool", layer.v_cache)]
             tensors += [(f"kv.cross_kv({name!r})", t) for name, pair in layer.cross.items() for t in pair]

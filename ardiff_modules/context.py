@@ -20,7 +20,7 @@ import torch
 
 from ardiff_modules.backends.base import AttentionPlan
 from ardiff_modules.cross import CrossStack
-from ardiff_modules.errors import CrossAttentionNotPopulatedError, ForwardFinishedError, UnknownCacheError
+from ardiff_modules.errors import CrossAttentionNotPopulatedError, ForwardFinishedError, SpecError, UnknownCacheError
 from ardiff_modules.core.transaction import ForwardTransaction
 from ardiff_modules.head_shares import ShareMap
 from ardiff_modules.layout import ForwardLayout
@@ -101,7 +101,9 @@ class LayerViews:
 
     @property
     def sink_positions(self) -> torch.Tensor | None:
-        """Where to rotate the sink query, int64 ``[num_streams, seq_len]`` (relative sinks only, else ``None``)."""
+        """Where to rotate this layer's sink query (relative sinks only, else ``None``): int64
+        ``[num_streams, seq_len]``, or per query head ``[num_streams, seq_len, num_heads]`` in a layer whose
+        heads several retention-group lanes hold (each lane's sinks move by its own shift)."""
         return self.forward.sink_positions
 
     @property
@@ -147,6 +149,14 @@ class CrossPublisher:
         # NOTE: an attribute store, not ``set.add``: dynamo replays it after a compiled graph without
         # reading (so without guarding on) what was recorded before -- a set would recompile once filled.
         setattr(self._cross_reads, name, True)
+
+
+def _refuse_forward_sink_view(what: str) -> NoReturn:
+    raise SpecError(
+        f"ForwardContext.{what}: expected a forward of one retention (a uniform cache), got one with retention "
+        "groups, whose lanes' sinks move by different shifts; read each layer's kv.sink_positions ([streams, "
+        "seq_len], or per query head [streams, seq_len, heads] where the layer's lanes differ)"
+    )
 
 
 @dataclass(frozen=True, eq=False)
@@ -199,6 +209,21 @@ class LayerContext(LayerViews):
     _merge_order: torch.Tensor | None = None
     #: ``(query heads, kv heads)`` of the whole layer, with shares (what q / k / v must carry).
     _heads: tuple[int, int] = (0, 0)
+    #: With shares and relative sinks: this layer's sink positions, set by the cache every forward -- its lane's
+    #: ``[streams, seq_len]`` with one share, per query head ``[streams, seq_len, heads]`` with several (each head
+    #: at its lane's shift; a lane without sink chunks at the natural positions: its share ignores the sink query).
+    _sink_positions: torch.Tensor | None = None
+
+    @property
+    def sink_positions(self) -> torch.Tensor | None:
+        """Where to rotate this layer's sink query (relative sinks only, else ``None``): int64
+        ``[num_streams, seq_len]``; per query head ``[num_streams, seq_len, num_heads]`` in a layer whose heads
+        several retention-group lanes hold (each lane's sinks move by its own shift: its window differs).
+        Entries of the heads of a lane without sink chunks are the natural positions (their sink query is
+        ignored)."""
+        if self._shares:
+            return self._sink_positions
+        return self.forward.sink_positions
 
     @property
     def _handle_id(self) -> torch.Tensor:
@@ -240,7 +265,9 @@ class ForwardContext(CrossPublisher):
     sink_positions:
         With relative sinks (``KVCacheSpec.relative_sinks``), int64 ``[num_streams, seq_len]``: where
         to rotate the query that attends the sinks (``positions`` minus each stream's
-        :attr:`sink_shifts`); ``None`` otherwise.
+        :attr:`sink_shifts`); ``None`` otherwise. With retention groups the shift is per lane, so the
+        forward has no one answer: reading it raises :class:`SpecError`; each layer's
+        ``LayerContext.sink_positions`` is what its heads use.
     layers:
         One :class:`LayerContext` per layer.
     """
@@ -255,8 +282,10 @@ class ForwardContext(CrossPublisher):
     _layout: ForwardLayout | None = None
     positions: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     #: With ``KVCacheSpec.relative_sinks``: int64 ``[num_streams, seq_len]`` positions at which the sink
-    #: query is rotated (``positions - sink_shift`` per stream); ``None`` otherwise.
-    sink_positions: torch.Tensor | None = None
+    #: query is rotated (``positions - sink_shift`` per stream); ``None`` otherwise (and in a lane of a retention
+    #: group without sink chunks). A grouped forward keeps its first lane's here (never handed out: see
+    #: :attr:`sink_positions`), so ``None`` still says "no relative sinks".
+    _sink_positions: torch.Tensor | None = None
     commit_current: bool = False
     layers: list[LayerContext] = field(default_factory=list)
     #: name -> (K, V), each ``[num_layers, num_streams, tokens, heads, dim]``; only fully populated caches.
@@ -358,8 +387,10 @@ class ForwardContext(CrossPublisher):
         positions: tuple[torch.Tensor, torch.Tensor | None],
         cross: tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[str, str], dict[str, tuple[int, ...]]],
         token_mask: torch.Tensor | None,
+        layer_sinks: tuple[torch.Tensor, ...] = (),
     ) -> None:
-        """Describe a new forward: its transaction (open), plan, layout, positions, cross caches, mask.
+        """Describe a new forward: its transaction (open), plan, layout, positions, cross caches, mask (and, with
+        retention groups and relative sinks, each layer's sink positions: ``layer_sinks``).
 
         Supersedes the forward this context described if it is still open (a denoising forward: its
         pending pages stay for reuse).
@@ -369,14 +400,17 @@ class ForwardContext(CrossPublisher):
         if plan is not self._plan:
             self._plan_epoch += 1
         self._plan, self._layout, self.commit_current = plan, layout, transaction.commit_current
-        self.positions, self.sink_positions = positions
+        self.positions, self._sink_positions = positions
+        if layer_sinks:
+            for layer, sinks in zip(self.layers, layer_sinks):
+                layer._sink_positions = sinks
         # NOTE: a Python bool the compiled graph branches on (dynamo guards on it), so it must not flip within
         # a rollout: it is fixed by the cache and the kernel family -- an FP8 pool on FlashInfer FA3 says True
         # in ragged and paged forwards alike; float pools, the reference backend and masked FA2 say False.
         # Relative sinks say False in every forward: their two-segment plan takes the 16-bit query, and the
         # one-segment forwards before a sink is resident would otherwise flip it. A token_mask forward inside
         # an FA3 rollout flips it (FA2): one more compiled graph, kept by dynamo for later such forwards.
-        self._fp8_query = plan.takes_fp8_query and self.sink_positions is None
+        self._fp8_query = plan.takes_fp8_query and self._sink_positions is None
         self._token_mask = token_mask
         self._set_cross(cross[0], cross[1])
         self._cross_stack.adopt(cross[2])
@@ -445,16 +479,32 @@ class ForwardContext(CrossPublisher):
         return self._layout.pending_attention if self._layout is not None else "block_causal"
 
     @property
+    def sink_positions(self) -> torch.Tensor | None:
+        """With relative sinks, int64 ``[num_streams, seq_len]``: where to rotate the query that attends the
+        sinks (``positions`` minus each stream's :attr:`sink_shifts`); ``None`` otherwise.
+
+        With retention groups each lane's sinks move by their own shift (its window differs), so one tensor for
+        the forward would give one lane's view to every head: this raises :class:`SpecError`; read each layer's
+        ``LayerContext.sink_positions`` (per query head where the layer's lanes differ).
+        """
+        if self._lanes and self._sink_positions is not None:
+            _refuse_forward_sink_view("sink_positions")
+        return self._sink_positions
+
+    @property
     def relative_sinks(self) -> bool:
         """Whether the layers must pass a sink query (``chunk_attention(..., sink_query=...)``)."""
-        return self.sink_positions is not None
+        return self._sink_positions is not None
 
     @property
     def sink_shifts(self) -> tuple[int, ...]:
         """Per stream, the tokens added to its sinks' positions in this forward (``0``: natural positions;
-        always ``0`` without relative sinks)."""
+        always ``0`` without relative sinks). With retention groups and relative sinks the shift is per lane:
+        this raises :class:`SpecError` (see :attr:`sink_positions`)."""
         if self._layout is None:
             return ()
+        if self._lanes and self._sink_positions is not None:
+            _refuse_forward_sink_view("sink_shifts")
         return self._layout.sink_shifts
 
     @property

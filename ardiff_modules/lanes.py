@@ -78,6 +78,8 @@ def lane_spec(spec: KVCacheSpec, part: HeadPart) -> KVCacheSpec:
         spec, num_layers=len(part.layers), num_kv_heads=part.num_heads,
         num_qo_heads=None if spec.num_qo_heads is None else part.num_heads * group,
         sink_chunks=0, window_chunks=None, retention=part.policy, cross_attention=(), head_retention=None,
+        # a group without sink chunks has no sinks to move: its lane attends no sink segment
+        relative_sinks=spec.relative_sinks and part.policy.sink_chunks > 0,
     )
 
 
@@ -127,7 +129,7 @@ def lane_pages(
 
 def _whole(spec: KVCacheSpec) -> KVCacheSpec:
     """``spec`` as one uniform lane (for :func:`bytes_per_page` of the whole geometry)."""
-    return dataclasses.replace(spec, head_retention=None)
+    return dataclasses.replace(spec, head_retention=None, relative_sinks=False)  # (bytes only: no sinks to move)
 
 
 def split_budget(

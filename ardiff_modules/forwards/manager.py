@@ -96,6 +96,8 @@ class ForwardManager:
         self.lane_layers = sum(lane.spec.num_layers for lane in self.lanes)
         #: With retention groups, each model layer's lane shares and merge order (built once); else ``None``.
         self.shares = lane_share_map(spec, [lane.part for lane in self.lanes], self.pool.device)
+        #: With groups and relative sinks, per model layer the lane of each query head (host ints); else ``None``.
+        self.head_lanes = _head_lanes(spec, self.lanes) if spec.relative_sinks and self.shares is not None else None
         #: Each lane's ``token_mask`` in a forward without one.
         self.no_masks: tuple[torch.Tensor | None, ...] = (None,) * len(self.lanes)
         self.check_finite = check_finite
@@ -277,7 +279,7 @@ class ForwardManager:
                 layouts.append(layout)
                 planning = True
                 plans.append(plan_forward(self.backend, _plan_request(layout, request, lane, self.dtype), lane_ctx._plan))
-            positions = _positions(ctx, layouts[0], request.static, self.spec.relative_sinks, self.pool.device)
+            positions = _positions(self, ctx, layouts, request.static)
             cross = _stack_cross(ctx, request.members, request.static, self.spec.cross_attention_names)
         except BaseException:
             for reservation in reversed(reservations):
@@ -309,7 +311,7 @@ class ForwardManager:
     def _begin(
         self, ctx: ForwardContext, key: ContextKey, request: Build, held: list[ForwardReservation] | None,
         plans: list[AttentionPlan], layouts: list[ForwardLayout],
-        positions: tuple[torch.Tensor, torch.Tensor | None], cross: CrossStacks,
+        positions: Positions, cross: CrossStacks,
     ) -> None:
         """Supersede the streams' open denoising forwards, publish ``ctx`` and begin its forward: one transaction
         over every lane (``held``: the lanes' reservations, kept undoable until the forward stands)."""
@@ -330,9 +332,9 @@ class ForwardManager:
         )
         transaction.attach()
         # NOTE: with groups the context describes its first lane (plan, layout, and so that mask's columns).
-        ctx._begin(transaction, plans[0], layouts[0], positions, cross, request.lane_token_masks[0])
-        for lane_ctx, plan, layout, mask in zip(ctx._lanes, plans, layouts, request.lane_token_masks):
-            lane_ctx._begin(transaction, plan, layout, positions, ({}, {}, {}), mask)
+        ctx._begin(transaction, plans[0], layouts[0], positions[0], cross, request.lane_token_masks[0], positions[2])
+        for part, plan, layout, mask, pair in zip(ctx._lanes, plans, layouts, request.lane_token_masks, positions[1]):
+            part._begin(transaction, plan, layout, pair, ({}, {}, {}), mask)  # (each lane its own sink positions)
 
     def _context(self, key: ContextKey) -> ForwardContext:
         """The persistent context of these streams, or a new one (registered only once its forward begins).
@@ -543,15 +545,67 @@ def _recache_request(
 
 
 def _positions(
-    ctx: ForwardContext, layout: ForwardLayout, static: bool, relative_sinks: bool, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(positions, sink_positions)`` on the pool's ``device`` (fixed buffers when ``static``); the second only
-    with relative sinks (the positions where the sink query is rotated)."""
-    positions = _to_device(layout.positions, device, ctx.positions if static else None)
-    if not relative_sinks:
-        return positions, None
-    buffer = ctx.sink_positions if static else None
-    return positions, _to_device(layout.sink_positions, device, buffer)
+    manager: ForwardManager, ctx: ForwardContext, layouts: Sequence[ForwardLayout], static: bool
+) -> Positions:
+    """``((positions, sink positions) of the context, of each lane, each grouped layer's sink positions)`` on the
+    pool's device (fixed buffers when ``static``); sink positions only with relative sinks.
+
+    With retention groups each lane's sinks move by its own shift (its window differs): a lane's sink positions
+    come from its own layout (``None`` for a lane without sink chunks: no sink segment). A layer of one share reads
+    its lane's (the natural positions for a lane without sinks), a layer of several shares per query head
+    ``[streams, seq_len, heads]``, built once per distinct head-to-lane map. A uniform cache: today's path exactly.
+    """
+    device = manager.pool.device
+    positions = _to_device(layouts[0].positions, device, ctx.positions if static else None)
+    head_lanes = manager.head_lanes
+    if head_lanes is None:  # a uniform cache (no lane contexts), or groups without relative sinks
+        if not manager.spec.relative_sinks:
+            return (positions, None), [] if manager.shares is None else [(positions, None)] * len(manager.lanes), ()
+        sinks = _to_device(layouts[0].sink_positions, device, ctx._sink_positions if static else None)
+        return (positions, sinks), [], ()
+    lane_sinks = [
+        _to_device(layout.sink_positions, device, lane_ctx._sink_positions if static else None)
+        if lane.spec.relative_sinks else None
+        for layout, lane_ctx, lane in zip(layouts, ctx._lanes, manager.lanes)
+    ]
+    # per lane and stream the shift (0 for a lane without sinks: its heads sit at the natural positions)
+    shifts = [layout.sink_shifts if sinks is not None else (0,) * layout.num_streams
+              for layout, sinks in zip(layouts, lane_sinks)]
+    built: dict[tuple[int, ...], torch.Tensor] = {}
+    layer_sinks: list[torch.Tensor] = []
+    for layer, lanes in zip(ctx.layers, head_lanes):
+        if all(lane == lanes[0] for lane in lanes):  # one share: its lane's own tensor
+            own = lane_sinks[lanes[0]]
+            layer_sinks.append(positions if own is None else own)
+            continue
+        per_head = built.get(lanes)
+        if per_head is None:
+            table = torch.tensor([[row[s] for row in (shifts[lane] for lane in lanes)] for s in range(len(shifts[0]))])
+            host = layouts[0].positions[:, :, None] - table[:, None, :]  # [streams, seq_len, heads]
+            per_head = built[lanes] = _to_device(host, device, layer._sink_positions if static else None)
+        layer_sinks.append(per_head)
+    # NOTE: the grouped context keeps a non-None marker (a lane's) so that relative_sinks says True; its public
+    # sink_positions refuses (no one tensor is right for every head).
+    marker = next(s for s in lane_sinks if s is not None)
+    return (positions, marker), [(positions, sinks) for sinks in lane_sinks], tuple(layer_sinks)
+
+
+#: What ``_positions`` returns: ``(positions, sink positions)`` of the context (a grouped context's sink positions:
+#: a marker) and of each lane, and each grouped layer's sink positions.
+PositionPair = tuple[torch.Tensor, "torch.Tensor | None"]
+Positions = tuple[PositionPair, list[PositionPair], tuple[torch.Tensor, ...]]
+
+
+def _head_lanes(spec: KVCacheSpec, lanes: Sequence[CacheLane]) -> list[tuple[int, ...]]:
+    """Per model layer, the lane holding each query head (host ints, from the lanes' parts)."""
+    group = spec.query_heads // spec.num_kv_heads
+    rows = [[0] * spec.query_heads for _ in range(spec.num_layers)]
+    for lane in lanes:
+        assert lane.part is not None  # (with groups every lane is a part)
+        for layer, kv_heads in zip(lane.part.layers, lane.part.heads):
+            for h in kv_heads:
+                rows[layer][h * group : (h + 1) * group] = [lane.index] * group
+    return [tuple(row) for row in rows]
 
 
 def _stack_cross(

@@ -166,7 +166,7 @@ def _check_chunk_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: L
 
 def _check_sink_query(sink_query: torch.Tensor | None, q: torch.Tensor, kv: LayerContext) -> None:
     """A sink query exactly when the forward attends its sinks at relative positions, shaped like ``q``."""
-    relative = kv.forward.sink_positions is not None
+    relative = kv.forward.relative_sinks
     if relative and sink_query is None:
         raise SpecError(
             "chunk_attention: expected sink_query (this cache attends its sinks at relative positions, "
@@ -251,7 +251,9 @@ def chunk_attention(
         Required when the cache attends its sinks at relative positions (``KVCacheSpec.relative_sinks``,
         ``kv.forward.relative_sinks``), refused otherwise: the same query rotated by RoPE at
         ``kv.sink_positions`` instead of ``kv.positions`` (``[streams, seq_len, num_heads, head_dim]``,
-        like ``q``). The sink keys are attended with it, the other keys with ``q``, in one softmax.
+        like ``q``). The sink keys are attended with it, the other keys with ``q``, in one softmax. With
+        retention groups ``kv.sink_positions`` may be per query head (``[streams, seq_len, num_heads]``: each
+        lane's sinks move by its own shift); the heads of a lane without sink chunks ignore their part.
 
     Returns
     -------
@@ -291,6 +293,18 @@ def chunk_attention(
     return out, lse.view(streams, seq_len, q.shape[2])
 
 
+def _check_grouped_sink_query(sink_query: torch.Tensor | None, q: torch.Tensor, kv: LayerContext) -> None:
+    """With retention groups: a sink query exactly when the forward attends sinks at relative positions (required
+    when a lane of this layer has sinks, accepted and ignored when none has), shaped like ``q``."""
+    needed = any(share.context.forward.relative_sinks for share in kv._shares)
+    if sink_query is None and needed:
+        _check_sink_query(None, q, next(s.context for s in kv._shares if s.context.forward.relative_sinks))
+    if sink_query is not None and not kv.forward.relative_sinks:
+        _check_sink_query(sink_query, q, kv)  # (raises: the forward has no relative sinks)
+    if sink_query is not None:
+        _check("sink_query", sink_query, tuple(q.shape), q.dtype, q.device, dtype_of="q's")
+
+
 def _grouped_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -314,10 +328,13 @@ def _grouped_attention(
             f"chunk_attention: expected q [streams, seq_len, {heads}, head_dim] and k/v [streams, seq_len, "
             f"{kv_heads}, head_dim], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
+    _check_grouped_sink_query(sink_query, q, kv)
     outs: list[torch.Tensor] = []
     lses: list[torch.Tensor] = []
     for share in kv._shares:
-        sink = None if sink_query is None else take_heads(sink_query, share.q_heads)
+        # (a lane without sink chunks has no sink segment: its heads' part of the sink query is not needed)
+        relative = share.context.forward.relative_sinks
+        sink = take_heads(sink_query, share.q_heads) if relative and sink_query is not None else None
         result = chunk_attention(
             take_heads(q, share.q_heads), take_heads(k, share.kv_heads), take_heads(v, share.kv_heads),
             share.context, scale=scale, return_lse=return_lse, sink_query=sink,

@@ -76,17 +76,26 @@ def _check_positions(owner: str, positions: Any) -> None:
 
 
 def check_rope_inputs(owner: str, t: Any, positions: Any, head_dim: int) -> None:
-    """``t`` ``[streams, seq, heads, head_dim]`` and integer ``positions`` ``[streams, seq]`` on ``t``'s device."""
+    """``t`` ``[streams, seq, heads, head_dim]`` and integer ``positions`` on ``t``'s device: ``[streams, seq]``
+    (every head at one position), or per head ``[streams, seq, heads]`` (a layer's sink positions where its
+    retention-group lanes differ, ``LayerContext.sink_positions``)."""
     if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[-1] != head_dim:
         got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
         raise TensorMismatchError(f"{owner} t: expected shape (streams, seq_len, heads, {head_dim}), got {got}")
-    if not isinstance(positions, torch.Tensor) or positions.shape != t.shape[:2]:
+    if isinstance(positions, torch.Tensor) and positions.dim() == 3 and positions.shape[:2] == t.shape[:2]:
+        if positions.shape != t.shape[:3]:
+            raise TensorMismatchError(
+                f"{owner} positions: expected per-head positions of shape {tuple(t.shape[:3])} (t's [streams, "
+                f"seq_len, heads]), got {tuple(positions.shape)}"
+            )
+    elif not isinstance(positions, torch.Tensor) or positions.shape != t.shape[:2]:
         got = tuple(positions.shape) if isinstance(positions, torch.Tensor) else type(positions).__name__
         forward = _forward_of(positions)
         if forward is not None:  # the forward's own positions: it is t that is not the forward's tokens
             raise TensorMismatchError(_forward_mismatch(owner, t, forward, head_dim))
         raise TensorMismatchError(
-            f"{owner} positions: expected shape {tuple(t.shape[:2])} (t's [streams, seq_len]), got {got}"
+            f"{owner} positions: expected shape {tuple(t.shape[:2])} (t's [streams, seq_len]) or "
+            f"{tuple(t.shape[:3])} (per head), got {got}"
         )
     _check_positions(owner, positions)
     if positions.device != t.device:
@@ -104,7 +113,8 @@ def _forward_of(positions: Any) -> Any | None:
     if not isinstance(positions, torch.Tensor):
         return None
     for holder in HANDLES.holders():
-        if getattr(holder, "positions", None) is positions or getattr(holder, "sink_positions", None) is positions:
+        # (``_sink_positions``: a grouped forward's public one raises; its layers' are checked by shape)
+        if getattr(holder, "positions", None) is positions or getattr(holder, "_sink_positions", None) is positions:
             return holder
     return None
 
@@ -136,20 +146,24 @@ class RotaryBase(nn.Module):
         self, positions: torch.Tensor, dtype: torch.dtype = torch.float32
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Integer ``positions`` ``[...]`` -> ``(cos, sin)`` in ``dtype`` (float32 by default), each
-        ``[..., 1, head_dim]`` in this module's layout: the ``(cos, sin)`` pair that
-        :func:`~ardiff_modules.apply_rope` with ``layout=self.layout`` applies exactly as ``forward``
-        does (broadcast over heads). Evaluated in float64 and rounded once to ``dtype``."""
+        ``[..., 1, head_dim]`` in this module's layout: for ``[streams, seq]`` positions the ``(cos, sin)`` pair
+        that :func:`~ardiff_modules.apply_rope` with ``layout=self.layout`` applies exactly as ``forward``
+        does (broadcast over heads); for per-head ``[streams, seq, heads]`` positions drop the ``1`` dim
+        (``forward`` does). Evaluated in float64 and rounded once to ``dtype``."""
         angles = self.angles(positions)  # [..., D/2], float64
         cos = _full_width(angles.cos().to(dtype), self.layout)
         sin = _full_width(angles.sin().to(dtype), self.layout)
         return cos.unsqueeze(-2), sin.unsqueeze(-2)
 
     def forward(self, t: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """``t`` ``[streams, seq, heads, head_dim]`` rotated at integer ``positions`` ``[streams, seq]``;
-        same shape and dtype as ``t`` (computed in float32; in float64 for a float64 ``t``)."""
+        """``t`` ``[streams, seq, heads, head_dim]`` rotated at integer ``positions`` ``[streams, seq]`` (or per
+        head ``[streams, seq, heads]``); same shape and dtype as ``t`` (computed in float32; in float64 for a
+        float64 ``t``)."""
         check_rope_inputs(type(self).__name__, t, positions, self.head_dim)
         compute = torch.float64 if t.dtype == torch.float64 else torch.float32
-        cos, sin = self.cos_sin(positions, compute)  # [S, n, 1, D]
+        cos, sin = self.cos_sin(positions, compute)  # [S, n, 1, D], per head [S, n, H, 1, D]
+        if positions.dim() == 3:
+            cos, sin = cos.squeeze(-2), sin.squeeze(-2)  # [S, n, H, D]
         return rotate(t, cos, sin, self.layout)
 
 

@@ -186,7 +186,8 @@ class ChunkSelfAttention(CheckpointLayer):
         sp = self.sequence_parallel
         if sp is not None:  # x holds this rank's tokens: RoPE at their positions, attention over head shards
             positions = sp.local_positions(positions)
-        sink_positions = kv.forward.sink_positions
+        # the layer's (per query head where its retention-group lanes' sinks move by different shifts)
+        sink_positions = kv.sink_positions
         sink_query: torch.Tensor | None
         # the shared table needs the package's rotation itself (a subclass overriding forward goes the generic way)
         if sink_positions is not None and isinstance(rope, RotaryBase) and type(rope).forward is RotaryBase.forward:
@@ -222,8 +223,14 @@ class ChunkSelfAttention(CheckpointLayer):
             sink_positions = sp.local_positions(sink_positions)
         check_rope_inputs(type(rope).__name__, q, positions, rope.head_dim)  # what rope.forward checks
         check_rope_inputs(type(rope).__name__, k, positions, rope.head_dim)
-        streams = positions.shape[0]
         compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+        if sink_positions.dim() == 3:  # per query head (retention groups whose lanes' shifts differ)
+            check_rope_inputs(type(rope).__name__, q, sink_positions, rope.head_dim)
+            cos, sin = rope.cos_sin(positions, compute)  # [S, n, 1, D]
+            sink_cos, sink_sin = rope.cos_sin(sink_positions, compute)  # [S, n, H, 1, D]
+            sink_query = rotate(q, sink_cos.squeeze(-2), sink_sin.squeeze(-2), rope.layout)
+            return rotate(q, cos, sin, rope.layout), rotate(k, cos, sin, rope.layout), sink_query
+        streams = positions.shape[0]
         cos, sin = rope.cos_sin(torch.cat([positions, sink_positions]), compute)  # [2 S, n, 1, D]
         both = rotate(torch.cat([q, q]), cos, sin, rope.layout)
         k = rotate(k, cos[:streams], sin[:streams], rope.layout)
@@ -232,8 +239,9 @@ class ChunkSelfAttention(CheckpointLayer):
     def _sink_query(
         self, q: torch.Tensor, kv: LayerContext, rope: Rope | None, sp: SequenceParallelHook | None
     ) -> torch.Tensor | None:
-        """With relative sinks: ``q`` rotated at ``kv.sink_positions`` (the query the sinks are attended with)."""
-        sink_positions = kv.forward.sink_positions
+        """With relative sinks: ``q`` rotated at ``kv.sink_positions`` (the query the sinks are attended with;
+        per query head where the layer's retention-group lanes differ)."""
+        sink_positions = kv.sink_positions
         if sink_positions is None:
             return None
         if rope is not None and not callable(rope):
