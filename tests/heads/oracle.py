@@ -1,32 +1,40 @@
-"""A cache-free recomputation with per-head visibility, and a rollout driver for head-grouped caches.
+"""A cache-free recomputation with per-head visibility, and a rollout driver for caches with retention groups.
 
 :class:`PerHeadOracle` keeps, per branch and layer, the K/V of every committed chunk in a list and, for
 each K/V head, reads the visible chunks from that head's own group policy (``history_indices``): no pages,
-no parts, no head split. :func:`rollout` drives the same random chunk attention through a
-:class:`HeadGroupedKVCache` and the oracle and returns both outputs per forward.
+no lanes, no head split. :func:`one_forward` drives the same random chunk attention through a
+:class:`~ardiff_modules.KVCache` built with ``KVCacheSpec(head_retention=...)`` (one *lane* per head part:
+``ardiff_modules.lanes``) and the oracle and returns both outputs per forward. The helpers below read a
+session's or a cache's lanes (``cache._lanes``, ``state._lane_branches``) and size a budget for ``n``
+sessions at their peak.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 import ardiff_modules as am
+from ardiff_modules.lanes import admission_of, extent_chunks_of, lane_specs
+from ardiff_modules.pool import bytes_per_page
 
 
 @dataclass
 class PerHeadOracle:
     heads: am.HeadRetention
-    #: branch -> layer -> committed chunks, each ``(k, v)`` ``[chunk, kv_heads, d]``
-    committed: dict[str, list[list[tuple[torch.Tensor, torch.Tensor]]]] = field(
+    #: branch -> layer -> committed chunks, each ``(k, v)`` ``[chunk, kv_heads, d]``, or ``(k, v, holders)``: a chunk
+    #: only the kv heads in ``holders`` hold (:meth:`share_sinks_from`)
+    committed: dict[str, list[list[tuple[Any, ...]]]] = field(
         default_factory=lambda: defaultdict(list)
     )
 
-    def _layer_chunks(self, branch: str, layer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _layer_chunks(self, branch: str, layer: int) -> list[tuple[Any, ...]]:
         chunks = self.committed[branch]
         while len(chunks) <= layer:
             chunks.append([])
@@ -34,13 +42,15 @@ class PerHeadOracle:
 
     def attend(self, branch: str, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``q [n, heads, d]`` over each head's visible history + the current ``k``/``v`` ``[n, kv_heads, d]``
-        (one pending chunk: full attention inside it)."""
+        (one pending chunk: full attention inside it). Differentiable in ``q``, ``k``, ``v`` (history is a
+        constant, as in the cache)."""
         history = self._layer_chunks(branch, layer)
         group = q.shape[1] // k.shape[1]
         out = torch.empty_like(q)
         for h in range(k.shape[1]):
             policy = self.heads.groups[self.heads.group_of(layer, h)]
-            visible = [history[i] for i in policy.history_indices(len(history))]
+            # (a chunk with holders -- shared sinks -- is there only for the heads that hold it)
+            visible = [c for c in (history[i] for i in policy.history_indices(len(history))) if len(c) == 2 or h in c[2]]
             keys = torch.cat([c[0][:, h] for c in visible] + [k[:, h]])
             values = torch.cat([c[1][:, h] for c in visible] + [v[:, h]])
             for j in range(group):
@@ -52,7 +62,22 @@ class PerHeadOracle:
 
     def commit(self, branch: str, layer_kv: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         for layer, (k, v) in enumerate(layer_kv):
-            self._layer_chunks(branch, layer).append((k.clone(), v.clone()))
+            self._layer_chunks(branch, layer).append((k.detach().clone(), v.detach().clone()))
+
+    def share_sinks_from(self, other: PerHeadOracle, branch: str) -> None:
+        """As ``KVState.share_sinks_from``: ``branch`` continues after the stream's sinks (the most any group keeps:
+        the clock is the same for every head), and each head holds only its own group's sink chunks of them (its
+        window starts empty)."""
+        sinks = max(policy.sink_chunks for policy in self.heads.groups.values())
+        rows = []
+        for layer, chunks in enumerate(other.committed[branch]):
+            kept = self.heads.layers[layer]
+            row = []
+            for i, c in enumerate(chunks[:sinks]):
+                holders = frozenset(h for h, group in enumerate(kept) if self.heads.groups[group].sink_chunks > i)
+                row.append((c[0], c[1], holders & c[2] if len(c) == 3 else holders))
+            rows.append(row)
+        self.committed[branch] = rows
 
 
 def random_qkv(streams: int, n: int, heads: int, kv_heads: int, d: int, gen: torch.Generator, dtype: torch.dtype
@@ -65,7 +90,7 @@ def random_qkv(streams: int, n: int, heads: int, kv_heads: int, d: int, gen: tor
 
 
 def one_forward(
-    session: am.HeadGroupedSession, oracle: PerHeadOracle, branches: Sequence[str], chunk: int,
+    session: am.KVState, oracle: PerHeadOracle, branches: Sequence[str], chunk: int,
     commit: bool, gen: torch.Generator, spec: am.KVCacheSpec, dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One forward of ``branches`` through the cache and the oracle: ``(cache out, oracle out)``, each
@@ -85,3 +110,60 @@ def one_forward(
         for s, branch in enumerate(branches):
             oracle.commit(branch, [(k[s], v[s]) for k, v in written])
     return torch.stack(got), torch.stack(want)
+
+
+# ---------------------------------------------------------------------- caches with retention groups
+
+
+def grouped(spec: am.KVCacheSpec, heads: am.HeadRetention) -> am.KVCacheSpec:
+    """``spec`` with ``heads`` as its retention groups (sink / window left at their defaults)."""
+    return dataclasses.replace(spec, head_retention=heads)
+
+
+def session_budget(spec: am.KVCacheSpec, sessions: int, backend: str = "reference",
+                   contiguous_extents: bool | None = None) -> int:
+    """``budget_bytes`` that gives every lane of ``spec`` (a spec with ``head_retention``) room for exactly
+    ``sessions`` sessions at their peak (no re-cache reserve): the budget is split by each lane's peak bytes, so
+    ``sessions`` x the sum of the lanes' peak bytes gives each lane ``sessions`` x its peak pages."""
+    total = 0
+    for lane, _ in lane_specs(spec):
+        admission = admission_of(lane, extent_chunks_of(lane, backend, contiguous_extents))
+        total += admission.pages_per_session() * bytes_per_page(lane)
+    return sessions * total
+
+
+def lane_names(cache: am.KVCache) -> tuple[str, ...]:
+    return tuple(lane.name for lane in cache._lanes)
+
+
+def lane_pages_in_use(state: am.KVState) -> dict[str, int]:
+    """Pages ``state`` references in each lane (lane name -> pages)."""
+    return {
+        lane.name: sum(len(pages.referenced_pages()) for pages in branches.values())
+        for lane, branches in zip(state.cache._lanes, state._lane_branches)
+    }
+
+
+def lane_bytes_in_use(state: am.KVState) -> int:
+    """Bytes of the pages ``state`` references, over every lane (their pages differ in bytes)."""
+    return sum(n * lane.pool.bytes_per_page for n, lane in zip(lane_pages_in_use(state).values(), state.cache._lanes))
+
+
+def lane_committed(state: am.KVState, branch: str) -> list[int]:
+    """Chunks ever committed on ``branch`` in each lane."""
+    return [pages.committed_chunks for pages in state._lane_pages(branch)]
+
+
+def lane_open(state: am.KVState, branch: str) -> list[bool]:
+    """Whether ``branch`` belongs to an open forward, in each lane."""
+    return [getattr(pages.transaction, "is_open", False) for pages in state._lane_pages(branch)]
+
+
+def lane_kv(cache: am.KVCache, pages: Sequence[int], lane: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What lane ``lane``'s pool holds in ``pages`` for its layer ``layer``: ``(k, v)`` ``[tokens, lane heads, d]``
+    (pages in order, float32 on the CPU)."""
+    pool = cache._lanes[lane].pool
+    index = torch.tensor(list(pages), dtype=torch.int64, device=pool.device)
+    k = pool.k_pages(layer).index_select(0, index).flatten(0, 1)
+    v = pool.v_pages(layer).index_select(0, index).flatten(0, 1)
+    return k.float().cpu(), v.float().cpu()
