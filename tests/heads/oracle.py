@@ -167,3 +167,22 @@ def lane_kv(cache: am.KVCache, pages: Sequence[int], lane: int, layer: int) -> t
     k = pool.k_pages(layer).index_select(0, index).flatten(0, 1)
     v = pool.v_pages(layer).index_select(0, index).flatten(0, 1)
     return k.float().cpu(), v.float().cpu()
+
+
+def assert_lanes_hold_newest(
+    cache: am.KVCache, state: am.KVState, branches: Sequence[str], written: Sequence[tuple[torch.Tensor, torch.Tensor]]
+) -> None:
+    """Each lane's newest history chunk of each of ``branches`` (the forward's streams, in order) holds what the
+    forward wrote there: ``written[layer]`` ``(k, v)`` ``[streams, chunk, kv_heads, d]``, the lane's heads of each of
+    its layers, exactly."""
+    for i, lane in enumerate(cache._lanes):
+        assert lane.part is not None
+        for inner, (layer, kv_heads) in enumerate(zip(lane.part.layers, lane.part.heads)):
+            for stream, branch in enumerate(branches):
+                newest = state._lane_branches[i][branch].history[-1]
+                k, v = lane_kv(cache, newest, i, inner)
+                heads = list(kv_heads)
+                torch.testing.assert_close(k, written[layer][0][stream][:, heads].float(), atol=0, rtol=0,
+                                           msg=lambda m: f"lane {lane.name} layer {layer} {branch} K: {m}")
+                torch.testing.assert_close(v, written[layer][1][stream][:, heads].float(), atol=0, rtol=0,
+                                           msg=lambda m: f"lane {lane.name} layer {layer} {branch} V: {m}")

@@ -14,6 +14,7 @@ import ardiff_modules as am
 from ardiff_modules.lanes import lane_spec
 from tests.heads.oracle import (
     PerHeadOracle,
+    assert_lanes_hold_newest,
     grouped,
     lane_bytes_in_use,
     lane_committed,
@@ -203,13 +204,7 @@ def test_one_commit_writes_every_lanes_pool_and_an_abort_restores_every_lane_exa
                 am.chunk_attention(*qkv, layer)
                 written.append(qkv[1:])
         assert fwd.status == "committed" and lane_committed(s, "cond") == [chunk + 1] * len(cache._lanes)
-        for i, lane in enumerate(cache._lanes):
-            for inner, (layer, kv_heads) in enumerate(zip(lane.part.layers, lane.part.heads)):
-                for stream, b in enumerate(spec.branches):
-                    newest = s._lane_branches[i][b].history[-1]  # this forward's chunk, in this lane's pages
-                    k, v = lane_kv(cache, newest, i, inner)
-                    torch.testing.assert_close(k, written[layer][0][stream][:, list(kv_heads)], atol=0, rtol=0)
-                    torch.testing.assert_close(v, written[layer][1][stream][:, list(kv_heads)], atol=0, rtol=0)
+        assert_lanes_hold_newest(cache, s, spec.branches, written)  # this forward's chunk, in each lane's pages
         before = state()
         for how in ("abort", "raise"):
             fwd = s.prepare_forward(None, 4, commit_current=True)
