@@ -1,18 +1,19 @@
-"""A stateful property test of :class:`HeadGroupedKVCache`: sessions, batched forwards, failures, forks, resets.
+"""A stateful property test of a :class:`KVCache` with retention groups (``KVCacheSpec(head_retention=...)``: one
+lane per head part): sessions, batched forwards, failures, forks, resets.
 
-The machine drives a small head-grouped cache (reference backend, float32, 2-3 layers, 2-4 K/V heads, 2-3
+The machine drives a small grouped cache (reference backend, float32, 2-3 layers, 2-4 K/V heads, 2-3
 retention groups whose windows include 0) with several sessions, and keeps a cache-free model of each
 session: a :class:`~tests.heads.oracle.PerHeadOracle` (the committed K/V of every branch; a fork copies
 it), the pending chunks each branch holds, the published cross caches, and the denoising forwards left
 open. Rules: open / admit a session; a forward over one or several sessions' branches batched (denoise,
 commit, an exception inside the ``with`` block, a layer left out of a commit, a denoising forward left
 open, a member session reset or closed mid-forward); fork; reset; close; ``abort``; populate / clear a
-cross cache. Every forward's outputs equal the oracle's. Invariants after every step: each part's
+cross cache. Every forward's outputs equal the oracle's. Invariants after every step: each lane's
 allocator is consistent; each page's refcount equals the references the sessions hold on it, and the
-pages each part holds are what its policy keeps (resident chunks + pending chunks, per branch, times
-``pages_per_chunk``); every part holds each branch at the same offset, with the same pending chunks and
-the same open forward; no grouped forward is open in some part and finished in another. After the last
-step every session closes and every page of every part is free.
+pages each lane holds are what its policy keeps (resident chunks + pending chunks, per branch, times
+``pages_per_chunk``); every lane holds each branch at the same offset, with the same pending chunks and
+the same open forward; no forward is open in some lane and finished in another. After the last
+step every session closes and every page of every lane is free.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import ardiff_modules as am
-from tests.heads.oracle import PerHeadOracle, random_qkv
+from tests.heads.oracle import PerHeadOracle, grouped, random_qkv, session_budget
 
 BRANCHES = ("cond", "uncond")
 CROSS_TOKENS = 3
@@ -50,16 +51,16 @@ class SessionModel:
 
 @dataclass
 class OpenForward:
-    """A denoising forward the machine left open: its part transactions and its streams."""
+    """A denoising forward the machine left open: its transaction (one over every lane) and its streams."""
 
     transactions: tuple[object, ...]
     streams: tuple[tuple[str, str], ...]
 
 
-class HeadGroupedMachine(RuleBasedStateMachine):
+class RetentionGroupsMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.sessions: dict[str, tuple[am.HeadGroupedSession, SessionModel]] = {}
+        self.sessions: dict[str, tuple[am.KVState, SessionModel]] = {}
         self.open: list[OpenForward] = []
         self.gen = torch.Generator().manual_seed(0)
 
@@ -78,8 +79,8 @@ class HeadGroupedMachine(RuleBasedStateMachine):
         names = ["w0", "w1", "w2"][:groups]  # window 0, 1, 2 chunks
         rows = [[names[assign[layer * kv_heads + h] % groups] for h in range(kv_heads)] for layer in range(layers)]
         rows[0][0] = names[0]  # the window-0 group always holds a head
-        # NOTE: groups (so parts) in either order: with the short window last, its small pool is the one a
-        # multi-chunk forward overflows, after the parts before it validated (and, once, built).
+        # NOTE: groups (so lanes) in either order: with the short window last, its small pool is the one a
+        # multi-chunk forward overflows, after the lanes before it validated.
         order = names if short_first else names[::-1]
         self.heads = am.HeadRetention({n: (sinks[int(n[1])], int(n[1])) for n in order}, rows)
         self.spec = am.KVCacheSpec(
@@ -87,14 +88,15 @@ class HeadGroupedMachine(RuleBasedStateMachine):
             chunk_size=self.chunk, page_size=page, branches=BRANCHES, dtype="float32",
             cross_attention=(am.CrossAttentionSpec("text", CROSS_TOKENS),),
         )
-        self.cache = am.HeadGroupedKVCache(self.spec, self.heads, max_sessions=2, backend="reference",
-                                           max_forward_contexts=max_contexts)
+        spec = grouped(self.spec, self.heads)
+        self.cache = am.KVCache(spec, budget_bytes=session_budget(spec, 2), backend="reference",
+                                max_forward_contexts=max_contexts)
         self.gen.manual_seed(seed)
         for _ in range(sessions):  # NOTE: most rules need a session; starting with none wastes examples
             self.open_session(admit=False)
 
     # ------------------------------------------------------------------ helpers
-    def pick(self, index: int) -> tuple[str, am.HeadGroupedSession, SessionModel]:
+    def pick(self, index: int) -> tuple[str, am.KVState, SessionModel]:
         sid = sorted(self.sessions)[index % len(self.sessions)]
         return (sid, *self.sessions[sid])
 
@@ -108,13 +110,14 @@ class HeadGroupedMachine(RuleBasedStateMachine):
         return out
 
     def snapshot(self) -> list[object]:
-        """What a refused call must leave unchanged: every part's free queue, every branch's pages and forward."""
-        out: list[object] = [c._allocator.free_pages() for c in self.cache.caches]
+        """What a refused call must leave unchanged: every lane's free queue, every branch's pages and forward."""
+        out: list[object] = [lane.allocator.free_pages() for lane in self.cache._lanes]
         for sid, (session, _) in sorted(self.sessions.items()):
-            for state in session.parts:
+            for branches in session._lane_branches:
                 for b in BRANCHES:
-                    t = state._open_forward(b)
-                    out.append((sid, b, state.history_chunks(b), state.pending_chunks(b), state.token_offset(b),
+                    pages = branches[b]
+                    t = pages.transaction if getattr(pages.transaction, "is_open", False) else None
+                    out.append((sid, b, pages.history_chunks, pages.pending, pages.token_offset,
                                 None if t is None else id(t)))
         return out
 
@@ -130,7 +133,7 @@ class HeadGroupedMachine(RuleBasedStateMachine):
         """A forward over ``streams`` was prepared: the open forwards it overlaps are superseded (pending kept)."""
         self.open = [f for f in self.open if not set(f.streams) & set(streams)]
 
-    def expect_outputs(self, fwd: am.HeadGroupedForward, streams: list[tuple[str, str]], layers: range,
+    def expect_outputs(self, fwd: am.ForwardContext, streams: list[tuple[str, str]], layers: range,
                        written: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Run ``layers`` of ``fwd`` and compare each stream with its session's oracle (block-causal chunks)."""
         n, c = fwd.seq_len, self.chunk
@@ -145,7 +148,7 @@ class HeadGroupedMachine(RuleBasedStateMachine):
                 torch.testing.assert_close(got[s], want, atol=1e-5, rtol=1e-5)
             written.append((k, v))
 
-    def check_cross(self, fwd: am.HeadGroupedForward, streams: list[tuple[str, str]], layer: int) -> None:
+    def check_cross(self, fwd: am.ForwardContext, streams: list[tuple[str, str]], layer: int) -> None:
         published = [self.sessions[sid][1].cross.get(b) for sid, b in streams]
         if any(p is None for p in published):
             with pytest.raises(am.errors.CrossAttentionNotPopulatedError):
@@ -163,7 +166,7 @@ class HeadGroupedMachine(RuleBasedStateMachine):
     def open_session(self, admit: bool) -> None:
         if admit and not self.cache.can_admit(recache=False):
             before = self.snapshot()
-            with pytest.raises(am.CapacityError, match="pages per part"):
+            with pytest.raises(am.CapacityError, match="admit_session: a session needs"):
                 self.cache.admit_session(recache=False)
             assert self.snapshot() == before
             return
@@ -245,7 +248,7 @@ class HeadGroupedMachine(RuleBasedStateMachine):
                                              chunks * self.chunk, commit_current=commit)
         except am.CapacityError:
             event("forward refused: capacity")
-            assert self.snapshot() == before  # a refusal by any part changes no part
+            assert self.snapshot() == before  # a refusal by any lane changes no lane
             return
         self.superseded(streams)
         for sid, b in streams:
@@ -253,14 +256,14 @@ class HeadGroupedMachine(RuleBasedStateMachine):
         self.check_cross(fwd, streams, where % self.spec.num_layers)
         if kind == "leave_open":
             self.expect_outputs(fwd, streams, range(self.spec.num_layers), [])
-            self.open.append(OpenForward(fwd.transactions, tuple(streams)))
+            self.open.append(OpenForward((fwd._transaction,), tuple(streams)))
             return
         if kind == "end_session":
             self.end_session_mid_forward(fwd, streams, where)
             return
         self.finish_forward(fwd, streams, kind, where)
 
-    def finish_forward(self, fwd: am.HeadGroupedForward, streams: list[tuple[str, str]], kind: str, where: int) -> None:
+    def finish_forward(self, fwd: am.ForwardContext, streams: list[tuple[str, str]], kind: str, where: int) -> None:
         layers = self.spec.num_layers
         written: list[tuple[torch.Tensor, torch.Tensor]] = []
         skipped = where % layers
@@ -286,9 +289,9 @@ class HeadGroupedMachine(RuleBasedStateMachine):
                     model.oracle.commit(b, [(k[s, i:i + self.chunk], v[s, i:i + self.chunk]) for k, v in written])
                     model.committed[b] += 1
 
-    def end_session_mid_forward(self, fwd: am.HeadGroupedForward, streams: list[tuple[str, str]], where: int) -> None:
-        """A member session is reset or closed inside the ``with`` block: the forward is finished in every part,
-        its layers refuse to run, and it aborts as a whole (every stream, in every part)."""
+    def end_session_mid_forward(self, fwd: am.ForwardContext, streams: list[tuple[str, str]], where: int) -> None:
+        """A member session is reset or closed inside the ``with`` block: the forward is finished in every lane,
+        its layers refuse to run, and it aborts as a whole (every stream, in every lane)."""
         sid = streams[where % len(streams)][0]
         session, _ = self.sessions[sid]
         # NOTE: a closed session's contexts are released: their op finds no plan (PlanNotFoundError), as for a KVCache.
@@ -312,38 +315,41 @@ class HeadGroupedMachine(RuleBasedStateMachine):
     def allocators_are_consistent(self) -> None:
         if not hasattr(self, "cache"):
             return
-        for c in self.cache.caches:
-            c._allocator.check_invariants()
+        for lane in self.cache._lanes:
+            lane.allocator.check_invariants()
 
     @invariant()
-    def parts_hold_what_their_policies_keep(self) -> None:
+    def lanes_hold_what_their_policies_keep(self) -> None:
         if not hasattr(self, "cache"):
             return
         ppc = self.spec.pages_per_chunk
-        for p, (part, cache) in enumerate(zip(self.cache.part_list, self.cache.caches)):
+        for p, lane in enumerate(self.cache._lanes):
             refs: Counter[int] = Counter()
             expected = 0
             for session, model in self.sessions.values():
-                state = session.parts[p]
+                state = session._lane_branches[p]
                 for b in BRANCHES:
-                    resident = len(part.policy.history_indices(model.committed[b]))
-                    assert len(state.history_chunks(b)) == resident, (part.name, b)
-                    assert len(state.pending_chunks(b)) == model.pending[b], (part.name, b)
+                    pages = state[b]
+                    resident = len(lane.part.policy.history_indices(model.committed[b]))
+                    assert len(pages.history_chunks) == resident, (lane.name, b)
+                    assert len(pages.pending) == model.pending[b], (lane.name, b)
                     expected += (resident + model.pending[b]) * ppc
-                    refs.update(pg for chunk in state.history_chunks(b) + state.pending_chunks(b) for pg in chunk)
+                    refs.update(pg for chunk in pages.history_chunks + pages.pending for pg in chunk)
             # Shared (forked) pages count once in the pool, once per reference in the refcounts.
-            assert {pg: cache._allocator.refcount(pg) for pg in cache._allocator.used_pages()} == dict(refs)
-            assert sum(refs.values()) == expected and cache._allocator.num_used == len(refs)
+            allocator = lane.allocator
+            assert {pg: allocator.refcount(pg) for pg in allocator.used_pages()} == dict(refs)
+            assert sum(refs.values()) == expected and allocator.num_used == len(refs)
 
     @invariant()
-    def parts_are_in_step(self) -> None:
+    def lanes_are_in_step(self) -> None:
         if not hasattr(self, "cache"):
             return
         for sid, (session, model) in self.sessions.items():
             for b in BRANCHES:
-                assert {st_.token_offset(b) for st_ in session.parts} == {model.committed[b] * self.chunk}
-                assert {st_.committed_chunks(b) for st_ in session.parts} == {model.committed[b]}
-                open_in = {st_._open_forward(b) is not None for st_ in session.parts}
+                lanes = session._lane_pages(b)
+                assert {p.token_offset for p in lanes} == {model.committed[b] * self.chunk}
+                assert {p.committed_chunks for p in lanes} == {model.committed[b]}
+                open_in = {getattr(p.transaction, "is_open", False) for p in lanes}
                 assert open_in == {any((sid, b) in f.streams for f in self.open)}, (sid, b)
         for f in self.open:
             assert all(t.is_open for t in f.transactions)  # type: ignore[attr-defined]
@@ -353,10 +359,10 @@ class HeadGroupedMachine(RuleBasedStateMachine):
             return
         for session, _ in list(self.sessions.values()):
             session.close()
-        assert all(c._allocator.num_used == 0 for c in self.cache.caches)
-        assert self.cache.bytes_in_use() == 0 and self.cache.sessions == {}
+        assert all(lane.allocator.num_used == 0 for lane in self.cache._lanes)
+        assert self.cache.stats().bytes_used == 0 and self.cache.sessions == {}
         self.cache.close()
 
 
-HeadGroupedMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=25, deadline=None)
-TestHeadGroupedMachine = HeadGroupedMachine.TestCase
+RetentionGroupsMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=25, deadline=None)
+TestRetentionGroupsMachine = RetentionGroupsMachine.TestCase
