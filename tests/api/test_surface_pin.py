@@ -9,6 +9,8 @@ finishes forwards; the pool, the allocator and the host tier are ``KVCache``'s p
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -31,8 +33,6 @@ ALL = {
     "AttentionBackend", "ReferenceBackend", "FlashInferBackend",
     # compile, CUDA graphs, warm starts, training
     "CompiledStep", "CUDAGraphStep", "warm_up", "save_compile_cache", "load_compile_cache", "TrainingScope",
-    # head-grouped caches (being removed by another change)
-    "HeadGroupedKVCache", "HeadGroupedSession", "HeadGroupedForward", "HeadGroupedLayer",
     # exceptions: the base, what a working program handles, what the docs catch (all of them: ardiff_modules.errors)
     "ARDiffError", "SpecError", "CapacityError", "TensorMismatchError", "StreamPositionError", "NonFiniteKVError",
     "CommitFailedError", "KVCalibrationError", "BackendUnavailableError", "PendingContextError",
@@ -109,6 +109,7 @@ def live() -> tuple[am.KVCache, am.KVState, am.ForwardContext]:
 
 
 def test_all_is_pinned() -> None:
+    assert len(ALL) == 50  # since the HeadGrouped* names went (issue 41: retention groups inside KVCache)
     assert set(am.__all__) == ALL, _diff("ardiff_modules.__all__", set(am.__all__), ALL)
     # Beyond __all__ the top level holds submodules (``am.errors``, ...), never one of the package's classes or
     # functions: a name dropped from __all__ is gone from the top level too (import it from its module).
@@ -139,6 +140,32 @@ def test_kv_cache_is_pinned(live: tuple[am.KVCache, am.KVState, am.ForwardContex
 def test_kv_state_is_pinned(live: tuple[am.KVCache, am.KVState, am.ForwardContext]) -> None:
     state = live[1]
     assert _public(state) == KV_STATE, _diff("KVState", _public(state), KV_STATE)
+
+
+def test_retention_groups_add_no_public_surface() -> None:
+    """A cache with retention groups (``KVCacheSpec(head_retention=...)``) is a plain ``KVCache``: its cache, sessions,
+    forward and layer contexts have exactly the pinned members (lanes and shares are private); the removed
+    ``HeadGrouped*`` family is gone from the top level and its modules."""
+    heads = am.HeadRetention({"l": (0, 1), "g": (1, 2)}, [["l", "g"], ["g", "l"]])
+    spec = am.KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, chunk_size=4, page_size=2, branches=("cond",),
+                          cross_attention=(am.CrossAttentionSpec("text", 3),), dtype="float32", head_retention=heads)
+    cache = am.KVCache(spec, num_pages=32)
+    state = cache.open_session("s0")
+    fwd = state.prepare_forward(("cond",), 4, commit_current=True)
+    q = torch.randn(1, 4, 2, 8)
+    for layer in fwd.layers:
+        am.chunk_attention(q, q, q, layer)
+    for what, obj, pinned in (("KVCache", cache, KV_CACHE), ("KVState", state, KV_STATE),
+                              ("ForwardContext", fwd, FORWARD_CONTEXT), ("LayerContext", fwd.layers[0], LAYER_CONTEXT),
+                              ("a lane's ForwardContext", fwd._lanes[0], FORWARD_CONTEXT)):
+        assert _public(obj) == pinned, _diff(f"{what} (retention groups)", _public(obj), pinned)
+    fwd.commit()
+    cache.close()
+    gone = ("HeadGroupedKVCache", "HeadGroupedSession", "HeadGroupedForward", "HeadGroupedLayer")
+    assert not [name for name in gone if hasattr(am, name)]
+    for module in ("ardiff_modules.head_cache", "ardiff_modules.head_forward"):
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(module)
 
 
 def test_the_message_names_the_change_and_the_changelog() -> None:

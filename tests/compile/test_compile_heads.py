@@ -1,4 +1,5 @@
-"""A model over a head-grouped cache compiles as one frame and never recompiles over a rollout."""
+"""A model over a cache with retention groups (``KVCacheSpec(head_retention=...)``) compiles as one frame and never
+recompiles over a rollout."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
 
 import ardiff_modules as am
+from tests.heads.oracle import session_budget
 from tests.support.streaming_model import TinyStreamingModel
 
 CHUNK = 4
@@ -18,14 +20,14 @@ HEADS = am.HeadRetention(
 )
 
 
-def _model_and_cache() -> tuple[TinyStreamingModel, am.HeadGroupedKVCache]:
+def _model_and_cache() -> tuple[TinyStreamingModel, am.KVCache]:
     torch.manual_seed(0)
     model = TinyStreamingModel().eval()
-    spec = dataclasses.replace(model.spec(CHUNK, 2, 0, None), sink_chunks=0, window_chunks=None)
-    return model, am.HeadGroupedKVCache(spec, HEADS, max_sessions=2, backend="reference")
+    spec = dataclasses.replace(model.spec(CHUNK, 2, 0, None), sink_chunks=0, window_chunks=None, head_retention=HEADS)
+    return model, am.KVCache(spec, budget_bytes=session_budget(spec, 2), backend="reference")
 
 
-def _rollout(fn, model: TinyStreamingModel, cache: am.HeadGroupedKVCache, chunks: int) -> list[torch.Tensor]:
+def _rollout(fn, model: TinyStreamingModel, cache: am.KVCache, chunks: int) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(1)
     session = cache.open_session()
     outs = []
@@ -48,7 +50,7 @@ def _rollout(fn, model: TinyStreamingModel, cache: am.HeadGroupedKVCache, chunks
 
 
 @pytest.mark.slow
-def test_inductor_fullgraph_over_a_head_grouped_cache_matches_eager_without_recompiles() -> None:
+def test_inductor_fullgraph_over_a_grouped_cache_matches_eager_without_recompiles() -> None:
     model, cache = _model_and_cache()
     eager = _rollout(model, model, cache, 7)
     counter = CompileCounterWithBackend("inductor")

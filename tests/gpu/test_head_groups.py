@@ -1,5 +1,5 @@
-"""Head-grouped caches on FlashInfer equal the reference backend (eager, compiled, CUDA graphs); each part
-runs its own ragged FA3 plan (no mask)."""
+"""Caches with retention groups (``KVCacheSpec(head_retention=...)``) on FlashInfer equal the reference backend
+(eager, compiled, CUDA graphs); each lane runs its own ragged FA3 plan (no mask)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 import ardiff_modules as am
 from ardiff_modules.graphs import CUDAGraphStep
-from tests.heads.oracle import PerHeadOracle, one_forward
+from tests.heads.oracle import PerHeadOracle, grouped, one_forward, session_budget
 from tests.support.gpu import DTYPE, GPU, HEAD_DIM, gpu_model_and_spec
 
 pytestmark = list(GPU)
@@ -24,14 +24,19 @@ HEADS = am.HeadRetention(
 def _spec(page: int, kv_dtype: str | None = None) -> am.KVCacheSpec:
     return am.KVCacheSpec(
         num_layers=3, num_kv_heads=4, num_qo_heads=8, head_dim=HEAD_DIM, chunk_size=120, page_size=page,
-        branches=("cond", "uncond"), dtype="bfloat16", kv_dtype=kv_dtype,
+        branches=("cond", "uncond"), dtype="bfloat16", kv_dtype=kv_dtype, head_retention=HEADS,
     )
 
 
+def _cache(spec: am.KVCacheSpec, backend: str) -> am.KVCache:
+    """A CUDA cache of ``spec`` (with ``head_retention``) with room for one session at its peak in every lane."""
+    return am.KVCache(spec, budget_bytes=session_budget(spec, 1, backend=backend), device="cuda", backend=backend)
+
+
 @pytest.mark.parametrize("page", [1, 8, 120])
-def test_flashinfer_equals_the_per_head_oracle_and_runs_ragged_per_part(page: int) -> None:
+def test_flashinfer_equals_the_per_head_oracle_and_runs_ragged_per_lane(page: int) -> None:
     spec = _spec(page)
-    cache = am.HeadGroupedKVCache(spec, HEADS, max_sessions=1, device="cuda", backend="flashinfer")
+    cache = _cache(spec, "flashinfer")
     session = cache.open_session()
     oracle = PerHeadOracle(HEADS)
     gen = torch.Generator().manual_seed(0)
@@ -40,7 +45,7 @@ def test_flashinfer_equals_the_per_head_oracle_and_runs_ragged_per_part(page: in
             got, want = one_forward(session, oracle, spec.branches, 120, commit, gen, spec, dtype=DTYPE)
             torch.testing.assert_close(got.float().cpu(), want, atol=2e-2, rtol=2e-2)
     with session.prepare_forward(None, 120) as fwd:
-        assert {p._plan.mode for p in fwd.parts} == {"ragged"}, [p._plan.mode for p in fwd.parts]
+        assert {p._plan.mode for p in fwd._lanes} == {"ragged"}, [p._plan.mode for p in fwd._lanes]
 
 
 def _model_rollout(fn, model, session, chunks: int, gen: torch.Generator, static: bool = False) -> list[torch.Tensor]:
@@ -56,8 +61,8 @@ def _model_rollout(fn, model, session, chunks: int, gen: torch.Generator, static
 
 def _caches(backend: str):
     model, spec = gpu_model_and_spec()
-    spec = dataclasses.replace(spec, sink_chunks=0, window_chunks=None)
-    cache = am.HeadGroupedKVCache(spec, HEADS, max_sessions=1, device="cuda", backend=backend)
+    spec = grouped(dataclasses.replace(spec, sink_chunks=0, window_chunks=None), HEADS)
+    cache = _cache(spec, backend)
     session = cache.open_session()
     gen = torch.Generator().manual_seed(1)
     for branch in spec.branches:
@@ -82,9 +87,9 @@ def test_a_model_over_a_grouped_cache_equals_the_reference_backend(mode: str) ->
         torch.testing.assert_close(g.float(), w.float(), atol=5e-2, rtol=5e-2, msg=lambda m, i=i: f"forward {i}: {m}")
 
 
-def test_fp8_parts_calibrate_and_match_bf16_loosely() -> None:
+def test_fp8_lanes_calibrate_and_match_bf16_loosely() -> None:
     spec = _spec(8, kv_dtype="float8_e4m3fn")
-    cache = am.HeadGroupedKVCache(spec, HEADS, max_sessions=1, device="cuda", backend="flashinfer")
+    cache = _cache(spec, "flashinfer")
     session = cache.open_session()
     oracle = PerHeadOracle(HEADS)
     gen = torch.Generator().manual_seed(3)
@@ -92,4 +97,4 @@ def test_fp8_parts_calibrate_and_match_bf16_loosely() -> None:
         got, want = one_forward(session, oracle, spec.branches, 120, True, gen, spec, dtype=DTYPE)
         rel = (got.float().cpu() - want).norm() / want.norm()
         assert rel < 0.1, float(rel)
-    assert all(c._pool.quantizer is not None for c in cache.caches)
+    assert all(lane.pool.quantizer is not None for lane in cache._lanes)

@@ -3,6 +3,7 @@ clean-up when the model call raises (CPU, reference backend, float32, tiny dims)
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
