@@ -150,7 +150,7 @@ from ardiff_modules.models.wan_causal_dit import (
 from ardiff_modules.pool import bytes_per_page
 from benchmarks._plotting import bars, legend_below, pyplot, save, spread, wrap
 from benchmarks._timing import each_call, environment, fail, once, result_path, save_json
-from benchmarks.head_retention import forcing_kv_like
+from benchmarks.head_retention import forcing_kv_like, grouped_kv_cache
 from benchmarks.baselines import (
     RaggedFA3Attend,
     RollingGraphRunner,
@@ -452,9 +452,9 @@ class LibraryRunner:
         self.cache: Any
         if heads is None:
             self.cache = am.KVCache(spec, num_pages=kv_pool_pages(spec, slack_chunks=0), device=device, backend=backend)
-        else:  # per-head retention: the spec's sink + window become the head groups'
+        else:  # per-head retention: the spec's sink + window become the head groups' (one lane per head part)
             grouped = dataclasses.replace(spec, sink_chunks=0, window_chunks=None)
-            self.cache = am.HeadGroupedKVCache(grouped, heads, max_sessions=1, device=device, backend=backend)
+            self.cache = grouped_kv_cache(grouped, heads, device=device, backend=backend)
         self.state = self.cache.open_session()
         crosses = [block.cross for block in model.blocks]
         for branch, text in zip(branches, texts):
@@ -462,8 +462,7 @@ class LibraryRunner:
 
     @property
     def backend(self) -> str:
-        caches = getattr(self.cache, "caches", (self.cache,))
-        return caches[0].backend.name
+        return self.cache.backend.name
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, commit: bool) -> torch.Tensor:
         static = self.graph is not None
@@ -474,20 +473,22 @@ class LibraryRunner:
             return self.step(x, t, fwd.layers)
 
     def kv_info(self) -> dict[str, Any]:
-        caches = getattr(self.cache, "caches", (self.cache,))  # a HeadGroupedKVCache: one KVCache per part
-        stats = [c.stats() for c in caches]
+        stats = self.cache.stats()
+        lanes = stats.lanes  # one lane ("all") for a uniform cache, one per head part with retention groups
         info = {
-            "kv_peak_bytes": sum(s.peak_pages_used * s.bytes_per_page for s in stats),
-            "kv_allocated_bytes": sum(s.pool_bytes for s in stats),
-            "peak_pages_used": sum(s.peak_pages_used for s in stats),
-            "pool_pages": sum(s.num_pages for s in stats),
-            "layout": "contiguous extents (ring)" if caches[0].extent_chunks is not None else "plain paging",
+            "kv_peak_bytes": sum(s.peak_pages_used * s.bytes_per_page for s in lanes.values()),
+            "kv_allocated_bytes": stats.pool_bytes,
+            "peak_pages_used": stats.peak_pages_used,
+            "pool_pages": stats.num_pages,
+            "layout": "contiguous extents (ring)" if self.cache.extent_chunks is not None else "plain paging",
         }
-        if len(caches) > 1 or hasattr(self.cache, "caches"):
-            info["parts"] = {name: {"heads_per_layer": p.num_heads, "layers": len(p.layers),
-                                    "retention": [p.policy.sink_chunks, p.policy.max_history_chunks],
-                                    "kv_peak_bytes": s.peak_pages_used * s.bytes_per_page}
-                             for name, p, s in zip(self.cache.part_names, self.cache.part_list, stats)}
+        if self.cache.spec.head_retention is not None:
+            info["lanes"] = {
+                lane.name: {"heads_per_layer": part.num_heads, "layers": len(part.layers),
+                            "retention": [part.policy.sink_chunks, part.policy.max_history_chunks],
+                            "kv_peak_bytes": lanes[lane.name].peak_pages_used * lanes[lane.name].bytes_per_page}
+                for lane, part in ((lane, lane.part) for lane in self.cache._lanes)
+            }
         return info
 
     def close(self) -> None:

@@ -1,4 +1,4 @@
-"""One attention layer with per-head retention: a head-grouped cache vs a uniform one and the FA3 limits.
+"""One attention layer with per-head retention: a cache with retention groups vs a uniform one and the FA3 limits.
 
 Shapes: Wan2.1-1.3B (12 heads, 4680-token chunks, sink 1 + window 6) and the 14B-like one (40 heads,
 880-token chunks, sink 1 + window 7), CFG's two streams (``--cfg on``, default) or one (``--cfg off``),
@@ -10,11 +10,12 @@ not on which heads). Variants, timed side by side (``_timing.interleaved``), eac
 K/V plus the attention, as a layer runs it:
 
 * ``uniform``: a :class:`KVCache`, every head sink + window (contiguous extents: ragged FA3);
-* ``grouped``: a :class:`HeadGroupedKVCache` with the split (one ragged FA3 launch per part);
+* ``grouped``: a :class:`KVCache` whose spec has the split as ``head_retention`` (one lane per head part, one
+  ragged FA3 launch per lane);
 * ``limit_uniform`` / ``limit_grouped``: FlashInfer's ragged FA3 alone over pre-gathered contiguous keys
   (every head over the full window; the local heads over 2 chunks + the rest over the full window);
 * ``limit_grouped_overlap``: the same two launches, the local heads' on a side CUDA stream beside the
-  others' (a part of few heads has fewer query tiles than the H200 has SMs: alone, its last wave idles).
+  others' (a lane of few heads has fewer query tiles than the H200 has SMs: alone, its last wave idles).
 
 Reports ms per layer call (median, IQR), speed-ups vs ``uniform``, each path against its limit, and the
 KV bytes one session holds (grouped / uniform). Writes ``head_retention.json`` and ``.png``
@@ -49,6 +50,29 @@ def forcing_kv_like(num_layers: int, num_heads: int, local_fraction: float, wind
     local = round(local_fraction * num_heads)
     heads = {layer: sorted(rng.sample(range(num_heads), local)) for layer in range(num_layers)}
     return am.HeadRetention.from_local_heads(num_layers, num_heads, heads, local=(0, 1), other=window)
+
+
+def grouped_kv_cache(spec: Any, heads: Any, *, sessions: int = 1, device: Any = "cuda", backend: Any = "flashinfer",
+                     **kwargs: Any) -> Any:
+    """A :class:`KVCache` of ``spec`` with ``heads`` as its ``head_retention`` (``spec``'s sink / window left at their
+    defaults), with room for ``sessions`` sessions at their peak in every lane: ``budget_bytes`` is ``sessions`` x
+    the sum of the lanes' peak bytes (the cache splits a budget by each lane's peak; with the backend's contiguous
+    extents, a lane's peak is its extents)."""
+    import ardiff_modules as am
+    from ardiff_modules.backends import resolve_backend
+    from ardiff_modules.lanes import admission_of, extent_chunks_of, lane_specs
+    from ardiff_modules.pool import bytes_per_page, resolve_device, torch_dtype
+
+    spec = dataclasses.replace(spec, head_retention=heads)
+    device = resolve_device("KVPool", device)
+    resolved = resolve_backend(backend, device, torch_dtype(spec.dtype), spec.head_dim,
+                               kv_dtype=torch_dtype(spec.cache_dtype))
+    extents = kwargs.get("contiguous_extents")
+    peak = sum(
+        admission_of(lane, extent_chunks_of(lane, resolved.name, extents)).pages_per_session() * bytes_per_page(lane)
+        for lane, _ in lane_specs(spec)
+    )
+    return am.KVCache(spec, budget_bytes=sessions * peak, device=device, backend=resolved, **kwargs)
 
 
 def _filled_session(cache: Any, chunk: int, chunks: int, streams: int, heads: int, dim: int) -> Any:
@@ -131,7 +155,7 @@ def run_shape(name: str, local_fraction: float, rounds: int, streams: int = 2) -
                          num_pages=streams * (sink + window + 1) * (chunk // page) + 8, device="cuda",
                          backend="flashinfer")
     config = forcing_kv_like(1, heads, local_fraction, (sink, window))
-    grouped = am.HeadGroupedKVCache(spec, config, max_sessions=1, device="cuda", backend="flashinfer")
+    grouped = grouped_kv_cache(spec, config, device="cuda", backend="flashinfer")
     full = sink + window
     states = {"uniform": _filled_session(uniform, chunk, full + 2, streams, heads, dim),
               "grouped": _filled_session(grouped, chunk, full + 2, streams, heads, dim)}
@@ -146,9 +170,9 @@ def run_shape(name: str, local_fraction: float, rounds: int, streams: int = 2) -
     fns["limit_grouped"] = _limit([(heads - local, full + 1), (local, 2)], chunk, streams, dim)
     fns["limit_grouped_overlap"] = _limit([(heads - local, full + 1), (local, 2)], chunk, streams, dim, overlap=True)
     stats = interleaved(fns, inner=10, rounds=rounds, warmup=3)
-    modes = [p._plan.mode for p in forwards[1].parts]
+    modes = [lane._plan.mode for lane in forwards[1]._lanes]
     uniform_bytes = uniform.stats().pages_used * uniform.stats().bytes_per_page
-    grouped_bytes = grouped.bytes_in_use()
+    grouped_bytes = grouped.stats().bytes_used
     for fwd in forwards:
         fwd.abort()
     med = {k: s.median_ms for k, s in stats.items()}

@@ -50,7 +50,8 @@ class PerHeadOracle:
         for h in range(k.shape[1]):
             policy = self.heads.groups[self.heads.group_of(layer, h)]
             # (a chunk with holders -- shared sinks -- is there only for the heads that hold it)
-            visible = [c for c in (history[i] for i in policy.history_indices(len(history))) if len(c) == 2 or h in c[2]]
+            chunks = [history[i] for i in policy.history_indices(len(history))]
+            visible = [c for c in chunks if len(c) == 2 or h in c[2]]
             keys = torch.cat([c[0][:, h] for c in visible] + [k[:, h]])
             values = torch.cat([c[1][:, h] for c in visible] + [v[:, h]])
             for j in range(group):

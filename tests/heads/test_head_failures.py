@@ -41,7 +41,8 @@ def make_cache(sessions: int = 3, **kwargs: object) -> tuple[am.KVCacheSpec, am.
     spec = make_spec(layers=2, kv_heads=2)
     kwargs.setdefault("backend", "reference")
     spec_heads = grouped(spec, HEADS)
-    return spec, am.KVCache(spec_heads, budget_bytes=session_budget(spec_heads, sessions), **kwargs)  # type: ignore[arg-type]
+    budget = session_budget(spec_heads, sessions)
+    return spec, am.KVCache(spec_heads, budget_bytes=budget, **kwargs)  # type: ignore[arg-type]
 
 
 def snapshot(cache: am.KVCache, order: bool = True) -> list[object]:
@@ -58,7 +59,8 @@ def snapshot(cache: am.KVCache, order: bool = True) -> list[object]:
     return out
 
 
-def run_layers(fwd: am.ForwardContext, gen: torch.Generator, streams: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def run_layers(fwd: am.ForwardContext, gen: torch.Generator, streams: int = 2
+               ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Every layer of ``fwd`` over random q/k/v; returns each layer's ``(k, v)``."""
     written = []
     for layer in fwd.layers:
@@ -251,7 +253,8 @@ def test_a_commit_raising_in_a_later_lane_leaves_no_lane_open_or_committed(monke
         raise RuntimeError("device lost")
 
     monkeypatch.setattr(s._lane_branches[1]["uncond"], "preview_commit", broken)
-    with pytest.raises(am.CommitFailedError, match="device lost"), s.prepare_forward(None, 4, commit_current=True) as fwd:
+    fwd = s.prepare_forward(None, 4, commit_current=True)
+    with pytest.raises(am.CommitFailedError, match="device lost"), fwd:
         run_layers(fwd, torch.Generator().manual_seed(6))
     assert fwd.status == "aborted" and all(not lane.is_active for lane in fwd._lanes)
     assert all(lane_open(s, b) == [False, False] for b in s.kv_branch_names)

@@ -114,7 +114,8 @@ def test_short_groups_free_their_pages_and_admission_counts_each_lane() -> None:
     # local: 1 chunk per branch; other: sink + 4 window chunks = 5, 2 pages per chunk, 2 branches.
     assert lane_pages_in_use(s) == {"local/1h": 4, "local/3h": 4, "other/1h": 20, "other/3h": 20}
     assert s.pages_in_use() == sum(lane_pages_in_use(s).values())
-    uniform_bytes = 2 * 2 * (5 + 0) * 2 * 4 * 4 * 8 * 4  # branches x layers x chunks x pages x page x heads x d x K,V x fp32 / 2
+    # branches x layers x chunks x pages x page x heads x d x K,V x fp32 / 2
+    uniform_bytes = 2 * 2 * (5 + 0) * 2 * 4 * 4 * 8 * 4
     stats = cache.stats()
     assert lane_bytes_in_use(s) == sum(
         n * lane.pool.bytes_per_page for n, lane in zip(lane_pages_in_use(s).values(), cache._lanes)
