@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import signal
 import threading
-import time
 
 import pytest
 import torch
@@ -267,18 +266,26 @@ def test_a_commit_in_another_thread_during_a_prepare_sees_the_forward_before_or_
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Thread T commits the forward object while this thread prepares the next forward over the same streams
-    (the same object), T's read of its transaction landing while lane 1 plans: T finishes the forward it read
-    (superseded by then: a no-op) after the prepare released the lock, and the new forward is open in every
-    lane, never half begun."""
+    (the same object), T reading its transaction while lane 1 plans: T finishes the forward it read (superseded
+    by then: a no-op) once the prepare released the lock, and the new forward is open in every lane, never half
+    begun."""
     _, cache = make_cache()
     s = cache.open_session()
     fwd = s.prepare_forward(None, 4)  # denoising, open
+    real_finish = cache._forwards.finish_forward
+    read = threading.Event()
+
+    def finish(transaction: object, success: bool) -> None:
+        read.set()  # T read the forward's transaction and now waits for the cache's lock
+        real_finish(transaction, success)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cache._forwards, "finish_forward", finish)
     threads: list[threading.Thread] = []
 
     def commit_meanwhile() -> None:
         threads.append(threading.Thread(target=fwd.commit))
         threads[0].start()
-        time.sleep(0.2)  # T reads its transaction now and waits for the lock
+        assert read.wait(5)
 
     fail_in_lane(monkeypatch, cache, 1, RuntimeError(), before=commit_meanwhile)
     assert s.prepare_forward(None, 4) is fwd
