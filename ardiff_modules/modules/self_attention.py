@@ -186,8 +186,7 @@ class ChunkSelfAttention(CheckpointLayer):
         sp = self.sequence_parallel
         if sp is not None:  # x holds this rank's tokens: RoPE at their positions, attention over head shards
             positions = sp.local_positions(positions)
-        # the layer's (per query head where its retention-group lanes' sinks move by different shifts)
-        sink_positions = kv.sink_positions
+        sink_positions = _sink_positions(kv)
         sink_query: torch.Tensor | None
         # the shared table needs the package's rotation itself (a subclass overriding forward goes the generic way)
         if sink_positions is not None and isinstance(rope, RotaryBase) and type(rope).forward is RotaryBase.forward:
@@ -241,7 +240,7 @@ class ChunkSelfAttention(CheckpointLayer):
     ) -> torch.Tensor | None:
         """With relative sinks: ``q`` rotated at ``kv.sink_positions`` (the query the sinks are attended with;
         per query head where the layer's retention-group lanes differ)."""
-        sink_positions = kv.sink_positions
+        sink_positions = _sink_positions(kv)
         if sink_positions is None:
             return None
         if rope is not None and not callable(rope):
@@ -259,3 +258,9 @@ class ChunkSelfAttention(CheckpointLayer):
             f"dim={self.dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
             f"qk_norm={self.qk_norm!r}, param_names={self.param_names!r}, rope_layout={self.rope_layout!r}"
         )
+
+
+def _sink_positions(kv: LayerContext) -> torch.Tensor | None:
+    """The layer's sink positions (per query head where its retention-group lanes' sinks move by different
+    shifts); a stand-in layer context without them (a peer's, duck-typed) gives its forward's."""
+    return kv.sink_positions if hasattr(kv, "sink_positions") else kv.forward.sink_positions

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import ardiff_modules as am
+import ardiff_modules.forwards.manager as manager_module
 import ardiff_modules.forwards.manager as manager
 from tests.heads.oracle import (
     PerHeadOracle,
@@ -105,17 +106,17 @@ def fail_in_lane(monkeypatch: pytest.MonkeyPatch, cache: am.KVCache, lane: int, 
                  before: object = None) -> None:
     """Planning lane ``lane`` raises ``error`` (after the lanes before it reserved, laid out and planned);
     ``before()`` runs first."""
-    real = cache._forwards._plan_request
+    real = manager_module._plan_request
 
-    def plan_request(layout: object, request: object, which: object) -> object:
+    def plan_request(layout: object, request: object, which: object, dtype: object) -> object:
         if which.index == lane:  # type: ignore[attr-defined]
             if before is not None:
                 before()  # type: ignore[operator]
             else:
                 raise error
-        return real(layout, request, which)  # type: ignore[arg-type]
+        return real(layout, request, which, dtype)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(cache._forwards, "_plan_request", plan_request)
+    monkeypatch.setattr(manager_module, "_plan_request", plan_request)
 
 
 def test_a_build_failing_in_a_later_lane_rolls_every_lane_back(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -156,7 +157,7 @@ def test_a_failure_in_the_forwards_host_work_leaves_every_lane_unchanged(monkeyp
     def fail(*args: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cache._forwards, "_stack_cross", fail)
+    monkeypatch.setattr(manager_module, "_stack_cross", fail)
     with pytest.raises(KeyboardInterrupt):
         s.prepare_forward(None, 4, commit_current=True)
     monkeypatch.undo()
