@@ -489,6 +489,7 @@ class KVState(SessionCrossCaches):
             raise SpecError(f"share_sinks_from: expected a session of the same KVCache, got {got}")
         with self.cache.lock:
             history = self.branch_pages(kv_branch)
+            other.branch_pages(kv_branch)  # a closed source is refused first (SessionClosedError), as before lanes
             if history.committed_chunks or history.pending or self.is_suspended:
                 raise SpecError(
                     f"share_sinks_from: expected branch {kv_branch!r} to be empty (and resident), got "
