@@ -488,7 +488,7 @@ class KVState(SessionCrossCaches):
             got = "a session of another cache" if isinstance(other, KVState) else type(other).__name__
             raise SpecError(f"share_sinks_from: expected a session of the same KVCache, got {got}")
         with self.cache.lock:
-            history = self.branch_pages(kv_branch)
+            history, _ = self.branch_pages(kv_branch), other.branch_pages(kv_branch)  # a closed source: refused first
             if history.committed_chunks or history.pending or self.is_suspended:
                 raise SpecError(
                     f"share_sinks_from: expected branch {kv_branch!r} to be empty (and resident), got "

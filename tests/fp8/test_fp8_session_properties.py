@@ -95,17 +95,21 @@ class FP8SessionStateMachine(SessionStateMachine):
     (two codes per token), so the gathered keys stay distinguishable after quantization.
     """
 
+    # NOTE: uniform draws only for now: FP8 pools with retention groups work (per-lane scales), but this machine's
+    # ids and FP8_SCALES are one kv head's.
+    DRAWS_GROUPS = False
+
     def spec_extra(self) -> dict[str, Any]:
         return {"kv_dtype": "float8_e4m3fn"}
 
     def configure_cache(self, cache: KVCache) -> None:
         cache.set_kv_scales(FP8_SCALES)
 
-    def pool_model(self, cache: KVCache) -> PoolContents:
-        return FP8PoolContents(cache._pool.kv, FP8_SCALES)
+    def pool_model(self, cache: KVCache, lane: int = 0) -> PoolContents:
+        return FP8PoolContents(cache._lanes[lane].pool.kv, FP8_SCALES)
 
-    def pool_values(self, cm: CacheModel) -> torch.Tensor:
-        return fp8_decode(cm.cache._pool.kv.view(torch.uint8), FP8_SCALES)
+    def pool_values(self, cm: CacheModel, lane: int = 0) -> torch.Tensor:
+        return fp8_decode(cm.cache._lanes[lane].pool.kv.view(torch.uint8), FP8_SCALES)
 
     def read_back(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         k_scale, v_scale = FP8_SCALES[layer]

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import initialize
 
 from tests.support.session_machine import SessionStateMachine
-from tests.support.session_model import GEOMETRIES, MAX_SESSIONS
+from tests.support.session_model import GEOMETRIES, MAX_SESSIONS, retention_shapes
 
 
 class ShotSessionStateMachine(SessionStateMachine):
@@ -30,6 +30,7 @@ class ShotSessionStateMachine(SessionStateMachine):
         sessions=st.integers(1, MAX_SESSIONS),
         relative=st.booleans(),
         shots=st.integers(1, 2),
+        shape=retention_shapes(),
     )
     def setup(self, **drawn) -> None:  # type: ignore[override]
         super().setup(**drawn)

@@ -82,23 +82,26 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and bool(torch.equal(bits(a), bits(b)))
 
 
-def token_kv(first_id: int, streams: int, tokens: int, layer: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V ``[streams, tokens, 1, head_dim]`` whose every token carries its own id.
+def token_kv(
+    first_id: int, streams: int, tokens: int, layer: int, head_dim: int, heads: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V ``[streams, tokens, heads, head_dim]`` whose every (token, kv head) carries its own id.
 
-    Token ``j`` (flat, stream-major) gets id ``first_id + j``: K = (x, layer + 1/4, ...),
+    Element ``j`` (flat over stream, token, head) gets id ``first_id + j``: K = (x, layer + 1/4, ...),
     V = (-x, layer - 1/2, ...) with ``x = (id mod 2**20) / 2**20``.
     """
-    ids = torch.arange(first_id, first_id + streams * tokens, dtype=torch.int64) % (1 << _ID_BITS)
+    count = streams * tokens * heads
+    ids = torch.arange(first_id, first_id + count, dtype=torch.int64) % (1 << _ID_BITS)
     x = ids.to(torch.float64) / (1 << _ID_BITS)
-    k = torch.empty(streams * tokens, 1, head_dim, dtype=torch.float64)
+    k = torch.empty(count, head_dim, dtype=torch.float64)
     v = torch.empty_like(k)
-    k[:, 0, :] = layer + 0.25
-    v[:, 0, :] = layer - 0.5
-    k[:, 0, 0] = x
-    v[:, 0, 0] = -x
+    k[:, :] = layer + 0.25
+    v[:, :] = layer - 0.5
+    k[:, 0] = x
+    v[:, 0] = -x
     k32, v32 = k.to(torch.float32), v.to(torch.float32)
     assert torch.equal(k32.to(torch.float64), k) and torch.equal(v32.to(torch.float64), v), "ids must be exact"
-    return k32.view(streams, tokens, 1, head_dim), v32.view(streams, tokens, 1, head_dim)
+    return k32.view(streams, tokens, heads, head_dim), v32.view(streams, tokens, heads, head_dim)
 
 
 class PoolContents:
@@ -135,6 +138,10 @@ class PoolContents:
         """``[len(pages) * page_size, heads * dim]`` of K (``kind=0``) or V (``kind=1``)."""
         width = self.kv.shape[-2] * self.kv.shape[-1]
         return self.kv[layer, kind, list(pages)].reshape(len(pages) * self.page_size, width)
+
+    def head_tokens(self, layer: int, kind: int, pages: Sequence[int], head: int) -> torch.Tensor:
+        """``[len(pages) * page_size, dim]`` of K (``kind=0``) or V (``kind=1``) of one of the pool's heads."""
+        return self.kv[layer, kind, list(pages), :, head].reshape(len(pages) * self.page_size, self.kv.shape[-1])
 
     def finite(self, pages: Sequence[int]) -> bool:
         return bool(torch.isfinite(self.kv[:, :, list(pages)]).all())

@@ -40,6 +40,33 @@ SHAPES = st.tuples(st.lists(CHUNK_PAGES, min_size=1, max_size=3), st.booleans(),
 SHAPES_2 = st.tuples(st.lists(CHUNK_PAGES, min_size=1, max_size=2), st.booleans(), PENDING_RULES)
 HEAD_DIM = 2
 NUM_LAYERS = 2
+#: A retention group's ``(sink_chunks, window_chunks)`` (bounded: a cache of several lanes splits its pages by
+#: each lane's peak).
+SINK_WINDOW = st.tuples(st.integers(0, 2), st.integers(0, 3))
+
+
+@st.composite
+def retention_shapes(draw: st.DrawFn) -> tuple:
+    """A retention shape: ``("uniform",)`` (the spec's own sinks / window, one kv head); ``("per_layer", kv_heads,
+    policies)`` (``HeadRetention.per_layer``: one ``(sink, window)`` per layer, not all equal); ``("per_head",
+    kv_heads, groups, rows)`` (``HeadRetention(groups, rows)``: 2-3 groups of distinct ``(sink, window)``, each
+    kv head of each layer in one of them -- ``rows[layer][head]`` a group index --, layer 0 holding heads of
+    groups 0 and 1). Uniform half the time, and first (what shrinking goes to)."""
+    kind = draw(st.sampled_from(["uniform", "uniform", "per_layer", "per_head"]))
+    if kind == "uniform":
+        return ("uniform",)
+    if kind == "per_layer":
+        heads = draw(st.integers(1, 3))
+        policies = draw(st.lists(SINK_WINDOW, min_size=NUM_LAYERS, max_size=NUM_LAYERS).filter(lambda p: len(set(p)) > 1))
+        return ("per_layer", heads, tuple(policies))
+    heads = draw(st.integers(2, 4))
+    groups = draw(st.lists(SINK_WINDOW, min_size=2, max_size=3, unique=True))
+    row = st.lists(st.integers(0, len(groups) - 1), min_size=heads, max_size=heads)
+    rows = [list(r) for r in draw(st.lists(row, min_size=NUM_LAYERS, max_size=NUM_LAYERS))]
+    rows[0][0], rows[0][1] = 0, 1
+    return ("per_head", heads, tuple(groups), tuple(tuple(r) for r in rows))
+
+
 CROSS_TOKENS = 3
 MAX_SESSIONS = 3  # open sessions per cache (a forward batches up to 3 sessions)
 MAX_OPEN_CACHES = 2
@@ -84,20 +111,48 @@ class Shape:
 
 
 @dataclass(frozen=True)
+class LaneModel:
+    """One lane of the machine's caches as the model expects it (one for a uniform spec; with retention groups one
+    per head part): the retention of its group -- from the drawn groups, never read back from the library -- and
+    the model layers / kv heads it stores."""
+
+    sinks: int
+    window: int | None
+    shot_chunks: int
+    #: Model layers this lane stores heads of (its layer ``i`` is model layer ``layers[i]``).
+    layers: tuple[int, ...]
+    #: ``heads[i]``: the model kv heads of lane layer ``i``, ascending.
+    heads: tuple[tuple[int, ...], ...]
+
+    @property
+    def num_heads(self) -> int:
+        return len(self.heads[0])
+
+
+@dataclass(frozen=True)
 class ChunkRecord:
-    """One committed chunk, as the model sees it."""
+    """One committed chunk, as the model sees it (its pages and contents in lane 0; ``others``: in lanes 1...)."""
 
     pages: Chunk
     tokens: int  # the length the forward asked for
     start: int  # absolute position of its first token: tokens committed on the branch before it
     data: torch.Tensor  # pool contents [layers, 2, pages, page_size, heads, dim] when committed
+    #: With retention groups: ``(pages, data)`` of lanes 1, 2, ... (lane 0's are ``pages`` / ``data``).
+    others: tuple[tuple[Chunk, torch.Tensor], ...] = ()
 
     def positions(self) -> list[int]:
         return list(range(self.start, self.start + self.tokens))
 
-    def token_data(self) -> torch.Tensor:
-        """``[layers, 2, tokens, heads * dim]``: K and V of every layer, in position order."""
-        return self.data.reshape(*self.data.shape[:2], self.tokens, -1)
+    def lane_pages(self, lane: int = 0) -> Chunk:
+        return self.pages if lane == 0 else self.others[lane - 1][0]
+
+    def lane_data(self, lane: int = 0) -> torch.Tensor:
+        return self.data if lane == 0 else self.others[lane - 1][1]
+
+    def token_data(self, lane: int = 0) -> torch.Tensor:
+        """``[lane layers, 2, tokens, lane heads * dim]``: K and V of every layer of the lane, in position order."""
+        data = self.lane_data(lane)
+        return data.reshape(*data.shape[:2], self.tokens, -1)
 
 
 @dataclass(eq=False)
@@ -105,15 +160,45 @@ class CacheModel:
     cache: KVCache
     backend: FlakyPlanBackend
     extents: bool
-    extent_chunks: int
+    #: Chunk slots of each lane's extents (``0``: plain paging).
+    lane_extent_chunks: list[int]
     max_contexts: int
     check_finite: bool
-    pool: PoolContents
+    #: Each lane's pool contents.
+    pools: list[PoolContents]
     label: str
     #: The forward-context registry: key -> context, least recently used first.
     registry: OrderedDict[Key, ForwardContext] = field(default_factory=OrderedDict)
-    peak: int = 0
+    #: Each lane's peak of pages used.
+    peaks: list[int] = field(default_factory=list)
     closed: bool = False
+
+    def __post_init__(self) -> None:
+        self.peaks = self.peaks or [0] * len(self.pools)
+
+    @property
+    def num_lanes(self) -> int:
+        return len(self.pools)
+
+    @property
+    def pool(self) -> PoolContents:
+        """Lane 0's pool contents (a uniform cache's only)."""
+        return self.pools[0]
+
+    @property
+    def extent_chunks(self) -> int:
+        return self.lane_extent_chunks[0]
+
+    @property
+    def peak(self) -> int:
+        return self.peaks[0]
+
+    @peak.setter
+    def peak(self, value: int) -> None:
+        self.peaks[0] = value
+
+    def allocator(self, lane: int = 0):  # noqa: ANN201
+        return self.cache._lanes[lane].allocator
 
 
 @dataclass(eq=False)
@@ -146,8 +231,8 @@ class TxModel:
     def num_chunks(self) -> int:
         return self.shape.num_chunks
 
-    def pending_pages(self) -> list[int]:
-        return [p for sm, b in self.streams for c in sm.pending[b] for p in c]
+    def pending_pages(self, lane: int = 0) -> list[int]:
+        return [p for sm, b in self.streams for c in sm.lane_pending[lane][b] for p in c]
 
 
 @dataclass(eq=False)
@@ -157,12 +242,14 @@ class SessionModel:
     closed: bool = False
     #: Every chunk ever committed (evicted ones included), oldest first.
     committed: dict[str, list[ChunkRecord]] = field(default_factory=lambda: {b: [] for b in BRANCHES})
-    pending: dict[str, list[Chunk]] = field(default_factory=lambda: {b: [] for b in BRANCHES})
+    #: Per lane, the pages of each pending chunk (``pending``: lane 0's).
+    lane_pending: list[dict[str, list[Chunk]]] = field(default_factory=list)
     #: Tokens of each pending chunk (the lengths of the forward that last prepared them).
     pending_tokens: dict[str, list[int]] = field(default_factory=lambda: {b: [] for b in BRANCHES})
     forward: dict[str, TxModel | None] = field(default_factory=lambda: dict.fromkeys(BRANCHES))
     cross: dict[str, float] = field(default_factory=dict)  # branch -> tag of the populated "text" cache
-    extent: dict[str, tuple[int, ...] | None] = field(default_factory=lambda: dict.fromkeys(BRANCHES))
+    #: Per lane, each branch's extent (``extent``: lane 0's).
+    lane_extent: list[dict[str, tuple[int, ...] | None]] = field(default_factory=list)
     #: In the host tier (``suspend``): it references no device page until resumed.
     suspended: bool = False
     #: ``drop_window``: commit index below which non-sink chunks were dropped; ``begin_shot``: the commit index
@@ -171,12 +258,27 @@ class SessionModel:
     shot: dict[str, int | None] = field(default_factory=lambda: dict.fromkeys(BRANCHES))
     resident_shot: dict[str, int | None] = field(default_factory=lambda: dict.fromkeys(BRANCHES))
 
+    def __post_init__(self) -> None:
+        lanes = self.cm.num_lanes
+        self.lane_pending = self.lane_pending or [{b: [] for b in BRANCHES} for _ in range(lanes)]
+        self.lane_extent = self.lane_extent or [dict.fromkeys(BRANCHES) for _ in range(lanes)]
+
+    @property
+    def pending(self) -> dict[str, list[Chunk]]:
+        """Lane 0's pending chunks (every lane has as many, of the same lengths)."""
+        return self.lane_pending[0]
+
+    @property
+    def extent(self) -> dict[str, tuple[int, ...] | None]:
+        return self.lane_extent[0]
+
     def clear_self_attention(self) -> None:
         for b in BRANCHES:
             self.committed[b] = []
             self.drop_pending(b)
             self.forward[b] = None
-            self.extent[b] = None
+            for extent in self.lane_extent:
+                extent[b] = None
             self.clear_shots(b)
 
     def clear_shots(self, b: str) -> None:
@@ -186,7 +288,8 @@ class SessionModel:
         self.floor[b], self.shot[b], self.resident_shot[b] = other.floor[b], other.shot[b], other.resident_shot[b]
 
     def drop_pending(self, b: str) -> None:
-        self.pending[b] = []
+        for pending in self.lane_pending:
+            pending[b] = []
         self.pending_tokens[b] = []
 
     def committed_tokens(self, b: str) -> int:
@@ -194,6 +297,7 @@ class SessionModel:
         return sum(rec.tokens for rec in self.committed[b])
 
 
-def cross_value(tag: float, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    k = torch.full((CROSS_TOKENS, 1, HEAD_DIM), tag + layer)
+def cross_value(tag: float, layer: int, heads: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """A cross cache's K/V of one layer: every value ``tag + layer`` (V negated), ``heads`` kv heads."""
+    k = torch.full((CROSS_TOKENS, heads, HEAD_DIM), tag + layer)
     return k, -k

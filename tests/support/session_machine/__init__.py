@@ -12,7 +12,9 @@ where a rule lives does not change the machine.
 
 from __future__ import annotations
 
-from tests.support.session_machine.base import MachineBase
+from hypothesis.stateful import precondition
+
+from tests.support.session_machine.base import NOT_YET_WITH_GROUPS, MachineBase
 from tests.support.session_machine.cross_attention import CrossAttentionRules
 from tests.support.session_machine.failing_calls import FailingCallRules
 from tests.support.session_machine.forward_model import ForwardModel
@@ -43,3 +45,13 @@ class SessionStateMachine(
     MachineBase,
 ):
     """Every rule and check of the session API over a float32 pool (see the package docstring)."""
+
+
+# Rules of capabilities not yet supported with retention groups run in uniform draws only (one place:
+# NOT_YET_WITH_GROUPS in base.py; the other keys there are draws inside rules / the setup).
+for _name in NOT_YET_WITH_GROUPS:
+    if hasattr(SessionStateMachine, _name):
+        setattr(
+            SessionStateMachine, _name,
+            precondition(lambda self, _n=_name: self.supports(_n))(getattr(SessionStateMachine, _name)),
+        )

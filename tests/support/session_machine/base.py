@@ -14,28 +14,45 @@ from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize
 
-from ardiff_modules import ChunkSelfAttention, CrossAttentionSpec, ForwardContext, KVCache, KVCacheSpec
-from ardiff_modules import ShotSinkPolicy
+from ardiff_modules import ChunkSelfAttention, CrossAttentionSpec, ForwardContext, HeadRetention, KVCache, KVCacheSpec
+from ardiff_modules import ShotSinkPolicy, SinkWindowPolicy
 from tests.support.pool_model import PoolContents, shot_visible
 from tests.support.failures import FlakyPlanBackend
 from tests.support.session_model import (
     BRANCHES,
+    cross_value,
     CROSS_TOKENS,
     CacheModel,
     Chunk,
     ChunkRecord,
     GEOMETRIES,
     HEAD_DIM,
+    LaneModel,
     MAX_SESSIONS,
     NUM_LAYERS,
     SessionModel,
     Shape,
     TRACKED_CONTEXTS,
     TxModel,
+    retention_shapes,
 )
+
+#: Capabilities the library refuses with retention groups today (``SpecError``; issue 41 step 4): a grouped draw
+#: never uses them. Keys are rule names (those rules get a precondition, ``session_machine/__init__.py``) or a
+#: capability a rule or the setup draws (``supports``). Enabling one with groups is deleting its line.
+NOT_YET_WITH_GROUPS: dict[str, str] = {
+    "recache": "prepare_recache (re-cache)",
+    "suspend_and_resume": "the host tier (suspend / resume)",
+    "save_and_load_a_copy": "session files (save_sessions / load_sessions)",
+    "token_mask": "prepare_forward(token_mask=...): the forward rule's masked draw, misuse's mask kinds",
+    "relative_sinks": "KVCacheSpec(relative_sinks=True): the setup's relative draw",
+}
 
 
 class MachineBase(RuleBasedStateMachine):
+    #: Whether the setup draws retention groups (the FP8 machine: uniform only, its ids and scales are one head's).
+    DRAWS_GROUPS = True
+
     def __init__(self) -> None:
         super().__init__()
         self.caches: list[CacheModel] = []
@@ -65,24 +82,35 @@ class MachineBase(RuleBasedStateMachine):
         sessions=st.integers(1, MAX_SESSIONS),
         relative=st.booleans(),
         shots=st.sampled_from([0, 1, 1, 2]),
+        shape=retention_shapes(),
     )
     def setup(
         self, sink: int, window: int | None, geometry: tuple[int, int], pending_default: str, pool_chunks: int,
         extents: bool, max_contexts: int, check_finite: bool, sessions: int, relative: bool, shots: int,
+        shape: tuple = ("uniform",),
     ) -> None:
         self.chunk, page_size = geometry
-        # A shot sink of `shots` chunks (ShotSinkPolicy: begin_shot pins them) where the window has room for it.
-        self.sinks, self.window = sink, window
-        self.shot_chunks = min(shots, window) if window is not None else 0
-        retention = (
-            {"retention": ShotSinkPolicy(sink, window, self.shot_chunks)} if self.shot_chunks
-            else {"sink_chunks": sink, "window_chunks": window}
-        )
+        self.grouped = self.DRAWS_GROUPS and shape[0] != "uniform"
+        if self.grouped:
+            retention = self.m_groups(shape, shots)
+            relative = relative and self.supports("relative_sinks")
+        else:
+            # A shot sink of `shots` chunks (ShotSinkPolicy: begin_shot pins them) where the window has room for it.
+            self.sinks, self.window = sink, window
+            self.shot_chunks = min(shots, window) if window is not None else 0
+            retention = (
+                {"retention": ShotSinkPolicy(sink, window, self.shot_chunks)} if self.shot_chunks
+                else {"sink_chunks": sink, "window_chunks": window}
+            )
+            self.kv_heads = 1
+            self.lanes = [LaneModel(sink, window, self.shot_chunks, tuple(range(NUM_LAYERS)), ((0,),) * NUM_LAYERS)]
         if self.shot_chunks:
             event(f"shot sink of {self.shot_chunks} chunk(s)")
         self.spec = KVCacheSpec(
             num_layers=NUM_LAYERS,
-            num_kv_heads=1,
+            num_kv_heads=self.kv_heads,
+            # GQA (2 query heads a kv head): a grouped forward splits the query heads per lane
+            num_qo_heads=2 * self.kv_heads if self.grouped else None,
             head_dim=HEAD_DIM,
             chunk_size=self.chunk,
             page_size=page_size,
@@ -103,22 +131,98 @@ class MachineBase(RuleBasedStateMachine):
         for _ in range(sessions):
             self.sessions.append(SessionModel(cm.cache.open_session(), cm))
 
+    def m_groups(self, shape: tuple, shots: int) -> dict[str, Any]:
+        """A grouped draw: the ``head_retention`` spec field, and the model's lanes (``self.lanes``) from the drawn
+        groups. ``shots``: the first group pins a shot sink of that many chunks where its window has room."""
+        kind, heads = shape[0], shape[1]
+        self.kv_heads = heads
+        raw = list(dict.fromkeys(shape[2]))
+        if kind == "per_layer":
+            rows = [[raw.index(policy)] * heads for policy in shape[2]]  # group i: the i-th distinct policy
+        else:
+            rows = [list(r) for r in shape[3]]
+        groups = []  # (sink, window, shot chunks) of each group, in declaration order
+        for i, (sink, window) in enumerate(raw):
+            groups.append((sink, window, min(shots, window) if i == 0 else 0))
+
+        def policy(g: int):  # noqa: ANN202
+            sink, window, shot = groups[g]
+            return ShotSinkPolicy(sink, window, shot) if shot else SinkWindowPolicy(sink, window)
+
+        if kind == "per_layer":
+            heads_map = HeadRetention.per_layer([policy(r[0]) for r in rows], heads)
+        else:
+            heads_map = HeadRetention({f"g{g}": policy(g) for g in range(len(groups))}, [[f"g{g}" for g in r] for r in rows])
+        # The lanes the model expects: per group (declaration order), per heads-per-layer count (ascending), the
+        # layers holding that many of its heads (HeadRetention.parts, restated).
+        lanes = []
+        for g, (sink, window, shot) in enumerate(groups):
+            found: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
+            for layer, row in enumerate(rows):
+                mine = tuple(h for h, x in enumerate(row) if x == g)
+                if mine:
+                    found.setdefault(len(mine), []).append((layer, mine))
+            for count in sorted(found):
+                layers = tuple(layer for layer, _ in found[count])
+                lanes.append(LaneModel(sink, window, shot, layers, tuple(h for _, h in found[count])))
+        self.lanes = lanes
+        # The stream's: the most sinks any group keeps (share_sinks_from), the widest window, the longest shot.
+        self.sinks = max(lane.sinks for lane in lanes)
+        self.window = max(lane.window for lane in lanes)  # type: ignore[type-var]
+        self.shot_chunks = max(lane.shot_chunks for lane in lanes)
+        #: model layer -> kv head -> (lane, its layer in the lane, its head in the lane)
+        self.head_home = {
+            (layer, head): (i, lane.layers.index(layer), lane.heads[lane.layers.index(layer)].index(head))
+            for i, lane in enumerate(lanes) for layer in lane.layers for head in lane.heads[lane.layers.index(layer)]
+        }
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            self.attn = ChunkSelfAttention(2 * heads * HEAD_DIM, 2 * heads, num_kv_heads=heads, head_dim=HEAD_DIM)
+        event(f"retention groups: {kind}, {heads} kv heads, {len(lanes)} lanes")
+        return {"head_retention": heads_map}
+
+    def m_lane_pages(self, num_pages: int, lane_extents: list[int]) -> list[int]:
+        """Each lane's pages when ``num_pages`` pages of the whole geometry are split by one session's peak bytes
+        in each lane (integer arithmetic, as ``lanes.split_budget`` says)."""
+        unit = 2 * self.page * HEAD_DIM * 4  # bytes of one (layer, kv head) of a float32 page
+        budget = num_pages * NUM_LAYERS * self.kv_heads * unit
+        sizes = [len(g.layers) * g.num_heads * unit for g in self.lanes]
+        peaks = [
+            len(BRANCHES) * max(g.sinks + g.window + 1, e) * self.ppc * size  # type: ignore[operator]
+            for g, e, size in zip(self.lanes, lane_extents, sizes)
+        ]
+        return [budget * peak // sum(peaks) // size for peak, size in zip(peaks, sizes)]
+
+    def supports(self, capability: str) -> bool:
+        """Whether this draw may use ``capability`` (:data:`NOT_YET_WITH_GROUPS`)."""
+        return not (self.grouped and capability in NOT_YET_WITH_GROUPS)
+
     def new_cache(self, pool_chunks: int, extents: bool, max_contexts: int, check_finite: bool) -> CacheModel:
-        window = self.window
-        extents = extents and window is not None
-        extent_chunks = self.sinks + window + 1 if extents else 0
+        extents = extents and all(lane.window is not None for lane in self.lanes)
+        lane_extents = [lane.sinks + lane.window + 1 if extents else 0 for lane in self.lanes]  # type: ignore[operator]
         if extents:
-            pool_chunks += extent_chunks  # room for at least one extent
+            pool_chunks += max(lane_extents)  # room for at least one extent
+        num_pages = pool_chunks * self.ppc
+        if self.grouped:  # num_pages of the whole geometry, split by each lane's peak: a chunk in the smallest
+            while min(self.m_lane_pages(num_pages, lane_extents)) < self.ppc:
+                num_pages += self.ppc
         backend = FlakyPlanBackend()
         cache = KVCache(
-            self.spec, num_pages=pool_chunks * self.ppc, device="cpu", backend=backend, contiguous_extents=extents,
+            self.spec, num_pages=num_pages, device="cpu", backend=backend, contiguous_extents=extents,
             max_forward_contexts=max_contexts, check_finite=check_finite,
         )
         self.configure_cache(cache)
         assert cache._forwards.num_contexts == 0 and cache._forwards.contexts() == ()
+        if self.grouped:
+            got = [lane.allocator.num_pages for lane in cache._lanes]
+            assert got == self.m_lane_pages(num_pages, lane_extents), f"lane pages {got}, model {num_pages}"
+        # The library's lanes are the model's: the same layers and heads (their retention is the model's own).
+        got = [(lane.layers, lane.part.heads if lane.part is not None else ((0,),) * NUM_LAYERS) for lane in cache._lanes]
+        assert got == [(lane.layers, lane.heads) for lane in self.lanes], f"lanes {got}, model {self.lanes}"
+        assert [lane.extent_chunks or 0 for lane in cache._lanes] == lane_extents
         cm = CacheModel(
-            cache, backend, extents, extent_chunks, max_contexts, check_finite, self.pool_model(cache),
-            label=f"cache{len(self.caches)}",
+            cache, backend, extents, lane_extents, max_contexts, check_finite,
+            [self.pool_model(cache, lane) for lane in range(len(self.lanes))], label=f"cache{len(self.caches)}",
         )
         self.caches.append(cm)
         event(f"cache: extents={extents} max_contexts={max_contexts} check_finite={check_finite}")
@@ -132,13 +236,14 @@ class MachineBase(RuleBasedStateMachine):
     def configure_cache(self, cache: KVCache) -> None:
         """Runs right after a cache is created, before anything is written to it."""
 
-    def pool_model(self, cache: KVCache) -> PoolContents:
-        """The model of ``cache``'s pool contents (float32 values, compared bit for bit)."""
-        return PoolContents(cache._pool.kv)
+    def pool_model(self, cache: KVCache, lane: int = 0) -> PoolContents:
+        """The model of the pool contents of ``cache``'s lane ``lane`` (float32 values, compared bit for bit)."""
+        return PoolContents(cache._lanes[lane].pool.kv)
 
-    def pool_values(self, cm: CacheModel) -> torch.Tensor:
-        """The pool as float32 values ``[layers, 2, pages, page_size, heads, dim]`` (what the model compares)."""
-        return cm.cache._pool.kv
+    def pool_values(self, cm: CacheModel, lane: int = 0) -> torch.Tensor:
+        """A lane's pool as float32 values ``[lane layers, 2, pages, page_size, lane heads, dim]`` (what the model
+        compares)."""
+        return cm.cache._lanes[lane].pool.kv
 
     def read_back(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """What a forward's keys read back of the ``k``/``v`` ``[..., heads, dim]`` it wrote (float: themselves)."""
@@ -178,13 +283,18 @@ class MachineBase(RuleBasedStateMachine):
                 chosen.append(sm)
         return [(sm, b) for sm, bs in zip(chosen, branch_sets) for b in bs]
 
-    def visible_data(self, sm: SessionModel, branch: str) -> list[ChunkRecord]:
+    def visible_data(self, sm: SessionModel, branch: str, lane: int = 0) -> list[ChunkRecord]:
+        """The committed chunks lane ``lane`` keeps of a stream, under its group's retention."""
+        g = self.lanes[lane]
         return shot_visible(
-            sm.committed[branch], self.sinks, self.window, self.shot_chunks, sm.floor[branch], sm.resident_shot[branch]
+            sm.committed[branch], g.sinks, g.window, g.shot_chunks, sm.floor[branch], sm.resident_shot[branch]
         )
 
-    def visible(self, sm: SessionModel, branch: str) -> list[Chunk]:
-        return [rec.pages for rec in self.visible_data(sm, branch)]
+    def visible(self, sm: SessionModel, branch: str, lane: int = 0) -> list[Chunk]:
+        return [rec.lane_pages(lane) for rec in self.visible_data(sm, branch, lane)]
+
+    def cross_value(self, tag: float, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return cross_value(tag, layer, self.kv_heads)
 
     def m_sink_shift(self, records: list[ChunkRecord], sm: SessionModel, branch: str, first_pending: int) -> int:
         """Tokens the forward adds to the sinks' positions: they end just before the first visible non-sink
@@ -237,24 +347,31 @@ class MachineBase(RuleBasedStateMachine):
             k += 1
         return k
 
-    def chunk_references(self, cm: CacheModel) -> Counter[int]:
-        """References to each page of ``cm``'s pool from chunks (visible or pending) of its open sessions."""
+    def chunk_references(self, cm: CacheModel, lane: int = 0) -> Counter[int]:
+        """References to each page of ``cm``'s pool (lane ``lane``) from chunks (visible or pending) of its open
+        sessions."""
         refs: Counter[int] = Counter()
         for sm in self.sessions_of(cm):
             if sm.suspended:
                 continue
             for b in BRANCHES:
-                refs.update(p for c in self.visible(sm, b) + sm.pending[b] for p in c)
+                refs.update(p for c in self.visible(sm, b, lane) + sm.lane_pending[lane][b] for p in c)
         return refs
 
-    def slots_of(self, sm: SessionModel, b: str) -> list[Chunk]:
-        ext = sm.extent[b] or ()
+    def slots_of(self, sm: SessionModel, b: str, lane: int = 0) -> list[Chunk]:
+        ext = sm.lane_extent[lane][b] or ()
         return [tuple(ext[i : i + self.ppc]) for i in range(0, len(ext), self.ppc)]
 
-    def free_slots(self, sm: SessionModel, b: str) -> list[Chunk]:
-        """Extent slots of a branch that no chunk anywhere references (a fork may still see an evicted one)."""
-        refs = self.chunk_references(sm.cm)
-        return [slot for slot in self.slots_of(sm, b) if not any(refs[p] for p in slot)]
+    def free_slots(self, sm: SessionModel, b: str, lane: int = 0) -> list[Chunk]:
+        """Extent slots of a branch (in ``lane``) that no chunk anywhere references (a fork may still see an
+        evicted one)."""
+        refs = self.chunk_references(sm.cm, lane)
+        return [slot for slot in self.slots_of(sm, b, lane) if not any(refs[p] for p in slot)]
+
+    def alloc_before(self, cm: CacheModel) -> tuple[list[set[int]], list[int]]:
+        """Each lane's free pages and used count (what ``m_prepared`` checks a forward's new pages against)."""
+        lanes = cm.cache._lanes
+        return [set(lane.allocator.free_pages()) for lane in lanes], [lane.allocator.num_used for lane in lanes]
 
     def track(self, ctx: ForwardContext) -> None:
         self.contexts = [c for c in self.contexts if c is not ctx][-(TRACKED_CONTEXTS - 1) :] + [ctx]
@@ -264,18 +381,23 @@ class MachineBase(RuleBasedStateMachine):
         """Everything a failed operation must leave untouched (all caches, contexts and transactions)."""
         caches = []
         for cm in self.caches:
-            c, alloc = cm.cache, cm.cache._allocator
+            c = cm.cache
+            allocs = tuple(
+                (lane.allocator.free_pages(), tuple(lane.allocator.refcount(p) for p in range(lane.allocator.num_pages)),
+                 lane.allocator.peak_used)
+                for lane in c._lanes
+            )
             head = (
                 c.is_closed,
-                alloc.free_pages(),
-                tuple(alloc.refcount(p) for p in range(alloc.num_pages)),
-                alloc.peak_used,
+                tuple(a[0] for a in allocs),
+                tuple(a[1] for a in allocs),
+                tuple(a[2] for a in allocs),
                 c._forwards.num_contexts,
                 tuple(id(x) for x in c._forwards.contexts()),
                 tuple(sorted(c.sessions)),
             )
             # bit-exact (NaN payloads too); as bytes, as numpy has no float8
-            pool = None if c.is_closed else c._pool.kv.view(torch.uint8).numpy().tobytes()
+            pool = None if c.is_closed else tuple(lane.pool.kv.view(torch.uint8).numpy().tobytes() for lane in c._lanes)
             caches.append((head, pool))
         sessions = []
         for sm in self.sessions:
@@ -297,7 +419,7 @@ class MachineBase(RuleBasedStateMachine):
                         st_.committed_chunks(b),
                         None if forward is None else (id(forward), forward.status),
                         cross,
-                        st_.branch_pages(b).extent,
+                        tuple((p.history_chunks, p.pending, p.extent, p.window_floor) for p in st_._lane_pages(b)),
                     )
                 )
             sessions.append((st_.session_id, tuple(branches)))

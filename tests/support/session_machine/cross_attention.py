@@ -9,7 +9,7 @@ from hypothesis.stateful import precondition, rule
 from ardiff_modules.errors import CrossAttentionNotPopulatedError
 from ardiff_modules.errors import TensorMismatchError
 from tests.support.failures import Boom
-from tests.support.session_model import BRANCHES, CROSS_TOKENS, HEAD_DIM, NUM_LAYERS, cross_value
+from tests.support.session_model import BRANCHES, CROSS_TOKENS, HEAD_DIM, NUM_LAYERS
 
 
 class CrossAttentionRules:
@@ -31,9 +31,10 @@ class CrossAttentionRules:
                 if mode == "too_few" and layer == NUM_LAYERS - 1:
                     return
                 if mode == "bad_shape" and layer == NUM_LAYERS - 1:
-                    yield torch.zeros(CROSS_TOKENS + 1, 1, HEAD_DIM), torch.zeros(CROSS_TOKENS + 1, 1, HEAD_DIM)
+                    bad = (CROSS_TOKENS + 1, self.kv_heads, HEAD_DIM)
+                    yield torch.zeros(bad), torch.zeros(bad)
                     return
-                yield cross_value(tag, layer)
+                yield self.cross_value(tag, layer)
 
         if mode == "ok":
             sm.state.populate_cross_attention(branch, "text", layers())

@@ -37,7 +37,6 @@ from tests.support.session_model import (
     SHAPES_2,
     SessionModel,
     Shape,
-    cross_value,
 )
 
 
@@ -79,15 +78,21 @@ class FailingCallRules:
     def exhaust_capacity(self, index: int, branches: tuple[str, ...], commit: bool) -> None:
         """A forward asking for more pages than are free raises CapacityError and changes nothing."""
         sm = self.pick(self.open_sessions, index)
-        free_chunks = sm.cm.cache._allocator.num_free // self.ppc
-        num_chunks = max(len(sm.pending[b]) for b in branches) + free_chunks + 1 + sm.cm.extent_chunks
+        free_chunks = max(sm.cm.allocator(lane).num_free for lane in range(sm.cm.num_lanes)) // self.ppc
+        extent_chunks = max(sm.cm.lane_extent_chunks)
+        num_chunks = max(len(sm.pending[b]) for b in branches) + free_chunks + 1 + extent_chunks
         streams = [(sm, b) for b in branches]
         shape = self.full(num_chunks)
         exc = self.predict_prepare(sm.cm, streams, shape, via="state")
         assert exc is not None, "capacity model broken: one branch alone needs more than is free"
         info = self.expect_failure(exc, sm.state.prepare_forward, branches, shape.seq_len, commit)
-        if exc is CapacityError:
+        if exc is CapacityError and not self.grouped:
             assert info.free == sm.cm.cache._allocator.num_free
+            assert info.needed > info.free
+            assert str(info.needed) in str(info) and str(info.free) in str(info)
+        elif exc is CapacityError:  # the first lane that is full is named, with its numbers
+            free = [sm.cm.allocator(lane).num_free for lane in range(sm.cm.num_lanes)]
+            assert info.free in free, (info.free, free)
             assert info.needed > info.free
             assert str(info.needed) in str(info) and str(info.free) in str(info)
 
@@ -118,7 +123,7 @@ class FailingCallRules:
             if failure is not None:
                 self.expect_failure(failure, fn, *args, **kwargs)
                 return
-            free_before, used_before = set(cm.cache._allocator.free_pages()), cm.cache._allocator.num_used
+            free_before, used_before = self.alloc_before(cm)
             fwd = fn(*args, **kwargs)
             tx = self.m_prepared(streams, lengths, True, fwd, free_before, used_before)
         else:
@@ -216,11 +221,11 @@ class FailingCallRules:
             self.expect_failure(UnknownBranchError, state.abort, "nope", match="nope")
         elif kind == "unknown_branch_populate":
             self.expect_failure(
-                UnknownBranchError, state.populate_cross_attention, "nope", "text", [cross_value(0.0, 0)] * NUM_LAYERS
+                UnknownBranchError, state.populate_cross_attention, "nope", "text", [self.cross_value(0.0, 0)] * NUM_LAYERS
             )
         elif kind == "unknown_cache":
             self.expect_failure(
-                UnknownCacheError, state.populate_cross_attention, "cond", "image", [cross_value(0.0, 0)] * NUM_LAYERS,
+                UnknownCacheError, state.populate_cross_attention, "cond", "image", [self.cross_value(0.0, 0)] * NUM_LAYERS,
                 match="image",
             )
         elif kind == "unknown_keep":
@@ -255,7 +260,7 @@ class FailingCallRules:
             missing = [b for b in BRANCHES if b not in sm.cross]
             if missing:
                 self.expect_failure(CrossAttentionNotPopulatedError, state.get_cross_attention_kv, missing[0], "text")
-        elif kind in ("mask_shape", "mask_dtype"):
+        elif kind in ("mask_shape", "mask_dtype") and self.supports("token_mask"):
             streams = [(sm, "cond"), (sm, "uncond")]
             lengths = self.shape(shape)
             exc = self.predict_prepare(sm.cm, streams, lengths, via="state", mask_ok=False)
@@ -313,7 +318,7 @@ class FailingCallRules:
             "get_kv_caches": (state.get_kv_caches, "cond", self.chunk, True),
             "commit": (state.commit_paged_context, "cond"),
             "abort": (state.abort,),
-            "populate": (state.populate_cross_attention, "cond", "text", [cross_value(0.0, 0)] * NUM_LAYERS),
+            "populate": (state.populate_cross_attention, "cond", "text", [self.cross_value(0.0, 0)] * NUM_LAYERS),
             "clear": (state.clear_cross_attention,),
             "visible": (state.history_chunks, "uncond"),
             "fork": (state.fork,),

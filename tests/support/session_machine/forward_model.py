@@ -38,7 +38,6 @@ from tests.support.session_model import (
     SessionModel,
     Shape,
     TxModel,
-    cross_value,
 )
 
 
@@ -73,23 +72,33 @@ class ForwardModel:
                 return PendingContextError
         if not mask_ok:
             return TensorMismatchError
-        alloc = cm.cache._allocator
         pages = [n // self.page for n in shape.lengths]
+        for lane in range(cm.num_lanes):  # every lane must hold the forward (each its own allocator)
+            failure = self.predict_lane_capacity(cm, streams, shape, pages, lane)
+            if failure is not None:
+                return failure
+        return None
+
+    def predict_lane_capacity(
+        self, cm: CacheModel, streams: list[tuple[SessionModel, str]], shape: Shape, pages: list[int], lane: int
+    ) -> type[BaseException] | None:
+        alloc = cm.allocator(lane)
         if not cm.extents:
             # Pending chunks of other lengths are replaced (after the new ones are allocated).
             needed = sum(sum(pages[self.reused(sm, b, shape) :]) for sm, b in streams)
             return CapacityError if needed > alloc.num_free else None
+        extent_chunks = cm.lane_extent_chunks[lane]
         needed = new_extents = 0
         for sm, b in streams:
             missing = pages[self.reused(sm, b, shape) :]
-            if sm.extent[b] is None:
+            if sm.lane_extent[lane][b] is None:
                 new_extents += 1
-                needed += cm.extent_chunks * self.ppc + sum(missing[cm.extent_chunks :])
+                needed += extent_chunks * self.ppc + sum(missing[extent_chunks:])
             else:  # a free slot takes any chunk (a shorter one uses its first pages)
-                needed += sum(missing[len(self.free_slots(sm, b)) :])
+                needed += sum(missing[len(self.free_slots(sm, b, lane)) :])
         if needed > alloc.num_free:
             return CapacityError
-        size = cm.extent_chunks * self.ppc
+        size = extent_chunks * self.ppc
         if new_extents and new_extents > runs_holding(alloc.free_pages(), size):
             event("extents: the free runs hold too few new extents")
             return CapacityError  # enough pages, but too few runs long enough for the new extents
@@ -97,12 +106,12 @@ class ForwardModel:
             event("extents: new extents take one hole each")  # not one run for all: lowest holes first
         return None
 
-    def history_tokens(self, sm: SessionModel, b: str) -> int:
-        """Keys of a stream's visible history (the sum of its visible chunks' lengths)."""
-        return sum(rec.tokens for rec in self.visible_data(sm, b))
+    def history_tokens(self, sm: SessionModel, b: str, lane: int = 0) -> int:
+        """Keys of a stream's visible history in a lane (the sum of its visible chunks' lengths)."""
+        return sum(rec.tokens for rec in self.visible_data(sm, b, lane))
 
-    def max_keys(self, streams: list[tuple[SessionModel, str]], shape: Shape) -> int:
-        return max(self.history_tokens(sm, b) for sm, b in streams) + shape.seq_len
+    def max_keys(self, streams: list[tuple[SessionModel, str]], shape: Shape, lane: int = 0) -> int:
+        return max(self.history_tokens(sm, b, lane) for sm, b in streams) + shape.seq_len
 
     def make_mask(self, streams: list[tuple[SessionModel, str]], shape: Shape, bad: str | None = None):
         dims = [len(streams), shape.seq_len, self.max_keys(streams, shape)]
@@ -159,8 +168,7 @@ class ForwardModel:
             event(f"prepare raised {failure.__name__}")
             self.expect_failure(failure, fn, *args, **kwargs)
             return None
-        free_before = set(cm.cache._allocator.free_pages())
-        used_before = cm.cache._allocator.num_used
+        free_before, used_before = self.alloc_before(cm)
         result = fn(*args, **kwargs)
         ctx = result[0].forward if via == "get_kv_caches" else result
         if via == "get_kv_caches":
@@ -169,9 +177,10 @@ class ForwardModel:
 
     def m_prepared(
         self, streams: list[tuple[SessionModel, str]], shape: Shape, commit: bool, ctx: ForwardContext,
-        free_before: set[int], used_before: int, mask: torch.Tensor | None = None,
+        free_before: list[set[int]], used_before: list[int], mask: torch.Tensor | None = None,
     ) -> TxModel:
-        """Check a prepared forward against the model and record it (supersede, pages, registry, transaction)."""
+        """Check a prepared forward against the model and record it (supersede, pages in every lane, registry,
+        transaction). ``free_before`` / ``used_before``: each lane's free pages and used count before the call."""
         cm = streams[0][0].cm
         # Open denoising forwards of these streams are superseded as a whole (pending pages kept).
         for sm, b in streams:
@@ -180,62 +189,15 @@ class ForwardModel:
                 assert not old.commit, "a stream of an open committing forward was prepared again"
                 self.m_finished(old, "superseded")
                 event("prepare superseded an open denoising forward")
-        fresh: list[int] = []
-        num_chunks = shape.num_chunks
+        lanes = ctx._lane_contexts
+        assert len(lanes) == cm.num_lanes, f"{len(lanes)} lane contexts, model {cm.num_lanes} lanes"
+        for lane in range(cm.num_lanes):
+            self.m_prepared_lane(streams, shape, ctx, lanes[lane], lane, free_before[lane], used_before[lane])
         for i, (sm, b) in enumerate(streams):
-            old = sm.pending[b]
-            new = list(sm.state.pending_chunks(b))
-            assert len(new) == num_chunks, f"{b}: {len(new)} pending chunks, expected {num_chunks}"
-            assert [len(c) * self.page for c in new] == list(shape.lengths), (
-                f"{b}: pending chunks {new} of {self.page}-token pages, expected lengths {shape.lengths}"
-            )
-            keep = self.reused(sm, b, shape)
-            assert new[:keep] == old[:keep], "pending pages of earlier denoising forwards must be reused"
-            if keep < min(len(old), num_chunks):
-                event("pending chunks of other lengths replaced")
-            grown = new[keep:]
-            if cm.extents:
-                extent = sm.state.branch_pages(b).extent
-                if sm.extent[b] is None:
-                    # Reserved now: S + W + 1 chunk slots of consecutive, previously free pages.
-                    assert len(extent) == cm.extent_chunks * self.ppc, f"extent {extent}"
-                    assert list(extent) == list(range(extent[0], extent[0] + len(extent))), f"extent {extent}"
-                    fresh += list(extent)
-                    sm.extent[b] = tuple(extent)
-                assert tuple(extent) == sm.extent[b], "a branch's extent must not move until reset/close"
-                slots = self.free_slots(sm, b)  # model pending not updated yet: slots free before
-                own = {p for c in self.visible(sm, b) + sm.pending[b] for p in c}
-                if any(own.isdisjoint(slot) and slot not in slots for slot in self.slots_of(sm, b)):
-                    event("extents: an evicted slot waits for a fork that still sees it")
-                # The ring takes the lowest free slots first (a shorter chunk their first pages); the
-                # overflow is paged.
-                ring = grown[: len(slots)]
-                assert ring == [slot[: len(c)] for slot, c in zip(slots, ring)], (
-                    f"{b}: grew {grown}, free extent slots were {slots}"
-                )
-                if any(len(c) < self.ppc for c in ring):
-                    event("extents: a shorter chunk took part of a ring slot")
-                if ring:
-                    event("extents: pending chunk took a ring slot")
-                if grown[len(ring) :]:
-                    event("extents: overflow chunk paged outside the extent")
-                grown = grown[len(ring) :]
-            fresh += [p for c in grown for p in c]
-            sm.pending[b] = new
             sm.pending_tokens[b] = list(shape.lengths)
-            # The plan sees exactly the model's visible pages and pending chunks.
-            layout = ctx._layout.streams[i]
-            assert list(layout.history_pages) == [p for c in self.visible(sm, b) for p in c]
-            assert list(layout.pending_pages) == new
-            offset = sm.committed_tokens(b)
-            assert layout.token_offset == offset, f"{b}: token_offset {layout.token_offset}, model {offset}"
-        assert len(set(fresh)) == len(fresh) and set(fresh) <= free_before, (
-            f"newly allocated pages {fresh} were not all free ({sorted(free_before)})"
-        )
-        cm.peak = max(cm.peak, used_before + len(fresh))
         key = tuple((sm.state.session_id, b) for sm, b in streams)
         assert ctx.streams == key
-        assert ctx.num_chunks == num_chunks and ctx.seq_len == shape.seq_len
+        assert ctx.num_chunks == shape.num_chunks and ctx.seq_len == shape.seq_len
         assert ctx._layout.chunk_lengths == shape.lengths
         assert ctx.commit_current is commit
         assert len(ctx.layers) == NUM_LAYERS
@@ -267,6 +229,71 @@ class ForwardModel:
         self.check_view(tx)
         return tx
 
+    def m_prepared_lane(
+        self, streams: list[tuple[SessionModel, str]], shape: Shape, ctx: ForwardContext, lane_ctx: ForwardContext,
+        lane: int, free_before: set[int], used_before: int,
+    ) -> None:
+        """One lane of a prepared forward: reused / grown pending pages, extents, the lane plan's pages."""
+        cm = streams[0][0].cm
+        fresh: list[int] = []
+        num_chunks = shape.num_chunks
+        for i, (sm, b) in enumerate(streams):
+            old = sm.lane_pending[lane][b]
+            new = list(sm.state._lane_pages(b)[lane].pending)
+            if lane == 0:
+                assert new == list(sm.state.pending_chunks(b))
+            assert len(new) == num_chunks, f"{b}: {len(new)} pending chunks in lane {lane}, expected {num_chunks}"
+            assert [len(c) * self.page for c in new] == list(shape.lengths), (
+                f"{b}: pending chunks {new} of {self.page}-token pages in lane {lane}, expected lengths {shape.lengths}"
+            )
+            keep = self.reused(sm, b, shape)
+            assert new[:keep] == old[:keep], "pending pages of earlier denoising forwards must be reused"
+            if keep < min(len(old), num_chunks):
+                event("pending chunks of other lengths replaced")
+            grown = new[keep:]
+            if cm.extents:
+                extent = sm.state._lane_pages(b)[lane].extent
+                extent_chunks = cm.lane_extent_chunks[lane]
+                if sm.lane_extent[lane][b] is None:
+                    # Reserved now: S + W + 1 chunk slots of consecutive, previously free pages.
+                    assert len(extent) == extent_chunks * self.ppc, f"extent {extent}"
+                    assert list(extent) == list(range(extent[0], extent[0] + len(extent))), f"extent {extent}"
+                    fresh += list(extent)
+                    sm.lane_extent[lane][b] = tuple(extent)
+                assert tuple(extent) == sm.lane_extent[lane][b], "a branch's extent must not move until reset/close"
+                slots = self.free_slots(sm, b, lane)  # model pending not updated yet: slots free before
+                own = {p for c in self.visible(sm, b, lane) + old for p in c}
+                if any(own.isdisjoint(slot) and slot not in slots for slot in self.slots_of(sm, b, lane)):
+                    event("extents: an evicted slot waits for a fork that still sees it")
+                # The ring takes the lowest free slots first (a shorter chunk their first pages); the
+                # overflow is paged.
+                ring = grown[: len(slots)]
+                assert ring == [slot[: len(c)] for slot, c in zip(slots, ring)], (
+                    f"{b}: grew {grown} in lane {lane}, free extent slots were {slots}"
+                )
+                if any(len(c) < self.ppc for c in ring):
+                    event("extents: a shorter chunk took part of a ring slot")
+                if ring:
+                    event("extents: pending chunk took a ring slot")
+                if grown[len(ring) :]:
+                    event("extents: overflow chunk paged outside the extent")
+                grown = grown[len(ring) :]
+            fresh += [p for c in grown for p in c]
+            sm.lane_pending[lane][b] = new
+            # The plan sees exactly the model's visible pages and pending chunks.
+            layout = lane_ctx._layout.streams[i]
+            assert list(layout.history_pages) == [p for c in self.visible(sm, b, lane) for p in c], (
+                f"{sm.state.session_id}/{b} lane {lane}: the plan's history pages {list(layout.history_pages)}, "
+                f"model {self.visible(sm, b, lane)}"
+            )
+            assert list(layout.pending_pages) == new
+            offset = sm.committed_tokens(b)
+            assert layout.token_offset == offset, f"{b}: token_offset {layout.token_offset}, model {offset}"
+        assert len(set(fresh)) == len(fresh) and set(fresh) <= free_before, (
+            f"lane {lane}: newly allocated pages {fresh} were not all free ({sorted(free_before)})"
+        )
+        cm.peaks[lane] = max(cm.peaks[lane], used_before + len(fresh))
+
     def check_view(self, tx: TxModel) -> None:
         """What an open forward attends to, against the model, stream by stream.
 
@@ -279,23 +306,34 @@ class ForwardModel:
         ctx, shape, cm = tx.ctx, tx.shape, tx.cm
         assert tx.is_open and ctx.is_active
         n = shape.seq_len
-        key_positions, dense = ctx.key_positions(), ctx.to_dense()
-        plan = ctx._plan
+        for i, (sm, b) in enumerate(tx.streams):
+            offset = sm.committed_tokens(b)
+            assert ctx.positions[i].tolist() == list(range(offset, offset + n)), (
+                f"{sm.state.session_id}/{b}: positions {ctx.positions[i].tolist()}, expected from {offset}"
+            )
+        # With retention groups each lane's plan is checked (its history is its group's); the forward's own
+        # key_positions() / to_dense() are lane 0's.
+        for lane, lane_ctx in enumerate(ctx._lane_contexts):
+            self.check_lane_view(tx, lane, lane_ctx)
+
+    def check_lane_view(self, tx: TxModel, lane: int, lane_ctx: ForwardContext) -> None:
+        ctx, shape, cm = tx.ctx, tx.shape, tx.cm
+        n = shape.seq_len
+        key_positions, dense = lane_ctx.key_positions(), lane_ctx.to_dense()
+        plan = lane_ctx._plan
         assert isinstance(plan, (ReferencePlan, RelativeSinkPlan)), type(plan)
-        width = self.max_keys(tx.streams, shape)
-        assert tuple(key_positions.shape) == (len(tx.streams), width), (key_positions.shape, width)
-        assert tuple(dense.shape) == (len(tx.streams), n, width), (dense.shape, n, width)
-        pool = self.pool_values(cm)
-        slots = pool.reshape(NUM_LAYERS, 2, -1, pool.shape[-2] * pool.shape[-1])  # [layers, K/V, token slots, H*D]
+        width = self.max_keys(tx.streams, shape, lane)
+        assert tuple(key_positions.shape) == (len(tx.streams), width), (key_positions.shape, width, lane)
+        assert tuple(dense.shape) == (len(tx.streams), n, width), (dense.shape, n, width, lane)
+        pool = self.pool_values(cm, lane)
+        layers = pool.shape[0]
+        slots = pool.reshape(layers, 2, -1, pool.shape[-2] * pool.shape[-1])  # [layers, K/V, token slots, H*D]
         causal = shape.pending_mask()
         for i, (sm, b) in enumerate(tx.streams):
-            records = self.visible_data(sm, b)
+            records = self.visible_data(sm, b, lane)
             offset = sm.committed_tokens(b)
             committed = [r.tokens for r in sm.committed[b]]
-            where = f"{sm.state.session_id}/{b} (lengths {shape.lengths}, committed {committed})"
-            assert ctx.positions[i].tolist() == list(range(offset, offset + n)), (
-                f"{where}: positions {ctx.positions[i].tolist()}, expected from {offset}"
-            )
+            where = f"{sm.state.session_id}/{b} lane {lane} (lengths {shape.lengths}, committed {committed})"
             shift = self.m_sink_shift(records, sm, b, offset)
             assert ctx.sink_shifts[i] == shift, f"{where}: sink shift {ctx.sink_shifts[i]}, expected {shift}"
             if self.spec.relative_sinks:
@@ -314,9 +352,10 @@ class ForwardModel:
                 mask &= tx.token_mask[i]
             assert torch.equal(dense[i], mask), f"{where}: to_dense() differs from the rule over the model's lengths"
             # Every layer's K and V at once: [layers, 2, keys, H*D], keys in position order.
-            pending = [p for c in sm.pending[b] for p in c]
+            pending = [p for c in sm.lane_pending[lane][b] for p in c]
             want = torch.cat(
-                [rec.token_data() for rec in records] + [cm.pool.pages(pending).reshape(NUM_LAYERS, 2, n, -1)], dim=2
+                [rec.token_data(lane) for rec in records]
+                + [cm.pools[lane].pages(pending).reshape(layers, 2, n, -1)], dim=2
             )
             if isinstance(plan, RelativeSinkPlan):  # two segments: the sink keys, then window + pending
                 assert isinstance(plan.sinks, ReferencePlan) and isinstance(plan.rest, ReferencePlan)
@@ -351,8 +390,11 @@ class ForwardModel:
                 before = len(self.visible(sm, b)) + len(sm.pending[b])
                 assert sm.pending_tokens[b] == list(tx.shape.lengths)
                 start = sm.committed_tokens(b)
-                for pages, tokens in zip(sm.pending[b], sm.pending_tokens[b]):
-                    sm.committed[b].append(ChunkRecord(pages, tokens, start, tx.cm.pool.pages(pages)))
+                pools = tx.cm.pools
+                for c, tokens in enumerate(sm.pending_tokens[b]):
+                    pages = [sm.lane_pending[lane][b][c] for lane in range(len(pools))]
+                    others = tuple((p, pool.pages(p)) for p, pool in zip(pages[1:], pools[1:]))
+                    sm.committed[b].append(ChunkRecord(pages[0], tokens, start, pools[0].pages(pages[0]), others))
                     start += tokens
                 sm.drop_pending(b)
                 sm.resident_shot[b] = sm.shot[b]  # this commit applied the current shot
@@ -376,7 +418,8 @@ class ForwardModel:
             return IncompleteForwardError
         if not tx.cm.check_finite:
             return None
-        return None if tx.cm.pool.finite(tx.pending_pages()) else NonFiniteKVError
+        finite = all(pool.finite(tx.pending_pages(lane)) for lane, pool in enumerate(tx.cm.pools))
+        return None if finite else NonFiniteKVError
 
     def finish_call(self, fn: Callable[[], Any], tx: TxModel | None, success: bool) -> None:
         """Run a call that finishes ``tx`` (commit or abort, all streams); a finished ``tx``: a no-op."""
@@ -442,11 +485,12 @@ class ForwardModel:
     # ================================================================== helpers: running layers
     def layer_inputs(self, ctx: ForwardContext, layer: int, mode: str):
         s, n = ctx.positions.shape
+        heads = self.kv_heads
         if mode == "module":
-            return (torch.randn(s, n, 2 * HEAD_DIM, generator=self.gen),)
-        q = torch.randn(s, n, 2, HEAD_DIM, generator=self.gen)
-        k, v = token_kv(self.next_id, s, n, layer, HEAD_DIM)
-        self.next_id += s * n
+            return (torch.randn(s, n, 2 * heads * HEAD_DIM, generator=self.gen),)
+        q = torch.randn(s, n, 2 * heads, HEAD_DIM, generator=self.gen)
+        k, v = token_kv(self.next_id, s, n, layer, HEAD_DIM, heads)
+        self.next_id += s * n * heads
         return q, k, v
 
     def call_layer(self, ctx: ForwardContext, layer: int, mode: str, inputs=None):
@@ -467,8 +511,8 @@ class ForwardModel:
             x = inputs[0]
             with torch.no_grad():
                 y = self.attn(x, ctx.layers[layer])
-                k = self.attn.to_k(x).view(s, n, 1, HEAD_DIM)
-                v = self.attn.to_v(x).view(s, n, 1, HEAD_DIM)
+                k = self.attn.to_k(x).view(s, n, self.kv_heads, HEAD_DIM)
+                v = self.attn.to_v(x).view(s, n, self.kv_heads, HEAD_DIM)
             assert y.shape == x.shape
         else:
             q, k, v = inputs
@@ -477,8 +521,14 @@ class ForwardModel:
                 k[stream % s, token % n, 0, 0] = value
                 event("wrote a non-finite K")
             out = chunk_attention(q, k, v, ctx.layers[layer], **self.sink_query(ctx, q))
-        for i, (sm, b) in enumerate(tx.streams):
-            tx.cm.pool.write(layer, [p for c in sm.pending[b] for p in c], k[i], v[i])
+        for lane, g in enumerate(self.lanes):  # each lane stores its heads of the layer
+            if layer not in g.layers:
+                continue
+            inner = g.layers.index(layer)
+            heads = list(g.heads[inner])
+            for i, (sm, b) in enumerate(tx.streams):
+                pages = [p for c in sm.lane_pending[lane][b] for p in c]
+                tx.cm.pools[lane].write(inner, pages, k[i][:, heads], v[i][:, heads])
         tx.written.add(layer)
         if mode != "module" and (nan is None or nan[0] != layer):
             self.check_output(tx, layer, q, k, v, out)
@@ -496,27 +546,39 @@ class ForwardModel:
         """The output equals a hand-written masked softmax over the model's pages (and the token mask)."""
         n = tx.shape.seq_len
         causal = tx.shape.pending_mask()  # block-causal (or all) over the model's own chunk lengths
+        group = q.shape[2] // self.kv_heads
         for i, (sm, b) in enumerate(tx.streams):
-            hist = [p for c in self.visible(sm, b) for p in c]
-            k_now, v_now = self.read_back(layer, k[i], v[i])  # [n, 1, dim]
-            keys = torch.cat([tx.cm.pool.tokens(layer, 0, hist), k_now[:, 0]])
-            values = torch.cat([tx.cm.pool.tokens(layer, 1, hist), v_now[:, 0]])
-            h = self.history_tokens(sm, b)
-            assert h == len(hist) * self.page
-            mask = torch.cat([torch.ones(n, h, dtype=torch.bool), causal], dim=1)
-            if tx.token_mask is not None:
-                mask &= tx.token_mask[i, :, : h + n]
-            logits = torch.einsum("thd,kd->thk", q[i], keys) * HEAD_DIM**-0.5
-            w = torch.softmax(logits.masked_fill(~mask[:, None, :], float("-inf")), dim=-1)
-            expect = torch.einsum("thk,kd->thd", w.nan_to_num(0.0), values)
+            k_now, v_now = self.read_back(layer, k[i], v[i])  # [n, kv heads, dim]
+            expect = torch.empty_like(out[i])
+            for head in range(self.kv_heads):  # each kv head reads what its own group keeps
+                lane, inner, at = self.head_home_of(layer, head)
+                pool = tx.cm.pools[lane]
+                hist = [p for c in self.visible(sm, b, lane) for p in c]
+                keys = torch.cat([pool.head_tokens(inner, 0, hist, at), k_now[:, head]])
+                values = torch.cat([pool.head_tokens(inner, 1, hist, at), v_now[:, head]])
+                h = self.history_tokens(sm, b, lane)
+                assert h == len(hist) * self.page
+                mask = torch.cat([torch.ones(n, h, dtype=torch.bool), causal], dim=1)
+                if tx.token_mask is not None:
+                    mask &= tx.token_mask[i, :, : h + n]
+                qh = q[i][:, head * group : (head + 1) * group]
+                logits = torch.einsum("thd,kd->thk", qh, keys) * HEAD_DIM**-0.5
+                w = torch.softmax(logits.masked_fill(~mask[:, None, :], float("-inf")), dim=-1)
+                expect[:, head * group : (head + 1) * group] = torch.einsum("thk,kd->thd", w.nan_to_num(0.0), values)
             torch.testing.assert_close(out[i], expect, rtol=1e-5, atol=1e-5)
+
+    def head_home_of(self, layer: int, head: int) -> tuple[int, int, int]:
+        """Where kv head ``head`` of model layer ``layer`` lives: (lane, layer in the lane, head in the lane)."""
+        if not self.grouped:
+            return 0, layer, head
+        return self.head_home[(layer, head)]
 
     def check_cross_in_forward(self, tx: TxModel, layer: LayerContext) -> None:
         """The forward sees each stream's cross cache as of its prepare, or raises when any stream lacked it then."""
         if all(tag is not None for tag in tx.cross):
             k, v = layer.cross_kv("text")
             for i, tag in enumerate(tx.cross):
-                ek, ev = cross_value(tag, layer.layer_index)
+                ek, ev = self.cross_value(tag, layer.layer_index)
                 assert torch.equal(k[i], ek) and torch.equal(v[i], ev)
         else:
             with pytest.raises(CrossAttentionNotPopulatedError):

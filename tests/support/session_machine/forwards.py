@@ -54,6 +54,7 @@ class ForwardRules:
         """A forward over 1-3 sessions (a committing or a denoising one) of 1-3 chunks of any lengths, run, then
         finished through one member."""
         streams = self.pick_streams(self.open_sessions, index, others, branch_sets)
+        masked = masked and self.supports("token_mask")
         tx = self.start_forward(streams, self.shape(shape), commit, via=via, masked=masked)
         if tx is None:
             return
@@ -164,8 +165,7 @@ class ForwardRules:
         if failure is not None:
             self.expect_failure(failure, fn, *args, **kwargs)
             return
-        free_before = set(cm.cache._allocator.free_pages())
-        used_before = cm.cache._allocator.num_used
+        free_before, used_before = self.alloc_before(cm)
         box: dict[str, Any] = {}
 
         def body() -> None:
@@ -222,8 +222,7 @@ class ForwardRules:
             self.expect_failure(failure, fn, *args, **kwargs)
             return None
         outer = streams[0][0].forward[streams[0][1]]
-        free_before = set(cm.cache._allocator.free_pages())
-        used_before = cm.cache._allocator.num_used
+        free_before, used_before = self.alloc_before(cm)
         ctx = fn(*args, **kwargs)
         assert ctx is outer.ctx, "the same streams must get the same context"
         inner = self.m_prepared(streams, shape, commit, ctx, free_before, used_before)
@@ -359,13 +358,13 @@ class ForwardRules:
                 patches.append((BranchPages, "preview_commit", original))
                 BranchPages.preview_commit = preview_commit
             elif where == "decref":
-                alloc = cm.cache._allocator
 
                 def decref(pages):
                     raise injected("injected into decref")
 
-                patches.append((alloc, "decref", None))
-                alloc.decref = decref
+                for lane in cm.cache._lanes:  # the first decref in any lane raises
+                    patches.append((lane.allocator, "decref", None))
+                    lane.allocator.decref = decref
             else:
                 original = BranchPages.apply_commit
 
@@ -393,7 +392,7 @@ class ForwardRules:
             if failure is not None:
                 self.expect_failure(failure, fn, *args, **kwargs)
                 return
-            free_before, used_before = set(cm.cache._allocator.free_pages()), cm.cache._allocator.num_used
+            free_before, used_before = self.alloc_before(cm)
             box: dict[str, Any] = {}
 
             def body() -> None:
@@ -489,7 +488,7 @@ class ForwardRules:
         if failure is not None:
             self.expect_failure(failure, fn, *args, **kwargs)
             return
-        free_before, used_before = set(cm.cache._allocator.free_pages()), cm.cache._allocator.num_used
+        free_before, used_before = self.alloc_before(cm)
         box: dict[str, Any] = {}
 
         def body() -> None:

@@ -10,7 +10,7 @@ import torch
 from hypothesis.stateful import invariant
 
 from tests.support.pool_model import same_bits
-from tests.support.session_model import BRANCHES, NUM_LAYERS, cross_value
+from tests.support.session_model import BRANCHES, NUM_LAYERS
 
 
 class Invariants:
@@ -19,31 +19,44 @@ class Invariants:
     def pages_match_model(self) -> None:
         """Refcounts == references; pending pages exclusive; free/used partition; stats; peak."""
         for cm in self.open_caches:
-            alloc = cm.cache._allocator
-            chunk_refs = self.chunk_references(cm)
-            refs = Counter(chunk_refs)
-            for sm in self.sessions_of(cm):
-                for b in BRANCHES:
-                    refs.update(sm.extent[b] or ())  # the extent's own reservation reference
-                    for chunk in sm.pending[b]:
-                        shared = [p for p in chunk if chunk_refs[p] != 1]
-                        assert not shared, (
-                            f"{sm.state.session_id}/{b}: pending pages {shared} are also referenced elsewhere"
-                        )
-            for page in range(alloc.num_pages):
-                assert alloc.refcount(page) == refs[page], (
-                    f"{cm.label} page {page}: refcount {alloc.refcount(page)}, referenced {refs[page]} time(s)"
-                )
-            free, used = alloc.free_pages(), alloc.used_pages()
-            assert len(free) == len(set(free)), f"duplicate page in the free list {free}"
-            assert not set(free) & set(used), f"pages both free and used: {set(free) & set(used)}"
-            assert set(free) | set(used) == set(range(alloc.num_pages))
-            alloc.check_invariants()
             stats = cm.cache.stats()
-            assert stats.pages_used == len(used) and stats.pages_free == len(free)
-            assert alloc.peak_used == stats.peak_pages_used == cm.peak, (
-                f"{cm.label}: peak_pages_used {alloc.peak_used}, model {cm.peak}"
+            assert len(stats.lanes) == cm.num_lanes
+            for lane in range(cm.num_lanes):
+                self.lane_pages_match_model(cm, lane, stats)
+            rows = list(stats.lanes.values())
+            assert stats.pages_used == sum(r.pages_used for r in rows)
+            assert stats.pages_free == sum(r.pages_free for r in rows)
+            assert stats.peak_pages_used == sum(cm.peaks)
+
+    def lane_pages_match_model(self, cm, lane: int, stats) -> None:  # noqa: ANN001
+        """One lane: its allocator's refcounts == the model's references in it, partition, stats, peak."""
+        cache_lane = cm.cache._lanes[lane]
+        alloc = cache_lane.allocator
+        where = f"{cm.label} lane {lane} ({cache_lane.name})"
+        chunk_refs = self.chunk_references(cm, lane)
+        refs = Counter(chunk_refs)
+        for sm in self.sessions_of(cm):
+            for b in BRANCHES:
+                refs.update(sm.lane_extent[lane][b] or ())  # the extent's own reservation reference
+                for chunk in sm.lane_pending[lane][b]:
+                    shared = [p for p in chunk if chunk_refs[p] != 1]
+                    assert not shared, (
+                        f"{sm.state.session_id}/{b} {where}: pending pages {shared} are also referenced elsewhere"
+                    )
+        for page in range(alloc.num_pages):
+            assert alloc.refcount(page) == refs[page], (
+                f"{where} page {page}: refcount {alloc.refcount(page)}, referenced {refs[page]} time(s)"
             )
+        free, used = alloc.free_pages(), alloc.used_pages()
+        assert len(free) == len(set(free)), f"{where}: duplicate page in the free list {free}"
+        assert not set(free) & set(used), f"{where}: pages both free and used: {set(free) & set(used)}"
+        assert set(free) | set(used) == set(range(alloc.num_pages))
+        alloc.check_invariants()
+        row = stats.lanes[cache_lane.name]
+        assert row.pages_used == len(used) and row.pages_free == len(free), where
+        assert alloc.peak_used == row.peak_pages_used == cm.peaks[lane], (
+            f"{where}: peak_pages_used {alloc.peak_used}, model {cm.peaks[lane]}"
+        )
 
     @invariant()
     def sessions_match_model(self) -> None:
@@ -67,15 +80,10 @@ class Invariants:
                     f"{state.session_id}/{b}: token_offset {state.token_offset(b)}, model {sm.committed_tokens(b)} "
                     f"(committed lengths {[r.tokens for r in sm.committed[b]]})"
                 )
-                history = state.branch_pages(b)
-                assert history.committed_tokens == sm.committed_tokens(b)
-                records = self.visible_data(sm, b)
-                assert history.history_spans() == [(r.start, r.tokens) for r in records], (
-                    f"{state.session_id}/{b}: spans {history.history_spans()}, model "
-                    f"{[(r.start, r.tokens) for r in records]}"
-                )
-                assert history.history_positions() == [p for r in records for p in r.positions()]
-                assert [len(c) * self.page for c in state.pending_chunks(b)] == sm.pending_tokens[b]
+                lanes = state._lane_pages(b)
+                assert len(lanes) == sm.cm.num_lanes
+                for lane, history in enumerate(lanes):
+                    self.lane_matches_model(sm, b, lane, history)
                 tx, lib = sm.forward[b], state._open_forward(b)
                 if tx is None:
                     assert lib is None, f"{state.session_id}/{b}: open forward {lib}, the model has none"
@@ -84,6 +92,7 @@ class Invariants:
                     assert lib.commit_current == tx.commit and lib.num_chunks == tx.num_chunks
                     assert tx.ctx._transaction is lib
                     assert lib.members == tuple((s.state, bb) for s, bb in tx.streams)
+                assert all(h.transaction is lanes[0].transaction for h in lanes), "one transaction over the lanes"
                 assert state._pending[b] is lib  # the read-only 0.1 view agrees
                 populated = state.is_cross_attention_populated(b, "text")
                 assert populated == (b in sm.cross)
@@ -91,26 +100,53 @@ class Invariants:
                     got = state.get_cross_attention_kv(b, "text")
                     assert len(got) == NUM_LAYERS
                     for layer, d in enumerate(got):
-                        ek, ev = cross_value(sm.cross[b], layer)
+                        ek, ev = self.cross_value(sm.cross[b], layer)
                         assert torch.equal(d["k"], ek) and torch.equal(d["v"], ev)
-                assert tuple(state.branch_pages(b).extent) == (sm.extent[b] or ())
-            held = sum(len(c) for b in BRANCHES for c in self.visible(sm, b) + sm.pending[b])
-            held += sum(len(sm.extent[b] or ()) for b in BRANCHES)
+            held = sum(
+                len(c) for lane in range(sm.cm.num_lanes) for b in BRANCHES
+                for c in self.visible(sm, b, lane) + sm.lane_pending[lane][b]
+            )
+            held += sum(len(extent[b] or ()) for extent in sm.lane_extent for b in BRANCHES)
             assert state.pages_in_use() == held
+
+    def lane_matches_model(self, sm, b: str, lane: int, history) -> None:  # noqa: ANN001
+        """One lane of a stream: the chunks its group keeps (pages, spans, positions), pending chunks, extent; the
+        stream's clock (every lane's the same)."""
+        where = f"{sm.state.session_id}/{b} lane {lane}"
+        g = self.lanes[lane]
+        expected = self.visible(sm, b, lane)
+        assert list(history.history_chunks) == expected, (
+            f"{where}: visible {history.history_chunks}, expected sinks {g.sinks} + window {g.window} "
+            f"(shot {g.shot_chunks}) of {[r.lane_pages(lane) for r in sm.committed[b]]}"
+        )
+        assert list(history.pending) == sm.lane_pending[lane][b], f"{where}: pending {history.pending}"
+        assert history.committed_chunks == len(sm.committed[b]), f"{where}: {history.committed_chunks} committed"
+        assert history.committed_tokens == sm.committed_tokens(b), where
+        assert history.token_offset == sm.committed_tokens(b), where
+        records = self.visible_data(sm, b, lane)
+        assert history.history_spans() == [(r.start, r.tokens) for r in records], (
+            f"{where}: spans {history.history_spans()}, model {[(r.start, r.tokens) for r in records]}"
+        )
+        assert history.history_positions() == [p for r in records for p in r.positions()]
+        assert [len(c) * self.page for c in history.pending] == sm.pending_tokens[b]
+        assert tuple(history.extent) == (sm.lane_extent[lane][b] or ()), f"{where}: extent {history.extent}"
 
     @invariant()
     def pool_contents_match_model(self) -> None:
         """No write outside an open forward's pending pages; committed chunks keep their contents."""
         for cm in self.open_caches:
-            pool = self.pool_values(cm)
-            bad = cm.pool.mismatched_pages(pool)
-            assert not bad, f"{cm.label}: pages {bad} hold contents no open forward wrote there"
-            for sm in self.sessions_of(cm):
-                for b in BRANCHES:
-                    for rec in self.visible_data(sm, b):
-                        assert same_bits(pool[:, :, list(rec.pages)], rec.data), (
-                            f"{sm.state.session_id}/{b}: committed chunk {rec.pages} changed since its commit"
-                        )
+            for lane in range(cm.num_lanes):
+                pool = self.pool_values(cm, lane)
+                bad = cm.pools[lane].mismatched_pages(pool)
+                assert not bad, f"{cm.label} lane {lane}: pages {bad} hold contents no open forward wrote there"
+                for sm in self.sessions_of(cm):
+                    for b in BRANCHES:
+                        for rec in self.visible_data(sm, b, lane):
+                            pages = list(rec.lane_pages(lane))
+                            assert same_bits(pool[:, :, pages], rec.lane_data(lane)), (
+                                f"{sm.state.session_id}/{b} lane {lane}: committed chunk {pages} changed since its "
+                                "commit"
+                            )
 
     @invariant()
     def forwards_match_model(self) -> None:
@@ -145,12 +181,13 @@ class Invariants:
         for sm in self.sessions:
             sm.state.close()
         for cm in self.caches:
-            alloc = cm.cache._allocator
-            assert alloc.num_free == alloc.num_pages, (
-                f"leak: {alloc.used_pages()} still used after closing every session"
-            )
-            assert all(alloc.refcount(p) == 0 for p in range(alloc.num_pages))
-            alloc.check_invariants()
+            for lane in cm.cache._lanes:  # every lane's pages came back
+                alloc = lane.allocator
+                assert alloc.num_free == alloc.num_pages, (
+                    f"leak: lane {lane.name}: {alloc.used_pages()} still used after closing every session"
+                )
+                assert all(alloc.refcount(p) == 0 for p in range(alloc.num_pages))
+                alloc.check_invariants()
             assert cm.cache.sessions == {}
             assert cm.cache._forwards.num_contexts == 0  # closing a session releases its contexts
             cm.cache.close()

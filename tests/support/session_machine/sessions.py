@@ -45,10 +45,11 @@ class CacheAndSessionRules:
         self.released.update(cm.registry.values())
         cm.registry.clear()
         cm.closed = True
-        alloc = cm.cache._allocator
         assert cm.cache.is_closed and cm.cache.sessions == {}
-        assert alloc.num_free == alloc.num_pages and alloc.used_pages() == ()
-        alloc.check_invariants()
+        for lane in cm.cache._lanes:
+            alloc = lane.allocator
+            assert alloc.num_free == alloc.num_pages and alloc.used_pages() == (), f"lane {lane.name}"
+            alloc.check_invariants()
         assert cm.cache._forwards.num_contexts == 0 and cm.cache._forwards.contexts() == ()
         event("closed a KVCache")
 
@@ -92,16 +93,21 @@ class CacheAndSessionRules:
         self.sessions.append(SessionModel(state, cm))
 
     def sessions_that_fit(self, cm: CacheModel, pending_chunks: int) -> int:
-        """Admission arithmetic: sessions at peak (sinks + window + pending per branch, or the extent), plus
-        the re-cache reserve; with extents, also the sessions whose extents the free runs hold beyond the
-        extents owed to open sessions' branches that hold none yet."""
-        resident = self.sinks + self.window
+        """Admission arithmetic, per lane (the fewest any lane holds): sessions at peak (sinks + window + pending
+        per branch, or the extent), plus the re-cache reserve; with extents, also the sessions whose extents the
+        free runs hold beyond the extents owed to open sessions' branches that hold none yet."""
+        return min(self.lane_sessions_that_fit(cm, pending_chunks, lane) for lane in range(cm.num_lanes))
+
+    def lane_sessions_that_fit(self, cm: CacheModel, pending_chunks: int, lane: int) -> int:
+        g = self.lanes[lane]
+        resident = g.sinks + g.window
+        extent_chunks = cm.lane_extent_chunks[lane]
 
         def per_session(pending: int) -> int:
-            chunks = max(resident + pending, cm.extent_chunks)
+            chunks = max(resident + pending, extent_chunks)
             return len(BRANCHES) * chunks * self.ppc
 
-        alloc = cm.cache._allocator
+        alloc = cm.allocator(lane)
         # Once for the pool: one session's re-cache beyond its peak (every branch rebuilds R chunks, less
         # the pending chunk / free ring slot the peak already counts).
         reserve = len(BRANCHES) * max(0, resident - 1) * self.ppc
@@ -109,8 +115,8 @@ class CacheAndSessionRules:
         fit = max(0, (alloc.num_free - promised) // per_session(pending_chunks))
         if not cm.extents:
             return fit
-        owed = sum(1 for sm in self.sessions_of(cm) for b in BRANCHES if sm.extent[b] is None)
-        runs = runs_holding(alloc.free_pages(), cm.extent_chunks * self.ppc)
+        owed = sum(1 for sm in self.sessions_of(cm) for b in BRANCHES if sm.lane_extent[lane][b] is None)
+        runs = runs_holding(alloc.free_pages(), extent_chunks * self.ppc)
         return min(fit, max(0, (runs - owed) // len(BRANCHES)))
 
     @precondition(lambda self: self.open_sessions)

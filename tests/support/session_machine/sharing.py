@@ -35,9 +35,10 @@ class SharingRules:
             window = self.window if self.window is not None else 1
             pre_steps = max(0, self.sinks + window - min(len(parent.committed[b]) for b in names))
         self.roll(parent, names, pre_steps)
-        free_before = parent.cm.cache._allocator.free_pages()
+        lanes = parent.cm.cache._lanes
+        free_before = [lane.allocator.free_pages() for lane in lanes]
         child_state = parent.state.fork(branches=branches, share_cross_attention=share_cross)
-        assert parent.cm.cache._allocator.free_pages() == free_before, "fork must not allocate"
+        assert [lane.allocator.free_pages() for lane in lanes] == free_before, "fork must not allocate (any lane)"
         child = SessionModel(child_state, parent.cm)
         for b in names:
             child.committed[b] = list(parent.committed[b])  # same visible chunks (same contents), same offset
@@ -65,6 +66,10 @@ class SharingRules:
             return
         target.state.share_sinks_from(source.state, branch)
         target.committed[branch] = list(source.committed[branch][:sinks])
-        target.clear_shots(branch)  # only the sinks: no shot, nothing dropped
-        target.extent[branch] = None  # an empty branch restarts from scratch (its extent is released)
+        target.clear_shots(branch)  # only the sinks: no shot
+        # The stream's sinks are the most any group keeps: a group keeping fewer never shared the chunks between
+        # its sinks and the clock (dropped, as below a dropped window); uniform: all of them are sinks.
+        target.floor[branch] = sinks
+        for extent in target.lane_extent:
+            extent[branch] = None  # an empty branch restarts from scratch (its extent is released)
         event("shared sinks")

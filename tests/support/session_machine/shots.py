@@ -50,14 +50,23 @@ class ShotRules:
             self.expect_failure(refusal[0], sm.state.drop_window, branches, match=refusal[1])
             event(f"drop_window refused: {refusal[0].__name__}")
             return
-        kept = {b: [rec.pages for rec in sm.committed[b][: self.sinks]] for b in names}
-        dropped = sum(len(self.visible(sm, b)) - len(kept[b]) for b in names)
+        lanes = range(sm.cm.num_lanes)
+        # Each lane keeps its group's sinks (those it holds: a stream that shared sinks may hold fewer).
+        kept = {
+            (b, lane): [r.lane_pages(lane) for r in self.visible_data(sm, b, lane)][: self.lanes[lane].sinks]
+            for b in names for lane in lanes
+        }
+        dropped = sum(len(self.visible(sm, b, lane)) - len(kept[b, lane]) for b in names for lane in lanes)
         sm.state.drop_window(branches)
         for b in names:
             sm.floor[b] = len(sm.committed[b])
             if sm.shot[b] is not None and sm.shot[b] < len(sm.committed[b]):
                 sm.shot[b] = None  # a shot that pinned chunks goes with them
-            assert list(sm.state.history_chunks(b)) == kept[b] == self.visible(sm, b)
+            for lane, history in zip(lanes, sm.state._lane_pages(b)):
+                assert list(history.history_chunks) == kept[b, lane] == self.visible(sm, b, lane), (
+                    f"{sm.state.session_id}/{b} lane {lane}: drop_window kept {history.history_chunks}, "
+                    f"expected the sinks {kept[b, lane]}"
+                )
         event("drop_window released chunks" if dropped else "drop_window with nothing to release")
 
     @precondition(lambda self: self.sessions)
