@@ -27,6 +27,7 @@ from ardiff_modules.core.admission import Admission, ExtentRoom
 from ardiff_modules.core.allocator import PageAllocator
 from ardiff_modules.core.branch import BranchPages
 from ardiff_modules.core.head_retention import HeadPart
+from ardiff_modules.core.retention import RetentionPolicy, SinkWindowPolicy
 from ardiff_modules.errors import CapacityError, KVScalesFixedError, SpecError, TensorMismatchError
 from ardiff_modules.pool import KVPool, bytes_per_page, pages_for_budget
 from ardiff_modules.spec import KVCacheSpec
@@ -100,10 +101,29 @@ def extent_chunks_of(spec: KVCacheSpec, backend: str, contiguous_extents: bool |
     return spec.max_history_chunks + 1 if contiguous_extents else None  # type: ignore[operator]
 
 
-def admission_of(spec: KVCacheSpec, extent_chunks: int | None) -> Admission:
-    return Admission(
-        len(spec.branches), spec.max_history_chunks, spec.pages_per_chunk, extent_chunks, spec.recache.context_chunks
-    )
+def admission_of(spec: KVCacheSpec, extent_chunks: int | None, union_chunks: int | None = None) -> Admission:
+    """A lane's admission. ``union_chunks``: with several lanes, the most chunks a re-cache rebuilds in any lane
+    (history + the rule's context chunks): one forward rebuilds the union, and a lane attends the union's
+    chunks it does not keep as context chunks, so its re-cache reserve counts them."""
+    history, context = spec.max_history_chunks, spec.recache.context_chunks
+    if union_chunks is not None and history is not None:
+        context = max(context, union_chunks - history)
+    return Admission(len(spec.branches), history, spec.pages_per_chunk, extent_chunks, context)
+
+
+def union_recache_chunks(policies: Sequence[RetentionPolicy], context: int) -> int | None:
+    """The most chunks one re-cache of a stream rebuilds over every lane (their union), ``None`` if unbounded.
+
+    Sink + window groups keep a prefix (their sinks) and a suffix (their window), so the union is at most the
+    widest sinks plus the widest window; other policies may keep any chunks: the lanes' sum bounds it.
+    """
+    bounds = [p.max_history_chunks for p in policies]
+    if None in bounds:
+        return None
+    if all(type(p) is SinkWindowPolicy for p in policies):
+        sinks = max(p.sink_chunks for p in policies)
+        return sinks + max(b - p.sink_chunks for b, p in zip(bounds, policies)) + context  # type: ignore[operator]
+    return sum(bounds) + context  # type: ignore[arg-type]
 
 
 def lane_pages(
@@ -164,7 +184,8 @@ def build_lanes(
     pairs = lane_specs(spec)
     specs = [s for s, _ in pairs]
     extents = [extent_chunks_of(s, backend, contiguous_extents) for s in specs]
-    admissions = [admission_of(s, e) for s, e in zip(specs, extents)]
+    union = None if len(specs) == 1 else union_recache_chunks([s.policy for s in specs], specs[0].recache.context_chunks)
+    admissions = [admission_of(s, e, union) for s, e in zip(specs, extents)]
     names = ["all" if part is None else part.name for _, part in pairs]
     pages = lane_pages(spec, specs, admissions, names, num_pages, budget_bytes)
     return tuple(

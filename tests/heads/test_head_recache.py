@@ -256,3 +256,37 @@ def test_grouped_recache_of_nothing_is_refused() -> None:
     cache, state, oracle = make(RecacheRule())
     with pytest.raises(am.SpecError, match="at least one resident chunk"):
         state.prepare_recache(("cond",))
+
+
+@pytest.mark.parametrize("name", ["block_causal", "rebuild_sinks", "longlive"])
+@pytest.mark.parametrize("extents", [False, True])
+@pytest.mark.parametrize("groups", [GROUPS, {"local": (1, 1), "global": (0, 3)}], ids=["nested", "disjoint"])
+def test_admission_keeps_room_for_one_union_recache_in_every_lane(
+    name: str, extents: bool, groups: dict[str, tuple[int, int]]
+) -> None:
+    """With every admitted session at its peak, any one of them can re-cache (admission's promise): in a short
+    lane the union's chunks the long lane keeps ride as context chunks, so its reserve counts the union (which
+    can exceed any one lane's history: sink 1 + window 1 and sink 0 + window 3 rebuild 4 chunks together)."""
+    rule = {"block_causal": RecacheRule(), "rebuild_sinks": RecacheRule.from_keep_sinks(False),
+            "longlive": RecacheRule.longlive()}[name]
+    heads = am.HeadRetention(groups, ROWS)
+    spec = am.KVCacheSpec(
+        num_layers=LAYERS, num_kv_heads=KV_HEADS, head_dim=D, chunk_size=CHUNK, page_size=PAGE,
+        branches=("cond",), dtype="float32", head_retention=heads, recache=rule,
+    )
+    probe = am.KVCache(spec, num_pages=1000, backend="reference", contiguous_extents=extents)
+    per_session = [lane.admission.pages_per_session() for lane in probe._lanes]
+    reserve = [lane.admission.recache_reserve() for lane in probe._lanes]
+    # pools of exactly three sessions' peaks plus the reserve, lane by lane
+    cache = am.KVCache(spec, num_pages=1000, backend="reference", contiguous_extents=extents)
+    for lane, peak, extra in zip(cache._lanes, per_session, reserve):
+        lane.allocator.__init__(3 * peak + extra)  # a fresh allocator of exactly that many pages
+    assert cache.sessions_that_fit() == 3
+    sessions = [cache.admit_session(f"s{i}") for i in range(3)]
+    oracles = [Oracle(Model(), heads) for _ in sessions]
+    g = torch.Generator().manual_seed(5)
+    for _ in range(5):
+        for state, oracle in zip(sessions, oracles):
+            step(state, oracle, g, 0)
+    for state, oracle in zip(sessions, oracles):
+        run_recache(state, oracle, rule, 1)  # no CapacityError: the reserve held every lane's union
