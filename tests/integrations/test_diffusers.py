@@ -493,3 +493,25 @@ def test_gradient_to_the_current_chunk_equals_the_stock_model() -> None:
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
     torch.testing.assert_close(x.grad, x_ref.grad, atol=1e-5, rtol=1e-4)
     assert x.grad.abs().sum() > 0
+
+
+def test_retention_groups_through_the_diffusers_processor_equal_the_uniform_stream() -> None:
+    """The same rollout over ``KVCacheSpec(head_retention=...)``: two groups with the uniform cache's sink and
+    window, heads interleaved per layer (each layer's heads split over two lanes, gathered back in head order
+    by the processor's ``chunk_attention``): every forward equals the cache-free stock model, as uniform does."""
+    import dataclasses
+
+    model = tiny_wan(2, rope_max_seq_len=16)
+    events, prompts = make_events(8)
+    expected = reference_outputs(model, events, prompts, whole_history=True)  # (2 layers: see the rollout test)
+    spec = wan_cache_spec(
+        model, frames_per_chunk=FRAMES, latent_height=LATENT[0], latent_width=LATENT[1], text_tokens=TEXT_TOKENS,
+        sink_chunks=SINK, window_chunks=WINDOW, branches=BRANCHES, dtype="float32",
+    )
+    rows = [[("a", "b")[(h + layer) % 2] for h in range(spec.num_kv_heads)] for layer in range(spec.num_layers)]
+    heads = am.HeadRetention({"a": (SINK, WINDOW), "b": (SINK, WINDOW)}, rows)
+    grouped = dataclasses.replace(spec, sink_chunks=0, window_chunks=None, head_retention=heads)
+    cache = am.KVCache(grouped, num_pages=64)
+    assert len(cache._lanes) >= 2
+    actual = stream(enable_paged_attention(model, cache), cache, events)
+    assert_all_close(actual, expected, events)
