@@ -413,10 +413,26 @@ class DistributedForward:
     def local_sink_positions(self) -> torch.Tensor | None:
         """int64 ``[local streams, seq_len / P]``: this rank's tokens' shifted positions for
         relative-position sinks (the query rotated there is ``sink_query``), or ``None`` when the forward
-        context has no ``sink_positions``."""
+        context has no ``sink_positions``. With retention groups the shift is per lane: this raises
+        :class:`SpecError`; use :meth:`layer_sink_positions` (per layer)."""
+        if self.context._lanes and self.context.relative_sinks:
+            raise SpecError(
+                "DistributedForward.local_sink_positions: expected a forward of one retention (a uniform cache), got "
+                "one with retention groups, whose lanes' sinks move by different shifts; use "
+                "layer_sink_positions(i) for layer i (per query head where its lanes differ)"
+            )
         positions = getattr(self.context, "sink_positions", None)
         sp = self.owner.mesh.sp
         return positions if positions is None or sp is None else sp.local_positions(positions)
+
+    def layer_sink_positions(self, index: int) -> torch.Tensor | None:
+        """Layer ``index``'s sink positions for this rank's tokens (relative sinks; else ``None``): what its
+        layer rotates the sink query at -- ``[local streams, seq_len / P]``, or per query head ``[local streams,
+        seq_len / P, heads]`` where the layer's retention-group lanes differ (under Ulysses every query head of
+        the layer, gathered over the group: collective, see ``SequenceParallel.local_sink_positions``)."""
+        kv = self.context.layers[index]
+        sp = self.owner.mesh.sp
+        return kv.sink_positions if sp is None else sp.local_sink_positions(kv)
 
     @property
     def static(self) -> bool:

@@ -131,8 +131,28 @@ class SequenceParallel:
         return wait_collective(all_gather_shards(x.contiguous(), dim, self.group))
 
     def local_positions(self, positions: torch.Tensor) -> torch.Tensor:
-        """``positions`` ``[streams, seq_len]`` (a forward's) -> this rank's ``[streams, seq_len / P]``."""
+        """``positions`` ``[streams, seq_len]`` (a forward's) -> this rank's ``[streams, seq_len / P]``; per head
+        ``[streams, seq_len, heads]`` -> ``[streams, seq_len / P, heads]`` (the heads unchanged: see
+        :meth:`local_sink_positions` for a layer's sink positions, whose heads are this rank's)."""
         return self.shard_tokens(positions, dim=1)
+
+    def local_sink_positions(self, kv: LayerContext) -> torch.Tensor | None:
+        """Where to rotate this rank's tokens' sink query, for **every** query head of layer ``kv`` (relative
+        sinks; else ``None``): the sink query is rotated before the all-to-all, on this rank's tokens.
+
+        A uniform cache: ``local_positions(kv.sink_positions)``, ``[streams, seq_len / P]`` (one shift for every
+        head, the same on every rank). With retention groups each rank's layer holds only its heads' lanes (the
+        groups restricted to them), whose shifts the other ranks do not know: the layer's ``[streams, seq_len]``
+        / per-head ``[streams, seq_len, heads / P]`` positions are gathered over the group (one all-gather of
+        int64, collective: every rank calls it for the layer) into ``[streams, seq_len / P, heads]``."""
+        positions = kv.sink_positions
+        if positions is None or not getattr(kv, "_shares", None) or self.size == 1:
+            return None if positions is None else self.local_positions(positions)
+        heads = kv._heads[0]  # this rank's query heads of the layer
+        if positions.dim() == 2:
+            positions = positions.unsqueeze(-1).expand(-1, -1, heads)
+        gathered = self.gather_tokens(positions.contiguous(), dim=2)  # [S, n, H]: head blocks in rank order
+        return self.shard_tokens(gathered, dim=1)
 
     def shard_kv_heads(self, t: torch.Tensor, num_heads: int, dim: int = -2) -> torch.Tensor:
         """The kv heads of a cross-attention cache ``t`` (heads along ``dim``) this rank holds: with
@@ -382,8 +402,8 @@ def ulysses_chunk_attention(
         As in :func:`~ardiff_modules.chunk_attention`.
     sink_query:
         Optional, like ``q`` (``[streams, seq_len / P, num_heads, head_dim]``, q's dtype): the query
-        rotated at the shifted positions of relative-position sinks (this rank's tokens, rotated at
-        ``sp.local_positions(kv.forward.sink_positions)``). Moved to head shards with q (in the same
+        rotated at the shifted positions of relative-position sinks (this rank's tokens, every query head,
+        rotated at ``sp.local_sink_positions(kv)``: per head with retention groups). Moved to head shards with q (in the same
         fused all-to-all) and passed on as ``chunk_attention(..., sink_query=...)``; with ``None`` the
         keyword is not passed at all.
 

@@ -142,11 +142,16 @@ def wan_rope_tables(
     -------
     ``(cos, sin)``, each ``[streams, seq_len, 1, head_dim]``, every value repeated for its channel
     pair ``(2i, 2i + 1)`` -- exactly what diffusers' ``WanRotaryPosEmbed`` returns for frames counted
-    from 0, but at the absolute frame, row and column of each token.
+    from 0, but at the absolute frame, row and column of each token. For per-head ``positions``
+    ``[streams, seq_len, heads]`` (a layer's ``kv.sink_positions`` where its retention-group lanes'
+    sinks move by different shifts) each ``[streams, seq_len, heads, head_dim]``.
     """
-    if not isinstance(positions, torch.Tensor) or positions.dim() != 2 or positions.dtype != torch.int64:
+    if not isinstance(positions, torch.Tensor) or positions.dim() not in (2, 3) or positions.dtype != torch.int64:
         got = (tuple(positions.shape), positions.dtype) if isinstance(positions, torch.Tensor) else type(positions)
-        raise TensorMismatchError(f"wan_rope_tables positions: expected int64 [streams, seq_len], got {got}")
+        raise TensorMismatchError(
+            f"wan_rope_tables positions: expected int64 [streams, seq_len] (or per head [streams, seq_len, heads]), "
+            f"got {got}"
+        )
     per_frame = height_tokens * width_tokens
     frame = torch.div(positions, per_frame, rounding_mode="floor")
     in_frame = positions - frame * per_frame
@@ -159,9 +164,11 @@ def wan_rope_tables(
         # reproduce its table bit for bit).
         freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=angle_dtype, device=positions.device) / dim))
         angles.append(index.to(angle_dtype).unsqueeze(-1) * freqs)
-    angle = torch.cat(angles, dim=-1)  # [streams, seq, head_dim / 2]
-    cos = angle.cos().to(dtype).repeat_interleave(2, dim=-1).unsqueeze(2)
-    sin = angle.sin().to(dtype).repeat_interleave(2, dim=-1).unsqueeze(2)
+    angle = torch.cat(angles, dim=-1)  # [streams, seq, head_dim / 2] (per head: [streams, seq, heads, head_dim / 2])
+    cos = angle.cos().to(dtype).repeat_interleave(2, dim=-1)
+    sin = angle.sin().to(dtype).repeat_interleave(2, dim=-1)
+    if positions.dim() == 2:  # one table for every head: broadcast over them
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
     return cos, sin
 
 
@@ -173,8 +180,9 @@ class _Active:
 
     def __init__(self) -> None:
         self.forward: ForwardContext | None = None
-        #: With relative sinks: the ``(cos, sin)`` tables at ``forward.sink_positions`` (set by the rope hook).
-        self.sink_tables: tuple[torch.Tensor, torch.Tensor] | None = None
+        #: With relative sinks, per layer: the ``(cos, sin)`` tables at the layer's ``kv.sink_positions`` (set by
+        #: the rope hook; layers sharing one sink-position tensor share one pair), else ``None``.
+        self.sink_tables: list[tuple[torch.Tensor, torch.Tensor] | None] = []
         #: The Ulysses group (``ardiff_modules.distributed.SequenceParallel``) of a distributed cache, or
         #: ``None``: with it the blocks run this rank's block of tokens and attend over head shards.
         self.sp: Any = None
@@ -190,6 +198,11 @@ def _distributed(name: str) -> Any:
 def _is_distributed_forward(fwd: Any) -> bool:
     cls = _distributed("DistributedForward")
     return cls is not None and isinstance(fwd, cls)
+
+
+def _local_sink_positions(sp: Any, kv: LayerContext, sink_positions: torch.Tensor) -> torch.Tensor:
+    """Under Ulysses: this rank's tokens' sink positions for every query head (``sp.local_sink_positions``)."""
+    return sp.local_sink_positions(kv) if hasattr(sp, "local_sink_positions") else sp.local_positions(sink_positions)
 
 
 def _layer(active: _Active, index: int) -> LayerContext | None:
@@ -239,8 +252,8 @@ class PagedWanSelfAttnProcessor:
         value = value.unflatten(2, (attn.heads, -1))
         cos, sin = rotary_emb
         sink_query = None
-        if kv.forward.sink_positions is not None:  # relative sinks: the query at the sinks' shifted positions
-            tables = self.active.sink_tables
+        if kv.forward.relative_sinks:  # the query at the layer's sinks' shifted positions (per head with groups)
+            tables = self.active.sink_tables[self.index]
             assert tables is not None  # computed by the rope hook of the same forward
             sink_query = rotate(query, tables[0], tables[1], "interleaved")
         # diffusers' tables repeat each pair's value twice: the package's interleaved rotation.
@@ -423,15 +436,36 @@ class PagedWanTransformer:
             )
         # float32 at least: a model cast to bfloat16 also casts diffusers' tables (and would round them).
         dtype = torch.promote_types(output[0].dtype, torch.float32)
-        sink_positions = fwd.sink_positions
         sp = self._active.sp
+        self._active.sink_tables = self._sink_tables(fwd, height // p_h, width // p_w, dtype)
         if sp is not None:  # the blocks see this rank's tokens: tables at their positions only
             positions = sp.local_positions(positions)
-            sink_positions = None if sink_positions is None else sp.local_positions(sink_positions)
-        self._active.sink_tables = (
-            None if sink_positions is None else self.rope_tables(sink_positions, height // p_h, width // p_w, dtype)
-        )
         return self.rope_tables(positions, height // p_h, width // p_w, dtype)
+
+    def _sink_tables(
+        self, fwd: ForwardContext, height_tokens: int, width_tokens: int, dtype: torch.dtype
+    ) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """Per layer, the ``(cos, sin)`` tables at its ``kv.sink_positions`` (relative sinks; else ``None``s).
+
+        Each layer's own: with retention groups the lanes' sinks move by their own shifts (per query head where
+        a layer's lanes differ: tables ``[streams, seq, heads, dim]``). The layers of a forward share few
+        distinct sink-position tensors: one pair per distinct tensor (by identity), so a uniform forward
+        evaluates one pair as before."""
+        if not fwd.relative_sinks:
+            return [None] * len(fwd.layers)
+        sp = self._active.sp
+        seen: list[tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]] = []
+        tables: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        for kv in fwd.layers:
+            sink_positions = kv.sink_positions
+            assert sink_positions is not None  # relative sinks: every layer has them
+            pair = next((t for p, t in seen if p is sink_positions), None)
+            if pair is None:
+                local = sink_positions if sp is None else _local_sink_positions(sp, kv, sink_positions)
+                pair = self.rope_tables(local, height_tokens, width_tokens, dtype)
+                seen.append((sink_positions, pair))
+            tables.append(pair)
+        return tables
 
     # ------------------------------------------------------------------ Ulysses
     def _shard_block_inputs(self, module: torch.nn.Module, args: tuple[Any, ...], *, first: bool) -> tuple[Any, ...] | None:
@@ -463,7 +497,8 @@ class PagedWanTransformer:
     def rope_tables(
         self, positions: torch.Tensor, height_tokens: int, width_tokens: int, dtype: torch.dtype = torch.float32
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """This model's RoPE at absolute ``positions`` (int64 ``[streams, seq]``): two ``[streams, seq, 1, dim]``."""
+        """This model's RoPE at absolute ``positions`` (int64 ``[streams, seq]``): two ``[streams, seq, 1, dim]``
+        (per head ``[streams, seq, heads]``: two ``[streams, seq, heads, dim]``)."""
         return wan_rope_tables(
             positions,
             height_tokens=height_tokens,

@@ -187,12 +187,14 @@ class ChunkSelfAttention(CheckpointLayer):
         if sp is not None:  # x holds this rank's tokens: RoPE at their positions, attention over head shards
             positions = sp.local_positions(positions)
         sink_positions = _sink_positions(kv)
+        if sink_positions is not None and sp is not None:  # this rank's tokens (every query head: see the hook)
+            sink_positions = _local_sink_positions(sp, kv, sink_positions)
         sink_query: torch.Tensor | None
         # the shared table needs the package's rotation itself (a subclass overriding forward goes the generic way)
         if sink_positions is not None and isinstance(rope, RotaryBase) and type(rope).forward is RotaryBase.forward:
-            q, k, sink_query = self._rotate_with_sink_query(q, k, positions, sink_positions, rope, sp)
+            q, k, sink_query = self._rotate_with_sink_query(q, k, positions, sink_positions, rope)
         else:
-            sink_query = self._sink_query(q, kv, rope, sp)
+            sink_query = self._sink_query(q, sink_positions, rope)
             q = apply_rope(q, positions, rope, layout=self.rope_layout)
             k = apply_rope(k, positions, rope, layout=self.rope_layout)
         if sp is None:
@@ -210,16 +212,14 @@ class ChunkSelfAttention(CheckpointLayer):
         positions: torch.Tensor,
         sink_positions: torch.Tensor,
         rope: RotaryBase,
-        sp: SequenceParallelHook | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(q, k, sink query)`` rotated from one ``(cos, sin)`` table over both position sets.
 
         NOTE: one table read by the q and k rotations is what lets inductor compute it once: a table
         read by a single rotation (the sink query's) was inlined into that fused norm + RoPE kernel and
         its float64 cos / sin recomputed for every head -- 60x slower on an H200 at the Wan2.1-1.3B shape.
+        ``positions`` / ``sink_positions``: this rank's tokens' under sequence parallelism.
         """
-        if sp is not None:
-            sink_positions = sp.local_positions(sink_positions)
         check_rope_inputs(type(rope).__name__, q, positions, rope.head_dim)  # what rope.forward checks
         check_rope_inputs(type(rope).__name__, k, positions, rope.head_dim)
         compute = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -235,12 +235,10 @@ class ChunkSelfAttention(CheckpointLayer):
         k = rotate(k, cos[:streams], sin[:streams], rope.layout)
         return both[:streams], k, both[streams:]
 
-    def _sink_query(
-        self, q: torch.Tensor, kv: LayerContext, rope: Rope | None, sp: SequenceParallelHook | None
-    ) -> torch.Tensor | None:
-        """With relative sinks: ``q`` rotated at ``kv.sink_positions`` (the query the sinks are attended with;
-        per query head where the layer's retention-group lanes differ)."""
-        sink_positions = _sink_positions(kv)
+    def _sink_query(self, q: torch.Tensor, sink_positions: torch.Tensor | None, rope: Rope | None) -> torch.Tensor | None:
+        """With relative sinks: ``q`` rotated at ``sink_positions`` (the layer's ``kv.sink_positions``, this rank's
+        tokens under sequence parallelism: the query the sinks are attended with; per query head where the layer's
+        retention-group lanes differ)."""
         if sink_positions is None:
             return None
         if rope is not None and not callable(rope):
@@ -249,8 +247,6 @@ class ChunkSelfAttention(CheckpointLayer):
                 "sink query at kv.sink_positions), got a (cos, sin) pair evaluated at kv.positions only; pass a "
                 "callable, or call chunk_attention(..., sink_query=...) with your own rotation"
             )
-        if sp is not None:
-            sink_positions = sp.local_positions(sink_positions)
         return apply_rope(q, sink_positions, rope, layout=self.rope_layout)
 
     def extra_repr(self) -> str:
@@ -258,6 +254,13 @@ class ChunkSelfAttention(CheckpointLayer):
             f"dim={self.dim}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
             f"qk_norm={self.qk_norm!r}, param_names={self.param_names!r}, rope_layout={self.rope_layout!r}"
         )
+
+
+def _local_sink_positions(sp: SequenceParallelHook, kv: LayerContext, sink_positions: torch.Tensor) -> torch.Tensor:
+    """This rank's tokens' sink positions for every query head: the hook's ``local_sink_positions(kv)`` (retention
+    groups: other ranks' lanes' shifts gathered), or ``local_positions`` for a hook that predates it."""
+    local = getattr(sp, "local_sink_positions", None)
+    return sp.local_positions(sink_positions) if local is None else local(kv)
 
 
 def _sink_positions(kv: LayerContext) -> torch.Tensor | None:
