@@ -450,7 +450,8 @@ class PagedWanTransformer:
         Each layer's own: with retention groups the lanes' sinks move by their own shifts (per query head where
         a layer's lanes differ: tables ``[streams, seq, heads, dim]``). The layers of a forward share few
         distinct sink-position tensors: one pair per distinct tensor (by identity), so a uniform forward
-        evaluates one pair as before."""
+        evaluates one pair as before. Under Ulysses with groups every layer gathers its own (a collective: the
+        ranks' lanes, hence their distinct tensors, differ)."""
         if not fwd.relative_sinks:
             return [None] * len(fwd.layers)
         sp = self._active.sp
@@ -459,7 +460,8 @@ class PagedWanTransformer:
         for kv in fwd.layers:
             sink_positions = kv.sink_positions
             assert sink_positions is not None  # relative sinks: every layer has them
-            pair = next((t for p, t in seen if p is sink_positions), None)
+            shared = sp is None or not kv._shares
+            pair = next((t for p, t in seen if p is sink_positions), None) if shared else None
             if pair is None:
                 local = sink_positions if sp is None else _local_sink_positions(sp, kv, sink_positions)
                 pair = self.rope_tables(local, height_tokens, width_tokens, dtype)

@@ -210,3 +210,10 @@ def test_two_ranks_retention_groups() -> None:
     the groups of their heads (a group on both ranks is a lane on each); both equal the single-process grouped
     cache, and a failure on one rank aborts on every rank with every lane settled."""
     _spawn(2, workers.check_groups)
+
+
+def test_two_ranks_retention_groups_with_relative_sinks() -> None:
+    """Retention groups + relative sinks (issue 41): CFG-parallel and Ulysses ranks (``ChunkSelfAttention`` layers and
+    a stock diffusers Wan model) equal the single-process grouped cache; under Ulysses each rank rotates its tokens'
+    sink query for every head at the lanes' own shifts, gathered over the group."""
+    _spawn(2, workers.check_relative_sink_groups)

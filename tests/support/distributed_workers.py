@@ -292,6 +292,37 @@ def check_groups() -> None:
     check_vote_undo(per_layer)
 
 
+def check_relative_sink_groups() -> None:
+    """Retention groups with relative sinks: each rank rotates its tokens' sink query for every query head at the
+    layer's sink positions (under Ulysses the other ranks' lanes' shifts gathered over the group) -- CFG-parallel
+    and Ulysses rollouts of ``ChunkSelfAttention`` layers and of a stock diffusers Wan model equal the
+    single-process grouped cache; the forward-level sink positions refuse, each layer's are given."""
+    check_rollout((2,), ("cfg",), 4, 2, relative_sinks=True, groups=GROUPS)
+    check_rollout((2,), ("sp",), 4, 2, relative_sinks=True, groups=GROUPS)
+    check_diffusers((2,), ("sp",), relative_sinks=True, groups=GROUPS)
+    check_diffusers((2,), ("cfg",), relative_sinks=True, groups=GROUPS)
+    model, parallel, _, cache, mesh = _setup((2,), ("sp",), 4, 2, relative_sinks=True, groups=GROUPS)
+    runner = _Parallel(parallel, cache, mesh)
+    runner.prompt(torch.randn(2, 5, model.context_dim))
+    for _ in range(4):
+        runner.forward(torch.randn(2, CHUNK, model.dim), True)
+    with cache.prepare_forward(runner.state, CHUNK, False) as fwd:  # chunk 4: g's window slid, l has no sinks
+        try:
+            fwd.local_sink_positions  # noqa: B018
+            raise AssertionError("expected a SpecError")
+        except am.SpecError as e:
+            assert "layer_sink_positions" in str(e), e
+        per_head = fwd.layer_sink_positions(0)  # collective: the ranks' heads gathered
+        one_lane = fwd.layer_sink_positions(1)
+        fwd.abort()
+    half = CHUNK // 2
+    mine = torch.arange(4 * CHUNK, 5 * CHUNK)[mesh.sp_rank * half : (mesh.sp_rank + 1) * half]
+    assert per_head.shape == (2, half, 4), per_head.shape  # cond and uncond: both on every sp rank
+    assert per_head[:, :, :2].tolist() == [[[int(p)] * 2 for p in mine]] * 2  # l (heads 0, 1): natural
+    assert per_head[:, :, 2:].tolist() == [[[int(p) - 8] * 2 for p in mine]] * 2  # g (1 + 2): shift 16 - 8
+    assert one_lane.tolist() == [[[int(p) - 8] * 4 for p in mine]] * 2  # layer 1: g on both ranks, gathered alike
+
+
 def _has_relative_sinks() -> bool:
     return "relative_sinks" in {f.name for f in dataclasses.fields(am.KVCacheSpec)}
 
@@ -1154,7 +1185,7 @@ def _call_paged(paged: Any, x: torch.Tensor, t: torch.Tensor, fwd: Any) -> torch
 
 def check_diffusers(
     shape: tuple[int, ...], names: tuple[str, ...], cross: str = "heads", relative_sinks: bool = False,
-    compiled: bool = False, i2v_fused: bool = False,
+    compiled: bool = False, i2v_fused: bool = False, groups: am.HeadRetention | None = None,
 ) -> None:
     """A stock diffusers ``WanTransformer3DModel`` made paged for a ``DistributedKVCache``: a rollout with commits,
     denoising forwards, per-token timesteps (Wan2.2 TI2V) on chunks whose rank blocks straddle frames, and a
@@ -1178,6 +1209,8 @@ def check_diffusers(
     spec = wan_cache_spec(model, frames_per_chunk=frames, latent_height=latent[0], latent_width=latent[1],
                           text_tokens=6, image_tokens=3 if i2v_fused else None, sink_chunks=1, window_chunks=2,
                           branches=BRANCHES, dtype="float32", relative_sinks=relative_sinks)
+    if groups is not None:  # retention groups (per-head sink positions with relative sinks)
+        spec = dataclasses.replace(spec, sink_chunks=0, window_chunks=None, head_retention=groups)
     g = torch.Generator().manual_seed(11)
     prompts = {b: [torch.randn(6, TEXT_DIM, generator=g) for _ in range(2)] for b in BRANCHES}
     images = {b: torch.randn(3, 8, generator=g) for b in BRANCHES} if i2v_fused else None
