@@ -98,6 +98,14 @@ class CacheAndSessionRules:
         free runs hold beyond the extents owed to open sessions' branches that hold none yet."""
         return min(self.lane_sessions_that_fit(cm, pending_chunks, lane) for lane in range(cm.num_lanes))
 
+    def union_chunks(self) -> int:
+        """The most chunks one re-cache rebuilds over every lane: sink + window groups keep a prefix and a suffix
+        (the widest sinks + the widest window); with a shot sink, which pins chunks anywhere, the lanes' sum."""
+        context = self.spec.recache.context_chunks
+        if any(g.shot_chunks for g in self.lanes):
+            return sum(g.sinks + g.window for g in self.lanes) + context  # type: ignore[operator]
+        return max(g.sinks for g in self.lanes) + max(g.window for g in self.lanes) + context  # type: ignore[type-var]
+
     def lane_sessions_that_fit(self, cm: CacheModel, pending_chunks: int, lane: int) -> int:
         g = self.lanes[lane]
         resident = g.sinks + g.window
@@ -109,8 +117,10 @@ class CacheAndSessionRules:
 
         alloc = cm.allocator(lane)
         # Once for the pool: one session's re-cache beyond its peak (every branch rebuilds R chunks, less
-        # the pending chunk / free ring slot the peak already counts).
-        reserve = len(BRANCHES) * max(0, resident - 1) * self.ppc
+        # the pending chunk / free ring slot the peak already counts). With several lanes one forward rebuilds
+        # the union of the lanes' chunks, the ones a lane does not keep riding there as context chunks.
+        rebuilt = resident if cm.num_lanes == 1 else max(resident + self.spec.recache.context_chunks, self.union_chunks())
+        reserve = len(BRANCHES) * max(0, rebuilt - 1) * self.ppc
         promised = max(0, len(self.sessions_of(cm)) * per_session(1) + reserve - alloc.num_used)
         fit = max(0, (alloc.num_free - promised) // per_session(pending_chunks))
         if not cm.extents:
