@@ -42,7 +42,6 @@ from tests.support.session_model import (
 #: capability a rule or the setup draws (``supports``). Enabling one with groups is deleting its line.
 NOT_YET_WITH_GROUPS: dict[str, str] = {
     "recache": "prepare_recache (re-cache)",
-    "suspend_and_resume": "the host tier (suspend / resume)",
     "save_and_load_a_copy": "session files (save_sessions / load_sessions)",
     "token_mask": "prepare_forward(token_mask=...): the forward rule's masked draw, misuse's mask kinds",
     "relative_sinks": "KVCacheSpec(relative_sinks=True): the setup's relative draw",
@@ -292,6 +291,22 @@ class MachineBase(RuleBasedStateMachine):
 
     def visible(self, sm: SessionModel, branch: str, lane: int = 0) -> list[Chunk]:
         return [rec.lane_pages(lane) for rec in self.visible_data(sm, branch, lane)]
+
+    def m_relocate(
+        self, sm: SessionModel, b: str, rec: ChunkRecord, pages: dict[int, Chunk],
+        data: dict[int, torch.Tensor] | None = None,
+    ) -> ChunkRecord:
+        """``rec`` (a committed chunk of ``sm``/``b``) now in other pages in some lanes (``pages``: lane -> its
+        pages; ``data``: lane -> its contents, else the ones it had): the record replaced in that stream only (a
+        fork keeps the old one)."""
+        data = data or {}
+        lanes = range(len(self.lanes))
+        lp = [tuple(pages.get(lane, rec.lane_pages(lane))) for lane in lanes]
+        ld = [data.get(lane, rec.lane_data(lane)) for lane in lanes]
+        new = ChunkRecord(lp[0], rec.tokens, rec.start, ld[0], tuple(zip(lp[1:], ld[1:])))
+        at = next(j for j, r in enumerate(sm.committed[b]) if r is rec)
+        sm.committed[b][at] = new
+        return new
 
     def cross_value(self, tag: float, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return cross_value(tag, layer, self.kv_heads)
