@@ -42,7 +42,6 @@ from tests.support.session_model import (
 #: capability a rule or the setup draws (``supports``). Enabling one with groups is deleting its line.
 NOT_YET_WITH_GROUPS: dict[str, str] = {
     "recache": "prepare_recache (re-cache)",
-    "token_mask": "prepare_forward(token_mask=...): the forward rule's masked draw, misuse's mask kinds",
     "relative_sinks": "KVCacheSpec(relative_sinks=True): the setup's relative draw",
 }
 

@@ -113,8 +113,29 @@ class ForwardModel:
     def max_keys(self, streams: list[tuple[SessionModel, str]], shape: Shape, lane: int = 0) -> int:
         return max(self.history_tokens(sm, b, lane) for sm, b in streams) + shape.seq_len
 
+    def union_positions(self, sm: SessionModel, b: str) -> list[int]:
+        """A stream's history key positions over every lane (a grouped ``token_mask``'s history columns): each token
+        any lane keeps, ascending (a uniform cache: its one lane's)."""
+        return sorted({p for lane in range(len(self.lanes)) for r in self.visible_data(sm, b, lane) for p in r.positions()})
+
+    def union_keys(self, streams: list[tuple[SessionModel, str]], shape: Shape) -> int:
+        """Columns of a ``token_mask``: the widest stream's union history, then the pending tokens."""
+        return max(len(self.union_positions(sm, b)) for sm, b in streams) + shape.seq_len
+
+    def lane_mask(self, tx: TxModel, i: int, lane: int) -> torch.Tensor | None:
+        """Stream ``i``'s ``token_mask`` as lane ``lane`` applies it ``[seq_len, lane keys]``: the columns of the
+        lane's history positions in the union order, then the pending ones; ``None`` without a mask."""
+        if tx.token_mask is None:
+            return None
+        sm, b = tx.streams[i]
+        union = self.union_positions(sm, b)
+        where = {p: c for c, p in enumerate(union)}
+        hist = [where[p] for r in self.visible_data(sm, b, lane) for p in r.positions()]
+        cols = hist + list(range(len(union), len(union) + tx.shape.seq_len))
+        return tx.token_mask[i][:, cols]
+
     def make_mask(self, streams: list[tuple[SessionModel, str]], shape: Shape, bad: str | None = None):
-        dims = [len(streams), shape.seq_len, self.max_keys(streams, shape)]
+        dims = [len(streams), shape.seq_len, self.union_keys(streams, shape)]
         if bad == "shape":
             dims[2] += 1
         mask = torch.rand(dims, generator=self.gen) < 0.75
@@ -348,8 +369,10 @@ class ForwardModel:
             mask = torch.zeros(n, width, dtype=torch.bool)
             mask[:, : keys - n] = True
             mask[:, keys - n : keys] = causal
-            if tx.token_mask is not None:
-                mask &= tx.token_mask[i]
+            lane_mask = self.lane_mask(tx, i, lane)
+            if lane_mask is not None:
+                mask[:, :keys] &= lane_mask
+                mask[:, keys:] = False
             assert torch.equal(dense[i], mask), f"{where}: to_dense() differs from the rule over the model's lengths"
             # Every layer's K and V at once: [layers, 2, keys, H*D], keys in position order.
             pending = [p for c in sm.lane_pending[lane][b] for p in c]
@@ -559,8 +582,9 @@ class ForwardModel:
                 h = self.history_tokens(sm, b, lane)
                 assert h == len(hist) * self.page
                 mask = torch.cat([torch.ones(n, h, dtype=torch.bool), causal], dim=1)
-                if tx.token_mask is not None:
-                    mask &= tx.token_mask[i, :, : h + n]
+                lane_mask = self.lane_mask(tx, i, lane)
+                if lane_mask is not None:
+                    mask &= lane_mask
                 qh = q[i][:, head * group : (head + 1) * group]
                 logits = torch.einsum("thd,kd->thk", qh, keys) * HEAD_DIM**-0.5
                 w = torch.softmax(logits.masked_fill(~mask[:, None, :], float("-inf")), dim=-1)
