@@ -42,7 +42,6 @@ from tests.support.session_model import (
 #: capability a rule or the setup draws (``supports``). Enabling one with groups is deleting its line.
 NOT_YET_WITH_GROUPS: dict[str, str] = {
     "recache": "prepare_recache (re-cache)",
-    "relative_sinks": "KVCacheSpec(relative_sinks=True): the setup's relative draw",
 }
 
 
@@ -115,7 +114,7 @@ class MachineBase(RuleBasedStateMachine):
             cross_attention=(CrossAttentionSpec("text", CROSS_TOKENS),),
             dtype="float32",
             pending_attention=pending_default,
-            relative_sinks=relative and sink > 0,
+            relative_sinks=relative and self.sinks > 0,
             **retention,
             **self.spec_extra(),
         )
@@ -309,12 +308,14 @@ class MachineBase(RuleBasedStateMachine):
     def cross_value(self, tag: float, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return cross_value(tag, layer, self.kv_heads)
 
-    def m_sink_shift(self, records: list[ChunkRecord], sm: SessionModel, branch: str, first_pending: int) -> int:
+    def m_sink_shift(
+        self, records: list[ChunkRecord], sm: SessionModel, branch: str, first_pending: int, lane: int = 0
+    ) -> int:
         """Tokens the forward adds to the sinks' positions: they end just before the first visible non-sink
         token (the oldest window chunk's, else the first pending one); 0 without relative sinks."""
         if not self.spec.relative_sinks:
             return 0
-        sink_ids = {id(r) for r in sm.committed[branch][: self.sinks]}
+        sink_ids = {id(r) for r in sm.committed[branch][: self.lanes[lane].sinks]}  # the lane's group's sinks
         sinks = [r for r in records if id(r) in sink_ids]
         rest = [r for r in records if id(r) not in sink_ids]
         if not sinks:
