@@ -41,7 +41,6 @@ from tests.support.session_model import (
 #: never uses them. Keys are rule names (those rules get a precondition, ``session_machine/__init__.py``) or a
 #: capability a rule or the setup draws (``supports``). Enabling one with groups is deleting its line.
 NOT_YET_WITH_GROUPS: dict[str, str] = {
-    "recache": "prepare_recache (re-cache)",
 }
 
 
