@@ -41,7 +41,8 @@ class PersistRules:
                 before = self.snapshot()
                 [copy] = cache.load_sessions(path, [copy_id])
             except CapacityError:
-                assert self.snapshot() == before, "a load refused for room changed state"
+                after = self.snapshot()
+                assert after == before, f"a load refused for room changed state: {self.diff(before, after)}"
                 event("load refused: no room")
                 return
         for lane in range(sm.cm.num_lanes):  # a load takes its pages at once in every lane
