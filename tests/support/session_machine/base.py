@@ -37,11 +37,12 @@ from tests.support.session_model import (
     retention_shapes,
 )
 
-#: Capabilities the library refuses with retention groups today (``SpecError``; issue 41 step 4): a grouped draw
-#: never uses them. Keys are rule names (those rules get a precondition, ``session_machine/__init__.py``) or a
-#: capability a rule or the setup draws (``supports``). Enabling one with groups is deleting its line.
-NOT_YET_WITH_GROUPS: dict[str, str] = {
-}
+#: Capabilities a grouped draw never uses (the model does not know their semantics with retention groups yet). Keys
+#: are rule names (those rules get a precondition, ``session_machine/__init__.py``) or a capability a rule or the
+#: setup draws (``supports``). Enabling one with groups is deleting its line. Empty: suspend/resume, session files,
+#: token masks, re-cache and relative sinks are modelled per lane (a grouped re-cache over contiguous extents is
+#: skipped inside the rule: ``RecacheRules.recache_grouped``).
+NOT_YET_WITH_GROUPS: dict[str, str] = {}
 
 
 class MachineBase(RuleBasedStateMachine):
