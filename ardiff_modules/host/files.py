@@ -385,9 +385,10 @@ def _install(
     reservations: list[ResumeReservation] = []
     try:
         laid = []  # per lane, per session: (chunks, extents, copies)
-        for room, (pages_name, _) in zip(rooms, tensor_names(cache)):
+        for room in rooms:  # every lane reserved before any copy: a later lane's refusal leaves every pool as it was
             reservations.append(ResumeReservation(room.lane.allocator, len(room.fresh), room.extents))
-            fresh, runs = dict(zip(room.fresh, reservations[-1].fresh)), iter(reservations[-1].extents)
+        for room, reservation, (pages_name, _) in zip(rooms, reservations, tensor_names(cache)):
+            fresh, runs = dict(zip(room.fresh, reservation.fresh)), iter(reservation.extents)
             lane_laid = [lay_out(record, ring, {}, fresh, [next(runs) for step in ring.values() if step])
                          for record, ring in zip(room.records, room.rings)]
             _copy_pages(room.lane.pool, tensors[pages_name], sorted({c for _, _, cs in lane_laid for c in cs}))

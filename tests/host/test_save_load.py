@@ -625,3 +625,26 @@ def test_grouped_fp8_scales_that_differ_from_a_lanes_pool_are_refused(tmp_path):
     with pytest.raises(am.SessionFileError, match=r"'kv_scales' \(lane 'sink0_window1/2h'\): expected the FP8"):
         other.load_sessions(tmp_path / "fp8.safetensors")
     lanes.assert_unchanged(other, before)
+
+
+def test_a_load_refused_by_a_later_lane_leaves_every_lane_s_pool_as_it_was(tmp_path):
+    """Extents: the page counts fit every lane, but the last lane's free pages hold no run for an extent, so its
+    reservation refuses. Nothing may change -- the earlier lanes' pools included (found by the session state
+    machine: the load copied the first lane's pages into its free pages before the last lane reserved)."""
+    cache = lanes.make_cache("per-layer", num_pages=96, contiguous_extents=True)
+    a = cache.open_session("a")
+    populate(a)
+    for seed in range(4):
+        step(a, seed, latents=True)
+    path = tmp_path / "a.safetensors"
+    cache.save_sessions(path, [a])
+    last = cache._lanes[-1].allocator
+    taken = last.allocate(last.num_free)
+    last.decref(taken[::2])  # every other page free: enough pages, no run of two
+    before = bookkeeping(cache), [lane.pool.kv.view(torch.uint8).clone() for lane in cache._lanes]
+    with pytest.raises(am.CapacityError):
+        cache.load_sessions(path, ["copy"])
+    assert bookkeeping(cache) == before[0]
+    for lane, pool in zip(cache._lanes, before[1]):
+        assert torch.equal(lane.pool.kv.view(torch.uint8), pool), f"lane {lane.name}: a refused load wrote its pool"
+    last.decref(taken[1::2])

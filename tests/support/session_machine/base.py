@@ -37,16 +37,12 @@ from tests.support.session_model import (
     retention_shapes,
 )
 
-#: Capabilities the library refuses with retention groups today (``SpecError``; issue 41 step 4): a grouped draw
-#: never uses them. Keys are rule names (those rules get a precondition, ``session_machine/__init__.py``) or a
-#: capability a rule or the setup draws (``supports``). Enabling one with groups is deleting its line.
-NOT_YET_WITH_GROUPS: dict[str, str] = {
-    "recache": "prepare_recache (re-cache)",
-    "suspend_and_resume": "the host tier (suspend / resume)",
-    "save_and_load_a_copy": "session files (save_sessions / load_sessions)",
-    "token_mask": "prepare_forward(token_mask=...): the forward rule's masked draw, misuse's mask kinds",
-    "relative_sinks": "KVCacheSpec(relative_sinks=True): the setup's relative draw",
-}
+#: Capabilities a grouped draw never uses (the model does not know their semantics with retention groups yet). Keys
+#: are rule names (those rules get a precondition, ``session_machine/__init__.py``) or a capability a rule or the
+#: setup draws (``supports``). Enabling one with groups is deleting its line. Empty: suspend/resume, session files,
+#: token masks, re-cache and relative sinks are modelled per lane (a grouped re-cache over contiguous extents is
+#: skipped inside the rule: ``RecacheRules.recache_grouped``).
+NOT_YET_WITH_GROUPS: dict[str, str] = {}
 
 
 class MachineBase(RuleBasedStateMachine):
@@ -118,7 +114,7 @@ class MachineBase(RuleBasedStateMachine):
             cross_attention=(CrossAttentionSpec("text", CROSS_TOKENS),),
             dtype="float32",
             pending_attention=pending_default,
-            relative_sinks=relative and sink > 0,
+            relative_sinks=relative and self.sinks > 0,
             **retention,
             **self.spec_extra(),
         )
@@ -293,15 +289,33 @@ class MachineBase(RuleBasedStateMachine):
     def visible(self, sm: SessionModel, branch: str, lane: int = 0) -> list[Chunk]:
         return [rec.lane_pages(lane) for rec in self.visible_data(sm, branch, lane)]
 
+    def m_relocate(
+        self, sm: SessionModel, b: str, rec: ChunkRecord, pages: dict[int, Chunk],
+        data: dict[int, torch.Tensor] | None = None,
+    ) -> ChunkRecord:
+        """``rec`` (a committed chunk of ``sm``/``b``) now in other pages in some lanes (``pages``: lane -> its
+        pages; ``data``: lane -> its contents, else the ones it had): the record replaced in that stream only (a
+        fork keeps the old one)."""
+        data = data or {}
+        lanes = range(len(self.lanes))
+        lp = [tuple(pages.get(lane, rec.lane_pages(lane))) for lane in lanes]
+        ld = [data.get(lane, rec.lane_data(lane)) for lane in lanes]
+        new = ChunkRecord(lp[0], rec.tokens, rec.start, ld[0], tuple(zip(lp[1:], ld[1:])))
+        at = next(j for j, r in enumerate(sm.committed[b]) if r is rec)
+        sm.committed[b][at] = new
+        return new
+
     def cross_value(self, tag: float, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return cross_value(tag, layer, self.kv_heads)
 
-    def m_sink_shift(self, records: list[ChunkRecord], sm: SessionModel, branch: str, first_pending: int) -> int:
+    def m_sink_shift(
+        self, records: list[ChunkRecord], sm: SessionModel, branch: str, first_pending: int, lane: int = 0
+    ) -> int:
         """Tokens the forward adds to the sinks' positions: they end just before the first visible non-sink
         token (the oldest window chunk's, else the first pending one); 0 without relative sinks."""
         if not self.spec.relative_sinks:
             return 0
-        sink_ids = {id(r) for r in sm.committed[branch][: self.sinks]}
+        sink_ids = {id(r) for r in sm.committed[branch][: self.lanes[lane].sinks]}  # the lane's group's sinks
         sinks = [r for r in records if id(r) in sink_ids]
         rest = [r for r in records if id(r) not in sink_ids]
         if not sinks:

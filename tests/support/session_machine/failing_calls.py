@@ -272,7 +272,11 @@ class FailingCallRules:
             if open_ctx:
                 ctx = open_ctx[0]
                 q, k, v = self.layer_inputs(ctx, 0, "op")
-                self.expect_failure(TensorMismatchError, chunk_attention, q, k[:, :-1], v, ctx.layers[0])
+                # (with the sink query relative sinks need: only k is wrong; a grouped layer checks the sink query
+                # before the shares check k's tokens, a uniform one after)
+                self.expect_failure(
+                    TensorMismatchError, chunk_attention, q, k[:, :-1], v, ctx.layers[0], **self.sink_query(ctx, q)
+                )
 
     def bad_chunk_lengths(self, sm: SessionModel, kind: str, shape: Shape) -> None:
         """Invalid ``chunk_lengths`` are refused (SequenceLengthError) before anything changes: a sum other than

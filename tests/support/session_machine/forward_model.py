@@ -113,8 +113,29 @@ class ForwardModel:
     def max_keys(self, streams: list[tuple[SessionModel, str]], shape: Shape, lane: int = 0) -> int:
         return max(self.history_tokens(sm, b, lane) for sm, b in streams) + shape.seq_len
 
+    def union_positions(self, sm: SessionModel, b: str) -> list[int]:
+        """A stream's history key positions over every lane (a grouped ``token_mask``'s history columns): each token
+        any lane keeps, ascending (a uniform cache: its one lane's)."""
+        return sorted({p for lane in range(len(self.lanes)) for r in self.visible_data(sm, b, lane) for p in r.positions()})
+
+    def union_keys(self, streams: list[tuple[SessionModel, str]], shape: Shape) -> int:
+        """Columns of a ``token_mask``: the widest stream's union history, then the pending tokens."""
+        return max(len(self.union_positions(sm, b)) for sm, b in streams) + shape.seq_len
+
+    def lane_mask(self, tx: TxModel, i: int, lane: int) -> torch.Tensor | None:
+        """Stream ``i``'s ``token_mask`` as lane ``lane`` applies it ``[seq_len, lane keys]``: the columns of the
+        lane's history positions in the union order, then the pending ones; ``None`` without a mask."""
+        if tx.token_mask is None:
+            return None
+        sm, b = tx.streams[i]
+        union = self.union_positions(sm, b)
+        where = {p: c for c, p in enumerate(union)}
+        hist = [where[p] for r in self.visible_data(sm, b, lane) for p in r.positions()]
+        cols = hist + list(range(len(union), len(union) + tx.shape.seq_len))
+        return tx.token_mask[i][:, cols]
+
     def make_mask(self, streams: list[tuple[SessionModel, str]], shape: Shape, bad: str | None = None):
-        dims = [len(streams), shape.seq_len, self.max_keys(streams, shape)]
+        dims = [len(streams), shape.seq_len, self.union_keys(streams, shape)]
         if bad == "shape":
             dims[2] += 1
         mask = torch.rand(dims, generator=self.gen) < 0.75
@@ -315,6 +336,38 @@ class ForwardModel:
         # key_positions() / to_dense() are lane 0's.
         for lane, lane_ctx in enumerate(ctx._lane_contexts):
             self.check_lane_view(tx, lane, lane_ctx)
+        if self.grouped and self.spec.relative_sinks:
+            self.check_grouped_sink_positions(tx)
+
+    def check_grouped_sink_positions(self, tx: TxModel) -> None:
+        """Relative sinks with groups: the forward's own ``sink_positions`` / ``sink_shifts`` refuse; each layer's
+        are its one lane's ``[streams, seq_len]`` (natural positions for a lane without sinks), or per query head
+        ``[streams, seq_len, heads]`` where several lanes hold its heads (each head at its lane's shift)."""
+        ctx, n = tx.ctx, tx.shape.seq_len
+        for name in ("sink_positions", "sink_shifts"):
+            with pytest.raises(SpecError, match="retention groups"):
+                getattr(ctx, name)
+        # per stream and lane: the positions the lane's sink query sits at
+        want = [
+            [
+                [p - self.m_sink_shift(self.visible_data(sm, b, lane), sm, b, sm.committed_tokens(b), lane)
+                 for p in range(sm.committed_tokens(b), sm.committed_tokens(b) + n)]
+                for lane in range(len(self.lanes))
+            ]
+            for sm, b in tx.streams
+        ]
+        group = 2  # query heads per kv head
+        for layer in range(NUM_LAYERS):
+            homes = [self.head_home_of(layer, h)[0] for h in range(self.kv_heads)]
+            got = ctx.layers[layer].sink_positions
+            if len(set(homes)) == 1:
+                expected = torch.tensor([w[homes[0]] for w in want])
+            else:
+                expected = torch.tensor([[[w[homes[q // group]][t] for q in range(group * self.kv_heads)]
+                                          for t in range(n)] for w in want])
+            assert got is not None and got.tolist() == expected.tolist(), (
+                f"layer {layer} (kv heads in lanes {homes}): sink_positions {got.tolist()}, expected {expected.tolist()}"
+            )
 
     def check_lane_view(self, tx: TxModel, lane: int, lane_ctx: ForwardContext) -> None:
         ctx, shape, cm = tx.ctx, tx.shape, tx.cm
@@ -334,13 +387,15 @@ class ForwardModel:
             offset = sm.committed_tokens(b)
             committed = [r.tokens for r in sm.committed[b]]
             where = f"{sm.state.session_id}/{b} lane {lane} (lengths {shape.lengths}, committed {committed})"
-            shift = self.m_sink_shift(records, sm, b, offset)
-            assert ctx.sink_shifts[i] == shift, f"{where}: sink shift {ctx.sink_shifts[i]}, expected {shift}"
-            if self.spec.relative_sinks:
-                assert ctx.sink_positions is not None
-                assert ctx.sink_positions[i].tolist() == list(range(offset - shift, offset - shift + n)), where
+            # With groups each lane's sinks move by its own shift (a lane without sinks: none, no sink segment).
+            shift = self.m_sink_shift(records, sm, b, offset, lane)
+            got_shift = lane_ctx.sink_shifts[i] if lane_ctx.sink_shifts else 0
+            assert got_shift == shift, f"{where}: sink shift {got_shift}, expected {shift}"
+            if self.spec.relative_sinks and self.lanes[lane].sinks:
+                assert lane_ctx.sink_positions is not None, where
+                assert lane_ctx.sink_positions[i].tolist() == list(range(offset - shift, offset - shift + n)), where
             else:
-                assert ctx.sink_positions is None
+                assert lane_ctx.sink_positions is None, where
             expected = [p for rec in records for p in rec.positions()] + list(range(offset, offset + n))
             keys = len(expected)
             got = key_positions[i].tolist()
@@ -348,8 +403,10 @@ class ForwardModel:
             mask = torch.zeros(n, width, dtype=torch.bool)
             mask[:, : keys - n] = True
             mask[:, keys - n : keys] = causal
-            if tx.token_mask is not None:
-                mask &= tx.token_mask[i]
+            lane_mask = self.lane_mask(tx, i, lane)
+            if lane_mask is not None:
+                mask[:, :keys] &= lane_mask
+                mask[:, keys:] = False
             assert torch.equal(dense[i], mask), f"{where}: to_dense() differs from the rule over the model's lengths"
             # Every layer's K and V at once: [layers, 2, keys, H*D], keys in position order.
             pending = [p for c in sm.lane_pending[lane][b] for p in c]
@@ -359,7 +416,7 @@ class ForwardModel:
             )
             if isinstance(plan, RelativeSinkPlan):  # two segments: the sink keys, then window + pending
                 assert isinstance(plan.sinks, ReferencePlan) and isinstance(plan.rest, ReferencePlan)
-                sink_ids = {id(r) for r in sm.committed[b][: self.sinks]}
+                sink_ids = {id(r) for r in sm.committed[b][: self.lanes[lane].sinks]}
                 sink_keys = sum(r.tokens for r in records if id(r) in sink_ids)
                 gathered = torch.cat([plan.sinks.gather[i, :sink_keys], plan.rest.gather[i, : keys - sink_keys]])
             else:
@@ -559,8 +616,9 @@ class ForwardModel:
                 h = self.history_tokens(sm, b, lane)
                 assert h == len(hist) * self.page
                 mask = torch.cat([torch.ones(n, h, dtype=torch.bool), causal], dim=1)
-                if tx.token_mask is not None:
-                    mask &= tx.token_mask[i, :, : h + n]
+                lane_mask = self.lane_mask(tx, i, lane)
+                if lane_mask is not None:
+                    mask &= lane_mask
                 qh = q[i][:, head * group : (head + 1) * group]
                 logits = torch.einsum("thd,kd->thk", qh, keys) * HEAD_DIM**-0.5
                 w = torch.softmax(logits.masked_fill(~mask[:, None, :], float("-inf")), dim=-1)

@@ -11,7 +11,7 @@ from ardiff_modules.errors import (
     CapacityError, CrossAttentionNotPopulatedError, PendingContextError, SessionNotSuspendedError,
     SessionSuspendedError,
 )
-from tests.support.session_model import BRANCHES, NUM_LAYERS, ChunkRecord, SessionModel, cross_value
+from tests.support.session_model import BRANCHES, NUM_LAYERS, ChunkRecord, SessionModel
 
 #: What a user may do to a suspended session's prompt (issue 40: the newer state wins at resume).
 PROMPT_OPS = ("populate", "clear", "share_out", "share_in", "reset_keep", "query")
@@ -58,7 +58,7 @@ class HostTierRules:
             self.expect_failure(SessionNotSuspendedError, state.resume, match=repr(state.session_id))
             event("a reset while suspended: resume refused")
             return
-        records = {b: self.visible_data(sm, b) for b in BRANCHES}
+        records = [{b: self.visible_data(sm, b, lane) for b in BRANCHES} for lane in range(cm.num_lanes)]
         try:
             handle = state.resume()
         except CapacityError:
@@ -70,7 +70,8 @@ class HostTierRules:
         sm.suspended = False
         assert not state.is_suspended
         self._remap_resumed(sm, records)
-        cm.peak = max(cm.peak, cm.cache._allocator.num_used)
+        for lane in range(cm.num_lanes):  # a resume takes its pages (fresh + extents) at once in every lane
+            cm.peaks[lane] = max(cm.peaks[lane], cm.allocator(lane).num_used)
         event("suspended and resumed a session")
 
     def _prompt_while_suspended(self, sm: SessionModel, op: str, branch: str, pick: int) -> None:
@@ -79,7 +80,7 @@ class HostTierRules:
         others = [s for s in self.sessions_of(sm.cm) if s is not sm and not s.suspended]
         if op == "populate":
             tag = float(next(self.tags))
-            state.populate_cross_attention(branch, "text", (cross_value(tag, layer) for layer in range(NUM_LAYERS)))
+            state.populate_cross_attention(branch, "text", (self.cross_value(tag, layer) for layer in range(NUM_LAYERS)))
             sm.cross[branch] = tag
         elif op == "clear":
             state.clear_cross_attention()
@@ -106,23 +107,31 @@ class HostTierRules:
             if branch in sm.cross:
                 got = state.get_cross_attention_kv(branch, "text")
                 for layer, d in enumerate(got):
-                    ek, ev = cross_value(sm.cross[branch], layer)
+                    ek, ev = self.cross_value(sm.cross[branch], layer)
                     assert torch.equal(d["k"], ek) and torch.equal(d["v"], ev)
         event(f"suspended prompt op: {op}")
 
-    def _remap_resumed(self, sm: SessionModel, records: dict[str, list[ChunkRecord]]) -> None:
-        """The model of a resumed session: its visible chunks now live in the pages the library reports (same
-        lengths, same order, the contents they were committed with); its extent is the fresh ring."""
+    def _remap_resumed(self, sm: SessionModel, records: list[dict[str, list[ChunkRecord]]]) -> None:
+        """The model of a resumed session, lane by lane (``records[lane][b]``: the chunks the lane kept when
+        suspended): its kept chunks now live in the pages the library reports for the lane (same lengths, same
+        order, the contents they were committed with); its extent is the lane's fresh ring. A chunk a lane had
+        evicted keeps its stale pages there (never visible again in that lane)."""
         for b in BRANCHES:
-            chunks = list(sm.state.history_chunks(b))
-            assert [len(c) for c in chunks] == [len(r.pages) for r in records[b]], (
-                f"{sm.state.session_id}/{b}: resumed chunks {chunks}, model {[r.pages for r in records[b]]}"
-            )
-            for rec, pages in zip(records[b], chunks):
-                sm.cm.pool.put(pages, rec.data)
-                at = next(j for j, r in enumerate(sm.committed[b]) if r is rec)
-                sm.committed[b][at] = ChunkRecord(pages, rec.tokens, rec.start, rec.data)
-            sm.extent[b] = tuple(sm.state.branch_pages(b).extent) or None
+            moved: dict[int, dict[int, tuple[int, ...]]] = {}  # id(record) -> lane -> its new pages
+            for lane, kept in enumerate(records):
+                history = sm.state._lane_pages(b)[lane]
+                chunks = list(history.history_chunks)
+                assert [len(c) for c in chunks] == [len(r.lane_pages(lane)) for r in kept[b]], (
+                    f"{sm.state.session_id}/{b} lane {lane}: resumed chunks {chunks}, model "
+                    f"{[r.lane_pages(lane) for r in kept[b]]}"
+                )
+                for rec, pages in zip(kept[b], chunks):
+                    sm.cm.pools[lane].put(pages, rec.lane_data(lane))
+                    moved.setdefault(id(rec), {})[lane] = tuple(pages)
+                sm.lane_extent[lane][b] = tuple(history.extent) or None
+            for rec in list(sm.committed[b]):
+                if id(rec) in moved:
+                    self.m_relocate(sm, b, rec, moved[id(rec)])
 
     def _close_suspended(self, sm: SessionModel) -> None:
         sm.state.close()

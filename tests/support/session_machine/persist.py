@@ -12,7 +12,7 @@ from hypothesis.stateful import precondition, rule
 
 from ardiff_modules.errors import CapacityError, PendingContextError, SessionIdClashError
 from tests.support.pool_model import same_bits
-from tests.support.session_model import BRANCHES, NUM_LAYERS, cross_value
+from tests.support.session_model import BRANCHES, NUM_LAYERS
 
 
 class PersistRules:
@@ -41,27 +41,38 @@ class PersistRules:
                 before = self.snapshot()
                 [copy] = cache.load_sessions(path, [copy_id])
             except CapacityError:
-                assert self.snapshot() == before, "a load refused for room changed state"
+                after = self.snapshot()
+                assert after == before, f"a load refused for room changed state: {self.diff(before, after)}"
                 event("load refused: no room")
                 return
-        sm.cm.peak = max(sm.cm.peak, cache._allocator.num_used)
-        pool = self.pool_values(sm.cm)  # what the pool holds, as the model compares it (FP8 included)
+        for lane in range(sm.cm.num_lanes):  # a load takes its pages at once in every lane
+            sm.cm.peaks[lane] = max(sm.cm.peaks[lane], sm.cm.allocator(lane).num_used)
         for b in BRANCHES:
             assert copy.token_offset(b) == state.token_offset(b)
             assert copy.history_chunk_indices(b) == state.history_chunk_indices(b)
             mine, theirs = copy.branch_pages(b), state.branch_pages(b)  # the shot and the dropped window too
             assert (mine.shot_start, mine.window_floor) == (theirs.shot_start, theirs.window_floor)
-            chunks = copy.history_chunks(b)
-            records = self.visible_data(sm, b)
-            assert [len(c) for c in chunks] == [len(r.pages) for r in records]
-            for pages, rec in zip(chunks, records):
-                assert same_bits(pool[:, :, list(pages)], rec.data)
-                sm.cm.pool.copy(rec.pages, pages)  # the model: the load wrote the chunk's bytes into fresh pages
+            for lane in range(sm.cm.num_lanes):  # each lane: the chunks its group keeps, in fresh pages
+                pool = self.pool_values(sm.cm, lane)  # what the pool holds, as the model compares it (FP8 included)
+                history = copy._lane_pages(b)[lane]
+                assert history.committed_tokens == state.token_offset(b)
+                chunks = history.history_chunks
+                records = self.visible_data(sm, b, lane)
+                assert [len(c) for c in chunks] == [len(r.lane_pages(lane)) for r in records], (
+                    f"{copy_id}/{b} lane {lane}: loaded {chunks}, model {[r.lane_pages(lane) for r in records]}"
+                )
+                assert history.history_spans() == [(r.start, r.tokens) for r in records]
+                for pages, rec in zip(chunks, records):
+                    assert same_bits(pool[:, :, list(pages)], rec.lane_data(lane)), (
+                        f"{copy_id}/{b} lane {lane}: loaded chunk {pages} differs from what was committed"
+                    )
+                    # the model: the load wrote the chunk's bytes into fresh pages
+                    sm.cm.pools[lane].copy(rec.lane_pages(lane), pages)
             assert copy.is_cross_attention_populated(b, "text") == (b in sm.cross)
             if b in sm.cross:
                 got = copy.get_cross_attention_kv(b, "text")
                 for layer in range(NUM_LAYERS):
-                    k, v = cross_value(sm.cross[b], layer)
+                    k, v = self.cross_value(sm.cross[b], layer)
                     assert torch.equal(got[layer]["k"], k) and torch.equal(got[layer]["v"], v)
         copy.close()
         event("saved and loaded a copy")

@@ -83,6 +83,9 @@ class RecacheRules:
             fn, args = streams[0][0].state.prepare_recache, (tuple(b for _, b in streams),)
         else:
             fn, args = cm.cache.prepare_recache, ([(sm.state, b) for sm, b in streams],)
+        if self.grouped:
+            self.recache_grouped(streams, fn, args, keep_sinks, variant, layers)
+            return
         failure = self.predict_recache(streams, keep_sinks)
         if failure is not None or variant == "plan":
             cm.backend.fail = None if failure is not None else Boom
@@ -249,3 +252,209 @@ class RecacheRules:
             sm.drop_pending(b)
         tx.status = "committed"
         event(f"re-cache committed over {len({id(sm) for sm, _ in streams})} session(s), keep_sinks={keep_sinks}")
+
+    # ================================================================== re-cache with retention groups
+    def m_lane_targets(self, sm: SessionModel, b: str, keep_sinks: bool, lane: int) -> list[ChunkRecord]:
+        """The chunks a lane's own plan rebuilds: those its group keeps, but its sinks with ``keep_sinks``."""
+        sinks = sm.committed[b][: self.lanes[lane].sinks] if keep_sinks else []
+        return [rec for rec in self.visible_data(sm, b, lane) if not any(rec is s_ for s_ in sinks)]
+
+    def m_union(self, sm: SessionModel, b: str, keep_sinks: bool) -> list[ChunkRecord]:
+        """What a grouped re-cache rebuilds: the union of the lanes' rebuilt chunks, in commit order."""
+        found = {id(r): r for lane in range(len(self.lanes)) for r in self.m_lane_targets(sm, b, keep_sinks, lane)}
+        return sorted(found.values(), key=lambda r: r.start)
+
+    def predict_recache_grouped(
+        self, streams: list[tuple[SessionModel, str]], keep_sinks: bool
+    ) -> type[BaseException] | None:
+        """``lane_recache_plans`` then, lane by lane, relative sinks in place and room (``_recache_request``)."""
+        cm = streams[0][0].cm
+        if any(sm.forward[b] is not None or sm.pending[b] for sm, b in streams):
+            return PendingContextError
+        unions = [self.m_union(sm, b, keep_sinks) for sm, b in streams]
+        if not all(unions):
+            return SpecError
+        shapes = {tuple(r.tokens for r in u) for u in unions}
+        if len(shapes) > 1:
+            return SequenceLengthError
+        pages = sum(n // self.page for n in shapes.pop())
+        for lane in range(cm.num_lanes):
+            if self.spec.relative_sinks:  # a rebuilt sink (another lane's target, rebuilt in place) must not move
+                for (sm, b), union in zip(streams, unions):
+                    records = self.visible_data(sm, b, lane)
+                    sinks = records[: min(self.lanes[lane].sinks, len(sm.committed[b]))]
+                    rebuilt = any(any(r is u for u in union) for r in sinks)
+                    if sinks and rebuilt and len(records) > len(sinks):
+                        if self.m_sink_shift(records, sm, b, sm.committed_tokens(b), lane):
+                            return SpecError
+            if len(streams) * pages > cm.allocator(lane).num_free:  # plain paging: every union chunk fresh
+                return CapacityError
+        return None
+
+    def recache_grouped(
+        self, streams: list[tuple[SessionModel, str]], fn, args: tuple, keep_sinks: bool, variant: str, layers: str,
+    ) -> None:
+        """A re-cache with retention groups (plain paging): each lane plans the rule over what its group keeps;
+        one forward rebuilds the union (commit order, the stream's positions) in fresh pages of every lane; each
+        lane attends its kept chunks (not in the union) then the union block-causally; at commit a lane's chunks in
+        the union (its own targets, and its kept sinks another lane rebuilds: in place) take the rebuilt pages, the
+        other union chunks (context there) are released; abort changes nothing but the pool's free pages."""
+        cm = streams[0][0].cm
+        if cm.extents:
+            event("re-cache with groups and extents: not modelled (ring slots per lane)")
+            return
+        failure = self.predict_recache_grouped(streams, keep_sinks)
+        if failure is not None or variant == "plan":
+            cm.backend.fail = None if failure is not None else Boom
+            try:
+                self.expect_failure(failure or Boom, fn, *args, keep_sinks=keep_sinks)
+            finally:
+                cm.backend.fail = None
+            event(f"grouped re-cache refused: {(failure or Boom).__name__}")
+            return
+        unions = {(id(sm), b): self.m_union(sm, b, keep_sinks) for sm, b in streams}
+        # per stream, per lane: the lane's chunks in the union (rebuilt there) and its kept ones (attended as they are)
+        mine = {
+            (id(sm), b, lane): [r for r in self.visible_data(sm, b, lane) if any(r is u for u in unions[(id(sm), b)])]
+            for sm, b in streams for lane in range(cm.num_lanes)
+        }
+        free_before, used_before = self.alloc_before(cm)
+        before = self.snapshot()
+        ctx = fn(*args, keep_sinks=keep_sinks)
+        lib = ctx._transaction
+        assert isinstance(lib, ForwardTransaction) and lib.is_open and lib.recache
+        lengths = tuple(r.tokens for r in unions[(id(streams[0][0]), streams[0][1])])
+        shape = Shape(lengths)
+        for i, (sm, b) in enumerate(streams):
+            union = unions[(id(sm), b)]
+            positions = [p for r in union for p in r.positions()]
+            assert ctx.positions[i].tolist() == positions, (ctx.positions[i].tolist(), positions)
+        assert len(ctx._lane_contexts) == cm.num_lanes
+        for lane, lane_ctx in enumerate(ctx._lane_contexts):
+            fresh: list[int] = []
+            for i, (sm, b) in enumerate(streams):
+                where = f"{sm.state.session_id}/{b} lane {lane}"
+                union = unions[(id(sm), b)]
+                new = list(sm.state._lane_pages(b)[lane].pending)
+                assert [len(c) * self.page for c in new] == list(lengths), f"{where}: re-cache pending {new}"
+                fresh += [p for c in new for p in c]
+                sm.lane_pending[lane][b] = new
+                kept = [r for r in self.visible_data(sm, b, lane) if not any(r is u for u in union)]
+                history = [p for r in kept for p in r.positions()]
+                keys = history + [p for r in union for p in r.positions()]
+                got = lane_ctx.key_positions()[i].tolist()
+                assert got[: len(keys)] == keys and set(got[len(keys) :]) <= {-1}, f"{where}: {got}, expected {keys}"
+                dense = lane_ctx.to_dense()[i]
+                assert dense[:, : len(history)].all(), where
+                assert torch.equal(dense[:, len(history) : len(keys)], shape.pending_mask()), where
+                assert not dense[:, len(keys) :].any(), where
+                assert {p for r in kept for p in r.lane_pages(lane)}.isdisjoint(lane_ctx._layout.write_pages.tolist())
+            assert len(set(fresh)) == len(fresh) and set(fresh) <= free_before[lane], (
+                f"lane {lane}: re-cache pages {fresh} were not all free"
+            )
+            cm.peaks[lane] = max(cm.peaks[lane], used_before[lane] + len(fresh))
+        for sm, b in streams:
+            sm.pending_tokens[b] = list(lengths)
+        key = tuple((sm.state.session_id, b) for sm, b in streams)
+        if key in cm.registry:
+            assert ctx is cm.registry[key]
+            cm.registry.move_to_end(key)
+        else:
+            cm.registry[key] = ctx
+            for k in list(cm.registry):
+                if len(cm.registry) <= cm.max_contexts:
+                    break
+                other = cm.registry[k]
+                if other is not ctx and not self.model_active(other):
+                    del cm.registry[k]
+                    self.released.add(other)
+        tx = TxModel(cm, list(streams), True, shape, ctx, lib)
+        for sm, b in streams:
+            sm.forward[b] = tx
+        self.ctx_tx[ctx] = tx
+        self.track(ctx)
+        self.txs = self.txs[-15:] + [tx]
+        for layer in range(NUM_LAYERS if layers == "all" or cm.check_finite else 1):
+            q, k, v = self.layer_inputs(ctx, layer, "op")
+            chunk_attention(q, k, v, ctx.layers[layer], **self.sink_query(ctx, q))
+            for lane, g in enumerate(self.lanes):
+                if layer not in g.layers:
+                    continue
+                inner = g.layers.index(layer)
+                heads = list(g.heads[inner])
+                for i, (sm, b) in enumerate(streams):
+                    pages = [p for c in sm.lane_pending[lane][b] for p in c]
+                    cm.pools[lane].write(inner, pages, k[i][:, heads], v[i][:, heads])
+        for lane, lane_ctx in enumerate(ctx._lane_contexts):  # gathered keys: kept as committed, then the fresh pages
+            plan = lane_ctx._plan
+            assert isinstance(plan, (ReferencePlan, RelativeSinkPlan)), type(plan)
+            pool = self.pool_values(cm, lane)
+            slots = pool.reshape(pool.shape[0], 2, -1, pool.shape[-2] * pool.shape[-1])
+            for i, (sm, b) in enumerate(streams):
+                union = unions[(id(sm), b)]
+                kept = [r for r in self.visible_data(sm, b, lane) if not any(r is u for u in union)]
+                pending = [p for c in sm.lane_pending[lane][b] for p in c]
+                want = torch.cat(
+                    [r.token_data(lane) for r in kept]
+                    + [cm.pools[lane].pages(pending).reshape(pool.shape[0], 2, shape.seq_len, -1)], dim=2
+                )
+                if isinstance(plan, RelativeSinkPlan):  # kept sinks in the sink segment, the rest in the other
+                    sink_keys = sum(r.tokens for r in kept)
+                    gathered = torch.cat(
+                        [plan.sinks.gather[i, :sink_keys], plan.rest.gather[i, : want.shape[2] - sink_keys]]
+                    )
+                else:
+                    gathered = plan.gather[i, : want.shape[2]]
+                assert same_bits(slots[:, :, gathered], want), f"{sm.state.session_id}/{b} lane {lane}: gathered K/V"
+        sm0, b0 = streams[0]
+        incomplete = not (layers == "all" or cm.check_finite)
+        if variant in ("boom", "ctx.abort", "state.abort") or incomplete:
+            if variant not in ("boom", "ctx.abort", "state.abort"):
+                with pytest.raises(IncompleteForwardError):
+                    if variant == "with":
+                        with ctx:
+                            pass
+                    elif variant == "ctx.commit":
+                        ctx.commit()
+                    else:
+                        sm0.state.commit_paged_context(b0)
+                assert lib.status == "aborted", "a refused re-cache commit must abort it"
+            elif variant == "boom":
+                with pytest.raises(Boom), ctx:
+                    raise Boom("inside a re-cache")
+            elif variant == "ctx.abort":
+                ctx.abort()
+            else:
+                sm0.state.abort(b0)
+            for sm, b in streams:
+                sm.forward[b] = None
+                sm.drop_pending(b)
+            tx.status = "aborted"
+            after, ci = self.snapshot(), self.caches.index(cm)
+            assert after[0][ci][0][1:3] == before[0][ci][0][1:3], "an aborted re-cache changed a lane's free list"
+            assert after[1] == before[1], "an aborted re-cache changed a session"
+            event(f"grouped re-cache aborted ({variant})")
+            return
+        if variant == "with":
+            with ctx:
+                pass
+        elif variant == "ctx.commit":
+            ctx.commit()
+        else:
+            sm0.state.commit_paged_context(b0)
+        assert lib.status == "committed"
+        for sm, b in streams:
+            union = unions[(id(sm), b)]
+            for j, rec in enumerate(union):
+                pages, data = {}, {}
+                for lane in range(cm.num_lanes):
+                    if any(r is rec for r in mine[(id(sm), b, lane)]):  # rebuilt there (else context: released)
+                        pages[lane] = sm.lane_pending[lane][b][j]
+                        data[lane] = cm.pools[lane].pages(pages[lane])
+                self.m_relocate(sm, b, rec, pages, data)
+            sm.forward[b] = None
+            sm.drop_pending(b)
+        tx.status = "committed"
+        contexts = any(len(mine[(id(sm), b, lane)]) < len(unions[(id(sm), b)])
+                       for sm, b in streams for lane in range(cm.num_lanes))
+        event(f"grouped re-cache committed, keep_sinks={keep_sinks}{', with context chunks' if contexts else ''}")
