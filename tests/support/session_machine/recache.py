@@ -3,6 +3,8 @@ inside, or refused unchanged."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from hypothesis import event
@@ -179,22 +181,11 @@ class RecacheRules:
         if variant in ("boom", "ctx.abort", "state.abort") or incomplete:
             if variant not in ("boom", "ctx.abort", "state.abort"):  # a commit of a partial re-cache: refused
                 with pytest.raises(IncompleteForwardError):
-                    if variant == "with":
-                        with ctx:
-                            pass
-                    elif variant == "ctx.commit":
-                        ctx.commit()
-                    else:
-                        sm0.state.commit_paged_context(b0)
+                    finish_as(variant, ctx, sm0.state, b0)
                 assert lib.status == "aborted", "a refused re-cache commit must abort it"
                 event("re-cache of a partial forward refused")
-            elif variant == "boom":
-                with pytest.raises(Boom), ctx:
-                    raise Boom("inside a re-cache")
-            elif variant == "ctx.abort":
-                ctx.abort()
             else:
-                sm0.state.abort(b0)
+                finish_as(variant, ctx, sm0.state, b0)
             for sm, b in streams:
                 sm.forward[b] = None
                 sm.drop_pending(b)
@@ -206,13 +197,7 @@ class RecacheRules:
             assert after[1] == before[1], "an aborted re-cache changed a session"
             event(f"re-cache aborted ({variant})")
             return
-        if variant == "with":
-            with ctx:
-                pass
-        elif variant == "ctx.commit":
-            ctx.commit()
-        else:
-            sm0.state.commit_paged_context(b0)
+        finish_as(variant, ctx, sm0.state, b0)
         assert lib.status == "committed"
         # References once the rebuilt chunks are swapped in (every stream's old chunks let go at once): a ring
         # slot nobody references then is free, and a rebuilt chunk in fresh pages is copied into one -- the old
@@ -411,21 +396,10 @@ class RecacheRules:
         if variant in ("boom", "ctx.abort", "state.abort") or incomplete:
             if variant not in ("boom", "ctx.abort", "state.abort"):
                 with pytest.raises(IncompleteForwardError):
-                    if variant == "with":
-                        with ctx:
-                            pass
-                    elif variant == "ctx.commit":
-                        ctx.commit()
-                    else:
-                        sm0.state.commit_paged_context(b0)
+                    finish_as(variant, ctx, sm0.state, b0)
                 assert lib.status == "aborted", "a refused re-cache commit must abort it"
-            elif variant == "boom":
-                with pytest.raises(Boom), ctx:
-                    raise Boom("inside a re-cache")
-            elif variant == "ctx.abort":
-                ctx.abort()
             else:
-                sm0.state.abort(b0)
+                finish_as(variant, ctx, sm0.state, b0)
             for sm, b in streams:
                 sm.forward[b] = None
                 sm.drop_pending(b)
@@ -435,13 +409,7 @@ class RecacheRules:
             assert after[1] == before[1], "an aborted re-cache changed a session"
             event(f"grouped re-cache aborted ({variant})")
             return
-        if variant == "with":
-            with ctx:
-                pass
-        elif variant == "ctx.commit":
-            ctx.commit()
-        else:
-            sm0.state.commit_paged_context(b0)
+        finish_as(variant, ctx, sm0.state, b0)
         assert lib.status == "committed"
         for sm, b in streams:
             union = unions[(id(sm), b)]
@@ -458,3 +426,22 @@ class RecacheRules:
         contexts = any(len(mine[(id(sm), b, lane)]) < len(unions[(id(sm), b)])
                        for sm, b in streams for lane in range(cm.num_lanes))
         event(f"grouped re-cache committed, keep_sinks={keep_sinks}{', with context chunks' if contexts else ''}")
+
+
+def finish_as(variant: str, ctx: Any, state: Any, branch: str) -> None:
+    """Finish the re-cache ``ctx`` the way ``variant`` says: abort (``boom``: an exception in ``with ctx``,
+    ``ctx.abort``, ``state.abort``) or commit (``with``, ``ctx.commit``, else ``commit_paged_context``)."""
+    if variant == "boom":
+        with pytest.raises(Boom), ctx:
+            raise Boom("inside a re-cache")
+    elif variant == "ctx.abort":
+        ctx.abort()
+    elif variant == "state.abort":
+        state.abort(branch)
+    elif variant == "with":
+        with ctx:
+            pass
+    elif variant == "ctx.commit":
+        ctx.commit()
+    else:
+        state.commit_paged_context(branch)
