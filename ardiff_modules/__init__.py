@@ -59,6 +59,7 @@ from ardiff_modules.spec import CrossAttentionSpec, KVCacheSpec
 from ardiff_modules.core.recache import RecacheRule
 from ardiff_modules.core.retention import RetentionPolicy, SinkWindowMemoryPolicy, SinkWindowPolicy
 from ardiff_modules.core.shot_sink import ShotSinkPolicy
+from ardiff_modules.core.frame_retention import FrameWindowPolicy
 from ardiff_modules.core.head_retention import HeadRetention
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
@@ -141,6 +142,7 @@ __all__ = [
     "CrossAttentionSpec",
     "FlashInferBackend",
     "ForwardContext",
+    "FrameWindowPolicy",
     "HeadRetention",
     "KVCache",
     "KVCacheSpec",

@@ -26,6 +26,7 @@ import torch
 from ardiff_modules.core.admission import Admission, ExtentRoom
 from ardiff_modules.core.allocator import PageAllocator
 from ardiff_modules.core.branch import BranchPages
+from ardiff_modules.core.frame_retention import trims_frames
 from ardiff_modules.core.head_retention import HeadPart
 from ardiff_modules.core.retention import RetentionPolicy, SinkWindowPolicy
 from ardiff_modules.errors import CapacityError, KVScalesFixedError, SpecError, TensorMismatchError
@@ -95,7 +96,11 @@ def extent_chunks_of(spec: KVCacheSpec, backend: str, contiguous_extents: bool |
     """Chunk slots of each branch's contiguous extent (``None``: plain paging); by default on with FlashInfer
     and a bounded window."""
     if contiguous_extents is None:
-        contiguous_extents = backend == "flashinfer" and spec.max_history_chunks is not None
+        # NOTE: a lane that trims chunks to frames attends scattered pages (the kept frames of several chunks)
+        # whatever their slots: paged, so by default it holds exactly its kept pages instead of a ring.
+        contiguous_extents = (
+            backend == "flashinfer" and spec.max_history_chunks is not None and not trims_frames(spec.policy)
+        )
     if contiguous_extents and spec.max_history_chunks is None:
         raise SpecError("contiguous_extents=True: expected a bounded window (window_chunks), got None")
     return spec.max_history_chunks + 1 if contiguous_extents else None  # type: ignore[operator]

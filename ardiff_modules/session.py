@@ -593,7 +593,7 @@ def _share_sinks(state: KVState, other: KVState, kv_branch: str) -> None:
             f"share_sinks_from: expected {other.session_id!r}/{kv_branch!r} to hold its {sinks} sink "
             f"chunk(s), got {len(reference.sinks)} committed"
         )
-    clock = (sinks, sum(map(len, reference.sinks)) * reference.page_size)
+    clock = (sinks, reference.sink_tokens())
     for lane, into, source_pages in zip(lanes, state._lane_pages(kv_branch), other._lane_pages(kv_branch)):
         into.adopt(source_pages, lane.allocator, sinks_only=True, clock=clock)
 

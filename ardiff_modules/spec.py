@@ -15,6 +15,7 @@ from typing import Any, Literal, get_args
 from ardiff_modules.checks import require_int, require_positive_float
 from ardiff_modules.errors import SpecError, UnknownCacheError
 from ardiff_modules.core.recache import RecacheRule
+from ardiff_modules.core.frame_retention import check_frame_geometry
 from ardiff_modules.core.head_retention import HeadRetention
 from ardiff_modules.core.retention import RetentionPolicy, SinkWindowPolicy, check_declared, check_index_bound
 
@@ -280,6 +281,7 @@ class KVCacheSpec:
         # NOTE: the declared counts size admission, extents and fixed buffers; a bad one is refused here,
         # each answer of history_indices() is checked at every commit (core.retention.retain).
         check_declared(self.retention)
+        check_frame_geometry(f"{owner}.retention", self.retention, self.chunk_size, self.page_size)
 
     def _check_head_retention(self, owner: str) -> None:
         heads = self.head_retention
@@ -288,6 +290,8 @@ class KVCacheSpec:
         if not isinstance(heads, HeadRetention):
             raise SpecError(f"{owner}.head_retention: expected a HeadRetention, got {type(heads).__name__}")
         heads.check_geometry(f"{owner}.head_retention", self.num_layers, self.num_kv_heads)
+        for name, policy in heads.groups.items():
+            check_frame_geometry(f"{owner}.head_retention.groups[{name!r}]", policy, self.chunk_size, self.page_size)
         if (self.sink_chunks, self.window_chunks, self.retention) != (0, None, None):
             raise SpecError(
                 f"{owner}.head_retention: expected sink_chunks/window_chunks/retention left at (0, None, None) (each "

@@ -35,13 +35,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ardiff_modules.core.allocator import PageAllocator
-from ardiff_modules.core.recache import RecachePlan, RecacheRule
+from ardiff_modules.core.frame_retention import Kept, kept_offsets, trim_chunk, trims_frames
+from ardiff_modules.core.branch_recache import BranchRecache, PageChunk, ring_copies
 from ardiff_modules.core.retention import RetentionPolicy, Retained, retain
 
-PageChunk = tuple[int, ...]
+__all__ = ["BranchImage", "BranchPages", "PageChunk", "ring_copies"]
 
 
-class BranchPages:
+class BranchPages(BranchRecache):
     """Resident committed chunks, pending chunks and the absolute token offset of one branch."""
 
     def __init__(
@@ -59,6 +60,11 @@ class BranchPages:
         self.history_index: tuple[int, ...] = ()
         #: Absolute position of the first token of each history chunk.
         self.history_start: tuple[int, ...] = ()
+        #: Per history chunk, its trim under a frame policy (``core/frame_retention.py``; ``None``: whole);
+        #: ``()``: no chunk is trimmed (every policy but a frame policy).
+        self.history_kept: tuple[Kept | None, ...] = ()
+        #: Pages of one frame when the policy trims chunks to frames (``0``: it does not).
+        self.pages_per_frame = pages_per_chunk // policy.frames_per_chunk if trims_frames(policy) else 0  # type: ignore[attr-defined]
         self.pending: tuple[PageChunk, ...] = ()
         #: Chunks ever committed (evicted ones included).
         self.committed_chunks = 0
@@ -112,9 +118,37 @@ class BranchPages:
         return tuple(c for c, i in zip(self.history, self.history_index) if i < self.policy.sink_chunks)
 
     def history_spans(self) -> list[tuple[int, int]]:
-        """``(first absolute position, tokens)`` of each history chunk, in :meth:`history_pages` order."""
+        """``(first absolute position, tokens)`` of each run of history tokens, in :meth:`history_pages` order:
+        one per history chunk, or one per run of kept pages of a trimmed chunk."""
+        if self.history_kept:
+            return [span for j in range(len(self.history)) for span in self.chunk_spans(j)]
         size = self.page_size
         return [(start, len(chunk) * size) for chunk, start in zip(self.history, self.history_start)]
+
+    def chunk_spans(self, j: int) -> list[tuple[int, int]]:
+        """``(first absolute position, tokens)`` of each run of kept pages of history chunk ``j``."""
+        size, start = self.page_size, self.history_start[j]
+        kept = self.history_kept[j] if self.history_kept else None
+        if kept is None:
+            return [(start, len(self.history[j]) * size)]
+        spans: list[tuple[int, int]] = []
+        for offset in kept.offsets:
+            if spans and spans[-1][0] + spans[-1][1] == start + offset * size:
+                spans[-1] = (spans[-1][0], spans[-1][1] + size)
+            else:
+                spans.append((start + offset * size, size))
+        return spans
+
+    def full_pages(self, j: int) -> int:
+        """Pages history chunk ``j`` was written with (more than it holds once trimmed)."""
+        kept = self.history_kept[j] if self.history_kept else None
+        return len(self.history[j]) if kept is None else kept.full
+
+    def sink_tokens(self) -> int:
+        """Tokens the sink chunks were written with (trimmed or not): the clock after them."""
+        return sum(self.full_pages(j) for j, i in enumerate(self.history_index) if i < self.policy.sink_chunks) * (
+            self.page_size
+        )
 
     def history_positions(self) -> list[int]:
         """Absolute position of every token of the history chunks, in :meth:`history_pages` order."""
@@ -249,10 +283,26 @@ class BranchPages:
         they were. With :meth:`apply_commit`, lets a forward over several branches compute every
         branch's commit first and apply them all with one allocator call (all or none).
         """
-        return retain(
+        result = retain(
             self.policy, self.history, self.history_index, self.committed_chunks, self.pending,
             shot_start=self.shot_start, window_floor=self.window_floor,
         )
+        return self._trimmed(result, self.committed_chunks + len(self.pending)) if self.pages_per_frame else result
+
+    def _trimmed(self, result: Retained[PageChunk], committed: int) -> Retained[PageChunk]:
+        """``result`` with each kept chunk trimmed to its kept frames; the released pages join ``evicted``."""
+        held = dict(zip(self.history_index, self.history_kept or (None,) * len(self.history)))
+        chunks: list[PageChunk] = []
+        kept: list[Kept | None] = []
+        released: list[PageChunk] = []
+        for index, chunk in zip(result.indices, result.history):
+            offsets = kept_offsets(self.policy, index, committed, self.pages_per_frame)
+            pages, trim, gone = trim_chunk(chunk, held.get(index), offsets)
+            chunks.append(pages)
+            kept.append(trim)
+            if gone:
+                released.append(gone)
+        return Retained(tuple(chunks), result.indices, result.evicted + tuple(released), tuple(kept))
 
     def apply_commit(self, result: Retained[PageChunk], latents: Sequence[object] = ()) -> None:
         """Adopt a :meth:`preview_commit` result; the caller drops the references of ``result.evicted``.
@@ -262,7 +312,7 @@ class BranchPages:
         kept = dict(self.latents)
         kept.update({self.committed_chunks + i: latent for i, latent in enumerate(latents)})
         starts = dict(zip(self.history_index, self.history_start))
-        pages = dict(zip(self.history_index, map(len, self.history)))
+        pages = {i: self.full_pages(j) for j, i in enumerate(self.history_index)}
         position = self.committed_tokens
         for offset, chunk in enumerate(self.pending):
             starts[self.committed_chunks + offset] = position
@@ -272,6 +322,7 @@ class BranchPages:
         self.committed_tokens = position
         self.history, self.history_index, self.pending = result.history, result.indices, ()
         self.history_start = tuple(starts[i] for i in result.indices)
+        self.history_kept = result.kept
         if self.recache_horizon:
             resident = set(result.indices)
             evicted = {i: (starts[i], pages[i]) for i in starts if i not in resident}
@@ -287,7 +338,8 @@ class BranchPages:
         sinks = self.policy.sink_chunks
         kept = [(c, i) for c, i in zip(self.history, self.history_index) if i < sinks]
         gone = tuple(c for c, i in zip(self.history, self.history_index) if i >= sinks)
-        return Retained(tuple(c for c, _ in kept), tuple(i for _, i in kept), gone)
+        trims = tuple(k for k, i in zip(self.history_kept, self.history_index) if i < sinks)
+        return Retained(tuple(c for c, _ in kept), tuple(i for _, i in kept), gone, trims)
 
     def apply_drop_window(self, result: Retained[PageChunk]) -> None:
         """Adopt :meth:`preview_drop_window`; the caller drops the references of ``result.evicted``.
@@ -299,6 +351,7 @@ class BranchPages:
         starts = dict(zip(self.history_index, self.history_start))
         self.history, self.history_index = result.history, result.indices
         self.history_start = tuple(starts[i] for i in result.indices)
+        self.history_kept = result.kept
         self.window_floor = self.committed_chunks
         self.recent = {}
         self.latents = {i: t for i, t in self.latents.items() if i in starts and i in result.indices}
@@ -309,89 +362,6 @@ class BranchPages:
         """The next committed chunk begins a new shot: a shot policy pins it (and the next ones it pins) from
         that commit on, instead of the current shot's chunks (ordinary window chunks from then on)."""
         self.shot_start = self.committed_chunks
-
-    # ------------------------------------------------------------------ re-cache
-    def recache_plan(self, rule: RecacheRule) -> RecachePlan:
-        """Which chunks a re-cache under ``rule`` rebuilds, and what each replaces (pure)::
-
-            history:   [s0 | c5  c6  c7]      RecacheRule()               -> rebuild c5 c6 c7 (s0 read, never written)
-                                              RecacheRule(sinks="rebuild") -> rebuild s0 c5 c6 c7
-                                              RecacheRule.longlive()       -> rebuild c4 (context) c5 c6 c7
-        """
-        return rule.plan(
-            self.history_index, self.committed_chunks, self.policy.sink_chunks, self.recent.keys(), self.window_floor
-        )
-
-    def recache_chunk(self, index: int) -> tuple[int, int]:
-        """``(absolute start, pages)`` of committed chunk ``index``: resident, or remembered after eviction."""
-        if index in self.history_index:
-            position = self.history_index.index(index)
-            return self.history_start[position], len(self.history[position])
-        return self.recent[index]
-
-    def recache_layout_parts(
-        self, plan: RecachePlan, starts: tuple[int, ...] | None = None
-    ) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...], tuple[int, ...]]:
-        """``(history pages, history spans, starts of the rebuilt chunks)`` of a re-cache forward: the kept sinks
-        (none when the plan rebuilds them); each rebuilt chunk at its original absolute start, RoPE positions as
-        generated (``starts`` when given: only another lane may know them)."""
-        spans = self.history_spans()
-        pages = tuple(p for i in plan.kept for p in self.history[i])
-        starts = starts if starts is not None else tuple(self.recache_chunk(i)[0] for i in plan.rebuilt)
-        return pages, tuple(spans[i] for i in plan.kept), starts
-
-    def preview_recache_commit(
-        self, plan: RecachePlan
-    ) -> tuple[tuple[PageChunk, ...], tuple[int, ...], list[int], tuple[PageChunk, ...]]:
-        """The history after swapping the rebuilt (pending) chunks in (pure).
-
-        Returns ``(history chunks, history starts, old pages to release, pending chunks to drop)``: a
-        context chunk's pending pages are dropped; a moved sink takes its slot with its own start.
-        Commit indices are unchanged: the same slots, re-computed.
-        """
-        assert len(plan.rebuilt) == len(self.pending), "re-cache pending chunks do not match the plan"
-        resident, starts = list(self.history), list(self.history_start)
-        old: list[int] = []
-        dropped: list[PageChunk] = []
-        for index, slot, fresh in zip(plan.rebuilt, plan.replaces, self.pending):
-            if slot is None:
-                dropped.append(fresh)
-                continue
-            old.extend(resident[slot])
-            resident[slot] = fresh
-            starts[slot] = self.recache_chunk(index)[0]
-        return tuple(resident), tuple(starts), old, tuple(dropped)
-
-    def recache_copies(
-        self, swapped: tuple[PageChunk, ...], released: Mapping[int, int], allocator: PageAllocator
-    ) -> tuple[tuple[PageChunk, ...], list[tuple[PageChunk, PageChunk]]]:
-        """Move rebuilt chunks in fresh pages into ring slots the commit frees (pure; see :func:`ring_copies`)."""
-        return ring_copies(self, swapped, released, allocator)
-
-    def split_pending(self) -> tuple[list[int], list[int]]:
-        """``(ring pages, fresh pages)`` of the pending chunks: those in extent slots (one reference on top
-        of the reservation) and those taken from the general pool (their only reference)."""
-        extent = set(self.extent)
-        ring = [p for chunk in self.pending if chunk and chunk[0] in extent for p in chunk]
-        fresh = [p for chunk in self.pending if not (chunk and chunk[0] in extent) for p in chunk]
-        return ring, fresh
-
-    def apply_recache_commit(self, resident: tuple[PageChunk, ...], starts: tuple[int, ...], plan: RecachePlan) -> None:
-        """Adopt :meth:`preview_recache_commit`'s history; the caller drops the old and dropped pages' references.
-
-        A moved sink's slot keeps its commit index (the policy keeps sinks by index) but holds the moved
-        chunk's K/V at that chunk's positions: its kept latents follow it into the slot.
-        """
-        if plan.moved:
-            latents = dict(self.latents)
-            for index, slot in zip(plan.rebuilt, plan.replaces):
-                if slot is not None and slot < len(self.sinks):
-                    sink = self.history_index[slot]
-                    latents.pop(sink, None)
-                    if index in self.latents:
-                        latents[sink] = self.latents[index]
-            self.latents = latents
-        self.history, self.history_start, self.pending = resident, starts, ()
 
     def clear_pending(self) -> None:
         """Forget the pending chunks; the caller drops their references (see :meth:`drop_pending`)."""
@@ -408,6 +378,7 @@ class BranchPages:
         freed = allocator.decref(self.referenced_pages())
         self.history = self.pending = ()
         self.history_index = self.history_start = ()
+        self.history_kept = ()
         self.latents = {}
         self.recent = {}
         self.extent = ()
@@ -427,67 +398,19 @@ class BranchPages:
         or after ``clock`` ``(chunks, tokens)`` (a lane whose group keeps fewer sinks than the stream has)."""
         count = len(other.sinks) if sinks_only else len(other.history)
         resident, indices, starts = other.history[:count], other.history_index[:count], other.history_start[:count]
+        written = other.sink_tokens() if sinks_only else other.committed_tokens
         allocator.incref(p for chunk in resident for p in chunk)
         self.release(allocator)
         self.history, self.history_index, self.history_start = resident, indices, starts
+        self.history_kept = other.history_kept[:count]
         self.recent = {} if sinks_only else dict(other.recent)
         self.latents = {i: other.latents[i] for i in (*indices, *self.recent) if i in other.latents}  # shared
         self.committed_chunks = len(resident) if sinks_only else other.committed_chunks
-        self.committed_tokens = (
-            sum(map(len, resident)) * self.page_size if sinks_only else other.committed_tokens
-        )
+        self.committed_tokens = written
         self.shot_start, self.window_floor = (None, 0) if sinks_only else (other.shot_start, other.window_floor)
         if clock is not None:  # the chunks between this lane's sinks and the clock were never shared: dropped
             self.committed_chunks, self.committed_tokens = clock
             self.window_floor = clock[0]
-
-
-def ring_copies(
-    branch: BranchPages, swapped: tuple[PageChunk, ...], released: Mapping[int, int], allocator: PageAllocator
-) -> tuple[tuple[PageChunk, ...], list[tuple[PageChunk, PageChunk]]]:
-    """Move rebuilt chunks that sit in fresh pages into ring slots free once the commit is applied (pure).
-
-    ``swapped``: :meth:`BranchPages.preview_recache_commit`'s history chunks; ``released``: how many references
-    the whole commit drops from each page (every stream's old chunks). Returns the history chunks
-    after the moves and the ``(fresh chunk, ring slot chunk)`` copies they need. A slot is free
-    after the commit when only the extent's reservation still references its pages (refcount minus
-    released == 1): the old chunk it held was this branch's alone (no fork shares it), or it was
-    already free. A rebuilt chunk takes the slot of the chunk it replaces when that one is free
-    (the resident page ids stay as they were), else the lowest free slot; with no free slot left it
-    stays in its fresh pages (the plain swap). Rebuilt chunks already in ring slots never move::
-
-        extent: [ s0 | c5 | c6 | free ]     re-cache of c5 c6 (sink kept), one free slot
-        pending:  c5' -> free slot,  c6' -> fresh pages
-        commit:   c5' stays in its slot (c5's slot frees), c6' copied into c6's slot, fresh freed
-        extent: [ s0 | free | c6' | c5' ]   the ring is whole, no page outside it
-    """
-    if not branch.extent:
-        return swapped, []
-    step = branch.pages_per_chunk
-    extent = set(branch.extent)
-    refcount = allocator.refcount
-    free = [slot for slot in branch.extent_slots() if all(refcount(p) - released.get(p, 0) == 1 for p in slot)]
-    moving = [i for i, chunk in enumerate(swapped) if chunk != branch.history[i] and chunk[0] not in extent]
-    resident = list(swapped)
-    copies: list[tuple[PageChunk, PageChunk]] = []
-    by_start = {slot[0]: slot for slot in free}
-    rest = []
-    for i in moving:  # first pass: back into the slot of the chunk it replaces
-        slot = by_start.get(branch.history[i][0])
-        if slot is None:
-            rest.append(i)
-            continue
-        free.remove(slot)
-        copies.append((resident[i], slot[: len(resident[i])]))
-        resident[i] = slot[: len(resident[i])]
-    for i in rest:  # then the lowest free slots (a shorter chunk takes a slot's first pages)
-        if not free:
-            break
-        slot = free.pop(0)
-        assert len(slot) == step and len(resident[i]) <= step
-        copies.append((resident[i], slot[: len(resident[i])]))
-        resident[i] = slot[: len(resident[i])]
-    return tuple(resident), copies
 
 
 def drop_pending(branches: Sequence[BranchPages], allocator: PageAllocator) -> list[int]:
@@ -531,6 +454,8 @@ class BranchImage:
     slots: tuple[int | None, ...] = ()
     shot_start: int | None = None
     window_floor: int = 0
+    #: Per history chunk, its trim under a frame policy (``BranchPages.history_kept``); ``()``: none trimmed.
+    kept: tuple[Kept | None, ...] = ()
 
 
 def unload_branch(branch: BranchPages, allocator: PageAllocator) -> tuple[BranchImage, list[int]]:
@@ -552,7 +477,7 @@ def branch_image(branch: BranchPages) -> BranchImage:
     return BranchImage(
         branch.history, branch.history_index, branch.history_start, branch.committed_chunks,
         branch.committed_tokens, dict(branch.latents), dict(branch.recent), extent_slots_of(branch), branch.shot_start,
-        branch.window_floor,
+        branch.window_floor, branch.history_kept,
     )
 
 
@@ -578,3 +503,4 @@ def load_branch(
     branch.committed_chunks, branch.committed_tokens = image.committed_chunks, image.committed_tokens
     branch.latents, branch.recent = dict(image.latents), dict(image.recent)
     branch.shot_start, branch.window_floor = image.shot_start, image.window_floor
+    branch.history_kept = image.kept

@@ -137,6 +137,8 @@ class Retained(Generic[Chunk]):
     history: tuple[Chunk, ...]
     indices: tuple[int, ...]
     evicted: tuple[Chunk, ...]
+    #: Per history chunk, its trim under a frame policy (``core/frame_retention.py``); ``()``: none trimmed.
+    kept: tuple[Any, ...] = ()
 
 
 def _declared(policy: object, name: str) -> object:

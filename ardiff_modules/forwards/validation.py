@@ -23,6 +23,7 @@ from ardiff_modules.errors import (
 )
 from ardiff_modules.core.transaction import ForwardTransaction
 from ardiff_modules.core.branch import BranchPages
+from ardiff_modules.core.frame_retention import trims_frames
 from ardiff_modules.core.recache import RecachePlan, RecacheRule
 from ardiff_modules.layout import StreamLayout
 from ardiff_modules.spec import KVCacheSpec, PendingAttention, check_pending_attention
@@ -68,15 +69,30 @@ def chunk_lengths_of(
             "fixed buffers can be sized, got window_chunks=None"
         )
     if chunk_lengths is not None:
-        return _checked_lengths(spec, seq_len, chunk_lengths)
+        return _whole_in_frame_lanes(spec, _checked_lengths(spec, seq_len, chunk_lengths))
     if is_int(seq_len) and seq_len > 0 and seq_len % chunk == 0:
         return (chunk,) * (seq_len // chunk)
     if is_int(seq_len) and 0 < seq_len < chunk and seq_len % page == 0:
-        return (seq_len,)  # one shorter chunk (e.g. a 1-frame first chunk)
+        return _whole_in_frame_lanes(spec, (seq_len,))  # one shorter chunk (e.g. a 1-frame first chunk)
     raise SequenceLengthError(
         f"seq_len: expected a positive multiple of chunk_size={chunk} (or one shorter chunk: a multiple of "
         f"page_size={page} below it; for mixed chunk sizes pass chunk_lengths), got {seq_len!r}"
     )
+
+
+def _whole_in_frame_lanes(spec: KVCacheSpec, lengths: tuple[int, ...]) -> tuple[int, ...]:
+    """``lengths``, unless a shorter chunk would be committed where a policy counts frames by commit index."""
+    if all(n == spec.chunk_size for n in lengths):
+        return lengths
+    policies = [spec.policy] if spec.head_retention is None else list(spec.head_retention.groups.values())
+    framed = [p for p in policies if trims_frames(p)]
+    if framed:
+        raise SequenceLengthError(
+            f"prepare_forward: expected whole chunks of chunk_size={spec.chunk_size} tokens (a FrameWindowPolicy "
+            f"counts frames_per_chunk={framed[0].frames_per_chunk} frames in every chunk), got chunk lengths "  # type: ignore[attr-defined]
+            f"{list(lengths)}"
+        )
+    return lengths
 
 
 def pending_attention_of(spec: KVCacheSpec, pending_attention: str | None) -> PendingAttention:

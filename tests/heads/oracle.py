@@ -50,10 +50,13 @@ class PerHeadOracle:
         for h in range(k.shape[1]):
             policy = self.heads.groups[self.heads.group_of(layer, h)]
             # (a chunk with holders -- shared sinks -- is there only for the heads that hold it)
-            chunks = [history[i] for i in policy.history_indices(len(history))]
-            visible = [c for c in chunks if len(c) == 2 or h in c[2]]
-            keys = torch.cat([c[0][:, h] for c in visible] + [k[:, h]])
-            values = torch.cat([c[1][:, h] for c in visible] + [v[:, h]])
+            visible = [
+                (i, history[i]) for i in policy.history_indices(len(history))
+                if len(history[i]) == 2 or h in history[i][2]
+            ]
+            rows = [_kept_rows(policy, i, len(history), c[0].shape[0]) for i, c in visible]
+            keys = torch.cat([c[0][r, h] for r, (_, c) in zip(rows, visible)] + [k[:, h]])
+            values = torch.cat([c[1][r, h] for r, (_, c) in zip(rows, visible)] + [v[:, h]])
             for j in range(group):
                 qh = q[:, h * group + j]
                 out[:, h * group + j] = F.scaled_dot_product_attention(
@@ -79,6 +82,18 @@ class PerHeadOracle:
                 row.append((c[0], c[1], holders & c[2] if len(c) == 3 else holders))
             rows.append(row)
         self.committed[branch] = rows
+
+
+def _kept_rows(policy: Any, index: int, committed: int, tokens: int) -> list[int] | slice:
+    """Rows of chunk ``index`` a head under ``policy`` reads: every row, or its kept frames' under a frame policy
+    (frames counted from the commit index, stated here from the policy's frame rule alone)."""
+    if not isinstance(policy, am.FrameWindowPolicy):
+        return slice(None)
+    # stream frame g = index * F + f stays when it is a sink frame or among the last `window` committed frames
+    per_chunk, sink, window = policy.frames_per_chunk, policy.sink_frames, policy.window_frames
+    frame, total = tokens // per_chunk, committed * per_chunk
+    frames = [f for f in range(per_chunk) if (g := index * per_chunk + f) < sink or window is None or g >= total - window]
+    return [r for f in frames for r in range(f * frame, (f + 1) * frame)]
 
 
 def random_qkv(streams: int, n: int, heads: int, kv_heads: int, d: int, gen: torch.Generator, dtype: torch.dtype

@@ -48,12 +48,27 @@ def head_configs(draw: st.DrawFn) -> tuple[am.KVCacheSpec, am.HeadRetention]:
     layers = draw(st.integers(1, 3))
     kv_heads = draw(st.integers(1, 4))
     group = draw(st.sampled_from([1, 2]))
-    chunk, page = draw(st.sampled_from([(4, 2), (4, 4), (6, 3), (3, 1)]))
+    chunk, page = draw(st.sampled_from([(4, 2), (4, 4), (6, 3), (3, 1), (6, 1)]))
     names = ["a", "b", "c"][: draw(st.integers(1, 3))]
-    groups = {n: (draw(st.integers(0, 2)), draw(st.integers(0, 3))) for n in names}
+    # frames of whole pages per chunk: a group may count its sink and window in frames (trimmed chunks)
+    frames = draw(st.sampled_from([f for f in range(1, chunk + 1) if chunk % f == 0 and (chunk // f) % page == 0]))
+    groups: dict[str, object] = {
+        n: (draw(st.integers(0, 2)), draw(st.integers(0, 3))) if draw(st.booleans())
+        else am.FrameWindowPolicy(draw(st.integers(0, 4)), draw(st.integers(0, 5)), frames)
+        for n in names
+    }
     rows = [[draw(st.sampled_from(names)) for _ in range(kv_heads)] for _ in range(layers)]
     branches = ("cond", "uncond")[: draw(st.integers(1, 2))]
     return make_spec(layers, kv_heads, group, chunk, page, branches), am.HeadRetention(groups, rows)
+
+
+def resident_pages(policy: object, committed: int, spec: am.KVCacheSpec) -> int:
+    """Pages one stream holds under ``policy`` after ``committed`` whole chunks (a frame policy: its kept frames')."""
+    indices = policy.history_indices(committed)  # type: ignore[attr-defined]
+    if not isinstance(policy, am.FrameWindowPolicy):
+        return len(indices) * spec.pages_per_chunk
+    frame_pages = spec.pages_per_chunk // policy.frames_per_chunk
+    return sum(len(policy.kept_frames(i, committed)) for i in indices) * frame_pages
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -72,8 +87,7 @@ def test_every_forward_equals_the_per_head_recomputation(config, schedule, seed)
                 torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         # Memory is per lane: each holds exactly its group's resident chunks, only for its heads and layers.
         for lane, used in zip(cache._lanes, lane_pages_in_use(session).values()):
-            resident = len(lane.part.policy.history_indices(len(schedule)))
-            assert used == len(spec.branches) * resident * spec.pages_per_chunk, lane.name
+            assert used == len(spec.branches) * resident_pages(lane.part.policy, len(schedule), spec), lane.name
         session.close()
         assert cache.stats().bytes_used == 0
 
