@@ -35,7 +35,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ardiff_modules.core.allocator import PageAllocator
-from ardiff_modules.core.frame_retention import Kept, kept_offsets, trim_chunk, trims_frames
+from ardiff_modules.core.frame_retention import Kept, kept_offsets, sink_offsets, trim_chunk, trims_frames
 from ardiff_modules.core.branch_recache import BranchRecache, PageChunk, ring_copies
 from ardiff_modules.core.retention import RetentionPolicy, Retained, retain
 
@@ -399,10 +399,15 @@ class BranchPages(BranchRecache):
         count = len(other.sinks) if sinks_only else len(other.history)
         resident, indices, starts = other.history[:count], other.history_index[:count], other.history_start[:count]
         written = other.sink_tokens() if sinks_only else other.committed_tokens
+        kept = other.history_kept[:count]
+        if sinks_only and self.pages_per_frame:  # a frame lane shares the sink frames alone (its window starts empty)
+            trims = [trim_chunk(c, k, sink_offsets(self.policy, i, self.pages_per_frame))
+                     for c, k, i in zip(resident, kept or (None,) * count, indices)]
+            resident, kept = tuple(t[0] for t in trims), tuple(t[1] for t in trims)
         allocator.incref(p for chunk in resident for p in chunk)
         self.release(allocator)
         self.history, self.history_index, self.history_start = resident, indices, starts
-        self.history_kept = other.history_kept[:count]
+        self.history_kept = kept
         self.recent = {} if sinks_only else dict(other.recent)
         self.latents = {i: other.latents[i] for i in (*indices, *self.recent) if i in other.latents}  # shared
         self.committed_chunks = len(resident) if sinks_only else other.committed_chunks

@@ -119,6 +119,12 @@ def check_frame_geometry(owner: str, policy: object, chunk_size: int, page_size:
         )
 
 
+def sink_offsets(policy: object, index: int, pages_per_frame: int) -> tuple[int, ...]:
+    """Page offsets (within chunk ``index``) of its sink frames: what a fork of the sinks alone shares."""
+    f, sinks = policy.frames_per_chunk, policy.sink_frames  # type: ignore[attr-defined]
+    return tuple(k * pages_per_frame + p for k in range(f) if index * f + k < sinks for p in range(pages_per_frame))
+
+
 def kept_offsets(policy: object, index: int, num_committed: int, pages_per_frame: int) -> tuple[int, ...]:
     """Page offsets (within chunk ``index``, as written) of the frames ``policy`` keeps."""
     frames = policy.kept_frames(index, num_committed)  # type: ignore[attr-defined]
@@ -129,13 +135,13 @@ def trim_chunk(
     chunk: tuple[int, ...], kept: Kept | None, offsets: tuple[int, ...]
 ) -> tuple[tuple[int, ...], Kept | None, tuple[int, ...]]:
     """``(chunk, its Kept, released pages)`` once ``chunk`` (``kept``: its current trim, ``None``: whole) holds
-    only ``offsets``. Kept offsets only shrink: an offset already released is not asked back."""
+    only what it holds of ``offsets``: kept offsets only shrink (an offset already released -- or never
+    shared, for a fork of the sinks alone -- is not asked back)."""
     full = len(chunk) if kept is None else kept.full
     held = tuple(range(full)) if kept is None else kept.offsets
     if len(offsets) == full:
         return chunk, kept, ()
     want = set(offsets)
-    assert want <= set(held), f"trim_chunk: kept offsets {offsets} are not a subset of the held {held}"
     pages = tuple(p for o, p in zip(held, chunk) if o in want)
     released = tuple(p for o, p in zip(held, chunk) if o not in want)
     return pages, Kept(full, tuple(o for o in held if o in want)), released

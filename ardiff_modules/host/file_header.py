@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ardiff_modules.core.branch import BranchImage, PageChunk
+from ardiff_modules.core.frame_retention import Kept, kept_offsets, trims_frames
 from ardiff_modules.core.head_retention import HeadRetention
 from ardiff_modules.core.retention import SinkWindowPolicy, pins_shots
 from ardiff_modules.errors import SessionFileError
@@ -272,7 +273,7 @@ class HeaderReader:
 
     def branch(self, value: object, place: str, lane: int = 0) -> BranchImage:
         """One branch's image in lane ``lane`` (its pages index that lane's tensor; its retention is the lane's)."""
-        b = self.dict_(value, place, _BRANCH_KEYS, (*_SHOT_KEYS, "slots"))
+        b = self.dict_(value, place, _BRANCH_KEYS, (*_SHOT_KEYS, "slots", "kept"))
         # NOTE: positions are int64 on the device: a count past these bounds would load and then overflow in the
         # next forward (a raw error far from the file).
         most = _MAX_POSITION // self.spec.chunk_size
@@ -285,7 +286,8 @@ class HeaderReader:
         if len(index) != len(history) or len(start) != len(history) or index != sorted(set(index)):
             raise self.fail(f"{place}.history_index", f"{len(history)} increasing commit indices and starts", index)
         page_size = self.spec.page_size
-        ends = [s + len(c) * page_size for s, c in zip(start, history)]
+        kept = self.kept(b.get("kept", []), f"{place}.kept", history, index, committed, lane)
+        ends = [s + (len(c) if k is None else k.full) * page_size for s, c, k in zip(start, history, kept or [None] * len(history))]
         if any(e > s for e, s in zip(ends, start[1:] + [tokens + 1])) or any(e > tokens for e in ends):
             raise self.fail(f"{place}.history_start", f"chunks in order, ending by committed_tokens={tokens}", start)
         recent = {}
@@ -305,8 +307,39 @@ class HeaderReader:
         shot_start, floor = self.shots(b, place, committed, index, lane)
         slots = self.slots(b.get("slots", []), f"{place}.slots", len(history), lane)
         return BranchImage(
-            tuple(history), tuple(index), tuple(start), committed, tokens, latents, recent, slots, shot_start, floor
+            tuple(history), tuple(index), tuple(start), committed, tokens, latents, recent, slots, shot_start, floor,
+            kept,
         )
+
+    def kept(
+        self, value: object, place: str, history: list[PageChunk], index: list[int], committed: int, lane: int
+    ) -> tuple[Kept | None, ...]:
+        """Each history chunk's trim (``[full pages, kept offsets]``, ``null``: whole); ``[]``: none trimmed. Only
+        a lane whose policy trims chunks to frames has them, and each must be the one its policy keeps."""
+        items = self.list_(value, place)
+        spec = self.lanes[lane].spec
+        if not trims_frames(spec.policy):
+            if items:
+                raise self.fail(place, "no trimmed chunks (the lane's policy keeps whole chunks)", items)
+            return ()
+        per_frame = spec.pages_per_chunk // spec.policy.frames_per_chunk  # type: ignore[attr-defined]
+        if len(items) != len(history):
+            raise self.fail(place, f"{len(history)} trims, one per history chunk", items)
+        out: list[Kept | None] = []
+        for j, (item, chunk, i) in enumerate(zip(items, history, index)):
+            want = kept_offsets(spec.policy, i, committed, per_frame)
+            got = None if item is None else self.list_(item, f"{place}[{j}]")
+            trim = None if got is None or len(got) != 2 else Kept(got[0], tuple(self.list_(got[1], f"{place}[{j}]")))
+            whole = len(want) == spec.pages_per_chunk
+            # (a subset: a fork of the sinks alone holds only their frames)
+            if (trim is None and not (whole and got is None)) or (trim is not None and (
+                trim.full != spec.pages_per_chunk or not trim.offsets or list(trim.offsets) != sorted(set(trim.offsets))
+                or not set(trim.offsets) <= set(want) or len(trim.offsets) == trim.full or len(chunk) != len(trim.offsets)
+            )):
+                raise self.fail(f"{place}[{j}]", f"chunk {i}'s trim under {spec.policy!r}: increasing offsets among "
+                                f"{list(want)} of {spec.pages_per_chunk} pages (null: whole), one per page held", item)
+            out.append(trim)
+        return tuple(out)
 
     def slots(self, value: object, place: str, chunks: int, lane: int = 0) -> tuple[int | None, ...]:
         """Each history chunk's extent slot (``null``: none), distinct; ``[]`` (a file without them): none known."""

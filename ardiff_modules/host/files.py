@@ -190,6 +190,8 @@ def _branch_header(image: BranchImage, index: Mapping[int, int], name_of: Any) -
         "recent": {str(i): list(span) for i, span in image.recent.items()},
         "slots": list(image.slots),
         "shot_start": image.shot_start, "window_floor": image.window_floor,
+        # (only a frame policy trims chunks: other files stay as they were)
+        **({"kept": [None if k is None else [k.full, list(k.offsets)] for k in image.kept]} if image.kept else {}),
     }
 
 

@@ -54,7 +54,8 @@ class PerHeadOracle:
                 (i, history[i]) for i in policy.history_indices(len(history))
                 if len(history[i]) == 2 or h in history[i][2]
             ]
-            rows = [_kept_rows(policy, i, len(history), c[0].shape[0]) for i, c in visible]
+            # (a shared sink chunk -- with holders -- holds its sink frames alone: the fork's window started empty)
+            rows = [_kept_rows(policy, i, len(history), c[0].shape[0], len(c) == 3) for i, c in visible]
             keys = torch.cat([c[0][r, h] for r, (_, c) in zip(rows, visible)] + [k[:, h]])
             values = torch.cat([c[1][r, h] for r, (_, c) in zip(rows, visible)] + [v[:, h]])
             for j in range(group):
@@ -84,7 +85,7 @@ class PerHeadOracle:
         self.committed[branch] = rows
 
 
-def _kept_rows(policy: Any, index: int, committed: int, tokens: int) -> list[int] | slice:
+def _kept_rows(policy: Any, index: int, committed: int, tokens: int, sinks_only: bool = False) -> list[int] | slice:
     """Rows of chunk ``index`` a head under ``policy`` reads: every row, or its kept frames' under a frame policy
     (frames counted from the commit index, stated here from the policy's frame rule alone)."""
     if not isinstance(policy, am.FrameWindowPolicy):
@@ -92,7 +93,8 @@ def _kept_rows(policy: Any, index: int, committed: int, tokens: int) -> list[int
     # stream frame g = index * F + f stays when it is a sink frame or among the last `window` committed frames
     per_chunk, sink, window = policy.frames_per_chunk, policy.sink_frames, policy.window_frames
     frame, total = tokens // per_chunk, committed * per_chunk
-    frames = [f for f in range(per_chunk) if (g := index * per_chunk + f) < sink or window is None or g >= total - window]
+    frames = [f for f in range(per_chunk) if (g := index * per_chunk + f) < sink
+              or not sinks_only and (window is None or g >= total - window)]
     return [r for f in frames for r in range(f * frame, (f + 1) * frame)]
 
 

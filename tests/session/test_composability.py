@@ -23,6 +23,7 @@ import ardiff_modules as am
 from ardiff_modules.errors import KVScalesFixedError
 
 LAYERS, KV_HEADS, GQA, DIM, CHUNK, PAGE = 3, 4, 2, 8, 8, 4
+FRAMES = 2  #: frames of a chunk under the per-frame groups (a frame = one page)
 BRANCHES = ("cond", "uncond")
 
 
@@ -32,6 +33,12 @@ def _retentions() -> dict[str, am.HeadRetention | None]:
         "per_layer": am.HeadRetention.per_layer([(1, 1), (0, 2), (1, 3)], KV_HEADS),
         "per_head": am.HeadRetention.from_local_heads(LAYERS, KV_HEADS, {0: [1, 2], 1: [0, 3], 2: [1]},
                                                      local=(0, 1), other=(1, 3)),
+        # Forcing-KV-style frames: a chunk is FRAMES frames; local heads keep the last frame, the others the
+        # first frame + the last 3 (chunks trimmed to their kept frames' pages)
+        "per_frame": am.HeadRetention.from_local_heads(
+            LAYERS, KV_HEADS, {0: [1, 2], 1: [0, 3], 2: [1]},
+            local=am.FrameWindowPolicy(0, 1, FRAMES), other=am.FrameWindowPolicy(1, 3, FRAMES),
+        ),
     }
 
 
@@ -67,7 +74,17 @@ class Oracle:
         policy = self.policy(layer, head)
         shared = self.shared_sinks.get(stream, 0)
         kept = [i for i in policy.history_indices(len(chunks)) if i >= shared or i < policy.sink_chunks]
-        return [chunks[i] for i in kept]
+        if not isinstance(policy, am.FrameWindowPolicy):
+            return [chunks[i] for i in kept]
+        # stream frame g = i * F + f stays when a sink frame, or (not a shared sink) among the last window frames
+        f, total, size = policy.frames_per_chunk, len(chunks) * policy.frames_per_chunk, CHUNK // FRAMES
+        out = []
+        for i in kept:
+            frames = [j for j in range(f) if i * f + j < policy.sink_frames
+                      or i >= shared and i * f + j >= total - policy.window_frames]
+            rows = [r for j in frames for r in range(j * size, (j + 1) * size)]
+            out.append((chunks[i][0][rows], chunks[i][1][rows]))
+        return out
 
     def attend(self, stream: str, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                lengths: Sequence[int], bidirectional: bool) -> torch.Tensor:
@@ -156,6 +173,12 @@ def _multi_chunk_bidirectional(cache: am.KVCache, oracle: Oracle, gen: torch.Gen
 
 def _short_first_chunk(cache: am.KVCache, oracle: Oracle, gen: torch.Generator) -> float:
     state = cache.open_session("s")
+    if oracle.retention is not None and isinstance(next(iter(oracle.retention.groups.values())), am.FrameWindowPolicy):
+        # NOTE: a frame policy counts frames by commit index: a shorter chunk is refused before anything changes
+        with pytest.raises(am.errors.SequenceLengthError, match="whole chunks of chunk_size=8 tokens"):
+            step(state, oracle, "s", gen, commit=True, lengths=(PAGE,))
+        assert state.committed_chunks("cond") == 0 and cache.stats().pages_used == 0
+        return rollout(state, oracle, "s", gen, 5)
     worst = step(state, oracle, "s", gen, commit=True, lengths=(PAGE,))
     return max(worst, rollout(state, oracle, "s", gen, 5))
 
