@@ -113,7 +113,14 @@ def admission_of(spec: KVCacheSpec, extent_chunks: int | None, union_chunks: int
     history, context = spec.max_history_chunks, spec.recache.context_chunks
     if union_chunks is not None and history is not None:
         context = max(context, union_chunks - history)
-    return Admission(len(spec.branches), history, spec.pages_per_chunk, extent_chunks, context)
+    policy = spec.policy
+    frames = None
+    if trims_frames(policy) and policy.window_frames is not None:  # type: ignore[attr-defined]
+        # the kept frames: the sink frames and the window frames, never more (trimmed chunks hold only them)
+        frames = (policy.sink_frames + policy.window_frames) * (  # type: ignore[attr-defined]
+            spec.pages_per_chunk // policy.frames_per_chunk  # type: ignore[attr-defined]
+        )
+    return Admission(len(spec.branches), history, spec.pages_per_chunk, extent_chunks, context, frames)
 
 
 def union_recache_chunks(policies: Sequence[RetentionPolicy], context: int) -> int | None:

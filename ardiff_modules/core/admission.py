@@ -33,6 +33,13 @@ class Admission:
     pages_per_chunk: int
     extent_chunks: int | None
     recache_context_chunks: int = 0
+    #: The most history pages a branch holds when fewer than its chunks' (a frame policy trims chunks to their
+    #: kept frames, ``core/frame_retention.py``); ``None``: ``max_history_chunks x pages_per_chunk``.
+    max_history_pages: int | None = None
+
+    def _history_pages(self, what: str) -> int:
+        chunks = self._bounded(what) * self.pages_per_chunk
+        return chunks if self.max_history_pages is None else min(chunks, self.max_history_pages)
 
     def _bounded(self, what: str) -> int:
         if self.max_history_chunks is None:
@@ -45,21 +52,22 @@ class Admission:
         return None if self.extent_chunks is None else self.extent_chunks * self.pages_per_chunk
 
     def pages_per_session(self, branches: int | None = None, pending_chunks: int = 1) -> int:
-        """Peak pages one session holds: per branch (history + pending) chunks, or its extent."""
-        history = self._bounded("pages_per_session")
+        """Peak pages one session holds: per branch its history (trimmed chunks: their kept pages) and pending
+        chunks, or its extent."""
+        self._bounded("pages_per_session")
         require_int("pages_per_session.pending_chunks", pending_chunks, minimum=1)
         if branches is not None:
             require_int("pages_per_session.branches", branches, minimum=1, below=self.branches + 1)
         branches = self.branches if branches is None else branches
-        chunks = history + pending_chunks
+        pages = self._history_pages("pages_per_session") + pending_chunks * self.pages_per_chunk
         if self.extent_chunks is not None:
-            chunks = max(chunks, self.extent_chunks)
-        return branches * chunks * self.pages_per_chunk
+            pages = max(pages, self.extent_chunks * self.pages_per_chunk)
+        return branches * pages
 
     def host_pages_per_session(self) -> int:
         """Peak host pages one suspended session holds: per branch its committed history (no pending chunk:
         a session with pending work cannot suspend; an extent comes back as a ring, only its chunks travel)."""
-        return self.branches * self._bounded("sessions_that_fit(tier='host')") * self.pages_per_chunk
+        return self.branches * self._history_pages("sessions_that_fit(tier='host')")
 
     def sessions_that_fit_host(self, free_bytes: int | None, bytes_per_page: int) -> int:
         """How many more sessions at their peak the host tier's ``free_bytes`` hold (pages only)."""

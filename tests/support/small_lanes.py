@@ -8,6 +8,8 @@ Three geometries of 2 layers x 2 kv heads, sink 1 + window 2 where uniform::
                  l: window 1, g: sink 1 + window 2       (three lanes, pages of 64 and 128 bytes)
     "per-layer"  layer 0: window 1, layer 1: sink 1 + window 2  ->  two lanes of one layer x 2 heads each
     "one-group"  every head in one group (sink 1 + window 2)     ->  one lane "all/2h", named as a group's
+    "per-frame"  the per-head map with frame groups (a chunk is 2 frames of one page): l keeps the last frame,
+                 g the first frame + the last 3 (chunks trimmed to their kept frames' pages)
 """
 
 from __future__ import annotations
@@ -20,10 +22,13 @@ import ardiff_modules as am
 from ardiff_modules.core.branch import extent_slots_of
 from tests.support.small_cache import BOTH, SMALL_SPEC
 
-KINDS = ("uniform", "per-head", "per-layer", "one-group")
+KINDS = ("uniform", "per-head", "per-layer", "one-group", "per-frame")
 PER_HEAD = am.HeadRetention({"l": (0, 1), "g": (1, 2)}, [["l", "g"], ["l", "l"]])
 PER_LAYER = am.HeadRetention.per_layer([(0, 1), (1, 2)], 2)
 ONE_GROUP = am.HeadRetention.uniform(2, 2, (1, 2))
+PER_FRAME = am.HeadRetention(
+    {"l": am.FrameWindowPolicy(0, 1, 2), "g": am.FrameWindowPolicy(1, 3, 2)}, [["l", "g"], ["l", "l"]]
+)
 
 
 def spec_of(kind: str, **fields) -> am.KVCacheSpec:
@@ -31,7 +36,7 @@ def spec_of(kind: str, **fields) -> am.KVCacheSpec:
     spec = dataclasses.replace(SMALL_SPEC, **fields)
     if kind == "uniform":
         return spec
-    heads = {"per-head": PER_HEAD, "per-layer": PER_LAYER, "one-group": ONE_GROUP}[kind]
+    heads = {"per-head": PER_HEAD, "per-layer": PER_LAYER, "one-group": ONE_GROUP, "per-frame": PER_FRAME}[kind]
     return dataclasses.replace(spec, sink_chunks=0, window_chunks=None, head_retention=heads)
 
 
