@@ -75,7 +75,9 @@ from dataclasses import dataclass
 from typing import Any, Union
 
 from ardiff_modules.checks import is_int, require_int
+from ardiff_modules.core.frame_retention import FrameWindowPolicy
 from ardiff_modules.core.head_retention import HeadRetention
+from ardiff_modules.core.retention import RetentionPolicy, SinkWindowPolicy
 from ardiff_modules.errors import SpecError
 
 __all__ = ["FORCING_KV_BLOCK_FRAMES", "ForcingKVConfig", "load_forcing_kv"]
@@ -156,7 +158,7 @@ class ForcingKVConfig:
     def head_retention(
         self, num_layers: int, num_kv_heads: int, chunk_frames: int, *, sink_frames: int | None = None
     ) -> HeadRetention:
-        """The retention groups of this configuration with chunk-granular sink + window policies.
+        """The retention groups of this configuration: sink + window policies in chunks, or in frames.
 
         A chunk is ``chunk_frames`` frames (Forcing-KV's block: 3). Groups: ``"spatial"`` (sink + ``Ls``),
         ``"temporal"`` (sink + ``Lt``); layer 0's heads all go to the group of window ``max(Ls, Lt)``.
@@ -212,12 +214,14 @@ class ForcingKVConfig:
 
 def _chunk_policies(
     cfg: ForcingKVConfig, chunk_frames: int, sink_frames: int
-) -> tuple[dict[str, tuple[int, int]], str]:
-    """``({"spatial": (sink, window), "temporal": (sink, window)}, layer 0's group)`` in chunks, or one
-    :class:`SpecError` naming everything a chunk-granular sink + window cannot say.
+) -> tuple[dict[str, RetentionPolicy], str]:
+    """``({"spatial": policy, "temporal": policy}, layer 0's group)``, or one :class:`SpecError` naming everything
+    a time-invariant policy cannot say. Whole-chunk sinks and windows give :class:`SinkWindowPolicy` (in chunks);
+    any frame count that cuts a chunk (the published configurations: sink 1, windows of 1 frame) gives
+    :class:`FrameWindowPolicy` for both groups (chunks trimmed to their kept frames).
 
-    NOTE: the one place to extend when the core has frame-granular windows and content-selected groups:
-    each refusal names the policy that would lift it.
+    NOTE: the one place to extend when the core has content-selected groups and policies that change at
+    ``ar_start``: each refusal names the policy that would lift it.
     """
     missing = []
     if cfg.dynamic_patches:
@@ -226,39 +230,37 @@ def _chunk_policies(
             f"{cfg.dynamic_patches} patches (dynamic_context_length={cfg.dynamic_context_length} x "
             f"num_frame_patch={cfg.num_frame_patch}) chosen by layer 1's key cosine"
         )
-    frames = {"sink_frames (model_kwargs.sink_size)": sink_frames,
-              "spatial_context_length": cfg.spatial_context_length,
-              "temporal_context_length": cfg.temporal_context_length}
-    partial = [f"{k}={v}" for k, v in frames.items() if v % chunk_frames]
-    if partial:
-        missing.append(
-            f"frame windows (a frame-granular policy): expected whole chunks of {chunk_frames} frames, got "
-            f"{', '.join(partial)} frames"
-        )
-    sink, spatial, temporal = (n // chunk_frames for n in frames.values())
-    if not partial:
-        missing += _phase_gaps(cfg.ar_start, sink, spatial, temporal)
+    sink, spatial, temporal = sink_frames, cfg.spatial_context_length, cfg.temporal_context_length
+    missing += _phase_gaps(cfg.ar_start, chunk_frames, sink, spatial, temporal)
     if missing:
         raise SpecError(f"ForcingKVConfig.head_retention: not yet expressible: {'; '.join(missing)}")
-    return {"spatial": (sink, spatial), "temporal": (sink, temporal)}, "temporal" if temporal >= spatial else "spatial"
+    layer0 = "temporal" if temporal >= spatial else "spatial"
+    if sink % chunk_frames or spatial % chunk_frames or temporal % chunk_frames:
+        return {"spatial": FrameWindowPolicy(sink, spatial, chunk_frames),
+                "temporal": FrameWindowPolicy(sink, temporal, chunk_frames)}, layer0
+    per = chunk_frames
+    return {"spatial": SinkWindowPolicy(sink // per, spatial // per),
+            "temporal": SinkWindowPolicy(sink // per, temporal // per)}, layer0
 
 
-def _phase_gaps(ar_start: int, sink: int, spatial: int, temporal: int) -> list[str]:
-    """What changes at the switch after block ``ar_start`` (chunks), which a time-invariant policy cannot say."""
+def _phase_gaps(ar_start: int, block: int, sink: int, spatial: int, temporal: int) -> list[str]:
+    """What changes at the switch after block ``ar_start`` (frames; ``block`` frames a block), which a
+    time-invariant policy cannot say."""
     gaps = []
-    if sink > ar_start + 1:
+    if sink > block * (ar_start + 1):
         gaps.append(
-            f"a sink cut at the switch (a policy changing at ar_start): expected at most ar_start + 1 = "
-            f"{ar_start + 1} sink chunks (the sinks freeze after block ar_start), got {sink}"
+            f"a sink cut at the switch (a policy changing at ar_start): expected at most {block} x (ar_start + 1) "
+            f"= {block * (ar_start + 1)} sink frames (the sinks freeze after block ar_start), got {sink}"
         )
     widest = max(spatial, temporal)
     for name, window in (("spatial", spatial), ("temporal", temporal)):
-        # Until the switch every head keeps the widest window: the same as this group's while its window
-        # was not full yet, i.e. for blocks up to sink + window.
-        if window < widest and ar_start > sink + window:
+        # Until the switch every head keeps the widest window: the same as this group's while the frames after
+        # the sink still fit it, i.e. up to block ar_start, which attends the 3 ar_start frames committed.
+        if window < widest and block * ar_start - sink > window:
             gaps.append(
                 f"a window changing at the switch (a policy changing at ar_start): the {name} heads keep "
-                f"{widest} chunks before it, {window} after; expected ar_start <= {sink + window}, got {ar_start}"
+                f"{widest} frames before it, {window} after; expected ar_start <= {(sink + window) // block}, "
+                f"got {ar_start}"
             )
     return gaps
 

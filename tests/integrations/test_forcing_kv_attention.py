@@ -136,13 +136,17 @@ def test_without_dynamic_patches_equal_windows_are_a_sink_and_a_window() -> None
 
 
 # ---------------------------------------------------------------------------------------------- against the library
-def _library_vs_restatement(ar_start: int, retention: am.HeadRetention) -> list[float]:
-    """Max |library - re-statement| per forward: sink 3 frames, Ls 3, Lt 6, dynamic off, 2 CFG rows, 7 blocks."""
+def _library_vs_restatement(
+    ar_start: int, retention: am.HeadRetention, frames: tuple[int, int, int] = (3, 3, 6), page: int = 4,
+    contiguous_extents: bool | None = None,
+) -> list[float]:
+    """Max |library - re-statement| per forward: ``frames`` = (sink, Ls, Lt), by default 3, 3, 6; dynamic off, 2
+    CFG rows, 7 blocks."""
     model = _model()
-    spec = dataclasses.replace(model.spec(3 * HW, 4, 0, None), head_retention=retention)
-    cache = am.KVCache(spec, num_pages=64, backend="reference")
+    spec = dataclasses.replace(model.spec(3 * HW, page, 0, None), head_retention=retention)
+    cache = am.KVCache(spec, num_pages=64, backend="reference", contiguous_extents=contiguous_extents)
     session = cache.open_session()
-    restated = ForcingKVCacheFree(model, ForcingKVSettings(HW, 3, 3, 6, ar_start, STATIC), batch=2)
+    restated = ForcingKVCacheFree(model, ForcingKVSettings(HW, *frames, ar_start, STATIC), batch=2)
     gen = torch.Generator().manual_seed(1)
     texts = torch.randn(2, 5, model.context_dim, generator=gen)
     for branch, text in zip(("cond", "uncond"), texts):
@@ -176,8 +180,31 @@ def test_the_expressible_head_retention_equals_the_restatement() -> None:
 def test_a_late_switch_is_refused_and_would_differ() -> None:
     """With ar_start=3 the spatial heads keep 2 chunks up to block 3 and 1 after: the loader refuses, and the
     same groups as static policies indeed differ from Forcing-KV from block 3 on."""
-    with pytest.raises(am.SpecError, match=r"spatial heads keep 2 chunks before it, 1 after; expected ar_start <= 2"):
+    with pytest.raises(am.SpecError, match=r"spatial heads keep 6 frames before it, 3 after; expected ar_start <= 2"):
         load_forcing_kv(HEADS, _block(3)).head_retention(3, 4, 3, sink_frames=3)
     retention = load_forcing_kv(HEADS, _block(2)).head_retention(3, 4, 3, sink_frames=3)
     diffs = _library_vs_restatement(3, retention)
     assert max(diffs[:6]) < 1e-5 and diffs[6] > 1e-3
+
+
+@pytest.mark.parametrize("frames, ar_start", [((1, 1, 1), 1), ((1, 1, 2), 0), ((2, 2, 4), 1), ((0, 1, 3), 0),
+                                              ((1, 2, 1), 0)])
+@pytest.mark.parametrize("page, extents", [(4, None), (2, None), (2, True)], ids=["frame-page", "half-frame", "ring"])
+def test_frame_windows_equal_the_restatement(frames: tuple[int, int, int], ar_start: int, page: int,
+                                             extents: bool | None) -> None:
+    """Windows and sinks that cut a block (the published Self-Forcing numbers: sink 1 frame, Ls = Lt = 1) as
+    FrameWindowPolicy groups: every forward of a rollout past ar_start, windows sliding, equals Forcing-KV's
+    cache to 1e-5 -- one or two pages a frame, paged or inside a contiguous ring (attended paged)."""
+    sink, spatial, temporal = frames
+    block = dict(_block(ar_start), spatial_context_length=spatial, temporal_context_length=temporal)
+    retention = load_forcing_kv(HEADS, block).head_retention(3, 4, 3, sink_frames=sink)
+    assert all(isinstance(p, am.FrameWindowPolicy) for p in retention.groups.values())
+    diffs = _library_vs_restatement(ar_start, retention, frames, page, extents)
+    assert max(diffs) < 1e-5, diffs
+
+
+def test_frame_windows_really_differ_from_chunk_windows() -> None:
+    """The re-statement sees the frames: the same groups rounded up to whole chunks differ (the test can fail)."""
+    chunky = am.HeadRetention({"spatial": (1, 1), "temporal": (1, 1)},
+                              load_forcing_kv(HEADS, _block(1)).head_retention(3, 4, 3, sink_frames=3).layers)
+    assert max(_library_vs_restatement(1, chunky, (1, 1, 1))) > 1e-3
