@@ -692,10 +692,15 @@ def head_config(args: argparse.Namespace, config: WanConfig) -> am.HeadRetention
 def head_visible_keys(heads: am.HeadRetention, config: WanConfig, committed: int) -> float:
     """Mean over (layer, head) of the keys a head attends to after ``committed`` chunks (its group's resident
     chunks + the pending one): what the FLOPs of a per-head-retention step are counted with."""
-    total = 0
+    total = 0.0
     for row in heads.layers:
         for group in row:
-            total += len(heads.groups[group].history_indices(committed)) + 1
+            policy = heads.groups[group]
+            indices = policy.history_indices(committed)
+            if isinstance(policy, am.FrameWindowPolicy):  # trimmed chunks: their kept frames
+                total += sum(len(policy.kept_frames(i, committed)) for i in indices) / policy.frames_per_chunk + 1
+            else:
+                total += len(indices) + 1
     return total / (heads.num_layers * heads.num_kv_heads) * config.chunk_size
 
 

@@ -128,6 +128,12 @@ for what in "$@"; do
     peers_cfg_on|peers_cfg_off) step "end_to_end_$what" 560 python3 -m benchmarks.end_to_end --cfg "${what#peers_cfg_}" \
                --variants library_compiled,library_compiled_graph,rolling_fa3_compiled,rolling_fa3_compiled_fullgraph,rolling_fa3_compiled_graph \
                --chunks-timed 5 --out "$out/$what" ;;
+    # Issue 42: Forcing-KV's published Self-Forcing numbers with its dynamic mode off (every head sink 1 frame + the
+    # last frame: FrameWindowPolicy), CFG off, compiled + CUDA graph, beside the graphed peer and full-window library.
+    frames_cfg_off) step end_to_end_frames_cfg_off 420 python3 -m benchmarks.end_to_end --cfg off \
+               --heads benchmarks/configs/forcingkv_selfforcing_static_wan1.3b.json \
+               --variants library_heads_compiled_graph,rolling_fa3_compiled_graph,library_compiled_graph \
+               --chunks-timed 3 --out "$out/frames_cfg_off" ;;
     head_retention) step head_retention 200 python3 -m benchmarks.head_retention --cfg on,off --out "$out/heads" ;;
     # Issue 28 at the 14B-like shape, CFG on and off, compiled: the peer, the library, per-head retention (~4 min).
     end_to_end_14b) step end_to_end_14b 330 python3 -m benchmarks.end_to_end --preset wan14b-like \

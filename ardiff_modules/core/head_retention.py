@@ -31,7 +31,9 @@ File format (``to_json`` / ``from_json``)::
      "layers": [["global", "local", ...], ...]}      # one group name per kv head, per layer
 
 Every group names its ``window_chunks`` (``null`` for an unbounded window: a missing key is refused, not
-read as unbounded); ``sink_chunks`` defaults to 0.
+read as unbounded); ``sink_chunks`` defaults to 0. A group counted in frames
+(:class:`~ardiff_modules.core.frame_retention.FrameWindowPolicy`) is written
+``{"sink_frames": 1, "window_frames": 1, "frames_per_chunk": 3}``.
 
 A per-head classification such as Forcing-KV's (for each layer, the indices of its local heads) goes
 through :meth:`HeadRetention.from_local_heads`.
@@ -46,6 +48,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ardiff_modules.checks import is_int, require_int
+from ardiff_modules.core.frame_retention import FrameWindowPolicy
 from ardiff_modules.core.retention import RetentionPolicy, SinkWindowPolicy, check_declared, check_index_bound
 from ardiff_modules.errors import SpecError
 
@@ -78,6 +81,15 @@ class HeadPart:
 
 def _policy(owner: str, value: Any) -> RetentionPolicy:
     """A group's policy from a policy object, ``(sink, window)`` or ``{"sink_chunks", "window_chunks"}``."""
+    if isinstance(value, Mapping) and "frames_per_chunk" in value:
+        unknown = set(value) - {"sink_frames", "window_frames", "frames_per_chunk"}
+        if unknown or "window_frames" not in value:
+            raise SpecError(
+                f"{owner}: expected keys frames_per_chunk / window_frames (an int, or null) / sink_frames, got keys "
+                f"{sorted(map(str, value))}"
+            )
+        return _policy(owner, FrameWindowPolicy(value.get("sink_frames", 0), value["window_frames"],
+                                                value["frames_per_chunk"]))
     if isinstance(value, Mapping):
         unknown = set(value) - {"sink_chunks", "window_chunks"}
         if unknown:
@@ -284,9 +296,13 @@ class HeadRetention:
 
     # ------------------------------------------------------------------ files
     def to_dict(self) -> dict[str, Any]:
-        """The JSON form (module docstring); only sink + window groups can be written."""
-        groups = {}
+        """The JSON form (module docstring); sink + window groups, in chunks or in frames, can be written."""
+        groups: dict[str, dict[str, int | None]] = {}
         for name, policy in self.groups.items():
+            if isinstance(policy, FrameWindowPolicy):
+                groups[name] = {"sink_frames": policy.sink_frames, "window_frames": policy.window_frames,
+                                "frames_per_chunk": policy.frames_per_chunk}
+                continue
             if not isinstance(policy, SinkWindowPolicy):
                 raise SpecError(
                     f"HeadRetention.to_dict: expected sink + window groups (SinkWindowPolicy), got group {name!r} "
