@@ -77,7 +77,13 @@ def test_a_model_over_frame_lanes_equals_the_reference_backend(mode: str) -> Non
         assert step.num_graphs >= 1
     else:
         fn = torch.compile(model, fullgraph=True) if mode == "compiled" else model
-        got = _model_rollout(fn, model, session, 5, torch.Generator().manual_seed(2))
+        try:
+            got = _model_rollout(fn, model, session, 5, torch.Generator().manual_seed(2))
+        finally:
+            # NOTE: on the H100 (torch 2.11) the next module's compile of the same model class, over a grouped cache,
+            # failed inside dynamo's guard building (IndexError in produce_guards_verbose) after this one; each passes
+            # in its own process. Reset so the suite's order does not matter (benchmarks/results/gpu_tests_h100_frame_lanes.log).
+            torch._dynamo.reset()
     for i, (g, w) in enumerate(zip(got, want)):
         torch.testing.assert_close(g.float(), w.float(), atol=5e-2, rtol=5e-2, msg=lambda m, i=i: f"forward {i}: {m}")
 
