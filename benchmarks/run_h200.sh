@@ -8,6 +8,7 @@
 #   bash .gpu/run.sh bash benchmarks/run_h200.sh peers_cfg_off               (issue 42; limit 560 s; peers_cfg_on likewise)
 #   bash .gpu/run.sh bash benchmarks/run_h200.sh serving serving_14b         (host tier; limits 300 + 200 s, ~2 + ~1 min est.)
 #   bash .gpu/run.sh bash benchmarks/run_h200.sh session_files               (issue 45; limit 300 s, ~3 min est.)
+#   bash .gpu/run.sh bash benchmarks/run_h200.sh training_modes              (issue 43; limit 560 s, ~4 min est.)
 #   (one device command each: a command may run 600 s at most)
 #   bash .gpu/run.sh bash benchmarks/run_h200.sh tests_multi_gpu multi_gpu    (kind nvidia-h200-x2)
 # A step that fails or overruns its time limit is reported and the next one still runs. Results keep the
@@ -134,6 +135,11 @@ for what in "$@"; do
                --heads benchmarks/configs/forcingkv_selfforcing_static_wan1.3b.json \
                --variants library_heads_compiled_graph,rolling_fa3_compiled_graph,library_compiled_graph \
                --chunks-timed 3 --out "$out/frames_cfg_off" ;;
+    # Issue 43: the Self-Forcing-style training step (Wan2.1-1.3B, 21 frames, every block checkpointed) in both
+    # history-gradient modes, library and peer (peer_straight_through: upstream's buffer written with grad, the
+    # straight-through library's gradient reference), the four timed side by side, each one's peak memory alone,
+    # then the 240-frame long rollout. ~36 steps at ~4.5 s (issue 27's row) + ~30 s: estimate ~4 min, not measured.
+    training_modes) step training_modes 560 python3 -m benchmarks.training --out "$out/training_modes" ;;
     head_retention) step head_retention 200 python3 -m benchmarks.head_retention --cfg on,off --out "$out/heads" ;;
     # Issue 28 at the 14B-like shape, CFG on and off, compiled: the peer, the library, per-head retention (~4 min).
     end_to_end_14b) step end_to_end_14b 330 python3 -m benchmarks.end_to_end --preset wan14b-like \

@@ -57,7 +57,7 @@ from ardiff_modules.context import ForwardContext
 from ardiff_modules.core.recache import RecacheRule
 from ardiff_modules.errors import SpecError, StreamPositionError, TensorMismatchError
 from ardiff_modules.integrations.self_forcing import (
-    OpenForward, SelfForcingSelfAttention, SelfForcingSession, self_forcing_rope, swap_layers,
+    OpenForward, SelfForcingSelfAttention, SelfForcingSession, check_rope_dtype, swap_layers,
 )
 from ardiff_modules.modules import ChunkSelfAttention
 from ardiff_modules.spec import KVCacheSpec
@@ -127,7 +127,7 @@ class LongLiveSession(SelfForcingSession):
 
     def __init__(
         self, cache: KVCache, *, branches: Sequence[str] | None = None, owns_cache: bool = False,
-        upstream_window: tuple[int, int] | None = None,
+        upstream_window: tuple[int, int] | None = None, rope_dtype: torch.dtype = torch.float64,
     ) -> None:
         rule = cache.spec.recache
         if rule not in LONGLIVE_RULES:  # checked before the session opens: nothing to undo
@@ -146,7 +146,8 @@ class LongLiveSession(SelfForcingSession):
                 "sink chunk after the first as its first denoising forward wrote it (its recomputes skip the sink "
                 "region); sinks longer than one chunk are not supported yet"
             )
-        super().__init__(cache, branches=branches, owns_cache=owns_cache, upstream_window=upstream_window)
+        super().__init__(cache, branches=branches, owns_cache=owns_cache, upstream_window=upstream_window,
+                         rope_dtype=rope_dtype)
         #: LongLive's ``global_sink`` (the pipeline's ``args.global_sink``), from the spec's rule.
         self.global_sink = rule == LONGLIVE_RULES[0]
 
@@ -190,8 +191,7 @@ class LongLiveSession(SelfForcingSession):
                 f"(where the next chunk starts), got tokens [{start}, {start + tokens}){reset}"
             )
         self._check_sink_flag(sink_recache_after_switch, True)
-        dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-        rope = self_forcing_rope(freqs, grid, start // (grid[1] * grid[2]), device=x.device, dtype=dtype)
+        tables = self._rope_tables(freqs, grid, start, x)
         # NOTE: the first change. LongLive applied the chunk's clean re-run to its buffers before the switch, so
         # it is committed here and stays committed if the re-cache below is refused.
         self._finish(success=True)
@@ -202,8 +202,8 @@ class LongLiveSession(SelfForcingSession):
             forward.abort()
             raise
         if rows is not None:
-            rope = (rope[0].index_select(1, rows), rope[1].index_select(1, rows))
-        self._open = _OpenRecache(start, tokens, forward, rope, rows)
+            tables = (tables[0].index_select(1, rows), tables[1].index_select(1, rows))
+        self._open = _OpenRecache(start, tokens, forward, self._rotation(tables), rows)
         self._marker = (kv_cache, kv_cache.get("global_end_index") if isinstance(kv_cache, Mapping) else None)
 
     def _rebuilt_rows(self, forward: ForwardContext, start: int, tokens: int,
@@ -251,6 +251,7 @@ def swap_self_attention(
     budget_bytes: int | None = None,
     backend: str = "auto",
     check_window: bool = True,
+    rope_dtype: torch.dtype = torch.float64,
 ) -> LongLiveSession:
     """Replace ``model.blocks[i].self_attn`` (LongLive 1.x's ``CausalWanSelfAttention``) by
     :class:`LongLiveSelfAttention` layers driven by one new :class:`LongLiveSession`.
@@ -258,13 +259,15 @@ def swap_self_attention(
     As :func:`ardiff_modules.integrations.self_forcing.swap_self_attention`; the spec's ``recache`` must be
     ``RecacheRule.longlive(global_sink=...)`` with the pipeline's ``global_sink``, and the default ``num_pages``
     makes room for a re-cache at the session's peak (its history, and as many rebuilt chunks plus one).
+    ``rope_dtype``: upstream's float64 rotation (default) or the library's float32 one, as Self-Forcing's.
     """
+    check_rope_dtype("swap_self_attention", rope_dtype)
     spec = cache_or_spec.spec if isinstance(cache_or_spec, KVCache) else cache_or_spec
     history = spec.max_history_chunks if isinstance(spec, KVCacheSpec) else None
     session = swap_layers(
         model, cache_or_spec, LongLiveSelfAttention, LongLiveSession, branches=branches, num_pages=num_pages,
         budget_bytes=budget_bytes, backend=backend, check_window=check_window,
-        peak_pending_chunks=1 if history is None else history + 1,
+        peak_pending_chunks=1 if history is None else history + 1, rope_dtype=rope_dtype,
     )
     assert isinstance(session, LongLiveSession)  # swap_layers builds ``session_type``
     return session

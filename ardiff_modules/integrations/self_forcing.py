@@ -64,7 +64,14 @@ What is left to upstream, and what is ignored
   cached path too) are accepted and ignored.
 - **RoPE** is upstream's: each forward's ``(cos, sin)`` comes from the ``freqs`` table it is given, at
   frames ``current_start // (h * w) ..`` and the rows / columns of ``grid_sizes``, as upstream's
-  ``causal_rope_apply`` indexes it; computed once per model forward, in float64, then rounded once.
+  ``causal_rope_apply`` indexes it (computed once per model forward), and by default q and k are rotated as
+  upstream rotates them: in float64 (its complex128 product), rounded once to the model's dtype
+  (:class:`UpstreamRotation`). The library's own rotation (float32 tables and product, ``rotate``'s rule) is
+  about an ulp per rotation away, which a training rollout grows to 1.6e-5 relative on a parameter gradient;
+  the integration exists to match upstream, so it pays upstream's float64 (an elementwise pass over q and k per
+  layer, as upstream's). ``rope_dtype=torch.float32`` picks the library's rotation instead (cheaper on GPUs
+  with slow float64; not upstream's numerics). Nothing outside the integration changes: ``apply_rope`` /
+  ``ChunkSelfAttention`` keep rotating in float32 (float64 for a float64 model).
 
 Self-Forcing's hard-coded sizes go into the spec: its 30 blocks are ``num_layers``, its 12 x 128 cache
 shape ``num_kv_heads`` x ``head_dim``, ``frame_seq_length`` (1560) times ``num_frame_per_block`` is
@@ -98,18 +105,48 @@ from ardiff_modules.errors import (
     UnknownBranchError,
 )
 from ardiff_modules.integrations.self_forcing_grad import SessionTraining
-from ardiff_modules.modules import ChunkSelfAttention
+from ardiff_modules.modules import ChunkSelfAttention, Rope
+from ardiff_modules.modules.functional import rotate
 from ardiff_modules.session import KVState
 from ardiff_modules.spec import KVCacheSpec
 from ardiff_modules.training import HistoryGrad, in_recomputation
 from ardiff_modules.training.straight_through import check_history_grad
 
 __all__ = [
-    "SelfForcingSelfAttention", "SelfForcingSession", "self_forcing_rope", "swap_layers", "swap_self_attention",
+    "SelfForcingSelfAttention", "SelfForcingSession", "UpstreamRotation", "self_forcing_rope", "swap_layers",
+    "swap_self_attention",
 ]
 
 #: ``(cos, sin)``, each ``[1, seq_len, 1, head_dim]`` (interleaved pairs): one forward's RoPE.
 RopePair = tuple[torch.Tensor, torch.Tensor]
+#: The dtypes ``rope_dtype`` takes: upstream's float64 rotation, or the library's float32 one.
+ROPE_DTYPES = (torch.float64, torch.float32)
+
+
+class UpstreamRotation:
+    """Upstream's ``causal_rope_apply`` rotation of one forward, as a RoPE callable ``(t, positions) -> t``.
+
+    ``t`` is turned in float64 by float64 ``cos`` / ``sin`` (``[1, seq_len, 1, head_dim]``, interleaved pairs,
+    from :func:`self_forcing_rope`) and rounded once to ``t``'s dtype: the product upstream computes as
+    ``view_as_complex(x.to(float64)) * freqs`` (complex128), term for term (``a c - b d``, ``b c + a d``), and
+    its backward likewise in float64. ``positions`` is ignored (the tables are the forward's own).
+    """
+
+    __slots__ = ("cos", "sin")
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        if cos.dtype != torch.float64 or sin.dtype != torch.float64:
+            raise TensorMismatchError(
+                f"UpstreamRotation: expected float64 cos / sin (upstream's complex128 table), got {cos.dtype} / "
+                f"{sin.dtype}"
+            )
+        self.cos, self.sin = cos, sin
+
+    def __call__(self, t: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return rotate(t.to(torch.float64), self.cos, self.sin).to(t.dtype)
+
+    def __repr__(self) -> str:
+        return f"UpstreamRotation(seq_len={self.cos.shape[1]}, head_dim={self.cos.shape[-1]})"
 
 
 def self_forcing_rope(freqs: torch.Tensor, grid: tuple[int, int, int], start_frame: int, *, device: torch.device,
@@ -216,7 +253,7 @@ class OpenForward:
     start: int
     seq_len: int
     forward: ForwardContext
-    rope: RopePair
+    rope: Rope  #: an :class:`UpstreamRotation`, or a float32 ``(cos, sin)`` pair (``rope_dtype=torch.float32``)
 
 
 class SelfForcingSession:
@@ -229,8 +266,10 @@ class SelfForcingSession:
     def __init__(
         self, cache: KVCache, *, branches: Sequence[str] | None = None, owns_cache: bool = False,
         upstream_window: tuple[int, int] | None = None, history_grad: HistoryGrad = "straight_through",
+        rope_dtype: torch.dtype = torch.float64,
     ) -> None:
         check_history_grad("SelfForcingSession", history_grad)
+        check_rope_dtype("SelfForcingSession", rope_dtype)
         if cache.spec.relative_sinks:
             raise SpecError(
                 "SelfForcingSession: expected a spec with relative_sinks=False (Self-Forcing attends its sinks at "
@@ -248,6 +287,8 @@ class SelfForcingSession:
         self._closed = False
         #: Forwards with gradients: the session's training scope and the calls a recomputation finds again.
         self.training = SessionTraining(cache, history_grad)
+        #: How q and k are rotated: float64 (upstream's product, :class:`UpstreamRotation`) or float32 (the library's).
+        self.rope_dtype = rope_dtype
 
     def __repr__(self) -> str:
         opened = "none" if self._open is None else f"start={self._open.start}, seq_len={self._open.seq_len}"
@@ -284,8 +325,7 @@ class SelfForcingSession:
         grid = self._grid(grid_sizes, seq_len)
         replaced = self._kv_cache_replaced(kv_cache)
         self._check_window(grid[0], seq_len, start)
-        dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-        rope = self_forcing_rope(freqs, grid, start // (grid[1] * grid[2]), device=x.device, dtype=dtype)
+        rope = self._rotation(self._rope_tables(freqs, grid, start, x))
         self._settle(start, seq_len, replaced)  # the first change: every check above raised before it
         forward = self.state.prepare_forward(self.branches, seq_len, commit_current=True)
         if any(offset != start for offset in forward.token_offsets):
@@ -296,7 +336,7 @@ class SelfForcingSession:
         self._open = OpenForward(start, seq_len, forward, rope)
         self._marker = (kv_cache, kv_cache.get("global_end_index") if isinstance(kv_cache, Mapping) else None)
 
-    def layer(self, index: int, x: torch.Tensor, current_start: int) -> tuple[LayerContext, RopePair]:
+    def layer(self, index: int, x: torch.Tensor, current_start: int) -> tuple[LayerContext, Rope]:
         """Layer ``index``'s context in the open forward and the forward's RoPE pair."""
         self._check_open("layer")
         opened = self._open
@@ -316,6 +356,17 @@ class SelfForcingSession:
                 f"got {tuple(x.shape)}"
             )
         return opened.forward.layers[index], opened.rope
+
+    def _rope_tables(self, freqs: torch.Tensor, grid: tuple[int, int, int], start: int, x: torch.Tensor) -> RopePair:
+        """The forward's ``(cos, sin)``: float64 for upstream's rotation (or a float64 model), else float32."""
+        upstream = self.rope_dtype == torch.float64 or x.dtype == torch.float64
+        dtype = torch.float64 if upstream else torch.float32
+        return self_forcing_rope(freqs, grid, start // (grid[1] * grid[2]), device=x.device, dtype=dtype)
+
+    @staticmethod
+    def _rotation(tables: RopePair) -> Rope:
+        """What the layers rotate with: float64 tables as upstream's product, float32 ones as the library's pair."""
+        return UpstreamRotation(*tables) if tables[0].dtype == torch.float64 else tables
 
     # ------------------------------------------------------------------ the binding rule
     def _settle(self, start: int, seq_len: int, replaced: bool) -> None:
@@ -497,6 +548,7 @@ def swap_self_attention(
     backend: str = "auto",
     check_window: bool = True,
     history_grad: HistoryGrad = "straight_through",
+    rope_dtype: torch.dtype = torch.float64,
 ) -> SelfForcingSession:
     """Replace ``model.blocks[i].self_attn`` (Self-Forcing's ``CausalWanSelfAttention``) by
     :class:`SelfForcingSelfAttention` layers driven by one new :class:`SelfForcingSession`.
@@ -510,14 +562,29 @@ def swap_self_attention(
     the history they read, when no :class:`~ardiff_modules.TrainingScope` of the cache is active around them
     (see :mod:`~ardiff_modules.integrations.self_forcing_grad`): ``"straight_through"`` (upstream's
     ``SelfForcingTrainingPipeline``: later chunks' losses reach earlier chunks' exit-step K/V) or ``"detached"``.
+    ``rope_dtype``: ``torch.float64`` rotates q and k as upstream does (its complex128 product, rounded once:
+    :class:`UpstreamRotation`; upstream's gradients to 1e-5 through a training rollout), ``torch.float32`` with the
+    library's float32 rotation (an ulp per rotation off upstream; no float64 pass on the GPU).
     Every layer is made before any is swapped: a refusal (:class:`SpecError` naming expected and actual) leaves
     the model as it was.
     """
     check_history_grad("swap_self_attention", history_grad)
+    check_rope_dtype("swap_self_attention", rope_dtype)
     return swap_layers(
         model, cache_or_spec, SelfForcingSelfAttention, SelfForcingSession, branches=branches, num_pages=num_pages,
         budget_bytes=budget_bytes, backend=backend, check_window=check_window, history_grad=history_grad,
+        rope_dtype=rope_dtype,
     )
+
+
+def check_rope_dtype(owner: str, rope_dtype: Any) -> torch.dtype:
+    """``rope_dtype`` is ``torch.float64`` (upstream's rotation) or ``torch.float32``; :class:`SpecError` otherwise."""
+    if not isinstance(rope_dtype, torch.dtype) or rope_dtype not in ROPE_DTYPES:
+        raise SpecError(
+            f"{owner}.rope_dtype: expected torch.float64 (upstream's float64 rotation) or torch.float32 (the "
+            f"library's), got {rope_dtype!r}"
+        )
+    return rope_dtype
 
 
 def swap_layers(
@@ -533,6 +600,7 @@ def swap_layers(
     check_window: bool,
     peak_pending_chunks: int = 1,
     history_grad: HistoryGrad | None = None,
+    rope_dtype: torch.dtype | None = None,
 ) -> Any:
     """:func:`swap_self_attention` with the layer and session types of an integration (LongLive's too).
 
@@ -555,7 +623,9 @@ def swap_layers(
         layers = [_adapter(layer_type, m) for m in upstream]
         _check_geometry(cache, layers)
         window = _upstream_window(upstream[0]) if check_window else None
-        extra = {} if history_grad is None else {"history_grad": history_grad}
+        extra: dict[str, Any] = {} if history_grad is None else {"history_grad": history_grad}
+        if rope_dtype is not None:
+            extra["rope_dtype"] = rope_dtype
         session = session_type(cache, branches=branches, owns_cache=owns, upstream_window=window, **extra)
     except BaseException:
         if owns:

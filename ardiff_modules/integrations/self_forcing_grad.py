@@ -30,6 +30,7 @@ import torch
 
 from ardiff_modules.context import ForwardContext, LayerContext
 from ardiff_modules.errors import TrainingScopeError
+from ardiff_modules.modules import Rope
 from ardiff_modules.training import (
     HistoryGrad,
     HistoryRead,
@@ -40,10 +41,8 @@ from ardiff_modules.training import (
     replaying,
 )
 
-#: ``(cos, sin)`` of one forward (see ``self_forcing_rope``).
-RopePair = tuple[torch.Tensor, torch.Tensor]
-#: The layer's own attention: ``(x, kv, rope) -> out``.
-Attend = Callable[[torch.Tensor, LayerContext, RopePair], torch.Tensor]
+#: The layer's own attention: ``(x, kv, rope) -> out`` (``rope``: the forward's ``UpstreamRotation`` or pair).
+Attend = Callable[[torch.Tensor, LayerContext, Rope], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -52,7 +51,7 @@ class GradCall:
 
     kv_cache: Any  # upstream's dict (identity only)
     kv: LayerContext  # a frozen copy: it keeps describing that forward
-    rope: RopePair
+    rope: Rope
     frames: list[tuple[HistoryRead, int]]
     ambiguous: bool = False
 
@@ -77,7 +76,7 @@ class SessionTraining:
         self.scope.adopt(forward)
         self._adopted = forward._transaction
 
-    def run(self, attend: Attend, index: int, x: torch.Tensor, kv: LayerContext, rope: RopePair, kv_cache: Any,
+    def run(self, attend: Attend, index: int, x: torch.Tensor, kv: LayerContext, rope: Rope, kv_cache: Any,
             current_start: int) -> torch.Tensor:
         """A first layer call with gradients: ``attend(x, kv, rope)``, recorded for its recomputation."""
         self.adopt(kv.forward)

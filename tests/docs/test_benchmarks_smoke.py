@@ -114,6 +114,46 @@ def test_end_to_end_cpu_smoke(tmp_path: Path) -> None:
         assert (tmp_path / "end_to_end.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_training_cpu_smoke_both_history_modes(tmp_path: Path) -> None:
+    """benchmarks.training on the CPU: the four variants (detached and straight-through, library and peer), the
+    straight-through library's gradients equal upstream's mechanism (the peer writing its buffer with grad) and differ
+    from the detached ones; a subset without the long rollout runs too."""
+    from benchmarks import training
+
+    tiny = ["--device", "cpu", "--preset", "tiny", "--frames", "6", "--steps", "1"]
+    assert training.main([*tiny, "--long-frames", "6", "--out", str(tmp_path)]) == 0
+    payload = json.loads((tmp_path / "training.json").read_text())
+    assert list(payload["results"]) == list(training.VARIANTS) == payload["config"]["variants"]
+    for row in payload["results"].values():
+        assert row["ms_per_step"] > 0 and row["ms_per_step_stats"]["n_samples"] == 1
+        assert row["peak_memory_bytes"] is None and row["kv_bytes"] > 0  # no memory figures on the CPU
+    grad = payload["grad_rel"]
+    assert set(grad) == set(training.COMPARISONS)
+    for label, c in grad.items():
+        if c["expected"] == "agree":
+            assert c["max"] <= 1e-4, (label, c)  # float32 on the CPU
+        else:
+            assert c["max"] > 1e-2, (label, c)  # the straight-through signal, not rounding
+    assert payload["grad_rel_err"]["max"] == grad["library_vs_peer"]["max"]
+    straight = payload["straight_through"]
+    assert straight["ms_ratio_vs_detached"] > 0 and straight["speedup_vs_peer_straight_through"] > 0
+    assert straight["memory_ratio_vs_detached"] is None
+    assert {"library", "peer"} <= set(payload["long_rollout"])
+    if HAS_MATPLOTLIB:
+        assert (tmp_path / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    subset = tmp_path / "subset"
+    argv = [*tiny, "--variants", "library,library_straight_through", "--long-frames", "0", "--out", str(subset)]
+    assert training.main(argv) == 0
+    payload = json.loads((subset / "training.json").read_text())
+    assert list(payload["results"]) == ["library", "library_straight_through"]
+    assert list(payload["grad_rel"]) == ["library_straight_through_vs_library"]
+    assert payload["speedup_vs_peer"] is None and payload["grad_rel_err"] is None
+    assert "library" not in payload["long_rollout"]
+    with pytest.raises(SystemExit) as exc:
+        training.main([*tiny, "--variants", "library,upstream"])
+    assert exc.value.code == 2
+
+
 def test_end_to_end_help(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         end_to_end.main(["--help"])

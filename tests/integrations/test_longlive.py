@@ -101,6 +101,19 @@ def test_interactive_loop_over_the_swapped_layers_equals_upstream(
     assert session.cache.is_closed
 
 
+@pytest.mark.parametrize("rope_dtype", [torch.float64, torch.float32], ids=["upstream-float64", "library-float32"])
+def test_rope_dtype_through_the_recache(rope_dtype: torch.dtype) -> None:
+    """Upstream's float64 rotation (the default), re-cache forwards' rebuilt rows included: bit-equal to upstream
+    on the CPU (asserted to 1e-6); the library's float32 rotation is an ulp per rotation away (measured 6.7e-6)."""
+    upstream, ours, session = pair(3, 3, 12, 1, False, rope_dtype=rope_dtype)
+    expected, got = run(upstream, 21, 1, [6, 12, 16]), run(ours, 21, 1, [6, 12, 16])
+    torch.testing.assert_close(got, expected, atol=1e-6 if rope_dtype == torch.float64 else ATOL, rtol=0)
+    assert session.rope_dtype == rope_dtype
+    session.close()
+    with pytest.raises(am.SpecError, match=r"rope_dtype: expected torch.float64 .* got torch.float16"):
+        pair(1, 1, 4, 1, True, rope_dtype=torch.float16)
+
+
 def test_two_videos_through_one_pipeline_equal_upstreams() -> None:
     """Each video gets new cache dicts: the session resets with them; an open re-cache is dropped too."""
     upstream, ours, session = pair(1, 1, 4, 1, True)

@@ -14,7 +14,12 @@ import pytest
 import torch
 
 import ardiff_modules as am
-from ardiff_modules.integrations.self_forcing import SelfForcingSelfAttention, self_forcing_rope, swap_self_attention
+from ardiff_modules.integrations.self_forcing import (
+    SelfForcingSelfAttention,
+    UpstreamRotation,
+    self_forcing_rope,
+    swap_self_attention,
+)
 from tests.support.paths import DOCS
 from tests.support.rolling_buffer import chunk_frames, visible_frames
 from tests.support.self_forcing_pipeline import TINY, CausalInferencePipeline, build_pipeline, roll_and_write, twin
@@ -96,6 +101,45 @@ def test_self_forcing_rope_is_causal_rope_apply() -> None:
     cos, sin = self_forcing_rope(freqs, grid, 7, device=x.device, dtype=torch.float64)
     ours = am.apply_rope(x, torch.zeros(2, x.shape[1], dtype=torch.long), (cos, sin))
     torch.testing.assert_close(ours, rope_apply(x, grid, freqs, start_frame=7), atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_upstream_rotation_is_causal_rope_apply_bit_for_bit(dtype: torch.dtype) -> None:
+    """The integration's default rotation (``rope_dtype=torch.float64``) is upstream's ``rope_apply(x).type_as(x)``
+    exactly, forward and backward (a float64 product rounded once); the library's float32 pair is not always."""
+    freqs = wan_freqs(TINY.head_dim, 1024)
+    grid = (3, TINY.grid_height, TINY.grid_width)
+    x = torch.randn(2, 3 * PER_FRAME, TINY.num_heads, TINY.head_dim).to(dtype).requires_grad_(True)
+    twin_x = x.detach().clone().requires_grad_(True)
+    cos, sin = self_forcing_rope(freqs, grid, 7, device=x.device, dtype=torch.float64)
+    ours = am.apply_rope(x, torch.zeros(2, x.shape[1], dtype=torch.long), UpstreamRotation(cos, sin))
+    expected = rope_apply(twin_x, grid, freqs, start_frame=7).type_as(twin_x)
+    assert ours.dtype == dtype and torch.equal(ours, expected)
+    weights = torch.randn(x.shape).to(dtype)
+    (ours * weights).sum().backward()
+    (expected * weights).sum().backward()
+    assert torch.equal(x.grad, twin_x.grad)
+    if dtype == torch.float32:  # the float32 product is an ulp away somewhere: what the float64 one removes
+        pair = self_forcing_rope(freqs, grid, 7, device=x.device, dtype=torch.float32)
+        assert not torch.equal(am.apply_rope(x.detach(), torch.zeros(2, x.shape[1], dtype=torch.long), pair), expected)
+    with pytest.raises(am.TensorMismatchError, match="expected float64 cos / sin .* got torch.float32"):
+        UpstreamRotation(cos.float(), sin.float())
+
+
+@pytest.mark.parametrize("rope_dtype", [torch.float64, torch.float32], ids=["upstream-float64", "library-float32"])
+def test_rope_dtype_picks_the_rotation(rope_dtype: torch.dtype) -> None:
+    """Both rotations run upstream's loop to 1e-5; the layers get an ``UpstreamRotation`` or a float32 pair."""
+    upstream, ours, session = pair(3, 0, 9, 2, rope_dtype=rope_dtype)
+    noise, text = inputs(2, 3 * 5)
+    torch.testing.assert_close(run(ours, noise, text), run(upstream, noise, text), atol=ATOL, rtol=0)
+    rope = session._open.rope if session._open is not None else None
+    assert isinstance(rope, UpstreamRotation) == (rope_dtype == torch.float64)
+    assert session.rope_dtype == rope_dtype
+    session.close()
+    for bad in (torch.bfloat16, "float64", None):
+        with pytest.raises(am.SpecError, match=r"rope_dtype: expected torch.float64 .* or torch.float32 .*, got"):
+            swap_self_attention(build_pipeline(local_attn_size=9, sink_size=0, frames_per_block=3).generator.model,
+                                make_spec(3, 0, 9, 1), rope_dtype=bad)  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------------------ upstream's loop, unchanged, both ways
