@@ -8,6 +8,8 @@
 #   bash .gpu/run.sh bash benchmarks/run_h200.sh peers_cfg_off               (issue 42; limit 560 s; peers_cfg_on likewise)
 #   bash .gpu/run.sh bash benchmarks/run_h200.sh serving serving_14b         (host tier; limits 300 + 200 s, ~2 + ~1 min est.)
 #   bash .gpu/run.sh bash benchmarks/run_h200.sh session_files               (issue 45; limit 300 s, ~3 min est.)
+#   bash .gpu/run.sh bash benchmarks/run_h200.sh serving_compiled_cfg_off    (issue 45; limit 560 s, ~5 min est.)
+#   bash .gpu/run.sh bash benchmarks/run_h200.sh session_transport           (issue 45; limit 240 s, ~1-2 min est.)
 #   (one device command each: a command may run 600 s at most)
 #   bash .gpu/run.sh bash benchmarks/run_h200.sh tests_multi_gpu multi_gpu    (kind nvidia-h200-x2)
 # A step that fails or overruns its time limit is reported and the next one still runs. Results keep the
@@ -113,6 +115,11 @@ for what in "$@"; do
     # a pool for 2; estimate ~2 min: ~25 s of chunk steps per policy, the suspend / resume copies, a 9-step
     # calibration) and the 14B-like attention shape (10 sessions, a pool for 3; estimate ~1 min). Not measured yet.
     serving) step serving 300 python3 -m benchmarks.serving --out "$out" ;;
+    # Issue 45 item 4: the serving trace at the 1.3B shape compiled, CFG off (the real-time setting), the four policies
+    # (migrate beside suspend, close_idle, queue). Estimate ~5 min: ~2-3 min of compiles (batch 1 and 2, before
+    # anything is timed), the per-policy warm-ups, ~10-20 s of trace per policy (each capped at 60 s).
+    serving_compiled_cfg_off) step serving_compiled_cfg_off 560 python3 -m benchmarks.serving --compile --cfg off \
+               --policy-time-limit 60 --out "$out/serving_compiled_cfg_off" ;;
     serving_14b) step serving_14b 200 python3 -m benchmarks.serving --preset wan14b-like --compute attention \
                --out "$out/serving_14b" ;;
     # Issue 45 item 4: save / load of one Wan2.1-1.3B session (12.3 GB file in /tmp) vs the model's chunk step, the
