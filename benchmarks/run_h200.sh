@@ -125,6 +125,10 @@ for what in "$@"; do
     # Issue 45 item 4: save / load of one Wan2.1-1.3B session (12.3 GB file in /tmp) vs the model's chunk step, the
     # host tier, plain file I/O and the host link (estimate ~3 min; save / load rounds stop past --budget-s 120).
     session_files) step session_files 300 python3 -m benchmarks.session_files --out "$out" ;;
+    # Issue 45 item 4: send / receive of one Wan2.1-1.3B session between two processes on one GPU (gloo: NCCL refuses
+    # two ranks on one device; the pages staged through the host), 3 round trips, beside the wire / d2h / h2d / d2d
+    # copies of the same bytes. Estimate ~1-2 min (12 GB over loopback TCP, 6 moves); on 2 GPUs it picks NCCL.
+    session_transport) step session_transport 240 python3 -m benchmarks.session_transport --out "$out" ;;
     # Issue 28: where the 14B-like chunk step's time goes, library compiled vs the compiled FA3 peer (and head groups):
     # torch.profiler tables and a gzipped chrome trace per variant under $OUT/e14p. Estimate ~2.5 min.
     profile_14b) step profile_14b 240 python3 -m benchmarks.end_to_end --preset wan14b-like --cfg off \
