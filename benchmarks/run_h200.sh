@@ -9,6 +9,8 @@
 #   bash .gpu/run.sh bash benchmarks/run_h200.sh serving serving_14b         (host tier; limits 300 + 200 s, ~2 + ~1 min est.)
 #   bash .gpu/run.sh bash benchmarks/run_h200.sh session_files               (issue 45; limit 300 s, ~3 min est.)
 #   bash .gpu/run.sh bash benchmarks/run_h200.sh training_modes              (issue 43; limit 560 s, ~4 min est.)
+#   bash .gpu/run.sh bash benchmarks/run_h200.sh serving_compiled_cfg_off    (issue 45; limit 560 s, ~5 min est.)
+#   bash .gpu/run.sh bash benchmarks/run_h200.sh session_transport           (issue 45; limit 240 s, ~1-2 min est.)
 #   (one device command each: a command may run 600 s at most)
 #   bash .gpu/run.sh bash benchmarks/run_h200.sh tests_multi_gpu multi_gpu    (kind nvidia-h200-x2)
 # A step that fails or overruns its time limit is reported and the next one still runs. Results keep the
@@ -114,11 +116,20 @@ for what in "$@"; do
     # a pool for 2; estimate ~2 min: ~25 s of chunk steps per policy, the suspend / resume copies, a 9-step
     # calibration) and the 14B-like attention shape (10 sessions, a pool for 3; estimate ~1 min). Not measured yet.
     serving) step serving 300 python3 -m benchmarks.serving --out "$out" ;;
+    # Issue 45 item 4: the serving trace at the 1.3B shape compiled, CFG off (the real-time setting), the four policies
+    # (migrate beside suspend, close_idle, queue). Estimate ~5 min: ~2-3 min of compiles (batch 1 and 2, before
+    # anything is timed), the per-policy warm-ups, ~10-20 s of trace per policy (each capped at 60 s).
+    serving_compiled_cfg_off) step serving_compiled_cfg_off 560 python3 -m benchmarks.serving --compile --cfg off \
+               --policy-time-limit 60 --out "$out/serving_compiled_cfg_off" ;;
     serving_14b) step serving_14b 200 python3 -m benchmarks.serving --preset wan14b-like --compute attention \
                --out "$out/serving_14b" ;;
     # Issue 45 item 4: save / load of one Wan2.1-1.3B session (12.3 GB file in /tmp) vs the model's chunk step, the
     # host tier, plain file I/O and the host link (estimate ~3 min; save / load rounds stop past --budget-s 120).
     session_files) step session_files 300 python3 -m benchmarks.session_files --out "$out" ;;
+    # Issue 45 item 4: send / receive of one Wan2.1-1.3B session between two processes on one GPU (gloo: NCCL refuses
+    # two ranks on one device; the pages staged through the host), 3 round trips, beside the wire / d2h / h2d / d2d
+    # copies of the same bytes. Estimate ~1-2 min (12 GB over loopback TCP, 6 moves); on 2 GPUs it picks NCCL.
+    session_transport) step session_transport 240 python3 -m benchmarks.session_transport --out "$out" ;;
     # Issue 28: where the 14B-like chunk step's time goes, library compiled vs the compiled FA3 peer (and head groups):
     # torch.profiler tables and a gzipped chrome trace per variant under $OUT/e14p. Estimate ~2.5 min.
     profile_14b) step profile_14b 240 python3 -m benchmarks.end_to_end --preset wan14b-like --cfg off \

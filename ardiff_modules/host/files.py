@@ -89,13 +89,19 @@ def save_sessions(cache: FileHost, path: PathLike, sessions: Iterable[KVState]) 
 
 
 def snapshot(
-    cache: FileHost, sessions: Iterable[KVState], what: str
+    cache: FileHost, sessions: Iterable[KVState], what: str, device: torch.device | None = None
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The tensors (CPU copies) and header of ``sessions``, checked (open, of ``cache``, resident, idle)."""
+    """The tensors and header of ``sessions``, checked (open, of ``cache``, resident, idle).
+
+    ``device=None`` (a file): CPU copies that share no memory with the cache, and a SHA-256 digest of each in the
+    header. Else (a send): the tensors on ``device`` without digests -- each lane's distinct pages gathered in one
+    ``index_select`` on the pool (a fresh tensor), the scales, cross entries and latents as the cache holds them
+    when they are already there (the sender holds the cache's lock until they are sent); nothing goes through host
+    memory when ``device`` is the pool's."""
     with cache.lock:
         if cache.is_closed:
             raise CacheClosedError(f"{what}: expected an open KVCache, got one that was closed")
-        return _snapshot(cache, _checked_sessions(cache, sessions, what))
+        return _snapshot(cache, _checked_sessions(cache, sessions, what), device)
 
 
 def _checked_sessions(cache: FileHost, sessions: Iterable[KVState], what: str) -> list[KVState]:
@@ -127,8 +133,10 @@ def lane_layouts(cache: FileHost) -> tuple[LaneLayout, ...] | None:
     return tuple(LaneLayout(lane.name, lane.spec, lane.layers, lane.part.heads) for lane in cache._lanes)  # type: ignore[union-attr]
 
 
-def _snapshot(cache: FileHost, states: Sequence[KVState]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The file's tensors (CPU copies) and header: each distinct page (per lane), cross entry and latent once."""
+def _snapshot(
+    cache: FileHost, states: Sequence[KVState], device: torch.device | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The tensors and header: each distinct page (per lane), cross entry and latent once (see :func:`snapshot`)."""
     tensors: dict[str, torch.Tensor] = {}
     indices, counts = [], []
     for lane, (pages_name, scales_name) in zip(cache._lanes, tensor_names(cache)):
@@ -136,9 +144,10 @@ def _snapshot(cache: FileHost, states: Sequence[KVState]) -> tuple[dict[str, tor
             p for s in states for n in s.kv_branch_names for p in s._lane_pages(n)[lane.index].history_pages()
         ))
         raw = lane.pool.kv.view(torch.uint8)
-        # NOTE: index_select over the page dim, then page-major: one row per page, as the host tier's arena holds them.
+        # NOTE: page-major, one row per page as the host tier's arena holds them: one gather (index_select on the
+        # page dim of a page-major view writes a fresh contiguous tensor), not a gather and then a transpose copy.
         index = torch.tensor(order, dtype=torch.long, device=raw.device)
-        tensors[pages_name], tensors[scales_name] = raw.index_select(2, index).movedim(2, 0), lane.pool.scales
+        tensors[pages_name], tensors[scales_name] = raw.movedim(2, 0).index_select(0, index), lane.pool.scales
         indices.append({p: i for i, p in enumerate(order)})
         counts.append(len(order))
     names: dict[int, str] = {}  # id(tensor or entry) -> its name in the file (each shared one written once)
@@ -163,15 +172,18 @@ def _snapshot(cache: FileHost, states: Sequence[KVState]) -> tuple[dict[str, tor
         branches: dict[str, Any] = {"lanes": lanes} if grouped else {"branches": lanes[0]}
         cross = [[c, b, name_of(e, "cross")] for (c, b), e in state._cross_entries().items()]
         sessions.append({"id": state.session_id, **branches, "cross": cross})
-    # NOTE: clone where .to("cpu") returned the live tensor (a CPU pool): the file is written after the lock is
-    # released, and a later forward (an FP8 calibration) must not change what the digests describe.
-    tensors = {k: _host_copy(t) for k, t in tensors.items()}
     quantizers = [lane.pool.quantizer for lane in cache._lanes]
     header: dict[str, Any] = {
         "format": FORMAT, "version": FORMAT_VERSION, "spec": spec_fields(cache.spec),
         "scales_fixed": all(q is not None and q.all_calibrated for q in quantizers), "sessions": sessions,
-        "digests": {k: _digest(t) for k, t in tensors.items()},
     }
+    if device is None:
+        # NOTE: clone where .to("cpu") returned the live tensor (a CPU pool): the file is written after the lock is
+        # released, and a later forward (an FP8 calibration) must not change what the digests describe.
+        tensors = {k: _host_copy(t) for k, t in tensors.items()}
+        header["digests"] = {k: _digest(t) for k, t in tensors.items()}
+    else:
+        tensors = {k: t.detach().to(device).contiguous() for k, t in tensors.items()}
     layouts = lane_layouts(cache)
     if layouts is None:
         header["pages"] = counts[0]
@@ -244,16 +256,20 @@ def load_sessions(cache: FileHost, path: PathLike, session_ids: Sequence[str] | 
 
 def open_snapshot(
     cache: FileHost, where: str, header: object, tensors: Mapping[str, torch.Tensor],
-    session_ids: Sequence[str] | None,
+    session_ids: Sequence[str] | None, *, digests: bool = True,
 ) -> list[KVState]:
     """Open the sessions of a snapshot (header text and tensors: a file's, or received): check, reserve, copy,
-    open -- all or nothing (see :func:`load_sessions`); ``where`` names the operation and source in messages."""
+    open -- all or nothing (see :func:`load_sessions`); ``where`` names the operation and source in messages.
+    ``digests=False`` (received over a link, which delivers bytes whole): no per-tensor SHA-256 check, every
+    other check kept. The tensors may be on any device (a CUDA pool's, received over NCCL)."""
     with cache.lock:
         if cache.is_closed:
             raise CacheClosedError(f"{where}: expected an open KVCache, got one that was closed")
         reader = HeaderReader(where, cache.spec, set(tensors), lane_layouts(cache))
         saved = reader.read(header)
-        _check_tensors(cache, reader, saved, tensors)
+        if digests:
+            _check_digests(reader, tensors)
+        check_layout(cache, reader, saved, tensors)
         ids = _new_ids(cache, saved, session_ids, where)
         scales = _scales_to_adopt(cache, reader, tensors)
         return _install(cache, saved, ids, tensors, scales, where)
@@ -275,10 +291,8 @@ def _read(path: PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         ) from None
 
 
-def _check_tensors(
-    cache: FileHost, reader: HeaderReader, saved: Sequence[SavedSession], tensors: Mapping[str, torch.Tensor]
-) -> None:
-    """Every tensor the header names exists with its digest, shape and dtype (nothing else is trusted)."""
+def _check_digests(reader: HeaderReader, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Every tensor has the header's digest (a file's tensors: safetensors checks offsets, not contents)."""
     digests = reader.dict_(reader.header.get("digests"), "header.digests")
     if sorted(digests) != sorted(tensors):
         raise reader.fail("header.digests", f"a digest of each tensor {sorted(tensors)}", sorted(digests))
@@ -289,7 +303,6 @@ def _check_tensors(
                 f"tensor {name!r}", f"bytes of SHA-256 {str(digests[name])[:16]}... (the header's)",
                 f"SHA-256 {digest[:16]}...: a corrupted file",
             )
-    check_layout(cache, reader, saved, tensors)
 
 
 def check_layout(
@@ -367,11 +380,11 @@ def _scales_to_adopt(
         scales = tensors[name]
         if not bool(torch.isfinite(scales).all()) or not bool((scales > 0).all()):
             raise reader.fail(f"tensor {name!r}", "positive finite FP8 scales", f"min {float(scales.min())}")
-        if quantizer.written and not torch.equal(scales, pool.scales.to("cpu")):
+        if quantizer.written and not torch.equal(scales.to(pool.scales.device), pool.scales):
             raise reader.fail(
                 "spec field 'kv_scales'" + (f" (lane {lane.name!r})" if lane.part is not None else ""),
                 "the FP8 scales this pool already quantized its pages with",
-                f"scales differing by up to {float((scales - pool.scales.cpu()).abs().max()):.3g}",
+                f"scales differing by up to {float((scales.cpu() - pool.scales.cpu()).abs().max()):.3g}",
             )
         out.append(None if quantizer.written else scales)
     return out
@@ -459,7 +472,7 @@ def _copy_pages(pool: KVPool, pages: torch.Tensor, copies: Sequence[tuple[int, i
     if not copies:
         return
     raw = pool.kv.view(torch.uint8)
-    source = pages.index_select(0, torch.tensor([h for h, _ in copies], dtype=torch.long))
+    source = pages.index_select(0, torch.tensor([h for h, _ in copies], dtype=torch.long, device=pages.device))
     index = torch.tensor([q for _, q in copies], dtype=torch.long, device=raw.device)
     raw.index_copy_(2, index, source.to(raw.device).movedim(0, 2))
 

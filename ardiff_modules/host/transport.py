@@ -1,16 +1,26 @@
 """Move sessions between processes without a file: ``KVCache.send_sessions`` / ``KVCache.recv_sessions`` (issue 45).
 
-The same snapshot as a saved file (:mod:`~ardiff_modules.host.files`: each distinct page, cross entry and latent
-once, a header naming the spec), sent over a ``torch.distributed`` group (gloo on the CPU) point to point, then an
-answer back; the receiver checks and opens them exactly as a load does (all or nothing)::
+What a saved file holds (:mod:`~ardiff_modules.host.files`: each distinct page, cross entry and latent once, a
+header naming the spec), sent over a ``torch.distributed`` group point to point, then an answer back; the receiver
+checks and opens them exactly as a load does (all or nothing)::
 
     sender                                    receiver
-    snapshot (lock held to the end)  --envelope, tensors-->  check, reserve, copy, open
+    snapshot (lock held to the end)  --envelope-->           check the header and every shape: no tensor moved yet
+                                     <--- "go" / refusal --  (a refusal: nothing received, nothing allocated)
+                                     --- tensors --------->  reserve, copy, open
     close the sent sessions          <------ "ok" ---------  (or "refused: <error>": nothing opened, and the
                                                               sender keeps its sessions, raising the error)
 
-The group must carry CPU tensors (gloo; a CUDA pool's snapshot is gathered to the CPU first, so a gloo group
-beside an NCCL one serves CUDA caches too). Transactional: the sender keeps its sessions until the receiver answers that it opened them; a refusal or a
+**Pages straight from the pool.** The tensors travel on the group's device (:func:`wire_device`): with NCCL
+(``"nccl"`` in the group's backend) on the current CUDA device -- each lane's distinct pages gathered from the pool
+in one ``index_select`` and sent as they are, received into a device buffer and copied into the pool with one
+``index_copy_``, never through host memory; with gloo on the CPU (a CUDA pool's gathered pages are copied to the
+host for the send and back to the device on the receiver: gloo carries CPU tensors). The control messages (the
+envelope, the answers) are small tensors on the same device. A link delivers bytes whole, so a send carries no
+SHA-256 digests (a file does); every other check of a load is made, and the envelope's shapes before any tensor
+moves.
+
+Transactional: the sender keeps its sessions until the receiver answers that it opened them; a refusal or a
 failure on either side (a check, room, ids, a lost peer) leaves them where they were. NOTE: if the answer itself
 is lost after the receiver opened them (the sender died, or the link broke at that moment), both sides hold
 them -- a duplicate, never a loss.
@@ -49,9 +59,10 @@ def send_sessions(cache: FileHost, sessions: Iterable[KVState], dst: int, group:
     """
     if isinstance(sessions, Iterable) and not isinstance(sessions, KVState):
         sessions = list(sessions)  # walked twice: the snapshot, then the close
+    wire = wire_device(group)
     with cache.lock:
         try:
-            tensors, header = snapshot(cache, sessions, "send_sessions")
+            tensors, header = snapshot(cache, sessions, "send_sessions", device=wire)
         except ARDiffError as e:
             _send_json({"refused": f"{type(e).__name__}: {e}"}, dst, group)
             raise
@@ -101,6 +112,7 @@ def recv_sessions(
     that refused or was lost, or an envelope past these bounds.
     """
     where = f"recv_sessions(from rank {src})"
+    wire = wire_device(group)
     try:
         envelope = _recv_json(src, group)
     except Exception as e:
@@ -116,11 +128,11 @@ def recv_sessions(
         raise
     _send_json({"go": True}, src, group)
     try:
-        tensors = {n: _recv_tensor(src, group, dtype, shape) for n, dtype, shape in entries}
+        tensors = {n: _recv_tensor(src, group, dtype, shape, wire) for n, dtype, shape in entries}
     except Exception as e:
         raise SessionTransferError(f"{where}: expected a snapshot, got {type(e).__name__}: {e}") from e
     try:
-        states = open_snapshot(cache, where, envelope["header"], tensors, session_ids)
+        states = open_snapshot(cache, where, envelope["header"], tensors, session_ids, digests=False)
     except BaseException as e:
         _send_json({"ok": False, "error": f"{type(e).__name__}: {e}"}, src, group)
         raise
@@ -175,31 +187,42 @@ def _check_envelope(
         )
 
 
-def _recv_tensor(src: int, group: Any, dtype: str, shape: list[int]) -> torch.Tensor:
-    """One tensor of the envelope (checked by :func:`_checked_entries`)."""
-    t = torch.empty(shape, dtype=_DTYPES[dtype])
+def wire_device(group: Any = None) -> torch.device:
+    """The device a send over ``group`` carries its tensors on: the current CUDA device when the group's backend
+    is NCCL (``"nccl"``, or a ``"cpu:gloo,cuda:nccl"`` pair), else the CPU (gloo)."""
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _recv_tensor(src: int, group: Any, dtype: str, shape: list[int], device: torch.device) -> torch.Tensor:
+    """One tensor of the envelope (checked by :func:`_checked_entries`), received on ``device``."""
+    t = torch.empty(shape, dtype=_DTYPES[dtype], device=device)
     if t.numel():
         dist.recv(t, src, group=group)
     return t
 
 
 def _send_json(obj: dict[str, Any], dst: int, group: Any) -> None:
-    data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
-    dist.send(torch.tensor([data.numel()], dtype=torch.int64), dst, group=group)
+    device = wire_device(group)
+    data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8).to(device)
+    dist.send(torch.tensor([data.numel()], dtype=torch.int64, device=device), dst, group=group)
     dist.send(data, dst, group=group)
 
 
 def _recv_json(src: int, group: Any) -> dict[str, Any]:
-    size = torch.empty(1, dtype=torch.int64)
+    device = wire_device(group)
+    size = torch.empty(1, dtype=torch.int64, device=device)
     dist.recv(size, src, group=group)
     nbytes = int(size.item())
     if not 0 < nbytes <= MAX_MESSAGE_BYTES:
         raise SessionTransferError(
             f"rank {src}: expected a message of 1 to {MAX_MESSAGE_BYTES} bytes, got one announcing {nbytes} bytes"
         )
-    data = torch.empty(nbytes, dtype=torch.uint8)
+    data = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dist.recv(data, src, group=group)
-    obj = json.loads(bytes(data.numpy()).decode())
+    obj = json.loads(bytes(data.cpu().numpy()).decode())
     if not isinstance(obj, dict):
         raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
     return obj

@@ -44,7 +44,7 @@ from tests.support.paths import BENCHMARKS, REPO_ROOT as ROOT
 
 # end_to_end's --help is checked in-process (its module imports torch and the example model: seconds).
 SCRIPTS = ("attention", "sessions", "compile_vs_eager", "first_use", "host_time", "replot", "ulysses_rank",
-           "head_retention", "warm_start", "session_files")
+           "head_retention", "warm_start", "session_files", "session_transport")
 GPU_ONLY = ("attention", "compile_vs_eager", "first_use", "host_time", "ulysses_rank", "head_retention")
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 

@@ -1,4 +1,4 @@
-"""CPU smoke test of ``benchmarks.serving`` (tiny preset): the three policies over one trace with more sessions
+"""CPU smoke test of ``benchmarks.serving`` (tiny preset): the four policies over one trace with more sessions
 than the pool holds; every metric reported for every policy; the suspend policy's outputs equal the queue's
 (where no session ever leaves the device), chunks after a resume included; nothing leaks; suspend's TTFC p90
 at most queue's on a trace that guarantees it; ``--device cuda`` without CUDA exits 2 with one line."""
@@ -60,6 +60,13 @@ def test_serving_benchmark_cpu(tmp_path: Path) -> None:
     assert p["close_idle"]["closes"] > 0 and p["close_idle"]["reprefill"]["forwards"] > 0
     assert p["close_idle"]["suspends"] == 0 and p["queue"]["suspends"] == p["queue"]["closes"] == 0
     assert p["queue"]["peak"]["waiting"] > 0 and p["queue"]["peak"]["host_bytes"] == 0
+    # migrate moved paused sessions to the second replica and back (no host tier, no close), each move timed.
+    m = p["migrate"]
+    assert m["migrations"] == m["migrate_out"]["count"] + m["migrate_in"]["count"] and m["migrate_in"]["count"] > 0
+    assert m["migrate_out"]["bytes_total"] > 0 and m["peak"]["replica"] > 0 and m["peak"]["replica_bytes"] > 0
+    assert m["suspends"] == m["closes"] == 0 and m["peak"]["host_bytes"] == 0
+    assert m["ttfc_ticks"]["p90"] < p["queue"]["ttfc_ticks"]["p90"]  # a newcomer streams once a paused one moved
+    assert payload["policies"]["migrate"]["leak_check"]["replica_pages_used"] == 0
     # TTFC: suspend at most queue (by construction of TRACE), in ticks and in seconds.
     assert p["suspend"]["ttfc_ticks"]["p90"] < p["queue"]["ttfc_ticks"]["p90"]
     assert p["suspend"]["ttfc_s"]["p90"] <= p["queue"]["ttfc_s"]["p90"]
@@ -69,6 +76,8 @@ def test_serving_benchmark_cpu(tmp_path: Path) -> None:
     pair = check["pairs"]["suspend_vs_queue"]
     assert pair["compared"] == pair["equal"] == chunks and pair["max_abs_diff"] == 0.0
     assert pair["after_resume"] >= p["suspend"]["resumes"] > 0  # every resume's next chunk compared
+    moved = check["pairs"]["migrate_vs_queue"]  # bit-identical after every move back
+    assert moved["compared"] == moved["equal"] == chunks and moved["after_resume"] >= m["migrate_in"]["count"] > 0
     close = check["pairs"]["close_idle_vs_queue"]
     assert close["compared"] == close["equal"] > 0 and close["compared"] + close["skipped_after_rebuild"] == chunks
     assert payload["run"]["args"]["sessions"] == 6 and "git" in payload["run"]
@@ -118,3 +127,27 @@ def test_serving_with_extents_in_a_fragmented_pool_cpu(tmp_path: Path) -> None:
     assert payload["ok"] and payload["config"]["contiguous_extents"] is True
     for policy in serving.POLICIES:
         assert payload["policies"][policy]["metrics"]["sessions_finished"] == 8
+
+
+def test_serving_compiled_cfg_off_cpu(tmp_path: Path) -> None:
+    """The issue-45 setting's flags (``--compile --cfg off``; the eager dynamo backend on the CPU): one stream per
+    session, every batch size compiled before the timed trace (no graph compiled inside it), the four policies
+    served, migrate's moves within the CUDA tolerance of queue (a lone forward and a batched one round differently
+    on the CPU with one stream)."""
+    payload = serving.run(["--device", "cpu", "--preset", "tiny", "--sessions", "4", "--resident", "2",
+                           "--arrival-gap", "1", "--bursts", "2", "--burst-chunks", "1,2", "--pause-ticks", "3,4",
+                           "--seed", "3", "--cfg", "off", "--compile", "--compile-backend", "eager",
+                           "--out", str(tmp_path)])
+    config = payload["config"]
+    assert payload["ok"] and config["branches"] == ["cond"] and config["cfg"] == "off" and config["compiled"]
+    assert config["compile_warmup_s"] > 0 and not payload["check"]["exact"]
+    for name, res in payload["policies"].items():
+        assert res["metrics"]["graphs_compiled_during_play"] == 0, name
+        assert res["metrics"]["sessions_finished"] == 4, name
+    assert payload["policies"]["migrate"]["metrics"]["migrations"] > 0
+    assert payload["check"]["pairs"]["migrate_vs_queue"]["after_resume"] > 0
+
+
+def test_serving_compile_needs_the_model() -> None:
+    with pytest.raises(SystemExit):
+        serving.parse_args(["--device", "cpu", "--compute", "attention", "--compile"])

@@ -192,3 +192,59 @@ def check_send_recv_lanes(kind: str) -> None:
             out, ref = step(mine, seed, latents=True), step(twin, seed, latents=True)
             assert all(torch.equal(x, y) for x, y in zip(out, ref))
     lanes.assert_clean(cache)
+
+
+# ------------------------------------------------------------------ CUDA pools (tests/distributed/test_send_recv.py, gpu)
+def check_send_recv_cuda() -> None:
+    """A fork family between two CUDA pools: over NCCL (two GPUs) the pages go from the sender's pool to the
+    receiver's without a host copy (the snapshot's tensors are on the device, :func:`files._host_copy` is never
+    called); over gloo (one GPU, two processes) they are staged through the host. Either way the family arrives
+    with its pages shared, byte for byte, and -- saved there and loaded on the CPU -- continues bit-identically to
+    a twin that never left."""
+    import tempfile
+    from pathlib import Path
+
+    rank = dist.get_rank()
+    wire = transport.wire_device(None)
+    device = torch.device("cuda", torch.cuda.current_device())
+    cache = am.KVCache(make_small_cache().spec, num_pages=32, device=device, backend="reference")
+    folder = Path(tempfile.mkdtemp(prefix=f"ardiff_send_cuda_{rank}_"))
+    if rank == 0:  # the family is built on the CPU (the helpers' tensors are CPU ones) and loaded into the CUDA pool
+        cpu = make_small_cache()
+        cpu.save_sessions(folder / "family.safetensors", list(_family(cpu)))
+        a, child = cache.load_sessions(folder / "family.safetensors")
+        sent = {b: cache._pool.kv[:, :, pages_of(child, b)].view(torch.uint8).cpu() for b in BOTH}
+        dist.broadcast_object_list([sent], src=0)
+        real_snapshot, real_host_copy = files.snapshot, files._host_copy
+
+        def on_the_wire(*args, **kwargs):  # type: ignore[no-untyped-def]
+            tensors, header = real_snapshot(*args, **kwargs)
+            assert all(t.device == wire for t in tensors.values()), {n: t.device for n, t in tensors.items()}
+            assert "digests" not in header
+            return tensors, header
+
+        def no_host_copy(t: torch.Tensor) -> torch.Tensor:
+            raise AssertionError("send_sessions copied a tensor to the host for a file")
+
+        transport.snapshot, files._host_copy = on_the_wire, no_host_copy  # type: ignore[assignment]
+        try:
+            cache.send_sessions([a, child], 1)
+        finally:
+            transport.snapshot, files._host_copy = real_snapshot, real_host_copy  # type: ignore[assignment]
+        assert a.is_closed and child.is_closed and cache._allocator.num_used == 0
+        return
+    received: list[object] = [None]
+    dist.broadcast_object_list(received, src=0)
+    twin_cache = make_small_cache()
+    twin_a, twin_child = _family(twin_cache)
+    a, child = cache.recv_sessions(0)
+    assert cache._allocator.num_used == twin_cache._allocator.num_used  # shared pages arrived once
+    for b in BOTH:
+        assert torch.equal(cache._pool.kv[:, :, pages_of(child, b)].view(torch.uint8).cpu(), received[0][b])
+    assert child.recache_latents().device == device
+    cache.save_sessions(folder / "back.safetensors", [a, child])
+    a, child = make_small_cache().load_sessions(folder / "back.safetensors")
+    for seed in range(10, 13):
+        for mine, twin in ((a, twin_a), (child, twin_child)):
+            out, ref = step(mine, seed, latents=True), step(twin, seed, latents=True)
+            assert all(torch.equal(x, y) for x, y in zip(out, ref))
