@@ -49,8 +49,9 @@ attention variants (the rolling ones are the peers of ``baselines.py``):
                        attention path** (``forcing_kv_peer``: its per-layer, per-head-group caches concatenated
                        into fresh tensors every forward, FA3 per group, its content-selected dynamic patches),
                        with its published Self-Forcing configuration (``--forcingkv-heads``: its head file);
-                       eager, compiled ``fullgraph=True`` (FA3 a custom op; a graph per cache state), and that
-                       step's two steady-state forwards replayed from CUDA graphs. The peer for the same method;
+                       eager, compiled ``fullgraph=True`` (FA3 a custom op; two graphs: the transient first
+                       chunks, before its buffers are full, run eagerly), and that step's two settled forwards
+                       replayed from CUDA graphs. The peer for the same method;
                        other semantics than ``library`` (outputs reported, not checked). SDPA on the CPU.
 
 Every variant's rows are also written to ``end_to_end.partial.json`` as it finishes (and when it is skipped or

@@ -73,7 +73,7 @@ from benchmarks.baselines import fa3_unavailable_reason, sdpa_attend, traceable_
 #: Frames per AR block (hard-coded 3 in Forcing-KV: ``current_start_frame // 3``).
 BLOCK_FRAMES = 3
 #: The variants of ``end_to_end``: eager, ``torch.compile(fullgraph=True)`` (FA3 a custom op), and that compiled
-#: step's steady-state forwards replayed from hand-captured CUDA graphs.
+#: step's settled forwards replayed from hand-captured CUDA graphs.
 VARIANTS = ("forcingkv_own", "forcingkv_own_compiled", "forcingkv_own_compiled_graph")
 #: Static (spatial) heads per layer of the published Self-Forcing head file (``configs_head/
 #: forcingkv_heads_selfforcing.json`` at 50ac1f4; 134 of 30 x 12); which heads they are is drawn with a seed.
@@ -511,9 +511,18 @@ class ForcingKVCache:
 
     @property
     def steady(self) -> bool:
-        """Whether the next forwards repeat (a CUDA graph of them replays): switched, and a commit leaves the state."""
+        """Whether the forwards repeat chunk after chunk: switched, and a commit leaves the state as it is (rings of
+        at most a block, rewritten whole; a longer ring's write pointer moves)."""
         s = self.forward.state
         return s.switched and advance(s, self.cfg, self.blocks) == s
+
+    @property
+    def settled(self) -> bool:
+        """Past the transient: switched, and every buffer full (what changes from here on is at most the rings'
+        write pointers, a few states that recur). The compiled runners compile and capture from here on."""
+        s, cfg, hw = self.forward.state, self.cfg, self.cfg.frame_tokens
+        return (s.switched and s.local == cfg.history_frames * hw and s.spatial == cfg.spatial_frames * hw
+                and s.temporal == cfg.temporal_frames * hw and s.dynamic == cfg.dynamic_tokens)
 
     @property
     def kv_bytes(self) -> int:
@@ -623,19 +632,25 @@ def make_attend(device: torch.device, compiled: bool) -> tuple[Callable[..., tor
 # --------------------------------------------------------------------------------- runners
 class ForcingKVRunner:
     """The model with :func:`swapped_attention` over a :class:`ForcingKVCache` (``end_to_end``'s runner interface:
-    ``forward(x, t, commit)``, ``kv_info()``, ``close()``)."""
+    ``forward(x, t, commit)``, ``kv_info()``, ``close()``).
+
+    ``step``: the compiled model, called once the cache is :attr:`~ForcingKVCache.settled`; the transient first
+    chunks (``ar_start + 2`` at the published config) run ``model`` eagerly. Compiled throughout, each of their cache
+    states would compile its own graph (8 at the published config, ~2-3 minutes more per run) for forwards that are
+    never timed; from the settled state on, a denoising and a clean forward are two graphs."""
 
     def __init__(self, model: nn.Module, cfg: ForcingKVPeerConfig, texts: Sequence[torch.Tensor], device: torch.device,
                  dtype: torch.dtype, step: Callable[..., torch.Tensor] | None = None, fa3: Any = None) -> None:
-        self.step = model if step is None else step
+        self.model, self.step = model, model if step is None else step
         self.cache = ForcingKVCache(model, cfg, texts, device, dtype)
         self.fa3 = fa3
         self._plans = fa3.plans if fa3 is not None else 0
         self._concat = 0
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, commit: bool) -> torch.Tensor:
+        step = self.step if self.cache.settled else self.model
         self.cache.begin_forward(commit)
-        out = self.step(x, t, self.cache.layers)
+        out = step(x, t, self.cache.layers)
         self._concat = self.cache.concat_bytes_per_forward()
         self.cache.end_forward(commit)
         return out
@@ -654,11 +669,13 @@ class ForcingKVRunner:
 
 
 class ForcingKVGraphRunner(ForcingKVRunner):
-    """:class:`ForcingKVRunner` with the steady-state forwards replayed from CUDA graphs (as
-    ``baselines.RollingGraphRunner`` does for the rolling peer): once :attr:`ForcingKVCache.steady`, a forward is
-    one of two (denoising, or the clean re-run with its writes and the patch selection); each is run once
-    normally, captured the next time, replayed from then on; inputs copied into static ones, the output cloned.
-    The graphs share one memory pool (their replays never overlap)."""
+    """:class:`ForcingKVRunner` with the settled forwards replayed from CUDA graphs (as ``baselines.RollingGraphRunner``
+    does for the rolling peer): once :attr:`ForcingKVCache.settled`, a forward is keyed by (commit, cache state): at
+    the published config two keys (denoising, and the clean re-run with its writes and the patch selection), with
+    rings longer than a block one per write pointer. Each is run once normally (compiling, planning FA3), captured
+    the next time, replayed from then on; inputs copied into static ones, the output cloned. Every write is in
+    place into buffers allocated once, so a replay reads and writes what the capture did. The graphs share one
+    memory pool (their replays never overlap)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -668,12 +685,12 @@ class ForcingKVGraphRunner(ForcingKVRunner):
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, commit: bool) -> torch.Tensor:
         key = (commit, self.cache.forward.state)
-        steady = self.cache.steady
+        settled = self.cache.settled
         self.cache.begin_forward(commit)
-        if not steady or key not in self.seen:
-            if steady:
+        if not settled or key not in self.seen:
+            if settled:
                 self.seen.add(key)
-            out = self.step(x, t, self.cache.layers)
+            out = (self.step if settled else self.model)(x, t, self.cache.layers)
         else:
             if key not in self.graphs:
                 static_x, static_t = x.clone(), t.clone()
@@ -706,7 +723,8 @@ def note(name: str) -> str:
             "current per head group, FA3 per group; benchmarks/forcing_kv_peer.py), published Self-Forcing config; "
             "other semantics than the library's full-window rows: rel_err_vs_library reported, not checked")
     if name.endswith("_compiled"):
-        return base + "; torch.compile(model, fullgraph=True, dynamic=False), FA3 a custom op (a graph per cache state)"
+        return base + ("; torch.compile(model, fullgraph=True, dynamic=False), FA3 a custom op, from the settled cache "
+                       "state on (the transient first chunks eager: their graphs would only add compile time)")
     if name.endswith("_graph"):
-        return base + "; that compiled step's two steady-state forwards replayed from hand-captured CUDA graphs"
+        return base + "; that compiled step's two settled forwards replayed from hand-captured CUDA graphs"
     return base
