@@ -349,8 +349,9 @@ class ForcingKVLayer:
         spatial, temporal = list(cfg.static_heads[self.index]), list(cfg.temporal_heads(self.index))
         self.spatial = torch.tensor(spatial, device=device, dtype=torch.int64)
         self.temporal = torch.tensor(temporal, device=device, dtype=torch.int64)
-        self.spatial_q = torch.tensor([h * q_per_kv + r for h in spatial for r in range(q_per_kv)], device=device)
-        self.temporal_q = torch.tensor([h * q_per_kv + r for h in temporal for r in range(q_per_kv)], device=device)
+        self.spatial_q, self.temporal_q = (
+            torch.tensor([h * q_per_kv + r for h in heads for r in range(q_per_kv)], device=device, dtype=torch.int64)
+            for heads in (spatial, temporal))
         local_k, local_v = self.local_k[:, :state.local], self.local_v[:, :state.local]
         for g, idx, frames, ptr, valid in (("s", self.spatial, cfg.spatial_frames, state.spatial_ptr, state.spatial),
                                            ("t", self.temporal, cfg.temporal_frames, state.temporal_ptr,
