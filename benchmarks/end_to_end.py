@@ -832,7 +832,8 @@ def _measure_forcing_kv(name: str, b: _Bench, st: _Setting, modes: Sequence[str]
     out: dict[str, dict[str, Any]] = {}
     with forcing_kv_peer.swapped_attention(model, wrappers):
         for mode in modes:
-            out[mode] = run_variant(lambda: runner_type(model, b.forcing_kv, st.texts, b.device, b.dtype, step, fa3), b, st, mode, name)
+            out[mode] = run_variant(lambda: runner_type(model, b.forcing_kv, st.texts, b.device, b.dtype, step, fa3),
+                                    b, st, mode, name)
             out[mode]["result"]["attention_kernel"] = kernel
     return out
 

@@ -59,7 +59,7 @@ import dataclasses
 import random
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -79,8 +79,8 @@ VARIANTS = ("forcingkv_own", "forcingkv_own_compiled", "forcingkv_own_compiled_g
 #: forcingkv_heads_selfforcing.json`` at 50ac1f4; 134 of 30 x 12); which heads they are is drawn with a seed.
 PUBLISHED_STATIC_PER_LAYER = (5, 4, 5, 4, 3, 8, 4, 6, 8, 4, 3, 4, 8, 1, 6, 1, 3, 8, 1, 4, 8, 6, 1, 3, 1, 2, 5, 6, 6, 6)
 #: The ``forcingkv:`` block of ``configs/forcing-kv/forcingkv_self_forcing_inference.yaml`` (+ ``sink_size``).
-PUBLISHED_SELF_FORCING = {"sink_frames": 1, "ar_start": 1, "spatial_frames": 1, "temporal_frames": 1,
-                          "dynamic_frames": 1, "num_frame_patch": 6, "retention_ratio": 0.33}
+PUBLISHED_SELF_FORCING: dict[str, Any] = {"sink_frames": 1, "ar_start": 1, "spatial_frames": 1, "temporal_frames": 1,
+                                          "dynamic_frames": 1, "num_frame_patch": 6, "retention_ratio": 0.33}
 
 
 # --------------------------------------------------------------------------------- configuration
@@ -128,7 +128,8 @@ class ForcingKVPeerConfig:
         if not 1 <= self.temporal_frames <= BLOCK_FRAMES:
             raise ValueError(f"dynamic mode: temporal_context_length must be 1-3 frames, got {self.temporal_frames}")
         if self.frame_tokens % self.num_frame_patch:
-            raise ValueError(f"frame tokens {self.frame_tokens} not divisible by num_frame_patch {self.num_frame_patch}")
+            raise ValueError(f"frame tokens {self.frame_tokens} not divisible by num_frame_patch "
+                             f"{self.num_frame_patch}")
         by_ratio = int(round(BLOCK_FRAMES * self.num_frame_patch * min(1.0, max(0.0, self.retention_ratio))))
         if by_ratio != self.keep_patches:
             raise ValueError(f"dynamic capacity {self.keep_patches} patches and sim_retention_ratio "
@@ -236,7 +237,7 @@ def _ring_after_append(ptr: int, valid: int, keep: int, n: int) -> tuple[int, in
 
 
 def _ring_from_tail(tail: int, keep: int) -> tuple[int, int]:
-    """``_allocate_ring_cache``'s ``(write pointer, valid tokens)`` for a ring of ``keep`` filled from ``tail`` tokens."""
+    """``_allocate_ring_cache``'s ``(write pointer, valid tokens)``: a ring of ``keep`` filled from ``tail`` tokens."""
     if keep <= 0 or tail == 0:
         return 0, 0
     return (0, keep) if tail >= keep else (tail, tail)
@@ -325,7 +326,13 @@ class ForcingKVLayer:
                                     for _ in range(2))
         self.local_k, self.local_v = (torch.zeros(streams, cfg.history_frames * hw, heads, dim, device=device,
                                                   dtype=dtype) for _ in range(2))
-        self.grouped = False
+        self.grouped = False  #: after the switch: the head groups' tensors below exist (:meth:`switch`)
+        empty = self.sink_k[:, :0]
+        #: kv head indices of the spatial / temporal group and their query heads (``[h_g]``, ``[h_g x q_per_kv]``)
+        self.spatial = self.temporal = self.spatial_q = self.temporal_q = torch.empty(0, dtype=torch.int64)
+        #: per group: sink ``[s, S HW, h_g, d]``, ring ``[s, L_g HW, h_g, d]``; temporal: dynamic ``[s, Ld HW, h_t, d]``
+        self.sink_s_k = self.sink_s_v = self.ring_s_k = self.ring_s_v = empty
+        self.sink_t_k = self.sink_t_v = self.ring_t_k = self.ring_t_v = self.dyn_k = self.dyn_v = empty
 
     @property
     def positions(self) -> torch.Tensor:
@@ -352,30 +359,33 @@ class ForcingKVLayer:
         self.spatial_q, self.temporal_q = (
             torch.tensor([h * q_per_kv + r for h in heads for r in range(q_per_kv)], device=device, dtype=torch.int64)
             for heads in (spatial, temporal))
-        local_k, local_v = self.local_k[:, :state.local], self.local_v[:, :state.local]
-        for g, idx, frames, ptr, valid in (("s", self.spatial, cfg.spatial_frames, state.spatial_ptr, state.spatial),
-                                           ("t", self.temporal, cfg.temporal_frames, state.temporal_ptr,
-                                            state.temporal)):
-            setattr(self, f"sink_{g}_k", self.sink_k.index_select(2, idx))
-            setattr(self, f"sink_{g}_v", self.sink_v.index_select(2, idx))
-            for kv, src in (("k", local_k), ("v", local_v)):
-                ring = torch.zeros(src.shape[0], frames * hw, len(idx), src.shape[3], device=device, dtype=src.dtype)
-                ring[:, :valid].copy_(src[:, src.shape[1] - valid:].index_select(2, idx))
-                setattr(self, f"ring_{g}_{kv}", ring)
-        shape = (local_k.shape[0], cfg.dynamic_tokens, len(temporal), local_k.shape[3])
-        self.dyn_k, self.dyn_v = (torch.zeros(shape, device=device, dtype=local_k.dtype) for _ in range(2))
+        local = (self.local_k[:, :state.local], self.local_v[:, :state.local])
+
+        def ring(src: torch.Tensor, heads: torch.Tensor, frames: int, valid: int) -> torch.Tensor:
+            """``_allocate_ring_cache``: ``frames`` frames of ``heads``, the last ``valid`` tokens of ``src`` first."""
+            out = torch.zeros(src.shape[0], frames * hw, len(heads), src.shape[3], device=device, dtype=src.dtype)
+            out[:, :valid].copy_(src[:, src.shape[1] - valid:].index_select(2, heads))
+            return out
+
+        self.sink_s_k, self.sink_s_v = (t.index_select(2, self.spatial) for t in (self.sink_k, self.sink_v))
+        self.sink_t_k, self.sink_t_v = (t.index_select(2, self.temporal) for t in (self.sink_k, self.sink_v))
+        self.ring_s_k, self.ring_s_v = (ring(t, self.spatial, cfg.spatial_frames, state.spatial) for t in local)
+        self.ring_t_k, self.ring_t_v = (ring(t, self.temporal, cfg.temporal_frames, state.temporal) for t in local)
+        shape = (local[0].shape[0], cfg.dynamic_tokens, len(temporal), local[0].shape[3])
+        self.dyn_k, self.dyn_v = (torch.zeros(shape, device=device, dtype=local[0].dtype) for _ in range(2))
         self.grouped = True
 
     # ----------------------------------------------------------------- the forward
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: Callable[..., torch.Tensor]
                   ) -> torch.Tensor:
-        """``q`` ``[s, 3 HW, heads, d]``, ``k`` / ``v`` ``[s, 3 HW, kv_heads, d]`` (after RoPE) -> ``[s, 3 HW, heads, d]``;
-        the clean re-run (``forward.commit``) writes the caches."""
+        """``q`` ``[s, 3 HW, heads, d]``, ``k`` / ``v`` ``[s, 3 HW, kv_heads, d]`` (after RoPE) ->
+        ``[s, 3 HW, heads, d]``; the clean re-run (``forward.commit``) writes the caches."""
         if self.index == 0 or not self.forward.state.switched:
             return self._full(q, k, v, attend)
         return self._grouped(q, k, v, attend)
 
-    def _full(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: Callable[..., torch.Tensor]) -> torch.Tensor:
+    def _full(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: Callable[..., torch.Tensor]
+              ) -> torch.Tensor:
         f, s = self.forward, self.forward.state
         k0 = torch.cat([self.sink_k[:, :s.sink], self.local_k[:, :s.local], k], dim=1)
         v0 = torch.cat([self.sink_v[:, :s.sink], self.local_v[:, :s.local], v], dim=1)
@@ -393,9 +403,9 @@ class ForcingKVLayer:
     def _grouped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: Callable[..., torch.Tensor]
                  ) -> torch.Tensor:
         f, s = self.forward, self.forward.state
-        q_s, k_s, v_s = q.index_select(2, self.spatial_q), k.index_select(2, self.spatial), v.index_select(2, self.spatial)
-        q_t, k_t, v_t = (q.index_select(2, self.temporal_q), k.index_select(2, self.temporal),
-                         v.index_select(2, self.temporal))
+        q_s, q_t = q.index_select(2, self.spatial_q), q.index_select(2, self.temporal_q)
+        k_s, v_s = k.index_select(2, self.spatial), v.index_select(2, self.spatial)
+        k_t, v_t = k.index_select(2, self.temporal), v.index_select(2, self.temporal)
         ring_sk, ring_sv = (_ring_view(r, s.spatial_ptr, s.spatial) for r in (self.ring_s_k, self.ring_s_v))
         ring_tk, ring_tv = (_ring_view(r, s.temporal_ptr, s.temporal) for r in (self.ring_t_k, self.ring_t_v))
         out = torch.empty_like(q)
@@ -415,9 +425,11 @@ class ForcingKVLayer:
             _ring_append(self.ring_t_k, self.ring_t_v, k_t, v_t, s.temporal_ptr, cfg.temporal_frames * hw)
         return out
 
-    def _select_patches(self, old_k: torch.Tensor, old_v: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor) -> None:
-        """``dynamic_compression``: ``old_*`` ``[s, T HW, h_t, d]`` (the temporal window), ``new_*`` ``[s, 3 HW, h_t, d]``
-        (the block); layer 1 chooses the ``Ld P`` patches into ``forward.selected``; every layer copies its own."""
+    def _select_patches(self, old_k: torch.Tensor, old_v: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor
+                        ) -> None:
+        """``dynamic_compression``: ``old_*`` ``[s, T HW, h_t, d]`` (the temporal window), ``new_*``
+        ``[s, 3 HW, h_t, d]`` (the block); layer 1 chooses the ``Ld P`` patches into ``forward.selected``; every
+        layer copies its own."""
         f, cfg = self.forward, self.forward.cfg
         hw, p = cfg.frame_tokens, cfg.num_frame_patch
         b, _, h, d = new_k.shape
@@ -604,7 +616,8 @@ class MultiPlanFA3Attend:
         wrapper = self.wrappers.get(key)
         if wrapper is None:
             wrapper = self._plan(q.device, key)
-        out = wrapper.run(q.reshape(s * n, heads, d), k.reshape(s * keys, kv_heads, d), v.reshape(s * keys, kv_heads, d))
+        out = wrapper.run(q.reshape(s * n, heads, d), k.reshape(s * keys, kv_heads, d),
+                          v.reshape(s * keys, kv_heads, d))
         return out.view(s, n, heads, d)
 
     def _plan(self, device: torch.device, key: tuple[Any, ...]) -> Any:
@@ -627,7 +640,9 @@ def make_attend(device: torch.device, compiled: bool) -> tuple[Callable[..., tor
     if device.type != "cuda":
         return sdpa_attend, None, "sdpa (CPU stand-in for FA3)"
     fa3 = MultiPlanFA3Attend()
-    return (traceable_fa3(fa3) if compiled else fa3), fa3, "flashinfer ragged fa3 (flash_attn_interface stand-in)"
+    # NOTE: the custom op dispatches to any attend(q, k, v) by id; it is typed for RaggedFA3Attend.
+    return ((traceable_fa3(cast(Any, fa3)) if compiled else fa3), fa3,
+            "flashinfer ragged fa3 (flash_attn_interface stand-in)")
 
 
 # --------------------------------------------------------------------------------- runners
@@ -660,7 +675,8 @@ class ForcingKVRunner:
         info = {"kv_peak_bytes": self.cache.peak_bytes, "kv_allocated_bytes": self.cache.kv_bytes,
                 "layout": "Forcing-KV: per layer a full-head sink + window, after the switch per head group a sink, "
                           "a ring and (temporal) dynamic patches; concatenated into fresh tensors every forward",
-                "concat_bytes_per_forward": self._concat, "forcing_kv_state": dataclasses.asdict(self.cache.forward.state)}
+                "concat_bytes_per_forward": self._concat,
+                "forcing_kv_state": dataclasses.asdict(self.cache.forward.state)}
         if self.fa3 is not None:
             info["fa3_plans"] = self.fa3.plans - self._plans  # during this run
         return info
