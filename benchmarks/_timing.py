@@ -416,10 +416,18 @@ def run_metadata(args: Any = None) -> dict[str, Any]:
 
 
 def save_json(path: Path, payload: dict[str, Any], *, args: Any = None) -> None:
-    """Write ``payload`` with ``env`` (:func:`environment`) and ``run`` (:func:`run_metadata`) added if absent."""
+    """Write ``payload`` with ``env`` (:func:`environment`) and ``run`` (:func:`run_metadata`) added if absent.
+
+    Atomically: into a temporary file next to ``path``, then renamed over it, so that a run killed mid-write
+    (a device call's time limit) leaves the previous complete file, never a truncated one."""
     payload.setdefault("env", environment())
     payload.setdefault("run", run_metadata(args))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_jsonable(payload), indent=2, sort_keys=False))
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(_jsonable(payload), indent=2, sort_keys=False))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     print(f"wrote {path}")

@@ -45,8 +45,18 @@ attention variants (the rolling ones are the peers of ``baselines.py``):
                        hand-captured CUDA graphs (``baselines.RollingGraphRunner``): the peer with every trick
                        on, the one ``library_compiled_graph`` is stated against (``SPEEDUP_PAIRS``).
 
-Every variant's rows are also written to ``end_to_end.partial.json`` as it finishes, so a run that overruns
-its device call keeps what it measured.
+* ``forcingkv_own`` / ``forcingkv_own_compiled`` / ``forcingkv_own_compiled_graph`` -- **Forcing-KV's own
+                       attention path** (``forcing_kv_peer``: its per-layer, per-head-group caches concatenated
+                       into fresh tensors every forward, FA3 per group, its content-selected dynamic patches),
+                       with its published Self-Forcing configuration (``--forcingkv-heads``: its head file);
+                       eager, compiled ``fullgraph=True`` (FA3 a custom op; two graphs: the transient first
+                       chunks, before its buffers are full, run eagerly), and that step's two settled forwards
+                       replayed from CUDA graphs. The peer for the same method;
+                       other semantics than ``library`` (outputs reported, not checked). SDPA on the CPU.
+
+Every variant's rows are also written to ``end_to_end.partial.json`` as it finishes (and when it is skipped or
+fails; atomically: a temporary file renamed over it), so a run that overruns its device call keeps what it
+measured.
 
 **Baselines.** Every variant's speed-up is stated against a baseline: eager rows (``library``,
 ``library_fp8``, ``library_graph``, ...) against ``rolling_fa3``, compiled rows (``library_compiled``,
@@ -90,8 +100,9 @@ Checked: the outputs of the committing forwards of the timed chunk steps of ever
 the library's (same commit setting) by relative error norm (<= 3e-2 in bf16 / fp16, <= 1e-4 in float32
 on CPU, 1e-3 in float32 on CUDA); the exit status is 1 if not. Reported per variant and CFG setting:
 ms per chunk step, speed-up vs the baseline and vs ``rolling_sdpa`` (target for the library: >= 1.3x
-vs ``rolling_sdpa``), FLOPs and MFU, latent frames/s (``frames_per_chunk / step seconds``; a Wan VAE
-decodes about 4 video frames per latent frame), peak allocated memory
+vs ``rolling_sdpa``), FLOPs and MFU, latent frames/s (``frames_per_chunk / step seconds``) and video frames/s
+(``video_frames_per_s`` = latent frames x 4 / step seconds: a Wan VAE decodes 4 video frames per latent frame;
+the DiT step alone, excluding the VAE decode and the text encoder), peak allocated memory
 (``torch.cuda.max_memory_allocated`` delta over the variant's whole run: cache / buffers, warm-up,
 timed steps) and KV bytes: the library's peak pages in use x bytes per page (its pool is sized to
 exactly (sinks + window + pending) chunks per branch) vs the rolling buffers.
@@ -150,6 +161,7 @@ from ardiff_modules.models.wan_causal_dit import (
 from ardiff_modules.pool import bytes_per_page
 from benchmarks._plotting import bars, legend_below, pyplot, save, spread, wrap
 from benchmarks._timing import each_call, environment, fail, once, result_path, save_json
+from benchmarks import forcing_kv_peer
 from benchmarks.head_retention import forcing_kv_like, grouped_kv_cache
 from benchmarks.baselines import (
     RaggedFA3Attend,
@@ -168,7 +180,10 @@ EXTRA_VARIANTS = ("library_compiled", "rolling_fa3_compiled", "rolling_sdpa_comp
                   "library_fp8_compiled", "library_graph", "library_compiled_graph", "library_fp8_graph",
                   "library_fp8_compiled_graph", "library_relative_sinks", "library_relative_sinks_compiled",
                   "library_heads", "library_heads_compiled", "library_heads_fp8_compiled",
-                  "library_heads_compiled_graph", "rolling_fa3_compiled_fullgraph", "rolling_fa3_compiled_graph")
+                  "library_heads_compiled_graph", "rolling_fa3_compiled_fullgraph", "rolling_fa3_compiled_graph",
+                  *forcing_kv_peer.VARIANTS)
+#: Forcing-KV's own attention path (``forcing_kv_peer``): FA3 on CUDA, SDPA on the CPU.
+FORCING_KV_VARIANTS = forcing_kv_peer.VARIANTS
 #: The peers attended with FlashInfer's ragged FA3 (CUDA + FlashInfer + Hopper only; skipped elsewhere).
 FA3_VARIANTS = ("rolling_fa3", "rolling_fa3_compiled", "rolling_fa3_compiled_fullgraph", "rolling_fa3_compiled_graph")
 #: The peer with every trick on: compiled without graph breaks (its FA3 call a custom op), and that compiled
@@ -178,7 +193,8 @@ FULL_PEERS = ("rolling_fa3_compiled_fullgraph", "rolling_fa3_compiled_graph")
 #: their outputs are reported, not required to agree.
 #: The ``library_heads*`` variants attend with per-head retention (``--heads``): fewer keys for the local heads.
 OTHER_SEMANTICS = ("library_relative_sinks", "library_relative_sinks_compiled", "library_heads",
-                   "library_heads_compiled", "library_heads_fp8_compiled", "library_heads_compiled_graph")
+                   "library_heads_compiled", "library_heads_fp8_compiled", "library_heads_compiled_graph",
+                   *FORCING_KV_VARIANTS)
 #: The baseline of the eager rows and of the compiled rows: the first of each that was measured.
 EAGER_BASELINES = ("rolling_fa3", "rolling_sdpa")
 COMPILED_BASELINES = ("rolling_fa3_compiled", "rolling_sdpa_compiled")
@@ -189,6 +205,8 @@ COMMIT_FORWARDS = ("clean", "last_step")
 TARGET_SPEEDUP = 1.3  #: the library vs rolling_sdpa (the issue's original target)
 #: H200 SXM, dense bf16 tensor-core peak (FLOP/s): the MFU's denominator on CUDA unless --peak-tflops.
 PEAK_FLOPS_H200 = 989.4e12
+#: Video frames a Wan VAE decodes per latent frame (``video_frames_per_s``; the DiT step alone).
+VIDEO_FRAMES_PER_LATENT = 4
 CFG_BRANCHES = {"cfg_on": ("cond", "uncond"), "cfg_off": ("cond",)}
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 #: (fast, slow) pairs of the targets block: fast's speed-up over slow where both ran (with its spread).
@@ -209,6 +227,12 @@ SPEEDUP_PAIRS = (
     ("library_compiled_graph", "rolling_fa3_compiled_graph"), ("library_fp8_compiled_graph", "rolling_fa3_compiled_graph"),
     ("library_heads_compiled_graph", "rolling_fa3_compiled_graph"),
     ("rolling_fa3_compiled_graph", "rolling_fa3_compiled_fullgraph"),
+    # Forcing-KV's own path against the peer with every trick on, and the library against it (other semantics:
+    # the library's rows attend the full window; a library row with Forcing-KV's config goes here when it exists).
+    ("forcingkv_own", "rolling_fa3"), ("forcingkv_own_compiled", "rolling_fa3_compiled_fullgraph"),
+    ("forcingkv_own_compiled_graph", "rolling_fa3_compiled_graph"),
+    ("forcingkv_own_compiled_graph", "forcingkv_own_compiled"),
+    ("library_compiled_graph", "forcingkv_own_compiled_graph"), ("library_compiled", "forcingkv_own_compiled"),
 )
 
 
@@ -247,6 +271,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--local-fraction", type=float, default=2 / 3,
                    help="without --heads: the share of each layer's heads kept local (sink 0 + window 1); "
                         "the rest keep the preset's sink + window (default 2/3)")
+    p.add_argument("--forcingkv-heads", type=Path, default=None,
+                   help="Forcing-KV's head file (configs_head/*.json, read by load_forcing_kv) for the forcingkv_own* "
+                        "variants; default: a fixed-seed map with the published Self-Forcing file's per-layer "
+                        "static counts (134 of 360)")
     p.add_argument("--cfg-scale", type=float, default=5.0,
                    help="guidance scale of the sampler that --commit-forward both runs (default 5.0)")
     p.add_argument("--peak-tflops", type=float, default=None,
@@ -626,6 +654,10 @@ class _Bench:
     base_latents: list[torch.Tensor] = dataclasses.field(default_factory=list)  #: one per chunk step
     kv_target_per_branch: int = 0  #: bytes of (sinks + window + pending) chunks of one branch
     heads: Any = None  #: the ``library_heads*`` variants' HeadRetention (``--heads``)
+    #: the ``forcingkv_own*`` variants' configuration (None where the preset's chunks are not 3 frames)
+    forcing_kv: forcing_kv_peer.ForcingKVPeerConfig | None = None
+    #: one compiled step shared by the compiled Forcing-KV variants (its graphs per cache state compiled once)
+    forcing_kv_step: Any = None
     #: Setting -> variant -> its rows so far, written as each variant finishes (``end_to_end.partial.json``):
     #: a run that overruns its device call keeps every variant it measured.
     partial: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
@@ -677,6 +709,8 @@ def _bench(args: argparse.Namespace) -> _Bench:
     bpp_spec = dataclasses.replace(make_kv_spec(config, device, ("cond",)), dtype=args.dtype)
     b.kv_target_per_branch = bpp_spec.pages_per_branch(1) * bytes_per_page(bpp_spec)
     b.heads = head_config(args, config)
+    if config.frames_per_chunk == forcing_kv_peer.BLOCK_FRAMES and any(v in FORCING_KV_VARIANTS for v in args.variants):
+        b.forcing_kv = forcing_kv_peer.published_self_forcing(config, heads=args.forcingkv_heads, seed=args.seed)
     return b
 
 
@@ -734,6 +768,13 @@ def skip_reason(name: str, device: torch.device, dtype: torch.dtype, head_dim: i
     return None
 
 
+def _skip(name: str, b: _Bench) -> str | None:
+    """:func:`skip_reason` at this run's geometry (Forcing-KV's variants also need 3-frame chunks)."""
+    if name in FORCING_KV_VARIANTS:
+        return forcing_kv_peer.skip_reason(name, b.config, b.device, b.dtype)
+    return skip_reason(name, b.device, b.dtype, b.config.head_dim)
+
+
 def runs_every_mode(name: str) -> bool:
     """Whether ``--commit-forward both`` runs ``name`` both ways: the library variants and ``rolling_fa3*``."""
     return name.startswith("library") or name in FA3_VARIANTS
@@ -746,7 +787,7 @@ def _measure(name: str, b: _Bench, st: _Setting, modes: Sequence[str]) -> dict[s
     if name.startswith("library"):
         step: Callable[..., torch.Tensor] = model
         if "_compiled" in name:
-            torch._dynamo.reset()
+            _reset_dynamo(b)
             step = torch.compile(model, fullgraph=True, dynamic=False)
         kv_dtype = "float8_e4m3fn" if "fp8" in name else None
         graph, relative = name.endswith("_graph"), "relative_sinks" in name
@@ -757,6 +798,8 @@ def _measure(name: str, b: _Bench, st: _Setting, modes: Sequence[str]) -> dict[s
                                  kv_dtype, graph=graph, relative_sinks=relative, heads=heads)
 
         return {mode: run_variant(make, b, st, mode, name) for mode in modes}
+    if name in FORCING_KV_VARIANTS:
+        return _measure_forcing_kv(name, b, st, modes)
     attend, rolling_step = _rolling_attention(name, b)
     fa3 = attend
     if name in FULL_PEERS:  # FA3 behind a custom op: the compiled model traces whole (no graph break)
@@ -773,17 +816,50 @@ def _measure(name: str, b: _Bench, st: _Setting, modes: Sequence[str]) -> dict[s
     return out
 
 
+def _measure_forcing_kv(name: str, b: _Bench, st: _Setting, modes: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Forcing-KV's own path (``forcing_kv_peer``): eager, or compiled with ``fullgraph=True`` (one compiled step
+    shared by ``forcingkv_own_compiled`` and ``_compiled_graph`` when they run back to back: its graphs per cache
+    state compile once), or that step replayed from CUDA graphs once steady."""
+    assert b.forcing_kv is not None
+    model, step = b.model, None
+    if "_compiled" in name:  # the compiled model, its FA3 op and the swapped modules, kept for the next variant
+        if b.forcing_kv_step is None:
+            torch._dynamo.reset()
+            attend, fa3, kernel = forcing_kv_peer.make_attend(b.device, compiled=True)
+            b.forcing_kv_step = (torch.compile(model, dynamic=False, fullgraph=True),
+                                 forcing_kv_peer.wrap_attention(model, attend), fa3, kernel)
+        step, wrappers, fa3, kernel = b.forcing_kv_step
+    else:
+        attend, fa3, kernel = forcing_kv_peer.make_attend(b.device, compiled=False)
+        wrappers = forcing_kv_peer.wrap_attention(model, attend)
+    runner_type = (forcing_kv_peer.ForcingKVGraphRunner if name.endswith("_graph")
+                   else forcing_kv_peer.ForcingKVRunner)
+    out: dict[str, dict[str, Any]] = {}
+    with forcing_kv_peer.swapped_attention(model, wrappers):
+        for mode in modes:
+            out[mode] = run_variant(lambda: runner_type(model, b.forcing_kv, st.texts, b.device, b.dtype, step, fa3),
+                                    b, st, mode, name)
+            out[mode]["result"]["attention_kernel"] = kernel
+    return out
+
+
 def _rolling_attention(name: str, b: _Bench) -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor] | None]:
     """A rolling variant's attention over the buffer's prefix, and its compiled model (``*_compiled``) or None."""
     if name == "rolling_flex":
         if b.flex_compiled:
-            torch._dynamo.reset()
+            _reset_dynamo(b)
         return make_flex_attend(b.flex_compiled), None
     attend: Callable[..., torch.Tensor] = RaggedFA3Attend() if name.startswith("rolling_fa3") else sdpa_attend
     if not name.endswith("_compiled") and name not in FULL_PEERS:
         return attend, None
-    torch._dynamo.reset()
+    _reset_dynamo(b)
     return attend, torch.compile(b.model, dynamic=False, fullgraph=name in FULL_PEERS)
+
+
+def _reset_dynamo(b: _Bench) -> None:
+    """``torch._dynamo.reset()`` before a variant compiles; the shared Forcing-KV step recompiles after it."""
+    torch._dynamo.reset()
+    b.forcing_kv_step = None
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -798,6 +874,8 @@ def _note(name: str, b: _Bench) -> str | None:
     if name == "rolling_fa3_compiled_graph":
         return ("rolling_fa3_compiled_fullgraph with the steady-state forwards (roll + write, write) replayed from "
                 "hand-captured CUDA graphs, outputs cloned (as CUDAGraphStep does)")
+    if name in FORCING_KV_VARIANTS:
+        return forcing_kv_peer.note(name)
     if name in OTHER_SEMANTICS:
         return ("relative-position sinks (KVCacheSpec.relative_sinks): different outputs once the window slides, "
                 "by design; timed for the cost of the second key segment")
@@ -826,11 +904,11 @@ def _annotate(name: str, res: dict[str, Any], errs: list[float], b: _Bench, st: 
     res["agrees"] = None if name in OTHER_SEMANTICS else (
         res["rel_err_vs_library"] <= (b.args.fp8_tolerance if "fp8" in name else b.tolerance))
     res["latent_frames_per_s"] = b.config.frames_per_chunk / (res["ms_per_chunk_step"] / 1e3)
+    res["video_frames_per_s"] = VIDEO_FRAMES_PER_LATENT * res["latent_frames_per_s"]  # the DiT step alone
     res["kv_peak_bytes_per_branch"] = res["kv_peak_bytes"] / st.streams
     # NOTE: the timed steps all see the same visible keys once the window is full (the default warm-up);
     # after a shorter warm-up their FLOPs differ, and the mean is read against the median time.
-    keys = [head_visible_keys(b.heads, b.config, b.warmup + i) if "_heads" in name else visible_keys(b.config, b.warmup + i)
-            for i in range(b.timed)]
+    keys = [_visible_keys(name, b, b.warmup + i) for i in range(b.timed)]
     flops = [flops_per_chunk_step(b.config, streams=st.streams, visible_keys=k, forwards=forwards_per_chunk_step(mode))
              for k in keys]
     res["visible_keys_per_timed_step"] = keys
@@ -845,6 +923,16 @@ def _annotate(name: str, res: dict[str, Any], errs: list[float], b: _Bench, st: 
     if "fp8" in name:
         res["kv_dtype"] = "float8_e4m3fn"
     return res["agrees"]
+
+
+def _visible_keys(name: str, b: _Bench, committed: int) -> float:
+    """Keys one stream's forward attends to (mean over heads) after ``committed`` chunks, per variant."""
+    if name in FORCING_KV_VARIANTS:
+        assert b.forcing_kv is not None
+        return forcing_kv_peer.visible_keys(b.forcing_kv, committed)
+    if "_heads" in name:
+        return head_visible_keys(b.heads, b.config, committed)
+    return visible_keys(b.config, committed)
 
 
 def _failure(exc: BaseException) -> dict[str, Any]:
@@ -862,11 +950,12 @@ def _measure_setting(b: _Bench, st: _Setting) -> tuple[dict[str, dict[str, Any]]
     agree = True
     for name in b.args.variants:
         modes = b.modes if runs_every_mode(name) else b.modes[:1]
-        reason = skip_reason(name, b.device, b.dtype, b.config.head_dim)
+        reason = _skip(name, b)
         if reason is not None:
             print(f"  {st.name} {name}: skipped ({reason})", flush=True)
             for mode in modes:
                 rows[mode][name] = {"skipped": reason, "agrees": None}
+            _save_partial(b, st.name, rows)
             continue
         try:
             measured_modes = _measure(name, b, st, modes)
@@ -880,6 +969,7 @@ def _measure_setting(b: _Bench, st: _Setting) -> tuple[dict[str, dict[str, Any]]
             gc.collect()
             if b.device.type == "cuda":
                 torch.cuda.empty_cache()
+            _save_partial(b, st.name, rows)
             continue
         for mode, run in measured_modes.items():
             res, reference = run["result"], runs[mode].get("library", run)["outputs"]
@@ -1029,6 +1119,9 @@ def _config(b: _Bench) -> dict[str, Any]:
         "heads": {"source": str(args.heads) if args.heads is not None else
                   f"synthetic Forcing-KV-like: {args.local_fraction:.3f} of each layer's heads sink 0 + window 1 "
                   f"(seed {args.seed})", "config": b.heads.to_dict()} if b.heads is not None else None,
+        "forcing_kv": b.forcing_kv.to_dict() if b.forcing_kv is not None else None,
+        "video_frames_per_s": f"latent frames x {VIDEO_FRAMES_PER_LATENT} (Wan VAE) / DiT chunk-step seconds: the DiT "
+                              "step alone, excluding the VAE decode and the text encoder",
     }
 
 
@@ -1089,13 +1182,14 @@ def _row(setting: str, name: str, res: Mapping[str, Any]) -> str:
     return (f"{setting:<8}{name:<27}{res['ms_per_chunk_step']:>10.2f}{('-' if iqr is None else f'{iqr:.3g}'):>8}"
             f"{('-' if vs_base is None else f'{vs_base:.3f}x'):>9} {res.get('baseline', '-'):<21}"
             f"{('-' if vs_sdpa is None else f'{vs_sdpa:.2f}x'):>8}{('-' if mfu is None else f'{100 * mfu:.1f}%'):>7}"
-            f"{res['latent_frames_per_s']:>9.2f}{_mib(res['peak_memory_bytes']):>10}{_mib(res['kv_peak_bytes']):>10}"
+            f"{res['latent_frames_per_s']:>9.2f}{res.get('video_frames_per_s', float('nan')):>9.1f}"
+            f"{_mib(res['peak_memory_bytes']):>10}{_mib(res['kv_peak_bytes']):>10}"
             f"{res['rel_err_vs_library']:>9.1e}  {ok}")
 
 
 def print_table(payload: dict[str, Any]) -> None:
     head = (f"{'cfg':<8}{'variant':<27}{'ms/step':>10}{'IQR':>8}{'vs base':>9} {'baseline':<21}{'vs sdpa':>8}"
-            f"{'MFU':>7}{'lat fr/s':>9}{'peak MiB':>10}{'KV MiB':>10}{'rel err':>9}  ok")
+            f"{'MFU':>7}{'lat fr/s':>9}{'vid fr/s':>9}{'peak MiB':>10}{'KV MiB':>10}{'rel err':>9}  ok")
     for view in ("primary", "last_step"):
         rows = [(s, r if view == "primary" else r.get("last_step")) for s, r in payload["results"].items()]
         rows = [(s, r) for s, r in rows if r is not None]

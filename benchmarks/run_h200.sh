@@ -6,6 +6,7 @@
 #   bash .gpu/run.sh bash benchmarks/run_h200.sh end_to_end_four_forwards    (issue 28; limit 450 s, ~5 min est.)
 #   bash .gpu/run.sh bash benchmarks/run_h200.sh end_to_end_fa3_compiled     (issue 28; limits 290 + 280 s)
 #   bash .gpu/run.sh bash benchmarks/run_h200.sh peers_cfg_off               (issue 42; limit 560 s; peers_cfg_on likewise)
+#   bash .gpu/run.sh bash benchmarks/run_h200.sh forcingkv_peers_cfg_off     (issue 42; limit 560 s; _cfg_on likewise)
 #   bash .gpu/run.sh bash benchmarks/run_h200.sh serving serving_14b         (host tier; limits 300 + 200 s, ~2 + ~1 min est.)
 #   bash .gpu/run.sh bash benchmarks/run_h200.sh session_files               (issue 45; limit 300 s, ~3 min est.)
 #   bash .gpu/run.sh bash benchmarks/run_h200.sh training_modes              (issue 43; limit 560 s, ~4 min est.)
@@ -151,6 +152,17 @@ for what in "$@"; do
     # straight-through library's gradient reference), the four timed side by side, each one's peak memory alone,
     # then the 240-frame long rollout. ~36 steps at ~4.5 s (issue 27's row) + ~30 s: estimate ~4 min, not measured.
     training_modes) step training_modes 560 python3 -m benchmarks.training --out "$out/training_modes" ;;
+    # Issue 42 item 3: Forcing-KV's own attention path (benchmarks/forcing_kv_peer.py, its published Self-Forcing
+    # config; FORCINGKV_HEADS=<its configs_head/forcingkv_heads_selfforcing.json> to use the published head map,
+    # else a fixed-seed map with its per-layer counts) compiled and CUDA-graphed, beside the library's graphed row and
+    # the graphed rolling-FA3 peer, Wan2.1-1.3B, one CFG setting per step (off: Self-Forcing's setting). Estimate
+    # (not measured): the Forcing-KV rows compile two graphs once (~1.5 min; the graphed row reuses them),
+    # library_compiled_graph ~1.5 min, rolling_fa3_compiled_graph a graph per fill level (last: the costliest).
+    # Every variant's rows land in end_to_end.partial.json as it finishes, so an overrun keeps the earlier rows.
+    forcingkv_peers_cfg_on|forcingkv_peers_cfg_off) step "end_to_end_$what" 560 python3 -m benchmarks.end_to_end \
+               --cfg "${what#forcingkv_peers_cfg_}" ${FORCINGKV_HEADS:+--forcingkv-heads "$FORCINGKV_HEADS"} \
+               --variants forcingkv_own_compiled,forcingkv_own_compiled_graph,library_compiled_graph,rolling_fa3_compiled_graph \
+               --chunks-timed 3 --out "$out/$what" ;;
     head_retention) step head_retention 200 python3 -m benchmarks.head_retention --cfg on,off --out "$out/heads" ;;
     # Issue 28 at the 14B-like shape, CFG on and off, compiled: the peer, the library, per-head retention (~4 min).
     end_to_end_14b) step end_to_end_14b 330 python3 -m benchmarks.end_to_end --preset wan14b-like \
