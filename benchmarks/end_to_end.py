@@ -271,6 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--local-fraction", type=float, default=2 / 3,
                    help="without --heads: the share of each layer's heads kept local (sink 0 + window 1); "
                         "the rest keep the preset's sink + window (default 2/3)")
+    p.add_argument("--forcingkv-dynamic", choices=("on", "off"), default="on",
+                   help="the forcingkv_own peers' dynamic patches (Forcing-KV's dynamic_temporal_enabled); off: the "
+                        "static method, the one FrameWindowPolicy groups (--heads) express")
     p.add_argument("--forcingkv-heads", type=Path, default=None,
                    help="Forcing-KV's head file (configs_head/*.json, read by load_forcing_kv) for the forcingkv_own* "
                         "variants; default: a fixed-seed map with the published Self-Forcing file's per-layer "
@@ -710,7 +713,9 @@ def _bench(args: argparse.Namespace) -> _Bench:
     b.kv_target_per_branch = bpp_spec.pages_per_branch(1) * bytes_per_page(bpp_spec)
     b.heads = head_config(args, config)
     if config.frames_per_chunk == forcing_kv_peer.BLOCK_FRAMES and any(v in FORCING_KV_VARIANTS for v in args.variants):
-        b.forcing_kv = forcing_kv_peer.published_self_forcing(config, heads=args.forcingkv_heads, seed=args.seed)
+        b.forcing_kv = forcing_kv_peer.published_self_forcing(
+            config, heads=args.forcingkv_heads, seed=args.seed, dynamic=args.forcingkv_dynamic == "on"
+        )
     return b
 
 

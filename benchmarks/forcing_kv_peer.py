@@ -168,18 +168,21 @@ def synthetic_static_heads(num_layers: int, num_heads: int, seed: int = 0) -> tu
     return tuple(tuple(sorted(rng.sample(range(num_heads), c))) for c in counts)
 
 
-def published_self_forcing(config: WanConfig, *, heads: Path | None = None, seed: int = 0) -> ForcingKVPeerConfig:
+def published_self_forcing(
+    config: WanConfig, *, heads: Path | None = None, seed: int = 0, dynamic: bool = True
+) -> ForcingKVPeerConfig:
     """Forcing-KV's published Self-Forcing configuration at ``config``'s geometry: the ``forcingkv:`` block's values
     (:data:`PUBLISHED_SELF_FORCING`; ``num_frame_patch`` lowered by :func:`frame_patches` where 6 does not divide a
     frame), the head map of ``heads`` (Forcing-KV's head file, read by ``load_forcing_kv``) or
-    :func:`synthetic_static_heads`."""
+    :func:`synthetic_static_heads`. ``dynamic=False``: its ``dynamic_temporal_enabled: false`` (the static method
+    the library's ``FrameWindowPolicy`` groups express: sink 1 frame + the last frame for every head)."""
     p = PUBLISHED_SELF_FORCING
     if heads is not None:
         from ardiff_modules.integrations.forcing_kv import load_forcing_kv
 
         block = {"ar_start": p["ar_start"], "spatial_context_length": p["spatial_frames"],
                  "temporal_context_length": p["temporal_frames"], "dynamic_context_length": p["dynamic_frames"],
-                 "teacache_enabled": False, "teacache_threshold": 0.2, "dynamic_temporal_enabled": True,
+                 "teacache_enabled": False, "teacache_threshold": 0.2, "dynamic_temporal_enabled": dynamic,
                  "num_frame_patch": p["num_frame_patch"], "sim_retention_ratio": p["retention_ratio"]}
         loaded = load_forcing_kv(heads, block)
         if (loaded.num_layers, loaded.num_heads) != (config.num_layers, config.num_heads):
@@ -193,7 +196,7 @@ def published_self_forcing(config: WanConfig, *, heads: Path | None = None, seed
     cfg = ForcingKVPeerConfig(
         frame_tokens=config.tokens_per_frame, sink_frames=p["sink_frames"], spatial_frames=p["spatial_frames"],
         temporal_frames=p["temporal_frames"], ar_start=p["ar_start"], static_heads=tuple(static),
-        num_kv_heads=config.num_heads, dynamic=True, dynamic_frames=p["dynamic_frames"],
+        num_kv_heads=config.num_heads, dynamic=dynamic, dynamic_frames=p["dynamic_frames"],
         num_frame_patch=frame_patches(config.tokens_per_frame, p["num_frame_patch"], p["retention_ratio"],
                                       p["dynamic_frames"]),
         retention_ratio=p["retention_ratio"], heads_source=source)

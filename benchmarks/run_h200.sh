@@ -143,9 +143,10 @@ for what in "$@"; do
                --chunks-timed 5 --out "$out/$what" ;;
     # Issue 42: Forcing-KV's published Self-Forcing numbers with its dynamic mode off (every head sink 1 frame + the
     # last frame: FrameWindowPolicy), CFG off, compiled + CUDA graph, beside the graphed peer and full-window library.
-    frames_cfg_off) step end_to_end_frames_cfg_off 420 python3 -m benchmarks.end_to_end --cfg off \
-               --heads benchmarks/configs/forcingkv_selfforcing_static_wan1.3b.json \
-               --variants library_heads_compiled_graph,rolling_fa3_compiled_graph,library_compiled_graph \
+    # The same method in Forcing-KV's own path (--forcingkv-dynamic off) beside it: the >= 1.25x target's pair.
+    frames_cfg_off) step end_to_end_frames_cfg_off 560 python3 -m benchmarks.end_to_end --cfg off \
+               --heads benchmarks/configs/forcingkv_selfforcing_static_wan1.3b.json --forcingkv-dynamic off \
+               --variants library_heads_compiled_graph,forcingkv_own_compiled_graph,library_compiled_graph,rolling_fa3_compiled_graph \
                --chunks-timed 3 --out "$out/frames_cfg_off" ;;
     # Issue 43: the Self-Forcing-style training step (Wan2.1-1.3B, 21 frames, every block checkpointed) in both
     # history-gradient modes, library and peer (peer_straight_through: upstream's buffer written with grad, the
