@@ -312,7 +312,10 @@ class BranchPages(BranchRecache):
         kept = dict(self.latents)
         kept.update({self.committed_chunks + i: latent for i, latent in enumerate(latents)})
         starts = dict(zip(self.history_index, self.history_start))
-        pages = {i: self.full_pages(j) for j, i in enumerate(self.history_index)}
+        pages = (
+            {i: self.full_pages(j) for j, i in enumerate(self.history_index)} if self.history_kept
+            else dict(zip(self.history_index, map(len, self.history)))  # (no call per chunk: once per commit and stream)
+        )
         position = self.committed_tokens
         for offset, chunk in enumerate(self.pending):
             starts[self.committed_chunks + offset] = position
