@@ -45,26 +45,41 @@ NUM_LAYERS = 2
 SINK_WINDOW = st.tuples(st.integers(0, 2), st.integers(0, 3))
 
 
+#: A frame group's ``("frames", sink_frames, window_frames, frames_per_chunk)`` (the setup takes the frames per
+#: chunk that divide the geometry's pages per chunk: ``gcd(drawn, pages_per_chunk)``).
+FRAMES = st.tuples(st.just("frames"), st.integers(0, 3), st.integers(0, 5), st.sampled_from([1, 2, 4]))
+
+
 @st.composite
-def retention_shapes(draw: st.DrawFn) -> tuple:
+def retention_shapes(draw: st.DrawFn, frames: bool = True) -> tuple:
     """A retention shape: ``("uniform",)`` (the spec's own sinks / window, one kv head); ``("per_layer", kv_heads,
     policies)`` (``HeadRetention.per_layer``: one ``(sink, window)`` per layer, not all equal); ``("per_head",
     kv_heads, groups, rows)`` (``HeadRetention(groups, rows)``: 2-3 groups of distinct ``(sink, window)``, each
     kv head of each layer in one of them -- ``rows[layer][head]`` a group index --, layer 0 holding heads of
-    groups 0 and 1). Uniform half the time, and first (what shrinking goes to)."""
-    kind = draw(st.sampled_from(["uniform", "uniform", "per_layer", "per_head"]))
+    groups 0 and 1); ``("frames", sink_frames, window_frames | None, frames_per_chunk)`` (a uniform cache of one
+    ``FrameWindowPolicy``); ``("per_head_frames", ...)`` as ``per_head`` with groups mixing ``FRAMES`` and chunk
+    groups (at least one of each). Uniform half the time, and first (what shrinking goes to)."""
+    kinds = ["uniform", "uniform", "per_layer", "per_head"] + (["frames", "per_head_frames"] if frames else [])
+    kind = draw(st.sampled_from(kinds))
     if kind == "uniform":
         return ("uniform",)
+    if kind == "frames":
+        _, sink, window, per_chunk = draw(FRAMES)
+        return ("frames", sink, draw(st.sampled_from([window, window, None])), per_chunk)
     if kind == "per_layer":
         heads = draw(st.integers(1, 3))
         policies = draw(st.lists(SINK_WINDOW, min_size=NUM_LAYERS, max_size=NUM_LAYERS).filter(lambda p: len(set(p)) > 1))
         return ("per_layer", heads, tuple(policies))
     heads = draw(st.integers(2, 4))
-    groups = draw(st.lists(SINK_WINDOW, min_size=2, max_size=3, unique=True))
+    if kind == "per_head_frames":
+        groups = [draw(FRAMES), draw(SINK_WINDOW), *draw(st.lists(FRAMES | SINK_WINDOW, max_size=1))]
+        groups = list(dict.fromkeys(draw(st.permutations(groups))))  # a frame group first or not
+    else:
+        groups = draw(st.lists(SINK_WINDOW, min_size=2, max_size=3, unique=True))
     row = st.lists(st.integers(0, len(groups) - 1), min_size=heads, max_size=heads)
     rows = [list(r) for r in draw(st.lists(row, min_size=NUM_LAYERS, max_size=NUM_LAYERS))]
     rows[0][0], rows[0][1] = 0, 1
-    return ("per_head", heads, tuple(groups), tuple(tuple(r) for r in rows))
+    return (kind, heads, tuple(groups), tuple(tuple(r) for r in rows))
 
 
 CROSS_TOKENS = 3
@@ -123,6 +138,9 @@ class LaneModel:
     layers: tuple[int, ...]
     #: ``heads[i]``: the model kv heads of lane layer ``i``, ascending.
     heads: tuple[tuple[int, ...], ...]
+    #: A frame lane's ``(sink_frames, window_frames, frames_per_chunk)`` (``sinks`` / ``window``: the chunks holding
+    #: them, rounded up); ``None``: a chunk lane.
+    frames: tuple[int, int | None, int] | None = None
 
     @property
     def num_heads(self) -> int:
@@ -143,6 +161,15 @@ class ChunkRecord:
     def positions(self) -> list[int]:
         return list(range(self.start, self.start + self.tokens))
 
+    @property
+    def base(self) -> ChunkRecord:
+        """The committed chunk this record shows (itself; a :class:`FrameView`: the whole chunk)."""
+        return self
+
+    def spans(self) -> list[tuple[int, int]]:
+        """``(first position, tokens)`` of each run of its tokens."""
+        return [(self.start, self.tokens)]
+
     def lane_pages(self, lane: int = 0) -> Chunk:
         return self.pages if lane == 0 else self.others[lane - 1][0]
 
@@ -153,6 +180,49 @@ class ChunkRecord:
         """``[lane layers, 2, tokens, lane heads * dim]``: K and V of every layer of the lane, in position order."""
         data = self.lane_data(lane)
         return data.reshape(*data.shape[:2], self.tokens, -1)
+
+
+@dataclass(frozen=True)
+class FrameView(ChunkRecord):
+    """What a frame lane holds of a committed chunk (``base``): the pages of its kept frames (``offsets``: their page
+    offsets in the chunk as written) in lane ``lane`` -- ``pages`` / ``data`` / ``others`` trimmed there, ``tokens``
+    the kept tokens; ``start`` stays the chunk's."""
+
+    whole: ChunkRecord | None = None
+    offsets: tuple[int, ...] = ()
+    page_size: int = 1
+
+    @property
+    def base(self) -> ChunkRecord:
+        return self.whole  # type: ignore[return-value]
+
+    def positions(self) -> list[int]:
+        size = self.page_size
+        return [self.start + o * size + t for o in self.offsets for t in range(size)]
+
+    def spans(self) -> list[tuple[int, int]]:
+        out: list[tuple[int, int]] = []
+        for p in self.positions():
+            if out and out[-1][0] + out[-1][1] == p:
+                out[-1] = (out[-1][0], out[-1][1] + 1)
+            else:
+                out.append((p, 1))
+        return out
+
+
+def frame_view(rec: ChunkRecord, lane: int, offsets: tuple[int, ...], page_size: int) -> ChunkRecord:
+    """``rec`` as a frame lane ``lane`` holds it: the pages at ``offsets`` (``rec`` itself when it holds them all)."""
+    full = rec.lane_pages(lane)
+    if len(offsets) == len(full):
+        return rec
+    pages = tuple(full[o] for o in offsets)
+    data = rec.lane_data(lane)[:, :, list(offsets)]
+    lanes = [(rec.pages, rec.data), *rec.others]
+    lanes[lane] = (pages, data)
+    return FrameView(
+        lanes[0][0], len(offsets) * page_size, rec.start, lanes[0][1], tuple(lanes[1:]), rec.base, tuple(offsets),
+        page_size,
+    )
 
 
 @dataclass(eq=False)
@@ -257,6 +327,9 @@ class SessionModel:
     floor: dict[str, int] = field(default_factory=lambda: dict.fromkeys(BRANCHES, 0))
     shot: dict[str, int | None] = field(default_factory=lambda: dict.fromkeys(BRANCHES))
     resident_shot: dict[str, int | None] = field(default_factory=lambda: dict.fromkeys(BRANCHES))
+    #: ``share_sinks_from``: the leading chunks (commit indices below it) shared as sinks alone -- a frame lane holds
+    #: only their sink frames.
+    sink_only: dict[str, int] = field(default_factory=lambda: dict.fromkeys(BRANCHES, 0))
 
     def __post_init__(self) -> None:
         lanes = self.cm.num_lanes
@@ -282,10 +355,11 @@ class SessionModel:
             self.clear_shots(b)
 
     def clear_shots(self, b: str) -> None:
-        self.floor[b], self.shot[b], self.resident_shot[b] = 0, None, None
+        self.floor[b], self.shot[b], self.resident_shot[b], self.sink_only[b] = 0, None, None, 0
 
     def copy_shots(self, other: SessionModel, b: str) -> None:
         self.floor[b], self.shot[b], self.resident_shot[b] = other.floor[b], other.shot[b], other.resident_shot[b]
+        self.sink_only[b] = other.sink_only[b]
 
     def drop_pending(self, b: str) -> None:
         for pending in self.lane_pending:

@@ -4,6 +4,7 @@ streams; chunk lengths; snapshots of everything a failed call must leave unchang
 from __future__ import annotations
 
 import itertools
+import math
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -15,7 +16,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize
 
 from ardiff_modules import ChunkSelfAttention, CrossAttentionSpec, ForwardContext, HeadRetention, KVCache, KVCacheSpec
-from ardiff_modules import ShotSinkPolicy, SinkWindowPolicy
+from ardiff_modules import FrameWindowPolicy, ShotSinkPolicy, SinkWindowPolicy
+from ardiff_modules.errors import SequenceLengthError
 from tests.support.pool_model import PoolContents, shot_visible
 from tests.support.failures import FlakyPlanBackend
 from tests.support.session_model import (
@@ -25,6 +27,7 @@ from tests.support.session_model import (
     CacheModel,
     Chunk,
     ChunkRecord,
+    FrameView,
     GEOMETRIES,
     HEAD_DIM,
     LaneModel,
@@ -32,6 +35,7 @@ from tests.support.session_model import (
     NUM_LAYERS,
     SessionModel,
     Shape,
+    frame_view,
     TRACKED_CONTEXTS,
     TxModel,
     retention_shapes,
@@ -86,8 +90,22 @@ class MachineBase(RuleBasedStateMachine):
         shape: tuple = ("uniform",),
     ) -> None:
         self.chunk, page_size = geometry
-        self.grouped = self.DRAWS_GROUPS and shape[0] != "uniform"
-        if self.grouped:
+        self.ppc = self.chunk // page_size
+        self.grouped = self.DRAWS_GROUPS and shape[0] not in ("uniform", "frames")
+        if shape[0] == "frames" or (shape[0] != "uniform" and not self.grouped):
+            shape = shape if shape[0] == "frames" else ("uniform",)
+        if shape[0] == "frames":
+            # One FrameWindowPolicy: the chunks holding its kept frames are its sinks / window (rounded up).
+            frames = self.m_frames(*shape[1:])
+            sink_frames, window_frames, per_chunk = frames
+            self.sinks = -(-sink_frames // per_chunk)
+            self.window = None if window_frames is None else -(-window_frames // per_chunk)
+            self.shot_chunks = 0
+            retention = {"retention": FrameWindowPolicy(*frames)}
+            self.kv_heads = 1
+            self.lanes = [LaneModel(self.sinks, self.window, 0, tuple(range(NUM_LAYERS)), ((0,),) * NUM_LAYERS, frames)]
+            event(f"frame retention: sink_frames={sink_frames} window_frames={window_frames} per chunk {per_chunk}")
+        elif self.grouped:
             retention = self.m_groups(shape, shots)
             relative = relative and self.supports("relative_sinks")
         else:
@@ -127,6 +145,15 @@ class MachineBase(RuleBasedStateMachine):
         for _ in range(sessions):
             self.sessions.append(SessionModel(cm.cache.open_session(), cm))
 
+    def m_frames(self, sink_frames: int, window_frames: int | None, per_chunk: int) -> tuple[int, int | None, int]:
+        """A drawn frame group for this geometry: its frames per chunk split a chunk into frames of whole pages."""
+        return sink_frames, window_frames, math.gcd(per_chunk, self.ppc)
+
+    @property
+    def framed(self) -> bool:
+        """Whether a lane counts frames (a forward of shorter chunks is refused)."""
+        return any(lane.frames is not None for lane in self.lanes)
+
     def m_groups(self, shape: tuple, shots: int) -> dict[str, Any]:
         """A grouped draw: the ``head_retention`` spec field, and the model's lanes (``self.lanes``) from the drawn
         groups. ``shots``: the first group pins a shot sink of that many chunks where its window has room."""
@@ -137,12 +164,20 @@ class MachineBase(RuleBasedStateMachine):
             rows = [[raw.index(policy)] * heads for policy in shape[2]]  # group i: the i-th distinct policy
         else:
             rows = [list(r) for r in shape[3]]
-        groups = []  # (sink, window, shot chunks) of each group, in declaration order
-        for i, (sink, window) in enumerate(raw):
-            groups.append((sink, window, min(shots, window) if i == 0 else 0))
+        groups = []  # (sink, window, shot chunks, frames) of each group, in declaration order
+        for i, group in enumerate(raw):
+            if len(group) == 4:  # a frame group: the chunks holding its kept frames (rounded up)
+                frames = self.m_frames(*group[1:])
+                sf, wf, per = frames
+                groups.append((-(-sf // per), None if wf is None else -(-wf // per), 0, frames))
+                continue
+            sink, window = group
+            groups.append((sink, window, min(shots, window) if i == 0 else 0, None))
 
         def policy(g: int):  # noqa: ANN202
-            sink, window, shot = groups[g]
+            sink, window, shot, frames = groups[g]
+            if frames is not None:
+                return FrameWindowPolicy(*frames)
             return ShotSinkPolicy(sink, window, shot) if shot else SinkWindowPolicy(sink, window)
 
         if kind == "per_layer":
@@ -152,7 +187,7 @@ class MachineBase(RuleBasedStateMachine):
         # The lanes the model expects: per group (declaration order), per heads-per-layer count (ascending), the
         # layers holding that many of its heads (HeadRetention.parts, restated).
         lanes = []
-        for g, (sink, window, shot) in enumerate(groups):
+        for g, (sink, window, shot, frames) in enumerate(groups):
             found: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
             for layer, row in enumerate(rows):
                 mine = tuple(h for h, x in enumerate(row) if x == g)
@@ -160,7 +195,7 @@ class MachineBase(RuleBasedStateMachine):
                     found.setdefault(len(mine), []).append((layer, mine))
             for count in sorted(found):
                 layers = tuple(layer for layer, _ in found[count])
-                lanes.append(LaneModel(sink, window, shot, layers, tuple(h for _, h in found[count])))
+                lanes.append(LaneModel(sink, window, shot, layers, tuple(h for _, h in found[count]), frames))
         self.lanes = lanes
         # The stream's: the most sinks any group keeps (share_sinks_from), the widest window, the longest shot.
         self.sinks = max(lane.sinks for lane in lanes)
@@ -184,10 +219,19 @@ class MachineBase(RuleBasedStateMachine):
         budget = num_pages * NUM_LAYERS * self.kv_heads * unit
         sizes = [len(g.layers) * g.num_heads * unit for g in self.lanes]
         peaks = [
-            len(BRANCHES) * max(g.sinks + g.window + 1, e) * self.ppc * size  # type: ignore[operator]
+            len(BRANCHES) * max(self.m_history_pages(g) + self.ppc, e * self.ppc) * size
             for g, e, size in zip(self.lanes, lane_extents, sizes)
         ]
         return [budget * peak // sum(peaks) // size for peak, size in zip(peaks, sizes)]
+
+    def m_history_pages(self, g: LaneModel) -> int:
+        """The most history pages a branch of lane ``g`` holds: its sink + window chunks, or -- a frame lane -- at
+        most its sink + window frames' pages (trimmed chunks hold only those)."""
+        pages = (g.sinks + g.window) * self.ppc  # type: ignore[operator]
+        if g.frames is not None:
+            sf, wf, per = g.frames
+            pages = min(pages, (sf + wf) * (self.ppc // per))  # type: ignore[operator]
+        return pages
 
     def supports(self, capability: str) -> bool:
         """Whether this draw may use ``capability`` (:data:`NOT_YET_WITH_GROUPS`)."""
@@ -282,9 +326,35 @@ class MachineBase(RuleBasedStateMachine):
     def visible_data(self, sm: SessionModel, branch: str, lane: int = 0) -> list[ChunkRecord]:
         """The committed chunks lane ``lane`` keeps of a stream, under its group's retention."""
         g = self.lanes[lane]
+        if g.frames is not None:
+            return self.frame_visible(sm, branch, lane)
         return shot_visible(
             sm.committed[branch], g.sinks, g.window, g.shot_chunks, sm.floor[branch], sm.resident_shot[branch]
         )
+
+    def frame_visible(self, sm: SessionModel, branch: str, lane: int) -> list[ChunkRecord]:
+        """A frame lane's kept chunks, each trimmed to its kept frames (:class:`FrameView`), re-stated by frame:
+        stream frame ``g = i * F + f`` of chunk ``i`` stays when ``g < sink_frames`` or ``g >= committed frames -
+        window_frames`` (``None``: all); a chunk shared as a sink alone (``share_sinks_from``) holds its sink frames
+        only; a dropped window (``drop_window``) took every chunk below its floor but the sink chunks."""
+        sink_frames, window_frames, per = self.lanes[lane].frames  # type: ignore[misc]
+        committed = sm.committed[branch]
+        total = len(committed) * per
+        sink_chunks = -(-sink_frames // per)
+        page_frame = self.ppc // per
+        out = []
+        for i, rec in enumerate(committed):
+            if i >= sink_chunks and i < sm.floor[branch]:
+                continue
+            frames = [
+                f for f in range(per)
+                if i * per + f < sink_frames
+                or (i >= sm.sink_only[branch] and (window_frames is None or i * per + f >= total - window_frames))
+            ]
+            if frames:
+                offsets = tuple(f * page_frame + p for f in frames for p in range(page_frame))
+                out.append(frame_view(rec, lane, offsets, self.page))
+        return out
 
     def visible(self, sm: SessionModel, branch: str, lane: int = 0) -> list[Chunk]:
         return [rec.lane_pages(lane) for rec in self.visible_data(sm, branch, lane)]
@@ -297,7 +367,23 @@ class MachineBase(RuleBasedStateMachine):
         pages; ``data``: lane -> its contents, else the ones it had): the record replaced in that stream only (a
         fork keeps the old one)."""
         data = data or {}
+        rec = rec.base
         lanes = range(len(self.lanes))
+        pages, data = dict(pages), dict(data)
+        for lane, new in list(pages.items()):  # a trimmed chunk moved: its kept pages (the rest are never seen)
+            full = rec.lane_pages(lane)
+            if len(new) == len(full):
+                continue
+            view = next(v for v in self.visible_data(sm, b, lane) if v.base is rec)
+            assert isinstance(view, FrameView) and len(view.offsets) == len(new), (view, new)
+            spliced = list(full)
+            for o, p in zip(view.offsets, new):
+                spliced[o] = p
+            pages[lane] = tuple(spliced)
+            if lane in data:
+                whole = rec.lane_data(lane).clone()
+                whole[:, :, list(view.offsets)] = data[lane]
+                data[lane] = whole
         lp = [tuple(pages.get(lane, rec.lane_pages(lane))) for lane in lanes]
         ld = [data.get(lane, rec.lane_data(lane)) for lane in lanes]
         new = ChunkRecord(lp[0], rec.tokens, rec.start, ld[0], tuple(zip(lp[1:], ld[1:])))
@@ -316,11 +402,12 @@ class MachineBase(RuleBasedStateMachine):
         if not self.spec.relative_sinks:
             return 0
         sink_ids = {id(r) for r in sm.committed[branch][: self.lanes[lane].sinks]}  # the lane's group's sinks
-        sinks = [r for r in records if id(r) in sink_ids]
-        rest = [r for r in records if id(r) not in sink_ids]
+        sinks = [r for r in records if id(r.base) in sink_ids]
+        rest = [r for r in records if id(r.base) not in sink_ids]
         if not sinks:
             return 0
-        return (rest[0].start if rest else first_pending) - (sinks[-1].start + sinks[-1].tokens)
+        # (a frame lane: the sink chunks' kept keys end at their last kept position, the rest begin at its first)
+        return (rest[0].positions()[0] if rest else first_pending) - (sinks[-1].positions()[-1] + 1)
 
     def sink_query(self, ctx: ForwardContext, q: torch.Tensor) -> dict[str, torch.Tensor]:
         """``sink_query=`` for ``chunk_attention`` when the cache has relative sinks: ``q`` itself (no RoPE
@@ -340,7 +427,20 @@ class MachineBase(RuleBasedStateMachine):
             event(f"multi-chunk forward, pending rule {rule or 'default ' + self.spec.pending_attention}")
         kind = "mixed" if len(set(lengths)) > 1 else "full" if lengths[0] == self.chunk else "short"
         event(f"chunk lengths {kind}, passed as {'chunk_lengths' if shape.explicit else 'seq_len'}")
-        return shape
+        return self.whole_in_frames(shape)
+
+    def whole_in_frames(self, shape: Shape) -> Shape:
+        """``shape``; with a frame lane, a shape of shorter chunks is refused (``SequenceLengthError``, nothing
+        changed -- asked of a resident session, as the call says it) and the rule goes on with whole chunks."""
+        if not self.framed or all(n == self.chunk for n in shape.lengths):
+            return shape
+        resident = [sm for sm in self.open_sessions if not sm.cm.closed and not sm.suspended]
+        if resident:
+            sm = resident[len(shape.lengths) % len(resident)]
+            fn, args, kwargs = self.prepare_call([(sm, BRANCHES[0])], shape, False, "state")  # type: ignore[attr-defined]
+            self.expect_failure(SequenceLengthError, fn, *args, match="whole chunks", **kwargs)
+            event("frame lane: shorter chunks refused")
+        return Shape((self.chunk,) * shape.num_chunks, shape.explicit, shape.rule, shape.bidirectional)
 
     @property
     def default_bidirectional(self) -> bool:
@@ -351,7 +451,7 @@ class MachineBase(RuleBasedStateMachine):
 
     def short(self, pages: int) -> Shape:
         """One chunk of ``pages`` pages (capped): e.g. an image-to-video first chunk of one latent frame."""
-        return Shape((min(pages, self.ppc) * self.page,), bidirectional=self.default_bidirectional)
+        return self.whole_in_frames(Shape((min(pages, self.ppc) * self.page,), bidirectional=self.default_bidirectional))
 
     def reused(self, sm: SessionModel, b: str, shape: Shape) -> int:
         """Leading pending chunks a forward of ``shape`` keeps as they are: those of the same length."""

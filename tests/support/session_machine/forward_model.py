@@ -21,6 +21,7 @@ from ardiff_modules.errors import (
     IncompleteForwardError,
     NonFiniteKVError,
     PendingContextError,
+    SequenceLengthError,
     SessionClosedError,
     SpecError,
     TensorMismatchError,
@@ -66,6 +67,8 @@ class ForwardModel:
             seen.add(key)
         if static and self.window is None:
             return SpecError
+        if self.framed and any(n != self.chunk for n in shape.lengths):  # a frame lane counts whole chunks
+            return SequenceLengthError
         for sm, b in streams:
             tx = sm.forward[b]
             if tx is not None and tx.commit:
@@ -417,7 +420,7 @@ class ForwardModel:
             if isinstance(plan, RelativeSinkPlan):  # two segments: the sink keys, then window + pending
                 assert isinstance(plan.sinks, ReferencePlan) and isinstance(plan.rest, ReferencePlan)
                 sink_ids = {id(r) for r in sm.committed[b][: self.lanes[lane].sinks]}
-                sink_keys = sum(r.tokens for r in records if id(r) in sink_ids)
+                sink_keys = sum(r.tokens for r in records if id(r.base) in sink_ids)
                 gathered = torch.cat([plan.sinks.gather[i, :sink_keys], plan.rest.gather[i, : keys - sink_keys]])
             else:
                 gathered = plan.gather[i, :keys]

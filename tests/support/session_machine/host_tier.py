@@ -127,7 +127,7 @@ class HostTierRules:
                 )
                 for rec, pages in zip(kept[b], chunks):
                     sm.cm.pools[lane].put(pages, rec.lane_data(lane))
-                    moved.setdefault(id(rec), {})[lane] = tuple(pages)
+                    moved.setdefault(id(rec.base), {})[lane] = tuple(pages)
                 sm.lane_extent[lane][b] = tuple(history.extent) or None
             for rec in list(sm.committed[b]):
                 if id(rec) in moved:

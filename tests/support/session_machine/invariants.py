@@ -124,8 +124,8 @@ class Invariants:
         assert history.committed_tokens == sm.committed_tokens(b), where
         assert history.token_offset == sm.committed_tokens(b), where
         records = self.visible_data(sm, b, lane)
-        assert history.history_spans() == [(r.start, r.tokens) for r in records], (
-            f"{where}: spans {history.history_spans()}, model {[(r.start, r.tokens) for r in records]}"
+        assert history.history_spans() == [s for r in records for s in r.spans()], (
+            f"{where}: spans {history.history_spans()}, model {[s for r in records for s in r.spans()]}"
         )
         assert history.history_positions() == [p for r in records for p in r.positions()]
         assert [len(c) * self.page for c in history.pending] == sm.pending_tokens[b]

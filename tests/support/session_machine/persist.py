@@ -61,7 +61,7 @@ class PersistRules:
                 assert [len(c) for c in chunks] == [len(r.lane_pages(lane)) for r in records], (
                     f"{copy_id}/{b} lane {lane}: loaded {chunks}, model {[r.lane_pages(lane) for r in records]}"
                 )
-                assert history.history_spans() == [(r.start, r.tokens) for r in records]
+                assert history.history_spans() == [s for r in records for s in r.spans()]
                 for pages, rec in zip(chunks, records):
                     assert same_bits(pool[:, :, list(pages)], rec.lane_data(lane)), (
                         f"{copy_id}/{b} lane {lane}: loaded chunk {pages} differs from what was committed"

@@ -32,7 +32,7 @@ class RecacheRules:
     def m_recache_targets(self, sm: SessionModel, b: str, keep_sinks: bool) -> list[ChunkRecord]:
         """The visible records a re-cache rebuilds: all of them, or all but the sinks (commit order)."""
         sinks = sm.committed[b][: self.sinks] if keep_sinks else []
-        return [rec for rec in self.visible_data(sm, b) if not any(rec is s_ for s_ in sinks)]
+        return [rec for rec in self.visible_data(sm, b) if not any(rec.base is s_ for s_ in sinks)]
 
     def predict_recache(self, streams: list[tuple[SessionModel, str]], keep_sinks: bool) -> type[BaseException] | None:
         cm = streams[0][0].cm
@@ -41,7 +41,7 @@ class RecacheRules:
                 return PendingContextError
             if not self.m_recache_targets(sm, b, keep_sinks):
                 return SpecError
-        shapes = {tuple(r.tokens for r in self.m_recache_targets(sm, b, keep_sinks)) for sm, b in streams}
+        shapes = {tuple(r.base.tokens for r in self.m_recache_targets(sm, b, keep_sinks)) for sm, b in streams}
         if len(shapes) > 1:
             return SequenceLengthError
         if self.spec.relative_sinks and not keep_sinks:  # rebuilt sinks would sit at their natural distance
@@ -88,6 +88,9 @@ class RecacheRules:
         if self.grouped:
             self.recache_grouped(streams, fn, args, keep_sinks, variant, layers)
             return
+        if self.framed and cm.extents:
+            event("re-cache of a frame lane over extents: not modelled (trimmed chunks' ring copies)")
+            return
         failure = self.predict_recache(streams, keep_sinks)
         if failure is not None or variant == "plan":
             cm.backend.fail = None if failure is not None else Boom
@@ -104,7 +107,7 @@ class RecacheRules:
         lib = ctx._transaction
         assert isinstance(lib, ForwardTransaction) and lib.is_open and lib.recache
         # The forward: fresh pages, original positions, kept sinks visible (never written), block-causal.
-        lengths = tuple(r.tokens for r in targets[(id(streams[0][0]), streams[0][1])])
+        lengths = tuple(r.base.tokens for r in targets[(id(streams[0][0]), streams[0][1])])
         shape = Shape(lengths)
         fresh: list[int] = []
         for i, (sm, b) in enumerate(streams):
@@ -117,8 +120,8 @@ class RecacheRules:
             if ring:
                 event("re-cache: a rebuilt chunk took a free ring slot")
             fresh += [p for c in new[len(ring) :] for p in c]
-            kept = [r for r in self.visible_data(sm, b) if not any(r is t for t in recs)]
-            positions = [p for r in recs for p in r.positions()]
+            kept = [r for r in self.visible_data(sm, b) if not any(r.base is t.base for t in recs)]
+            positions = [p for r in recs for p in r.base.positions()]  # rebuilt whole (a frame lane trims at commit)
             assert ctx.positions[i].tolist() == positions, (ctx.positions[i].tolist(), positions)
             history = [p for r in kept for p in r.positions()]
             keys = history + positions
@@ -163,7 +166,7 @@ class RecacheRules:
         slots = pool.reshape(NUM_LAYERS, 2, -1, pool.shape[-2] * pool.shape[-1])
         for i, (sm, b) in enumerate(streams):  # gathered keys: kept sinks as committed, then the fresh pages
             recs = targets[(id(sm), b)]
-            kept = [r for r in self.visible_data(sm, b) if not any(r is t for t in recs)]
+            kept = [r for r in self.visible_data(sm, b) if not any(r.base is t.base for t in recs)]
             pending = [p for c in sm.pending[b] for p in c]
             want = torch.cat(
                 [r.token_data() for r in kept] + [cm.pool.pages(pending).reshape(NUM_LAYERS, 2, shape.seq_len, -1)],
@@ -231,6 +234,7 @@ class RecacheRules:
                 if src != dst:
                     cm.pool.copy(src, dst)
             for rec, pages in zip(targets[(id(sm), b)], placed):
+                rec = rec.base
                 at = next(j for j, r in enumerate(sm.committed[b]) if r is rec)
                 sm.committed[b][at] = ChunkRecord(pages, rec.tokens, rec.start, cm.pool.pages(pages))
             sm.forward[b] = None
@@ -242,11 +246,11 @@ class RecacheRules:
     def m_lane_targets(self, sm: SessionModel, b: str, keep_sinks: bool, lane: int) -> list[ChunkRecord]:
         """The chunks a lane's own plan rebuilds: those its group keeps, but its sinks with ``keep_sinks``."""
         sinks = sm.committed[b][: self.lanes[lane].sinks] if keep_sinks else []
-        return [rec for rec in self.visible_data(sm, b, lane) if not any(rec is s_ for s_ in sinks)]
+        return [rec for rec in self.visible_data(sm, b, lane) if not any(rec.base is s_ for s_ in sinks)]
 
     def m_union(self, sm: SessionModel, b: str, keep_sinks: bool) -> list[ChunkRecord]:
         """What a grouped re-cache rebuilds: the union of the lanes' rebuilt chunks, in commit order."""
-        found = {id(r): r for lane in range(len(self.lanes)) for r in self.m_lane_targets(sm, b, keep_sinks, lane)}
+        found = {id(r.base): r.base for lane in range(len(self.lanes)) for r in self.m_lane_targets(sm, b, keep_sinks, lane)}
         return sorted(found.values(), key=lambda r: r.start)
 
     def predict_recache_grouped(
@@ -268,7 +272,7 @@ class RecacheRules:
                 for (sm, b), union in zip(streams, unions):
                     records = self.visible_data(sm, b, lane)
                     sinks = records[: min(self.lanes[lane].sinks, len(sm.committed[b]))]
-                    rebuilt = any(any(r is u for u in union) for r in sinks)
+                    rebuilt = any(any(r.base is u for u in union) for r in sinks)
                     if sinks and rebuilt and len(records) > len(sinks):
                         if self.m_sink_shift(records, sm, b, sm.committed_tokens(b), lane):
                             return SpecError
@@ -300,7 +304,7 @@ class RecacheRules:
         unions = {(id(sm), b): self.m_union(sm, b, keep_sinks) for sm, b in streams}
         # per stream, per lane: the lane's chunks in the union (rebuilt there) and its kept ones (attended as they are)
         mine = {
-            (id(sm), b, lane): [r for r in self.visible_data(sm, b, lane) if any(r is u for u in unions[(id(sm), b)])]
+            (id(sm), b, lane): [r for r in self.visible_data(sm, b, lane) if any(r.base is u for u in unions[(id(sm), b)])]
             for sm, b in streams for lane in range(cm.num_lanes)
         }
         free_before, used_before = self.alloc_before(cm)
@@ -324,7 +328,7 @@ class RecacheRules:
                 assert [len(c) * self.page for c in new] == list(lengths), f"{where}: re-cache pending {new}"
                 fresh += [p for c in new for p in c]
                 sm.lane_pending[lane][b] = new
-                kept = [r for r in self.visible_data(sm, b, lane) if not any(r is u for u in union)]
+                kept = [r for r in self.visible_data(sm, b, lane) if not any(r.base is u for u in union)]
                 history = [p for r in kept for p in r.positions()]
                 keys = history + [p for r in union for p in r.positions()]
                 got = lane_ctx.key_positions()[i].tolist()
@@ -377,7 +381,7 @@ class RecacheRules:
             slots = pool.reshape(pool.shape[0], 2, -1, pool.shape[-2] * pool.shape[-1])
             for i, (sm, b) in enumerate(streams):
                 union = unions[(id(sm), b)]
-                kept = [r for r in self.visible_data(sm, b, lane) if not any(r is u for u in union)]
+                kept = [r for r in self.visible_data(sm, b, lane) if not any(r.base is u for u in union)]
                 pending = [p for c in sm.lane_pending[lane][b] for p in c]
                 want = torch.cat(
                     [r.token_data(lane) for r in kept]
@@ -416,7 +420,7 @@ class RecacheRules:
             for j, rec in enumerate(union):
                 pages, data = {}, {}
                 for lane in range(cm.num_lanes):
-                    if any(r is rec for r in mine[(id(sm), b, lane)]):  # rebuilt there (else context: released)
+                    if any(r.base is rec for r in mine[(id(sm), b, lane)]):  # rebuilt there (else context: released)
                         pages[lane] = sm.lane_pending[lane][b][j]
                         data[lane] = cm.pools[lane].pages(pages[lane])
                 self.m_relocate(sm, b, rec, pages, data)

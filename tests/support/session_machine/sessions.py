@@ -100,9 +100,10 @@ class CacheAndSessionRules:
 
     def union_chunks(self) -> int:
         """The most chunks one re-cache rebuilds over every lane: sink + window groups keep a prefix and a suffix
-        (the widest sinks + the widest window); with a shot sink, which pins chunks anywhere, the lanes' sum."""
+        (the widest sinks + the widest window); with a shot sink, which pins chunks anywhere, or a frame group, the
+        lanes' sum."""
         context = self.spec.recache.context_chunks
-        if any(g.shot_chunks for g in self.lanes):
+        if any(g.shot_chunks or g.frames is not None for g in self.lanes):  # only sink + window chunk groups
             return sum(g.sinks + g.window for g in self.lanes) + context  # type: ignore[operator]
         return max(g.sinks for g in self.lanes) + max(g.window for g in self.lanes) + context  # type: ignore[type-var]
 
@@ -111,9 +112,9 @@ class CacheAndSessionRules:
         resident = g.sinks + g.window
         extent_chunks = cm.lane_extent_chunks[lane]
 
-        def per_session(pending: int) -> int:
-            chunks = max(resident + pending, extent_chunks)
-            return len(BRANCHES) * chunks * self.ppc
+        def per_session(pending: int) -> int:  # a frame lane's history: at most its kept frames' pages
+            pages = max(self.m_history_pages(g) + pending * self.ppc, extent_chunks * self.ppc)
+            return len(BRANCHES) * pages
 
         alloc = cm.allocator(lane)
         # Once for the pool: one session's re-cache beyond its peak (every branch rebuilds R chunks, less

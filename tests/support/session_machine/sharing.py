@@ -67,6 +67,7 @@ class SharingRules:
         target.state.share_sinks_from(source.state, branch)
         target.committed[branch] = list(source.committed[branch][:sinks])
         target.clear_shots(branch)  # only the sinks: no shot
+        target.sink_only[branch] = sinks  # a frame lane holds only their sink frames
         # The stream's sinks are the most any group keeps: a group keeping fewer never shared the chunks between
         # its sinks and the clock (dropped, as below a dropped window); uniform: all of them are sinks.
         target.floor[branch] = sinks

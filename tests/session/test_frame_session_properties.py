@@ -1,0 +1,44 @@
+"""The session state machine over caches that always count frames: a uniform ``FrameWindowPolicy`` or head groups
+mixing ``FrameWindowPolicy`` and chunk groups (``retention_shapes``' ``frames`` / ``per_head_frames``), with every
+rule of ``tests/session/test_session_properties.py`` -- forks, shared sinks, re-caches, suspend/resume, files, masks,
+relative sinks, failures -- and shorter chunks refused (``SequenceLengthError``, nothing changed). The main machine
+draws frame shapes in some examples only; this one in all.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import initialize
+
+from tests.support.session_machine import SessionStateMachine
+from tests.support.session_model import GEOMETRIES, MAX_SESSIONS, retention_shapes
+
+
+class FrameSessionStateMachine(SessionStateMachine):
+    """:class:`SessionStateMachine` whose spec always has a frame lane."""
+
+    @initialize(
+        sink=st.integers(0, 2),
+        window=st.sampled_from([0, 1, 2, 3, None]),
+        geometry=st.sampled_from(GEOMETRIES),
+        pending_default=st.sampled_from(["block_causal", "bidirectional"]),
+        pool_chunks=st.integers(3, 18),
+        extents=st.booleans(),
+        max_contexts=st.sampled_from([1, 2, 3, 64]),
+        check_finite=st.booleans(),
+        sessions=st.integers(1, MAX_SESSIONS),
+        relative=st.booleans(),
+        shots=st.sampled_from([0, 1, 1, 2]),
+        shape=retention_shapes().filter(lambda s: s[0] in ("frames", "per_head_frames")),
+    )
+    def setup(self, **drawn) -> None:  # type: ignore[override]
+        super().setup(**drawn)
+
+
+TestFrameSessionStateMachine = pytest.mark.slow(FrameSessionStateMachine.TestCase)
+TestFrameSessionStateMachine.settings = settings(
+    max_examples=max(1, settings.default.max_examples * 3 // 4),
+    stateful_step_count=settings.default.stateful_step_count * 2,
+)
