@@ -162,7 +162,9 @@ class ForcingKVConfig:
         """The retention groups of this configuration: sink + window policies in chunks, or in frames.
 
         A chunk is ``chunk_frames`` frames (Forcing-KV's block: 3). Groups: ``"spatial"`` (sink + ``Ls``),
-        ``"temporal"`` (sink + ``Lt``); layer 0's heads all go to the group of window ``max(Ls, Lt)``.
+        ``"temporal"`` (sink + ``Lt``); layer 0's heads all go to the group of window ``max(Ls, Lt)``. The
+        narrower group is a :class:`~ardiff_modules.core.phased_retention.PhasedPolicy` (the widest window until
+        ``ar_start + 1`` chunks are committed) where the switch changes what it keeps.
         ``sink_frames`` overrides the YAML's ``model_kwargs.sink_size`` (needed when only the block was
         loaded). :class:`SpecError` names what is not expressible yet (:func:`_chunk_policies`).
         """
