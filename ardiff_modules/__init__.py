@@ -60,6 +60,7 @@ from ardiff_modules.core.recache import RecacheRule
 from ardiff_modules.core.retention import RetentionPolicy, SinkWindowMemoryPolicy, SinkWindowPolicy
 from ardiff_modules.core.shot_sink import ShotSinkPolicy
 from ardiff_modules.core.frame_retention import FrameWindowPolicy
+from ardiff_modules.core.phased_retention import PhasedPolicy
 from ardiff_modules.core.head_retention import HeadRetention
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
@@ -152,6 +153,7 @@ __all__ = [
     "NonFiniteKVError",
     "ParticipantCommitError",
     "PendingContextError",
+    "PhasedPolicy",
     "RecacheRule",
     "ReferenceBackend",
     "RetentionPolicy",

@@ -115,11 +115,11 @@ def admission_of(spec: KVCacheSpec, extent_chunks: int | None, union_chunks: int
         context = max(context, union_chunks - history)
     policy = spec.policy
     frames = None
-    if trims_frames(policy) and policy.window_frames is not None:  # type: ignore[attr-defined]
-        # the kept frames: the sink frames and the window frames, never more (trimmed chunks hold only them)
-        frames = (policy.sink_frames + policy.window_frames) * (  # type: ignore[attr-defined]
-            spec.pages_per_chunk // policy.frames_per_chunk  # type: ignore[attr-defined]
-        )
+    kept = getattr(policy, "max_kept_frames", None) if trims_frames(policy) else None
+    if isinstance(kept, int):
+        # the most frames kept at once (a FrameWindowPolicy: its sink and window frames; a PhasedPolicy: the larger
+        # phase's), never more (trimmed chunks hold only them); a frame policy that does not say: whole chunks
+        frames = kept * (spec.pages_per_chunk // policy.frames_per_chunk)  # type: ignore[attr-defined]
     return Admission(len(spec.branches), history, spec.pages_per_chunk, extent_chunks, context, frames)
 
 

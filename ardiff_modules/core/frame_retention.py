@@ -85,6 +85,11 @@ class FrameWindowPolicy:
         window = self.window_chunks
         return None if window is None else self.sink_chunks + window
 
+    @property
+    def max_kept_frames(self) -> int | None:
+        """Most frames a branch keeps at once (the sink and the window frames; ``None``: unbounded)."""
+        return None if self.window_frames is None else self.sink_frames + self.window_frames
+
     def history_indices(self, num_committed: int) -> list[int]:
         """Commit indices of the chunks holding a kept frame among ``num_committed`` (sink + window in chunks)."""
         sinks = min(self.sink_chunks, num_committed)

@@ -33,7 +33,8 @@ File format (``to_json`` / ``from_json``)::
 Every group names its ``window_chunks`` (``null`` for an unbounded window: a missing key is refused, not
 read as unbounded); ``sink_chunks`` defaults to 0. A group counted in frames
 (:class:`~ardiff_modules.core.frame_retention.FrameWindowPolicy`) is written
-``{"sink_frames": 1, "window_frames": 1, "frames_per_chunk": 3}``.
+``{"sink_frames": 1, "window_frames": 1, "frames_per_chunk": 3}``; one that changes at a commit
+(:class:`~ardiff_modules.core.phased_retention.PhasedPolicy`) ``{"before": {...}, "after": {...}, "at_chunk": 4}``.
 
 A per-head classification such as Forcing-KV's (for each layer, the indices of its local heads) goes
 through :meth:`HeadRetention.from_local_heads`.
@@ -49,6 +50,7 @@ from typing import Any
 
 from ardiff_modules.checks import is_int, require_int
 from ardiff_modules.core.frame_retention import FrameWindowPolicy
+from ardiff_modules.core.phased_retention import PhasedPolicy
 from ardiff_modules.core.retention import RetentionPolicy, SinkWindowPolicy, check_declared, check_index_bound
 from ardiff_modules.errors import SpecError
 
@@ -81,6 +83,12 @@ class HeadPart:
 
 def _policy(owner: str, value: Any) -> RetentionPolicy:
     """A group's policy from a policy object, ``(sink, window)`` or ``{"sink_chunks", "window_chunks"}``."""
+    if isinstance(value, Mapping) and "at_chunk" in value:
+        unknown = set(value) - {"before", "after", "at_chunk"}
+        if unknown or not {"before", "after"} <= set(value):
+            raise SpecError(f"{owner}: expected keys before / after / at_chunk, got keys {sorted(map(str, value))}")
+        return _policy(owner, PhasedPolicy(_policy(f"{owner}.before", value["before"]),
+                                           _policy(f"{owner}.after", value["after"]), value["at_chunk"]))
     if isinstance(value, Mapping) and "frames_per_chunk" in value:
         unknown = set(value) - {"sink_frames", "window_frames", "frames_per_chunk"}
         if unknown or "window_frames" not in value:
@@ -121,6 +129,22 @@ def _policy(owner: str, value: Any) -> RetentionPolicy:
         f"{owner}: expected a RetentionPolicy, a (sink_chunks, window_chunks) pair or a mapping of them, "
         f"got {type(value).__name__}"
     )
+
+
+def _policy_dict(name: str, policy: RetentionPolicy) -> dict[str, Any]:
+    """A group's policy in the JSON form (:meth:`HeadRetention.to_dict`)."""
+    if isinstance(policy, FrameWindowPolicy):
+        return {"sink_frames": policy.sink_frames, "window_frames": policy.window_frames,
+                "frames_per_chunk": policy.frames_per_chunk}
+    if isinstance(policy, PhasedPolicy):
+        return {"before": _policy_dict(name, policy.before), "after": _policy_dict(name, policy.after),
+                "at_chunk": policy.at_chunk}
+    if not isinstance(policy, SinkWindowPolicy):
+        raise SpecError(
+            f"HeadRetention.to_dict: expected sink + window groups (SinkWindowPolicy, FrameWindowPolicy, or a "
+            f"PhasedPolicy of them), got group {name!r} with a {type(policy).__name__}"
+        )
+    return {"sink_chunks": policy.sink_chunks, "window_chunks": policy.window_chunks}
 
 
 class HeadRetention:
@@ -297,18 +321,7 @@ class HeadRetention:
     # ------------------------------------------------------------------ files
     def to_dict(self) -> dict[str, Any]:
         """The JSON form (module docstring); sink + window groups, in chunks or in frames, can be written."""
-        groups: dict[str, dict[str, int | None]] = {}
-        for name, policy in self.groups.items():
-            if isinstance(policy, FrameWindowPolicy):
-                groups[name] = {"sink_frames": policy.sink_frames, "window_frames": policy.window_frames,
-                                "frames_per_chunk": policy.frames_per_chunk}
-                continue
-            if not isinstance(policy, SinkWindowPolicy):
-                raise SpecError(
-                    f"HeadRetention.to_dict: expected sink + window groups (SinkWindowPolicy), got group {name!r} "
-                    f"with a {type(policy).__name__}"
-                )
-            groups[name] = {"sink_chunks": policy.sink_chunks, "window_chunks": policy.window_chunks}
+        groups = {name: _policy_dict(name, policy) for name, policy in self.groups.items()}
         return {"format": FILE_FORMAT, "groups": groups, "layers": [list(row) for row in self.layers]}
 
     @classmethod

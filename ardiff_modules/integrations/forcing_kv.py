@@ -77,6 +77,7 @@ from typing import Any, Union
 from ardiff_modules.checks import is_int, require_int
 from ardiff_modules.core.frame_retention import FrameWindowPolicy
 from ardiff_modules.core.head_retention import HeadRetention
+from ardiff_modules.core.phased_retention import PhasedPolicy
 from ardiff_modules.core.retention import RetentionPolicy, SinkWindowPolicy
 from ardiff_modules.errors import SpecError
 
@@ -161,7 +162,9 @@ class ForcingKVConfig:
         """The retention groups of this configuration: sink + window policies in chunks, or in frames.
 
         A chunk is ``chunk_frames`` frames (Forcing-KV's block: 3). Groups: ``"spatial"`` (sink + ``Ls``),
-        ``"temporal"`` (sink + ``Lt``); layer 0's heads all go to the group of window ``max(Ls, Lt)``.
+        ``"temporal"`` (sink + ``Lt``); layer 0's heads all go to the group of window ``max(Ls, Lt)``. The
+        narrower group is a :class:`~ardiff_modules.core.phased_retention.PhasedPolicy` (the widest window until
+        ``ar_start + 1`` chunks are committed) where the switch changes what it keeps.
         ``sink_frames`` overrides the YAML's ``model_kwargs.sink_size`` (needed when only the block was
         loaded). :class:`SpecError` names what is not expressible yet (:func:`_chunk_policies`).
         """
@@ -216,12 +219,14 @@ def _chunk_policies(
     cfg: ForcingKVConfig, chunk_frames: int, sink_frames: int
 ) -> tuple[dict[str, RetentionPolicy], str]:
     """``({"spatial": policy, "temporal": policy}, layer 0's group)``, or one :class:`SpecError` naming everything
-    a time-invariant policy cannot say. Whole-chunk sinks and windows give :class:`SinkWindowPolicy` (in chunks);
-    any frame count that cuts a chunk (the published configurations: sink 1, windows of 1 frame) gives
-    :class:`FrameWindowPolicy` for both groups (chunks trimmed to their kept frames).
+    not expressible yet. Whole-chunk sinks and windows give :class:`SinkWindowPolicy` (in chunks); any frame count
+    that cuts a chunk (the published configurations: sink 1, windows of 1 frame) gives :class:`FrameWindowPolicy`
+    for both groups (chunks trimmed to their kept frames). A group whose window narrows at the switch, where that
+    changes what it keeps, is a :class:`PhasedPolicy`: the widest window until ``ar_start + 1`` chunks are
+    committed (every head keeps it up to the forward of block ``ar_start``, and its clean re-run writes it), its
+    own from the forward of block ``ar_start + 1`` on. Layer 0 goes to the widest group, which never switches.
 
-    NOTE: the one place to extend when the core has content-selected groups and policies that change at
-    ``ar_start``: each refusal names the policy that would lift it.
+    NOTE: the one place to extend when the core has content-selected groups: each refusal names what would lift it.
     """
     missing = []
     if cfg.dynamic_patches:
@@ -231,38 +236,42 @@ def _chunk_policies(
             f"num_frame_patch={cfg.num_frame_patch}) chosen by layer 1's key cosine"
         )
     sink, spatial, temporal = sink_frames, cfg.spatial_context_length, cfg.temporal_context_length
-    missing += _phase_gaps(cfg.ar_start, chunk_frames, sink, spatial, temporal)
+    missing += _phase_gaps(cfg.ar_start, chunk_frames, sink)
     if missing:
         raise SpecError(f"ForcingKVConfig.head_retention: not yet expressible: {'; '.join(missing)}")
     layer0 = "temporal" if temporal >= spatial else "spatial"
-    if sink % chunk_frames or spatial % chunk_frames or temporal % chunk_frames:
-        return {"spatial": FrameWindowPolicy(sink, spatial, chunk_frames),
-                "temporal": FrameWindowPolicy(sink, temporal, chunk_frames)}, layer0
-    per = chunk_frames
-    return {"spatial": SinkWindowPolicy(sink // per, spatial // per),
-            "temporal": SinkWindowPolicy(sink // per, temporal // per)}, layer0
+    framed = bool(sink % chunk_frames or spatial % chunk_frames or temporal % chunk_frames)
 
+    def policy(window: int) -> RetentionPolicy:
+        if framed:
+            return FrameWindowPolicy(sink, window, chunk_frames)
+        return SinkWindowPolicy(sink // chunk_frames, window // chunk_frames)
 
-def _phase_gaps(ar_start: int, block: int, sink: int, spatial: int, temporal: int) -> list[str]:
-    """What changes at the switch after block ``ar_start`` (frames; ``block`` frames a block), which a
-    time-invariant policy cannot say."""
-    gaps = []
-    if sink > block * (ar_start + 1):
-        gaps.append(
-            f"a sink cut at the switch (a policy changing at ar_start): expected at most {block} x (ar_start + 1) "
-            f"= {block * (ar_start + 1)} sink frames (the sinks freeze after block ar_start), got {sink}"
-        )
     widest = max(spatial, temporal)
+    policies: dict[str, RetentionPolicy] = {}
     for name, window in (("spatial", spatial), ("temporal", temporal)):
-        # Until the switch every head keeps the widest window: the same as this group's while the frames after
-        # the sink still fit it, i.e. up to block ar_start, which attends the 3 ar_start frames committed.
-        if window < widest and block * ar_start - sink > window:
-            gaps.append(
-                f"a window changing at the switch (a policy changing at ar_start): the {name} heads keep "
-                f"{widest} frames before it, {window} after; expected ar_start <= {(sink + window) // block}, "
-                f"got {ar_start}"
-            )
-    return gaps
+        # Until the switch every head keeps the widest window: the same as this group's own while the frames after
+        # the sink still fit it, i.e. up to block ar_start, which attends the ar_start blocks committed.
+        if window < widest and chunk_frames * cfg.ar_start - sink > window:
+            policies[name] = PhasedPolicy(policy(widest), policy(window), cfg.ar_start + 1)
+        else:
+            policies[name] = policy(window)
+    return policies, layer0
+
+
+def _phase_gaps(ar_start: int, block: int, sink: int) -> list[str]:
+    """What changes at the switch after block ``ar_start`` (frames; ``block`` frames a block) that no policy says:
+    a sink longer than the blocks before it."""
+    if sink <= block * (ar_start + 1):
+        return []
+    # NOTE: not a PhasedPolicy of two sinks: the sinks freeze at the 3 (ar_start + 1) frames written, and layer 0
+    # (which never switches) goes on cutting its post-sink part at sink_size frames of [frozen sink, local, block],
+    # eating into its own window: no sink + window rule (causal_model_forcingkv.py, the not-grouped update).
+    return [
+        f"a sink cut at the switch (the sinks freeze after block ar_start; layer 0 then keeps no sink + window rule): "
+        f"expected at most {block} x (ar_start + 1) = {block * (ar_start + 1)} sink frames (the frames written "
+        f"before the switch), got {sink}"
+    ]
 
 
 # ---------------------------------------------------------------------------------------------- loading

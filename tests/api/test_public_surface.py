@@ -61,7 +61,7 @@ def test_all_names_what_users_use_and_no_internals() -> None:
         "ChunkSelfAttention", "CachedCrossAttention", "RotaryEmbedding", "VideoRotaryEmbedding",
         "chunk_attention", "cached_cross_attention", "apply_rope", "populate_cross_attention", "CUDAGraphStep",
         "CompiledStep", "CompileInputWarning",
-        "RetentionPolicy", "SinkWindowPolicy", "SinkWindowMemoryPolicy", "FrameWindowPolicy",
+        "RetentionPolicy", "SinkWindowPolicy", "SinkWindowMemoryPolicy", "FrameWindowPolicy", "PhasedPolicy",
         "AttentionBackend", "ReferenceBackend", "FlashInferBackend",
     ):
         assert name in public, name

@@ -1,5 +1,6 @@
 """The Forcing-KV re-statement (tests/support/forcing_kv_attention.py) checked on its own, and the part of
-``ForcingKVConfig.head_retention`` the library expresses today checked against it."""
+``ForcingKVConfig.head_retention`` the library expresses today (frame windows, a switch at ar_start) checked
+against it."""
 
 from __future__ import annotations
 
@@ -138,10 +139,10 @@ def test_without_dynamic_patches_equal_windows_are_a_sink_and_a_window() -> None
 # ---------------------------------------------------------------------------------------------- against the library
 def _library_vs_restatement(
     ar_start: int, retention: am.HeadRetention, frames: tuple[int, int, int] = (3, 3, 6), page: int = 4,
-    contiguous_extents: bool | None = None,
+    contiguous_extents: bool | None = None, blocks: int = 7,
 ) -> list[float]:
-    """Max |library - re-statement| per forward: ``frames`` = (sink, Ls, Lt), by default 3, 3, 6; dynamic off, 2
-    CFG rows, 7 blocks."""
+    """Max |library - re-statement| per forward (a denoising one and the commit per block): ``frames`` = (sink, Ls,
+    Lt), by default 3, 3, 6; dynamic off, 2 CFG rows, ``blocks`` blocks."""
     model = _model()
     spec = dataclasses.replace(model.spec(3 * HW, page, 0, None), head_retention=retention)
     cache = am.KVCache(spec, num_pages=64, backend="reference", contiguous_extents=contiguous_extents)
@@ -153,7 +154,7 @@ def _library_vs_restatement(
         am.populate_cross_attention(session, branch, [b.cross for b in model.blocks], text)
     restated.set_prompt(texts)
     diffs = []
-    for _ in range(7):
+    for _ in range(blocks):
         for commit in (False, True):
             x = torch.randn(2, 3 * HW, model.dim, generator=gen)
             with torch.no_grad(), session.prepare_forward(None, 3 * HW, commit_current=commit) as fwd:
@@ -177,13 +178,58 @@ def test_the_expressible_head_retention_equals_the_restatement() -> None:
     assert max(_library_vs_restatement(1, retention)) < 1e-5
 
 
-def test_a_late_switch_is_refused_and_would_differ() -> None:
-    """With ar_start=3 the spatial heads keep 2 chunks up to block 3 and 1 after: the loader refuses, and the
-    same groups as static policies indeed differ from Forcing-KV from block 3 on."""
-    with pytest.raises(am.SpecError, match=r"spatial heads keep 6 frames before it, 3 after; expected ar_start <= 2"):
-        load_forcing_kv(HEADS, _block(3)).head_retention(3, 4, 3, sink_frames=3)
-    retention = load_forcing_kv(HEADS, _block(2)).head_retention(3, 4, 3, sink_frames=3)
-    diffs = _library_vs_restatement(3, retention)
+#: (sink, Ls, Lt) frames and ar_start values where a group's window narrows at the switch after the widest one
+#: was already full (3 ar_start - sink > its window): the loader builds a PhasedPolicy for it. Whole chunks, then
+#: frame windows (spatial or temporal the narrower one, with and without a sink).
+LATE_SWITCHES = [((3, 3, 6), 3), ((3, 3, 6), 4), ((3, 3, 6), 6), ((0, 3, 6), 2),
+                 ((1, 1, 4), 1), ((1, 1, 4), 2), ((1, 1, 4), 4), ((1, 2, 1), 2), ((0, 1, 3), 3), ((2, 2, 5), 3)]
+
+
+def _late(frames: tuple[int, int, int], ar_start: int) -> am.HeadRetention:
+    sink, spatial, temporal = frames
+    block = dict(_block(ar_start), spatial_context_length=spatial, temporal_context_length=temporal)
+    return load_forcing_kv(HEADS, block).head_retention(3, 4, 3, sink_frames=sink)
+
+
+def _shifted(retention: am.HeadRetention, by: int) -> am.HeadRetention:
+    """``retention`` with every PhasedPolicy switching ``by`` chunks later (earlier for ``by < 0``)."""
+    groups = {name: dataclasses.replace(p, at_chunk=p.at_chunk + by) if isinstance(p, am.PhasedPolicy) else p
+              for name, p in retention.groups.items()}
+    return am.HeadRetention(groups, retention.layers)
+
+
+@pytest.mark.parametrize("frames, ar_start", LATE_SWITCHES)
+def test_a_late_switch_equals_the_restatement(frames: tuple[int, int, int], ar_start: int) -> None:
+    """The narrower group keeps the widest window until the clean re-run of block ar_start and its own from the
+    forward of block ar_start + 1 on (PhasedPolicy, at_chunk = ar_start + 1); layer 0 and the widest group never
+    switch: every forward of a rollout 4 blocks past the switch equals Forcing-KV's cache to 1e-5."""
+    retention = _late(frames, ar_start)
+    phased = {name: p for name, p in retention.groups.items() if isinstance(p, am.PhasedPolicy)}
+    assert len(phased) == 1 and all(p.at_chunk == ar_start + 1 for p in phased.values())
+    assert set(retention.layers[0]) == set(retention.groups) - set(phased)  # layer 0: the widest, unphased group
+    if any(f % 3 for f in frames):
+        assert all(isinstance(p.after, am.FrameWindowPolicy) for p in phased.values())
+    diffs = _library_vs_restatement(ar_start, retention, frames, blocks=ar_start + 5)
+    assert max(diffs) < 1e-5, diffs
+
+
+@pytest.mark.parametrize("frames, ar_start", [((3, 3, 6), 3), ((1, 1, 4), 2), ((1, 2, 1), 2)])
+@pytest.mark.parametrize("by", [-1, 1])
+def test_a_switch_one_chunk_off_differs(frames: tuple[int, int, int], ar_start: int, by: int) -> None:
+    """The boundary is exact: switching one commit early (the forward of block ar_start already narrow) or late
+    (block ar_start + 1 still wide) differs from Forcing-KV at that forward, and only from there on."""
+    diffs = _library_vs_restatement(ar_start, _shifted(_late(frames, ar_start), by), frames, blocks=ar_start + 4)
+    first = 2 * (ar_start if by < 0 else ar_start + 1)  # the denoising forward of the first block that differs
+    assert max(diffs[:first]) < 1e-5 and diffs[first] > 1e-3, diffs
+
+
+def test_without_the_phase_a_late_switch_differs() -> None:
+    """The re-statement sees the switch: the narrower group's own window from the start (no phase) differs from
+    block ar_start's forward on -- the test above can fail."""
+    retention = _late((3, 3, 6), 3)
+    static = am.HeadRetention({n: p.after if isinstance(p, am.PhasedPolicy) else p
+                               for n, p in retention.groups.items()}, retention.layers)
+    diffs = _library_vs_restatement(3, static)
     assert max(diffs[:6]) < 1e-5 and diffs[6] > 1e-3
 
 

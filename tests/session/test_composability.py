@@ -39,6 +39,11 @@ def _retentions() -> dict[str, am.HeadRetention | None]:
             LAYERS, KV_HEADS, {0: [1, 2], 1: [0, 3], 2: [1]},
             local=am.FrameWindowPolicy(0, 1, FRAMES), other=am.FrameWindowPolicy(1, 3, FRAMES),
         ),
+        # Forcing-KV's switch: local heads keep the others' window until 3 chunks are committed, then 1 chunk
+        "per_phase": am.HeadRetention.from_local_heads(
+            LAYERS, KV_HEADS, {0: [1, 2], 1: [0, 3], 2: [1]},
+            local=am.PhasedPolicy(am.SinkWindowPolicy(1, 3), am.SinkWindowPolicy(1, 1), 3), other=(1, 3),
+        ),
     }
 
 
