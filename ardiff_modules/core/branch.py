@@ -339,6 +339,12 @@ class BranchPages(BranchRecache):
         kept = [(c, i) for c, i in zip(self.history, self.history_index) if i < sinks]
         gone = tuple(c for c, i in zip(self.history, self.history_index) if i >= sinks)
         trims = tuple(k for k, i in zip(self.history_kept, self.history_index) if i < sinks)
+        if self.pages_per_frame:  # a sink chunk may hold window frames too (early on): they go with the window
+            cut = [trim_chunk(c, k, sink_offsets(self.policy, i, self.pages_per_frame))
+                   for (c, i), k in zip(kept, trims or (None,) * len(kept))]
+            kept = [(pages, i) for (pages, _, _), (_, i) in zip(cut, kept)]
+            trims = tuple(k for _, k, _ in cut)
+            gone += tuple(released for _, _, released in cut if released)
         return Retained(tuple(c for c, _ in kept), tuple(i for _, i in kept), gone, trims)
 
     def apply_drop_window(self, result: Retained[PageChunk]) -> None:

@@ -373,3 +373,58 @@ def test_recache_forward_attends_rebuilt_chunks_whole_and_kept_sinks_trimmed() -
     fwd.abort()
     run_recache(state, oracle, RecacheRule(), prompt=1)
     check_pools(cache, state, oracle)
+
+
+# ---------------------------------------------------------------------------------------------- 6. shots x frames
+@pytest.mark.parametrize("kind", ["uniform", "groups"])
+@pytest.mark.parametrize("before", [1, 2, 5])
+def test_drop_window_keeps_the_sink_frames_alone(kind: str, before: int) -> None:
+    """``drop_window`` after 1 chunk (the sink chunk also holds window frames), 2 and 5: every lane keeps its sink
+    frames alone -- a window frame inside a sink chunk goes too -- and later commits never bring a dropped frame
+    back; each held page's K/V and every later forward equal the frame oracle's (floor: the drop)."""
+    cache, state, oracle = make(kind)
+    g = torch.Generator().manual_seed(before)
+    for _ in range(before):
+        step(state, oracle, g, prompt=0)
+    state.drop_window("cond")
+    oracle.floor = oracle.n
+    check_pools(cache, state, oracle)
+    for _ in range(4):
+        step(state, oracle, g, prompt=0, commit=False)
+        step(state, oracle, g, prompt=0)
+        check_pools(cache, state, oracle)
+    state.close()
+    for lane in cache._lanes:
+        assert lane.allocator.num_free == lane.allocator.num_pages
+
+
+def test_drop_window_beside_a_shot_sink_group() -> None:
+    """A frame group beside a ``ShotSinkPolicy`` group: ``begin_shot`` pins in the shot group only; ``drop_window``
+    leaves the frame lane its sink frames, each kept page's contents the oracle's."""
+    groups = {"fkv": am.FrameWindowPolicy(1, 1, FRAMES), "wide": am.FrameWindowPolicy(2, 4, FRAMES),
+              "shots": am.ShotSinkPolicy(1, 2, 1)}
+    rows = [["fkv", "wide", "shots"], ["shots", "fkv", "wide"]]
+    spec = am.KVCacheSpec(num_layers=LAYERS, num_kv_heads=KV_HEADS, head_dim=D, chunk_size=CHUNK, page_size=PAGE,
+                          branches=("cond",), dtype="float32", head_retention=am.HeadRetention(groups, rows))
+    cache = am.KVCache(spec, num_pages=400, backend="reference")
+    state = cache.open_session("s")
+    # the shot group's chunk rule is stated by its own history_indices (tests/heads/test_head_shots.py)
+    oracle = Oracle(Model(), groups, rows)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        step(state, oracle, g, prompt=0)
+    state.begin_shot()
+    step(state, oracle, g, prompt=0)
+    state.drop_window("cond")
+    oracle.floor = oracle.n
+    for lane, h in zip(cache._lanes, state._lane_pages("cond")):
+        group = lane.part.group
+        if group == "shots":
+            assert h.history_index == (0,)
+            continue
+        policy = groups[group]
+        assert list(h.history_index) == kept_chunks(policy, oracle.n, oracle.floor)
+        assert [k.offsets if k else None for k in h.history_kept] == [
+            tuple(kept_frames(policy, i, oracle.n, oracle.floor)) if len(kept_frames(policy, i, oracle.n, oracle.floor))
+            < FRAMES else None for i in h.history_index]
+    state.close()
