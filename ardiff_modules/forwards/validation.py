@@ -390,7 +390,7 @@ def check_recache_sinks_in_place(
         if len(sinks) >= len(h.history):  # nothing but sinks is rebuilt: no distance to keep
             continue
         stream = StreamLayout(
-            tuple(h.history_pages()), (), h.token_offset, tuple(h.history_spans()), sink_pages=sum(map(len, sinks))
+            tuple(h.history_pages()), (), h.token_offset, tuple(h.history_spans()), sink_pages=h.sink_pages()
         )
         shift = stream.sink_shift(h.page_size)
         if shift:

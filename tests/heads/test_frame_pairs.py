@@ -201,15 +201,15 @@ class Oracle:
 # ---------------------------------------------------------------------------------------------- the cache side
 def make(kind: str, rule: RecacheRule | None = None, extents: bool = False, relative_sinks: bool = False,
          pages: int = 400) -> tuple[am.KVCache, am.KVState, Oracle]:
-    spec = am.KVCacheSpec(num_layers=LAYERS, num_kv_heads=KV_HEADS, head_dim=D, chunk_size=CHUNK, page_size=PAGE,
-                          branches=("cond",), dtype="float32", recache=rule or RecacheRule(),
-                          relative_sinks=relative_sinks)
     if kind == "uniform":
-        spec = dataclasses.replace(spec, retention=UNIFORM)
+        retention: dict[str, object] = {"retention": UNIFORM}
         groups, rows = {"all": UNIFORM}, [["all"] * KV_HEADS for _ in range(LAYERS)]
     else:
-        spec = dataclasses.replace(spec, head_retention=am.HeadRetention(GROUPS, ROWS))
+        retention = {"head_retention": am.HeadRetention(GROUPS, ROWS)}
         groups, rows = {k: as_policy(v) for k, v in GROUPS.items()}, ROWS
+    spec = am.KVCacheSpec(num_layers=LAYERS, num_kv_heads=KV_HEADS, head_dim=D, chunk_size=CHUNK, page_size=PAGE,
+                          branches=("cond",), dtype="float32", recache=rule or RecacheRule(),
+                          relative_sinks=relative_sinks, **retention)  # type: ignore[arg-type]
     cache = am.KVCache(spec, num_pages=pages, backend="reference", contiguous_extents=extents)
     return cache, cache.open_session("s"), Oracle(Model(), groups, rows)
 
@@ -428,3 +428,66 @@ def test_drop_window_beside_a_shot_sink_group() -> None:
             tuple(kept_frames(policy, i, oracle.n, oracle.floor)) if len(kept_frames(policy, i, oracle.n, oracle.floor))
             < FRAMES else None for i in h.history_index]
     state.close()
+
+
+# ---------------------------------------------------------------------------------------------- 2. relative sinks x frames
+ROPE = am.RotaryEmbedding(D)
+
+
+def rot(t: torch.Tensor, positions: list[int]) -> torch.Tensor:
+    """``t [n, d]`` rotated at ``positions``."""
+    return ROPE(t[None, :, None], torch.tensor(positions)[None])[0, :, 0]
+
+
+def relative_oracle(chunks: list[tuple[torch.Tensor, torch.Tensor]], policy: am.RetentionPolicy, head: int,
+                    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """One head over unrotated committed ``chunks`` (``[CHUNK, kv_heads, d]`` each) and its pending chunk: sink
+    tokens (a frame policy's sink frames, a chunk policy's sink chunks) rotated at their position plus the shift
+    that puts the last of them just before the first visible non-sink token (the first pending token when none)."""
+    n, start = len(chunks), len(chunks) * CHUNK
+    tokens = []  # (position, is sink, chunk, row)
+    for i in kept_chunks(policy, n):
+        for r in rows_of(kept_frames(policy, i, n)):
+            p = i * CHUNK + r
+            sink = p < policy.sink_frames * FT if isinstance(policy, am.FrameWindowPolicy) else i < policy.sink_chunks
+            tokens.append((p, sink, i, r))
+    sinks = [p for p, s, _, _ in tokens if s]
+    rest = [p for p, s, _, _ in tokens if not s]
+    shift = (rest[0] if rest else start) - (sinks[-1] + 1) if sinks else 0
+    keys = [rot(chunks[i][0][r : r + 1, head], [p + (shift if s else 0)]) for p, s, i, r in tokens]
+    values = [chunks[i][1][r : r + 1, head] for _, _, i, r in tokens]
+    pos = list(range(start, start + CHUNK))
+    kk = torch.cat(keys + [rot(k[:, head], pos)])
+    vv = torch.cat(values + [v[:, head]])
+    return F.scaled_dot_product_attention(rot(q[:, head], pos)[None, None], kk[None, None], vv[None, None])[0, 0]
+
+
+@pytest.mark.parametrize("kind", ["uniform", "groups"])
+def test_relative_sinks_shift_the_sink_frames_alone(kind: str) -> None:
+    """Trimmed sink chunks at relative positions: 7 chunks, a denoising and a committing forward each. Early on a
+    window frame sits inside the sink chunk (``FrameWindowPolicy(1, 1, 3)`` after one chunk holds f0 and f2; ``(2,
+    4, 3)`` f0 f1 f2): the sinks are the sink frames, shifted to sit just before the first visible non-sink
+    frame (f2 there), exactly as once the window left the sink chunk."""
+    cache, state, _ = make(kind, relative_sinks=True)
+    groups = {"all": UNIFORM} if kind == "uniform" else {k: as_policy(v) for k, v in GROUPS.items()}
+    rows = [["all"] * KV_HEADS] * LAYERS if kind == "uniform" else ROWS
+    g = torch.Generator().manual_seed(0)
+    history: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(LAYERS)]
+    for c in range(7):
+        for commit in (False, True):
+            qkv = [[torch.randn(1, CHUNK, KV_HEADS, D, generator=g) for _ in range(3)] for _ in range(LAYERS)]
+            with state.prepare_forward(("cond",), CHUNK, commit) as fwd:
+                got = torch.stack([
+                    am.chunk_attention(ROPE(q, kv.positions), ROPE(k, kv.positions), v, kv,
+                                       sink_query=ROPE(q, kv.sink_positions))[0]
+                    for (q, k, v), kv in zip(qkv, fwd.layers)
+                ])
+            want = torch.stack([
+                torch.stack([relative_oracle(history[layer], groups[rows[layer][h]], h, q[0], k[0], v[0])
+                             for h in range(KV_HEADS)], 1)
+                for layer, (q, k, v) in enumerate(qkv)
+            ])
+            torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5, msg=lambda m, c=c: f"chunk {c}: {m}")
+            if commit:
+                for layer, (_, k, v) in enumerate(qkv):
+                    history[layer].append((k[0].clone(), v[0].clone()))
