@@ -37,6 +37,9 @@ TOL = dict(atol=1e-5, rtol=1e-5)
 GROUPS = {"fkv": am.FrameWindowPolicy(1, 1, FRAMES), "wide": am.FrameWindowPolicy(2, 4, FRAMES), "chunks": (1, 2)}
 ROWS = [["fkv", "wide", "chunks"], ["chunks", "fkv", "wide"]]
 UNIFORM = am.FrameWindowPolicy(2, 4, FRAMES)
+# frame groups alone: the union of their keys holds trimmed chunks too (a chunk group keeps whole ones)
+FRAME_GROUPS = {"fkv": am.FrameWindowPolicy(1, 1, FRAMES), "wide": am.FrameWindowPolicy(2, 4, FRAMES)}
+FRAME_ROWS = [["fkv", "wide", "wide"], ["wide", "fkv", "fkv"]]
 
 
 # ---------------------------------------------------------------------------------------------- the frame rule
@@ -205,8 +208,9 @@ def make(kind: str, rule: RecacheRule | None = None, extents: bool = False, rela
         retention: dict[str, object] = {"retention": UNIFORM}
         groups, rows = {"all": UNIFORM}, [["all"] * KV_HEADS for _ in range(LAYERS)]
     else:
-        retention = {"head_retention": am.HeadRetention(GROUPS, ROWS)}
-        groups, rows = {k: as_policy(v) for k, v in GROUPS.items()}, ROWS
+        declared, rows = (GROUPS, ROWS) if kind == "groups" else (FRAME_GROUPS, FRAME_ROWS)
+        retention = {"head_retention": am.HeadRetention(declared, rows)}
+        groups = {k: as_policy(v) for k, v in declared.items()}
     spec = am.KVCacheSpec(num_layers=LAYERS, num_kv_heads=KV_HEADS, head_dim=D, chunk_size=CHUNK, page_size=PAGE,
                           branches=("cond",), dtype="float32", recache=rule or RecacheRule(),
                           relative_sinks=relative_sinks, **retention)  # type: ignore[arg-type]
@@ -302,7 +306,7 @@ RULES = {
 
 
 # ---------------------------------------------------------------------------------------------- 1. re-cache x frames
-@pytest.mark.parametrize("kind", ["uniform", "groups"])
+@pytest.mark.parametrize("kind", ["uniform", "groups", "frames"])
 @pytest.mark.parametrize("extents", [False, True], ids=["paged", "extents"])
 @pytest.mark.parametrize("chunks", [2, 3, 7])
 @pytest.mark.parametrize("name", list(RULES))
@@ -376,7 +380,7 @@ def test_recache_forward_attends_rebuilt_chunks_whole_and_kept_sinks_trimmed() -
 
 
 # ---------------------------------------------------------------------------------------------- 6. shots x frames
-@pytest.mark.parametrize("kind", ["uniform", "groups"])
+@pytest.mark.parametrize("kind", ["uniform", "groups", "frames"])
 @pytest.mark.parametrize("before", [1, 2, 5])
 def test_drop_window_keeps_the_sink_frames_alone(kind: str, before: int) -> None:
     """``drop_window`` after 1 chunk (the sink chunk also holds window frames), 2 and 5: every lane keeps its sink
@@ -462,15 +466,14 @@ def relative_oracle(chunks: list[tuple[torch.Tensor, torch.Tensor]], policy: am.
     return F.scaled_dot_product_attention(rot(q[:, head], pos)[None, None], kk[None, None], vv[None, None])[0, 0]
 
 
-@pytest.mark.parametrize("kind", ["uniform", "groups"])
+@pytest.mark.parametrize("kind", ["uniform", "groups", "frames"])
 def test_relative_sinks_shift_the_sink_frames_alone(kind: str) -> None:
     """Trimmed sink chunks at relative positions: 7 chunks, a denoising and a committing forward each. Early on a
     window frame sits inside the sink chunk (``FrameWindowPolicy(1, 1, 3)`` after one chunk holds f0 and f2; ``(2,
     4, 3)`` f0 f1 f2): the sinks are the sink frames, shifted to sit just before the first visible non-sink
     frame (f2 there), exactly as once the window left the sink chunk."""
-    cache, state, _ = make(kind, relative_sinks=True)
-    groups = {"all": UNIFORM} if kind == "uniform" else {k: as_policy(v) for k, v in GROUPS.items()}
-    rows = [["all"] * KV_HEADS] * LAYERS if kind == "uniform" else ROWS
+    cache, state, oracle = make(kind, relative_sinks=True)
+    groups, rows = oracle.groups, oracle.rows
     g = torch.Generator().manual_seed(0)
     history: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(LAYERS)]
     for c in range(7):
@@ -491,3 +494,29 @@ def test_relative_sinks_shift_the_sink_frames_alone(kind: str) -> None:
             if commit:
                 for layer, (_, k, v) in enumerate(qkv):
                     history[layer].append((k[0].clone(), v[0].clone()))
+
+
+# ---------------------------------------------------------------------------------------------- 3. token masks x frames
+@pytest.mark.parametrize("kind", ["uniform", "groups", "frames"])
+@pytest.mark.parametrize("chunks", [1, 2, 3, 6])
+def test_token_mask_over_the_union_of_kept_frames(kind: str, chunks: int) -> None:
+    """``token_mask`` columns: the union of every group's kept-frame tokens by absolute position, then the pending
+    chunk -- its width counts trimmed pages; each head masked by its own keys' columns equals the oracle."""
+    cache, state, oracle = make(kind)
+    g = torch.Generator().manual_seed(chunks)
+    for _ in range(chunks):
+        step(state, oracle, g, prompt=0)
+    union = sorted({p for name in oracle.groups for p in oracle.positions(name)})
+    columns = {p: c for c, p in enumerate(union)}
+    keys = len(union) + CHUNK
+    with pytest.raises(am.errors.TensorMismatchError, match=rf"expected shape \(1, {CHUNK}, {keys}\)"):
+        state.prepare_forward(("cond",), CHUNK, False, token_mask=torch.ones(1, CHUNK, keys + FT, dtype=torch.bool))
+    mask = torch.rand(1, CHUNK, keys, generator=g) < 0.6
+    mask[0, :, keys - CHUNK:] |= torch.eye(CHUNK, dtype=torch.bool)  # every query sees at least itself
+    x = torch.randn(CHUNK, DIM, generator=g)
+    outs = []
+    with state.prepare_forward(("cond",), CHUNK, False, token_mask=mask) as fwd:
+        for layer, ctx in enumerate(fwd.layers):
+            q, k, v = oracle.model.qkv(x[None], layer, 0)
+            outs.append(am.chunk_attention(q, k, v, ctx)[0])
+    torch.testing.assert_close(torch.stack(outs), oracle.forward(x, 0, False, mask[0], columns), **TOL)
