@@ -150,6 +150,33 @@ class BranchPages(BranchRecache):
             self.page_size
         )
 
+    def sink_pages(self, positions: Sequence[int] | None = None) -> int:
+        """Leading pages of the history chunks at ``positions`` (default all, in order) that relative sinks shift:
+        every page of the sink chunks, or under a frame policy the runs of held pages holding a sink frame -- a
+        window frame a sink chunk also holds early on (``FrameWindowPolicy(1, 1, 3)`` after one chunk: f0 and f2)
+        is not a sink, so the gap before it is closed as the gap before any window token is."""
+        total = 0
+        for j in range(len(self.history)) if positions is None else positions:
+            index = self.history_index[j]
+            if index >= self.policy.sink_chunks:
+                break
+            kept = self.history_kept[j] if self.history_kept else None
+            if kept is None:
+                total += len(self.history[j])
+                continue
+            sinks = set(sink_offsets(self.policy, index, self.pages_per_frame))
+            runs: list[list[int]] = []
+            for offset in kept.offsets:
+                if runs and runs[-1][-1] + 1 == offset:
+                    runs[-1].append(offset)
+                else:
+                    runs.append([offset])
+            for run in runs:
+                if sinks.isdisjoint(run):
+                    return total  # the sinks lead the history: what follows is window
+                total += len(run)
+        return total
+
     def history_positions(self) -> list[int]:
         """Absolute position of every token of the history chunks, in :meth:`history_pages` order."""
         return [start + t for start, tokens in self.history_spans() for t in range(tokens)]
@@ -342,6 +369,12 @@ class BranchPages(BranchRecache):
         kept = [(c, i) for c, i in zip(self.history, self.history_index) if i < sinks]
         gone = tuple(c for c, i in zip(self.history, self.history_index) if i >= sinks)
         trims = tuple(k for k, i in zip(self.history_kept, self.history_index) if i < sinks)
+        if self.pages_per_frame:  # a sink chunk may hold window frames too (early on): they go with the window
+            cut = [trim_chunk(c, k, sink_offsets(self.policy, i, self.pages_per_frame))
+                   for (c, i), k in zip(kept, trims or (None,) * len(kept))]
+            kept = [(pages, i) for (pages, _, _), (_, i) in zip(cut, kept)]
+            trims = tuple(k for _, k, _ in cut)
+            gone += tuple(released for _, _, released in cut if released)
         return Retained(tuple(c for c, _ in kept), tuple(i for _, i in kept), gone, trims)
 
     def apply_drop_window(self, result: Retained[PageChunk]) -> None:

@@ -78,7 +78,7 @@ class Build:
             return tuple(
                 StreamLayout(
                     tuple(b.history_pages()), b.pending[:num_chunks], b.token_offset, tuple(b.history_spans()),
-                    sink_pages=sum(map(len, b.sinks)) if relative_sinks else 0,
+                    sink_pages=b.sink_pages() if relative_sinks else 0,
                 )
                 for b in branches
             )
@@ -86,6 +86,6 @@ class Build:
         for s, (b, plan) in enumerate(zip(branches, self.lane_recache_plans[lane])):
             known = self.recache_starts[s] if self.recache_starts else None
             history_pages, spans, starts = b.recache_layout_parts(plan, known)
-            sink_pages = len(history_pages) if relative_sinks else 0  # the kept sinks
+            sink_pages = b.sink_pages(plan.kept) if relative_sinks else 0  # the kept sinks (their sink frames)
             layouts.append(StreamLayout(history_pages, b.pending, starts[0], spans, starts, sink_pages))
         return tuple(layouts)

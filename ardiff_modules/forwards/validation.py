@@ -245,11 +245,12 @@ def stream_recache_plan(state: KVState, branch: str, h: BranchPages, rule: Recac
     plan = h.recache_plan(rule)
     for index, slot in zip(plan.rebuilt, plan.replaces):
         n = h.recache_chunk(index)[1]
-        if plan.moved and slot is not None and slot < len(h.sinks) and n != len(h.history[slot]):
+        # (the sink's written length: a frame policy holds it trimmed to its sink frames)
+        if plan.moved and slot is not None and slot < len(h.sinks) and n != h.full_pages(slot):
             size = h.page_size
             raise SpecError(
                 f"prepare_recache: expected the chunk moving into sink slot {slot} of {state.session_id!r}/{branch!r} "
-                f"to have the sink's {len(h.history[slot]) * size} tokens, got chunk {index} of {n * size} (sinks "
+                f"to have the sink's {h.full_pages(slot) * size} tokens, got chunk {index} of {n * size} (sinks "
                 "of another length than the chunks, e.g. a 1-frame image-to-video first chunk, cannot move)"
             )
     return plan
@@ -389,7 +390,7 @@ def check_recache_sinks_in_place(
         if len(sinks) >= len(h.history):  # nothing but sinks is rebuilt: no distance to keep
             continue
         stream = StreamLayout(
-            tuple(h.history_pages()), (), h.token_offset, tuple(h.history_spans()), sink_pages=sum(map(len, sinks))
+            tuple(h.history_pages()), (), h.token_offset, tuple(h.history_spans()), sink_pages=h.sink_pages()
         )
         shift = stream.sink_shift(h.page_size)
         if shift:
