@@ -336,7 +336,8 @@ class MachineBase(RuleBasedStateMachine):
         """A frame lane's kept chunks, each trimmed to its kept frames (:class:`FrameView`), re-stated by frame:
         stream frame ``g = i * F + f`` of chunk ``i`` stays when ``g < sink_frames`` or ``g >= committed frames -
         window_frames`` (``None``: all); a chunk shared as a sink alone (``share_sinks_from``) holds its sink frames
-        only; a dropped window (``drop_window``) took every chunk below its floor but the sink chunks."""
+        only; a dropped window (``drop_window``) took every chunk below its floor but the sink chunks, and of those
+        their window frames (a sink chunk holds only its sink frames from then on)."""
         sink_frames, window_frames, per = self.lanes[lane].frames  # type: ignore[misc]
         committed = sm.committed[branch]
         total = len(committed) * per
@@ -349,7 +350,8 @@ class MachineBase(RuleBasedStateMachine):
             frames = [
                 f for f in range(per)
                 if i * per + f < sink_frames
-                or (i >= sm.sink_only[branch] and (window_frames is None or i * per + f >= total - window_frames))
+                or (i >= sm.sink_only[branch] and i >= sm.floor[branch]
+                    and (window_frames is None or i * per + f >= total - window_frames))
             ]
             if frames:
                 offsets = tuple(f * page_frame + p for f in frames for p in range(page_frame))

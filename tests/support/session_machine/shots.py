@@ -51,17 +51,18 @@ class ShotRules:
             event(f"drop_window refused: {refusal[0].__name__}")
             return
         lanes = range(sm.cm.num_lanes)
-        # Each lane keeps its group's sinks (those it holds: a stream that shared sinks may hold fewer).
-        kept = {
-            (b, lane): [r.lane_pages(lane) for r in self.visible_data(sm, b, lane)][: self.lanes[lane].sinks]
-            for b in names for lane in lanes
-        }
-        dropped = sum(len(self.visible(sm, b, lane)) - len(kept[b, lane]) for b in names for lane in lanes)
+        # Each lane keeps its group's sinks (those it holds: a stream that shared sinks may hold fewer; a frame
+        # lane's sink chunks only their sink frames: the model's view once the floor is set).
+        before = {(b, lane): len(self.visible(sm, b, lane)) for b in names for lane in lanes}
         sm.state.drop_window(branches)
         for b in names:
             sm.floor[b] = len(sm.committed[b])
             if sm.shot[b] is not None and sm.shot[b] < len(sm.committed[b]):
                 sm.shot[b] = None  # a shot that pinned chunks goes with them
+        kept = {(b, lane): self.visible(sm, b, lane) for b in names for lane in lanes}
+        assert all(len(kept[key]) <= self.lanes[key[1]].sinks for key in kept), kept
+        dropped = sum(before[key] - len(kept[key]) for key in kept)
+        for b in names:
             for lane, history in zip(lanes, sm.state._lane_pages(b)):
                 assert list(history.history_chunks) == kept[b, lane] == self.visible(sm, b, lane), (
                     f"{sm.state.session_id}/{b} lane {lane}: drop_window kept {history.history_chunks}, "
