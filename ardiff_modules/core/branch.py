@@ -35,7 +35,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ardiff_modules.core.allocator import PageAllocator
-from ardiff_modules.core.frame_retention import Kept, kept_offsets, sink_offsets, trim_chunk, trims_frames
+from ardiff_modules.core.frame_retention import Kept, sink_offsets, trim_chunk, trim_retained, trims_frames
 from ardiff_modules.core.branch_recache import BranchRecache, PageChunk, ring_copies
 from ardiff_modules.core.retention import RetentionPolicy, Retained, retain
 
@@ -314,22 +314,10 @@ class BranchPages(BranchRecache):
             self.policy, self.history, self.history_index, self.committed_chunks, self.pending,
             shot_start=self.shot_start, window_floor=self.window_floor,
         )
-        return self._trimmed(result, self.committed_chunks + len(self.pending)) if self.pages_per_frame else result
-
-    def _trimmed(self, result: Retained[PageChunk], committed: int) -> Retained[PageChunk]:
-        """``result`` with each kept chunk trimmed to its kept frames; the released pages join ``evicted``."""
+        if not self.pages_per_frame:
+            return result
         held = dict(zip(self.history_index, self.history_kept or (None,) * len(self.history)))
-        chunks: list[PageChunk] = []
-        kept: list[Kept | None] = []
-        released: list[PageChunk] = []
-        for index, chunk in zip(result.indices, result.history):
-            offsets = kept_offsets(self.policy, index, committed, self.pages_per_frame)
-            pages, trim, gone = trim_chunk(chunk, held.get(index), offsets)
-            chunks.append(pages)
-            kept.append(trim)
-            if gone:
-                released.append(gone)
-        return Retained(tuple(chunks), result.indices, result.evicted + tuple(released), tuple(kept))
+        return trim_retained(result, held, self.policy, self.committed_chunks + len(self.pending), self.pages_per_frame)
 
     def apply_commit(self, result: Retained[PageChunk], latents: Sequence[object] = ()) -> None:
         """Adopt a :meth:`preview_commit` result; the caller drops the references of ``result.evicted``.

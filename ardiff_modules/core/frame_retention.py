@@ -26,11 +26,12 @@ must be a whole chunk of ``F`` frames (the forward validation refuses shorter ch
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from ardiff_modules.checks import require_int
-from ardiff_modules.core.retention import check_index_bound
+from ardiff_modules.core.retention import Retained, check_index_bound
 from ardiff_modules.errors import SpecError
 
 
@@ -150,3 +151,22 @@ def trim_chunk(
     pages = tuple(p for o, p in zip(held, chunk) if o in want)
     released = tuple(p for o, p in zip(held, chunk) if o not in want)
     return pages, Kept(full, tuple(o for o in held if o in want)), released
+
+
+def trim_retained(
+    result: Retained[tuple[int, ...]], held: Mapping[int, Kept | None], policy: object, committed: int,
+    pages_per_frame: int,
+) -> Retained[tuple[int, ...]]:
+    """``result`` (a commit's :func:`~ardiff_modules.core.retention.retain`) with each kept chunk trimmed to its kept
+    frames once ``committed`` chunks are committed (``held``: each chunk's current trim by commit index); the
+    released pages join ``evicted`` (one allocator call releases both)."""
+    chunks: list[tuple[int, ...]] = []
+    kept: list[Kept | None] = []
+    released: list[tuple[int, ...]] = []
+    for index, chunk in zip(result.indices, result.history):
+        pages, trim, gone = trim_chunk(chunk, held.get(index), kept_offsets(policy, index, committed, pages_per_frame))
+        chunks.append(pages)
+        kept.append(trim)
+        if gone:
+            released.append(gone)
+    return Retained(tuple(chunks), result.indices, result.evicted + tuple(released), tuple(kept))
