@@ -881,6 +881,10 @@ def _note(name: str, b: _Bench) -> str | None:
                 "hand-captured CUDA graphs, outputs cloned (as CUDAGraphStep does)")
     if name in FORCING_KV_VARIANTS:
         return forcing_kv_peer.note(name)
+    if name.startswith("library_heads"):
+        return ("per-head / frame retention (--heads: KVCacheSpec.head_retention): each head attends its group's "
+                "kept keys; different outputs once a window slides, by design"
+                + (", each forward replayed from a CUDA graph" if name.endswith("_graph") else ""))
     if name in OTHER_SEMANTICS:
         return ("relative-position sinks (KVCacheSpec.relative_sinks): different outputs once the window slides, "
                 "by design; timed for the cost of the second key segment")
