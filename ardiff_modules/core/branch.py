@@ -35,7 +35,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ardiff_modules.core.allocator import PageAllocator
-from ardiff_modules.core.frame_retention import Kept, sink_offsets, trim_chunk, trim_retained, trims_frames
+from ardiff_modules.core.frame_retention import Kept, page_runs, sink_offsets, trim_chunk, trim_retained, trims_frames
 from ardiff_modules.core.branch_recache import BranchRecache, PageChunk, ring_copies
 from ardiff_modules.core.retention import RetentionPolicy, Retained, retain
 
@@ -131,13 +131,7 @@ class BranchPages(BranchRecache):
         kept = self.history_kept[j] if self.history_kept else None
         if kept is None:
             return [(start, len(self.history[j]) * size)]
-        spans: list[tuple[int, int]] = []
-        for offset in kept.offsets:
-            if spans and spans[-1][0] + spans[-1][1] == start + offset * size:
-                spans[-1] = (spans[-1][0], spans[-1][1] + size)
-            else:
-                spans.append((start + offset * size, size))
-        return spans
+        return [(start + first * size, pages * size) for first, pages in page_runs(kept.offsets)]
 
     def full_pages(self, j: int) -> int:
         """Pages history chunk ``j`` was written with (more than it holds once trimmed)."""
@@ -165,16 +159,10 @@ class BranchPages(BranchRecache):
                 total += len(self.history[j])
                 continue
             sinks = set(sink_offsets(self.policy, index, self.pages_per_frame))
-            runs: list[list[int]] = []
-            for offset in kept.offsets:
-                if runs and runs[-1][-1] + 1 == offset:
-                    runs[-1].append(offset)
-                else:
-                    runs.append([offset])
-            for run in runs:
-                if sinks.isdisjoint(run):
+            for first, pages in page_runs(kept.offsets):
+                if sinks.isdisjoint(range(first, first + pages)):
                     return total  # the sinks lead the history: what follows is window
-                total += len(run)
+                total += pages
         return total
 
     def history_positions(self) -> list[int]:

@@ -125,6 +125,17 @@ def check_frame_geometry(owner: str, policy: object, chunk_size: int, page_size:
         )
 
 
+def page_runs(offsets: tuple[int, ...]) -> list[tuple[int, int]]:
+    """``(first offset, pages)`` of each run of consecutive page offsets (a trimmed chunk's contiguous pieces)."""
+    runs: list[tuple[int, int]] = []
+    for offset in offsets:
+        if runs and runs[-1][0] + runs[-1][1] == offset:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((offset, 1))
+    return runs
+
+
 def sink_offsets(policy: object, index: int, pages_per_frame: int) -> tuple[int, ...]:
     """Page offsets (within chunk ``index``) of its sink frames: what a fork of the sinks alone shares."""
     f, sinks = policy.frames_per_chunk, policy.sink_frames  # type: ignore[attr-defined]

@@ -225,7 +225,17 @@ class ForwardModel:
         assert ctx._layout.chunk_lengths == shape.lengths
         assert ctx.commit_current is commit
         assert len(ctx.layers) == NUM_LAYERS
-        # The registry: the same streams reuse their context; a new one may evict idle ones (LRU).
+        lib = ctx._transaction
+        assert isinstance(lib, ForwardTransaction) and lib.is_open
+        tx = self.m_publish(cm, streams, ctx, TxModel(cm, list(streams), commit, shape, ctx, lib, mask))
+        event(f"forward over {len({id(sm) for sm, _ in streams})} session(s), {len(streams)} stream(s)")
+        self.check_view(tx)
+        return tx
+
+    def m_publish(self, cm: Any, streams: list[tuple[SessionModel, str]], ctx: ForwardContext, tx: TxModel) -> TxModel:
+        """A prepared forward (or re-cache) ``tx`` in the model: the registry -- the same streams reuse their context,
+        a new one may evict idle ones (LRU) -- and the streams' open forward."""
+        key = tuple((sm.state.session_id, b) for sm, b in streams)
         if key in cm.registry:
             assert ctx is cm.registry[key], "the same streams (same order) must get the same ForwardContext"
             cm.registry.move_to_end(key)
@@ -241,16 +251,11 @@ class ForwardModel:
                     del cm.registry[k]
                     self.released.add(other)
                     event("LRU released an idle context")
-        lib = ctx._transaction
-        assert isinstance(lib, ForwardTransaction) and lib.is_open
-        tx = TxModel(cm, list(streams), commit, shape, ctx, lib, mask)
         for sm, b in streams:
             sm.forward[b] = tx
         self.ctx_tx[ctx] = tx
         self.track(ctx)
         self.txs = self.txs[-15:] + [tx]
-        event(f"forward over {len({id(sm) for sm, _ in streams})} session(s), {len(streams)} stream(s)")
-        self.check_view(tx)
         return tx
 
     def m_prepared_lane(

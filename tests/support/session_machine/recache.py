@@ -135,25 +135,7 @@ class RecacheRules:
         assert len(set(fresh)) == len(fresh) and set(fresh) <= free_before, "re-cache pages beyond the ring: fresh"
         cm.peak = max(cm.peak, used_before + len(fresh))
         # The registry (same streams -> same context, LRU), as for any forward.
-        key = tuple((sm.state.session_id, b) for sm, b in streams)
-        if key in cm.registry:
-            assert ctx is cm.registry[key]
-            cm.registry.move_to_end(key)
-        else:
-            cm.registry[key] = ctx
-            for k in list(cm.registry):
-                if len(cm.registry) <= cm.max_contexts:
-                    break
-                other = cm.registry[k]
-                if other is not ctx and not self.model_active(other):
-                    del cm.registry[k]
-                    self.released.add(other)
-        tx = TxModel(cm, list(streams), True, shape, ctx, lib)
-        for sm, b in streams:
-            sm.forward[b] = tx
-        self.ctx_tx[ctx] = tx
-        self.track(ctx)
-        self.txs = self.txs[-15:] + [tx]
+        tx = self.m_publish(cm, list(streams), ctx, TxModel(cm, list(streams), True, shape, ctx, lib))
         # Run the layers (the op): writes land in the fresh pages only.
         plan = ctx._plan
         assert isinstance(plan, (ReferencePlan, RelativeSinkPlan)), type(plan)
@@ -344,25 +326,7 @@ class RecacheRules:
             cm.peaks[lane] = max(cm.peaks[lane], used_before[lane] + len(fresh))
         for sm, b in streams:
             sm.pending_tokens[b] = list(lengths)
-        key = tuple((sm.state.session_id, b) for sm, b in streams)
-        if key in cm.registry:
-            assert ctx is cm.registry[key]
-            cm.registry.move_to_end(key)
-        else:
-            cm.registry[key] = ctx
-            for k in list(cm.registry):
-                if len(cm.registry) <= cm.max_contexts:
-                    break
-                other = cm.registry[k]
-                if other is not ctx and not self.model_active(other):
-                    del cm.registry[k]
-                    self.released.add(other)
-        tx = TxModel(cm, list(streams), True, shape, ctx, lib)
-        for sm, b in streams:
-            sm.forward[b] = tx
-        self.ctx_tx[ctx] = tx
-        self.track(ctx)
-        self.txs = self.txs[-15:] + [tx]
+        tx = self.m_publish(cm, list(streams), ctx, TxModel(cm, list(streams), True, shape, ctx, lib))
         for layer in range(NUM_LAYERS if layers == "all" or cm.check_finite else 1):
             q, k, v = self.layer_inputs(ctx, layer, "op")
             chunk_attention(q, k, v, ctx.layers[layer], **self.sink_query(ctx, q))
