@@ -61,6 +61,7 @@ from ardiff_modules.core.retention import RetentionPolicy, SinkWindowMemoryPolic
 from ardiff_modules.core.shot_sink import ShotSinkPolicy
 from ardiff_modules.core.frame_retention import FrameWindowPolicy
 from ardiff_modules.core.phased_retention import PhasedPolicy
+from ardiff_modules.core.selected_retention import SelectedFramesPolicy
 from ardiff_modules.core.head_retention import HeadRetention
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
@@ -158,6 +159,7 @@ __all__ = [
     "ReferenceBackend",
     "RetentionPolicy",
     "RotaryEmbedding",
+    "SelectedFramesPolicy",
     "SessionFileError",
     "SessionNotSuspendedError",
     "SessionSuspendedError",

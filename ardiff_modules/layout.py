@@ -20,7 +20,8 @@ Everything here is CPU int tensors; backends copy what they need to the device.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from itertools import chain
 
@@ -68,6 +69,9 @@ class StreamLayout:
     history_spans: tuple[tuple[int, int], ...] = ()
     pending_starts: tuple[int, ...] = ()
     sink_pages: int = 0
+    #: A content-selected stream: its exact :attr:`history_spans` (the chosen pages' positions are device data:
+    #: read -- a sync -- only by :attr:`ForwardLayout.key_positions`); ``None``: :attr:`history_spans` are exact.
+    exact_spans: Callable[[], Sequence[tuple[int, int]]] | None = field(default=None, compare=False)
 
     @property
     def first_pending_position(self) -> int:
@@ -363,7 +367,8 @@ class ForwardLayout:
         for s in self.streams:
             spans, _ = s.split_history(self.page_size)
             streams.append(replace(
-                s, history_pages=s.history_pages[s.sink_pages :], history_spans=s.history_spans[spans:], sink_pages=0
+                s, history_pages=s.history_pages[s.sink_pages :], history_spans=s.history_spans[spans:], sink_pages=0,
+                exact_spans=None,  # (derived: its key positions are not asked for)
             ))
         return replace(self, streams=tuple(streams))
 
@@ -451,7 +456,8 @@ class ForwardLayout:
         max_keys = self.dense_keys[0].shape[1]
         out = torch.full((self.num_streams, max_keys), -1, dtype=torch.int64)
         for i, s in enumerate(self.streams):
-            spans = [start + torch.arange(tokens, dtype=torch.int64) for start, tokens in s.history_spans]
+            exact = s.history_spans if s.exact_spans is None else s.exact_spans()
+            spans = [start + torch.arange(tokens, dtype=torch.int64) for start, tokens in exact]
             history = torch.cat(spans) if spans else torch.empty(0, dtype=torch.int64)
             keys = torch.cat([history, self.positions[i]])
             out[i, : keys.numel()] = keys

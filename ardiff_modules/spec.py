@@ -16,6 +16,7 @@ from ardiff_modules.checks import require_int, require_positive_float
 from ardiff_modules.errors import SpecError, UnknownCacheError
 from ardiff_modules.core.recache import RecacheRule
 from ardiff_modules.core.frame_retention import check_frame_geometry
+from ardiff_modules.core.selected_retention import check_selection_geometry, selecting
 from ardiff_modules.core.head_retention import HeadRetention
 from ardiff_modules.core.retention import RetentionPolicy, SinkWindowPolicy, check_declared, check_index_bound
 
@@ -282,6 +283,7 @@ class KVCacheSpec:
         # each answer of history_indices() is checked at every commit (core.retention.retain).
         check_declared(self.retention)
         check_frame_geometry(f"{owner}.retention", self.retention, self.chunk_size, self.page_size)
+        _check_selection(f"{owner}.retention", self.retention, self.chunk_size, self.page_size)
 
     def _check_head_retention(self, owner: str) -> None:
         heads = self.head_retention
@@ -292,6 +294,7 @@ class KVCacheSpec:
         heads.check_geometry(f"{owner}.head_retention", self.num_layers, self.num_kv_heads)
         for name, policy in heads.groups.items():
             check_frame_geometry(f"{owner}.head_retention.groups[{name!r}]", policy, self.chunk_size, self.page_size)
+            _check_selection(f"{owner}.head_retention.groups[{name!r}]", policy, self.chunk_size, self.page_size)
         if (self.sink_chunks, self.window_chunks, self.retention) != (0, None, None):
             raise SpecError(
                 f"{owner}.head_retention: expected sink_chunks/window_chunks/retention left at (0, None, None) (each "
@@ -387,3 +390,10 @@ class KVCacheSpec:
         if resident is None:
             return None
         return (resident + pending_chunks) * self.pages_per_chunk
+
+
+def _check_selection(owner: str, policy: object, chunk_size: int, page_size: int) -> None:
+    """A content-selected policy's patches are whole pages of its frames (after :func:`check_frame_geometry`)."""
+    selected = selecting(policy)
+    if selected is not None:
+        check_selection_geometry(owner, policy, chunk_size // selected.frames_per_chunk // page_size)

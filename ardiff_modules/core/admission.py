@@ -36,10 +36,12 @@ class Admission:
     #: The most history pages a branch holds when fewer than its chunks' (a frame policy trims chunks to their
     #: kept frames, ``core/frame_retention.py``); ``None``: ``max_history_chunks x pages_per_chunk``.
     max_history_pages: int | None = None
+    #: Pages a branch holds besides its chunks (a content-selected lane: its selection and the next one's reserve).
+    selection_pages: int = 0
 
     def _history_pages(self, what: str) -> int:
         chunks = self._bounded(what) * self.pages_per_chunk
-        return chunks if self.max_history_pages is None else min(chunks, self.max_history_pages)
+        return (chunks if self.max_history_pages is None else min(chunks, self.max_history_pages)) + self.selection_pages
 
     def _bounded(self, what: str) -> int:
         if self.max_history_chunks is None:

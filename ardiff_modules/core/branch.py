@@ -37,12 +37,14 @@ from dataclasses import dataclass
 from ardiff_modules.core.allocator import PageAllocator
 from ardiff_modules.core.frame_retention import Kept, page_runs, sink_offsets, trim_chunk, trim_retained, trims_frames
 from ardiff_modules.core.branch_recache import BranchRecache, PageChunk, ring_copies
+from ardiff_modules.core.branch_selection import BranchSelection, Selection
 from ardiff_modules.core.retention import RetentionPolicy, Retained, retain
+from ardiff_modules.errors import SpecError
 
 __all__ = ["BranchImage", "BranchPages", "PageChunk", "ring_copies"]
 
 
-class BranchPages(BranchRecache):
+class BranchPages(BranchSelection, BranchRecache):
     """Resident committed chunks, pending chunks and the absolute token offset of one branch."""
 
     def __init__(
@@ -117,9 +119,14 @@ class BranchPages(BranchRecache):
         """The history chunks the policy never evicts (its first ``sink_chunks``)."""
         return tuple(c for c, i in zip(self.history, self.history_index) if i < self.policy.sink_chunks)
 
-    def history_spans(self) -> list[tuple[int, int]]:
+    def history_spans(self, exact: bool = False) -> list[tuple[int, int]]:
         """``(first absolute position, tokens)`` of each run of history tokens, in :meth:`history_pages` order:
-        one per history chunk, or one per run of kept pages of a trimmed chunk."""
+        one per history chunk, or one per run of kept pages of a trimmed chunk; a content selection as one span at
+        its candidates' first position, or with ``exact`` one per run of chosen pages (a device sync)."""
+        if self.selection is not None:  # (content-selected lanes: core/branch_selection.py)
+            chosen = self.selection_spans(exact)
+            chunks = self.with_selection([self.chunk_spans(j) for j in range(len(self.history))], chosen)
+            return [span for spans in chunks for span in spans]
         if self.history_kept:
             return [span for j in range(len(self.history)) for span in self.chunk_spans(j)]
         size = self.page_size
@@ -167,9 +174,11 @@ class BranchPages(BranchRecache):
 
     def history_positions(self) -> list[int]:
         """Absolute position of every token of the history chunks, in :meth:`history_pages` order."""
-        return [start + t for start, tokens in self.history_spans() for t in range(tokens)]
+        return [start + t for start, tokens in self.history_spans(exact=True) for t in range(tokens)]
 
     def history_pages(self) -> list[int]:
+        if self.selection is not None:
+            return [page for chunk in self.with_selection(list(self.history), self.selection.pages) for page in chunk]
         return [page for chunk in self.history_chunks for page in chunk]
 
     def pending_pages(self) -> list[int]:
@@ -177,7 +186,7 @@ class BranchPages(BranchRecache):
 
     def referenced_pages(self) -> list[int]:
         """Every page this branch holds a reference on (one entry per reference, extent reservation included)."""
-        return self.history_pages() + self.pending_pages() + list(self.extent)
+        return self.history_pages() + self.pending_pages() + list(self.pending_selection) + list(self.extent)
 
     @property
     def needs_extent(self) -> bool:
@@ -351,7 +360,7 @@ class BranchPages(BranchRecache):
             kept = [(pages, i) for (pages, _, _), (_, i) in zip(cut, kept)]
             trims = tuple(k for _, k, _ in cut)
             gone += tuple(released for _, _, released in cut if released)
-        return Retained(tuple(c for c, _ in kept), tuple(i for _, i in kept), gone, trims)
+        return Retained(tuple(c for c, _ in kept), tuple(i for _, i in kept), gone + (self.selection_pages(),), trims)
 
     def apply_drop_window(self, result: Retained[PageChunk]) -> None:
         """Adopt :meth:`preview_drop_window`; the caller drops the references of ``result.evicted``.
@@ -364,6 +373,7 @@ class BranchPages(BranchRecache):
         self.history, self.history_index = result.history, result.indices
         self.history_start = tuple(starts[i] for i in result.indices)
         self.history_kept = result.kept
+        self.selection = None
         self.window_floor = self.committed_chunks
         self.recent = {}
         self.latents = {i: t for i, t in self.latents.items() if i in starts and i in result.indices}
@@ -376,13 +386,13 @@ class BranchPages(BranchRecache):
         self.shot_start = self.committed_chunks
 
     def clear_pending(self) -> None:
-        """Forget the pending chunks; the caller drops their references (see :meth:`drop_pending`)."""
-        self.pending = ()
+        """Forget the pending chunks (and reserved selection pages); the caller drops their references."""
+        self.pending = self.pending_selection = ()
 
     def drop_pending(self, allocator: PageAllocator) -> list[int]:
         """Release pending chunks; history is untouched."""
-        freed = allocator.decref(self.pending_pages())
-        self.pending = ()
+        freed = allocator.decref(self.pending_pages() + list(self.pending_selection))
+        self.pending = self.pending_selection = ()
         return freed
 
     def release(self, allocator: PageAllocator) -> list[int]:
@@ -391,6 +401,7 @@ class BranchPages(BranchRecache):
         self.history = self.pending = ()
         self.history_index = self.history_start = ()
         self.history_kept = ()
+        self.selection, self.pending_selection = None, ()
         self.latents = {}
         self.recent = {}
         self.extent = ()
@@ -416,9 +427,11 @@ class BranchPages(BranchRecache):
             trims = [trim_chunk(c, k, sink_offsets(self.policy, i, self.pages_per_frame))
                      for c, k, i in zip(resident, kept or (None,) * count, indices)]
             resident, kept = tuple(t[0] for t in trims), tuple(t[1] for t in trims)
-        allocator.incref(p for chunk in resident for p in chunk)
+        selection = None if sinks_only else other.selection
+        allocator.incref([p for chunk in resident for p in chunk] + list(selection.pages if selection else ()))
         self.release(allocator)
         self.history, self.history_index, self.history_start = resident, indices, starts
+        self.selection = selection
         self.history_kept = kept
         self.recent = {} if sinks_only else dict(other.recent)
         self.latents = {i: other.latents[i] for i in (*indices, *self.recent) if i in other.latents}  # shared
@@ -433,7 +446,7 @@ class BranchPages(BranchRecache):
 def drop_pending(branches: Sequence[BranchPages], allocator: PageAllocator) -> list[int]:
     """Release the pending chunks of ``branches`` (kept by finished denoising forwards) with one allocator call,
     in branch order; history is untouched. Returns the pages that became free."""
-    freed = allocator.decref(p for b in branches for p in b.pending_pages())
+    freed = allocator.decref([p for b in branches for p in b.pending_pages()] + [p for b in branches for p in b.pending_selection])
     for b in branches:
         b.clear_pending()
     return freed
@@ -491,6 +504,12 @@ def unload_branch(branch: BranchPages, allocator: PageAllocator) -> tuple[Branch
 
 def branch_image(branch: BranchPages) -> BranchImage:
     """What :func:`load_branch` restores of ``branch`` (its committed state; nothing released, nothing copied)."""
+    if branch.selection is not None:
+        raise SpecError(
+            "branch_image: expected a branch without a content selection (suspend, save and send of a "
+            "SelectedFramesPolicy lane are not built yet), got one chosen at the commit of chunk "
+            f"{branch.selection.made_at}"
+        )
     return BranchImage(
         branch.history, branch.history_index, branch.history_start, branch.committed_chunks,
         branch.committed_tokens, dict(branch.latents), dict(branch.recent), extent_slots_of(branch), branch.shot_start,

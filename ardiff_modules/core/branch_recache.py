@@ -48,6 +48,12 @@ class BranchRecache:
     def extent_slots(self) -> list[PageChunk]:
         raise NotImplementedError
 
+    def selection_pages(self) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def adopt_selection(self, selection: None) -> None:
+        raise NotImplementedError
+
     def recache_plan(self, rule: RecacheRule) -> RecachePlan:
         """Which chunks a re-cache under ``rule`` rebuilds, and what each replaces (pure)::
 
@@ -101,7 +107,8 @@ class BranchRecache:
                 old.extend(gone)
             resident[slot] = fresh
             starts[slot] = self.recache_chunk(index)[0]
-        return tuple(resident), tuple(starts), old, tuple(dropped)
+        old.extend(self.selection_pages())  # a content selection holds the old prompt's K/V: dropped (re-chosen at
+        return tuple(resident), tuple(starts), old, tuple(dropped)  # the next scoring commit)
 
     def recache_copies(
         self, swapped: tuple[PageChunk, ...], released: Mapping[int, int], allocator: PageAllocator
@@ -133,6 +140,7 @@ class BranchRecache:
                         latents[sink] = self.latents[index]
             self.latents = latents
         self.history, self.history_start, self.pending = resident, starts, ()
+        self.adopt_selection(None)
 
 
 def ring_copies(

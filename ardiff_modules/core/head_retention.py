@@ -34,7 +34,9 @@ Every group names its ``window_chunks`` (``null`` for an unbounded window: a mis
 read as unbounded); ``sink_chunks`` defaults to 0. A group counted in frames
 (:class:`~ardiff_modules.core.frame_retention.FrameWindowPolicy`) is written
 ``{"sink_frames": 1, "window_frames": 1, "frames_per_chunk": 3}``; one that changes at a commit
-(:class:`~ardiff_modules.core.phased_retention.PhasedPolicy`) ``{"before": {...}, "after": {...}, "at_chunk": 4}``.
+(:class:`~ardiff_modules.core.phased_retention.PhasedPolicy`) ``{"before": {...}, "after": {...}, "at_chunk": 4}``;
+one chosen by content (:class:`~ardiff_modules.core.selected_retention.SelectedFramesPolicy`) adds ``keep_frames``,
+``patches_per_frame``, ``select_from``, ``score_layer`` to the frame keys.
 
 A per-head classification such as Forcing-KV's (for each layer, the indices of its local heads) goes
 through :meth:`HeadRetention.from_local_heads`.
@@ -51,8 +53,13 @@ from typing import Any
 from ardiff_modules.checks import is_int, require_int
 from ardiff_modules.core.frame_retention import FrameWindowPolicy
 from ardiff_modules.core.phased_retention import PhasedPolicy
+from ardiff_modules.core.selected_retention import SelectedFramesPolicy, selecting
 from ardiff_modules.core.retention import RetentionPolicy, SinkWindowPolicy, check_declared, check_index_bound
 from ardiff_modules.errors import SpecError
+
+#: A content-selected group's keys (:class:`SelectedFramesPolicy`; its scorer is the built-in one in a file).
+_SELECTED_KEYS = ("sink_frames", "window_frames", "frames_per_chunk", "keep_frames", "patches_per_frame", "select_from",
+                  "score_layer")
 
 #: The ``"format"`` tag of the JSON files this module writes and reads.
 FILE_FORMAT = "ardiff_modules.head_retention/1"
@@ -89,6 +96,14 @@ def _policy(owner: str, value: Any) -> RetentionPolicy:
             raise SpecError(f"{owner}: expected keys before / after / at_chunk, got keys {sorted(map(str, value))}")
         return _policy(owner, PhasedPolicy(_policy(f"{owner}.before", value["before"]),
                                            _policy(f"{owner}.after", value["after"]), value["at_chunk"]))
+    if isinstance(value, Mapping) and "keep_frames" in value:
+        unknown = set(value) - set(_SELECTED_KEYS)
+        if unknown or not {"window_frames", "frames_per_chunk"} <= set(value):
+            raise SpecError(
+                f"{owner}: expected keys frames_per_chunk / window_frames / keep_frames and optionally sink_frames / "
+                f"patches_per_frame / select_from / score_layer, got keys {sorted(map(str, value))}"
+            )
+        return _policy(owner, SelectedFramesPolicy(**{k: value[k] for k in _SELECTED_KEYS if k in value}))
     if isinstance(value, Mapping) and "frames_per_chunk" in value:
         unknown = set(value) - {"sink_frames", "window_frames", "frames_per_chunk"}
         if unknown or "window_frames" not in value:
@@ -133,6 +148,13 @@ def _policy(owner: str, value: Any) -> RetentionPolicy:
 
 def _policy_dict(name: str, policy: RetentionPolicy) -> dict[str, Any]:
     """A group's policy in the JSON form (:meth:`HeadRetention.to_dict`)."""
+    if isinstance(policy, SelectedFramesPolicy):
+        if policy.scorer is not None:
+            raise SpecError(
+                f"HeadRetention.to_dict: expected group {name!r} to score with the built-in rule (a file cannot hold "
+                f"a callable), got scorer={policy.scorer!r}"
+            )
+        return {k: getattr(policy, k) for k in _SELECTED_KEYS}
     if isinstance(policy, FrameWindowPolicy):
         return {"sink_frames": policy.sink_frames, "window_frames": policy.window_frames,
                 "frames_per_chunk": policy.frames_per_chunk}
@@ -219,6 +241,13 @@ class HeadRetention:
             raise SpecError(f"{owner}: expected ascending distinct kv head indices, got {list(kv_heads)}")
         rows = [[row[h] for h in kv_heads] for row in self.layers]
         used = {g for row in rows for g in row}
+        split = [n for n, p in self.groups.items() if selecting(p) is not None and len(kv_heads) < self.num_kv_heads]
+        if split:
+            raise SpecError(
+                f"{owner}: expected no content-selected group split across ranks (its score layer's keys of every "
+                f"head of the group choose the pages: a rank holding some of them would choose other pages), got "
+                f"group(s) {split} on a rank holding kv heads {list(kv_heads)} of {self.num_kv_heads}"
+            )
         return HeadRetention({name: policy for name, policy in self.groups.items() if name in used}, rows)
 
     def parts(self) -> tuple[HeadPart, ...]:

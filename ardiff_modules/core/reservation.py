@@ -90,17 +90,22 @@ class ForwardReservation(Reservation):
     extent_pages:
         Pages of one contiguous extent (``0``: reserve no new extent -- plain paging, or a re-cache,
         which fills the free slots of extents already reserved and takes the rest from the pool).
+    commit:
+        A committing forward: a content-selected branch also reserves the pages of the selection its commit
+        makes (``BranchPages.pending_selection``).
     """
 
     def __init__(
         self, branches: Sequence[BranchPages], chunk_pages: Sequence[int], allocator: PageAllocator,
-        extent_pages: int,
+        extent_pages: int, commit: bool = False,
     ) -> None:
         self.branches = list(branches)
         #: Pending chunks each branch held that this forward replaces (released by :meth:`keep`).
         self._stale: list[tuple[tuple[int, ...], ...]] = []
         self._before: list[tuple[PageChunk, ...]] = [b.pending for b in self.branches]
         self._new_extents = [b for b in self.branches if b.needs_extent] if extent_pages else []
+        #: Branches given selection pages by this reservation (undone by a rollback).
+        self._selecting: list[BranchPages] = []
         # NOTE: the free order only when an extent is taken: once per forward that reserves an extent.
         super().__init__(allocator, free_order=bool(self._new_extents))
         try:
@@ -108,6 +113,12 @@ class ForwardReservation(Reservation):
                 self._take_extents(extent_pages)
             for b in self.branches:
                 self._stale.append(b.replace_pending(chunk_pages, allocator))
+            if commit:
+                for b in self.branches:
+                    need = b.selection_pages_needed(len(chunk_pages))
+                    if need and not b.pending_selection:
+                        b.reserve_selection(tuple(allocator.allocate(need)))
+                        self._selecting.append(b)
         except BaseException:
             self.rollback()
             raise
@@ -135,8 +146,11 @@ class ForwardReservation(Reservation):
     def _undo(self) -> list[int]:
         """Branches back to their pending chunks before the reservation; their fresh pages and new extents."""
         fresh: list[int] = []
+        selected = [p for b in self._selecting for p in b.unreserve_selection()]  # allocated last: returned last
+        self._selecting = []
         for b, old in reversed(list(zip(self.branches, self._before))):
             fresh = b.undo_grow(old, self.allocator) + fresh
+        fresh += selected
         for b in self._new_extents:
             fresh += b.release_extent()
         self._stale = []

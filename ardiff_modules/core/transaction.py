@@ -39,6 +39,7 @@ from ardiff_modules.errors import ForwardFinishedError, IncompleteForwardError
 from ardiff_modules.core.allocator import PageAllocator
 from ardiff_modules.core.recache import RecachePlan
 from ardiff_modules.core.branch import BranchPages, PageChunk
+from ardiff_modules.core.branch_selection import Selection, SelectionJob
 from ardiff_modules.core.reservation import Reservation
 
 class Coordinator:
@@ -116,6 +117,10 @@ class ForwardTransaction:
     #: The multi-participant forward this is one participant of (a part of a grouped forward, a rank's share
     #: of a distributed one): only it commits this transaction (``core.two_phase.require_coordinated``).
     coordinator: Coordinator | None = field(default=None, repr=False)
+    #: Content-selected lanes: at commit, per lane per member (``lane.branches`` order) a
+    #: :class:`~ardiff_modules.core.branch_selection.SelectionJob` or ``None`` -> the chosen offsets of each job
+    #: (the device scores and copies: ``ardiff_modules.selection``); ``None``: no lane selects.
+    select: Callable[[list[list[SelectionJob | None]]], list[list[Any]]] | None = field(default=None, repr=False)
 
     @property
     def branches(self) -> tuple[BranchPages, ...]:
@@ -219,16 +224,25 @@ class ForwardTransaction:
             return
         lives = [lane.live(self) for lane in self.lanes]
         previews = [[h.preview_commit() for h in live] for live in lives]
+        # Content-selected lanes (core/branch_selection.py): what each commit scores, per lane per member (None:
+        # nothing -- not live, or no selection at this commit; the old one is dropped all the same).
+        jobs = [[h.preview_selection() if h in live else None for h in lane.branches]
+                for lane, live in zip(self.lanes, lives)] if self.select is not None else []
         with deferred_interrupts():
-            for lane, live, results in zip(self.lanes, lives, previews):
-                lane.allocator.decref([page for result in results for chunk in result.evicted for page in chunk])
+            # NOTE: the device chooses and copies first: if it raises, no bookkeeping changed (the forward aborts).
+            chosen = self.select(jobs) if self.select is not None and any(j for js in jobs for j in js) else None
+            for n, (lane, live, results) in enumerate(zip(self.lanes, lives, previews)):
+                replaced = [p for h in live for p in h.selection_pages()]
+                lane.allocator.decref([page for result in results for chunk in result.evicted for page in chunk] + replaced)
                 kept = {id(h): latents for h, latents in zip(lane.branches, self.latents)}
+                selections = _selections(lane.branches, jobs[n] if jobs else None, chosen[n] if chosen else None)
                 for h, result in zip(live, results):
                     latents = kept.get(id(h))
                     if latents:
                         h.apply_commit(result, latents)
                     else:
                         h.apply_commit(result)
+                    h.adopt_selection(selections.get(id(h)))
             self.close("committed")
 
     def _commit_recache(self) -> None:
@@ -362,7 +376,8 @@ class TransactionLane:
             self.allocator.decref(p for ring, _ in split for p in ring)
             self.allocator.unallocate([p for _, fresh in split for p in fresh])
         else:
-            self.allocator.decref(page for h in live for page in h.pending_pages())
+            self.allocator.decref([page for h in live for page in h.pending_pages()] + [
+                page for h in live for page in h.pending_selection])
         for h in live:
             h.clear_pending()
 
@@ -392,6 +407,16 @@ class PageHold:
             return []
         self.held = False
         return self._allocator.decref(self.pages)
+
+
+def _selections(
+    branches: Sequence[BranchPages], jobs: Sequence[SelectionJob | None] | None, chosen: Sequence[Any] | None
+) -> dict[int, Selection]:
+    """Each member's new selection by ``id`` of its branch (a job and its chosen offsets); none for the others."""
+    if not jobs or chosen is None:
+        return {}
+    return {id(h): Selection(job.destination, job.start, job.made_at, offsets)
+            for h, job, offsets in zip(branches, jobs, chosen) if job is not None}
 
 
 def _ranges(values: list[int]) -> str:

@@ -36,11 +36,12 @@ from ardiff_modules.forwards.registry import ContextKey, ContextRegistry
 from ardiff_modules.forwards.request import Build
 from ardiff_modules.head_shares import lane_share_map
 from ardiff_modules.lanes import CacheLane
+from ardiff_modules.selection import lane_selector
 from ardiff_modules.forwards.uncommitted import UncommittedWatch
 from ardiff_modules.forwards.lane_masks import lane_token_masks, union_max_keys
 from ardiff_modules.forwards.lane_recache import lane_recache_plans, merged_latents
 from ardiff_modules.forwards.validation import (
-    check_capacity,
+    check_lanes_fit,
     check_no_open_commit,
     check_recache_capacity,
     gather_recache_latents,
@@ -100,11 +101,11 @@ class ForwardManager:
         self.head_lanes = _head_lanes(spec, self.lanes) if spec.relative_sinks and self.shares is not None else None
         #: Each lane's ``token_mask`` in a forward without one.
         self.no_masks: tuple[torch.Tensor | None, ...] = (None,) * len(self.lanes)
+        self.selector = lane_selector(self.lanes)  # content-selected lanes' choice + copy at commit, else None
         self.check_finite = check_finite
         self.lock = lock
         self.registry = ContextRegistry(max_contexts)
-        #: Warns once per session when a stream runs many forwards without a commit.
-        self.uncommitted = UncommittedWatch()
+        self.uncommitted = UncommittedWatch()  # warns once per session when a stream runs many forwards uncommitted
         self.closed = False
 
     def _check_open(self, what: str) -> None:
@@ -159,8 +160,7 @@ class ForwardManager:
                 lane_token_masks(options.token_mask, lane_branches, seq_len) if grouped else (options.token_mask,)
             )
         chunk_pages = tuple(length // self.spec.page_size for length in lengths)
-        for lane, lane_pages in zip(self.lanes, lane_branches):
-            check_capacity(lane_pages, chunk_pages, lane.allocator, lane.extent_pages)
+        check_lanes_fit(self.lanes, lane_branches, chunk_pages, commit_current, self.selector is not None)
         latents = (
             () if options.keep_latents is None
             else kept_latents(options.keep_latents, commit_current, len(members), lengths)
@@ -270,7 +270,8 @@ class ForwardManager:
             for lane, lane_ctx, branches, extent_pages in zip(
                 self.lanes, ctx._lanes or (ctx,), request.lane_branches, request.lane_extent_pages
             ):  # (one lane: a uniform cache)
-                reservations.append(ForwardReservation(branches, request.chunk_pages, lane.allocator, extent_pages))
+                reservations.append(ForwardReservation(branches, request.chunk_pages, lane.allocator, extent_pages,
+                                                       request.commit_current and not request.recache))
                 streams = request.stream_layouts(self.spec.relative_sinks, branches, lane.index)
                 layout = ForwardLayout(
                     streams=streams, chunk_size=self.spec.chunk_size,
@@ -328,7 +329,7 @@ class ForwardManager:
             ))
         transaction = ForwardTransaction(
             members=request.members, commit_current=request.commit_current, num_chunks=layouts[0].num_chunks,
-            recache=request.recache, latents=request.latents, lanes=tuple(lanes),
+            recache=request.recache, latents=request.latents, lanes=tuple(lanes), select=self.selector,
         )
         transaction.attach()
         # NOTE: with groups the context describes its first lane (plan, layout, and so that mask's columns).

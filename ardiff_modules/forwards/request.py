@@ -8,6 +8,7 @@ through one build path (:meth:`ForwardManager.build`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -79,6 +80,7 @@ class Build:
                 StreamLayout(
                     tuple(b.history_pages()), b.pending[:num_chunks], b.token_offset, tuple(b.history_spans()),
                     sink_pages=b.sink_pages() if relative_sinks else 0,
+                    exact_spans=None if b.selection is None else partial(b.history_spans, True),
                 )
                 for b in branches
             )

@@ -7,7 +7,7 @@ so a refused ``prepare_forward`` leaves every session, the allocator and the poo
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import cast
+from typing import Any, cast
 
 import torch
 
@@ -137,10 +137,14 @@ def check_token_mask(token_mask: torch.Tensor, expected: tuple[int, int, int], d
 
 
 def check_capacity(
-    histories: Sequence[BranchPages], chunk_pages: Sequence[int], allocator: PageAllocator, extent_pages: int
+    histories: Sequence[BranchPages], chunk_pages: Sequence[int], allocator: PageAllocator, extent_pages: int,
+    commit: bool = False,
 ) -> None:
-    """Raise :class:`CapacityError` unless the forward's pages (and new extents) fit."""
+    """Raise :class:`CapacityError` unless the forward's pages (and new extents; a committing forward's selection
+    pages) fit."""
     needed = sum(h.pages_needed(chunk_pages, allocator) for h in histories)
+    if commit:
+        needed += sum(h.selection_pages_needed(len(chunk_pages)) for h in histories)
     if needed > allocator.num_free:
         raise CapacityError(
             f"KV pool out of pages: this forward needs {needed} more pages "
@@ -160,6 +164,21 @@ def check_capacity(
             f"or pass contiguous_extents=False",
             needed=new_extents * extent_pages,
             free=allocator.num_free,
+        )
+
+
+def check_lanes_fit(
+    lanes: Sequence[Any], lane_branches: Sequence[Sequence[BranchPages]], chunk_pages: Sequence[int], commit: bool,
+    selecting: bool,
+) -> None:
+    """:func:`check_capacity` in every lane (``lanes``: the cache's ``CacheLane``); with a content-selected lane
+    (``selecting``) a committing forward commits one chunk (:class:`SequenceLengthError`)."""
+    for lane, branches in zip(lanes, lane_branches):
+        check_capacity(branches, chunk_pages, lane.allocator, lane.extent_pages, commit)
+    if commit and len(chunk_pages) > 1 and selecting:
+        raise SequenceLengthError(
+            f"prepare_forward: expected one chunk per committing forward (a SelectedFramesPolicy scores the frames "
+            f"leaving its window at each chunk's commit), got {len(chunk_pages)} chunks"
         )
 
 

@@ -78,6 +78,7 @@ from ardiff_modules.checks import is_int, require_int
 from ardiff_modules.core.frame_retention import FrameWindowPolicy
 from ardiff_modules.core.head_retention import HeadRetention
 from ardiff_modules.core.phased_retention import PhasedPolicy
+from ardiff_modules.core.selected_retention import SelectedFramesPolicy
 from ardiff_modules.core.retention import RetentionPolicy, SinkWindowPolicy
 from ardiff_modules.errors import SpecError
 
@@ -229,20 +230,19 @@ def _chunk_policies(
     NOTE: the one place to extend when the core has content-selected groups: each refusal names what would lift it.
     """
     missing = []
-    if cfg.dynamic_patches:
-        missing.append(
-            f"content-selected patches (a content-selected policy): dynamic_temporal_enabled keeps "
-            f"{cfg.dynamic_patches} patches (dynamic_context_length={cfg.dynamic_context_length} x "
-            f"num_frame_patch={cfg.num_frame_patch}) chosen by layer 1's key cosine"
-        )
     sink, spatial, temporal = sink_frames, cfg.spatial_context_length, cfg.temporal_context_length
     missing += _phase_gaps(cfg.ar_start, chunk_frames, sink)
     if missing:
         raise SpecError(f"ForcingKVConfig.head_retention: not yet expressible: {'; '.join(missing)}")
     layer0 = "temporal" if temporal >= spatial else "spatial"
-    framed = bool(sink % chunk_frames or spatial % chunk_frames or temporal % chunk_frames)
+    framed = bool(sink % chunk_frames or spatial % chunk_frames or temporal % chunk_frames or cfg.dynamic_patches)
 
-    def policy(window: int) -> RetentionPolicy:
+    def policy(window: int, selected: bool = False) -> RetentionPolicy:
+        if selected:  # the temporal heads' dynamic patches: chosen from layer 1's keys after the switch
+            return SelectedFramesPolicy(
+                sink, window, chunk_frames, cfg.dynamic_context_length, cfg.num_frame_patch or 1,
+                select_from=cfg.ar_start + 1, score_layer=1,
+            )
         if framed:
             return FrameWindowPolicy(sink, window, chunk_frames)
         return SinkWindowPolicy(sink // chunk_frames, window // chunk_frames)
@@ -250,12 +250,16 @@ def _chunk_policies(
     widest = max(spatial, temporal)
     policies: dict[str, RetentionPolicy] = {}
     for name, window in (("spatial", spatial), ("temporal", temporal)):
+        selected = name == "temporal" and bool(cfg.dynamic_patches)
         # Until the switch every head keeps the widest window: the same as this group's own while the frames after
         # the sink still fit it, i.e. up to block ar_start, which attends the ar_start blocks committed.
         if window < widest and chunk_frames * cfg.ar_start - sink > window:
-            policies[name] = PhasedPolicy(policy(widest), policy(window), cfg.ar_start + 1)
+            policies[name] = PhasedPolicy(policy(widest), policy(window, selected), cfg.ar_start + 1)
         else:
-            policies[name] = policy(window)
+            policies[name] = policy(window, selected)
+    if layer0 == "temporal" and cfg.dynamic_patches:  # layer 0 never selects: the widest window alone
+        layer0 = "layer0"
+        policies[layer0] = policy(widest)
     return policies, layer0
 
 

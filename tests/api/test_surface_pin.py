@@ -26,6 +26,7 @@ ALL = {
     "KVCache", "KVCacheSpec", "CrossAttentionSpec", "KVState", "ForwardContext", "LayerContext", "CacheStats",
     # retention policies and rules
     "RetentionPolicy", "SinkWindowPolicy", "SinkWindowMemoryPolicy", "FrameWindowPolicy", "PhasedPolicy",
+    "SelectedFramesPolicy",
     "ShotSinkPolicy", "RecacheRule", "HeadRetention",
     # attention modules, their functional forms, RoPE
     "ChunkSelfAttention", "CachedCrossAttention", "chunk_attention", "cached_cross_attention",
@@ -110,7 +111,7 @@ def live() -> tuple[am.KVCache, am.KVState, am.ForwardContext]:
 
 
 def test_all_is_pinned() -> None:
-    assert len(ALL) == 52  # 50 since the HeadGrouped* names went (issue 41); FrameWindowPolicy, PhasedPolicy (issue 42)
+    assert len(ALL) == 53  # 50 after issue 41; + FrameWindowPolicy, PhasedPolicy, SelectedFramesPolicy (issue 42)
     assert set(am.__all__) == ALL, _diff("ardiff_modules.__all__", set(am.__all__), ALL)
     # Beyond __all__ the top level holds submodules (``am.errors``, ...), never one of the package's classes or
     # functions: a name dropped from __all__ is gone from the top level too (import it from its module).

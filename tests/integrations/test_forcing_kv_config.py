@@ -237,15 +237,17 @@ def test_head_retention_of_an_expressible_configuration() -> None:
     assert set(load_forcing_kv(all_dynamic, CHUNKY).head_retention(2, 2, 3, sink_frames=3).groups) == {"temporal"}
 
 
-def test_head_retention_names_what_is_not_expressible_yet(tmp_path: Path) -> None:
-    """The published configuration: its content-selected patches are named; its 1-frame sink and windows are
-    frame policies (with the dynamic mode off, Forcing-KV's own switch, the published map is expressible)."""
+def test_the_published_configuration_is_expressible(tmp_path: Path) -> None:
+    """The published configuration: its 1-frame sink and windows are frame policies, its content-selected patches
+    a SelectedFramesPolicy of the temporal group (layer 1 scores, from the first commit after the switch); layer 0,
+    which never selects, keeps the widest window alone. With the dynamic mode off both groups are frame windows."""
     cfg = load_forcing_kv(*_files(tmp_path))
-    with pytest.raises(am.SpecError) as err:
-        cfg.head_retention(30, 12, 3)
-    message = str(err.value)
-    assert "content-selected patches (a content-selected policy): dynamic_temporal_enabled keeps 6 patches" in message
-    assert "frame" not in message.split("chosen by layer 1's key cosine")[1]  # frames are expressible now
+    retention = cfg.head_retention(30, 12, 3)
+    temporal = am.SelectedFramesPolicy(1, 1, 3, keep_frames=1, patches_per_frame=6, select_from=cfg.ar_start + 1,
+                                       score_layer=1)
+    assert retention.groups == {"spatial": am.FrameWindowPolicy(1, 1, 3), "temporal": temporal,
+                                "layer0": am.FrameWindowPolicy(1, 1, 3)}
+    assert retention.layers[0] == ("layer0",) * 12
     static = dataclasses.replace(cfg, dynamic_temporal_enabled=False)
     retention = static.head_retention(30, 12, 3)
     assert retention.groups == {"spatial": am.FrameWindowPolicy(1, 1, 3), "temporal": am.FrameWindowPolicy(1, 1, 3)}
