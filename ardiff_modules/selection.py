@@ -98,8 +98,8 @@ class LaneSelector:
         policy, lane = group.policy, self.lanes[group.scoring_lane]
         keys = lane.pool.kv[group.scoring_layer, 0]  # [pages, page_size, heads, head_dim]
         device = keys.device
-        candidates = torch.tensor([j.candidates for j in jobs], dtype=torch.int64, device=device)
-        boundary = torch.tensor([j.boundary for j in jobs], dtype=torch.int64, device=device)
+        candidates = _staged([j.candidates for j in jobs], device)
+        boundary = _staged([j.boundary for j in jobs], device)
         frames = policy.frames_per_chunk
         tokens = group.pages_per_frame * keys.shape[1]
         features = keys.shape[2] * keys.shape[3]
@@ -126,11 +126,16 @@ class LaneSelector:
     def _copy(lane: CacheLane, jobs: list[SelectionJob], offsets: torch.Tensor) -> None:
         """The chosen candidate pages -> each member's selection pages, every layer, K and V."""
         device = lane.pool.kv.device
-        candidates = torch.tensor([j.candidates for j in jobs], dtype=torch.int64, device=device)
-        src = candidates.gather(1, offsets).reshape(-1)
-        dst = torch.tensor([p for j in jobs for p in j.destination], dtype=torch.int64, device=device)
+        src = _staged([j.candidates for j in jobs], device).gather(1, offsets).reshape(-1)
+        dst = _staged([p for j in jobs for p in j.destination], device)
         kv = lane.pool.kv
         kv.index_copy_(2, dst, kv.index_select(2, src))
+
+
+def _staged(values: Sequence[object], device: torch.device) -> torch.Tensor:
+    """int64 page ids on ``device`` without a host sync (pinned staging, a non-blocking copy)."""
+    cpu = torch.tensor(values, dtype=torch.int64)
+    return cpu if device.type == "cpu" else cpu.pin_memory().to(device, non_blocking=True)
 
 
 def _to_host(offsets: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
