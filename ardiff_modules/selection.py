@@ -129,6 +129,8 @@ class LaneSelector:
         src = _staged([j.candidates for j in jobs], device).gather(1, offsets).reshape(-1)
         dst = _staged([p for j in jobs for p in j.destination], device)
         kv = lane.pool.kv
+        if kv.element_size() == 1:  # FP8 pools: raw bytes (CUDA has no index_copy_ for float8)
+            kv = kv.view(torch.uint8)
         kv.index_copy_(2, dst, kv.index_select(2, src))
 
 
