@@ -122,8 +122,9 @@ def admission_of(spec: KVCacheSpec, extent_chunks: int | None, union_chunks: int
         # phase's), never more (trimmed chunks hold only them); a frame policy that does not say: whole chunks
         frames = kept * (spec.pages_per_chunk // policy.frames_per_chunk)  # type: ignore[attr-defined]
     selected = selecting(policy)
-    # a content-selected branch holds its selection, and a committing forward reserves the next one beside it
-    selection = 2 * selected.selected_pages(spec.pages_per_chunk // selected.frames_per_chunk) if selected else 0
+    # a content-selected branch holds its selection (and a committing forward reserves the next one beside it:
+    # Admission counts it twice on the device, once on the host)
+    selection = selected.selected_pages(spec.pages_per_chunk // selected.frames_per_chunk) if selected else 0
     return Admission(len(spec.branches), history, spec.pages_per_chunk, extent_chunks, context, frames, selection)
 
 

@@ -36,12 +36,16 @@ class Admission:
     #: The most history pages a branch holds when fewer than its chunks' (a frame policy trims chunks to their
     #: kept frames, ``core/frame_retention.py``); ``None``: ``max_history_chunks x pages_per_chunk``.
     max_history_pages: int | None = None
-    #: Pages a branch holds besides its chunks (a content-selected lane: its selection and the next one's reserve).
+    #: Pages of a branch's content selection, held besides its chunks (a content-selected lane): on the device a
+    #: committing forward also reserves the next one beside it (twice this at the peak); on the host a suspended
+    #: branch keeps one (no forward is open).
     selection_pages: int = 0
 
-    def _history_pages(self, what: str) -> int:
+    def _history_pages(self, what: str, selections: int = 2) -> int:
+        """A branch's peak history pages: its chunks' (trimmed: their kept pages) and ``selections`` selections."""
         chunks = self._bounded(what) * self.pages_per_chunk
-        return (chunks if self.max_history_pages is None else min(chunks, self.max_history_pages)) + self.selection_pages
+        kept = chunks if self.max_history_pages is None else min(chunks, self.max_history_pages)
+        return kept + selections * self.selection_pages
 
     def _bounded(self, what: str) -> int:
         if self.max_history_chunks is None:
@@ -67,9 +71,10 @@ class Admission:
         return branches * pages
 
     def host_pages_per_session(self) -> int:
-        """Peak host pages one suspended session holds: per branch its committed history (no pending chunk:
-        a session with pending work cannot suspend; an extent comes back as a ring, only its chunks travel)."""
-        return self.branches * self._history_pages("sessions_that_fit(tier='host')")
+        """Peak host pages one suspended session holds: per branch its committed history and its content selection
+        (no pending chunk nor reserved selection: a session with pending work cannot suspend; an extent comes back
+        as a ring, only its chunks travel)."""
+        return self.branches * self._history_pages("sessions_that_fit(tier='host')", selections=1)
 
     def sessions_that_fit_host(self, free_bytes: int | None, bytes_per_page: int) -> int:
         """How many more sessions at their peak the host tier's ``free_bytes`` hold (pages only)."""

@@ -39,7 +39,6 @@ from ardiff_modules.core.frame_retention import Kept, page_runs, sink_offsets, t
 from ardiff_modules.core.branch_recache import BranchRecache, PageChunk, ring_copies
 from ardiff_modules.core.branch_selection import BranchSelection, Selection
 from ardiff_modules.core.retention import RetentionPolicy, Retained, retain
-from ardiff_modules.errors import SpecError
 
 __all__ = ["BranchImage", "BranchPages", "PageChunk", "ring_copies"]
 
@@ -486,6 +485,9 @@ class BranchImage:
     window_floor: int = 0
     #: Per history chunk, its trim under a frame policy (``BranchPages.history_kept``); ``()``: none trimmed.
     kept: tuple[Kept | None, ...] = ()
+    #: The content selection (``BranchPages.selection``, its offsets on the host; ``pages``: device page ids when
+    #: suspended, like ``history``), ``None``: none.
+    selection: Selection | None = None
 
 
 def unload_branch(branch: BranchPages, allocator: PageAllocator) -> tuple[BranchImage, list[int]]:
@@ -503,17 +505,12 @@ def unload_branch(branch: BranchPages, allocator: PageAllocator) -> tuple[Branch
 
 
 def branch_image(branch: BranchPages) -> BranchImage:
-    """What :func:`load_branch` restores of ``branch`` (its committed state; nothing released, nothing copied)."""
-    if branch.selection is not None:
-        raise SpecError(
-            "branch_image: expected a branch without a content selection (suspend, save and send of a "
-            "SelectedFramesPolicy lane are not built yet), got one chosen at the commit of chunk "
-            f"{branch.selection.made_at}"
-        )
+    """What :func:`load_branch` restores of ``branch`` (its committed state; nothing released, nothing copied). A
+    content selection's offsets are read to the host (a device sync while they are still there: a cold path)."""
     return BranchImage(
         branch.history, branch.history_index, branch.history_start, branch.committed_chunks,
         branch.committed_tokens, dict(branch.latents), dict(branch.recent), extent_slots_of(branch), branch.shot_start,
-        branch.window_floor, branch.history_kept,
+        branch.window_floor, branch.history_kept, branch.selection.host() if branch.selection is not None else None,
     )
 
 
@@ -527,10 +524,13 @@ def extent_slots_of(branch: BranchPages) -> tuple[int | None, ...]:
 
 
 def load_branch(
-    branch: BranchPages, image: BranchImage, chunks: Sequence[PageChunk], extent: tuple[int, ...] = ()
+    branch: BranchPages, image: BranchImage, chunks: Sequence[PageChunk], extent: tuple[int, ...] = (),
+    selection: Sequence[int] = (),
 ) -> None:
     """Resume ``branch`` from ``image`` with its chunks in ``chunks`` (references already taken by the caller:
-    :class:`~ardiff_modules.core.reservation.ResumeReservation`), inside ``extent`` (its reservation's references taken too) or plain paged."""
+    :class:`~ardiff_modules.core.reservation.ResumeReservation`), inside ``extent`` (its reservation's references
+    taken too) or plain paged; ``selection``: the pages of ``image``'s content selection (references taken too), in
+    its order."""
     assert not branch.history and not branch.pending and not branch.extent, "load_branch: expected an empty branch"
     assert list(map(len, chunks)) == list(map(len, image.history)), "load_branch: chunk sizes changed"
     branch.extent = extent
@@ -540,3 +540,4 @@ def load_branch(
     branch.latents, branch.recent = dict(image.latents), dict(image.recent)
     branch.shot_start, branch.window_floor = image.shot_start, image.window_floor
     branch.history_kept = image.kept
+    branch.restore_selection(image.selection, tuple(selection))

@@ -99,6 +99,13 @@ class BranchSelection:
         references the caller drops."""
         self.selection, self.pending_selection = selection, ()
 
+    def restore_selection(self, selection: Selection | None, pages: tuple[int, ...]) -> None:
+        """A resume or a load: ``selection`` (an image's, host offsets) comes back in ``pages`` (its pages' new ids,
+        in its order; the caller took their references)."""
+        assert len(pages) == (len(selection.pages) if selection is not None else 0), "load_branch: selection pages"
+        self.selection = selection._replace(pages=pages) if selection is not None else None
+        self.pending_selection = ()
+
     def selection_pages(self) -> tuple[int, ...]:
         return self.selection.pages if self.selection is not None else ()
 

@@ -15,9 +15,18 @@ pool's FP8 scales), ``cross.<i>.k`` / ``cross.<i>.v`` (each distinct cross-atten
                                          "recent": {"3": [12, 2]}, "shot_start": null,
                                          "window_floor": 0}, ...}}]}
 
+Two branch fields are written only by the policies that need them (other files stay as above, and a file without
+them loads as before, same format version): ``"kept"`` (a frame policy: each history chunk's trim, ``[full pages,
+kept offsets]`` or ``null``) and ``"selection"`` (a content-selected lane between two scoring commits: its
+selection's pages, first candidate position, the commit that chose it and the chosen offsets among the
+candidates' pages; absent or ``null``: none)::
+
+    "cond": {..., "kept": [[6, [0, 1]], [6, [4, 5]]],
+             "selection": {"pages": [4, 5], "start": 32, "made_at": 3, "offsets": [1, 3]}}
+
 A page shared by several branches or sessions (a fork, ``share_sinks_from``) is one index of ``pages``, named by
-each chunk that holds it. Everything read back is checked here (types, ranges, the spec field by field): a
-hostile or corrupted header raises :class:`~ardiff_modules.errors.SessionFileError` naming the place.
+each chunk (or selection) that holds it. Everything read back is checked here (types, ranges, the spec field by
+field): a hostile or corrupted header raises :class:`~ardiff_modules.errors.SessionFileError` naming the place.
 
 A cache with retention groups (``KVCacheSpec(head_retention=...)``, one lane per group's head part) writes one
 ``pages.<lane>`` and one ``scales.<lane>`` tensor per lane, names its retention map and its lanes, and keeps each
@@ -41,9 +50,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from ardiff_modules.core.branch import BranchImage, PageChunk
+from ardiff_modules.core.branch_selection import Selection
 from ardiff_modules.core.frame_retention import Kept, kept_offsets, trims_frames
 from ardiff_modules.core.head_retention import HeadRetention
 from ardiff_modules.core.retention import SinkWindowPolicy, pins_shots
+from ardiff_modules.core.selected_retention import candidates_at, selecting
 from ardiff_modules.errors import SessionFileError
 from ardiff_modules.spec import KVCacheSpec
 
@@ -273,7 +284,7 @@ class HeaderReader:
 
     def branch(self, value: object, place: str, lane: int = 0) -> BranchImage:
         """One branch's image in lane ``lane`` (its pages index that lane's tensor; its retention is the lane's)."""
-        b = self.dict_(value, place, _BRANCH_KEYS, (*_SHOT_KEYS, "slots", "kept"))
+        b = self.dict_(value, place, _BRANCH_KEYS, (*_SHOT_KEYS, "slots", "kept", "selection"))
         # NOTE: positions are int64 on the device: a count past these bounds would load and then overflow in the
         # next forward (a raw error far from the file).
         most = _MAX_POSITION // self.spec.chunk_size
@@ -306,10 +317,58 @@ class HeaderReader:
             latents[i] = self.tensor_name(name, f"{place}.latents[{key}]", "latent.")
         shot_start, floor = self.shots(b, place, committed, index, lane)
         slots = self.slots(b.get("slots", []), f"{place}.slots", len(history), lane)
+        selection = self.selection(b.get("selection"), f"{place}.selection", lane, committed, history)
         return BranchImage(
             tuple(history), tuple(index), tuple(start), committed, tokens, latents, recent, slots, shot_start, floor,
-            kept,
+            kept, selection,
         )
+
+    def selection(
+        self, value: object, place: str, lane: int, committed: int, history: list[PageChunk]
+    ) -> Selection | None:
+        """A branch's content selection (``null`` or absent: none; ``pages`` index the lane's tensor). Only a lane
+        whose policy selects has one, made by the last commit (a selection lives until the next commit), at the
+        candidates that commit scores; ``keep_frames`` frames of pages, none a chunk's, and one offset among the
+        candidates' pages per page, increasing."""
+        if value is None:
+            return None
+        spec = self.lanes[lane].spec
+        policy = selecting(spec.policy)
+        if policy is None:
+            raise self.fail(place, f"null (the lane's policy {spec.policy!r} selects no content)", value)
+        s = self.dict_(value, place, ("made_at", "offsets", "pages", "start"))
+        per_frame = spec.pages_per_chunk // policy.frames_per_chunk
+        size = policy.selected_pages(per_frame)
+        pages = [self.int_(p, f"{place}.pages", 0, self.lane_pages[lane] - 1) for p in self.list_(s["pages"], place)]
+        if len(pages) != size:
+            raise self.fail(
+                f"{place}.pages", f"{size} pages (keep_frames={policy.keep_frames} frames of {per_frame})", pages
+            )
+        if len(set(pages)) != len(pages) or not {p for c in history for p in c}.isdisjoint(pages):
+            raise self.fail(f"{place}.pages", "each page once in a branch (none of its chunks')", pages)
+        made_at = self.int_(s["made_at"], f"{place}.made_at", 0, committed - 1)
+        if made_at != committed - 1:
+            raise self.fail(
+                f"{place}.made_at", f"the last commit, {committed - 1} (a selection lives until the next commit)",
+                made_at,
+            )
+        found = candidates_at(spec.policy, made_at)
+        if found is None:
+            raise self.fail(f"{place}.made_at", f"a commit that selects under {spec.policy!r}", made_at)
+        tokens = per_frame * spec.page_size
+        start = self.int_(s["start"], f"{place}.start")
+        if start != found[0] * tokens:
+            raise self.fail(
+                f"{place}.start", f"{found[0] * tokens} (the first candidate frame {found[0]} of commit {made_at}, "
+                f"{tokens} tokens a frame)", start,
+            )
+        candidates = policy.frames_per_chunk * per_frame
+        offsets = [self.int_(o, f"{place}.offsets", 0, candidates - 1) for o in self.list_(s["offsets"], place)]
+        if offsets != sorted(set(offsets)) or len(offsets) != len(pages):
+            raise self.fail(
+                f"{place}.offsets", f"{len(pages)} increasing offsets among the {candidates} candidate pages", offsets
+            )
+        return Selection(tuple(pages), start, made_at, tuple(offsets))
 
     def kept(
         self, value: object, place: str, history: list[PageChunk], index: list[int], committed: int, lane: int

@@ -33,7 +33,8 @@ from typing import Any, Protocol
 import torch
 
 from ardiff_modules.core.allocator import PageAllocator
-from ardiff_modules.core.branch import BranchImage, PageChunk, branch_image, load_branch
+from ardiff_modules.core.branch import BranchImage, branch_image, load_branch
+from ardiff_modules.core.branch_selection import Selection
 from ardiff_modules.core.reservation import ResumeReservation
 from ardiff_modules.core.transaction import deferred_interrupts
 from ardiff_modules.cross import CrossEntry, publish_entry
@@ -41,7 +42,7 @@ from ardiff_modules.errors import CacheClosedError, CapacityError, SessionFileEr
 from ardiff_modules.host.file_header import (
     FORMAT, FORMAT_VERSION, METADATA_KEY, HeaderReader, LaneLayout, SavedSession, encode, retention_map, spec_fields,
 )
-from ardiff_modules.host.lane_store import LaneRecord, lay_out
+from ardiff_modules.host.lane_store import Laid, LaneRecord, file_record, lay_out
 from ardiff_modules.host.tier import HostTier
 from ardiff_modules.lanes import CacheLane
 from ardiff_modules.pool import KVPool
@@ -204,7 +205,16 @@ def _branch_header(image: BranchImage, index: Mapping[int, int], name_of: Any) -
         "shot_start": image.shot_start, "window_floor": image.window_floor,
         # (only a frame policy trims chunks: other files stay as they were)
         **({"kept": [None if k is None else [k.full, list(k.offsets)] for k in image.kept]} if image.kept else {}),
+        # (only a content-selected lane has a selection, and only between two commits that score)
+        **({"selection": _selection_header(image.selection, index)} if image.selection is not None else {}),
     }
+
+
+def _selection_header(selection: Selection, index: Mapping[int, int]) -> dict[str, Any]:
+    """A branch's content selection in the header: its pages (indices of the lane's tensor), the first candidate
+    position, the commit that chose it and the chosen offsets among the candidates' pages."""
+    return {"pages": [index[p] for p in selection.pages], "start": selection.start, "made_at": selection.made_at,
+            "offsets": list(selection.resolved())}
 
 
 def _digest(t: torch.Tensor) -> str:
@@ -406,7 +416,8 @@ def _install(
             fresh, runs = dict(zip(room.fresh, reservation.fresh)), iter(reservation.extents)
             lane_laid = [lay_out(record, ring, {}, fresh, [next(runs) for step in ring.values() if step])
                          for record, ring in zip(room.records, room.rings)]
-            _copy_pages(room.lane.pool, tensors[pages_name], sorted({c for _, _, cs in lane_laid for c in cs}))
+            copies = sorted({c for laid_out in lane_laid for c in laid_out.copies})
+            _copy_pages(room.lane.pool, tensors[pages_name], copies)
             laid.append(lane_laid)
         device = cache._pool.device
         latents = {k: t.to(device) for k, t in tensors.items() if k.startswith("latent.")}
@@ -416,10 +427,11 @@ def _install(
         for reservation in reversed(reservations):
             reservation.rollback()
         raise
-    # Then switch (pure bookkeeping): one reference per chunk page, less the one each fresh page already has.
+    # Then switch (pure bookkeeping): one reference per chunk (and selection) page, less the one each fresh page
+    # already has.
     with deferred_interrupts():
         for lane_laid, reservation in zip(laid, reservations):
-            held = Counter(p for chunks, _, _ in lane_laid for cs in chunks.values() for c in cs for p in c)
+            held = Counter(p for laid_out in lane_laid for p in laid_out.held())
             reservation.keep((held - Counter(reservation.fresh)).elements())
         for lane, lane_scales in zip(cache._lanes, scales):
             if lane_scales is not None:
@@ -448,10 +460,10 @@ def check_room(cache: FileHost, saved: Sequence[SavedSession], where: str) -> li
     rooms = []
     for lane in cache._lanes:
         ppc, extent_chunks = lane.spec.pages_per_chunk, lane.extent_chunks
-        records = [LaneRecord(s.lanes[lane.index], {n: img.history for n, img in s.lanes[lane.index].items()})
-                   for s in saved]
+        records = [file_record(s.lanes[lane.index]) for s in saved]
         rings = [{n: ppc if extent_chunks is not None and cs else 0 for n, cs in r.chunks.items()} for r in records]
         plain = [p for r, ring in zip(records, rings) for n, cs in r.chunks.items() if not ring[n] for c in cs for p in c]
+        plain += [p for r in records for pages in r.selections.values() for p in pages]  # never in a ring
         fresh = list(dict.fromkeys(plain))
         extents = [extent_chunks * ppc for ring in rings for step in ring.values() if step]  # type: ignore[operator]
         needed, free = len(fresh) + sum(extents), lane.allocator.num_free
@@ -479,15 +491,15 @@ def _copy_pages(pool: KVPool, pages: torch.Tensor, copies: Sequence[tuple[int, i
 
 def _open(
     cache: FileHost, sid: str, saved: SavedSession,
-    laid: Sequence[tuple[Mapping[str, tuple[PageChunk, ...]], Mapping[str, tuple[int, ...]], object]],
-    latents: Mapping[str, torch.Tensor], entries: Mapping[str, CrossEntry],
+    laid: Sequence[Laid], latents: Mapping[str, torch.Tensor], entries: Mapping[str, CrossEntry],
 ) -> KVState:
     """Open one loaded session over its laid-out pages in every lane (references taken), its latents and cross
     entries."""
     state = cache.open_session(sid)
-    for i, (images, (chunks, extents, _)) in enumerate(zip(saved.lanes, laid)):
+    for i, (images, lane_laid) in enumerate(zip(saved.lanes, laid)):
         for name, image in images.items():
             kept = {k: latents[t] for k, t in image.latents.items()}  # type: ignore[index]
-            load_branch(state._lane_pages(name)[i], replace(image, latents=kept), chunks[name], extents.get(name, ()))
+            load_branch(state._lane_pages(name)[i], replace(image, latents=kept), lane_laid.chunks[name],
+                        lane_laid.extents.get(name, ()), lane_laid.selections.get(name, ()))
     state._adopt_cross_entries({key: entries[prefix] for key, prefix in saved.cross.items()})
     return state

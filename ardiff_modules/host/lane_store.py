@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import torch
 
@@ -31,14 +32,42 @@ from ardiff_modules.session import KVState
 
 @dataclass(frozen=True)
 class LaneRecord:
-    """One lane of a suspended session (or of a file): per branch its image and its chunks as host page ids."""
+    """One lane of a suspended session (or of a file): per branch its image and its chunks as host page ids, and
+    the pages of its content selection (branches without one absent)."""
 
     images: dict[str, BranchImage]
     chunks: dict[str, tuple[PageChunk, ...]]
+    selections: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def host_refs(self) -> list[int]:
         """One entry per host page reference this lane of the session holds."""
-        return [h for chunks in self.chunks.values() for chunk in chunks for h in chunk]
+        return [h for chunks in self.chunks.values() for chunk in chunks for h in chunk] + [
+            h for pages in self.selections.values() for h in pages
+        ]
+
+
+def file_record(images: dict[str, BranchImage]) -> LaneRecord:
+    """The record of one lane of a file's session: its images' chunks and selections (page indices of the file)."""
+    return LaneRecord(
+        images, {n: img.history for n, img in images.items()},
+        {n: img.selection.pages for n, img in images.items() if img.selection is not None},
+    )
+
+
+class Laid(NamedTuple):
+    """One lane of a session laid out in device pages (:func:`lay_out`): each branch's chunks, its extent (ring
+    branches) and its selection's pages, and the ``(host page, device page)`` copies."""
+
+    chunks: dict[str, tuple[PageChunk, ...]]
+    extents: dict[str, tuple[int, ...]]
+    copies: list[tuple[int, int]]
+    selections: dict[str, tuple[int, ...]]
+
+    def held(self) -> list[int]:
+        """One entry per device page reference the branches hold (their chunks' and selections' pages)."""
+        return [p for cs in self.chunks.values() for c in cs for p in c] + [
+            p for pages in self.selections.values() for p in pages
+        ]
 
 
 @dataclass(frozen=True)
@@ -146,11 +175,13 @@ class LaneStore:
         occurrences = [host_of[p] for b in branches.values() for p in b.history_pages()]
         self.pages.incref((Counter(occurrences) - Counter(host_of[p] for p in plan.new)).elements())
         chunks = {name: tuple(tuple(host_of[p] for p in c) for c in b.history) for name, b in branches.items()}
+        selections = {name: tuple(host_of[p] for p in b.selection_pages()) for name, b in branches.items()
+                      if b.selection is not None}
         images = {
             name: replace(unload_branch(b, self.allocator)[0], latents=dict(latents[name]))
             for name, b in branches.items()
         }
-        return LaneRecord(images, chunks)
+        return LaneRecord(images, chunks, selections)
 
     # ------------------------------------------------------------------ resume
     def plan_in(self, record: LaneRecord, branches: Mapping[str, BranchPages]) -> InPlan:
@@ -159,6 +190,7 @@ class LaneStore:
                 for n, b in branches.items()}
         aliases = {h: p for h in set(record.host_refs()) if (p := self.live_twin(h)) is not None}
         plain = [h for name in branches if not ring[name] for c in record.chunks[name] for h in c]
+        plain += [h for pages in record.selections.values() for h in pages]  # never in a ring: plain pages
         fresh = [h for h in dict.fromkeys(plain) if h not in aliases]
         extents = [b.extent_chunks * ring[n] for n, b in branches.items() if ring[n]]  # type: ignore[operator]
         return InPlan(ring, aliases, fresh, extents)
@@ -238,17 +270,21 @@ def check_host_fits(
 def lay_out(
     record: LaneRecord, ring: Mapping[str, int], aliases: Mapping[int, int], fresh: Mapping[int, int],
     runs: Sequence[Sequence[int]],
-) -> tuple[dict[str, tuple[PageChunk, ...]], dict[str, tuple[int, ...]], list[tuple[int, int]]]:
-    """Each branch's device chunks, its extent, and the ``(host page, device page)`` copies (by device page).
+) -> Laid:
+    """Each branch's device chunks, its extent, its selection's pages, and the ``(host page, device page)`` copies
+    (by device page).
 
     A ring branch's chunk takes the first pages of the slot of its fresh extent it had when suspended
     (:func:`ring_slots`; each slot ``ring[name]`` pages); a plain branch takes the aliased (no copy) or the fresh
-    page of each host page.
+    page of each host page, and so does every content selection (never in a ring).
     """
     chunks: dict[str, tuple[PageChunk, ...]] = {}
     extents: dict[str, tuple[int, ...]] = {}
     copies: set[tuple[int, int]] = set()
     run_of = iter(runs)
+    device_of = {**aliases, **fresh}
+    selections = {name: tuple(device_of[h] for h in pages) for name, pages in record.selections.items()}
+    copies.update((h, fresh[h]) for pages in record.selections.values() for h in pages if h in fresh)
     for name, host_chunks in record.chunks.items():
         step = ring[name]
         if step:
@@ -258,10 +294,9 @@ def lay_out(
             copies.update(zip((h for c in host_chunks for h in c), (p for c in laid for p in c)))
             chunks[name], extents[name] = laid, tuple(run)
         else:
-            device_of = {**aliases, **fresh}
             chunks[name] = tuple(tuple(device_of[h] for h in c) for c in host_chunks)
             copies.update((h, fresh[h]) for c in host_chunks for h in c if h in fresh)
-    return chunks, extents, sorted(copies, key=lambda hp: hp[1])
+    return Laid(chunks, extents, sorted(copies, key=lambda hp: hp[1]), selections)
 
 
 def ring_slots(saved: tuple[int | None, ...], chunks: int, slots: int) -> list[int]:

@@ -62,7 +62,7 @@ from ardiff_modules.errors import CapacityError, PendingContextError, SessionNot
 from ardiff_modules.host import make_room
 from ardiff_modules.host.arena import HostArena, Row
 from ardiff_modules.host.extent_room import extent_room
-from ardiff_modules.host.lane_store import LaneRecord, LaneStore, OutPlan, check_host_fits, lay_out
+from ardiff_modules.host.lane_store import Laid, LaneRecord, LaneStore, OutPlan, check_host_fits, lay_out
 from ardiff_modules.host.transfer import TransferHandle
 from ardiff_modules.lanes import CacheLane
 from ardiff_modules.pool import KVPool
@@ -295,7 +295,7 @@ class HostTier:
                 fresh = [dict(zip(p.fresh_hosts, r.fresh)) for p, r in zip(plans, reservations)]
                 laid = [lay_out(rec, p.ring, p.aliases, f, r.extents)
                         for rec, p, f, r in zip(record.lanes, plans, fresh, reservations)]
-                copies = [copies for _, _, copies in laid]
+                copies = [lane_laid.copies for lane_laid in laid]
                 handle, cross, latents = self._copy_to_device(copies, record, state._cross_entries())
             except BaseException:
                 for reservation in reversed(reservations):
@@ -303,7 +303,7 @@ class HostTier:
                 raise
             with deferred_interrupts():
                 for i, (store, reservation) in enumerate(zip(self.stores, reservations)):
-                    self._load_lane(store, lanes[i], record.lanes[i], laid[i][:2], latents[i], reservation, fresh[i])
+                    self._load_lane(store, lanes[i], record.lanes[i], laid[i], latents[i], reservation, fresh[i])
                 self._drop_record(state, record)
                 state._adopt_cross_entries(cross)
                 self._handles[state] = handle
@@ -311,18 +311,17 @@ class HostTier:
 
     @staticmethod
     def _load_lane(
-        store: LaneStore, branches: Mapping[str, BranchPages], record: LaneRecord,
-        laid: tuple[Mapping[str, tuple[tuple[int, ...], ...]], Mapping[str, tuple[int, ...]]],
+        store: LaneStore, branches: Mapping[str, BranchPages], record: LaneRecord, laid: Laid,
         latents: Mapping[str, Mapping[int, object]], reservation: ResumeReservation, fresh: Mapping[int, int],
     ) -> None:
-        """Switch one lane of a resume: one reference per chunk page, less the one each fresh page already has;
-        the branches loaded; the fresh pages linked to their host pages."""
-        chunks, extents = laid
-        shared = Counter(p for cs in chunks.values() for c in cs for p in c) - Counter(reservation.fresh)
+        """Switch one lane of a resume: one reference per chunk (and selection) page, less the one each fresh page
+        already has; the branches loaded; the fresh pages linked to their host pages."""
+        shared = Counter(laid.held()) - Counter(reservation.fresh)
         reservation.keep(shared.elements())
         for name, b in branches.items():
             image = record.images[name]
-            load_branch(b, replace(image, latents=latents[name]), chunks[name], extents.get(name, ()))
+            load_branch(b, replace(image, latents=latents[name]), laid.chunks[name], laid.extents.get(name, ()),
+                        laid.selections.get(name, ()))
         store.keep_in(fresh)
 
     # ------------------------------------------------------------------ copies (the only torch work)
