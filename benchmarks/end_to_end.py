@@ -53,6 +53,15 @@ attention variants (the rolling ones are the peers of ``baselines.py``):
                        chunks, before its buffers are full, run eagerly), and that step's two settled forwards
                        replayed from CUDA graphs. The peer for the same method;
                        other semantics than ``library`` (outputs reported, not checked). SDPA on the CPU.
+* ``library_heads`` / ``_compiled`` / ``_fp8_compiled`` / ``_compiled_graph`` -- the library with per-head / frame
+                       retention (``--heads``: ``KVCacheSpec.head_retention``); other semantics than ``library``.
+                       ``--heads forcingkv``: the ``forcingkv_own*`` peer's configuration (its head map, its
+                       ``--forcingkv-dynamic`` setting) handed to ``ForcingKVConfig.head_retention``, the same
+                       method by construction: with the dynamic patches a ``SelectedFramesPolicy`` temporal group
+                       (``benchmarks/configs/forcingkv_selfforcing_dynamic_wan1.3b.json`` at wan2.1-1.3b). Where a
+                       group selects patches the heads rows' KV pages are a patch (``heads_page_size``: 260 tokens
+                       at wan2.1-1.3b, the preset's 120 do not split a 1560-token frame into 6 whole-page patches);
+                       recorded per row (``page_size``) and in ``config.heads``.
 
 Every variant's rows are also written to ``end_to_end.partial.json`` as it finishes (and when it is skipped or
 fails; atomically: a temporary file renamed over it), so a run that overruns its device call keeps what it
@@ -98,7 +107,12 @@ modules), not interleaved; a variant run both ways is compiled once.
 
 Checked: the outputs of the committing forwards of the timed chunk steps of every variant agree with
 the library's (same commit setting) by relative error norm (<= 3e-2 in bf16 / fp16, <= 1e-4 in float32
-on CPU, 1e-3 in float32 on CUDA); the exit status is 1 if not. Reported per variant and CFG setting:
+on CPU, 1e-3 in float32 on CUDA); the exit status is 1 if not. Where the ``library_heads*`` rows run the
+``forcingkv_own*`` peer's method (``--heads forcingkv``, or a file with the same policy per head, e.g. the static
+JSON with ``--forcingkv-dynamic off``), their outputs are checked against the peer's of the same form at the same
+tolerance (:func:`check_same_method`; with CFG on batch row 0 only: Forcing-KV chooses its patches on row 0 for
+every row, the library per stream; with dynamic patches in bf16 reported, not counted: the two score the patches
+in different precisions). Reported per variant and CFG setting:
 ms per chunk step, speed-up vs the baseline and vs ``rolling_sdpa`` (target for the library: >= 1.3x
 vs ``rolling_sdpa``), FLOPs and MFU, latent frames/s (``frames_per_chunk / step seconds``) and video frames/s
 (``video_frames_per_s`` = latent frames x 4 / step seconds: a Wan VAE decodes 4 video frames per latent frame;
@@ -112,6 +126,8 @@ exactly (sinks + window + pending) chunks per branch) vs the rolling buffers.
     python -m benchmarks.end_to_end --compile                          # + the compiled rows
     python -m benchmarks.end_to_end --cfg on --variants library,rolling_fa3   # a subset
     python -m benchmarks.end_to_end --commit-forward both --cfg on --variants library,rolling_fa3
+    python -m benchmarks.end_to_end --preset tiny --device cpu --dtype float32 --cfg off --heads forcingkv \
+        --variants library_heads,forcingkv_own       # the library vs Forcing-KV's own path, the same method
 
 Writes ``end_to_end.json`` (config, per CFG setting: the baselines, per variant ``ms_per_chunk_step``
 (median), ``ms_per_chunk_step_stats`` (median, IQR, p25, p75), speed-ups with their spreads, FLOPs,
@@ -158,6 +174,8 @@ from ardiff_modules.models.wan_causal_dit import (
     make_kv_spec,
     torch_threads,
 )
+from ardiff_modules.core.frame_retention import trims_frames
+from ardiff_modules.core.selected_retention import candidates_at, selecting
 from ardiff_modules.pool import bytes_per_page
 from benchmarks._plotting import bars, legend_below, pyplot, save, spread, wrap
 from benchmarks._timing import each_call, environment, fail, once, result_path, save_json
@@ -198,6 +216,8 @@ OTHER_SEMANTICS = ("library_relative_sinks", "library_relative_sinks_compiled", 
 #: The baseline of the eager rows and of the compiled rows: the first of each that was measured.
 EAGER_BASELINES = ("rolling_fa3", "rolling_sdpa")
 COMPILED_BASELINES = ("rolling_fa3_compiled", "rolling_sdpa_compiled")
+#: ``--heads forcingkv``: the library_heads* rows take the forcingkv_own* peer's configuration (the same method).
+HEADS_FORCINGKV = "forcingkv"
 SECONDARY_BASELINE = "rolling_sdpa"  #: ``speedup_vs_rolling_sdpa``, kept beside the baseline's ratio
 TIMESTEPS = (1000.0, 750.0, 500.0, 250.0)  #: denoising forwards of a chunk step; then one at 0 (commit)
 SCHEDULE = TIMESTEPS + (0.0,)  #: the sampler's timesteps (``--commit-forward both``): each step goes to the next
@@ -227,12 +247,15 @@ SPEEDUP_PAIRS = (
     ("library_compiled_graph", "rolling_fa3_compiled_graph"), ("library_fp8_compiled_graph", "rolling_fa3_compiled_graph"),
     ("library_heads_compiled_graph", "rolling_fa3_compiled_graph"),
     ("rolling_fa3_compiled_graph", "rolling_fa3_compiled_fullgraph"),
-    # Forcing-KV's own path against the peer with every trick on, and the library against it (other semantics:
-    # the library's rows attend the full window; a library row with Forcing-KV's config goes here when it exists).
+    # Forcing-KV's own path against the peer with every trick on, and the library's full-window rows against it
+    # (other semantics; the library_heads* rows with Forcing-KV's configuration: the pairs below).
     ("forcingkv_own", "rolling_fa3"), ("forcingkv_own_compiled", "rolling_fa3_compiled_fullgraph"),
     ("forcingkv_own_compiled_graph", "rolling_fa3_compiled_graph"),
     ("forcingkv_own_compiled_graph", "forcingkv_own_compiled"),
     ("library_compiled_graph", "forcingkv_own_compiled_graph"), ("library_compiled", "forcingkv_own_compiled"),
+    # The library with Forcing-KV's configuration (--heads forcingkv, or its JSON) against Forcing-KV's own path.
+    ("library_heads", "forcingkv_own"), ("library_heads_compiled", "forcingkv_own_compiled"),
+    ("library_heads_compiled_graph", "forcingkv_own_compiled_graph"),
 )
 
 
@@ -265,9 +288,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "forward at t=0 that commits), 'last_step' (the last denoising forward commits: one "
                         "forward fewer per chunk), 'both' (library and rolling_fa3 variants both ways, side by "
                         "side, with the produced latents compared chunk by chunk)")
-    p.add_argument("--heads", type=Path, default=None,
-                   help="head configuration of the library_heads* variants (HeadRetention JSON, per-head retention); "
-                        "default: a synthetic Forcing-KV-like split (--local-fraction)")
+    p.add_argument("--heads", default=None, metavar="FILE|forcingkv",
+                   help="head configuration of the library_heads* variants: a HeadRetention JSON (per-head retention), "
+                        "or 'forcingkv': the forcingkv_own* peer's own configuration (--forcingkv-dynamic, "
+                        "--forcingkv-heads) built by the library's ForcingKVConfig.head_retention, the same method by "
+                        "construction (its outputs checked against the forcingkv_own* rows); default: a synthetic "
+                        "Forcing-KV-like split (--local-fraction). A group that selects patches (SelectedFramesPolicy) "
+                        "runs with pages of a patch (frame tokens / patches_per_frame: 260 at wan2.1-1.3b) where the "
+                        "preset's page size does not split a frame into whole-page patches")
     p.add_argument("--local-fraction", type=float, default=2 / 3,
                    help="without --heads: the share of each layer's heads kept local (sink 0 + window 1); "
                         "the rest keep the preset's sink + window (default 2/3)")
@@ -313,6 +341,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.peak_tflops is not None and args.peak_tflops <= 0:
         p.error(f"--peak-tflops: expected > 0, got {args.peak_tflops}")
     args.variants = _variants(p, args)
+    if args.heads == HEADS_FORCINGKV and WanConfig.preset(args.preset).frames_per_chunk != forcing_kv_peer.BLOCK_FRAMES:
+        p.error(f"--heads {HEADS_FORCINGKV}: expected a preset of {forcing_kv_peer.BLOCK_FRAMES}-frame chunks "
+                f"(Forcing-KV's blocks), got {args.preset}")
     if any(v.endswith("_graph") for v in args.variants) and args.device != "cuda":
         p.error("--graph / *_graph variants: expected --device cuda (CUDA graphs)")
     return args
@@ -473,9 +504,12 @@ class LibraryRunner:
     def __init__(self, model: nn.Module, config: WanConfig, branches: tuple[str, ...], texts: Sequence[torch.Tensor],
                  device: torch.device, dtype: torch.dtype, backend: str, step: Callable[..., torch.Tensor],
                  kv_dtype: str | None = None, graph: bool = False, relative_sinks: bool = False,
-                 heads: am.HeadRetention | None = None) -> None:
+                 heads: am.HeadRetention | None = None, page_size: int | None = None) -> None:
+        """``page_size``: tokens a KV page, default the preset's (``WanConfig.kv_page_size``)."""
         spec = dataclasses.replace(make_kv_spec(config, device, branches), dtype=dtype,
                                    kv_dtype=kv_dtype, relative_sinks=relative_sinks)
+        if page_size is not None:
+            spec = dataclasses.replace(spec, page_size=page_size)
         self.spec, self.branches, self.step = spec, branches, step
         #: ``graph``: static forwards replayed from CUDA graphs (one per forward shape: commit or not
         #: share one static context, so one graph serves the whole chunk step).
@@ -511,6 +545,7 @@ class LibraryRunner:
             "kv_allocated_bytes": stats.pool_bytes,
             "peak_pages_used": stats.peak_pages_used,
             "pool_pages": stats.num_pages,
+            "page_size": self.spec.page_size,
             "layout": "contiguous extents (ring)" if self.cache.extent_chunks is not None else "plain paging",
         }
         if self.cache.spec.head_retention is not None:
@@ -657,6 +692,12 @@ class _Bench:
     base_latents: list[torch.Tensor] = dataclasses.field(default_factory=list)  #: one per chunk step
     kv_target_per_branch: int = 0  #: bytes of (sinks + window + pending) chunks of one branch
     heads: Any = None  #: the ``library_heads*`` variants' HeadRetention (``--heads``)
+    #: the ``library_heads*`` variants' KV page size (tokens): the preset's, or a patch's where the heads select
+    heads_page_size: int = 0
+    #: whether the ``library_heads*`` rows run the forcingkv_own* peer's method (``--heads forcingkv``, or a file
+    #: with the same policy per head, :func:`same_per_head`): their outputs are then checked against the peer's
+    #: (:func:`check_same_method`)
+    same_method: bool = False
     #: the ``forcingkv_own*`` variants' configuration (None where the preset's chunks are not 3 frames)
     forcing_kv: forcing_kv_peer.ForcingKVPeerConfig | None = None
     #: one compiled step shared by the compiled Forcing-KV variants (its graphs per cache state compiled once)
@@ -711,33 +752,74 @@ def _bench(args: argparse.Namespace) -> _Bench:
                       for _ in range(b.warmup + b.timed)]
     bpp_spec = dataclasses.replace(make_kv_spec(config, device, ("cond",)), dtype=args.dtype)
     b.kv_target_per_branch = bpp_spec.pages_per_branch(1) * bytes_per_page(bpp_spec)
-    b.heads = head_config(args, config)
-    if config.frames_per_chunk == forcing_kv_peer.BLOCK_FRAMES and any(v in FORCING_KV_VARIANTS for v in args.variants):
+    if config.frames_per_chunk == forcing_kv_peer.BLOCK_FRAMES and (
+            args.heads == HEADS_FORCINGKV or any(v in FORCING_KV_VARIANTS for v in args.variants)):
         b.forcing_kv = forcing_kv_peer.published_self_forcing(
             config, heads=args.forcingkv_heads, seed=args.seed, dynamic=args.forcingkv_dynamic == "on"
         )
+    b.heads = head_config(args, config, b.forcing_kv)
+    b.heads_page_size = (heads_page_size(b.heads, config) if any("_heads" in v for v in args.variants)
+                         else config.kv_page_size)
+    b.same_method = b.forcing_kv is not None and same_per_head(b.heads,
+                                                              forcing_kv_peer.library_head_retention(b.forcing_kv))
     return b
 
 
-def head_config(args: argparse.Namespace, config: WanConfig) -> am.HeadRetention:
-    """``--heads FILE`` loaded, else the synthetic Forcing-KV-like split (``--local-fraction`` of each layer's heads
-    sink 0 + window 1, drawn per layer with ``--seed``; the rest the preset's sink + window)."""
+def same_per_head(a: am.HeadRetention, b: am.HeadRetention) -> bool:
+    """Whether every (layer, kv head) keeps by the same policy in ``a`` and ``b`` (the same method; the groups' names
+    and how heads are grouped may differ: e.g. one ``"all"`` group vs equal ``"spatial"`` / ``"temporal"`` ones)."""
+    def per_head(h: am.HeadRetention) -> list[list[Any]]:
+        return [[h.groups[g] for g in row] for row in h.layers]
+
+    return per_head(a) == per_head(b)
+
+
+def head_config(args: argparse.Namespace, config: WanConfig,
+                forcing_kv: forcing_kv_peer.ForcingKVPeerConfig | None = None) -> am.HeadRetention:
+    """``--heads forcingkv``: the library's configuration of the forcingkv_own* peer's method
+    (:func:`forcing_kv_peer.library_head_retention` of ``forcing_kv``); ``--heads FILE`` loaded; else the synthetic
+    Forcing-KV-like split (``--local-fraction`` of each layer's heads sink 0 + window 1, drawn per layer with
+    ``--seed``; the rest the preset's sink + window)."""
+    if args.heads == HEADS_FORCINGKV:
+        assert forcing_kv is not None, "parse_args checks the preset's chunks"
+        return forcing_kv_peer.library_head_retention(forcing_kv)
     if args.heads is not None:
         return am.HeadRetention.from_json(args.heads)
     return forcing_kv_like(config.num_layers, config.num_heads, args.local_fraction,
                            (config.sink_chunks, config.window_chunks), seed=args.seed)
 
 
+def heads_page_size(heads: am.HeadRetention, config: WanConfig) -> int:
+    """The ``library_heads*`` rows' KV page size: the preset's (``WanConfig.kv_page_size``), unless a group selects
+    patches (``SelectedFramesPolicy``) and a frame's pages do not split into its ``patches_per_frame`` patches of
+    whole pages (``check_selection_geometry``): then one page a patch, ``tokens_per_frame / patches_per_frame``
+    (260 at wan2.1-1.3b, P = 6: 1560 / 120 = 13 pages a frame do not split in 6)."""
+    page, frame = config.kv_page_size, config.tokens_per_frame
+    patches = {p.patches_per_frame for p in map(selecting, heads.groups.values()) if p is not None}
+    if all(frame % page == 0 and (frame // page) % n == 0 for n in patches):
+        return page
+    if len(patches) > 1 or frame % next(iter(patches)):
+        raise ValueError(f"--heads: patches_per_frame {sorted(patches)} of {frame}-token frames: expected one count "
+                         f"that divides a frame")
+    return frame // next(iter(patches))
+
+
 def head_visible_keys(heads: am.HeadRetention, config: WanConfig, committed: int) -> float:
     """Mean over (layer, head) of the keys a head attends to after ``committed`` chunks (its group's resident
-    chunks + the pending one): what the FLOPs of a per-head-retention step are counted with."""
+    chunks + the pending one; a content-selected group also its selection, ``keep_frames`` frames' worth, once a
+    commit made one): what the FLOPs of a per-head-retention step are counted with."""
     total = 0.0
     for row in heads.layers:
         for group in row:
             policy = heads.groups[group]
             indices = policy.history_indices(committed)
-            if isinstance(policy, am.FrameWindowPolicy):  # trimmed chunks: their kept frames
-                total += sum(len(policy.kept_frames(i, committed)) for i in indices) / policy.frames_per_chunk + 1
+            if trims_frames(policy):  # frames (FrameWindowPolicy, a selection's window, ...): their kept frames
+                framed: Any = policy
+                frames = framed.frames_per_chunk
+                total += sum(len(framed.kept_frames(i, committed)) for i in indices) / frames + 1
+                selected = selecting(policy)
+                if selected is not None and committed and candidates_at(policy, committed - 1) is not None:
+                    total += selected.keep_frames / frames  # the selection the last commit made
             else:
                 total += len(indices) + 1
     return total / (heads.num_layers * heads.num_kv_heads) * config.chunk_size
@@ -797,10 +879,11 @@ def _measure(name: str, b: _Bench, st: _Setting, modes: Sequence[str]) -> dict[s
         kv_dtype = "float8_e4m3fn" if "fp8" in name else None
         graph, relative = name.endswith("_graph"), "relative_sinks" in name
         heads = b.heads if "_heads" in name else None
+        page_size = b.heads_page_size if heads is not None else None
 
         def make() -> LibraryRunner:
             return LibraryRunner(model, b.config, st.branches, st.texts, b.device, b.dtype, b.args.backend, step,
-                                 kv_dtype, graph=graph, relative_sinks=relative, heads=heads)
+                                 kv_dtype, graph=graph, relative_sinks=relative, heads=heads, page_size=page_size)
 
         return {mode: run_variant(make, b, st, mode, name) for mode in modes}
     if name in FORCING_KV_VARIANTS:
@@ -882,9 +965,15 @@ def _note(name: str, b: _Bench) -> str | None:
     if name in FORCING_KV_VARIANTS:
         return forcing_kv_peer.note(name)
     if name.startswith("library_heads"):
+        same = (" Forcing-KV's method as the forcingkv_own* peer runs it (same head map and numbers; outputs checked "
+                "against it: rel_err_vs_forcingkv_own)" if b.same_method else "")
+        selects = any(selecting(p) is not None for p in b.heads.groups.values())
         return ("per-head / frame retention (--heads: KVCacheSpec.head_retention): each head attends its group's "
-                "kept keys; different outputs once a window slides, by design"
-                + (", each forward replayed from a CUDA graph" if name.endswith("_graph") else ""))
+                "kept keys; different outputs from the full-window library once a window slides, by design;" + same
+                + (f" content-selected patches (SelectedFramesPolicy, pages of {b.heads_page_size} tokens: one a "
+                   "patch)" if selects else "")
+                + (", each forward replayed from a CUDA graph (the commit's patch selection runs after the replay, "
+                   "outside it)" if name.endswith("_graph") else ""))
     if name in OTHER_SEMANTICS:
         return ("relative-position sinks (KVCacheSpec.relative_sinks): different outputs once the window slides, "
                 "by design; timed for the cost of the second key segment")
@@ -988,8 +1077,61 @@ def _measure_setting(b: _Bench, st: _Setting) -> tuple[dict[str, dict[str, Any]]
             print(f"  {st.name} {name} [{mode}]: {res['ms_per_chunk_step']:.2f} ms per chunk step (IQR "
                   f"{res['ms_per_chunk_step_stats']['iqr_ms']:.2g}; setup {res['setup_s']:.1f} s, warm-up "
                   f"{res['warmup_s']:.1f} s), rel err vs library {res['rel_err_vs_library']:.1e}", flush=True)
+        check_same_method(b, st, rows, runs)  # as soon as both sides ran (the partial JSON carries it)
         _save_partial(b, st.name, rows)
+    agree &= check_same_method(b, st, rows, runs, report=True)
     return rows, runs, agree
+
+
+def check_same_method(b: _Bench, st: _Setting, rows: dict[str, dict[str, Any]], runs: dict[str, dict[str, Any]],
+                      report: bool = False) -> bool:
+    """The library_heads* rows against Forcing-KV's own path where they run the same method (``b.same_method``:
+    ``--heads forcingkv``, or a file with the same policy per head): per commit setting, each measured
+    library_heads* row's committing outputs vs the forcingkv_own* row of the same form
+    (``library_heads_compiled_graph`` vs ``forcingkv_own_compiled_graph``, ...; else the first measured, in
+    ``--variants`` order), relative error norm per timed step, checked at the run's tolerance (``--fp8-tolerance``
+    for an FP8 row). Row 0 of the batch only with CFG on: Forcing-KV chooses the dynamic patches on batch row 0
+    for every row, the library per stream (the uncond stream then keeps other patches). Adds
+    ``rel_err_vs_forcingkv_own`` (+ ``_per_step``), ``forcingkv_own_reference``, ``forcingkv_own_rows_compared``,
+    ``agrees_with_forcingkv_own`` and ``agreement_counted`` to the rows; returns whether all counted rows agree
+    (``True`` where nothing is compared). Idempotent.
+
+    Counted (in the exit status) in float32, and in half precision when no group selects patches. With patches in
+    bf16 / fp16 the agreement is reported, not counted: the peer scores the patches in the keys' dtype (as upstream),
+    the library in float32, so a near-tie between two patches' scores (bf16 keeps ~3 digits) may keep another patch,
+    a legitimate difference in the outputs from there on (not measured on a GPU yet)."""
+    if not b.same_method:
+        return True
+    selects = any(selecting(p) is not None for p in b.heads.groups.values())
+    counted = b.dtype == torch.float32 or not selects
+    ok = True
+    for mode, done in runs.items():
+        first = next((n for n in b.args.variants if n in FORCING_KV_VARIANTS and n in done), None)
+        if first is None:
+            continue
+        for name, run in done.items():
+            if not name.startswith("library_heads"):
+                continue
+            ref = "forcingkv_own" + name.removeprefix("library_heads")
+            ref = ref if ref in done else first
+            errs = [rel_err(o[:1], r[:1]) for o, r in zip(run["outputs"], done[ref]["outputs"])]
+            tolerance = b.args.fp8_tolerance if "fp8" in name else b.tolerance
+            res = rows[mode][name]
+            res["forcingkv_own_reference"] = ref
+            res["forcingkv_own_rows_compared"] = (
+                "all (one stream)" if st.streams == 1 else
+                "row 0 (cond): Forcing-KV selects the dynamic patches on batch row 0 for every row, the library per "
+                "stream")
+            res["rel_err_vs_forcingkv_own"] = max(errs)
+            res["rel_err_vs_forcingkv_own_per_step"] = errs
+            res["agrees_with_forcingkv_own"] = max(errs) <= tolerance
+            res["agreement_counted"] = counted
+            ok &= res["agrees_with_forcingkv_own"] or not counted
+            if report:
+                print(f"  {st.name} {name} [{mode}] vs {ref} (the same method): rel err {max(errs):.1e} "
+                      f"({'agrees' if res['agrees_with_forcingkv_own'] else 'DISAGREES'} at {tolerance:g}"
+                      f"{'' if counted else '; reported, not counted: bf16 patch scores may tie'})", flush=True)
+    return ok
 
 
 def _save_partial(b: _Bench, setting: str, rows: dict[str, dict[str, Any]]) -> None:
@@ -1087,6 +1229,14 @@ def _targets(results: dict[str, Any], kv_target_per_branch: int) -> dict[str, An
                 if n.startswith("library_heads") and measured(res)}
             for s, v in primary.items()
         },
+        # --heads forcingkv (check_same_method): the library's rows of Forcing-KV's method vs Forcing-KV's own path
+        "same_method_outputs": {
+            s: {n: {"reference": res["forcingkv_own_reference"], "rel_err": res["rel_err_vs_forcingkv_own"],
+                    "agrees": res["agrees_with_forcingkv_own"], "counted": res["agreement_counted"],
+                    "rows": res["forcingkv_own_rows_compared"]}
+                for n, res in v.items() if "rel_err_vs_forcingkv_own" in res}
+            for s, v in primary.items()
+        },
     }
     if any("last_step" in r for r in results.values()):
         targets["last_step"] = {"speedups": _speedups({s: r["last_step"]["variants"] for s, r in results.items()})}
@@ -1125,13 +1275,25 @@ def _config(b: _Bench) -> dict[str, Any]:
         "peak_flops_source": (None if b.peak_flops is None else "--peak-tflops" if args.peak_tflops is not None
                               else "H200 SXM dense bf16 (989.4 TFLOP/s)"),
         "torch_threads": torch.get_num_threads(),
-        "heads": {"source": str(args.heads) if args.heads is not None else
-                  f"synthetic Forcing-KV-like: {args.local_fraction:.3f} of each layer's heads sink 0 + window 1 "
-                  f"(seed {args.seed})", "config": b.heads.to_dict()} if b.heads is not None else None,
+        "heads": {"source": _heads_source(b), "config": b.heads.to_dict(), "page_size": b.heads_page_size,
+                  "same_method_as_forcingkv_own": b.same_method} if b.heads is not None else None,
         "forcing_kv": b.forcing_kv.to_dict() if b.forcing_kv is not None else None,
         "video_frames_per_s": f"latent frames x {VIDEO_FRAMES_PER_LATENT} (Wan VAE) / DiT chunk-step seconds: the DiT "
                               "step alone, excluding the VAE decode and the text encoder",
     }
+
+
+def _heads_source(b: _Bench) -> str:
+    """Where the library_heads* rows' HeadRetention came from (``config.heads.source``)."""
+    args = b.args
+    if args.heads == HEADS_FORCINGKV:
+        assert b.forcing_kv is not None
+        return (f"forcingkv: the forcingkv_own* peer's configuration (dynamic {args.forcingkv_dynamic}; heads "
+                f"{b.forcing_kv.heads_source}) via ForcingKVConfig.head_retention")
+    if args.heads is not None:
+        return str(args.heads)
+    return (f"synthetic Forcing-KV-like: {args.local_fraction:.3f} of each layer's heads sink 0 + window 1 "
+            f"(seed {args.seed})")
 
 
 def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -1221,6 +1383,11 @@ def print_table(payload: dict[str, Any]) -> None:
         f"library KV peak per branch == (sinks + window + pending) chunks: {t['kv_peak_equals_target']} "
         f"({_mib(t['kv_peak_bytes_per_branch_target'])} MiB); outputs agree: {payload['agree']}"
     )
+    for setting, per in t.get("same_method_outputs", {}).items():
+        for name, c in per.items():
+            print(f"  {setting} {name} vs {c['reference']} (the same method): outputs rel err {c['rel_err']:.1e} "
+                  f"({'agree' if c['agrees'] else 'DISAGREE'}{'' if c['counted'] else ', not counted'}; rows: "
+                  f"{c['rows'].split(':')[0]})")
     for setting, per in t.get("last_step_vs_clean", {}).items():
         for name, c in per.items():
             print(f"  {setting} {name}: last_step vs clean {c['ratio']:.3f}x (IQR {c['iqr'][0]:.3f}..{c['iqr'][1]:.3f}), "

@@ -48,6 +48,9 @@ The published Self-Forcing configuration is the default (:func:`published_self_f
 the head map from ``--forcingkv-heads`` (Forcing-KV's head file, read by the library's ``load_forcing_kv``), else
 a fixed-seed map with the published file's per-layer static counts (134 of 360 at 30 x 12; other geometries the
 same share). Outputs differ from the library's full-window rows (other semantics): reported, not checked.
+:func:`library_head_retention` is the library's configuration of the same method (``end_to_end --heads forcingkv``:
+the ``library_heads*`` rows, checked equal to this peer's outputs; ``python -m benchmarks.forcing_kv_peer
+--write-heads PATH`` writes it as a HeadRetention JSON).
 
 Imports torch: import it where a benchmark runs.
 """
@@ -202,6 +205,27 @@ def published_self_forcing(
         retention_ratio=p["retention_ratio"], heads_source=source)
     cfg.check()
     return cfg
+
+
+def library_head_retention(cfg: ForcingKVPeerConfig) -> am.HeadRetention:
+    """The library's :class:`~ardiff_modules.HeadRetention` for the same method as this peer: ``cfg``'s head map and
+    numbers handed to the library's reader of Forcing-KV's files (``load_forcing_kv``: its head file's layer objects
+    and its ``forcingkv:`` block) and built by ``ForcingKVConfig.head_retention`` -- the ``library_heads*`` rows of
+    ``end_to_end --heads forcingkv``. With the dynamic mode the temporal group is a ``SelectedFramesPolicy`` (layer 1
+    scores, from block ``ar_start + 1`` on), layer 0 its own group; without it, frame windows only."""
+    from ardiff_modules.integrations.forcing_kv import load_forcing_kv
+
+    layers = len(cfg.static_heads)
+    head_file = {"format": "benchmarks.forcing_kv_peer", "profile": cfg.heads_source or None, "num_layers": layers,
+                 "num_heads": cfg.num_kv_heads,
+                 "layers": [{"layer_idx": i, "static_head": list(static), "dynamic_head": list(cfg.temporal_heads(i))}
+                            for i, static in enumerate(cfg.static_heads)]}
+    block = {"ar_start": cfg.ar_start, "spatial_context_length": cfg.spatial_frames,
+             "temporal_context_length": cfg.temporal_frames, "dynamic_context_length": cfg.dynamic_frames,
+             "teacache_enabled": False, "teacache_threshold": 0.2, "dynamic_temporal_enabled": cfg.dynamic,
+             "num_frame_patch": cfg.num_frame_patch, "sim_retention_ratio": cfg.retention_ratio}
+    loaded = load_forcing_kv(head_file, block)
+    return loaded.head_retention(layers, cfg.num_kv_heads, BLOCK_FRAMES, sink_frames=cfg.sink_frames)
 
 
 def skip_reason(name: str, config: WanConfig, device: torch.device, dtype: torch.dtype) -> str | None:
@@ -748,3 +772,31 @@ def note(name: str) -> str:
     if name.endswith("_graph"):
         return base + "; that compiled step's two settled forwards replayed from hand-captured CUDA graphs"
     return base
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m benchmarks.forcing_kv_peer --write-heads PATH``: the library's HeadRetention JSON of the peer's
+    configuration at a preset (:func:`library_head_retention` of :func:`published_self_forcing`; the file
+    ``benchmarks/configs/forcingkv_selfforcing_dynamic_wan1.3b.json`` is its default output)."""
+    import argparse
+
+    from ardiff_modules.models.wan_causal_dit import PRESETS
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.forcing_kv_peer", description=main.__doc__)
+    p.add_argument("--write-heads", type=Path, required=True, metavar="PATH", help="HeadRetention JSON to write")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="wan2.1-1.3b")
+    p.add_argument("--dynamic", choices=("on", "off"), default="on", help="Forcing-KV's dynamic_temporal_enabled")
+    p.add_argument("--forcingkv-heads", type=Path, default=None,
+                   help="Forcing-KV's head file (default: the fixed-seed map end_to_end's forcingkv_own* rows use)")
+    p.add_argument("--seed", type=int, default=0, help="the fixed-seed map's seed (end_to_end's --seed)")
+    args = p.parse_args(argv)
+    cfg = published_self_forcing(WanConfig.preset(args.preset), heads=args.forcingkv_heads, seed=args.seed,
+                                 dynamic=args.dynamic == "on")
+    library_head_retention(cfg).to_json(args.write_heads)
+    print(f"wrote {args.write_heads}: {cfg.heads_source}; dynamic {args.dynamic}, {cfg.num_frame_patch} patches a "
+          f"frame of {cfg.frame_tokens} tokens")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

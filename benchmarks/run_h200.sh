@@ -7,6 +7,9 @@
 #   bash .gpu/run.sh bash benchmarks/run_h200.sh end_to_end_fa3_compiled     (issue 28; limits 290 + 280 s)
 #   bash .gpu/run.sh bash benchmarks/run_h200.sh peers_cfg_off               (issue 42; limit 560 s; peers_cfg_on likewise)
 #   bash .gpu/run.sh bash benchmarks/run_h200.sh forcingkv_peers_cfg_off     (issue 42; limit 560 s; _cfg_on likewise)
+#   bash .gpu/run.sh bash benchmarks/run_h200.sh dynamic_cfg_off             (issue 42; limit 560 s; est. 8-10 min for all
+#        four rows, likely cut: the partial JSON keeps the rows done; dynamic_cfg_on likewise; dynamic_pair_cfg_off:
+#        the same-method pair alone, est. 4-6 min, the Forcing-KV peer's compile never measured on a GPU)
 #   bash .gpu/run.sh bash benchmarks/run_h200.sh serving serving_14b         (host tier; limits 300 + 200 s, ~2 + ~1 min est.)
 #   bash .gpu/run.sh bash benchmarks/run_h200.sh session_files               (issue 45; limit 300 s, ~3 min est.)
 #   bash .gpu/run.sh bash benchmarks/run_h200.sh training_modes              (issue 43; limit 560 s, ~4 min est.)
@@ -143,11 +146,36 @@ for what in "$@"; do
                --chunks-timed 5 --out "$out/$what" ;;
     # Issue 42: Forcing-KV's published Self-Forcing numbers with its dynamic mode off (every head sink 1 frame + the
     # last frame: FrameWindowPolicy), CFG off, compiled + CUDA graph, beside the graphed peer and full-window library.
-    # The same method in Forcing-KV's own path (--forcingkv-dynamic off) beside it: the >= 1.25x target's pair.
+    # The same method in Forcing-KV's own path (--forcingkv-dynamic off) beside it: the >= 1.25x target's pair (the
+    # same policy per head: library_heads_compiled_graph's outputs checked against forcingkv_own_compiled_graph's).
     frames_cfg_off) step end_to_end_frames_cfg_off 560 python3 -m benchmarks.end_to_end --cfg off \
                --heads benchmarks/configs/forcingkv_selfforcing_static_wan1.3b.json --forcingkv-dynamic off \
                --variants library_heads_compiled_graph,forcingkv_own_compiled_graph,library_compiled_graph,rolling_fa3_compiled_graph \
                --chunks-timed 3 --out "$out/frames_cfg_off" ;;
+    # Issue 42: Forcing-KV's published Self-Forcing method WITH its dynamic patches, CFG off (Self-Forcing's setting;
+    # dynamic_cfg_on: CFG on, the outputs compared on batch row 0 only), compiled + CUDA graph. The library's rows
+    # with --heads forcingkv: the forcingkv_own* peer's configuration (its fixed-seed head map with the published
+    # per-layer counts, or FORCINGKV_HEADS=<configs_head/forcingkv_heads_selfforcing.json> for both sides) built by
+    # ForcingKVConfig.head_retention, equal to benchmarks/configs/forcingkv_selfforcing_dynamic_wan1.3b.json at the
+    # default map; its rows run with 260-token KV pages (one a patch), the full-window rows with the preset's 120.
+    # library_heads_compiled_graph's outputs are compared with forcingkv_own_compiled_graph's (same method; in bf16
+    # reported, not in the rc: the peer scores patches in bf16, the library in float32). Order: that pair first.
+    # Estimate (not measured): the eager library reference ~15 s; library_heads_compiled_graph ~2 min (its
+    # static-method twin: 101 s of compile on the H100); forcingkv_own_compiled_graph never measured on a GPU (two
+    # graphs to compile; results/end_to_end_frames_cfg_off_first_h100.log ends after the heads row, ~2 min into the
+    # 560 s: if that try ran frames_cfg_off as written, the peer, next, did not finish in the ~7 min left);
+    # library_compiled_graph ~2 min (106 s of compile);
+    # rolling_fa3_compiled_graph a graph per fill level. All four may not fit 560 s: the partial JSON keeps the rows
+    # done, and dynamic_pair_cfg_off runs the same-method pair alone.
+    dynamic_cfg_on|dynamic_cfg_off) step "end_to_end_$what" 560 python3 -m benchmarks.end_to_end \
+               --cfg "${what#dynamic_cfg_}" --heads forcingkv --forcingkv-dynamic on \
+               ${FORCINGKV_HEADS:+--forcingkv-heads "$FORCINGKV_HEADS"} \
+               --variants library_heads_compiled_graph,forcingkv_own_compiled_graph,library_compiled_graph,rolling_fa3_compiled_graph \
+               --chunks-timed 3 --out "$out/$what" ;;
+    dynamic_pair_cfg_off) step end_to_end_dynamic_pair_cfg_off 560 python3 -m benchmarks.end_to_end --cfg off \
+               --heads forcingkv --forcingkv-dynamic on ${FORCINGKV_HEADS:+--forcingkv-heads "$FORCINGKV_HEADS"} \
+               --variants library_heads_compiled_graph,forcingkv_own_compiled_graph --chunks-timed 3 \
+               --out "$out/$what" ;;
     # Issue 43: the Self-Forcing-style training step (Wan2.1-1.3B, 21 frames, every block checkpointed) in both
     # history-gradient modes, library and peer (peer_straight_through: upstream's buffer written with grad, the
     # straight-through library's gradient reference), the four timed side by side, each one's peak memory alone,

@@ -11,6 +11,7 @@ frames: a cat per forward), two CFG rows and GQA.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from collections.abc import Callable
@@ -20,11 +21,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import ardiff_modules as am
+from ardiff_modules import selection
+from ardiff_modules.selection import forcing_kv_scores
 from benchmarks import end_to_end, forcing_kv_peer
+from benchmarks.host_time import stub_flashinfer
 from benchmarks.forcing_kv_peer import ForcingKVCache, ForcingKVPeerConfig, wrap_attention, swapped_attention
 from benchmarks.baselines import sdpa_attend
 from tests.docs.test_benchmarks_smoke import _stub_ragged_wrapper
 from tests.support.forcing_kv_attention import ForcingKVCacheFree, ForcingKVSettings
+from tests.support.paths import BENCHMARKS
 from tests.support.streaming_model import TinyStreamingModel
 
 HW = 4  # tokens per frame: a block of 3 frames is 12 tokens
@@ -146,6 +152,130 @@ def test_end_to_end_runs_the_peer_on_the_cpu(tmp_path: Path) -> None:
     partial = json.loads((tmp_path / "end_to_end.partial.json").read_text())
     assert set(partial["partial"]["cfg_off"]["clean"]) == {"library", "forcingkv_own"}
     assert not [p for p in tmp_path.iterdir() if ".tmp" in p.name]  # written atomically: no temporary left
+
+
+DYNAMIC_HEADS = BENCHMARKS / "configs" / "forcingkv_selfforcing_dynamic_wan1.3b.json"
+E2E_TINY = ["--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--chunks-timed", "2"]
+
+
+def test_end_to_end_library_heads_equal_the_peer_with_dynamic_patches(tmp_path: Path) -> None:
+    """``--heads forcingkv``: the library_heads rows run the peer's own configuration (its head map and numbers
+    through ``ForcingKVConfig.head_retention``: a SelectedFramesPolicy temporal group, KV pages of a patch) and give
+    Forcing-KV's own path's outputs to 1e-5 in float32 on the CPU, CFG off (one stream) and on (batch row 0
+    compared: Forcing-KV selects on row 0 for every row); the check is recorded per row, in the targets and in the
+    partial JSON; both sides attend the same keys (FLOPs counted alike), and differ from the full-window library."""
+    argv = [*E2E_TINY, "--cfg", "both", "--heads", "forcingkv", "--variants", "library_heads,forcingkv_own",
+            "--out", str(tmp_path)]
+    assert end_to_end.main(argv) == 0
+    payload = json.loads((tmp_path / "end_to_end.json").read_text())
+    heads = payload["config"]["heads"]
+    assert heads["same_method_as_forcingkv_own"] is True and heads["source"].startswith("forcingkv")
+    assert heads["page_size"] == 4 and payload["config"]["page_size"] == 16  # 16-token frames, 4 patches
+    assert heads["config"]["groups"]["temporal"] == {"sink_frames": 1, "window_frames": 1, "frames_per_chunk": 3,
+                                                     "keep_frames": 1, "patches_per_frame": 4, "select_from": 2,
+                                                     "score_layer": 1}
+    for setting, rows in (("cfg_off", "all"), ("cfg_on", "row 0")):
+        variants = payload["results"][setting]["variants"]
+        library, peer = variants["library_heads"], variants["forcingkv_own"]
+        assert library["forcingkv_own_reference"] == "forcingkv_own" and library["agrees_with_forcingkv_own"] is True
+        assert library["agreement_counted"] is True  # float32: counted in the exit status
+        assert library["rel_err_vs_forcingkv_own"] < 1e-5, library["rel_err_vs_forcingkv_own_per_step"]
+        assert library["forcingkv_own_rows_compared"].startswith(rows)
+        assert library["rel_err_vs_library"] > 1e-3 and peer["rel_err_vs_library"] > 1e-3  # not the full window
+        assert library["page_size"] == 4 and variants["library"]["page_size"] == 16
+        assert library["visible_keys_per_timed_step"] == pytest.approx(peer["visible_keys_per_timed_step"])
+        assert payload["targets"]["same_method_outputs"][setting]["library_heads"]["agrees"] is True
+    assert set(payload["targets"]["speedups"]["library_heads_vs_forcingkv_own"]) == {"cfg_on", "cfg_off"}
+    partial = json.loads((tmp_path / "end_to_end.partial.json").read_text())["partial"]
+    assert partial["cfg_off"]["clean"]["library_heads"]["agrees_with_forcingkv_own"] is True
+
+
+def test_end_to_end_catches_a_library_choosing_other_patches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check sees the choice: the library's built-in score negated (its temporal heads keep the *most* similar
+    patches; the configuration unchanged) disagrees with the peer, and the run exits 1."""
+    monkeypatch.setattr(selection, "forcing_kv_scores", lambda c, b, p: -forcing_kv_scores(c, b, p))
+    argv = [*E2E_TINY, "--cfg", "off", "--heads", "forcingkv", "--variants", "library_heads,forcingkv_own",
+            "--out", str(tmp_path)]
+    assert end_to_end.main(argv) == 1
+    library = json.loads((tmp_path / "end_to_end.json").read_text())["results"]["cfg_off"]["variants"]["library_heads"]
+    assert library["agrees_with_forcingkv_own"] is False and library["rel_err_vs_forcingkv_own"] > 1e-3
+
+
+def test_a_static_heads_file_is_checked_against_the_peer_without_dynamic_patches(tmp_path: Path) -> None:
+    """Forcing-KV's static method (``--forcingkv-dynamic off``) as a file with one group (every head sink 1 frame +
+    the last frame, as ``forcingkv_selfforcing_static_wan1.3b.json``): the same policy per head as the peer's, so the
+    rows are checked against it -- equal to 1e-5 -- and keep the preset's pages (nothing selects)."""
+    path = tmp_path / "static.json"
+    am.HeadRetention({"all": am.FrameWindowPolicy(1, 1, 3)}, [["all"] * 4] * 2).to_json(path)
+    argv = [*E2E_TINY, "--cfg", "off", "--heads", str(path), "--forcingkv-dynamic", "off",
+            "--variants", "library_heads,forcingkv_own", "--out", str(tmp_path)]
+    assert end_to_end.main(argv) == 0
+    payload = json.loads((tmp_path / "end_to_end.json").read_text())
+    assert payload["config"]["heads"]["same_method_as_forcingkv_own"] is True
+    library = payload["results"]["cfg_off"]["variants"]["library_heads"]
+    assert library["agrees_with_forcingkv_own"] is True and library["rel_err_vs_forcingkv_own"] < 1e-5
+    assert library["page_size"] == 16
+
+
+def test_the_dynamic_heads_file_is_the_peers_configuration_at_wan_shape(tmp_path: Path) -> None:
+    """``benchmarks/configs/forcingkv_selfforcing_dynamic_wan1.3b.json`` is what ``--heads forcingkv`` builds at the
+    Wan2.1-1.3B shape (the peer's default map: the published per-layer static counts), regenerated byte for byte by
+    ``python -m benchmarks.forcing_kv_peer --write-heads``; its patches need 260-token pages (the preset's 120 are
+    refused by the spec), and its keys per head are the peer's at every commit count."""
+    config = end_to_end.WanConfig.preset("wan2.1-1.3b")
+    peer = forcing_kv_peer.published_self_forcing(config)
+    heads = am.HeadRetention.from_json(DYNAMIC_HEADS)
+    assert heads == forcing_kv_peer.library_head_retention(peer)
+    assert heads.groups["temporal"] == am.SelectedFramesPolicy(1, 1, 3, keep_frames=1, patches_per_frame=6,
+                                                               select_from=2, score_layer=1)
+    assert heads.layers[0] == ("layer0",) * 12
+    assert [row.count("spatial") for row in heads.layers[1:]] == list(forcing_kv_peer.PUBLISHED_STATIC_PER_LAYER[1:])
+    assert forcing_kv_peer.main(["--write-heads", str(tmp_path / "heads.json")]) == 0
+    assert (tmp_path / "heads.json").read_text() == DYNAMIC_HEADS.read_text()
+    assert end_to_end.heads_page_size(heads, config) == 260
+    static = am.HeadRetention.from_json(BENCHMARKS / "configs" / "forcingkv_selfforcing_static_wan1.3b.json")
+    assert end_to_end.heads_page_size(static, config) == 120  # nothing selects: the preset's pages
+    spec = dataclasses.replace(end_to_end.make_kv_spec(config, "cpu", ("cond",)), sink_chunks=0, window_chunks=None)
+    with pytest.raises(am.SpecError, match="13 page.* patches_per_frame=6"):
+        dataclasses.replace(spec, head_retention=heads)
+    assert dataclasses.replace(spec, head_retention=heads, page_size=260).pages_per_chunk == 18
+    for committed in range(10):
+        assert end_to_end.head_visible_keys(heads, config, committed) == pytest.approx(
+            forcing_kv_peer.visible_keys(peer, committed))
+
+
+def test_the_graphed_heads_row_keeps_its_static_plans_at_wan_shape() -> None:
+    """The host side of ``library_heads_compiled_graph`` at the Wan2.1-1.3B geometry (12 kv heads of 8 dims, 260-token
+    pages; FlashInfer's wrappers stubbed, nothing launched): static forwards, 4 denoising + the committing one a chunk.
+    Past the transient every forward reuses one static context whose lane plans are never rebuilt (what a CUDA graph
+    captured keeps reading), each lane attends the same number of pages (the temporal lanes: sink + selection + window
+    frames besides the chunk), and every temporal lane holds a selection made at the commits (after the forward)."""
+    config = end_to_end.WanConfig.preset("wan2.1-1.3b")
+    heads = forcing_kv_peer.library_head_retention(forcing_kv_peer.published_self_forcing(config))
+    with stub_flashinfer() as backend:
+        spec = dataclasses.replace(end_to_end.make_kv_spec(config, "cpu", ("cond",)), sink_chunks=0, window_chunks=None,
+                                   page_size=260, head_dim=8, dtype="bfloat16")
+        cache = end_to_end.grouped_kv_cache(spec, heads, device="cpu", backend=backend)
+        state = cache.open_session()
+        seen = []
+        for _ in range(8):
+            for commit in (False,) * 4 + (True,):
+                fwd = state.prepare_forward(("cond",), config.chunk_size, commit_current=commit, static=True)
+                for part in fwd._lane_contexts:  # what each layer's op records (a commit needs every layer)
+                    part._transaction.mark_written(range(part._write_base, part._write_base + config.num_layers))
+                seen.append((id(fwd), tuple(p._plan_epoch for p in fwd._lane_contexts),
+                             tuple(len(p._layout.streams[0].history_pages) for p in fwd._lane_contexts)))
+                fwd.commit()
+        temporal = [lane for lane in cache._lanes if lane.part.group == "temporal"]
+        pages = state._lane_pages("cond")
+        assert temporal and all(pages[lane.index].selection is not None for lane in temporal)
+        assert all(len(pages[lane.index].selection.pages) == 6 for lane in temporal)  # one frame of 6 patches
+        settled = seen[3 * 5:]  # from chunk 3 on: the first selection is read
+        assert len(set(settled)) == 1, settled[:2]
+        counts = dict(zip((lane.index for lane in cache._lanes), settled[0][2]))
+        assert all(counts[lane.index] == 3 * 6 for lane in temporal)  # sink, selection, window: a frame of 6 pages each
+        state.close()
+        cache.close()
 
 
 @pytest.mark.gpu
