@@ -39,6 +39,7 @@ from ardiff_modules.core.frame_retention import Kept, page_runs, sink_offsets, t
 from ardiff_modules.core.branch_recache import BranchRecache, PageChunk, ring_copies
 from ardiff_modules.core.branch_selection import BranchSelection, Selection
 from ardiff_modules.core.retention import RetentionPolicy, Retained, retain
+from ardiff_modules.core.selected_retention import selecting
 
 __all__ = ["BranchImage", "BranchPages", "PageChunk", "ring_copies"]
 
@@ -66,6 +67,8 @@ class BranchPages(BranchSelection, BranchRecache):
         self.history_kept: tuple[Kept | None, ...] = ()
         #: Pages of one frame when the policy trims chunks to frames (``0``: it does not).
         self.pages_per_frame = pages_per_chunk // policy.frames_per_chunk if trims_frames(policy) else 0  # type: ignore[attr-defined]
+        #: Whether the policy chooses pages by content at some commit (``core/branch_selection.py``).
+        self.selects = selecting(policy) is not None
         self.pending: tuple[PageChunk, ...] = ()
         #: Chunks ever committed (evicted ones included).
         self.committed_chunks = 0

@@ -113,7 +113,7 @@ class ForwardReservation(Reservation):
                 self._take_extents(extent_pages)
             for b in self.branches:
                 self._stale.append(b.replace_pending(chunk_pages, allocator))
-            if commit:
+            if commit and self.branches and self.branches[0].selects:  # (a lane's branches share its policy)
                 for b in self.branches:
                     need = b.selection_pages_needed(len(chunk_pages))
                     if need and not b.pending_selection:

@@ -232,17 +232,20 @@ class ForwardTransaction:
             # NOTE: the device chooses and copies first: if it raises, no bookkeeping changed (the forward aborts).
             chosen = self.select(jobs) if self.select is not None and any(j for js in jobs for j in js) else None
             for n, (lane, live, results) in enumerate(zip(self.lanes, lives, previews)):
-                replaced = [p for h in live for p in h.selection_pages()]
-                lane.allocator.decref([page for result in results for chunk in result.evicted for page in chunk] + replaced)
+                released = [page for result in results for chunk in result.evicted for page in chunk]
+                if jobs:  # (no call per stream unless some lane selects: tests/docs host-call ceilings)
+                    released += [p for h in live for p in h.selection_pages()]
+                lane.allocator.decref(released)
                 kept = {id(h): latents for h, latents in zip(lane.branches, self.latents)}
-                selections = _selections(lane.branches, jobs[n] if jobs else None, chosen[n] if chosen else None)
+                selections = _selections(lane.branches, jobs[n], chosen[n] if chosen else None) if jobs else None
                 for h, result in zip(live, results):
                     latents = kept.get(id(h))
                     if latents:
                         h.apply_commit(result, latents)
                     else:
                         h.apply_commit(result)
-                    h.adopt_selection(selections.get(id(h)))
+                    if selections is not None:
+                        h.adopt_selection(selections.get(id(h)))
             self.close("committed")
 
     def _commit_recache(self) -> None:

@@ -143,7 +143,7 @@ def check_capacity(
     """Raise :class:`CapacityError` unless the forward's pages (and new extents; a committing forward's selection
     pages) fit."""
     needed = sum(h.pages_needed(chunk_pages, allocator) for h in histories)
-    if commit:
+    if commit and histories and histories[0].selects:  # (a lane's branches share its policy)
         needed += sum(h.selection_pages_needed(len(chunk_pages)) for h in histories)
     if needed > allocator.num_free:
         raise CapacityError(
@@ -175,7 +175,7 @@ def check_lanes_fit(
     (``selecting``) a committing forward commits one chunk (:class:`SequenceLengthError`)."""
     for lane, branches in zip(lanes, lane_branches):
         check_capacity(branches, chunk_pages, lane.allocator, lane.extent_pages, commit)
-    if commit and len(chunk_pages) > 1 and selecting:
+    if commit and selecting and len(chunk_pages) > 1:
         raise SequenceLengthError(
             f"prepare_forward: expected one chunk per committing forward (a SelectedFramesPolicy scores the frames "
             f"leaving its window at each chunk's commit), got {len(chunk_pages)} chunks"

@@ -227,3 +227,12 @@ def test_drop_window_and_a_recache_drop_the_selection() -> None:
     for lane, gone in zip(lanes, pages):
         assert rollout.session._lane_pages("cond")[lane.index].selection is None
         assert all(lane.allocator.refcount(p) == 0 for p in gone)
+    # the next commit's older candidates left with the window: it selects nothing (and reserves nothing); the one
+    # after selects again from the frames committed since
+    for selected in (False, True):
+        rollout.step(False)
+        rollout.step(True)
+        for lane in lanes:
+            b = rollout.session._lane_pages("cond")[lane.index]
+            assert (b.selection is not None) == selected and not b.pending_selection
+    assert sum(lane.allocator.num_used for lane in lanes) == sum(3 * 2 for _ in lanes)
