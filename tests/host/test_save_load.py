@@ -7,6 +7,7 @@ counts; "changed nothing" on the pool bytes, the scales and the bookkeeping (fre
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from collections.abc import Callable
 
@@ -648,3 +649,35 @@ def test_a_load_refused_by_a_later_lane_leaves_every_lane_s_pool_as_it_was(tmp_p
     for lane, pool in zip(cache._lanes, before[1]):
         assert torch.equal(lane.pool.kv.view(torch.uint8), pool), f"lane {lane.name}: a refused load wrote its pool"
     last.decref(taken[1::2])
+
+
+def test_large_tensors_are_digested_in_blocks_and_old_plain_digests_still_verify(tmp_path, monkeypatch):
+    """Above ``DIGEST_BLOCK_BYTES`` a tensor's digest is a tree of block SHA-256s hashed in parallel (a save's and a
+    load's hashing ran at one core's ~1 GB/s); one flipped byte in any block is still caught, and a file written with
+    a plain SHA-256 of the same tensor (before block digests) still loads."""
+    monkeypatch.setattr(files, "DIGEST_BLOCK_BYTES", 64)  # every pages tensor is many blocks here
+    cache = make_small_cache()
+    s = cache.open_session("s")
+    populate(s)
+    for seed in range(3):
+        step(s, seed)
+    path = tmp_path / "blocks.safetensors"
+    cache.save_sessions(path, [s])
+    header = json.loads(safe_open(str(path), "pt").metadata()["ardiff_modules"])
+    assert header["digests"]["pages"].startswith("tree:")
+    with safe_open(str(path), "pt") as f:
+        pages = f.get_tensor("pages")
+    middle = pages.reshape(-1).view(torch.uint8).numel() // 2
+    target = make_small_cache()
+    before = snapshot(target)
+
+    def flip(data: dict) -> None:
+        raw = data["pages"].reshape(-1).view(torch.uint8)
+        raw[middle] ^= 0x40
+
+    with pytest.raises(am.SessionFileError, match=r"tensor 'pages': expected bytes of SHA-256 .* corrupted"):
+        target.load_sessions(rewrite(path, lambda h: None, flip))
+    assert_unchanged(target, before)
+    plain = hashlib.sha256(pages.reshape(-1).view(torch.uint8).numpy()).hexdigest()
+    (loaded,) = target.load_sessions(rewrite(path, lambda h: h["digests"].update(pages=plain)))
+    assert loaded.committed_chunks("cond") == s.committed_chunks("cond")
