@@ -265,13 +265,13 @@ class ForwardManager:
         reservations: list[ForwardReservation] = []
         layouts: list[ForwardLayout] = []
         plans: list[AttentionPlan] = []
-        planning = False
+        planning, selects = False, self.selector is not None  # (selecting lanes reserve the next selection)
         try:
             for lane, lane_ctx, branches, extent_pages in zip(
                 self.lanes, ctx._lanes or (ctx,), request.lane_branches, request.lane_extent_pages
             ):  # (one lane: a uniform cache)
                 reservations.append(ForwardReservation(branches, request.chunk_pages, lane.allocator, extent_pages,
-                                                       request.commit_current and not request.recache))
+                                                       selects and request.commit_current and not request.recache))
                 streams = request.stream_layouts(self.spec.relative_sinks, branches, lane.index)
                 layout = ForwardLayout(
                     streams=streams, chunk_size=self.spec.chunk_size,
