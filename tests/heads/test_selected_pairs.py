@@ -806,3 +806,294 @@ def raw_choice(oracle: Oracle, group: str) -> list[int]:
         keys.append((k / scale).flatten(1))
     per = FT // P
     return [frames[i // P] * FT + (i % P) * per + t for i in choose(keys, policy.keep_frames * P) for t in range(per)]
+
+
+# ---------------------------------------------------------------------------------------------- 8. torch.compile
+@pytest.mark.parametrize("backend, ar_start", [
+    ("count", 1), ("count", 2), pytest.param("inductor", 1, marks=pytest.mark.slow)])
+def test_compiled_model_step_over_a_selecting_cache_equals_the_restatement_without_recompiling(
+    backend: str, ar_start: int
+) -> None:
+    """``torch.compile(model, fullgraph=True)`` of a whole model step (Forcing-KV's configuration: spatial heads,
+    temporal heads with a selection; ``ar_start = 2``: the temporal group is a ``PhasedPolicy`` around it) over
+    two branches, 6 blocks past the switch: every forward equals Forcing-KV's re-statement as the eager model's
+    does, one compiled frame, no recompilation as the selection appears and is replaced (dynamo's graphs run
+    eagerly; ``inductor``: the CPU code inductor generates, within 1e-4)."""
+    from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
+
+    from tests.integrations.test_forcing_kv_selected import Rollout, _cache, _retention, _settings
+
+    frames = (1, 1, 1) if ar_start == 1 else (1, 2, 1)
+    retention = _retention(frames, ar_start, 1, 2)
+    rollout = Rollout(_cache(retention, 2, ("cond", "uncond")), _settings(frames, ar_start, 1, 2))
+    counter = CompileCounter() if backend == "count" else CompileCounterWithBackend("inductor")
+    rollout.model = torch.compile(rollout.model, backend=counter, fullgraph=True)  # (the re-statement keeps eager)
+    diffs = rollout.blocks(ar_start + 6, denoise=2)
+    assert max(diffs) < (1e-5 if backend == "count" else 1e-4), diffs
+    assert counter.frame_count == 1, f"expected one compiled frame, got {counter.frame_count}"
+    assert any(h.selection is not None for h in rollout.session._lane_pages("cond"))
+
+
+# ---------------------------------------------------------------------------------------------- 9. training
+TRAIN_CHUNKS, STEPS = 6, 3
+
+
+def train_draws(seed: int = 1) -> tuple[list[list[torch.Tensor]], list[int], list[torch.Tensor]]:
+    """Per chunk: the inputs of each denoising step (the last is the clean forward's), the exit step (the one
+    forward with gradients), the loss weights; two streams."""
+    g = torch.Generator().manual_seed(seed)
+    inputs = [[torch.randn(2, CHUNK, DIM, generator=g) for _ in range(STEPS + 1)] for _ in range(TRAIN_CHUNKS)]
+    exits = torch.randint(STEPS, (TRAIN_CHUNKS,), generator=g).tolist()
+    return inputs, exits, [torch.randn(2, LAYERS, CHUNK, KV_HEADS, D, generator=g) for _ in range(TRAIN_CHUNKS)]
+
+
+def oracle_training(model: Model, kind: str | Oracle, draws: tuple, detach: bool) -> torch.Tensor:
+    """Self-Forcing's rolling buffer, cache-free: per stream and layer a buffer of every position written in place
+    (the exit step with gradients, then the clean forward without: a later read of a slot routes its gradient to
+    the slot's last live write -- autograd's ``CopySlices``); each head reads its group's positions (the frame
+    window and the selection, chosen by :class:`Oracle` from the clean K/V) -- detached, or straight-through."""
+    inputs, exits, weights = draws
+    streams = [oracle_of(kind, model) if isinstance(kind, str) else kind.copy() for _ in range(2)]
+    buffers = [[{n: torch.zeros(TRAIN_CHUNKS * CHUNK, KV_HEADS, D) for n in "kv"} for _ in range(LAYERS)]
+               for _ in streams]
+    loss = torch.zeros(())
+
+    def run(x: torch.Tensor, c: int) -> torch.Tensor:
+        out = []
+        own = slice(c * CHUNK, (c + 1) * CHUNK)
+        for layer in range(LAYERS):
+            q, k, v = model.qkv(x, layer, 0)
+            rows = []
+            for s, (oracle, buffer) in enumerate(zip(streams, buffers)):
+                buffer[layer]["k"][own], buffer[layer]["v"][own] = k[s], v[s]
+                heads = []
+                for h in range(KV_HEADS):
+                    at = torch.tensor([p for p, _, _, _ in oracle.tokens(oracle.rows[layer][h], layer, h)],
+                                      dtype=torch.long)
+                    hk, hv = buffer[layer]["k"][at, h], buffer[layer]["v"][at, h]
+                    if detach:
+                        hk, hv = hk.detach(), hv.detach()
+                    kk, vv = torch.cat([hk, k[s, :, h]]), torch.cat([hv, v[s, :, h]])
+                    heads.append(F.scaled_dot_product_attention(q[s, None, :, h], kk[None], vv[None])[0])
+                rows.append(torch.stack(heads, 1))
+            out.append(torch.stack(rows))
+        return torch.stack(out, 1)
+
+    for c in range(TRAIN_CHUNKS):
+        for step in range(exits[c] + 1):
+            with torch.set_grad_enabled(step == exits[c]):
+                out = run(inputs[c][step], c)
+        loss = loss + (out * weights[c]).sum()
+        with torch.no_grad():
+            run(inputs[c][-1], c)
+            for s, oracle in enumerate(streams):
+                oracle.commit(inputs[c][-1][s], 0)
+    return loss
+
+
+def library_training(model: Model, cache: am.KVCache, draws: tuple, scope: am.TrainingScope,
+                     compiled: bool = False) -> torch.Tensor:
+    inputs, exits, weights = draws
+    state = cache.open_session()
+    loss = torch.zeros(())
+
+    def layers(x: torch.Tensor, kv: list) -> torch.Tensor:  # noqa: ANN001
+        return torch.stack([am.chunk_attention(*model.qkv(x, layer, 0), ctx) for layer, ctx in enumerate(kv)], 1)
+
+    fn = torch.compile(layers, backend="aot_eager", fullgraph=True) if compiled else layers
+
+    def run(x: torch.Tensor, commit: bool) -> torch.Tensor:
+        with state.prepare_forward(None, CHUNK, commit_current=commit) as fwd:
+            return fn(x, fwd.layers)
+
+    for c in range(TRAIN_CHUNKS):
+        for step in range(exits[c] + 1):
+            with torch.set_grad_enabled(step == exits[c]):
+                out = run(inputs[c][step], False)
+        loss = loss + (out * weights[c]).sum()
+        with torch.no_grad():
+            run(inputs[c][-1], True)
+    assert any(h.selection is not None for h in state._lane_pages("cond"))
+    return loss
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("history_grad", ["detached", "straight_through"])
+def test_training_gradients_through_the_selection_equal_a_rolling_buffer(history_grad: str, kind: str) -> None:
+    """A Self-Forcing training rollout (6 chunks, an exit step with gradients each, the clean commit without) in a
+    ``TrainingScope``: the gradient of the projections equals the rolling-buffer oracle's, detached and
+    straight-through -- a read of a selected token routes its gradient to the live K/V the exit step wrote at that
+    token's exact position (and a trimmed chunk's kept frames to theirs); the two modes differ here."""
+    model = Model()
+    model.w.requires_grad_(True)
+    draws = train_draws()
+    oracle_training(model, kind, draws, detach=history_grad == "detached").backward()
+    assert model.w.grad is not None
+    expected, model.w.grad = model.w.grad, None
+    oracle_training(model, kind, draws, detach=history_grad != "detached").backward()
+    assert model.w.grad is not None
+    other, model.w.grad = model.w.grad, None
+    assert float((other - expected).norm() / expected.norm()) > 1e-2  # (the modes differ: the test tells them apart)
+    cache = am.KVCache(spec_of(kind), num_pages=600, backend="reference")
+    with am.TrainingScope(cache, history_grad=history_grad) as scope:  # type: ignore[arg-type]
+        library_training(model, cache, draws, scope).backward()
+    assert model.w.grad is not None
+    assert float((model.w.grad - expected).norm() / expected.norm()) <= 1e-5
+
+
+#: Forcing-KV's widest configuration (``((3, 3, 3), 1, 3, 1, 4)`` in tests/integrations/test_forcing_kv_selected.py):
+#: sink 3 + window 3 frames (2 chunks' room) plus every candidate frame kept: 9 frames of history, more than the
+#: sink + window chunks hold.
+KEEP_ALL = am.SelectedFramesPolicy(3, 3, FRAMES, keep_frames=3, patches_per_frame=P, select_from=1, score_layer=1)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("policy", [UNIFORM, KEEP_ALL], ids=["uniform", "keep_all"])
+def test_compiled_training_pads_the_history_to_room_for_the_selection(policy: am.SelectedFramesPolicy) -> None:
+    """The compiled gradient path (``torch.compile(fullgraph=True)``, aot_eager) pads each lane's history to its
+    bound: the sink and window chunks *plus the selection's pages* (with ``KEEP_ALL`` the selection alone is a
+    chunk: a bound of sink + window chunks is exceeded at the first read of a selection). Detached gradients equal
+    the rolling-buffer oracle's."""
+    model = Model()
+    model.w.requires_grad_(True)
+    draws = train_draws()
+    oracle = Oracle(model, {"all": policy}, [["all"] * KV_HEADS for _ in range(LAYERS)])
+    oracle_training(model, oracle, draws, detach=True).backward()
+    assert model.w.grad is not None
+    expected, model.w.grad = model.w.grad, None
+    spec = dataclasses.replace(spec_of("uniform"), retention=policy)
+    cache = am.KVCache(spec, num_pages=600, backend="reference")
+    probe = cache.open_session("probe")
+    fwd = probe.prepare_forward(None, CHUNK, commit_current=False)
+    selection = policy.keep_frames * FT
+    assert fwd._max_history_tokens == (policy.max_history_chunks or 0) * CHUNK + selection
+    fwd.abort()
+    probe.close()
+    with am.TrainingScope(cache) as scope:
+        library_training(model, cache, draws, scope, compiled=True).backward()
+    assert model.w.grad is not None
+    assert float((model.w.grad - expected).norm() / expected.norm()) <= 1e-5
+
+
+# ---------------------------------------------------------------------------------------------- 10. static buffers
+@pytest.mark.parametrize("policy", [SEL, UNIFORM, KEEP_ALL], ids=["sel", "uniform", "keep_all"])
+def test_static_plan_buffers_hold_the_selection(policy: am.SelectedFramesPolicy) -> None:
+    """``prepare_forward(static=True)`` (CUDA graphs) plans into buffers sized once from the spec; it needs
+    FlashInfer, so on the CPU this checks the size they get: at every forward of a rollout (two branches) the page
+    list of the plan's rows fits the bound -- the sink and window chunks *and* the selection's pages (``KEEP_ALL``'s
+    selection overflows a sink + window bound)."""
+    from ardiff_modules.forwards.manager import _max_plan_pages
+
+    spec = dataclasses.replace(spec_of("uniform"), retention=policy)
+    cache = am.KVCache(spec, num_pages=600, backend="reference")
+    state = cache.open_session("s")
+    model, g = Model(), torch.Generator().manual_seed(9)
+    bound = _max_plan_pages(cache._lanes[0].spec, 2, 1)
+    peak, selected = 0, False
+    for _ in range(6):
+        for commit in (False, True):
+            x = torch.randn(2, CHUNK, DIM, generator=g)
+            with state.prepare_forward(None, CHUNK, commit) as fwd:
+                assert fwd._layout is not None
+                peak = max(peak, fwd._layout.structural_rows.kv_page_indices.numel())
+                for layer, ctx in enumerate(fwd.layers):
+                    am.chunk_attention(*model.qkv(x, layer, 0), ctx)
+        selected |= state._lane_pages("cond")[0].selection is not None
+    assert selected and peak <= bound, (peak, bound)
+    without = 2 * ((policy.max_history_chunks or 0) + 1) * spec.pages_per_chunk  # (the bound before the selection)
+    assert (peak > without) == (policy is KEEP_ALL), (peak, without)
+
+
+# ---------------------------------------------------------------------------------------------- 11. extents, paging
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("extents", [False, True], ids=["paged", "extents"])
+def test_selection_beside_contiguous_extents_and_plain_paging(kind: str, extents: bool) -> None:
+    """``contiguous_extents=True`` (a ring of chunk slots per branch) and plain paging, two branches, 7 chunks:
+    outputs and pools equal the oracle's; with extents every chunk lives in its ring and the selection in pages
+    of its own (reserved at the committing forward's prepare, outside the ring); every page back at close."""
+    cache, model = make(kind, extents=extents)
+    state = cache.open_session("s")
+    oracles = {b: oracle_of(kind, model) for b in ("cond", "uncond")}
+    g = torch.Generator().manual_seed(11)
+    for _ in range(7):
+        forward(cache, [(state, b, o) for b, o in oracles.items()], g, commit=False)
+        forward(cache, [(state, b, o) for b, o in oracles.items()], g)
+        for b, o in oracles.items():
+            check_pools(cache, state, b, o)
+            for h in state._lane_pages(b):
+                assert bool(h.extent) == extents
+                if extents:
+                    assert {p for c in h.history for p in c} <= set(h.extent)
+                    assert h.selection is None or set(h.selection.pages).isdisjoint(h.extent)
+    state.close()
+    assert all_free(cache)
+
+
+# ---------------------------------------------------------------------------------------------- 12. distributed
+def check_selection_cfg_parallel_and_ulysses_refusal() -> None:
+    """(one rank of a 2-process gloo group) CFG-parallel: each rank holds one branch of Forcing-KV's cache with its
+    selection, every forward equals the single-process cache's (itself equal to the re-statement: checked here
+    too), its selections the same pages and offsets. Ulysses: a selecting group -- or a uniform selecting cache --
+    split over the ranks' heads is refused with the group, the heads and the rule named, before any cache exists."""
+    import copy
+
+    import torch.distributed as dist
+
+    from ardiff_modules.distributed import DistributedKVCache, ParallelMesh, parallelize
+    from tests.integrations.test_forcing_kv_selected import Rollout, _cache, _retention, _settings
+    from tests.support.distributed_workers import _mesh
+
+    torch.manual_seed(0)
+    retention = _retention((1, 1, 1), 1, 1, 2)
+    reference = Rollout(_cache(retention, 2, ("cond", "uncond")), _settings((1, 1, 1), 1, 1, 2))
+    spec = reference.cache.spec
+    mesh = ParallelMesh(_mesh((2,), ("cfg",)), spec.branches, cfg_dim="cfg", sp_dim=None)
+    cache = DistributedKVCache(spec, mesh, num_pages=96, backend="reference")
+    parallel = copy.deepcopy(reference.model)
+    parallelize(parallel, mesh)
+    state = cache.open_session("s")
+    gen = torch.Generator().manual_seed(1)
+    texts = torch.randn(2, 5, reference.model.context_dim, generator=gen)
+    for i, branch in enumerate(spec.branches):
+        am.populate_cross_attention(reference.session, branch, [b.cross for b in reference.model.blocks], texts[i])
+        reference.restated[i].set_prompt(texts[i][None])
+        if branch in mesh.local_branches:
+            am.populate_cross_attention(state, branch, [b.cross for b in parallel.blocks], texts[i])
+    (local,) = mesh.local_branches
+    for _ in range(6):
+        for commit in (False, False, True):
+            x = torch.randn(2, 12, reference.model.dim, generator=gen)
+            with torch.no_grad(), reference.session.prepare_forward(None, 12, commit_current=commit) as fwd:
+                expected = reference.model(x, fwd.layers)
+            with torch.no_grad(), cache.prepare_forward(state, 12, commit) as fwd:
+                actual = parallel(mesh.scatter(x), fwd.layers)
+            torch.testing.assert_close(actual, mesh.scatter(expected), atol=1e-5, rtol=1e-5)
+            row = spec.branches.index(local)
+            restated = reference.restated[row].forward(x[row][None], commit)
+            torch.testing.assert_close(actual, restated, atol=1e-5, rtol=1e-5)
+    mine = [(h.selection.pages, h.selection.resolved()) if h.selection else None for h in state._lane_pages(local)]
+    theirs = [(h.selection.pages, h.selection.resolved()) if h.selection else None
+              for h in reference.session._lane_pages(local)]
+    assert any(mine) and [m[1] if m else None for m in mine] == [t[1] if t else None for t in theirs]
+    sp = ParallelMesh(_mesh((2,), ("sp",)), spec.branches, cfg_dim=None, sp_dim="sp")
+    with pytest.raises(am.SpecError, match=r"expected no content-selected group split across ranks .* got group\(s\) "
+                                           r"\['temporal'\] on a rank holding kv heads \[\d, \d\] of 4"):
+        DistributedKVCache(spec, sp, num_pages=96, backend="reference")
+    uniform = dataclasses.replace(spec, head_retention=None, retention=am.SelectedFramesPolicy(1, 1, 3, 1, 2))
+    with pytest.raises(am.SpecError, match=r"expected no content-selected retention split across the 2 "
+                                           r"sequence-parallel ranks .* got retention=SelectedFramesPolicy\(.*\) on a "
+                                           r"rank holding kv heads \[\d, \d\] of 4"):
+        DistributedKVCache(uniform, sp, num_pages=96, backend="reference")
+    dist.barrier()
+
+
+def test_distributed_cfg_parallel_selection_and_the_ulysses_refusal() -> None:
+    """CFG-parallel over gloo (2 CPU ranks) equals the single-process selecting cache; Ulysses is refused."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_gloo_available()):
+        pytest.skip("torch.distributed with gloo is not available")
+    from tests.distributed.test_multi_process import _spawn
+
+    _spawn(2, check_selection_cfg_parallel_and_ulysses_refusal)
