@@ -25,7 +25,7 @@ from ardiff_modules.core.transaction import ForwardTransaction
 from ardiff_modules.head_shares import ShareMap
 from ardiff_modules.layout import ForwardLayout
 from ardiff_modules.pool import KVPool
-from ardiff_modules.spec import max_history_pages
+from ardiff_modules.spec import max_attended_pages
 
 #: Characters of stream names a ``ForwardContext`` repr shows before eliding the rest.
 _STREAMS_WIDTH = 80
@@ -332,7 +332,7 @@ class ForwardContext(CrossPublisher):
     ) -> ForwardContext:
         """A context for ``streams`` over ``pool``: one :class:`LayerContext` per layer, no forward yet."""
         spec = pool.spec
-        history = max_history_pages(spec)  # (a content selection's pages on top of the sink and window chunks)
+        history = max_attended_pages(spec)  # (a content selection's pages on top of the sink and window chunks)
         ctx = cls(streams=streams, _handle=0, _handle_id=torch.zeros((), dtype=torch.int64), chunk_size=spec.chunk_size,
                   dtype=dtype, _static=static, _owner=owner,
                   _max_history_tokens=0 if history is None else history * spec.page_size)

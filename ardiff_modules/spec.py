@@ -392,7 +392,7 @@ class KVCacheSpec:
         return (resident + pending_chunks) * self.pages_per_chunk
 
 
-def max_history_pages(spec: KVCacheSpec) -> int | None:
+def max_attended_pages(spec: KVCacheSpec) -> int | None:
     """Most history pages one branch of ``spec`` attends at once (what fixed-size plan buffers and the compiled
     gradient path's padded history must hold): its policy's ``max_history_chunks`` chunks plus a content
     selection's pages (:class:`~ardiff_modules.core.selected_retention.SelectedFramesPolicy`: they come on top of

@@ -56,7 +56,7 @@ from ardiff_modules.forwards.validation import (
 )
 from ardiff_modules.layout import ForwardLayout
 from ardiff_modules.session import ForwardOptions, KVState
-from ardiff_modules.spec import KVCacheSpec, max_history_pages
+from ardiff_modules.spec import KVCacheSpec, max_attended_pages
 
 #: DEBUG: each forward prepared / committed / aborted (host side, once per forward; nothing per layer).
 #: NOTE: under the cache's logger name, where users filter a cache's forwards (the manager is its part).
@@ -509,7 +509,7 @@ def _max_plan_pages(spec: KVCacheSpec, num_streams: int, num_chunks: int) -> int
     NOTE: the block-causal bound; a bidirectional forward lists fewer pages (one row per stream of
     ``history + num_chunks`` chunks), so the same buffers serve both rules.
     """
-    history = max_history_pages(spec)  # (a content selection's pages on top of the sink and window chunks)
+    history = max_attended_pages(spec)  # (a content selection's pages on top of the sink and window chunks)
     assert history is not None
     return num_streams * sum(history + c * spec.pages_per_chunk for c in range(1, num_chunks + 1))
 
