@@ -25,6 +25,7 @@ from ardiff_modules.core.transaction import ForwardTransaction
 from ardiff_modules.head_shares import ShareMap
 from ardiff_modules.layout import ForwardLayout
 from ardiff_modules.pool import KVPool
+from ardiff_modules.spec import max_attended_pages
 
 #: Characters of stream names a ``ForwardContext`` repr shows before eliding the rest.
 _STREAMS_WIDTH = 80
@@ -331,10 +332,10 @@ class ForwardContext(CrossPublisher):
     ) -> ForwardContext:
         """A context for ``streams`` over ``pool``: one :class:`LayerContext` per layer, no forward yet."""
         spec = pool.spec
-        history = spec.max_history_chunks
+        history = max_attended_pages(spec)  # (a content selection's pages on top of the sink and window chunks)
         ctx = cls(streams=streams, _handle=0, _handle_id=torch.zeros((), dtype=torch.int64), chunk_size=spec.chunk_size,
                   dtype=dtype, _static=static, _owner=owner,
-                  _max_history_tokens=0 if history is None else history * spec.chunk_size)
+                  _max_history_tokens=0 if history is None else history * spec.page_size)
         ctx.layers = [
             LayerContext(
                 i, pool.k_pages(i), pool.v_pages(i), ctx,

@@ -90,13 +90,17 @@ class StreamLayout:
 
     def sink_shift(self, page_size: int) -> int:
         """Tokens added to the sinks' positions: their last token then sits just before the first visible
-        non-sink token (the oldest window chunk's, or the first pending token's when no window chunk is
-        resident). ``0`` without sinks, and until the first eviction."""
+        non-sink position (the oldest window chunk's, a content selection's ``start``, or the first pending
+        token's when no window chunk is resident). ``0`` without sinks, and until the first eviction.
+
+        The first *position*, not the first span in page order: a content selection follows the sink chunks, which
+        early on may still hold a window frame after the selection's start (``SelectedFramesPolicy`` with a window
+        wider than a chunk); everywhere else the spans after the sinks ascend, and the two agree."""
         if not self.sink_pages:
             return 0
         spans, _ = self.split_history(page_size)
         start, tokens = self.history_spans[spans - 1]
-        after = self.history_spans[spans][0] if spans < len(self.history_spans) else self.first_pending_position
+        after = min((first for first, _ in self.history_spans[spans:]), default=self.first_pending_position)
         return after - (start + tokens)
 
 

@@ -28,6 +28,7 @@ from ardiff_modules.core.branch_selection import SelectionJob
 from ardiff_modules.core.selected_retention import SelectedFramesPolicy, selecting
 from ardiff_modules.errors import SpecError, TensorMismatchError
 from ardiff_modules.lanes import CacheLane
+from ardiff_modules.quant import is_quantized
 
 
 def forcing_kv_scores(candidates: torch.Tensor, boundary: torch.Tensor, patches_per_frame: int) -> torch.Tensor:
@@ -103,9 +104,12 @@ class LaneSelector:
         frames = policy.frames_per_chunk
         tokens = group.pages_per_frame * keys.shape[1]
         features = keys.shape[2] * keys.shape[3]
-        # float32: the cosine of bf16 / FP8 keys (an FP8 pool's per-layer scale does not change a cosine)
-        c = keys[candidates].reshape(len(jobs), frames, tokens, features).float()
-        b = keys[boundary].reshape(len(jobs), tokens, features).float()
+        # float32, as the attention reads them: an FP8 pool's scales are per (layer, K|V, head), so the raw codes
+        # of the heads concatenated would weigh each head by 1 / its scale in the cosine -- dequantized first
+        scale = lane.pool.scales[group.scoring_layer, 0].float()[:, None] if is_quantized(keys.dtype) else None
+        c, b = (keys[pages].float() if scale is None else keys[pages].float() * scale for pages in (candidates, boundary))
+        c = c.reshape(len(jobs), frames, tokens, features)
+        b = b.reshape(len(jobs), tokens, features)
         patches = policy.patches_per_frame
         if policy.scorer is None:
             scores = forcing_kv_scores(c, b, patches)
@@ -129,9 +133,8 @@ class LaneSelector:
         src = _staged([j.candidates for j in jobs], device).gather(1, offsets).reshape(-1)
         dst = _staged([p for j in jobs for p in j.destination], device)
         kv = lane.pool.kv
-        if kv.element_size() == 1:  # FP8 pools: raw bytes (CUDA has no index_copy_ for float8)
-            kv = kv.view(torch.uint8)
-        kv.index_copy_(2, dst, kv.index_select(2, src))
+        raw = kv.view(torch.uint8) if is_quantized(kv.dtype) else kv  # (FP8: bits as they are; no FP8 index_copy_)
+        raw.index_copy_(2, dst, raw.index_select(2, src))
 
 
 def _staged(values: Sequence[object], device: torch.device) -> torch.Tensor:

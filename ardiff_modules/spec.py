@@ -392,6 +392,22 @@ class KVCacheSpec:
         return (resident + pending_chunks) * self.pages_per_chunk
 
 
+def max_attended_pages(spec: KVCacheSpec) -> int | None:
+    """Most history pages one branch of ``spec`` attends at once (what fixed-size plan buffers and the compiled
+    gradient path's padded history must hold): its policy's ``max_history_chunks`` chunks plus a content
+    selection's pages (:class:`~ardiff_modules.core.selected_retention.SelectedFramesPolicy`: they come on top of
+    the sink and window); with ``head_retention`` the most any group attends. ``None`` if unbounded."""
+    policies = list(spec.head_retention.groups.values()) if spec.head_retention is not None else [spec.policy]
+    bounds = []
+    for policy in policies:
+        chunks, selected = policy.max_history_chunks, selecting(policy)
+        if chunks is None:
+            return None
+        room = selected.selected_pages(spec.pages_per_chunk // selected.frames_per_chunk) if selected else 0
+        bounds.append(chunks * spec.pages_per_chunk + room)
+    return max(bounds)
+
+
 def _check_selection(owner: str, policy: object, chunk_size: int, page_size: int) -> None:
     """A content-selected policy's patches are whole pages of its frames (after :func:`check_frame_geometry`)."""
     selected = selecting(policy)

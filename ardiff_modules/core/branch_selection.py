@@ -15,7 +15,7 @@ from typing import NamedTuple, Protocol
 
 from ardiff_modules.core.frame_retention import Kept, page_runs
 from ardiff_modules.core.retention import RetentionPolicy
-from ardiff_modules.core.selected_retention import candidates_at, selecting
+from ardiff_modules.core.selected_retention import SelectedFramesPolicy, candidates_at, selecting
 
 PageChunk = tuple[int, ...]
 
@@ -69,6 +69,7 @@ class BranchSelection:
     history_kept: tuple[Kept | None, ...]
     pending: tuple[PageChunk, ...]
     committed_chunks: int
+    window_floor: int
     #: The current selection (``None``: none -- before the first scoring commit, or the policy never selects).
     selection: Selection | None = None
     #: Pages reserved by an open committing forward for the selection its commit makes (``()``: none).
@@ -81,30 +82,14 @@ class BranchSelection:
     def selection_pages_needed(self, num_chunks: int) -> int:
         """Pages a committing forward of ``num_chunks`` chunks reserves for the selection its commit makes."""
         policy = selecting(self.policy)
-        if policy is None or self._scored_at(self.committed_chunks + num_chunks - 1) is None:
+        if policy is None or self._candidates(policy, self.committed_chunks + num_chunks - 1) is None:
             return 0
         return policy.selected_pages(self.pages_per_frame)
 
-    def _scored_at(self, index: int) -> tuple[int, int] | None:
-        """The policy's ``(first candidate, boundary)`` frames at the commit of chunk ``index`` when this branch still
-        holds every one of them (a dropped window -- ``drop_window`` -- took the older ones: no selection then)."""
-        found = candidates_at(self.policy, index)
-        if found is None or not all(self._holds(frame) for frame in range(found[0], found[1] + 1)):
-            return None
-        return found
-
-    def _holds(self, frame: int) -> bool:
-        """Whether every page of absolute frame ``frame`` is resident (history, trimmed or not) or pending."""
-        policy = selecting(self.policy)
-        assert policy is not None
-        chunk, k = divmod(frame, policy.frames_per_chunk)
-        if chunk >= self.committed_chunks:
-            return True
-        if chunk not in self.history_index:
-            return False
-        kept = self.history_kept[self.history_index.index(chunk)] if self.history_kept else None
-        wanted = range(k * self.pages_per_frame, (k + 1) * self.pages_per_frame)
-        return kept is None or set(wanted) <= set(kept.offsets)
+    def _candidates(self, policy: SelectedFramesPolicy, index: int) -> tuple[int, int] | None:
+        """The candidates the commit of chunk ``index`` scores: never frames below the window's floor (a dropped
+        window, a stream started from shared sinks: it holds no frame between its sinks and the floor)."""
+        return candidates_at(self.policy, index, self.window_floor * policy.frames_per_chunk)
 
     def reserve_selection(self, pages: tuple[int, ...]) -> None:
         """Hold ``pages`` (freshly allocated, one reference each) for the selection of the open committing forward."""
@@ -176,7 +161,7 @@ class BranchSelection:
         if policy is None or not self.pending:
             return None
         index = self.committed_chunks + len(self.pending) - 1
-        found = self._scored_at(index)
+        found = self._candidates(policy, index)
         if found is None:
             return None
         first, boundary = found

@@ -118,14 +118,18 @@ class SelectedFramesPolicy:
         """Pages of one selection (``keep_frames`` frames' worth)."""
         return self.keep_frames * pages_per_frame
 
-    def candidates(self, index: int) -> tuple[int, int] | None:
+    def candidates(self, index: int, floor: int = 0) -> tuple[int, int] | None:
         """``(first candidate frame, boundary frame)`` scored at the commit of chunk ``index`` (absolute frame
         numbers; the candidates are the ``frames_per_chunk`` frames from the first), or ``None``: no selection
-        then (the previous one is dropped all the same)."""
+        then (the previous one is dropped all the same).
+
+        ``floor``: the first frame the window may hold (a stream whose window was dropped -- ``drop_window`` -- or
+        that started from shared sinks holds no frame between its sinks and the floor): the window frames leaving
+        are counted from ``max(sink_frames, floor)``, so candidates are always frames the stream holds."""
         if index < self.select_from or not self.keep_frames:
             return None
         start = index * self.frames_per_chunk
-        in_window = min(self.window_frames, start - self.sink_frames)
+        in_window = min(self.window_frames, start - max(self.sink_frames, floor))
         if in_window < 1:
             return None
         first = start - in_window
@@ -145,14 +149,16 @@ def selecting(policy: object) -> SelectedFramesPolicy | None:
     return None
 
 
-def candidates_at(policy: object, index: int) -> tuple[int, int] | None:
+def candidates_at(policy: object, index: int, floor: int = 0) -> tuple[int, int] | None:
     """:meth:`SelectedFramesPolicy.candidates` of the phase of ``policy`` that the commit of chunk ``index`` runs
-    under (a phased policy's ``after`` once that commit makes ``at_chunk`` chunks), ``None`` for any other policy."""
+    under (a phased policy's ``after`` once that commit makes ``at_chunk`` chunks), ``None`` for any other policy.
+    ``floor``: the first frame the window may hold (see :meth:`SelectedFramesPolicy.candidates`)."""
     if isinstance(policy, SelectedFramesPolicy):
-        return policy.candidates(index)
+        return policy.candidates(index, floor)
     at = getattr(policy, "at_chunk", None)
     if isinstance(at, int):
-        return candidates_at(policy.after if index + 1 >= at else policy.before, index)  # type: ignore[attr-defined]
+        phase = policy.after if index + 1 >= at else policy.before  # type: ignore[attr-defined]
+        return candidates_at(phase, index, floor)
     return None
 
 

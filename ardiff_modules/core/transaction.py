@@ -232,12 +232,13 @@ class ForwardTransaction:
             # NOTE: the device chooses and copies first: if it raises, no bookkeeping changed (the forward aborts).
             chosen = self.select(jobs) if self.select is not None and any(j for js in jobs for j in js) else None
             for n, (lane, live, results) in enumerate(zip(self.lanes, lives, previews)):
-                released = [page for result in results for chunk in result.evicted for page in chunk]
-                if jobs:  # (no call per stream unless some lane selects: tests/docs host-call ceilings)
-                    released += [p for h in live for p in h.selection_pages()]
-                lane.allocator.decref(released)
-                kept = {id(h): latents for h, latents in zip(lane.branches, self.latents)}
+                evicted = [page for result in results for chunk in result.evicted for page in chunk]
+                # (a content-selected lane: the replaced selections go too; no work for the others)
                 selections = _selections(lane.branches, jobs[n], chosen[n] if chosen else None) if jobs else None
+                if selections is not None:
+                    evicted += [p for h in live for p in h.selection_pages()]
+                lane.allocator.decref(evicted)
+                kept = {id(h): latents for h, latents in zip(lane.branches, self.latents)}
                 for h, result in zip(live, results):
                     latents = kept.get(id(h))
                     if latents:
@@ -413,10 +414,10 @@ class PageHold:
 
 
 def _selections(
-    branches: Sequence[BranchPages], jobs: Sequence[SelectionJob | None] | None, chosen: Sequence[Any] | None
+    branches: Sequence[BranchPages], jobs: Sequence[SelectionJob | None], chosen: Sequence[Any] | None
 ) -> dict[int, Selection]:
     """Each member's new selection by ``id`` of its branch (a job and its chosen offsets); none for the others."""
-    if not jobs or chosen is None:
+    if chosen is None:
         return {}
     return {id(h): Selection(job.destination, job.start, job.made_at, offsets)
             for h, job, offsets in zip(branches, jobs, chosen) if job is not None}

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ardiff_modules.core.head_retention import HeadRetention
+from ardiff_modules.core.selected_retention import selecting
 from ardiff_modules.distributed.errors import RankDivergenceError
 from ardiff_modules.distributed.heads import HeadSharding
 from ardiff_modules.distributed.placement import place_branches
@@ -189,6 +190,13 @@ class ParallelMesh:
                 f"got {spec.branches}"
             )
         heads = HeadSharding(spec.query_heads, spec.num_kv_heads, self.sp_size, self.sp_rank)
+        if self.sp_size > 1 and spec.head_retention is None and selecting(spec.policy) is not None:
+            raise SpecError(  # (a group of head_retention: HeadRetention.restrict refuses it alike)
+                f"ParallelMesh.local_spec: expected no content-selected retention split across the {self.sp_size} "
+                "sequence-parallel ranks (its score layer's keys of every head choose the pages: a rank holding some "
+                f"of them would choose other pages), got retention={spec.policy!r} on a rank holding kv heads "
+                f"{list(range(*heads.kv_heads_range))} of {spec.num_kv_heads}"
+            )
         if self.cross_attention == "tokens" and self.sp_size > 1:
             # Every head on every rank: pin the global count (the local spec's num_kv_heads is a share).
             cross = tuple(

@@ -56,7 +56,7 @@ from ardiff_modules.forwards.validation import (
 )
 from ardiff_modules.layout import ForwardLayout
 from ardiff_modules.session import ForwardOptions, KVState
-from ardiff_modules.spec import KVCacheSpec
+from ardiff_modules.spec import KVCacheSpec, max_attended_pages
 
 #: DEBUG: each forward prepared / committed / aborted (host side, once per forward; nothing per layer).
 #: NOTE: under the cache's logger name, where users filter a cache's forwards (the manager is its part).
@@ -265,13 +265,13 @@ class ForwardManager:
         reservations: list[ForwardReservation] = []
         layouts: list[ForwardLayout] = []
         plans: list[AttentionPlan] = []
-        planning = False
+        planning, selects = False, self.selector is not None  # (selecting lanes reserve the next selection)
         try:
             for lane, lane_ctx, branches, extent_pages in zip(
                 self.lanes, ctx._lanes or (ctx,), request.lane_branches, request.lane_extent_pages
             ):  # (one lane: a uniform cache)
                 reservations.append(ForwardReservation(branches, request.chunk_pages, lane.allocator, extent_pages,
-                                                       request.commit_current and not request.recache))
+                                                       selects and request.commit_current and not request.recache))
                 streams = request.stream_layouts(self.spec.relative_sinks, branches, lane.index)
                 layout = ForwardLayout(
                     streams=streams, chunk_size=self.spec.chunk_size,
@@ -509,10 +509,9 @@ def _max_plan_pages(spec: KVCacheSpec, num_streams: int, num_chunks: int) -> int
     NOTE: the block-causal bound; a bidirectional forward lists fewer pages (one row per stream of
     ``history + num_chunks`` chunks), so the same buffers serve both rules.
     """
-    history = spec.max_history_chunks
+    history = max_attended_pages(spec)  # (a content selection's pages on top of the sink and window chunks)
     assert history is not None
-    chunks = sum(history + c for c in range(1, num_chunks + 1))
-    return num_streams * chunks * spec.pages_per_chunk
+    return num_streams * sum(history + c * spec.pages_per_chunk for c in range(1, num_chunks + 1))
 
 
 def _recache_request(

@@ -174,8 +174,8 @@ def check_lanes_fit(
     """:func:`check_capacity` in every lane (``lanes``: the cache's ``CacheLane``); with a content-selected lane
     (``selecting``) a committing forward commits one chunk (:class:`SequenceLengthError`)."""
     for lane, branches in zip(lanes, lane_branches):
-        check_capacity(branches, chunk_pages, lane.allocator, lane.extent_pages, commit)
-    if commit and selecting and len(chunk_pages) > 1:
+        check_capacity(branches, chunk_pages, lane.allocator, lane.extent_pages, commit and selecting)
+    if selecting and commit and len(chunk_pages) > 1:
         raise SequenceLengthError(
             f"prepare_forward: expected one chunk per committing forward (a SelectedFramesPolicy scores the frames "
             f"leaving its window at each chunk's commit), got {len(chunk_pages)} chunks"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextvars
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
@@ -96,8 +96,12 @@ class HistoryRead:
     #: starts a new one): what a straight-through ledger keys its writes by.
     branches: tuple[BranchPages, ...] = ()
     generations: tuple[int, ...] = ()
-    #: Per stream, ``(first absolute position, tokens)`` of each visible history chunk, in gather order.
+    #: Per stream, ``(first absolute position, tokens)`` of each visible history chunk, in gather order (a content
+    #: selection as one span at its candidates' first position: :meth:`exact_spans` has its tokens' own).
     history_spans: tuple[tuple[tuple[int, int], ...], ...] = ()
+    #: Per stream, a content-selected stream's exact spans (``StreamLayout.exact_spans``: the chosen pages'
+    #: positions are device data, read -- a sync -- only by a straight-through ledger), else ``None``.
+    selection_spans: tuple[Callable[[], Sequence[tuple[int, int]]] | None, ...] = ()
     #: Per stream, ``(first absolute position, tokens)`` of each pending chunk, in token order.
     pending_spans: tuple[tuple[tuple[int, int], ...], ...] = ()
     #: The holding scope's ledger of live K/V writes when its ``history_grad`` is ``"straight_through"``.
@@ -149,9 +153,16 @@ class HistoryRead:
             branches=fwd._transaction.branches,
             generations=tuple(b.generation for b in fwd._transaction.branches),
             history_spans=tuple(s.history_spans for s in layout.streams),
+            selection_spans=tuple(s.exact_spans for s in layout.streams),
             pending_spans=tuple(_pending_spans(s, page_size) for s in layout.streams),
             kv_pool=fwd.layers[0]._kv_pool if fwd.layers else None, lane_base=fwd._write_base,
         )
+
+    def exact_spans(self, stream: int) -> Sequence[tuple[int, int]]:
+        """``(first absolute position, tokens)`` of each run of ``stream``'s history tokens, in gather order, at
+        their own positions (a content selection's chosen pages too: a device sync while they are there)."""
+        exact = self.selection_spans[stream] if self.selection_spans else None
+        return self.history_spans[stream] if exact is None else exact()
 
     def attach(self, hold: PageHold, ledger: LiveWrites | None) -> None:
         """Held by a scope: ``hold`` keeps the history pages, ``ledger`` (straight-through scopes) routes the reads."""

@@ -16,7 +16,10 @@ later read of those slots to the exit step's K/V. This module reproduces that ro
 As in upstream: reads of chunks never written with gradients in the scope get no gradient; a later
 gradient-carrying write of the same chunk replaces the earlier one (and drops the writes recorded at or after its
 position: a rewind); a chunk evicted before the read is not read. Writes are keyed by the stream's branch
-bookkeeping, its generation (a reset starts a new one) and the chunk's absolute start and length.
+bookkeeping, its generation (a reset starts a new one) and the chunk's absolute start; a read routes each of its
+tokens by absolute position to the write that covers it -- a whole chunk, the kept frames of a trimmed one
+(``FrameWindowPolicy``), a content selection's chosen pages (``SelectedFramesPolicy``: copies, read at their own
+positions), as a rolling buffer gathered at those slots would.
 
 NOTE: the ledger holds the live K/V of every chunk written with gradients until the scope ends -- the size of the
 rollout's K/V, what upstream's own buffer holds -- and each record freezes, per layer, the pieces it routes to, so
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -72,9 +76,12 @@ class StreamsRead(Protocol):
     #: each stream's branch bookkeeping, and its generation when the forward began
     branches: tuple[BranchPages, ...]
     generations: tuple[int, ...]
-    #: per stream, ``(first absolute position, tokens)`` of each history chunk (gather order) / pending chunk
-    history_spans: tuple[tuple[tuple[int, int], ...], ...]
+    #: per stream, ``(first absolute position, tokens)`` of each pending chunk, in token order
     pending_spans: tuple[tuple[tuple[int, int], ...], ...]
+
+    def exact_spans(self, stream: int) -> Sequence[tuple[int, int]]:
+        """``(first absolute position, tokens)`` of each run of ``stream``'s history tokens, in gather order."""
+        ...
 
 
 class LiveWrites:
@@ -112,19 +119,33 @@ class LiveWrites:
                     at += tokens
 
     def pieces(self, record: StreamsRead, layer: int) -> list[LivePiece]:
-        """The live writes ``record``'s history reads of ``layer`` route to (history chunks written live in this
-        scope's current generation of their stream, with the same start and length)."""
+        """The live writes ``record``'s history reads of ``layer`` route to: each history token read, at its
+        absolute position, to the write of this scope's current generation of its stream that covers it."""
         found: list[LivePiece] = []
         with self._lock:
             for s, branch in enumerate(record.branches):
                 chunks = self._writes.get(branch, {}).get(layer, {})
+                writes = sorted((p, w) for p, w in chunks.items() if w.generation == record.generations[s])
                 offset = 0
-                for start, tokens in record.history_spans[s]:
-                    write = chunks.get(start)
-                    if write is not None and write.generation == record.generations[s] and write.k.shape[0] == tokens:
-                        found.append(LivePiece(s, offset, write.k, write.v))
+                for start, tokens in record.exact_spans(s):
+                    found += _covering(s, offset, start, tokens, writes)
                     offset += tokens
         return found
+
+
+def _covering(
+    stream: int, offset: int, start: int, tokens: int, writes: list[tuple[int, LiveWrite]]
+) -> list[LivePiece]:
+    """The parts of ``writes`` (``(first position, write)``, ascending, disjoint) that a read of positions ``start ..
+    start + tokens`` (gathered from ``offset`` on) covers: a run of kept pages lies in one chunk's write, a content
+    selection's run of chosen pages may span two."""
+    end, found = start + tokens, []
+    for first, write in writes:
+        lo, hi = max(start, first), min(end, first + write.k.shape[0])
+        if lo < hi:
+            found.append(LivePiece(stream, offset + lo - start, write.k[lo - first : hi - first],
+                                   write.v[lo - first : hi - first]))
+    return found
 
 
 def route_history(history: torch.Tensor, pieces: list[LivePiece], which: int) -> torch.Tensor:

@@ -3,9 +3,11 @@
 One ``KVCache`` serves all three: a uniform spec, and ``KVCacheSpec(head_retention=...)`` with one retention
 per layer (LightX2V-style) or per head (Forcing-KV-style). Each capability runs a small rollout through the
 cache and a cache-free per-head oracle (:class:`Oracle`: every committed chunk's K/V kept in a list, each head
-reading the chunks its own group's policy keeps, ``history_indices``) and compares every output. Capabilities
-that live elsewhere have their own grouped tests: re-cache, relative sinks, masks (``tests/heads``), the host
-tier and session files (``tests/host``), training scopes and distributed caches (``tests/training``,
+reading the chunks its own group's policy keeps, ``history_indices``) and compares every output. The heads may
+also count frames (``per_frame``), switch at a commit (``per_phase``) or keep frames chosen by content
+(``per_selected``: the oracle re-states the choice). Capabilities that live elsewhere have their own grouped
+tests: re-cache, relative sinks, masks (``tests/heads``; a content selection's pairs: ``test_selected_pairs.py``),
+the host tier and session files (``tests/host``), training scopes and distributed caches (``tests/training``,
 ``tests/distributed``), compile and CUDA graphs (``tests/compile``, ``tests/gpu``).
 """
 
@@ -44,6 +46,13 @@ def _retentions() -> dict[str, am.HeadRetention | None]:
             LAYERS, KV_HEADS, {0: [1, 2], 1: [0, 3], 2: [1]},
             local=am.PhasedPolicy(am.SinkWindowPolicy(1, 3), am.SinkWindowPolicy(1, 1), 3), other=(1, 3),
         ),
+        # Forcing-KV's temporal heads: sink frame + last frame + one frame chosen by content (layer 1's keys of
+        # the group's heads) from the frames leaving the window at each commit from the second on
+        "per_selected": am.HeadRetention.from_local_heads(
+            LAYERS, KV_HEADS, {0: [1, 2], 1: [0, 3], 2: [1]},
+            local=am.SelectedFramesPolicy(1, 1, FRAMES, keep_frames=1, select_from=1, score_layer=1),
+            other=am.FrameWindowPolicy(1, 3, FRAMES),
+        ),
     }
 
 
@@ -60,7 +69,7 @@ def _spec(retention: am.HeadRetention | None) -> am.KVCacheSpec:
 
 class Oracle:
     """Per stream and layer, the committed chunks' ``(k, v)`` ``[tokens, kv_heads, d]``; each head reads the
-    chunks its group's policy keeps."""
+    chunks its group's policy keeps (a content-selected group also its selection: :meth:`select`)."""
 
     def __init__(self, retention: am.HeadRetention | None) -> None:
         self.retention = retention
@@ -68,6 +77,8 @@ class Oracle:
         #: stream -> chunks it took from another stream by ``share_sinks_from``: a head holds only those its
         #: own group pins as sinks (the others were never shared: an empty window).
         self.shared_sinks: dict[str, int] = {}
+        #: stream -> group -> per layer the selected tokens' ``(k, v)`` ``[tokens, kv_heads, d]`` (copies)
+        self.selected: dict[str, dict[str, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
 
     def policy(self, layer: int, head: int) -> am.RetentionPolicy:
         if self.retention is None:
@@ -79,6 +90,9 @@ class Oracle:
         policy = self.policy(layer, head)
         shared = self.shared_sinks.get(stream, 0)
         kept = [i for i in policy.history_indices(len(chunks)) if i >= shared or i < policy.sink_chunks]
+        selected = self.selected.get(stream, {}).get(self.retention.group_of(layer, head) if self.retention else "")
+        if isinstance(policy, am.SelectedFramesPolicy):
+            policy = policy.window
         if not isinstance(policy, am.FrameWindowPolicy):
             return [chunks[i] for i in kept]
         # stream frame g = i * F + f stays when a sink frame, or (not a shared sink) among the last window frames
@@ -89,7 +103,7 @@ class Oracle:
                       or i >= shared and i * f + j >= total - policy.window_frames]
             rows = [r for j in frames for r in range(j * size, (j + 1) * size)]
             out.append((chunks[i][0][rows], chunks[i][1][rows]))
-        return out
+        return out + ([selected[layer]] if selected else [])
 
     def attend(self, stream: str, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                lengths: Sequence[int], bidirectional: bool) -> torch.Tensor:
@@ -117,6 +131,37 @@ class Oracle:
         for layer, (k, v) in enumerate(per_layer):
             for c in range(len(lengths)):
                 layers[layer].append((k[starts[c]:starts[c + 1]].clone(), v[starts[c]:starts[c + 1]].clone()))
+        for group, policy in (self.retention.groups.items() if self.retention else ()):
+            if isinstance(policy, am.SelectedFramesPolicy):
+                self.select(stream, group, policy)
+
+    def select(self, stream: str, group: str, policy: am.SelectedFramesPolicy) -> None:
+        """At the commit of chunk ``c``: the ``F`` frames from ``c F - T`` (``T = min(window, c F - max(sink,
+        floor))``; none when ``T < 1`` or ``c < select_from``), each scored by the cosine of its keys (score layer,
+        the group's heads concatenated) with the next frame's; the least similar ``keep_frames`` kept, their K/V
+        copied from every layer. One page a frame here: a frame is a patch."""
+        layers, size = self.chunks[stream], CHUNK // FRAMES
+        index, floor = len(layers[0]) - 1, self.shared_sinks.get(stream, 0) * FRAMES
+        self.selected.setdefault(stream, {}).pop(group, None)
+        start = index * FRAMES
+        in_window = min(policy.window_frames, start - max(policy.sink_frames, floor))
+        if index < policy.select_from or in_window < 1:
+            return
+        assert self.retention is not None
+        frames = list(range(start - in_window, start - in_window + FRAMES + 1))  # the candidates, then the boundary
+
+        def rows(layer: int, f: int) -> tuple[torch.Tensor, torch.Tensor]:
+            k, v = layers[layer][f // FRAMES]
+            return k[f % FRAMES * size:(f % FRAMES + 1) * size], v[f % FRAMES * size:(f % FRAMES + 1) * size]
+
+        heads = [h for h in range(KV_HEADS) if self.retention.group_of(policy.score_layer, h) == group]
+        keys = [rows(policy.score_layer, f)[0][:, heads].flatten(1) for f in frames]
+        scores = [float(F.cosine_similarity(keys[i], keys[i + 1], dim=-1).mean()) for i in range(FRAMES)]
+        kept = sorted(sorted(range(FRAMES), key=scores.__getitem__)[:policy.keep_frames])
+        self.selected[stream][group] = [
+            tuple(torch.cat([rows(layer, frames[i])[j] for i in kept]) for j in (0, 1))  # type: ignore[misc]
+            for layer in range(LAYERS)
+        ]
 
 
 def step(state: am.KVState, oracle: Oracle, stream: str, gen: torch.Generator, *, commit: bool,
@@ -168,17 +213,31 @@ def _plain(cache: am.KVCache, oracle: Oracle, gen: torch.Generator) -> float:
     return rollout(cache.open_session("s"), oracle, "s", gen, 6)
 
 
+def _selects(oracle: Oracle) -> bool:
+    return oracle.retention is not None and any(
+        isinstance(p, am.SelectedFramesPolicy) for p in oracle.retention.groups.values())
+
+
 def _multi_chunk_bidirectional(cache: am.KVCache, oracle: Oracle, gen: torch.Generator) -> float:
     state = cache.open_session("s")
     worst = rollout(state, oracle, "s", gen, 2)
     for pending in ("block_causal", "bidirectional"):
+        if _selects(oracle):  # NOTE: each chunk's commit scores its own leaving frames: refused, nothing changed
+            used = cache.stats().pages_used
+            with pytest.raises(am.errors.SequenceLengthError, match="expected one chunk per committing forward"):
+                step(state, oracle, "s", gen, commit=True, lengths=(CHUNK, CHUNK), pending=pending)
+            assert state.committed_chunks("cond") == 2 and cache.stats().pages_used == used
+            worst = max(worst, step(state, oracle, "s", gen, commit=False, lengths=(CHUNK, CHUNK), pending=pending))
+            continue
         worst = max(worst, step(state, oracle, "s", gen, commit=True, lengths=(CHUNK, CHUNK), pending=pending))
     return max(worst, rollout(state, oracle, "s", gen, 3))
 
 
 def _short_first_chunk(cache: am.KVCache, oracle: Oracle, gen: torch.Generator) -> float:
     state = cache.open_session("s")
-    if oracle.retention is not None and isinstance(next(iter(oracle.retention.groups.values())), am.FrameWindowPolicy):
+    if oracle.retention is not None and isinstance(
+        next(iter(oracle.retention.groups.values())), (am.FrameWindowPolicy, am.SelectedFramesPolicy)
+    ):
         # NOTE: a frame policy counts frames by commit index: a shorter chunk is refused before anything changes
         with pytest.raises(am.errors.SequenceLengthError, match="whole chunks of chunk_size=8 tokens"):
             step(state, oracle, "s", gen, commit=True, lengths=(PAGE,))
@@ -194,6 +253,7 @@ def _fork(cache: am.KVCache, oracle: Oracle, gen: torch.Generator) -> float:
     child = parent.fork("f")
     for b in BRANCHES:
         oracle.chunks[f"f/{b}"] = copy.deepcopy(oracle.chunks[f"s/{b}"])
+        oracle.selected[f"f/{b}"] = dict(oracle.selected.get(f"s/{b}", {}))  # (a fork shares the selection)
     worst = max(worst, rollout(child, oracle, "f", gen, 3), rollout(parent, oracle, "s", gen, 3))
     child.close()
     return max(worst, rollout(parent, oracle, "s", gen, 1))
