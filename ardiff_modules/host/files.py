@@ -29,7 +29,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -232,7 +232,7 @@ def _digest(t: torch.Tensor, like: str | None = None) -> str:
     ~1 GB/s, which made hashing most of a save's and a load's time. ``like``: the digest to compare with (a file's),
     computed the same way -- a plain SHA-256 (files written before block digests) is checked as one.
     """
-    data = t.reshape(-1).view(torch.uint8).numpy()  # (a view: no copy of the bytes)
+    data = memoryview(cast(Any, t.reshape(-1).view(torch.uint8).numpy()))  # (a view: no copy of the bytes)
     tree = data.nbytes > DIGEST_BLOCK_BYTES if like is None else like.startswith(_TREE)
     if not tree:
         return hashlib.sha256(data).hexdigest()
