@@ -123,17 +123,25 @@ for what in "$@"; do
     # Issue 45 item 4: the serving trace at the 1.3B shape compiled, CFG off (the real-time setting), the four policies
     # (migrate beside suspend, close_idle, queue). Estimate ~5 min: ~2-3 min of compiles (batch 1 and 2, before
     # anything is timed), the per-policy warm-ups, ~10-20 s of trace per policy (each capped at 60 s).
-    serving_compiled_cfg_off) step serving_compiled_cfg_off 560 python3 -m benchmarks.serving --compile --cfg off \
-               --policy-time-limit 60 --out "$out/serving_compiled_cfg_off" ;;
+    # Measured (H200, stop 50): compiling batch sizes 1..2 took 245 s before the trace began, so the four policies'
+    # traces get ~75 s each: give this step a device call of its own.
+    serving_compiled_cfg_off) step serving_compiled_cfg_off 570 python3 -m benchmarks.serving --compile --cfg off \
+               --policy-time-limit 45 --out "$out/serving_compiled_cfg_off" ;;
     serving_14b) step serving_14b 200 python3 -m benchmarks.serving --preset wan14b-like --compute attention \
                --out "$out/serving_14b" ;;
     # Issue 45 item 4: save / load of one Wan2.1-1.3B session (12.3 GB file in /tmp) vs the model's chunk step, the
     # host tier, plain file I/O and the host link (estimate ~3 min; save / load rounds stop past --budget-s 120).
-    session_files) step session_files 300 python3 -m benchmarks.session_files --out "$out" ;;
+    # Measured (H200, stop 50): one save + load round of the 12.3 GB session took ~60 s (before block digests);
+    # results/session_files_h200.* came from --rounds 1 --tier-rounds 3 --disk-rounds 1 --link-rounds 3 (127 s).
+    session_files) step session_files 300 python3 -m benchmarks.session_files --rounds 2 --tier-rounds 3 --disk-rounds 1 \
+               --link-rounds 3 --out "$out" ;;
     # Issue 45 item 4: send / receive of one Wan2.1-1.3B session between two processes on one GPU (gloo: NCCL refuses
     # two ranks on one device; the pages staged through the host), 3 round trips, beside the wire / d2h / h2d / d2d
     # copies of the same bytes. Estimate ~1-2 min (12 GB over loopback TCP, 6 moves); on 2 GPUs it picks NCCL.
-    session_transport) step session_transport 240 python3 -m benchmarks.session_transport --out "$out" ;;
+    # Measured (H200, stop 50): no output within 110 s with the defaults (12 GB over loopback TCP, both ways,
+    # 3 rounds): one round here, with the full limit.
+    session_transport) step session_transport 300 python3 -m benchmarks.session_transport --rounds 1 --link-rounds 2 \
+               --out "$out" ;;
     # Issue 28: where the 14B-like chunk step's time goes, library compiled vs the compiled FA3 peer (and head groups):
     # torch.profiler tables and a gzipped chrome trace per variant under $OUT/e14p. Estimate ~2.5 min.
     profile_14b) step profile_14b 240 python3 -m benchmarks.end_to_end --preset wan14b-like --cfg off \
