@@ -53,7 +53,7 @@ attention variants (the rolling ones are the peers of ``baselines.py``):
                        chunks, before its buffers are full, run eagerly), and that step's two settled forwards
                        replayed from CUDA graphs. The peer for the same method;
                        other semantics than ``library`` (outputs reported, not checked). SDPA on the CPU.
-* ``library_heads`` / ``_compiled`` / ``_fp8_compiled`` / ``_compiled_graph`` -- the library with per-head / frame
+* ``library_heads`` / ``_compiled`` / ``_fp8_compiled`` / ``_compiled_graph`` / ``_fp8_compiled_graph`` -- per-head / frame
                        retention (``--heads``: ``KVCacheSpec.head_retention``); other semantics than ``library``.
                        ``--heads forcingkv``: the ``forcingkv_own*`` peer's configuration (its head map, its
                        ``--forcingkv-dynamic`` setting) handed to ``ForcingKVConfig.head_retention``, the same
@@ -198,7 +198,8 @@ EXTRA_VARIANTS = ("library_compiled", "rolling_fa3_compiled", "rolling_sdpa_comp
                   "library_fp8_compiled", "library_graph", "library_compiled_graph", "library_fp8_graph",
                   "library_fp8_compiled_graph", "library_relative_sinks", "library_relative_sinks_compiled",
                   "library_heads", "library_heads_compiled", "library_heads_fp8_compiled",
-                  "library_heads_compiled_graph", "rolling_fa3_compiled_fullgraph", "rolling_fa3_compiled_graph",
+                  "library_heads_compiled_graph", "library_heads_fp8_compiled_graph", "rolling_fa3_compiled_fullgraph",
+                  "rolling_fa3_compiled_graph",
                   *forcing_kv_peer.VARIANTS)
 #: Forcing-KV's own attention path (``forcing_kv_peer``): FA3 on CUDA, SDPA on the CPU.
 FORCING_KV_VARIANTS = forcing_kv_peer.VARIANTS
@@ -212,6 +213,7 @@ FULL_PEERS = ("rolling_fa3_compiled_fullgraph", "rolling_fa3_compiled_graph")
 #: The ``library_heads*`` variants attend with per-head retention (``--heads``): fewer keys for the local heads.
 OTHER_SEMANTICS = ("library_relative_sinks", "library_relative_sinks_compiled", "library_heads",
                    "library_heads_compiled", "library_heads_fp8_compiled", "library_heads_compiled_graph",
+                   "library_heads_fp8_compiled_graph",
                    *FORCING_KV_VARIANTS)
 #: The baseline of the eager rows and of the compiled rows: the first of each that was measured.
 EAGER_BASELINES = ("rolling_fa3", "rolling_sdpa")
@@ -246,6 +248,7 @@ SPEEDUP_PAIRS = (
     ("library_compiled", "rolling_fa3_compiled_fullgraph"), ("rolling_fa3_compiled_fullgraph", "rolling_fa3_compiled"),
     ("library_compiled_graph", "rolling_fa3_compiled_graph"), ("library_fp8_compiled_graph", "rolling_fa3_compiled_graph"),
     ("library_heads_compiled_graph", "rolling_fa3_compiled_graph"),
+    ("library_heads_fp8_compiled_graph", "rolling_fa3_compiled_graph"),
     ("rolling_fa3_compiled_graph", "rolling_fa3_compiled_fullgraph"),
     # Forcing-KV's own path against the peer with every trick on, and the library's full-window rows against it
     # (other semantics; the library_heads* rows with Forcing-KV's configuration: the pairs below).
@@ -256,6 +259,7 @@ SPEEDUP_PAIRS = (
     # The library with Forcing-KV's configuration (--heads forcingkv, or its JSON) against Forcing-KV's own path.
     ("library_heads", "forcingkv_own"), ("library_heads_compiled", "forcingkv_own_compiled"),
     ("library_heads_compiled_graph", "forcingkv_own_compiled_graph"),
+    ("library_heads_fp8_compiled_graph", "forcingkv_own_compiled_graph"),
 )
 
 

@@ -184,6 +184,11 @@ for what in "$@"; do
                --heads forcingkv --forcingkv-dynamic on ${FORCINGKV_HEADS:+--forcingkv-heads "$FORCINGKV_HEADS"} \
                --variants library_heads_compiled_graph,forcingkv_own_compiled_graph --chunks-timed 3 \
                --out "$out/$what" ;;
+    # The same method with FP8 KV on top (the issue's >= 1.8x target) beside the graphed peer, CFG off.
+    dynamic_fp8_cfg_off) step end_to_end_dynamic_fp8_cfg_off 560 python3 -m benchmarks.end_to_end --cfg off \
+               --heads forcingkv --forcingkv-dynamic on ${FORCINGKV_HEADS:+--forcingkv-heads "$FORCINGKV_HEADS"} \
+               --variants library_heads_fp8_compiled_graph,rolling_fa3_compiled_graph --chunks-timed 3 \
+               --out "$out/$what" ;;
     # Issue 43: the Self-Forcing-style training step (Wan2.1-1.3B, 21 frames, every block checkpointed) in both
     # history-gradient modes, library and peer (peer_straight_through: upstream's buffer written with grad, the
     # straight-through library's gradient reference), the four timed side by side, each one's peak memory alone,
