@@ -195,8 +195,8 @@ class Oracle:
             for index, slot in zip(plan.rebuilt, plan.replaces):
                 if slot is not None:
                     self.held[name][history[slot]] = (index, prompt)
-            for i in union:  # a kept sink the union rebuilds is rebuilt in place
-                if i in history and i not in plan.rebuilt:
+            for i in union:  # a kept sink the union rebuilds is rebuilt in place (not a slot a moved sink took)
+                if i in history and i not in plan.rebuilt and history.index(i) not in plan.replaces:
                     self.held[name][i] = (i, prompt)
         return torch.stack(out)
 
