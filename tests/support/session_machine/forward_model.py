@@ -448,6 +448,12 @@ class ForwardModel:
                 assert lane_ctx.sink_positions[i].tolist() == list(range(offset - shift, offset - shift + n)), where
             else:
                 assert lane_ctx.sink_positions is None, where
+            if any(isinstance(r, SelectedView) for r in records):
+                event("a forward attends a content selection")
+                if tx.token_mask is not None:
+                    event("a forward attends a content selection under a token mask")
+                if shift:
+                    event("a forward attends a content selection, its sinks shifted (relative sinks)")
             expected = [p for rec in records for p in rec.positions()] + list(range(offset, offset + n))
             keys = len(expected)
             got = key_positions[i].tolist()
@@ -493,6 +499,8 @@ class ForwardModel:
             assert sm.forward[b] is tx
             sm.forward[b] = None
             if status == "aborted":
+                if any(r[b] for r in sm.reserved):  # (the invariants: their references are gone)
+                    event("an aborted committing forward returned its reserved selection pages")
                 sm.drop_pending(b)
             elif status == "committed":
                 before = len(self.visible(sm, b)) + len(sm.pending[b])
