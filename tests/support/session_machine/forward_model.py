@@ -4,6 +4,7 @@ running its layers with K/V that carry their own ids."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -154,7 +155,10 @@ class ForwardModel:
 
     def union_positions(self, sm: SessionModel, b: str) -> list[int]:
         """A stream's history key positions over every lane (a grouped ``token_mask``'s history columns): each token
-        any lane keeps, ascending (a uniform cache: its one lane's)."""
+        any lane keeps, ascending; a uniform cache: its one lane's keys in their order (a content selection's copy
+        of a frame the window still holds is a column of its own)."""
+        if not self.grouped:
+            return [p for r in self.visible_data(sm, b) for p in r.positions()]
         return sorted({p for lane in range(len(self.lanes)) for r in self.visible_data(sm, b, lane) for p in r.positions()})
 
     def union_keys(self, streams: list[tuple[SessionModel, str]], shape: Shape) -> int:
@@ -170,6 +174,8 @@ class ForwardModel:
         union = self.union_positions(sm, b)
         where = {p: c for c, p in enumerate(union)}
         hist = [where[p] for r in self.visible_data(sm, b, lane) for p in r.positions()]
+        if not self.grouped:  # the lane's own key order
+            hist = list(range(len(union)))
         cols = hist + list(range(len(union), len(union) + tx.shape.seq_len))
         return tx.token_mask[i][:, cols]
 
@@ -565,6 +571,12 @@ class ForwardModel:
             offsets = chosen[group]
             reserved = sm.reserved[lane][b]
             lib = sm.state._lane_pages(b)[lane].selection if adopt else None
+            if offsets == ():  # a non-finite score (check_finite off): the order is torch's, not re-stated
+                if not adopt:
+                    continue
+                assert lib is not None, f"{b} lane {lane}: no selection made, expected one"
+                offsets = chosen[group] = tuple(lib.resolved())
+                event("content selection over a non-finite score: the chosen pages read back")
             if not adopt:
                 assert (offsets is None) == (not reserved), (offsets, reserved)
             elif offsets is None:
@@ -581,13 +593,16 @@ class ForwardModel:
             first = found[0]  # type: ignore[index]
             per = g.frames[2]  # type: ignore[index]
             pages_of = []  # the candidates' pages' contents, in order: [layers, 2, 1, page, heads, dim] each
+            ids = []  # and their pages (resident: the window's last frames, then the chunk just committed)
             for f in range(first, first + per):
                 rec = sm.committed[b][f // per]
                 base = f % per * page_frame
                 pages_of += [rec.lane_data(lane)[:, :, base + o : base + o + 1] for o in range(page_frame)]
+                ids += [rec.lane_pages(lane)[base + o] for o in range(page_frame)]
             data = torch.cat([pages_of[o] for o in offsets], dim=2)
             pool = sm.cm.pools[lane]
-            pool.put(reserved, data)
+            assert same_bits(pool.pages([ids[o] for o in offsets]), data), "a candidate page changed since its commit"
+            pool.copy([ids[o] for o in offsets], reserved)  # the bytes as they are (an FP8 pool's codes too)
             others = ((reserved, data),) * (len(self.lanes) - 1)
             start = first * page_frame * self.page
             sm.selected[lane][b] = SelectedView(
@@ -621,6 +636,8 @@ class ForwardModel:
             cos = (a * c).sum(-1) / (a.norm(dim=-1) * c.norm(dim=-1)).clamp_min(1e-8)
             for p in range(patches):
                 scores.append((-float(cos[p * per_patch : (p + 1) * per_patch].mean()), i * patches + p))
+        if not all(math.isfinite(score) for score, _ in scores):
+            return ()
         best = sorted(scores, key=lambda x: (-x[0], x[1]))[: keep * patches]
         pages_patch = page_frame // patches
         return tuple(o for _, n in sorted(best, key=lambda x: x[1]) for o in range(n * pages_patch, (n + 1) * pages_patch))
