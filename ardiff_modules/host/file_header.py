@@ -317,19 +317,20 @@ class HeaderReader:
             latents[i] = self.tensor_name(name, f"{place}.latents[{key}]", "latent.")
         shot_start, floor = self.shots(b, place, committed, index, lane)
         slots = self.slots(b.get("slots", []), f"{place}.slots", len(history), lane)
-        selection = self.selection(b.get("selection"), f"{place}.selection", lane, committed, history)
+        selection = self.selection(b.get("selection"), f"{place}.selection", lane, committed, history, floor)
         return BranchImage(
             tuple(history), tuple(index), tuple(start), committed, tokens, latents, recent, slots, shot_start, floor,
             kept, selection,
         )
 
     def selection(
-        self, value: object, place: str, lane: int, committed: int, history: list[PageChunk]
+        self, value: object, place: str, lane: int, committed: int, history: list[PageChunk], floor: int = 0
     ) -> Selection | None:
         """A branch's content selection (``null`` or absent: none; ``pages`` index the lane's tensor). Only a lane
         whose policy selects has one, made by the last commit (a selection lives until the next commit), at the
-        candidates that commit scores; ``keep_frames`` frames of pages, none a chunk's, and one offset among the
-        candidates' pages per page, increasing."""
+        candidates that commit scores (above the branch's ``window_floor``, ``floor`` chunks: a dropped window or
+        shared sinks); ``keep_frames`` frames of pages, none a chunk's, and one offset among the candidates' pages
+        per page, increasing."""
         if value is None:
             return None
         spec = self.lanes[lane].spec
@@ -352,7 +353,7 @@ class HeaderReader:
                 f"{place}.made_at", f"the last commit, {committed - 1} (a selection lives until the next commit)",
                 made_at,
             )
-        found = candidates_at(spec.policy, made_at)
+        found = candidates_at(spec.policy, made_at, floor * policy.frames_per_chunk)
         if found is None:
             raise self.fail(f"{place}.made_at", f"a commit that selects under {spec.policy!r}", made_at)
         tokens = per_frame * spec.page_size

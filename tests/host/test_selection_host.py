@@ -374,3 +374,36 @@ def test_a_file_without_selections_loads_as_before(saved_selection, tmp_path) ->
                                                  for lane in h["sessions"][0]["lanes"]])
     (again,) = _cache(_retention((1, 1, 1), 1, 1, 2), 2).load_sessions(nulls)
     assert again.committed_chunks("cond") == 5
+
+
+def test_a_selection_made_above_a_dropped_window_saves_and_loads(tmp_path) -> None:
+    """A selection chosen after ``drop_window`` (candidates counted from the window's floor) is what the file's
+    check expects: the load re-states the candidates above the branch's ``window_floor`` (found by the session
+    state machine: the check counted them from the sink frames, refusing the file)."""
+    policy = am.SelectedFramesPolicy(1, 3, 2, keep_frames=1, select_from=0, score_layer=1)
+    spec = am.KVCacheSpec(num_layers=2, num_kv_heads=1, head_dim=2, chunk_size=4, page_size=2, dtype="float32",
+                          retention=policy)
+    cache = am.KVCache(spec, num_pages=64, device="cpu", backend="reference")
+    state = cache.open_session()
+    gen = torch.Generator().manual_seed(0)
+
+    def step() -> None:
+        with state.prepare_forward(None, 4, commit_current=True) as fwd:
+            for layer in fwd.layers:
+                q, k, v = torch.randn(3, 1, 4, 1, 2, generator=gen)
+                am.chunk_attention(q.expand(1, 4, 1, 2), k, v, layer)
+
+    for _ in range(2):
+        step()
+    state.drop_window()
+    for _ in range(2):
+        step()
+    history = state.branch_pages(spec.branches[0])
+    assert history.window_floor == 2 and history.selection is not None
+    assert history.selection.start == 4 * 2  # frame 4 (chunk 2's first: the floor), 2 tokens a frame; not frame 3
+    path = str(tmp_path / "s.safetensors")
+    cache.save_sessions(path, [state])
+    [copy] = cache.load_sessions(path, ["copy"])
+    assert copy.branch_pages(spec.branches[0]).selection.host() == history.selection.host()._replace(
+        pages=copy.branch_pages(spec.branches[0]).selection.pages
+    )

@@ -48,24 +48,39 @@ SINK_WINDOW = st.tuples(st.integers(0, 2), st.integers(0, 3))
 #: A frame group's ``("frames", sink_frames, window_frames, frames_per_chunk)`` (the setup takes the frames per
 #: chunk that divide the geometry's pages per chunk: ``gcd(drawn, pages_per_chunk)``).
 FRAMES = st.tuples(st.just("frames"), st.integers(0, 3), st.integers(0, 5), st.sampled_from([1, 2, 4]))
+#: A content-selected group's ``("selected", sink_frames, window_frames, frames_per_chunk, keep_frames,
+#: patches_per_frame, select_from, score_layer)`` (``SelectedFramesPolicy``; the setup takes the frames per chunk
+#: and patches per frame that divide the geometry -- gcds --, at most ``frames_per_chunk`` kept frames, and a score
+#: layer holding the group's heads).
+SELECTED = st.tuples(
+    st.just("selected"), st.integers(0, 2), st.integers(1, 4), st.sampled_from([1, 2, 2, 4]),
+    st.sampled_from([1, 1, 2, 0]), st.sampled_from([1, 2]), st.sampled_from([0, 0, 1, 2]), st.integers(0, NUM_LAYERS - 1),
+)
 
 
 @st.composite
-def retention_shapes(draw: st.DrawFn, frames: bool = True) -> tuple:
+def retention_shapes(
+    draw: st.DrawFn, frames: bool = True, selected: bool = True, only: tuple[str, ...] | None = None
+) -> tuple:
     """A retention shape: ``("uniform",)`` (the spec's own sinks / window, one kv head); ``("per_layer", kv_heads,
     policies)`` (``HeadRetention.per_layer``: one ``(sink, window)`` per layer, not all equal); ``("per_head",
     kv_heads, groups, rows)`` (``HeadRetention(groups, rows)``: 2-3 groups of distinct ``(sink, window)``, each
     kv head of each layer in one of them -- ``rows[layer][head]`` a group index --, layer 0 holding heads of
     groups 0 and 1); ``("frames", sink_frames, window_frames | None, frames_per_chunk)`` (a uniform cache of one
     ``FrameWindowPolicy``); ``("per_head_frames", ...)`` as ``per_head`` with groups mixing ``FRAMES`` and chunk
-    groups (at least one of each). Uniform half the time, and first (what shrinking goes to)."""
+    groups (at least one of each); ``SELECTED`` (a uniform cache of one ``SelectedFramesPolicy``);
+    ``("per_head_selected", ...)`` as ``per_head`` with a ``SELECTED`` group (group 0) and chunk or frame groups.
+    Uniform half the time, and first (what shrinking goes to); ``only``: these kinds alone (equally often)."""
     kinds = ["uniform", "uniform", "per_layer", "per_head"] + (["frames", "per_head_frames"] if frames else [])
-    kind = draw(st.sampled_from(kinds))
+    kinds += ["selected", "per_head_selected"] if frames and selected else []
+    kind = draw(st.sampled_from(only or kinds))
     if kind == "uniform":
         return ("uniform",)
     if kind == "frames":
         _, sink, window, per_chunk = draw(FRAMES)
         return ("frames", sink, draw(st.sampled_from([window, window, None])), per_chunk)
+    if kind == "selected":
+        return draw(SELECTED)
     if kind == "per_layer":
         heads = draw(st.integers(1, 3))
         policies = draw(st.lists(SINK_WINDOW, min_size=NUM_LAYERS, max_size=NUM_LAYERS).filter(lambda p: len(set(p)) > 1))
@@ -74,6 +89,8 @@ def retention_shapes(draw: st.DrawFn, frames: bool = True) -> tuple:
     if kind == "per_head_frames":
         groups = [draw(FRAMES), draw(SINK_WINDOW), *draw(st.lists(FRAMES | SINK_WINDOW, max_size=1))]
         groups = list(dict.fromkeys(draw(st.permutations(groups))))  # a frame group first or not
+    elif kind == "per_head_selected":  # the selected group first: layer 0 holds its heads (its score layer)
+        groups = list(dict.fromkeys([draw(SELECTED), draw(FRAMES | SINK_WINDOW), *draw(st.lists(FRAMES | SINK_WINDOW, max_size=1))]))
     else:
         groups = draw(st.lists(SINK_WINDOW, min_size=2, max_size=3, unique=True))
     row = st.lists(st.integers(0, len(groups) - 1), min_size=heads, max_size=heads)
@@ -141,6 +158,9 @@ class LaneModel:
     #: A frame lane's ``(sink_frames, window_frames, frames_per_chunk)`` (``sinks`` / ``window``: the chunks holding
     #: them, rounded up); ``None``: a chunk lane.
     frames: tuple[int, int | None, int] | None = None
+    #: A content-selected lane's ``(keep_frames, patches_per_frame, select_from, score_layer, group)`` (``group``:
+    #: its retention group's index -- the lanes of one group share the choice); ``None``: it never selects.
+    select: tuple[int, int, int, int, int] | None = None
 
     @property
     def num_heads(self) -> int:
@@ -208,6 +228,21 @@ class FrameView(ChunkRecord):
             else:
                 out.append((p, 1))
         return out
+
+
+@dataclass(frozen=True)
+class SelectedView(FrameView):
+    """A content selection as one lane holds it: copies of the chosen candidate pages (``offsets``: their page
+    offsets among the candidates' pages, ascending) in the selection's own ``pages`` / ``data`` (every lane slot
+    the same: only the owning lane reads it); ``start``: the candidates' first position. Its span is nominal (one
+    span at ``start``, as the library reports it without a sync), its positions exact."""
+
+    @property
+    def base(self) -> ChunkRecord:
+        return self
+
+    def spans(self) -> list[tuple[int, int]]:
+        return [(self.start, self.tokens)]
 
 
 def frame_view(rec: ChunkRecord, lane: int, offsets: tuple[int, ...], page_size: int) -> ChunkRecord:
@@ -330,11 +365,17 @@ class SessionModel:
     #: ``share_sinks_from``: the leading chunks (commit indices below it) shared as sinks alone -- a frame lane holds
     #: only their sink frames.
     sink_only: dict[str, int] = field(default_factory=lambda: dict.fromkeys(BRANCHES, 0))
+    #: Per lane, each branch's content selection (``None``: none) and the pages its open committing forward
+    #: reserved for the next one (``()``: none).
+    selected: list[dict[str, SelectedView | None]] = field(default_factory=list)
+    reserved: list[dict[str, tuple[int, ...]]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         lanes = self.cm.num_lanes
         self.lane_pending = self.lane_pending or [{b: [] for b in BRANCHES} for _ in range(lanes)]
         self.lane_extent = self.lane_extent or [dict.fromkeys(BRANCHES) for _ in range(lanes)]
+        self.selected = self.selected or [dict.fromkeys(BRANCHES) for _ in range(lanes)]
+        self.reserved = self.reserved or [dict.fromkeys(BRANCHES, ()) for _ in range(lanes)]
 
     @property
     def pending(self) -> dict[str, list[Chunk]]:
@@ -353,6 +394,11 @@ class SessionModel:
             for extent in self.lane_extent:
                 extent[b] = None
             self.clear_shots(b)
+            self.drop_selection(b)
+
+    def drop_selection(self, b: str) -> None:
+        for selected in self.selected:
+            selected[b] = None
 
     def clear_shots(self, b: str) -> None:
         self.floor[b], self.shot[b], self.resident_shot[b], self.sink_only[b] = 0, None, None, 0
@@ -364,6 +410,8 @@ class SessionModel:
     def drop_pending(self, b: str) -> None:
         for pending in self.lane_pending:
             pending[b] = []
+        for reserved in self.reserved:  # (a committing forward's reserved selection pages go with its chunks)
+            reserved[b] = ()
         self.pending_tokens[b] = []
 
     def committed_tokens(self, b: str) -> int:

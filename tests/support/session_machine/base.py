@@ -3,6 +3,7 @@ streams; chunk lengths; snapshots of everything a failed call must leave unchang
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections import Counter
@@ -16,7 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize
 
 from ardiff_modules import ChunkSelfAttention, CrossAttentionSpec, ForwardContext, HeadRetention, KVCache, KVCacheSpec
-from ardiff_modules import FrameWindowPolicy, ShotSinkPolicy, SinkWindowPolicy
+from ardiff_modules import FrameWindowPolicy, SelectedFramesPolicy, ShotSinkPolicy, SinkWindowPolicy
 from ardiff_modules.errors import SequenceLengthError
 from tests.support.pool_model import PoolContents, shot_visible
 from tests.support.failures import FlakyPlanBackend
@@ -33,6 +34,7 @@ from tests.support.session_model import (
     LaneModel,
     MAX_SESSIONS,
     NUM_LAYERS,
+    SelectedView,
     SessionModel,
     Shape,
     frame_view,
@@ -52,6 +54,9 @@ NOT_YET_WITH_GROUPS: dict[str, str] = {}
 class MachineBase(RuleBasedStateMachine):
     #: Whether the setup draws retention groups (the FP8 machine: uniform only, its ids and scales are one head's).
     DRAWS_GROUPS = True
+    #: Whether the setup draws a content-selected cache (the FP8 machine: not yet -- its pool model keeps codes the
+    #: selection's page copies would have to follow).
+    DRAWS_SELECTION = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -91,20 +96,30 @@ class MachineBase(RuleBasedStateMachine):
     ) -> None:
         self.chunk, page_size = geometry
         self.ppc = self.chunk // page_size
-        self.grouped = self.DRAWS_GROUPS and shape[0] not in ("uniform", "frames")
-        if shape[0] == "frames" or (shape[0] != "uniform" and not self.grouped):
-            shape = shape if shape[0] == "frames" else ("uniform",)
-        if shape[0] == "frames":
-            # One FrameWindowPolicy: the chunks holding its kept frames are its sinks / window (rounded up).
-            frames = self.m_frames(*shape[1:])
+        uniform_kinds = ("uniform", "frames", "selected")
+        if shape[0] == "selected" and not self.DRAWS_SELECTION:
+            shape = ("uniform",)
+        self.grouped = self.DRAWS_GROUPS and shape[0] not in uniform_kinds
+        if shape[0] in uniform_kinds[1:] or (shape[0] != "uniform" and not self.grouped):
+            shape = shape if shape[0] in uniform_kinds[1:] else ("uniform",)
+        if shape[0] in uniform_kinds[1:]:
+            # One FrameWindowPolicy (or SelectedFramesPolicy): the chunks holding its kept frames are its sinks /
+            # window (rounded up).
+            frames = self.m_frames(*shape[1:4])
             sink_frames, window_frames, per_chunk = frames
             self.sinks = -(-sink_frames // per_chunk)
             self.window = None if window_frames is None else -(-window_frames // per_chunk)
             self.shot_chunks = 0
-            retention = {"retention": FrameWindowPolicy(*frames)}
+            select = self.m_select_group(shape, per_chunk, 0, [[0]] * NUM_LAYERS) if shape[0] == "selected" else None
+            policy = FrameWindowPolicy(*frames) if select is None else SelectedFramesPolicy(*frames, *select[:4])
+            retention = {"retention": policy}
             self.kv_heads = 1
-            self.lanes = [LaneModel(self.sinks, self.window, 0, tuple(range(NUM_LAYERS)), ((0,),) * NUM_LAYERS, frames)]
+            self.lanes = [
+                LaneModel(self.sinks, self.window, 0, tuple(range(NUM_LAYERS)), ((0,),) * NUM_LAYERS, frames, select)
+            ]
             event(f"frame retention: sink_frames={sink_frames} window_frames={window_frames} per chunk {per_chunk}")
+            if select is not None:
+                event(f"content selection: keep_frames={select[0]} patches_per_frame={select[1]} from {select[2]}")
         elif self.grouped:
             retention = self.m_groups(shape, shots)
             relative = relative and self.supports("relative_sinks")
@@ -149,6 +164,21 @@ class MachineBase(RuleBasedStateMachine):
         """A drawn frame group for this geometry: its frames per chunk split a chunk into frames of whole pages."""
         return sink_frames, window_frames, math.gcd(per_chunk, self.ppc)
 
+    def m_select_group(self, group: tuple, per_chunk: int, g: int, rows: list) -> tuple[int, int, int, int, int]:
+        """A drawn content-selected group for this geometry: ``(keep_frames, patches_per_frame, select_from,
+        score_layer, g)`` -- at most ``per_chunk`` kept frames, patches of whole pages, a score layer holding heads
+        of group ``g`` (``rows``: the group of each layer's kv heads)."""
+        keep, patches, select_from, score_layer = group[4:8]
+        patches = math.gcd(patches, self.ppc // per_chunk)
+        if g not in rows[score_layer]:
+            score_layer = next(layer for layer, row in enumerate(rows) if g in row)
+        return min(keep, per_chunk), patches, select_from, score_layer, g
+
+    @property
+    def selects(self) -> bool:
+        """Whether a lane chooses frames by content (a committing forward of several chunks is refused)."""
+        return any(lane.select is not None for lane in self.lanes)
+
     @property
     def framed(self) -> bool:
         """Whether a lane counts frames (a forward of shorter chunks is refused)."""
@@ -164,18 +194,21 @@ class MachineBase(RuleBasedStateMachine):
             rows = [[raw.index(policy)] * heads for policy in shape[2]]  # group i: the i-th distinct policy
         else:
             rows = [list(r) for r in shape[3]]
-        groups = []  # (sink, window, shot chunks, frames) of each group, in declaration order
+        groups = []  # (sink, window, shot chunks, frames, select) of each group, in declaration order
         for i, group in enumerate(raw):
-            if len(group) == 4:  # a frame group: the chunks holding its kept frames (rounded up)
-                frames = self.m_frames(*group[1:])
+            if len(group) >= 4:  # a frame group: the chunks holding its kept frames (rounded up)
+                frames = self.m_frames(*group[1:4])
                 sf, wf, per = frames
-                groups.append((-(-sf // per), None if wf is None else -(-wf // per), 0, frames))
+                select = self.m_select_group(group, per, i, rows) if group[0] == "selected" else None
+                groups.append((-(-sf // per), None if wf is None else -(-wf // per), 0, frames, select))
                 continue
             sink, window = group
-            groups.append((sink, window, min(shots, window) if i == 0 else 0, None))
+            groups.append((sink, window, min(shots, window) if i == 0 else 0, None, None))
 
         def policy(g: int):  # noqa: ANN202
-            sink, window, shot, frames = groups[g]
+            sink, window, shot, frames, select = groups[g]
+            if select is not None:
+                return SelectedFramesPolicy(*frames, *select[:4])  # type: ignore[misc]
             if frames is not None:
                 return FrameWindowPolicy(*frames)
             return ShotSinkPolicy(sink, window, shot) if shot else SinkWindowPolicy(sink, window)
@@ -187,7 +220,7 @@ class MachineBase(RuleBasedStateMachine):
         # The lanes the model expects: per group (declaration order), per heads-per-layer count (ascending), the
         # layers holding that many of its heads (HeadRetention.parts, restated).
         lanes = []
-        for g, (sink, window, shot, frames) in enumerate(groups):
+        for g, (sink, window, shot, frames, select) in enumerate(groups):
             found: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
             for layer, row in enumerate(rows):
                 mine = tuple(h for h, x in enumerate(row) if x == g)
@@ -195,7 +228,7 @@ class MachineBase(RuleBasedStateMachine):
                     found.setdefault(len(mine), []).append((layer, mine))
             for count in sorted(found):
                 layers = tuple(layer for layer, _ in found[count])
-                lanes.append(LaneModel(sink, window, shot, layers, tuple(h for _, h in found[count]), frames))
+                lanes.append(LaneModel(sink, window, shot, layers, tuple(h for _, h in found[count]), frames, select))
         self.lanes = lanes
         # The stream's: the most sinks any group keeps (share_sinks_from), the widest window, the longest shot.
         self.sinks = max(lane.sinks for lane in lanes)
@@ -210,6 +243,9 @@ class MachineBase(RuleBasedStateMachine):
             torch.manual_seed(0)
             self.attn = ChunkSelfAttention(2 * heads * HEAD_DIM, 2 * heads, num_kv_heads=heads, head_dim=HEAD_DIM)
         event(f"retention groups: {kind}, {heads} kv heads, {len(lanes)} lanes")
+        for sink, window, shot, frames, select in groups:
+            if select is not None:
+                event(f"content-selected group: keep_frames={select[0]} patches_per_frame={select[1]} from {select[2]}")
         return {"head_retention": heads_map}
 
     def m_lane_pages(self, num_pages: int, lane_extents: list[int]) -> list[int]:
@@ -231,6 +267,8 @@ class MachineBase(RuleBasedStateMachine):
         if g.frames is not None:
             sf, wf, per = g.frames
             pages = min(pages, (sf + wf) * (self.ppc // per))  # type: ignore[operator]
+        if g.select is not None:  # its selection, and the next one a committing forward reserves beside it
+            pages += 2 * g.select[0] * (self.ppc // g.frames[2])  # type: ignore[index]
         return pages
 
     def supports(self, capability: str) -> bool:
@@ -343,7 +381,8 @@ class MachineBase(RuleBasedStateMachine):
         total = len(committed) * per
         sink_chunks = -(-sink_frames // per)
         page_frame = self.ppc // per
-        out = []
+        out: list[ChunkRecord] = []
+        held_sinks = 0
         for i, rec in enumerate(committed):
             if i >= sink_chunks and i < sm.floor[branch]:
                 continue
@@ -356,10 +395,19 @@ class MachineBase(RuleBasedStateMachine):
             if frames:
                 offsets = tuple(f * page_frame + p for f in frames for p in range(page_frame))
                 out.append(frame_view(rec, lane, offsets, self.page))
+                held_sinks += i < sink_chunks
+        selected = sm.selected[lane][branch]
+        if selected is not None:  # after the sink chunks (those it holds)
+            out.insert(held_sinks, selected)
         return out
 
     def visible(self, sm: SessionModel, branch: str, lane: int = 0) -> list[Chunk]:
+        """The pages of what lane ``lane`` attends of a stream's history (its chunks, and its content selection)."""
         return [rec.lane_pages(lane) for rec in self.visible_data(sm, branch, lane)]
+
+    def chunks_visible(self, sm: SessionModel, branch: str, lane: int = 0) -> list[Chunk]:
+        """:meth:`visible` less a content selection (``history_chunks``: the committed chunks it keeps)."""
+        return [r.lane_pages(lane) for r in self.visible_data(sm, branch, lane) if not isinstance(r, SelectedView)]
 
     def m_relocate(
         self, sm: SessionModel, b: str, rec: ChunkRecord, pages: dict[int, Chunk],
@@ -393,23 +441,50 @@ class MachineBase(RuleBasedStateMachine):
         sm.committed[b][at] = new
         return new
 
+    def m_moved_selection(self, selected: SelectedView, pages: Chunk) -> SelectedView:
+        """``selected`` (a content selection) now in ``pages`` (a resume), the same contents."""
+        others = ((pages, selected.data),) * (len(self.lanes) - 1)
+        return dataclasses.replace(selected, pages=pages, others=others)
+
     def cross_value(self, tag: float, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return cross_value(tag, layer, self.kv_heads)
+
+    def m_sink_split(
+        self, records: list[ChunkRecord], sm: SessionModel, branch: str, first_pending: int, lane: int = 0
+    ) -> tuple[int, int]:
+        """``(sink keys, shift)``: the leading keys relative sinks move, and the tokens added to their positions --
+        they end just before the first visible non-sink position (the oldest window chunk's, a content selection's
+        candidates' first, else the first pending one). The sinks: the sink chunks' runs of held tokens, up to the
+        first run of a frame lane's sink chunk that holds no sink frame (a window frame it still holds early on);
+        ``(0, 0)`` without relative sinks or sinks."""
+        if not self.spec.relative_sinks:
+            return 0, 0
+        g = self.lanes[lane]
+        sink_ids = {id(r) for r in sm.committed[branch][: g.sinks]}  # the lane's group's sinks
+        sink_end = None
+        keys = 0
+        rest: list[int] = []  # first position of each run after the sinks
+        leading = True
+        for r in records:
+            for start, tokens in r.spans():
+                is_sink = id(r.base) in sink_ids and (
+                    g.frames is None
+                    or start < g.frames[0] * (self.ppc // g.frames[2]) * self.page  # holds a sink frame
+                )
+                if leading and is_sink:
+                    keys, sink_end = keys + tokens, start + tokens
+                else:
+                    leading = False
+                    rest.append(start)
+        if sink_end is None:
+            return 0, 0
+        return keys, (min(rest) if rest else first_pending) - sink_end
 
     def m_sink_shift(
         self, records: list[ChunkRecord], sm: SessionModel, branch: str, first_pending: int, lane: int = 0
     ) -> int:
-        """Tokens the forward adds to the sinks' positions: they end just before the first visible non-sink
-        token (the oldest window chunk's, else the first pending one); 0 without relative sinks."""
-        if not self.spec.relative_sinks:
-            return 0
-        sink_ids = {id(r) for r in sm.committed[branch][: self.lanes[lane].sinks]}  # the lane's group's sinks
-        sinks = [r for r in records if id(r.base) in sink_ids]
-        rest = [r for r in records if id(r.base) not in sink_ids]
-        if not sinks:
-            return 0
-        # (a frame lane: the sink chunks' kept keys end at their last kept position, the rest begin at its first)
-        return (rest[0].positions()[0] if rest else first_pending) - (sinks[-1].positions()[-1] + 1)
+        """Tokens the forward adds to the sinks' positions (:meth:`m_sink_split`); 0 without relative sinks."""
+        return self.m_sink_split(records, sm, branch, first_pending, lane)[1]
 
     def sink_query(self, ctx: ForwardContext, q: torch.Tensor) -> dict[str, torch.Tensor]:
         """``sink_query=`` for ``chunk_attention`` when the cache has relative sinks: ``q`` itself (no RoPE
@@ -493,8 +568,10 @@ class MachineBase(RuleBasedStateMachine):
         self.contexts = [c for c in self.contexts if c is not ctx][-(TRACKED_CONTEXTS - 1) :] + [ctx]
 
     # ================================================================== helpers: snapshots
-    def snapshot(self) -> tuple:
-        """Everything a failed operation must leave untouched (all caches, contexts and transactions)."""
+    def snapshot(self, skip: dict[int, list[set[int]]] | None = None) -> tuple:
+        """Everything a failed operation must leave untouched (all caches, contexts and transactions); ``skip``:
+        per cache (``id``), per lane, pages whose contents are left out (an open forward's reserved selection
+        pages, which a failed commit may have filled)."""
         caches = []
         for cm in self.caches:
             c = cm.cache
@@ -513,7 +590,10 @@ class MachineBase(RuleBasedStateMachine):
                 tuple(sorted(c.sessions)),
             )
             # bit-exact (NaN payloads too); as bytes, as numpy has no float8
-            pool = None if c.is_closed else tuple(lane.pool.kv.view(torch.uint8).numpy().tobytes() for lane in c._lanes)
+            pool = None if c.is_closed else tuple(
+                self.pool_bytes(lane.pool.kv, (skip or {}).get(id(cm), [set()] * len(c._lanes))[n])
+                for n, lane in enumerate(c._lanes)
+            )
             caches.append((head, pool))
         sessions = []
         for sm in self.sessions:
@@ -545,6 +625,13 @@ class MachineBase(RuleBasedStateMachine):
         )
         txs = tuple((id(t.tx), t.tx.status) for t in self.txs)
         return tuple(caches), tuple(sessions), contexts, txs
+
+    @staticmethod
+    def pool_bytes(kv: torch.Tensor, skip: set[int]) -> bytes:
+        if skip:
+            kv = kv.clone()
+            kv[:, :, sorted(skip)] = 0
+        return kv.view(torch.uint8).numpy().tobytes()
 
     def expect_failure(self, exc, fn: Callable, *args, match: str | None = None, **kwargs) -> BaseException:
         before = self.snapshot()

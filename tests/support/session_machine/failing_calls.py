@@ -60,7 +60,7 @@ class FailingCallRules:
         cm = streams[0][0].cm
         static = exc == "static"
         lengths = self.shape(shape)
-        failure = self.predict_prepare(cm, streams, lengths, via="cache", static=static)
+        failure = self.predict_prepare(cm, streams, lengths, via="cache", static=static, commit=commit)
         fn, args, kwargs = self.prepare_call(streams, lengths, commit, "cache")
         if static:
             kwargs = {"static": True, **({"chunk_lengths": lengths.lengths} if lengths.explicit else {})}
@@ -83,7 +83,7 @@ class FailingCallRules:
         num_chunks = max(len(sm.pending[b]) for b in branches) + free_chunks + 1 + extent_chunks
         streams = [(sm, b) for b in branches]
         shape = self.full(num_chunks)
-        exc = self.predict_prepare(sm.cm, streams, shape, via="state")
+        exc = self.predict_prepare(sm.cm, streams, shape, via="state", commit=commit)
         assert exc is not None, "capacity model broken: one branch alone needs more than is free"
         info = self.expect_failure(exc, sm.state.prepare_forward, branches, shape.seq_len, commit)
         if exc is CapacityError and not self.grouped:
@@ -118,7 +118,7 @@ class FailingCallRules:
         cm = streams[0][0].cm
         lengths = self.shape(shape)
         if via == "with":
-            failure = self.predict_prepare(cm, streams, lengths, via="cache")
+            failure = self.predict_prepare(cm, streams, lengths, via="cache", commit=True)
             fn, args, kwargs = self.prepare_call(streams, lengths, True, "cache")
             if failure is not None:
                 self.expect_failure(failure, fn, *args, **kwargs)

@@ -4,6 +4,7 @@ running its layers with K/V that carry their own ids."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +37,7 @@ from tests.support.session_model import (
     ChunkRecord,
     HEAD_DIM,
     NUM_LAYERS,
+    SelectedView,
     SessionModel,
     Shape,
     TxModel,
@@ -46,7 +48,7 @@ class ForwardModel:
     # ================================================================== helpers: prepare
     def predict_prepare(
         self, cm: CacheModel, streams: list[tuple[SessionModel, str]], shape: Shape, *, via: str,
-        mask_ok: bool = True, static: bool = False,
+        mask_ok: bool = True, static: bool = False, commit: bool = False,
     ) -> type[BaseException] | None:
         """The exception ``prepare_forward`` must raise (in the library's order of checks), or ``None``."""
         if via not in ("cache", "cache_gen") and streams[0][0].closed:
@@ -77,18 +79,52 @@ class ForwardModel:
             return TensorMismatchError
         pages = [n // self.page for n in shape.lengths]
         for lane in range(cm.num_lanes):  # every lane must hold the forward (each its own allocator)
-            failure = self.predict_lane_capacity(cm, streams, shape, pages, lane)
+            failure = self.predict_lane_capacity(cm, streams, shape, pages, lane, commit)
             if failure is not None:
                 return failure
+        if commit and self.selects and shape.num_chunks > 1:  # a content selection scores at each chunk's commit
+            event("content selection: a committing forward of several chunks refused")
+            return SequenceLengthError
         return None
 
+    def m_selection_candidates(self, sm: SessionModel, b: str, lane: int, index: int) -> tuple[int, int] | None:
+        """``(first candidate frame, boundary frame)`` the commit of chunk ``index`` of ``sm``/``b`` scores in lane
+        ``lane`` (re-stated: the ``F`` frames from ``index F - T``, ``T = min(window_frames, index F - max(sink_frames,
+        floor))``, none when ``T < 1``, before ``select_from`` or without kept frames), or ``None``."""
+        g = self.lanes[lane]
+        if g.select is None:
+            return None
+        keep, _, select_from, _, _ = g.select
+        sink_frames, window_frames, per = g.frames  # type: ignore[misc]
+        if index < select_from or not keep:
+            return None
+        floor = max(sm.floor[b], sm.sink_only[b]) * per
+        start = index * per
+        in_window = min(window_frames, start - max(sink_frames, floor))  # type: ignore[type-var]
+        if in_window < 1:
+            return None
+        return start - in_window, start - in_window + per
+
+    def m_selection_pages(self, lane: int) -> int:
+        g = self.lanes[lane]
+        return g.select[0] * (self.ppc // g.frames[2]) if g.select is not None else 0  # type: ignore[index]
+
+    def m_reserved_pages(self, sm: SessionModel, b: str, lane: int, shape: Shape, commit: bool) -> int:
+        """Pages a committing forward of ``shape`` reserves in ``lane`` for the selection its commit makes."""
+        if not commit:
+            return 0
+        found = self.m_selection_candidates(sm, b, lane, len(sm.committed[b]) + shape.num_chunks - 1)
+        return self.m_selection_pages(lane) if found is not None else 0
+
     def predict_lane_capacity(
-        self, cm: CacheModel, streams: list[tuple[SessionModel, str]], shape: Shape, pages: list[int], lane: int
+        self, cm: CacheModel, streams: list[tuple[SessionModel, str]], shape: Shape, pages: list[int], lane: int,
+        commit: bool = False,
     ) -> type[BaseException] | None:
         alloc = cm.allocator(lane)
+        selection = sum(self.m_reserved_pages(sm, b, lane, shape, commit) for sm, b in streams)
         if not cm.extents:
             # Pending chunks of other lengths are replaced (after the new ones are allocated).
-            needed = sum(sum(pages[self.reused(sm, b, shape) :]) for sm, b in streams)
+            needed = sum(sum(pages[self.reused(sm, b, shape) :]) for sm, b in streams) + selection
             return CapacityError if needed > alloc.num_free else None
         extent_chunks = cm.lane_extent_chunks[lane]
         needed = new_extents = 0
@@ -99,6 +135,7 @@ class ForwardModel:
                 needed += extent_chunks * self.ppc + sum(missing[extent_chunks:])
             else:  # a free slot takes any chunk (a shorter one uses its first pages)
                 needed += sum(missing[len(self.free_slots(sm, b, lane)) :])
+        needed += selection
         if needed > alloc.num_free:
             return CapacityError
         size = extent_chunks * self.ppc
@@ -118,7 +155,10 @@ class ForwardModel:
 
     def union_positions(self, sm: SessionModel, b: str) -> list[int]:
         """A stream's history key positions over every lane (a grouped ``token_mask``'s history columns): each token
-        any lane keeps, ascending (a uniform cache: its one lane's)."""
+        any lane keeps, ascending; a uniform cache: its one lane's keys in their order (a content selection's copy
+        of a frame the window still holds is a column of its own)."""
+        if not self.grouped:
+            return [p for r in self.visible_data(sm, b) for p in r.positions()]
         return sorted({p for lane in range(len(self.lanes)) for r in self.visible_data(sm, b, lane) for p in r.positions()})
 
     def union_keys(self, streams: list[tuple[SessionModel, str]], shape: Shape) -> int:
@@ -134,6 +174,8 @@ class ForwardModel:
         union = self.union_positions(sm, b)
         where = {p: c for c, p in enumerate(union)}
         hist = [where[p] for r in self.visible_data(sm, b, lane) for p in r.positions()]
+        if not self.grouped:  # the lane's own key order
+            hist = list(range(len(union)))
         cols = hist + list(range(len(union), len(union) + tx.shape.seq_len))
         return tx.token_mask[i][:, cols]
 
@@ -185,7 +227,7 @@ class ForwardModel:
         """Prepare a forward (or check that it fails, changing nothing) and record it in the model."""
         via = self.choose_via(streams, via, masked, shape)
         cm = streams[0][0].cm
-        failure = self.predict_prepare(cm, streams, shape, via=via)
+        failure = self.predict_prepare(cm, streams, shape, via=via, commit=commit)
         mask = self.make_mask(streams, shape) if masked and failure is None else None
         fn, args, kwargs = self.prepare_call(streams, shape, commit, via, mask)
         if failure is not None:
@@ -216,7 +258,7 @@ class ForwardModel:
         lanes = ctx._lane_contexts
         assert len(lanes) == cm.num_lanes, f"{len(lanes)} lane contexts, model {cm.num_lanes} lanes"
         for lane in range(cm.num_lanes):
-            self.m_prepared_lane(streams, shape, ctx, lanes[lane], lane, free_before[lane], used_before[lane])
+            self.m_prepared_lane(streams, shape, ctx, lanes[lane], lane, free_before[lane], used_before[lane], commit)
         for i, (sm, b) in enumerate(streams):
             sm.pending_tokens[b] = list(shape.lengths)
         key = tuple((sm.state.session_id, b) for sm, b in streams)
@@ -260,9 +302,10 @@ class ForwardModel:
 
     def m_prepared_lane(
         self, streams: list[tuple[SessionModel, str]], shape: Shape, ctx: ForwardContext, lane_ctx: ForwardContext,
-        lane: int, free_before: set[int], used_before: int,
+        lane: int, free_before: set[int], used_before: int, commit: bool = False,
     ) -> None:
-        """One lane of a prepared forward: reused / grown pending pages, extents, the lane plan's pages."""
+        """One lane of a prepared forward: reused / grown pending pages, extents, the lane plan's pages; a
+        committing forward's reserved selection pages (fresh ones, as many as its commit's selection takes)."""
         cm = streams[0][0].cm
         fresh: list[int] = []
         num_chunks = shape.num_chunks
@@ -309,6 +352,13 @@ class ForwardModel:
                 grown = grown[len(ring) :]
             fresh += [p for c in grown for p in c]
             sm.lane_pending[lane][b] = new
+            reserved = tuple(sm.state._lane_pages(b)[lane].pending_selection)
+            want = self.m_reserved_pages(sm, b, lane, shape, commit)
+            assert len(reserved) == want, f"{b} lane {lane}: reserved selection pages {reserved}, expected {want}"
+            if reserved:
+                event("committing forward reserved selection pages")
+            fresh += list(reserved)
+            sm.reserved[lane][b] = reserved
             # The plan sees exactly the model's visible pages and pending chunks.
             layout = lane_ctx._layout.streams[i]
             assert list(layout.history_pages) == [p for c in self.visible(sm, b, lane) for p in c], (
@@ -404,6 +454,12 @@ class ForwardModel:
                 assert lane_ctx.sink_positions[i].tolist() == list(range(offset - shift, offset - shift + n)), where
             else:
                 assert lane_ctx.sink_positions is None, where
+            if any(isinstance(r, SelectedView) for r in records):
+                event("a forward attends a content selection")
+                if tx.token_mask is not None:
+                    event("a forward attends a content selection under a token mask")
+                if shift:
+                    event("a forward attends a content selection, its sinks shifted (relative sinks)")
             expected = [p for rec in records for p in rec.positions()] + list(range(offset, offset + n))
             keys = len(expected)
             got = key_positions[i].tolist()
@@ -424,8 +480,7 @@ class ForwardModel:
             )
             if isinstance(plan, RelativeSinkPlan):  # two segments: the sink keys, then window + pending
                 assert isinstance(plan.sinks, ReferencePlan) and isinstance(plan.rest, ReferencePlan)
-                sink_ids = {id(r) for r in sm.committed[b][: self.lanes[lane].sinks]}
-                sink_keys = sum(r.tokens for r in records if id(r.base) in sink_ids)
+                sink_keys = self.m_sink_split(records, sm, b, offset, lane)[0]
                 gathered = torch.cat([plan.sinks.gather[i, :sink_keys], plan.rest.gather[i, : keys - sink_keys]])
             else:
                 gathered = plan.gather[i, :keys]
@@ -450,6 +505,8 @@ class ForwardModel:
             assert sm.forward[b] is tx
             sm.forward[b] = None
             if status == "aborted":
+                if any(r[b] for r in sm.reserved):  # (the invariants: their references are gone)
+                    event("an aborted committing forward returned its reserved selection pages")
                 sm.drop_pending(b)
             elif status == "committed":
                 before = len(self.visible(sm, b)) + len(sm.pending[b])
@@ -461,6 +518,7 @@ class ForwardModel:
                     others = tuple((p, pool.pages(p)) for p, pool in zip(pages[1:], pools[1:]))
                     sm.committed[b].append(ChunkRecord(pages[0], tokens, start, pools[0].pages(pages[0]), others))
                     start += tokens
+                self.m_select(sm, b)
                 sm.drop_pending(b)
                 sm.resident_shot[b] = sm.shot[b]  # this commit applied the current shot
                 event("commit evicted chunks" if len(self.visible(sm, b)) < before else "commit without eviction")
@@ -468,6 +526,121 @@ class ForwardModel:
                 if len(lengths) > 1:
                     event("visible history of mixed chunk lengths")
         tx.status = status
+
+    def m_selection_copied(self, tx: TxModel) -> None:
+        """A commit of ``tx`` that failed after the device chose and copied (its bookkeeping unchanged, the forward
+        still open): the reserved pages now hold the copies (:meth:`m_select` over the pending chunks as if
+        committed), nothing else changed."""
+        for sm, b in tx.streams:
+            if not any(r[b] for r in sm.reserved):
+                continue
+            kept, selected = list(sm.committed[b]), [dict(s) for s in sm.selected]
+            start, pools = sm.committed_tokens(b), tx.cm.pools
+            for c, tokens in enumerate(sm.pending_tokens[b]):
+                pages = [sm.lane_pending[lane][b][c] for lane in range(len(pools))]
+                others = tuple((p, pool.pages(p)) for p, pool in zip(pages[1:], pools[1:]))
+                sm.committed[b].append(ChunkRecord(pages[0], tokens, start, pools[0].pages(pages[0]), others))
+                start += tokens
+            try:
+                self.m_select(sm, b, adopt=False)
+            finally:
+                sm.committed[b], sm.selected = kept, selected
+
+    def reserved_pages(self, tx: TxModel) -> list[set[int]]:
+        """Per lane, the selection pages ``tx``'s streams reserved."""
+        return [{p for sm, b in tx.streams for p in sm.reserved[lane][b]} for lane in range(tx.cm.num_lanes)]
+
+    def m_select(self, sm: SessionModel, b: str, adopt: bool = True) -> None:
+        """A commit of a content-selected stream, re-stated: the selection is replaced in every selecting lane.
+
+        Per retention group, from the keys its scoring lane holds of the score layer (the group's heads there,
+        concatenated): each candidate frame's token vs the same token of the next frame (the boundary after the
+        last), cosine, mean over a patch's tokens, negated; the ``keep_frames * patches_per_frame`` best patches
+        (ties: the earlier), ascending; every lane of the group copies those candidate pages (every layer, K and
+        V) into the pages its committing forward reserved. No candidates: the selection is dropped."""
+        index = len(sm.committed[b]) - 1
+        chosen: dict[int, tuple[int, ...] | None] = {}  # group -> chosen page offsets among the candidates' pages
+        for lane, g in enumerate(self.lanes):
+            if g.select is None:
+                continue
+            keep, patches, _, score_layer, group = g.select
+            found = self.m_selection_candidates(sm, b, lane, index)
+            page_frame = self.ppc // g.frames[2]  # type: ignore[index]
+            if group not in chosen:
+                chosen[group] = None if found is None else self.m_choose(sm, b, group, score_layer, found, keep, patches)
+            offsets = chosen[group]
+            reserved = sm.reserved[lane][b]
+            lib = sm.state._lane_pages(b)[lane].selection if adopt else None
+            if offsets == ():  # a non-finite score (check_finite off): the order is torch's, not re-stated
+                if not adopt:
+                    continue
+                assert lib is not None, f"{b} lane {lane}: no selection made, expected one"
+                offsets = chosen[group] = tuple(lib.resolved())
+                event("content selection over a non-finite score: the chosen pages read back")
+            if not adopt:
+                assert (offsets is None) == (not reserved), (offsets, reserved)
+            elif offsets is None:
+                assert not reserved and lib is None, f"{b} lane {lane}: a selection {lib} where none is chosen"
+                if sm.selected[lane][b] is not None:
+                    event("content selection dropped at a commit without candidates")
+                sm.selected[lane][b] = None
+                continue
+            assert not adopt or (lib is not None and tuple(lib.pages) == reserved), (
+                f"{b} lane {lane}: selection pages {lib and lib.pages}, reserved {reserved}"
+            )
+            if offsets is None:
+                continue
+            first = found[0]  # type: ignore[index]
+            per = g.frames[2]  # type: ignore[index]
+            pages_of = []  # the candidates' pages' contents, in order: [layers, 2, 1, page, heads, dim] each
+            ids = []  # and their pages (resident: the window's last frames, then the chunk just committed)
+            for f in range(first, first + per):
+                rec = sm.committed[b][f // per]
+                base = f % per * page_frame
+                pages_of += [rec.lane_data(lane)[:, :, base + o : base + o + 1] for o in range(page_frame)]
+                ids += [rec.lane_pages(lane)[base + o] for o in range(page_frame)]
+            data = torch.cat([pages_of[o] for o in offsets], dim=2)
+            pool = sm.cm.pools[lane]
+            assert same_bits(pool.pages([ids[o] for o in offsets]), data), "a candidate page changed since its commit"
+            pool.copy([ids[o] for o in offsets], reserved)  # the bytes as they are (an FP8 pool's codes too)
+            others = ((reserved, data),) * (len(self.lanes) - 1)
+            start = first * page_frame * self.page
+            sm.selected[lane][b] = SelectedView(
+                reserved, len(reserved) * self.page, start, data, others, None, offsets, self.page
+            )
+            event(f"content selection of {len(offsets)} page(s) made")
+
+    def m_choose(
+        self, sm: SessionModel, b: str, group: int, score_layer: int, found: tuple[int, int], keep: int, patches: int
+    ) -> tuple[int, ...]:
+        """The chosen page offsets among the candidates' pages (see :meth:`m_select`), from the model's records."""
+        lane = next(i for i, g in enumerate(self.lanes) if g.select is not None and g.select[4] == group
+                    and score_layer in g.layers)
+        g = self.lanes[lane]
+        inner = g.layers.index(score_layer)
+        per = g.frames[2]  # type: ignore[index]
+        page_frame = self.ppc // per
+        first, boundary = found
+
+        def keys(f: int) -> torch.Tensor:  # [frame tokens, heads * dim] of frame f, float64
+            rec = sm.committed[b][f // per]
+            base = f % per * page_frame
+            k = rec.lane_data(lane)[inner, 0, base : base + page_frame]  # [pages, page, heads, dim]
+            return k.reshape(page_frame * self.page, -1).double()
+
+        frames = [keys(f) for f in range(first, boundary + 1)]
+        per_patch = page_frame * self.page // patches
+        scores = []  # (score, patch number) of every candidate patch
+        for i in range(per):
+            a, c = frames[i], frames[i + 1]
+            cos = (a * c).sum(-1) / (a.norm(dim=-1) * c.norm(dim=-1)).clamp_min(1e-8)
+            for p in range(patches):
+                scores.append((-float(cos[p * per_patch : (p + 1) * per_patch].mean()), i * patches + p))
+        if not all(math.isfinite(score) for score, _ in scores):
+            return ()
+        best = sorted(scores, key=lambda x: (-x[0], x[1]))[: keep * patches]
+        pages_patch = page_frame // patches
+        return tuple(o for _, n in sorted(best, key=lambda x: x[1]) for o in range(n * pages_patch, (n + 1) * pages_patch))
 
     def m_finish(self, tx: TxModel | None, success: bool) -> None:
         """Success: a committing forward is ``committed``; a denoising one ``completed`` (pending pages kept)."""
@@ -556,6 +729,8 @@ class ForwardModel:
         q = torch.randn(s, n, 2 * heads, HEAD_DIM, generator=self.gen)
         k, v = token_kv(self.next_id, s, n, layer, HEAD_DIM, heads)
         self.next_id += s * n * heads
+        if self.selects:  # keys in every direction: a content selection's cosines far apart (ids: V carries them)
+            k = torch.randn(k.shape, generator=self.gen)
         return q, k, v
 
     def call_layer(self, ctx: ForwardContext, layer: int, mode: str, inputs=None):

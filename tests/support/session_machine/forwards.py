@@ -160,7 +160,7 @@ class ForwardRules:
         if variant == "reprepare":
             commit = False
         cm = streams[0][0].cm
-        failure = self.predict_prepare(cm, streams, outer, via=via)
+        failure = self.predict_prepare(cm, streams, outer, via=via, commit=commit)
         fn, args, kwargs = self.prepare_call(streams, outer, commit, via)
         if failure is not None:
             self.expect_failure(failure, fn, *args, **kwargs)
@@ -216,7 +216,7 @@ class ForwardRules:
     ) -> TxModel | None:
         """Inside an open denoising ``with`` block: prepare the same streams again (same context, new forward)."""
         cm = streams[0][0].cm
-        failure = self.predict_prepare(cm, streams, shape, via=via)
+        failure = self.predict_prepare(cm, streams, shape, via=via, commit=commit)
         fn, args, kwargs = self.prepare_call(streams, shape, commit, via)
         if failure is not None:
             self.expect_failure(failure, fn, *args, **kwargs)
@@ -387,7 +387,7 @@ class ForwardRules:
 
         success = via != "state.abort" and via != "with_boom"
         if via in ("with", "with_boom"):
-            failure = self.predict_prepare(cm, streams, lengths, via="cache")
+            failure = self.predict_prepare(cm, streams, lengths, via="cache", commit=True)
             fn, args, kwargs = self.prepare_call(streams, lengths, True, "cache")
             if failure is not None:
                 self.expect_failure(failure, fn, *args, **kwargs)
@@ -399,7 +399,7 @@ class ForwardRules:
                 with fn(*args, **kwargs) as fwd:
                     tx = box["tx"] = self.m_prepared(streams, lengths, True, fwd, free_before, used_before)
                     self.run(tx, "op")
-                    box["before"] = self.snapshot()
+                    box["before"] = self.snapshot({id(cm): self.reserved_pages(tx)})
                     install()
                     if via == "with_boom":
                         raise Boom("the model failed; the abort is interrupted")
@@ -421,7 +421,7 @@ class ForwardRules:
                 "ctx.commit": tx.ctx.commit,
                 "state.abort": lambda: sm.state.abort(b),
             }[via]
-            before = self.snapshot()
+            before = self.snapshot({id(cm): self.reserved_pages(tx)})
             install()
             try:
                 with pytest.raises(raised_as) as error:
@@ -439,8 +439,10 @@ class ForwardRules:
             self.m_finish(tx, False)
         else:
             event(f"{injected.__name__} injected into {where} ({'commit' if success else 'abort'}): nothing changed")
-            after = self.snapshot()
+            after = self.snapshot({id(cm): self.reserved_pages(tx)})  # (a commit: its selection copied, or not)
             assert after == before, f"an interrupted finish changed state: {self.diff(before, after)}"
+            if success and self.selects:
+                self.m_selection_copied(tx)
             assert tx.is_open and tx.tx.is_open
             if then == "commit":
                 self.finish(tx, "ctx.commit", 0)
@@ -483,7 +485,7 @@ class ForwardRules:
             self.finish(tx, how, 0)
             return
         cm = streams[0][0].cm
-        failure = self.predict_prepare(cm, streams, lengths, via="cache")
+        failure = self.predict_prepare(cm, streams, lengths, via="cache", commit=commit)
         fn, args, kwargs = self.prepare_call(streams, lengths, commit, "cache")
         if failure is not None:
             self.expect_failure(failure, fn, *args, **kwargs)

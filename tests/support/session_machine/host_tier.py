@@ -11,7 +11,7 @@ from ardiff_modules.errors import (
     CapacityError, CrossAttentionNotPopulatedError, PendingContextError, SessionNotSuspendedError,
     SessionSuspendedError,
 )
-from tests.support.session_model import BRANCHES, NUM_LAYERS, ChunkRecord, SessionModel
+from tests.support.session_model import BRANCHES, NUM_LAYERS, ChunkRecord, SelectedView, SessionModel
 
 #: What a user may do to a suspended session's prompt (issue 40: the newer state wins at resume).
 PROMPT_OPS = ("populate", "clear", "share_out", "share_in", "reset_keep", "query")
@@ -121,6 +121,15 @@ class HostTierRules:
             for lane, kept in enumerate(records):
                 history = sm.state._lane_pages(b)[lane]
                 chunks = list(history.history_chunks)
+                selected = [r for r in kept[b] if isinstance(r, SelectedView)]  # the selection comes back too
+                kept[b] = [r for r in kept[b] if not isinstance(r, SelectedView)]
+                lib = history.selection
+                assert (lib is None) == (not selected), f"{sm.state.session_id}/{b} lane {lane}: selection {lib}"
+                if selected:
+                    assert lib.resolved() == selected[0].offsets and lib.start == selected[0].start, lib
+                    sm.cm.pools[lane].put(lib.pages, selected[0].data)
+                    sm.selected[lane][b] = self.m_moved_selection(selected[0], tuple(lib.pages))
+                    event("a resume brought a content selection back")
                 assert [len(c) for c in chunks] == [len(r.lane_pages(lane)) for r in kept[b]], (
                     f"{sm.state.session_id}/{b} lane {lane}: resumed chunks {chunks}, model "
                     f"{[r.lane_pages(lane) for r in kept[b]]}"

@@ -38,6 +38,7 @@ class Invariants:
         for sm in self.sessions_of(cm):
             for b in BRANCHES:
                 refs.update(sm.lane_extent[lane][b] or ())  # the extent's own reservation reference
+                refs.update(sm.reserved[lane][b])  # a committing forward's reserved selection pages
                 for chunk in sm.lane_pending[lane][b]:
                     shared = [p for p in chunk if chunk_refs[p] != 1]
                     assert not shared, (
@@ -69,7 +70,7 @@ class Invariants:
                 assert state.pages_in_use() == 0
                 continue
             for b in BRANCHES:
-                expected = self.visible(sm, b)
+                expected = self.chunks_visible(sm, b)
                 assert list(state.history_chunks(b)) == expected, (
                     f"{state.session_id}/{b}: visible {state.history_chunks(b)}, expected first "
                     f"{self.sinks} + last {self.window} of {[r.pages for r in sm.committed[b]]}"
@@ -107,6 +108,7 @@ class Invariants:
                 for c in self.visible(sm, b, lane) + sm.lane_pending[lane][b]
             )
             held += sum(len(extent[b] or ()) for extent in sm.lane_extent for b in BRANCHES)
+            held += sum(len(reserved[b]) for reserved in sm.reserved for b in BRANCHES)
             assert state.pages_in_use() == held
 
     def lane_matches_model(self, sm, b: str, lane: int, history) -> None:  # noqa: ANN001
@@ -114,7 +116,7 @@ class Invariants:
         stream's clock (every lane's the same)."""
         where = f"{sm.state.session_id}/{b} lane {lane}"
         g = self.lanes[lane]
-        expected = self.visible(sm, b, lane)
+        expected = self.chunks_visible(sm, b, lane)
         assert list(history.history_chunks) == expected, (
             f"{where}: visible {history.history_chunks}, expected sinks {g.sinks} + window {g.window} "
             f"(shot {g.shot_chunks}) of {[r.lane_pages(lane) for r in sm.committed[b]]}"
@@ -130,6 +132,13 @@ class Invariants:
         assert history.history_positions() == [p for r in records for p in r.positions()]
         assert [len(c) * self.page for c in history.pending] == sm.pending_tokens[b]
         assert tuple(history.extent) == (sm.lane_extent[lane][b] or ()), f"{where}: extent {history.extent}"
+        selected = sm.selected[lane][b]
+        lib = history.selection
+        assert (lib is None) == (selected is None), f"{where}: selection {lib}, model {selected}"
+        if lib is not None:
+            assert tuple(lib.pages) == selected.pages and lib.start == selected.start, f"{where}: selection {lib}"
+            assert tuple(lib.resolved()) == selected.offsets, f"{where}: chosen {lib.resolved()}, model {selected.offsets}"
+        assert tuple(history.pending_selection) == sm.reserved[lane][b], f"{where}: reserved {history.pending_selection}"
 
     @invariant()
     def pool_contents_match_model(self) -> None:

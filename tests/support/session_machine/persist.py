@@ -12,7 +12,7 @@ from hypothesis.stateful import precondition, rule
 
 from ardiff_modules.errors import CapacityError, PendingContextError, SessionIdClashError
 from tests.support.pool_model import same_bits
-from tests.support.session_model import BRANCHES, NUM_LAYERS
+from tests.support.session_model import BRANCHES, NUM_LAYERS, SelectedView
 
 
 class PersistRules:
@@ -58,10 +58,19 @@ class PersistRules:
                 assert history.committed_tokens == state.token_offset(b)
                 chunks = history.history_chunks
                 records = self.visible_data(sm, b, lane)
+                assert history.history_spans() == [s for r in records for s in r.spans()]
+                selected = [r for r in records if isinstance(r, SelectedView)]  # the selection travels too
+                records = [r for r in records if not isinstance(r, SelectedView)]
+                lib = history.selection
+                assert (lib is None) == (not selected), f"{copy_id}/{b} lane {lane}: loaded selection {lib}"
+                if selected:
+                    chunks = (*chunks, tuple(lib.pages))
+                    records.append(selected[0])
+                    assert lib.resolved() == selected[0].offsets and lib.start == selected[0].start, lib
+                    event("a file carried a content selection")
                 assert [len(c) for c in chunks] == [len(r.lane_pages(lane)) for r in records], (
                     f"{copy_id}/{b} lane {lane}: loaded {chunks}, model {[r.lane_pages(lane) for r in records]}"
                 )
-                assert history.history_spans() == [s for r in records for s in r.spans()]
                 for pages, rec in zip(chunks, records):
                     assert same_bits(pool[:, :, list(pages)], rec.lane_data(lane)), (
                         f"{copy_id}/{b} lane {lane}: loaded chunk {pages} differs from what was committed"

@@ -24,7 +24,9 @@ from ardiff_modules.errors import (
 from ardiff_modules.core.transaction import ForwardTransaction
 from tests.support.pool_model import same_bits
 from tests.support.failures import Boom
-from tests.support.session_model import BRANCH_SETS, ChunkRecord, NUM_LAYERS, SessionModel, Shape, TxModel
+from tests.support.session_model import (
+    BRANCH_SETS, ChunkRecord, NUM_LAYERS, SelectedView, SessionModel, Shape, TxModel,
+)
 
 
 class RecacheRules:
@@ -32,7 +34,12 @@ class RecacheRules:
     def m_recache_targets(self, sm: SessionModel, b: str, keep_sinks: bool) -> list[ChunkRecord]:
         """The visible records a re-cache rebuilds: all of them, or all but the sinks (commit order)."""
         sinks = sm.committed[b][: self.sinks] if keep_sinks else []
-        return [rec for rec in self.visible_data(sm, b) if not any(rec.base is s_ for s_ in sinks)]
+        return [rec for rec in self.chunk_records(sm, b) if not any(rec.base is s_ for s_ in sinks)]
+
+    def chunk_records(self, sm: SessionModel, b: str, lane: int = 0) -> list[ChunkRecord]:
+        """The committed chunks a lane keeps (a content selection is no chunk: a re-cache neither rebuilds nor attends
+        it, and its commit drops it)."""
+        return [r for r in self.visible_data(sm, b, lane) if not isinstance(r, SelectedView)]
 
     def predict_recache(self, streams: list[tuple[SessionModel, str]], keep_sinks: bool) -> type[BaseException] | None:
         cm = streams[0][0].cm
@@ -120,7 +127,7 @@ class RecacheRules:
             if ring:
                 event("re-cache: a rebuilt chunk took a free ring slot")
             fresh += [p for c in new[len(ring) :] for p in c]
-            kept = [r for r in self.visible_data(sm, b) if not any(r.base is t.base for t in recs)]
+            kept = [r for r in self.chunk_records(sm, b) if not any(r.base is t.base for t in recs)]
             positions = [p for r in recs for p in r.base.positions()]  # rebuilt whole (a frame lane trims at commit)
             assert ctx.positions[i].tolist() == positions, (ctx.positions[i].tolist(), positions)
             history = [p for r in kept for p in r.positions()]
@@ -148,7 +155,7 @@ class RecacheRules:
         slots = pool.reshape(NUM_LAYERS, 2, -1, pool.shape[-2] * pool.shape[-1])
         for i, (sm, b) in enumerate(streams):  # gathered keys: kept sinks as committed, then the fresh pages
             recs = targets[(id(sm), b)]
-            kept = [r for r in self.visible_data(sm, b) if not any(r.base is t.base for t in recs)]
+            kept = [r for r in self.chunk_records(sm, b) if not any(r.base is t.base for t in recs)]
             pending = [p for c in sm.pending[b] for p in c]
             want = torch.cat(
                 [r.token_data() for r in kept] + [cm.pool.pages(pending).reshape(NUM_LAYERS, 2, shape.seq_len, -1)],
@@ -219,16 +226,24 @@ class RecacheRules:
                 rec = rec.base
                 at = next(j for j, r in enumerate(sm.committed[b]) if r is rec)
                 sm.committed[b][at] = ChunkRecord(pages, rec.tokens, rec.start, cm.pool.pages(pages))
+            self.m_recache_drops_selection(sm, b)
             sm.forward[b] = None
             sm.drop_pending(b)
         tx.status = "committed"
         event(f"re-cache committed over {len({id(sm) for sm, _ in streams})} session(s), keep_sinks={keep_sinks}")
 
+    def m_recache_drops_selection(self, sm: SessionModel, b: str) -> None:
+        """A re-cache commit drops a content selection (its K/V are the old prompt's; the next scoring commit
+        chooses again)."""
+        if any(sel[b] is not None for sel in sm.selected):
+            event("re-cache dropped a content selection")
+        sm.drop_selection(b)
+
     # ================================================================== re-cache with retention groups
     def m_lane_targets(self, sm: SessionModel, b: str, keep_sinks: bool, lane: int) -> list[ChunkRecord]:
         """The chunks a lane's own plan rebuilds: those its group keeps, but its sinks with ``keep_sinks``."""
         sinks = sm.committed[b][: self.lanes[lane].sinks] if keep_sinks else []
-        return [rec for rec in self.visible_data(sm, b, lane) if not any(rec.base is s_ for s_ in sinks)]
+        return [rec for rec in self.chunk_records(sm, b, lane) if not any(rec.base is s_ for s_ in sinks)]
 
     def m_union(self, sm: SessionModel, b: str, keep_sinks: bool) -> list[ChunkRecord]:
         """What a grouped re-cache rebuilds: the union of the lanes' rebuilt chunks, in commit order."""
@@ -310,7 +325,7 @@ class RecacheRules:
                 assert [len(c) * self.page for c in new] == list(lengths), f"{where}: re-cache pending {new}"
                 fresh += [p for c in new for p in c]
                 sm.lane_pending[lane][b] = new
-                kept = [r for r in self.visible_data(sm, b, lane) if not any(r.base is u for u in union)]
+                kept = [r for r in self.chunk_records(sm, b, lane) if not any(r.base is u for u in union)]
                 history = [p for r in kept for p in r.positions()]
                 keys = history + [p for r in union for p in r.positions()]
                 got = lane_ctx.key_positions()[i].tolist()
@@ -345,7 +360,7 @@ class RecacheRules:
             slots = pool.reshape(pool.shape[0], 2, -1, pool.shape[-2] * pool.shape[-1])
             for i, (sm, b) in enumerate(streams):
                 union = unions[(id(sm), b)]
-                kept = [r for r in self.visible_data(sm, b, lane) if not any(r.base is u for u in union)]
+                kept = [r for r in self.chunk_records(sm, b, lane) if not any(r.base is u for u in union)]
                 pending = [p for c in sm.lane_pending[lane][b] for p in c]
                 want = torch.cat(
                     [r.token_data(lane) for r in kept]
@@ -388,6 +403,7 @@ class RecacheRules:
                         pages[lane] = sm.lane_pending[lane][b][j]
                         data[lane] = cm.pools[lane].pages(pages[lane])
                 self.m_relocate(sm, b, rec, pages, data)
+            self.m_recache_drops_selection(sm, b)
             sm.forward[b] = None
             sm.drop_pending(b)
         tx.status = "committed"

@@ -43,6 +43,10 @@ class SharingRules:
         for b in names:
             child.committed[b] = list(parent.committed[b])  # same visible chunks (same contents), same offset
             child.copy_shots(parent, b)  # the same dropped window and shot
+            for lane, selected in enumerate(parent.selected):  # the same content selection (its pages shared)
+                child.selected[lane][b] = selected[b]
+            if any(selected[b] is not None for selected in parent.selected):
+                event("fork shared a content selection")
             if share_cross and b in parent.cross:
                 child.cross[b] = parent.cross[b]
         self.sessions.append(child)
@@ -67,6 +71,7 @@ class SharingRules:
         target.state.share_sinks_from(source.state, branch)
         target.committed[branch] = list(source.committed[branch][:sinks])
         target.clear_shots(branch)  # only the sinks: no shot
+        target.drop_selection(branch)  # (nor a content selection)
         target.sink_only[branch] = sinks  # a frame lane holds only their sink frames
         # The stream's sinks are the most any group keeps: a group keeping fewer never shared the chunks between
         # its sinks and the clock (dropped, as below a dropped window); uniform: all of them are sinks.

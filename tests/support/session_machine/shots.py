@@ -57,6 +57,9 @@ class ShotRules:
         sm.state.drop_window(branches)
         for b in names:
             sm.floor[b] = len(sm.committed[b])
+            if sm.selected[0][b] is not None or any(sel[b] is not None for sel in sm.selected):
+                event("drop_window dropped a content selection")
+            sm.drop_selection(b)  # the selection goes with the window
             if sm.shot[b] is not None and sm.shot[b] < len(sm.committed[b]):
                 sm.shot[b] = None  # a shot that pinned chunks goes with them
         kept = {(b, lane): self.visible(sm, b, lane) for b in names for lane in lanes}
@@ -64,7 +67,7 @@ class ShotRules:
         dropped = sum(before[key] - len(kept[key]) for key in kept)
         for b in names:
             for lane, history in zip(lanes, sm.state._lane_pages(b)):
-                assert list(history.history_chunks) == kept[b, lane] == self.visible(sm, b, lane), (
+                assert list(history.history_chunks) == kept[b, lane] == self.chunks_visible(sm, b, lane), (
                     f"{sm.state.session_id}/{b} lane {lane}: drop_window kept {history.history_chunks}, "
                     f"expected the sinks {kept[b, lane]}"
                 )
