@@ -34,6 +34,7 @@ import torch.nn.functional as F
 import ardiff_modules as am
 from ardiff_modules.core.recache import RecacheRule
 from ardiff_modules.quant import dequantize, quantize
+from tests.support.projection_model import ProjectionModel
 
 LAYERS, KV_HEADS, D, DIM, FRAMES, PAGE = 2, 3, 4, 6, 3, 2
 P = 2  # patches a frame: a patch is one page
@@ -114,20 +115,11 @@ def rot(t: torch.Tensor, positions: list[int]) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------- model and oracle
-class Model:
+class Model(ProjectionModel):
     """Per layer, q/k/v are projections of the chunk's latents plus a prompt's bias."""
 
     def __init__(self, seed: int = 0) -> None:
-        g = torch.Generator().manual_seed(seed)
-        self.w = torch.randn(LAYERS, 3, DIM, KV_HEADS * D, generator=g)
-        self.bias: dict[int, torch.Tensor] = {}
-        self.g = g
-
-    def qkv(self, x: torch.Tensor, layer: int, prompt: int) -> list[torch.Tensor]:
-        if prompt not in self.bias:
-            self.bias[prompt] = torch.randn(LAYERS, 3, KV_HEADS * D, generator=self.g)
-        b = self.bias[prompt]
-        return [(x @ self.w[layer, i] + b[layer, i]).unflatten(-1, (KV_HEADS, D)) for i in range(3)]
+        super().__init__(LAYERS, DIM, KV_HEADS, D, seed)
 
 
 @dataclass
