@@ -28,7 +28,7 @@ from ardiff_modules.core.allocator import PageAllocator
 from ardiff_modules.core.branch import BranchPages
 from ardiff_modules.core.frame_retention import trims_frames
 from ardiff_modules.core.head_retention import HeadPart
-from ardiff_modules.core.selected_retention import selecting
+from ardiff_modules.core.selected_retention import selection_pages_of
 from ardiff_modules.core.retention import RetentionPolicy, SinkWindowPolicy
 from ardiff_modules.errors import CapacityError, KVScalesFixedError, SpecError, TensorMismatchError
 from ardiff_modules.pool import KVPool, bytes_per_page, pages_for_budget
@@ -121,10 +121,9 @@ def admission_of(spec: KVCacheSpec, extent_chunks: int | None, union_chunks: int
         # the most frames kept at once (a FrameWindowPolicy: its sink and window frames; a PhasedPolicy: the larger
         # phase's), never more (trimmed chunks hold only them); a frame policy that does not say: whole chunks
         frames = kept * (spec.pages_per_chunk // policy.frames_per_chunk)  # type: ignore[attr-defined]
-    selected = selecting(policy)
     # a content-selected branch holds its selection (and a committing forward reserves the next one beside it:
     # Admission counts it twice on the device, once on the host)
-    selection = selected.selected_pages(spec.pages_per_chunk // selected.frames_per_chunk) if selected else 0
+    selection = selection_pages_of(policy, spec.pages_per_chunk)
     return Admission(len(spec.branches), history, spec.pages_per_chunk, extent_chunks, context, frames, selection)
 
 

@@ -84,22 +84,28 @@ class LaneSelector:
             members = [m for m, job in enumerate(scoring) if job is not None]
             if not members:
                 continue
-            offsets = self._choose(group, [scoring[m] for m in members])  # type: ignore[misc]
-            host, ready = _to_host(offsets)
+            device = self.lanes[group.scoring_lane].pool.kv.device
+            per_lane: dict[int, list[SelectionJob]] = {}
             for lane_index in group.lanes:
                 lane_jobs = [jobs[lane_index][m] for m in members]
                 assert all(j is not None for j in lane_jobs), "a member selects in every lane of its group or none"
-                self._copy(self.lanes[lane_index], lane_jobs, offsets)  # type: ignore[arg-type]
+                per_lane[lane_index] = lane_jobs  # type: ignore[assignment]
+            # each lane's candidate page ids, staged once (the scoring lane's are read by the choice and the copy)
+            candidates = {i: _staged([j.candidates for j in js], device) for i, js in per_lane.items()}
+            offsets = self._choose(group, per_lane[group.scoring_lane], candidates[group.scoring_lane])
+            host, ready = _to_host(offsets)
+            for lane_index, selected in per_lane.items():
+                self._copy(self.lanes[lane_index], selected, candidates[lane_index], offsets)
                 for row, m in enumerate(members):
                     chosen[lane_index][m] = DeviceOffsets(host, row, ready)
         return chosen
 
-    def _choose(self, group: _Group, jobs: list[SelectionJob]) -> torch.Tensor:
-        """int64 ``[members, selected pages]``: offsets of the chosen pages among each member's candidates."""
+    def _choose(self, group: _Group, jobs: list[SelectionJob], candidates: torch.Tensor) -> torch.Tensor:
+        """int64 ``[members, selected pages]``: offsets of the chosen pages among each member's candidates
+        (``candidates``: their page ids in the scoring lane, on its device)."""
         policy, lane = group.policy, self.lanes[group.scoring_lane]
         keys = lane.pool.kv[group.scoring_layer, 0]  # [pages, page_size, heads, head_dim]
         device = keys.device
-        candidates = _staged([j.candidates for j in jobs], device)
         boundary = _staged([j.boundary for j in jobs], device)
         frames = policy.frames_per_chunk
         tokens = group.pages_per_frame * keys.shape[1]
@@ -107,7 +113,8 @@ class LaneSelector:
         # float32, as the attention reads them: an FP8 pool's scales are per (layer, K|V, head), so the raw codes
         # of the heads concatenated would weigh each head by 1 / its scale in the cosine -- dequantized first
         scale = lane.pool.scales[group.scoring_layer, 0].float()[:, None] if is_quantized(keys.dtype) else None
-        c, b = (keys[pages].float() if scale is None else keys[pages].float() * scale for pages in (candidates, boundary))
+        c, b = (keys[pages].float() if scale is None else keys[pages].float() * scale
+                for pages in (candidates, boundary))
         c = c.reshape(len(jobs), frames, tokens, features)
         b = b.reshape(len(jobs), tokens, features)
         patches = policy.patches_per_frame
@@ -127,10 +134,11 @@ class LaneSelector:
         return (first[:, :, None] + torch.arange(per_patch, device=device)).reshape(len(jobs), -1)
 
     @staticmethod
-    def _copy(lane: CacheLane, jobs: list[SelectionJob], offsets: torch.Tensor) -> None:
-        """The chosen candidate pages -> each member's selection pages, every layer, K and V."""
+    def _copy(lane: CacheLane, jobs: list[SelectionJob], candidates: torch.Tensor, offsets: torch.Tensor) -> None:
+        """The chosen candidate pages (``candidates``: the members' candidate page ids in ``lane``) -> each member's
+        selection pages, every layer, K and V."""
         device = lane.pool.kv.device
-        src = _staged([j.candidates for j in jobs], device).gather(1, offsets).reshape(-1)
+        src = candidates.gather(1, offsets).reshape(-1)
         dst = _staged([p for j in jobs for p in j.destination], device)
         kv = lane.pool.kv
         raw = kv.view(torch.uint8) if is_quantized(kv.dtype) else kv  # (FP8: bits as they are; no FP8 index_copy_)

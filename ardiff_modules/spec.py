@@ -16,7 +16,7 @@ from ardiff_modules.checks import require_int, require_positive_float
 from ardiff_modules.errors import SpecError, UnknownCacheError
 from ardiff_modules.core.recache import RecacheRule
 from ardiff_modules.core.frame_retention import check_frame_geometry
-from ardiff_modules.core.selected_retention import check_selection_geometry, selecting
+from ardiff_modules.core.selected_retention import check_selection_geometry, selecting, selection_pages_of
 from ardiff_modules.core.head_retention import HeadRetention
 from ardiff_modules.core.retention import RetentionPolicy, SinkWindowPolicy, check_declared, check_index_bound
 
@@ -400,11 +400,10 @@ def max_attended_pages(spec: KVCacheSpec) -> int | None:
     policies = list(spec.head_retention.groups.values()) if spec.head_retention is not None else [spec.policy]
     bounds = []
     for policy in policies:
-        chunks, selected = policy.max_history_chunks, selecting(policy)
+        chunks = policy.max_history_chunks
         if chunks is None:
             return None
-        room = selected.selected_pages(spec.pages_per_chunk // selected.frames_per_chunk) if selected else 0
-        bounds.append(chunks * spec.pages_per_chunk + room)
+        bounds.append(chunks * spec.pages_per_chunk + selection_pages_of(policy, spec.pages_per_chunk))
     return max(bounds)
 
 

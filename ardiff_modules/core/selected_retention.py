@@ -149,6 +149,13 @@ def selecting(policy: object) -> SelectedFramesPolicy | None:
     return None
 
 
+def selection_pages_of(policy: object, pages_per_chunk: int) -> int:
+    """Pages one selection of ``policy`` holds in a lane of ``pages_per_chunk`` pages a chunk (``0``: it never
+    selects): what admission, fixed plan buffers and a file's header count."""
+    selected = selecting(policy)
+    return selected.selected_pages(pages_per_chunk // selected.frames_per_chunk) if selected is not None else 0
+
+
 def candidates_at(policy: object, index: int, floor: int = 0) -> tuple[int, int] | None:
     """:meth:`SelectedFramesPolicy.candidates` of the phase of ``policy`` that the commit of chunk ``index`` runs
     under (a phased policy's ``after`` once that commit makes ``at_chunk`` chunks), ``None`` for any other policy.
