@@ -39,13 +39,16 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _spawn(world: int, check: Any, *args: Any, backend: str = "gloo", killed: tuple[int, ...] = ()) -> None:
+def _spawn(
+    world: int, check: Any, *args: Any, backend: str = "gloo", killed: tuple[int, ...] = (), cuda: bool = False
+) -> None:
     """Run ``check(*args)`` on ``world`` fresh processes; a rank's exception fails the test with its traceback.
 
+    ``cuda``: the ranks use CUDA (spawned: a forked child cannot, once the warm-up or an earlier test has).
     ``killed``: ranks that must end by SIGKILL -- their own, or the test's once every other rank has finished
     (a rank left hung on purpose). The other ranks must finish cleanly, whatever happened to those.
     """
-    method = "spawn" if backend == "nccl" else START_METHOD
+    method = "spawn" if backend == "nccl" or cuda else START_METHOD
     if method == "fork":
         workers.warm_up()  # forked ranks inherit what the first library forward imports (~3 s each otherwise)
     limit = DEADLINE_S if backend == "gloo" else 4 * DEADLINE_S  # GPU: first-use kernel JIT builds
