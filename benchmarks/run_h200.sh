@@ -123,10 +123,12 @@ for what in "$@"; do
     # Issue 45 item 4: the serving trace at the 1.3B shape compiled, CFG off (the real-time setting), the four policies
     # (migrate beside suspend, close_idle, queue). Estimate ~5 min: ~2-3 min of compiles (batch 1 and 2, before
     # anything is timed), the per-policy warm-ups, ~10-20 s of trace per policy (each capped at 60 s).
-    # Measured (H200, stop 50): compiling batch sizes 1..2 took 245 s before the trace began, so the four policies'
-    # traces get ~75 s each: give this step a device call of its own.
+    # Measured (H200, stop 50): compiling the whole model for batch sizes 1..2 took 245 s before the trace began and
+    # the step was cut at 330 s. Since stop 51 the blocks are compiled regionally (--compile-scope blocks: one graph
+    # per batch size shared by the 30 blocks; not measured on a GPU yet, expected ~1/30 of that compile), so the
+    # four policies' traces fit: give this step a device call of its own anyway.
     serving_compiled_cfg_off) step serving_compiled_cfg_off 570 python3 -m benchmarks.serving --compile --cfg off \
-               --policy-time-limit 45 --out "$out/serving_compiled_cfg_off" ;;
+               --compile-scope blocks --policy-time-limit 60 --out "$out/serving_compiled_cfg_off" ;;
     serving_14b) step serving_14b 200 python3 -m benchmarks.serving --preset wan14b-like --compute attention \
                --out "$out/serving_14b" ;;
     # Issue 45 item 4: save / load of one Wan2.1-1.3B session (12.3 GB file in /tmp) vs the model's chunk step, the
@@ -180,10 +182,18 @@ for what in "$@"; do
                ${FORCINGKV_HEADS:+--forcingkv-heads "$FORCINGKV_HEADS"} \
                --variants library_heads_compiled_graph,forcingkv_own_compiled_graph,library_compiled_graph,rolling_fa3_compiled_graph \
                --chunks-timed 3 --out "$out/$what" ;;
+    # Measured (H100, stop 51): 356 s in all (library_heads_compiled_graph's warm-up 109 s, the peer's 209 s).
     dynamic_pair_cfg_off) step end_to_end_dynamic_pair_cfg_off 560 python3 -m benchmarks.end_to_end --cfg off \
                --heads forcingkv --forcingkv-dynamic on ${FORCINGKV_HEADS:+--forcingkv-heads "$FORCINGKV_HEADS"} \
                --variants library_heads_compiled_graph,forcingkv_own_compiled_graph --chunks-timed 3 \
                --out "$out/$what" ;;
+    # Issue 42: where the same-method pair's time goes (H100, stop 51: library_heads_compiled_graph 256.2 ms vs
+    # forcingkv_own_compiled_graph 239.1 ms, 0.93x): both eager (Forcing-KV as published runs eager) with
+    # torch.profiler tables per variant under $OUT/dynp (the lanes' paged FA3 vs the peer's ragged FA3 over its
+    # concatenated caches). Estimate ~1.5 min (no compile).
+    dynamic_profile_cfg_off) step end_to_end_dynamic_profile_cfg_off 240 python3 -m benchmarks.end_to_end --cfg off \
+               --heads forcingkv --forcingkv-dynamic on ${FORCINGKV_HEADS:+--forcingkv-heads "$FORCINGKV_HEADS"} \
+               --variants library_heads,forcingkv_own --chunks-timed 3 --profile "$out/dynp" --out "$out/dynp" ;;
     # The same method with FP8 KV on top (the issue's >= 1.8x target) beside the graphed peer, CFG off.
     dynamic_fp8_cfg_off) step end_to_end_dynamic_fp8_cfg_off 560 python3 -m benchmarks.end_to_end --cfg off \
                --heads forcingkv --forcingkv-dynamic on ${FORCINGKV_HEADS:+--forcingkv-heads "$FORCINGKV_HEADS"} \

@@ -129,7 +129,8 @@ def test_serving_with_extents_in_a_fragmented_pool_cpu(tmp_path: Path) -> None:
         assert payload["policies"][policy]["metrics"]["sessions_finished"] == 8
 
 
-def test_serving_compiled_cfg_off_cpu(tmp_path: Path) -> None:
+@pytest.mark.parametrize("scope", ["model", "blocks"])
+def test_serving_compiled_cfg_off_cpu(tmp_path: Path, scope: str) -> None:
     """The issue-45 setting's flags (``--compile --cfg off``; the eager dynamo backend on the CPU): one stream per
     session, every batch size compiled before the timed trace (no graph compiled inside it), the four policies
     served, migrate's moves within the CUDA tolerance of queue (a lone forward and a batched one round differently
@@ -137,8 +138,9 @@ def test_serving_compiled_cfg_off_cpu(tmp_path: Path) -> None:
     payload = serving.run(["--device", "cpu", "--preset", "tiny", "--sessions", "4", "--resident", "2",
                            "--arrival-gap", "1", "--bursts", "2", "--burst-chunks", "1,2", "--pause-ticks", "3,4",
                            "--seed", "3", "--cfg", "off", "--compile", "--compile-backend", "eager",
-                           "--out", str(tmp_path)])
+                           "--compile-scope", scope, "--out", str(tmp_path)])
     config = payload["config"]
+    assert config["compile_scope"] == scope
     assert payload["ok"] and config["branches"] == ["cond"] and config["cfg"] == "off" and config["compiled"]
     assert config["compile_warmup_s"] > 0 and not payload["check"]["exact"]
     for name, res in payload["policies"].items():
