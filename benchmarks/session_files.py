@@ -190,6 +190,15 @@ def same(a: Sequence[Any], b: Sequence[Any]) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+def _version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
 def max_diff(a: Sequence[Any], b: Sequence[Any]) -> float | None:
     """The largest absolute difference between two outputs (a diagnostic beside :func:`same`)."""
     if len(a) != len(b) or any(x.shape != y.shape for x, y in zip(a, b)):
@@ -494,6 +503,8 @@ def _bench(args: Any, folder: Path, t0: float, device: Any, cuda: bool, dtype: A
             "fsync": "save: none inside save_sessions (the library's); fsync_after_save timed separately; "
                      "disk_write: none, disk_write_fsync: write + fsync",
             "gb": "1e9 bytes",
+            # older safetensors copy each tensor's bytes while writing; 0.8 writes from the tensors' memory
+            "safetensors": _version("safetensors"),
         },
         "filesystem": fs,
         "sizes": sizes,
