@@ -18,8 +18,9 @@ crossed the link twice per round), its kept latents too, and rank 1's pool must 
 ``cuda:r``): the pages go from one pool to the other as device tensors (one gather per lane, no host copy, the
 library's path between GPUs). On **one GPU** (``--device cuda`` with a single device) NCCL is not an option --
 it refuses two ranks of one communicator on the same device -- so both ranks share ``cuda:0`` over **gloo**,
-which carries CPU tensors: each move is gather on the device, device-to-host copy, loopback TCP between the two
-processes, host-to-device copy, scatter into the pool. That is the library's path between two processes on one
+which carries CPU tensors: each move is gather on the device, then per 64 MiB block a device-to-host copy into a
+pinned buffer, loopback TCP between the two processes and a host-to-device copy (the copies overlapping the wire
+since stop 51; before, each whole tensor crossed to the host, the wire and back in turn), scatter into the pool. That is the library's path between two processes on one
 GPU and what this measures there; a CUDA IPC transport (the receiver copying straight from the sender's memory,
 device to device) is not in the library, and the ``d2d`` baseline (one device copy of the same bytes) bounds what
 it could reach. ``--backend gloo`` / ``nccl`` force one. On the CPU (``--device cpu``, the smoke run) gloo.
@@ -32,8 +33,9 @@ page), the pool's FP8 scales, the cross caches, the kept latents (``sizes``); GB
 
 Writes ``session_transport.json`` (config, sizes, chunk step, ``moves`` {send, recv}: median / IQR ms, GB/s,
 multiple of the chunk step; ``baselines``; ``check``; ``ok``; run metadata) into ``--out DIR`` (default: the
-committed result, ``benchmarks/results/session_transport_<device>.json``). Host memory at the peak on one GPU:
-about 3x the session (the sender's staged copy, the receiver's buffers, a baseline buffer).
+committed result, ``benchmarks/results/session_transport_<device>.json``). Memory at the peak on one GPU: the
+sender's gathered pages and the receiver's buffer on the device (each the session's size), and a baseline buffer of
+it in host memory.
 
     bash .gpu/run.sh python3 -m benchmarks.session_transport --out $OUT       # one GPU: gloo between 2 processes
     python -m benchmarks.session_transport --device cpu --out /tmp/st         # CPU smoke (tiny, gloo)

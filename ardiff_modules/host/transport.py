@@ -14,8 +14,10 @@ checks and opens them exactly as a load does (all or nothing)::
 **Pages straight from the pool.** The tensors travel on the group's device (:func:`wire_device`): with NCCL
 (``"nccl"`` in the group's backend) on the current CUDA device -- each lane's distinct pages gathered from the pool
 in one ``index_select`` and sent as they are, received into a device buffer and copied into the pool with one
-``index_copy_``, never through host memory; with gloo on the CPU (a CUDA pool's gathered pages are copied to the
-host for the send and back to the device on the receiver: gloo carries CPU tensors). The control messages (the
+``index_copy_``, never through host memory; with gloo on the CPU. gloo carries CPU tensors, so a CUDA pool's
+gathered pages cross the host in blocks (:data:`BLOCK_BYTES`) through two pinned buffers on each side: the sender
+copies the next block to the host while the wire carries this one, the receiver copies a block into its device
+buffer while the next arrives (no whole-session host copy on either side). The control messages (the
 envelope, the answers) are small tensors on the same device. A link delivers bytes whole, so a send carries no
 SHA-256 digests (a file does); every other check of a load is made, and the envelope's shapes before any tensor
 moves.
@@ -43,6 +45,12 @@ from ardiff_modules.session import KVState
 #: The dtypes a snapshot's tensors may have (a received envelope naming another is refused).
 _DTYPES = {str(d): d for d in (torch.uint8, torch.float32, torch.float16, torch.bfloat16, torch.float64)}
 
+#: Bytes per message of a tensor: a tensor travels in blocks, so that a device tensor over a host wire (gloo) is
+#: staged through two pinned host buffers of this size, the copy of one block overlapping the wire of the other.
+BLOCK_BYTES = 64 << 20
+#: The largest block an envelope may announce (a receiver allocates two staging buffers of it).
+MAX_BLOCK_BYTES = 1 << 30
+
 #: Bytes a JSON message (the envelope, an answer) may have: a peer announcing more is refused before any buffer
 #: of that size is made (an envelope names every tensor once: far below this for any real snapshot).
 MAX_MESSAGE_BYTES = 64 << 20
@@ -60,15 +68,17 @@ def send_sessions(cache: FileHost, sessions: Iterable[KVState], dst: int, group:
     if isinstance(sessions, Iterable) and not isinstance(sessions, KVState):
         sessions = list(sessions)  # walked twice: the snapshot, then the close
     wire = wire_device(group)
+    block = BLOCK_BYTES
     with cache.lock:
         try:
-            tensors, header = snapshot(cache, sessions, "send_sessions", device=wire)
+            # on the pool's device: a host wire gets them block by block through pinned staging (_send_tensor)
+            tensors, header = snapshot(cache, sessions, "send_sessions", device=cache._pool.device)
         except ARDiffError as e:
             _send_json({"refused": f"{type(e).__name__}: {e}"}, dst, group)
             raise
         names = sorted(tensors)
         shapes = [[n, str(tensors[n].dtype), list(tensors[n].shape)] for n in names]
-        envelope = {"header": encode(header), "tensors": shapes}
+        envelope = {"header": encode(header), "tensors": shapes, "block_bytes": block}
         states = list(dict.fromkeys(sessions))
         try:
             _send_json(envelope, dst, group)
@@ -77,8 +87,7 @@ def send_sessions(cache: FileHost, sessions: Iterable[KVState], dst: int, group:
             answer = _recv_json(dst, group)
             if answer.get("go") is True:
                 for name in names:
-                    if tensors[name].numel():
-                        dist.send(tensors[name], dst, group=group)
+                    _send_tensor(tensors[name], dst, group, wire, block)
                 answer = _recv_json(dst, group)
         except Exception as e:  # a lost peer, a broken link: nothing was handed over
             raise SessionTransferError(
@@ -121,6 +130,7 @@ def recv_sessions(
         raise SessionTransferError(f"{where}: expected sessions, got the sender's refusal: {envelope['refused']}")
     try:
         entries = _checked_entries(where, envelope)
+        block = _checked_block(where, envelope)
         _check_envelope(cache, where, envelope["header"], entries, max_latent_bytes)
     except ARDiffError as e:
         # The sender waits for this answer (no tensor moved yet).
@@ -128,7 +138,8 @@ def recv_sessions(
         raise
     _send_json({"go": True}, src, group)
     try:
-        tensors = {n: _recv_tensor(src, group, dtype, shape, wire) for n, dtype, shape in entries}
+        home = cache._pool.device
+        tensors = {n: _recv_tensor(src, group, dtype, shape, wire, home, block) for n, dtype, shape in entries}
     except Exception as e:
         raise SessionTransferError(f"{where}: expected a snapshot, got {type(e).__name__}: {e}") from e
     try:
@@ -138,6 +149,18 @@ def recv_sessions(
         raise
     _send_json({"ok": True}, src, group)
     return states
+
+
+def _checked_block(where: str, envelope: dict[str, Any]) -> int | None:
+    """The envelope's block size in bytes (``None``: a sender that sends each tensor as one message)."""
+    block = envelope.get("block_bytes")
+    if block is None:
+        return None
+    if not isinstance(block, int) or isinstance(block, bool) or not 0 < block <= MAX_BLOCK_BYTES:
+        raise SessionTransferError(
+            f"{where}: expected block_bytes of 1 to {MAX_BLOCK_BYTES} bytes, got {block!r:.100}"
+        )
+    return block
 
 
 def _checked_entries(where: str, envelope: object) -> list[tuple[str, str, list[int]]]:
@@ -196,11 +219,81 @@ def wire_device(group: Any = None) -> torch.device:
     return torch.device("cpu")
 
 
-def _recv_tensor(src: int, group: Any, dtype: str, shape: list[int], device: torch.device) -> torch.Tensor:
-    """One tensor of the envelope (checked by :func:`_checked_entries`), received on ``device``."""
-    t = torch.empty(shape, dtype=_DTYPES[dtype], device=device)
-    if t.numel():
-        dist.recv(t, src, group=group)
+def _blocks(nbytes: int, block: int | None) -> list[tuple[int, int]]:
+    """``(start, end)`` byte ranges of a tensor's messages (one when ``block`` is ``None``)."""
+    step = nbytes if block is None else block
+    return [(start, min(start + step, nbytes)) for start in range(0, nbytes, max(step, 1))]
+
+
+def _staged(wire: torch.device, other: torch.device) -> bool:
+    """Whether a tensor on ``other`` crosses a ``wire`` on the host through pinned staging buffers (a CUDA
+    tensor over gloo); otherwise it is sent from (received into) the wire's device directly."""
+    return wire.type == "cpu" and other.type == "cuda"
+
+
+def _send_tensor(t: torch.Tensor, dst: int, group: Any, wire: torch.device, block: int) -> None:
+    """Send ``t``'s bytes in blocks of ``block``: from ``t`` itself on the wire's device; a CUDA tensor over a host
+    wire through two pinned buffers, the device-to-host copy of the next block running during the send of this
+    one (``dist.send`` returns once its block is sent, so the buffer it used is free again)."""
+    if not t.numel():
+        return
+    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    spans = _blocks(flat.numel(), block)
+    if not _staged(wire, flat.device):
+        flat = flat.to(wire)
+        for start, end in spans:
+            dist.send(flat[start:end], dst, group=group)
+        return
+    stage = [torch.empty(spans[0][1], dtype=torch.uint8, pin_memory=True) for _ in range(min(2, len(spans)))]
+    ready: list[torch.cuda.Event] = []
+
+    def copy(i: int) -> None:
+        start, end = spans[i]
+        stage[i % 2][: end - start].copy_(flat[start:end], non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        ready.append(event)
+
+    copy(0)
+    for i, (start, end) in enumerate(spans):
+        if i + 1 < len(spans):
+            copy(i + 1)  # into the other buffer, whose send (block i - 1) has returned
+        ready[i].synchronize()
+        dist.send(stage[i % 2][: end - start], dst, group=group)
+
+
+def _recv_tensor(
+    src: int, group: Any, dtype: str, shape: list[int], wire: torch.device, home: torch.device, block: int | None
+) -> torch.Tensor:
+    """One tensor of the envelope (checked by :func:`_checked_entries`), received in blocks (:func:`_send_tensor`)
+    onto ``home`` (the pool's device): into it directly from a wire on the same device, through two pinned buffers
+    from a host wire into CUDA (the host-to-device copy of a block running during the receive of the next)."""
+    t = torch.empty(shape, dtype=_DTYPES[dtype], device=home)
+    if not t.numel():
+        return t
+    flat = t.view(-1).view(torch.uint8)
+    spans = _blocks(flat.numel(), block)
+    if not _staged(wire, home):
+        landing = flat if wire == home else torch.empty_like(flat, device=wire)
+        for start, end in spans:
+            dist.recv(landing[start:end], src, group=group)
+        if landing is not flat:
+            flat.copy_(landing)
+        return t
+    stage = [torch.empty(spans[0][1], dtype=torch.uint8, pin_memory=True) for _ in range(min(2, len(spans)))]
+    done: list[torch.cuda.Event | None] = [None] * len(stage)
+    for i, (start, end) in enumerate(spans):
+        buffer, previous = stage[i % 2], done[i % 2]
+        if previous is not None:
+            previous.synchronize()  # its copy (block i - 2) has read the buffer
+        dist.recv(buffer[: end - start], src, group=group)
+        flat[start:end].copy_(buffer[: end - start], non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        done[i % 2] = event
+    for last in done:
+        if last is not None:
+            last.synchronize()  # the staging buffers outlive their last copies
     return t
 
 

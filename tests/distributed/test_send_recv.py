@@ -20,6 +20,33 @@ def test_two_ranks_hand_a_fork_family_over_or_keep_it_on_a_refusal() -> None:
     _spawn(2, transport_workers.check_send_recv)
 
 
+def test_two_ranks_hand_over_a_family_in_blocks_of_bytes() -> None:
+    """Each tensor sent as many messages, cutting elements: the family arrives whole and continues bit-identically."""
+    _spawn(2, transport_workers.check_send_recv_in_blocks)
+
+
+def test_an_envelope_announcing_a_hostile_block_size_is_refused() -> None:
+    """The receiver allocates staging buffers of the announced block: none, a non-int or past the bound is refused."""
+    from ardiff_modules.errors import SessionTransferError
+    from ardiff_modules.host import transport
+
+    assert transport._checked_block("w", {}) is None
+    assert transport._checked_block("w", {"block_bytes": 4096}) == 4096
+    for hostile in (0, -1, True, 1.5, "64", transport.MAX_BLOCK_BYTES + 1):
+        with pytest.raises(SessionTransferError, match="block_bytes"):
+            transport._checked_block("w", {"block_bytes": hostile})
+
+
+@pytest.mark.parametrize(("nbytes", "block"), [(0, 7), (1, 7), (7, 7), (8, 7), (20, 7), (20, None), (5, 100)])
+def test_blocks_cover_every_byte_once_in_order(nbytes: int, block: int | None) -> None:
+    from ardiff_modules.host import transport
+
+    spans = transport._blocks(nbytes, block)
+    covered = [b for start, end in spans for b in range(start, end)]
+    assert covered == list(range(nbytes))
+    assert all(end - start <= (block or nbytes) and end > start for start, end in spans)
+
+
 @pytest.mark.parametrize("kind", ["uniform", "per-head", "per-layer", "one-group"])
 def test_two_ranks_hand_over_a_grouped_family_or_keep_it_in_every_lane(kind: str) -> None:
     """With retention groups: a receiver of another retention map or without room in one lane refuses before any
