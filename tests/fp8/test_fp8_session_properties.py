@@ -98,6 +98,9 @@ class FP8SessionStateMachine(SessionStateMachine):
     # NOTE: uniform draws only for now: FP8 pools with retention groups work (per-lane scales), but this machine's
     # ids and FP8_SCALES are one kv head's.
     DRAWS_GROUPS = False
+    # A uniform SelectedFramesPolicy too: with one 2-wide head and ids below 127 every key here is (0, b), so its
+    # scores tie and the model checks that the library kept a top k (ForwardModel.m_choose), then follows its copies.
+    DRAWS_SELECTION = True
 
     def spec_extra(self) -> dict[str, Any]:
         return {"kv_dtype": "float8_e4m3fn"}

@@ -54,8 +54,7 @@ NOT_YET_WITH_GROUPS: dict[str, str] = {}
 class MachineBase(RuleBasedStateMachine):
     #: Whether the setup draws retention groups (the FP8 machine: uniform only, its ids and scales are one head's).
     DRAWS_GROUPS = True
-    #: Whether the setup draws a content-selected cache (the FP8 machine: not yet -- its pool model keeps codes the
-    #: selection's page copies would have to follow).
+    #: Whether the setup draws a content-selected cache.
     DRAWS_SELECTION = True
 
     def __init__(self) -> None:

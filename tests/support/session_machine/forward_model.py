@@ -44,6 +44,9 @@ from tests.support.session_model import (
 )
 
 
+#: Scores (cosines, float32 in the library, float64 here) this close count as a tie (:meth:`ForwardModel.m_choose`).
+SCORE_TIE = 1e-5
+
 class ForwardModel:
     # ================================================================== helpers: prepare
     def predict_prepare(
@@ -571,12 +574,21 @@ class ForwardModel:
             offsets = chosen[group]
             reserved = sm.reserved[lane][b]
             lib = sm.state._lane_pages(b)[lane].selection if adopt else None
-            if offsets == ():  # a non-finite score (check_finite off): the order is torch's, not re-stated
+            if offsets == ():  # a non-finite score (check_finite off) or a tie: the order is torch's, not re-stated
                 if not adopt:
                     continue
                 assert lib is not None, f"{b} lane {lane}: no selection made, expected one"
                 offsets = chosen[group] = tuple(lib.resolved())
-                event("content selection over a non-finite score: the chosen pages read back")
+                tie = self.selection_tie
+                if tie is None:
+                    event("content selection over a non-finite score: the chosen pages read back")
+                else:  # any top k of the tied scores will do: the library's must be one
+                    by_patch, kth, pages_patch = tie
+                    picked = sorted({o // pages_patch for o in offsets})
+                    assert len(picked) * pages_patch == len(offsets) and all(
+                        by_patch[n] >= kth - SCORE_TIE for n in picked
+                    ), f"{b} lane {lane}: selection offsets {offsets} are not a top {len(picked)} of {by_patch}"
+                    event("content selection over tied scores: the library's top k read back and checked")
             if not adopt:
                 assert (offsets is None) == (not reserved), (offsets, reserved)
             elif offsets is None:
@@ -633,13 +645,22 @@ class ForwardModel:
         scores = []  # (score, patch number) of every candidate patch
         for i in range(per):
             a, c = frames[i], frames[i + 1]
-            cos = (a * c).sum(-1) / (a.norm(dim=-1) * c.norm(dim=-1)).clamp_min(1e-8)
+            # torch's cosine (Forcing-KV's call), in float64: its eps bounds each norm, not their product (which
+            # an FP8 pool's tiny keys, norms ~1e-4, fell under)
+            cos = torch.nn.functional.cosine_similarity(a, c, dim=-1)
             for p in range(patches):
                 scores.append((-float(cos[p * per_patch : (p + 1) * per_patch].mean()), i * patches + p))
+        self.selection_tie = None
         if not all(math.isfinite(score) for score, _ in scores):
             return ()
-        best = sorted(scores, key=lambda x: (-x[0], x[1]))[: keep * patches]
+        ranked = sorted(scores, key=lambda x: (-x[0], x[1]))
+        best = ranked[: keep * patches]
         pages_patch = page_frame // patches
+        if len(ranked) > len(best) and best[-1][0] - ranked[len(best)][0] <= SCORE_TIE:
+            # the last kept and the first dropped score tie (within the library's float32 rounding): torch's topk
+            # may keep either, so the model reads the library's choice back and checks it is a top k
+            self.selection_tie = ({n: score for score, n in scores}, best[-1][0], pages_patch)
+            return ()
         return tuple(o for _, n in sorted(best, key=lambda x: x[1]) for o in range(n * pages_patch, (n + 1) * pages_patch))
 
     def m_finish(self, tx: TxModel | None, success: bool) -> None:
