@@ -137,7 +137,7 @@ class KVCache:
 
     @property
     def extent_chunks(self) -> int | None:
-        """Chunk slots of each branch's contiguous extent, or ``None`` for plain paging (fixed at construction)."""
+        """Slots of each branch's contiguous extent (a frame lane's: frames), or ``None`` (plain paging)."""
         return self._lanes[0].extent_chunks
 
     @property
@@ -397,7 +397,8 @@ def _geometry(cache: KVCache) -> str:
     rows = []
     for lane in cache._lanes:
         pool = lane.pool
-        extents = f"extents of {lane.extent_chunks} chunks" if lane.extent_chunks else "plain paging"
+        slots = "frames" if lane.frame_slots else "chunks"
+        extents = f"extents of {lane.extent_chunks} {slots}" if lane.extent_chunks else "plain paging"
         rows.append(f"{lane.name}: {pool.num_pages} pages of {pool.bytes_per_page} bytes ({pool.nbytes / 2**20:.1f} MiB), "
                     f"{extents}")
     return f"{'; '.join(rows)} on {cache.device}, backend {cache.backend.name!r}"

@@ -26,6 +26,7 @@ import torch
 from ardiff_modules.core.admission import Admission, ExtentRoom
 from ardiff_modules.core.allocator import PageAllocator
 from ardiff_modules.core.branch import BranchPages
+from ardiff_modules.core.branch_frame_extent import frame_extent_slots
 from ardiff_modules.core.frame_retention import trims_frames
 from ardiff_modules.core.head_retention import HeadPart
 from ardiff_modules.core.selected_retention import selection_pages_of
@@ -46,10 +47,22 @@ class CacheLane:
     spec: KVCacheSpec
     pool: KVPool
     allocator: PageAllocator
-    #: Chunk slots of each branch's contiguous extent in this lane (``None``: plain paging).
+    #: Slots of each branch's contiguous extent in this lane (``None``: plain paging): chunks, or frames.
     extent_chunks: int | None
     admission: Admission
     part: HeadPart | None = None
+    #: Whether the extent's slots are frames (a lane trimming chunks to frames: ``core/branch_frame_extent.py``).
+    frame_slots: bool = False
+    #: Pages of one extent slot: a chunk's, or with frame slots a frame's (``0``: the spec's chunk).
+    extent_slot_pages: int = 0
+
+    def __post_init__(self) -> None:
+        spec = self.spec
+        if not self.extent_slot_pages:  # (a field, not a property: read by every forward's request)
+            self.extent_slot_pages = (
+                spec.pages_per_chunk // spec.policy.frames_per_chunk if self.frame_slots  # type: ignore[attr-defined]
+                else spec.pages_per_chunk
+            )
 
     @property
     def name(self) -> str:
@@ -59,7 +72,7 @@ class CacheLane:
     @property
     def extent_pages(self) -> int:
         """Pages of one contiguous extent (``0``: plain paging)."""
-        return (self.extent_chunks or 0) * self.spec.pages_per_chunk
+        return (self.extent_chunks or 0) * self.extent_slot_pages
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -70,7 +83,8 @@ class CacheLane:
         """A branch's empty page bookkeeping under this lane's retention and extents."""
         spec = self.spec
         horizon = spec.recache.horizon(spec.policy.sink_chunks)
-        return BranchPages(spec.policy, spec.pages_per_chunk, spec.chunk_size, self.extent_chunks, horizon)
+        return BranchPages(spec.policy, spec.pages_per_chunk, spec.chunk_size, self.extent_chunks, horizon,
+                           frame_slots=self.frame_slots)
 
 
 def lane_spec(spec: KVCacheSpec, part: HeadPart) -> KVCacheSpec:
@@ -94,17 +108,29 @@ def lane_specs(spec: KVCacheSpec) -> tuple[tuple[KVCacheSpec, HeadPart | None], 
 
 
 def extent_chunks_of(spec: KVCacheSpec, backend: str, contiguous_extents: bool | None) -> int | None:
-    """Chunk slots of each branch's contiguous extent (``None``: plain paging); by default on with FlashInfer
-    and a bounded window."""
+    """Slots of each branch's contiguous extent (``None``: plain paging); by default on with FlashInfer and a
+    bounded window for chunk lanes. Chunk slots (``sinks + window + 1``), or frame slots for a lane that trims
+    chunks to frames (:func:`extent_frames_of`), which only ``contiguous_extents=True`` turns on."""
+    frames = extent_frames_of(spec)
     if contiguous_extents is None:
-        # NOTE: a lane that trims chunks to frames attends scattered pages (the kept frames of several chunks)
-        # whatever their slots: paged, so by default it holds exactly its kept pages instead of a ring.
+        # NOTE: a lane that trims chunks to frames attends single frames of several chunks: only frame slots keep
+        # them in one run, and they are opt-in for now. Ragged FA3 sums the keys in slot order, and a resume (or a
+        # load) lays a frame lane's history out in history order, not in the slots it had (chunk slots are kept):
+        # such a lane would continue bit-identically on the CPU but not to the last bit on FlashInfer.
         contiguous_extents = (
             backend == "flashinfer" and spec.max_history_chunks is not None and not trims_frames(spec.policy)
         )
     if contiguous_extents and spec.max_history_chunks is None:
         raise SpecError("contiguous_extents=True: expected a bounded window (window_chunks), got None")
-    return spec.max_history_chunks + 1 if contiguous_extents else None  # type: ignore[operator]
+    if not contiguous_extents:
+        return None
+    return frames if frames is not None else spec.max_history_chunks + 1  # type: ignore[operator]
+
+
+def extent_frames_of(spec: KVCacheSpec) -> int | None:
+    """Frame slots of a frame lane's extent (:func:`~ardiff_modules.core.branch_frame_extent.frame_extent_slots`:
+    sink + window + selected + one chunk's frames), ``None`` for any other lane (chunk slots, if any)."""
+    return frame_extent_slots(spec.policy)
 
 
 def admission_of(spec: KVCacheSpec, extent_chunks: int | None, union_chunks: int | None = None) -> Admission:
@@ -124,7 +150,8 @@ def admission_of(spec: KVCacheSpec, extent_chunks: int | None, union_chunks: int
     # a content-selected branch holds its selection (and a committing forward reserves the next one beside it:
     # Admission counts it twice on the device, once on the host)
     selection = selection_pages_of(policy, spec.pages_per_chunk)
-    return Admission(len(spec.branches), history, spec.pages_per_chunk, extent_chunks, context, frames, selection)
+    slot = spec.pages_per_chunk // policy.frames_per_chunk if extent_frames_of(spec) is not None else None  # type: ignore[attr-defined]
+    return Admission(len(spec.branches), history, spec.pages_per_chunk, extent_chunks, context, frames, selection, slot)
 
 
 def union_recache_chunks(policies: Sequence[RetentionPolicy], context: int) -> int | None:
@@ -205,7 +232,7 @@ def build_lanes(
     names = ["all" if part is None else part.name for _, part in pairs]
     pages = lane_pages(spec, specs, admissions, names, num_pages, budget_bytes)
     return tuple(
-        CacheLane(i, s, KVPool(s, n, device), PageAllocator(n), e, a, part)
+        CacheLane(i, s, KVPool(s, n, device), PageAllocator(n), e, a, part, e is not None and extent_frames_of(s) is not None)
         for i, ((s, part), n, e, a) in enumerate(zip(pairs, pages, extents, admissions))
     )
 

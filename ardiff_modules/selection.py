@@ -79,6 +79,9 @@ class LaneSelector:
     def __call__(self, jobs: list[list[SelectionJob | None]]) -> list[list[DeviceOffsets | None]]:
         """``jobs`` per lane, per member -> the chosen offsets per lane, per member (``None`` where no job)."""
         chosen: list[list[DeviceOffsets | None]] = [[None] * len(lane_jobs) for lane_jobs in jobs]
+        # NOTE: every group chooses before any copies: a copy may overwrite the current selection in place (a frame
+        # extent's, ``core/branch_frame_extent.py``), so a scorer raising in a later group must find nothing copied
+        copies = []
         for group in self.groups:
             scoring = jobs[group.scoring_lane]
             members = [m for m, job in enumerate(scoring) if job is not None]
@@ -93,11 +96,14 @@ class LaneSelector:
             # each lane's candidate page ids, staged once (the scoring lane's are read by the choice and the copy)
             candidates = {i: _staged([j.candidates for j in js], device) for i, js in per_lane.items()}
             offsets = self._choose(group, per_lane[group.scoring_lane], candidates[group.scoring_lane])
+            copies.append((per_lane, candidates, offsets))
             host, ready = _to_host(offsets)
-            for lane_index, selected in per_lane.items():
-                self._copy(self.lanes[lane_index], selected, candidates[lane_index], offsets)
+            for lane_index in per_lane:
                 for row, m in enumerate(members):
                     chosen[lane_index][m] = DeviceOffsets(host, row, ready)
+        for per_lane, candidates, offsets in copies:
+            for lane_index, selected in per_lane.items():
+                self._copy(self.lanes[lane_index], selected, candidates[lane_index], offsets)
         return chosen
 
     def _choose(self, group: _Group, jobs: list[SelectionJob], candidates: torch.Tensor) -> torch.Tensor:

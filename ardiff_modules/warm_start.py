@@ -393,7 +393,7 @@ def _check_room(cache: KVCache, lane: CacheLane, walk: _Walk, chunks: int) -> No
     history = spec.max_history_chunks
     per_stream = min(chunks, history + 1) if history is not None else chunks
     if lane.extent_chunks is not None:
-        per_stream = max(per_stream, lane.extent_chunks)
+        per_stream = max(per_stream, -(-lane.extent_pages // spec.pages_per_chunk))  # (frame slots: fewer pages)
     needed = max(walk.batches) * len(walk.branches) * per_stream * spec.pages_per_chunk
     with cache.lock:
         free, used = lane.allocator.num_free, lane.allocator.num_used

@@ -303,6 +303,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--local-fraction", type=float, default=2 / 3,
                    help="without --heads: the share of each layer's heads kept local (sink 0 + window 1); "
                         "the rest keep the preset's sink + window (default 2/3)")
+    p.add_argument("--frame-extents", choices=("on", "off"), default="on",
+                   help="the library_heads* rows' frame and selected lanes: contiguous extents of frame slots (ragged "
+                        "FA3; KVCache(contiguous_extents=True), opt-in in the library) or plain paging (paged FA3, the "
+                        "library's default for such lanes)")
     p.add_argument("--forcingkv-dynamic", choices=("on", "off"), default="on",
                    help="the forcingkv_own peers' dynamic patches (Forcing-KV's dynamic_temporal_enabled); off: the "
                         "static method, the one FrameWindowPolicy groups (--heads) express")
@@ -508,8 +512,11 @@ class LibraryRunner:
     def __init__(self, model: nn.Module, config: WanConfig, branches: tuple[str, ...], texts: Sequence[torch.Tensor],
                  device: torch.device, dtype: torch.dtype, backend: str, step: Callable[..., torch.Tensor],
                  kv_dtype: str | None = None, graph: bool = False, relative_sinks: bool = False,
-                 heads: am.HeadRetention | None = None, page_size: int | None = None) -> None:
-        """``page_size``: tokens a KV page, default the preset's (``WanConfig.kv_page_size``)."""
+                 heads: am.HeadRetention | None = None, page_size: int | None = None,
+                 frame_extents: bool = False) -> None:
+        """``page_size``: tokens a KV page, default the preset's (``WanConfig.kv_page_size``); ``frame_extents``:
+        with ``heads``, every lane gets a contiguous extent (``contiguous_extents=True``: frame lanes' frame slots
+        too, opt-in in the library)."""
         spec = dataclasses.replace(make_kv_spec(config, device, branches), dtype=dtype,
                                    kv_dtype=kv_dtype, relative_sinks=relative_sinks)
         if page_size is not None:
@@ -523,7 +530,8 @@ class LibraryRunner:
             self.cache = am.KVCache(spec, num_pages=kv_pool_pages(spec, slack_chunks=0), device=device, backend=backend)
         else:  # per-head retention: the spec's sink + window become the head groups' (one lane per head part)
             grouped = dataclasses.replace(spec, sink_chunks=0, window_chunks=None)
-            self.cache = grouped_kv_cache(grouped, heads, device=device, backend=backend)
+            self.cache = grouped_kv_cache(grouped, heads, device=device, backend=backend,
+                                          **({"contiguous_extents": True} if frame_extents else {}))
         self.state = self.cache.open_session()
         crosses = [block.cross for block in model.blocks]
         for branch, text in zip(branches, texts):
@@ -887,7 +895,8 @@ def _measure(name: str, b: _Bench, st: _Setting, modes: Sequence[str]) -> dict[s
 
         def make() -> LibraryRunner:
             return LibraryRunner(model, b.config, st.branches, st.texts, b.device, b.dtype, b.args.backend, step,
-                                 kv_dtype, graph=graph, relative_sinks=relative, heads=heads, page_size=page_size)
+                                 kv_dtype, graph=graph, relative_sinks=relative, heads=heads, page_size=page_size,
+                                 frame_extents=heads is not None and b.args.frame_extents == "on")
 
         return {mode: run_variant(make, b, st, mode, name) for mode in modes}
     if name in FORCING_KV_VARIANTS:

@@ -40,6 +40,8 @@ class Admission:
     #: committing forward also reserves the next one beside it (twice this at the peak); on the host a suspended
     #: branch keeps one (no forward is open).
     selection_pages: int = 0
+    #: Pages of one extent slot (``None``: a chunk's; a frame lane's frame slots: a frame's).
+    extent_slot_pages: int | None = None
 
     def _history_pages(self, what: str, selections: int = 2) -> int:
         """A branch's peak history pages: its chunks' (trimmed: their kept pages) and ``selections`` selections."""
@@ -55,7 +57,8 @@ class Admission:
     @property
     def extent_pages(self) -> int | None:
         """Pages of one branch's contiguous extent (``None``: plain paging)."""
-        return None if self.extent_chunks is None else self.extent_chunks * self.pages_per_chunk
+        slot = self.pages_per_chunk if self.extent_slot_pages is None else self.extent_slot_pages
+        return None if self.extent_chunks is None else self.extent_chunks * slot
 
     def pages_per_session(self, branches: int | None = None, pending_chunks: int = 1) -> int:
         """Peak pages one session holds: per branch its history (trimmed chunks: their kept pages) and pending
@@ -66,8 +69,9 @@ class Admission:
             require_int("pages_per_session.branches", branches, minimum=1, below=self.branches + 1)
         branches = self.branches if branches is None else branches
         pages = self._history_pages("pages_per_session") + pending_chunks * self.pages_per_chunk
-        if self.extent_chunks is not None:
-            pages = max(pages, self.extent_chunks * self.pages_per_chunk)
+        extent = self.extent_pages
+        if extent is not None:
+            pages = max(pages, extent)
         return branches * pages
 
     def host_pages_per_session(self) -> int:

@@ -26,7 +26,8 @@ so a one-chunk forward's visible keys are always one contiguous token range,
 attended without paging. The extent holds one reference on each of its pages
 (the reservation); resident and pending chunks inside it hold one more. A
 re-cache fills the free slots first and, at commit, copies the rebuilt chunks
-that did not fit back into the slots it frees (:meth:`BranchPages.recache_copies`).
+that did not fit back into the slots it frees (:meth:`BranchPages.recache_copies`). A lane that trims chunks
+to frames cuts its extent into frame slots instead (``frame_slots``; ``core/branch_frame_extent.py``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from dataclasses import dataclass
 
 from ardiff_modules.core.allocator import PageAllocator
 from ardiff_modules.core.frame_retention import Kept, page_runs, sink_offsets, trim_chunk, trim_retained, trims_frames
+from ardiff_modules.core.branch_frame_extent import BranchFrameExtent
 from ardiff_modules.core.branch_recache import BranchRecache, PageChunk, ring_copies
 from ardiff_modules.core.branch_selection import BranchSelection, Selection
 from ardiff_modules.core.retention import RetentionPolicy, Retained, retain
@@ -44,17 +46,18 @@ from ardiff_modules.core.selected_retention import selecting
 __all__ = ["BranchImage", "BranchPages", "PageChunk", "ring_copies"]
 
 
-class BranchPages(BranchSelection, BranchRecache):
+class BranchPages(BranchSelection, BranchFrameExtent, BranchRecache):
     """Resident committed chunks, pending chunks and the absolute token offset of one branch."""
 
     def __init__(
         self, policy: RetentionPolicy, pages_per_chunk: int, chunk_size: int, extent_chunks: int | None = None,
-        recache_horizon: int = 0,
+        recache_horizon: int = 0, frame_slots: bool = False,
     ) -> None:
         self.policy = policy
         self.pages_per_chunk = pages_per_chunk
         self.chunk_size = chunk_size
-        #: Chunk slots of the contiguous extent to reserve on first use (``None``: plain paging).
+        #: Slots of the contiguous extent to reserve on first use (``None``: plain paging): chunks, or with
+        #: ``frame_slots`` frames (``core/branch_frame_extent.py``).
         self.extent_chunks = extent_chunks
         self.extent: tuple[int, ...] = ()
         #: Resident committed chunks, oldest first, and their commit indices (what the policy keeps).
@@ -67,6 +70,9 @@ class BranchPages(BranchSelection, BranchRecache):
         self.history_kept: tuple[Kept | None, ...] = ()
         #: Pages of one frame when the policy trims chunks to frames (``0``: it does not).
         self.pages_per_frame = pages_per_chunk // policy.frames_per_chunk if trims_frames(policy) else 0  # type: ignore[attr-defined]
+        self.frame_slots = frame_slots and extent_chunks is not None and self.pages_per_frame > 0
+        #: Pages of one extent slot (a chunk's, or a frame's with ``frame_slots``).
+        self.extent_slot_pages = self.pages_per_frame if self.frame_slots else pages_per_chunk
         #: Whether the policy chooses pages by content at some commit (``core/branch_selection.py``).
         self.selects = selecting(policy) is not None
         self.pending: tuple[PageChunk, ...] = ()
@@ -190,27 +196,6 @@ class BranchPages(BranchSelection, BranchRecache):
         """Every page this branch holds a reference on (one entry per reference, extent reservation included)."""
         return self.history_pages() + self.pending_pages() + list(self.pending_selection) + list(self.extent)
 
-    @property
-    def needs_extent(self) -> bool:
-        """Whether the next pending allocation first reserves a contiguous extent."""
-        return self.extent_chunks is not None and not self.extent
-
-    def extent_slots(self) -> list[PageChunk]:
-        step = self.pages_per_chunk
-        return [tuple(self.extent[i : i + step]) for i in range(0, len(self.extent), step)]
-
-    def free_extent_slots(self, allocator: PageAllocator) -> list[PageChunk]:
-        """Extent slots free for a new pending chunk, lowest first.
-
-        A slot is free when no chunk of this branch uses any of its pages (a shorter chunk uses
-        a slot's first pages) and nobody else references them (refcount 1: only the
-        reservation). NOTE: an evicted chunk may still be visible to a fork sharing it;
-        committed pages are immutable, so its slot waits until that fork lets go (meanwhile new
-        chunks come from the general pool and run paged).
-        """
-        used = {page for chunk in self.history + self.pending for page in chunk}
-        return [slot for slot in self.extent_slots() if used.isdisjoint(slot) and allocator.exclusive(slot)]
-
     def reusable_pending(self, chunk_pages: Sequence[int]) -> int:
         """How many leading pending chunks a forward with these chunk sizes (in pages) reuses as they are."""
         k = 0
@@ -224,21 +209,11 @@ class BranchPages(BranchSelection, BranchRecache):
         missing = chunk_pages[self.reusable_pending(chunk_pages) :]
         if self.extent_chunks is None:
             return sum(missing)
+        if self.frame_slots:
+            return self.frame_pages_needed(missing, allocator)
         if not self.extent:
             return self.extent_chunks * self.pages_per_chunk + sum(missing[self.extent_chunks :])
         return sum(missing[len(self.free_extent_slots(allocator)) :])
-
-    def assign_extent(self, pages: tuple[int, ...]) -> None:
-        """Take ownership of a freshly allocated contiguous extent (its one reference per page)."""
-        assert self.extent_chunks is not None and not self.extent
-        assert len(pages) == self.extent_chunks * self.pages_per_chunk
-        self.extent = pages
-
-    def release_extent(self) -> list[int]:
-        """Forget the extent (undoing a reservation); return its pages, still referenced, for the caller to
-        unallocate."""
-        pages, self.extent = list(self.extent), ()
-        return pages
 
     def _chunk_pages(self, chunks: int | Sequence[int]) -> list[int]:
         """``chunks`` full chunks, or the size in pages of each chunk."""
@@ -265,6 +240,13 @@ class BranchPages(BranchSelection, BranchRecache):
         k = self.reusable_pending(chunk_pages)
         missing = chunk_pages[k:]
         stale = self.pending[k:]
+        if self.frame_slots:  # frame slots: a chunk takes several free ones (lowest first), or pool pages (all of it)
+            placed = self.place_in_frames(missing, self.free_frame_slots(allocator))
+            pool = iter(allocator.allocate(sum(n for n, c in zip(missing, placed) if c is None)))
+            allocator.incref(p for c in placed if c is not None for p in c)
+            grown = tuple(c if c is not None else tuple(next(pool) for _ in range(n)) for n, c in zip(missing, placed))
+            self.pending = self.pending[:k] + grown
+            return stale
         # Free slots are computed before anything changes; a slot fits any chunk (<= a full chunk).
         slots = [slot[:n] for slot, n in zip(self.free_extent_slots(allocator), missing)]
         fresh = allocator.allocate(sum(missing[len(slots) :]))
@@ -518,8 +500,9 @@ def branch_image(branch: BranchPages) -> BranchImage:
 
 
 def extent_slots_of(branch: BranchPages) -> tuple[int | None, ...]:
-    """Per history chunk, the index of the extent slot it sits in (``None``: outside the extent, or none)."""
-    if not branch.extent:
+    """Per history chunk, the index of the extent slot it sits in (``None``: outside the extent, or none; a frame
+    extent's chunks too: a resume lays them out in its frame slots in history order)."""
+    if not branch.extent or branch.frame_slots:
         return tuple(None for _ in branch.history)
     first, step = branch.extent[0], branch.pages_per_chunk
     inside = set(branch.extent)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from ardiff_modules.core.allocator import PageAllocator
+from ardiff_modules.core.branch_frame_extent import frame_ring_copies
 from ardiff_modules.core.frame_retention import Kept, trim_chunk
 from ardiff_modules.core.recache import RecachePlan, RecacheRule
 from ardiff_modules.core.retention import RetentionPolicy
@@ -34,6 +35,8 @@ class BranchRecache:
     latents: dict[int, object]
     recent: dict[int, tuple[int, int]]
     window_floor: int
+    frame_slots: bool
+    extent_slot_pages: int
 
     @property
     def sinks(self) -> tuple[PageChunk, ...]:
@@ -169,6 +172,8 @@ def ring_copies(
     refcount = allocator.refcount
     free = [slot for slot in branch.extent_slots() if all(refcount(p) - released.get(p, 0) == 1 for p in slot)]
     moving = [i for i, chunk in enumerate(swapped) if chunk != branch.history[i] and chunk[0] not in extent]
+    if branch.frame_slots:  # frame slots: a (trimmed) rebuilt chunk takes one free slot per frame, lowest first
+        return frame_ring_copies(swapped, moving, free, branch.extent_slot_pages)
     resident = list(swapped)
     copies: list[tuple[PageChunk, PageChunk]] = []
     by_start = {slot[0]: slot for slot in free}

@@ -92,7 +92,7 @@ class ForwardReservation(Reservation):
         which fills the free slots of extents already reserved and takes the rest from the pool).
     commit:
         A committing forward: a content-selected branch also reserves the pages of the selection its commit
-        makes (``BranchPages.pending_selection``).
+        makes (``BranchPages.pending_selection``; free frame slots of its extent first, else pool pages).
     """
 
     def __init__(
@@ -117,7 +117,10 @@ class ForwardReservation(Reservation):
                 for b in self.branches:
                     need = b.selection_pages_needed(len(chunk_pages))
                     if need and not b.pending_selection:
-                        b.reserve_selection(tuple(allocator.allocate(need)))
+                        slots = b.selection_slots(need, allocator)  # (free frame slots of its extent first)
+                        if slots is not None:
+                            allocator.incref(slots)
+                        b.reserve_selection(slots if slots is not None else tuple(allocator.allocate(need)))
                         self._selecting.append(b)
         except BaseException:
             self.rollback()
@@ -146,7 +149,10 @@ class ForwardReservation(Reservation):
     def _undo(self) -> list[int]:
         """Branches back to their pending chunks before the reservation; their fresh pages and new extents."""
         fresh: list[int] = []
-        selected = [p for b in self._selecting for p in b.unreserve_selection()]  # allocated last: returned last
+        # allocated last: returned last (pages in frame slots only lose the reference they took)
+        parts = [b.split_extent(b.unreserve_selection()) for b in self._selecting]
+        self.allocator.decref(p for inside, _ in parts for p in inside)
+        selected = [p for _, outside in parts for p in outside]
         self._selecting = []
         for b, old in reversed(list(zip(self.branches, self._before))):
             fresh = b.undo_grow(old, self.allocator) + fresh

@@ -226,7 +226,9 @@ class ForwardTransaction:
         previews = [[h.preview_commit() for h in live] for live in lives]
         # Content-selected lanes (core/branch_selection.py): what each commit scores, per lane per member (None:
         # nothing -- not live, or no selection at this commit; the old one is dropped all the same).
-        jobs = [[h.preview_selection() if h in live else None for h in lane.branches]
+        # A selection held in a frame extent by its branch alone is overwritten in place (its reserved pages go
+        # instead: ``BranchFrameExtent.selection_job``), decided here: a fork may have been made since the prepare.
+        jobs = [[h.selection_job(lane.allocator) if h in live else None for h in lane.branches]
                 for lane, live in zip(self.lanes, lives)] if self.select is not None else []
         with deferred_interrupts():
             # NOTE: the device chooses and copies first: if it raises, no bookkeeping changed (the forward aborts).
@@ -236,7 +238,8 @@ class ForwardTransaction:
                 # (a content-selected lane: the replaced selections go too; no work for the others)
                 selections = _selections(lane.branches, jobs[n], chosen[n] if chosen else None) if jobs else None
                 if selections is not None:
-                    evicted += [p for h in live for p in h.selection_pages()]
+                    made = dict(zip(map(id, lane.branches), jobs[n]))
+                    evicted += [p for h in live for p in h.replaced_selection(made.get(id(h)))]
                 lane.allocator.decref(evicted)
                 kept = {id(h): latents for h, latents in zip(lane.branches, self.latents)}
                 for h, result in zip(live, results):

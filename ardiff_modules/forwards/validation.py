@@ -365,6 +365,8 @@ def recache_fresh_pages(history: BranchPages, chunk_pages: Sequence[int], alloca
 
     What ``ForwardReservation(..., extent_pages=0)`` allocates: no new extent, ``0`` slots without one.
     """
+    if history.frame_slots and history.extent:  # (frame slots: a chunk takes several)
+        return history.frame_pages_needed(chunk_pages, allocator)
     return sum(chunk_pages[len(history.free_extent_slots(allocator)) :])
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from itertools import accumulate
 from typing import NamedTuple
 
 import torch
@@ -186,11 +187,16 @@ class LaneStore:
     # ------------------------------------------------------------------ resume
     def plan_in(self, record: LaneRecord, branches: Mapping[str, BranchPages]) -> InPlan:
         """How ``record`` comes back into ``branches``: rings, aliases to live device twins, fresh pages."""
-        ring = {n: b.pages_per_chunk if b.extent_chunks is not None and record.chunks[n] else 0
+        ring = {n: b.extent_slot_pages if ring_fits(b.extent_chunks, b.extent_slot_pages, record.chunks[n]) else 0
                 for n, b in branches.items()}
         aliases = {h: p for h in set(record.host_refs()) if (p := self.live_twin(h)) is not None}
         plain = [h for name in branches if not ring[name] for c in record.chunks[name] for h in c]
-        plain += [h for pages in record.selections.values() for h in pages]  # never in a ring: plain pages
+        # a selection comes back in plain pages, or in the free slots of its branch's frame ring when only it
+        # holds them (no fork, no live twin): lay_out places the pages it finds no device page for
+        in_ring = {name for name, b in branches.items() if ring[name] and b.frame_slots and ring_fits(
+            b.extent_chunks, ring[name], (*record.chunks[name], record.selections.get(name, ())))
+            and all(self.pages.refcount(h) == 1 and h not in aliases for h in record.selections.get(name, ()))}
+        plain += [h for name, pages in record.selections.items() if name not in in_ring for h in pages]
         fresh = [h for h in dict.fromkeys(plain) if h not in aliases]
         extents = [b.extent_chunks * ring[n] for n, b in branches.items() if ring[n]]  # type: ignore[operator]
         return InPlan(ring, aliases, fresh, extents)
@@ -283,20 +289,37 @@ def lay_out(
     copies: set[tuple[int, int]] = set()
     run_of = iter(runs)
     device_of = {**aliases, **fresh}
-    selections = {name: tuple(device_of[h] for h in pages) for name, pages in record.selections.items()}
+    selections = {name: tuple(device_of[h] for h in pages) for name, pages in record.selections.items()
+                  if all(h in device_of for h in pages)}
     copies.update((h, fresh[h]) for pages in record.selections.values() for h in pages if h in fresh)
     for name, host_chunks in record.chunks.items():
         step = ring[name]
         if step:
             run = list(next(run_of))
-            order = ring_slots(record.images[name].slots, len(host_chunks), len(run) // step)
+            saved = record.images[name].slots
+            if any(s is not None for s in saved) and all(len(c) <= step for c in host_chunks):
+                order = ring_slots(saved, len(host_chunks), len(run) // step)
+            else:  # in history order, lowest slots first (a frame extent's chunk takes a slot per frame)
+                order = list(accumulate((-(-len(c) // step) for c in host_chunks[:-1]), initial=0))
             laid = tuple(tuple(run[i * step : i * step + len(c)]) for i, c in zip(order, host_chunks))
             copies.update(zip((h for c in host_chunks for h in c), (p for c in laid for p in c)))
             chunks[name], extents[name] = laid, tuple(run)
+            own = record.selections.get(name, ())
+            if own and name not in selections:  # (a frame ring's own selection: its lowest free slots)
+                used = {s for i, c in zip(order, host_chunks) for s in range(i, i + -(-len(c) // step))}
+                free = [s for s in range(len(run) // step) if s not in used]
+                selections[name] = tuple(p for s in free for p in run[s * step : (s + 1) * step])[: len(own)]
+                copies.update(zip(own, selections[name]))
         else:
             chunks[name] = tuple(tuple(device_of[h] for h in c) for c in host_chunks)
             copies.update((h, fresh[h]) for c in host_chunks for h in c if h in fresh)
     return Laid(chunks, extents, sorted(copies, key=lambda hp: hp[1]), selections)
+
+
+def ring_fits(slots: int | None, step: int, chunks: Sequence[PageChunk]) -> bool:
+    """Whether ``chunks`` (a branch's history) come back in an extent of ``slots`` slots of ``step`` pages (``None``:
+    plain paging): some chunk, each taking ``ceil(pages / step)`` slots (a chunk slot: one; frame slots: its frames)."""
+    return slots is not None and bool(chunks) and sum(-(-len(c) // step) for c in chunks) <= slots
 
 
 def ring_slots(saved: tuple[int | None, ...], chunks: int, slots: int) -> list[int]:

@@ -275,7 +275,9 @@ class MachineBase(RuleBasedStateMachine):
         return not (self.grouped and capability in NOT_YET_WITH_GROUPS)
 
     def new_cache(self, pool_chunks: int, extents: bool, max_contexts: int, check_finite: bool) -> CacheModel:
-        extents = extents and all(lane.window is not None for lane in self.lanes)
+        # NOTE: the model knows chunk-slot rings only; a lane trimming chunks to frames gets frame slots
+        # (core/branch_frame_extent.py, modelled by tests/heads/test_frame_extents.py): drawn with plain paging here.
+        extents = extents and all(lane.window is not None and lane.frames is None for lane in self.lanes)
         lane_extents = [lane.sinks + lane.window + 1 if extents else 0 for lane in self.lanes]  # type: ignore[operator]
         if extents:
             pool_chunks += max(lane_extents)  # room for at least one extent
