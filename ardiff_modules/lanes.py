@@ -114,9 +114,8 @@ def extent_chunks_of(spec: KVCacheSpec, backend: str, contiguous_extents: bool |
     frames = extent_frames_of(spec)
     if contiguous_extents is None:
         # NOTE: a lane that trims chunks to frames attends single frames of several chunks: only frame slots keep
-        # them in one run, and they are opt-in for now. Ragged FA3 sums the keys in slot order, and a resume (or a
-        # load) lays a frame lane's history out in history order, not in the slots it had (chunk slots are kept):
-        # such a lane would continue bit-identically on the CPU but not to the last bit on FlashInfer.
+        # them in one run. They are opt-in until FlashInfer has run them (tests/gpu: frame-extents cases; the
+        # speed: run_h200.sh dynamic_pair_cfg_off); a resume or a load puts every frame back in its slot.
         contiguous_extents = (
             backend == "flashinfer" and spec.max_history_chunks is not None and not trims_frames(spec.policy)
         )

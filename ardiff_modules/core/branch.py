@@ -473,6 +473,11 @@ class BranchImage:
     #: The content selection (``BranchPages.selection``, its offsets on the host; ``pages``: device page ids when
     #: suspended, like ``history``), ``None``: none.
     selection: Selection | None = None
+    #: A frame extent's (``BranchPages.frame_slots``): per history chunk the frame slot of each of its frames
+    #: (``None``: outside the extent), and the selection's frame slots (``()``: none in it) -- ``slots`` for frames,
+    #: so that a resume puts every frame back where it was and a ragged kernel sums the keys in the same order.
+    frame_slots: tuple[tuple[int, ...] | None, ...] = ()
+    selection_slots: tuple[int, ...] = ()
 
 
 def unload_branch(branch: BranchPages, allocator: PageAllocator) -> tuple[BranchImage, list[int]]:
@@ -496,7 +501,25 @@ def branch_image(branch: BranchPages) -> BranchImage:
         branch.history, branch.history_index, branch.history_start, branch.committed_chunks,
         branch.committed_tokens, dict(branch.latents), dict(branch.recent), extent_slots_of(branch), branch.shot_start,
         branch.window_floor, branch.history_kept, branch.selection.host() if branch.selection is not None else None,
+        *frame_slots_of(branch),
     )
+
+
+def frame_slots_of(branch: BranchPages) -> tuple[tuple[tuple[int, ...] | None, ...], tuple[int, ...]]:
+    """A frame extent's frame slots: per history chunk, the slot of each of its frames (``None``: a page outside the
+    extent), and the selection's (``()``: none, or not all in the extent); ``((), ())`` without frame slots."""
+    if not (branch.extent and branch.frame_slots):
+        return (), ()
+    offset = {p: i for i, p in enumerate(branch.extent)}
+    step = branch.extent_slot_pages
+
+    def slots(pages: Sequence[int]) -> tuple[int, ...] | None:
+        if not all(p in offset for p in pages):
+            return None
+        return tuple(offset[pages[i]] // step for i in range(0, len(pages), step))
+
+    selection = slots(branch.selection.pages) if branch.selection is not None else None
+    return tuple(slots(c) for c in branch.history), selection or ()
 
 
 def extent_slots_of(branch: BranchPages) -> tuple[int | None, ...]:

@@ -284,7 +284,8 @@ class HeaderReader:
 
     def branch(self, value: object, place: str, lane: int = 0) -> BranchImage:
         """One branch's image in lane ``lane`` (its pages index that lane's tensor; its retention is the lane's)."""
-        b = self.dict_(value, place, _BRANCH_KEYS, (*_SHOT_KEYS, "slots", "kept", "selection"))
+        b = self.dict_(value, place, _BRANCH_KEYS,
+                       (*_SHOT_KEYS, "slots", "kept", "selection", "frame_slots", "selection_slots"))
         # NOTE: positions are int64 on the device: a count past these bounds would load and then overflow in the
         # next forward (a raw error far from the file).
         most = _MAX_POSITION // self.spec.chunk_size
@@ -318,10 +319,33 @@ class HeaderReader:
         shot_start, floor = self.shots(b, place, committed, index, lane)
         slots = self.slots(b.get("slots", []), f"{place}.slots", len(history), lane)
         selection = self.selection(b.get("selection"), f"{place}.selection", lane, committed, history, floor)
+        frame_slots, selection_slots = self.frame_slots(b, place, history, selection)
         return BranchImage(
             tuple(history), tuple(index), tuple(start), committed, tokens, latents, recent, slots, shot_start, floor,
-            kept, selection,
+            kept, selection, frame_slots, selection_slots,
         )
+
+    def frame_slots(
+        self, b: dict[str, Any], place: str, history: list[PageChunk], selection: Selection | None
+    ) -> tuple[tuple[tuple[int, ...] | None, ...], tuple[int, ...]]:
+        """A frame extent's slots (absent: none known, the load lays frames out in history order): per history
+        chunk ``null`` or one slot per frame of it, and the selection's; all distinct. Where they do not fit the
+        loading cache's extent the load falls back to history order (``lane_store.saved_frame_slots``)."""
+        if "frame_slots" not in b:
+            return (), ()
+        items = self.list_(b["frame_slots"], f"{place}.frame_slots")
+        most = 1 << 16  # (slot indices are bounded by the loading lane's extent, checked where they are laid out)
+        out: list[tuple[int, ...] | None] = []
+        for i, item in enumerate(items):
+            where = f"{place}.frame_slots[{i}]"
+            out.append(None if item is None else tuple(self.int_(s, where, 0, most) for s in self.list_(item, where)))
+        own = tuple(self.int_(s, f"{place}.selection_slots", 0, most)
+                    for s in self.list_(b.get("selection_slots", []), f"{place}.selection_slots"))
+        taken = [s for ss in out if ss is not None for s in ss] + list(own)
+        if len(out) != len(history) or len(set(taken)) != len(taken) or (own and selection is None):
+            raise self.fail(f"{place}.frame_slots", f"{len(history)} entries (null or distinct frame slots), one per "
+                            "history chunk, and the selection's (with a selection only)", items)
+        return tuple(out), own
 
     def selection(
         self, value: object, place: str, lane: int, committed: int, history: list[PageChunk], floor: int = 0

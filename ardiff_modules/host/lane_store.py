@@ -296,24 +296,50 @@ def lay_out(
         step = ring[name]
         if step:
             run = list(next(run_of))
-            saved = record.images[name].slots
-            if any(s is not None for s in saved) and all(len(c) <= step for c in host_chunks):
-                order = ring_slots(saved, len(host_chunks), len(run) // step)
+            image, slots = record.images[name], len(run) // step
+            groups = [-(-len(c) // step) for c in host_chunks]  # slots each chunk takes (frame slots: its frames)
+            own = record.selections.get(name, ())
+            own_groups = -(-len(own) // step) if own and name not in selections else 0
+            placed = saved_frame_slots(image.frame_slots, image.selection_slots, groups, own_groups, slots)
+            if placed is not None:  # a frame ring: every frame back in the slot it had (the ring's key order kept)
+                per_chunk, own_slots = placed
+            elif any(s is not None for s in image.slots) and all(len(c) <= step for c in host_chunks):
+                per_chunk, own_slots = [[i] for i in ring_slots(image.slots, len(host_chunks), slots)], None
             else:  # in history order, lowest slots first (a frame extent's chunk takes a slot per frame)
-                order = list(accumulate((-(-len(c) // step) for c in host_chunks[:-1]), initial=0))
-            laid = tuple(tuple(run[i * step : i * step + len(c)]) for i, c in zip(order, host_chunks))
+                starts = accumulate(groups[:-1], initial=0)
+                per_chunk, own_slots = [list(range(i, i + g)) for i, g in zip(starts, groups)], None
+            laid = tuple(tuple(p for s in ss for p in run[s * step : (s + 1) * step])[: len(c)]
+                         for ss, c in zip(per_chunk, host_chunks))
             copies.update(zip((h for c in host_chunks for h in c), (p for c in laid for p in c)))
             chunks[name], extents[name] = laid, tuple(run)
-            own = record.selections.get(name, ())
-            if own and name not in selections:  # (a frame ring's own selection: its lowest free slots)
-                used = {s for i, c in zip(order, host_chunks) for s in range(i, i + -(-len(c) // step))}
-                free = [s for s in range(len(run) // step) if s not in used]
+            if own_groups:  # (a frame ring's own selection: the slots it had, else its lowest free slots)
+                used = {s for ss in per_chunk for s in ss}
+                free = own_slots if own_slots is not None else [s for s in range(slots) if s not in used]
                 selections[name] = tuple(p for s in free for p in run[s * step : (s + 1) * step])[: len(own)]
                 copies.update(zip(own, selections[name]))
         else:
             chunks[name] = tuple(tuple(device_of[h] for h in c) for c in host_chunks)
             copies.update((h, fresh[h]) for c in host_chunks for h in c if h in fresh)
     return Laid(chunks, extents, sorted(copies, key=lambda hp: hp[1]), selections)
+
+
+def saved_frame_slots(
+    frame_slots: Sequence[Sequence[int] | None], selection_slots: Sequence[int], groups: Sequence[int],
+    selection_groups: int, slots: int,
+) -> tuple[list[list[int]], list[int] | None] | None:
+    """The frame slots a frame ring's chunks (``groups[i]`` frames each) and its own selection (``selection_groups``
+    frames; 0: none in the ring) had when suspended, when the image names them all, distinct and inside ``slots``;
+    else ``None`` (lay them out in history order)."""
+    if not frame_slots or len(frame_slots) != len(groups):
+        return None
+    per_chunk = [list(ss) if ss is not None else None for ss in frame_slots]
+    own = list(selection_slots) if selection_groups else []
+    if any(ss is None or len(ss) != g for ss, g in zip(per_chunk, groups)) or len(own) != selection_groups:
+        return None
+    taken = [s for ss in per_chunk for s in ss] + own  # type: ignore[union-attr]
+    if len(set(taken)) != len(taken) or not all(0 <= s < slots for s in taken):
+        return None
+    return per_chunk, (own if selection_groups else None)  # type: ignore[return-value]
 
 
 def ring_fits(slots: int | None, step: int, chunks: Sequence[PageChunk]) -> bool:

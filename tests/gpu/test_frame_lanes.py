@@ -51,8 +51,9 @@ def test_flashinfer_frame_lanes_equal_the_per_head_oracle(page: int, extents: bo
     assert cache.stats().pages_used == 0
 
 
+@pytest.mark.parametrize("extents", [None, True], ids=["paged", "frame-extents"])
 @pytest.mark.parametrize("mode", ["eager", "compiled", "graph"])
-def test_a_model_over_frame_lanes_equals_the_reference_backend(mode: str) -> None:
+def test_a_model_over_frame_lanes_equals_the_reference_backend(mode: str, extents: bool | None) -> None:
     def caches(backend: str):
         model, spec = gpu_model_and_spec()
         frames = am.HeadRetention(
@@ -60,7 +61,9 @@ def test_a_model_over_frame_lanes_equals_the_reference_backend(mode: str) -> Non
             [["fkv" if h % 2 else "wide" for h in range(spec.num_kv_heads)] for _ in range(spec.num_layers)],
         )
         spec = grouped(dataclasses.replace(spec, sink_chunks=0, window_chunks=None), frames)
-        cache = am.KVCache(spec, budget_bytes=session_budget(spec, 1, backend=backend), device="cuda", backend=backend)
+        on = extents if backend == "flashinfer" else None
+        budget = session_budget(spec, 1, backend=backend, contiguous_extents=on)
+        cache = am.KVCache(spec, budget_bytes=budget, device="cuda", backend=backend, contiguous_extents=on)
         session = cache.open_session()
         gen = torch.Generator().manual_seed(1)
         for branch in spec.branches:

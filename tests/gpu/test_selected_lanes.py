@@ -18,7 +18,7 @@ from tests.support.gpu import DTYPE, GPU, gpu_model_and_spec
 pytestmark = list(GPU)
 
 
-def _session(backend: str, kv_dtype: str | None = None):  # noqa: ANN202
+def _session(backend: str, kv_dtype: str | None = None, extents: bool | None = None):  # noqa: ANN202
     """The bf16 tiny model (chunks of 256 tokens = 2 frames of 2 pages) over a cache whose odd heads keep sink 1
     frame + the last frame + 1 frame of patches chosen (2 patches a frame) from the first commit after chunk 1."""
     model, spec = gpu_model_and_spec(kv_dtype=kv_dtype)
@@ -28,7 +28,8 @@ def _session(backend: str, kv_dtype: str | None = None):  # noqa: ANN202
         [["temporal" if h % 2 else "spatial" for h in range(spec.num_kv_heads)] for _ in range(spec.num_layers)],
     )
     spec = grouped(dataclasses.replace(spec, sink_chunks=0, window_chunks=None), heads)
-    cache = am.KVCache(spec, budget_bytes=session_budget(spec, 1, backend=backend), device="cuda", backend=backend)
+    budget = session_budget(spec, 1, backend=backend, contiguous_extents=extents)
+    cache = am.KVCache(spec, budget_bytes=budget, device="cuda", backend=backend, contiguous_extents=extents)
     session = cache.open_session()
     gen = torch.Generator().manual_seed(1)
     for branch in spec.branches:
@@ -42,10 +43,13 @@ def _selections(cache: am.KVCache, session: am.KVState) -> list[tuple[int, ...]]
     return [session._lane_pages(b)[lane.index].selection.resolved() for lane in lanes for b in cache.spec.branches]
 
 
+@pytest.mark.parametrize("extents", [None, True], ids=["paged", "frame-extents"])
 @pytest.mark.parametrize("mode", ["eager", "compiled", "graph"])
-def test_a_model_over_selected_lanes_equals_the_reference_backend(mode: str) -> None:
+def test_a_model_over_selected_lanes_equals_the_reference_backend(mode: str, extents: bool | None) -> None:
+    """Plain paging (paged FA3) and frame-slot extents (ragged FA3 once the window is full, the selection copied in
+    place) both equal the reference backend, and choose the same patches."""
     model, ref_cache, ref_session = _session("reference")
-    _, cache, session = _session("flashinfer")
+    _, cache, session = _session("flashinfer", extents=extents)
     want = _model_rollout(model, model, ref_session, 6, torch.Generator().manual_seed(2))
     if mode == "graph":
         step = CUDAGraphStep(model)

@@ -92,6 +92,18 @@ def in_extent(state: am.KVState) -> bool:
     return all(set(h.history_pages()) <= set(h.extent) for b in ("cond", "uncond") for h in state._lane_pages(b))
 
 
+def extent_order(state: am.KVState) -> list[list[int]]:
+    """Per branch and lane, the extent offset of each attended page, in attention order (history, then selection):
+    the order a ragged kernel sums the keys in, which a resume or a load must keep (bit-identical outputs)."""
+    return [[h.extent.index(p) for p in h.history_pages()] for b in ("cond", "uncond") for h in state._lane_pages(b)]
+
+
+def scattered(order: list[list[int]]) -> bool:
+    """Whether some branch's pages are not in ascending extent order (laying them out in history order would move
+    them: what makes a layout-preserving test meaningful)."""
+    return any(o != sorted(o) for o in order)
+
+
 def snapshot(cache: am.KVCache, states: list[am.KVState]) -> object:
     """Every refcount and every branch's bookkeeping (pending chunks included)."""
     lanes = [[lane.allocator.refcount(p) for p in range(lane.allocator.num_pages)] for lane in cache._lanes]
@@ -231,10 +243,13 @@ def test_suspend_resume_continues_bit_identically_back_in_the_extent(kind: str) 
         t.chunk([pair])
     for _ in range(2):
         used = [lane.allocator.num_used for lane in t.a._lanes]
+        order = extent_order(pair[0])
+        assert scattered(order), order
         pair[0].suspend()
         pair[0].resume().wait()
         assert [lane.allocator.num_used for lane in t.a._lanes] == used
         assert in_extent(pair[0])
+        assert extent_order(pair[0]) == order  # every frame back in its slot: the keys' order kept
         check_same_pages(t.a, pair[0], t.b, pair[1])
         t.ragged = []
         for _ in range(3):
@@ -251,11 +266,14 @@ def test_save_load_continues_bit_identically_back_in_the_extent(kind: str, tmp_p
     for _ in range(4):
         t.chunk([pair])
     path = tmp_path / "s.safetensors"
+    order = extent_order(pair[0])
+    assert scattered(order), order
     t.a.save_sessions(path, [pair[0]])
     t.a = make(kind, True)
     (loaded,) = t.a.load_sessions(path)
     pair = (loaded, pair[1])
     assert in_extent(loaded)
+    assert extent_order(loaded) == order  # every frame back in its slot: the keys' order kept
     check_same_pages(t.a, loaded, t.b, pair[1])
     t.ragged = []
     for _ in range(4):
@@ -305,3 +323,35 @@ def test_a_scorer_raising_in_a_later_group_leaves_an_in_place_selection_as_it_wa
     for _ in range(3):
         t.chunk([pair])
     assert all(t.ragged)
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda b: b["frame_slots"].__setitem__(-1, b["frame_slots"][0]), "distinct frame slots"),
+    (lambda b: b["frame_slots"].pop(), "one per history chunk"),
+    (lambda b: b["frame_slots"].__setitem__(0, ["x"]), "expected an int"),
+    (lambda b: b.update(selection_slots=[-1]), "expected an int >= 0"),
+])
+def test_a_file_with_hostile_frame_slots_is_refused_and_changes_nothing(edit, message: str, tmp_path) -> None:
+    """A file's frame slots (where each frame sat in its extent) are checked like its pages: one entry per history
+    chunk, distinct ints; a refusal leaves the cache unchanged."""
+    from ardiff_modules.errors import SessionFileError
+    from tests.host.test_save_load import rewrite
+
+    t = Twins("selected")
+    pair = (t.a.open_session("s"), t.b.open_session("s"))
+    for _ in range(4):
+        t.chunk([pair])
+    path = tmp_path / "s.safetensors"
+    t.a.save_sessions(path, [pair[0]])
+
+    def hostile(header: dict) -> None:
+        branch = header["sessions"][0]["branches"]["cond"]
+        assert branch["frame_slots"], branch
+        edit(branch)
+
+    bad = rewrite(path, hostile)
+    target = make("selected", True)
+    before = [lane.allocator.num_free for lane in target._lanes]
+    with pytest.raises(SessionFileError, match=message):
+        target.load_sessions(bad)
+    assert [lane.allocator.num_free for lane in target._lanes] == before and not target.sessions
