@@ -505,21 +505,32 @@ def branch_image(branch: BranchPages) -> BranchImage:
     )
 
 
-def frame_slots_of(branch: BranchPages) -> tuple[tuple[tuple[int, ...] | None, ...], tuple[int, ...]]:
-    """A frame extent's frame slots: per history chunk, the slot of each of its frames (``None``: a page outside the
-    extent), and the selection's (``()``: none, or not all in the extent); ``((), ())`` without frame slots."""
-    if not (branch.extent and branch.frame_slots):
+def frame_slots_of(branch: BranchPages) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
+    """A frame extent's frame slots for a resume: per history chunk the slot of each of its frames, and the
+    selection's (``()``: none); ``((), ())`` without frame slots.
+
+    Where every page sits in the extent (and there is one), the slots they have (a ragged kernel summed the keys in
+    slot order).
+    Otherwise (a fork's shared pages are outside its extent: it attended paged, in history order, the selection
+    after the sink chunks) consecutive slots in that order, so a resume that brings them into the extent keeps the
+    order the keys are summed in."""
+    if not branch.frame_slots:
         return (), ()
+    # (a fork that has not run a forward yet has no extent: its pages are all outside, in history order)
     offset = {p: i for i, p in enumerate(branch.extent)}
     step = branch.extent_slot_pages
+    selection = branch.selection.pages if branch.selection is not None else ()
+    if offset and all(p in offset for p in (*branch.history_pages(), *selection)):
+        def slots(pages: Sequence[int]) -> tuple[int, ...]:
+            return tuple(offset[pages[i]] // step for i in range(0, len(pages), step))
 
-    def slots(pages: Sequence[int]) -> tuple[int, ...] | None:
-        if not all(p in offset for p in pages):
-            return None
-        return tuple(offset[pages[i]] // step for i in range(0, len(pages), step))
-
-    selection = slots(branch.selection.pages) if branch.selection is not None else None
-    return tuple(slots(c) for c in branch.history), selection or ()
+        return tuple(slots(c) for c in branch.history), slots(selection)
+    frames = [-(-len(pages) // step) for pages in branch.with_selection(list(branch.history), selection)]
+    starts = [sum(frames[:i]) for i in range(len(frames))]
+    per = [tuple(range(start, start + n)) for start, n in zip(starts, frames)]  # attention order
+    at = branch._sink_count() if branch.selection is not None else len(per)
+    own = per.pop(at) if branch.selection is not None else ()
+    return tuple(per), own
 
 
 def extent_slots_of(branch: BranchPages) -> tuple[int | None, ...]:

@@ -43,7 +43,7 @@ from ardiff_modules.errors import CacheClosedError, CapacityError, SessionFileEr
 from ardiff_modules.host.file_header import (
     FORMAT, FORMAT_VERSION, METADATA_KEY, HeaderReader, LaneLayout, SavedSession, encode, retention_map, spec_fields,
 )
-from ardiff_modules.host.lane_store import Laid, LaneRecord, file_record, lay_out, ring_fits
+from ardiff_modules.host.lane_store import Laid, LaneRecord, file_record, lay_out, ring_fits, selection_in_ring
 from ardiff_modules.host.tier import HostTier
 from ardiff_modules.lanes import CacheLane
 from ardiff_modules.pool import KVPool
@@ -487,11 +487,9 @@ def check_room(cache: FileHost, saved: Sequence[SavedSession], where: str) -> li
         records = [file_record(s.lanes[lane.index]) for s in saved]
         rings = [{n: step if ring_fits(extent_chunks, step, cs) else 0 for n, cs in r.chunks.items()} for r in records]
         plain = [p for r, ring in zip(records, rings) for n, cs in r.chunks.items() if not ring[n] for c in cs for p in c]
-        # a selection no other branch shares comes back in its frame ring's free slots (lay_out), else plain pages
-        times = Counter(p for r in records for p in r.host_refs())
-        plain += [p for r, ring in zip(records, rings) for n, pages in r.selections.items() if not (
-            lane.frame_slots and ring.get(n) and ring_fits(extent_chunks, step, (*r.chunks[n], pages))
-            and all(times[h] == 1 for h in pages)) for p in pages]
+        # a selection comes back in its frame ring's free slots when it fits there (lane_store.selection_in_ring)
+        plain += [p for r, ring in zip(records, rings) for n, pages in r.selections.items()
+                  if not (lane.frame_slots and selection_in_ring(r, n, ring.get(n, 0), extent_chunks)) for p in pages]
         fresh = list(dict.fromkeys(plain))
         extents = [lane.extent_pages for ring in rings for size in ring.values() if size]
         needed, free = len(fresh) + sum(extents), lane.allocator.num_free

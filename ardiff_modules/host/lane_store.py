@@ -191,11 +191,10 @@ class LaneStore:
                 for n, b in branches.items()}
         aliases = {h: p for h in set(record.host_refs()) if (p := self.live_twin(h)) is not None}
         plain = [h for name in branches if not ring[name] for c in record.chunks[name] for h in c]
-        # a selection comes back in plain pages, or in the free slots of its branch's frame ring when only it
-        # holds them (no fork, no live twin): lay_out places the pages it finds no device page for
-        in_ring = {name for name, b in branches.items() if ring[name] and b.frame_slots and ring_fits(
-            b.extent_chunks, ring[name], (*record.chunks[name], record.selections.get(name, ())))
-            and all(self.pages.refcount(h) == 1 and h not in aliases for h in record.selections.get(name, ()))}
+        # a selection comes back in the free slots of its branch's frame ring (each member of a family its own copy,
+        # as ring chunks: the keys keep the order they were summed in), else in plain pages
+        in_ring = {name for name, b in branches.items()
+                   if b.frame_slots and selection_in_ring(record, name, ring[name], b.extent_chunks)}
         plain += [h for name, pages in record.selections.items() if name not in in_ring for h in pages]
         fresh = [h for h in dict.fromkeys(plain) if h not in aliases]
         extents = [b.extent_chunks * ring[n] for n, b in branches.items() if ring[n]]  # type: ignore[operator]
@@ -282,16 +281,20 @@ def lay_out(
 
     A ring branch's chunk takes the first pages of the slot of its fresh extent it had when suspended
     (:func:`ring_slots`; each slot ``ring[name]`` pages); a plain branch takes the aliased (no copy) or the fresh
-    page of each host page, and so does every content selection (never in a ring).
+    page of each host page; a content selection takes its frame ring's slots when it fits there
+    (:func:`selection_in_ring`), else the aliased or fresh pages.
     """
     chunks: dict[str, tuple[PageChunk, ...]] = {}
     extents: dict[str, tuple[int, ...]] = {}
     copies: set[tuple[int, int]] = set()
     run_of = iter(runs)
     device_of = {**aliases, **fresh}
+    run_by = dict(zip((n for n in record.chunks if ring[n]), runs))
+    in_ring = {n for n, run in run_by.items() if selection_in_ring(record, n, ring[n], len(run) // ring[n])}
     selections = {name: tuple(device_of[h] for h in pages) for name, pages in record.selections.items()
-                  if all(h in device_of for h in pages)}
-    copies.update((h, fresh[h]) for pages in record.selections.values() for h in pages if h in fresh)
+                  if name not in in_ring}
+    copies.update((h, fresh[h]) for name, pages in record.selections.items() if name not in in_ring
+                  for h in pages if h in fresh)
     for name, host_chunks in record.chunks.items():
         step = ring[name]
         if step:
@@ -299,7 +302,7 @@ def lay_out(
             image, slots = record.images[name], len(run) // step
             groups = [-(-len(c) // step) for c in host_chunks]  # slots each chunk takes (frame slots: its frames)
             own = record.selections.get(name, ())
-            own_groups = -(-len(own) // step) if own and name not in selections else 0
+            own_groups = -(-len(own) // step) if name in in_ring else 0
             placed = saved_frame_slots(image.frame_slots, image.selection_slots, groups, own_groups, slots)
             if placed is not None:  # a frame ring: every frame back in the slot it had (the ring's key order kept)
                 per_chunk, own_slots = placed
@@ -323,6 +326,13 @@ def lay_out(
     return Laid(chunks, extents, sorted(copies, key=lambda hp: hp[1]), selections)
 
 
+def selection_in_ring(record: LaneRecord, name: str, step: int, slots: int | None) -> bool:
+    """Whether branch ``name``'s content selection comes back in its frame ring (``step`` pages a slot; 0: no ring)
+    of ``slots`` slots: it has one, and it fits beside the branch's chunks."""
+    own = record.selections.get(name, ())
+    return bool(own) and bool(step) and ring_fits(slots, step, (*record.chunks[name], own))
+
+
 def saved_frame_slots(
     frame_slots: Sequence[Sequence[int] | None], selection_slots: Sequence[int], groups: Sequence[int],
     selection_groups: int, slots: int,
@@ -333,7 +343,7 @@ def saved_frame_slots(
     if not frame_slots or len(frame_slots) != len(groups):
         return None
     per_chunk = [list(ss) if ss is not None else None for ss in frame_slots]
-    own = list(selection_slots) if selection_groups else []
+    own = list(selection_slots) if selection_groups else []  # (a shared selection comes back in plain pages)
     if any(ss is None or len(ss) != g for ss, g in zip(per_chunk, groups)) or len(own) != selection_groups:
         return None
     taken = [s for ss in per_chunk for s in ss] + own  # type: ignore[union-attr]

@@ -355,3 +355,53 @@ def test_a_file_with_hostile_frame_slots_is_refused_and_changes_nothing(edit, me
     with pytest.raises(SessionFileError, match=message):
         target.load_sessions(bad)
     assert [lane.allocator.num_free for lane in target._lanes] == before and not target.sessions
+
+
+@pytest.mark.parametrize("after_fork", [0, 1], ids=["selection-shared", "selections-own"])
+@pytest.mark.parametrize("how", ["suspend", "file"])
+def test_a_fork_family_travels_with_its_shared_pages_and_continues_bit_identically(
+    how: str, after_fork: int, tmp_path
+) -> None:
+    """A parent and its fork (sharing the sink, older frames and the selection) suspended and resumed, or saved and
+    loaded together: the family holds as many pages as before, the parent's frames are where they were in its
+    extent; the fork's shared frames (outside its extent, so attended paged, in history order) come back into its
+    own extent in history order (the order its keys were summed in); both continue bit-equal to plain paging's."""
+    t = Twins("groups")
+    pair = (t.a.open_session("s"), t.b.open_session("s"))
+    for _ in range(4):
+        t.chunk([pair])
+    fork = (pair[0].fork("f"), pair[1].fork("f"))
+    for _ in range(after_fork):
+        t.chunk([fork])
+        t.chunk([pair])
+    used = [lane.allocator.num_used for lane in t.a._lanes]
+    orders = [extent_order_where_inside(s) for s in (pair[0], fork[0])]
+    if how == "suspend":
+        for s in (pair[0], fork[0]):
+            s.suspend()
+        for s in (pair[0], fork[0]):
+            s.resume().wait()
+        members = (pair[0], fork[0])
+    else:
+        path = tmp_path / "family.safetensors"
+        t.a.save_sessions(path, [pair[0], fork[0]])
+        t.a = make("groups", True)
+        members = tuple(t.a.load_sessions(path))
+    if after_fork:  # (a fork that has not run a forward has no extent yet: a resume reserves it, as for chunk
+        # slots, and lays its shared chunks in it -- pages its next forward would have reserved anyway)
+        assert [lane.allocator.num_used for lane in t.a._lanes] == used
+    for member, before in zip(members, orders):
+        after = extent_order_where_inside(member)
+        for b, a in zip(before, after):
+            assert a == b if None not in b else a == sorted(a), (b, a)  # (sorted: history order, no None)
+    assert None not in orders[0][0] and (None in orders[1][0] or not after_fork)  # (the fork partly outside)
+    pair, fork = (members[0], pair[1]), (members[1], fork[1])
+    for _ in range(3):
+        t.chunk([pair])
+        t.chunk([fork])
+
+
+def extent_order_where_inside(state: am.KVState) -> list[list[int | None]]:
+    """:func:`extent_order`, ``None`` for a page outside the branch's extent (a fork's shared pages)."""
+    return [[h.extent.index(p) if p in h.extent else None for p in h.history_pages()]
+            for b in ("cond", "uncond") for h in state._lane_pages(b)]

@@ -187,9 +187,10 @@ def test_host_admission_counts_one_selection_per_branch() -> None:
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_a_saved_selection_loads_into_a_fresh_cache_and_continues_bit_identically(config: str, tmp_path) -> None:
     """A parent and its fork saved after a scoring commit: the file writes each shared page once (the selection's
-    too) and names the selection in the header; loaded into a fresh cache they share it again (with extents each
-    branch comes back as a ring of its own, the selection's pages still shared) and continue bit-identically to the
-    twin family (and the parent equal to the re-statement)."""
+    too) and names the selection in the header; loaded into a fresh cache they share it again and continue
+    bit-identically to the twin family (and the parent equal to the re-statement). With frame extents each
+    member's selection comes back in its own ring's frame slots instead (its keys keep the order they were summed
+    in)."""
     rollout = Twins(**{"pages": 160, **CONFIGS[config]})
     rollout.advance(CONFIGS[config]["config"][0][1] + 2)
     child, twin_child = rollout.session.fork("child"), rollout.twin.fork("child")
@@ -213,8 +214,14 @@ def test_a_saved_selection_loads_into_a_fresh_cache_and_continues_bit_identicall
     for lane in _temporal_lanes(fresh):
         for b in branches:
             pages = parent._lane_pages(b)[lane.index].selection.pages
-            assert loaded_child._lane_pages(b)[lane.index].selection.pages == pages
-            assert all(lane.allocator.refcount(p) == 2 for p in pages)
+            theirs = loaded_child._lane_pages(b)[lane.index].selection.pages
+            if not CONFIGS[config].get("extents"):
+                assert theirs == pages and all(lane.allocator.refcount(p) == 2 for p in pages)  # shared again
+            else:  # each member's copy in the frame slots of its own ring (as ring chunks; the extent's + its ref)
+                mine = parent._lane_pages(b)[lane.index]
+                assert set(pages) <= set(mine.extent) and set(theirs).isdisjoint(pages)
+                assert all(lane.allocator.refcount(p) == 2 for p in (*pages, *theirs))
+                assert torch.equal(lane.pool.kv[:, :, list(pages)], lane.pool.kv[:, :, list(theirs)])
     rollout.session, original = parent, rollout.session
     rollout.advance(3)
     for commit in (False, True):
