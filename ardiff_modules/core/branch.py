@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 from ardiff_modules.core.allocator import PageAllocator
 from ardiff_modules.core.frame_retention import Kept, page_runs, sink_offsets, trim_chunk, trim_retained, trims_frames
@@ -473,10 +474,10 @@ class BranchImage:
     #: The content selection (``BranchPages.selection``, its offsets on the host; ``pages``: device page ids when
     #: suspended, like ``history``), ``None``: none.
     selection: Selection | None = None
-    #: A frame extent's (``BranchPages.frame_slots``): per history chunk the frame slot of each of its frames
-    #: (``None``: outside the extent), and the selection's frame slots (``()``: none in it) -- ``slots`` for frames,
-    #: so that a resume puts every frame back where it was and a ragged kernel sums the keys in the same order.
-    frame_slots: tuple[tuple[int, ...] | None, ...] = ()
+    #: A frame lane's (:func:`frame_slots_of`): per history chunk the frame slot of each of its frames, and the
+    #: selection's (``()``: none) -- ``slots`` for frames, so that a resume into a frame extent puts every frame
+    #: where the keys keep the order they were summed in.
+    frame_slots: tuple[tuple[int, ...], ...] = ()
     selection_slots: tuple[int, ...] = ()
 
 
@@ -506,19 +507,16 @@ def branch_image(branch: BranchPages) -> BranchImage:
 
 
 def frame_slots_of(branch: BranchPages) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
-    """A frame extent's frame slots for a resume: per history chunk the slot of each of its frames, and the
-    selection's (``()``: none); ``((), ())`` without frame slots.
+    """A frame lane's frame slots for a resume into a frame extent: per history chunk the slot of each of its
+    frames, and the selection's (``()``: none); ``((), ())`` for a lane that does not trim chunks to frames.
 
-    Where every page sits in the extent (and there is one), the slots they have (a ragged kernel summed the keys in
-    slot order).
-    Otherwise (a fork's shared pages are outside its extent: it attended paged, in history order, the selection
-    after the sink chunks) consecutive slots in that order, so a resume that brings them into the extent keeps the
-    order the keys are summed in."""
-    if not branch.frame_slots:
+    Where every page sits in the branch's extent, the slots they have (a ragged kernel summed the keys in slot
+    order). Otherwise (plain paging, or a fork's shared pages outside its extent: it attended paged, in history
+    order with the selection after the sink chunks) consecutive slots in that order, which the keys keep."""
+    step = branch.pages_per_frame
+    if not step:
         return (), ()
-    # (a fork that has not run a forward yet has no extent: its pages are all outside, in history order)
-    offset = {p: i for i, p in enumerate(branch.extent)}
-    step = branch.extent_slot_pages
+    offset = {p: i for i, p in enumerate(branch.extent)} if branch.frame_slots else {}
     selection = branch.selection.pages if branch.selection is not None else ()
     if offset and all(p in offset for p in (*branch.history_pages(), *selection)):
         def slots(pages: Sequence[int]) -> tuple[int, ...]:
@@ -526,10 +524,9 @@ def frame_slots_of(branch: BranchPages) -> tuple[tuple[tuple[int, ...], ...], tu
 
         return tuple(slots(c) for c in branch.history), slots(selection)
     frames = [-(-len(pages) // step) for pages in branch.with_selection(list(branch.history), selection)]
-    starts = [sum(frames[:i]) for i in range(len(frames))]
+    starts = accumulate(frames[:-1], initial=0)
     per = [tuple(range(start, start + n)) for start, n in zip(starts, frames)]  # attention order
-    at = branch._sink_count() if branch.selection is not None else len(per)
-    own = per.pop(at) if branch.selection is not None else ()
+    own = per.pop(branch._sink_count()) if branch.selection is not None else ()
     return tuple(per), own
 
 

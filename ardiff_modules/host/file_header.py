@@ -327,25 +327,23 @@ class HeaderReader:
 
     def frame_slots(
         self, b: dict[str, Any], place: str, history: list[PageChunk], selection: Selection | None
-    ) -> tuple[tuple[tuple[int, ...] | None, ...], tuple[int, ...]]:
-        """A frame extent's slots (absent: none known, the load lays frames out in history order): per history
-        chunk ``null`` or one slot per frame of it, and the selection's; all distinct. Where they do not fit the
-        loading cache's extent the load falls back to history order (``lane_store.saved_frame_slots``)."""
+    ) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
+        """A frame lane's frame slots (absent: none known, a load into a frame extent lays frames out in history
+        order): per history chunk one slot per frame of it, and the selection's; all distinct. Where they do not fit
+        the loading cache's extent the load falls back to history order (``lane_store.saved_frame_slots``)."""
         if "frame_slots" not in b:
             return (), ()
         items = self.list_(b["frame_slots"], f"{place}.frame_slots")
         most = 1 << 16  # (slot indices are bounded by the loading lane's extent, checked where they are laid out)
-        out: list[tuple[int, ...] | None] = []
-        for i, item in enumerate(items):
-            where = f"{place}.frame_slots[{i}]"
-            out.append(None if item is None else tuple(self.int_(s, where, 0, most) for s in self.list_(item, where)))
+        out = tuple(tuple(self.int_(s, f"{place}.frame_slots[{i}]", 0, most)
+                          for s in self.list_(item, f"{place}.frame_slots[{i}]")) for i, item in enumerate(items))
         own = tuple(self.int_(s, f"{place}.selection_slots", 0, most)
                     for s in self.list_(b.get("selection_slots", []), f"{place}.selection_slots"))
-        taken = [s for ss in out if ss is not None for s in ss] + list(own)
+        taken = [s for ss in out for s in ss] + list(own)
         if len(out) != len(history) or len(set(taken)) != len(taken) or (own and selection is None):
-            raise self.fail(f"{place}.frame_slots", f"{len(history)} entries (null or distinct frame slots), one per "
-                            "history chunk, and the selection's (with a selection only)", items)
-        return tuple(out), own
+            raise self.fail(f"{place}.frame_slots", f"{len(history)} lists of distinct frame slots, one per history "
+                            "chunk, and the selection's (with a selection only)", items)
+        return out, own
 
     def selection(
         self, value: object, place: str, lane: int, committed: int, history: list[PageChunk], floor: int = 0

@@ -208,9 +208,9 @@ def _branch_header(image: BranchImage, index: Mapping[int, int], name_of: Any) -
         **({"kept": [None if k is None else [k.full, list(k.offsets)] for k in image.kept]} if image.kept else {}),
         # (only a content-selected lane has a selection, and only between two commits that score)
         **({"selection": _selection_header(image.selection, index)} if image.selection is not None else {}),
-        # (only a frame extent: where each frame sat, so a load puts it back there)
-        **({"frame_slots": [None if s is None else list(s) for s in image.frame_slots],
-            "selection_slots": list(image.selection_slots)} if image.frame_slots else {}),
+        # (only a frame lane: where each frame goes in a frame extent, so a load keeps the keys' order)
+        **({"frame_slots": [list(s) for s in image.frame_slots], "selection_slots": list(image.selection_slots)}
+           if image.frame_slots else {}),
     }
 
 

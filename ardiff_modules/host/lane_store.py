@@ -304,20 +304,21 @@ def lay_out(
             own = record.selections.get(name, ())
             own_groups = -(-len(own) // step) if name in in_ring else 0
             placed = saved_frame_slots(image.frame_slots, image.selection_slots, groups, own_groups, slots)
-            if placed is not None:  # a frame ring: every frame back in the slot it had (the ring's key order kept)
+            own_slots: list[int] | None = None
+            if placed is not None:  # a frame ring: each frame where its keys keep their order (frame_slots_of)
                 per_chunk, own_slots = placed
             elif any(s is not None for s in image.slots) and all(len(c) <= step for c in host_chunks):
-                per_chunk, own_slots = [[i] for i in ring_slots(image.slots, len(host_chunks), slots)], None
+                per_chunk = [[i] for i in ring_slots(image.slots, len(host_chunks), slots)]
             else:  # in history order, lowest slots first (a frame extent's chunk takes a slot per frame)
                 starts = accumulate(groups[:-1], initial=0)
-                per_chunk, own_slots = [list(range(i, i + g)) for i, g in zip(starts, groups)], None
+                per_chunk = [list(range(i, i + g)) for i, g in zip(starts, groups)]
             laid = tuple(tuple(p for s in ss for p in run[s * step : (s + 1) * step])[: len(c)]
                          for ss, c in zip(per_chunk, host_chunks))
             copies.update(zip((h for c in host_chunks for h in c), (p for c in laid for p in c)))
             chunks[name], extents[name] = laid, tuple(run)
             if own_groups:  # (a frame ring's own selection: the slots it had, else its lowest free slots)
                 used = {s for ss in per_chunk for s in ss}
-                free = own_slots if own_slots is not None else [s for s in range(slots) if s not in used]
+                free = own_slots if own_slots else [s for s in range(slots) if s not in used]
                 selections[name] = tuple(p for s in free for p in run[s * step : (s + 1) * step])[: len(own)]
                 copies.update(zip(own, selections[name]))
         else:
@@ -334,22 +335,21 @@ def selection_in_ring(record: LaneRecord, name: str, step: int, slots: int | Non
 
 
 def saved_frame_slots(
-    frame_slots: Sequence[Sequence[int] | None], selection_slots: Sequence[int], groups: Sequence[int],
+    frame_slots: Sequence[Sequence[int]], selection_slots: Sequence[int], groups: Sequence[int],
     selection_groups: int, slots: int,
-) -> tuple[list[list[int]], list[int] | None] | None:
-    """The frame slots a frame ring's chunks (``groups[i]`` frames each) and its own selection (``selection_groups``
-    frames; 0: none in the ring) had when suspended, when the image names them all, distinct and inside ``slots``;
-    else ``None`` (lay them out in history order)."""
-    if not frame_slots or len(frame_slots) != len(groups):
+) -> tuple[list[list[int]], list[int]] | None:
+    """The frame slots of a frame ring's chunks (``groups[i]`` frames each) and its selection (``selection_groups``
+    frames; 0: not in the ring) that the image names (:func:`~ardiff_modules.core.branch.frame_slots_of`), when
+    they match and fit: distinct and inside ``slots``; else ``None`` (lay them out in history order)."""
+    own = list(selection_slots) if selection_groups else []
+    if len(frame_slots) != len(groups) or any(len(ss) != g for ss, g in zip(frame_slots, groups)) or (
+        len(own) != selection_groups
+    ):
         return None
-    per_chunk = [list(ss) if ss is not None else None for ss in frame_slots]
-    own = list(selection_slots) if selection_groups else []  # (a shared selection comes back in plain pages)
-    if any(ss is None or len(ss) != g for ss, g in zip(per_chunk, groups)) or len(own) != selection_groups:
-        return None
-    taken = [s for ss in per_chunk for s in ss] + own  # type: ignore[union-attr]
+    taken = [s for ss in frame_slots for s in ss] + own
     if len(set(taken)) != len(taken) or not all(0 <= s < slots for s in taken):
         return None
-    return per_chunk, (own if selection_groups else None)  # type: ignore[return-value]
+    return [list(ss) for ss in frame_slots], own
 
 
 def ring_fits(slots: int | None, step: int, chunks: Sequence[PageChunk]) -> bool:

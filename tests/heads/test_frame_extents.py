@@ -405,3 +405,26 @@ def extent_order_where_inside(state: am.KVState) -> list[list[int | None]]:
     """:func:`extent_order`, ``None`` for a page outside the branch's extent (a fork's shared pages)."""
     return [[h.extent.index(p) if p in h.extent else None for p in h.history_pages()]
             for b in ("cond", "uncond") for h in state._lane_pages(b)]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_paged_file_loads_into_frame_slots_in_the_order_its_keys_were_summed(kind: str, tmp_path) -> None:
+    """Saved from a cache without extents (paged: keys in history order, the selection after the sink chunks) and
+    loaded into one with frame extents: the frames and the selection fill the slots in that order (ascending extent
+    offsets in attention order), and the stream goes on bit-equal to the paged twin."""
+    t = Twins(kind)
+    pair = (t.a.open_session("s"), t.b.open_session("s"))
+    for _ in range(4):
+        t.chunk([pair])
+    path = tmp_path / "paged.safetensors"
+    t.b.save_sessions(path, [pair[1]])
+    t.a = make(kind, True)
+    (loaded,) = t.a.load_sessions(path)
+    assert in_extent(loaded)
+    order = extent_order(loaded)
+    assert all(o == sorted(o) for o in order) and any(o != sorted(o) for o in extent_order(pair[0])), order
+    pair = (loaded, pair[1])
+    t.ragged = []
+    for _ in range(3):
+        t.chunk([pair])
+    assert all(t.ragged), t.ragged
