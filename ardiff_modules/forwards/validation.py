@@ -84,7 +84,9 @@ def _whole_in_frame_lanes(spec: KVCacheSpec, lengths: tuple[int, ...]) -> tuple[
     """``lengths``, unless a shorter chunk would be committed where a policy counts frames by commit index."""
     if all(n == spec.chunk_size for n in lengths):
         return lengths
-    policies = [spec.policy] if spec.head_retention is None else list(spec.head_retention.groups.values())
+    retention = spec.head_retention
+    # (the groups that hold heads: a declared group without any stores nothing, counts nothing)
+    policies = [spec.policy] if retention is None else [retention.groups[p.group] for p in retention.parts()]
     framed = [p for p in policies if trims_frames(p)]
     if framed:
         raise SequenceLengthError(

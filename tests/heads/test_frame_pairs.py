@@ -512,3 +512,27 @@ def test_token_mask_over_the_union_of_kept_frames(kind: str, chunks: int) -> Non
             q, k, v = oracle.model.qkv(x[None], layer, 0)
             outs.append(am.chunk_attention(q, k, v, ctx)[0])
     torch.testing.assert_close(torch.stack(outs), oracle.forward(x, 0, False, mask[0], columns), **TOL)
+
+
+@pytest.mark.parametrize("used", [True, False])
+def test_a_shorter_chunk_is_refused_only_where_a_frame_group_holds_heads(used: bool) -> None:
+    """A frame group counts frames by commit index: a shorter chunk is refused (nothing changed) when it holds heads;
+    a declared frame group that holds none stores and counts nothing, so the chunk is accepted."""
+    chunk, page = 12, 2
+    frames = am.FrameWindowPolicy(1, 1, 3)
+    rows = [["frames", "wide"], ["wide", "wide"]] if used else [["wide", "wide"]] * 2
+    spec = am.KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=4, chunk_size=chunk, page_size=page,
+                          branches=("cond",), dtype="float32",
+                          head_retention=am.HeadRetention({"wide": am.SinkWindowPolicy(1, 2), "frames": frames}, rows))
+    cache = am.KVCache(spec, num_pages=64, backend="reference")
+    state = cache.open_session("s")
+    if used:
+        with pytest.raises(am.errors.SequenceLengthError, match="whole chunks of chunk_size=12 tokens"):
+            state.prepare_forward(("cond",), page, True)
+        assert state.committed_chunks("cond") == 0 and cache.stats().pages_used == 0
+    else:
+        with state.prepare_forward(("cond",), page, True) as fwd:
+            for layer, ctx in enumerate(fwd.layers):
+                x = torch.randn(1, page, 2, 4)
+                am.chunk_attention(x, x, x, ctx)
+        assert state.committed_chunks("cond") == 1
