@@ -13,26 +13,14 @@ from hypothesis import strategies as st
 from hypothesis.stateful import initialize
 
 from tests.support.session_machine import SessionStateMachine
-from tests.support.session_model import GEOMETRIES, MAX_SESSIONS, retention_shapes
+from tests.support.session_machine.base import SETUP_DRAWS
+from tests.support.session_model import retention_shapes
 
 
 class FrameSessionStateMachine(SessionStateMachine):
     """:class:`SessionStateMachine` whose spec always has a frame lane."""
 
-    @initialize(
-        sink=st.integers(0, 2),
-        window=st.sampled_from([0, 1, 2, 3, None]),
-        geometry=st.sampled_from(GEOMETRIES),
-        pending_default=st.sampled_from(["block_causal", "bidirectional"]),
-        pool_chunks=st.integers(3, 18),
-        extents=st.booleans(),
-        max_contexts=st.sampled_from([1, 2, 3, 64]),
-        check_finite=st.booleans(),
-        sessions=st.integers(1, MAX_SESSIONS),
-        relative=st.booleans(),
-        shots=st.sampled_from([0, 1, 1, 2]),
-        shape=retention_shapes().filter(lambda s: s[0] in ("frames", "per_head_frames")),
-    )
+    @initialize(**{**SETUP_DRAWS, "shape": retention_shapes().filter(lambda s: s[0] in ("frames", "per_head_frames"))})
     def setup(self, **drawn) -> None:  # type: ignore[override]
         super().setup(**drawn)
 

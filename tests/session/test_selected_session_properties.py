@@ -16,27 +16,19 @@ from hypothesis import strategies as st
 from hypothesis.stateful import initialize
 
 from tests.support.session_machine import SessionStateMachine
-from tests.support.session_model import GEOMETRIES, MAX_SESSIONS, retention_shapes
+from tests.support.session_machine.base import SETUP_DRAWS
+from tests.support.session_model import GEOMETRIES, retention_shapes
 
 
 class SelectedSessionStateMachine(SessionStateMachine):
     """:class:`SessionStateMachine` whose spec always has a content-selected lane."""
 
-    @initialize(
-        sink=st.integers(0, 2),
-        window=st.sampled_from([0, 1, 2, 3, None]),
+    @initialize(**{
+        **SETUP_DRAWS,
         # several pages a frame most of the time (patches of whole pages; more than one page kept)
-        geometry=st.sampled_from([(4, 1), (4, 1), *GEOMETRIES]),
-        pending_default=st.sampled_from(["block_causal", "bidirectional"]),
-        pool_chunks=st.integers(3, 18),
-        extents=st.booleans(),
-        max_contexts=st.sampled_from([1, 2, 3, 64]),
-        check_finite=st.booleans(),
-        sessions=st.integers(1, MAX_SESSIONS),
-        relative=st.booleans(),
-        shots=st.sampled_from([0, 1, 1, 2]),
-        shape=retention_shapes(only=("selected", "per_head_selected")),
-    )
+        "geometry": st.sampled_from([(4, 1), (4, 1), *GEOMETRIES]),
+        "shape": retention_shapes(only=("selected", "per_head_selected")),
+    })
     def setup(self, **drawn) -> None:  # type: ignore[override]
         super().setup(**drawn)
 

@@ -12,26 +12,17 @@ from hypothesis import strategies as st
 from hypothesis.stateful import initialize
 
 from tests.support.session_machine import SessionStateMachine
-from tests.support.session_model import GEOMETRIES, MAX_SESSIONS, retention_shapes
+from tests.support.session_machine.base import SETUP_DRAWS
+from tests.support.session_model import retention_shapes
 
 
 class ShotSessionStateMachine(SessionStateMachine):
     """:class:`SessionStateMachine` whose spec always has a shot sink and a window with room for it."""
 
-    @initialize(
-        sink=st.integers(0, 2),
-        window=st.integers(1, 3),
-        geometry=st.sampled_from(GEOMETRIES),
-        pending_default=st.sampled_from(["block_causal", "bidirectional"]),
-        pool_chunks=st.integers(3, 18),
-        extents=st.booleans(),
-        max_contexts=st.sampled_from([1, 2, 3, 64]),
-        check_finite=st.booleans(),
-        sessions=st.integers(1, MAX_SESSIONS),
-        relative=st.booleans(),
-        shots=st.integers(1, 2),
-        shape=retention_shapes(frames=False),  # a frame group pins no shot: the main machine draws those
-    )
+    @initialize(**{
+        **SETUP_DRAWS, "window": st.integers(1, 3), "shots": st.integers(1, 2),
+        "shape": retention_shapes(frames=False),  # a frame group pins no shot: the main machine draws those
+    })
     def setup(self, **drawn) -> None:  # type: ignore[override]
         super().setup(**drawn)
 

@@ -51,6 +51,23 @@ from tests.support.session_model import (
 NOT_YET_WITH_GROUPS: dict[str, str] = {}
 
 
+#: What the machine's setup draws (the specialised machines replace some: ``@initialize(**{**SETUP_DRAWS, ...})``).
+SETUP_DRAWS = dict(
+    sink=st.integers(0, 2),
+    window=st.sampled_from([0, 1, 2, 3, None]),
+    geometry=st.sampled_from(GEOMETRIES),
+    pending_default=st.sampled_from(["block_causal", "bidirectional"]),
+    pool_chunks=st.integers(3, 18),
+    extents=st.booleans(),
+    max_contexts=st.sampled_from([1, 2, 3, 64]),
+    check_finite=st.booleans(),
+    sessions=st.integers(1, MAX_SESSIONS),
+    relative=st.booleans(),
+    shots=st.sampled_from([0, 1, 1, 2]),
+    shape=retention_shapes(),
+)
+
+
 class MachineBase(RuleBasedStateMachine):
     #: Whether the setup draws retention groups (the FP8 machine: uniform only, its ids and scales are one head's).
     DRAWS_GROUPS = True
@@ -74,20 +91,7 @@ class MachineBase(RuleBasedStateMachine):
             self.attn = ChunkSelfAttention(2 * HEAD_DIM, 2, num_kv_heads=1, head_dim=HEAD_DIM)
 
     # ================================================================== setup
-    @initialize(
-        sink=st.integers(0, 2),
-        window=st.sampled_from([0, 1, 2, 3, None]),
-        geometry=st.sampled_from(GEOMETRIES),
-        pending_default=st.sampled_from(["block_causal", "bidirectional"]),
-        pool_chunks=st.integers(3, 18),
-        extents=st.booleans(),
-        max_contexts=st.sampled_from([1, 2, 3, 64]),
-        check_finite=st.booleans(),
-        sessions=st.integers(1, MAX_SESSIONS),
-        relative=st.booleans(),
-        shots=st.sampled_from([0, 1, 1, 2]),
-        shape=retention_shapes(),
-    )
+    @initialize(**SETUP_DRAWS)
     def setup(
         self, sink: int, window: int | None, geometry: tuple[int, int], pending_default: str, pool_chunks: int,
         extents: bool, max_contexts: int, check_finite: bool, sessions: int, relative: bool, shots: int,
