@@ -19,9 +19,12 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
-from typing import Any, Protocol, TypeAlias, cast
+from collections.abc import Callable
+from typing import Any, Protocol, TypeAlias, TypeVar, cast
 
 import torch
+from torch import _C
+from torch._C._dynamo import eval_frame as _dynamo_eval_frame
 
 from ardiff_modules.backends.base import AttentionPlan, fold_softmax_scale
 from ardiff_modules.errors import PlanNotFoundError, SpecError, TensorMismatchError
@@ -41,10 +44,17 @@ class PlanHolder(Protocol):
 
 
 class HandleTable:
-    """Maps plan handles to their holders (weakly: a dropped forward frees its entry)."""
+    """Maps plan handles to their holders (weakly: a dropped forward frees its entry).
+
+    NOTE: the ops look a handle up once per layer call, so a lookup takes no lock: it is one read of a plain
+    dict (atomic in CPython) and one weak reference call. Register / unregister / snapshot keep the lock (they
+    also run from several threads); a holder's weak reference removes its own entry when it dies (a dict
+    ``pop``, atomic too: a weakref callback must not take the lock, as it may run inside a locked block's GC).
+    Handles are never reused, so a late callback can only remove its own entry.
+    """
 
     def __init__(self) -> None:
-        self._holders: weakref.WeakValueDictionary[int, PlanHolder] = weakref.WeakValueDictionary()
+        self._refs: dict[int, weakref.ref[PlanHolder]] = {}
         self._ids = itertools.count(1)
         # Caches in several threads register and drop contexts concurrently.
         self._lock = threading.Lock()
@@ -52,12 +62,12 @@ class HandleTable:
     def register(self, holder: PlanHolder) -> int:
         with self._lock:
             handle = next(self._ids)
-            self._holders[handle] = holder
+            self._refs[handle] = weakref.ref(holder, _forget(self._refs, handle))
         return handle
 
     def unregister(self, handle: int) -> None:
         with self._lock:
-            self._holders.pop(handle, None)
+            self._refs.pop(handle, None)
 
     def get(self, handle: int) -> AttentionPlan:
         """The plan of an open forward; raises if the handle is unknown or its forward finished."""
@@ -75,8 +85,8 @@ class HandleTable:
         return self._holder(handle)
 
     def _holder(self, handle: int) -> PlanHolder:
-        with self._lock:
-            holder = self._holders.get(handle)
+        ref = self._refs.get(handle)  # no lock: see the class NOTE
+        holder = ref() if ref is not None else None
         if holder is None:
             raise PlanNotFoundError(
                 f"No attention plan is registered under handle {handle}: the forward context was "
@@ -90,10 +100,61 @@ class HandleTable:
     def holders(self) -> list[PlanHolder]:
         """Every registered holder, a snapshot (error messages look up which forward a tensor belongs to)."""
         with self._lock:
-            return list(self._holders.values())
+            refs = list(self._refs.values())
+        return [holder for holder in (ref() for ref in refs) if holder is not None]
 
     def __len__(self) -> int:
-        return len(self._holders)
+        return len(self.holders())
+
+
+# ---------------------------------------------------------------------------------------------------
+# The compiled path's ops that mutate nothing: registered through the low-level Library API.
+
+#: Holds the registrations of :func:`_graph_op` (they live as long as this library object).
+_LIB = torch.library.Library("ardiff_modules", "FRAGMENT")
+
+_Fn = TypeVar("_Fn", bound=Callable[..., Any])
+
+
+def _graph_op(schema: str) -> Callable[[_Fn], _Fn]:
+    """Register the decorated function as ``ardiff_modules::<schema>``, an op that mutates nothing; the fake
+    impl is registered apart (``torch.library.register_fake(..., lib=_LIB)``).
+
+    NOTE: not ``torch.library.custom_op``, whose autograd and backend kernels are Python wrappers around the
+    function (an autograd redispatch, a ``torch._disable_dynamo`` frame, an aliasing check): that machinery
+    cost more host time per layer call than the plan's own Python (``benchmarks/op_host_time.py``). Here the
+    function is the op's one kernel (``CompositeExplicitAutograd``, as custom_op registers it), with the same
+    schema and tag (``pt2_compliant_tag``) and the same fake impl, so graphs see the same op. What differs,
+    for ops that mutate nothing: autograd is torch's C++ fallback (these ops never see an input that requires
+    grad: ``chunk_attention`` sends those to ``attend_with_grad``; an op called so anyway warns at backward
+    instead of raising), and dynamo is kept out of the kernel only where a frame hook is set (compiled graphs
+    run with it off, so that costs one C call), by the same ``torch._disable_dynamo`` custom_op uses.
+    """
+    name = schema.split("(", 1)[0]
+
+    def register(fn: _Fn) -> _Fn:
+        _LIB.define(schema, tags=(torch.Tag.pt2_compliant_tag,))
+        undynamo = torch._disable_dynamo(fn)
+        hook = _dynamo_eval_frame.get_eval_frame_callback
+
+        def kernel(*args: Any, **kwargs: Any) -> Any:
+            if hook() is None:
+                return fn(*args, **kwargs)
+            return undynamo(*args, **kwargs)
+
+        _LIB.impl(name, kernel, "CompositeExplicitAutograd")
+        return fn
+
+    return register
+
+
+def _forget(refs: dict[int, weakref.ref[PlanHolder]], handle: int) -> Callable[[weakref.ref[PlanHolder]], None]:
+    """The callback of ``handle``'s weak reference: drop its entry (no lock: see :class:`HandleTable`)."""
+
+    def forget(_: weakref.ref[PlanHolder]) -> None:
+        refs.pop(handle, None)
+
+    return forget
 
 
 #: The one registry of plans (explicit, documented; entries die with their forward contexts).
@@ -124,8 +185,64 @@ def chunk_attention_op(
     corrupt the cache on CUDA. The layer index is data (a CPU tensor), so one graph serves
     every layer and reading it is not a device sync.
     """
+    return cast(torch.Tensor, _write_and_attend(q, k, v, kv_pool, layer, handle_id, scale, q_sink, False))
+
+
+def _write_and_attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_pool: torch.Tensor, layer: torch.Tensor,
+    handle_id: torch.Tensor, scale: float, q_sink: torch.Tensor | None, return_lse: bool,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The body of :func:`chunk_attention_op` (``return_lse=False``) and :func:`chunk_attention_lse_op`."""
     plan, index, k_cache, v_cache = _resolve(kv_pool, layer, handle_id, (k, v))
-    return cast(torch.Tensor, plan.run(q, k, v, k_cache, v_cache, scale, layer=index, **_sink_query(plan, q_sink)))
+    return plan.run(q, k, v, k_cache, v_cache, scale, return_lse=return_lse, layer=index, **_sink_query(plan, q_sink))
+
+
+def chunk_attention_eager(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_pool: torch.Tensor, layer: torch.Tensor,
+    handle_id: torch.Tensor, scale: float, q_sink: torch.Tensor | None = None, *, return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``torch.ops.ardiff_modules.chunk_attention[_lse](...)`` for eager callers, without the dispatcher where it
+    would add nothing (``chunk_attention``'s eager path; the arguments and result are the op's).
+
+    torch's custom-op machinery is Python: its autograd, ADInplaceOrView and backend kernels cost more host time
+    per layer call than the plan's own Python (``benchmarks/op_host_time.py``). Where none of them can matter --
+    no dynamo frame hook, no torch-function or dispatch mode (fake tensors, tracing, ``torch.device`` contexts),
+    no functorch transform, plain tensors, no input that requires grad while grad is on -- the op's body runs
+    here exactly as the op would run it: the pool's version counter bumped first (its ADInplaceOrView kernel),
+    then the body below autograd (``_AutoDispatchBelowAutograd``, as its autograd kernel's no-grad path), under a
+    ``record_function`` of the op's name while the profiler runs. Anything else calls the op.
+    """
+    if _dispatcher_needed(q, k, v, q_sink):
+        op = torch.ops.ardiff_modules.chunk_attention_lse if return_lse else torch.ops.ardiff_modules.chunk_attention
+        return cast(_Attended, op(q, k, v, kv_pool, layer, handle_id, scale, q_sink))
+    if _C._autograd._profiler_enabled():
+        name = "ardiff_modules::chunk_attention_lse" if return_lse else "ardiff_modules::chunk_attention"
+        with torch.autograd.profiler.record_function(name):
+            return _body(q, k, v, kv_pool, layer, handle_id, scale, q_sink, return_lse)
+    return _body(q, k, v, kv_pool, layer, handle_id, scale, q_sink, return_lse)
+
+
+def _body(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_pool: torch.Tensor, layer: torch.Tensor,
+    handle_id: torch.Tensor, scale: float, q_sink: torch.Tensor | None, return_lse: bool,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    torch.autograd.graph.increment_version(kv_pool)  # the op's ADInplaceOrView kernel: kv_pool is mutated
+    with _C._AutoDispatchBelowAutograd():
+        return _write_and_attend(q, k, v, kv_pool, layer, handle_id, scale, q_sink, return_lse)
+
+
+def _dispatcher_needed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_sink: torch.Tensor | None) -> bool:
+    """Whether an eager call must go through the dispatcher (see :func:`chunk_attention_eager`)."""
+    plain = torch.Tensor
+    return (
+        _dynamo_eval_frame.get_eval_frame_callback() is not None  # inside a compiled region's eager code
+        or _C._is_torch_function_mode_enabled()
+        or _C._len_torch_dispatch_stack() > 0
+        or _C._functorch.peek_interpreter_stack() is not None
+        or type(q) is not plain or type(k) is not plain or type(v) is not plain
+        or (q_sink is not None and type(q_sink) is not plain)
+        or (_C.is_grad_enabled() and _C._any_requires_grad(q, k, v, q_sink))
+    )
 
 
 def _resolve(
@@ -165,11 +282,7 @@ def chunk_attention_lse_op(
 
     A separate op (not a flag) so the common path's schema and output stay one tensor.
     """
-    plan, index, k_cache, v_cache = _resolve(kv_pool, layer, handle_id, (k, v))
-    return cast(
-        "tuple[torch.Tensor, torch.Tensor]",
-        plan.run(q, k, v, k_cache, v_cache, scale, return_lse=True, layer=index, **_sink_query(plan, q_sink)),
-    )
+    return cast("tuple[torch.Tensor, torch.Tensor]", _write_and_attend(q, k, v, kv_pool, layer, handle_id, scale, q_sink, True))
 
 
 @chunk_attention_lse_op.register_fake
@@ -181,20 +294,36 @@ def _chunk_attention_lse_fake(q, k, v, kv_pool, layer, handle_id, scale, q_sink=
 # Compiled path: K/V written by the graph that produces them, attention over the pool alone.
 
 
+#: The write gates return each current token's slot plus ``layer << LAYER_SHIFT`` in one int64 tensor: the layer
+#: index rides in the high bits, so one fresh tensor (one kernel) carries both (a pool never nears 2**32 slots).
+LAYER_SHIFT = 32
+
+
+def _gate_slots(plan: AttentionPlan, index: int) -> torch.Tensor:
+    """``plan.write_slots + (index << LAYER_SHIFT)``: a fresh int64 ``[tokens]`` tensor on the pool's device.
+
+    NOTE: fresh, never a tensor the library keeps: a custom op's output must not alias its inputs, and inductor
+    may reuse (overwrite) the buffer an extern op returned once the graph is done with it -- the plan's slots
+    (a fixed buffer in static plans) would be corrupted. One out-of-place add, where the two outputs of before
+    (``slots.clone()`` and ``torch.full((1,), layer)``) were two kernels and two allocations per layer.
+    """
+    return plan.write_slots + (index << LAYER_SHIFT)
+
+
 @torch.library.custom_op("ardiff_modules::kv_write_slots", mutates_args=("kv_scales",))
 def kv_write_slots_op(
     k: torch.Tensor, v: torch.Tensor, kv_scales: torch.Tensor, layer: torch.Tensor, handle_id: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gate before a compiled graph writes ``k``/``v`` ``[tokens, kv_heads, head_dim]`` into the pool.
+) -> torch.Tensor:
+    """The gate before a compiled graph writes ``k``/``v`` ``[tokens, kv_heads, head_dim]`` into an FP8 pool.
 
     Raises unless the forward is open (a finished forward must not write, and the write happens
     before the attention op would check), records the write on the forward (a commit needs every
     layer), calibrates an uncalibrated FP8 layer's scales
     (``kv_scales`` ``[layers, 2, kv_heads]``, mutated then), and returns, on the pool's device, the
-    int64 ``[tokens]`` token slots (``page * page_size + offset``) of the current tokens and the
-    int64 ``[1]`` layer index -- fresh tensors, so the write depends on this op, and no CPU tensor
+    int64 ``[tokens]`` token slots (``page * page_size + offset``) of the current tokens plus
+    ``layer << LAYER_SHIFT`` -- a fresh tensor, so the write depends on this op, and no CPU tensor
     enters the graph (inductor would copy it to the device each call, which a CUDA graph cannot
-    capture).
+    capture). A 16-bit pool's graph calls :func:`kv_write_slots_plain_op` instead.
     """
     index = int(layer)
     plan = HANDLES.get_for_write(int(handle_id), index, k, v)  # records the write; calibrates the pool's scales if needed
@@ -208,13 +337,38 @@ def kv_write_slots_op(
         # values too, both for the in-graph quantization that reads it and for the copy-back at the end
         # of the graph (while the scales are provisional only: fixed ones were in the copy already).
         kv_scales[index].copy_(quantizer.scales[index])
-    slots = plan.write_slots
-    return slots.clone(), torch.full((1,), index, dtype=torch.int64, device=slots.device)
+    return _gate_slots(plan, index)
 
 
 @kv_write_slots_op.register_fake
 def _kv_write_slots_fake(k, v, kv_scales, layer, handle_id):  # noqa: ANN001, ANN202
-    return k.new_empty((k.shape[0],), dtype=torch.int64), k.new_empty((1,), dtype=torch.int64)
+    return k.new_empty((k.shape[0],), dtype=torch.int64)
+
+
+@_graph_op("kv_write_slots_plain(Tensor k, Tensor v, Tensor layer, Tensor handle_id) -> Tensor")
+def kv_write_slots_plain_op(k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor, handle_id: torch.Tensor) -> torch.Tensor:
+    """:func:`kv_write_slots_op` for a 16-bit pool: the same checks, record and slots, nothing mutated.
+
+    A 16-bit pool has no scales to calibrate, so this gate mutates nothing: torch then runs no
+    ADInplaceOrView kernel per call and the graph needs no functionalization wrapper around it. A plan
+    with FP8 scales is refused before anything is recorded (its graph must calibrate: :func:`kv_write_slots_op`).
+    """
+    index = int(layer)
+    holder = HANDLES.holder(int(handle_id))  # raises unless the forward is open
+    plan = holder._plan
+    assert plan is not None  # HANDLES.holder checked it
+    if plan.quantizer is not None:
+        raise SpecError(
+            "kv_write_slots_plain: expected a plan over a 16-bit pool (no FP8 scales to calibrate), got one with "
+            "FP8 scales; an FP8 pool's graph calls ardiff_modules::kv_write_slots (write_kv_in_graph picks it)"
+        )
+    holder._record_write(index, k, v)
+    return _gate_slots(plan, index)
+
+
+@torch.library.register_fake("ardiff_modules::kv_write_slots_plain", lib=_LIB)
+def _kv_write_slots_plain_fake(k, v, layer, handle_id):  # noqa: ANN001, ANN202
+    return k.new_empty((k.shape[0],), dtype=torch.int64)
 
 
 def write_kv_in_graph(
@@ -230,16 +384,26 @@ def write_kv_in_graph(
     For compiled graphs: traceable torch (an ``index_put_`` on the whole pool, quantized first for an
     FP8 pool), so inductor fuses it with whatever computes ``k``/``v``. Eager callers use the custom
     op, whose backend write (FlashInfer's ``append_paged_kv_cache``) is faster than an eager scatter.
+    The gate op is :func:`kv_write_slots_plain_op` for a 16-bit pool, :func:`kv_write_slots_op` (which
+    calibrates the scales) for an FP8 one; its output's high bits are the layer index (:data:`LAYER_SHIFT`),
+    split off here in traced integer math that inductor fuses into the write.
 
     NOTE: the ``index_put_`` indexes the pool tensor itself with (layer, K|V, page, offset). Writing
     through a view of it (``pool.view(-1, heads, dim)[slots]``) makes functionalization rebuild the
     base from the view, and inductor then clones and copies back the *whole pool* each call;
     ``tests/compile/test_compile_write.py`` checks the generated code for that.
     """
-    slots, layer_index = torch.ops.ardiff_modules.kv_write_slots(k, v, kv_scales, layer, handle_id)
+    ops = torch.ops.ardiff_modules
+    quantized = is_quantized(kv_pool.dtype)
+    if quantized:
+        gate = ops.kv_write_slots(k, v, kv_scales, layer, handle_id)
+    else:
+        gate = ops.kv_write_slots_plain(k, v, layer, handle_id)
+    layer_index = gate[:1] // (1 << LAYER_SHIFT)  # [1]: broadcast against the per-token indices below
+    slots = gate % (1 << LAYER_SHIFT)
     page_size = kv_pool.shape[3]
     pages, offsets = slots // page_size, slots % page_size
-    if is_quantized(kv_pool.dtype):
+    if quantized:
         k_scale, v_scale = kv_scales[layer_index][0]
         k = quantize(k, k_scale, kv_pool.dtype)
         v = quantize(v, v_scale, kv_pool.dtype)
@@ -249,7 +413,7 @@ def write_kv_in_graph(
     kv_pool.index_put_((layer_index, torch.ones_like(slots), pages, offsets), v)
 
 
-@torch.library.custom_op("ardiff_modules::paged_attention", mutates_args=())
+@_graph_op("paged_attention(Tensor q, Tensor kv_pool, Tensor layer, Tensor handle_id, float scale, Tensor? q_sink=None) -> Tensor")
 def paged_attention_op(
     q: torch.Tensor,
     kv_pool: torch.Tensor,
@@ -264,12 +428,12 @@ def paged_attention_op(
     return cast(torch.Tensor, plan.attend(q, k_cache, v_cache, scale, layer=index, **_sink_query(plan, q_sink)))
 
 
-@paged_attention_op.register_fake
+@torch.library.register_fake("ardiff_modules::paged_attention", lib=_LIB)
 def _paged_attention_fake(q, kv_pool, layer, handle_id, scale, q_sink=None):  # noqa: ANN001, ANN202
     return q.new_empty((q.shape[0], q.shape[1], kv_pool.shape[-1]))
 
 
-@torch.library.custom_op("ardiff_modules::paged_attention_lse", mutates_args=())
+@_graph_op("paged_attention_lse(Tensor q, Tensor kv_pool, Tensor layer, Tensor handle_id, float scale, Tensor? q_sink=None) -> (Tensor, Tensor)")
 def paged_attention_lse_op(
     q: torch.Tensor,
     kv_pool: torch.Tensor,
@@ -286,7 +450,7 @@ def paged_attention_lse_op(
     )
 
 
-@paged_attention_lse_op.register_fake
+@torch.library.register_fake("ardiff_modules::paged_attention_lse", lib=_LIB)
 def _paged_attention_lse_fake(q, kv_pool, layer, handle_id, scale, q_sink=None):  # noqa: ANN001, ANN202
     return (
         q.new_empty((q.shape[0], q.shape[1], kv_pool.shape[-1])),
@@ -361,7 +525,7 @@ def _check_fp8_query(plan: AttentionPlan, q8: torch.Tensor, q_scale: torch.Tenso
         )
 
 
-@torch.library.custom_op("ardiff_modules::paged_attention_fp8", mutates_args=())
+@_graph_op("paged_attention_fp8(Tensor q8, Tensor q_scale, Tensor kv_pool, Tensor layer, Tensor handle_id, ScalarType out_dtype) -> Tensor")
 def paged_attention_fp8_op(
     q8: torch.Tensor,
     q_scale: torch.Tensor,
@@ -379,12 +543,12 @@ def paged_attention_fp8_op(
     return cast(torch.Tensor, plan.attend(q8, k_cache, v_cache, q8.shape[-1] ** -0.5, layer=index, q_scale=q_scale))
 
 
-@paged_attention_fp8_op.register_fake
+@torch.library.register_fake("ardiff_modules::paged_attention_fp8", lib=_LIB)
 def _paged_attention_fp8_fake(q8, q_scale, kv_pool, layer, handle_id, out_dtype):  # noqa: ANN001, ANN202
     return q8.new_empty((q8.shape[0], q8.shape[1], kv_pool.shape[-1]), dtype=out_dtype)
 
 
-@torch.library.custom_op("ardiff_modules::paged_attention_fp8_lse", mutates_args=())
+@_graph_op("paged_attention_fp8_lse(Tensor q8, Tensor q_scale, Tensor kv_pool, Tensor layer, Tensor handle_id, ScalarType out_dtype) -> (Tensor, Tensor)")
 def paged_attention_fp8_lse_op(
     q8: torch.Tensor,
     q_scale: torch.Tensor,
@@ -402,7 +566,7 @@ def paged_attention_fp8_lse_op(
     )
 
 
-@paged_attention_fp8_lse_op.register_fake
+@torch.library.register_fake("ardiff_modules::paged_attention_fp8_lse", lib=_LIB)
 def _paged_attention_fp8_lse_fake(q8, q_scale, kv_pool, layer, handle_id, out_dtype):  # noqa: ANN001, ANN202
     return (
         q8.new_empty((q8.shape[0], q8.shape[1], kv_pool.shape[-1]), dtype=out_dtype),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal, Union, overload
+from typing import Any, Literal, Union, cast, overload
 
 import torch
 
@@ -12,7 +12,7 @@ from ardiff_modules.context import LayerContext
 from ardiff_modules.cross import cached_cross_attention  # noqa: F401  (re-exported: the functional forms)
 from ardiff_modules.errors import SpecError, TensorMismatchError
 from ardiff_modules.head_shares import merge_heads, take_heads
-from ardiff_modules.ops import attend_in_graph, write_kv_in_graph
+from ardiff_modules.ops import attend_in_graph, chunk_attention_eager, write_kv_in_graph
 from ardiff_modules.training import attend_with_grad
 
 #: A RoPE hook: ``(t [streams, seq, heads, dim], positions [streams, seq]) -> t`` or a ``(cos, sin)`` pair.
@@ -284,8 +284,12 @@ def chunk_attention(
             fp8_query=kv.forward._fp8_query, return_lse=return_lse,
         )
     else:
-        op = torch.ops.ardiff_modules.chunk_attention_lse if return_lse else torch.ops.ardiff_modules.chunk_attention
-        result = op(q_rows, k_rows, v_rows, kv._kv_pool, kv._layer_id, kv.forward._handle_id, scale, q_sink)
+        # The custom op ardiff_modules::chunk_attention[_lse], its body called directly where the dispatcher would
+        # add nothing but host time (ops.chunk_attention_eager says when).
+        result = chunk_attention_eager(
+            q_rows, k_rows, v_rows, cast(torch.Tensor, kv._kv_pool), cast(torch.Tensor, kv._layer_id),
+            kv.forward._handle_id, scale, q_sink, return_lse=return_lse,
+        )
     out, lse = result if isinstance(result, tuple) else (result, None)  # a tuple exactly with return_lse
     out = out.view(streams, seq_len, q.shape[2], head_dim)
     if lse is None:
