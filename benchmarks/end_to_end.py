@@ -673,6 +673,11 @@ def profile_step(step: Callable[[], Any], path: Path, cuda: bool) -> None:
         sort = "self_device_time_total" if cuda else "self_cpu_time_total"
         f.write(events.table(sort_by=sort, row_limit=30) + "\n")
         f.write(events.table(sort_by="self_cpu_time_total", row_limit=30) + "\n")
+        # The library's own ops, whatever their rank above (issue 42 item 4 compares their host time per call).
+        ours = sorted((e for e in events if e.key.startswith("ardiff_modules::")), key=lambda e: e.key)
+        f.write("\nardiff_modules ops: calls, CPU total per call (us), self CPU per call (us)\n")
+        for e in ours:
+            f.write(f"  {e.key:44s} {e.count:6d} {e.cpu_time_total / e.count:10.1f} {e.self_cpu_time_total / e.count:10.1f}\n")
     # The timeline (gaps between kernels show where the host, not the device, sets the pace), gzipped.
     trace = path.with_suffix(".trace.json")
     prof.export_chrome_trace(str(trace))

@@ -146,6 +146,9 @@ for what in "$@"; do
                --out "$out" ;;
     # Issue 28: where the 14B-like chunk step's time goes, library compiled vs the compiled FA3 peer (and head groups):
     # torch.profiler tables and a gzipped chrome trace per variant under $OUT/e14p. Estimate ~2.5 min.
+    # Issue 42 item 4: each table ends with the ardiff_modules ops' CPU total per call -- compare
+    # kv_write_slots_plain (was kv_write_slots: 236.6 us) and paged_attention (289.1 us) with
+    # results/profiles_14b_like_h200/profile_cfg_off_library_compiled_clean.txt.
     profile_14b) step profile_14b 240 python3 -m benchmarks.end_to_end --preset wan14b-like --cfg off \
                --variants rolling_fa3_compiled,library_compiled,library_heads_compiled --chunks-timed 3 \
                --profile "$out/e14p" --out "$out/e14p" ;;
@@ -224,6 +227,9 @@ for what in "$@"; do
     warm_start) step warm_start 300 python3 -m benchmarks.warm_start --layers 10 --out "$out" ;;
     first_use) step first_use 200 python3 -m benchmarks.first_use --out "$out" ;;
     host_time) step host_time 120 python3 -m benchmarks.host_time --out "$out/host_time.jsonl" ;;
+    # Issue 42 item 4: host microseconds of one layer's call into each op (eager chunk_attention, the compiled
+    # path's gate + paged_attention, compiled layer), reference and FlashInfer backends. Estimate ~1 min.
+    op_host_time) step op_host_time 200 python3 -m benchmarks.op_host_time --out "$out" ;;
     compile_vs_eager) step compile_vs_eager 300 python3 -m benchmarks.compile_vs_eager --out "$out" ;;
     example) step example 150 python3 examples/streaming_generation.py --preset wan2.1-1.3b --device cuda \
                --chunks 10 --switch-at 6 --compile --no-progress --out /tmp/stream_wan.png ;;

@@ -38,14 +38,14 @@ import pytest
 import torch
 
 from ardiff_modules.models.wan_causal_dit import WanConfig
-from benchmarks import _timing, baselines, end_to_end, host_time
+from benchmarks import _timing, baselines, end_to_end, host_time, op_host_time
 from tests.support.paths import BENCHMARKS, REPO_ROOT as ROOT
 
 
 # end_to_end's --help is checked in-process (its module imports torch and the example model: seconds).
 SCRIPTS = ("attention", "sessions", "compile_vs_eager", "first_use", "host_time", "replot", "ulysses_rank",
-           "head_retention", "warm_start", "session_files", "session_transport")
-GPU_ONLY = ("attention", "compile_vs_eager", "first_use", "host_time", "ulysses_rank", "head_retention")
+           "head_retention", "warm_start", "session_files", "session_transport", "op_host_time")
+GPU_ONLY = ("attention", "compile_vs_eager", "first_use", "host_time", "ulysses_rank", "head_retention", "op_host_time")
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 
@@ -533,6 +533,24 @@ def test_host_time_cpu_run_writes_counts(tmp_path: Path, capsys: pytest.CaptureF
         assert p["n"] == 2 and p["p25_ms"] <= p["median_ms"] <= p["p75_ms"] and p["kernel_plans_timed"] == 0
         assert p["calls_per_forward"] <= HOST_CALL_CEILINGS["extents" if p["extents"] else "paging"]
     assert profile.read_text().count("==== layers=2") == 2 and "forwards/manager.py" in profile.read_text()
+
+
+def test_op_host_time_cpu_run_writes_each_op(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``op_host_time --cpu``: every measured call of both backends (the reference and the FlashInfer stand-in,
+    whose plans run ragged), one printed line per backend, the JSON under ``--out``; the stand-in is removed after."""
+    argv = ["--cpu", "--calls", "8", "--warmup", "2", "--no-compile", "--label", "t", "--out", str(tmp_path)]
+    assert op_host_time.main(argv) == 0
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [p["backend"] for p in printed] == ["reference", "flashinfer-stub"]
+    saved = json.loads((tmp_path / "op_host_time.json").read_text())
+    assert saved["label"] == "t" and {"run", "env", "package_git"} <= set(saved)
+    names = {"chunk_attention", "op_chunk_attention", "plan_run", "kv_write_slots", "paged_attention", "plan_attend"}
+    for row in saved["results"]:
+        assert set(row["calls"]) == names and row["gate_op"] == "kv_write_slots_plain", row
+        assert all(0 < c["p25_us"] <= c["median_us"] <= c["p75_us"] and c["n"] == 8 for c in row["calls"].values())
+    assert saved["results"][1]["mode"] == "ragged"
+    stub = sys.modules.get("flashinfer")
+    assert stub is None or getattr(stub, "__file__", None) is not None  # the stand-in (a bare module) is gone
 
 
 # --------------------------------------------------------------------------------- replot
