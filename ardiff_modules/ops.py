@@ -208,9 +208,10 @@ def chunk_attention_eager(
     per layer call than the plan's own Python (``benchmarks/op_host_time.py``). Where none of them can matter --
     no dynamo frame hook, no torch-function or dispatch mode (fake tensors, tracing, ``torch.device`` contexts),
     no functorch transform, plain tensors, no input that requires grad while grad is on -- the op's body runs
-    here exactly as the op would run it: the pool's version counter bumped first (its ADInplaceOrView kernel),
-    then the body below autograd (``_AutoDispatchBelowAutograd``, as its autograd kernel's no-grad path), under a
-    ``record_function`` of the op's name while the profiler runs. Anything else calls the op.
+    here exactly as the op would run it: the pool's version counter bumped first (its ADInplaceOrView kernel, which
+    inference mode leaves out), then the body below autograd (``_AutoDispatchBelowAutograd``, as its autograd
+    kernel's no-grad path), under a ``record_function`` of the op's name while the profiler runs. Anything else
+    calls the op.
     """
     if _dispatcher_needed(q, k, v, q_sink):
         op = torch.ops.ardiff_modules.chunk_attention_lse if return_lse else torch.ops.ardiff_modules.chunk_attention
@@ -226,7 +227,8 @@ def _body(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_pool: torch.Tensor, layer: torch.Tensor,
     handle_id: torch.Tensor, scale: float, q_sink: torch.Tensor | None, return_lse: bool,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    torch.autograd.graph.increment_version(kv_pool)  # the op's ADInplaceOrView kernel: kv_pool is mutated
+    if not _C.is_inference_mode_enabled():  # (inference mode leaves ADInplaceOrView out: the op bumps nothing)
+        torch.autograd.graph.increment_version(kv_pool)  # the op's ADInplaceOrView kernel: kv_pool is mutated
     with _C._AutoDispatchBelowAutograd():
         return _write_and_attend(q, k, v, kv_pool, layer, handle_id, scale, q_sink, return_lse)
 
@@ -282,7 +284,8 @@ def chunk_attention_lse_op(
 
     A separate op (not a flag) so the common path's schema and output stay one tensor.
     """
-    return cast("tuple[torch.Tensor, torch.Tensor]", _write_and_attend(q, k, v, kv_pool, layer, handle_id, scale, q_sink, True))
+    result = _write_and_attend(q, k, v, kv_pool, layer, handle_id, scale, q_sink, True)
+    return cast("tuple[torch.Tensor, torch.Tensor]", result)
 
 
 @chunk_attention_lse_op.register_fake
@@ -345,8 +348,12 @@ def _kv_write_slots_fake(k, v, kv_scales, layer, handle_id):  # noqa: ANN001, AN
     return k.new_empty((k.shape[0],), dtype=torch.int64)
 
 
-@_graph_op("kv_write_slots_plain(Tensor k, Tensor v, Tensor layer, Tensor handle_id) -> Tensor")
-def kv_write_slots_plain_op(k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor, handle_id: torch.Tensor) -> torch.Tensor:
+@_graph_op(
+    "kv_write_slots_plain(Tensor k, Tensor v, Tensor layer, Tensor handle_id) -> Tensor"
+)
+def kv_write_slots_plain_op(
+    k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor, handle_id: torch.Tensor
+) -> torch.Tensor:
     """:func:`kv_write_slots_op` for a 16-bit pool: the same checks, record and slots, nothing mutated.
 
     A 16-bit pool has no scales to calibrate, so this gate mutates nothing: torch then runs no
@@ -413,7 +420,10 @@ def write_kv_in_graph(
     kv_pool.index_put_((layer_index, torch.ones_like(slots), pages, offsets), v)
 
 
-@_graph_op("paged_attention(Tensor q, Tensor kv_pool, Tensor layer, Tensor handle_id, float scale, Tensor? q_sink=None) -> Tensor")
+@_graph_op(
+    "paged_attention(Tensor q, Tensor kv_pool, Tensor layer, Tensor handle_id, float scale, "
+    "Tensor? q_sink=None) -> Tensor"
+)
 def paged_attention_op(
     q: torch.Tensor,
     kv_pool: torch.Tensor,
@@ -433,7 +443,10 @@ def _paged_attention_fake(q, kv_pool, layer, handle_id, scale, q_sink=None):  # 
     return q.new_empty((q.shape[0], q.shape[1], kv_pool.shape[-1]))
 
 
-@_graph_op("paged_attention_lse(Tensor q, Tensor kv_pool, Tensor layer, Tensor handle_id, float scale, Tensor? q_sink=None) -> (Tensor, Tensor)")
+@_graph_op(
+    "paged_attention_lse(Tensor q, Tensor kv_pool, Tensor layer, Tensor handle_id, float scale, "
+    "Tensor? q_sink=None) -> (Tensor, Tensor)"
+)
 def paged_attention_lse_op(
     q: torch.Tensor,
     kv_pool: torch.Tensor,
@@ -525,7 +538,10 @@ def _check_fp8_query(plan: AttentionPlan, q8: torch.Tensor, q_scale: torch.Tenso
         )
 
 
-@_graph_op("paged_attention_fp8(Tensor q8, Tensor q_scale, Tensor kv_pool, Tensor layer, Tensor handle_id, ScalarType out_dtype) -> Tensor")
+@_graph_op(
+    "paged_attention_fp8(Tensor q8, Tensor q_scale, Tensor kv_pool, Tensor layer, Tensor handle_id, "
+    "ScalarType out_dtype) -> Tensor"
+)
 def paged_attention_fp8_op(
     q8: torch.Tensor,
     q_scale: torch.Tensor,
@@ -548,7 +564,10 @@ def _paged_attention_fp8_fake(q8, q_scale, kv_pool, layer, handle_id, out_dtype)
     return q8.new_empty((q8.shape[0], q8.shape[1], kv_pool.shape[-1]), dtype=out_dtype)
 
 
-@_graph_op("paged_attention_fp8_lse(Tensor q8, Tensor q_scale, Tensor kv_pool, Tensor layer, Tensor handle_id, ScalarType out_dtype) -> (Tensor, Tensor)")
+@_graph_op(
+    "paged_attention_fp8_lse(Tensor q8, Tensor q_scale, Tensor kv_pool, Tensor layer, Tensor handle_id, "
+    "ScalarType out_dtype) -> (Tensor, Tensor)"
+)
 def paged_attention_fp8_lse_op(
     q8: torch.Tensor,
     q_scale: torch.Tensor,

@@ -677,7 +677,8 @@ def profile_step(step: Callable[[], Any], path: Path, cuda: bool) -> None:
         ours = sorted((e for e in events if e.key.startswith("ardiff_modules::")), key=lambda e: e.key)
         f.write("\nardiff_modules ops: calls, CPU total per call (us), self CPU per call (us)\n")
         for e in ours:
-            f.write(f"  {e.key:44s} {e.count:6d} {e.cpu_time_total / e.count:10.1f} {e.self_cpu_time_total / e.count:10.1f}\n")
+            total, own = e.cpu_time_total / e.count, e.self_cpu_time_total / e.count
+            f.write(f"  {e.key:44s} {e.count:6d} {total:10.1f} {own:10.1f}\n")
     # The timeline (gaps between kernels show where the host, not the device, sets the pace), gzipped.
     trace = path.with_suffix(".trace.json")
     prof.export_chrome_trace(str(trace))

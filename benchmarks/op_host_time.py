@@ -94,7 +94,9 @@ def _gate(pool: Any) -> tuple[str, Callable[..., Any]]:
     return "kv_write_slots", ops.kv_write_slots
 
 
-def measure(backend: Any, backend_name: str, *, device: str, calls: int, warmup: int, compile_layer: bool) -> dict[str, Any]:
+def measure(
+    backend: Any, backend_name: str, *, device: str, calls: int, warmup: int, compile_layer: bool
+) -> dict[str, Any]:
     """Every measured call of one backend (see the module docstring)."""
     import torch
 
