@@ -974,7 +974,8 @@ def _note(name: str, b: _Bench) -> str | None:
                 "buffer's roll and write traced (a graph per fill level while the buffer fills, two once full)")
     if name == "rolling_fa3_compiled_graph":
         return ("rolling_fa3_compiled_fullgraph with the steady-state forwards (roll + write, write) replayed from "
-                "hand-captured CUDA graphs, outputs cloned (as CUDAGraphStep does)")
+                "hand-captured CUDA graphs, outputs cloned (as CUDAGraphStep does); the untimed forwards while the "
+                "buffer fills run the eager model (a compile per fill level did not fit a device call)")
     if name in FORCING_KV_VARIANTS:
         return forcing_kv_peer.note(name)
     if name.startswith("library_heads"):
