@@ -50,9 +50,9 @@ _REF_COUNTER = re.compile(r"/torch_[0-9]{1,20}_[0-9]{1,20}_[0-9]{1,20}")
 #: Counters per file (``CUDA_IPC_REF_COUNTER_FILE_SIZE``): the receiver decrements slot ``ref_counter_offset`` of
 #: that file when it drops a mapping, so an offset past it would write past the file.
 _REF_COUNTER_SLOTS = 10000
-#: Bytes a memory handle may have (a ``cudaIpcMemHandle_t`` and two bytes of torch's; an expandable segment's
-#: handle is longer).
-MAX_HANDLE_BYTES = 4096
+#: Bytes a memory handle may have (a ``cudaIpcMemHandle_t`` and two bytes of torch's; with
+#: ``expandable_segments`` one entry per physical chunk of the segment: a few per GiB).
+MAX_HANDLE_BYTES = 1 << 20
 #: The largest storage size or offset a handle may announce (far above any GPU's memory).
 _MAX_BYTES = 1 << 50
 _CUDA_IPC_HANDLE_SIZE = 64
@@ -165,7 +165,10 @@ def share(
     ``fresh``: names of tensors the snapshot made (the gathered pages), shared as they are; the others (the pool's
     scales, a session's cross entries and latents) are copied first, so that no live tensor of the cache is handed
     to another process. Empty tensors are not shared (the receiver makes them)."""
-    shared = {n: t if n in fresh else t.clone() for n, t in sorted(tensors.items()) if t.numel()}
+    shared = {
+        n: t if n in fresh else t.clone(memory_format=torch.contiguous_format)
+        for n, t in sorted(tensors.items()) if t.numel()
+    }
     torch.cuda.synchronize(device)  # the gathers and copies are complete before another process reads them
     handles = []
     for name, t in shared.items():

@@ -29,16 +29,15 @@ unless a side passed ``transport="ipc"``: then either side refuses with
 :class:`~ardiff_modules.errors.TransportUnavailableError` naming why, before anything is received, and the
 sessions stay with the sender. ``transport="wire"`` always uses the group.
 
-**Pages straight from the pool** (over the group). The tensors travel on the group's device (:func:`wire_device`): with NCCL
-(``"nccl"`` in the group's backend) on the current CUDA device -- each lane's distinct pages gathered from the pool
-in one ``index_select`` and sent as they are, received into a device buffer and copied into the pool with one
-``index_copy_``, never through host memory; with gloo on the CPU. gloo carries CPU tensors, so a CUDA pool's
+**Pages straight from the pool** (over the group). The tensors travel on the group's device (:func:`wire_device`):
+with NCCL (``"nccl"`` in the group's backend) on the current CUDA device -- each lane's distinct pages gathered from
+the pool in one ``index_select`` and sent as they are, received into a device buffer and copied into the pool with
+one ``index_copy_``, never through host memory; with gloo on the CPU. gloo carries CPU tensors, so a CUDA pool's
 gathered pages cross the host in blocks (:data:`BLOCK_BYTES`) through two pinned buffers on each side: the sender
 copies the next block to the host while the wire carries this one, the receiver copies a block into its device
-buffer while the next arrives (no whole-session host copy on either side). The control messages (the
-envelope, the answers) are small tensors on the same device. A link delivers bytes whole, so a send carries no
-SHA-256 digests (a file does); every other check of a load is made, and the envelope's shapes before any tensor
-moves.
+buffer while the next arrives (no whole-session host copy on either side). The control messages (the envelope, the
+answers) are small tensors on the same device. A link delivers bytes whole, so a send carries no SHA-256 digests (a
+file does); every other check of a load is made, and the envelope's shapes before any tensor moves.
 
 Transactional: the sender keeps its sessions until the receiver answers that it opened them; a refusal or a
 failure on either side (a check, room, ids, a lost peer) leaves them where they were. NOTE: if the answer itself
@@ -274,8 +273,8 @@ def _map_ipc(
     where: str, src: int, group: Any, entries: Sequence[tuple[str, str, list[int]]], index: int, required: bool,
 ) -> dict[str, torch.Tensor] | None:
     """The sender's non-empty tensors mapped by CUDA IPC from its GPU (``cuda:index`` here), after every field of
-    its handles is checked; ``None`` where the group carries them instead (the sender could not share them, or a mapping failed
-    here, and neither side required IPC: the sender is told). A refusal is answered, then raised."""
+    its handles is checked; ``None`` where the group carries them instead (the sender could not share them, or a
+    mapping failed here, and neither side required IPC: the sender is told). A refusal is answered, then raised."""
     message = _recv_json(src, group)
     if "refused" in message:
         raise _refused(f"{where}: expected IPC handles, got the sender's refusal: {message['refused']!s:.500}")
