@@ -170,13 +170,18 @@ def share(
         for n, t in sorted(tensors.items()) if t.numel()
     }
     torch.cuda.synchronize(device)  # the gathers and copies are complete before another process reads them
-    handles = []
-    for name, t in shared.items():
-        rebuild, args = reductions.reduce_tensor(t.detach())
-        if rebuild is not reductions.rebuild_cuda_tensor:
-            raise TransportUnavailableError(f"tensor {name!r} on {t.device} cannot be shared by CUDA IPC")
-        handles.append(encode(name, args))
-    return shared, handles
+    handles: list[tuple[Any, ...]] = []
+    try:
+        for name, t in shared.items():
+            rebuild, args = reductions.reduce_tensor(t.detach())
+            if rebuild is not reductions.rebuild_cuda_tensor:
+                raise TransportUnavailableError(f"tensor {name!r} on {t.device} cannot be shared by CUDA IPC")
+            handles.append(args)
+    except BaseException:
+        for args in handles:  # no receiver will map these: their counters back to 0, so the memory is freed
+            release(args)
+        raise
+    return shared, [encode(name, args) for name, args in zip(shared, handles)]
 
 
 def encode(name: str, args: Sequence[Any]) -> dict[str, Any]:
