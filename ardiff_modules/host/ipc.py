@@ -19,6 +19,11 @@ NOTE: torch counts the receiver's mappings in a shared-memory counter per tensor
 reused) only once the receiver dropped its mappings. The receiver drops them before its final answer, or releases
 the counters of handles it could not map; a receiver that dies while it holds them leaves that memory with torch's
 IPC limbo in the sender until the sender exits.
+
+NOTE: IPC trusts the peer as far as the machine does. A handle opens the sender's whole allocation segment to the
+receiver (not just the tensor), and the receiver's checks bound what it allocates and which counter slot it
+writes, not what a hostile handle maps: a same-machine peer could make the receiver read out of bounds on the GPU
+(a CUDA error there). ``transport="wire"`` on either side keeps the processes' memory apart.
 """
 
 from __future__ import annotations
@@ -45,8 +50,9 @@ TRANSPORTS: tuple[str, ...] = ("auto", "wire", "ipc")
 #: The classes a handle may name (what ``reduce_tensor`` gives for a plain tensor): nothing else is rebuilt.
 _TENSOR_CLASSES: dict[str, type] = {"Tensor": torch.Tensor}
 _STORAGE_CLASSES: dict[str, type] = {"TypedStorage": torch.storage.TypedStorage}
-#: torch's reference-counter files (``at::NewProcessWideShmHandle``: ``/torch_<pid>_<random>_<counter>``).
-_REF_COUNTER = re.compile(r"/torch_[0-9]{1,20}_[0-9]{1,20}_[0-9]{1,20}")
+#: torch's reference-counter files (``at::NewProcessWideShmHandle``: ``/torch_<pid>_<counter>``, in later
+#: releases ``/torch_<pid>_<random>_<counter>``): a shared-memory name of torch's, never a path.
+_REF_COUNTER = re.compile(r"/torch_[0-9]{1,20}(?:_[0-9]{1,20}){1,2}")
 #: Counters per file (``CUDA_IPC_REF_COUNTER_FILE_SIZE``): the receiver decrements slot ``ref_counter_offset`` of
 #: that file when it drops a mapping, so an offset past it would write past the file.
 _REF_COUNTER_SLOTS = 10000
@@ -259,7 +265,7 @@ def checked_handles(
             raise bad("storage_offset", "a byte offset of at least 0")
         ref = entry["ref_counter"]
         if not isinstance(ref, str) or not _REF_COUNTER.fullmatch(ref):
-            raise bad("ref_counter", "a torch reference-counter name /torch_<pid>_<n>_<n>")
+            raise bad("ref_counter", "a torch reference-counter name /torch_<pid>[_<n>]_<n>")
         if not _is_int(entry["ref_counter_offset"], 0, _REF_COUNTER_SLOTS - 1):
             raise bad("ref_counter_offset", f"a counter slot of 0 to {_REF_COUNTER_SLOTS - 1}")
         args = (

@@ -96,6 +96,12 @@ def _handle(**changes: Any) -> dict[str, Any]:
     return {**ipc.encode("pages", ARGS), **changes}
 
 
+@pytest.mark.parametrize("name", ["/torch_12_6", "/torch_12_345_6"])  # torch's two name formats
+def test_a_reference_counter_of_either_format_is_taken(name: str) -> None:
+    [(_, args)] = ipc.checked_handles("w", {"handles": [_handle(ref_counter=name)]}, EXPECTED, 0)
+    assert args[11] == name.encode()
+
+
 def test_a_handle_goes_as_json_and_comes_back_as_rebuild_cuda_tensors_arguments() -> None:
     entry = _handle()
     assert entry["handle"] == base64.b64encode(ARGS[7]).decode() and entry["ref_counter"] == "/torch_12_345_6"
@@ -111,7 +117,8 @@ def test_a_handle_goes_as_json_and_comes_back_as_rebuild_cuda_tensors_arguments(
     ("handle", "<too long>"), ("handle", 7),
     ("storage_bytes", 13), ("storage_bytes", "14"), ("storage_offset", -1), ("storage_offset", 1 << 60),
     ("ref_counter", "/etc/passwd"), ("ref_counter", "/torch_1_2_3/../../x"), ("ref_counter", "torch_1_2_3"),
-    ("ref_counter", b"/torch_1_2_3"), ("ref_counter_offset", 10000), ("ref_counter_offset", -1),
+    ("ref_counter", b"/torch_1_2_3"), ("ref_counter", "/torch_1"), ("ref_counter", "/torch_1_2_3_4"),
+    ("ref_counter", "/torch_1_2\n"), ("ref_counter_offset", 10000), ("ref_counter_offset", -1),
     ("ref_counter_offset", False), ("name", "latent.0"), ("name", "pages.x"),
 ])
 def test_a_hostile_handle_field_is_refused_before_anything_is_mapped(field: str, value: object) -> None:
