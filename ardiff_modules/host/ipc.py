@@ -33,6 +33,7 @@ import binascii
 import os
 import re
 import socket
+import traceback
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypedDict
@@ -112,6 +113,21 @@ def offer(device: torch.device, required: bool) -> Offer | None:
     host, boot = machine()
     index = device.index if device.index is not None else torch.cuda.current_device()
     return {"host": host, "boot_id": boot, "device": device_uuid(index), "pid": os.getpid(), "required": required}
+
+
+def sender_offer(where: str, home: torch.device, transport: str) -> Offer | None:
+    """The envelope's offer for a pool on ``home`` under ``transport`` (``None``: none); a refusal where ``"ipc"``
+    cannot be."""
+    check_transport(transport, where)
+    if transport == "wire":
+        return None
+    made = offer(home, required=transport == "ipc")
+    if made is None and transport == "ipc":
+        raise TransportUnavailableError(
+            f"{where}: expected a pool on CUDA to share by CUDA IPC (transport='ipc'), got one on {home}; "
+            "nothing was sent"
+        )
+    return made
 
 
 def _is_int(x: object, low: int = 0, high: int = _MAX_BYTES) -> bool:
@@ -303,6 +319,29 @@ def open_handles(where: str, handles: Sequence[tuple[str, tuple[Any, ...]]]) -> 
                 f"{where}: expected to map the sender's tensor {name!r} by CUDA IPC, got {type(e).__name__}: {e}"
             ) from e
     return mapped
+
+
+def own_copy(mapped: torch.Tensor | None, dtype: torch.dtype, shape: list[int], home: torch.device) -> torch.Tensor:
+    """A tensor of the pool's device holding ``mapped``'s bytes (``None``: an empty tensor, never shared). The
+    receiver copies everything but the pages: the session keeps its latents and cross entries, never the sender's
+    memory; the pages are copied into the pool by the open itself."""
+    out = torch.empty(shape, dtype=dtype, device=home)
+    if mapped is not None:
+        out.copy_(mapped)
+    return out
+
+
+def drop(mapped: dict[str, torch.Tensor] | None, home: torch.device, error: BaseException | None) -> None:
+    """Let go of the sender's memory once every copy from it is done, before the final answer (the sender frees
+    it then). An error's frames may hold mapped tensors too: their locals are cleared."""
+    if not mapped:
+        return
+    for device in {home, *(t.device for t in mapped.values())}:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    if error is not None:
+        traceback.clear_frames(error.__traceback__)
+    mapped.clear()
 
 
 def release(args: tuple[Any, ...]) -> None:

@@ -49,7 +49,6 @@ keeps (and does not touch: it holds the lock) until the answer.
 from __future__ import annotations
 
 import json
-import traceback
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
@@ -101,7 +100,7 @@ def send_sessions(
     where = f"send_sessions to rank {dst}"
     with cache.lock:
         try:
-            offer = _offer(where, home, transport)
+            offer = ipc.sender_offer(where, home, transport)
             # on the pool's device: a host wire gets them block by block through pinned staging (_send_tensor)
             tensors, header = snapshot(cache, sessions, "send_sessions", device=home)
         except ARDiffError as e:
@@ -147,20 +146,6 @@ def send_sessions(
         for state in states:
             state.close()
     return via
-
-
-def _offer(where: str, home: torch.device, transport: str) -> ipc.Offer | None:
-    """The envelope's IPC offer for a pool on ``home`` (``None``: none); a refusal where ``"ipc"`` cannot be."""
-    ipc.check_transport(transport, where)
-    if transport == "wire":
-        return None
-    offer = ipc.offer(home, required=transport == "ipc")
-    if offer is None and transport == "ipc":
-        raise TransportUnavailableError(
-            f"{where}: expected a pool on CUDA to share by CUDA IPC (transport='ipc'), got one on {home}; "
-            "nothing was sent"
-        )
-    return offer
 
 
 def _send_ipc(
@@ -250,16 +235,16 @@ def recv_sessions(
             if mapped is not None:
                 # the pages straight from the sender's memory into the pool (the open gathers them); the rest
                 # copied to this device first, as the wire path receives them
-                tensors = {n: mapped[n] if n in pages and n in mapped else _own(mapped.get(n), d, shape, home)
+                tensors = {n: mapped[n] if n in pages and n in mapped else ipc.own_copy(mapped.get(n), _DTYPES[d], shape, home)
                            for n, d, shape in entries}
             states = open_snapshot(cache, where, envelope["header"], tensors, session_ids, digests=False)
         finally:
             tensors.clear()
     except BaseException as e:
-        _drop(mapped, home, e)
+        ipc.drop(mapped, home, e)
         _send_json({"ok": False, "error": f"{type(e).__name__}: {e}"}, src, group)
         raise
-    _drop(mapped, home, None)
+    ipc.drop(mapped, home, None)
     _send_json({"ok": True}, src, group)
     return states
 
@@ -293,29 +278,6 @@ def _map_ipc(
     except SessionTransferError as e:  # a malformed handle: nothing was mapped
         _send_json({"ok": False, "error": f"{type(e).__name__}: {e}"}, src, group)
         raise
-
-
-def _own(mapped: torch.Tensor | None, dtype: str, shape: list[int], home: torch.device) -> torch.Tensor:
-    """A tensor of the pool's device holding ``mapped``'s bytes (empty ones were not shared). Everything but the
-    pages is copied: the session keeps its latents and cross entries, never the sender's memory; the pages are
-    copied into the pool by the open itself."""
-    out = torch.empty(shape, dtype=_DTYPES[dtype], device=home)
-    if mapped is not None:
-        out.copy_(mapped)
-    return out
-
-
-def _drop(mapped: dict[str, torch.Tensor] | None, home: torch.device, error: BaseException | None) -> None:
-    """Let go of the sender's memory once every copy from it is done, before the final answer (the sender frees
-    it then). An error's frames may hold mapped tensors too: their locals are cleared."""
-    if not mapped:
-        return
-    for device in {home, *(t.device for t in mapped.values())}:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-    if error is not None:
-        traceback.clear_frames(error.__traceback__)
-    mapped.clear()
 
 
 def _checked_block(where: str, envelope: dict[str, Any]) -> int | None:
