@@ -158,6 +158,33 @@ def test_a_failed_mapping_drops_the_made_ones_and_releases_the_rest(monkeypatch:
     assert len(made) == 2 and released == [2, 3]
 
 
+def test_the_sender_shares_its_gathered_pages_and_copies_of_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No live tensor of the cache is handed over (copies of the scales, cross entries, latents); empty ones are not
+    shared; the device is synchronised first. A sharing failure releases the counters of the handles made."""
+    reduced: list[torch.Tensor] = []
+
+    def reduce(t: torch.Tensor) -> tuple[Any, tuple[Any, ...]]:
+        if len(reduced) == 2:
+            raise RuntimeError("cudaIpcGetMemHandle failed")
+        reduced.append(t)
+        return ipc.reductions.rebuild_cuda_tensor, (*ARGS[:12], len(reduced), *ARGS[13:])
+
+    synced: list[torch.device] = []
+    released: list[int] = []
+    monkeypatch.setattr(ipc.reductions, "reduce_tensor", reduce)
+    monkeypatch.setattr(torch.cuda, "synchronize", synced.append)
+    monkeypatch.setattr(ipc, "release", lambda args: released.append(args[12]))
+    pages, scales, empty = torch.ones(4, dtype=torch.uint8), torch.ones(2), torch.ones(0)
+    shared, handles = ipc.share({"pages": pages, "scales": scales, "latent.0": empty}, {"pages"}, CUDA)
+    assert synced == [CUDA] and list(shared) == ["pages", "scales"] and [h["name"] for h in handles] == list(shared)
+    assert shared["pages"] is pages and shared["scales"] is not scales and torch.equal(shared["scales"], scales)
+    assert reduced[0] is not pages and reduced[0].data_ptr() == pages.data_ptr()  # a detached view, the same memory
+    reduced.clear()
+    with pytest.raises(RuntimeError, match="cudaIpcGetMemHandle"):
+        ipc.share({"pages": pages, "scales": scales, "cross.0.k": scales}, {"pages"}, CUDA)
+    assert released == [1, 2]  # the two made before the failure (the third raised)
+
+
 # ---------------------------------------------------------------------------------------------- two ranks, CPU
 @GLOO
 def test_cpu_pools_take_the_wire_and_refuse_a_forced_ipc_on_both_sides() -> None:
@@ -169,6 +196,11 @@ def test_the_ipc_protocol_with_faked_cuda_steps() -> None:
     """Refused after the mapping, a failed mapping (fallback under auto, refusal under ipc), then the handover: no
     tensor over the group, the family continuing bit-identically to a twin."""
     _spawn(2, ipc_workers.check_fake_ipc_handover)
+
+
+@GLOO
+def test_a_sender_that_cannot_share_is_refused_under_ipc_and_takes_the_wire_under_auto() -> None:
+    _spawn(2, ipc_workers.check_sender_cannot_share)
 
 
 @GLOO

@@ -177,6 +177,31 @@ def check_fake_ipc_handover() -> None:
     cache._allocator.check_invariants()
 
 
+def check_sender_cannot_share() -> None:
+    """The sender's sharing fails (a CUDA IPC it cannot do): under ``"ipc"`` both sides refuse, the family unchanged
+    here and nothing allocated there; under ``"auto"`` the group carries the tensors instead."""
+    rank = dist.get_rank()
+    calls = fake_ipc(_shared_folder())
+    cache = make_small_cache()
+    if rank == 0:
+
+        def cannot(*args: Any) -> Any:
+            raise RuntimeError("no IPC here")
+
+        ipc.share = cannot  # type: ignore[assignment]
+        a, child = _family(cache)
+        before, pool = bookkeeping(cache), cache._pool.kv.clone()
+        _expect(TransportUnavailableError, "no IPC here", lambda: cache.send_sessions([a, child], 1, transport="ipc"))
+        assert bookkeeping(cache) == before and torch.equal(cache._pool.kv, pool)
+        assert cache.send_sessions([a, child], 1) == "wire"
+        assert a.is_closed and child.is_closed and cache._allocator.num_used == 0
+        return
+    _expect(TransportUnavailableError, "sender's refusal: TransportUnavailableError", lambda: cache.recv_sessions(0))
+    assert cache.sessions == {} and cache._allocator.num_used == 0
+    a, child = cache.recv_sessions(0)
+    assert calls["mapped"] == 0 and [pages_of(child, b)[:2] == pages_of(a, b)[:2] for b in BOTH] == [True, True]
+
+
 def check_hostile_handles() -> None:
     """Rank 0 plays a sender that offers IPC and then sends malformed handles: each is refused before anything is
     mapped or allocated (the fake mapping is never called), the receiver's pool untouched."""
