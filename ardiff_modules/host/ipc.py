@@ -111,8 +111,11 @@ def offer(device: torch.device, required: bool) -> Offer | None:
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
     host, boot = machine()
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return {"host": host, "boot_id": boot, "device": device_uuid(index), "pid": os.getpid(), "required": required}
+    try:  # NOTE: never raises: the receiver waits for the envelope
+        uuid = device_uuid(device.index if device.index is not None else torch.cuda.current_device())
+    except Exception:  # noqa: BLE001  # a torch or device without UUIDs: no IPC offered
+        return None
+    return {"host": host, "boot_id": boot, "device": uuid, "pid": os.getpid(), "required": required}
 
 
 def sender_offer(where: str, home: torch.device, transport: str) -> Offer | None:
@@ -170,12 +173,15 @@ def choose(offer: Offer | None, home: torch.device, transport: str) -> tuple[int
                       f"here {host!r}, {boot!r})")
     if offer["pid"] == os.getpid():
         return None, "the sender is this process (CUDA cannot map a process's own memory by IPC)"
-    index = local_index(offer["device"])
-    if index is None:
-        return None, f"the sender's GPU {offer['device']} is not visible to this process"
-    mine = home.index if home.index is not None else torch.cuda.current_device()
-    if index != mine and not torch.cuda.can_device_access_peer(mine, index):
-        return None, f"this pool's cuda:{mine} has no peer access to the sender's GPU (cuda:{index} here)"
+    try:  # NOTE: never raises: the sender waits for the answer
+        index = local_index(offer["device"])
+        if index is None:
+            return None, f"the sender's GPU {offer['device']} is not visible to this process"
+        mine = home.index if home.index is not None else torch.cuda.current_device()
+        if index != mine and not torch.cuda.can_device_access_peer(mine, index):
+            return None, f"this pool's cuda:{mine} has no peer access to the sender's GPU (cuda:{index} here)"
+    except Exception as e:  # noqa: BLE001
+        return None, f"this process could not look up the sender's GPU ({type(e).__name__}: {e})"
     return index, ""
 
 
@@ -253,12 +259,12 @@ def checked_handles(
 
         if not isinstance(entry, dict) or set(entry) != _HANDLE_FIELDS:
             raise bad("fields", f"exactly {sorted(_HANDLE_FIELDS)}")
-        if name not in wanted or any(n == name for n, _ in out):
+        if not isinstance(name, str) or name not in wanted or any(n == name for n, _ in out):
             raise bad("name", "a non-empty tensor of the envelope, once")
         dtype, shape = expected[name]
-        if entry["tensor_cls"] not in _TENSOR_CLASSES:
+        if not isinstance(entry["tensor_cls"], str) or entry["tensor_cls"] not in _TENSOR_CLASSES:
             raise bad("tensor_cls", f"one of {sorted(_TENSOR_CLASSES)}")
-        if entry["storage_cls"] not in _STORAGE_CLASSES:
+        if not isinstance(entry["storage_cls"], str) or entry["storage_cls"] not in _STORAGE_CLASSES:
             raise bad("storage_cls", f"one of {sorted(_STORAGE_CLASSES)}")
         if entry["dtype"] != str(dtype):
             raise bad("dtype", f"{dtype} (the envelope's)")

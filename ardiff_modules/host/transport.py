@@ -235,8 +235,10 @@ def recv_sessions(
             if mapped is not None:
                 # the pages straight from the sender's memory into the pool (the open gathers them); the rest
                 # copied to this device first, as the wire path receives them
-                tensors = {n: mapped[n] if n in pages and n in mapped else ipc.own_copy(mapped.get(n), _DTYPES[d], shape, home)
-                           for n, d, shape in entries}
+                tensors = {
+                    n: mapped[n] if n in pages and n in mapped else ipc.own_copy(mapped.get(n), _DTYPES[d], shape, home)
+                    for n, d, shape in entries
+                }
             states = open_snapshot(cache, where, envelope["header"], tensors, session_ids, digests=False)
         finally:
             tensors.clear()
@@ -278,6 +280,9 @@ def _map_ipc(
     except SessionTransferError as e:  # a malformed handle: nothing was mapped
         _send_json({"ok": False, "error": f"{type(e).__name__}: {e}"}, src, group)
         raise
+    except Exception as e:  # whatever else: the sender still waits for an answer
+        _send_json({"ok": False, "error": f"{type(e).__name__}: {e}"}, src, group)
+        raise SessionTransferError(f"{where}: expected IPC handles, got {type(e).__name__}: {e}") from e
 
 
 def _checked_block(where: str, envelope: dict[str, Any]) -> int | None:

@@ -65,6 +65,16 @@ def test_the_receiver_takes_ipc_only_from_its_own_machine_and_a_gpu_it_reaches()
         assert index is None and why.strip() in reason, (why, reason)
 
 
+def test_a_failed_device_lookup_is_a_reason_not_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The peer waits for the answer: choosing never raises (nor does offering, see its NOTE)."""
+    def broken(uuid: str) -> int:
+        raise RuntimeError("CUDA driver error")
+
+    monkeypatch.setattr(ipc, "local_index", broken)
+    index, reason = ipc.choose(_offer(), CUDA, "auto")
+    assert index is None and "could not look up" in reason and "CUDA driver error" in reason
+
+
 def test_another_gpu_with_peer_access_is_mapped(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ipc, "local_index", {"gpu-1": 1}.get)
     monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: (a, b) == (0, 1))
@@ -119,7 +129,8 @@ def test_a_handle_goes_as_json_and_comes_back_as_rebuild_cuda_tensors_arguments(
     ("ref_counter", "/etc/passwd"), ("ref_counter", "/torch_1_2_3/../../x"), ("ref_counter", "torch_1_2_3"),
     ("ref_counter", b"/torch_1_2_3"), ("ref_counter", "/torch_1"), ("ref_counter", "/torch_1_2_3_4"),
     ("ref_counter", "/torch_1_2\n"), ("ref_counter_offset", 10000), ("ref_counter_offset", -1),
-    ("ref_counter_offset", False), ("name", "latent.0"), ("name", "pages.x"),
+    ("ref_counter_offset", False), ("name", "latent.0"), ("name", "pages.x"), ("name", ["pages"]),
+    ("tensor_cls", ["Tensor"]), ("storage_cls", {"a": 1}), ("dtype", ["torch.float16"]),
 ])
 def test_a_hostile_handle_field_is_refused_before_anything_is_mapped(field: str, value: object) -> None:
     """Each field checked against the envelope's entry (storage_bytes: the tensor's 6 elements after an offset of 1,
