@@ -203,7 +203,8 @@ def check_send_recv_lanes(kind: str) -> None:
 
 # ------------------------------------------------------------------ CUDA pools (tests/distributed/test_send_recv.py, gpu)
 def check_send_recv_cuda() -> None:
-    """A fork family between two CUDA pools: over NCCL (two GPUs) the pages go from the sender's pool to the
+    """A fork family between two CUDA pools over the group (``transport="wire"``: else two processes of one
+    machine use CUDA IPC): over NCCL (two GPUs) the pages go from the sender's pool to the
     receiver's without a host copy (the snapshot's tensors are on the device, :func:`files._host_copy` is never
     called); over gloo (one GPU, two processes) they are staged through the host. Either way the family arrives
     with its pages shared, byte for byte, and -- saved there and loaded on the CPU -- continues bit-identically to
@@ -236,7 +237,7 @@ def check_send_recv_cuda() -> None:
 
         transport.snapshot, files._host_copy = on_the_wire, no_host_copy  # type: ignore[assignment]
         try:
-            cache.send_sessions([a, child], 1)
+            assert cache.send_sessions([a, child], 1, transport="wire") == "wire"
         finally:
             transport.snapshot, files._host_copy = real_snapshot, real_host_copy  # type: ignore[assignment]
         assert a.is_closed and child.is_closed and cache._allocator.num_used == 0
@@ -245,7 +246,7 @@ def check_send_recv_cuda() -> None:
     dist.broadcast_object_list(received, src=0)
     twin_cache = make_small_cache()
     twin_a, twin_child = _family(twin_cache)
-    a, child = cache.recv_sessions(0)
+    a, child = cache.recv_sessions(0, transport="wire")
     assert cache._allocator.num_used == twin_cache._allocator.num_used  # shared pages arrived once
     for b in BOTH:
         assert torch.equal(cache._pool.kv[:, :, pages_of(child, b)].view(torch.uint8).cpu(), received[0][b])
