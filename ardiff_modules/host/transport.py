@@ -11,7 +11,9 @@ checks and opens them exactly as a load does (all or nothing)::
     close the sent sessions          <------ "ok" ---------  (or "refused: <error>": nothing opened, and the
                                                               sender keeps its sessions, raising the error)
 
-**CUDA IPC between processes of one machine** (``transport="auto"``, the default; :mod:`~ardiff_modules.host.ipc`).
+**CUDA IPC between processes of one machine** (``transport="auto"`` or ``"ipc"``; :mod:`~ardiff_modules.host.ipc`).
+Opt-in: the default is ``"wire"`` until the IPC path has run on a GPU (its protocol is tested on the CPU with the
+CUDA steps faked; ``tests/distributed/test_send_recv_ipc.py`` has the GPU test).
 A sender whose pool is on CUDA offers IPC in the envelope (its host name and boot id, its GPU's UUID); the
 receiver takes it -- ``"go"`` with ``"via": "ipc"`` -- where its own pool is on CUDA, the machine is the same
 and the sender's GPU is visible to it (the same GPU, or one it has peer access to). Then no tensor crosses the
@@ -77,15 +79,15 @@ MAX_MESSAGE_BYTES = 64 << 20
 
 
 def send_sessions(
-    cache: FileHost, sessions: Iterable[KVState], dst: int, group: Any = None, *, transport: Transport = "auto"
+    cache: FileHost, sessions: Iterable[KVState], dst: int, group: Any = None, *, transport: Transport = "wire"
 ) -> Literal["wire", "ipc"]:
     """Send ``sessions`` (open, resident, idle sessions of ``cache``) to rank ``dst``, whose
     :func:`recv_sessions` opens them; once it has, close them here. Returns how the tensors went: ``"ipc"`` (the
     receiver copied them from this process's GPU memory) or ``"wire"`` (over ``group``).
 
-    ``transport``: ``"auto"`` offers CUDA IPC when the pool is on CUDA (the receiver takes it where it can, see the
-    module docstring), ``"wire"`` never does, ``"ipc"`` requires it (:class:`TransportUnavailableError` naming why
-    when it cannot be used, on both sides, nothing moved).
+    ``transport``: ``"wire"`` (default) never offers CUDA IPC, ``"auto"`` offers it when the pool is on CUDA (the
+    receiver takes it where it can, see the module docstring; not run on a GPU yet), ``"ipc"`` requires it
+    (:class:`TransportUnavailableError` naming why when it cannot be used, on both sides, nothing moved).
 
     Refusals here (not idle, another cache's, a transport) are raised after telling the receiver, which raises
     too; a refusal there (spec, ids, room) comes back as :class:`SessionTransferError` naming it. Either way the
@@ -170,7 +172,7 @@ def _send_ipc(
 
 def recv_sessions(
     cache: FileHost, src: int, group: Any = None, session_ids: Sequence[str] | None = None, *,
-    max_latent_bytes: int | None = None, transport: Transport = "auto",
+    max_latent_bytes: int | None = None, transport: Transport = "wire",
 ) -> list[KVState]:
     """Receive the sessions rank ``src`` sends (:func:`send_sessions`) and open them, under their ids or
     ``session_ids``, all or nothing; then tell the sender.
@@ -181,10 +183,10 @@ def recv_sessions(
     retention groups). So a peer cannot
     make this process allocate more than those checks allow.
 
-    ``transport``: ``"auto"`` takes the sender's CUDA IPC offer where this pool is on CUDA, on the same machine,
-    and the sender's GPU is visible here (see the module docstring), else the group carries the tensors;
-    ``"wire"`` always the group; ``"ipc"`` requires IPC (:class:`TransportUnavailableError` naming why it cannot
-    be used, on both sides, before anything is received).
+    ``transport``: ``"wire"`` (default) always the group; ``"auto"`` takes the sender's CUDA IPC offer where this
+    pool is on CUDA, on the same machine, and the sender's GPU is visible here (see the module docstring; not run
+    on a GPU yet), else the group carries the tensors; ``"ipc"`` requires IPC (:class:`TransportUnavailableError`
+    naming why it cannot be used, on both sides, before anything is received).
 
     Raises, opening nothing (and the sender keeps its sessions): what :func:`~ardiff_modules.host.files.load_sessions`
     raises for a snapshot it refuses (spec, ids, room, FP8 scales), :class:`SessionTransferError` for a sender

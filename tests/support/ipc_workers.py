@@ -101,19 +101,21 @@ def check_cpu_pools_never_use_ipc() -> None:
         before, pool = bookkeeping(cache), cache._pool.kv.clone()
         _expect(TransportUnavailableError, "expected a pool on CUDA", lambda: cache.send_sessions([a, child], 1,
                                                                                                    transport="ipc"))
-        _expect(TransportUnavailableError, "the sender offered none", lambda: cache.send_sessions([a, child], 1))
+        _expect(TransportUnavailableError, "the sender offered none",
+                lambda: cache.send_sessions([a, child], 1, transport="auto"))
         bogus: Any = "shm"
         _expect(am.SpecError, "expected transport one of", lambda: cache.send_sessions([a, child], 1, transport=bogus))
         assert bookkeeping(cache) == before and torch.equal(cache._pool.kv, pool)
-        assert cache.send_sessions([a, child], 1) == "wire"
+        assert cache.send_sessions([a, child], 1, transport="auto") == "wire"
         assert a.is_closed and child.is_closed and cache._allocator.num_used == 0
         return
-    _expect(TransportUnavailableError, "sender's refusal: TransportUnavailableError", lambda: cache.recv_sessions(0))
+    _expect(TransportUnavailableError, "sender's refusal: TransportUnavailableError",
+            lambda: cache.recv_sessions(0, transport="auto"))
     _expect(TransportUnavailableError, "this side asked for transport='ipc'",
             lambda: cache.recv_sessions(0, transport="ipc"))
-    _expect(am.SessionTransferError, "sender's refusal: SpecError", lambda: cache.recv_sessions(0))
+    _expect(am.SessionTransferError, "sender's refusal: SpecError", lambda: cache.recv_sessions(0, transport="auto"))
     assert cache.sessions == {} and cache._allocator.num_used == 0
-    a, child = cache.recv_sessions(0)
+    a, child = cache.recv_sessions(0, transport="auto")
     assert [pages_of(child, b)[:2] == pages_of(a, b)[:2] for b in BOTH] == [True, True]
 
 
@@ -129,11 +131,14 @@ def check_fake_ipc_handover() -> None:
     if rank == 0:
         a, child = _family(cache)
         before, pool = bookkeeping(cache), cache._pool.kv.clone()
-        _expect(am.SessionTransferError, "refusal: RuntimeError: injected", lambda: cache.send_sessions([a, child], 1))
-        _expect(TransportUnavailableError, "injected failure", lambda: cache.send_sessions([a, child], 1))
+        _expect(am.SessionTransferError, "refusal: RuntimeError: injected",
+                lambda: cache.send_sessions([a, child], 1, transport="auto"))
+        _expect(TransportUnavailableError, "injected failure",
+                lambda: cache.send_sessions([a, child], 1, transport="auto"))
         assert bookkeeping(cache) == before and torch.equal(cache._pool.kv, pool) and calls["shared"] == 2
         dist.barrier()
-        assert cache.send_sessions([a, child], 1) == "wire"  # its mapping failed there: the group carried them
+        # its mapping failed there: the group carried them
+        assert cache.send_sessions([a, child], 1, transport="auto") == "wire"
         dist.barrier()
         a, child = _family(cache)
         assert cache.send_sessions([a, child], 1, transport="ipc") == "ipc"
@@ -146,7 +151,7 @@ def check_fake_ipc_handover() -> None:
 
     files._copy_pages = broken_copy  # type: ignore[assignment]
     try:  # reserved, then failed: the reservation rolled back, nothing opened
-        _expect(RuntimeError, "injected", lambda: cache.recv_sessions(0))
+        _expect(RuntimeError, "injected", lambda: cache.recv_sessions(0, transport="auto"))
     finally:
         files._copy_pages = real_copy  # type: ignore[assignment]
     assert cache.sessions == {} and cache._allocator.num_used == 0 and calls["mapped"] == 1
@@ -154,7 +159,7 @@ def check_fake_ipc_handover() -> None:
     _expect(TransportUnavailableError, "injected failure", lambda: cache.recv_sessions(0, transport="ipc"))
     assert cache.sessions == {} and cache._allocator.num_used == 0
     dist.barrier()
-    a, child = cache.recv_sessions(0)  # "auto": the mapping fails, the group carries them
+    a, child = cache.recv_sessions(0, transport="auto")  # "auto": the mapping fails, the group carries them
     assert fails["mapped"] == 2 and set(cache.sessions) == {"a", "child"}  # the forced receive, then this one
     a.close()
     child.close()
@@ -164,7 +169,7 @@ def check_fake_ipc_handover() -> None:
     twin_a, twin_child = _family(twin_cache)
     real_recv, transport._recv_tensor = transport._recv_tensor, _no_wire  # type: ignore[assignment]
     try:
-        a, child = cache.recv_sessions(0)
+        a, child = cache.recv_sessions(0, transport="auto")
     finally:
         transport._recv_tensor = real_recv  # type: ignore[assignment]
     assert calls["mapped"] == 1 and cache._allocator.num_used == twin_cache._allocator.num_used
@@ -193,12 +198,13 @@ def check_sender_cannot_share() -> None:
         before, pool = bookkeeping(cache), cache._pool.kv.clone()
         _expect(TransportUnavailableError, "no IPC here", lambda: cache.send_sessions([a, child], 1, transport="ipc"))
         assert bookkeeping(cache) == before and torch.equal(cache._pool.kv, pool)
-        assert cache.send_sessions([a, child], 1) == "wire"
+        assert cache.send_sessions([a, child], 1, transport="auto") == "wire"
         assert a.is_closed and child.is_closed and cache._allocator.num_used == 0
         return
-    _expect(TransportUnavailableError, "sender's refusal: TransportUnavailableError", lambda: cache.recv_sessions(0))
+    _expect(TransportUnavailableError, "sender's refusal: TransportUnavailableError",
+            lambda: cache.recv_sessions(0, transport="auto"))
     assert cache.sessions == {} and cache._allocator.num_used == 0
-    a, child = cache.recv_sessions(0)
+    a, child = cache.recv_sessions(0, transport="auto")
     assert calls["mapped"] == 0 and [pages_of(child, b)[:2] == pages_of(a, b)[:2] for b in BOTH] == [True, True]
 
 
@@ -211,7 +217,7 @@ def check_hostile_handles() -> None:
     cache = make_small_cache()
     if rank == 1:
         for _ in range(3):
-            _expect(am.SessionTransferError, "IPC handle", lambda: cache.recv_sessions(0))
+            _expect(am.SessionTransferError, "IPC handle", lambda: cache.recv_sessions(0, transport="auto"))
         assert calls["mapped"] == 0 and cache.sessions == {} and cache._allocator.num_used == 0
         return
     a, child = _family(cache)
@@ -279,7 +285,7 @@ def check_cuda_ipc_refused_then_handed_over(transport_name: str) -> None:
 
     files._copy_pages = broken_copy  # type: ignore[assignment]
     try:
-        _expect(RuntimeError, "injected", lambda: cache.recv_sessions(0))
+        _expect(RuntimeError, "injected", lambda: cache.recv_sessions(0, transport="auto"))
     finally:
         files._copy_pages = real_copy  # type: ignore[assignment]
     assert cache.sessions == {} and cache._allocator.num_used == 0
@@ -288,7 +294,7 @@ def check_cuda_ipc_refused_then_handed_over(transport_name: str) -> None:
     twin_a, twin_child = _family(twin_cache)
     real_recv, transport._recv_tensor = transport._recv_tensor, _no_wire  # type: ignore[assignment]
     try:
-        a, child = cache.recv_sessions(0)
+        a, child = cache.recv_sessions(0, transport="auto")
     finally:
         transport._recv_tensor = real_recv  # type: ignore[assignment]
     assert cache._allocator.num_used == twin_cache._allocator.num_used  # shared pages arrived once
