@@ -342,6 +342,8 @@ class RecacheRules:
         other union chunks (context there) are released; abort changes nothing but the pool's free pages."""
         cm = streams[0][0].cm
         if cm.extents:
+            # NOTE: not modelled -- chunk rings or frame slots per lane (each lane's free slots and ring copies):
+            # a grouped re-cache over extents is skipped (a uniform one, chunk or frame slots, is modelled exactly).
             event("re-cache with groups and extents: not modelled (ring slots per lane)")
             return
         failure = self.predict_recache_grouped(streams, keep_sinks)
