@@ -144,6 +144,13 @@ for what in "$@"; do
     # 3 rounds): one round here, with the full limit.
     session_transport) step session_transport 300 python3 -m benchmarks.session_transport --rounds 1 --link-rounds 2 \
                --out "$out" ;;
+    # Issue 45: the CUDA IPC transport (opt-in, never run on a GPU before stop 53): its GPU test (two processes on one
+    # GPU: a refused receive after mapping leaves the sender intact; a move by IPC continues bit-identically), then the
+    # move timed by IPC beside the wire on the same card (stop 52, H100, wire: 2.79 s per 12.3 GB). Estimate ~2-3 min.
+    tests_ipc) step gpu_tests_ipc 150 python3 -m pytest -q -p no:cacheprovider -rs \
+               tests/distributed/test_send_recv_ipc.py tests/distributed/test_send_recv.py ;;
+    session_transport_ipc) step session_transport_ipc 200 python3 -m benchmarks.session_transport --transport ipc \
+               --rounds 2 --link-rounds 1 --out "$out/ipc" ;;
     # Issue 28: where the 14B-like chunk step's time goes, library compiled vs the compiled FA3 peer (and head groups):
     # torch.profiler tables and a gzipped chrome trace per variant under $OUT/e14p. Estimate ~2.5 min.
     profile_14b) step profile_14b 240 python3 -m benchmarks.end_to_end --preset wan14b-like --cfg off \
