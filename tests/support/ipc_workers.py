@@ -23,7 +23,7 @@ from ardiff_modules.errors import TransportUnavailableError
 from ardiff_modules.host import files, ipc, transport
 from ardiff_modules.host.file_header import encode
 from tests.support.small_cache import BOTH, bookkeeping, make_small_cache, pages_of
-from tests.support.transport_workers import _family, step
+from tests.support.transport_workers import _family, continues_like_twin, step
 
 FAKE_GPU = "fake-gpu-uuid"
 
@@ -80,6 +80,16 @@ def fake_ipc(folder: Path, *, map_fails: bool = False) -> dict[str, int]:
 
 def _no_wire(*args: Any, **kwargs: Any) -> torch.Tensor:
     raise AssertionError("a tensor went over the group although the receiver mapped them")
+
+
+def _recv_without_wire(cache: am.KVCache) -> tuple[am.KVState, am.KVState]:
+    """``recv_sessions(0, transport="auto")`` with any tensor over the group failing the test: all by IPC."""
+    real_recv, transport._recv_tensor = transport._recv_tensor, _no_wire  # type: ignore[assignment]
+    try:
+        a, child = cache.recv_sessions(0, transport="auto")
+    finally:
+        transport._recv_tensor = real_recv  # type: ignore[assignment]
+    return a, child
 
 
 def _expect(error: type[BaseException], text: str, fn: Callable[[], Any]) -> BaseException:
@@ -167,19 +177,9 @@ def check_fake_ipc_handover() -> None:
     calls = fake_ipc(folder)
     twin_cache = make_small_cache()
     twin_a, twin_child = _family(twin_cache)
-    real_recv, transport._recv_tensor = transport._recv_tensor, _no_wire  # type: ignore[assignment]
-    try:
-        a, child = cache.recv_sessions(0, transport="auto")
-    finally:
-        transport._recv_tensor = real_recv  # type: ignore[assignment]
+    a, child = _recv_without_wire(cache)
     assert calls["mapped"] == 1 and cache._allocator.num_used == twin_cache._allocator.num_used
-    assert [pages_of(child, b)[:2] == pages_of(a, b)[:2] for b in BOTH] == [True, True]
-    for seed in range(10, 13):
-        for mine, twin in ((a, twin_a), (child, twin_child)):
-            out, ref = step(mine, seed, latents=True), step(twin, seed, latents=True)
-            assert all(torch.equal(x, y) for x, y in zip(out, ref))
-    assert torch.equal(child.recache_latents(), twin_child.recache_latents())
-    cache._allocator.check_invariants()
+    continues_like_twin(cache, (a, child), (twin_a, twin_child), range(10, 13))
 
 
 def check_sender_cannot_share() -> None:
@@ -292,11 +292,7 @@ def check_cuda_ipc_refused_then_handed_over(transport_name: str) -> None:
     dist.barrier()
     twin_cache = make_small_cache()
     twin_a, twin_child = _family(twin_cache)
-    real_recv, transport._recv_tensor = transport._recv_tensor, _no_wire  # type: ignore[assignment]
-    try:
-        a, child = cache.recv_sessions(0, transport="auto")
-    finally:
-        transport._recv_tensor = real_recv  # type: ignore[assignment]
+    a, child = _recv_without_wire(cache)
     assert cache._allocator.num_used == twin_cache._allocator.num_used  # shared pages arrived once
     for b in BOTH:
         assert torch.equal(cache._pool.kv[:, :, pages_of(child, b)].view(torch.uint8).cpu(), received[0][b])

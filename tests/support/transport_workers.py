@@ -26,6 +26,21 @@ def _family(cache: am.KVCache) -> tuple[am.KVState, am.KVState]:
     return a, child
 
 
+def continues_like_twin(
+    cache: am.KVCache, family: tuple[am.KVState, am.KVState], twins: tuple[am.KVState, am.KVState], seeds: range
+) -> None:
+    """A received fork family (parent, child) shares its sink pages again, and its next forwards (and the child's
+    kept latents) equal the twins' that never left, bit for bit; the receiver's allocator stays consistent."""
+    a, child = family
+    assert [pages_of(child, b)[:2] == pages_of(a, b)[:2] for b in BOTH] == [True, True]
+    for seed in seeds:
+        for mine, twin in zip(family, twins):
+            out, ref = step(mine, seed, latents=True), step(twin, seed, latents=True)
+            assert all(torch.equal(x, y) for x, y in zip(out, ref))
+    assert torch.equal(child.recache_latents(), twins[1].recache_latents())
+    cache._allocator.check_invariants()
+
+
 def _refusals(rank: int) -> None:
     """A refusal on either side leaves the sessions with the sender, unchanged; the other side raises too."""
     cache = make_small_cache()
@@ -102,13 +117,7 @@ def _receive_family() -> None:
     cache = make_small_cache()
     a, child = cache.recv_sessions(0)
     assert cache._allocator.num_used == twin_cache._allocator.num_used
-    assert [pages_of(child, b)[:2] == pages_of(a, b)[:2] for b in BOTH] == [True, True]
-    for seed in range(10, 14):
-        for mine, twin in ((a, twin_a), (child, twin_child)):
-            out, ref = step(mine, seed, latents=True), step(twin, seed, latents=True)
-            assert all(torch.equal(x, y) for x, y in zip(out, ref))
-    assert torch.equal(child.recache_latents(), twin_child.recache_latents())
-    cache._allocator.check_invariants()
+    continues_like_twin(cache, (a, child), (twin_a, twin_child), range(10, 14))
 
 
 def check_send_recv() -> None:
