@@ -5,6 +5,9 @@ Each rank also plays the oracle locally: a twin session that never left, driven 
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -219,7 +222,6 @@ def check_send_recv_cuda() -> None:
     with its pages shared, byte for byte, and -- saved there and loaded on the CPU -- continues bit-identically to
     a twin that never left."""
     import tempfile
-    from pathlib import Path
 
     rank = dist.get_rank()
     wire = transport.wire_device(None)
@@ -254,14 +256,26 @@ def check_send_recv_cuda() -> None:
     received: list[object] = [None]
     dist.broadcast_object_list(received, src=0)
     twin_cache = make_small_cache()
-    twin_a, twin_child = _family(twin_cache)
+    _family(twin_cache)  # the twins: received_on_cuda_like_twin finds them by id
     a, child = cache.recv_sessions(0, transport="wire")
+    received_on_cuda_like_twin(cache, (a, child), twin_cache, received[0], device, folder)
+
+
+def received_on_cuda_like_twin(
+    cache: am.KVCache, family: tuple[am.KVState, am.KVState], twin_cache: am.KVCache, sent: Any,
+    device: torch.device, folder: Path,
+) -> None:
+    """A fork family received into a CUDA pool: its shared pages arrived once, the child's pages hold the bytes the
+    sender had (``sent``: branch -> uint8 CPU copy), its latents are on ``device``; saved and loaded into a CPU
+    cache, its next forwards equal the twins' (``twin_cache``'s family, never sent) bit for bit."""
+    a, child = family
     assert cache._allocator.num_used == twin_cache._allocator.num_used  # shared pages arrived once
     for b in BOTH:
-        assert torch.equal(cache._pool.kv[:, :, pages_of(child, b)].view(torch.uint8).cpu(), received[0][b])
+        assert torch.equal(cache._pool.kv[:, :, pages_of(child, b)].view(torch.uint8).cpu(), sent[b])
     assert child.recache_latents().device == device
     cache.save_sessions(folder / "back.safetensors", [a, child])
     a, child = make_small_cache().load_sessions(folder / "back.safetensors")
+    twin_a, twin_child = twin_cache.sessions["a"], twin_cache.sessions["child"]
     for seed in range(10, 13):
         for mine, twin in ((a, twin_a), (child, twin_child)):
             out, ref = step(mine, seed, latents=True), step(twin, seed, latents=True)
