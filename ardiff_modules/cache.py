@@ -66,8 +66,8 @@ class KVCache:
         Reserve for each branch, on its first forward, one run of consecutive pages holding
         ``sinks + window + 1`` chunks, used as a ring: one-chunk forwards then see one
         contiguous key range and run ragged (unpaged) FA3, the fastest kernel. Same peak
-        memory as plain paging once the window is full, reserved up front. ``None`` (default)
-        enables it when the backend is FlashInfer and the window is bounded.
+        memory as plain paging once the window is full, reserved up front (frame lanes: a ring of
+        frame slots). ``None`` (default): on with FlashInfer and a bounded window; ``False``: paged.
     max_forward_contexts:
         Forward contexts (one per distinct batch of streams, each holding kernel plans and their
         buffers) kept for reuse; beyond this the least recently used idle one is released, so

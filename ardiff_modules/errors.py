@@ -60,6 +60,12 @@ class SessionTransferError(ARDiffError, RuntimeError):
     sender (the message names the peer and its answer)."""
 
 
+class TransportUnavailableError(SessionTransferError):
+    """``send_sessions`` / ``recv_sessions`` with ``transport="ipc"`` (on either side): CUDA IPC cannot carry the
+    sessions between these two processes (a pool not on CUDA, another machine, a GPU the receiver cannot see, a
+    mapping that failed); the message names why. Nothing moved: the sessions stayed with the sender."""
+
+
 class UnknownBranchError(ARDiffError, KeyError):
     """A KV branch name is not one of the spec's branches."""
 

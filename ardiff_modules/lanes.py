@@ -109,15 +109,17 @@ def lane_specs(spec: KVCacheSpec) -> tuple[tuple[KVCacheSpec, HeadPart | None], 
 
 def extent_chunks_of(spec: KVCacheSpec, backend: str, contiguous_extents: bool | None) -> int | None:
     """Slots of each branch's contiguous extent (``None``: plain paging); by default on with FlashInfer and a
-    bounded window for chunk lanes. Chunk slots (``sinks + window + 1``), or frame slots for a lane that trims
-    chunks to frames (:func:`extent_frames_of`), which only ``contiguous_extents=True`` turns on."""
+    bounded window. Chunk slots (``sinks + window + 1``), or frame slots for a lane that trims chunks to frames
+    (:func:`extent_frames_of`)."""
     frames = extent_frames_of(spec)
     if contiguous_extents is None:
         # NOTE: a lane that trims chunks to frames attends single frames of several chunks: only frame slots keep
-        # them in one run. They are opt-in until FlashInfer has run them (tests/gpu: frame-extents cases; the
-        # speed: run_h200.sh dynamic_pair_cfg_off); a resume or a load puts every frame back in its slot.
+        # them in one run (ragged FA3; H100, Forcing-KV's Self-Forcing method compiled + graphed: 246.0 vs 255.4 ms
+        # per chunk step paged). A frame lane without a bounded frame count would get chunk slots, which do not
+        # keep its frames in one run: it stays paged unless asked.
         contiguous_extents = (
-            backend == "flashinfer" and spec.max_history_chunks is not None and not trims_frames(spec.policy)
+            backend == "flashinfer" and spec.max_history_chunks is not None
+            and (frames is not None or not trims_frames(spec.policy))
         )
     if contiguous_extents and spec.max_history_chunks is None:
         raise SpecError("contiguous_extents=True: expected a bounded window (window_chunks), got None")

@@ -360,19 +360,25 @@ class RollingGraphRunner(RollingRunner):
     kernels), captured the next time it comes, and replayed from then on; inputs are copied into the graph's
     static ones, positions live in the cache's fixed buffer, the output is cloned (as ``CUDAGraphStep`` does).
     No warm-up runs outside a forward: a roll run twice would shift the window twice.
+
+    While the buffer fills the forwards run the eager ``model`` (the same math, untimed warm-up chunks): compiled
+    with ``dynamic=False`` each fill level is a new graph, and compiling all of them did not fit a device call
+    (H100, stop 52: ~245 s were not enough after the library's row).
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, model: nn.Module, *args: Any, **kwargs: Any) -> None:
+        super().__init__(model, *args, **kwargs)
+        self.fill_step = model
         self.seen: set[bool] = set()
         self.graphs: dict[bool, tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, commit: bool) -> torch.Tensor:
         self.cache.begin_forward()
         key, steady = self.cache.forward.roll, self.cache.steady
-        if not steady or key not in self.seen:
-            if steady:
-                self.seen.add(key)
+        if not steady:
+            out = self.fill_step(x, t, self.cache.layers)
+        elif key not in self.seen:
+            self.seen.add(key)
             out = self.step(x, t, self.cache.layers)
         else:
             if key not in self.graphs:

@@ -304,9 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="without --heads: the share of each layer's heads kept local (sink 0 + window 1); "
                         "the rest keep the preset's sink + window (default 2/3)")
     p.add_argument("--frame-extents", choices=("on", "off"), default="on",
-                   help="the library_heads* rows' frame and selected lanes: contiguous extents of frame slots (ragged "
-                        "FA3; KVCache(contiguous_extents=True), opt-in in the library) or plain paging (paged FA3, the "
-                        "library's default for such lanes)")
+                   help="the library_heads* rows' lanes: contiguous extents (the library's default on FlashInfer: "
+                        "frame lanes get frame slots, ragged FA3) or plain paging of every lane "
+                        "(KVCache(contiguous_extents=False): paged FA3)")
     p.add_argument("--forcingkv-dynamic", choices=("on", "off"), default="on",
                    help="the forcingkv_own peers' dynamic patches (Forcing-KV's dynamic_temporal_enabled); off: the "
                         "static method, the one FrameWindowPolicy groups (--heads) express")
@@ -513,10 +513,10 @@ class LibraryRunner:
                  device: torch.device, dtype: torch.dtype, backend: str, step: Callable[..., torch.Tensor],
                  kv_dtype: str | None = None, graph: bool = False, relative_sinks: bool = False,
                  heads: am.HeadRetention | None = None, page_size: int | None = None,
-                 frame_extents: bool = False) -> None:
+                 frame_extents: bool = True) -> None:
         """``page_size``: tokens a KV page, default the preset's (``WanConfig.kv_page_size``); ``frame_extents``:
-        with ``heads``, every lane gets a contiguous extent (``contiguous_extents=True``: frame lanes' frame slots
-        too, opt-in in the library)."""
+        with ``heads``, the library's default (contiguous extents on FlashInfer: frame lanes' frame slots too),
+        else plain paging of every lane (``contiguous_extents=False``)."""
         spec = dataclasses.replace(make_kv_spec(config, device, branches), dtype=dtype,
                                    kv_dtype=kv_dtype, relative_sinks=relative_sinks)
         if page_size is not None:
@@ -531,7 +531,7 @@ class LibraryRunner:
         else:  # per-head retention: the spec's sink + window become the head groups' (one lane per head part)
             grouped = dataclasses.replace(spec, sink_chunks=0, window_chunks=None)
             self.cache = grouped_kv_cache(grouped, heads, device=device, backend=backend,
-                                          **({"contiguous_extents": True} if frame_extents else {}))
+                                          **({} if frame_extents else {"contiguous_extents": False}))
         self.state = self.cache.open_session()
         crosses = [block.cross for block in model.blocks]
         for branch, text in zip(branches, texts):
@@ -980,7 +980,8 @@ def _note(name: str, b: _Bench) -> str | None:
                 "buffer's roll and write traced (a graph per fill level while the buffer fills, two once full)")
     if name == "rolling_fa3_compiled_graph":
         return ("rolling_fa3_compiled_fullgraph with the steady-state forwards (roll + write, write) replayed from "
-                "hand-captured CUDA graphs, outputs cloned (as CUDAGraphStep does)")
+                "hand-captured CUDA graphs, outputs cloned (as CUDAGraphStep does); the untimed forwards while the "
+                "buffer fills run the eager model (a compile per fill level did not fit a device call)")
     if name in FORCING_KV_VARIANTS:
         return forcing_kv_peer.note(name)
     if name.startswith("library_heads"):

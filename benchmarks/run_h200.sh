@@ -144,6 +144,13 @@ for what in "$@"; do
     # 3 rounds): one round here, with the full limit.
     session_transport) step session_transport 300 python3 -m benchmarks.session_transport --rounds 1 --link-rounds 2 \
                --out "$out" ;;
+    # Issue 45: the CUDA IPC transport (opt-in, never run on a GPU before stop 53): its GPU test (two processes on one
+    # GPU: a refused receive after mapping leaves the sender intact; a move by IPC continues bit-identically), then the
+    # move timed by IPC beside the wire on the same card (stop 52, H100, wire: 2.79 s per 12.3 GB). Estimate ~2-3 min.
+    tests_ipc) step gpu_tests_ipc 150 python3 -m pytest -q -p no:cacheprovider -rs \
+               tests/distributed/test_send_recv_ipc.py tests/distributed/test_send_recv.py ;;
+    session_transport_ipc) step session_transport_ipc 200 python3 -m benchmarks.session_transport --transport ipc \
+               --rounds 2 --link-rounds 1 --out "$out/ipc" ;;
     # Issue 28: where the 14B-like chunk step's time goes, library compiled vs the compiled FA3 peer (and head groups):
     # torch.profiler tables and a gzipped chrome trace per variant under $OUT/e14p. Estimate ~2.5 min.
     # Issue 42 item 4: each table ends with the ardiff_modules ops' CPU total per call -- compare
@@ -197,6 +204,13 @@ for what in "$@"; do
     dynamic_profile_cfg_off) step end_to_end_dynamic_profile_cfg_off 240 python3 -m benchmarks.end_to_end --cfg off \
                --heads forcingkv --forcingkv-dynamic on ${FORCINGKV_HEADS:+--forcingkv-heads "$FORCINGKV_HEADS"} \
                --variants library_heads,forcingkv_own --chunks-timed 3 --profile "$out/dynp" --out "$out/dynp" ;;
+    # Issue 42's >= 1.6x target: Forcing-KV's method in the library beside the graphed rolling-FA3 peer (full window),
+    # CFG off. H100, stop 52: the library row 251.2 ms after a 79.5 s warm-up; the peer's warm-up (then a compile
+    # per fill level) did not finish in the ~245 s left of a 330 s call; its fill phase now runs eager.
+    dynamic_peer_cfg_off) step end_to_end_dynamic_peer_cfg_off 560 python3 -m benchmarks.end_to_end --cfg off \
+               --heads forcingkv --forcingkv-dynamic on ${FORCINGKV_HEADS:+--forcingkv-heads "$FORCINGKV_HEADS"} \
+               --variants library_heads_compiled_graph,rolling_fa3_compiled_graph,library_heads_fp8_compiled_graph \
+               --chunks-timed 3 --out "$out/$what" ;;
     # The same method with FP8 KV on top (the issue's >= 1.8x target) beside the graphed peer, CFG off.
     dynamic_fp8_cfg_off) step end_to_end_dynamic_fp8_cfg_off 560 python3 -m benchmarks.end_to_end --cfg off \
                --heads forcingkv --forcingkv-dynamic on ${FORCINGKV_HEADS:+--forcingkv-heads "$FORCINGKV_HEADS"} \

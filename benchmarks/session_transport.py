@@ -14,16 +14,22 @@ copy and open, its "ok": the whole transactional move), and the receiver's call 
 last round the session is back on rank 0: its next forward must equal the recorded one bit for bit (every byte
 crossed the link twice per round), its kept latents too, and rank 1's pool must be empty (exit status 1 if not).
 
-**The group -- what is measured.** ``--backend auto``: NCCL when there are two CUDA devices (rank ``r`` on
+**The group** (what carries the tensors under ``--transport wire``, the control messages always).
+``--backend auto``: NCCL when there are two CUDA devices (rank ``r`` on
 ``cuda:r``): the pages go from one pool to the other as device tensors (one gather per lane, no host copy, the
 library's path between GPUs). On **one GPU** (``--device cuda`` with a single device) NCCL is not an option --
 it refuses two ranks of one communicator on the same device -- so both ranks share ``cuda:0`` over **gloo**,
 which carries CPU tensors: each move is gather on the device, then per 64 MiB block a device-to-host copy into a
 pinned buffer, loopback TCP between the two processes and a host-to-device copy (the copies overlapping the wire
-since stop 51; before, each whole tensor crossed to the host, the wire and back in turn), scatter into the pool. That is the library's path between two processes on one
-GPU and what this measures there; a CUDA IPC transport (the receiver copying straight from the sender's memory,
-device to device) is not in the library, and the ``d2d`` baseline (one device copy of the same bytes) bounds what
-it could reach. ``--backend gloo`` / ``nccl`` force one. On the CPU (``--device cpu``, the smoke run) gloo.
+since stop 51; before, each whole tensor crossed to the host, the wire and back in turn), scatter into the pool.
+``--backend gloo`` / ``nccl`` force one. On the CPU (``--device cpu``, the smoke run) gloo.
+
+**The transport** (``--transport``, passed to both calls). ``auto`` (default): two processes of one machine with CUDA
+pools move the tensors by **CUDA IPC** -- the receiver maps the sender's gathered pages and copies them device to
+device into its pool, no host staging, whatever the group (the group carries only the control messages) -- and
+everything else (the CPU) over the group; ``wire`` forces the group (the gloo staging above on one GPU, NCCL with
+two); ``ipc`` requires IPC (the run fails with the library's ``TransportUnavailableError`` where it cannot be).
+``transport`` in the JSON records the one asked for and the paths the sends took (``send_sessions``' return). The ``d2d`` baseline (one device copy of the same bytes) bounds what IPC can reach.
 
 **Baselines of the same bytes** (``--link-rounds`` samples each): ``wire`` -- one ``dist.send`` / ``recv`` of a
 tensor of the session's bytes over the same group, on the wire's device (gloo: a CPU tensor, loopback TCP;
@@ -37,7 +43,8 @@ committed result, ``benchmarks/results/session_transport_<device>.json``). Memor
 sender's gathered pages and the receiver's buffer on the device (each the session's size), and a baseline buffer of
 it in host memory.
 
-    bash .gpu/run.sh python3 -m benchmarks.session_transport --out $OUT       # one GPU: gloo between 2 processes
+    bash .gpu/run.sh python3 -m benchmarks.session_transport --out $OUT       # one GPU: CUDA IPC (auto)
+    bash .gpu/run.sh python3 -m benchmarks.session_transport --transport wire --out $OUT   # one GPU: gloo staging
     python -m benchmarks.session_transport --device cpu --out /tmp/st         # CPU smoke (tiny, gloo)
 """
 
@@ -155,19 +162,21 @@ def _run(rank: int, args: Any) -> dict[str, Any]:
         nbytes = int(nbytes_box[0])
         send_ms: list[float] = []
         recv_ms: list[float] = []
+        paths: list[str] = []  # what each send took: "ipc" or "wire"
         for _ in range(args.rounds):
             for sender in (0, 1):  # there and back
                 dist.barrier()
                 if rank == sender:
-                    _, ms = timed(lambda: cache.send_sessions([state], 1 - sender))
+                    path, ms = timed(lambda: cache.send_sessions([state], 1 - sender, transport=args.transport))
                     state = None
                     send_ms.append(ms)
+                    paths.append(path)
                 else:
-                    got, ms = timed(lambda: cache.recv_sessions(sender))
+                    got, ms = timed(lambda: cache.recv_sessions(sender, transport=args.transport))
                     [state] = got
                     recv_ms.append(ms)
         # rank 1's receive times to rank 0
-        box: list[Any] = [recv_ms if rank == 1 else None, send_ms if rank == 1 else None]
+        box: list[Any] = [recv_ms if rank == 1 else None, send_ms if rank == 1 else None, paths if rank == 1 else None]
         dist.broadcast_object_list(box, src=1)
         if rank == 1:
             empty = cache.stats().pages_used == 0 and not cache.sessions
@@ -184,6 +193,7 @@ def _run(rank: int, args: Any) -> dict[str, Any]:
             "send_1_to_0": _row(box[1], nbytes, step),
             "recv_on_0": _row(recv_ms, nbytes, step),
         }
+        out["transport"] = {"requested": args.transport, "used": sorted(set(paths) | set(box[2]))}
         after = engine.probe(state, probe_chunk)
         out["check"] = {
             "forward_bit_identical_after_round_trips": same(after, reference),
@@ -251,6 +261,9 @@ def build_parser() -> Any:
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available, else cpu")
     p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
                    help="the group: auto = nccl with 2+ CUDA devices, else gloo (one GPU: both ranks on cuda:0)")
+    p.add_argument("--transport", choices=("auto", "wire", "ipc"), default="auto",
+                   help="how the tensors move (send / recv_sessions' transport=): auto = CUDA IPC between CUDA pools "
+                        "of one machine, else the group; wire = the group; ipc = CUDA IPC or fail")
     p.add_argument("--compute", choices=("model", "attention"), default="model",
                    help="the chunk step that fills the session: the model (default) or every layer's attention")
     p.add_argument("--chunks-timed", type=int, default=3, help="chunk steps timed after the warm-up (default 3)")
@@ -264,7 +277,9 @@ def build_parser() -> Any:
 
 def print_table(payload: dict[str, Any]) -> None:
     cfg = payload["config"]
-    print(f"{cfg['shape']} on {cfg['device']} over {cfg['backend']} (wire: {cfg['wire_device']}); session "
+    used = payload.get("transport", {"requested": "wire", "used": ["wire"]})  # results before --transport
+    print(f"{cfg['shape']} on {cfg['device']} over {cfg['backend']} (wire: {cfg['wire_device']}; transport "
+          f"{used['requested']} -> {'+'.join(used['used'])}); session "
           f"{payload['sizes']['total_bytes'] / 1e9:.3g} GB; chunk step {payload['chunk_step']['median_ms']:.4g} ms")
     print(f"{'move / baseline':16s} {'median ms':>11s} {'IQR ms':>9s} {'GB/s':>8s} {'x step':>8s}")
     for group in ("moves", "baselines"):
@@ -292,6 +307,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         args.backend = "nccl" if args.device == "cuda" and torch.cuda.device_count() >= 2 else "gloo"
     if args.backend == "nccl" and (args.device != "cuda" or torch.cuda.device_count() < 2):
         fail(p.prog, "--backend nccl: expected --device cuda with 2 CUDA devices (NCCL refuses two ranks on one)")
+    if args.transport == "ipc" and args.device != "cuda":
+        fail(p.prog, "--transport ipc: expected --device cuda (CUDA IPC shares device memory)")
     if not dist.is_available() or (args.backend == "gloo" and not dist.is_gloo_available()):
         fail(p.prog, f"torch.distributed with {args.backend} is not available")
     if args.shape is None:

@@ -232,6 +232,10 @@ class ForwardTransaction:
                 for lane, live in zip(self.lanes, lives)] if self.select is not None else []
         with deferred_interrupts():
             # NOTE: the device chooses and copies first: if it raises, no bookkeeping changed (the forward aborts).
+            # A selection re-chosen in place is overwritten by that copy, so the bookkeeping below must not fail
+            # after it (it is allocator refcounts and assignments: only a broken invariant raises there); if it did,
+            # an abort would leave the old selection's metadata over the new K/V (the session machine finishes
+            # such a forward with a commit: tests/support/session_machine/forwards.py, interrupted_finish).
             chosen = self.select(jobs) if self.select is not None and any(j for js in jobs for j in js) else None
             for n, (lane, live, results) in enumerate(zip(self.lanes, lives, previews)):
                 evicted = [page for result in results for chunk in result.evicted for page in chunk]

@@ -11,35 +11,57 @@ checks and opens them exactly as a load does (all or nothing)::
     close the sent sessions          <------ "ok" ---------  (or "refused: <error>": nothing opened, and the
                                                               sender keeps its sessions, raising the error)
 
-**Pages straight from the pool.** The tensors travel on the group's device (:func:`wire_device`): with NCCL
-(``"nccl"`` in the group's backend) on the current CUDA device -- each lane's distinct pages gathered from the pool
-in one ``index_select`` and sent as they are, received into a device buffer and copied into the pool with one
-``index_copy_``, never through host memory; with gloo on the CPU. gloo carries CPU tensors, so a CUDA pool's
+**CUDA IPC between processes of one machine** (``transport="auto"`` or ``"ipc"``; :mod:`~ardiff_modules.host.ipc`).
+Opt-in: the default is ``"wire"`` until the IPC path has run on a GPU (its protocol is tested on the CPU with the
+CUDA steps faked; ``tests/distributed/test_send_recv_ipc.py`` has the GPU test).
+A sender whose pool is on CUDA offers IPC in the envelope (its host name and boot id, its GPU's UUID); the
+receiver takes it -- ``"go"`` with ``"via": "ipc"`` -- where its own pool is on CUDA, the machine is the same
+and the sender's GPU is visible to it (the same GPU, or one it has peer access to). Then no tensor crosses the
+group: the sender synchronises its device and sends, as JSON, a handle per tensor (its gathered pages as they
+are, copies of the rest); the receiver checks every field against the envelope, maps them, copies from the
+sender's memory into its own (the pages straight into its pool), synchronises, drops the mappings and answers::
+
+                                     <--- "go", via ipc --
+    share (alive until the answer)   --- handles -------->   check, map; reserve, copy, open; drop the mappings
+                                     <------ "ok" --------   (or a refusal, as above)
+
+Two processes on one GPU otherwise go through the host over gloo (NCCL refuses two ranks on one device). Where
+a mapping fails (or the sender cannot share), the tensors go over the group after all (the other side is told),
+unless a side passed ``transport="ipc"``: then either side refuses with
+:class:`~ardiff_modules.errors.TransportUnavailableError` naming why, before anything is received, and the
+sessions stay with the sender. ``transport="wire"`` always uses the group.
+
+**Pages straight from the pool** (over the group). The tensors travel on the group's device (:func:`wire_device`):
+with NCCL (``"nccl"`` in the group's backend) on the current CUDA device -- each lane's distinct pages gathered from
+the pool in one ``index_select`` and sent as they are, received into a device buffer and copied into the pool with
+one ``index_copy_``, never through host memory; with gloo on the CPU. gloo carries CPU tensors, so a CUDA pool's
 gathered pages cross the host in blocks (:data:`BLOCK_BYTES`) through two pinned buffers on each side: the sender
 copies the next block to the host while the wire carries this one, the receiver copies a block into its device
-buffer while the next arrives (no whole-session host copy on either side). The control messages (the
-envelope, the answers) are small tensors on the same device. A link delivers bytes whole, so a send carries no
-SHA-256 digests (a file does); every other check of a load is made, and the envelope's shapes before any tensor
-moves.
+buffer while the next arrives (no whole-session host copy on either side). The control messages (the envelope, the
+answers) are small tensors on the same device. A link delivers bytes whole, so a send carries no SHA-256 digests (a
+file does); every other check of a load is made, and the envelope's shapes before any tensor moves.
 
 Transactional: the sender keeps its sessions until the receiver answers that it opened them; a refusal or a
 failure on either side (a check, room, ids, a lost peer) leaves them where they were. NOTE: if the answer itself
 is lost after the receiver opened them (the sender died, or the link broke at that moment), both sides hold
-them -- a duplicate, never a loss.
+them -- a duplicate, never a loss. Over IPC the receiver's copies come from the sender's memory, which the sender
+keeps (and does not touch: it holds the lock) until the answer.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
-from ardiff_modules.errors import ARDiffError, SessionTransferError
+from ardiff_modules.errors import ARDiffError, SessionTransferError, TransportUnavailableError
+from ardiff_modules.host import ipc
 from ardiff_modules.host.file_header import HeaderReader, encode
 from ardiff_modules.host.files import FileHost, check_layout, check_room, lane_layouts, open_snapshot, snapshot, tensor_names
+from ardiff_modules.host.ipc import Transport
 from ardiff_modules.session import KVState
 
 #: The dtypes a snapshot's tensors may have (a received envelope naming another is refused).
@@ -56,12 +78,19 @@ MAX_BLOCK_BYTES = 1 << 30
 MAX_MESSAGE_BYTES = 64 << 20
 
 
-def send_sessions(cache: FileHost, sessions: Iterable[KVState], dst: int, group: Any = None) -> None:
+def send_sessions(
+    cache: FileHost, sessions: Iterable[KVState], dst: int, group: Any = None, *, transport: Transport = "wire"
+) -> Literal["wire", "ipc"]:
     """Send ``sessions`` (open, resident, idle sessions of ``cache``) to rank ``dst``, whose
-    :func:`recv_sessions` opens them; once it has, close them here.
+    :func:`recv_sessions` opens them; once it has, close them here. Returns how the tensors went: ``"ipc"`` (the
+    receiver copied them from this process's GPU memory) or ``"wire"`` (over ``group``).
 
-    Refusals here (not idle, another cache's) are raised after telling the receiver, which raises too; a
-    refusal there (spec, ids, room) comes back as :class:`SessionTransferError` naming it. Either way the
+    ``transport``: ``"wire"`` (default) never offers CUDA IPC, ``"auto"`` offers it when the pool is on CUDA (the
+    receiver takes it where it can, see the module docstring; not run on a GPU yet), ``"ipc"`` requires it
+    (:class:`TransportUnavailableError` naming why when it cannot be used, on both sides, nothing moved).
+
+    Refusals here (not idle, another cache's, a transport) are raised after telling the receiver, which raises
+    too; a refusal there (spec, ids, room) comes back as :class:`SessionTransferError` naming it. Either way the
     sessions stay open here, unchanged. The cache's lock is held until the answer: nothing runs on the
     sessions meanwhile.
     """
@@ -69,43 +98,81 @@ def send_sessions(cache: FileHost, sessions: Iterable[KVState], dst: int, group:
         sessions = list(sessions)  # walked twice: the snapshot, then the close
     wire = wire_device(group)
     block = BLOCK_BYTES
+    home = cache._pool.device
+    where = f"send_sessions to rank {dst}"
     with cache.lock:
         try:
+            offer = ipc.sender_offer(where, home, transport)
             # on the pool's device: a host wire gets them block by block through pinned staging (_send_tensor)
-            tensors, header = snapshot(cache, sessions, "send_sessions", device=cache._pool.device)
+            tensors, header = snapshot(cache, sessions, "send_sessions", device=home)
         except ARDiffError as e:
             _send_json({"refused": f"{type(e).__name__}: {e}"}, dst, group)
             raise
         names = sorted(tensors)
         shapes = [[n, str(tensors[n].dtype), list(tensors[n].shape)] for n in names]
         envelope = {"header": encode(header), "tensors": shapes, "block_bytes": block}
+        if offer is not None:
+            envelope["ipc"] = offer
         states = list(dict.fromkeys(sessions))
+        via: Literal["wire", "ipc"] = "wire"
+        shared: dict[str, torch.Tensor] = {}  # what the receiver maps: alive until its final answer
         try:
             _send_json(envelope, dst, group)
             # NOTE: the receiver checks the envelope and says go before any tensor moves: a refusal then is an
             # answer, not a send blocked until the group's timeout with the cache lock held.
             answer = _recv_json(dst, group)
-            if answer.get("go") is True:
+            if answer.get("go") is True and answer.get("via") == "ipc":
+                if offer is None:
+                    raise SessionTransferError(f"{where}: the receiver chose CUDA IPC, which was not offered")
+                required = transport == "ipc" or answer.get("required") is True
+                pages = {name for name, _ in tensor_names(cache)}  # gathered by the snapshot: shared as they are
+                shared, answer = _send_ipc(where, tensors, pages, home, dst, group, required)
+                via = "ipc" if answer.get("via") != "wire" else "wire"  # "wire": it fell back (its mapping failed)
+            if answer.get("go") is True or answer.get("via") == "wire":
                 for name in names:
                     _send_tensor(tensors[name], dst, group, wire, block)
                 answer = _recv_json(dst, group)
         except Exception as e:  # a lost peer, a broken link: nothing was handed over
+            if isinstance(e, TransportUnavailableError):
+                raise
             raise SessionTransferError(
-                f"send_sessions to rank {dst}: expected the receiver's answer, got {type(e).__name__}: {e}; the "
+                f"{where}: expected the receiver's answer, got {type(e).__name__}: {e}; the "
                 f"sessions {[s.session_id for s in states]} stay here"
             ) from e
+        finally:
+            shared.clear()
         if answer.get("ok") is not True:
-            raise SessionTransferError(
-                f"send_sessions to rank {dst}: expected the receiver to open the sessions, got its refusal: "
-                f"{answer.get('error')!s:.500}; they stay here"
-            )
+            error = f"{answer.get('error')!s:.500}"
+            kind = TransportUnavailableError if error.startswith("TransportUnavailableError") else SessionTransferError
+            raise kind(f"{where}: expected the receiver to open the sessions, got its refusal: {error}; they stay here")
         for state in states:
             state.close()
+    return via
+
+
+def _send_ipc(
+    where: str, tensors: dict[str, torch.Tensor], fresh: set[str], home: torch.device, dst: int, group: Any,
+    required: bool,
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Share the snapshot's tensors with the receiver (it chose IPC) and return them with its next answer: the
+    final one, or ``{"via": "wire"}`` where its mapping failed and neither side required IPC (the group carries
+    them then). A sharing failure here falls back alike, or is a refusal where IPC is required."""
+    try:
+        shared, handles = ipc.share(tensors, fresh, home)
+    except Exception as e:
+        error = f"{where}: expected to share the tensors by CUDA IPC, got {type(e).__name__}: {e}"
+        if required:
+            _send_json({"refused": f"TransportUnavailableError: {error}"}, dst, group)
+            raise TransportUnavailableError(f"{error}; nothing was sent") from e
+        _send_json({"via": "wire", "error": error}, dst, group)
+        return {}, {"via": "wire"}
+    _send_json({"handles": handles}, dst, group)
+    return shared, _recv_json(dst, group)
 
 
 def recv_sessions(
     cache: FileHost, src: int, group: Any = None, session_ids: Sequence[str] | None = None, *,
-    max_latent_bytes: int | None = None,
+    max_latent_bytes: int | None = None, transport: Transport = "wire",
 ) -> list[KVState]:
     """Receive the sessions rank ``src`` sends (:func:`send_sessions`) and open them, under their ids or
     ``session_ids``, all or nothing; then tell the sender.
@@ -116,39 +183,108 @@ def recv_sessions(
     retention groups). So a peer cannot
     make this process allocate more than those checks allow.
 
+    ``transport``: ``"wire"`` (default) always the group; ``"auto"`` takes the sender's CUDA IPC offer where this
+    pool is on CUDA, on the same machine, and the sender's GPU is visible here (see the module docstring; not run
+    on a GPU yet), else the group carries the tensors; ``"ipc"`` requires IPC (:class:`TransportUnavailableError`
+    naming why it cannot be used, on both sides, before anything is received).
+
     Raises, opening nothing (and the sender keeps its sessions): what :func:`~ardiff_modules.host.files.load_sessions`
     raises for a snapshot it refuses (spec, ids, room, FP8 scales), :class:`SessionTransferError` for a sender
     that refused or was lost, or an envelope past these bounds.
     """
     where = f"recv_sessions(from rank {src})"
     wire = wire_device(group)
+    home = cache._pool.device
     try:
         envelope = _recv_json(src, group)
     except Exception as e:
         raise SessionTransferError(f"{where}: expected a snapshot, got {type(e).__name__}: {e}") from e
     if isinstance(envelope, dict) and "refused" in envelope:
-        raise SessionTransferError(f"{where}: expected sessions, got the sender's refusal: {envelope['refused']}")
+        raise _refused(f"{where}: expected sessions, got the sender's refusal: {envelope['refused']!s:.500}")
     try:
+        ipc.check_transport(transport, where)
         entries = _checked_entries(where, envelope)
         block = _checked_block(where, envelope)
+        offer = ipc.checked_offer(where, envelope)
         _check_envelope(cache, where, envelope["header"], entries, max_latent_bytes)
+        index, why = ipc.choose(offer, home, transport)
+        required = transport == "ipc" or (offer is not None and offer["required"])
+        if index is None and required:
+            who = "this side" if transport == "ipc" else "the sender"
+            raise TransportUnavailableError(
+                f"{where}: expected to move the tensors by CUDA IPC ({who} asked for transport='ipc'), but {why}; "
+                "nothing was received"
+            )
     except ARDiffError as e:
         # The sender waits for this answer (no tensor moved yet).
         _send_json({"go": False, "ok": False, "error": f"{type(e).__name__}: {e}"}, src, group)
         raise
-    _send_json({"go": True}, src, group)
+    _send_json({"go": True, "via": "wire" if index is None else "ipc", "required": required}, src, group)
+    pages = {name for name, _ in tensor_names(cache)}
+    mapped: dict[str, torch.Tensor] | None = None  # the sender's memory, mapped here: dropped before the answer
     try:
-        home = cache._pool.device
-        tensors = {n: _recv_tensor(src, group, dtype, shape, wire, home, block) for n, dtype, shape in entries}
+        if index is not None:
+            mapped = _map_ipc(where, src, group, entries, index, required)
+        tensors = {} if mapped is not None else {
+            n: _recv_tensor(src, group, dtype, shape, wire, home, block) for n, dtype, shape in entries
+        }
+    except SessionTransferError:
+        raise  # answered already (_map_ipc), or the link is broken
     except Exception as e:
         raise SessionTransferError(f"{where}: expected a snapshot, got {type(e).__name__}: {e}") from e
     try:
-        states = open_snapshot(cache, where, envelope["header"], tensors, session_ids, digests=False)
+        try:
+            if mapped is not None:
+                # the pages straight from the sender's memory into the pool (the open gathers them); the rest
+                # copied to this device first, as the wire path receives them
+                tensors = {
+                    n: mapped[n] if n in pages and n in mapped else ipc.own_copy(mapped.get(n), _DTYPES[d], shape, home)
+                    for n, d, shape in entries
+                }
+            states = open_snapshot(cache, where, envelope["header"], tensors, session_ids, digests=False)
+        finally:
+            tensors.clear()
     except BaseException as e:
+        ipc.drop(mapped, home, e)
         _send_json({"ok": False, "error": f"{type(e).__name__}: {e}"}, src, group)
         raise
+    ipc.drop(mapped, home, None)
     _send_json({"ok": True}, src, group)
     return states
+
+
+def _refused(message: str) -> SessionTransferError:
+    kind = TransportUnavailableError if ": TransportUnavailableError" in message else SessionTransferError
+    return kind(message)
+
+
+def _map_ipc(
+    where: str, src: int, group: Any, entries: Sequence[tuple[str, str, list[int]]], index: int, required: bool,
+) -> dict[str, torch.Tensor] | None:
+    """The sender's non-empty tensors mapped by CUDA IPC from its GPU (``cuda:index`` here), after every field of
+    its handles is checked; ``None`` where the group carries them instead (the sender could not share them, or a
+    mapping failed here, and neither side required IPC: the sender is told). A refusal is answered, then raised."""
+    message = _recv_json(src, group)
+    if "refused" in message:
+        raise _refused(f"{where}: expected IPC handles, got the sender's refusal: {message['refused']!s:.500}")
+    if message.get("via") == "wire" and not required:
+        return None  # its sharing failed: the tensors come over the group
+    try:
+        expected = {n: (_DTYPES[d], shape) for n, d, shape in entries}
+        handles = ipc.checked_handles(where, message, expected, index)
+        return ipc.open_handles(where, handles)
+    except TransportUnavailableError as e:  # a mapping failed (the ones made are dropped already)
+        if required:
+            _send_json({"ok": False, "error": f"{type(e).__name__}: {e}"}, src, group)
+            raise
+        _send_json({"via": "wire", "error": str(e)}, src, group)
+        return None
+    except SessionTransferError as e:  # a malformed handle: nothing was mapped
+        _send_json({"ok": False, "error": f"{type(e).__name__}: {e}"}, src, group)
+        raise
+    except Exception as e:  # whatever else: the sender still waits for an answer
+        _send_json({"ok": False, "error": f"{type(e).__name__}: {e}"}, src, group)
+        raise SessionTransferError(f"{where}: expected IPC handles, got {type(e).__name__}: {e}") from e
 
 
 def _checked_block(where: str, envelope: dict[str, Any]) -> int | None:

@@ -57,8 +57,9 @@ def test_two_ranks_hand_over_a_grouped_family_or_keep_it_in_every_lane(kind: str
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_two_processes_on_one_gpu_over_gloo() -> None:
-    """CUDA pools in two processes on one GPU, over gloo (NCCL refuses two ranks on one device): the pages are
-    staged through the host; the family arrives whole and continues bit-identically."""
+    """CUDA pools in two processes on one GPU, over gloo (NCCL refuses two ranks on one device) with
+    ``transport="wire"`` (else CUDA IPC: test_send_recv_ipc.py): the pages are staged through the host; the family
+    arrives whole and continues bit-identically."""
     _spawn(2, transport_workers.check_send_recv_cuda, cuda=True)
 
 

@@ -29,6 +29,7 @@ def test_session_transport_benchmark_smoke(tmp_path: Path) -> None:
     assert check["latents_equal"] and check["receiver_pool_empty"]
     config, sizes = saved["config"], saved["sizes"]
     assert config["backend"] == "gloo" and config["wire_device"] == "cpu" and config["rounds"] == 2
+    assert saved["transport"] == {"requested": "auto", "used": ["wire"]}  # a CPU pool never offers CUDA IPC
     assert sizes["total_bytes"] == sum(v for k, v in sizes.items() if k != "total_bytes")
     assert sizes["pages_bytes"] > 0 and sizes["cross_bytes"] > 0 and sizes["latent_bytes"] > 0
     for name in ("send_0_to_1", "recv_on_1", "send_1_to_0", "recv_on_0"):
@@ -47,3 +48,11 @@ def test_session_transport_cuda_missing_exits_2(capsys: pytest.CaptureFixture[st
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "CUDA is not available" in err[0], err
+
+
+def test_session_transport_ipc_on_the_cpu_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        session_transport.main(["--device", "cpu", "--transport", "ipc"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--transport ipc: expected --device cuda" in err[0], err

@@ -126,14 +126,17 @@ def test_frame_lanes_get_frame_slot_extents(kind: str) -> None:
     assert all(lane.extent_chunks is None for lane in am.KVCache(spec_of(kind), num_pages=100, device="cpu")._lanes)
 
 
-def test_frame_slots_are_opt_in_even_with_flashinfer() -> None:
-    """Chunk lanes get extents by default with FlashInfer; frame lanes only with ``contiguous_extents=True`` (a resume
-    lays their frames out in history order, which ragged FA3 would sum in another order than before)."""
+def test_frame_slots_are_the_default_with_flashinfer() -> None:
+    """With FlashInfer and a bounded window every lane gets an extent by default: chunk lanes chunk slots, frame lanes
+    frame slots (a resume or a load puts each frame back in its slot, so the kernel sums the keys in the same order);
+    ``contiguous_extents=False`` pages every lane, the reference backend pages by default."""
     from ardiff_modules.lanes import extent_chunks_of, lane_specs
 
     specs = [lane for lane, _ in lane_specs(spec_of("groups"))]
-    assert [extent_chunks_of(s, "flashinfer", None) for s in specs] == [None, None]
+    assert [extent_chunks_of(s, "flashinfer", None) for s in specs] == [5, 6]
     assert [extent_chunks_of(s, "flashinfer", True) for s in specs] == [5, 6]
+    assert [extent_chunks_of(s, "flashinfer", False) for s in specs] == [None, None]
+    assert [extent_chunks_of(s, "reference", None) for s in specs] == [None, None]
     chunk_spec = dataclasses.replace(specs[0], retention=am.SinkWindowPolicy(1, 2))
     assert extent_chunks_of(chunk_spec, "flashinfer", None) == 4
 

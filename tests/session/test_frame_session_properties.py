@@ -2,7 +2,10 @@
 mixing ``FrameWindowPolicy`` and chunk groups (``retention_shapes``' ``frames`` / ``per_head_frames``), with every
 rule of ``tests/session/test_session_properties.py`` -- forks, shared sinks, re-caches, suspend/resume, files, masks,
 relative sinks, failures -- and shorter chunks refused (``SequenceLengthError``, nothing changed). The main machine
-draws frame shapes in some examples only; this one in all.
+draws frame shapes in some examples only; this one in all. With ``extents`` drawn a frame lane's extent is one of
+frame slots (``core/branch_frame_extent.py``), modelled page for page: the lowest free frame slots for each pending
+chunk, overflow in pool pages, a resume / load putting each frame back in its slot, a uniform re-cache's copies into
+the slots its commit frees (a grouped re-cache over extents of either kind is not modelled: skipped in the rule).
 """
 
 from __future__ import annotations

@@ -5,7 +5,10 @@ suspend/resume, files, masks, relative sinks, failures. The model re-states the 
 (``ForwardModel.m_select``: Forcing-KV's key cosine to the next frame, patch means, the best kept, ascending) from
 the K/V it holds, and every check of outputs, gathered K/V, key positions, pages and pool contents covers the
 selection's pages; a committing forward of several chunks and shorter chunks are refused (``SequenceLengthError``,
-nothing changed). The main machine draws selected shapes in some examples only; this one in all.
+nothing changed). The main machine draws selected shapes in some examples only; this one in all. With ``extents``
+drawn the selected (and frame) lanes have extents of frame slots: a committing forward's reserved selection takes the
+lowest frame slots its pending chunk left free (else pool pages), and a scoring commit whose selection sits in the
+extent, held by its branch alone, re-chooses it in place (``ForwardModel.m_in_place``).
 """
 
 from __future__ import annotations

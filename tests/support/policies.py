@@ -125,9 +125,12 @@ class Misbehaving:
         evicted = [i for i in range(self.committed) if i not in self.history and i not in dropped]
         offered = sorted(set(self.history) | set(range(self.committed, n)))
         bound = self.base.max_history_chunks
+        # The library takes a dropped chunk (window floor) out of an answer before checking it (retention.py,
+        # checked_history_indices): a breach made only of dropped chunks is no breach there.
+        kept = [i for i in good if i not in dropped]
         applies = {
-            "unsorted": len(good) >= 2,
-            "duplicate": len(good) >= 1,
+            "unsorted": len(kept) >= 2,
+            "duplicate": len(kept) >= 1,
             "resurrect": bool(evicted),
             "too_many": bound is not None and len(offered) > bound,
             "no_sinks": sinks >= 1,
@@ -153,7 +156,7 @@ class Misbehaving:
         if kind == "unsorted":
             return good[::-1]
         if kind == "duplicate":
-            return [*good, last]
+            return [*good, kept[-1]]
         if kind == "resurrect":
             return sorted([*good, evicted[-1]])
         if kind == "too_many":

@@ -277,9 +277,19 @@ class CacheModel:
     #: Each lane's peak of pages used.
     peaks: list[int] = field(default_factory=list)
     closed: bool = False
+    #: Pages of one extent slot in each lane: a chunk's (chunk slots), or a frame's (a frame lane's frame slots,
+    #: ``core/branch_frame_extent.py``); ``[]``: every lane's a chunk's.
+    lane_slot_pages: list[int] = field(default_factory=list)
+    #: Whether each lane's extent slots are frames (``[]``: none are).
+    lane_frame_slots: list[bool] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.peaks = self.peaks or [0] * len(self.pools)
+        self.lane_frame_slots = self.lane_frame_slots or [False] * len(self.pools)
+
+    def extent_pages(self, lane: int = 0) -> int:
+        """Pages of one extent of lane ``lane`` (``0``: plain paging)."""
+        return self.lane_extent_chunks[lane] * self.lane_slot_pages[lane]
 
     @property
     def num_lanes(self) -> int:

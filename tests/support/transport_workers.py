@@ -5,6 +5,9 @@ Each rank also plays the oracle locally: a twin session that never left, driven 
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -24,6 +27,21 @@ def _family(cache: am.KVCache) -> tuple[am.KVState, am.KVState]:
     child = a.fork("child")
     step(child, 7, latents=True)
     return a, child
+
+
+def continues_like_twin(
+    cache: am.KVCache, family: tuple[am.KVState, am.KVState], twins: tuple[am.KVState, am.KVState], seeds: range
+) -> None:
+    """A received fork family (parent, child) shares its sink pages again, and its next forwards (and the child's
+    kept latents) equal the twins' that never left, bit for bit; the receiver's allocator stays consistent."""
+    a, child = family
+    assert [pages_of(child, b)[:2] == pages_of(a, b)[:2] for b in BOTH] == [True, True]
+    for seed in seeds:
+        for mine, twin in zip(family, twins):
+            out, ref = step(mine, seed, latents=True), step(twin, seed, latents=True)
+            assert all(torch.equal(x, y) for x, y in zip(out, ref))
+    assert torch.equal(child.recache_latents(), twins[1].recache_latents())
+    cache._allocator.check_invariants()
 
 
 def _refusals(rank: int) -> None:
@@ -102,13 +120,7 @@ def _receive_family() -> None:
     cache = make_small_cache()
     a, child = cache.recv_sessions(0)
     assert cache._allocator.num_used == twin_cache._allocator.num_used
-    assert [pages_of(child, b)[:2] == pages_of(a, b)[:2] for b in BOTH] == [True, True]
-    for seed in range(10, 14):
-        for mine, twin in ((a, twin_a), (child, twin_child)):
-            out, ref = step(mine, seed, latents=True), step(twin, seed, latents=True)
-            assert all(torch.equal(x, y) for x, y in zip(out, ref))
-    assert torch.equal(child.recache_latents(), twin_child.recache_latents())
-    cache._allocator.check_invariants()
+    continues_like_twin(cache, (a, child), (twin_a, twin_child), range(10, 14))
 
 
 def check_send_recv() -> None:
@@ -203,13 +215,13 @@ def check_send_recv_lanes(kind: str) -> None:
 
 # ------------------------------------------------------------------ CUDA pools (tests/distributed/test_send_recv.py, gpu)
 def check_send_recv_cuda() -> None:
-    """A fork family between two CUDA pools: over NCCL (two GPUs) the pages go from the sender's pool to the
+    """A fork family between two CUDA pools over the group (``transport="wire"``: else two processes of one
+    machine use CUDA IPC): over NCCL (two GPUs) the pages go from the sender's pool to the
     receiver's without a host copy (the snapshot's tensors are on the device, :func:`files._host_copy` is never
     called); over gloo (one GPU, two processes) they are staged through the host. Either way the family arrives
     with its pages shared, byte for byte, and -- saved there and loaded on the CPU -- continues bit-identically to
     a twin that never left."""
     import tempfile
-    from pathlib import Path
 
     rank = dist.get_rank()
     wire = transport.wire_device(None)
@@ -236,7 +248,7 @@ def check_send_recv_cuda() -> None:
 
         transport.snapshot, files._host_copy = on_the_wire, no_host_copy  # type: ignore[assignment]
         try:
-            cache.send_sessions([a, child], 1)
+            assert cache.send_sessions([a, child], 1, transport="wire") == "wire"
         finally:
             transport.snapshot, files._host_copy = real_snapshot, real_host_copy  # type: ignore[assignment]
         assert a.is_closed and child.is_closed and cache._allocator.num_used == 0
@@ -244,14 +256,26 @@ def check_send_recv_cuda() -> None:
     received: list[object] = [None]
     dist.broadcast_object_list(received, src=0)
     twin_cache = make_small_cache()
-    twin_a, twin_child = _family(twin_cache)
-    a, child = cache.recv_sessions(0)
+    _family(twin_cache)  # the twins: received_on_cuda_like_twin finds them by id
+    a, child = cache.recv_sessions(0, transport="wire")
+    received_on_cuda_like_twin(cache, (a, child), twin_cache, received[0], device, folder)
+
+
+def received_on_cuda_like_twin(
+    cache: am.KVCache, family: tuple[am.KVState, am.KVState], twin_cache: am.KVCache, sent: Any,
+    device: torch.device, folder: Path,
+) -> None:
+    """A fork family received into a CUDA pool: its shared pages arrived once, the child's pages hold the bytes the
+    sender had (``sent``: branch -> uint8 CPU copy), its latents are on ``device``; saved and loaded into a CPU
+    cache, its next forwards equal the twins' (``twin_cache``'s family, never sent) bit for bit."""
+    a, child = family
     assert cache._allocator.num_used == twin_cache._allocator.num_used  # shared pages arrived once
     for b in BOTH:
-        assert torch.equal(cache._pool.kv[:, :, pages_of(child, b)].view(torch.uint8).cpu(), received[0][b])
+        assert torch.equal(cache._pool.kv[:, :, pages_of(child, b)].view(torch.uint8).cpu(), sent[b])
     assert child.recache_latents().device == device
     cache.save_sessions(folder / "back.safetensors", [a, child])
     a, child = make_small_cache().load_sessions(folder / "back.safetensors")
+    twin_a, twin_child = twin_cache.sessions["a"], twin_cache.sessions["child"]
     for seed in range(10, 13):
         for mine, twin in ((a, twin_a), (child, twin_child)):
             out, ref = step(mine, seed, latents=True), step(twin, seed, latents=True)

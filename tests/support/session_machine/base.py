@@ -84,6 +84,8 @@ class MachineBase(RuleBasedStateMachine):
         self.txs: list[TxModel] = []  # recent transactions, whose status is checked
         self.tags = itertools.count(1)
         self.next_id = 1  # K/V ids: one per (forward, stream, token, layer)
+        #: ``(id(session), branch, lane)`` whose current commit re-chooses its selection in place (``m_in_place``).
+        self.in_place: set[tuple[int, str, int]] = set()
         self.gen = torch.Generator().manual_seed(0)
         with torch.random.fork_rng():  # deterministic weights without touching the global RNG
             torch.manual_seed(0)
@@ -251,14 +253,27 @@ class MachineBase(RuleBasedStateMachine):
                 event(f"content-selected group: keep_frames={select[0]} patches_per_frame={select[1]} from {select[2]}")
         return {"head_retention": heads_map}
 
+    def m_extent_slots(self, g: LaneModel) -> int:
+        """Slots of a lane's extent: ``sinks + window + 1`` chunks, or -- a frame lane -- its kept sink + window
+        frames, its selection's frames and one chunk's frames (``frame_extent_slots``)."""
+        if g.frames is None:
+            return g.sinks + g.window + 1  # type: ignore[operator]
+        sink_frames, window_frames, per = g.frames
+        return sink_frames + window_frames + (g.select[0] if g.select is not None else 0) + per  # type: ignore[operator]
+
+    def m_slot_pages(self, g: LaneModel) -> int:
+        """Pages of one extent slot of a lane: a chunk's, or a frame lane's frame's."""
+        return self.ppc if g.frames is None else self.ppc // g.frames[2]
+
     def m_lane_pages(self, num_pages: int, lane_extents: list[int]) -> list[int]:
         """Each lane's pages when ``num_pages`` pages of the whole geometry are split by one session's peak bytes
-        in each lane (integer arithmetic, as ``lanes.split_budget`` says)."""
+        in each lane (integer arithmetic, as ``lanes.split_budget`` says); ``lane_extents``: each lane's extent
+        pages."""
         unit = 2 * self.page * HEAD_DIM * 4  # bytes of one (layer, kv head) of a float32 page
         budget = num_pages * NUM_LAYERS * self.kv_heads * unit
         sizes = [len(g.layers) * g.num_heads * unit for g in self.lanes]
         peaks = [
-            len(BRANCHES) * max(self.m_history_pages(g) + self.ppc, e * self.ppc) * size
+            len(BRANCHES) * max(self.m_history_pages(g) + self.ppc, e) * size
             for g, e, size in zip(self.lanes, lane_extents, sizes)
         ]
         return [budget * peak // sum(peaks) // size for peak, size in zip(peaks, sizes)]
@@ -279,15 +294,20 @@ class MachineBase(RuleBasedStateMachine):
         return not (self.grouped and capability in NOT_YET_WITH_GROUPS)
 
     def new_cache(self, pool_chunks: int, extents: bool, max_contexts: int, check_finite: bool) -> CacheModel:
-        # NOTE: the model knows chunk-slot rings only; a lane trimming chunks to frames gets frame slots
-        # (core/branch_frame_extent.py, modelled by tests/heads/test_frame_extents.py): drawn with plain paging here.
-        extents = extents and all(lane.window is not None and lane.frames is None for lane in self.lanes)
-        lane_extents = [lane.sinks + lane.window + 1 if extents else 0 for lane in self.lanes]  # type: ignore[operator]
+        # A chunk lane's extent is a ring of sinks + window + 1 chunk slots; a frame lane's (a lane trimming chunks to
+        # frames) one of sink + window + selected + one chunk's frame slots (core/branch_frame_extent.py).
+        extents = extents and all(lane.window is not None for lane in self.lanes)
+        lane_extents = [self.m_extent_slots(lane) if extents else 0 for lane in self.lanes]
+        slot_pages = [self.m_slot_pages(lane) for lane in self.lanes]
+        frame_slots = [extents and lane.frames is not None for lane in self.lanes]
+        extent_pages = [e * s for e, s in zip(lane_extents, slot_pages)]
         if extents:
-            pool_chunks += max(lane_extents)  # room for at least one extent
+            pool_chunks += -(-max(extent_pages) // self.ppc)  # room for at least one extent
+            if any(frame_slots):
+                event("extents of frame slots")
         num_pages = pool_chunks * self.ppc
         if self.grouped:  # num_pages of the whole geometry, split by each lane's peak: a chunk in the smallest
-            while min(self.m_lane_pages(num_pages, lane_extents)) < self.ppc:
+            while min(self.m_lane_pages(num_pages, extent_pages)) < self.ppc:
                 num_pages += self.ppc
         backend = FlakyPlanBackend()
         cache = KVCache(
@@ -298,14 +318,17 @@ class MachineBase(RuleBasedStateMachine):
         assert cache._forwards.num_contexts == 0 and cache._forwards.contexts() == ()
         if self.grouped:
             got = [lane.allocator.num_pages for lane in cache._lanes]
-            assert got == self.m_lane_pages(num_pages, lane_extents), f"lane pages {got}, model {num_pages}"
+            assert got == self.m_lane_pages(num_pages, extent_pages), f"lane pages {got}, model {num_pages}"
         # The library's lanes are the model's: the same layers and heads (their retention is the model's own).
         got = [(lane.layers, lane.part.heads if lane.part is not None else ((0,),) * NUM_LAYERS) for lane in cache._lanes]
         assert got == [(lane.layers, lane.heads) for lane in self.lanes], f"lanes {got}, model {self.lanes}"
         assert [lane.extent_chunks or 0 for lane in cache._lanes] == lane_extents
+        assert [lane.frame_slots for lane in cache._lanes] == frame_slots
+        assert [lane.extent_pages for lane in cache._lanes] == extent_pages
         cm = CacheModel(
             cache, backend, extents, lane_extents, max_contexts, check_finite,
             [self.pool_model(cache, lane) for lane in range(len(self.lanes))], label=f"cache{len(self.caches)}",
+            lane_slot_pages=slot_pages, lane_frame_slots=frame_slots,
         )
         self.caches.append(cm)
         event(f"cache: extents={extents} max_contexts={max_contexts} check_finite={check_finite}")
@@ -555,14 +578,77 @@ class MachineBase(RuleBasedStateMachine):
         return refs
 
     def slots_of(self, sm: SessionModel, b: str, lane: int = 0) -> list[Chunk]:
+        """A branch's extent slots in ``lane``: chunk slots, or frame slots (a frame's pages each)."""
         ext = sm.lane_extent[lane][b] or ()
-        return [tuple(ext[i : i + self.ppc]) for i in range(0, len(ext), self.ppc)]
+        step = sm.cm.lane_slot_pages[lane] if sm.cm.lane_slot_pages else self.ppc
+        return [tuple(ext[i : i + step]) for i in range(0, len(ext), step)]
 
     def free_slots(self, sm: SessionModel, b: str, lane: int = 0) -> list[Chunk]:
         """Extent slots of a branch (in ``lane``) that no chunk anywhere references (a fork may still see an
-        evicted one)."""
+        evicted one), nor a content selection, nor pages a committing forward reserved for one."""
         refs = self.chunk_references(sm.cm, lane)
+        refs.update(p for other in self.sessions_of(sm.cm) for bb in BRANCHES for p in other.reserved[lane][bb])
         return [slot for slot in self.slots_of(sm, b, lane) if not any(refs[p] for p in slot)]
+
+    @staticmethod
+    def m_place_in_frames(sizes: list[int], free: list[Chunk], step: int) -> list[Chunk | None]:
+        """Frame slots, re-stated: per chunk of ``sizes`` pages, the pages of the ``ceil(pages / step)`` lowest
+        ``free`` frame slots (``step`` pages each; consumed from ``free``), or ``None`` when too few are left (it
+        takes pool pages)."""
+        placed: list[Chunk | None] = []
+        for n in sizes:
+            count = -(-n // step)
+            if count > len(free):
+                placed.append(None)
+                continue
+            placed.append(tuple(p for slot in free[:count] for p in slot)[:n])
+            del free[:count]
+        return placed
+
+    def m_frame_image(self, sm: SessionModel, b: str, lane: int) -> tuple[list[Chunk], list[tuple[int, ...]], Chunk,
+                                                                          tuple[int, ...]]:
+        """What a suspend or a save records of a frame-slot lane's branch (``frame_slots_of``, re-stated): its kept
+        chunks' pages and the frame slot of each of their frames, its selection's pages and slots. Where every page
+        sits in the branch's extent, the slots they have; else (a fork's shared pages outside its extent, or no
+        extent) consecutive slots in attention order (the selection after the sink chunks it holds)."""
+        step = sm.cm.lane_slot_pages[lane]
+        records = self.visible_data(sm, b, lane)
+        pages = [r.lane_pages(lane) for r in records]
+        extent = sm.lane_extent[lane][b] or ()
+        offset = {p: i for i, p in enumerate(extent)}
+        if extent and all(p in offset for c in pages for p in c):
+            slots = [tuple(offset[c[i]] // step for i in range(0, len(c), step)) for c in pages]
+        else:
+            slots, first = [], 0
+            for c in pages:
+                count = -(-len(c) // step)
+                slots.append(tuple(range(first, first + count)))
+                first += count
+        at = next((i for i, r in enumerate(records) if isinstance(r, SelectedView)), None)
+        if at is None:
+            return pages, slots, (), ()
+        return pages[:at] + pages[at + 1 :], slots[:at] + slots[at + 1 :], pages[at], slots[at]
+
+    def m_frame_layout(
+        self, image: tuple, extent: tuple[int, ...], step: int
+    ) -> tuple[list[Chunk], Chunk | None]:
+        """Where a resume or a load puts a frame-slot branch's pages in its fresh ``extent`` (``lane_store.lay_out``,
+        re-stated for a frame ring): each frame in the slot :meth:`m_frame_image` names, the selection in its own
+        slots when it fits in the ring beside the chunks (else -- ``None`` -- plain pages, and the chunks in
+        history order, lowest slots first)."""
+        chunks, slots, selection, own = image
+        count = len(extent) // step
+        frames = [-(-len(c) // step) for c in chunks]
+        in_ring = bool(selection) and sum(frames) + -(-len(selection) // step) <= count
+        if selection and not in_ring:
+            event("frame extents: a resumed selection does not fit the ring (plain pages, chunks in history order)")
+            first, slots = 0, []
+            for n in frames:
+                slots.append(tuple(range(first, first + n)))
+                first += n
+        laid = [tuple(p for sl in ss for p in extent[sl * step : (sl + 1) * step])[: len(c)] for ss, c in zip(slots, chunks)]
+        mine = tuple(p for sl in own for p in extent[sl * step : (sl + 1) * step])[: len(selection)] if in_ring else None
+        return laid, mine
 
     def alloc_before(self, cm: CacheModel) -> tuple[list[set[int]], list[int]]:
         """Each lane's free pages and used count (what ``m_prepared`` checks a forward's new pages against)."""

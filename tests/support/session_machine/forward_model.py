@@ -130,18 +130,25 @@ class ForwardModel:
             needed = sum(sum(pages[self.reused(sm, b, shape) :]) for sm, b in streams) + selection
             return CapacityError if needed > alloc.num_free else None
         extent_chunks = cm.lane_extent_chunks[lane]
+        frames, step = cm.lane_frame_slots[lane], cm.lane_slot_pages[lane]
         needed = new_extents = 0
         for sm, b in streams:
             missing = pages[self.reused(sm, b, shape) :]
-            if sm.lane_extent[lane][b] is None:
+            if frames:  # a chunk takes its frames' count of free frame slots, else pool pages (all of it)
+                new = sm.lane_extent[lane][b] is None
+                free = [()] * extent_chunks if new else self.free_slots(sm, b, lane)
+                placed = self.m_place_in_frames(missing, free, step)
+                new_extents += new
+                needed += new * cm.extent_pages(lane) + sum(n for n, c in zip(missing, placed) if c is None)
+            elif sm.lane_extent[lane][b] is None:
                 new_extents += 1
                 needed += extent_chunks * self.ppc + sum(missing[extent_chunks:])
             else:  # a free slot takes any chunk (a shorter one uses its first pages)
                 needed += sum(missing[len(self.free_slots(sm, b, lane)) :])
-        needed += selection
+        needed += selection  # (counted whole, even where free frame slots will hold it)
         if needed > alloc.num_free:
             return CapacityError
-        size = extent_chunks * self.ppc
+        size = cm.extent_pages(lane)
         if new_extents and new_extents > runs_holding(alloc.free_pages(), size):
             event("extents: the free runs hold too few new extents")
             return CapacityError  # enough pages, but too few runs long enough for the new extents
@@ -326,33 +333,52 @@ class ForwardModel:
             if keep < min(len(old), num_chunks):
                 event("pending chunks of other lengths replaced")
             grown = new[keep:]
+            frame_free: list = []  # a frame lane: its extent's frame slots still free (for the selection)
             if cm.extents:
                 extent = sm.state._lane_pages(b)[lane].extent
-                extent_chunks = cm.lane_extent_chunks[lane]
                 if sm.lane_extent[lane][b] is None:
-                    # Reserved now: S + W + 1 chunk slots of consecutive, previously free pages.
-                    assert len(extent) == extent_chunks * self.ppc, f"extent {extent}"
+                    # Reserved now: S + W + 1 chunk slots (a frame lane: its frame slots) of consecutive,
+                    # previously free pages.
+                    assert len(extent) == cm.extent_pages(lane), f"extent {extent}"
                     assert list(extent) == list(range(extent[0], extent[0] + len(extent))), f"extent {extent}"
                     fresh += list(extent)
                     sm.lane_extent[lane][b] = tuple(extent)
                 assert tuple(extent) == sm.lane_extent[lane][b], "a branch's extent must not move until reset/close"
                 slots = self.free_slots(sm, b, lane)  # model pending not updated yet: slots free before
-                own = {p for c in self.visible(sm, b, lane) + old for p in c}
+                own = {p for c in self.visible(sm, b, lane) + old for p in c} | set(sm.reserved[lane][b])
                 if any(own.isdisjoint(slot) and slot not in slots for slot in self.slots_of(sm, b, lane)):
                     event("extents: an evicted slot waits for a fork that still sees it")
-                # The ring takes the lowest free slots first (a shorter chunk their first pages); the
-                # overflow is paged.
-                ring = grown[: len(slots)]
-                assert ring == [slot[: len(c)] for slot, c in zip(slots, ring)], (
-                    f"{b}: grew {grown} in lane {lane}, free extent slots were {slots}"
-                )
-                if any(len(c) < self.ppc for c in ring):
-                    event("extents: a shorter chunk took part of a ring slot")
-                if ring:
-                    event("extents: pending chunk took a ring slot")
-                if grown[len(ring) :]:
-                    event("extents: overflow chunk paged outside the extent")
-                grown = grown[len(ring) :]
+                if cm.lane_frame_slots[lane]:
+                    # Frame slots: each grown chunk takes its frames' count of the lowest free frame slots (not
+                    # necessarily adjacent), else pool pages, the whole chunk.
+                    frame_free = list(slots)
+                    placed = self.m_place_in_frames([len(c) for c in grown], frame_free, cm.lane_slot_pages[lane])
+                    for c, want in zip(grown, placed):
+                        assert want is None or c == want, (
+                            f"{b}: grew {grown} in lane {lane}, free frame slots were {slots}"
+                        )
+                    if any(c is not None for c in placed):
+                        event("frame extents: pending chunk took frame slots")
+                        if any(c is not None and c != tuple(range(c[0], c[0] + len(c))) for c in placed):
+                            event("frame extents: a pending chunk in frame slots that are not adjacent")
+                    if any(c is None for c in placed):
+                        event("frame extents: overflow chunk paged outside the extent")
+                    ring = [c for c, want in zip(grown, placed) if want is not None]
+                    grown = [c for c, want in zip(grown, placed) if want is None]
+                else:
+                    # The ring takes the lowest free slots first (a shorter chunk their first pages); the
+                    # overflow is paged.
+                    ring = grown[: len(slots)]
+                    assert ring == [slot[: len(c)] for slot, c in zip(slots, ring)], (
+                        f"{b}: grew {grown} in lane {lane}, free extent slots were {slots}"
+                    )
+                    if any(len(c) < self.ppc for c in ring):
+                        event("extents: a shorter chunk took part of a ring slot")
+                    if ring:
+                        event("extents: pending chunk took a ring slot")
+                    if grown[len(ring) :]:
+                        event("extents: overflow chunk paged outside the extent")
+                    grown = grown[len(ring) :]
             fresh += [p for c in grown for p in c]
             sm.lane_pending[lane][b] = new
             reserved = tuple(sm.state._lane_pages(b)[lane].pending_selection)
@@ -360,7 +386,15 @@ class ForwardModel:
             assert len(reserved) == want, f"{b} lane {lane}: reserved selection pages {reserved}, expected {want}"
             if reserved:
                 event("committing forward reserved selection pages")
-            fresh += list(reserved)
+            if reserved and sm.reserved[lane][b]:  # (a denoising forward before kept them)
+                assert reserved == sm.reserved[lane][b], f"{b} lane {lane}: reserved {reserved}, before {sm.reserved[lane][b]}"
+            elif reserved and frame_free:  # the free frame slots left after the pending chunks took theirs
+                (inside,) = self.m_place_in_frames([len(reserved)], frame_free, cm.lane_slot_pages[lane])
+                if inside is not None:
+                    assert reserved == inside, f"{b} lane {lane}: reserved {reserved}, free frame slots {frame_free}"
+                    event("frame extents: reserved selection pages in frame slots")
+            if reserved and not sm.reserved[lane][b]:
+                fresh += [p for p in reserved if p not in set(sm.lane_extent[lane][b] or ())]
             sm.reserved[lane][b] = reserved
             # The plan sees exactly the model's visible pages and pending chunks.
             layout = lane_ctx._layout.streams[i]
@@ -512,6 +546,8 @@ class ForwardModel:
                     event("an aborted committing forward returned its reserved selection pages")
                 sm.drop_pending(b)
             elif status == "committed":
+                if (sm, b) == tx.streams[0]:
+                    self.in_place = self.m_in_place(tx)
                 before = len(self.visible(sm, b)) + len(sm.pending[b])
                 assert sm.pending_tokens[b] == list(tx.shape.lengths)
                 start = sm.committed_tokens(b)
@@ -530,10 +566,30 @@ class ForwardModel:
                     event("visible history of mixed chunk lengths")
         tx.status = status
 
+    def m_in_place(self, tx: TxModel) -> set[tuple[int, str, int]]:
+        """``(id(session), branch, lane)`` of the streams of ``tx`` whose commit copies the new content selection
+        into the current one's pages (``BranchFrameExtent.selection_in_place``), decided for every stream before
+        any commits: a frame extent's lane, the current selection's pages all in the branch's extent and held by
+        it alone (no fork shares them)."""
+        out: set[tuple[int, str, int]] = set()
+        cm = tx.cm
+        if not (cm.extents and self.selects):
+            return out
+        for lane in range(cm.num_lanes):
+            if not cm.lane_frame_slots[lane]:
+                continue
+            refs = self.chunk_references(cm, lane)
+            for sm, b in tx.streams:
+                selected, extent = sm.selected[lane][b], set(sm.lane_extent[lane][b] or ())
+                if selected is not None and all(p in extent and refs[p] == 1 for p in selected.pages):
+                    out.add((id(sm), b, lane))
+        return out
+
     def m_selection_copied(self, tx: TxModel) -> None:
         """A commit of ``tx`` that failed after the device chose and copied (its bookkeeping unchanged, the forward
         still open): the reserved pages now hold the copies (:meth:`m_select` over the pending chunks as if
         committed), nothing else changed."""
+        self.in_place = self.m_in_place(tx)
         for sm, b in tx.streams:
             if not any(r[b] for r in sm.reserved):
                 continue
@@ -548,6 +604,16 @@ class ForwardModel:
                 self.m_select(sm, b, adopt=False)
             finally:
                 sm.committed[b], sm.selected = kept, selected
+
+    def copied_pages(self, tx: TxModel) -> list[set[int]]:
+        """Per lane, the pages a failed commit of ``tx`` may have copied a new selection into: the reserved ones,
+        and the current selection's where it is re-chosen in place (:meth:`m_in_place`)."""
+        out = self.reserved_pages(tx)
+        for sm, b in tx.streams:
+            for lane in range(tx.cm.num_lanes):
+                if (id(sm), b, lane) in self.m_in_place(tx):
+                    out[lane].update(sm.selected[lane][b].pages)  # type: ignore[union-attr]
+        return out
 
     def reserved_pages(self, tx: TxModel) -> list[set[int]]:
         """Per lane, the selection pages ``tx``'s streams reserved."""
@@ -597,8 +663,13 @@ class ForwardModel:
                     event("content selection dropped at a commit without candidates")
                 sm.selected[lane][b] = None
                 continue
+            if (id(sm), b, lane) in getattr(self, "in_place", ()) and offsets is not None:
+                # copied into the current selection's pages (in its frame extent, held by it alone); the reserved
+                # pages are released
+                reserved = sm.selected[lane][b].pages  # type: ignore[union-attr]
+                event("frame extents: a scoring commit re-chose its selection in place")
             assert not adopt or (lib is not None and tuple(lib.pages) == reserved), (
-                f"{b} lane {lane}: selection pages {lib and lib.pages}, reserved {reserved}"
+                f"{b} lane {lane}: selection pages {lib and lib.pages}, reserved (or in place) {reserved}"
             )
             if offsets is None:
                 continue

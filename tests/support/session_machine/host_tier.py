@@ -59,6 +59,8 @@ class HostTierRules:
             event("a reset while suspended: resume refused")
             return
         records = [{b: self.visible_data(sm, b, lane) for b in BRANCHES} for lane in range(cm.num_lanes)]
+        images = {(b, lane): self.m_frame_image(sm, b, lane)
+                  for b in BRANCHES for lane in range(cm.num_lanes) if cm.lane_frame_slots[lane]}
         try:
             handle = state.resume()
         except CapacityError:
@@ -69,6 +71,7 @@ class HostTierRules:
         handle.wait()
         sm.suspended = False
         assert not state.is_suspended
+        self.m_check_frame_layout(sm.state, images, cm, "resumed")
         self._remap_resumed(sm, records)
         for lane in range(cm.num_lanes):  # a resume takes its pages (fresh + extents) at once in every lane
             cm.peaks[lane] = max(cm.peaks[lane], cm.allocator(lane).num_used)
@@ -110,6 +113,30 @@ class HostTierRules:
                     ek, ev = self.cross_value(sm.cross[branch], layer)
                     assert torch.equal(d["k"], ek) and torch.equal(d["v"], ev)
         event(f"suspended prompt op: {op}")
+
+    def m_check_frame_layout(self, state, images: dict, cm, how: str) -> None:  # noqa: ANN001
+        """A resumed (or loaded) session's frame-slot lanes: a branch with kept chunks has a fresh extent (one run)
+        and every frame in the slot it had (``images``: :meth:`m_frame_image` before), the selection too; a branch
+        without any, no extent."""
+        for (b, lane), image in images.items():
+            history = state._lane_pages(b)[lane]
+            extent, step = tuple(history.extent), cm.lane_slot_pages[lane]
+            where = f"{state.session_id}/{b} lane {lane} ({how})"
+            if not image[0]:
+                assert not extent, f"{where}: an extent {extent} without a kept chunk"
+                continue
+            assert len(extent) == cm.extent_pages(lane) and list(extent) == list(range(extent[0], extent[0] + len(extent))), (
+                f"{where}: extent {extent}"
+            )
+            laid, selection = self.m_frame_layout(image, extent, step)
+            assert list(history.history_chunks) == laid, (
+                f"{where}: chunks {list(history.history_chunks)}, expected {laid} (frame slots {image[1]}, extent {extent})"
+            )
+            if selection is not None:
+                assert tuple(history.selection.pages) == selection, (
+                    f"{where}: selection {history.selection.pages}, expected {selection} (slots {image[3]})"
+                )
+            event(f"frame extents: every frame back in its slot ({how})")
 
     def _remap_resumed(self, sm: SessionModel, records: list[dict[str, list[ChunkRecord]]]) -> None:
         """The model of a resumed session, lane by lane (``records[lane][b]``: the chunks the lane kept when

@@ -35,6 +35,8 @@ class PersistRules:
                 event("save refused: pending work")
                 return
             cache.save_sessions(path, [state])
+            images = {(b, lane): self.m_frame_image(sm, b, lane)
+                      for b in BRANCHES for lane in range(sm.cm.num_lanes) if sm.cm.lane_frame_slots[lane]}
             self.expect_failure(SessionIdClashError, cache.load_sessions, path, match=repr(state.session_id))
             copy_id = f"{state.session_id}-copy"
             try:
@@ -45,6 +47,7 @@ class PersistRules:
                 assert after == before, f"a load refused for room changed state: {self.diff(before, after)}"
                 event("load refused: no room")
                 return
+        self.m_check_frame_layout(copy, images, sm.cm, "loaded")
         for lane in range(sm.cm.num_lanes):  # a load takes its pages at once in every lane
             sm.cm.peaks[lane] = max(sm.cm.peaks[lane], sm.cm.allocator(lane).num_used)
         for b in BRANCHES:

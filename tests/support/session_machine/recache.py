@@ -58,6 +58,11 @@ class RecacheRules:
                 if len(records) > sinks and self.m_sink_shift(records, sm, b, sm.committed_tokens(b)):
                     return SpecError
         pages = [n // self.page for n in shapes.pop()]
+        if cm.lane_frame_slots[0]:  # free frame slots take a rebuilt chunk's frames (lowest first), the pool the rest
+            step = cm.lane_slot_pages[0]
+            need = sum(n for sm, b in streams
+                       for n, c in zip(pages, self.m_place_in_frames(pages, self.free_slots(sm, b), step)) if c is None)
+            return CapacityError if need > cm.cache._allocator.num_free else None
         # Free ring slots take the first rebuilt chunks (a shorter chunk a slot's first pages), the pool the rest.
         need = sum(sum(pages[len(self.free_slots(sm, b)) :]) for sm, b in streams)
         return CapacityError if need > cm.cache._allocator.num_free else None
@@ -95,9 +100,6 @@ class RecacheRules:
         if self.grouped:
             self.recache_grouped(streams, fn, args, keep_sinks, variant, layers)
             return
-        if self.framed and cm.extents:
-            event("re-cache of a frame lane over extents: not modelled (trimmed chunks' ring copies)")
-            return
         failure = self.predict_recache(streams, keep_sinks)
         if failure is not None or variant == "plan":
             cm.backend.fail = None if failure is not None else Boom
@@ -122,11 +124,18 @@ class RecacheRules:
             new = list(sm.state.pending_chunks(b))
             assert [len(c) * self.page for c in new] == list(lengths)
             slots = self.free_slots(sm, b)  # this branch's ring: no earlier stream's pending is in it
-            ring = new[: len(slots)]
-            assert ring == [slot[: len(c)] for slot, c in zip(slots, ring)], f"{b}: re-cache {new}, free slots {slots}"
-            if ring:
-                event("re-cache: a rebuilt chunk took a free ring slot")
-            fresh += [p for c in new[len(ring) :] for p in c]
+            if cm.lane_frame_slots[0]:  # frame slots: a rebuilt (whole) chunk takes its frames' count of them
+                placed = self.m_place_in_frames([len(c) for c in new], list(slots), cm.lane_slot_pages[0])
+                assert all(w is None or c == w for c, w in zip(new, placed)), f"{b}: re-cache {new}, free {slots}"
+                if any(w is not None for w in placed):
+                    event("frame extents: a rebuilt chunk took free frame slots")
+                fresh += [p for c, w in zip(new, placed) if w is None for p in c]
+            else:
+                ring = new[: len(slots)]
+                assert ring == [slot[: len(c)] for slot, c in zip(slots, ring)], f"{b}: re-cache {new}, free slots {slots}"
+                if ring:
+                    event("re-cache: a rebuilt chunk took a free ring slot")
+                fresh += [p for c in new[len(ring) :] for p in c]
             kept = [r for r in self.chunk_records(sm, b) if not any(r.base is t.base for t in recs)]
             positions = [p for r in recs for p in r.base.positions()]  # rebuilt whole (a frame lane trims at commit)
             assert ctx.positions[i].tolist() == positions, (ctx.positions[i].tolist(), positions)
@@ -194,6 +203,11 @@ class RecacheRules:
         # References once the rebuilt chunks are swapped in (every stream's old chunks let go at once): a ring
         # slot nobody references then is free, and a rebuilt chunk in fresh pages is copied into one -- the old
         # chunk's own slot first, else the lowest -- its fresh pages freed.
+        if cm.lane_frame_slots[0]:
+            self.m_frame_recache_commit(streams, targets)
+            tx.status = "committed"
+            event(f"re-cache over frame extents committed, keep_sinks={keep_sinks}")
+            return
         after = self.chunk_references(cm)
         for sm, b in streams:
             after.subtract(p for rec in targets[(id(sm), b)] for p in rec.pages)
@@ -231,6 +245,47 @@ class RecacheRules:
             sm.drop_pending(b)
         tx.status = "committed"
         event(f"re-cache committed over {len({id(sm) for sm, _ in streams})} session(s), keep_sinks={keep_sinks}")
+
+    def m_frame_recache_commit(self, streams: list[tuple[SessionModel, str]], targets: dict) -> None:
+        """A committed re-cache over frame extents (``frame_ring_copies``, re-stated): every stream's rebuilt chunks
+        swapped in (trimmed to their kept frames at commit, the selection dropped); then, per stream in history
+        order, each kept rebuilt chunk in pool pages is copied into the lowest frame slots of its extent free once
+        the whole commit is applied (referenced by no chunk, selection or reservation: a fork may still hold an
+        old one), its frames' count of them, while enough are left; its pool pages are freed."""
+        cm = streams[0][0].cm
+        swapped: dict[tuple[int, str], list[ChunkRecord]] = {}
+        for sm, b in streams:
+            swapped[(id(sm), b)] = []
+            for rec, pages in zip(targets[(id(sm), b)], sm.pending[b]):
+                rec = rec.base
+                at = next(j for j, r in enumerate(sm.committed[b]) if r is rec)
+                new = sm.committed[b][at] = ChunkRecord(pages, rec.tokens, rec.start, cm.pool.pages(pages))
+                swapped[(id(sm), b)].append(new)
+            self.m_recache_drops_selection(sm, b)
+            sm.forward[b] = None
+            sm.drop_pending(b)
+        step = cm.lane_slot_pages[0]
+        for sm, b in streams:
+            extent = set(sm.extent[b] or ())
+            if not extent:
+                continue
+            free = self.free_slots(sm, b)  # (the references once the commit is applied)
+            for rec in swapped[(id(sm), b)]:
+                view = next((v for v in self.visible_data(sm, b) if v.base is rec), None)
+                if view is None:
+                    continue
+                kept = view.lane_pages(0)
+                if kept[0] in extent:  # already in frame slots: never moves
+                    continue
+                count = -(-len(kept) // step)
+                if count > len(free):
+                    event("frame extents: a rebuilt chunk stays outside the extent (too few free frame slots)")
+                    break
+                target = tuple(p for slot in free[:count] for p in slot)[: len(kept)]
+                del free[:count]
+                cm.pool.copy(kept, target)
+                self.m_relocate(sm, b, rec, {0: target})
+                event("frame extents: a rebuilt chunk copied into free frame slots")
 
     def m_recache_drops_selection(self, sm: SessionModel, b: str) -> None:
         """A re-cache commit drops a content selection (its K/V are the old prompt's; the next scoring commit
@@ -287,6 +342,8 @@ class RecacheRules:
         other union chunks (context there) are released; abort changes nothing but the pool's free pages."""
         cm = streams[0][0].cm
         if cm.extents:
+            # NOTE: not modelled -- chunk rings or frame slots per lane (each lane's free slots and ring copies):
+            # a grouped re-cache over extents is skipped (a uniform one, chunk or frame slots, is modelled exactly).
             event("re-cache with groups and extents: not modelled (ring slots per lane)")
             return
         failure = self.predict_recache_grouped(streams, keep_sinks)

@@ -110,10 +110,10 @@ class CacheAndSessionRules:
     def lane_sessions_that_fit(self, cm: CacheModel, pending_chunks: int, lane: int) -> int:
         g = self.lanes[lane]
         resident = g.sinks + g.window
-        extent_chunks = cm.lane_extent_chunks[lane]
+        extent = cm.extent_pages(lane)  # (chunk slots, or a frame lane's frame slots)
 
         def per_session(pending: int) -> int:  # a frame lane's history: at most its kept frames' pages
-            pages = max(self.m_history_pages(g) + pending * self.ppc, extent_chunks * self.ppc)
+            pages = max(self.m_history_pages(g) + pending * self.ppc, extent)
             return len(BRANCHES) * pages
 
         alloc = cm.allocator(lane)
@@ -127,7 +127,7 @@ class CacheAndSessionRules:
         if not cm.extents:
             return fit
         owed = sum(1 for sm in self.sessions_of(cm) for b in BRANCHES if sm.lane_extent[lane][b] is None)
-        runs = runs_holding(alloc.free_pages(), extent_chunks * self.ppc)
+        runs = runs_holding(alloc.free_pages(), extent)
         return min(fit, max(0, (runs - owed) // len(BRANCHES)))
 
     @precondition(lambda self: self.open_sessions)
