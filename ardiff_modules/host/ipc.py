@@ -21,9 +21,12 @@ the counters of handles it could not map; a receiver that dies while it holds th
 IPC limbo in the sender until the sender exits.
 
 NOTE: IPC trusts the peer as far as the machine does. A handle opens the sender's whole allocation segment to the
-receiver (not just the tensor), and the receiver's checks bound what it allocates and which counter slot it
-writes, not what a hostile handle maps: a same-machine peer could make the receiver read out of bounds on the GPU
-(a CUDA error there). ``transport="wire"`` on either side keeps the processes' memory apart.
+receiver (not just the tensor), and the receiver's checks bound what it allocates and which counter it decrements
+(a slot of the sender's own counter file), not what a hostile handle maps: an offset past the mapped segment may
+read the receiver's own memory without any CUDA error (other sessions' pages, say), and a handle of another type
+than a plain ``cudaIpcMemHandle_t`` (``expandable_segments``) makes torch import file descriptors from the pid it
+names. Use IPC between processes that trust each other; ``transport="wire"`` (the default) on either side keeps
+their memory apart.
 """
 
 from __future__ import annotations
