@@ -21,9 +21,12 @@ the counters of handles it could not map; a receiver that dies while it holds th
 IPC limbo in the sender until the sender exits.
 
 NOTE: IPC trusts the peer as far as the machine does. A handle opens the sender's whole allocation segment to the
-receiver (not just the tensor), and the receiver's checks bound what it allocates and which counter slot it
-writes, not what a hostile handle maps: a same-machine peer could make the receiver read out of bounds on the GPU
-(a CUDA error there). ``transport="wire"`` on either side keeps the processes' memory apart.
+receiver (not just the tensor), and the receiver's checks bound what it allocates and which counter it decrements
+(a slot of the sender's own counter file), not what a hostile handle maps: an offset past the mapped segment may
+read the receiver's own memory without any CUDA error (other sessions' pages, say), and a handle of another type
+than a plain ``cudaIpcMemHandle_t`` (``expandable_segments``) makes torch import file descriptors from the pid it
+names. Use IPC between processes that trust each other; ``transport="wire"`` (the default) on either side keeps
+their memory apart.
 """
 
 from __future__ import annotations
@@ -235,12 +238,16 @@ def _contiguous_stride(shape: Sequence[int]) -> list[int]:
 
 
 def checked_handles(
-    where: str, message: object, expected: Mapping[str, tuple[torch.dtype, list[int]]], device_index: int
+    where: str, message: object, expected: Mapping[str, tuple[torch.dtype, list[int]]], device_index: int,
+    sender_pid: int,
 ) -> list[tuple[str, tuple[Any, ...]]]:
     """The handles message, validated against the envelope's entries (``expected``: name -> dtype and shape, each
     checked already): exactly one handle per non-empty tensor, of its dtype and shape, contiguous, inside the
-    storage it names, the counter inside its file. Returns ``(name, rebuild_cuda_tensor's arguments)`` pairs;
-    raises :class:`SessionTransferError` naming the first bad field -- before anything touches CUDA."""
+    storage it names, the counter inside its file, and that file the sender's (``sender_pid``: the offer's pid;
+    torch names a counter file after the process that shares: dropping a mapping decrements that counter, so a
+    peer naming another process's file could make this one free that process's memory). Returns ``(name,
+    rebuild_cuda_tensor's arguments)`` pairs; raises :class:`SessionTransferError` naming the first bad field --
+    before anything touches CUDA."""
     handles = message.get("handles") if isinstance(message, dict) else None
     wanted = {n for n, (_, shape) in expected.items() if all(shape)}
     if not isinstance(handles, list) or len(handles) != len(wanted):
@@ -286,8 +293,8 @@ def checked_handles(
         if not _is_int(entry["storage_offset"]):
             raise bad("storage_offset", "a byte offset of at least 0")
         ref = entry["ref_counter"]
-        if not isinstance(ref, str) or not _REF_COUNTER.fullmatch(ref):
-            raise bad("ref_counter", "a torch reference-counter name /torch_<pid>[_<n>]_<n>")
+        if not isinstance(ref, str) or not _REF_COUNTER.fullmatch(ref) or not ref.startswith(f"/torch_{sender_pid}_"):
+            raise bad("ref_counter", f"a torch reference-counter name of the sender, /torch_{sender_pid}[_<n>]_<n>")
         if not _is_int(entry["ref_counter_offset"], 0, _REF_COUNTER_SLOTS - 1):
             raise bad("ref_counter_offset", f"a counter slot of 0 to {_REF_COUNTER_SLOTS - 1}")
         args = (
@@ -353,7 +360,18 @@ def drop(mapped: dict[str, torch.Tensor] | None, home: torch.device, error: Base
 def release(args: tuple[Any, ...]) -> None:
     """Release the sender's counter of a handle never mapped here (else its memory would stay in torch's IPC limbo
     there); best effort, as torch's own release."""
+    _release_counter(args[11], args[12])
+
+
+def release_encoded(handles: Sequence[dict[str, Any]]) -> None:
+    """The sender's side of :func:`release`: its own handles (:func:`share`'s, encoded), which the receiver refused
+    without mapping any or which never reached it."""
+    for handle in handles:
+        _release_counter(handle["ref_counter"].encode("ascii"), handle["ref_counter_offset"])
+
+
+def _release_counter(name: bytes, offset: int) -> None:
     try:
-        torch.UntypedStorage._release_ipc_counter_cuda(args[11], args[12])  # type: ignore[attr-defined]
+        torch.UntypedStorage._release_ipc_counter_cuda(name, offset)  # type: ignore[attr-defined]
     except Exception:  # noqa: BLE001  # a sender gone, or no CUDA build: nothing left to release
         pass

@@ -166,8 +166,15 @@ def _send_ipc(
             raise TransportUnavailableError(f"{error}; nothing was sent") from e
         _send_json({"via": "wire", "error": error}, dst, group)
         return {}, {"via": "wire"}
-    _send_json({"handles": handles}, dst, group)
-    return shared, _recv_json(dst, group)
+    try:
+        _send_json({"handles": handles}, dst, group)
+    except BaseException:
+        ipc.release_encoded(handles)  # never reached the receiver: no one will map them
+        raise
+    answer = _recv_json(dst, group)
+    if answer.get("mapped") is False:
+        ipc.release_encoded(handles)  # refused before mapping any: their counters back to 0, the memory freed
+    return shared, answer
 
 
 def recv_sessions(
@@ -224,7 +231,7 @@ def recv_sessions(
     mapped: dict[str, torch.Tensor] | None = None  # the sender's memory, mapped here: dropped before the answer
     try:
         if index is not None:
-            mapped = _map_ipc(where, src, group, entries, index, required)
+            mapped = _map_ipc(where, src, group, entries, index, required, offer["pid"])  # type: ignore[index]
         tensors = {} if mapped is not None else {
             n: _recv_tensor(src, group, dtype, shape, wire, home, block) for n, dtype, shape in entries
         }
@@ -245,10 +252,18 @@ def recv_sessions(
         finally:
             tensors.clear()
     except BaseException as e:
-        ipc.drop(mapped, home, e)
+        try:
+            ipc.drop(mapped, home, e)
+        finally:  # (a device error surfacing at the drop's sync: the sender still gets its answer)
+            _send_json({"ok": False, "error": f"{type(e).__name__}: {e}"}, src, group)
+        raise
+    try:
+        ipc.drop(mapped, home, None)  # the first sync after the copies from the sender's memory
+    except BaseException as e:  # a copy failed on the device: the opened sessions are not to be trusted
+        for state in states:
+            state.close()
         _send_json({"ok": False, "error": f"{type(e).__name__}: {e}"}, src, group)
         raise
-    ipc.drop(mapped, home, None)
     _send_json({"ok": True}, src, group)
     return states
 
@@ -260,6 +275,7 @@ def _refused(message: str) -> SessionTransferError:
 
 def _map_ipc(
     where: str, src: int, group: Any, entries: Sequence[tuple[str, str, list[int]]], index: int, required: bool,
+    sender_pid: int,
 ) -> dict[str, torch.Tensor] | None:
     """The sender's non-empty tensors mapped by CUDA IPC from its GPU (``cuda:index`` here), after every field of
     its handles is checked; ``None`` where the group carries them instead (the sender could not share them, or a
@@ -271,7 +287,7 @@ def _map_ipc(
         return None  # its sharing failed: the tensors come over the group
     try:
         expected = {n: (_DTYPES[d], shape) for n, d, shape in entries}
-        handles = ipc.checked_handles(where, message, expected, index)
+        handles = ipc.checked_handles(where, message, expected, index, sender_pid)
         return ipc.open_handles(where, handles)
     except TransportUnavailableError as e:  # a mapping failed (the ones made are dropped already)
         if required:
@@ -279,11 +295,11 @@ def _map_ipc(
             raise
         _send_json({"via": "wire", "error": str(e)}, src, group)
         return None
-    except SessionTransferError as e:  # a malformed handle: nothing was mapped
-        _send_json({"ok": False, "error": f"{type(e).__name__}: {e}"}, src, group)
+    except SessionTransferError as e:  # a malformed handle: nothing was mapped (the sender releases them)
+        _send_json({"ok": False, "mapped": False, "error": f"{type(e).__name__}: {e}"}, src, group)
         raise
-    except Exception as e:  # whatever else: the sender still waits for an answer
-        _send_json({"ok": False, "error": f"{type(e).__name__}: {e}"}, src, group)
+    except Exception as e:  # whatever else, before any mapping: the sender still waits for an answer
+        _send_json({"ok": False, "mapped": False, "error": f"{type(e).__name__}: {e}"}, src, group)
         raise SessionTransferError(f"{where}: expected IPC handles, got {type(e).__name__}: {e}") from e
 
 

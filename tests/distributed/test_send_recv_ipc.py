@@ -108,14 +108,14 @@ def _handle(**changes: Any) -> dict[str, Any]:
 
 @pytest.mark.parametrize("name", ["/torch_12_6", "/torch_12_345_6"])  # torch's two name formats
 def test_a_reference_counter_of_either_format_is_taken(name: str) -> None:
-    [(_, args)] = ipc.checked_handles("w", {"handles": [_handle(ref_counter=name)]}, EXPECTED, 0)
+    [(_, args)] = ipc.checked_handles("w", {"handles": [_handle(ref_counter=name)]}, EXPECTED, 0, 12)
     assert args[11] == name.encode()
 
 
 def test_a_handle_goes_as_json_and_comes_back_as_rebuild_cuda_tensors_arguments() -> None:
     entry = _handle()
     assert entry["handle"] == base64.b64encode(ARGS[7]).decode() and entry["ref_counter"] == "/torch_12_345_6"
-    [(name, args)] = ipc.checked_handles("w", {"handles": [entry]}, EXPECTED, 3)
+    [(name, args)] = ipc.checked_handles("w", {"handles": [entry]}, EXPECTED, 3, 12)
     # the receiver's device index, no event to open (the sender synchronised), never requires_grad
     assert name == "pages" and args == (*ARGS[:6], 3, *ARGS[7:10], False, *ARGS[11:13], bytes(64), False)
 
@@ -128,7 +128,8 @@ def test_a_handle_goes_as_json_and_comes_back_as_rebuild_cuda_tensors_arguments(
     ("storage_bytes", 13), ("storage_bytes", "14"), ("storage_offset", -1), ("storage_offset", 1 << 60),
     ("ref_counter", "/etc/passwd"), ("ref_counter", "/torch_1_2_3/../../x"), ("ref_counter", "torch_1_2_3"),
     ("ref_counter", b"/torch_1_2_3"), ("ref_counter", "/torch_1"), ("ref_counter", "/torch_1_2_3_4"),
-    ("ref_counter", "/torch_1_2\n"), ("ref_counter_offset", 10000), ("ref_counter_offset", -1),
+    ("ref_counter", "/torch_1_2\n"), ("ref_counter", "/torch_13_345_6"), ("ref_counter", "/torch_123_345_6"),
+    ("ref_counter_offset", 10000), ("ref_counter_offset", -1),
     ("ref_counter_offset", False), ("name", "latent.0"), ("name", "pages.x"), ("name", ["pages"]),
     ("tensor_cls", ["Tensor"]), ("storage_cls", {"a": 1}), ("dtype", ["torch.float16"]),
 ])
@@ -138,7 +139,7 @@ def test_a_hostile_handle_field_is_refused_before_anything_is_mapped(field: str,
     if value == "<too long>":
         value = base64.b64encode(bytes(ipc.MAX_HANDLE_BYTES + 1)).decode()
     with pytest.raises(SessionTransferError, match=f"expected {field}"):
-        ipc.checked_handles("w", {"handles": [_handle(**{field: value})]}, EXPECTED, 0)
+        ipc.checked_handles("w", {"handles": [_handle(**{field: value})]}, EXPECTED, 0, 12)
 
 
 @pytest.mark.parametrize("message", [
@@ -147,7 +148,7 @@ def test_a_hostile_handle_field_is_refused_before_anything_is_mapped(field: str,
 ])
 def test_a_malformed_handles_message_is_refused(message: object) -> None:
     with pytest.raises(SessionTransferError, match="IPC handle"):
-        ipc.checked_handles("w", message, EXPECTED, 0)
+        ipc.checked_handles("w", message, EXPECTED, 0, 12)
 
 
 def test_a_failed_mapping_drops_the_made_ones_and_releases_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -229,3 +230,35 @@ def test_gpu_two_processes_on_one_gpu_by_cuda_ipc(transport: str) -> None:
     family with the sender and frees the shared memory; then the family moves by IPC (auto picks it), no tensor
     over the group, and continues bit-identically to a twin that never left."""
     _spawn(2, ipc_workers.check_cuda_ipc_refused_then_handed_over, transport, cuda=True)
+
+
+@pytest.mark.parametrize("failure", ["refused_unmapped", "send_failed", "refused_mapped"])
+def test_the_sender_releases_its_counters_exactly_when_no_receiver_mapped_them(
+    monkeypatch: pytest.MonkeyPatch, failure: str
+) -> None:
+    """A refusal answered before any mapping ("mapped": false) or a handles message that never left: the sender
+    releases every handle's counter (else torch keeps its copy of the pages until the process exits); a refusal
+    after mapping (the receiver dropped its mappings, which decrement them): no release here, never twice."""
+    from ardiff_modules.host import transport
+
+    handles = [{"ref_counter": "/torch_12_345_6", "ref_counter_offset": i} for i in range(3)]
+    released: list[tuple[bytes, int]] = []
+    monkeypatch.setattr(ipc, "share", lambda tensors, fresh, home: ({}, handles))
+    monkeypatch.setattr(ipc, "_release_counter", lambda name, offset: released.append((name, offset)))
+
+    def send(obj: dict, dst: int, group: object) -> None:
+        if failure == "send_failed" and "handles" in obj:
+            raise RuntimeError("link lost")
+
+    answer = {"ok": False, "error": "SessionTransferError: x"}
+    if failure != "refused_mapped":
+        answer["mapped"] = False
+    monkeypatch.setattr(transport, "_send_json", send)
+    monkeypatch.setattr(transport, "_recv_json", lambda src, group: dict(answer))
+    if failure == "send_failed":
+        with pytest.raises(RuntimeError, match="link lost"):
+            transport._send_ipc("w", {}, set(), torch.device("cpu"), 1, None, False)
+    else:
+        assert transport._send_ipc("w", {}, set(), torch.device("cpu"), 1, None, False)[1] == answer
+    want = [] if failure == "refused_mapped" else [(b"/torch_12_345_6", i) for i in range(3)]
+    assert released == want

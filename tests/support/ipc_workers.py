@@ -239,6 +239,7 @@ def check_hostile_handles() -> None:
         transport._send_json({"handles": crafted}, 1, None)
         answer = transport._recv_json(1, None)
         assert answer.get("ok") is False and "IPC handle" in answer["error"], answer
+        assert answer.get("mapped") is False, answer  # so a real sender releases its counters (transport._send_ipc)
 
 
 # ------------------------------------------------------------------ CUDA (gpu tests: two processes on one GPU)
