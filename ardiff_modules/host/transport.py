@@ -227,7 +227,6 @@ def recv_sessions(
         _send_json({"go": False, "ok": False, "error": f"{type(e).__name__}: {e}"}, src, group)
         raise
     _send_json({"go": True, "via": "wire" if index is None else "ipc", "required": required}, src, group)
-    pages = {name for name, _ in tensor_names(cache)}
     mapped: dict[str, torch.Tensor] | None = None  # the sender's memory, mapped here: dropped before the answer
     try:
         if index is not None:
@@ -239,6 +238,18 @@ def recv_sessions(
         raise  # answered already (_map_ipc), or the link is broken
     except Exception as e:
         raise SessionTransferError(f"{where}: expected a snapshot, got {type(e).__name__}: {e}") from e
+    return _open_and_answer(cache, where, envelope["header"], entries, tensors, mapped, session_ids, src, group)
+
+
+def _open_and_answer(
+    cache: FileHost, where: str, header: Any, entries: Sequence[tuple[str, str, list[int]]],
+    tensors: dict[str, torch.Tensor], mapped: dict[str, torch.Tensor] | None, session_ids: Sequence[str] | None,
+    src: int, group: Any,
+) -> list[KVState]:
+    """Open the received snapshot (``tensors`` over the wire, or ``mapped``: the sender's by IPC), drop the
+    mappings, then answer the sender: all or nothing on both sides."""
+    home = cache._pool.device
+    pages = {name for name, _ in tensor_names(cache)}
     try:
         try:
             if mapped is not None:
@@ -248,7 +259,7 @@ def recv_sessions(
                     n: mapped[n] if n in pages and n in mapped else ipc.own_copy(mapped.get(n), _DTYPES[d], shape, home)
                     for n, d, shape in entries
                 }
-            states = open_snapshot(cache, where, envelope["header"], tensors, session_ids, digests=False)
+            states = open_snapshot(cache, where, header, tensors, session_ids, digests=False)
         finally:
             tensors.clear()
     except BaseException as e:
