@@ -29,7 +29,8 @@ pools move the tensors by **CUDA IPC** -- the receiver maps the sender's gathere
 device into its pool, no host staging, whatever the group (the group carries only the control messages) -- and
 everything else (the CPU) over the group; ``wire`` forces the group (the gloo staging above on one GPU, NCCL with
 two); ``ipc`` requires IPC (the run fails with the library's ``TransportUnavailableError`` where it cannot be).
-``transport`` in the JSON records the one asked for and the paths the sends took (``send_sessions``' return). The ``d2d`` baseline (one device copy of the same bytes) bounds what IPC can reach.
+``transport`` in the JSON records the one asked for and the paths the sends took (``send_sessions``' return).
+The ``d2d`` baseline (one device copy of the same bytes) bounds what IPC can reach.
 
 **Baselines of the same bytes** (``--link-rounds`` samples each): ``wire`` -- one ``dist.send`` / ``recv`` of a
 tensor of the session's bytes over the same group, on the wire's device (gloo: a CPU tensor, loopback TCP;

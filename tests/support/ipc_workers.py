@@ -109,8 +109,8 @@ def check_cpu_pools_never_use_ipc() -> None:
     if rank == 0:
         a, child = _family(cache)
         before, pool = bookkeeping(cache), cache._pool.kv.clone()
-        _expect(TransportUnavailableError, "expected a pool on CUDA", lambda: cache.send_sessions([a, child], 1,
-                                                                                                   transport="ipc"))
+        _expect(TransportUnavailableError, "expected a pool on CUDA",
+                lambda: cache.send_sessions([a, child], 1, transport="ipc"))
         _expect(TransportUnavailableError, "the sender offered none",
                 lambda: cache.send_sessions([a, child], 1, transport="auto"))
         bogus: Any = "shm"
