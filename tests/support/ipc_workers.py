@@ -49,9 +49,9 @@ def fake_ipc(folder: Path, *, map_fails: bool = False) -> dict[str, int]:
         calls["shared"] += 1
         shared = {n: t if n in fresh else t.clone() for n, t in sorted(tensors.items()) if t.numel()}
         handles = []
-        for i, (name, t) in enumerate(shared.items()):
-            t.contiguous().view(-1).view(torch.uint8).numpy().tofile(folder / name)
-            args = (torch.Tensor, t.shape, t.stride(), 0, torch.storage.TypedStorage, t.dtype, 0, name.encode(),
+        for i, (name, t) in enumerate(shared.items()):  # a file per tensor, by number (a lane's name has a "/")
+            t.contiguous().view(-1).view(torch.uint8).numpy().tofile(folder / str(i))
+            args = (torch.Tensor, t.shape, t.stride(), 0, torch.storage.TypedStorage, t.dtype, 0, str(i).encode(),
                     t.numel() * t.element_size(), 0, False, b"/torch_1_2_3", i, bytes(64), True)
             handles.append(ipc.encode(name, args))
         return shared, handles
