@@ -24,11 +24,28 @@ from typing import Any, Protocol, TypeAlias, TypeVar, cast
 
 import torch
 from torch import _C
-from torch._C._dynamo import eval_frame as _dynamo_eval_frame
 
 from ardiff_modules.backends.base import AttentionPlan, fold_softmax_scale
 from ardiff_modules.errors import PlanNotFoundError, SpecError, TensorMismatchError
 from ardiff_modules.quant import is_quantized, quantize, quantize_query
+
+
+def _private_hook(owner: object, name: str) -> Any:
+    """``owner.name``, or ``None`` where this torch lacks it (private torch API: the direct calls below need it)."""
+    return getattr(owner, name, None)
+
+
+# NOTE: the direct eager call (chunk_attention_eager) reads torch's dispatch state through private hooks; a torch
+# without any of them (they moved between releases before) sends every call through the dispatcher instead.
+_get_eval_frame_callback = _private_hook(_private_hook(_private_hook(_C, "_dynamo"), "eval_frame"),
+                                         "get_eval_frame_callback")
+_DIRECT_CALL_HOOKS = (
+    _get_eval_frame_callback,
+    _private_hook(_C, "_is_torch_function_mode_enabled"), _private_hook(_C, "_len_torch_dispatch_stack"),
+    _private_hook(getattr(_C, "_functorch", None), "peek_interpreter_stack"), _private_hook(_C, "_any_requires_grad"),
+    _private_hook(_C, "_AutoDispatchBelowAutograd"), _private_hook(getattr(_C, "_autograd", None), "_profiler_enabled"),
+)
+_DIRECT_CALLS = all(hook is not None for hook in _DIRECT_CALL_HOOKS)
 
 
 class PlanHolder(Protocol):
@@ -135,7 +152,10 @@ def _graph_op(schema: str) -> Callable[[_Fn], _Fn]:
     def register(fn: _Fn) -> _Fn:
         _LIB.define(schema, tags=(torch.Tag.pt2_compliant_tag,))
         undynamo = torch._disable_dynamo(fn)
-        hook = _dynamo_eval_frame.get_eval_frame_callback
+        hook = _get_eval_frame_callback
+        if hook is None:  # (a torch without the hook: always keep dynamo out)
+            _LIB.impl(name, undynamo, "CompositeExplicitAutograd")
+            return fn
 
         def kernel(*args: Any, **kwargs: Any) -> Any:
             if hook() is None:
@@ -237,7 +257,8 @@ def _dispatcher_needed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_sink
     """Whether an eager call must go through the dispatcher (see :func:`chunk_attention_eager`)."""
     plain = torch.Tensor
     return (
-        _dynamo_eval_frame.get_eval_frame_callback() is not None  # inside a compiled region's eager code
+        not _DIRECT_CALLS  # (a torch without the hooks read here)
+        or _get_eval_frame_callback() is not None  # inside a compiled region's eager code
         or _C._is_torch_function_mode_enabled()
         or _C._len_torch_dispatch_stack() > 0
         or _C._functorch.peek_interpreter_stack() is not None

@@ -211,6 +211,21 @@ for what in "$@"; do
                --heads forcingkv --forcingkv-dynamic on ${FORCINGKV_HEADS:+--forcingkv-heads "$FORCINGKV_HEADS"} \
                --variants library_heads_compiled_graph,rolling_fa3_compiled_graph,library_heads_fp8_compiled_graph \
                --chunks-timed 3 --out "$out/$what" ;;
+    # Issue 42's targets against the graphed rolling-FA3 peer in one run, CFG off: the peer first (its fill phase eager),
+    # Forcing-KV's method in the library (bf16; >= 1.6x), the uniform full-window library (>= 1.0x), then FP8 on top
+    # of the method (>= 1.8x). The JSON is written after each row, so a cut keeps the rows done.
+    graphed_peers_cfg_off) step end_to_end_graphed_peers_cfg_off 560 python3 -m benchmarks.end_to_end --cfg off \
+               --heads forcingkv --forcingkv-dynamic on ${FORCINGKV_HEADS:+--forcingkv-heads "$FORCINGKV_HEADS"} \
+               --variants rolling_fa3_compiled_graph,library_heads_compiled_graph,library_compiled_graph,library_heads_fp8_compiled_graph \
+               --chunks-timed 3 --out "$out/$what" ;;
+    # Issue 42 item 4 on the GPU: op_host_time before (bench_before/: the ops of b95d721, made by
+    # `git archive b95d721 ardiff_modules | tar -x -C bench_before && cp -r benchmarks bench_before/`) and after,
+    # alternated twice in one call (python -m puts the cwd first on sys.path, so bench_before's tree wins there).
+    op_host_time_pair) for r in 1 2; do
+               step "op_host_time_before_$r" 100 bash -c "cd bench_before && python3 -m benchmarks.op_host_time \
+                   --label before --out $out/op_before_$r"
+               step "op_host_time_after_$r" 100 python3 -m benchmarks.op_host_time --label after --out "$out/op_after_$r"
+               done ;;
     # The same method with FP8 KV on top (the issue's >= 1.8x target) beside the graphed peer, CFG off.
     dynamic_fp8_cfg_off) step end_to_end_dynamic_fp8_cfg_off 560 python3 -m benchmarks.end_to_end --cfg off \
                --heads forcingkv --forcingkv-dynamic on ${FORCINGKV_HEADS:+--forcingkv-heads "$FORCINGKV_HEADS"} \

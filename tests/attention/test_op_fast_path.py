@@ -97,6 +97,25 @@ def test_dispatcher_taken_under_modes_and_grad(forward: tuple[Any, Any, Any]) ->
         assert not ops._dispatcher_needed(q, k, v, None)  # grad off: nothing is recorded either way
 
 
+def test_a_torch_without_the_private_hooks_takes_the_dispatcher(
+    forward: tuple[Any, Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The direct call reads private torch hooks; where this torch lacks one, every call goes through the op."""
+    fwd, layer, _ = forward
+    q, k, v = _rows(3)
+    with torch.no_grad():
+        want = am.chunk_attention(q[None], k[None], v[None], layer)
+    monkeypatch.setattr(ops, "_DIRECT_CALLS", False)
+    assert ops._dispatcher_needed(q, k, v, None)
+
+    def direct(*args: Any) -> None:
+        raise AssertionError("the direct call ran")
+
+    monkeypatch.setattr(ops, "_body", direct)
+    with torch.no_grad():
+        torch.testing.assert_close(am.chunk_attention(q[None], k[None], v[None], layer), want)
+
+
 def test_direct_call_refuses_a_finished_forward(forward: tuple[Any, Any, Any]) -> None:
     fwd, layer, _ = forward
     q = torch.randn(1, CHUNK, HEADS, DIM)
