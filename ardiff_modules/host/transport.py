@@ -12,8 +12,10 @@ checks and opens them exactly as a load does (all or nothing)::
                                                               sender keeps its sessions, raising the error)
 
 **CUDA IPC between processes of one machine** (``transport="auto"`` or ``"ipc"``; :mod:`~ardiff_modules.host.ipc`).
-Opt-in: the default is ``"wire"`` until the IPC path has run on a GPU (its protocol is tested on the CPU with the
-CUDA steps faked; ``tests/distributed/test_send_recv_ipc.py`` has the GPU test).
+Opt-in: the default is ``"wire"``, because a CUDA IPC handle opens the sender's whole allocation segment to the
+receiver (:mod:`~ardiff_modules.host.ipc`, the trust note): choosing it is the caller's trust decision. The protocol
+is tested on the CPU with the CUDA steps faked, and for real by two processes on one GPU
+(``tests/distributed/test_send_recv_ipc.py``; passed on an H200, torch 2.11).
 A sender whose pool is on CUDA offers IPC in the envelope (its host name and boot id, its GPU's UUID); the
 receiver takes it -- ``"go"`` with ``"via": "ipc"`` -- where its own pool is on CUDA, the machine is the same
 and the sender's GPU is visible to it (the same GPU, or one it has peer access to). Then no tensor crosses the
