@@ -389,7 +389,10 @@ class RecacheRules:
             for sm, b in streams for lane in range(cm.num_lanes)
         }
         free_before, used_before = self.alloc_before(cm)
-        ring = {(id(sm), b, lane): self.free_slots(sm, b, lane) for sm, b in streams for lane in range(cm.num_lanes)}
+        ring = {  # each lane's free ring slots of each stream, before the prepare
+            (id(sm), b, lane): self.free_slots(sm, b, lane) if cm.extents else []
+            for sm, b in streams for lane in range(cm.num_lanes)
+        }
         before = self.snapshot()
         ctx = fn(*args, keep_sinks=keep_sinks)
         lib = ctx._transaction
@@ -504,7 +507,6 @@ class RecacheRules:
                        for sm, b in streams for lane in range(cm.num_lanes))
         where, what = " over extents" if cm.extents else "", ", with context chunks" if contexts else ""
         event(f"grouped re-cache committed{where}, keep_sinks={keep_sinks}{what}")
-
 
     @staticmethod
     def m_index(sm: SessionModel, b: str, rec: ChunkRecord) -> int:
