@@ -5,7 +5,7 @@ relative sinks, failures -- and shorter chunks refused (``SequenceLengthError``,
 draws frame shapes in some examples only; this one in all. With ``extents`` drawn a frame lane's extent is one of
 frame slots (``core/branch_frame_extent.py``), modelled page for page: the lowest free frame slots for each pending
 chunk, overflow in pool pages, a resume / load putting each frame back in its slot, a uniform re-cache's copies into
-the slots its commit frees (a grouped re-cache over extents of either kind is not modelled: skipped in the rule).
+the slots its commit frees (with groups, lane by lane: each lane's free slots, its ring copies).
 """
 
 from __future__ import annotations

@@ -46,8 +46,8 @@ from tests.support.session_model import (
 #: Capabilities a grouped draw never uses (the model does not know their semantics with retention groups yet). Keys
 #: are rule names (those rules get a precondition, ``session_machine/__init__.py``) or a capability a rule or the
 #: setup draws (``supports``). Enabling one with groups is deleting its line. Empty: suspend/resume, session files,
-#: token masks, re-cache and relative sinks are modelled per lane (a grouped re-cache over contiguous extents is
-#: skipped inside the rule: ``RecacheRules.recache_grouped``).
+#: token masks, re-cache (over plain paging or contiguous extents: ``RecacheRules.recache_grouped``) and relative sinks
+#: are modelled per lane.
 NOT_YET_WITH_GROUPS: dict[str, str] = {}
 
 

@@ -318,7 +318,7 @@ class RecacheRules:
         shapes = {tuple(r.tokens for r in u) for u in unions}
         if len(shapes) > 1:
             return SequenceLengthError
-        pages = sum(n // self.page for n in shapes.pop())
+        pages = [n // self.page for n in shapes.pop()]
         for lane in range(cm.num_lanes):
             if self.spec.relative_sinks:  # a rebuilt sink (another lane's target, rebuilt in place) must not move
                 for (sm, b), union in zip(streams, unions):
@@ -328,24 +328,51 @@ class RecacheRules:
                     if sinks and rebuilt and len(records) > len(sinks):
                         if self.m_sink_shift(records, sm, b, sm.committed_tokens(b), lane):
                             return SpecError
-            if len(streams) * pages > cm.allocator(lane).num_free:  # plain paging: every union chunk fresh
+            if sum(self.m_recache_fresh(sm, b, lane, pages) for sm, b in streams) > cm.allocator(lane).num_free:
                 return CapacityError
         return None
+
+    def m_recache_fresh(self, sm: SessionModel, b: str, lane: int, pages: list[int]) -> int:
+        """Pool pages a lane's re-cache of a stream takes (``recache_fresh_pages``, re-stated): its free ring slots
+        hold the first rebuilt chunks (a frame lane: each chunk its frames' count of free frame slots, lowest first,
+        where enough are left), the pool the rest; plain paging (or no extent yet): all of them."""
+        if not sm.lane_extent[lane][b]:
+            return sum(pages)
+        free = self.free_slots(sm, b, lane)
+        if sm.cm.lane_frame_slots[lane]:
+            placed = self.m_place_in_frames(pages, free, sm.cm.lane_slot_pages[lane])
+            return sum(n for n, c in zip(pages, placed) if c is None)
+        return sum(pages[len(free) :])
+
+    def m_recache_placed(self, sm: SessionModel, b: str, lane: int, new: list, free: list) -> list[int]:
+        """Checks where a lane's rebuilt chunks of a stream went (``new``; ``free``: its free ring slots before the
+        prepare): the free slots first, as :meth:`m_recache_fresh` says, the rest in the pool; returns the pool
+        pages."""
+        where = f"{sm.state.session_id}/{b} lane {lane}"
+        if sm.cm.lane_frame_slots[lane]:
+            placed = self.m_place_in_frames([len(c) for c in new], list(free), sm.cm.lane_slot_pages[lane])
+            assert all(w is None or c == w for c, w in zip(new, placed)), f"{where}: re-cache {new}, free {free}"
+            if any(w is not None for w in placed):
+                event("grouped re-cache: a rebuilt chunk took free frame slots")
+            return [p for c, w in zip(new, placed) if w is None for p in c]
+        ring = new[: len(free)]
+        assert ring == [slot[: len(c)] for slot, c in zip(free, ring)], f"{where}: re-cache {new}, free slots {free}"
+        if ring:
+            event("grouped re-cache: a rebuilt chunk took a free ring slot")
+        return [p for c in new[len(ring) :] for p in c]
 
     def recache_grouped(
         self, streams: list[tuple[SessionModel, str]], fn, args: tuple, keep_sinks: bool, variant: str, layers: str,
     ) -> None:
-        """A re-cache with retention groups (plain paging): each lane plans the rule over what its group keeps;
-        one forward rebuilds the union (commit order, the stream's positions) in fresh pages of every lane; each
-        lane attends its kept chunks (not in the union) then the union block-causally; at commit a lane's chunks in
-        the union (its own targets, and its kept sinks another lane rebuilds: in place) take the rebuilt pages, the
-        other union chunks (context there) are released; abort changes nothing but the pool's free pages."""
+        """A re-cache with retention groups: each lane plans the rule over what its group keeps; one forward
+        rebuilds the union (commit order, the stream's positions) in every lane, in the lane's free ring slots first
+        (chunk or frame slots: :meth:`m_recache_placed`), then fresh pages (capacity per lane:
+        :meth:`m_recache_fresh`); each lane attends its kept chunks (not in the union) then the union
+        block-causally; at commit a lane's chunks in the union (its own targets, and its kept sinks another lane
+        rebuilds: in place) take the rebuilt pages, the other union chunks (context there) are released, then
+        each lane's rebuilt chunks in fresh pages move into the slots the commit frees (:meth:`m_lane_ring_copies`);
+        abort changes nothing but the pool's free pages."""
         cm = streams[0][0].cm
-        if cm.extents:
-            # NOTE: not modelled -- chunk rings or frame slots per lane (each lane's free slots and ring copies):
-            # a grouped re-cache over extents is skipped (a uniform one, chunk or frame slots, is modelled exactly).
-            event("re-cache with groups and extents: not modelled (ring slots per lane)")
-            return
         failure = self.predict_recache_grouped(streams, keep_sinks)
         if failure is not None or variant == "plan":
             cm.backend.fail = None if failure is not None else Boom
@@ -362,6 +389,10 @@ class RecacheRules:
             for sm, b in streams for lane in range(cm.num_lanes)
         }
         free_before, used_before = self.alloc_before(cm)
+        ring = {  # each lane's free ring slots of each stream, before the prepare
+            (id(sm), b, lane): self.free_slots(sm, b, lane) if cm.extents else []
+            for sm, b in streams for lane in range(cm.num_lanes)
+        }
         before = self.snapshot()
         ctx = fn(*args, keep_sinks=keep_sinks)
         lib = ctx._transaction
@@ -380,7 +411,7 @@ class RecacheRules:
                 union = unions[(id(sm), b)]
                 new = list(sm.state._lane_pages(b)[lane].pending)
                 assert [len(c) * self.page for c in new] == list(lengths), f"{where}: re-cache pending {new}"
-                fresh += [p for c in new for p in c]
+                fresh += self.m_recache_placed(sm, b, lane, new, ring[(id(sm), b, lane)])
                 sm.lane_pending[lane][b] = new
                 kept = [r for r in self.chunk_records(sm, b, lane) if not any(r.base is u for u in union)]
                 history = [p for r in kept for p in r.positions()]
@@ -451,6 +482,11 @@ class RecacheRules:
             return
         finish_as(variant, ctx, sm0.state, b0)
         assert lib.status == "committed"
+        # per stream and lane: where each chunk the lane swaps in sits in the history, the pages it replaces
+        moved = {
+            (id(sm), b, lane): [(self.m_index(sm, b, r), r.lane_pages(lane)) for r in mine[(id(sm), b, lane)]]
+            for sm, b in streams for lane in range(cm.num_lanes)
+        }
         for sm, b in streams:
             union = unions[(id(sm), b)]
             for j, rec in enumerate(union):
@@ -463,10 +499,66 @@ class RecacheRules:
             self.m_recache_drops_selection(sm, b)
             sm.forward[b] = None
             sm.drop_pending(b)
+        for lane in range(cm.num_lanes if cm.extents else 0):  # (once every stream's commit is applied)
+            for sm, b in streams:
+                self.m_lane_ring_copies(sm, b, lane, moved[(id(sm), b, lane)])
         tx.status = "committed"
         contexts = any(len(mine[(id(sm), b, lane)]) < len(unions[(id(sm), b)])
                        for sm, b in streams for lane in range(cm.num_lanes))
-        event(f"grouped re-cache committed, keep_sinks={keep_sinks}{', with context chunks' if contexts else ''}")
+        where, what = " over extents" if cm.extents else "", ", with context chunks" if contexts else ""
+        event(f"grouped re-cache committed{where}, keep_sinks={keep_sinks}{what}")
+
+    @staticmethod
+    def m_index(sm: SessionModel, b: str, rec: ChunkRecord) -> int:
+        """Where the committed chunk ``rec`` shows sits in ``sm``/``b``'s history."""
+        return next(j for j, r in enumerate(sm.committed[b]) if r is rec.base)
+
+    def m_lane_ring_copies(self, sm: SessionModel, b: str, lane: int, moved: list[tuple[int, tuple]]) -> None:
+        """A grouped re-cache commit's moves in one lane's extent (``ring_copies``, re-stated), once the whole commit is
+        applied: each chunk the lane swapped in (``moved``: its history index and the pages it replaced, commit
+        order) that sits in pool pages is copied into the extent's free slots -- a chunk lane: the replaced chunk's
+        own slot when free, else the lowest free one, while any is left; a frame lane: its kept frames' count of the
+        lowest, while enough are left -- and its pool pages freed."""
+        extent = set(sm.lane_extent[lane][b] or ())
+        if not extent:
+            return
+        frames, step = sm.cm.lane_frame_slots[lane], sm.cm.lane_slot_pages[lane]
+        free = self.free_slots(sm, b, lane)
+        rest: list[int] = []
+        for at, old in moved:
+            kept = next(v for v in self.visible_data(sm, b, lane) if v.base is sm.committed[b][at]).lane_pages(lane)
+            if kept[0] in extent:  # rebuilt in ring slots: never moves
+                continue
+            if frames:
+                count = -(-len(kept) // step)
+                if count > len(free):
+                    event("grouped re-cache: a rebuilt chunk stays outside the frame extent (too few free slots)")
+                    break
+                slot = tuple(p for sl in free[:count] for p in sl)
+                del free[:count]
+            else:
+                slot = next((sl for sl in free if sl[0] == old[0]), None)
+                if slot is None:
+                    rest.append(at)
+                    continue
+                free.remove(slot)
+            self.m_ring_copy(sm, b, lane, at, slot)
+        for at in rest:
+            if not free:
+                event("grouped re-cache: a rebuilt chunk stays outside the ring (no free slot)")
+                break
+            self.m_ring_copy(sm, b, lane, at, free.pop(0))
+
+    def m_ring_copy(self, sm: SessionModel, b: str, lane: int, at: int, slot: tuple[int, ...]) -> None:
+        """History chunk ``at`` of ``sm``/``b`` copied, in ``lane``, from its (kept) pool pages into ``slot``'s first
+        pages."""
+        rec = sm.committed[b][at]
+        kept = next(v for v in self.visible_data(sm, b, lane) if v.base is rec).lane_pages(lane)
+        target = tuple(slot[: len(kept)])
+        sm.cm.pools[lane].copy(kept, target)
+        self.m_relocate(sm, b, rec, {lane: target})
+        event(f"grouped re-cache: a rebuilt chunk copied into {'frame' if sm.cm.lane_frame_slots[lane] else 'ring'} "
+              "slots")
 
 
 def finish_as(variant: str, ctx: Any, state: Any, branch: str) -> None:
