@@ -211,10 +211,12 @@ for what in "$@"; do
                --heads forcingkv --forcingkv-dynamic on ${FORCINGKV_HEADS:+--forcingkv-heads "$FORCINGKV_HEADS"} \
                --variants library_heads_compiled_graph,rolling_fa3_compiled_graph,library_heads_fp8_compiled_graph \
                --chunks-timed 3 --out "$out/$what" ;;
-    # Issue 42's targets against the graphed rolling-FA3 peer in one run, CFG off: the peer first (its fill phase eager),
-    # Forcing-KV's method in the library (bf16; >= 1.6x), the uniform full-window library (>= 1.0x), then FP8 on top
-    # of the method (>= 1.8x). The JSON is written after each row, so a cut keeps the rows done.
-    graphed_peers_cfg_off) step end_to_end_graphed_peers_cfg_off 560 python3 -m benchmarks.end_to_end --cfg off \
+    # Issue 42's targets against the graphed rolling-FA3 peer in one run, one CFG setting per step: the peer first (its
+    # fill phase eager), Forcing-KV's method in the library (bf16; >= 1.6x), the uniform full-window library (>= 1.0x),
+    # then FP8 on top of the method (>= 1.8x). The JSON is written after each row, so a cut keeps the rows done.
+    # Estimate (stop 52's graphed rows, H100): ~130 s a variant, ~9 min for four: the FP8 row may be cut.
+    graphed_peers_cfg_on|graphed_peers_cfg_off) step "end_to_end_$what" 560 python3 -m benchmarks.end_to_end \
+               --cfg "${what#graphed_peers_cfg_}" \
                --heads forcingkv --forcingkv-dynamic on ${FORCINGKV_HEADS:+--forcingkv-heads "$FORCINGKV_HEADS"} \
                --variants rolling_fa3_compiled_graph,library_heads_compiled_graph,library_compiled_graph,library_heads_fp8_compiled_graph \
                --chunks-timed 3 --out "$out/$what" ;;

@@ -88,7 +88,7 @@ def send_sessions(
     receiver copied them from this process's GPU memory) or ``"wire"`` (over ``group``).
 
     ``transport``: ``"wire"`` (default) never offers CUDA IPC, ``"auto"`` offers it when the pool is on CUDA (the
-    receiver takes it where it can, see the module docstring; not run on a GPU yet), ``"ipc"`` requires it
+    receiver takes it where it can, see the module docstring), ``"ipc"`` requires it
     (:class:`TransportUnavailableError` naming why when it cannot be used, on both sides, nothing moved).
 
     Refusals here (not idle, another cache's, a transport) are raised after telling the receiver, which raises
@@ -193,8 +193,8 @@ def recv_sessions(
     make this process allocate more than those checks allow.
 
     ``transport``: ``"wire"`` (default) always the group; ``"auto"`` takes the sender's CUDA IPC offer where this
-    pool is on CUDA, on the same machine, and the sender's GPU is visible here (see the module docstring; not run
-    on a GPU yet), else the group carries the tensors; ``"ipc"`` requires IPC (:class:`TransportUnavailableError`
+    pool is on CUDA, on the same machine, and the sender's GPU is visible here (see the module docstring), else
+    the group carries the tensors; ``"ipc"`` requires IPC (:class:`TransportUnavailableError`
     naming why it cannot be used, on both sides, before anything is received).
 
     Raises, opening nothing (and the sender keeps its sessions): what :func:`~ardiff_modules.host.files.load_sessions`
