@@ -128,9 +128,9 @@ def check_ipc_selection() -> None:
     temporal lane's copy failing), nothing changed on either side; then handed over by IPC, every lane's pages and
     each selection (start, commit, offsets, bytes) the sender's, the selection pages shared again, and the family
     continuing bit-identically to the twin family (and the parent equal to the re-statement)."""
-    from tests.host.test_selection_host import Twins, described, same_selection
+    from tests.host.test_selection_host import Twins, described
     from tests.integrations.test_forcing_kv_selected import _temporal_lanes
-    from tests.support.selection_transport import BLOCKS
+    from tests.support.selection_transport import BLOCKS, check_received_family
 
     calls = fake_ipc(_shared_folder())
     rollout = Twins(pages=160)
@@ -150,17 +150,4 @@ def check_ipc_selection() -> None:
     dist.barrier()
     parent, received_child = _recv_without_wire(cache)
     assert calls["mapped"] == 2 and [contents(cache, s) for s in (parent, received_child)] == sent
-    assert [lane.allocator.num_used for lane in cache._lanes] == [
-        lane.allocator.num_used for lane in rollout.twin_cache._lanes
-    ]
-    assert same_selection(cache, parent, rollout.twin_cache, rollout.twin)
-    for lane in _temporal_lanes(cache):
-        pages = parent._lane_pages("cond")[lane.index].selection.pages
-        assert received_child._lane_pages("cond")[lane.index].selection.pages == pages
-        assert all(lane.allocator.refcount(p) == 2 for p in pages)
-    rollout.session = parent
-    rollout.advance(2)  # bit-equal to the twin, equal to the re-statement
-    for commit in (False, True):
-        (out, twin_out), _ = rollout.forward(commit, [received_child, twin_child])
-        assert torch.equal(out, twin_out)
-    lanes.assert_clean(cache)
+    check_received_family(rollout, cache, parent, received_child, twin_child)

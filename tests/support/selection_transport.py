@@ -4,6 +4,8 @@ the re-statement (both ranks drive the same rollout: the same model, prompts and
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -11,9 +13,7 @@ BLOCKS = 4  # past the first scoring commit (block 2) of the published configura
 
 
 def check_send_recv_selection() -> None:
-    from tests.host.test_selection_host import Twins, same_selection
-    from tests.integrations.test_forcing_kv_selected import _temporal_lanes
-    from tests.support import small_lanes as lanes
+    from tests.host.test_selection_host import Twins
 
     rollout = Twins(pages=160)
     rollout.advance(BLOCKS, check=False)
@@ -24,7 +24,17 @@ def check_send_recv_selection() -> None:
         return
     cache = rollout.make()
     parent, received_child = cache.recv_sessions(0)
-    # each lane's pages arrived once (the shared selection pages too)
+    check_received_family(rollout, cache, parent, received_child, twin_child)
+
+
+def check_received_family(rollout: Any, cache: Any, parent: Any, received_child: Any, twin_child: Any) -> None:
+    """The receiver's side of a moved selection family (by the group or by CUDA IPC): each lane's pages arrived once
+    (the shared selection pages too, refcount 2), the selections equal the twin's, and the family continues
+    bit-identically to the twin family (the parent also equal to the re-statement)."""
+    from tests.host.test_selection_host import same_selection
+    from tests.integrations.test_forcing_kv_selected import _temporal_lanes
+    from tests.support import small_lanes as lanes
+
     twin_used = [lane.allocator.num_used for lane in rollout.twin_cache._lanes]
     assert [lane.allocator.num_used for lane in cache._lanes] == twin_used
     assert same_selection(cache, parent, rollout.twin_cache, rollout.twin)
