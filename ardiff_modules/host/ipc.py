@@ -23,10 +23,10 @@ IPC limbo in the sender until the sender exits.
 NOTE: IPC trusts the peer as far as the machine does. A handle opens the sender's whole allocation segment to the
 receiver (not just the tensor), and the receiver's checks bound what it allocates and which counter it decrements
 (a slot of the sender's own counter file), not what a hostile handle maps: an offset past the mapped segment may
-read the receiver's own memory without any CUDA error (other sessions' pages, say), and a handle of another type
-than a plain ``cudaIpcMemHandle_t`` (``expandable_segments``) makes torch import file descriptors from the pid it
-names. Use IPC between processes that trust each other; ``transport="wire"`` (the default) on either side keeps
-their memory apart.
+read the receiver's own memory without any CUDA error (other sessions' pages, say). A handle of another type than
+a plain ``cudaIpcMemHandle_t`` (``expandable_segments``), with which torch would import file descriptors from the
+pid it names, is refused (:func:`is_plain_handle`). Use IPC between processes that trust each other;
+``transport="wire"`` (the default) on either side keeps their memory apart.
 """
 
 from __future__ import annotations
@@ -60,9 +60,12 @@ _REF_COUNTER = re.compile(r"/torch_[0-9]{1,20}(?:_[0-9]{1,20}){1,2}")
 #: Counters per file (``CUDA_IPC_REF_COUNTER_FILE_SIZE``): the receiver decrements slot ``ref_counter_offset`` of
 #: that file when it drops a mapping, so an offset past it would write past the file.
 _REF_COUNTER_SLOTS = 10000
-#: Bytes a memory handle may have (a ``cudaIpcMemHandle_t`` and two bytes of torch's; with
-#: ``expandable_segments`` one entry per physical chunk of the segment: a few per GiB).
+#: Bytes an encoded handle may have before it is decoded (a plain one has 66; see :func:`is_plain_handle`).
 MAX_HANDLE_BYTES = 1 << 20
+#: torch's handle of a plain cudaMalloc block (``CUDACachingAllocator::shareIpcHandle``): its format version (2),
+#: the type ``'c'`` (``SHAREABLE_CUDA_MALLOC``), then the ``cudaIpcMemHandle_t``. The other type (``'e'``,
+#: ``expandable_segments``) makes the receiver import file descriptors from a process the handle names: refused.
+_PLAIN_HANDLE_PREFIX = bytes([2]) + b"c"
 #: The largest storage size or offset a handle may announce (far above any GPU's memory).
 _MAX_BYTES = 1 << 50
 _CUDA_IPC_HANDLE_SIZE = 64
@@ -208,6 +211,11 @@ def share(
             if rebuild is not reductions.rebuild_cuda_tensor:
                 raise TransportUnavailableError(f"tensor {name!r} on {t.device} cannot be shared by CUDA IPC")
             handles.append(args)
+            if not is_plain_handle(args[7]):  # (an expandable segment: the receiver would refuse it)
+                raise TransportUnavailableError(
+                    f"tensor {name!r}: expected memory of a plain cudaMalloc block to share by CUDA IPC, got another "
+                    f"kind of handle (type byte {args[7][1:2]!r}; PYTORCH_CUDA_ALLOC_CONF expandable_segments?)"
+                )
     except BaseException:
         for args in handles:  # no receiver will map these: their counters back to 0, so the memory is freed
             release(args)
@@ -227,6 +235,11 @@ def encode(name: str, args: Sequence[Any]) -> dict[str, Any]:
         "storage_offset": int(storage_offset), "ref_counter": ref_counter.decode("ascii"),
         "ref_counter_offset": int(ref_counter_offset),
     }
+
+
+def is_plain_handle(handle: bytes) -> bool:
+    """Whether ``handle`` is torch's handle of a plain cudaMalloc block: the only kind this transport maps."""
+    return len(handle) == len(_PLAIN_HANDLE_PREFIX) + _CUDA_IPC_HANDLE_SIZE and handle.startswith(_PLAIN_HANDLE_PREFIX)
 
 
 def _contiguous_stride(shape: Sequence[int]) -> list[int]:
@@ -282,8 +295,9 @@ def checked_handles(
         if not _is_int(entry["offset"]):
             raise bad("offset", "an element offset of at least 0")
         handle = _b64(entry["handle"])
-        if handle is None or not 0 < len(handle) <= MAX_HANDLE_BYTES:
-            raise bad("handle", f"base64 of 1 to {MAX_HANDLE_BYTES} bytes")
+        if handle is None or not is_plain_handle(handle):
+            raise bad("handle", f"base64 of torch's handle of a plain cudaMalloc block ({_PLAIN_HANDLE_PREFIX!r} and "
+                                f"{_CUDA_IPC_HANDLE_SIZE} bytes)")
         numel = 1
         for n in shape:
             numel *= n

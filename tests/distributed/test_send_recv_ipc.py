@@ -98,7 +98,7 @@ def test_an_offer_is_read_back() -> None:
 
 # ---------------------------------------------------------------------------------------------- handles
 ARGS = (torch.Tensor, torch.Size([2, 3]), (3, 1), 1, torch.storage.TypedStorage, torch.float16, 4,
-        b"\x02\x01" + bytes(64), 14, 512, False, b"/torch_12_345_6", 7, b"\x09" * 64, True)
+        b"\x02c" + bytes(64), 14, 512, False, b"/torch_12_345_6", 7, b"\x09" * 64, True)
 EXPECTED = {"pages": (torch.float16, [2, 3]), "latent.0": (torch.float32, [0, 3])}
 
 
@@ -124,7 +124,8 @@ def test_a_handle_goes_as_json_and_comes_back_as_rebuild_cuda_tensors_arguments(
     ("tensor_cls", "Parameter"), ("tensor_cls", "builtins.eval"), ("storage_cls", "UntypedStorage"),
     ("dtype", "torch.float32"), ("dtype", None), ("shape", [2, 4]), ("shape", "2,3"), ("stride", [1, 2]),
     ("offset", -1), ("offset", True), ("offset", 1.0), ("handle", "not base64!"), ("handle", ""),
-    ("handle", "<too long>"), ("handle", 7),
+    ("handle", "<too long>"), ("handle", 7), ("handle", "<expandable>"), ("handle", "<short>"),
+    ("handle", "<version 1>"),
     ("storage_bytes", 13), ("storage_bytes", "14"), ("storage_offset", -1), ("storage_offset", 1 << 60),
     ("ref_counter", "/etc/passwd"), ("ref_counter", "/torch_1_2_3/../../x"), ("ref_counter", "torch_1_2_3"),
     ("ref_counter", b"/torch_1_2_3"), ("ref_counter", "/torch_1"), ("ref_counter", "/torch_1_2_3_4"),
@@ -136,8 +137,10 @@ def test_a_handle_goes_as_json_and_comes_back_as_rebuild_cuda_tensors_arguments(
 def test_a_hostile_handle_field_is_refused_before_anything_is_mapped(field: str, value: object) -> None:
     """Each field checked against the envelope's entry (storage_bytes: the tensor's 6 elements after an offset of 1,
     14 bytes; the empty latent has no handle)."""
-    if value == "<too long>":
-        value = base64.b64encode(bytes(ipc.MAX_HANDLE_BYTES + 1)).decode()
+    raw = {"<too long>": bytes(ipc.MAX_HANDLE_BYTES + 1), "<expandable>": b"\x02e" + bytes(64),
+           "<short>": b"\x02c" + bytes(63), "<version 1>": b"\x01c" + bytes(64)}
+    if isinstance(value, str) and value in raw:
+        value = base64.b64encode(raw[value]).decode()
     with pytest.raises(SessionTransferError, match=f"expected {field}"):
         ipc.checked_handles("w", {"handles": [_handle(**{field: value})]}, EXPECTED, 0, 12)
 
@@ -262,3 +265,20 @@ def test_the_sender_releases_its_counters_exactly_when_no_receiver_mapped_them(
         assert transport._send_ipc("w", {}, set(), torch.device("cpu"), 1, None, False)[1] == answer
     want = [] if failure == "refused_mapped" else [(b"/torch_12_345_6", i) for i in range(3)]
     assert released == want
+
+
+def test_the_sender_shares_no_expandable_segment_and_releases_what_it_shared(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Memory of an expandable segment (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``) is not shared: the
+    sender raises TransportUnavailableError (under ``"auto"`` the group carries the tensors) and releases the counter
+    of every handle it made, that one's too (no receiver will map them)."""
+    kinds = iter([b"\x02c", b"\x02e"])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(ipc.reductions, "reduce_tensor", lambda t: (
+        ipc.reductions.rebuild_cuda_tensor, (*ARGS[:7], next(kinds) + bytes(64), *ARGS[8:11], b"/torch_9_9_9", t.numel(),
+                                             *ARGS[13:])))
+    released: list[tuple[bytes, int]] = []
+    monkeypatch.setattr(ipc, "_release_counter", lambda name, offset: released.append((name, offset)))
+    tensors = {"a": torch.zeros(3), "b": torch.zeros(5), "c": torch.zeros(7)}
+    with pytest.raises(TransportUnavailableError, match="plain cudaMalloc block"):
+        ipc.share(tensors, set(tensors), torch.device("cpu"))
+    assert released == [(b"/torch_9_9_9", 3), (b"/torch_9_9_9", 5)]  # a (plain) and b (expandable); c never made

@@ -51,7 +51,8 @@ def fake_ipc(folder: Path, *, map_fails: bool = False) -> dict[str, int]:
         handles = []
         for i, (name, t) in enumerate(shared.items()):  # a file per tensor, by number (a lane's name has a "/")
             t.contiguous().view(-1).view(torch.uint8).numpy().tofile(folder / str(i))
-            args = (torch.Tensor, t.shape, t.stride(), 0, torch.storage.TypedStorage, t.dtype, 0, str(i).encode(),
+            handle = b"\x02c" + str(i).encode().ljust(64, b"\0")  # torch's plain format, the file's number inside
+            args = (torch.Tensor, t.shape, t.stride(), 0, torch.storage.TypedStorage, t.dtype, 0, handle,
                     t.numel() * t.element_size(), 0, False, b"/torch_1_2_3", i, bytes(64), True)
             handles.append(ipc.encode(name, args))
         return shared, handles
@@ -70,7 +71,7 @@ def fake_ipc(folder: Path, *, map_fails: bool = False) -> dict[str, int]:
         out = {}
         for name, args in handles:
             assert args[6] == 0 and args[14] is False and args[10] is False  # the local device, no event
-            data = torch.from_numpy(np.fromfile(folder / args[7].decode(), dtype=np.uint8))
+            data = torch.from_numpy(np.fromfile(folder / args[7][2:].rstrip(b"\0").decode(), dtype=np.uint8))
             out[name] = data.view(args[5]).reshape(args[1])
         return out
 
