@@ -277,4 +277,11 @@ for what in "$@"; do
     *) echo "unknown step $what"; status=1 ;;
   esac
 done
+# The device returns at most 8 files under $OUT (16 MB each): past 7, everything goes back as one archive
+# (`tar -xzf results.tar.gz` here), so a batch of steps loses no result (stop 53 lost one JSON so).
+files=$(find "$out" -type f | wc -l)
+if [ "$files" -gt 7 ]; then
+  tar -czf /tmp/ardiff-results.tar.gz -C "$out" . && find "$out" -mindepth 1 -delete && mv /tmp/ardiff-results.tar.gz "$out/results.tar.gz" \
+    && echo "run_h200.sh: $files files packed into \$OUT/results.tar.gz ($(du -h "$out/results.tar.gz" | cut -f1))"
+fi
 exit $status
