@@ -340,7 +340,10 @@ def open_handles(where: str, handles: Sequence[tuple[str, tuple[Any, ...]]]) -> 
             mapped[name] = reductions.rebuild_cuda_tensor(*args)
         except Exception as e:
             mapped.clear()  # their storages release their counters as they go
-            for _, rest in handles[i:]:
+            # NOTE: torch consumed this handle's counter if it made (or found) a storage for it before failing (the
+            # storage's deleter, or its cache hit, releases it): releasing it again would count one mapping twice.
+            consumed = (args[7], args[9]) in reductions.shared_cache
+            for _, rest in handles[i + 1 if consumed else i:]:
                 release(rest)
             raise TransportUnavailableError(
                 f"{where}: expected to map the sender's tensor {name!r} by CUDA IPC, got {type(e).__name__}: {e}"

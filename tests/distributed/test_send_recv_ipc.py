@@ -173,6 +173,28 @@ def test_a_failed_mapping_drops_the_made_ones_and_releases_the_rest(monkeypatch:
     assert len(made) == 2 and released == [2, 3]
 
 
+def test_a_mapping_that_failed_after_torch_made_its_storage_is_not_released_twice(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch made (or found) the failing handle's storage before the failure: that storage releases the counter,
+    so the receiver releases only the handles after it."""
+    handles = [(f"t{i}", (*ARGS[:12], i, *ARGS[13:])) for i in range(3)]
+
+    def rebuild(*args: Any) -> torch.Tensor:
+        if args[12] == 1:
+            ipc.reductions.shared_cache[(args[7], args[9])] = None  # what torch records once the storage exists
+            raise RuntimeError("rebuilding the tensor failed")
+        return torch.zeros(1)
+
+    released: list[int] = []
+    monkeypatch.setattr(ipc.reductions, "shared_cache", {})
+    monkeypatch.setattr(ipc.reductions, "rebuild_cuda_tensor", rebuild)
+    monkeypatch.setattr(ipc, "release", lambda args: released.append(args[12]))
+    with pytest.raises(TransportUnavailableError, match="'t1'"):
+        ipc.open_handles("w", handles)
+    assert released == [2]
+
+
 def test_the_sender_shares_its_gathered_pages_and_copies_of_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:
     """No live tensor of the cache is handed over (copies of the scales, cross entries, latents); empty ones are not
     shared; the device is synchronised first. A sharing failure releases the counters of the handles made."""
