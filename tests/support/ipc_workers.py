@@ -102,6 +102,21 @@ def _expect(error: type[BaseException], text: str, fn: Callable[[], Any]) -> Bas
     raise AssertionError(f"expected {error.__name__} ({text})")
 
 
+def _unchanged_then_sent_by_wire(cache: Any, a: Any, child: Any, before: Any, pool: torch.Tensor) -> None:
+    """The sender after its refusals: the family and the pool as they were; then ``"auto"`` sends by the group."""
+    assert bookkeeping(cache) == before and torch.equal(cache._pool.kv, pool)
+    assert cache.send_sessions([a, child], 1, transport="auto") == "wire"
+    assert a.is_closed and child.is_closed and cache._allocator.num_used == 0
+
+
+def _nothing_then_received_by_wire(cache: Any) -> None:
+    """The receiver after its refusals: nothing opened or allocated; then the family arrives by the group, the
+    fork's shared pages shared again."""
+    assert cache.sessions == {} and cache._allocator.num_used == 0
+    a, child = cache.recv_sessions(0, transport="auto")
+    assert [pages_of(child, b)[:2] == pages_of(a, b)[:2] for b in BOTH] == [True, True]
+
+
 def check_cpu_pools_never_use_ipc() -> None:
     """Real (no fakes): a CPU pool offers no IPC, so ``"auto"`` takes the wire; ``"ipc"`` on either side is refused
     by both with :class:`TransportUnavailableError` naming why, nothing moved, nothing allocated."""
@@ -116,18 +131,14 @@ def check_cpu_pools_never_use_ipc() -> None:
                 lambda: cache.send_sessions([a, child], 1, transport="auto"))
         bogus: Any = "shm"
         _expect(am.SpecError, "expected transport one of", lambda: cache.send_sessions([a, child], 1, transport=bogus))
-        assert bookkeeping(cache) == before and torch.equal(cache._pool.kv, pool)
-        assert cache.send_sessions([a, child], 1, transport="auto") == "wire"
-        assert a.is_closed and child.is_closed and cache._allocator.num_used == 0
+        _unchanged_then_sent_by_wire(cache, a, child, before, pool)
         return
     _expect(TransportUnavailableError, "sender's refusal: TransportUnavailableError",
             lambda: cache.recv_sessions(0, transport="auto"))
     _expect(TransportUnavailableError, "this side asked for transport='ipc'",
             lambda: cache.recv_sessions(0, transport="ipc"))
     _expect(am.SessionTransferError, "sender's refusal: SpecError", lambda: cache.recv_sessions(0, transport="auto"))
-    assert cache.sessions == {} and cache._allocator.num_used == 0
-    a, child = cache.recv_sessions(0, transport="auto")
-    assert [pages_of(child, b)[:2] == pages_of(a, b)[:2] for b in BOTH] == [True, True]
+    _nothing_then_received_by_wire(cache)
 
 
 def check_fake_ipc_handover() -> None:
@@ -198,15 +209,12 @@ def check_sender_cannot_share() -> None:
         a, child = _family(cache)
         before, pool = bookkeeping(cache), cache._pool.kv.clone()
         _expect(TransportUnavailableError, "no IPC here", lambda: cache.send_sessions([a, child], 1, transport="ipc"))
-        assert bookkeeping(cache) == before and torch.equal(cache._pool.kv, pool)
-        assert cache.send_sessions([a, child], 1, transport="auto") == "wire"
-        assert a.is_closed and child.is_closed and cache._allocator.num_used == 0
+        _unchanged_then_sent_by_wire(cache, a, child, before, pool)
         return
     _expect(TransportUnavailableError, "sender's refusal: TransportUnavailableError",
             lambda: cache.recv_sessions(0, transport="auto"))
-    assert cache.sessions == {} and cache._allocator.num_used == 0
-    a, child = cache.recv_sessions(0, transport="auto")
-    assert calls["mapped"] == 0 and [pages_of(child, b)[:2] == pages_of(a, b)[:2] for b in BOTH] == [True, True]
+    _nothing_then_received_by_wire(cache)
+    assert calls["mapped"] == 0
 
 
 def check_hostile_handles() -> None:
