@@ -145,8 +145,9 @@ def send_sessions(
             shared.clear()
         if answer.get("ok") is not True:
             error = f"{answer.get('error')!s:.500}"
-            kind = TransportUnavailableError if error.startswith("TransportUnavailableError") else SessionTransferError
-            raise kind(f"{where}: expected the receiver to open the sessions, got its refusal: {error}; they stay here")
+            raise _refusal_class(error)(
+                f"{where}: expected the receiver to open the sessions, got its refusal: {error}; they stay here"
+            )
         for state in states:
             state.close()
     return via
@@ -209,7 +210,8 @@ def recv_sessions(
     except Exception as e:
         raise SessionTransferError(f"{where}: expected a snapshot, got {type(e).__name__}: {e}") from e
     if isinstance(envelope, dict) and "refused" in envelope:
-        raise _refused(f"{where}: expected sessions, got the sender's refusal: {envelope['refused']!s:.500}")
+        refusal = f"{envelope['refused']!s:.500}"
+        raise _refusal_class(refusal)(f"{where}: expected sessions, got the sender's refusal: {refusal}")
     try:
         ipc.check_transport(transport, where)
         entries = _checked_entries(where, envelope)
@@ -281,9 +283,10 @@ def _open_and_answer(
     return states
 
 
-def _refused(message: str) -> SessionTransferError:
-    kind = TransportUnavailableError if ": TransportUnavailableError" in message else SessionTransferError
-    return kind(message)
+def _refusal_class(refusal: str) -> type[SessionTransferError]:
+    """The error to raise for the peer's refusal ``"<its error class>: <message>"``: a transport it could not use
+    stays a :class:`TransportUnavailableError` on this side too."""
+    return TransportUnavailableError if refusal.startswith("TransportUnavailableError") else SessionTransferError
 
 
 def _map_ipc(
@@ -295,7 +298,8 @@ def _map_ipc(
     mapping failed here, and neither side required IPC: the sender is told). A refusal is answered, then raised."""
     message = _recv_json(src, group)
     if "refused" in message:
-        raise _refused(f"{where}: expected IPC handles, got the sender's refusal: {message['refused']!s:.500}")
+        refusal = f"{message['refused']!s:.500}"
+        raise _refusal_class(refusal)(f"{where}: expected IPC handles, got the sender's refusal: {refusal}")
     if message.get("via") == "wire" and not required:
         return None  # its sharing failed: the tensors come over the group
     try:
