@@ -42,8 +42,8 @@ _get_eval_frame_callback = _private_hook(_private_hook(_private_hook(_C, "_dynam
 _DIRECT_CALL_HOOKS = (
     _get_eval_frame_callback,
     _private_hook(_C, "_is_torch_function_mode_enabled"), _private_hook(_C, "_len_torch_dispatch_stack"),
-    _private_hook(getattr(_C, "_functorch", None), "peek_interpreter_stack"), _private_hook(_C, "_any_requires_grad"),
-    _private_hook(_C, "_AutoDispatchBelowAutograd"), _private_hook(getattr(_C, "_autograd", None), "_profiler_enabled"),
+    _private_hook(_private_hook(_C, "_functorch"), "peek_interpreter_stack"), _private_hook(_C, "_any_requires_grad"),
+    _private_hook(_C, "_AutoDispatchBelowAutograd"), _private_hook(_private_hook(_C, "_autograd"), "_profiler_enabled"),
 )
 _DIRECT_CALLS = all(hook is not None for hook in _DIRECT_CALL_HOOKS)
 
