@@ -220,6 +220,14 @@ for what in "$@"; do
                --heads forcingkv --forcingkv-dynamic on ${FORCINGKV_HEADS:+--forcingkv-heads "$FORCINGKV_HEADS"} \
                --variants rolling_fa3_compiled_graph,library_heads_compiled_graph,library_compiled_graph,library_heads_fp8_compiled_graph \
                --chunks-timed 3 --out "$out/$what" ;;
+    # Issue 42: why FP8 K/V make Forcing-KV's method slower (stop 54, H200: 280.4 vs 238.5 ms graphed, CFG off, where
+    # at full window FP8 was 1.15x faster): the method's compiled step in bf16 and FP8, each profiled for one more
+    # chunk step after timing (torch.profiler kernel tables under $OUT/fp8p; compiled without graphs, so the kernels
+    # are listed one by one). Estimate ~4 min (two compiles of ~95-115 s).
+    fp8_heads_profile_cfg_off) step end_to_end_fp8_heads_profile_cfg_off 400 python3 -m benchmarks.end_to_end --cfg off \
+               --heads forcingkv --forcingkv-dynamic on ${FORCINGKV_HEADS:+--forcingkv-heads "$FORCINGKV_HEADS"} \
+               --variants library_heads_compiled,library_heads_fp8_compiled --chunks-timed 3 \
+               --profile "$out/fp8p" --out "$out/fp8p" ;;
     # Issue 42 item 4 on the GPU: op_host_time before (bench_before/: the ops of b95d721, made by
     # `git archive b95d721 ardiff_modules | tar -x -C bench_before && cp -r benchmarks bench_before/`) and after,
     # alternated twice in one call (python -m puts the cwd first on sys.path, so bench_before's tree wins there).
