@@ -228,6 +228,9 @@ for what in "$@"; do
                --heads forcingkv --forcingkv-dynamic on ${FORCINGKV_HEADS:+--forcingkv-heads "$FORCINGKV_HEADS"} \
                --variants library_heads_compiled,library_heads_fp8_compiled --chunks-timed 3 \
                --profile "$out/fp8p" --out "$out/fp8p" ;;
+    # The same question at the kernel: FA3's FP8 vs bf16 kernel per lane size (1-12 heads over the method's key spans),
+    # and the sum over the published layer map beside the end-to-end gap. No compile: estimate ~1 min.
+    fp8_lanes) step fp8_lanes 200 python3 -m benchmarks.fp8_lanes --out "$out/fp8_lanes" ;;
     # Issue 42 item 4 on the GPU: op_host_time before (bench_before/: the ops of b95d721, made by
     # `git archive b95d721 ardiff_modules | tar -x -C bench_before && cp -r benchmarks bench_before/`) and after,
     # alternated twice in one call (python -m puts the cwd first on sys.path, so bench_before's tree wins there).

@@ -44,8 +44,9 @@ from tests.support.paths import BENCHMARKS, REPO_ROOT as ROOT
 
 # end_to_end's --help is checked in-process (its module imports torch and the example model: seconds).
 SCRIPTS = ("attention", "sessions", "compile_vs_eager", "first_use", "host_time", "replot", "ulysses_rank",
-           "head_retention", "warm_start", "session_files", "session_transport", "op_host_time")
-GPU_ONLY = ("attention", "compile_vs_eager", "first_use", "host_time", "ulysses_rank", "head_retention", "op_host_time")
+           "head_retention", "warm_start", "session_files", "session_transport", "op_host_time", "fp8_lanes")
+GPU_ONLY = ("attention", "compile_vs_eager", "first_use", "host_time", "ulysses_rank", "head_retention", "op_host_time",
+            "fp8_lanes")
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 
