@@ -221,12 +221,13 @@ for what in "$@"; do
                --variants rolling_fa3_compiled_graph,library_heads_compiled_graph,library_compiled_graph,library_heads_fp8_compiled_graph \
                --chunks-timed 3 --out "$out/$what" ;;
     # Issue 42: why FP8 K/V make Forcing-KV's method slower (stop 54, H200: 280.4 vs 238.5 ms graphed, CFG off, where
-    # at full window FP8 was 1.15x faster): the method's compiled step in bf16 and FP8, each profiled for one more
-    # chunk step after timing (torch.profiler kernel tables under $OUT/fp8p; compiled without graphs, so the kernels
-    # are listed one by one). Estimate ~4 min (two compiles of ~95-115 s).
+    # at full window FP8 was 1.15x faster): the method's graphed step in bf16 and FP8, each profiled for one more
+    # chunk step after timing (torch.profiler under $OUT/fp8p: wall vs device-busy time -- a gap that is not in the
+    # kernels is host work or a sync -- the kernel tables, which CUPTI lists from graph replays too, and the
+    # timeline). Run it after fp8_lanes (the kernel alone). Estimate ~4 min (two warm-ups of ~95-115 s).
     fp8_heads_profile_cfg_off) step end_to_end_fp8_heads_profile_cfg_off 400 python3 -m benchmarks.end_to_end --cfg off \
                --heads forcingkv --forcingkv-dynamic on ${FORCINGKV_HEADS:+--forcingkv-heads "$FORCINGKV_HEADS"} \
-               --variants library_heads_compiled,library_heads_fp8_compiled --chunks-timed 3 \
+               --variants library_heads_compiled_graph,library_heads_fp8_compiled_graph --chunks-timed 3 \
                --profile "$out/fp8p" --out "$out/fp8p" ;;
     # The same question at the kernel: FA3's FP8 vs bf16 kernel per lane size (1-12 heads over the method's key spans),
     # and the sum over the published layer map beside the end-to-end gap. No compile: estimate ~1 min.
