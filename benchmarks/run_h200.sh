@@ -229,6 +229,14 @@ for what in "$@"; do
                --heads forcingkv --forcingkv-dynamic on ${FORCINGKV_HEADS:+--forcingkv-heads "$FORCINGKV_HEADS"} \
                --variants library_heads_compiled_graph,library_heads_fp8_compiled_graph --chunks-timed 3 \
                --profile "$out/fp8p" --out "$out/fp8p" ;;
+    # Issue 42's "uniform never below 1.0x": at full window the graphed library is at parity with the graphed peer
+    # (stop 54, H200: 0.999x CFG off, 1.014x CFG on), though the peer also rolls its buffer (~0.44 ms a layer per
+    # chunk step without CFG: ~3 % of the step) -- so the library spends ~3 % more somewhere. The pair under the
+    # profiler (wall vs device busy, kernel tables, timeline under $OUT/unip). Estimate ~5 min (the peer's warm-up
+    # ~160 s, the library's ~80 s).
+    uniform_profile_cfg_off) step end_to_end_uniform_profile_cfg_off 450 python3 -m benchmarks.end_to_end --cfg off \
+               --variants library_compiled_graph,rolling_fa3_compiled_graph --chunks-timed 3 \
+               --profile "$out/unip" --out "$out/unip" ;;
     # The same question at the kernel: FA3's FP8 vs bf16 kernel per lane size (1-12 heads over the method's key spans),
     # and the sum over the published layer map beside the end-to-end gap. No compile: estimate ~1 min.
     fp8_lanes) step fp8_lanes 200 python3 -m benchmarks.fp8_lanes --out "$out/fp8_lanes" ;;
