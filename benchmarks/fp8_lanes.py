@@ -53,38 +53,32 @@ END_TO_END = RESULTS / "end_to_end_graphed_peers_cfg_off_h200.json"
 
 
 def kernels(heads: int, keys: int, device: Any) -> dict[str, Callable[[], object]]:
-    """The three timed calls at ``heads`` query heads (as many KV heads) over ``keys`` contiguous keys."""
-    import flashinfer
+    """The three timed calls at ``heads`` query heads (as many KV heads) over ``keys`` contiguous keys: the
+    wrappers of :func:`benchmarks.baselines.contiguous_attention` (the kernel limits ``attention`` reads its
+    paths against), the FP8 one given inputs quantized with per-head scales as the library's are."""
     import torch
 
     from ardiff_modules.quant import amax_scale, quantize, quantize_query
+    from benchmarks.baselines import contiguous_attention
 
     gen = torch.Generator(device=device).manual_seed(heads * 100003 + keys)
     shape_q, shape_kv = (CHUNK_TOKENS, heads, HEAD_DIM), (keys, heads, HEAD_DIM)
     q = torch.randn(shape_q, generator=gen, device=device, dtype=torch.bfloat16)
     k = torch.randn(shape_kv, generator=gen, device=device, dtype=torch.bfloat16)
     v = torch.randn(shape_kv, generator=gen, device=device, dtype=torch.bfloat16)
-    qo_indptr = torch.tensor([0, CHUNK_TOKENS], dtype=torch.int32)  # CPU: plan() copies them without a sync
-    kv_indptr = torch.tensor([0, keys], dtype=torch.int32)
+    limits = contiguous_attention(q, k, v, streams=1, chunk=CHUNK_TOKENS, keys=keys)
     fp8 = torch.float8_e4m3fn
-    wrappers = []
-    for dtype in (torch.bfloat16, fp8):  # (a wrapper keeps its workspace alive)
-        workspace = torch.empty(128 << 20, dtype=torch.uint8, device=device)
-        wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD", backend="fa3")
-        wrapper.plan(qo_indptr, kv_indptr, heads, heads, HEAD_DIM, causal=False, q_data_type=dtype,
-                     kv_data_type=dtype, o_data_type=torch.bfloat16)
-        wrappers.append(wrapper)
-    bf16, eight = wrappers
     k_scale, v_scale = amax_scale(k, 4.0), amax_scale(v, 4.0)
     k8, v8 = quantize(k, k_scale, fp8), quantize(v, v_scale, fp8)
     q8, q_scale = quantize_query(q)
+    eight = limits.ragged8
 
     def fp8_with_query_quantization() -> object:
         q8_now, q_scale_now = quantize_query(q)
         return eight.run(q8_now, k8, v8, q_scale_now, k_scale, v_scale)
 
     return {
-        "bf16": lambda: bf16.run(q, k, v),
+        "bf16": limits.fns["ragged_fa3"],
         "fp8": lambda: eight.run(q8, k8, v8, q_scale, k_scale, v_scale),
         "fp8_q": fp8_with_query_quantization,
     }

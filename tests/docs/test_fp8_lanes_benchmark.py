@@ -17,7 +17,7 @@ class _AttendingWrapper:
     """A ragged prefill wrapper that attends in float32, dequantizing FP8 inputs with the per-head scales of ``run``."""
 
     def __init__(self, workspace: torch.Tensor, layout: str, backend: str = "auto") -> None:
-        assert layout == "NHD" and backend == "fa3"
+        assert layout == "NHD" and backend in ("auto", "fa3")  # (baselines.contiguous_attention's: FA3 on Hopper)
         self.planned: dict[str, Any] = {}
 
     def plan(self, qo_indptr, kv_indptr, heads, kv_heads, dim, **kwargs) -> None:  # noqa: ANN001
@@ -32,7 +32,7 @@ class _AttendingWrapper:
             q, k, v = (x.float() * s.float()[:, None] for x, s in zip((q, k, v), scales))
         out = torch.nn.functional.scaled_dot_product_attention(
             q.float().transpose(0, 1), k.float().transpose(0, 1), v.float().transpose(0, 1))
-        return out.transpose(0, 1).to(self.planned["o_data_type"])
+        return out.transpose(0, 1).to(self.planned.get("o_data_type") or self.planned["q_data_type"])  # (FlashInfer's default)
 
 
 @pytest.fixture
