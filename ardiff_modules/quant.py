@@ -88,8 +88,16 @@ def dequantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
 
 
 def amax_scale(x: torch.Tensor, headroom: float, limit: float = FP8_E4M3_MAX) -> torch.Tensor:
-    """Per-head scale ``[heads]`` (float32) that maps ``headroom * amax`` of ``x [tokens, heads, d]`` to ``limit``."""
-    amax = torch.linalg.vector_norm(x.detach(), float("inf"), dim=(0, 2)).float()  # one reduction, no |x| copy
+    """Per-head scale ``[heads]`` (float32) that maps ``headroom * amax`` of ``x [tokens, heads, d]`` to ``limit``.
+
+    Two reductions: per ``(token, head)`` row, then per head over the rows. NOTE: as one reduction over
+    dims (0, 2), a compiled graph reduced each head in one thread block, fused with the query's FP8 cast
+    (H100, Forcing-KV's method: ~240 us a lane launch, 57 ms of a 288 ms chunk step); the per-row pass
+    keeps every SM busy and the second pass reads ``tokens x heads`` values. Max is exact in any order,
+    so the scale is bit-identical.
+    """
+    rows = torch.linalg.vector_norm(x.detach(), float("inf"), dim=-1)  # [tokens, heads], no |x| copy
+    amax = torch.linalg.vector_norm(rows, float("inf"), dim=0).float()
     return (amax * (headroom / limit)).clamp_(min=_MIN_SCALE)
 
 

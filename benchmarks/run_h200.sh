@@ -46,6 +46,9 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw -
 for what in "$@"; do
   case $what in
     tests) step gpu_tests 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests -rs ;;
+    # The GPU tests a change to FP8 quantization, compiled graphs or CUDA graphs can reach (53 of them).
+    tests_fp8) step gpu_tests_fp8 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests -rs \
+               -k "fp8 or quant or compiled or graph" ;;
     tests_plan_skip) step gpu_tests_plan_skip 120 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_flashinfer.py \
                -k plan_skipped -rs ;;
     attention) step attention 200 python3 -m benchmarks.attention --out "$out" ;;
@@ -229,6 +232,13 @@ for what in "$@"; do
                --heads forcingkv --forcingkv-dynamic on ${FORCINGKV_HEADS:+--forcingkv-heads "$FORCINGKV_HEADS"} \
                --variants library_heads_compiled_graph,library_heads_fp8_compiled_graph --chunks-timed 3 \
                --profile "$out/fp8p" --out "$out/fp8p" ;;
+    # Issue 42's FP8 fix (stop 55): the per-lane query amax, one reduction over (tokens, dim), compiled to one thread
+    # block per head (57 ms of the FP8 step, H100); reduced per row first now. The peer, the bf16 method and the FP8
+    # method side by side under the profiler. Estimate ~7.5 min (warm-ups ~160 + 115 + 115 s).
+    fp8_fix_profile_cfg_off) step end_to_end_fp8_fix_profile_cfg_off 560 python3 -m benchmarks.end_to_end --cfg off \
+               --heads forcingkv --forcingkv-dynamic on ${FORCINGKV_HEADS:+--forcingkv-heads "$FORCINGKV_HEADS"} \
+               --variants rolling_fa3_compiled_graph,library_heads_compiled_graph,library_heads_fp8_compiled_graph \
+               --chunks-timed 3 --profile "$out/fp8fix" --out "$out/fp8fix" ;;
     # Issue 42's "uniform never below 1.0x": at full window the graphed library is at parity with the graphed peer
     # (stop 54, H200: 0.999x CFG off, 1.014x CFG on), though the peer also rolls its buffer (~0.44 ms a layer per
     # chunk step without CFG: ~3 % of the step) -- so the library spends ~3 % more somewhere. The pair under the

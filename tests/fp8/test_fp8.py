@@ -44,6 +44,32 @@ def test_query_quantization_is_per_head_and_uses_the_whole_range() -> None:
     torch.testing.assert_close(q8.float().abs().amax(dim=(0, 2)), torch.full((4,), FP8_E4M3_MAX))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_amax_scale_is_exactly_the_per_head_amax_and_reduces_rows_first(dtype: torch.dtype) -> None:
+    """Bit-identical to one reduction over (tokens, dim), but reduced per (token, head) row first: as a single
+    reduction a compiled graph gave each head one thread block (57 ms of the FP8 method's 288 ms step, H100)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(37, 5, 24, generator=g) * torch.tensor([1.0, 1e-3, 7.0, 300.0, 0.5])[:, None]).to(dtype)
+    x[11, 3, 5] = -4096.0  # the largest magnitude is negative and alone in its head
+    expected = x.float().abs().amax(dim=(0, 2)) * (DEFAULT_HEADROOM / FP8_E4M3_MAX)
+    assert torch.equal(amax_scale(x, DEFAULT_HEADROOM), expected)
+
+    class FirstReduction(TorchDispatchMode):
+        shape: tuple[int, ...] | None = None
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            out = func(*args, **(kwargs or {}))
+            if self.shape is None and func.overloadpacket.__name__ in ("linalg_vector_norm", "amax"):
+                self.shape = tuple(out.shape)
+            return out
+
+    with FirstReduction() as seen:
+        amax_scale(x, DEFAULT_HEADROOM)
+    assert seen.shape == (37, 5), f"expected the first reduction over x to keep [tokens, heads], got {seen.shape}"
+
+
 # ------------------------------------------------------------------ the cache
 
 SPEC = am.KVCacheSpec(
