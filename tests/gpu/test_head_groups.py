@@ -71,6 +71,10 @@ def _caches(backend: str):
     return model, session
 
 
+# NOTE: on torch 2.11 a compile of this model class over a grouped cache failed inside dynamo's guard building
+# (IndexError in produce_guards_verbose) after another module's compile, passing in its own process
+# (benchmarks/results/gpu_tests_h100_frame_lanes.log, gpu_tests_fp8_h100.log): a clean dynamo before and after.
+@pytest.mark.usefixtures("fresh_dynamo")
 @pytest.mark.parametrize("mode", ["eager", "compiled", "graph"])
 def test_a_model_over_a_grouped_cache_equals_the_reference_backend(mode: str) -> None:
     model, ref_session = _caches("reference")

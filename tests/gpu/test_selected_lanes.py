@@ -43,6 +43,10 @@ def _selections(cache: am.KVCache, session: am.KVState) -> list[tuple[int, ...]]
     return [session._lane_pages(b)[lane.index].selection.resolved() for lane in lanes for b in cache.spec.branches]
 
 
+# NOTE: on torch 2.11 a compile of this model class over a grouped cache failed inside dynamo's guard building
+# (IndexError in produce_guards_verbose) after another module's compile, passing in its own process
+# (benchmarks/results/gpu_tests_h100_frame_lanes.log, gpu_tests_fp8_h100.log): a clean dynamo before and after.
+@pytest.mark.usefixtures("fresh_dynamo")
 @pytest.mark.parametrize("extents", [False, None], ids=["paged", "frame-extents"])
 @pytest.mark.parametrize("mode", ["eager", "compiled", "graph"])
 def test_a_model_over_selected_lanes_equals_the_reference_backend(mode: str, extents: bool | None) -> None:
@@ -57,10 +61,7 @@ def test_a_model_over_selected_lanes_equals_the_reference_backend(mode: str, ext
         assert step.num_graphs >= 1
     else:
         fn = torch.compile(model, fullgraph=True) if mode == "compiled" else model
-        try:
-            got = _model_rollout(fn, model, session, 6, torch.Generator().manual_seed(2))
-        finally:
-            torch._dynamo.reset()  # (see tests/gpu/test_frame_lanes.py)
+        got = _model_rollout(fn, model, session, 6, torch.Generator().manual_seed(2))
     for i, (g, w) in enumerate(zip(got, want)):
         torch.testing.assert_close(g.float(), w.float(), atol=5e-2, rtol=5e-2, msg=lambda m, i=i: f"forward {i}: {m}")
     assert _selections(cache, session) == _selections(ref_cache, ref_session)
