@@ -51,9 +51,7 @@ def test_flashinfer_frame_lanes_equal_the_per_head_oracle(page: int, extents: bo
     assert cache.stats().pages_used == 0
 
 
-# NOTE: on torch 2.11 a compile of this model class over a grouped cache failed inside dynamo's guard building
-# (IndexError in produce_guards_verbose) after another module's compile, passing in its own process
-# (benchmarks/results/gpu_tests_h100_frame_lanes.log, gpu_tests_fp8_h100.log): a clean dynamo before and after.
+# (a clean dynamo before and after: see tests/gpu/test_head_groups.py)
 @pytest.mark.usefixtures("fresh_dynamo")
 @pytest.mark.parametrize("extents", [False, None], ids=["paged", "frame-extents"])
 @pytest.mark.parametrize("mode", ["eager", "compiled", "graph"])
