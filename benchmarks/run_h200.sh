@@ -45,7 +45,8 @@ fa3_compiled() {  # end_to_end_fa3_compiled for one CFG setting ($1: on / off) w
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv
 for what in "$@"; do
   case $what in
-    tests) step gpu_tests 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests -rs ;;
+    # ~240-280 s warm (H100 stop 56: 169 of 177 tests in 235 s); 420 s leaves room for a JIT build
+    tests) step gpu_tests 420 python3 -m pytest -m gpu -q -p no:cacheprovider tests -rs ;;
     # The GPU tests a change to FP8 quantization, compiled graphs or CUDA graphs can reach (53 of them).
     tests_fp8) step gpu_tests_fp8 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests -rs \
                -k "fp8 or quant or compiled or graph" ;;
@@ -217,11 +218,19 @@ for what in "$@"; do
     # Issue 42's targets against the graphed rolling-FA3 peer in one run, one CFG setting per step: the peer first (its
     # fill phase eager), Forcing-KV's method in the library (bf16; >= 1.6x), the uniform full-window library (>= 1.0x),
     # then FP8 on top of the method (>= 1.8x). The JSON is written after each row, so a cut keeps the rows done.
-    # Estimate (stop 52's graphed rows, H100): ~130 s a variant, ~9 min for four: the FP8 row may be cut.
+    # Estimate (stop 52's graphed rows, H100): ~130 s a variant, ~9 min for four: the FP8 row may be cut (stop 56,
+    # H100, CFG off: cut there; fp8_fix_profile_cfg_off and graphed_fp8_cfg_on hold the FP8 rows).
     graphed_peers_cfg_on|graphed_peers_cfg_off) step "end_to_end_$what" 560 python3 -m benchmarks.end_to_end \
                --cfg "${what#graphed_peers_cfg_}" \
                --heads forcingkv --forcingkv-dynamic on ${FORCINGKV_HEADS:+--forcingkv-heads "$FORCINGKV_HEADS"} \
                --variants rolling_fa3_compiled_graph,library_heads_compiled_graph,library_compiled_graph,library_heads_fp8_compiled_graph \
+               --chunks-timed 3 --out "$out/$what" ;;
+    # The CFG-on half of graphed_peers without the full-window row (measured at parity in stop 54): the peer, the
+    # method in bf16 and in FP8 after the query-scale fix, side by side. Stop 56, H100: 551 s (warm-ups 187 + 129 +
+    # 178 s), so it needs a device call of its own.
+    graphed_fp8_cfg_on) step end_to_end_graphed_fp8_cfg_on 580 python3 -m benchmarks.end_to_end --cfg on \
+               --heads forcingkv --forcingkv-dynamic on ${FORCINGKV_HEADS:+--forcingkv-heads "$FORCINGKV_HEADS"} \
+               --variants rolling_fa3_compiled_graph,library_heads_compiled_graph,library_heads_fp8_compiled_graph \
                --chunks-timed 3 --out "$out/$what" ;;
     # Issue 42: why FP8 K/V make Forcing-KV's method slower (stop 54, H200: 280.4 vs 238.5 ms graphed, CFG off, where
     # at full window FP8 was 1.15x faster): the method's graphed step in bf16 and FP8, each profiled for one more

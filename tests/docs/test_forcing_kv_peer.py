@@ -280,10 +280,11 @@ def test_the_graphed_heads_row_keeps_its_static_plans_at_wan_shape() -> None:
 
 @pytest.mark.gpu
 def test_fa3_compiled_and_graphed_peers_agree_with_sdpa_on_the_gpu() -> None:
-    """On the GPU (bf16, head_dim 64, 24-token frames: 6 patches of 4), the peer eager with FA3, compiled
+    """On the GPU (bf16, head_dim 128, 24-token frames: 6 patches of 4), the peer eager with FA3, compiled
     (fullgraph, FA3 a custom op) and replayed from CUDA graphs all give the eager SDPA peer's outputs at every
-    forward of 7 blocks (the switch, the first patch selection, then settled: two graphs captured and replayed)."""
-    config = end_to_end.WanConfig(name="fkv-gpu", num_layers=3, dim=128, num_heads=2, ffn_dim=256, latent_height=8,
+    forward of 7 blocks (the switch, the first patch selection, then settled: two graphs captured and replayed).
+    head_dim 128 is Wan's and the GPU bundle's cached FA3 kernel: head_dim 64 made every GPU run JIT-build one."""
+    config = end_to_end.WanConfig(name="fkv-gpu", num_layers=3, dim=256, num_heads=2, ffn_dim=512, latent_height=8,
                                   latent_width=12, text_tokens=8, text_dim=32, freq_dim=64)
     device, dtype = torch.device("cuda"), torch.bfloat16
     model = end_to_end.build_model(config, seed=0, device=device, dtype=dtype)
