@@ -25,6 +25,9 @@
 set -u
 cd "$(dirname "$0")/.." || exit 2  # the repository root: python -m benchmarks.X and the tests' paths need it
 out=${OUT:-/tmp/ardiff-out}
+# Forcing-KV's published Self-Forcing head file (vendored, unmodified) for every --heads forcingkv step; until stop 56
+# they ran a fixed-seed map with its per-layer static counts (the JSON's heads_source says which).
+FORCINGKV_HEADS=${FORCINGKV_HEADS:-tests/data/forcing_kv/configs_head/forcingkv_heads_selfforcing.json}
 mkdir -p "$out"
 status=0
 step() {

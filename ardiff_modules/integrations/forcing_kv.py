@@ -48,6 +48,20 @@ Wan2.1 at 480x832); an AR step is a block of **3 frames** (hard-coded: ``current
   the selection *replaces* the previous one (it is not cumulative), is read from the next block on, and is
   empty until the first re-run after the switch (and whenever the window is empty). Layer 1 must have a
   temporal head (its code fails otherwise).
+* **The realtime file** (``method: forcingkv_realtime``, Krea realtime 14B:
+  ``wan/modules/causal_model_forcingkv_realtime.py``): before the switch every head attends every frame written
+  (``local_attn_size: -1``; up to 32760 tokens, 21 frames at 480p: the switch comes long before). The switch
+  after block ``a``'s first timestep-0 forward splits **every** layer, layer 0 included, by the head file:
+  spatial heads keep the sink + the last **1** frame (hard-coded: ``static_keep = frame_tokens``, whatever
+  ``spatial_context_length`` says), temporal heads the sink + the last ``Lt`` frames. It has no dynamic patches
+  (``dynamic_temporal_enabled`` is read by no code there). It writes at *every* timestep-0 forward: with a
+  step list ending at 0 (Krea's ``[1000, 937, 833, 625, 0]``) the last denoising forward appends the block to
+  the groups' rings and the clean re-run then attends that block twice (in the ring and as itself) before
+  replacing it. This library commits once, at the clean re-run, so the two agree at every forward when no
+  denoising step is 0; with Krea's list every denoising forward reads the same frames but the re-run's
+  attention (and so the K/V it commits from layer 1 on) differs. The interactive LongLive YAML
+  (``switch_frame_indices``: a re-cache of the last frames at each prompt switch, then the groups rebuilt) is
+  refused: not re-stated here.
 * **Not cache semantics**: ``teacache_*`` skips whole denoising forwards (never the clean re-run),
   ``quantization_enabled`` runs SageAttention; ``use_offline_head`` is read by no code, nor is
   ``model_kwargs.local_attn_size`` by this model file's cache.
@@ -86,6 +100,10 @@ __all__ = ["FORCING_KV_BLOCK_FRAMES", "ForcingKVConfig", "load_forcing_kv"]
 
 #: Frames per AR step in Forcing-KV's code (``current_start_frame // 3``, ``3 * frame_tokens``).
 FORCING_KV_BLOCK_FRAMES = 3
+#: The realtime variant's ``method`` (``causal_model_forcingkv_realtime.py``, Krea realtime 14B).
+REALTIME = "forcingkv_realtime"
+#: Frames the realtime file's spatial heads keep (``static_keep = frame_tokens``, not ``spatial_context_length``).
+REALTIME_SPATIAL_FRAMES = 1
 
 PathOrData = Union[str, "os.PathLike[str]", Mapping[str, Any], Sequence[Any]]
 
@@ -121,7 +139,8 @@ class ForcingKVConfig:
     Lengths are in frames. ``static_heads[l]`` / ``dynamic_heads[l]`` are layer ``l``'s spatial / temporal
     K/V head indices (ascending; together ``range(num_heads)``). ``sink_frames`` (``model_kwargs.sink_size``),
     ``num_frame_per_block``, ``context_noise`` and ``method`` come from the rest of the YAML: ``None`` when
-    only the ``forcingkv:`` block was given.
+    only the ``forcingkv:`` block was given; ``interactive``: the YAML has ``switch_frame_indices`` (prompt
+    switches with a re-cache, which :meth:`head_retention` refuses).
     """
 
     ar_start: int
@@ -145,6 +164,7 @@ class ForcingKVConfig:
     num_frame_per_block: int | None = None
     context_noise: float | None = None
     method: str | None = None
+    interactive: bool = False
 
     @property
     def num_layers(self) -> int:
@@ -165,7 +185,9 @@ class ForcingKVConfig:
         A chunk is ``chunk_frames`` frames (Forcing-KV's block: 3). Groups: ``"spatial"`` (sink + ``Ls``),
         ``"temporal"`` (sink + ``Lt``); layer 0's heads all go to the group of window ``max(Ls, Lt)``. The
         narrower group is a :class:`~ardiff_modules.core.phased_retention.PhasedPolicy` (the widest window until
-        ``ar_start + 1`` chunks are committed) where the switch changes what it keeps.
+        ``ar_start + 1`` chunks are committed) where the switch changes what it keeps. ``method:
+        forcingkv_realtime``: spatial sink + 1 frame, temporal sink + ``Lt``, every layer (0 included) split by
+        the head file, each group a PhasedPolicy keeping every frame until the switch where that differs.
         ``sink_frames`` overrides the YAML's ``model_kwargs.sink_size`` (needed when only the block was
         loaded). :class:`SpecError` names what is not expressible yet (:func:`_chunk_policies`).
         """
@@ -185,19 +207,28 @@ class ForcingKVConfig:
                 f"got none: pass sink_frames= or load the whole YAML"
             )
         self._check_run(owner, chunk_frames)
-        policies, layer0 = _chunk_policies(self, chunk_frames, sink)
-        rows = [[layer0] * num_kv_heads]
-        for static in self.static_heads[1:]:
+        if self.method == REALTIME:
+            policies, rows = _realtime_policies(self, chunk_frames, sink), []
+        else:
+            policies, layer0 = _chunk_policies(self, chunk_frames, sink)
+            rows = [[layer0] * num_kv_heads]
+        for static in self.static_heads[len(rows):]:
             rows.append(["spatial" if h in static else "temporal" for h in range(num_kv_heads)])
         used = {g for row in rows for g in row}
         return HeadRetention({g: p for g, p in policies.items() if g in used}, rows)
 
     def _check_run(self, owner: str, chunk_frames: int) -> None:
         """The parts of the YAML outside the block that change what the cache keeps."""
-        if self.method is not None and self.method != "forcingkv":
+        if self.method not in (None, "forcingkv", REALTIME):
             raise SpecError(
-                f"{owner}: expected method 'forcingkv' (causal_model_forcingkv.py, the semantics re-stated here), "
-                f"got {self.method!r} (another model file, e.g. the realtime variant's rolling buffer)"
+                f"{owner}: expected method 'forcingkv' or {REALTIME!r} (causal_model_forcingkv.py and its realtime "
+                f"variant, the semantics re-stated here), got {self.method!r} (another model file)"
+            )
+        if self.interactive:
+            raise SpecError(
+                f"{owner}: not yet expressible: the interactive pipeline's prompt switches (switch_frame_indices: "
+                f"the cache reset, the last frames re-cached with full attention, the head groups rebuilt) are not "
+                f"re-stated here; expected a YAML without switch_frame_indices, got one"
             )
         if self.context_noise not in (None, 0):
             raise SpecError(
@@ -226,8 +257,6 @@ def _chunk_policies(
     changes what it keeps, is a :class:`PhasedPolicy`: the widest window until ``ar_start + 1`` chunks are
     committed (every head keeps it up to the forward of block ``ar_start``, and its clean re-run writes it), its
     own from the forward of block ``ar_start + 1`` on. Layer 0 goes to the widest group, which never switches.
-
-    NOTE: the one place to extend when the core has content-selected groups: each refusal names what would lift it.
     """
     missing = []
     sink, spatial, temporal = sink_frames, cfg.spatial_context_length, cfg.temporal_context_length
@@ -261,6 +290,24 @@ def _chunk_policies(
         layer0 = "layer0"
         policies[layer0] = policy(widest)
     return policies, layer0
+
+
+def _realtime_policies(cfg: ForcingKVConfig, chunk_frames: int, sink_frames: int) -> dict[str, RetentionPolicy]:
+    """The realtime file's groups (module docstring): every frame kept until block ``ar_start``'s clean re-run,
+    then the sink + 1 frame (spatial) or + ``Lt`` frames (temporal), frames being what a 1-frame window counts."""
+    gaps = _phase_gaps(cfg.ar_start, chunk_frames, sink_frames)
+    if gaps:
+        raise SpecError(f"ForcingKVConfig.head_retention: not yet expressible: {'; '.join(gaps)}")
+    everything = chunk_frames * cfg.ar_start - sink_frames  # the frames after the sink that block ar_start reads
+    policies: dict[str, RetentionPolicy] = {}
+    for name, window in (("spatial", REALTIME_SPATIAL_FRAMES), ("temporal", cfg.temporal_context_length)):
+        own = FrameWindowPolicy(sink_frames, window, chunk_frames)
+        if everything > window:
+            policies[name] = PhasedPolicy(FrameWindowPolicy(sink_frames, everything, chunk_frames), own,
+                                          cfg.ar_start + 1)
+        else:
+            policies[name] = own
+    return policies
 
 
 def _phase_gaps(ar_start: int, block: int, sink: int) -> list[str]:
@@ -417,6 +464,7 @@ def _parse_run(data: Mapping[str, Any], where: str) -> dict[str, Any]:
         ),
         "context_noise": _value(f"{where}: context_noise", "number", data.get("context_noise", 0)),
         "method": None if method is None else _value(f"{where}: method", "str", method),
+        "interactive": "switch_frame_indices" in data,
     }
 
 

@@ -13,6 +13,7 @@ import ardiff_modules as am
 from ardiff_modules.integrations.forcing_kv import load_forcing_kv
 from tests.support import forcing_kv_attention as fkv
 from tests.support.forcing_kv_attention import ForcingKVCacheFree, ForcingKVSettings, select_patches
+from tests.support.forcing_kv_realtime import ForcingKVRealtimeCacheFree
 from tests.support.streaming_model import NaiveStreaming, TinyStreamingModel
 
 HW = 4  # tokens per frame: a block of 3 frames is 12 tokens
@@ -139,15 +140,15 @@ def test_without_dynamic_patches_equal_windows_are_a_sink_and_a_window() -> None
 # ---------------------------------------------------------------------------------------------- against the library
 def _library_vs_restatement(
     ar_start: int, retention: am.HeadRetention, frames: tuple[int, int, int] = (3, 3, 6), page: int = 4,
-    contiguous_extents: bool | None = None, blocks: int = 7,
+    contiguous_extents: bool | None = None, blocks: int = 7, restatement: type[ForcingKVCacheFree] = ForcingKVCacheFree,
 ) -> list[float]:
     """Max |library - re-statement| per forward (a denoising one and the commit per block): ``frames`` = (sink, Ls,
-    Lt), by default 3, 3, 6; dynamic off, 2 CFG rows, ``blocks`` blocks."""
+    Lt), by default 3, 3, 6; dynamic off, 2 CFG rows, ``blocks`` blocks; ``restatement``: which model file."""
     model = _model()
     spec = dataclasses.replace(model.spec(3 * HW, page, 0, None), head_retention=retention)
     cache = am.KVCache(spec, num_pages=64, backend="reference", contiguous_extents=contiguous_extents)
     session = cache.open_session()
-    restated = ForcingKVCacheFree(model, ForcingKVSettings(HW, *frames, ar_start, STATIC), batch=2)
+    restated = restatement(model, ForcingKVSettings(HW, *frames, ar_start, STATIC), batch=2)
     gen = torch.Generator().manual_seed(1)
     texts = torch.randn(2, 5, model.context_dim, generator=gen)
     for branch, text in zip(("cond", "uncond"), texts):
@@ -254,3 +255,51 @@ def test_frame_windows_really_differ_from_chunk_windows() -> None:
     chunky = am.HeadRetention({"spatial": (1, 1), "temporal": (1, 1)},
                               load_forcing_kv(HEADS, _block(1)).head_retention(3, 4, 3, sink_frames=3).layers)
     assert max(_library_vs_restatement(1, chunky, (1, 1, 1))) > 1e-3
+
+
+# ---------------------------------------------------------------------------------------------- the realtime file
+def _realtime(frames: tuple[int, int, int], ar_start: int, spatial_in_yaml: int = 2) -> am.HeadRetention:
+    """The retention of a whole realtime YAML (``method: forcingkv_realtime``; ``frames`` = (sink, unused, Lt)).
+    Its ``spatial_context_length`` is not 1 on purpose: the realtime file keeps 1 frame whatever it says."""
+    sink, _, temporal = frames
+    block = dict(_block(ar_start), spatial_context_length=spatial_in_yaml, temporal_context_length=temporal)
+    whole = {"forcingkv": block, "method": "forcingkv_realtime", "model_kwargs": {"sink_size": sink},
+             "num_frame_per_block": 3, "context_noise": 0}
+    return load_forcing_kv(HEADS, whole).head_retention(3, 4, 3)
+
+
+#: (sink, -, Lt) frames and ar_start: Krea's inference and VBench YAMLs (sink 0 / 1, Lt 3, ar_start 1), a late
+#: switch, no switch phase (ar_start 0), a window wider than the history at the switch.
+REALTIME = [((0, 1, 3), 1), ((1, 1, 3), 1), ((0, 1, 1), 3), ((1, 1, 2), 0), ((0, 1, 5), 1), ((2, 1, 4), 2)]
+
+
+@pytest.mark.parametrize("frames, ar_start", REALTIME)
+@pytest.mark.parametrize("page, extents", [(4, None), (2, None), (2, True)], ids=["frame-page", "half-frame", "ring"])
+def test_the_realtime_file_equals_its_restatement(frames: tuple[int, int, int], ar_start: int, page: int,
+                                                   extents: bool | None) -> None:
+    """Krea realtime 14B's Forcing-KV file: every head attends every frame until block ar_start's clean re-run,
+    then every layer -- layer 0 too -- splits by the head file into sink + 1 frame (static heads) and sink + Lt
+    frames (dynamic heads): every forward of a rollout 5 blocks past the switch equals it to 1e-5."""
+    retention = _realtime(frames, ar_start)
+    assert retention.layers[0] == ("temporal", "temporal", "temporal", "spatial")  # layer 0's entry: static [3]
+    diffs = _library_vs_restatement(ar_start, retention, frames, page, extents, blocks=ar_start + 5,
+                                    restatement=ForcingKVRealtimeCacheFree)
+    assert max(diffs) < 1e-5, diffs
+
+
+@pytest.mark.parametrize("change", ["layer 0 unsplit", "spatial from the YAML", "no phase"])
+def test_the_realtime_restatement_sees_each_rule(change: str) -> None:
+    """The test above can fail: the realtime retention with layer 0 kept whole (as the other file does), with the
+    YAML's 2-frame spatial window, or with the groups' own windows from the start differs from the re-statement."""
+    retention = _realtime((0, 1, 3), 2)
+    if change == "layer 0 unsplit":
+        retention = am.HeadRetention(retention.groups, [("temporal",) * 4, *retention.layers[1:]])
+    elif change == "spatial from the YAML":
+        groups = dict(retention.groups, spatial=dataclasses.replace(retention.groups["spatial"],
+                                                                    after=am.FrameWindowPolicy(0, 2, 3)))
+        retention = am.HeadRetention(groups, retention.layers)
+    else:
+        retention = am.HeadRetention({n: p.after if isinstance(p, am.PhasedPolicy) else p
+                                      for n, p in retention.groups.items()}, retention.layers)
+    diffs = _library_vs_restatement(2, retention, (0, 1, 3), blocks=6, restatement=ForcingKVRealtimeCacheFree)
+    assert max(diffs) > 1e-3, diffs

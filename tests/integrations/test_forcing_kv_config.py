@@ -3,8 +3,8 @@
 
 The fixtures copy the structure of the published files (zju-jiyicheng/Forcing-KV at 50ac1f4:
 ``configs_head/forcingkv_heads_selfforcing.json``, ``configs/forcing-kv/forcingkv_self_forcing_inference.yaml``)
-with heads of our own. With ``FORCING_KV_REPO`` pointing at a checkout, the published files themselves are
-read too (:func:`test_the_published_files`).
+with heads of our own. The published files themselves are read too (``tests/data/forcing_kv/``, vendored unmodified,
+or a checkout's with ``FORCING_KV_REPO`` set): :func:`test_the_published_head_files` and the tests after it.
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 import ardiff_modules as am
-from ardiff_modules.integrations.forcing_kv import load_forcing_kv
+from ardiff_modules.integrations.forcing_kv import ForcingKVConfig, load_forcing_kv
 
 #: 30 layers x 12 heads; layer l's static heads: h with (h + l) % 3 == 0 (4 per layer, 120 of 360).
 STATIC = [[h for h in range(12) if (h + layer) % 3 == 0] for layer in range(30)]
@@ -266,8 +267,8 @@ def test_the_published_configuration_is_expressible(tmp_path: Path) -> None:
      r"expected chunk_frames=3 \(Forcing-KV counts AR steps .* in 3-frame blocks\), got 1"),
     ({"num_frame_per_block": 1}, dict(num_layers=30, num_kv_heads=12, chunk_frames=3),
      r"expected chunk_frames to be the YAML's num_frame_per_block=1, got 3"),
-    ({"method": "forcingkv_realtime"}, dict(num_layers=30, num_kv_heads=12, chunk_frames=3),
-     r"expected method 'forcingkv' .*, got 'forcingkv_realtime'"),
+    ({"method": "causvid"}, dict(num_layers=30, num_kv_heads=12, chunk_frames=3),
+     r"expected method 'forcingkv' or 'forcingkv_realtime' .*, got 'causvid'"),
     ({"context_noise": 10}, dict(num_layers=30, num_kv_heads=12, chunk_frames=3),
      r"expected context_noise 0, got 10\.0 \(Forcing-KV writes its cache only at timestep 0"),
 ])
@@ -279,23 +280,65 @@ def test_head_retention_checks_the_run_it_describes(whole: dict, call: dict, mes
 
 
 # ---------------------------------------------------------------------------------------------- published files
-#: Heads in each published file: (layers, heads, static pairs).
+#: Forcing-KV's published files (zju-jiyicheng/Forcing-KV at 50ac1f4, vendored unmodified: tests/data/forcing_kv/
+#: README.md), or a checkout's with FORCING_KV_REPO set.
+PUBLISHED_REPO = Path(os.environ.get("FORCING_KV_REPO") or Path(__file__).resolve().parents[1] / "data" / "forcing_kv")
+#: Heads in each published head file: (layers, heads, static pairs).
 PUBLISHED = {"selfforcing": (30, 12, 134), "causalforcing": (30, 12, 134), "raven": (30, 12, 134),
              "longlive": (30, 12, 154), "realtime_14b": (40, 40, 800)}
+#: The published YAMLs, collected at import (one test each).
+PUBLISHED_YAMLS = sorted(p.name for p in (PUBLISHED_REPO / "configs/forcing-kv").glob("*.yaml"))
+#: LongLive's interactive run: its prompt switches re-cache the window (the one YAML with switch_frame_indices).
+INTERACTIVE = "forcingkv_longlive_interactive_inference.yaml"
 
 
-@pytest.mark.skipif(not os.environ.get("FORCING_KV_REPO"), reason="set FORCING_KV_REPO to a Forcing-KV checkout")
-def test_the_published_files() -> None:
-    """Every published head file and forcing-kv YAML (commit 50ac1f4) loads; the documented head counts."""
-    repo = Path(os.environ["FORCING_KV_REPO"])
+def _published(name: str) -> tuple[ForcingKVConfig, dict]:
+    """A published YAML loaded with its own head file, and the parsed YAML. The head file is its offline_head_file's
+    name under configs_head (the vbench YAMLs give a path on the authors' machine)."""
+    path = PUBLISHED_REPO / "configs/forcing-kv" / name
+    data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    head_file = PUBLISHED_REPO / "configs_head" / Path(data["forcingkv"]["offline_head_file"]).name
+    return load_forcing_kv(head_file, path), data
+
+
+def test_the_published_head_files() -> None:
+    """Every published head file loads, with the head counts its profile documents (the realtime 14B file a bare
+    list)."""
     for name, (layers, heads, static) in PUBLISHED.items():
-        cfg = load_forcing_kv(repo / f"configs_head/forcingkv_heads_{name}.json", CHUNKY)
+        cfg = load_forcing_kv(PUBLISHED_REPO / f"configs_head/forcingkv_heads_{name}.json", CHUNKY)
         assert (cfg.num_layers, cfg.num_heads, sum(map(len, cfg.static_heads))) == (layers, heads, static), name
-    yamls = sorted((repo / "configs/forcing-kv").glob("*.yaml"))
-    assert len(yamls) == 13
-    for path in yamls:
-        head_file = path.read_text().split("offline_head_file:")[1].split()[0]
-        cfg = load_forcing_kv(repo / "configs_head" / Path(head_file).name, path)
-        assert cfg.sink_frames in (0, 1) and cfg.num_frame_per_block == 3 and math.isclose(cfg.teacache_threshold, 0.2)
-        with pytest.raises(am.SpecError, match=r"not yet expressible|expected method 'forcingkv'"):
-            cfg.head_retention(cfg.num_layers, cfg.num_heads, 3)
+
+
+def test_the_published_yamls_are_all_collected() -> None:
+    """The parametrized tests below run on what the glob found: an empty or moved folder must fail, not pass."""
+    assert len(PUBLISHED_YAMLS) == 13, PUBLISHED_YAMLS
+    switching = [n for n in PUBLISHED_YAMLS if "switch_frame_indices" in _published(n)[1]]
+    assert switching == [INTERACTIVE]
+
+
+@pytest.mark.parametrize("name", [n for n in PUBLISHED_YAMLS if n != INTERACTIVE])
+def test_a_published_yaml_gives_its_head_retention(name: str) -> None:
+    """Each published run (its own head file) is expressible: the sink and block every config shares, then the
+    head file's split. Forcing-KV's model file never splits layer 0; the realtime one (Krea 14B) splits every
+    layer, so both groups are the head file's alone there."""
+    cfg, data = _published(name)
+    assert cfg.sink_frames in (0, 1) and cfg.num_frame_per_block == 3 and math.isclose(cfg.teacache_threshold, 0.2)
+    retention = cfg.head_retention(cfg.num_layers, cfg.num_heads, 3)
+    assert isinstance(retention, am.HeadRetention)
+    split = [["spatial" if h in static else "temporal" for h in range(cfg.num_heads)] for static in cfg.static_heads]
+    if data["method"] == "forcingkv_realtime":
+        assert (cfg.num_layers, cfg.num_heads) == (40, 40)
+        assert [list(row) for row in retention.layers] == split
+        assert set(retention.groups) == {"spatial", "temporal"}
+    else:
+        assert data["method"] == "forcingkv"
+        assert len(retention.layers[0]) == cfg.num_heads and len(set(retention.layers[0])) == 1
+        assert [list(row) for row in retention.layers[1:]] == split[1:]
+
+
+def test_the_interactive_yaml_is_refused() -> None:
+    """LongLive's interactive run re-caches the window with the new prompt at each switch_frame_indices frame:
+    no retention says that, so head_retention refuses it (naming the key) rather than describe another run."""
+    cfg, _ = _published(INTERACTIVE)
+    with pytest.raises(am.SpecError, match=r"switch_frame_indices"):
+        cfg.head_retention(cfg.num_layers, cfg.num_heads, 3)
