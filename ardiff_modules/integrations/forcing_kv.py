@@ -207,6 +207,9 @@ class ForcingKVConfig:
                 f"got none: pass sink_frames= or load the whole YAML"
             )
         self._check_run(owner, chunk_frames)
+        gaps = _phase_gaps(self.ar_start, chunk_frames, sink)
+        if gaps:
+            raise SpecError(f"{owner}: not yet expressible: {'; '.join(gaps)}")
         if self.method == REALTIME:
             policies, rows = _realtime_policies(self, chunk_frames, sink), []
         else:
@@ -250,19 +253,15 @@ class ForcingKVConfig:
 def _chunk_policies(
     cfg: ForcingKVConfig, chunk_frames: int, sink_frames: int
 ) -> tuple[dict[str, RetentionPolicy], str]:
-    """``({"spatial": policy, "temporal": policy}, layer 0's group)``, or one :class:`SpecError` naming everything
-    not expressible yet. Whole-chunk sinks and windows give :class:`SinkWindowPolicy` (in chunks); any frame count
+    """``({"spatial": policy, "temporal": policy}, layer 0's group)`` (the caller refused a sink cut at the switch,
+    :func:`_phase_gaps`). Whole-chunk sinks and windows give :class:`SinkWindowPolicy` (in chunks); any frame count
     that cuts a chunk (the published configurations: sink 1, windows of 1 frame) gives :class:`FrameWindowPolicy`
     for both groups (chunks trimmed to their kept frames). A group whose window narrows at the switch, where that
     changes what it keeps, is a :class:`PhasedPolicy`: the widest window until ``ar_start + 1`` chunks are
     committed (every head keeps it up to the forward of block ``ar_start``, and its clean re-run writes it), its
     own from the forward of block ``ar_start + 1`` on. Layer 0 goes to the widest group, which never switches.
     """
-    missing = []
     sink, spatial, temporal = sink_frames, cfg.spatial_context_length, cfg.temporal_context_length
-    missing += _phase_gaps(cfg.ar_start, chunk_frames, sink)
-    if missing:
-        raise SpecError(f"ForcingKVConfig.head_retention: not yet expressible: {'; '.join(missing)}")
     layer0 = "temporal" if temporal >= spatial else "spatial"
     framed = bool(sink % chunk_frames or spatial % chunk_frames or temporal % chunk_frames or cfg.dynamic_patches)
 
@@ -295,9 +294,6 @@ def _chunk_policies(
 def _realtime_policies(cfg: ForcingKVConfig, chunk_frames: int, sink_frames: int) -> dict[str, RetentionPolicy]:
     """The realtime file's groups (module docstring): every frame kept until block ``ar_start``'s clean re-run,
     then the sink + 1 frame (spatial) or + ``Lt`` frames (temporal), frames being what a 1-frame window counts."""
-    gaps = _phase_gaps(cfg.ar_start, chunk_frames, sink_frames)
-    if gaps:
-        raise SpecError(f"ForcingKVConfig.head_retention: not yet expressible: {'; '.join(gaps)}")
     everything = chunk_frames * cfg.ar_start - sink_frames  # the frames after the sink that block ar_start reads
     policies: dict[str, RetentionPolicy] = {}
     for name, window in (("spatial", REALTIME_SPATIAL_FRAMES), ("temporal", cfg.temporal_context_length)):

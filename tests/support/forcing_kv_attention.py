@@ -24,7 +24,7 @@ committed keys of layer 1 (the keys Forcing-KV scored are the ones it stored). A
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -138,10 +138,7 @@ class ForcingKVCacheFree:
         """``(kv heads, kept parts)`` per group, each part a list of ``(k, v)`` ``[batch, tokens, heads, d]``
         in Forcing-KV's concatenation order (the current block is appended by the caller)."""
         sink, rest = self.sink_and_rest()
-
-        def last(count: int) -> list[int]:
-            return rest[max(0, len(rest) - count):] if count > 0 else []
-
+        last = self.last_of(rest)
         if layer == 0 or not self.switched():
             every = list(range(self.kv_heads))
             widest = max(self.s.spatial_frames, self.s.temporal_frames)
@@ -153,6 +150,11 @@ class ForcingKVCacheFree:
             (temporal, self._frames(layer, sink, temporal) + self._patches(layer, selection, temporal)
              + self._frames(layer, last(self.s.temporal_frames), temporal)),
         ]
+
+    @staticmethod
+    def last_of(rest: list[int]) -> Callable[[int], list[int]]:
+        """``last(count)``: the newest ``count`` frames of ``rest`` (none for ``count <= 0``)."""
+        return lambda count: rest[max(0, len(rest) - count):] if count > 0 else []
 
     def _frames(self, layer: int, frames: Sequence[int], heads: list[int]) -> list:
         return [(self.frames[layer][f][0][:, :, heads], self.frames[layer][f][1][:, :, heads]) for f in frames]

@@ -37,10 +37,7 @@ class ForcingKVRealtimeCacheFree(ForcingKVCacheFree):
         if not self.switched():
             every = list(range(self.kv_heads))
             return [(every, self._frames(layer, sink + rest, every))]
-
-        def last(count: int) -> list[int]:
-            return rest[max(0, len(rest) - count):] if count > 0 else []
-
+        last = self.last_of(rest)
         static = list(self.s.static_heads[layer])
         dynamic = self.temporal_heads(layer)
         return [
